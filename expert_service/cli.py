@@ -1,0 +1,92 @@
+"""expert-service: serve the routed experts of a Hugging Face MoE checkpoint over gRPC."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+import torch
+
+from moe_core.checkpoint import Checkpoint
+from moe_core.config import ModelConfigError, load_config
+from moe_core.fingerprint import fingerprint
+from moe_core import serving
+from protos import expert_pb2, expert_pb2_grpc
+
+from . import kernels
+from .server import ExpertServicer
+from .store import load_expert_layers
+
+log = logging.getLogger("expert_service")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="expert-service", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json + *.safetensors)")
+    ap.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on")
+    ap.add_argument("--threads", type=int, default=serving.physical_cores(),
+                    help="CPU threads for the expert kernels (default: physical cores)")
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                    help="format the expert weights are held in; auto = the checkpoint's dtype")
+    ap.add_argument("--max-tokens", type=int, default=8192,
+                    help="most tokens accepted in one layer request (bounds message size)")
+    ap.add_argument("--reflection", action="store_true", help="enable gRPC server reflection (for grpcurl)")
+    ap.add_argument("--log-level", default="INFO")
+    return ap.parse_args(argv)
+
+
+def weight_format(arg: str, torch_dtype: str) -> str:
+    if arg != "auto":
+        return arg
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(torch_dtype, "fp32")
+
+
+async def serve(args) -> None:
+    try:
+        cfg = load_config(args.model)
+        ckpt = Checkpoint(args.model)
+    except ModelConfigError as e:
+        serving.fail(str(e))
+    torch.set_num_threads(args.threads)
+    fmt = weight_format(args.weight_format, cfg.torch_dtype)
+    max_msg = args.max_tokens * (cfg.hidden_size * 4 + cfg.n_routed_experts * 8) + (1 << 16)
+    server = grpc.aio.server(options=serving.message_options(max_msg))
+    hs = serving.add_health(server, [])
+    name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
+    if args.reflection:
+        serving.add_reflection(server, [name, "grpc.health.v1.Health"])
+    servicer = ExpertServicer(cfg, fmt, kernels.KERNEL_PATH, args.threads, args.max_tokens)
+    expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    try:
+        server.add_insecure_port(args.listen)
+    except RuntimeError as e:
+        serving.fail(f"cannot listen on {args.listen}: {e}")
+    await serving.set_health(hs, [name], serving=False)
+    await server.start()
+    log.info("listening on %s; loading experts of %s", args.listen, args.model)
+    try:
+        # off the event loop, so health checks are answered (NOT_SERVING) while loading
+        fp = await asyncio.to_thread(fingerprint, ckpt)
+        layers = await asyncio.to_thread(load_expert_layers, cfg, ckpt, fmt, args.threads)
+    except ModelConfigError as e:
+        serving.fail(str(e))
+    servicer.attach(layers, fp)
+    await serving.set_health(hs, [name], serving=True)
+    log.info("ready: %s fingerprint %s, %d MoE layers, %d experts, format %s, kernel %s, %d threads",
+             cfg.model_type, fp, len(layers), cfg.n_routed_experts, fmt, kernels.KERNEL_PATH, args.threads)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(grace=2)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    serving.setup_logging(args.log_level)
+    serving.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

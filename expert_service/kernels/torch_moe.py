@@ -1,0 +1,68 @@
+"""Reference routed-expert operator in plain torch: the numerical baseline for the native kernels
+and the fallback where they are not built. Weights stay in their storage dtype; each expert's
+SwiGLU runs on the tokens routed to it and is accumulated in fp32."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import torch
+import torch.nn.functional as F
+
+_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TorchMoELayer:
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
+                 threads: int | None = None):
+        if fmt not in _FORMATS:
+            raise ValueError(f"the torch path supports formats {sorted(_FORMATS)}, not {fmt!r}")
+        dt = _FORMATS[fmt]
+        E, I, H = gate.shape
+        if up.shape != (E, I, H) or down.shape != (E, H, I):
+            raise ValueError(f"expert shapes disagree: gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}")
+        self.num_experts, self.intermediate, self.hidden = E, I, H
+        self.gate_up = torch.cat([gate.to(dt), up.to(dt)], dim=1).contiguous()  # [E, 2I, H]
+        self.down = down.to(dt).contiguous()                                       # [E, H, I]
+        self.fmt = fmt
+        self._pool = None
+        self._future = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H]; topk_ids [T, k] int; topk_weights [T, k] fp32 -> [T, H] in hidden.dtype."""
+        T, k = topk_ids.shape
+        out = torch.zeros(T, self.hidden, dtype=torch.float32)
+        if T == 0 or k == 0:
+            return out.to(hidden.dtype)
+        x_all = hidden.to(self.gate_up.dtype)
+        flat_ids = topk_ids.reshape(-1).long()
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start:start + n]
+            start += n
+            tok = sel // k
+            x = x_all[tok]
+            g, u = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, self.down[e]).float()
+            out.index_add_(0, tok, y * topk_weights.reshape(-1)[sel, None].float())
+        return out.to(hidden.dtype)
+
+    def submit(self, hidden, topk_ids, topk_weights) -> None:
+        if self._future is not None:
+            raise RuntimeError("submit() called twice without wait()")
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moe")
+        self._future = self._pool.submit(self.forward, hidden, topk_ids, topk_weights)
+
+    def wait(self) -> torch.Tensor:
+        if self._future is None:
+            raise RuntimeError("wait() without submit()")
+        fut, self._future = self._future, None
+        return fut.result()

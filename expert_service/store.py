@@ -1,0 +1,31 @@
+"""Load the routed experts (and nothing else) of every MoE layer from a checkpoint into DRAM,
+one operator per layer."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from moe_core.checkpoint import Checkpoint
+from moe_core.config import ModelConfig
+
+from . import kernels
+
+log = logging.getLogger("expert_service.store")
+
+
+def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: int) -> dict[int, object]:
+    """-> {layer index: MoELayer}. Reads the shards memory-mapped, one expert tensor at a time."""
+    layers = {}
+    t0 = time.perf_counter()
+    for i, layer in enumerate(cfg.moe_layers):
+        gate, up, down = [], [], []
+        for e in range(cfg.n_routed_experts):
+            g, u, d = cfg.expert_tensor_names(layer, e)
+            gate.append(ckpt.get(g)), up.append(ckpt.get(u)), down.append(ckpt.get(d))
+        layers[layer] = kernels.MoELayer(torch.stack(gate), torch.stack(up), torch.stack(down), fmt=fmt,
+                                         threads=threads)
+        log.info("loaded MoE layer %d (%d/%d), %d experts", layer, i + 1, len(cfg.moe_layers), cfg.n_routed_experts)
+    log.info("loaded %d MoE layers in %.1fs", len(layers), time.perf_counter() - t0)
+    return layers

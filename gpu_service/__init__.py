@@ -1,0 +1,2 @@
+"""The GPU service: embeddings, attention + KV cache, router, shared experts, norms, sampling,
+tokenization and the public Generate stream. Routed experts live in the expert service."""

@@ -1,0 +1,101 @@
+"""Attention with a per-sequence KV cache: GQA (Qwen-MoE, Mixtral) and MLA (DeepSeek V2/V3).
+
+MLA caches only the compressed latent (kv_lora_rank) and the shared rotary key per token, and
+attends in the latent space ("absorbed" kv_b_proj): the cache is ~(512+64) values per token
+instead of heads x (k + v) dims.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_core.config import ModelConfig
+
+from .layers import apply_rope, rms_norm
+
+
+class KVCache:
+    """One sequence's cache: per layer, a few [capacity, ...] buffers grown by doubling."""
+
+    def __init__(self, num_layers: int):
+        self.bufs: list[list[torch.Tensor] | None] = [None] * num_layers
+        self.length = 0  # tokens stored (the same for every layer once a step completes)
+
+    def append(self, layer: int, start: int, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """Write xs ([t, ...] each) at positions start..start+t-1; return views [0, start+t)."""
+        t = xs[0].shape[0]
+        end = start + t
+        bufs = self.bufs[layer]
+        if bufs is None or bufs[0].shape[0] < end:
+            cap = max(64, end, 2 * (bufs[0].shape[0] if bufs else 0))
+            new = [x.new_empty((cap, *x.shape[1:])) for x in xs]
+            if bufs is not None:
+                for n, b in zip(new, bufs):
+                    n[:start].copy_(b[:start])
+            self.bufs[layer] = bufs = new
+        for b, x in zip(bufs, xs):
+            b[start:end].copy_(x)
+        return [b[:end] for b in bufs]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for layer in self.bufs if layer for b in layer)
+
+
+def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
+    """[t, start+t] bool, True where query i may see key j (j <= start + i); None for t == 1."""
+    if t == 1:
+        return None
+    j = torch.arange(start + t, device=device)
+    i = torch.arange(t, device=device) + start
+    return j[None, :] <= i[:, None]
+
+
+def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: KVCache, layer: int,
+                  start: int) -> torch.Tensor:
+    """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]."""
+    t = x.shape[0]
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = F.linear(x, W[p + "q_proj.weight"], W.get(p + "q_proj.bias")).view(t, nh, d)
+    k = F.linear(x, W[p + "k_proj.weight"], W.get(p + "k_proj.bias")).view(t, nkv, d)
+    v = F.linear(x, W[p + "v_proj.weight"], W.get(p + "v_proj.bias")).view(t, nkv, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False)
+    K, V = cache.append(layer, start, k, v)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1),
+                                       attn_mask=_causal_mask(t, start, x.device), enable_gqa=nkv != nh)
+    return F.linear(o.transpose(0, 1).reshape(t, nh * d), W[p + "o_proj.weight"])
+
+
+def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: KVCache, layer: int,
+                  start: int, scale: float) -> torch.Tensor:
+    """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]."""
+    t = x.shape[0]
+    nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = F.linear(x, W[p + "q_proj.weight"])
+    else:
+        qa = rms_norm(F.linear(x, W[p + "q_a_proj.weight"], W.get(p + "q_a_proj.bias")),
+                      W[p + "q_a_layernorm.weight"], 1e-6)
+        q = F.linear(qa, W[p + "q_b_proj.weight"])
+    q = q.view(t, nh, dn + dr)
+    q_nope, q_pe = q[..., :dn], q[..., dn:]
+    ckv = F.linear(x, W[p + "kv_a_proj_with_mqa.weight"], W.get(p + "kv_a_proj_with_mqa.bias"))
+    c = rms_norm(ckv[:, :r], W[p + "kv_a_layernorm.weight"], 1e-6)              # [t, r]
+    k_pe = ckv[:, r:].view(t, 1, dr)
+    q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)                     # [t, nh, dr]
+    k_pe = apply_rope(k_pe, cos, sin, cfg.rope_interleave)[:, 0]               # [t, dr]
+    C, KPE = cache.append(layer, start, c, k_pe)                               # [L, r], [L, dr]
+    wkv = W[p + "kv_b_proj.weight"].view(nh, dn + dv, r)
+    w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]                                      # [nh, dn, r], [nh, dv, r]
+    q_lat = torch.einsum("thd,hdr->htr", q_nope, w_uk)                         # [nh, t, r]
+    scores = (torch.matmul(q_lat, C.T) + torch.matmul(q_pe.transpose(0, 1), KPE.T)) * scale  # [nh, t, L]
+    mask = _causal_mask(t, start, x.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.float().softmax(dim=-1).to(x.dtype)
+    o_lat = torch.matmul(probs, C)                                             # [nh, t, r]
+    o = torch.einsum("htr,hvr->thv", o_lat, w_uv).reshape(t, nh * dv)
+    return F.linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))

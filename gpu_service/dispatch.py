@@ -1,0 +1,113 @@
+"""Dispatch: how the GPU side hands a layer's routed experts to the expert service and gets the
+sums back. submit() returns at once; result() blocks for the next result, which must be the
+one asked for (results come back in request order: IMMEDIATE of a layer, then its DEFERRED).
+
+RemoteExperts: one bidirectional gRPC Exchange stream (kept open across steps).
+LocalExperts: the same contract in-process, for tests and tools.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+
+import grpc
+import torch
+
+from moe_core import codec
+from moe_core.serving import FINGERPRINT_KEY, message_options
+from protos import expert_pb2, expert_pb2_grpc
+
+
+class ExpertServiceError(RuntimeError):
+    """The expert service failed or went away; `code` is the gRPC status to report."""
+
+    def __init__(self, code: grpc.StatusCode, msg: str):
+        super().__init__(msg)
+        self.code = code
+
+
+class LocalExperts:
+    def __init__(self, layers: dict):
+        from expert_service.server import split_deferred
+        self.layers, self._split = layers, split_deferred
+        self.out: collections.deque = collections.deque()
+
+    def submit(self, step, layer, x, ids, w, defer):
+        op = self.layers[layer]
+        x, ids, w = x.cpu(), ids.cpu(), w.cpu()
+        if defer == 0:
+            self.out.append((layer, False, op.forward(x, ids, w)))
+            return
+        i_ids, i_w, d_ids, d_w = self._split(ids, w, defer)
+        self.out.append((layer, False, op.forward(x, i_ids, i_w)))
+        self.out.append((layer, True, op.forward(x, d_ids, d_w)))
+
+    def result(self, layer, deferred):
+        got = self.out.popleft()
+        assert got[:2] == (layer, deferred), f"out of order: wanted {(layer, deferred)}, got {got[:2]}"
+        return got[2]
+
+    def reset(self):
+        self.out.clear()
+
+
+class RemoteExperts:
+    def __init__(self, target: str, fingerprint: str, max_message: int):
+        self.target, self.fingerprint = target, fingerprint
+        self.channel = grpc.insecure_channel(target, options=message_options(max_message))
+        self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
+        self._requests: queue.Queue | None = None
+        self._responses = None
+        self._lock = threading.Lock()
+        self.last_timing: dict[tuple[int, bool], expert_pb2.ExpertTiming] = {}
+
+    def info(self, timeout: float = 5.0) -> expert_pb2.ExpertInfo:
+        return self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=timeout)
+
+    def _open(self):
+        q: queue.Queue = queue.Queue()
+        self._requests = q
+        self._responses = self.stub.Exchange(iter(q.get, None), metadata=((FINGERPRINT_KEY, self.fingerprint),))
+
+    def submit(self, step, layer, x, ids, w, defer):
+        if self._responses is None:
+            self._open()
+        self._requests.put(expert_pb2.LayerRequest(step=step, layer=layer, hidden=codec.encode(x),
+                                                   topk_ids=codec.encode(ids), topk_weights=codec.encode(w),
+                                                   defer=defer))
+
+    def result(self, layer, deferred):
+        try:
+            r = next(self._responses)
+        except grpc.RpcError as e:
+            self.reset()
+            code = e.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE,
+                                         f"expert service at {self.target} unavailable: {e.details()}") from None
+            raise ExpertServiceError(grpc.StatusCode.INTERNAL,
+                                     f"expert service at {self.target} failed: {code.name}: {e.details()}") from None
+        except StopIteration:
+            self.reset()
+            raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE,
+                                     f"expert service at {self.target} closed the exchange stream") from None
+        want = expert_pb2.DEFERRED if deferred else expert_pb2.IMMEDIATE
+        if r.layer != layer or r.part != want:
+            self.reset()
+            raise ExpertServiceError(grpc.StatusCode.INTERNAL, f"exchange out of order: wanted layer {layer} "
+                                     f"part {want}, got layer {r.layer} part {r.part}")
+        self.last_timing[(layer, deferred)] = r.timing
+        return codec.decode(r.output, "output")
+
+    def reset(self):
+        """Drop the stream (after an error): the next submit opens a fresh one."""
+        if self._requests is not None:
+            self._requests.put(None)
+        if self._responses is not None:
+            self._responses.cancel()
+        self._requests = self._responses = None
+
+    def close(self):
+        self.reset()
+        self.channel.close()

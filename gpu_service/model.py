@@ -1,0 +1,126 @@
+"""The GPU-side model: every weight except the routed experts, and one forward over a flat
+batch of tokens from several sequences (prefill and decode mixed).
+
+Per MoE layer the routed experts go to the expert service through `experts` (Dispatch); the
+shared experts run here while the expert service computes. With deferral, layer L's deferred
+sum is added one MoE layer later.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from moe_core.checkpoint import Checkpoint
+from moe_core.config import ModelConfig, is_routed_expert_tensor
+
+from .attention import KVCache, gqa_attention, mla_attention
+from .layers import rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
+
+log = logging.getLogger("gpu_service.model")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class Segment:
+    """One sequence's share of a step: `tokens` [t] at positions start..start+t-1."""
+    cache: KVCache
+    tokens: torch.Tensor
+    start: int
+    all_logits: bool = False  # logits for every position (scoring), else only the last
+
+
+def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
+    # transformers keeps DeepSeek's router weight and bias in fp32 whatever the model dtype
+    return cfg.model_type.startswith("deepseek") and (name.endswith("mlp.gate.weight")
+                                                       or name.endswith("e_score_correction_bias"))
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.W: dict[str, torch.Tensor] = {}
+        for name in ckpt.names(lambda n: not is_routed_expert_tensor(n)):
+            if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers:
+                continue  # e.g. DeepSeek-V3's multi-token-prediction layer: not used for decoding
+            t = ckpt.get(name)
+            self.W[name] = t.to(device=device, dtype=torch.float32 if _keep_fp32(cfg, name) else dtype)
+        self.lm_head = self.W.get("lm_head.weight", self.W["model.embed_tokens.weight"])
+        self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
+        self.inv_freq = self.inv_freq.to(device)
+        qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
+        self.scale = softmax_scale(cfg, qk_dim)
+        self.last_moe_layer = cfg.moe_layers[-1] if cfg.moe_layers else -1
+        log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
+                 sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg.num_layers)
+
+    def _attention(self, p: str, x, cos, sin, segments: list[Segment], layer: int) -> torch.Tensor:
+        outs, off = [], 0
+        for s in segments:
+            t = s.tokens.shape[0]
+            sl = slice(off, off + t)
+            if self.cfg.attention == "mla":
+                outs.append(mla_attention(self.cfg, self.W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start,
+                                          self.scale))
+            else:
+                outs.append(gqa_attention(self.cfg, self.W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start))
+            off += t
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _shared(self, p: str, x: torch.Tensor) -> torch.Tensor | None:
+        cfg, W = self.cfg, self.W
+        if cfg.shared_intermediate_size == 0:
+            return None
+        if cfg.shared_expert_gate:  # Qwen2-MoE
+            s = swiglu(x, W[p + "shared_expert.gate_proj.weight"], W[p + "shared_expert.up_proj.weight"],
+                       W[p + "shared_expert.down_proj.weight"])
+            return F.sigmoid(F.linear(x, W[p + "shared_expert_gate.weight"])) * s
+        return swiglu(x, W[p + "shared_experts.gate_proj.weight"], W[p + "shared_experts.up_proj.weight"],
+                      W[p + "shared_experts.down_proj.weight"])
+
+    @torch.inference_mode()
+    def forward(self, segments: list[Segment], experts, step: int = 0, defer: int = 0) -> torch.Tensor:
+        """-> logits [n, vocab] fp32: one row per segment (its last token), or every row of a
+        segment with all_logits. `experts` is a Dispatch (submit / result)."""
+        cfg, W = self.cfg, self.W
+        tokens = torch.cat([s.tokens for s in segments]).to(self.device)
+        positions = torch.cat([torch.arange(s.start, s.start + s.tokens.shape[0]) for s in segments]).to(self.device)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, self.dtype)
+        h = F.embedding(tokens, W["model.embed_tokens.weight"])
+        pending = None  # the MoE layer whose deferred result is still outstanding
+        for L in range(cfg.num_layers):
+            p = f"model.layers.{L}."
+            x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            h = h + self._attention(p + "self_attn.", x, cos, sin, segments, L)
+            x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            fp = p + cfg.ffn_prefix + "."
+            if not cfg.is_moe_layer(L):
+                h = h + swiglu(x, W[fp + "gate_proj.weight"], W[fp + "up_proj.weight"], W[fp + "down_proj.weight"])
+                continue
+            ids, w = route(cfg, x, W[fp + "gate.weight"], W.get(fp + "gate.e_score_correction_bias"))
+            d = defer if L != self.last_moe_layer else 0
+            experts.submit(step, L, x, ids, w, d)
+            shared = self._shared(fp, x)                 # overlaps the expert service's work
+            y = experts.result(L, deferred=False)
+            if pending is not None:
+                y = y + experts.result(pending, deferred=True)
+            pending = L if d else None
+            y = y.to(device=self.device, dtype=h.dtype)
+            h = h + (y + shared if shared is not None else y)
+        h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps)
+        rows, off = [], 0
+        for s in segments:
+            t = s.tokens.shape[0]
+            rows.append(torch.arange(off, off + t) if s.all_logits else torch.tensor([off + t - 1]))
+            off += t
+        sel = torch.cat(rows).to(self.device)
+        for s in segments:
+            s.cache.length = s.start + s.tokens.shape[0]
+        return F.linear(h[sel], self.lm_head).float()

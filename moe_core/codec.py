@@ -1,0 +1,63 @@
+"""Tensor wire codec: torch.Tensor <-> protos Tensor (raw little-endian bytes + dtype + shape).
+
+decode() validates everything it is given (dtype known and allowed, shape non-negative,
+byte length == prod(shape) * itemsize) and raises CodecError naming the field; the services
+turn that into INVALID_ARGUMENT.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from protos import tensor_pb2
+
+assert sys.byteorder == "little", "the wire format is little-endian"
+
+TO_WIRE = {
+    torch.float32: tensor_pb2.FLOAT32, torch.bfloat16: tensor_pb2.BFLOAT16, torch.float16: tensor_pb2.FLOAT16,
+    torch.int32: tensor_pb2.INT32, torch.int64: tensor_pb2.INT64,
+}
+FROM_WIRE = {v: k for k, v in TO_WIRE.items()}
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CodecError(ValueError):
+    pass
+
+
+def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype not in TO_WIRE:
+        raise CodecError(f"dtype {t.dtype} has no wire encoding")
+    # view as bytes: works for bf16 too, which numpy lacks
+    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return tensor_pb2.Tensor(dtype=TO_WIRE[t.dtype], shape=list(t.shape), data=data)
+
+
+def decode(msg: tensor_pb2.Tensor, field: str, allowed=None, ndim: int | None = None) -> torch.Tensor:
+    """Decode and check one tensor; `field` names it in errors. Returns a CPU tensor that
+    owns its memory (writable)."""
+    dtype = FROM_WIRE.get(msg.dtype)
+    if dtype is None:
+        raise CodecError(f"{field}.dtype: unknown or unspecified dtype {msg.dtype}")
+    if allowed is not None and dtype not in allowed:
+        names = ", ".join(tensor_pb2.DType.Name(TO_WIRE[d]) for d in allowed)
+        raise CodecError(f"{field}.dtype: {tensor_pb2.DType.Name(msg.dtype)} not allowed here (expected {names})")
+    shape = list(msg.shape)
+    if ndim is not None and len(shape) != ndim:
+        raise CodecError(f"{field}.shape: expected {ndim} dimensions, got {shape}")
+    if any(s < 0 for s in shape):
+        raise CodecError(f"{field}.shape: negative dimension in {shape}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape)
+    if n * itemsize != len(msg.data):
+        raise CodecError(f"{field}.data: {len(msg.data)} bytes do not match shape {shape} x {itemsize} bytes")
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = bytearray(msg.data)  # a writable copy; protobuf bytes are immutable
+    return torch.frombuffer(buf, dtype=dtype).view(shape)

@@ -1,0 +1,196 @@
+"""Model config: parse a Hugging Face config.json into the one description both services use.
+
+Supported families (transformers' implementations are the numerical reference):
+deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), qwen3_moe,
+qwen2_moe (gated shared expert), mixtral. Anything else is refused with a clear message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint directory or its config.json cannot be served."""
+
+
+SUPPORTED = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int                      # GQA head dim; for MLA the rope dim
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_type: str                     # "default" | "yarn"
+    rope_params: dict                  # the raw rope parameters (yarn factors...)
+    rope_interleave: bool              # DeepSeek: rotate (x0,x1),(x2,x3)... pairs
+    # attention
+    attention: str                     # "gqa" | "mla"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # feed-forward
+    intermediate_size: int = 0         # dense MLP layers
+    moe_intermediate_size: int = 0     # one routed expert
+    moe_layers: tuple[int, ...] = ()
+    n_routed_experts: int = 0
+    top_k: int = 0
+    shared_intermediate_size: int = 0  # 0 = no shared expert
+    shared_expert_gate: bool = False   # Qwen2-MoE: sigmoid(gate(x)) * shared(x)
+    # routing
+    scoring: str = "softmax"           # "softmax" | "sigmoid"
+    topk_method: str = "greedy"        # "greedy" | "group_limited_greedy" | "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    # tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
+        """Checkpoint names of one routed expert's (gate [I,H], up [I,H], down [H,I]) weights."""
+        if self.model_type == "mixtral":
+            p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+            return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+        p = f"model.layers.{layer}.mlp.experts.{expert}."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    @property
+    def ffn_prefix(self) -> str:
+        return "block_sparse_moe" if self.model_type == "mixtral" else "mlp"
+
+
+def is_routed_expert_tensor(name: str) -> bool:
+    """True for the tensors only the expert service may hold."""
+    return ".experts." in name
+
+
+def _rope(raw: dict) -> tuple[float, str, dict]:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or {})
+    if not params:
+        params = dict(raw.get("rope_scaling") or {})
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", "default") or "default"
+    if rope_type not in ("default", "yarn"):
+        raise ModelConfigError(f"rope type {rope_type!r} is not supported (supported: default, yarn)")
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0))), rope_type, params
+
+
+def _eos(raw: dict, model_dir: pathlib.Path) -> tuple[int, ...]:
+    ids = raw.get("eos_token_id")
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        ids = json.loads(gen.read_text()).get("eos_token_id", ids)
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, list) else (int(ids),)
+
+
+def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfig:
+    mt = raw.get("model_type")
+    if mt not in SUPPORTED:
+        raise ModelConfigError(f"unsupported architecture model_type={mt!r}; supported: {', '.join(SUPPORTED)}")
+    model_dir = model_dir or pathlib.Path(".")
+    n_layers = int(raw["num_hidden_layers"])
+    theta, rope_type, rope_params = _rope(raw)
+    common = dict(
+        model_type=mt, vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
+        num_layers=n_layers, num_heads=int(raw["num_attention_heads"]),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope_theta=theta, rope_type=rope_type, rope_params=rope_params,
+        intermediate_size=int(raw.get("intermediate_size", 0)),
+        top_k=int(raw["num_experts_per_tok"]),
+        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos(raw, model_dir),
+        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+    )
+    if mt in ("deepseek_v3", "deepseek_v2"):
+        n_exp = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts"))
+        k_dense = int(raw.get("first_k_dense_replace", 0))
+        freq = int(raw.get("moe_layer_freq", 1))
+        v3 = mt == "deepseek_v3"
+        cfg = ModelConfig(
+            **common, attention="mla", num_kv_heads=int(raw["num_attention_heads"]),
+            head_dim=int(raw["qk_rope_head_dim"]),
+            rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
+            q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_head_dim=int(raw["qk_nope_head_dim"]), qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw["v_head_dim"]), moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            moe_layers=tuple(i for i in range(k_dense, n_layers) if i % freq == 0),
+            n_routed_experts=n_exp,
+            shared_intermediate_size=int(raw["moe_intermediate_size"]) * int(raw.get("n_shared_experts") or 0),
+            scoring="sigmoid" if v3 else "softmax",
+            topk_method="noaux_tc" if v3 else raw.get("topk_method", "greedy"),
+            n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if v3 else False,
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        )
+        if cfg.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ModelConfigError(f"unsupported topk_method {cfg.topk_method!r}")
+    else:
+        n_exp = int(raw.get("num_local_experts") or raw.get("num_experts"))
+        n_heads = int(raw["num_attention_heads"])
+        head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // n_heads)
+        if raw.get("use_sliding_window") or (mt == "mixtral" and raw.get("sliding_window")):
+            raise ModelConfigError("sliding-window attention is not supported")
+        if mt == "mixtral":
+            moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
+        else:
+            step = int(raw.get("decoder_sparse_step", 1))
+            skip = set(raw.get("mlp_only_layers") or [])
+            moe_layers = tuple(i for i in range(n_layers) if i not in skip and (i + 1) % step == 0)
+            moe_inter = int(raw["moe_intermediate_size"])
+        cfg = ModelConfig(
+            **common, attention="gqa", num_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
+            head_dim=head_dim, rope_interleave=False,
+            qkv_bias=mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)), qk_norm=mt == "qwen3_moe",
+            moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
+            shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)) if mt == "qwen2_moe" else 0,
+            shared_expert_gate=mt == "qwen2_moe",
+            norm_topk_prob=True if mt == "mixtral" else bool(raw.get("norm_topk_prob", False)),
+        )
+    if cfg.n_routed_experts <= 0 or not (0 < cfg.top_k <= cfg.n_routed_experts):
+        raise ModelConfigError(f"bad MoE shape: {cfg.n_routed_experts} experts, top-{cfg.top_k}")
+    if cfg.n_routed_experts % cfg.n_group:
+        raise ModelConfigError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by n_group={cfg.n_group}")
+    return cfg
+
+
+def load_config(model_dir: str | pathlib.Path) -> ModelConfig:
+    d = pathlib.Path(model_dir)
+    if not d.is_dir():
+        raise ModelConfigError(f"model directory {str(d)!r} does not exist or is not a directory")
+    path = d / "config.json"
+    if not path.exists():
+        raise ModelConfigError(f"{path} not found: not a Hugging Face checkpoint directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
+    try:
+        return parse_config(raw, d)
+    except KeyError as e:
+        raise ModelConfigError(f"{path} lacks required field {e.args[0]!r}") from None

@@ -1,0 +1,82 @@
+"""Process plumbing both services share: logging, uvloop, gRPC options, health and reflection,
+the fingerprint metadata key, and the CLI error convention (clear message, exit code 2)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+FINGERPRINT_KEY = "x-model-fingerprint"
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (threads per core counted once)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        cores = set()
+        for c in cpus:
+            p = f"/sys/devices/system/cpu/cpu{c}/topology/"
+            with open(p + "core_id") as f1, open(p + "physical_package_id") as f2:
+                cores.add((f1.read().strip(), f2.read().strip()))
+        return max(1, len(cores))
+    except OSError:
+        return max(1, (os.cpu_count() or 2) // 2)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def message_options(max_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)] + KEEPALIVE
+
+
+def add_health(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    return hs
+
+
+async def set_health(hs, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await hs.set(name, status)
+
+
+def add_reflection(server: grpc.aio.Server, service_full_names: list[str]) -> None:
+    from grpc_reflection.v1alpha import reflection
+    reflection.enable_server_reflection([*service_full_names, reflection.SERVICE_NAME], server)
+
+
+def run(main_coro) -> None:
+    """Run the service's async main on uvloop; SIGTERM/SIGINT cancel it for a clean exit 0."""
+    import uvloop
+
+    async def wrapper():
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await main_coro
+        except asyncio.CancelledError:
+            logging.getLogger("serving").info("shutting down")
+
+    uvloop.run(wrapper())
+
+
+def fail(msg: str) -> "NoReturn":  # noqa: F821
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)

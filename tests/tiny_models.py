@@ -1,0 +1,73 @@
+"""Tiny checkpoints of every supported family, built with transformers (the reference) from a
+fixed seed and saved with save_pretrained, plus a small BPE tokenizer shared by all of them."""
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+VOCAB = 320
+
+FAMILIES = {
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=512)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
+        topk_method="group_limited_greedy", first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_shared_experts=2, max_position_embeddings=512)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=512)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=512)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512)),
+}
+
+CORPUS = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
+          "The quick brown fox jumps over the lazy dog. Grüße aus Köln — 東京 ✓ ünïcödé\n") * 20
+
+
+def build_tokenizer(out: pathlib.Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "chat_template": '
+        '"{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\\n{% endfor %}'
+        '{% if add_generation_prompt %}<|assistant|>{% endif %}"}')
+
+
+def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, shards: int = 1, **overrides) -> pathlib.Path:
+    import transformers
+
+    cfg_name, model_name, kw = FAMILIES[family]
+    cfg = getattr(transformers, cfg_name)(**{**kw, **overrides, "bos_token_id": 0, "eos_token_id": 1})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).to(dtype).eval()
+    # random init leaves the DeepSeek correction bias at zero: give it values so it matters
+    for n, b in model.named_buffers():
+        if n.endswith("e_score_correction_bias"):
+            b.copy_(torch.rand_like(b) * 0.1)
+    out.mkdir(parents=True, exist_ok=True)
+    if shards > 1:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        model.save_pretrained(out, max_shard_size=total // shards + 1)
+    else:
+        model.save_pretrained(out)
+    build_tokenizer(out)
+    return out
