@@ -56,7 +56,7 @@ def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, sh
     import transformers
 
     cfg_name, model_name, kw = FAMILIES[family]
-    cfg = getattr(transformers, cfg_name)(**{**kw, **overrides, "bos_token_id": 0, "eos_token_id": 1})
+    cfg = getattr(transformers, cfg_name)(**{"initializer_range": 0.1, **kw, **overrides, "bos_token_id": 0, "eos_token_id": 1})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).to(dtype).eval()
     # random init leaves the DeepSeek correction bias at zero: give it values so it matters

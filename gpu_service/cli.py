@@ -1,0 +1,132 @@
+"""gpu-service: attention, router, shared experts and sampling of an MoE checkpoint; routed
+experts on an expert service. Serves the public GenerateService over gRPC."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import grpc
+import torch
+
+from moe_core import serving
+from moe_core.checkpoint import Checkpoint
+from moe_core.config import ModelConfigError, load_config
+from moe_core.fingerprint import fingerprint
+from protos import generate_pb2, generate_pb2_grpc
+
+from .dispatch import RemoteExperts
+from .engine import Engine
+from .model import DTYPES, Model
+from .server import GenerateServicer
+from .text import TextCodec
+
+log = logging.getLogger("gpu_service")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="gpu-service", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    ap.add_argument("--experts", default="127.0.0.1:50061", help="host:port of the expert service")
+    ap.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve GenerateService on")
+    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                    help="compute dtype; auto = the checkpoint's dtype")
+    ap.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together in one step")
+    ap.add_argument("--max-context", type=int, default=0,
+                    help="context limit in tokens (prompt + completion); 0 = the model's max_position_embeddings")
+    ap.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    ap.add_argument("--defer", type=int, default=0,
+                    help="expert deferral: per token, this many lowest-weighted experts are merged one layer later (0 = exact)")
+    ap.add_argument("--threads", type=int, default=serving.physical_cores(), help="CPU threads for torch on this side")
+    ap.add_argument("--connect-timeout", type=float, default=120.0,
+                    help="seconds to wait at start for the expert service to be ready")
+    ap.add_argument("--reflection", action="store_true", help="enable gRPC server reflection (for grpcurl)")
+    ap.add_argument("--log-level", default="INFO")
+    return ap.parse_args(argv)
+
+
+def pick_device(arg: str) -> torch.device:
+    if arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(arg)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        serving.fail("--device cuda: no CUDA device is available")
+    return dev
+
+
+def wait_for_experts(experts: RemoteExperts, timeout: float):
+    deadline, delay = time.monotonic() + timeout, 0.1
+    while True:
+        try:
+            return experts.info(timeout=5)
+        except grpc.RpcError as e:
+            if time.monotonic() > deadline:
+                serving.fail(f"expert service at {experts.target} not ready after {timeout:.0f}s: "
+                             f"{e.code().name}: {e.details()}")
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def serve(args) -> None:
+    try:
+        cfg = load_config(args.model)
+        ckpt = Checkpoint(args.model)
+        text = TextCodec(args.model)
+        fp = fingerprint(ckpt)
+    except ModelConfigError as e:
+        serving.fail(str(e))
+    if not 0 <= args.defer < cfg.top_k:
+        serving.fail(f"--defer must be in [0, top_k - 1 = {cfg.top_k - 1}]")
+    torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    dtype = DTYPES[args.dtype if args.dtype != "auto" else cfg.torch_dtype]
+    max_context = min(args.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    max_msg = max(max_context, 8192) * (cfg.hidden_size * 4 + cfg.top_k * 8) + (1 << 16)
+    experts = RemoteExperts(args.experts, fp, max_msg)
+    log.info("waiting for the expert service at %s", args.experts)
+    info = await asyncio.to_thread(wait_for_experts, experts, args.connect_timeout)
+    if info.model_fingerprint != fp:
+        serving.fail(f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service "
+                     f"at {args.experts} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
+                     f"point both at the same checkpoint")
+    model = await asyncio.to_thread(Model, cfg, ckpt, device, dtype)
+    engine = Engine(model, experts, text, args.max_batch, max_context)
+    engine.start()
+    server_info = generate_pb2.ServerInfo(
+        model_fingerprint=fp, architecture=cfg.model_type, device=str(device), dtype=str(dtype).replace("torch.", ""),
+        num_layers=cfg.num_layers, moe_layers=list(cfg.moe_layers), vocab_size=cfg.vocab_size,
+        max_context=max_context, expert_service=args.experts, defer=args.defer)
+    server = grpc.aio.server(options=serving.message_options(max_context * cfg.vocab_size * 4 + (1 << 20)))
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(
+        GenerateServicer(engine, server_info, args.defer, args.max_tokens_limit), server)
+    hs = serving.add_health(server, [])
+    name = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+    if args.reflection:
+        serving.add_reflection(server, [name, "grpc.health.v1.Health"])
+    try:
+        server.add_insecure_port(args.listen)
+    except RuntimeError as e:
+        serving.fail(f"cannot listen on {args.listen}: {e}")
+    await server.start()
+    await serving.set_health(hs, [name], serving=True)
+    log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s), defer=%d", args.listen,
+             cfg.model_type, fp, device, dtype, args.experts, info.weight_format, info.kernel_path, args.defer)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(grace=2)
+        engine.stop()
+        experts.close()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    serving.setup_logging(args.log_level)
+    serving.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The engine: one thread that owns the model, the KV caches and the expert exchange, and runs
+steps over all active requests (continuous batching: new prompts are prefilled in the same step
+as the running sequences decode). Talks to the gRPC layer only through Request.emit."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import grpc
+import torch
+
+from .dispatch import ExpertServiceError
+from .model import Model, Segment
+from .sampling import SamplingParams, sample
+from .text import DetokenizeStream, TextCodec
+
+log = logging.getLogger("gpu_service.engine")
+
+
+@dataclasses.dataclass
+class Chunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # None | "length" | "stop" | "eos"
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    elapsed_s: float
+
+
+@dataclasses.dataclass
+class Failure:
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclasses.dataclass
+class Scores:
+    logits: torch.Tensor  # [T, V] fp32
+
+
+@dataclasses.dataclass
+class Request:
+    prompt_ids: list[int]
+    emit: Callable[[object], None]  # thread-safe: called from the engine thread
+    max_tokens: int = 16
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    stop: list[str] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    defer: int = 0
+    score_only: bool = False
+    cancelled: bool = False
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    # engine state
+    cache: object = None
+    output: list[int] = dataclasses.field(default_factory=list)
+    detok: DetokenizeStream | None = None
+    gen: torch.Generator | None = None
+    first_token_at: float | None = None
+
+
+class Engine:
+    def __init__(self, model: Model, experts, text: TextCodec, max_batch: int, max_context: int):
+        self.model, self.experts, self.text = model, experts, text
+        self.max_batch, self.max_context = max_batch, max_context
+        self.eos = set(model.cfg.eos_token_ids)
+        self.inbox: queue.Queue[Request] = queue.Queue()
+        self.running: list[Request] = []
+        self.steps = itertools.count()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=10)
+
+    def submit(self, req: Request) -> None:
+        self.inbox.put(req)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _admit(self) -> list[Request]:
+        new = []
+        if not self.running:
+            try:
+                new.append(self.inbox.get(timeout=0.2))
+            except queue.Empty:
+                return new
+        while len(self.running) + len(new) < self.max_batch:
+            try:
+                new.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for r in new:
+            r.cache = self.model.new_cache()
+            r.detok = DetokenizeStream(self.text, r.prompt_ids, r.stop)
+            r.gen = r.sampling.generator()
+        return new
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            new = self._admit()
+            self.running = [r for r in self.running if not r.cancelled]
+            new = [r for r in new if not r.cancelled]
+            if not self.running and not new:
+                continue
+            batch = self.running + new
+            # one forward per distinct deferral setting: a request's result never depends on its neighbours
+            for defer in sorted({r.defer for r in batch}):
+                group = [r for r in batch if r.defer == defer]
+                try:
+                    self._step(group, defer)
+                except ExpertServiceError as e:
+                    log.warning("step failed: %s", e)
+                    self._fail(group, e.code, str(e))
+                except Exception as e:  # a bug: fail these requests loudly, keep serving others
+                    log.exception("step failed")
+                    self.experts.reset()
+                    self._fail(group, grpc.StatusCode.INTERNAL, f"internal error: {e}")
+            self.running = [r for r in batch if r.cache is not None and not r.cancelled]
+
+    def _fail(self, reqs: list[Request], code, msg: str) -> None:
+        for r in reqs:
+            r.cache = None
+            r.emit(Failure(code, msg))
+
+    def _step(self, reqs: list[Request], defer: int) -> None:
+        segs = []
+        for r in reqs:
+            if r.cache.length == 0:
+                toks = torch.tensor(r.prompt_ids, dtype=torch.long)
+            else:
+                toks = torch.tensor([r.output[-1]], dtype=torch.long)
+            segs.append(Segment(r.cache, toks, r.cache.length, all_logits=r.score_only))
+        logits = self.model.forward(segs, self.experts, step=next(self.steps), defer=defer)
+        row = 0
+        now = time.perf_counter()
+        for r, s in zip(reqs, segs):
+            n = s.tokens.shape[0] if r.score_only else 1
+            if r.score_only:
+                r.emit(Scores(logits[row:row + n].cpu()))
+                r.cache = None
+            else:
+                self._advance(r, logits[row], now)
+            row += n
+
+    def _advance(self, r: Request, logits: torch.Tensor, now: float) -> None:
+        tok = sample(logits, r.sampling, r.gen)
+        r.output.append(tok)
+        if r.first_token_at is None:
+            r.first_token_at = now
+        finish = None
+        if tok in self.eos and not r.ignore_eos:
+            text, finish = "", "eos"
+        else:
+            text = r.detok.push(tok)
+            if r.detok.stopped:
+                finish = "stop"
+        if finish is None and (len(r.output) >= r.max_tokens or len(r.prompt_ids) + len(r.output) >= self.max_context):
+            finish = "length"
+        if finish in ("length", "eos"):
+            text += r.detok.flush()
+        r.emit(Chunk(text, [tok], finish, len(r.prompt_ids), len(r.output), r.first_token_at - r.arrival,
+                     now - r.arrival))
+        if finish is not None:
+            r.cache = None  # frees the KV cache

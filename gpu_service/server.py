@@ -1,0 +1,138 @@
+"""gRPC GenerateService: validate requests at the edge, hand them to the engine, stream chunks."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import torch
+
+from moe_core import codec
+from protos import generate_pb2, generate_pb2_grpc
+
+from .engine import Chunk, Engine, Failure, Request, Scores
+from .sampling import SamplingParams
+
+log = logging.getLogger("gpu_service")
+
+FINISH = {"length": generate_pb2.LENGTH, "stop": generate_pb2.STOP, "eos": generate_pb2.EOS}
+MAX_STOP = 16
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, engine: Engine, info: generate_pb2.ServerInfo, default_defer: int, max_tokens_limit: int):
+        self.engine, self.info, self.default_defer = engine, info, default_defer
+        self.max_tokens_limit = max_tokens_limit
+        self.cfg = engine.model.cfg
+
+    # -- validation -------------------------------------------------------------------------------
+    def _prompt_ids(self, req) -> list[int]:
+        kind = req.WhichOneof("input")
+        if kind == "prompt":
+            if not req.prompt:
+                raise BadRequest("prompt: must not be empty")
+            ids = self.engine.text.encode(req.prompt)
+        elif kind == "chat":
+            msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+            if not msgs:
+                raise BadRequest("chat.messages: must not be empty")
+            bad = [m["role"] for m in msgs if m["role"] not in ROLES]
+            if bad:
+                raise BadRequest(f"chat.messages.role: unknown role {bad[0]!r} (expected one of {sorted(ROLES)})")
+            try:
+                ids = self.engine.text.render_chat(msgs)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+        elif kind == "token_ids":
+            ids = list(req.token_ids.ids)
+            V = self.cfg.vocab_size
+            if any(not 0 <= i < V for i in ids):
+                raise BadRequest(f"token_ids.ids: every id must be in [0, {V})")
+        else:
+            raise BadRequest("input: one of prompt, chat or token_ids is required")
+        if not ids:
+            raise BadRequest("input: the prompt tokenizes to zero tokens")
+        if len(ids) >= self.engine.max_context:
+            raise BadRequest(f"input: prompt has {len(ids)} tokens; the context limit is {self.engine.max_context}")
+        return ids
+
+    def _request(self, req: generate_pb2.GenerateRequest, emit) -> Request:
+        ids = self._prompt_ids(req)
+        if req.max_tokens <= 0:
+            raise BadRequest("max_tokens: must be > 0")
+        if req.max_tokens > self.max_tokens_limit:
+            raise BadRequest(f"max_tokens: {req.max_tokens} exceeds the limit {self.max_tokens_limit}")
+        s = req.sampling
+        sp = SamplingParams(temperature=s.temperature if s.HasField("temperature") else 1.0,
+                            top_p=s.top_p if s.HasField("top_p") else 1.0,
+                            top_k=s.top_k if s.HasField("top_k") else 0,
+                            seed=s.seed if s.HasField("seed") else None)
+        if not sp.temperature >= 0 or sp.temperature != sp.temperature:
+            raise BadRequest(f"sampling.temperature: must be >= 0, got {sp.temperature}")
+        if not 0 < sp.top_p <= 1:
+            raise BadRequest(f"sampling.top_p: must be in (0, 1], got {sp.top_p}")
+        if sp.top_k < 0:
+            raise BadRequest(f"sampling.top_k: must be >= 0, got {sp.top_k}")
+        stop = list(req.stop)
+        if len(stop) > MAX_STOP or any(not x for x in stop):
+            raise BadRequest(f"stop: at most {MAX_STOP} non-empty strings")
+        defer = req.defer if req.HasField("defer") else self.default_defer
+        if defer > self.cfg.top_k - 1:
+            raise BadRequest(f"defer: must be <= top_k - 1 = {self.cfg.top_k - 1}, got {defer}")
+        return Request(prompt_ids=ids, emit=emit, max_tokens=req.max_tokens, sampling=sp, stop=stop,
+                       ignore_eos=req.ignore_eos, defer=defer)
+
+    def _emitter(self):
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        return q, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+
+    # -- RPCs -------------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        q, emit = self._emitter()
+        try:
+            r = self._request(request, emit)
+        except BadRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.engine.submit(r)
+        try:
+            while True:
+                ev = await q.get()
+                if isinstance(ev, Failure):
+                    await context.abort(ev.code, ev.message)
+                yield generate_pb2.GenerateChunk(
+                    text=ev.text, token_ids=ev.token_ids, finish_reason=FINISH.get(ev.finish_reason, 0),
+                    usage=generate_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
+                    time_to_first_token_s=ev.ttft_s, elapsed_s=ev.elapsed_s)
+                if ev.finish_reason:
+                    return
+        finally:
+            r.cancelled = True  # client went away or we are done: the engine drops it
+
+    async def Score(self, request, context):
+        ids = list(request.token_ids.ids)
+        V = self.cfg.vocab_size
+        if not ids or any(not 0 <= i < V for i in ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids.ids: 1+ ids in [0, {V}) required")
+        if len(ids) > self.engine.max_context:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids.ids: {len(ids)} tokens exceed the context limit {self.engine.max_context}")
+        q, emit = self._emitter()
+        r = Request(prompt_ids=ids, emit=emit, score_only=True, defer=0)
+        self.engine.submit(r)
+        try:
+            ev = await q.get()
+        finally:
+            r.cancelled = True
+        if isinstance(ev, Failure):
+            await context.abort(ev.code, ev.message)
+        assert isinstance(ev, Scores)
+        return generate_pb2.ScoreResponse(logits=codec.encode(ev.logits.to(torch.float32)))
+
+    async def Info(self, request, context):
+        return self.info

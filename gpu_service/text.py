@@ -1,0 +1,102 @@
+"""Tokenization, chat templates, and streaming detokenization with stop strings.
+Knows nothing about the model's forward pass."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+from tokenizers import Tokenizer
+
+from moe_core.config import ModelConfigError
+
+
+class TextCodec:
+    def __init__(self, model_dir: str | pathlib.Path):
+        d = pathlib.Path(model_dir)
+        path = d / "tokenizer.json"
+        if not path.exists():
+            raise ModelConfigError(f"{path} not found: the GPU service needs the checkpoint's tokenizer.json")
+        self.tok = Tokenizer.from_file(str(path))
+        tc = d / "tokenizer_config.json"
+        self.config = json.loads(tc.read_text()) if tc.exists() else {}
+        self.chat_template = self.config.get("chat_template")
+        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"), None)
+        jinja = d / "chat_template.jinja"
+        if self.chat_template is None and jinja.exists():
+            self.chat_template = jinja.read_text()
+
+    def _special(self, key: str) -> str:
+        v = self.config.get(key)
+        return (v.get("content", "") if isinstance(v, dict) else v) or ""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        if not self.chat_template:
+            raise ValueError("chat: this checkpoint has no chat template")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg):
+            raise ValueError(f"chat: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        env.globals["raise_exception"] = raise_exception
+        text = env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token=self._special("bos_token"),
+            eos_token=self._special("eos_token"))
+        # the template already placed the special tokens it wants
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+class DetokenizeStream:
+    """Turns a growing token list into text deltas that never split a UTF-8 character, and
+    applies stop strings (the match and everything after it are never emitted)."""
+
+    def __init__(self, codec: TextCodec, prompt_ids: list[int], stop: list[str]):
+        self.codec = codec
+        self.ids = list(prompt_ids[-4:])  # a little context, so leading-space merges decode right
+        self.prefix = len(self.ids)       # tokens before the ones whose text is not yet out
+        self.read = len(self.ids)
+        self.stop = [s for s in stop if s]
+        self.held = ""                    # decoded text kept back: it could start a stop string
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one token; return the text that may be shown now (possibly empty)."""
+        self.ids.append(token)
+        prefix_text = self.codec.decode(self.ids[self.prefix:self.read])
+        full = self.codec.decode(self.ids[self.prefix:])
+        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        new = full[len(prefix_text):]
+        self.prefix, self.read = self.read, len(self.ids)
+        return self._apply_stop(new)
+
+    def _apply_stop(self, new: str) -> str:
+        if not self.stop:
+            return new
+        text = self.held + new
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            return text[:min(hits)]
+        # hold back the longest tail that is a prefix of some stop string
+        keep = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        """At the end of generation: what was held back (no stop string completed)."""
+        out, self.held = self.held, ""
+        return "" if self.stopped else out

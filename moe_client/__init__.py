@@ -1,0 +1,1 @@
+"""Command-line client for the GPU service's GenerateService."""

@@ -1,0 +1,100 @@
+"""moe-client: stream a completion from a gpu-service, or ask a service what it serves."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf import json_format
+
+from protos import generate_pb2, generate_pb2_grpc, expert_pb2, expert_pb2_grpc
+
+FINISH = {v: k.lower() for k, v in generate_pb2.FinishReason.items()}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="moe-client", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="stream a completion", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    g.add_argument("--server", default="127.0.0.1:50051", help="gpu-service host:port")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    g.add_argument("--system", default=None, help="with --chat: a system message")
+    g.add_argument("--defer", type=int, default=None, help="override the server's expert deferral")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object per chunk (token ids, timings)")
+    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    i = sub.add_parser("info", help="print a service's Info (gpu-service or expert-service)")
+    i.add_argument("--server", default="127.0.0.1:50051")
+    i.add_argument("--expert", action="store_true", help="the server is an expert service")
+    return ap.parse_args(argv)
+
+
+def build_request(a) -> generate_pb2.GenerateRequest:
+    sp = generate_pb2.SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    if a.seed is not None:
+        sp.seed = a.seed
+    req = generate_pb2.GenerateRequest(max_tokens=a.max_tokens, sampling=sp, stop=a.stop, ignore_eos=a.ignore_eos)
+    if a.defer is not None:
+        req.defer = a.defer
+    if a.chat:
+        msgs = ([generate_pb2.ChatMessage(role="system", content=a.system)] if a.system else [])
+        msgs.append(generate_pb2.ChatMessage(role="user", content=a.prompt))
+        req.chat.messages.extend(msgs)
+    else:
+        req.prompt = a.prompt
+    return req
+
+
+def generate(a) -> int:
+    with grpc.insecure_channel(a.server) as ch:
+        stub = generate_pb2_grpc.GenerateServiceStub(ch)
+        last = None
+        for chunk in stub.Generate(build_request(a), timeout=a.timeout):
+            last = chunk
+            if a.json:
+                print(json.dumps({"text": chunk.text, "token_ids": list(chunk.token_ids),
+                                  "finish_reason": FINISH[chunk.finish_reason] if chunk.finish_reason else None,
+                                  "prompt_tokens": chunk.usage.prompt_tokens,
+                                  "completion_tokens": chunk.usage.completion_tokens,
+                                  "time_to_first_token_s": round(chunk.time_to_first_token_s, 6),
+                                  "elapsed_s": round(chunk.elapsed_s, 6)}, ensure_ascii=False), flush=True)
+            else:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        if not a.json and last is not None:
+            n, dt = last.usage.completion_tokens, last.elapsed_s
+            rate = (n - 1) / (dt - last.time_to_first_token_s) if n > 1 and dt > last.time_to_first_token_s else 0.0
+            print(f"\n[{FINISH[last.finish_reason]}: {last.usage.prompt_tokens} prompt + {n} completion tokens, "
+                  f"first token {last.time_to_first_token_s * 1e3:.0f} ms, {rate:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def info(a) -> int:
+    with grpc.insecure_channel(a.server) as ch:
+        if a.expert:
+            msg = expert_pb2_grpc.ExpertServiceStub(ch).Info(expert_pb2.ExpertInfoRequest(), timeout=10)
+        else:
+            msg = generate_pb2_grpc.GenerateServiceStub(ch).Info(generate_pb2.ServerInfoRequest(), timeout=10)
+    print(json_format.MessageToJson(msg, preserving_proto_field_name=True))
+    return 0
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    try:
+        sys.exit(generate(a) if a.cmd == "generate" else info(a))
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

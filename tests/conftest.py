@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny checkpoints (built once per session) and both services as real
+processes on free localhost ports."""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import tiny_models  # noqa: E402
+
+from protos import generate_pb2_grpc  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> fp32 checkpoint dir; deepseek_v3 is split into 3 shards with an index."""
+    base = tmp_path_factory.mktemp("ckpt")
+    return {f: tiny_models.build(f, base / f, shards=3 if f == "deepseek_v3" else 1) for f in tiny_models.FAMILIES}
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"service exited with {proc.returncode}:\n{proc.stderr.read() if proc.stderr else ''}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"service on {port} not healthy after {timeout}s")
+
+
+def start(module: str, *args: str, log: pathlib.Path) -> subprocess.Popen:
+    f = open(log, "w")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+
+class Services:
+    def __init__(self, model_dir, tmp: pathlib.Path, gpu_args=(), expert_args=()):
+        self.expert_port, self.gpu_port = free_port(), free_port()
+        self.model_dir = str(model_dir)
+        self.expert = start("expert_service", "--model", self.model_dir, "--listen", f"127.0.0.1:{self.expert_port}",
+                            "--threads", "1", *expert_args, log=tmp / "expert.log")
+        self.gpu = start("gpu_service", "--model", self.model_dir, "--experts", f"127.0.0.1:{self.expert_port}",
+                         "--listen", f"127.0.0.1:{self.gpu_port}", "--threads", "1", *gpu_args, log=tmp / "gpu.log")
+        self.tmp = tmp
+        try:
+            wait_healthy(self.expert_port, self.expert)
+            wait_healthy(self.gpu_port, self.gpu)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"services failed to start:\n{self.logs()}")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gpu_port}")
+        self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
+
+    def logs(self) -> str:
+        return "".join(f"--- {n}\n{(self.tmp / n).read_text()}" for n in ("expert.log", "gpu.log")
+                       if (self.tmp / n).exists())
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.channel.close()
+        for p in (self.gpu, self.expert):
+            if p.poll() is None:
+                p.terminate()
+        for p in (self.gpu, self.expert):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def services_factory(tmp_path):
+    started = []
+
+    def make(model_dir, **kw):
+        d = tmp_path / f"svc{len(started)}"
+        d.mkdir()
+        s = Services(model_dir, d, **kw)
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop()
