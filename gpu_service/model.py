@@ -108,9 +108,11 @@ class Model:
             d = defer if L != self.last_moe_layer else 0
             experts.submit(step, L, x, ids, w, d)
             shared = self._shared(fp, x)                 # overlaps the expert service's work
+            # results arrive in request order: the previous layer's DEFERRED before this IMMEDIATE
+            late = experts.result(pending, deferred=True) if pending is not None else None
             y = experts.result(L, deferred=False)
-            if pending is not None:
-                y = y + experts.result(pending, deferred=True)
+            if late is not None:
+                y = y + late
             pending = L if d else None
             y = y.to(device=self.device, dtype=h.dtype)
             h = h + (y + shared if shared is not None else y)

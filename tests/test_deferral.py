@@ -1,0 +1,55 @@
+"""Expert deferral through both services against a reference written on transformers' own
+model: each MoE layer's `defer` lowest-weighted experts are added one MoE layer later."""
+import pytest
+import torch
+import transformers
+
+import tiny_models
+from protos import generate_pb2
+
+
+def deferring_reference(model, defer):
+    """Patch every MoE experts module: return the immediate sum plus the previous MoE layer's
+    deferred sum; the last MoE layer defers nothing."""
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    carry = {}
+    for i, mod in enumerate(experts):
+        orig = mod.forward
+        last = i == len(experts) - 1
+
+        def fwd(hidden, ids, w, orig=orig, i=i, last=last):
+            prev = carry.pop(i - 1, None)
+            if last:
+                out = orig(hidden, ids, w)
+            else:
+                order = torch.argsort(w, dim=1, descending=True, stable=True)
+                k = ids.shape[1]
+                imm, dfr = order[:, :k - defer], order[:, k - defer:]
+                out = orig(hidden, ids.gather(1, imm), w.gather(1, imm))
+                carry[i] = orig(hidden, ids.gather(1, dfr), w.gather(1, dfr))
+            return out if prev is None else out + prev
+
+        mod.forward = fwd
+    return model
+
+
+@pytest.mark.parametrize("family, defer", [("deepseek_v3", 2), ("qwen3_moe", 1)])
+def test_deferral_matches_reference(family, defer, checkpoints, services_factory):
+    d = checkpoints[family]
+    ref = deferring_reference(transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval(), defer)
+    exact = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    prompt = torch.randint(2, tiny_models.VOCAB, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), **kw)[0, len(prompt):].tolist()
+        want_exact = exact.generate(torch.tensor([prompt]), **kw)[0, len(prompt):].tolist()
+    s = services_factory(d, gpu_args=("--defer", str(defer)))
+
+    def gen(**extra):
+        req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=24, ignore_eos=True,
+                                           sampling=generate_pb2.SamplingParams(temperature=0), **extra)
+        return [t for c in s.stub.Generate(req, timeout=120) for t in c.token_ids]
+
+    assert gen() == want                 # the server's --defer
+    assert gen(defer=0) == want_exact    # per-request override back to exact
+    assert want != want_exact            # deferral really changed something on this model

@@ -1,0 +1,76 @@
+"""Bad model directories, unsupported architectures and mismatched peers: a clear message and a
+non-zero exit, never a traceback."""
+import json
+import shutil
+import subprocess
+import sys
+
+from conftest import ROOT, Services, free_port, start, wait_healthy
+
+
+def run_cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def assert_clean_failure(p, needle):
+    assert p.returncode != 0
+    assert needle in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+
+
+def test_missing_model_dir(tmp_path):
+    for mod in ("expert_service", "gpu_service"):
+        assert_clean_failure(run_cli(mod, "--model", str(tmp_path / "nope")), "does not exist")
+
+
+def test_not_a_checkpoint(tmp_path):
+    assert_clean_failure(run_cli("expert_service", "--model", str(tmp_path)), "config.json")
+
+
+def test_unsupported_architecture(tmp_path, checkpoints):
+    d = tmp_path / "llama"
+    shutil.copytree(checkpoints["mixtral"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    for mod in ("expert_service", "gpu_service"):
+        assert_clean_failure(run_cli(mod, "--model", str(d)), "unsupported architecture")
+
+
+def test_mismatched_fingerprints_refuse_to_pair(tmp_path, checkpoints):
+    port = free_port()
+    expert = start("expert_service", "--model", str(checkpoints["mixtral"]), "--listen", f"127.0.0.1:{port}",
+                   "--threads", "1", log=tmp_path / "e.log")
+    try:
+        wait_healthy(port, expert)
+        p = run_cli("gpu_service", "--model", str(checkpoints["qwen3_moe"]), "--experts", f"127.0.0.1:{port}",
+                    "--listen", f"127.0.0.1:{free_port()}")
+        assert_clean_failure(p, "model mismatch")
+    finally:
+        expert.terminate()
+        expert.wait(10)
+
+
+def test_expert_service_never_up(tmp_path, checkpoints):
+    p = run_cli("gpu_service", "--model", str(checkpoints["mixtral"]), "--experts", f"127.0.0.1:{free_port()}",
+                "--connect-timeout", "1")
+    assert_clean_failure(p, "not ready")
+
+
+def test_expert_service_killed_mid_stream_gives_unavailable(tmp_path, checkpoints):
+    import grpc
+    import pytest
+    from protos import generate_pb2
+
+    s = Services(checkpoints["qwen3_moe"], tmp_path)
+    try:
+        req = generate_pb2.GenerateRequest(prompt="x", max_tokens=400, ignore_eos=True)
+        stream = s.stub.Generate(req, timeout=60)
+        next(stream)
+        s.expert.kill()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "expert service" in e.value.details()
+    finally:
+        s.stop()
