@@ -31,6 +31,9 @@ def parse_args(argv=None):
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object per chunk (token ids, timings)")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    h = sub.add_parser("health", help="exit 0 once a service reports SERVING (grpc.health.v1), 1 on timeout")
+    h.add_argument("--server", default="127.0.0.1:50051")
+    h.add_argument("--wait", type=float, default=0.0, help="keep trying for this many seconds")
     i = sub.add_parser("info", help="print a service's Info (gpu-service or expert-service)")
     i.add_argument("--server", default="127.0.0.1:50051")
     i.add_argument("--expert", action="store_true", help="the server is an expert service")
@@ -87,10 +90,33 @@ def info(a) -> int:
     return 0
 
 
+def health(a) -> int:
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + a.wait
+    with grpc.insecure_channel(a.server) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    print("SERVING")
+                    return 0
+                detail = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as e:
+                detail = f"{e.code().name}: {e.details()}"
+            if time.monotonic() >= deadline:
+                print(f"not serving: {detail}", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     try:
-        sys.exit(generate(a) if a.cmd == "generate" else info(a))
+        sys.exit({"generate": generate, "info": info, "health": health}[a.cmd](a))
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         sys.exit(1)
