@@ -57,7 +57,7 @@ async def serve(args) -> None:
     name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
     if args.reflection:
         serving.add_reflection(server, [name, "grpc.health.v1.Health"])
-    servicer = ExpertServicer(cfg, fmt, kernels.KERNEL_PATH, args.threads, args.max_tokens)
+    servicer = ExpertServicer(cfg, fmt, kernels.kernel_path(fmt), args.threads, args.max_tokens)
     expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     try:
         server.add_insecure_port(args.listen)
@@ -75,7 +75,7 @@ async def serve(args) -> None:
     servicer.attach(layers, fp)
     await serving.set_health(hs, [name], serving=True)
     log.info("ready: %s fingerprint %s, %d MoE layers, %d experts, format %s, kernel %s, %d threads",
-             cfg.model_type, fp, len(layers), cfg.n_routed_experts, fmt, kernels.KERNEL_PATH, args.threads)
+             cfg.model_type, fp, len(layers), cfg.n_routed_experts, fmt, kernels.kernel_path(fmt), args.threads)
     try:
         await server.wait_for_termination()
     finally:

@@ -3,11 +3,35 @@ implementation for one model layer; all share forward / submit / wait.
 
 Shapes: gate, up: [E, I, H]; down: [E, H, I]; hidden: [T, H]; topk_ids: [T, k] int32;
 topk_weights: [T, k] fp32; out: [T, H] in hidden's dtype.
+
+bf16 weights run on the native kernels (native/, path in KERNEL_PATH, forced with
+MOE_KERNEL_PATH=portable|avx512_bf16, or MOE_KERNEL_PATH=torch for the torch reference);
+fp32/fp16 weights use the torch operator.
 """
+import logging
+import os
+
 from .torch_moe import TorchMoELayer
 
-KERNEL_PATH = "torch"
+log = logging.getLogger("expert_service.kernels")
+
+try:
+    if os.environ.get("MOE_KERNEL_PATH") == "torch":
+        raise ImportError("MOE_KERNEL_PATH=torch")
+    from .native_moe import PATH as NATIVE_PATH, NativeMoELayer
+except ImportError as e:  # extension not built: the torch path still serves
+    log.warning("native kernels unavailable (%s); using the torch path", e)
+    NATIVE_PATH, NativeMoELayer = None, None
+
+
+def kernel_path(fmt: str) -> str:
+    return NATIVE_PATH if (NATIVE_PATH and fmt == "bf16") else "torch"
+
+
+KERNEL_PATH = NATIVE_PATH or "torch"
 
 
 def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None):
+    if NativeMoELayer is not None and fmt == "bf16":
+        return NativeMoELayer(gate, up, down, fmt=fmt, threads=threads)
     return TorchMoELayer(gate, up, down, fmt=fmt, threads=threads)

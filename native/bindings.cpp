@@ -1,0 +1,45 @@
+// pybind11 bindings: raw pointers + shapes in (the Python layer owns the tensors), GIL released.
+#include <pybind11/pybind11.h>
+
+#include "common.h"
+#include "moe.h"
+
+namespace py = pybind11;
+using namespace moe;
+
+static Isa parse_isa(const std::string& name) {
+  if (name == "portable") return Isa::Portable;
+  if (name == "avx512_bf16") return Isa::Avx512Bf16;
+  if (name == "amx") return Isa::Amx;
+  throw std::invalid_argument("unknown kernel path '" + name + "' (portable, avx512_bf16, amx)");
+}
+
+PYBIND11_MODULE(_moe_native, m) {
+  m.doc() = "Native routed-expert kernels (see native/)";
+  m.def("cpu_features", [] {
+    CpuFeatures f = detect_cpu();
+    py::dict d;
+    d["avx512f"] = f.avx512f; d["avx512bw"] = f.avx512bw; d["avx512bf16"] = f.avx512bf16;
+    d["avx512vnni"] = f.avx512vnni; d["amx_tile"] = f.amx_tile; d["amx_bf16"] = f.amx_bf16;
+    d["os_avx512"] = f.os_avx512; d["os_amx"] = f.os_amx;
+    return d;
+  });
+  m.def("best_path", [] { return std::string(isa_name(best_isa(detect_cpu()))); });
+  m.def("path_supported", [](const std::string& p) { return isa_supported(parse_isa(p), detect_cpu()); });
+  m.def("init_pool", [](int threads) { return pool(threads).size(); }, py::arg("threads"));
+  m.def(
+      "forward_bf16",
+      [](const std::string& path, int E, int I, int H, uintptr_t gate_up, uintptr_t down, uintptr_t hidden,
+         uintptr_t ids, uintptr_t weights, uintptr_t out, int T, int k) {
+        Isa isa = parse_isa(path);
+        MOE_CHECK(isa_supported(isa, detect_cpu()), std::string("kernel path ") + path + " not supported here");
+        MOE_CHECK(isa != Isa::Amx, "no AMX kernel is built yet");
+        py::gil_scoped_release nogil;
+        moe_forward_bf16(isa, MoEShape{E, I, H}, reinterpret_cast<const uint16_t*>(gate_up),
+                         reinterpret_cast<const uint16_t*>(down), reinterpret_cast<const float*>(hidden),
+                         reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
+                         reinterpret_cast<float*>(out), T, k);
+      },
+      py::arg("path"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("gate_up"), py::arg("down"),
+      py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("T"), py::arg("k"));
+}

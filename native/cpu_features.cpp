@@ -1,0 +1,58 @@
+// Run-time ISA choice: CPUID says what the core has, XGETBV says what the OS saves on context
+// switch (AVX-512 state: XCR0 bits 5-7; AMX tile state: bits 17-18). Both must agree.
+#include <cpuid.h>
+
+#include "moe.h"
+
+namespace moe {
+
+static uint64_t xgetbv0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (uint64_t(edx) << 32) | eax;
+}
+
+CpuFeatures detect_cpu() {
+  CpuFeatures f{};
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  bool osxsave = c & (1u << 27);
+  uint64_t xcr0 = osxsave ? xgetbv0() : 0;
+  f.os_avx512 = (xcr0 & 0xe6) == 0xe6;
+  f.os_amx = (xcr0 & (3ull << 17)) == (3ull << 17);
+  if (__get_cpuid_max(0, nullptr) < 7) return f;
+  __cpuid_count(7, 0, a, b, c, d);
+  f.avx512f = b & (1u << 16);
+  f.avx512bw = b & (1u << 30);
+  f.avx512vnni = c & (1u << 11);
+  f.amx_bf16 = d & (1u << 22);
+  f.amx_tile = d & (1u << 24);
+  __cpuid_count(7, 1, a, b, c, d);
+  f.avx512bf16 = a & (1u << 5);
+  return f;
+}
+
+bool isa_supported(Isa isa, const CpuFeatures& f) {
+  switch (isa) {
+    case Isa::Portable: return true;
+    case Isa::Avx512Bf16: return f.os_avx512 && f.avx512f && f.avx512bw && f.avx512bf16;
+    case Isa::Amx: return f.os_amx && f.amx_tile && f.amx_bf16 && isa_supported(Isa::Avx512Bf16, f);
+  }
+  return false;
+}
+
+Isa best_isa(const CpuFeatures& f) {
+  // No AMX kernel yet: AMX machines run the AVX-512 BF16 path.
+  return isa_supported(Isa::Avx512Bf16, f) ? Isa::Avx512Bf16 : Isa::Portable;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Portable: return "portable";
+    case Isa::Avx512Bf16: return "avx512_bf16";
+    case Isa::Amx: return "amx";
+  }
+  return "?";
+}
+
+}  // namespace moe
