@@ -2,7 +2,9 @@
 #include <pybind11/pybind11.h>
 
 #include "common.h"
+#include "huge_buffer.h"
 #include "moe.h"
+#include "probes.h"
 
 namespace py = pybind11;
 using namespace moe;
@@ -16,6 +18,13 @@ static Isa parse_isa(const std::string& name) {
 
 PYBIND11_MODULE(_moe_native, m) {
   m.doc() = "Native routed-expert kernels (see native/)";
+  py::class_<HugeBuffer>(m, "HugeBuffer", py::buffer_protocol(),
+                         "bytes on 2 MiB-aligned memory advised for transparent huge pages")
+      .def(py::init<size_t>(), py::arg("nbytes"))
+      .def_property_readonly("nbytes", &HugeBuffer::size)
+      .def_buffer([](HugeBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1, {b.size()}, {1});
+      });
   m.def("cpu_features", [] {
     CpuFeatures f = detect_cpu();
     py::dict d;
@@ -26,20 +35,32 @@ PYBIND11_MODULE(_moe_native, m) {
   });
   m.def("best_path", [] { return std::string(isa_name(best_isa(detect_cpu()))); });
   m.def("path_supported", [](const std::string& p) { return isa_supported(parse_isa(p), detect_cpu()); });
-  m.def("init_pool", [](int threads) { return pool(threads).size(); }, py::arg("threads"));
+  m.def("read_bandwidth", [](uintptr_t buf, size_t n) {
+    py::gil_scoped_release nogil;
+    return read_bandwidth(reinterpret_cast<const float*>(buf), n);
+  });
+  m.def("bf16_peak_flops", [](long iters) {
+    MOE_CHECK(isa_supported(Isa::Avx512Bf16, detect_cpu()), "no AVX-512 BF16 on this CPU");
+    py::gil_scoped_release nogil;
+    return bf16_peak_flops(iters);
+  });
+  m.def("init_pool", [](int threads) { return pool(threads).size(); }, py::arg("threads"),
+        "create the shared pool on first use (later calls return its size)");
+  m.def("set_threads", [](int threads) { py::gil_scoped_release nogil; return resize_pool(threads); },
+        py::arg("threads"), "rebuild the shared pool with this many threads (no work may be in flight)");
   m.def(
       "forward_bf16",
-      [](const std::string& path, int E, int I, int H, uintptr_t gate_up, uintptr_t down, uintptr_t hidden,
+      [](const std::string& path, int E, int I, int H, int Ip, int Hp, uintptr_t gate_up, uintptr_t down, uintptr_t hidden,
          uintptr_t ids, uintptr_t weights, uintptr_t out, int T, int k) {
         Isa isa = parse_isa(path);
         MOE_CHECK(isa_supported(isa, detect_cpu()), std::string("kernel path ") + path + " not supported here");
         MOE_CHECK(isa != Isa::Amx, "no AMX kernel is built yet");
         py::gil_scoped_release nogil;
-        moe_forward_bf16(isa, MoEShape{E, I, H}, reinterpret_cast<const uint16_t*>(gate_up),
+        moe_forward_bf16(isa, MoEShape{E, I, H, Ip, Hp}, reinterpret_cast<const uint16_t*>(gate_up),
                          reinterpret_cast<const uint16_t*>(down), reinterpret_cast<const float*>(hidden),
                          reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
                          reinterpret_cast<float*>(out), T, k);
       },
-      py::arg("path"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("gate_up"), py::arg("down"),
+      py::arg("path"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("Ip"), py::arg("Hp"), py::arg("gate_up"), py::arg("down"),
       py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("T"), py::arg("k"));
 }

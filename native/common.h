@@ -56,5 +56,6 @@ class ThreadPool {
 };
 
 ThreadPool& pool(int threads = 0);  // the process-wide pool (sized on first use)
+int resize_pool(int threads);
 
 }  // namespace moe

@@ -9,6 +9,7 @@ enum class Isa { Portable, Avx512Bf16, Amx };
 
 struct MoEShape {
   int E, I, H;
+  int Ip, Hp;  // I and H padded to a multiple of 32 in the packed weights
 };
 
 struct CpuFeatures {

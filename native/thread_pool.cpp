@@ -54,12 +54,19 @@ void ThreadPool::parallel_for(int n_tasks, const std::function<void(int)>& fn) {
   fn_ = nullptr;
 }
 
+static std::unique_ptr<ThreadPool> g_pool;
+static std::mutex g_pool_mu;
+
 ThreadPool& pool(int threads) {
-  static std::unique_ptr<ThreadPool> p;
-  static std::mutex m;
-  std::lock_guard<std::mutex> g(m);
-  if (!p) p = std::make_unique<ThreadPool>(threads > 0 ? threads : int(std::thread::hardware_concurrency()));
-  return *p;
+  std::lock_guard<std::mutex> g(g_pool_mu);
+  if (!g_pool) g_pool = std::make_unique<ThreadPool>(threads > 0 ? threads : int(std::thread::hardware_concurrency()));
+  return *g_pool;
+}
+
+int resize_pool(int threads) {
+  std::lock_guard<std::mutex> g(g_pool_mu);
+  g_pool = std::make_unique<ThreadPool>(threads > 0 ? threads : int(std::thread::hardware_concurrency()));
+  return g_pool->size();
 }
 
 }  // namespace moe

@@ -101,3 +101,19 @@ def test_bad_ids_raise_not_abort():
     op = NativeMoELayer(gate, up, down)
     with pytest.raises(ValueError, match="out of range"):
         op.forward(torch.randn(1, 64), torch.tensor([[4]], dtype=torch.int32), torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_and_two_threads_agree_bitwise(path):
+    gate, up, down = make(8, 80, 96)
+    ids, w = routing(64, 4, 8)
+    x = torch.randn(64, 96)
+    op = NativeMoELayer(gate, up, down, path=path)
+    try:
+        native.set_threads(1)
+        one = op.forward(x, ids, w)
+        native.set_threads(2)
+        two = op.forward(x, ids, w)
+    finally:
+        native.set_threads(2)
+    assert torch.equal(one, two)

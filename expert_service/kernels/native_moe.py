@@ -8,6 +8,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 
 from expert_service import _moe_native as _n
 
@@ -27,6 +28,22 @@ PATH = choose_path()
 log.info("native MoE kernel path: %s", PATH)
 
 
+def _row_len(n: int) -> int:
+    """Elements per packed row: a multiple of 32 (no tail in the kernels) whose byte stride is not a
+    multiple of 512, so the rows a micro-kernel touches together do not all map to one L1 set."""
+    n = (n + 31) // 32 * 32
+    return n + 32 if (n * 2) % 512 == 0 else n
+
+
+def to_huge(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t on huge-page-advised memory owned by the returned tensor's storage chain."""
+    buf = _n.HugeBuffer(t.nbytes)
+    out = torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    out._huge_buffer = buf  # keep the memory alive as long as the tensor
+    return out
+
+
 class NativeMoELayer:
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
                  threads: int | None = None, path: str | None = None):
@@ -37,9 +54,11 @@ class NativeMoELayer:
             raise ValueError(f"expert shapes disagree: gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}")
         self.num_experts, self.intermediate, self.hidden, self.fmt = E, I, H, fmt
         self.path = path or PATH
-        # repacked once: gate and up fused so one pass over a token's experts reads both
-        self.gate_up = torch.cat([gate, up], dim=1).to(torch.bfloat16).contiguous()  # [E, 2I, H]
-        self.down = down.to(torch.bfloat16).contiguous()                              # [E, H, I]
+        # repacked once: gate and up fused so one pass reads both, the reduction dim zero-padded to
+        # a multiple of 32 so the kernels need no tail handling
+        self.Hp, self.Ip = _row_len(H), _row_len(I)
+        self.gate_up = to_huge(F.pad(torch.cat([gate, up], dim=1).to(torch.bfloat16), (0, self.Hp - H)))  # [E, 2I, Hp]
+        self.down = to_huge(F.pad(down.to(torch.bfloat16), (0, self.Ip - I)))                           # [E, H, Ip]
         _n.init_pool(threads or os.cpu_count() or 1)
         self._pool = None
         self._future = None
@@ -47,6 +66,10 @@ class NativeMoELayer:
     @property
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
+
+    @property
+    def nbytes_per_expert(self) -> int:
+        return self.nbytes // self.num_experts
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] fp32/bf16; topk_ids [T, k] int; topk_weights [T, k] -> [T, H] in hidden.dtype."""
@@ -60,7 +83,8 @@ class NativeMoELayer:
         w = topk_weights.float().contiguous()
         out = torch.empty(T, self.hidden, dtype=torch.float32)
         if T and k:
-            _n.forward_bf16(self.path, self.num_experts, self.intermediate, self.hidden, self.gate_up.data_ptr(),
+            _n.forward_bf16(self.path, self.num_experts, self.intermediate, self.hidden, self.Ip, self.Hp,
+                            self.gate_up.data_ptr(),
                             self.down.data_ptr(), x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), T, k)
         else:
             out.zero_()

@@ -1,0 +1,118 @@
+"""Routed-expert kernel benchmark: decode (T=1) and prefill (T=512) for each weight format,
+against the machine's own probes (DRAM read bandwidth, BF16 peak) and torch's idiomatic MoE on
+the same weights, all measured in this run.
+
+    python bench/bench_kernels.py [--threads 2] [--shapes qwen3,dsv3] [--formats bf16] [--reps 5]
+
+One JSON line per case, then a table. Decode efficiency = bytes of the chosen experts' weights /
+time, as a share of the measured DRAM read bandwidth. Prefill efficiency = 2*T*k*3*H*I FLOP / time,
+as a share of the measured BF16 peak.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from expert_service import _moe_native as native  # noqa: E402
+from expert_service.kernels import TorchMoELayer  # noqa: E402
+from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
+
+SHAPES = {  # name: (E, H, I, k)
+    "qwen3": (128, 2048, 768, 8),   # Qwen3-30B-A3B
+    "dsv3": (32, 7168, 2048, 8),    # DeepSeek-V3 reduced to 32 experts
+}
+
+
+def timeit(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def weights(E, H, I):
+    g = torch.Generator().manual_seed(0)
+    mk = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
+    return mk(E, I, H), mk(E, I, H), mk(E, H, I)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shapes", default="qwen3,dsv3")
+    ap.add_argument("--formats", default="bf16")
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    native.init_pool(a.threads)
+    probe = torch.ones(1 << 28)
+    bw = statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
+    del probe
+    peak = max(native.bf16_peak_flops(10_000_000) for _ in range(5))  # a peak: the best of several
+    rows = [{"case": "probe", "dram_read_GBps": round(bw / 1e9, 2), "bf16_peak_GFLOPs": round(peak / 1e9, 1),
+             "threads": a.threads, "path": native.best_path()}]
+    print(json.dumps(rows[0]), flush=True)
+    for shape in a.shapes.split(","):
+        E, H, I, k = SHAPES[shape]
+        gate, up, down = weights(E, H, I)
+        ref = TorchMoELayer(gate, up, down, fmt="bf16")
+        for fmt in a.formats.split(","):
+            op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads)
+            bytes_per_expert = op.nbytes / E
+            g = torch.Generator().manual_seed(1)
+            # decode: fresh experts every call, so the weights come from DRAM, not the cache
+            calls = [(torch.randn(1, H).bfloat16(), torch.randperm(E, generator=g)[:k].view(1, k).to(torch.int32),
+                      torch.rand(1, k)) for _ in range(64)]
+            it = iter(range(10**9))
+            t_ours = timeit(lambda: [op.forward(*c) for c in calls], a.reps) / len(calls)
+            t_torch = timeit(lambda: [ref.forward(*c) for c in calls], a.reps) / len(calls)
+            moved = k * bytes_per_expert
+            row = {"case": "decode", "shape": shape, "fmt": fmt, "T": 1, "ours_us": round(t_ours * 1e6, 1),
+                   "torch_bf16_us": round(t_torch * 1e6, 1), "ours_GBps": round(moved / t_ours / 1e9, 2),
+                   "share_of_dram_bw": round(moved / t_ours / bw, 3),
+                   "torch_share_of_dram_bw": round(k * (ref.nbytes / E) / t_torch / bw, 3),
+                   "speedup_vs_torch": round(t_torch / t_ours, 2)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            T = a.prefill_tokens
+            x = torch.randn(T, H).bfloat16()
+            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+            w = torch.rand(T, k)
+            t_ours = timeit(lambda: op.forward(x, ids, w), max(1, a.reps // 2))
+            t_torch = timeit(lambda: ref.forward(x, ids, w), max(1, a.reps // 2))
+            flop = 2 * T * k * 3 * H * I
+            row = {"case": "prefill", "shape": shape, "fmt": fmt, "T": T, "ours_ms": round(t_ours * 1e3, 1),
+                   "torch_bf16_ms": round(t_torch * 1e3, 1), "ours_GFLOPs": round(flop / t_ours / 1e9, 1),
+                   "share_of_bf16_peak": round(flop / t_ours / peak, 3),
+                   "torch_share_of_bf16_peak": round(flop / t_torch / peak, 3),
+                   "speedup_vs_torch": round(t_torch / t_ours, 2)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del it
+    print(f"\nDRAM read {rows[0]['dram_read_GBps']} GB/s, BF16 peak {rows[0]['bf16_peak_GFLOPs']} GFLOP/s, "
+          f"{a.threads} threads, path {rows[0]['path']}\n")
+    print("| case | shape | fmt | ours | torch bf16 | ours vs roofline | torch vs roofline | speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows[1:]:
+        if r["case"] == "decode":
+            print(f"| decode T=1 | {r['shape']} | {r['fmt']} | {r['ours_us']} us | {r['torch_bf16_us']} us | "
+                  f"{r['share_of_dram_bw']:.0%} of DRAM BW | {r['torch_share_of_dram_bw']:.0%} | {r['speedup_vs_torch']}x |")
+        else:
+            print(f"| prefill T={r['T']} | {r['shape']} | {r['fmt']} | {r['ours_ms']} ms | {r['torch_bf16_ms']} ms | "
+                  f"{r['share_of_bf16_peak']:.0%} of BF16 peak | {r['torch_share_of_bf16_peak']:.0%} | {r['speedup_vs_torch']}x |")
+
+
+if __name__ == "__main__":
+    main()

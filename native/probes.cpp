@@ -1,0 +1,58 @@
+// Machine probes for the kernel benchmark: DRAM read bandwidth and BF16 dot-product peak,
+// measured with the same thread pool the kernels use.
+#include <immintrin.h>
+
+#include <chrono>
+
+#include "common.h"
+#include "probes.h"
+
+namespace moe {
+
+__attribute__((target("avx512f"))) static float sum_block(const float* p, size_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i + 64 <= n; i += 64) {
+    a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p + i));
+    a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p + i + 16));
+    a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + i + 32));
+    a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + i + 48));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+double read_bandwidth(const float* buf, size_t n_floats) {
+  ThreadPool& tp = pool();
+  const int tasks = tp.size() * 16;
+  const size_t chunk = (n_floats / tasks) & ~size_t(63);
+  std::vector<float> sink(tasks);
+  auto t0 = std::chrono::steady_clock::now();
+  tp.parallel_for(tasks, [&](int i) { sink[i] = sum_block(buf + i * chunk, chunk); });
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile float keep = sink[0];
+  (void)keep;
+  return double(chunk) * tasks * 4 / s;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static float bf16_loop(long iters) {
+  __m512 acc[24];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3c00);
+  for (long i = 0; i < iters; ++i)
+    for (auto& a : acc) a = _mm512_dpbf16_ps(a, x, y);
+  __m512 s = acc[0];
+  for (int j = 1; j < 24; ++j) s = _mm512_add_ps(s, acc[j]);
+  return _mm512_reduce_add_ps(s);
+}
+
+double bf16_peak_flops(long iters) {
+  ThreadPool& tp = pool();
+  std::vector<float> sink(tp.size());
+  auto t0 = std::chrono::steady_clock::now();
+  tp.parallel_for(tp.size(), [&](int i) { sink[i] = bf16_loop(iters); });
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile float keep = sink[0];
+  (void)keep;
+  return double(iters) * 24 * 32 * 2 * tp.size() / s;  // 32 bf16 multiply-adds per instruction
+}
+
+}  // namespace moe
