@@ -51,7 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--shapes", default="qwen3,dsv3")
-    ap.add_argument("--formats", default="bf16")
+    ap.add_argument("--formats", default="bf16,int8,int4")
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
@@ -70,12 +70,13 @@ def main() -> None:
         ref = TorchMoELayer(gate, up, down, fmt="bf16")
         for fmt in a.formats.split(","):
             op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads)
-            bytes_per_expert = op.nbytes / E
+            # the weights' own bytes (and scales); the kernels' row padding is not counted
+            bytes_per_expert = 3 * H * I * {"bf16": 2, "int8": 1, "int4": 0.5}[fmt] + \
+                {"bf16": 0, "int8": (2 * I + H) * 4, "int4": 3 * H * I // 64 * 4}[fmt]
             g = torch.Generator().manual_seed(1)
             # decode: fresh experts every call, so the weights come from DRAM, not the cache
             calls = [(torch.randn(1, H).bfloat16(), torch.randperm(E, generator=g)[:k].view(1, k).to(torch.int32),
                       torch.rand(1, k)) for _ in range(64)]
-            it = iter(range(10**9))
             t_ours = timeit(lambda: [op.forward(*c) for c in calls], a.reps) / len(calls)
             t_torch = timeit(lambda: [ref.forward(*c) for c in calls], a.reps) / len(calls)
             moved = k * bytes_per_expert
@@ -100,7 +101,7 @@ def main() -> None:
                    "speedup_vs_torch": round(t_torch / t_ours, 2)}
             print(json.dumps(row), flush=True)
             rows.append(row)
-            del it
+            del op
     print(f"\nDRAM read {rows[0]['dram_read_GBps']} GB/s, BF16 peak {rows[0]['bf16_peak_GFLOPs']} GFLOP/s, "
           f"{a.threads} threads, path {rows[0]['path']}\n")
     print("| case | shape | fmt | ours | torch bf16 | ours vs roofline | torch vs roofline | speedup |")

@@ -28,8 +28,8 @@ def parse_args(argv=None):
     ap.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on")
     ap.add_argument("--threads", type=int, default=serving.physical_cores(),
                     help="CPU threads for the expert kernels (default: physical cores)")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                    help="format the expert weights are held in; auto = the checkpoint's dtype")
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4"],
+                    help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group scales, quantized at load); auto = the checkpoint's dtype")
     ap.add_argument("--max-tokens", type=int, default=8192,
                     help="most tokens accepted in one layer request (bounds message size)")
     ap.add_argument("--reflection", action="store_true", help="enable gRPC server reflection (for grpcurl)")

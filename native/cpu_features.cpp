@@ -27,6 +27,7 @@ CpuFeatures detect_cpu() {
   f.avx512vnni = c & (1u << 11);
   f.amx_bf16 = d & (1u << 22);
   f.amx_tile = d & (1u << 24);
+  f.amx_int8 = d & (1u << 25);
   __cpuid_count(7, 1, a, b, c, d);
   f.avx512bf16 = a & (1u << 5);
   return f;
@@ -35,21 +36,21 @@ CpuFeatures detect_cpu() {
 bool isa_supported(Isa isa, const CpuFeatures& f) {
   switch (isa) {
     case Isa::Portable: return true;
-    case Isa::Avx512Bf16: return f.os_avx512 && f.avx512f && f.avx512bw && f.avx512bf16;
-    case Isa::Amx: return f.os_amx && f.amx_tile && f.amx_bf16 && isa_supported(Isa::Avx512Bf16, f);
+    case Isa::Avx512: return f.os_avx512 && f.avx512f && f.avx512bw && f.avx512bf16 && f.avx512vnni;
+    case Isa::Amx: return f.os_amx && f.amx_tile && f.amx_bf16 && f.amx_int8 && isa_supported(Isa::Avx512, f);
   }
   return false;
 }
 
 Isa best_isa(const CpuFeatures& f) {
-  // No AMX kernel yet: AMX machines run the AVX-512 BF16 path.
-  return isa_supported(Isa::Avx512Bf16, f) ? Isa::Avx512Bf16 : Isa::Portable;
+  // No AMX tile kernels yet: AMX machines run the AVX-512 path.
+  return isa_supported(Isa::Avx512, f) ? Isa::Avx512 : Isa::Portable;
 }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Portable: return "portable";
-    case Isa::Avx512Bf16: return "avx512_bf16";
+    case Isa::Avx512: return "avx512";
     case Isa::Amx: return "amx";
   }
   return "?";

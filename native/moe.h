@@ -1,19 +1,17 @@
-// The MoE operator's C++ interface (buffers in, buffers out; no torch dependency).
+// The MoE operator's C++ interface: buffers in, buffers out; no torch dependency.
 #pragma once
 #include <cstdint>
 #include <string>
 
 namespace moe {
 
-enum class Isa { Portable, Avx512Bf16, Amx };
+enum class Isa { Portable, Avx512, Amx };  // Avx512 = AVX-512 F/BW + BF16 + VNNI
+enum class Fmt { Bf16, Int8, Int4 };
 
-struct MoEShape {
-  int E, I, H;
-  int Ip, Hp;  // I and H padded to a multiple of 32 in the packed weights
-};
+constexpr int INT4_GROUP = 64;  // int4: one scale per 64 consecutive weights of a row
 
 struct CpuFeatures {
-  bool avx512f, avx512bw, avx512bf16, avx512vnni, amx_tile, amx_bf16, os_avx512, os_amx;
+  bool avx512f, avx512bw, avx512bf16, avx512vnni, amx_tile, amx_bf16, amx_int8, os_avx512, os_amx;
 };
 
 CpuFeatures detect_cpu();
@@ -21,8 +19,43 @@ Isa best_isa(const CpuFeatures& f);
 const char* isa_name(Isa isa);
 bool isa_supported(Isa isa, const CpuFeatures& f);
 
+// One projection for all experts, rows x K per expert, each row padded to Kp elements.
+//   bf16: w = uint16 [E, rows, Kp]
+//   int8: w = int8 [E, rows, Kp]; scale = fp32 [E, rows]; rowsum = int32 [E, rows] (sum of the row)
+//   int4: w = uint8 [E, rows, Kp/2], nibble q in 0..15 stands for q - 8; byte i of a 64-group holds
+//         element i (low nibble) and i + 32 (high); scale = fp32 [E, rows, Kp/64];
+//         rowcorr = fp32 [E, rows]: 128 * sum_g scale_g * sum_{i in g} (q_i - 8)
+// Both int formats take activations as u8 = q + 128 (VNNI multiplies unsigned by signed); the
+// +128 is taken back out with rowsum (int8) or rowcorr (int4), which depend on the row only.
+struct Matrix {
+  const void* w;
+  const float* scale;
+  const int32_t* rowsum;
+  const float* rowcorr;
+  int rows, K, Kp;
+};
+
+struct MoEWeights {
+  Fmt fmt;
+  int E, H, I;
+  Matrix gate_up;  // rows 2I (gate then up), K = H
+  Matrix down;     // rows H, K = I
+};
+
 // hidden [T, H] fp32, ids [T, k] int32, weights [T, k] fp32 -> out [T, H] fp32.
-void moe_forward_bf16(Isa isa, const MoEShape& s, const uint16_t* gate_up, const uint16_t* down,
-                      const float* hidden, const int32_t* ids, const float* weights, float* out, int T, int k);
+void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
+                 float* out, int T, int k);
+
+// Activations as the kernels take them: bf16 rows, or (int formats) uint8 rows q + 128 with one
+// scale per row.
+struct Acts {
+  const void* const* rows;  // one pointer per slot
+  const float* scale;       // per slot (int formats)
+};
+
+// Y[s * ldy + r] = dequantized dot(W[e] row r, x_s) for rows [r0, r1) and every slot s < ns.
+void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 
 }  // namespace moe

@@ -9,18 +9,52 @@ from expert_service.kernels import TorchMoELayer
 native = pytest.importorskip("expert_service._moe_native", reason="native extension not built")
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 
-PATHS = [p for p in ("portable", "avx512_bf16", "amx") if native.path_supported(p) and p != "amx"]
+# amx is detected and refused until its tile kernels exist; every other path the CPU can run is tested
+PATHS = [p for p in ("portable", "avx512") if native.path_supported(p)]
+FORMATS = ["bf16", "int8", "int4"]
 
 
-def reference(x, gate, up, down, ids, w):
-    """fp32, one token and one expert at a time."""
+def reference(x, gate, up, down, ids, w, fmt=None):
+    """fp32, one token and one expert at a time. With fmt, the activations go through the same
+    rounding as the kernels' (bf16, or symmetric int8 per vector) so only summation order differs."""
+    def act(v):
+        if fmt is None:
+            return v
+        if fmt == "bf16":
+            return v.bfloat16().float()
+        s = v.abs().max() / 127
+        return v if s == 0 else torch.round(v / s) * s
+    bf = lambda v: v.bfloat16().float() if fmt else v  # noqa: E731  (kernels round gate/up/silu/product to bf16)
     out = torch.zeros(x.shape[0], gate.shape[2])
     for t in range(x.shape[0]):
+        xt = act(x[t].float())
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            a = F.silu(gate[e].float() @ x[t].float()) * (up[e].float() @ x[t].float())
+            g, u = bf(gate[e].float() @ xt), bf(up[e].float() @ xt)
+            a = act(bf(bf(F.silu(g)) * u))
             out[t] += w[t, j].float() * (down[e].float() @ a)
     return out
+
+
+def dequantized(op):
+    """The weights exactly as the packed format stores them, back in fp32 [E, rows, K]."""
+    from expert_service.kernels.native_moe import INT4_GROUP
+
+    def one(packed, K):
+        data, scale, _, _ = packed
+        if op.fmt == "bf16":
+            w = data.float()
+        elif op.fmt == "int8":
+            w = data.float() * scale[..., None]
+        else:
+            lo, hi = (data & 15).float() - 8, (data >> 4).float() - 8
+            E, R, half = data.shape
+            g = torch.cat([lo.view(E, R, -1, INT4_GROUP // 2), hi.view(E, R, -1, INT4_GROUP // 2)], -1)
+            w = (g * scale[..., None]).view(E, R, -1)
+        return w[..., :K]
+    gu = one(op.gu, op.hidden)
+    I = op.intermediate
+    return gu[:, :I], gu[:, I:], one(op.dn, I)
 
 
 def make(E, I, H, seed=0):
@@ -41,27 +75,41 @@ def close(got, want, tol):
     assert err <= tol * scale, f"max err {err} vs scale {scale}"
 
 
-# bf16 rounding of x, gate/up outputs and the activation: ~3 significant digits each -> 2% of the
-# output's range is a safe bound; fp32 accumulation throughout.
-BF16_TOL = 2e-2
+# Tolerances, as a share of the output's largest magnitude (fp32 accumulation throughout):
+# bf16: x, gate/up outputs and the activation are rounded to bf16 (8 mantissa bits, ~0.4% each);
+# int8: per-channel weights and per-token activations at 8 bits (~0.4% each, errors average out);
+# int4: 15 levels per 64-group of weights: ~10% error per weight against the original weights, so
+# the kernel is checked against the dequantized weights (the same activation error as int8), and
+# against the original ones only loosely.
+# Against the reference that rounds like the kernels: sum order differs, which now and then moves an
+# activation across an int8 rounding boundary (one quantum, 1/127 of the vector's max).
+TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3}
+TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1}
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("T", [1, 2, 7, 64])
 @pytest.mark.parametrize("k", [1, 2, 8])
 @pytest.mark.parametrize("E, I, H", [(8, 80, 96), (16, 64, 128), (9, 33, 70)])
-def test_native_matches_reference(path, T, k, E, I, H):
-    if k > E:
-        pytest.skip("k > E")
+def test_native_matches_reference(fmt, path, T, k, E, I, H):
     gate, up, down = make(E, I, H)
     ids, w = routing(T, k, E)
     x = torch.randn(T, H)
-    op = NativeMoELayer(gate, up, down, threads=2, path=path)
-    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w), BF16_TOL)
+    op = NativeMoELayer(gate, up, down, fmt=fmt, threads=2, path=path)
+    got = op.forward(x, ids, w)
+    close(got, reference(x, *dequantized(op), ids, w, fmt=fmt), TOL[fmt])
+    close(got, reference(x, gate, up, down, ids, w), TOL_ORIGINAL[fmt])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", PATHS)
-def test_large_T_repeated_ids_and_zero_weights(path):
+def test_large_T_repeated_ids_and_zero_weights(fmt, path):
     E, I, H, T, k = 8, 48, 96, 300, 2
     gate, up, down = make(E, I, H)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32)
@@ -69,20 +117,21 @@ def test_large_T_repeated_ids_and_zero_weights(path):
     w = torch.rand(T, k)
     w[::3] = 0.0
     x = torch.randn(T, H)
-    op = NativeMoELayer(gate, up, down, threads=2, path=path)
+    op = NativeMoELayer(gate, up, down, fmt=fmt, threads=2, path=path)
     got = op.forward(x, ids, w)
-    close(got, reference(x, gate, up, down, ids, w), BF16_TOL)
+    close(got, reference(x, *dequantized(op), ids, w, fmt=fmt), TOL[fmt])
     assert torch.all(got[::3] == 0)
 
 
-def test_paths_agree_and_async_matches_forward():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_paths_agree_and_async_matches_forward(fmt):
     gate, up, down = make(8, 80, 96)
     ids, w = routing(5, 3, 8)
     x = torch.randn(5, 96)
-    outs = [NativeMoELayer(gate, up, down, path=p).forward(x, ids, w) for p in PATHS]
+    outs = [NativeMoELayer(gate, up, down, fmt=fmt, path=p).forward(x, ids, w) for p in PATHS]
     for o in outs[1:]:
         close(o, outs[0], 1e-3)
-    op = NativeMoELayer(gate, up, down)
+    op = NativeMoELayer(gate, up, down, fmt=fmt)
     op.submit(x, ids, w)
     assert torch.equal(op.wait(), op.forward(x, ids, w))
     assert op.forward(x.bfloat16(), ids, w).dtype == torch.bfloat16
@@ -96,6 +145,19 @@ def test_torch_operator_matches_reference():
     close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w), 1e-5)
 
 
+def test_amx_is_refused_where_the_cpu_lacks_it():
+    f = native.cpu_features()
+    assert native.path_supported("amx") == (f["amx_tile"] and f["amx_bf16"] and f["amx_int8"] and f["os_amx"])
+    if not native.path_supported("amx"):
+        with pytest.raises(RuntimeError, match="cannot run"):
+            import importlib, os  # noqa: E401
+            os.environ["MOE_KERNEL_PATH"] = "amx"
+            try:
+                importlib.reload(importlib.import_module("expert_service.kernels.native_moe"))
+            finally:
+                del os.environ["MOE_KERNEL_PATH"]
+
+
 def test_bad_ids_raise_not_abort():
     gate, up, down = make(4, 32, 64)
     op = NativeMoELayer(gate, up, down)
@@ -103,12 +165,13 @@ def test_bad_ids_raise_not_abort():
         op.forward(torch.randn(1, 64), torch.tensor([[4]], dtype=torch.int32), torch.ones(1, 1))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", PATHS)
-def test_one_and_two_threads_agree_bitwise(path):
+def test_one_and_two_threads_agree_bitwise(fmt, path):
     gate, up, down = make(8, 80, 96)
     ids, w = routing(64, 4, 8)
     x = torch.randn(64, 96)
-    op = NativeMoELayer(gate, up, down, path=path)
+    op = NativeMoELayer(gate, up, down, fmt=fmt, path=path)
     try:
         native.set_threads(1)
         one = op.forward(x, ids, w)

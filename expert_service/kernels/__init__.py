@@ -4,9 +4,9 @@ implementation for one model layer; all share forward / submit / wait.
 Shapes: gate, up: [E, I, H]; down: [E, H, I]; hidden: [T, H]; topk_ids: [T, k] int32;
 topk_weights: [T, k] fp32; out: [T, H] in hidden's dtype.
 
-bf16 weights run on the native kernels (native/, path in KERNEL_PATH, forced with
-MOE_KERNEL_PATH=portable|avx512_bf16, or MOE_KERNEL_PATH=torch for the torch reference);
-fp32/fp16 weights use the torch operator.
+bf16, int8 and int4 weights run on the native kernels (native/; path in NATIVE_PATH, forced with
+MOE_KERNEL_PATH=portable|avx512, or MOE_KERNEL_PATH=torch for the torch reference); fp32/fp16
+weights use the torch operator.
 """
 import logging
 import os
@@ -24,14 +24,16 @@ except ImportError as e:  # extension not built: the torch path still serves
     NATIVE_PATH, NativeMoELayer = None, None
 
 
+NATIVE_FORMATS = ("bf16", "int8", "int4")
+
+
 def kernel_path(fmt: str) -> str:
-    return NATIVE_PATH if (NATIVE_PATH and fmt == "bf16") else "torch"
-
-
-KERNEL_PATH = NATIVE_PATH or "torch"
+    return NATIVE_PATH if (NATIVE_PATH and fmt in NATIVE_FORMATS) else "torch"
 
 
 def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None):
-    if NativeMoELayer is not None and fmt == "bf16":
+    if NativeMoELayer is not None and fmt in NATIVE_FORMATS:
         return NativeMoELayer(gate, up, down, fmt=fmt, threads=threads)
+    if fmt in ("int8", "int4"):
+        raise ValueError(f"weight format {fmt} needs the native kernels, which are not built")
     return TorchMoELayer(gate, up, down, fmt=fmt, threads=threads)

@@ -1,6 +1,13 @@
-"""The native routed-expert operator (C++ in native/, bf16 weights). Same contract as
-TorchMoELayer; the kernel path (portable | avx512_bf16) is chosen at import from CPUID and the
-OS's XSAVE state, or forced with MOE_KERNEL_PATH."""
+"""The native routed-expert operator (C++ in native/). Same contract as TorchMoELayer.
+
+Weight formats, packed once at load (gate and up fused into one [E, 2I, K] matrix):
+- bf16: as is;
+- int8: symmetric, one fp32 scale per output channel (row);
+- int4: symmetric, one fp32 scale per group of 64 consecutive weights of a row (INT4_GROUP).
+Activations are rounded to bf16 (bf16 weights) or quantized to int8 per token (int formats);
+dequantization happens in registers. The kernel path (portable | avx512) is chosen at import from
+CPUID and the OS's XSAVE state, or forced with MOE_KERNEL_PATH.
+"""
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,10 +21,13 @@ from expert_service import _moe_native as _n
 
 log = logging.getLogger("expert_service.kernels")
 
+FORMATS = ("bf16", "int8", "int4")
+INT4_GROUP = 64
+
 
 def choose_path() -> str:
     forced = os.environ.get("MOE_KERNEL_PATH")
-    if forced:
+    if forced and forced != "torch":
         if not _n.path_supported(forced):
             raise RuntimeError(f"MOE_KERNEL_PATH={forced} cannot run on this CPU/OS (features: {_n.cpu_features()})")
         return forced
@@ -28,47 +38,69 @@ PATH = choose_path()
 log.info("native MoE kernel path: %s", PATH)
 
 
-def _row_len(n: int) -> int:
-    """Elements per packed row: a multiple of 32 (no tail in the kernels) whose byte stride is not a
-    multiple of 512, so the rows a micro-kernel touches together do not all map to one L1 set."""
-    n = (n + 31) // 32 * 32
-    return n + 32 if (n * 2) % 512 == 0 else n
+def row_len(n: int, fmt: str) -> int:
+    """Packed row length: a multiple of 64 elements (whole VNNI steps and int4 groups), bumped when
+    the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
+    fall in one L1 set."""
+    n = (n + 63) // 64 * 64
+    nbytes = {"bf16": 2 * n, "int8": n, "int4": n // 2}[fmt]
+    return n + 64 if nbytes % 512 == 0 else n
 
 
 def to_huge(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t on huge-page-advised memory owned by the returned tensor's storage chain."""
+    """A copy of t on huge-page-advised memory (streaming GBs of weights without a TLB miss per 4 KiB)."""
     buf = _n.HugeBuffer(t.nbytes)
-    out = torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape)
+    out = torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape) if t.nbytes else t.clone()
     out.copy_(t)
-    out._huge_buffer = buf  # keep the memory alive as long as the tensor
-    return out
+    return out  # the tensor keeps `buf` alive through its storage
+
+
+def pack(w: torch.Tensor, fmt: str, Kp: int):
+    """w [E, rows, K] -> (data, scale, rowsum, rowcorr) in the kernels' layout (None where unused)."""
+    w = F.pad(w.float(), (0, Kp - w.shape[-1]))
+    if fmt == "bf16":
+        return to_huge(w.to(torch.bfloat16)), None, None, None
+    if fmt == "int8":
+        scale = (w.abs().amax(-1) / 127).clamp_min(1e-12)
+        q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
+        return to_huge(q), scale.contiguous(), q.sum(-1, dtype=torch.int32).contiguous(), None
+    E, R, _ = w.shape
+    g = w.view(E, R, Kp // INT4_GROUP, INT4_GROUP)
+    scale = (g.abs().amax(-1) / 7).clamp_min(1e-12)
+    q = (torch.round(g / scale[..., None]).clamp(-7, 7) + 8).to(torch.uint8)      # 1..15, 8 = zero
+    packed = q[..., :INT4_GROUP // 2] | (q[..., INT4_GROUP // 2:] << 4)           # byte i: elems i, i+32
+    rowcorr = 128 * (scale * (q.float() - 8).sum(-1)).sum(-1)                      # takes the +128 of u8 x out
+    return to_huge(packed.reshape(E, R, Kp // 2)), scale.reshape(E, R, -1).contiguous(), None, rowcorr.contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
 
 
 class NativeMoELayer:
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
                  threads: int | None = None, path: str | None = None):
-        if fmt != "bf16":
-            raise ValueError(f"the native kernels support bf16 weights, not {fmt!r}")
+        if fmt not in FORMATS:
+            raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
         E, I, H = gate.shape
         if up.shape != (E, I, H) or down.shape != (E, H, I):
             raise ValueError(f"expert shapes disagree: gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}")
         self.num_experts, self.intermediate, self.hidden, self.fmt = E, I, H, fmt
         self.path = path or PATH
-        # repacked once: gate and up fused so one pass reads both, the reduction dim zero-padded to
-        # a multiple of 32 so the kernels need no tail handling
-        self.Hp, self.Ip = _row_len(H), _row_len(I)
-        self.gate_up = to_huge(F.pad(torch.cat([gate, up], dim=1).to(torch.bfloat16), (0, self.Hp - H)))  # [E, 2I, Hp]
-        self.down = to_huge(F.pad(down.to(torch.bfloat16), (0, self.Ip - I)))                           # [E, H, Ip]
+        self.Kp_h, self.Kp_i = row_len(H, fmt), row_len(I, fmt)
+        self.gu = pack(torch.cat([gate, up], dim=1), fmt, self.Kp_h)   # [E, 2I, Kp_h]
+        self.dn = pack(down, fmt, self.Kp_i)                            # [E, H, Kp_i]
         _n.init_pool(threads or os.cpu_count() or 1)
         self._pool = None
         self._future = None
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
+        return sum(t.nbytes for t in (*self.gu, *self.dn) if t is not None)
 
     @property
-    def nbytes_per_expert(self) -> int:
+    def weight_bytes_per_expert(self) -> int:
+        """Bytes the kernels read for one expert (quantized weights and their scales)."""
         return self.nbytes // self.num_experts
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -83,9 +115,9 @@ class NativeMoELayer:
         w = topk_weights.float().contiguous()
         out = torch.empty(T, self.hidden, dtype=torch.float32)
         if T and k:
-            _n.forward_bf16(self.path, self.num_experts, self.intermediate, self.hidden, self.Ip, self.Hp,
-                            self.gate_up.data_ptr(),
-                            self.down.data_ptr(), x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), T, k)
+            _n.forward(self.path, self.fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
+                       *map(_ptr, self.gu), *map(_ptr, self.dn), x.data_ptr(), ids.data_ptr(), w.data_ptr(),
+                       out.data_ptr(), T, k)
         else:
             out.zero_()
         return out.to(hidden.dtype)

@@ -1,0 +1,86 @@
+// bf16 weights x bf16 activations, fp32 accumulation: AVX-512 BF16 (vdpbf16ps) and portable.
+#include <immintrin.h>
+
+#include "common.h"
+#include "moe.h"
+
+namespace moe {
+
+namespace {
+
+constexpr int RB = 4;          // weight rows per micro-kernel call
+constexpr int TB = 6;          // tokens per call: RB*TB accumulators + RB + 1 of the 32 zmm
+constexpr int KC = 1024;       // K chunk: RB rows x 2 KiB of weights stay in L1 across the tokens
+
+template <int NT>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint16_t* W, size_t ldw, int nr,
+                                                                       const uint16_t* const* X, int k0, int k1,
+                                                                       float* acc_mem, bool first) {
+  // partial sums stay 16-lane vectors in acc_mem ([NT][RB] zmm) across K chunks; reduced once at the end
+  __m512 acc[RB][NT];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t)
+      acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + (t * RB + r) * 16);
+  const uint16_t* w[RB];
+  for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;  // missing rows recompute row 0
+  for (int i = k0; i < k1; i += 32) {
+    __m512bh a[RB];
+    for (int r = 0; r < RB; ++r) {
+      // the next row block, same offset: in L2 by the time this block is done
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + RB * ldw), _MM_HINT_T1);
+      a[r] = (__m512bh)_mm512_loadu_si512(w[r] + i);
+    }
+    for (int t = 0; t < NT; ++t) {
+      __m512bh x = (__m512bh)_mm512_loadu_si512(X[t] + i);
+      for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a[r], x);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc_mem + (t * RB + r) * 16, acc[r][t]);
+}
+
+void mk_dispatch(const uint16_t* W, size_t ldw, int nr, const uint16_t* const* X, int nt, int k0, int k1, float* acc,
+                 bool first) {
+  switch (nt) {
+    case 6: return mk<6>(W, ldw, nr, X, k0, k1, acc, first);
+    case 5: return mk<5>(W, ldw, nr, X, k0, k1, acc, first);
+    case 4: return mk<4>(W, ldw, nr, X, k0, k1, acc, first);
+    case 3: return mk<3>(W, ldw, nr, X, k0, k1, acc, first);
+    case 2: return mk<2>(W, ldw, nr, X, k0, k1, acc, first);
+    default: return mk<1>(W, ldw, nr, X, k0, k1, acc, first);
+  }
+}
+
+__attribute__((target("avx512f"))) void reduce(const float* acc, int nt, int nr, float* C, size_t ldc) {
+  for (int t = 0; t < nt; ++t)
+    for (int r = 0; r < nr; ++r) C[t * ldc + r] = _mm512_reduce_add_ps(_mm512_loadu_ps(acc + (t * RB + r) * 16));
+}
+
+}  // namespace
+
+void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  const uint16_t* We = static_cast<const uint16_t*>(m.w) + size_t(e) * m.rows * m.Kp;
+  auto X = reinterpret_cast<const uint16_t* const*>(x.rows);
+  if (isa == Isa::Portable) {
+    for (int r = r0; r < r1; ++r)
+      for (int s = 0; s < ns; ++s) {
+        float acc = 0.f;
+        for (int i = 0; i < m.K; ++i) acc += bf16_to_f32(We[size_t(r) * m.Kp + i]) * bf16_to_f32(X[s][i]);
+        Y[size_t(s) * ldy + r] = acc;
+      }
+    return;
+  }
+  thread_local std::vector<float> acc;
+  acc.resize(size_t(ns) * RB * 16);
+  for (int r = r0; r < r1; r += RB) {
+    const int nr = std::min(RB, r1 - r);
+    for (int k0 = 0; k0 < m.Kp; k0 += KC)
+      for (int s = 0; s < ns; s += TB)
+        mk_dispatch(We + size_t(r) * m.Kp, m.Kp, nr, X + s, std::min(TB, ns - s), k0, std::min(m.Kp, k0 + KC),
+                    acc.data() + size_t(s) * RB * 16, k0 == 0);
+    for (int s = 0; s < ns; s += TB)
+      reduce(acc.data() + size_t(s) * RB * 16, std::min(TB, ns - s), nr, Y + size_t(s) * ldy + r, ldy);
+  }
+}
+
+}  // namespace moe

@@ -1,0 +1,103 @@
+// int4 weights (one scale per 64-weight group) x int8 activations: AVX-512 VNNI and portable.
+// Nibbles q in 0..15 stand for q - 8; activations come as u8 = x + 128, so per group
+// sum((x + 128) * (q - 8)) is one vpdpbusd, the group's scale applies in fp32, and the +128 comes
+// back out through the per-row constant rowcorr.
+#include <immintrin.h>
+
+#include "common.h"
+#include "moe.h"
+
+namespace moe {
+
+namespace {
+
+constexpr int RB = 4, TB = 4;
+constexpr int G = INT4_GROUP;
+
+template <int NT>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, const float* S,
+                                                                       size_t lds, int nr, const uint8_t* const* X,
+                                                                       int K, float* C) {
+  __m512 acc[RB][NT];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const uint8_t* w[RB];
+  const float* sc[RB];
+  for (int r = 0; r < RB; ++r) {
+    w[r] = W + (r < nr ? r : 0) * ldw;
+    sc[r] = S + (r < nr ? r : 0) * lds;
+  }
+  const __m256i lo4 = _mm256_set1_epi8(0x0f);
+  const __m512i eight = _mm512_set1_epi8(8);
+  for (int i = 0, g = 0; i < K; i += G, ++g) {
+    __m512i a[RB];
+    __m512 s[RB];
+    for (int r = 0; r < RB; ++r) {
+      // the next row block, same offset: in L2 by the time this block is done
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + RB * ldw), _MM_HINT_T1);
+      __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));  // 64 nibbles
+      a[r] = _mm512_sub_epi8(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
+                                                _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1),
+                             eight);
+      s[r] = _mm512_set1_ps(sc[r][g]);
+    }
+    for (int t = 0; t < NT; ++t) {
+      __m512i xv = _mm512_loadu_si512(X[t] + i);
+      for (int r = 0; r < RB; ++r)
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, a[r])),
+                                    s[r], acc[r][t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < nr; ++r) C[t * RB + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+void mk_dispatch(const uint8_t* W, size_t ldw, const float* S, size_t lds, int nr, const uint8_t* const* X, int nt,
+                 int K, float* C) {
+  switch (nt) {
+    case 4: return mk<4>(W, ldw, S, lds, nr, X, K, C);
+    case 3: return mk<3>(W, ldw, S, lds, nr, X, K, C);
+    case 2: return mk<2>(W, ldw, S, lds, nr, X, K, C);
+    default: return mk<1>(W, ldw, S, lds, nr, X, K, C);
+  }
+}
+
+}  // namespace
+
+void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  const int groups = m.Kp / G;
+  const size_t ldw = m.Kp / 2;
+  const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
+  const float* Se = m.scale + size_t(e) * m.rows * groups;
+  auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
+  for (int r = r0; r < r1; r += RB) {
+    const int nr = std::min(RB, r1 - r);
+    for (int s = 0; s < ns; s += TB) {
+      const int nt = std::min(TB, ns - s);
+      float C[TB * RB];
+      if (isa == Isa::Portable) {
+        for (int t = 0; t < nt; ++t)
+          for (int j = 0; j < nr; ++j) {
+            const uint8_t* wr = We + size_t(r + j) * ldw;
+            float acc = 0.f;
+            for (int g = 0; g < groups; ++g) {
+              int32_t p = 0;
+              for (int i = 0; i < G / 2; ++i) {
+                p += (int32_t(wr[g * G / 2 + i] & 15) - 8) * X[s + t][g * G + i];
+                p += (int32_t(wr[g * G / 2 + i] >> 4) - 8) * X[s + t][g * G + G / 2 + i];
+              }
+              acc += float(p) * Se[size_t(r + j) * groups + g];
+            }
+            C[t * RB + j] = acc;
+          }
+      } else {
+        mk_dispatch(We + size_t(r) * ldw, ldw, Se + size_t(r) * groups, groups, nr, X + s, nt, m.Kp, C);
+      }
+      const float* corr = m.rowcorr + size_t(e) * m.rows;
+      for (int t = 0; t < nt; ++t)
+        for (int j = 0; j < nr; ++j) Y[size_t(s + t) * ldy + r + j] = (C[t * RB + j] - corr[r + j]) * x.scale[s + t];
+    }
+  }
+}
+
+}  // namespace moe

@@ -1,0 +1,158 @@
+// The routed-expert SwiGLU driver, the same for every weight format. The (token, expert) pairs are
+// grouped by expert, then
+//   phase 1: tasks over (expert, block of gate/up rows): GU[slot] = W_gate_up[e] x_slot
+//   act:     act[slot] = silu(gate) * up, rounded to bf16 (as a bf16 model would), then put in the
+//            format's activation form (bf16, or int8 with a per-slot scale)
+//   phase 2: tasks over (expert, block of down rows):   Y[slot] = W_down[e] act[slot]
+//   combine: out[t] = sum_j w[t,j] * Y[slot(t,j)]   (fixed order: the same answer for any thread count)
+// Each task reads one contiguous range of one expert's weights: at decode every thread streams DRAM
+// sequentially; at prefill a block of weight rows is reused across all of that expert's tokens.
+#include <cmath>
+
+#include "common.h"
+#include "moe.h"
+
+namespace moe {
+
+namespace {
+
+constexpr int ROW_BLOCK = 64;  // rows per task
+
+// Activations of several rows in one format; buffers reused across calls (fresh multi-MB buffers
+// page-fault on every call).
+struct ActBuf {
+  std::vector<uint8_t> data;
+  std::vector<float> scale, scales_of_slot;
+  std::vector<const void*> rows;
+  size_t row_bytes = 0;
+
+  void resize(Fmt fmt, int n, int Kp) {
+    row_bytes = fmt == Fmt::Bf16 ? size_t(Kp) * 2 : size_t(Kp);
+    data.assign(size_t(n) * row_bytes, 0);  // zero padding: the kernels read whole rows
+    scale.assign(n, 1.f);
+  }
+  Acts view(const int* row_of_slot, int ns) {  // slot s reads row row_of_slot[s] (or s)
+    rows.resize(ns);
+    scales_of_slot.resize(ns);
+    for (int s = 0; s < ns; ++s) {
+      int r = row_of_slot ? row_of_slot[s] : s;
+      rows[s] = data.data() + size_t(r) * row_bytes;
+      scales_of_slot[s] = scale[r];
+    }
+    return Acts{rows.data(), scales_of_slot.data()};
+  }
+};
+
+// Put one fp32 row (n values) into row `r` of `b` in the format's activation form.
+void quantize_row(Fmt fmt, const float* x, int n, ActBuf& b, int r) {
+  uint8_t* dst = b.data.data() + size_t(r) * b.row_bytes;
+  if (fmt == Fmt::Bf16) {
+    auto* d = reinterpret_cast<uint16_t*>(dst);
+    for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(x[i]);
+    return;
+  }
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax > 0 ? amax / 127.f : 1.f, inv = 1.f / scale;
+  b.scale[r] = scale;
+  // u8 = q + 128: VNNI multiplies unsigned activations by signed weights
+  for (int i = 0; i < n; ++i) dst[i] = uint8_t(int(std::nearbyint(x[i] * inv)) + 128);
+  for (size_t i = n; i < b.row_bytes; ++i) dst[i] = 128;  // padding is q = 0
+}
+
+void gemm_rows(Isa isa, Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,
+               size_t ldy) {
+  switch (fmt) {
+    case Fmt::Bf16: return gemm_rows_bf16(isa, m, e, r0, r1, x, ns, Y, ldy);
+    case Fmt::Int8: return gemm_rows_int8(isa, m, e, r0, r1, x, ns, Y, ldy);
+    case Fmt::Int4: return gemm_rows_int4(isa, m, e, r0, r1, x, ns, Y, ldy);
+  }
+}
+
+}  // namespace
+
+void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
+                 float* out, int T, int k) {
+  MOE_CHECK(T >= 0 && k >= 1, "bad token count or k");
+  const int E = m.E, H = m.H, I = m.I, S = T * k;
+  MOE_CHECK(m.gate_up.rows == 2 * I && m.gate_up.K == H && m.down.rows == H && m.down.K == I, "bad weight shapes");
+  MOE_CHECK(m.gate_up.Kp % 64 == 0 && m.down.Kp % 64 == 0, "packed rows must be a multiple of 64 elements");
+  for (int i = 0; i < S; ++i) MOE_CHECK(ids[i] >= 0 && ids[i] < E, "expert id out of range");
+  ThreadPool& tp = pool();
+
+  // group slots by expert; the slots of one expert are in token order
+  std::vector<int> start(E + 1, 0), slot_of(S), tok_of(S);
+  for (int i = 0; i < S; ++i) ++start[ids[i] + 1];
+  for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int> fill(start.begin(), start.end() - 1);
+    for (int i = 0; i < S; ++i) {
+      int s = fill[ids[i]]++;
+      slot_of[i] = s;
+      tok_of[s] = i / k;
+    }
+  }
+  // (thread_local objects named inside the lambdas would resolve to each worker's own copy, so
+  // the lambdas use these references to the calling thread's buffers)
+  thread_local ActBuf xb_tl, act_tl;
+  thread_local std::vector<float> gu_tl, y_tl;
+  ActBuf& xb = xb_tl;
+  ActBuf& ab = act_tl;
+  std::vector<float>& gu = gu_tl;
+  std::vector<float>& y = y_tl;
+  xb.resize(m.fmt, T, m.gate_up.Kp);
+  ab.resize(m.fmt, S, m.down.Kp);
+  if (gu.size() < size_t(S) * 2 * I) gu.resize(size_t(S) * 2 * I);
+  if (y.size() < size_t(S) * H) y.resize(size_t(S) * H);
+
+  tp.parallel_for(T, [&](int t) { quantize_row(m.fmt, hidden + size_t(t) * H, H, xb, t); });
+  const Acts xs = xb.view(tok_of.data(), S);
+
+  auto make_tasks = [&](int rows) {
+    std::vector<std::pair<int, int>> tasks;
+    for (int e = 0; e < E; ++e)
+      if (start[e + 1] > start[e])
+        for (int r = 0; r < rows; r += ROW_BLOCK) tasks.emplace_back(e, r);
+    return tasks;
+  };
+  auto sub = [](const Acts& a, int s0) {
+    return Acts{a.rows + s0, a.scale + s0};
+  };
+  auto t1 = make_tasks(2 * I);
+  tp.parallel_for(int(t1.size()), [&](int i) {
+    auto [e, r0] = t1[i];
+    int s0 = start[e];
+    gemm_rows(isa, m.fmt, m.gate_up, e, r0, std::min(2 * I, r0 + ROW_BLOCK), sub(xs, s0), start[e + 1] - s0,
+              gu.data() + size_t(s0) * 2 * I, 2 * I);
+  });
+  tp.parallel_for(S, [&](int s) {
+    const float* g = gu.data() + size_t(s) * 2 * I;
+    thread_local std::vector<float> a;
+    a.resize(I);
+    for (int i = 0; i < I; ++i) {
+      float gv = bf16_to_f32(f32_to_bf16(g[i])), uv = bf16_to_f32(f32_to_bf16(g[I + i]));
+      float sv = bf16_to_f32(f32_to_bf16(gv / (1.f + std::exp(-gv))));
+      a[i] = bf16_to_f32(f32_to_bf16(sv * uv));
+    }
+    quantize_row(m.fmt, a.data(), I, ab, s);
+  });
+  const Acts as = ab.view(nullptr, S);
+  auto t2 = make_tasks(H);
+  tp.parallel_for(int(t2.size()), [&](int i) {
+    auto [e, r0] = t2[i];
+    int s0 = start[e];
+    gemm_rows(isa, m.fmt, m.down, e, r0, std::min(H, r0 + ROW_BLOCK), sub(as, s0), start[e + 1] - s0,
+              y.data() + size_t(s0) * H, H);
+  });
+  tp.parallel_for(T, [&](int t) {
+    float* o = out + size_t(t) * H;
+    for (int h = 0; h < H; ++h) o[h] = 0.f;
+    for (int j = 0; j < k; ++j) {
+      const float wj = weights[size_t(t) * k + j];
+      const float* yj = y.data() + size_t(slot_of[size_t(t) * k + j]) * H;
+      for (int h = 0; h < H; ++h) o[h] += wj * yj[h];
+    }
+  });
+}
+
+}  // namespace moe
