@@ -12,6 +12,7 @@ from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
 from moe_core import serving
+from moe_core.metrics import serve_metrics
 from protos import expert_pb2, expert_pb2_grpc
 
 from . import kernels
@@ -33,6 +34,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=8192,
                     help="most tokens accepted in one layer request (bounds message size)")
     ap.add_argument("--reflection", action="store_true", help="enable gRPC server reflection (for grpcurl)")
+    ap.add_argument("--grace", type=float, default=10.0,
+                    help="on SIGTERM: seconds open streams may take to finish before they are cancelled")
+    ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0 = off)")
+    ap.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -65,6 +70,7 @@ async def serve(args) -> None:
         serving.fail(f"cannot listen on {args.listen}: {e}")
     await serving.set_health(hs, [name], serving=False)
     await server.start()
+    serve_metrics(args.metrics_port, args.metrics_host)
     log.info("listening on %s; loading experts of %s", args.listen, args.model)
     try:
         # off the event loop, so health checks are answered (NOT_SERVING) while loading
@@ -79,7 +85,9 @@ async def serve(args) -> None:
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop(grace=2)
+        log.info("draining (grace %.0fs)", args.grace)
+        await serving.set_health(hs, [name], serving=False)
+        await server.stop(grace=args.grace)
 
 
 def main(argv=None) -> None:

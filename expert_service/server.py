@@ -15,6 +15,8 @@ from moe_core.config import ModelConfig
 from moe_core.serving import FINGERPRINT_KEY
 from protos import expert_pb2, expert_pb2_grpc
 
+from . import metrics
+
 log = logging.getLogger("expert_service")
 
 
@@ -34,6 +36,7 @@ def split_deferred(ids: torch.Tensor, weights: torch.Tensor, defer: int):
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     def __init__(self, cfg: ModelConfig, fmt: str, kernel_path: str, threads: int, max_tokens: int):
         self.cfg, self.layers, self.fp = cfg, {}, None  # filled by attach() once loaded
+        self.active_streams = 0
         self.fmt, self.kernel_path, self.threads, self.max_tokens = fmt, kernel_path, threads, max_tokens
         # One compute thread: the kernels parallelize inside; requests are served in arrival order.
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="experts")
@@ -80,54 +83,72 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     # -- compute --------------------------------------------------------------------------------
     def compute(self, layer: int, hidden, ids, w, defer: int):
-        """-> [(part, out, compute_us)], immediate first."""
+        """-> [(part, out, ExpertTiming)], immediate first. Runs on the compute thread."""
         op = self.layers[layer]
         if defer == 0:
-            t = time.perf_counter()
-            out = op.forward(hidden, ids, w)
-            return [(expert_pb2.IMMEDIATE, out, int((time.perf_counter() - t) * 1e6))]
-        i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
-        t = time.perf_counter()
-        imm = op.forward(hidden, i_ids, i_w)
-        t1 = time.perf_counter()
-        dfr = op.forward(hidden, d_ids, d_w)
-        t2 = time.perf_counter()
-        return [(expert_pb2.IMMEDIATE, imm, int((t1 - t) * 1e6)), (expert_pb2.DEFERRED, dfr, int((t2 - t1) * 1e6))]
+            jobs = [(expert_pb2.IMMEDIATE, ids, w)]
+        else:
+            i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
+            jobs = [(expert_pb2.IMMEDIATE, i_ids, i_w), (expert_pb2.DEFERRED, d_ids, d_w)]
+        out = []
+        for part, p_ids, p_w in jobs:
+            t0 = time.time_ns()
+            y = op.forward(hidden, p_ids, p_w)
+            t1 = time.time_ns()
+            dt = (t1 - t0) / 1e9
+            metrics.BUSY.inc(dt)
+            metrics.COMPUTE.labels(str(layer), "deferred" if part else "immediate").observe(dt)
+            out.append((part, y, expert_pb2.ExpertTiming(compute_us=(t1 - t0) // 1000, start_unix_ns=t0,
+                                                         end_unix_ns=t1)))
+        metrics.TOKENS.inc(hidden.shape[0])
+        return out
 
     async def _check_peer(self, context) -> None:
         await self._check_ready(context)
         md = dict(context.invocation_metadata() or ())
         theirs = md.get(FINGERPRINT_KEY)
         if theirs is not None and theirs != self.fp:
+            metrics.ERRORS.labels("FAILED_PRECONDITION").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"model fingerprint mismatch: expert service serves {self.fp}, caller has {theirs}")
 
     async def _run(self, req, context):
-        t_recv = time.perf_counter()
+        t_recv = time.time_ns()
         try:
             hidden, ids, w = self.parse(req)
         except BadRequest as e:
+            metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         loop = asyncio.get_running_loop()
-        t_start = time.perf_counter()
         parts = await loop.run_in_executor(self.pool, self.compute, req.layer, hidden, ids, w, req.defer)
-        queued = int((t_start - t_recv) * 1e6)
-        return parts, queued
+        queued_ns = parts[0][2].start_unix_ns - t_recv
+        metrics.QUEUED.observe(queued_ns / 1e9)
+        for _, _, timing in parts:
+            timing.queued_us = max(0, queued_ns // 1000)
+        return parts
 
     async def Exchange(self, request_iterator, context):
         await self._check_peer(context)
-        async for req in request_iterator:
-            parts, queued = await self._run(req, context)
-            for part, out, us in parts:
-                yield expert_pb2.LayerResult(step=req.step, layer=req.layer, part=part, output=codec.encode(out),
-                                             timing=expert_pb2.ExpertTiming(queued_us=queued, compute_us=us))
+        self.active_streams += 1
+        metrics.STREAMS.set(self.active_streams)
+        try:
+            async for req in request_iterator:
+                metrics.LAYER_REQUESTS.labels("Exchange").inc()
+                for part, out, timing in await self._run(req, context):
+                    yield expert_pb2.LayerResult(step=req.step, layer=req.layer, part=part,
+                                                 output=codec.encode(out), timing=timing)
+        finally:  # the peer went away or the stream ended: nothing of it stays behind
+            self.active_streams -= 1
+            metrics.STREAMS.set(self.active_streams)
 
     async def RunLayer(self, request, context):
         await self._check_peer(context)
-        parts, queued = await self._run(request, context)
-        resp = expert_pb2.LayerResponse(immediate=codec.encode(parts[0][1]),
-                                        timing=expert_pb2.ExpertTiming(queued_us=queued,
-                                                                       compute_us=sum(p[2] for p in parts)))
+        metrics.LAYER_REQUESTS.labels("RunLayer").inc()
+        parts = await self._run(request, context)
+        t = parts[0][2]
+        resp = expert_pb2.LayerResponse(immediate=codec.encode(parts[0][1]), timing=expert_pb2.ExpertTiming(
+            queued_us=t.queued_us, compute_us=sum(p[2].compute_us for p in parts), start_unix_ns=t.start_unix_ns,
+            end_unix_ns=parts[-1][2].end_unix_ns))
         if len(parts) > 1:
             resp.deferred.CopyFrom(codec.encode(parts[1][1]))
         return resp
@@ -140,4 +161,5 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             n_routed_experts=cfg.n_routed_experts, hidden_size=cfg.hidden_size,
             moe_intermediate_size=cfg.moe_intermediate_size, top_k=cfg.top_k, weight_format=self.fmt,
             kernel_path=self.kernel_path, threads=self.threads,
-            weight_bytes=sum(op.nbytes for op in self.layers.values()))
+            weight_bytes=sum(op.nbytes for op in self.layers.values()), transport="grpc",
+            active_streams=self.active_streams)

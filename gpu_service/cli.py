@@ -14,8 +14,10 @@ from moe_core import serving
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
-from protos import generate_pb2, generate_pb2_grpc
+from moe_core.metrics import serve_metrics
+from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc
 
+from . import metrics
 from .dispatch import RemoteExperts
 from .engine import Engine
 from .model import DTYPES, Model
@@ -44,6 +46,10 @@ def parse_args(argv=None):
     ap.add_argument("--connect-timeout", type=float, default=120.0,
                     help="seconds to wait at start for the expert service to be ready")
     ap.add_argument("--reflection", action="store_true", help="enable gRPC server reflection (for grpcurl)")
+    ap.add_argument("--grace", type=float, default=10.0,
+                    help="on SIGTERM: seconds requests in flight may take to finish before they are cancelled")
+    ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0 = off)")
+    ap.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -70,6 +76,34 @@ def wait_for_experts(experts: RemoteExperts, timeout: float):
             delay = min(delay * 2, 2.0)
 
 
+async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServicer, hs, names) -> None:
+    """Health of this service follows the expert service's: probe it every second; on recovery,
+    re-check it serves the same model before taking requests again."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(experts.target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        info_stub = expert_pb2_grpc.ExpertServiceStub(ch)
+        while True:
+            try:
+                ok = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+                if ok and not servicer.expert_ready:
+                    info = await info_stub.Info(expert_pb2.ExpertInfoRequest(), timeout=5)
+                    if info.model_fingerprint != fp:
+                        log.error("expert service at %s now serves fingerprint %s, not %s: not serving",
+                                  experts.target, info.model_fingerprint, fp)
+                        ok = False
+            except grpc.RpcError:
+                ok = False
+            if ok != servicer.expert_ready:
+                log.warning("expert service at %s is %s", experts.target, "back" if ok else "unavailable")
+                servicer.expert_ready = ok
+                metrics.EXPERT_UP.set(int(ok))
+                await serving.set_health(hs, names, serving=ok)
+            await asyncio.sleep(1.0)
+
+
 async def serve(args) -> None:
     try:
         cfg = load_config(args.model)
@@ -85,6 +119,25 @@ async def serve(args) -> None:
     dtype = DTYPES[args.dtype if args.dtype != "auto" else cfg.torch_dtype]
     max_context = min(args.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
     max_msg = max(max_context, 8192) * (cfg.hidden_size * 4 + cfg.top_k * 8) + (1 << 16)
+    server_info = generate_pb2.ServerInfo(
+        model_fingerprint=fp, architecture=cfg.model_type, device=str(device), dtype=str(dtype).replace("torch.", ""),
+        num_layers=cfg.num_layers, moe_layers=list(cfg.moe_layers), vocab_size=cfg.vocab_size,
+        max_context=max_context, expert_service=args.experts, defer=args.defer, max_batch=args.max_batch)
+    # up first (NOT_SERVING), so probes see it while it loads
+    server = grpc.aio.server(options=serving.message_options(max_context * cfg.vocab_size * 4 + (1 << 20)))
+    servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
+    hs = serving.add_health(server, [])
+    names = [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name]
+    if args.reflection:
+        serving.add_reflection(server, [*names, "grpc.health.v1.Health"])
+    try:
+        server.add_insecure_port(args.listen)
+    except RuntimeError as e:
+        serving.fail(f"cannot listen on {args.listen}: {e}")
+    await serving.set_health(hs, names, serving=False)
+    await server.start()
+    serve_metrics(args.metrics_port, args.metrics_host)
     experts = RemoteExperts(args.experts, fp, max_msg)
     log.info("waiting for the expert service at %s", args.experts)
     info = await asyncio.to_thread(wait_for_experts, experts, args.connect_timeout)
@@ -95,29 +148,18 @@ async def serve(args) -> None:
     model = await asyncio.to_thread(Model, cfg, ckpt, device, dtype)
     engine = Engine(model, experts, text, args.max_batch, max_context)
     engine.start()
-    server_info = generate_pb2.ServerInfo(
-        model_fingerprint=fp, architecture=cfg.model_type, device=str(device), dtype=str(dtype).replace("torch.", ""),
-        num_layers=cfg.num_layers, moe_layers=list(cfg.moe_layers), vocab_size=cfg.vocab_size,
-        max_context=max_context, expert_service=args.experts, defer=args.defer)
-    server = grpc.aio.server(options=serving.message_options(max_context * cfg.vocab_size * 4 + (1 << 20)))
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(
-        GenerateServicer(engine, server_info, args.defer, args.max_tokens_limit), server)
-    hs = serving.add_health(server, [])
-    name = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
-    if args.reflection:
-        serving.add_reflection(server, [name, "grpc.health.v1.Health"])
-    try:
-        server.add_insecure_port(args.listen)
-    except RuntimeError as e:
-        serving.fail(f"cannot listen on {args.listen}: {e}")
-    await server.start()
-    await serving.set_health(hs, [name], serving=True)
+    servicer.attach(engine)
+    watcher = asyncio.create_task(watch_experts(experts, fp, servicer, hs, names))
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s), defer=%d", args.listen,
              cfg.model_type, fp, device, dtype, args.experts, info.weight_format, info.kernel_path, args.defer)
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop(grace=2)
+        # drain: refuse new work, let requests in flight finish within the grace period, then stop
+        log.info("draining (grace %.0fs)", args.grace)
+        watcher.cancel()
+        await serving.set_health(hs, names, serving=False)
+        await server.stop(grace=args.grace)
         engine.stop()
         experts.close()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import queue
-import threading
 
 import grpc
 import torch
@@ -59,8 +58,7 @@ class RemoteExperts:
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self._requests: queue.Queue | None = None
         self._responses = None
-        self._lock = threading.Lock()
-        self.last_timing: dict[tuple[int, bool], expert_pb2.ExpertTiming] = {}
+        self._timings: list = []  # (layer, deferred, ExpertTiming) since the last drain
 
     def info(self, timeout: float = 5.0) -> expert_pb2.ExpertInfo:
         return self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=timeout)
@@ -97,8 +95,12 @@ class RemoteExperts:
             self.reset()
             raise ExpertServiceError(grpc.StatusCode.INTERNAL, f"exchange out of order: wanted layer {layer} "
                                      f"part {want}, got layer {r.layer} part {r.part}")
-        self.last_timing[(layer, deferred)] = r.timing
+        self._timings.append((layer, deferred, r.timing))
         return codec.decode(r.output, "output")
+
+    def drain_timings(self) -> list:
+        out, self._timings = self._timings, []
+        return out
 
     def reset(self):
         """Drop the stream (after an error): the next submit opens a fresh one."""

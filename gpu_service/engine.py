@@ -14,6 +14,7 @@ from typing import Callable
 import grpc
 import torch
 
+from . import metrics
 from .dispatch import ExpertServiceError
 from .model import Model, Segment
 from .sampling import SamplingParams, sample
@@ -31,6 +32,7 @@ class Chunk:
     completion_tokens: int
     ttft_s: float
     elapsed_s: float
+    spans: list | None = None  # the request's profile, on the last chunk when asked for
 
 
 @dataclasses.dataclass
@@ -54,6 +56,8 @@ class Request:
     ignore_eos: bool = False
     defer: int = 0
     score_only: bool = False
+    profile: bool = False
+    deadline: float | None = None  # time.perf_counter() value after which the client has gone
     cancelled: bool = False
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     # engine state
@@ -62,6 +66,8 @@ class Request:
     detok: DetokenizeStream | None = None
     gen: torch.Generator | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    spans: list = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -104,11 +110,20 @@ class Engine:
             r.gen = r.sampling.generator()
         return new
 
+    def _expired(self, r: Request, now: float) -> bool:
+        if r.deadline is not None and now > r.deadline and not r.cancelled:
+            r.cancelled = True
+            r.emit(Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
+        return r.cancelled
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             new = self._admit()
-            self.running = [r for r in self.running if not r.cancelled]
-            new = [r for r in new if not r.cancelled]
+            now = time.perf_counter()
+            self.running = [r for r in self.running if not self._expired(r, now)]
+            new = [r for r in new if not self._expired(r, now)]
+            metrics.RUNNING.set(len(self.running) + len(new))
+            metrics.WAITING.set(self.inbox.qsize())
             if not self.running and not new:
                 continue
             batch = self.running + new
@@ -125,6 +140,7 @@ class Engine:
                     self.experts.reset()
                     self._fail(group, grpc.StatusCode.INTERNAL, f"internal error: {e}")
             self.running = [r for r in batch if r.cache is not None and not r.cancelled]
+        metrics.RUNNING.set(0)
 
     def _fail(self, reqs: list[Request], code, msg: str) -> None:
         for r in reqs:
@@ -136,26 +152,38 @@ class Engine:
         for r in reqs:
             if r.cache.length == 0:
                 toks = torch.tensor(r.prompt_ids, dtype=torch.long)
+                metrics.PROMPT_TOKENS.inc(len(r.prompt_ids))
             else:
                 toks = torch.tensor([r.output[-1]], dtype=torch.long)
             segs.append(Segment(r.cache, toks, r.cache.length, all_logits=r.score_only))
-        logits = self.model.forward(segs, self.experts, step=next(self.steps), defer=defer)
+        step = next(self.steps)
+        spans: list = []
+        t0 = time.perf_counter()
+        logits = self.model.forward(segs, self.experts, step=step, defer=defer, spans=spans)
+        spans += expert_spans(self.experts, step)
         row = 0
         now = time.perf_counter()
+        t_sample = time.time_ns()
         for r, s in zip(reqs, segs):
             n = s.tokens.shape[0] if r.score_only else 1
             if r.score_only:
                 r.emit(Scores(logits[row:row + n].cpu()))
                 r.cache = None
             else:
-                self._advance(r, logits[row], now)
+                self._advance(r, logits[row], now, spans, t_sample)
             row += n
+        record_step_metrics(spans, time.perf_counter() - t0)
 
-    def _advance(self, r: Request, logits: torch.Tensor, now: float) -> None:
+    def _advance(self, r: Request, logits: torch.Tensor, now: float, spans: list, t_sample: int) -> None:
         tok = sample(logits, r.sampling, r.gen)
         r.output.append(tok)
         if r.first_token_at is None:
             r.first_token_at = now
+            metrics.TTFT.observe(now - r.arrival)
+        else:
+            metrics.ITL.observe(now - r.last_token_at)
+        r.last_token_at = now
+        metrics.GENERATED_TOKENS.inc()
         finish = None
         if tok in self.eos and not r.ignore_eos:
             text, finish = "", "eos"
@@ -167,7 +195,42 @@ class Engine:
             finish = "length"
         if finish in ("length", "eos"):
             text += r.detok.flush()
+        if r.profile:
+            r.spans += spans
+            r.spans.append(("sampling", "gpu", -1, spans[0][3] if spans else 0, t_sample, time.time_ns()))
         r.emit(Chunk(text, [tok], finish, len(r.prompt_ids), len(r.output), r.first_token_at - r.arrival,
-                     now - r.arrival))
+                     now - r.arrival, r.spans if (finish and r.profile) else None))
         if finish is not None:
             r.cache = None  # frees the KV cache
+
+
+def expert_spans(experts, step: int) -> list:
+    """The expert service's compute spans of this step, as it reported them."""
+    out = []
+    for layer, deferred, timing in getattr(experts, "drain_timings", lambda: [])():
+        out.append(("experts_deferred" if deferred else "experts_immediate", "expert", layer, step,
+                    timing.start_unix_ns, timing.end_unix_ns))
+    return out
+
+
+def record_step_metrics(spans: list, step_s: float) -> None:
+    metrics.STEP.observe(step_s)
+    blocked = 0.0
+    submitted = {}
+    compute = {}
+    for name, service, layer, _, t0, t1 in spans:
+        if name == "router":
+            submitted[layer] = t1
+        elif name == "expert_wait":
+            blocked += (t1 - t0) / 1e9
+            metrics.EXPERT_WAIT.labels(str(layer)).observe((t1 - t0) / 1e9)
+            if layer in submitted:
+                compute.setdefault(("rtt", layer), (t1 - submitted[layer]) / 1e9)
+        elif service == "expert":
+            metrics.EXPERT_COMPUTE.labels(name.removeprefix("experts_")).observe((t1 - t0) / 1e9)
+            compute[(name, layer)] = (t1 - t0) / 1e9
+    for (kind, layer), rtt in list(compute.items()):
+        if kind == "rtt" and ("experts_immediate", layer) in compute:
+            metrics.EXCHANGE.observe(max(0.0, rtt - compute[("experts_immediate", layer)]))
+    metrics.EXPERT_BLOCKED.inc(blocked)
+    metrics.GPU_BUSY.inc(max(0.0, step_s - blocked))

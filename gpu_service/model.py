@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -86,31 +87,51 @@ class Model:
                       W[p + "shared_experts.down_proj.weight"])
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment], experts, step: int = 0, defer: int = 0) -> torch.Tensor:
+    def forward(self, segments: list[Segment], experts, step: int = 0, defer: int = 0,
+                spans: list | None = None) -> torch.Tensor:
         """-> logits [n, vocab] fp32: one row per segment (its last token), or every row of a
-        segment with all_logits. `experts` is a Dispatch (submit / result)."""
+        segment with all_logits. `experts` is a Dispatch (submit / result). `spans`, when given,
+        collects (name, service, layer, step, start_ns, end_ns) for the profile and metrics."""
         cfg, W = self.cfg, self.W
+        sync = self.device.type == "cuda" and spans is not None  # GPU spans need the kernels done
+        clock = time.time_ns
+
+        def mark(name: str, layer: int, t0: int) -> int:
+            if sync:
+                torch.cuda.synchronize(self.device)
+            t1 = clock()
+            if spans is not None:
+                spans.append((name, "gpu", layer, step, t0, t1))
+            return t1
+
+        t = clock()
         tokens = torch.cat([s.tokens for s in segments]).to(self.device)
         positions = torch.cat([torch.arange(s.start, s.start + s.tokens.shape[0]) for s in segments]).to(self.device)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, self.dtype)
         h = F.embedding(tokens, W["model.embed_tokens.weight"])
+        t = mark("embed", -1, t)
         pending = None  # the MoE layer whose deferred result is still outstanding
         for L in range(cfg.num_layers):
             p = f"model.layers.{L}."
             x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             h = h + self._attention(p + "self_attn.", x, cos, sin, segments, L)
+            t = mark("attention", L, t)
             x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             fp = p + cfg.ffn_prefix + "."
             if not cfg.is_moe_layer(L):
                 h = h + swiglu(x, W[fp + "gate_proj.weight"], W[fp + "up_proj.weight"], W[fp + "down_proj.weight"])
+                t = mark("dense_mlp", L, t)
                 continue
             ids, w = route(cfg, x, W[fp + "gate.weight"], W.get(fp + "gate.e_score_correction_bias"))
             d = defer if L != self.last_moe_layer else 0
             experts.submit(step, L, x, ids, w, d)
+            t = mark("router", L, t)
             shared = self._shared(fp, x)                 # overlaps the expert service's work
+            t = mark("shared_experts", L, t)
             # results arrive in request order: the previous layer's DEFERRED before this IMMEDIATE
             late = experts.result(pending, deferred=True) if pending is not None else None
             y = experts.result(L, deferred=False)
+            t = mark("expert_wait", L, t)
             if late is not None:
                 y = y + late
             pending = L if d else None
@@ -119,10 +140,12 @@ class Model:
         h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps)
         rows, off = [], 0
         for s in segments:
-            t = s.tokens.shape[0]
-            rows.append(torch.arange(off, off + t) if s.all_logits else torch.tensor([off + t - 1]))
-            off += t
+            n = s.tokens.shape[0]
+            rows.append(torch.arange(off, off + n) if s.all_logits else torch.tensor([off + n - 1]))
+            off += n
         sel = torch.cat(rows).to(self.device)
         for s in segments:
             s.cache.length = s.start + s.tokens.shape[0]
-        return F.linear(h[sel], self.lm_head).float()
+        logits = F.linear(h[sel], self.lm_head).float()
+        mark("lm_head", -1, t)
+        return logits

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 import torch
@@ -10,7 +11,8 @@ import torch
 from moe_core import codec
 from protos import generate_pb2, generate_pb2_grpc
 
-from .engine import Chunk, Engine, Failure, Request, Scores
+from . import metrics
+from .engine import Engine, Failure, Request
 from .sampling import SamplingParams
 
 log = logging.getLogger("gpu_service")
@@ -25,10 +27,33 @@ class BadRequest(ValueError):
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, engine: Engine, info: generate_pb2.ServerInfo, default_defer: int, max_tokens_limit: int):
-        self.engine, self.info, self.default_defer = engine, info, default_defer
+    """Serves once attach() gave it an engine; until then, and while the expert service is down,
+    new requests get UNAVAILABLE at once."""
+
+    def __init__(self, cfg, info: generate_pb2.ServerInfo, default_defer: int, max_tokens_limit: int):
+        self.engine: Engine | None = None
+        self.cfg, self.info, self.default_defer = cfg, info, default_defer
         self.max_tokens_limit = max_tokens_limit
-        self.cfg = engine.model.cfg
+        self.expert_ready = False
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def _check_ready(self, context, rpc: str) -> None:
+        if self.engine is None:
+            await self._abort(context, rpc, grpc.StatusCode.UNAVAILABLE, "GPU service is still loading the model")
+        if not self.expert_ready:
+            await self._abort(context, rpc, grpc.StatusCode.UNAVAILABLE,
+                              f"expert service at {self.info.expert_service} is unavailable")
+
+    async def _abort(self, context, rpc: str, code: grpc.StatusCode, msg: str):
+        metrics.REQUESTS.labels(rpc, code.name).inc()
+        await context.abort(code, msg)
+
+    @staticmethod
+    def _deadline(context) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None else time.perf_counter() + remaining
 
     # -- validation -------------------------------------------------------------------------------
     def _prompt_ids(self, req) -> list[int]:
@@ -85,7 +110,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if defer > self.cfg.top_k - 1:
             raise BadRequest(f"defer: must be <= top_k - 1 = {self.cfg.top_k - 1}, got {defer}")
         return Request(prompt_ids=ids, emit=emit, max_tokens=req.max_tokens, sampling=sp, stop=stop,
-                       ignore_eos=req.ignore_eos, defer=defer)
+                       ignore_eos=req.ignore_eos, defer=defer, profile=req.profile)
 
     def _emitter(self):
         loop = asyncio.get_running_loop()
@@ -94,45 +119,62 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # -- RPCs -------------------------------------------------------------------------------------
     async def Generate(self, request, context):
+        await self._check_ready(context, "Generate")
         q, emit = self._emitter()
         try:
             r = self._request(request, emit)
         except BadRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._abort(context, "Generate", grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        r.deadline = self._deadline(context)
         self.engine.submit(r)
+        code = "CANCELLED"
         try:
             while True:
                 ev = await q.get()
                 if isinstance(ev, Failure):
-                    await context.abort(ev.code, ev.message)
-                yield generate_pb2.GenerateChunk(
+                    code = None
+                    await self._abort(context, "Generate", ev.code, ev.message)
+                chunk = generate_pb2.GenerateChunk(
                     text=ev.text, token_ids=ev.token_ids, finish_reason=FINISH.get(ev.finish_reason, 0),
                     usage=generate_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
                     time_to_first_token_s=ev.ttft_s, elapsed_s=ev.elapsed_s)
+                if ev.spans:
+                    chunk.profile.spans.extend(
+                        generate_pb2.Span(name=n, service=svc, layer=layer, step=step, start_unix_ns=t0, end_unix_ns=t1)
+                        for n, svc, layer, step, t0, t1 in ev.spans)
+                yield chunk
                 if ev.finish_reason:
+                    code = "OK"
                     return
         finally:
             r.cancelled = True  # client went away or we are done: the engine drops it
+            if code:
+                metrics.REQUESTS.labels("Generate", code).inc()
 
     async def Score(self, request, context):
+        await self._check_ready(context, "Score")
         ids = list(request.token_ids.ids)
         V = self.cfg.vocab_size
         if not ids or any(not 0 <= i < V for i in ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids.ids: 1+ ids in [0, {V}) required")
+            await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT, f"token_ids.ids: 1+ ids in [0, {V}) required")
         if len(ids) > self.engine.max_context:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token_ids.ids: {len(ids)} tokens exceed the context limit {self.engine.max_context}")
+            await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT,
+                              f"token_ids.ids: {len(ids)} tokens exceed the context limit {self.engine.max_context}")
         q, emit = self._emitter()
-        r = Request(prompt_ids=ids, emit=emit, score_only=True, defer=0)
+        r = Request(prompt_ids=ids, emit=emit, score_only=True, defer=0, deadline=self._deadline(context))
         self.engine.submit(r)
         try:
             ev = await q.get()
         finally:
             r.cancelled = True
         if isinstance(ev, Failure):
-            await context.abort(ev.code, ev.message)
-        assert isinstance(ev, Scores)
+            await self._abort(context, "Score", ev.code, ev.message)
+        metrics.REQUESTS.labels("Score", "OK").inc()
         return generate_pb2.ScoreResponse(logits=codec.encode(ev.logits.to(torch.float32)))
 
     async def Info(self, request, context):
-        return self.info
+        info = generate_pb2.ServerInfo()
+        info.CopyFrom(self.info)
+        info.expert_service_ready = self.expert_ready
+        info.running_requests = len(self.engine.running) if self.engine else 0
+        return info

@@ -46,12 +46,16 @@ class LayerResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., layer: _Optional[int] = ..., part: _Optional[_Union[ResultPart, str]] = ..., output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., timing: _Optional[_Union[ExpertTiming, _Mapping]] = ...) -> None: ...
 
 class ExpertTiming(_message.Message):
-    __slots__ = ("queued_us", "compute_us")
+    __slots__ = ("queued_us", "compute_us", "start_unix_ns", "end_unix_ns")
     QUEUED_US_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     queued_us: int
     compute_us: int
-    def __init__(self, queued_us: _Optional[int] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    start_unix_ns: int
+    end_unix_ns: int
+    def __init__(self, queued_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., start_unix_ns: _Optional[int] = ..., end_unix_ns: _Optional[int] = ...) -> None: ...
 
 class LayerResponse(_message.Message):
     __slots__ = ("immediate", "deferred", "timing")
@@ -68,7 +72,7 @@ class ExpertInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExpertInfo(_message.Message):
-    __slots__ = ("model_fingerprint", "architecture", "moe_layers", "n_routed_experts", "hidden_size", "moe_intermediate_size", "top_k", "weight_format", "kernel_path", "threads", "weight_bytes")
+    __slots__ = ("model_fingerprint", "architecture", "moe_layers", "n_routed_experts", "hidden_size", "moe_intermediate_size", "top_k", "weight_format", "kernel_path", "threads", "weight_bytes", "transport", "active_streams")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +84,8 @@ class ExpertInfo(_message.Message):
     KERNEL_PATH_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     architecture: str
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -91,4 +97,6 @@ class ExpertInfo(_message.Message):
     kernel_path: str
     threads: int
     weight_bytes: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_routed_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., moe_intermediate_size: _Optional[int] = ..., top_k: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel_path: _Optional[str] = ..., threads: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    transport: str
+    active_streams: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_routed_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., moe_intermediate_size: _Optional[int] = ..., top_k: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel_path: _Optional[str] = ..., threads: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., active_streams: _Optional[int] = ...) -> None: ...
