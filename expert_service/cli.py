@@ -48,7 +48,7 @@ def weight_format(arg: str, torch_dtype: str) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}.get(torch_dtype, "fp32")
 
 
-async def serve(args) -> None:
+async def serve(args, stop: asyncio.Event) -> None:
     try:
         cfg = load_config(args.model)
         ckpt = Checkpoint(args.model)
@@ -83,7 +83,7 @@ async def serve(args) -> None:
     log.info("ready: %s fingerprint %s, %d MoE layers, %d experts, format %s, kernel %s, %d threads",
              cfg.model_type, fp, len(layers), cfg.n_routed_experts, fmt, kernels.kernel_path(fmt), args.threads)
     try:
-        await server.wait_for_termination()
+        await stop.wait()
     finally:
         log.info("draining (grace %.0fs)", args.grace)
         await serving.set_health(hs, [name], serving=False)
@@ -93,7 +93,7 @@ async def serve(args) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     serving.setup_logging(args.log_level)
-    serving.run(serve(args))
+    serving.run(lambda stop: serve(args, stop))
 
 
 if __name__ == "__main__":

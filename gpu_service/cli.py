@@ -81,7 +81,7 @@ async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServi
     re-check it serves the same model before taking requests again."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(experts.target) as ch:
+    async with grpc.aio.insecure_channel(experts.target, options=serving.RECONNECT) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         info_stub = expert_pb2_grpc.ExpertServiceStub(ch)
         while True:
@@ -104,7 +104,7 @@ async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServi
             await asyncio.sleep(1.0)
 
 
-async def serve(args) -> None:
+async def serve(args, stop: asyncio.Event) -> None:
     try:
         cfg = load_config(args.model)
         ckpt = Checkpoint(args.model)
@@ -153,7 +153,7 @@ async def serve(args) -> None:
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s), defer=%d", args.listen,
              cfg.model_type, fp, device, dtype, args.experts, info.weight_format, info.kernel_path, args.defer)
     try:
-        await server.wait_for_termination()
+        await stop.wait()
     finally:
         # drain: refuse new work, let requests in flight finish within the grace period, then stop
         log.info("draining (grace %.0fs)", args.grace)
@@ -167,7 +167,7 @@ async def serve(args) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     serving.setup_logging(args.log_level)
-    serving.run(serve(args))
+    serving.run(lambda stop: serve(args, stop))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from moe_core import codec
-from moe_core.serving import FINGERPRINT_KEY, message_options
+from moe_core.serving import FINGERPRINT_KEY, RECONNECT, message_options
 from protos import expert_pb2, expert_pb2_grpc
 
 
@@ -54,7 +54,7 @@ class LocalExperts:
 class RemoteExperts:
     def __init__(self, target: str, fingerprint: str, max_message: int):
         self.target, self.fingerprint = target, fingerprint
-        self.channel = grpc.insecure_channel(target, options=message_options(max_message))
+        self.channel = grpc.insecure_channel(target, options=message_options(max_message) + RECONNECT)
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self._requests: queue.Queue | None = None
         self._responses = None

@@ -129,18 +129,27 @@ class Engine:
             batch = self.running + new
             # one forward per distinct deferral setting: a request's result never depends on its neighbours
             for defer in sorted({r.defer for r in batch}):
-                group = [r for r in batch if r.defer == defer]
-                try:
-                    self._step(group, defer)
-                except ExpertServiceError as e:
-                    log.warning("step failed: %s", e)
-                    self._fail(group, e.code, str(e))
-                except Exception as e:  # a bug: fail these requests loudly, keep serving others
-                    log.exception("step failed")
-                    self.experts.reset()
-                    self._fail(group, grpc.StatusCode.INTERNAL, f"internal error: {e}")
+                self._step_or_fail([r for r in batch if r.defer == defer], defer)
             self.running = [r for r in batch if r.cache is not None and not r.cancelled]
         metrics.RUNNING.set(0)
+
+    def _step_or_fail(self, group: list[Request], defer: int) -> None:
+        # A stream broken while idle (the expert service restarted between steps) fails on first use:
+        # retry the step once on a fresh stream. Safe: a step writes its KV entries at fixed positions
+        # and commits nothing else before its forward pass completes.
+        for attempt in (0, 1):
+            try:
+                return self._step(group, defer)
+            except ExpertServiceError as e:
+                if attempt == 0 and e.code == grpc.StatusCode.UNAVAILABLE:
+                    log.info("expert exchange failed (%s); retrying the step on a new stream", e)
+                    continue
+                log.warning("step failed: %s", e)
+                return self._fail(group, e.code, str(e))
+            except Exception as e:  # a bug: fail these requests loudly, keep serving others
+                log.exception("step failed")
+                self.experts.reset()
+                return self._fail(group, grpc.StatusCode.INTERNAL, f"internal error: {e}")
 
     def _fail(self, reqs: list[Request], code, msg: str) -> None:
         for r in reqs:

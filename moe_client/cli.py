@@ -31,6 +31,13 @@ def parse_args(argv=None):
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object per chunk (token ids, timings)")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p = sub.add_parser("profile", help="run one prompt with profiling: per-layer table, optional Chrome/Perfetto trace",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("prompt")
+    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--defer", type=int, default=None)
+    p.add_argument("--trace", default=None, help="write a Chrome trace JSON here (open in chrome://tracing or Perfetto)")
     h = sub.add_parser("health", help="exit 0 once a service reports SERVING (grpc.health.v1), 1 on timeout")
     h.add_argument("--server", default="127.0.0.1:50051")
     h.add_argument("--wait", type=float, default=0.0, help="keep trying for this many seconds")
@@ -90,6 +97,58 @@ def info(a) -> int:
     return 0
 
 
+def chrome_trace(spans) -> dict:
+    """Both services' spans on one timeline: a process per service, a thread per kind of work."""
+    t0 = min(sp.start_unix_ns for sp in spans)
+    pids = {"gpu": 1, "expert": 2}
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{svc}-service"}}
+              for svc, pid in pids.items()]
+    for sp in spans:
+        events.append({"name": sp.name + (f" L{sp.layer}" if sp.layer >= 0 else ""), "cat": sp.service, "ph": "X",
+                       "pid": pids.get(sp.service, 3), "tid": 1 if sp.service == "gpu" else 2,
+                       "ts": (sp.start_unix_ns - t0) / 1e3, "dur": max(0, sp.end_unix_ns - sp.start_unix_ns) / 1e3,
+                       "args": {"step": sp.step, "layer": sp.layer}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def profile_table(spans) -> str:
+    """Milliseconds per layer and kind of work, summed over the request's steps."""
+    import collections
+
+    per = collections.defaultdict(lambda: collections.defaultdict(float))
+    kinds = []
+    for sp in spans:
+        key = f"{sp.service}:{sp.name}"
+        if key not in kinds:
+            kinds.append(key)
+        per[sp.layer][key] += (sp.end_unix_ns - sp.start_unix_ns) / 1e6
+    head = ["layer", *kinds]
+    rows = [head] + [[("-" if layer < 0 else str(layer))] + [f"{per[layer].get(k, 0):.2f}" for k in kinds]
+                     for layer in sorted(per)]
+    rows.append(["total"] + [f"{sum(per[layer].get(k, 0) for layer in per):.2f}" for k in kinds])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def profile(a) -> int:
+    req = generate_pb2.GenerateRequest(prompt=a.prompt, max_tokens=a.max_tokens, profile=True, ignore_eos=True,
+                                       sampling=generate_pb2.SamplingParams(temperature=0))
+    if a.defer is not None:
+        req.defer = a.defer
+    with grpc.insecure_channel(a.server) as ch:
+        chunks = list(generate_pb2_grpc.GenerateServiceStub(ch).Generate(req))
+    spans = chunks[-1].profile.spans
+    steps = len({sp.step for sp in spans})
+    print(f"{len(chunks)} tokens in {chunks[-1].elapsed_s * 1e3:.1f} ms over {steps} steps; "
+          f"milliseconds per layer (summed over steps):")
+    print(profile_table(spans))
+    if a.trace:
+        with open(a.trace, "w") as f:
+            json.dump(chrome_trace(spans), f)
+        print(f"trace: {a.trace}", file=sys.stderr)
+    return 0
+
+
 def health(a) -> int:
     import time
 
@@ -116,7 +175,7 @@ def health(a) -> int:
 def main(argv=None) -> None:
     a = parse_args(argv)
     try:
-        sys.exit({"generate": generate, "info": info, "health": health}[a.cmd](a))
+        sys.exit({"generate": generate, "info": info, "health": health, "profile": profile}[a.cmd](a))
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         sys.exit(1)

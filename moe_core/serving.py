@@ -20,6 +20,14 @@ KEEPALIVE = [
 ]
 
 
+# Client side: after the peer restarts, try again soon (gRPC's default backoff grows to 2 minutes).
+RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
 def physical_cores() -> int:
     """Physical cores available to this process (threads per core counted once)."""
     try:
@@ -60,19 +68,27 @@ def add_reflection(server: grpc.aio.Server, service_full_names: list[str]) -> No
     reflection.enable_server_reflection([*service_full_names, reflection.SERVICE_NAME], server)
 
 
-def run(main_coro) -> None:
-    """Run the service's async main on uvloop; SIGTERM/SIGINT cancel it for a clean exit 0."""
+def run(main) -> None:
+    """Run `main(stop)` on uvloop; SIGTERM/SIGINT set the asyncio.Event `stop`, and main drains
+    and returns (exit 0). A second signal cancels it outright."""
     import uvloop
 
     async def wrapper():
+        stop = asyncio.Event()
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
+
+        def on_signal():
+            if stop.is_set():
+                task.cancel()
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, on_signal)
         try:
-            await main_coro
+            await main(stop)
         except asyncio.CancelledError:
-            logging.getLogger("serving").info("shutting down")
+            logging.getLogger("serving").info("stopped")
 
     uvloop.run(wrapper())
 

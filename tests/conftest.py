@@ -61,12 +61,11 @@ def start(module: str, *args: str, log: pathlib.Path) -> subprocess.Popen:
 class Services:
     def __init__(self, model_dir, tmp: pathlib.Path, gpu_args=(), expert_args=()):
         self.expert_port, self.gpu_port = free_port(), free_port()
-        self.model_dir = str(model_dir)
-        self.expert = start("expert_service", "--model", self.model_dir, "--listen", f"127.0.0.1:{self.expert_port}",
-                            "--threads", "1", *expert_args, log=tmp / "expert.log")
-        self.gpu = start("gpu_service", "--model", self.model_dir, "--experts", f"127.0.0.1:{self.expert_port}",
-                         "--listen", f"127.0.0.1:{self.gpu_port}", "--threads", "1", *gpu_args, log=tmp / "gpu.log")
-        self.tmp = tmp
+        self.model_dir, self.tmp = str(model_dir), tmp
+        self.gpu_args, self.expert_args = gpu_args, expert_args
+        self.starts = 0
+        self.expert = self.start_expert()
+        self.gpu = self.start_gpu()
         try:
             wait_healthy(self.expert_port, self.expert)
             wait_healthy(self.gpu_port, self.gpu)
@@ -76,9 +75,20 @@ class Services:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gpu_port}")
         self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
 
+    def _log(self, name: str) -> pathlib.Path:
+        self.starts += 1
+        return self.tmp / f"{name}.{self.starts}.log"
+
+    def start_expert(self) -> subprocess.Popen:
+        return start("expert_service", "--model", self.model_dir, "--listen", f"127.0.0.1:{self.expert_port}",
+                     "--threads", "1", *self.expert_args, log=self._log("expert"))
+
+    def start_gpu(self) -> subprocess.Popen:
+        return start("gpu_service", "--model", self.model_dir, "--experts", f"127.0.0.1:{self.expert_port}",
+                     "--listen", f"127.0.0.1:{self.gpu_port}", "--threads", "1", *self.gpu_args, log=self._log("gpu"))
+
     def logs(self) -> str:
-        return "".join(f"--- {n}\n{(self.tmp / n).read_text()}" for n in ("expert.log", "gpu.log")
-                       if (self.tmp / n).exists())
+        return "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):

@@ -1,0 +1,199 @@
+"""Operating the two services as real processes: independent restarts, health, SIGTERM drain,
+cancellation, deadlines, metrics and traces."""
+import json
+import signal
+import subprocess
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Services, free_port, wait_healthy
+from moe_client.cli import chrome_trace
+from protos import expert_pb2, expert_pb2_grpc, generate_pb2
+
+
+def greedy(stub, n=12, prompt="def fib(n):", timeout=60):
+    req = generate_pb2.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True,
+                                       sampling=generate_pb2.SamplingParams(temperature=0))
+    return [t for c in stub.Generate(req, timeout=timeout) for t in c.token_ids]
+
+
+def health(port):
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_for(cond, timeout=30, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
+def info(s):
+    return s.stub.Info(generate_pb2.ServerInfoRequest(), timeout=5)
+
+
+@pytest.fixture
+def svc(checkpoints, tmp_path):
+    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--metrics-port", str(free_port()), "--grace", "20"),
+                 expert_args=("--metrics-port", str(free_port())))
+    yield s
+    s.stop()
+
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_expert_restart_mid_stream_and_between_requests(svc):
+    before = greedy(svc.stub)
+    # mid-stream: the request in flight ends promptly with UNAVAILABLE naming the expert service
+    stream = svc.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=400, ignore_eos=True), timeout=60)
+    next(stream)
+    svc.expert.kill()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stream)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "expert service" in e.value.details()
+    assert time.monotonic() - t0 < 5
+    # while it is down: NOT_SERVING, and new requests fail fast with UNAVAILABLE
+    wait_for(lambda: health(svc.gpu_port) == NOT_SERVING, 10, "gpu NOT_SERVING")
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        greedy(svc.stub)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5
+    # back: the GPU service reconnects by itself and gives the same tokens as before
+    svc.expert = svc.start_expert()
+    wait_healthy(svc.expert_port, svc.expert)
+    wait_for(lambda: health(svc.gpu_port) == SERVING, 15, "gpu SERVING again")
+    assert greedy(svc.stub) == before
+    # and between requests, a second time
+    svc.expert.kill()
+    svc.expert.wait()
+    svc.expert = svc.start_expert()
+    wait_healthy(svc.expert_port, svc.expert)
+    wait_for(lambda: health(svc.gpu_port) == SERVING and info(svc).expert_service_ready, 15, "gpu SERVING")
+    assert greedy(svc.stub) == before
+
+
+def test_gpu_restart_expert_keeps_serving(svc):
+    before = greedy(svc.stub)
+    svc.gpu.kill()
+    svc.gpu.wait()
+    with grpc.insecure_channel(f"127.0.0.1:{svc.expert_port}") as ch:
+        stub = expert_pb2_grpc.ExpertServiceStub(ch)
+        wait_for(lambda: stub.Info(expert_pb2.ExpertInfoRequest(), timeout=2).active_streams == 0, 10,
+                 "expert service dropped the dead peer's stream")
+        svc.gpu = svc.start_gpu()
+        wait_healthy(svc.gpu_port, svc.gpu)
+        assert greedy(svc.stub) == before
+        assert stub.Info(expert_pb2.ExpertInfoRequest(), timeout=2).active_streams == 1
+
+
+def test_sigterm_drains_then_exits_zero(svc):
+    stream = svc.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=150, ignore_eos=True), timeout=60)
+    next(stream)
+    svc.gpu.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(grpc.RpcError):  # draining: new work refused
+        greedy(svc.stub, timeout=5)
+    rest = list(stream)                 # the request in flight still finishes
+    assert rest[-1].finish_reason == generate_pb2.LENGTH and rest[-1].usage.completion_tokens == 150
+    assert svc.gpu.wait(30) == 0
+    svc.expert.send_signal(signal.SIGTERM)
+    assert svc.expert.wait(30) == 0
+
+
+def test_sigterm_cancels_after_grace(checkpoints, tmp_path):
+    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--grace", "0.5"))
+    try:
+        stream = s.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=450, ignore_eos=True), timeout=60)
+        next(stream)
+        s.gpu.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        assert s.gpu.wait(30) == 0
+    finally:
+        s.stop()
+
+
+def test_cancel_and_deadline_free_the_engine(svc):
+    stream = svc.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=400, ignore_eos=True), timeout=60)
+    next(stream)
+    assert info(svc).running_requests == 1
+    stream.cancel()
+    wait_for(lambda: info(svc).running_requests == 0, 5, "cancelled request dropped")
+    with pytest.raises(grpc.RpcError) as e:
+        list(svc.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=400, ignore_eos=True), timeout=0.5))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: info(svc).running_requests == 0, 5, "expired request dropped")
+
+
+def test_health_goes_not_serving_to_serving(checkpoints, tmp_path):
+    from conftest import start
+    eport, gport = free_port(), free_port()
+    model = str(checkpoints["mixtral"])
+    gpu = start("gpu_service", "--model", model, "--experts", f"127.0.0.1:{eport}", "--listen", f"127.0.0.1:{gport}",
+                log=tmp_path / "g.log")
+    expert = None
+    try:
+        wait_for(lambda: health(gport) == NOT_SERVING, 60, "gpu up but NOT_SERVING while its expert service is absent")
+        expert = start("expert_service", "--model", model, "--listen", f"127.0.0.1:{eport}", log=tmp_path / "e.log")
+        wait_for(lambda: health(gport) == SERVING, 60, "gpu SERVING")
+    finally:
+        for p in (gpu, expert):
+            if p:
+                p.kill()
+                p.wait()
+
+
+def scrape(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def metrics_port(s, flag_owner):
+    args = s.gpu_args if flag_owner == "gpu" else s.expert_args
+    return int(args[args.index("--metrics-port") + 1])
+
+
+def test_metrics_and_trace(svc):
+    req = generate_pb2.GenerateRequest(prompt="def fib(n):", max_tokens=6, profile=True, ignore_eos=True)
+    chunks = list(svc.stub.Generate(req, timeout=60))
+    spans = chunks[-1].profile.spans
+    assert {sp.service for sp in spans} == {"gpu", "expert"}
+    assert {"attention", "router", "shared_experts", "expert_wait", "experts_immediate", "sampling"} <= \
+        {sp.name for sp in spans} | {"shared_experts"}
+    trace = json.loads(json.dumps(chrome_trace(spans)))
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {1, 2}
+    assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+    gpu = scrape(metrics_port(svc, "gpu"))
+    assert gpu["moe_generated_tokens"].samples[0].value >= 6
+    assert any(s.labels.get("code") == "OK" for s in gpu["moe_requests"].samples)
+    for name in ("moe_time_to_first_token_seconds", "moe_inter_token_latency_seconds", "moe_expert_wait_seconds",
+                 "moe_exchange_overhead_seconds", "moe_gpu_busy_fraction"):
+        assert name in gpu, name
+    expert = scrape(metrics_port(svc, "expert"))
+    assert expert["moe_expert_tokens"].samples[0].value > 0
+    for name in ("moe_expert_compute_seconds", "moe_expert_busy_fraction", "moe_expert_errors"):
+        assert name in expert, name
+
+
+def test_profile_command_prints_a_table(svc, tmp_path):
+    import sys
+    out = tmp_path / "trace.json"
+    p = subprocess.run([sys.executable, "-m", "moe_client", "profile", "hello", "--server", f"127.0.0.1:{svc.gpu_port}",
+                        "--max-tokens", "3", "--trace", str(out)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "expert:experts_immediate" in p.stdout and "total" in p.stdout
+    assert json.loads(out.read_text())["traceEvents"]
