@@ -11,7 +11,8 @@ import torch
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
-from moe_core import serving
+from moe_core import security, serving
+from moe_core.edge import MalformedRequestInterceptor
 from moe_core.metrics import serve_metrics
 from protos import expert_pb2, expert_pb2_grpc
 
@@ -39,6 +40,7 @@ def parse_args(argv=None):
     ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0 = off)")
     ap.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     ap.add_argument("--log-level", default="INFO")
+    security.add_server_args(ap)
     return ap.parse_args(argv)
 
 
@@ -54,10 +56,15 @@ async def serve(args, stop: asyncio.Event) -> None:
         ckpt = Checkpoint(args.model)
     except ModelConfigError as e:
         serving.fail(str(e))
+    try:
+        sec = security.ServerSecurity.from_args(args)
+    except (OSError, ValueError) as e:
+        serving.fail(f"security settings: {e}")
     torch.set_num_threads(args.threads)
     fmt = weight_format(args.weight_format, cfg.torch_dtype)
     max_msg = args.max_tokens * (cfg.hidden_size * 4 + cfg.n_routed_experts * 8) + (1 << 16)
-    server = grpc.aio.server(options=serving.message_options(max_msg))
+    server = grpc.aio.server(options=serving.message_options(max_msg),
+                             interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
     hs = serving.add_health(server, [])
     name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
     if args.reflection:
@@ -65,7 +72,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     servicer = ExpertServicer(cfg, fmt, kernels.kernel_path(fmt), args.threads, args.max_tokens)
     expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     try:
-        server.add_insecure_port(args.listen)
+        sec.add_port(server, args.listen)
     except RuntimeError as e:
         serving.fail(f"cannot listen on {args.listen}: {e}")
     await serving.set_health(hs, [name], serving=False)

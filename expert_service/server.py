@@ -120,7 +120,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         loop = asyncio.get_running_loop()
-        parts = await loop.run_in_executor(self.pool, self.compute, req.layer, hidden, ids, w, req.defer)
+        try:
+            parts = await loop.run_in_executor(self.pool, self.compute, req.layer, hidden, ids, w, req.defer)
+        except ValueError as e:  # a kernel's own check (they raise, never abort the process)
+            metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expert kernel refused the request: {e}")
         queued_ns = parts[0][2].start_unix_ns - t_recv
         metrics.QUEUED.observe(queued_ns / 1e9)
         for _, _, timing in parts:

@@ -10,7 +10,8 @@ import time
 import grpc
 import torch
 
-from moe_core import serving
+from moe_core import security, serving
+from moe_core.edge import MalformedRequestInterceptor
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
@@ -51,6 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0 = off)")
     ap.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     ap.add_argument("--log-level", default="INFO")
+    security.add_server_args(ap)
+    security.add_client_args(ap, prefix="experts-", what="the expert service (the auth token is the same one)")
     return ap.parse_args(argv)
 
 
@@ -69,6 +72,8 @@ def wait_for_experts(experts: RemoteExperts, timeout: float):
         try:
             return experts.info(timeout=5)
         except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                serving.fail(f"expert service at {experts.target} refused us: {e.details()}")
             if time.monotonic() > deadline:
                 serving.fail(f"expert service at {experts.target} not ready after {timeout:.0f}s: "
                              f"{e.code().name}: {e.details()}")
@@ -81,7 +86,7 @@ async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServi
     re-check it serves the same model before taking requests again."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(experts.target, options=serving.RECONNECT) as ch:
+    async with experts.security.aio_channel(experts.target, options=serving.RECONNECT) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         info_stub = expert_pb2_grpc.ExpertServiceStub(ch)
         while True:
@@ -89,7 +94,8 @@ async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServi
                 ok = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status == \
                     health_pb2.HealthCheckResponse.SERVING
                 if ok and not servicer.expert_ready:
-                    info = await info_stub.Info(expert_pb2.ExpertInfoRequest(), timeout=5)
+                    info = await info_stub.Info(expert_pb2.ExpertInfoRequest(), timeout=5,
+                                                metadata=experts.security.metadata)
                     if info.model_fingerprint != fp:
                         log.error("expert service at %s now serves fingerprint %s, not %s: not serving",
                                   experts.target, info.model_fingerprint, fp)
@@ -112,6 +118,11 @@ async def serve(args, stop: asyncio.Event) -> None:
         fp = fingerprint(ckpt)
     except ModelConfigError as e:
         serving.fail(str(e))
+    try:
+        sec = security.ServerSecurity.from_args(args)
+        expert_sec = security.ClientSecurity.from_args(args, prefix="experts-")
+    except (OSError, ValueError) as e:
+        serving.fail(f"security settings: {e}")
     if not 0 <= args.defer < cfg.top_k:
         serving.fail(f"--defer must be in [0, top_k - 1 = {cfg.top_k - 1}]")
     torch.set_num_threads(args.threads)
@@ -124,7 +135,8 @@ async def serve(args, stop: asyncio.Event) -> None:
         num_layers=cfg.num_layers, moe_layers=list(cfg.moe_layers), vocab_size=cfg.vocab_size,
         max_context=max_context, expert_service=args.experts, defer=args.defer, max_batch=args.max_batch)
     # up first (NOT_SERVING), so probes see it while it loads
-    server = grpc.aio.server(options=serving.message_options(max_context * cfg.vocab_size * 4 + (1 << 20)))
+    server = grpc.aio.server(options=serving.message_options(max_context * cfg.vocab_size * 4 + (1 << 20)),
+                             interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
     servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
     hs = serving.add_health(server, [])
@@ -132,13 +144,13 @@ async def serve(args, stop: asyncio.Event) -> None:
     if args.reflection:
         serving.add_reflection(server, [*names, "grpc.health.v1.Health"])
     try:
-        server.add_insecure_port(args.listen)
+        sec.add_port(server, args.listen)
     except RuntimeError as e:
         serving.fail(f"cannot listen on {args.listen}: {e}")
     await serving.set_health(hs, names, serving=False)
     await server.start()
     serve_metrics(args.metrics_port, args.metrics_host)
-    experts = RemoteExperts(args.experts, fp, max_msg)
+    experts = RemoteExperts(args.experts, fp, max_msg, expert_sec)
     log.info("waiting for the expert service at %s", args.experts)
     info = await asyncio.to_thread(wait_for_experts, experts, args.connect_timeout)
     if info.model_fingerprint != fp:

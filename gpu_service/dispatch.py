@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from moe_core import codec
+from moe_core.security import ClientSecurity
 from moe_core.serving import FINGERPRINT_KEY, RECONNECT, message_options
 from protos import expert_pb2, expert_pb2_grpc
 
@@ -52,21 +53,23 @@ class LocalExperts:
 
 
 class RemoteExperts:
-    def __init__(self, target: str, fingerprint: str, max_message: int):
+    def __init__(self, target: str, fingerprint: str, max_message: int, security: ClientSecurity | None = None):
         self.target, self.fingerprint = target, fingerprint
-        self.channel = grpc.insecure_channel(target, options=message_options(max_message) + RECONNECT)
+        self.security = security or ClientSecurity()
+        self.channel = self.security.channel(target, options=message_options(max_message) + RECONNECT)
+        self.metadata = ((FINGERPRINT_KEY, fingerprint), *self.security.metadata)
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self._requests: queue.Queue | None = None
         self._responses = None
         self._timings: list = []  # (layer, deferred, ExpertTiming) since the last drain
 
     def info(self, timeout: float = 5.0) -> expert_pb2.ExpertInfo:
-        return self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=timeout)
+        return self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=timeout, metadata=self.security.metadata)
 
     def _open(self):
         q: queue.Queue = queue.Queue()
         self._requests = q
-        self._responses = self.stub.Exchange(iter(q.get, None), metadata=((FINGERPRINT_KEY, self.fingerprint),))
+        self._responses = self.stub.Exchange(iter(q.get, None), metadata=self.metadata)
 
     def submit(self, step, layer, x, ids, w, defer):
         if self._responses is None:
@@ -81,6 +84,8 @@ class RemoteExperts:
         except grpc.RpcError as e:
             self.reset()
             code = e.code()
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION):
+                raise ExpertServiceError(code, f"expert service at {self.target} refused: {e.details()}") from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE,
                                          f"expert service at {self.target} unavailable: {e.details()}") from None

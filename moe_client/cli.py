@@ -8,7 +8,8 @@ import sys
 import grpc
 from google.protobuf import json_format
 
-from protos import generate_pb2, generate_pb2_grpc, expert_pb2, expert_pb2_grpc
+from moe_core import security
+from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 FINISH = {v: k.lower() for k, v in generate_pb2.FinishReason.items()}
 
@@ -44,7 +45,13 @@ def parse_args(argv=None):
     i = sub.add_parser("info", help="print a service's Info (gpu-service or expert-service)")
     i.add_argument("--server", default="127.0.0.1:50051")
     i.add_argument("--expert", action="store_true", help="the server is an expert service")
+    for sp in (g, p, h, i):
+        security.add_client_args(sp)
     return ap.parse_args(argv)
+
+
+def md(a) -> tuple:
+    return security.ClientSecurity.from_args(a).metadata
 
 
 def build_request(a) -> generate_pb2.GenerateRequest:
@@ -64,10 +71,10 @@ def build_request(a) -> generate_pb2.GenerateRequest:
 
 
 def generate(a) -> int:
-    with grpc.insecure_channel(a.server) as ch:
+    with security.ClientSecurity.from_args(a).channel(a.server) as ch:
         stub = generate_pb2_grpc.GenerateServiceStub(ch)
         last = None
-        for chunk in stub.Generate(build_request(a), timeout=a.timeout):
+        for chunk in stub.Generate(build_request(a), timeout=a.timeout, metadata=md(a)):
             last = chunk
             if a.json:
                 print(json.dumps({"text": chunk.text, "token_ids": list(chunk.token_ids),
@@ -88,11 +95,11 @@ def generate(a) -> int:
 
 
 def info(a) -> int:
-    with grpc.insecure_channel(a.server) as ch:
+    with security.ClientSecurity.from_args(a).channel(a.server) as ch:
         if a.expert:
-            msg = expert_pb2_grpc.ExpertServiceStub(ch).Info(expert_pb2.ExpertInfoRequest(), timeout=10)
+            msg = expert_pb2_grpc.ExpertServiceStub(ch).Info(expert_pb2.ExpertInfoRequest(), timeout=10, metadata=md(a))
         else:
-            msg = generate_pb2_grpc.GenerateServiceStub(ch).Info(generate_pb2.ServerInfoRequest(), timeout=10)
+            msg = generate_pb2_grpc.GenerateServiceStub(ch).Info(generate_pb2.ServerInfoRequest(), timeout=10, metadata=md(a))
     print(json_format.MessageToJson(msg, preserving_proto_field_name=True))
     return 0
 
@@ -135,8 +142,8 @@ def profile(a) -> int:
                                        sampling=generate_pb2.SamplingParams(temperature=0))
     if a.defer is not None:
         req.defer = a.defer
-    with grpc.insecure_channel(a.server) as ch:
-        chunks = list(generate_pb2_grpc.GenerateServiceStub(ch).Generate(req))
+    with security.ClientSecurity.from_args(a).channel(a.server) as ch:
+        chunks = list(generate_pb2_grpc.GenerateServiceStub(ch).Generate(req, metadata=md(a)))
     spans = chunks[-1].profile.spans
     steps = len({sp.step for sp in spans})
     print(f"{len(chunks)} tokens in {chunks[-1].elapsed_s * 1e3:.1f} ms over {steps} steps; "
@@ -155,7 +162,7 @@ def health(a) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + a.wait
-    with grpc.insecure_channel(a.server) as ch:
+    with security.ClientSecurity.from_args(a).channel(a.server) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:

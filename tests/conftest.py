@@ -34,15 +34,15 @@ def checkpoints(tmp_path_factory):
     return {f: tiny_models.build(f, base / f, shards=3 if f == "deepseek_v3" else 1) for f in tiny_models.FAMILIES}
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90, channel=None) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    with channel or grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"service exited with {proc.returncode}:\n{proc.stderr.read() if proc.stderr else ''}")
+                raise RuntimeError(f"service on {port} exited with {proc.returncode}")
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                     return
@@ -52,9 +52,9 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90) -> None
     raise TimeoutError(f"service on {port} not healthy after {timeout}s")
 
 
-def start(module: str, *args: str, log: pathlib.Path) -> subprocess.Popen:
+def start(module: str, *args: str, log: pathlib.Path, env: dict | None = None) -> subprocess.Popen:
     f = open(log, "w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
 
