@@ -12,6 +12,7 @@ import torch
 
 from moe_core import codec
 from moe_core.config import ModelConfig
+from moe_core.routing import split_deferred
 from moe_core.serving import FINGERPRINT_KEY
 from protos import expert_pb2, expert_pb2_grpc
 
@@ -22,15 +23,6 @@ log = logging.getLogger("expert_service")
 
 class BadRequest(ValueError):
     pass
-
-
-def split_deferred(ids: torch.Tensor, weights: torch.Tensor, defer: int):
-    """Per token, move the `defer` lowest-weighted experts out of the immediate set.
-    -> (imm_ids [T,k-d], imm_w, def_ids [T,d], def_w). Stable for ties (earlier slot stays)."""
-    order = torch.argsort(weights, dim=1, descending=True, stable=True)
-    k = ids.shape[1]
-    imm, dfr = order[:, : k - defer], order[:, k - defer:]
-    return ids.gather(1, imm), weights.gather(1, imm), ids.gather(1, dfr), weights.gather(1, dfr)
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):

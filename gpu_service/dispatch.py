@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from moe_core import codec
+from moe_core.routing import split_deferred
 from moe_core.security import ClientSecurity
 from moe_core.serving import FINGERPRINT_KEY, RECONNECT, message_options
 from protos import expert_pb2, expert_pb2_grpc
@@ -29,8 +30,7 @@ class ExpertServiceError(RuntimeError):
 
 class LocalExperts:
     def __init__(self, layers: dict):
-        from expert_service.server import split_deferred
-        self.layers, self._split = layers, split_deferred
+        self.layers = layers
         self.out: collections.deque = collections.deque()
 
     def submit(self, step, layer, x, ids, w, defer):
@@ -39,7 +39,7 @@ class LocalExperts:
         if defer == 0:
             self.out.append((layer, False, op.forward(x, ids, w)))
             return
-        i_ids, i_w, d_ids, d_w = self._split(ids, w, defer)
+        i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
         self.out.append((layer, False, op.forward(x, i_ids, i_w)))
         self.out.append((layer, True, op.forward(x, d_ids, d_w)))
 

@@ -55,6 +55,7 @@ class Request:
     stop: list[str] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     defer: int = 0
+    skip: bool = False  # drop the deferred experts instead (accuracy baseline)
     score_only: bool = False
     profile: bool = False
     deadline: float | None = None  # time.perf_counter() value after which the client has gone
@@ -128,18 +129,18 @@ class Engine:
                 continue
             batch = self.running + new
             # one forward per distinct deferral setting: a request's result never depends on its neighbours
-            for defer in sorted({r.defer for r in batch}):
-                self._step_or_fail([r for r in batch if r.defer == defer], defer)
+            for defer, skip in sorted({(r.defer, r.skip) for r in batch}):
+                self._step_or_fail([r for r in batch if (r.defer, r.skip) == (defer, skip)], defer, skip)
             self.running = [r for r in batch if r.cache is not None and not r.cancelled]
         metrics.RUNNING.set(0)
 
-    def _step_or_fail(self, group: list[Request], defer: int) -> None:
+    def _step_or_fail(self, group: list[Request], defer: int, skip: bool) -> None:
         # A stream broken while idle (the expert service restarted between steps) fails on first use:
         # retry the step once on a fresh stream. Safe: a step writes its KV entries at fixed positions
         # and commits nothing else before its forward pass completes.
         for attempt in (0, 1):
             try:
-                return self._step(group, defer)
+                return self._step(group, defer, skip)
             except ExpertServiceError as e:
                 if attempt == 0 and e.code == grpc.StatusCode.UNAVAILABLE:
                     log.info("expert exchange failed (%s); retrying the step on a new stream", e)
@@ -156,7 +157,7 @@ class Engine:
             r.cache = None
             r.emit(Failure(code, msg))
 
-    def _step(self, reqs: list[Request], defer: int) -> None:
+    def _step(self, reqs: list[Request], defer: int, skip: bool) -> None:
         segs = []
         for r in reqs:
             if r.cache.length == 0:
@@ -168,7 +169,7 @@ class Engine:
         step = next(self.steps)
         spans: list = []
         t0 = time.perf_counter()
-        logits = self.model.forward(segs, self.experts, step=step, defer=defer, spans=spans)
+        logits = self.model.forward(segs, self.experts, step=step, defer=defer, spans=spans, skip=skip)
         spans += expert_spans(self.experts, step)
         row = 0
         now = time.perf_counter()

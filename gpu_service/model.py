@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfig, is_routed_expert_tensor
+from moe_core.routing import split_deferred
 
 from .attention import KVCache, gqa_attention, mla_attention
 from .layers import rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
@@ -88,9 +89,10 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment], experts, step: int = 0, defer: int = 0,
-                spans: list | None = None) -> torch.Tensor:
+                spans: list | None = None, skip: bool = False) -> torch.Tensor:
         """-> logits [n, vocab] fp32: one row per segment (its last token), or every row of a
-        segment with all_logits. `experts` is a Dispatch (submit / result). `spans`, when given,
+        segment with all_logits. `experts` is a Dispatch (submit / result). With `skip`, the
+        `defer` lowest-weighted experts are dropped instead of deferred. `spans`, when given,
         collects (name, service, layer, step, start_ns, end_ns) for the profile and metrics."""
         cfg, W = self.cfg, self.W
         sync = self.device.type == "cuda" and spans is not None  # GPU spans need the kernels done
@@ -124,6 +126,9 @@ class Model:
                 continue
             ids, w = route(cfg, x, W[fp + "gate.weight"], W.get(fp + "gate.e_score_correction_bias"))
             d = defer if L != self.last_moe_layer else 0
+            if skip and d:
+                ids, w, _, _ = split_deferred(ids, w, d)
+                d = 0
             experts.submit(step, L, x, ids, w, d)
             t = mark("router", L, t)
             shared = self._shared(fp, x)                 # overlaps the expert service's work

@@ -110,7 +110,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if defer > self.cfg.top_k - 1:
             raise BadRequest(f"defer: must be <= top_k - 1 = {self.cfg.top_k - 1}, got {defer}")
         return Request(prompt_ids=ids, emit=emit, max_tokens=req.max_tokens, sampling=sp, stop=stop,
-                       ignore_eos=req.ignore_eos, defer=defer, profile=req.profile)
+                       ignore_eos=req.ignore_eos, defer=defer, skip=req.skip_deferred, profile=req.profile)
 
     def _emitter(self):
         loop = asyncio.get_running_loop()
@@ -160,8 +160,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if len(ids) > self.engine.max_context:
             await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT,
                               f"token_ids.ids: {len(ids)} tokens exceed the context limit {self.engine.max_context}")
+        defer = request.defer if request.HasField("defer") else 0
+        if defer > self.cfg.top_k - 1:
+            await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT,
+                              f"defer: must be <= top_k - 1 = {self.cfg.top_k - 1}, got {defer}")
         q, emit = self._emitter()
-        r = Request(prompt_ids=ids, emit=emit, score_only=True, defer=0, deadline=self._deadline(context))
+        r = Request(prompt_ids=ids, emit=emit, score_only=True, defer=defer, skip=request.skip_deferred,
+                    deadline=self._deadline(context))
         self.engine.submit(r)
         try:
             ev = await q.get()

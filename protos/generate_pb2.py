@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos import tensor_pb2 as protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\x06moe.v1\x1a\x13protos/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"-\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.moe.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x80\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.moe.v1.ChatH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.moe.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.moe.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05\x64\x65\x66\x65r\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07profile\x18\t \x01(\x08\x42\x07\n\x05inputB\x08\n\x06_defer\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xcf\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.moe.v1.FinishReason\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.moe.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\x12 \n\x07profile\x18\x07 \x01(\x0b\x32\x0f.moe.v1.Profile\"n\n\x04Span\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x15\n\rstart_unix_ns\x18\x05 \x01(\x03\x12\x13\n\x0b\x65nd_unix_ns\x18\x06 \x01(\x03\"&\n\x07Profile\x12\x1b\n\x05spans\x18\x01 \x03(\x0b\x32\x0c.moe.v1.Span\"3\n\x0cScoreRequest\x12#\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x10.moe.v1.TokenIds\"/\n\rScoreResponse\x12\x1e\n\x06logits\x18\x01 \x01(\x0b\x32\x0e.moe.v1.Tensor\"\x13\n\x11ServerInfoRequest\"\x9f\x02\n\nServerInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x12\n\nmoe_layers\x18\x06 \x03(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x16\n\x0e\x65xpert_service\x18\t \x01(\t\x12\r\n\x05\x64\x65\x66\x65r\x18\n \x01(\r\x12\x1c\n\x14\x65xpert_service_ready\x18\x0b \x01(\x08\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x11\n\tmax_batch\x18\r \x01(\r*L\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x32\xbc\x01\n\x0fGenerateService\x12<\n\x08Generate\x12\x17.moe.v1.GenerateRequest\x1a\x15.moe.v1.GenerateChunk0\x01\x12\x34\n\x05Score\x12\x14.moe.v1.ScoreRequest\x1a\x15.moe.v1.ScoreResponse\x12\x35\n\x04Info\x12\x19.moe.v1.ServerInfoRequest\x1a\x12.moe.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\x06moe.v1\x1a\x13protos/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"-\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.moe.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x97\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.moe.v1.ChatH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.moe.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.moe.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05\x64\x65\x66\x65r\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07profile\x18\t \x01(\x08\x12\x15\n\rskip_deferred\x18\n \x01(\x08\x42\x07\n\x05inputB\x08\n\x06_defer\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xcf\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.moe.v1.FinishReason\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.moe.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\x12 \n\x07profile\x18\x07 \x01(\x0b\x32\x0f.moe.v1.Profile\"n\n\x04Span\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x15\n\rstart_unix_ns\x18\x05 \x01(\x03\x12\x13\n\x0b\x65nd_unix_ns\x18\x06 \x01(\x03\"&\n\x07Profile\x12\x1b\n\x05spans\x18\x01 \x03(\x0b\x32\x0c.moe.v1.Span\"h\n\x0cScoreRequest\x12#\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x10.moe.v1.TokenIds\x12\x12\n\x05\x64\x65\x66\x65r\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rskip_deferred\x18\x03 \x01(\x08\x42\x08\n\x06_defer\"/\n\rScoreResponse\x12\x1e\n\x06logits\x18\x01 \x01(\x0b\x32\x0e.moe.v1.Tensor\"\x13\n\x11ServerInfoRequest\"\x9f\x02\n\nServerInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x12\n\nmoe_layers\x18\x06 \x03(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x16\n\x0e\x65xpert_service\x18\t \x01(\t\x12\r\n\x05\x64\x65\x66\x65r\x18\n \x01(\r\x12\x1c\n\x14\x65xpert_service_ready\x18\x0b \x01(\x08\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x11\n\tmax_batch\x18\r \x01(\r*L\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x32\xbc\x01\n\x0fGenerateService\x12<\n\x08Generate\x12\x17.moe.v1.GenerateRequest\x1a\x15.moe.v1.GenerateChunk0\x01\x12\x34\n\x05Score\x12\x14.moe.v1.ScoreRequest\x1a\x15.moe.v1.ScoreResponse\x12\x35\n\x04Info\x12\x19.moe.v1.ServerInfoRequest\x1a\x12.moe.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1414
-  _globals['_FINISHREASON']._serialized_end=1490
+  _globals['_FINISHREASON']._serialized_start=1490
+  _globals['_FINISHREASON']._serialized_end=1566
   _globals['_CHATMESSAGE']._serialized_start=54
   _globals['_CHATMESSAGE']._serialized_end=98
   _globals['_CHAT']._serialized_start=100
@@ -43,23 +43,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=173
   _globals['_SAMPLINGPARAMS']._serialized_end=319
   _globals['_GENERATEREQUEST']._serialized_start=322
-  _globals['_GENERATEREQUEST']._serialized_end=578
-  _globals['_USAGE']._serialized_start=580
-  _globals['_USAGE']._serialized_end=637
-  _globals['_GENERATECHUNK']._serialized_start=640
-  _globals['_GENERATECHUNK']._serialized_end=847
-  _globals['_SPAN']._serialized_start=849
-  _globals['_SPAN']._serialized_end=959
-  _globals['_PROFILE']._serialized_start=961
-  _globals['_PROFILE']._serialized_end=999
-  _globals['_SCOREREQUEST']._serialized_start=1001
-  _globals['_SCOREREQUEST']._serialized_end=1052
-  _globals['_SCORERESPONSE']._serialized_start=1054
-  _globals['_SCORERESPONSE']._serialized_end=1101
-  _globals['_SERVERINFOREQUEST']._serialized_start=1103
-  _globals['_SERVERINFOREQUEST']._serialized_end=1122
-  _globals['_SERVERINFO']._serialized_start=1125
-  _globals['_SERVERINFO']._serialized_end=1412
-  _globals['_GENERATESERVICE']._serialized_start=1493
-  _globals['_GENERATESERVICE']._serialized_end=1681
+  _globals['_GENERATEREQUEST']._serialized_end=601
+  _globals['_USAGE']._serialized_start=603
+  _globals['_USAGE']._serialized_end=660
+  _globals['_GENERATECHUNK']._serialized_start=663
+  _globals['_GENERATECHUNK']._serialized_end=870
+  _globals['_SPAN']._serialized_start=872
+  _globals['_SPAN']._serialized_end=982
+  _globals['_PROFILE']._serialized_start=984
+  _globals['_PROFILE']._serialized_end=1022
+  _globals['_SCOREREQUEST']._serialized_start=1024
+  _globals['_SCOREREQUEST']._serialized_end=1128
+  _globals['_SCORERESPONSE']._serialized_start=1130
+  _globals['_SCORERESPONSE']._serialized_end=1177
+  _globals['_SERVERINFOREQUEST']._serialized_start=1179
+  _globals['_SERVERINFOREQUEST']._serialized_end=1198
+  _globals['_SERVERINFO']._serialized_start=1201
+  _globals['_SERVERINFO']._serialized_end=1488
+  _globals['_GENERATESERVICE']._serialized_start=1569
+  _globals['_GENERATESERVICE']._serialized_end=1757
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "token_ids", "max_tokens", "sampling", "stop", "ignore_eos", "defer", "profile")
+    __slots__ = ("prompt", "chat", "token_ids", "max_tokens", "sampling", "stop", "ignore_eos", "defer", "profile", "skip_deferred")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     DEFER_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: Chat
     token_ids: TokenIds
@@ -71,7 +72,8 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     defer: int
     profile: bool
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., defer: _Optional[int] = ..., profile: _Optional[bool] = ...) -> None: ...
+    skip_deferred: bool
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., defer: _Optional[int] = ..., profile: _Optional[bool] = ..., skip_deferred: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -122,10 +124,14 @@ class Profile(_message.Message):
     def __init__(self, spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "defer", "skip_deferred")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEFER_FIELD_NUMBER: _ClassVar[int]
+    SKIP_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     token_ids: TokenIds
-    def __init__(self, token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    defer: int
+    skip_deferred: bool
+    def __init__(self, token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., defer: _Optional[int] = ..., skip_deferred: _Optional[bool] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("logits",)

@@ -8,9 +8,9 @@ import tiny_models
 from protos import generate_pb2
 
 
-def deferring_reference(model, defer):
+def deferring_reference(model, defer, skip=False):
     """Patch every MoE experts module: return the immediate sum plus the previous MoE layer's
-    deferred sum; the last MoE layer defers nothing."""
+    deferred sum (or, with skip, drop the deferred experts); the last MoE layer defers nothing."""
     experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
     carry = {}
     for i, mod in enumerate(experts):
@@ -26,7 +26,8 @@ def deferring_reference(model, defer):
                 k = ids.shape[1]
                 imm, dfr = order[:, :k - defer], order[:, k - defer:]
                 out = orig(hidden, ids.gather(1, imm), w.gather(1, imm))
-                carry[i] = orig(hidden, ids.gather(1, dfr), w.gather(1, dfr))
+                if not skip:
+                    carry[i] = orig(hidden, ids.gather(1, dfr), w.gather(1, dfr))
             return out if prev is None else out + prev
 
         mod.forward = fwd
@@ -53,3 +54,20 @@ def test_deferral_matches_reference(family, defer, checkpoints, services_factory
     assert gen() == want                 # the server's --defer
     assert gen(defer=0) == want_exact    # per-request override back to exact
     assert want != want_exact            # deferral really changed something on this model
+
+
+def test_skip_mode_matches_reference(checkpoints, services_factory):
+    d = checkpoints["deepseek_v3"]
+    ref = deferring_reference(transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval(), 2,
+                              skip=True)
+    prompt = torch.randint(2, tiny_models.VOCAB, (12,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    s = services_factory(d)
+    from moe_core import codec
+    resp = s.stub.Score(generate_pb2.ScoreRequest(token_ids=generate_pb2.TokenIds(ids=prompt), defer=2,
+                                                  skip_deferred=True), timeout=60)
+    assert (codec.decode(resp.logits, "logits") - want).abs().max().item() < 1e-4
+    deferred = s.stub.Score(generate_pb2.ScoreRequest(token_ids=generate_pb2.TokenIds(ids=prompt), defer=2),
+                            timeout=60)
+    assert (codec.decode(deferred.logits, "logits") - want).abs().max().item() > 1e-3  # a different thing

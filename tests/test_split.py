@@ -3,7 +3,7 @@ import grpc
 import pytest
 import torch
 
-from expert_service.server import split_deferred
+from moe_core.routing import split_deferred
 from expert_service.store import load_expert_layers
 from gpu_service.model import Model
 from moe_core import codec
