@@ -31,15 +31,11 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=serving.physical_cores(),
                     help="CPU threads for the expert kernels (default: physical cores)")
     ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4"],
-                    help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group scales, quantized at load); auto = the checkpoint's dtype")
+                    help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group "
+                         "scales, quantized at load); auto = the checkpoint's dtype")
     ap.add_argument("--max-tokens", type=int, default=8192,
                     help="most tokens accepted in one layer request (bounds message size)")
-    ap.add_argument("--reflection", action="store_true", help="enable gRPC server reflection (for grpcurl)")
-    ap.add_argument("--grace", type=float, default=10.0,
-                    help="on SIGTERM: seconds open streams may take to finish before they are cancelled")
-    ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0 = off)")
-    ap.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    ap.add_argument("--log-level", default="INFO")
+    serving.add_server_args(ap)
     security.add_server_args(ap)
     return ap.parse_args(argv)
 

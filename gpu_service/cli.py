@@ -46,12 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=serving.physical_cores(), help="CPU threads for torch on this side")
     ap.add_argument("--connect-timeout", type=float, default=120.0,
                     help="seconds to wait at start for the expert service to be ready")
-    ap.add_argument("--reflection", action="store_true", help="enable gRPC server reflection (for grpcurl)")
-    ap.add_argument("--grace", type=float, default=10.0,
-                    help="on SIGTERM: seconds requests in flight may take to finish before they are cancelled")
-    ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0 = off)")
-    ap.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    ap.add_argument("--log-level", default="INFO")
+    serving.add_server_args(ap)
     security.add_server_args(ap)
     security.add_client_args(ap, prefix="experts-", what="the expert service (the auth token is the same one)")
     return ap.parse_args(argv)

@@ -42,6 +42,16 @@ def physical_cores() -> int:
         return max(1, (os.cpu_count() or 2) // 2)
 
 
+def add_server_args(ap) -> None:
+    """Flags every service has: reflection, drain, metrics, logging."""
+    ap.add_argument("--reflection", action="store_true", help="enable gRPC server reflection (for grpcurl)")
+    ap.add_argument("--grace", type=float, default=10.0,
+                    help="on SIGTERM: seconds work in flight may take to finish before it is cancelled")
+    ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this HTTP port (0 = off)")
+    ap.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    ap.add_argument("--log-level", default="INFO")
+
+
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

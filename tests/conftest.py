@@ -52,17 +52,19 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90, channel
     raise TimeoutError(f"service on {port} not healthy after {timeout}s")
 
 
-def start(module: str, *args: str, log: pathlib.Path, env: dict | None = None) -> subprocess.Popen:
+def start(module: str, *args: str, log: pathlib.Path, env: dict | None = None, prefix=()) -> subprocess.Popen:
     f = open(log, "w")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    return subprocess.Popen([*prefix, sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=env)
 
 
 class Services:
-    def __init__(self, model_dir, tmp: pathlib.Path, gpu_args=(), expert_args=()):
+    def __init__(self, model_dir, tmp: pathlib.Path, gpu_args=(), expert_args=(), gpu_prefix=(), expert_prefix=()):
         self.expert_port, self.gpu_port = free_port(), free_port()
         self.model_dir, self.tmp = str(model_dir), tmp
         self.gpu_args, self.expert_args = gpu_args, expert_args
+        self.gpu_prefix, self.expert_prefix = gpu_prefix, expert_prefix
         self.starts = 0
         self.expert = self.start_expert()
         self.gpu = self.start_gpu()
@@ -81,11 +83,12 @@ class Services:
 
     def start_expert(self) -> subprocess.Popen:
         return start("expert_service", "--model", self.model_dir, "--listen", f"127.0.0.1:{self.expert_port}",
-                     "--threads", "1", *self.expert_args, log=self._log("expert"))
+                     "--threads", "1", *self.expert_args, log=self._log("expert"), prefix=self.expert_prefix)
 
     def start_gpu(self) -> subprocess.Popen:
         return start("gpu_service", "--model", self.model_dir, "--experts", f"127.0.0.1:{self.expert_port}",
-                     "--listen", f"127.0.0.1:{self.gpu_port}", "--threads", "1", *self.gpu_args, log=self._log("gpu"))
+                     "--listen", f"127.0.0.1:{self.gpu_port}", "--threads", "1", *self.gpu_args, log=self._log("gpu"),
+                     prefix=self.gpu_prefix)
 
     def logs(self) -> str:
         return "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))

@@ -45,8 +45,9 @@ def info(s):
 
 @pytest.fixture
 def svc(checkpoints, tmp_path):
-    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--metrics-port", str(free_port()), "--grace", "20"),
-                 expert_args=("--metrics-port", str(free_port())))
+    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--metrics-port", str(free_port()), "--grace", "20",
+                                                                  "--reflection"),
+                 expert_args=("--metrics-port", str(free_port()), "--reflection"))
     yield s
     s.stop()
 
@@ -197,3 +198,11 @@ def test_profile_command_prints_a_table(svc, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "expert:experts_immediate" in p.stdout and "total" in p.stdout
     assert json.loads(out.read_text())["traceEvents"]
+
+
+def test_reflection_lists_services(svc):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    for port, want in ((svc.gpu_port, "moe.v1.GenerateService"), (svc.expert_port, "moe.v1.ExpertService")):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            services = ProtoReflectionDescriptorDatabase(ch).get_services()
+            assert want in services and "grpc.health.v1.Health" in services

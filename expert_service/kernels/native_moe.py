@@ -10,7 +10,6 @@ CPUID and the OS's XSAVE state, or forced with MOE_KERNEL_PATH.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 
@@ -18,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from expert_service import _moe_native as _n
+
+from .submit_wait import SubmitWait
 
 log = logging.getLogger("expert_service.kernels")
 
@@ -77,7 +78,7 @@ def _ptr(t: torch.Tensor | None) -> int:
     return t.data_ptr() if t is not None else 0
 
 
-class NativeMoELayer:
+class NativeMoELayer(SubmitWait):
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
                  threads: int | None = None, path: str | None = None):
         if fmt not in FORMATS:
@@ -91,8 +92,6 @@ class NativeMoELayer:
         self.gu = pack(torch.cat([gate, up], dim=1), fmt, self.Kp_h)   # [E, 2I, Kp_h]
         self.dn = pack(down, fmt, self.Kp_i)                            # [E, H, Kp_i]
         _n.init_pool(threads or os.cpu_count() or 1)
-        self._pool = None
-        self._future = None
 
     @property
     def nbytes(self) -> int:
@@ -121,16 +120,3 @@ class NativeMoELayer:
         else:
             out.zero_()
         return out.to(hidden.dtype)
-
-    def submit(self, hidden, topk_ids, topk_weights) -> None:
-        if self._future is not None:
-            raise RuntimeError("submit() called twice without wait()")
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moe")
-        self._future = self._pool.submit(self.forward, hidden, topk_ids, topk_weights)
-
-    def wait(self) -> torch.Tensor:
-        if self._future is None:
-            raise RuntimeError("wait() without submit()")
-        fut, self._future = self._future, None
-        return fut.result()

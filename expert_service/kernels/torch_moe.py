@@ -3,15 +3,16 @@ and the fallback where they are not built. Weights stay in their storage dtype; 
 SwiGLU runs on the tokens routed to it and is accumulated in fp32."""
 from __future__ import annotations
 
-import concurrent.futures
 
 import torch
 import torch.nn.functional as F
 
+from .submit_wait import SubmitWait
+
 _FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class TorchMoELayer:
+class TorchMoELayer(SubmitWait):
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
                  threads: int | None = None):
         if fmt not in _FORMATS:
@@ -24,8 +25,6 @@ class TorchMoELayer:
         self.gate_up = torch.cat([gate.to(dt), up.to(dt)], dim=1).contiguous()  # [E, 2I, H]
         self.down = down.to(dt).contiguous()                                       # [E, H, I]
         self.fmt = fmt
-        self._pool = None
-        self._future = None
 
     @property
     def nbytes(self) -> int:
@@ -53,16 +52,3 @@ class TorchMoELayer:
             y = F.linear(F.silu(g) * u, self.down[e]).float()
             out.index_add_(0, tok, y * topk_weights.reshape(-1)[sel, None].float())
         return out.to(hidden.dtype)
-
-    def submit(self, hidden, topk_ids, topk_weights) -> None:
-        if self._future is not None:
-            raise RuntimeError("submit() called twice without wait()")
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moe")
-        self._future = self._pool.submit(self.forward, hidden, topk_ids, topk_weights)
-
-    def wait(self) -> torch.Tensor:
-        if self._future is None:
-            raise RuntimeError("wait() without submit()")
-        fut, self._future = self._future, None
-        return fut.result()
