@@ -169,7 +169,8 @@ class Engine:
         step = next(self.steps)
         spans: list = []
         t0 = time.perf_counter()
-        logits = self.model.forward(segs, self.experts, step=step, defer=defer, spans=spans, skip=skip)
+        logits = self.model.forward(segs, self.experts, step=step, defer=defer, spans=spans, skip=skip,
+                                    exact_spans=any(r.profile for r in reqs))
         spans += expert_spans(self.experts, step)
         row = 0
         now = time.perf_counter()

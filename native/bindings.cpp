@@ -44,6 +44,11 @@ PYBIND11_MODULE(_moe_native, m) {
     py::gil_scoped_release nogil;
     return bf16_peak_flops(iters);
   });
+  m.def("vnni_peak_ops", [](long iters) {
+    MOE_CHECK(isa_supported(Isa::Avx512, detect_cpu()), "no AVX-512 VNNI on this CPU");
+    py::gil_scoped_release nogil;
+    return vnni_peak_ops(iters);
+  });
   m.def("init_pool", [](int threads) { return pool(threads).size(); }, py::arg("threads"),
         "create the shared pool on first use (later calls return its size)");
   m.def("set_threads", [](int threads) { py::gil_scoped_release nogil; return resize_pool(threads); },

@@ -55,4 +55,26 @@ double bf16_peak_flops(long iters) {
   return double(iters) * 24 * 32 * 2 * tp.size() / s;  // 32 bf16 multiply-adds per instruction
 }
 
+__attribute__((target("avx512f,avx512vnni"))) static int vnni_loop(long iters) {
+  __m512i acc[24];
+  for (auto& a : acc) a = _mm512_setzero_si512();
+  const __m512i x = _mm512_set1_epi8(1), y = _mm512_set1_epi8(2);
+  for (long i = 0; i < iters; ++i)
+    for (auto& a : acc) a = _mm512_dpbusd_epi32(a, x, y);
+  __m512i s = acc[0];
+  for (int j = 1; j < 24; ++j) s = _mm512_add_epi32(s, acc[j]);
+  return _mm512_reduce_add_epi32(s);
+}
+
+double vnni_peak_ops(long iters) {
+  ThreadPool& tp = pool();
+  std::vector<int> sink(tp.size());
+  auto t0 = std::chrono::steady_clock::now();
+  tp.parallel_for(tp.size(), [&](int i) { sink[i] = vnni_loop(iters); });
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile int keep = sink[0];
+  (void)keep;
+  return double(iters) * 24 * 64 * 2 * tp.size() / s;  // 64 int8 multiply-adds per instruction
+}
+
 }  // namespace moe

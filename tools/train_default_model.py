@@ -2,7 +2,7 @@
 expert, 16 routed experts top-4 with sigmoid group routing) on Python's standard library sources
 (PSF licence), with a byte-level BPE tokenizer trained on the training split.
 
-    python tools/train_default_model.py --out models/default [--steps 1800] [--resume]
+    python tools/train_default_model.py --out models/default [--steps 1500] [--resume]
 
 Deterministic (fixed seeds; files split by sorted position: every 20th file is held out).
 Resumable: a checkpoint of model, optimizer and data position goes to --work every 100 steps.
@@ -88,7 +88,7 @@ def main() -> None:
     root = pathlib.Path(__file__).resolve().parent.parent
     ap.add_argument("--out", default=str(root / "models" / "default"))
     ap.add_argument("--work", default=str(root / "build" / "train"), help="resumable state and the token cache")
-    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -139,9 +139,9 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         starts = torch.randint(0, n, (a.batch,), generator=gen)
-        x = torch.stack([data["train"][s:s + a.seq + 1] for s in starts.tolist()]).long()
+        x = torch.stack([data["train"][s:s + a.seq] for s in starts.tolist()]).long()
         routed.clear()
-        loss = model(input_ids=x[:, :-1], labels=x[:, 1:].contiguous(), use_cache=False).loss
+        loss = model(input_ids=x, labels=x, use_cache=False).loss  # transformers shifts the labels itself
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -159,8 +159,8 @@ def main() -> None:
     model.eval()
     with torch.no_grad():  # held-out loss on up to 64 windows, and the unigram baseline
         held = data["held"]
-        wins = [held[i:i + a.seq + 1].long() for i in range(0, min(len(held) - a.seq - 1, 64 * a.seq), a.seq)]
-        held_loss = sum(float(model(input_ids=w[None, :-1], labels=w[None, 1:]).loss) for w in wins) / len(wins)
+        wins = [held[i:i + a.seq].long() for i in range(0, min(len(held) - a.seq, 64 * a.seq), a.seq)]
+        held_loss = sum(float(model(input_ids=w[None], labels=w[None]).loss) for w in wins) / len(wins)
         counts = torch.bincount(data["train"].long(), minlength=cfg.vocab_size).float() + 1
         logp = (counts / counts.sum()).log()
         unigram = float(-logp[torch.cat([w[1:] for w in wins])].mean())
