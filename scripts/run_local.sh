@@ -26,4 +26,6 @@ if ! moe-client health --server "127.0.0.1:$GPU_PORT" --wait 180 >/dev/null; the
 fi
 echo "expert-service pid $epid, gpu-service pid $gpid (logs: $logs)" >&2
 echo ">>> $prompt" >&2
-moe-client generate --server "127.0.0.1:$GPU_PORT" "$prompt" --max-tokens "${MAX_TOKENS:-48}" "$@"
+# sampled by default (a small model loops under greedy decoding); flags given here override these
+moe-client generate --server "127.0.0.1:$GPU_PORT" "$prompt" --max-tokens "${MAX_TOKENS:-48}" \
+  --temperature 0.7 --top-p 0.9 --seed 0 "$@"

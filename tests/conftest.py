@@ -74,7 +74,8 @@ class Services:
         except Exception:
             self.stop()
             raise RuntimeError(f"services failed to start:\n{self.logs()}")
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gpu_port}")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gpu_port}",
+                                             options=[("grpc.max_receive_message_length", -1)])  # Score logits
         self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
 
     def _log(self, name: str) -> pathlib.Path:
