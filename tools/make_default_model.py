@@ -1,9 +1,10 @@
-"""Build the embedded default model (models/default): a small DeepSeek-V3 checkpoint in real
-Hugging Face format with a byte-level BPE tokenizer trained on Python's standard library.
+"""Build a random-weight stand-in of the default model's family: a small DeepSeek-V3 checkpoint
+in real Hugging Face format with a byte-level BPE tokenizer trained on Python's standard library.
+The shipped models/default is trained instead (tools/train_default_model.py); this one is for
+quick experiments that need no training.
 
 Deterministic (fixed seeds, sorted inputs); needs transformers (a test/dev dependency):
-    python tools/make_default_model.py [--out models/default]
-The weights are random: the demo shows the system working, not a useful model.
+    python tools/make_default_model.py [--out build/random-default]
 """
 import argparse
 import json
@@ -53,7 +54,7 @@ def main() -> None:
     import transformers
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent.parent / "models" / "default"))
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent.parent / "build" / "random-default"))
     out = pathlib.Path(ap.parse_args().out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
