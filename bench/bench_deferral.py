@@ -85,7 +85,7 @@ def main() -> None:
         print(json.dumps({"defer": d, "decode_tok_s": round(m["rate"], 2), "gpu_busy": round(m["gpu_busy"], 3),
                           "expert_busy": round(m["expert_busy"], 3)}))
     base, dfr = med[0]["rate"], med[a.defer]["rate"]
-    print(f"\n| defer | decode tok/s | vs defer 0 | GPU-side busy | expert-side busy |\n|---|---|---|---|---|")
+    print("\n| defer | decode tok/s | vs defer 0 | GPU-side busy | expert-side busy |\n|---|---|---|---|---|")
     for d, m in med.items():
         print(f"| {d} | {m['rate']:.2f} | {m['rate'] / base:.3f}x | {m['gpu_busy']:.0%} | {m['expert_busy']:.0%} |")
     print(f"\ndeferral speed-up: {dfr / base - 1:+.1%} (each service on its own core; medians of {a.runs * 2} runs)")

@@ -61,7 +61,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     max_msg = args.max_tokens * (cfg.hidden_size * 4 + cfg.n_routed_experts * 8) + (1 << 16)
     server = grpc.aio.server(options=serving.message_options(max_msg),
                              interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
-    hs = serving.add_health(server, [])
+    hs = serving.add_health(server)
     name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
     if args.reflection:
         serving.add_reflection(server, [name, "grpc.health.v1.Health"])

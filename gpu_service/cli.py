@@ -134,7 +134,7 @@ async def serve(args, stop: asyncio.Event) -> None:
                              interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
     servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
-    hs = serving.add_health(server, [])
+    hs = serving.add_health(server)
     names = [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name]
     if args.reflection:
         serving.add_reflection(server, [*names, "grpc.health.v1.Health"])

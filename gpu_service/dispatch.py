@@ -11,7 +11,6 @@ import collections
 import queue
 
 import grpc
-import torch
 
 from moe_core import codec
 from moe_core.routing import split_deferred

@@ -61,7 +61,7 @@ def message_options(max_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)] + KEEPALIVE
 
 
-def add_health(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     return hs

@@ -44,15 +44,22 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) static float bf16_loop(lo
   return _mm512_reduce_add_ps(s);
 }
 
-double bf16_peak_flops(long iters) {
+// Seconds for every pool thread to run `loop` once (results kept alive so nothing is optimized out).
+template <class Loop>
+static double time_on_all_threads(Loop loop) {
   ThreadPool& tp = pool();
-  std::vector<float> sink(tp.size());
+  std::vector<double> sink(tp.size());
   auto t0 = std::chrono::steady_clock::now();
-  tp.parallel_for(tp.size(), [&](int i) { sink[i] = bf16_loop(iters); });
+  tp.parallel_for(tp.size(), [&](int i) { sink[i] = loop(); });
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  volatile float keep = sink[0];
+  volatile double keep = sink[0];
   (void)keep;
-  return double(iters) * 24 * 32 * 2 * tp.size() / s;  // 32 bf16 multiply-adds per instruction
+  return s;
+}
+
+double bf16_peak_flops(long iters) {
+  double s = time_on_all_threads([&] { return double(bf16_loop(iters)); });
+  return double(iters) * 24 * 32 * 2 * pool().size() / s;  // 32 bf16 multiply-adds per instruction
 }
 
 __attribute__((target("avx512f,avx512vnni"))) static int vnni_loop(long iters) {
@@ -67,14 +74,8 @@ __attribute__((target("avx512f,avx512vnni"))) static int vnni_loop(long iters) {
 }
 
 double vnni_peak_ops(long iters) {
-  ThreadPool& tp = pool();
-  std::vector<int> sink(tp.size());
-  auto t0 = std::chrono::steady_clock::now();
-  tp.parallel_for(tp.size(), [&](int i) { sink[i] = vnni_loop(iters); });
-  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  volatile int keep = sink[0];
-  (void)keep;
-  return double(iters) * 24 * 64 * 2 * tp.size() / s;  // 64 int8 multiply-adds per instruction
+  double s = time_on_all_threads([&] { return double(vnni_loop(iters)); });
+  return double(iters) * 24 * 64 * 2 * pool().size() / s;  // 64 int8 multiply-adds per instruction
 }
 
 }  // namespace moe

@@ -1,7 +1,6 @@
 """A table of bad requests for every RPC of both services: each gets the exact status code and a
 message naming the field, and the service still answers a good request afterwards. Plus random
 bytes and random messages (hypothesis) against the codec and every RPC."""
-import queue
 
 import grpc
 import pytest
@@ -11,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import Services
 from moe_core import codec
 from moe_core.serving import FINGERPRINT_KEY
-from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc, tensor_pb2
+from protos import expert_pb2, expert_pb2_grpc, generate_pb2, tensor_pb2
 
 H, E, K = 64, 16, 4  # the tiny deepseek_v3 checkpoint
 
