@@ -35,6 +35,8 @@ def parse_args(argv=None):
                          "scales, quantized at load); auto = the checkpoint's dtype")
     ap.add_argument("--max-tokens", type=int, default=8192,
                     help="most tokens accepted in one layer request (bounds message size)")
+    ap.add_argument("--shm-max-mb", type=int, default=1024,
+                    help="largest shared-memory region a co-located GPU service may register (0: gRPC only)")
     serving.add_server_args(ap)
     security.add_server_args(ap)
     return ap.parse_args(argv)
@@ -65,7 +67,8 @@ async def serve(args, stop: asyncio.Event) -> None:
     name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
     if args.reflection:
         serving.add_reflection(server, [name, "grpc.health.v1.Health"])
-    servicer = ExpertServicer(cfg, fmt, kernels.kernel_path(fmt), args.threads, args.max_tokens)
+    servicer = ExpertServicer(cfg, fmt, kernels.kernel_path(fmt), args.threads, args.max_tokens,
+                               shm_max_bytes=args.shm_max_mb << 20)
     expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     try:
         sec.add_port(server, args.listen)

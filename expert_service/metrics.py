@@ -12,6 +12,7 @@ COMPUTE = Histogram("moe_expert_compute_seconds", "Routed-expert compute per lay
 QUEUED = Histogram("moe_expert_queue_seconds", "Receipt to compute start", buckets=FAST)
 ERRORS = Counter("moe_expert_errors_total", "Requests refused or failed, by gRPC status", ["code"])
 STREAMS = Gauge("moe_expert_active_streams", "Open Exchange streams")
+SHM_SESSIONS = Gauge("moe_expert_shm_sessions", "Shared-memory sessions being served")
 BUSY = Counter("moe_expert_busy_seconds_total", "Time the CPU kernels were running")
 
 

@@ -5,30 +5,46 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
+import threading
 import time
 
 import grpc
 import torch
 
-from moe_core import codec
+from moe_core import codec, shm
 from moe_core.config import ModelConfig
 from moe_core.routing import split_deferred
 from moe_core.serving import FINGERPRINT_KEY
 from protos import expert_pb2, expert_pb2_grpc
 
 from . import metrics
+from .ring import RingServer
 
 log = logging.getLogger("expert_service")
+
+
+MAX_SHM_SESSIONS = 16
 
 
 class BadRequest(ValueError):
     pass
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    # a finite sum implies finite elements (inf and nan propagate) and costs a third of isfinite().all();
+    # only a non-finite sum (or overflow) needs the exact check
+    return math.isfinite(float(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+
+
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
-    def __init__(self, cfg: ModelConfig, fmt: str, kernel_path: str, threads: int, max_tokens: int):
+    def __init__(self, cfg: ModelConfig, fmt: str, kernel_path: str, threads: int, max_tokens: int,
+                 shm_max_bytes: int = 0):
         self.cfg, self.layers, self.fp = cfg, {}, None  # filled by attach() once loaded
         self.active_streams = 0
+        self.shm_max_bytes = shm_max_bytes  # 0: no shared-memory sessions
+        self.shm_sessions: set = set()
+        self.compute_lock = threading.Lock()
         self.fmt, self.kernel_path, self.threads, self.max_tokens = fmt, kernel_path, threads, max_tokens
         # One compute thread: the kernels parallelize inside; requests are served in arrival order.
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="experts")
@@ -42,38 +58,57 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     # -- validation ---------------------------------------------------------------------------
     def parse(self, req: expert_pb2.LayerRequest):
-        cfg = self.cfg
-        if req.layer not in self.layers:
-            raise BadRequest(f"layer: {req.layer} is not an MoE layer of this model (MoE layers: "
-                             f"{cfg.moe_layers[0]}..{cfg.moe_layers[-1]})" if cfg.moe_layers else "layer: model has no MoE layers")
         try:
             hidden = codec.decode(req.hidden, "hidden", codec.FLOAT_DTYPES, ndim=2)
             ids = codec.decode(req.topk_ids, "topk_ids", (torch.int32,), ndim=2)
             w = codec.decode(req.topk_weights, "topk_weights", (torch.float32,), ndim=2)
         except codec.CodecError as e:
             raise BadRequest(str(e)) from None
-        T, H = hidden.shape
+        self.validate(req.layer, hidden, ids, w, req.defer)
+        return hidden, ids, w
+
+    def validate_shape(self, layer: int, T: int, H: int, ids_shape, w_shape, defer: int) -> None:
+        """The checks on sizes and settings every layer request passes, whichever transport brought it."""
+        cfg = self.cfg
+        if layer not in self.layers:
+            raise BadRequest(f"layer: {layer} is not an MoE layer of this model (MoE layers: "
+                             f"{cfg.moe_layers[0]}..{cfg.moe_layers[-1]})" if cfg.moe_layers else "layer: model has no MoE layers")
         if H != cfg.hidden_size:
             raise BadRequest(f"hidden.shape: hidden size {H} != model hidden_size {cfg.hidden_size}")
         if T > self.max_tokens:
             raise BadRequest(f"hidden.shape: {T} tokens exceed the limit of {self.max_tokens}")
-        if ids.shape[0] != T or w.shape != ids.shape:
-            raise BadRequest(f"topk_ids/topk_weights: shapes {list(ids.shape)} / {list(w.shape)} must both be [{T}, k]")
-        k = ids.shape[1]
+        if ids_shape[0] != T or tuple(w_shape) != tuple(ids_shape):
+            raise BadRequest(f"topk_ids/topk_weights: shapes {list(ids_shape)} / {list(w_shape)} must both be [{T}, k]")
+        k = ids_shape[1]
         if not 1 <= k <= cfg.n_routed_experts:
             raise BadRequest(f"topk_ids.shape: k={k} must be in [1, {cfg.n_routed_experts}]")
-        if T and (ids.min() < 0 or ids.max() >= cfg.n_routed_experts):
-            raise BadRequest(f"topk_ids: expert ids must be in [0, {cfg.n_routed_experts}), "
-                             f"got [{int(ids.min())}, {int(ids.max())}]")
-        if not torch.isfinite(w).all():
+        if defer >= k:
+            raise BadRequest(f"defer: {defer} must be < k={k}")
+
+    def validate(self, layer: int, hidden, ids, w, defer: int) -> None:
+        """validate_shape, then the values (the native part entry checks these itself)."""
+        self.validate_shape(layer, *hidden.shape, ids.shape, w.shape, defer)
+        E = self.cfg.n_routed_experts
+        if hidden.shape[0] and (ids.min() < 0 or ids.max() >= E):
+            raise BadRequest(f"topk_ids: expert ids must be in [0, {E}), got [{int(ids.min())}, {int(ids.max())}]")
+        if not all_finite(w):
             raise BadRequest("topk_weights: non-finite values")
-        if not torch.isfinite(hidden).all():
+        if not all_finite(hidden):
             raise BadRequest("hidden: non-finite values")
-        if req.defer >= k:
-            raise BadRequest(f"defer: {req.defer} must be < k={k}")
-        return hidden, ids, w
 
     # -- compute --------------------------------------------------------------------------------
+    def run_part(self, layer: int, part: int, kernel):
+        """Run one part's kernel under the compute lock (the gRPC path and the shared-memory rings
+        share the kernels' thread pool), timed and counted. -> (kernel's result, ExpertTiming)"""
+        with self.compute_lock:
+            t0 = time.time_ns()
+            y = kernel()
+            t1 = time.time_ns()
+        dt = (t1 - t0) / 1e9
+        metrics.BUSY.inc(dt)
+        metrics.COMPUTE.labels(str(layer), "deferred" if part else "immediate").observe(dt)
+        return y, expert_pb2.ExpertTiming(compute_us=(t1 - t0) // 1000, start_unix_ns=t0, end_unix_ns=t1)
+
     def compute(self, layer: int, hidden, ids, w, defer: int):
         """-> [(part, out, ExpertTiming)], immediate first. Runs on the compute thread."""
         op = self.layers[layer]
@@ -82,16 +117,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         else:
             i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
             jobs = [(expert_pb2.IMMEDIATE, i_ids, i_w), (expert_pb2.DEFERRED, d_ids, d_w)]
-        out = []
-        for part, p_ids, p_w in jobs:
-            t0 = time.time_ns()
-            y = op.forward(hidden, p_ids, p_w)
-            t1 = time.time_ns()
-            dt = (t1 - t0) / 1e9
-            metrics.BUSY.inc(dt)
-            metrics.COMPUTE.labels(str(layer), "deferred" if part else "immediate").observe(dt)
-            out.append((part, y, expert_pb2.ExpertTiming(compute_us=(t1 - t0) // 1000, start_unix_ns=t0,
-                                                         end_unix_ns=t1)))
+        out = [(part, *self.run_part(layer, part, lambda: op.forward(hidden, p_ids, p_w))) for part, p_ids, p_w in jobs]
         metrics.TOKENS.inc(hidden.shape[0])
         return out
 
@@ -157,5 +183,33 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             n_routed_experts=cfg.n_routed_experts, hidden_size=cfg.hidden_size,
             moe_intermediate_size=cfg.moe_intermediate_size, top_k=cfg.top_k, weight_format=self.fmt,
             kernel_path=self.kernel_path, threads=self.threads,
-            weight_bytes=sum(op.nbytes for op in self.layers.values()), transport="grpc",
-            active_streams=self.active_streams)
+            weight_bytes=sum(op.nbytes for op in self.layers.values()),
+            transport="grpc,shm" if self.shm_max_bytes else "grpc", active_streams=self.active_streams,
+            shm_sessions=len(self.shm_sessions))
+
+    async def OpenShm(self, request, context):
+        await self._check_peer(context)
+        if not self.shm_max_bytes:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this expert service does not serve shared memory "
+                                "(started with --shm-max-mb 0)")
+        if len(self.shm_sessions) >= MAX_SHM_SESSIONS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_SHM_SESSIONS} shared-memory sessions are open")
+        try:
+            mm = shm.attach(request.name, request.size, bytes(request.nonce), self.shm_max_bytes)
+        except shm.RegionError as e:
+            metrics.ERRORS.labels(e.code_name).inc()
+            await context.abort(getattr(grpc.StatusCode, e.code_name), f"shared memory: {e}")
+        ring = RingServer(mm, self, request.name)
+        self.shm_sessions.add(ring)
+        metrics.SHM_SESSIONS.set(len(self.shm_sessions))
+        log.info("shared-memory session %s: %d MiB", request.name, request.size >> 20)
+        try:
+            ring.start()
+            yield expert_pb2.ShmEvent(ready=True)
+            await asyncio.wrap_future(ring.done)  # until the peer closes the ring, or this stream ends
+        finally:  # the peer went away (stream cancelled) or closed the ring: unmap, nothing stays
+            ring.stop()
+            await asyncio.to_thread(ring.join)
+            self.shm_sessions.discard(ring)
+            metrics.SHM_SESSIONS.set(len(self.shm_sessions))
+            log.info("shared-memory session %s ended", request.name)

@@ -19,7 +19,7 @@ from moe_core.metrics import serve_metrics
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 from . import metrics
-from .dispatch import RemoteExperts
+from .dispatch import ExpertServiceError, RemoteExperts
 from .engine import Engine
 from .model import DTYPES, Model
 from .server import GenerateServicer
@@ -44,6 +44,11 @@ def parse_args(argv=None):
     ap.add_argument("--defer", type=int, default=0,
                     help="expert deferral: per token, this many lowest-weighted experts are merged one layer later (0 = exact)")
     ap.add_argument("--threads", type=int, default=serving.physical_cores(), help="CPU threads for torch on this side")
+    ap.add_argument("--transport", default="auto", choices=["grpc", "shm", "auto"],
+                    help="data path to the expert service: gRPC bytes, shared memory (same host only), or auto = "
+                         "shared memory when the expert service can map it, else gRPC")
+    ap.add_argument("--shm-mb", type=int, default=64,
+                    help="size of the shared-memory region; layer requests that do not fit a quarter of it go over gRPC")
     ap.add_argument("--connect-timeout", type=float, default=120.0,
                     help="seconds to wait at start for the expert service to be ready")
     serving.add_server_args(ap)
@@ -145,20 +150,26 @@ async def serve(args, stop: asyncio.Event) -> None:
     await serving.set_health(hs, names, serving=False)
     await server.start()
     serve_metrics(args.metrics_port, args.metrics_host)
-    experts = RemoteExperts(args.experts, fp, max_msg, expert_sec)
+    experts = RemoteExperts(args.experts, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20)
     log.info("waiting for the expert service at %s", args.experts)
     info = await asyncio.to_thread(wait_for_experts, experts, args.connect_timeout)
     if info.model_fingerprint != fp:
         serving.fail(f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service "
                      f"at {args.experts} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
                      f"point both at the same checkpoint")
+    try:
+        transport = await asyncio.to_thread(experts.start_transport)
+    except ExpertServiceError as e:
+        serving.fail(f"--transport {args.transport}: {e}")
+    server_info.transport = transport
     model = await asyncio.to_thread(Model, cfg, ckpt, device, dtype)
     engine = Engine(model, experts, text, args.max_batch, max_context)
     engine.start()
     servicer.attach(engine)
     watcher = asyncio.create_task(watch_experts(experts, fp, servicer, hs, names))
-    log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s), defer=%d", args.listen,
-             cfg.model_type, fp, device, dtype, args.experts, info.weight_format, info.kernel_path, args.defer)
+    log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), defer=%d", args.listen,
+             cfg.model_type, fp, device, dtype, args.experts, info.weight_format, info.kernel_path, transport,
+             args.defer)
     try:
         await stop.wait()
     finally:

@@ -2,12 +2,15 @@
 sums back. submit() returns at once; result() blocks for the next result, which must be the
 one asked for (results come back in request order: IMMEDIATE of a layer, then its DEFERRED).
 
-RemoteExperts: one bidirectional gRPC Exchange stream (kept open across steps).
+RemoteExperts: one bidirectional gRPC Exchange stream (kept open across steps), and with
+transport shm|auto a shared-memory session (shm_channel.py) that carries every layer request
+that fits its slots; larger ones (long prefills) take the gRPC stream.
 LocalExperts: the same contract in-process, for tests and tools.
 """
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 
 import grpc
@@ -17,6 +20,14 @@ from moe_core.routing import split_deferred
 from moe_core.security import ClientSecurity
 from moe_core.serving import FINGERPRINT_KEY, RECONNECT, message_options
 from protos import expert_pb2, expert_pb2_grpc
+
+from .shm_channel import ShmChannel, ShmError
+
+log = logging.getLogger("gpu_service.dispatch")
+TRANSPORTS = ("grpc", "shm", "auto")
+# OpenShm answers that mean "no shared memory with this peer" (another host, disabled, older peer)
+NO_SHM = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
+          grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class ExpertServiceError(RuntimeError):
@@ -52,8 +63,13 @@ class LocalExperts:
 
 
 class RemoteExperts:
-    def __init__(self, target: str, fingerprint: str, max_message: int, security: ClientSecurity | None = None):
+    def __init__(self, target: str, fingerprint: str, max_message: int, security: ClientSecurity | None = None,
+                 transport: str = "grpc", shm_bytes: int = 64 << 20):
+        assert transport in TRANSPORTS, transport
         self.target, self.fingerprint = target, fingerprint
+        self.transport, self.shm_bytes = transport, shm_bytes
+        self.shm: ShmChannel | None = None
+        self._shm_out: dict = {}  # layer -> (shape, dtype) of requests that went through shared memory
         self.security = security or ClientSecurity()
         self.channel = self.security.channel(target, options=message_options(max_message) + RECONNECT)
         self.metadata = ((FINGERPRINT_KEY, fingerprint), *self.security.metadata)
@@ -65,12 +81,47 @@ class RemoteExperts:
     def info(self, timeout: float = 5.0) -> expert_pb2.ExpertInfo:
         return self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=timeout, metadata=self.security.metadata)
 
+    def start_transport(self) -> str:
+        """Choose the data path once the expert service answers: shm when asked for (failing loudly if
+        it cannot be had), auto = shm if the peer can map our region (same host), else gRPC."""
+        if self.transport == "grpc":
+            return "grpc"
+        try:
+            self._open_shm()
+            return "shm"
+        except ExpertServiceError as e:
+            if self.transport == "shm" or e.code not in NO_SHM:
+                raise
+            log.info("shared memory with %s not possible (%s): using gRPC", self.target, e)
+            self.transport = "grpc"
+            return "grpc"
+
+    def _open_shm(self) -> None:
+        try:
+            self.shm = ShmChannel(self.stub, self.metadata, self.shm_bytes)
+        except grpc.RpcError as e:
+            raise ExpertServiceError(e.code(), f"shared memory with {self.target}: {e.details()}") from None
+        except OSError as e:
+            raise ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot create a shared region: {e}") from None
+
     def _open(self):
         q: queue.Queue = queue.Queue()
         self._requests = q
         self._responses = self.stub.Exchange(iter(q.get, None), metadata=self.metadata)
 
     def submit(self, step, layer, x, ids, w, defer):
+        if self.transport != "grpc":
+            if self.shm is None:
+                self._open_shm()
+            if self.shm.fits(x.shape[0], x.shape[1], x.element_size(), ids.shape[1]):
+                try:
+                    self.shm.submit(step, layer, x, ids, w, defer)
+                except ShmError as e:
+                    self.reset()
+                    raise ExpertServiceError(e.code, f"expert service at {self.target}: {e}") from None
+                self._shm_out[layer] = (tuple(x.shape), x.dtype)
+                return
+        self._shm_out.pop(layer, None)
         if self._responses is None:
             self._open()
         self._requests.put(expert_pb2.LayerRequest(step=step, layer=layer, hidden=codec.encode(x),
@@ -78,6 +129,15 @@ class RemoteExperts:
                                                    defer=defer))
 
     def result(self, layer, deferred):
+        if layer in self._shm_out:
+            shape, dtype = self._shm_out[layer]
+            try:
+                y, timing = self.shm.result(layer, deferred, shape, dtype)
+            except ShmError as e:
+                self.reset()
+                raise ExpertServiceError(e.code, f"expert service at {self.target}: {e}") from None
+            self._timings.append((layer, deferred, timing))
+            return y
         try:
             r = next(self._responses)
         except grpc.RpcError as e:
@@ -107,7 +167,11 @@ class RemoteExperts:
         return out
 
     def reset(self):
-        """Drop the stream (after an error): the next submit opens a fresh one."""
+        """Drop the stream and the shared-memory session (after an error): the next submit opens fresh ones."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        self._shm_out.clear()
         if self._requests is not None:
             self._requests.put(None)
         if self._responses is not None:

@@ -2,12 +2,50 @@
 #include <pybind11/pybind11.h>
 
 #include "common.h"
+#include "doorbell.h"
 #include "huge_buffer.h"
 #include "moe.h"
 #include "probes.h"
 
 namespace py = pybind11;
 using namespace moe;
+
+// A 32-bit doorbell word inside a writable buffer (an mmap of the shared region), bounds-checked.
+static std::atomic<uint32_t>* doorbell_at(py::buffer& buf, size_t offset) {
+  py::buffer_info info = buf.request(true);
+  size_t n = size_t(info.size) * size_t(info.itemsize);
+  MOE_CHECK(offset % 4 == 0 && offset <= n && n - offset >= 4, "doorbell offset outside the buffer or unaligned");
+  auto addr = reinterpret_cast<uintptr_t>(info.ptr) + offset;
+  MOE_CHECK(addr % 4 == 0, "doorbell address unaligned");
+  return reinterpret_cast<std::atomic<uint32_t>*>(addr);
+}
+
+static Isa parse_isa(const std::string& name);
+
+static Isa kernel_isa(const std::string& path) {
+  Isa isa = parse_isa(path);
+  MOE_CHECK(isa_supported(isa, detect_cpu()), std::string("kernel path ") + path + " not supported here");
+  MOE_CHECK(isa != Isa::Amx, "no AMX tile kernels are built yet");
+  return isa;
+}
+
+static MoEWeights weights_of(const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,
+                             uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w,
+                             uintptr_t dn_scale, uintptr_t dn_rowsum, uintptr_t dn_rowcorr) {
+  Fmt f = fmt == "bf16" ? Fmt::Bf16 : fmt == "int8" ? Fmt::Int8 : fmt == "int4" ? Fmt::Int4
+        : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4)");
+  auto mat = [](uintptr_t w, uintptr_t scale, uintptr_t rowsum, uintptr_t rowcorr, int rows, int K, int Kp) {
+    return Matrix{reinterpret_cast<const void*>(w), reinterpret_cast<const float*>(scale),
+                  reinterpret_cast<const int32_t*>(rowsum), reinterpret_cast<const float*>(rowcorr), rows, K, Kp};
+  };
+  return MoEWeights{f, E, H, I, mat(gu_w, gu_scale, gu_rowsum, gu_rowcorr, 2 * I, H, Kp_h),
+                    mat(dn_w, dn_scale, dn_rowsum, dn_rowcorr, H, I, Kp_i)};
+}
+
+#define WEIGHT_ARGS                                                                                             \
+  py::arg("path"), py::arg("fmt"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("Kp_h"), py::arg("Kp_i"), \
+      py::arg("gu_w"), py::arg("gu_scale"), py::arg("gu_rowsum"), py::arg("gu_rowcorr"), py::arg("dn_w"),       \
+      py::arg("dn_scale"), py::arg("dn_rowsum"), py::arg("dn_rowcorr")
 
 static Isa parse_isa(const std::string& name) {
   if (name == "portable") return Isa::Portable;
@@ -49,6 +87,22 @@ PYBIND11_MODULE(_moe_native, m) {
     py::gil_scoped_release nogil;
     return vnni_peak_ops(iters);
   });
+  m.def(
+      "doorbell_wait",
+      [](py::buffer buf, size_t offset, uint32_t seen, int64_t timeout_us, int64_t spin_us) {
+        auto* w = doorbell_at(buf, offset);
+        py::gil_scoped_release nogil;
+        return doorbell_wait(w, seen, timeout_us, spin_us);
+      },
+      py::arg("buf"), py::arg("offset"), py::arg("seen"), py::arg("timeout_us"), py::arg("spin_us"),
+      "wait until the u32 at buf[offset] != seen (spin, then futex); returns the value (== seen on timeout)");
+  m.def(
+      "doorbell_ring",
+      [](py::buffer buf, size_t offset, uint32_t value) { doorbell_ring(doorbell_at(buf, offset), value); },
+      py::arg("buf"), py::arg("offset"), py::arg("value"), "store value at buf[offset] (release) and wake waiters");
+  m.def(
+      "doorbell_wake", [](py::buffer buf, size_t offset) { doorbell_wake(doorbell_at(buf, offset)); },
+      py::arg("buf"), py::arg("offset"), "wake waiters on buf[offset] without changing it");
   m.def("init_pool", [](int threads) { return pool(threads).size(); }, py::arg("threads"),
         "create the shared pool on first use (later calls return its size)");
   m.def("set_threads", [](int threads) { py::gil_scoped_release nogil; return resize_pool(threads); },
@@ -59,24 +113,29 @@ PYBIND11_MODULE(_moe_native, m) {
          uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w, uintptr_t dn_scale,
          uintptr_t dn_rowsum, uintptr_t dn_rowcorr,
          uintptr_t hidden, uintptr_t ids, uintptr_t weights, uintptr_t out, int T, int k) {
-        Isa isa = parse_isa(path);
-        MOE_CHECK(isa_supported(isa, detect_cpu()), std::string("kernel path ") + path + " not supported here");
-        MOE_CHECK(isa != Isa::Amx, "no AMX tile kernels are built yet");
-        Fmt f = fmt == "bf16" ? Fmt::Bf16 : fmt == "int8" ? Fmt::Int8 : fmt == "int4" ? Fmt::Int4
-              : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4)");
-        MoEWeights m{f, E, H, I,
-                     Matrix{reinterpret_cast<const void*>(gu_w), reinterpret_cast<const float*>(gu_scale),
-                            reinterpret_cast<const int32_t*>(gu_rowsum), reinterpret_cast<const float*>(gu_rowcorr), 2 * I, H,
-                            Kp_h},
-                     Matrix{reinterpret_cast<const void*>(dn_w), reinterpret_cast<const float*>(dn_scale),
-                            reinterpret_cast<const int32_t*>(dn_rowsum), reinterpret_cast<const float*>(dn_rowcorr), H, I,
-                            Kp_i}};
+        Isa isa = kernel_isa(path);
+        MoEWeights m = weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum, gu_rowcorr, dn_w, dn_scale,
+                                  dn_rowsum, dn_rowcorr);
         py::gil_scoped_release nogil;
         moe_forward(isa, m, reinterpret_cast<const float*>(hidden), reinterpret_cast<const int32_t*>(ids),
                     reinterpret_cast<const float*>(weights), reinterpret_cast<float*>(out), T, k);
       },
-      py::arg("path"), py::arg("fmt"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("Kp_h"), py::arg("Kp_i"),
-      py::arg("gu_w"), py::arg("gu_scale"), py::arg("gu_rowsum"), py::arg("gu_rowcorr"), py::arg("dn_w"),
-      py::arg("dn_scale"), py::arg("dn_rowsum"), py::arg("dn_rowcorr"), py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("T"),
-      py::arg("k"));
+      WEIGHT_ARGS, py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("T"), py::arg("k"));
+  m.def(
+      "forward_part",
+      [](const std::string& path, const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,
+         uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w, uintptr_t dn_scale,
+         uintptr_t dn_rowsum, uintptr_t dn_rowcorr, uintptr_t hidden, bool hidden_bf16, uintptr_t ids,
+         uintptr_t weights, uintptr_t out, bool out_bf16, int T, int k, int defer, int part) {
+        Isa isa = kernel_isa(path);
+        MoEWeights m = weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum, gu_rowcorr, dn_w, dn_scale,
+                                  dn_rowsum, dn_rowcorr);
+        py::gil_scoped_release nogil;
+        moe_forward_part(isa, m, reinterpret_cast<const void*>(hidden), hidden_bf16,
+                         reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
+                         reinterpret_cast<void*>(out), out_bf16, T, k, defer, part);
+      },
+      WEIGHT_ARGS, py::arg("hidden"), py::arg("hidden_bf16"), py::arg("ids"), py::arg("weights"), py::arg("out"),
+      py::arg("out_bf16"), py::arg("T"), py::arg("k"), py::arg("defer"), py::arg("part"),
+      "one part of a deferral split, hidden/out bf16 or fp32 (see native/moe_part.cpp)");
 }

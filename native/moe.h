@@ -46,6 +46,12 @@ struct MoEWeights {
 void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
                  float* out, int T, int k);
 
+// One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
+// part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and
+// finiteness (throws std::invalid_argument naming the field).
+void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hidden_bf16, const int32_t* ids,
+                      const float* weights, void* out, bool out_bf16, int T, int k, int defer, int part);
+
 // Activations as the kernels take them: bf16 rows, or (int formats) uint8 rows q + 128 with one
 // scale per row.
 struct Acts {

@@ -25,27 +25,31 @@ _sym_db = _symbol_database.Default()
 from protos import tensor_pb2 as protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/expert.proto\x12\x06moe.v1\x1a\x13protos/tensor.proto\"\xa2\x01\n\x0cLayerRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x1e\n\x06hidden\x18\x03 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12 \n\x08topk_ids\x18\x04 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12$\n\x0ctopk_weights\x18\x05 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12\r\n\x05\x64\x65\x66\x65r\x18\x06 \x01(\r\"\x92\x01\n\x0bLayerResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12 \n\x04part\x18\x03 \x01(\x0e\x32\x12.moe.v1.ResultPart\x12\x1e\n\x06output\x18\x04 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12$\n\x06timing\x18\x05 \x01(\x0b\x32\x14.moe.v1.ExpertTiming\"a\n\x0c\x45xpertTiming\x12\x11\n\tqueued_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x15\n\rstart_unix_ns\x18\x03 \x01(\x03\x12\x13\n\x0b\x65nd_unix_ns\x18\x04 \x01(\x03\"z\n\rLayerResponse\x12!\n\timmediate\x18\x01 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12 \n\x08\x64\x65\x66\x65rred\x18\x02 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12$\n\x06timing\x18\x03 \x01(\x0b\x32\x14.moe.v1.ExpertTiming\"\x13\n\x11\x45xpertInfoRequest\"\xac\x02\n\nExpertInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nmoe_layers\x18\x03 \x03(\r\x12\x18\n\x10n_routed_experts\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x1d\n\x15moe_intermediate_size\x18\x06 \x01(\r\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x15\n\rweight_format\x18\x08 \x01(\t\x12\x13\n\x0bkernel_path\x18\t \x01(\t\x12\x0f\n\x07threads\x18\n \x01(\r\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\x12\x11\n\ttransport\x18\x0c \x01(\t\x12\x16\n\x0e\x61\x63tive_streams\x18\r \x01(\r*)\n\nResultPart\x12\r\n\tIMMEDIATE\x10\x00\x12\x0c\n\x08\x44\x45\x46\x45RRED\x10\x01\x32\xba\x01\n\rExpertService\x12\x39\n\x08\x45xchange\x12\x14.moe.v1.LayerRequest\x1a\x13.moe.v1.LayerResult(\x01\x30\x01\x12\x37\n\x08RunLayer\x12\x14.moe.v1.LayerRequest\x1a\x15.moe.v1.LayerResponse\x12\x35\n\x04Info\x12\x19.moe.v1.ExpertInfoRequest\x1a\x12.moe.v1.ExpertInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/expert.proto\x12\x06moe.v1\x1a\x13protos/tensor.proto\"4\n\x07ShmOpen\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05nonce\x18\x03 \x01(\x0c\"\x19\n\x08ShmEvent\x12\r\n\x05ready\x18\x01 \x01(\x08\"\xa2\x01\n\x0cLayerRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x1e\n\x06hidden\x18\x03 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12 \n\x08topk_ids\x18\x04 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12$\n\x0ctopk_weights\x18\x05 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12\r\n\x05\x64\x65\x66\x65r\x18\x06 \x01(\r\"\x92\x01\n\x0bLayerResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12 \n\x04part\x18\x03 \x01(\x0e\x32\x12.moe.v1.ResultPart\x12\x1e\n\x06output\x18\x04 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12$\n\x06timing\x18\x05 \x01(\x0b\x32\x14.moe.v1.ExpertTiming\"a\n\x0c\x45xpertTiming\x12\x11\n\tqueued_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x15\n\rstart_unix_ns\x18\x03 \x01(\x03\x12\x13\n\x0b\x65nd_unix_ns\x18\x04 \x01(\x03\"z\n\rLayerResponse\x12!\n\timmediate\x18\x01 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12 \n\x08\x64\x65\x66\x65rred\x18\x02 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12$\n\x06timing\x18\x03 \x01(\x0b\x32\x14.moe.v1.ExpertTiming\"\x13\n\x11\x45xpertInfoRequest\"\xc2\x02\n\nExpertInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nmoe_layers\x18\x03 \x03(\r\x12\x18\n\x10n_routed_experts\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x1d\n\x15moe_intermediate_size\x18\x06 \x01(\r\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x15\n\rweight_format\x18\x08 \x01(\t\x12\x13\n\x0bkernel_path\x18\t \x01(\t\x12\x0f\n\x07threads\x18\n \x01(\r\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\x12\x11\n\ttransport\x18\x0c \x01(\t\x12\x16\n\x0e\x61\x63tive_streams\x18\r \x01(\r\x12\x14\n\x0cshm_sessions\x18\x0e \x01(\r*)\n\nResultPart\x12\r\n\tIMMEDIATE\x10\x00\x12\x0c\n\x08\x44\x45\x46\x45RRED\x10\x01\x32\xea\x01\n\rExpertService\x12\x39\n\x08\x45xchange\x12\x14.moe.v1.LayerRequest\x1a\x13.moe.v1.LayerResult(\x01\x30\x01\x12\x37\n\x08RunLayer\x12\x14.moe.v1.LayerRequest\x1a\x15.moe.v1.LayerResponse\x12\x35\n\x04Info\x12\x19.moe.v1.ExpertInfoRequest\x1a\x12.moe.v1.ExpertInfo\x12.\n\x07OpenShm\x12\x0f.moe.v1.ShmOpen\x1a\x10.moe.v1.ShmEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.expert_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESULTPART']._serialized_start=913
-  _globals['_RESULTPART']._serialized_end=954
-  _globals['_LAYERREQUEST']._serialized_start=53
-  _globals['_LAYERREQUEST']._serialized_end=215
-  _globals['_LAYERRESULT']._serialized_start=218
-  _globals['_LAYERRESULT']._serialized_end=364
-  _globals['_EXPERTTIMING']._serialized_start=366
-  _globals['_EXPERTTIMING']._serialized_end=463
-  _globals['_LAYERRESPONSE']._serialized_start=465
-  _globals['_LAYERRESPONSE']._serialized_end=587
-  _globals['_EXPERTINFOREQUEST']._serialized_start=589
-  _globals['_EXPERTINFOREQUEST']._serialized_end=608
-  _globals['_EXPERTINFO']._serialized_start=611
-  _globals['_EXPERTINFO']._serialized_end=911
-  _globals['_EXPERTSERVICE']._serialized_start=957
-  _globals['_EXPERTSERVICE']._serialized_end=1143
+  _globals['_RESULTPART']._serialized_start=1016
+  _globals['_RESULTPART']._serialized_end=1057
+  _globals['_SHMOPEN']._serialized_start=52
+  _globals['_SHMOPEN']._serialized_end=104
+  _globals['_SHMEVENT']._serialized_start=106
+  _globals['_SHMEVENT']._serialized_end=131
+  _globals['_LAYERREQUEST']._serialized_start=134
+  _globals['_LAYERREQUEST']._serialized_end=296
+  _globals['_LAYERRESULT']._serialized_start=299
+  _globals['_LAYERRESULT']._serialized_end=445
+  _globals['_EXPERTTIMING']._serialized_start=447
+  _globals['_EXPERTTIMING']._serialized_end=544
+  _globals['_LAYERRESPONSE']._serialized_start=546
+  _globals['_LAYERRESPONSE']._serialized_end=668
+  _globals['_EXPERTINFOREQUEST']._serialized_start=670
+  _globals['_EXPERTINFOREQUEST']._serialized_end=689
+  _globals['_EXPERTINFO']._serialized_start=692
+  _globals['_EXPERTINFO']._serialized_end=1014
+  _globals['_EXPERTSERVICE']._serialized_start=1060
+  _globals['_EXPERTSERVICE']._serialized_end=1294
 # @@protoc_insertion_point(module_scope)

@@ -15,6 +15,22 @@ class ResultPart(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 IMMEDIATE: ResultPart
 DEFERRED: ResultPart
 
+class ShmOpen(_message.Message):
+    __slots__ = ("name", "size", "nonce")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    nonce: bytes
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ShmEvent(_message.Message):
+    __slots__ = ("ready",)
+    READY_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    def __init__(self, ready: _Optional[bool] = ...) -> None: ...
+
 class LayerRequest(_message.Message):
     __slots__ = ("step", "layer", "hidden", "topk_ids", "topk_weights", "defer")
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -72,7 +88,7 @@ class ExpertInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExpertInfo(_message.Message):
-    __slots__ = ("model_fingerprint", "architecture", "moe_layers", "n_routed_experts", "hidden_size", "moe_intermediate_size", "top_k", "weight_format", "kernel_path", "threads", "weight_bytes", "transport", "active_streams")
+    __slots__ = ("model_fingerprint", "architecture", "moe_layers", "n_routed_experts", "hidden_size", "moe_intermediate_size", "top_k", "weight_format", "kernel_path", "threads", "weight_bytes", "transport", "active_streams", "shm_sessions")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +102,7 @@ class ExpertInfo(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    SHM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     architecture: str
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -99,4 +116,5 @@ class ExpertInfo(_message.Message):
     weight_bytes: int
     transport: str
     active_streams: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_routed_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., moe_intermediate_size: _Optional[int] = ..., top_k: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel_path: _Optional[str] = ..., threads: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., active_streams: _Optional[int] = ...) -> None: ...
+    shm_sessions: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_routed_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., moe_intermediate_size: _Optional[int] = ..., top_k: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel_path: _Optional[str] = ..., threads: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., active_streams: _Optional[int] = ..., shm_sessions: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,11 @@ class ExpertServiceStub:
                 request_serializer=protos_dot_expert__pb2.ExpertInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_expert__pb2.ExpertInfo.FromString,
                 _registered_method=True)
+        self.OpenShm = channel.unary_stream(
+                '/moe.v1.ExpertService/OpenShm',
+                request_serializer=protos_dot_expert__pb2.ShmOpen.SerializeToString,
+                response_deserializer=protos_dot_expert__pb2.ShmEvent.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -72,6 +77,16 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenShm(self, request, context):
+        """Same-host data path (see moe_core/shm.py): register a shared-memory region the caller created;
+        the service maps it, unlinks its name and serves the region's request ring until this stream
+        ends. The first event says the region is served; the stream then stays open as the session's
+        lifeline (either side closing it ends the session). Layer traffic then bypasses gRPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +104,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protos_dot_expert__pb2.ExpertInfoRequest.FromString,
                     response_serializer=protos_dot_expert__pb2.ExpertInfo.SerializeToString,
+            ),
+            'OpenShm': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenShm,
+                    request_deserializer=protos_dot_expert__pb2.ShmOpen.FromString,
+                    response_serializer=protos_dot_expert__pb2.ShmEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +192,33 @@ class ExpertService:
             '/moe.v1.ExpertService/Info',
             protos_dot_expert__pb2.ExpertInfoRequest.SerializeToString,
             protos_dot_expert__pb2.ExpertInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/moe.v1.ExpertService/OpenShm',
+            protos_dot_expert__pb2.ShmOpen.SerializeToString,
+            protos_dot_expert__pb2.ShmEvent.FromString,
             options,
             channel_credentials,
             insecure,

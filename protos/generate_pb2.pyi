@@ -144,7 +144,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model_fingerprint", "architecture", "device", "dtype", "num_layers", "moe_layers", "vocab_size", "max_context", "expert_service", "defer", "expert_service_ready", "running_requests", "max_batch")
+    __slots__ = ("model_fingerprint", "architecture", "device", "dtype", "num_layers", "moe_layers", "vocab_size", "max_context", "expert_service", "defer", "expert_service_ready", "running_requests", "max_batch", "transport")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class ServerInfo(_message.Message):
     EXPERT_SERVICE_READY_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     architecture: str
     device: str
@@ -171,4 +172,5 @@ class ServerInfo(_message.Message):
     expert_service_ready: bool
     running_requests: int
     max_batch: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., expert_service: _Optional[str] = ..., defer: _Optional[int] = ..., expert_service_ready: _Optional[bool] = ..., running_requests: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., expert_service: _Optional[str] = ..., defer: _Optional[int] = ..., expert_service_ready: _Optional[bool] = ..., running_requests: _Optional[int] = ..., max_batch: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...

@@ -60,17 +60,19 @@ def start(module: str, *args: str, log: pathlib.Path, env: dict | None = None, p
 
 
 class Services:
-    def __init__(self, model_dir, tmp: pathlib.Path, gpu_args=(), expert_args=(), gpu_prefix=(), expert_prefix=()):
+    def __init__(self, model_dir, tmp: pathlib.Path, gpu_args=(), expert_args=(), gpu_prefix=(), expert_prefix=(),
+                 gpu: bool = True):
         self.expert_port, self.gpu_port = free_port(), free_port()
         self.model_dir, self.tmp = str(model_dir), tmp
         self.gpu_args, self.expert_args = gpu_args, expert_args
         self.gpu_prefix, self.expert_prefix = gpu_prefix, expert_prefix
         self.starts = 0
         self.expert = self.start_expert()
-        self.gpu = self.start_gpu()
+        self.gpu = self.start_gpu() if gpu else None  # None: the expert service alone
         try:
             wait_healthy(self.expert_port, self.expert)
-            wait_healthy(self.gpu_port, self.gpu)
+            if self.gpu is not None:
+                wait_healthy(self.gpu_port, self.gpu)
         except Exception:
             self.stop()
             raise RuntimeError(f"services failed to start:\n{self.logs()}")
@@ -97,10 +99,11 @@ class Services:
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self.channel.close()
-        for p in (self.gpu, self.expert):
+        procs = [p for p in (self.gpu, self.expert) if p is not None]
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
-        for p in (self.gpu, self.expert):
+        for p in procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:

@@ -91,6 +91,7 @@ class NativeMoELayer(SubmitWait):
         self.Kp_h, self.Kp_i = row_len(H, fmt), row_len(I, fmt)
         self.gu = pack(torch.cat([gate, up], dim=1), fmt, self.Kp_h)   # [E, 2I, Kp_h]
         self.dn = pack(down, fmt, self.Kp_i)                            # [E, H, Kp_i]
+        self._wargs = self._weight_args()  # the packed buffers live as long as self
         _n.init_pool(threads or os.cpu_count() or 1)
 
     @property
@@ -114,9 +115,19 @@ class NativeMoELayer(SubmitWait):
         w = topk_weights.float().contiguous()
         out = torch.empty(T, self.hidden, dtype=torch.float32)
         if T and k:
-            _n.forward(self.path, self.fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
-                       *map(_ptr, self.gu), *map(_ptr, self.dn), x.data_ptr(), ids.data_ptr(), w.data_ptr(),
-                       out.data_ptr(), T, k)
+            _n.forward(*self._wargs, x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), T, k)
         else:
             out.zero_()
         return out.to(hidden.dtype)
+
+    def _weight_args(self) -> tuple:
+        return (self.path, self.fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
+                *map(_ptr, self.gu), *map(_ptr, self.dn))
+
+    def forward_part(self, hidden: int, hidden_bf16: bool, ids: int, weights: int, out: int, out_bf16: bool,
+                     T: int, k: int, defer: int, part: int) -> None:
+        """The exchange ring's entry: raw addresses (hidden [T, H] bf16|fp32, ids [T, k] int32, weights
+        [T, k] fp32, out [T, H]) that the caller has bounds-checked; part 0 = the immediate experts, 1 =
+        the deferred ones (moe_core/routing.py's rule, applied in C++). Raises ValueError on bad ids or
+        non-finite inputs."""
+        _n.forward_part(*self._wargs, hidden, hidden_bf16, ids, weights, out, out_bf16, T, k, defer, part)

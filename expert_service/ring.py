@@ -1,0 +1,169 @@
+"""Serves one shared-memory session's request ring (layout: moe_core/shm.py) on its own thread:
+wait on the request doorbell, check the descriptor against the region, compute, write each part's
+output where the caller asked, ring the response doorbell. No gRPC and no event loop on this path.
+A bad request gets an error response (INVALID_ARGUMENT and a message) and the ring goes on."""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import struct
+import threading
+import time
+
+import grpc
+import torch
+
+from moe_core import codec, shm
+from moe_core.shm import Layout, RegionError
+from protos import expert_pb2
+
+from . import _moe_native as native
+from . import metrics
+
+log = logging.getLogger("expert_service.ring")
+
+U32 = struct.Struct("<I")
+MASK = 0xFFFFFFFF
+SPIN_US = 200          # a request usually follows within microseconds during a forward pass
+WAIT_US = 200_000      # wake up this often to notice stop()
+BACKPRESSURE_S = 30.0  # a peer that stops reading responses this long has broken the protocol
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+
+
+class RingServer:
+    def __init__(self, mm, servicer, name: str):
+        self.mm, self.servicer, self.name = mm, servicer, name
+        self.layout = Layout(len(mm))
+        self.buf = torch.frombuffer(mm, dtype=torch.uint8)
+        self.done: concurrent.futures.Future = concurrent.futures.Future()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"shm-{name[-8:]}", daemon=True)
+        self.responses = 0  # responses posted (full count; the doorbell carries it mod 2**32)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        if self.buf is not None:
+            U32.pack_into(self.mm, shm.CLOSED, 1)
+            native.doorbell_wake(self.mm, shm.REQ_SEQ)
+            native.doorbell_wake(self.mm, shm.RESP_READ)
+
+    def join(self) -> None:
+        self._thread.join()
+        self.buf = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the last one
+            pass
+
+    def _closed(self) -> bool:
+        return self._stop or U32.unpack_from(self.mm, shm.CLOSED)[0] != 0
+
+    def _run(self) -> None:
+        try:
+            served = 0
+            while not self._closed():
+                posted = native.doorbell_wait(self.mm, shm.REQ_SEQ, served & MASK, WAIT_US, SPIN_US)
+                while posted != served & MASK and not self._closed():
+                    self._serve(served, time.time_ns())
+                    served += 1
+        except Exception:
+            log.exception("shared-memory session %s failed", self.name)
+        finally:
+            if not self.mm.closed:
+                U32.pack_into(self.mm, shm.CLOSED, 1)
+                native.doorbell_wake(self.mm, shm.RESP_SEQ)  # a waiting peer sees the ring closed
+            self.done.set_result(None)
+
+    # -- one request --------------------------------------------------------------------------
+    def _span(self, span, nbytes: int, what: str) -> int:
+        off, n = span
+        shm.check_span(self.layout, off, n, what)
+        if n != nbytes:
+            raise RegionError("INVALID_ARGUMENT", f"{what}: {n} bytes, the request's shape needs {nbytes}")
+        return off
+
+    def _serve(self, seq: int, t_recv: int) -> None:
+        d = shm.REQ_DESC.unpack_from(self.mm, Layout.req_desc(seq))
+        r_seq, step, layer, T, k, defer, dtype_code = d[:7]
+        spans = list(zip(d[7::2], d[8::2]))  # hidden, ids, weights, immediate out, deferred out
+        metrics.LAYER_REQUESTS.labels("Shm").inc()
+        sv = self.servicer
+        try:
+            if r_seq != seq:
+                raise RegionError("INVALID_ARGUMENT", f"request descriptor carries seq {r_seq}, expected {seq}")
+            dtype = codec.FROM_WIRE.get(dtype_code)
+            if dtype not in codec.FLOAT_DTYPES:
+                raise RegionError("INVALID_ARGUMENT", f"hidden.dtype: {dtype_code} is not a float wire dtype")
+            H = sv.cfg.hidden_size
+            sv.validate_shape(layer, T, H, (T, k), (T, k), defer)
+            xb = T * H * dtype.itemsize
+            offs = [self._span(spans[0], xb, "hidden"), self._span(spans[1], T * k * 4, "topk_ids"),
+                    self._span(spans[2], T * k * 4, "topk_weights"), self._span(spans[3], xb, "output")]
+            if defer:
+                offs.append(self._span(spans[4], xb, "deferred_output"))
+            op = sv.layers[layer]
+            native = hasattr(op, "forward_part") and dtype != torch.float16
+            parts = self._native(op, layer, offs, dtype == torch.bfloat16, T, k, defer) if native \
+                else self._generic(layer, offs, dtype, T, H, k, defer)
+            queued_us = None
+            for part, timing in parts:  # each part is posted as soon as it is computed
+                if queued_us is None:
+                    queued_us = max(0, (timing.start_unix_ns - t_recv) // 1000)
+                    metrics.QUEUED.observe(queued_us / 1e6)
+                timing.queued_us = queued_us
+                self._respond(seq, part, 0, spans[3 + part], timing, "")
+            metrics.TOKENS.inc(T)
+        except (RegionError, ValueError) as e:  # BadRequest and the kernels' own checks are ValueErrors
+            metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
+            self._respond(seq, expert_pb2.IMMEDIATE, INVALID, (0, 0), None, str(e))
+        except Exception as e:
+            log.exception("shared-memory request failed")
+            metrics.ERRORS.labels("INTERNAL").inc()
+            self._respond(seq, expert_pb2.IMMEDIATE, INTERNAL, (0, 0), None, f"internal error: {e}")
+
+    def _native(self, op, layer, offs, bf16: bool, T, k, defer):
+        """Straight from the region to the kernels and back: no tensors, no copies. Yields
+        (part, timing) as each part is written."""
+        base = self.buf.data_ptr()
+        x, ids, w = (base + o for o in offs[:3])
+        for part in range(2 if defer else 1):
+            _, timing = self.servicer.run_part(layer, part, lambda: op.forward_part(
+                x, bf16, ids, w, base + offs[3 + part], bf16, T, k, defer, part))
+            yield part, timing
+
+    def _generic(self, layer, offs, dtype, T, H, k, defer):
+        """Any operator (the torch path): tensor views of the region, the same checks as gRPC."""
+        view = lambda off, n, dt, shape: self.buf[off: off + n].view(dt).view(shape)  # noqa: E731
+        xb = T * H * dtype.itemsize
+        hidden = view(offs[0], xb, dtype, (T, H))
+        ids = view(offs[1], T * k * 4, torch.int32, (T, k))
+        w = view(offs[2], T * k * 4, torch.float32, (T, k))
+        self.servicer.validate(layer, hidden, ids, w, defer)
+        for (part, y, timing), off in zip(self.servicer.compute(layer, hidden, ids, w, defer), offs[3:]):
+            view(off, xb, dtype, (T, H)).copy_(y)
+            yield part, timing
+
+    def _respond(self, seq: int, part: int, status: int, span, timing, msg: str) -> None:
+        j = self.responses
+        # back-pressure: never overwrite a response descriptor the peer has not read (a correct
+        # peer never has more than RESP_SLOTS unread, so this only waits on a broken one)
+        deadline = time.monotonic() + BACKPRESSURE_S
+        while True:
+            read = U32.unpack_from(self.mm, shm.RESP_READ)[0]
+            if (j - read) & MASK < shm.RESP_SLOTS:
+                break
+            if self._closed() or time.monotonic() > deadline:
+                raise RuntimeError("peer stopped reading responses")
+            native.doorbell_wait(self.mm, shm.RESP_READ, read, 10_000, 0)
+        t = timing or expert_pb2.ExpertTiming()
+        text = msg.encode()[: shm.MSG_MAX]
+        off = Layout.resp_desc(j)
+        shm.RESP_DESC.pack_into(self.mm, off, seq, part, status, span[0], span[1], t.queued_us, t.compute_us,
+                                t.start_unix_ns, t.end_unix_ns, len(text))
+        self.mm[off + shm.RESP_DESC.size: off + shm.RESP_DESC.size + len(text)] = text
+        self.responses = j + 1
+        native.doorbell_ring(self.mm, shm.RESP_SEQ, self.responses & MASK)

@@ -1,0 +1,71 @@
+// Doorbells for the shared-memory exchange ring (see moe_core/shm.py for the layout): a 32-bit
+// counter in a shared mapping that one process bumps and the other waits on. Waiting spins for a
+// short while (a result is often microseconds away) and then sleeps on a futex; the futex is
+// process-shared (no FUTEX_PRIVATE_FLAG) because the two sides are different processes.
+#include "doorbell.h"
+
+#include <chrono>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#endif
+
+namespace moe {
+
+static inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+uint32_t doorbell_wait(std::atomic<uint32_t>* word, uint32_t seen, int64_t timeout_us, int64_t spin_us) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  const auto spin_end = start + std::chrono::microseconds(spin_us);
+  const auto deadline = start + std::chrono::microseconds(timeout_us);
+  uint32_t v;
+  // Spin: check the clock only every 64 polls, it costs more than a load.
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if ((v = word->load(std::memory_order_acquire)) != seen) return v;
+      cpu_relax();
+    }
+    if (clock::now() >= spin_end) break;
+  }
+#if defined(__linux__)
+  for (;;) {
+    auto now = clock::now();
+    if (now >= deadline) return word->load(std::memory_order_acquire);
+    int64_t left_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now).count();
+    struct timespec ts{time_t(left_ns / 1000000000), long(left_ns % 1000000000)};
+    // Returns at once if the word already moved on (EAGAIN); a wake without a change (the other side
+    // leaving) returns the unchanged value so the caller can look at the ring's flags.
+    long r = syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
+    v = word->load(std::memory_order_acquire);
+    if (v != seen || r == 0) return v;
+  }
+#else
+  for (;;) {
+    if ((v = word->load(std::memory_order_acquire)) != seen || clock::now() >= deadline) return v;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+#endif
+}
+
+void doorbell_ring(std::atomic<uint32_t>* word, uint32_t value) {
+  word->store(value, std::memory_order_release);
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+#endif
+}
+
+void doorbell_wake(std::atomic<uint32_t>* word) {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+#endif
+}
+
+}  // namespace moe

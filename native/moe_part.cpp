@@ -1,0 +1,74 @@
+// One part of a layer request as the exchange ring hands it over: hidden in bf16 or fp32 straight
+// from shared memory, the deferral split done here (the same rule as moe_core/routing.py:
+// per token, experts by weight descending, ties keep slot order; the first k - defer are
+// IMMEDIATE, the rest DEFERRED), output written in the caller's dtype where the caller wants it.
+// Saves the Python side a dozen small torch ops per layer (each costs microseconds).
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common.h"
+#include "moe.h"
+
+namespace moe {
+
+void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hidden_bf16, const int32_t* ids,
+                      const float* weights, void* out, bool out_bf16, int T, int k, int defer, int part) {
+  MOE_CHECK(T >= 0 && k >= 1 && defer >= 0 && defer < k && (part == 0 || part == 1), "bad T, k, defer or part");
+  MOE_CHECK(part == 0 || defer > 0, "no deferred part when defer = 0");
+  const int H = m.H;
+  const size_t n = size_t(T) * H;
+  for (size_t i = 0; i < size_t(T) * k; ++i) {
+    MOE_CHECK(ids[i] >= 0 && ids[i] < m.E, "topk_ids: expert id out of range");
+    MOE_CHECK(std::isfinite(weights[i]), "topk_weights: non-finite values");
+  }
+  thread_local std::vector<float> x32, y32, wsel;
+  thread_local std::vector<int32_t> isel;
+  const float* x;
+  bool bad = false;  // inf/nan: all exponent bits set; OR-reduced so the loop vectorizes
+  if (hidden_bf16) {
+    x32.resize(n);
+    auto* h = static_cast<const uint16_t*>(hidden);
+    for (size_t i = 0; i < n; ++i) {
+      bad |= (h[i] & 0x7f80) == 0x7f80;
+      x32[i] = bf16_to_f32(h[i]);
+    }
+    x = x32.data();
+  } else {
+    x = static_cast<const float*>(hidden);
+    auto* u = static_cast<const uint32_t*>(hidden);
+    for (size_t i = 0; i < n; ++i) bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
+  }
+  MOE_CHECK(!bad, "hidden: non-finite values");
+
+  const int kp = defer == 0 ? k : part == 0 ? k - defer : defer;
+  const int32_t* pid = ids;
+  const float* pw = weights;
+  if (defer > 0) {
+    isel.resize(size_t(T) * kp);
+    wsel.resize(size_t(T) * kp);
+    int order[256];
+    MOE_CHECK(k <= 256, "k above 256");
+    for (int t = 0; t < T; ++t) {
+      const float* wt = weights + size_t(t) * k;
+      std::iota(order, order + k, 0);
+      std::stable_sort(order, order + k, [wt](int a, int b) { return wt[a] > wt[b]; });
+      const int first = part == 0 ? 0 : k - defer;
+      for (int j = 0; j < kp; ++j) {
+        isel[size_t(t) * kp + j] = ids[size_t(t) * k + order[first + j]];
+        wsel[size_t(t) * kp + j] = wt[order[first + j]];
+      }
+    }
+    pid = isel.data();
+    pw = wsel.data();
+  }
+  float* y = out_bf16 ? (y32.resize(n), y32.data()) : static_cast<float*>(out);
+  if (T)
+    moe_forward(isa, m, x, pid, pw, y, T, kp);
+  if (out_bf16) {
+    auto* o = static_cast<uint16_t*>(out);
+    for (size_t i = 0; i < n; ++i) o[i] = f32_to_bf16(y[i]);
+  }
+}
+
+}  // namespace moe
