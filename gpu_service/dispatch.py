@@ -84,23 +84,27 @@ class RemoteExperts:
     def start_transport(self) -> str:
         """Choose the data path once the expert service answers: shm when asked for (failing loudly if
         it cannot be had), auto = shm if the peer can map our region (same host), else gRPC."""
-        if self.transport == "grpc":
-            return "grpc"
+        if self.transport != "grpc":
+            self._reopen_shm()
+        return "shm" if self.shm is not None else "grpc"
+
+    def _reopen_shm(self) -> None:
+        """A new session (at start, or after a reset when the expert service restarted). With auto, a
+        peer that cannot map our regions (another host, shm turned off) gets gRPC instead."""
         try:
             self._open_shm()
-            return "shm"
         except ExpertServiceError as e:
             if self.transport == "shm" or e.code not in NO_SHM:
                 raise
-            log.info("shared memory with %s not possible (%s): using gRPC", self.target, e)
+            log.warning("shared memory with %s not possible (%s): using gRPC", self.target, e)
             self.transport = "grpc"
-            return "grpc"
 
     def _open_shm(self) -> None:
         try:
             self.shm = ShmChannel(self.stub, self.metadata, self.shm_bytes)
         except grpc.RpcError as e:
-            raise ExpertServiceError(e.code(), f"shared memory with {self.target}: {e.details()}") from None
+            raise ExpertServiceError(e.code(), f"expert service at {self.target}, opening shared memory: "
+                                     f"{e.details()}") from None
         except OSError as e:
             raise ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot create a shared region: {e}") from None
 
@@ -110,9 +114,9 @@ class RemoteExperts:
         self._responses = self.stub.Exchange(iter(q.get, None), metadata=self.metadata)
 
     def submit(self, step, layer, x, ids, w, defer):
-        if self.transport != "grpc":
-            if self.shm is None:
-                self._open_shm()
+        if self.transport != "grpc" and self.shm is None:
+            self._reopen_shm()
+        if self.shm is not None:
             if self.shm.fits(x.shape[0], x.shape[1], x.element_size(), ids.shape[1]):
                 try:
                     self.shm.submit(step, layer, x, ids, w, defer)

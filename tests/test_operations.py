@@ -92,12 +92,13 @@ def test_gpu_restart_expert_keeps_serving(svc):
     svc.gpu.wait()
     with grpc.insecure_channel(f"127.0.0.1:{svc.expert_port}") as ch:
         stub = expert_pb2_grpc.ExpertServiceStub(ch)
-        wait_for(lambda: stub.Info(expert_pb2.ExpertInfoRequest(), timeout=2).active_streams == 0, 10,
-                 "expert service dropped the dead peer's stream")
+        sessions = lambda: (lambda i: i.active_streams + i.shm_sessions)(  # noqa: E731
+            stub.Info(expert_pb2.ExpertInfoRequest(), timeout=2))
+        wait_for(lambda: sessions() == 0, 10, "expert service dropped the dead peer's session")
         svc.gpu = svc.start_gpu()
         wait_healthy(svc.gpu_port, svc.gpu)
         assert greedy(svc.stub) == before
-        assert stub.Info(expert_pb2.ExpertInfoRequest(), timeout=2).active_streams == 1
+        assert sessions() == 1
 
 
 def test_sigterm_drains_then_exits_zero(svc):
