@@ -180,3 +180,18 @@ def test_one_and_two_threads_agree_bitwise(fmt, path):
     finally:
         native.set_threads(2)
     assert torch.equal(one, two)
+
+
+def test_loading_shows_progress_per_expert(checkpoints, capsys):
+    """Quantizing a large model takes minutes: a progress bar counts experts (on a terminal; forced here)."""
+    from expert_service.store import load_expert_layers
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+
+    d = checkpoints["qwen3_moe"]
+    cfg = load_config(d)
+    layers = load_expert_layers(cfg, Checkpoint(d), "int8", 1, progress=True)
+    err = capsys.readouterr().err
+    total = len(cfg.moe_layers) * cfg.n_routed_experts
+    assert f"{total}/{total}" in err and "experts -> int8" in err
+    assert sorted(layers) == list(cfg.moe_layers)
