@@ -24,8 +24,9 @@ static Isa parse_isa(const std::string& name);
 
 static Isa kernel_isa(const std::string& path) {
   Isa isa = parse_isa(path);
-  MOE_CHECK(isa_supported(isa, detect_cpu()), std::string("kernel path ") + path + " not supported here");
-  MOE_CHECK(isa != Isa::Amx, "no AMX tile kernels are built yet");
+  MOE_CHECK(isa_supported(isa, detect_cpu()) || (isa == Isa::Amx && amx_emulation() &&
+                                                   isa_supported(Isa::Avx512, detect_cpu())),
+            std::string("kernel path ") + path + " not supported here");
   return isa;
 }
 
@@ -103,6 +104,8 @@ PYBIND11_MODULE(_moe_native, m) {
   m.def(
       "doorbell_wake", [](py::buffer buf, size_t offset) { doorbell_wake(doorbell_at(buf, offset)); },
       py::arg("buf"), py::arg("offset"), "wake waiters on buf[offset] without changing it");
+  m.def("set_amx_emulation", &set_amx_emulation, py::arg("on"),
+        "tests only: run the AMX path with its tile instructions emulated in C++ (needs AVX-512 for the rest)");
   m.def("init_pool", [](int threads) { return pool(threads).size(); }, py::arg("threads"),
         "create the shared pool on first use (later calls return its size)");
   m.def("set_threads", [](int threads) { py::gil_scoped_release nogil; return resize_pool(threads); },

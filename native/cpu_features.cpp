@@ -1,5 +1,6 @@
 // Run-time ISA choice: CPUID says what the core has, XGETBV says what the OS saves on context
-// switch (AVX-512 state: XCR0 bits 5-7; AMX tile state: bits 17-18). Both must agree.
+// switch (AVX-512 state: XCR0 bits 5-7; AMX tile state: bits 17-18), and for AMX the OS must also
+// grant this process the tile data state. All must agree.
 #include <cpuid.h>
 
 #include "moe.h"
@@ -37,13 +38,15 @@ bool isa_supported(Isa isa, const CpuFeatures& f) {
   switch (isa) {
     case Isa::Portable: return true;
     case Isa::Avx512: return f.os_avx512 && f.avx512f && f.avx512bw && f.avx512bf16 && f.avx512vnni;
-    case Isa::Amx: return f.os_amx && f.amx_tile && f.amx_bf16 && f.amx_int8 && isa_supported(Isa::Avx512, f);
+    case Isa::Amx:  // and the OS must grant this process the tile state (Linux: arch_prctl)
+      return f.os_amx && f.amx_tile && f.amx_bf16 && f.amx_int8 && isa_supported(Isa::Avx512, f) && amx_permitted();
   }
   return false;
 }
 
 Isa best_isa(const CpuFeatures& f) {
-  // No AMX tile kernels yet: AMX machines run the AVX-512 path.
+  // AMX covers prefill of bf16/int8 weights; decode and int4 run the AVX-512 kernels on it too
+  if (isa_supported(Isa::Amx, f)) return Isa::Amx;
   return isa_supported(Isa::Avx512, f) ? Isa::Avx512 : Isa::Portable;
 }
 

@@ -55,13 +55,25 @@ void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hid
 // Activations as the kernels take them: bf16 rows, or (int formats) uint8 rows q + 128 with one
 // scale per row.
 struct Acts {
-  const void* const* rows;  // one pointer per slot
-  const float* scale;       // per slot (int formats)
+  const void* const* rows;          // one pointer per slot
+  const float* scale;               // per slot (int formats)
+  const uint8_t* amx_b = nullptr;   // AMX path: the same slots packed by pack_amx_b (from slot 0), or none
 };
 
 // Y[s * ldy + r] = dequantized dot(W[e] row r, x_s) for rows [r0, r1) and every slot s < ns.
 void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+
+// AMX (prefill, bf16 and int8 weights). amx_permitted() asks the OS for the tile state once.
+constexpr int AMX_MIN_SLOTS = 8;  // fewer tokens per expert: the AVX-512 kernels do as well
+bool amx_permitted();
+size_t amx_b_bytes(Fmt fmt, int ns, int Kp);
+void pack_amx_b(Fmt fmt, const Acts& x, int ns, int Kp, uint8_t* dst);
+// rows [r0, r1) must be whole 16-row tiles and x.amx_b set
+// Tests on machines without AMX: the tile instructions replaced by plain C++ (slow, same layouts).
+void set_amx_emulation(bool on);
+bool amx_emulation();
+void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 
 }  // namespace moe

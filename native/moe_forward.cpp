@@ -115,14 +115,37 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
         for (int r = 0; r < rows; r += ROW_BLOCK) tasks.emplace_back(e, r);
     return tasks;
   };
-  auto sub = [](const Acts& a, int s0) {
-    return Acts{a.rows + s0, a.scale + s0};
+  // AMX: each expert's activations in tile layout, packed once per phase (not once per task)
+  const bool amx = isa == Isa::Amx && m.fmt != Fmt::Int4;
+  thread_local std::vector<uint8_t> amx_tl;
+  std::vector<uint8_t>& amx_buf = amx_tl;
+  std::vector<size_t> amx_off(E + 1, 0);
+  auto amx_ptr = [&](int e) -> uint8_t* {
+    auto base = reinterpret_cast<uintptr_t>(amx_buf.data());
+    return reinterpret_cast<uint8_t*>((base + 63) / 64 * 64) + amx_off[e];  // tile loads like 64-byte lines
+  };
+  auto pack_amx = [&](const Acts& a, int Kp) {
+    if (!amx) return;
+    for (int e = 0; e < E; ++e) {
+      const int n = start[e + 1] - start[e];
+      amx_off[e + 1] = amx_off[e] + (n >= AMX_MIN_SLOTS ? amx_b_bytes(m.fmt, n, Kp) : 0);
+    }
+    if (amx_buf.size() < amx_off[E] + 64) amx_buf.resize(amx_off[E] + 64);
+    tp.parallel_for(E, [&](int e) {
+      if (amx_off[e + 1] > amx_off[e])
+        pack_amx_b(m.fmt, Acts{a.rows + start[e], a.scale + start[e]}, start[e + 1] - start[e], Kp, amx_ptr(e));
+    });
+  };
+  auto sub = [&](const Acts& a, int e) {
+    const int s0 = start[e];
+    return Acts{a.rows + s0, a.scale + s0, amx && amx_off[e + 1] > amx_off[e] ? amx_ptr(e) : nullptr};
   };
   auto t1 = make_tasks(2 * I);
+  pack_amx(xs, m.gate_up.Kp);
   tp.parallel_for(int(t1.size()), [&](int i) {
     auto [e, r0] = t1[i];
     int s0 = start[e];
-    gemm_rows(isa, m.fmt, m.gate_up, e, r0, std::min(2 * I, r0 + ROW_BLOCK), sub(xs, s0), start[e + 1] - s0,
+    gemm_rows(isa, m.fmt, m.gate_up, e, r0, std::min(2 * I, r0 + ROW_BLOCK), sub(xs, e), start[e + 1] - s0,
               gu.data() + size_t(s0) * 2 * I, 2 * I);
   });
   tp.parallel_for(S, [&](int s) {
@@ -138,10 +161,11 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   });
   const Acts as = ab.view(nullptr, S);
   auto t2 = make_tasks(H);
+  pack_amx(as, m.down.Kp);
   tp.parallel_for(int(t2.size()), [&](int i) {
     auto [e, r0] = t2[i];
     int s0 = start[e];
-    gemm_rows(isa, m.fmt, m.down, e, r0, std::min(H, r0 + ROW_BLOCK), sub(as, s0), start[e + 1] - s0,
+    gemm_rows(isa, m.fmt, m.down, e, r0, std::min(H, r0 + ROW_BLOCK), sub(as, e), start[e + 1] - s0,
               y.data() + size_t(s0) * H, H);
   });
   tp.parallel_for(T, [&](int t) {

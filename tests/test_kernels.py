@@ -9,8 +9,24 @@ from expert_service.kernels import TorchMoELayer
 native = pytest.importorskip("expert_service._moe_native", reason="native extension not built")
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 
-# amx is detected and refused until its tile kernels exist; every other path the CPU can run is tested
-PATHS = [p for p in ("portable", "avx512") if native.path_supported(p)]
+# every path this CPU can run; and the AMX path with its tile instructions emulated in C++ (the
+# packing, blocking, edges and epilogue around them), wherever the AVX-512 path runs
+PATHS = [p for p in ("portable", "avx512", "amx") if native.path_supported(p)]
+if native.path_supported("avx512"):
+    PATHS.append("amx-emulated")
+
+
+def layer(gate, up, down, fmt="bf16", path=None, **kw):
+    if path == "amx-emulated":
+        native.set_amx_emulation(True)  # switched off again by the fixture below
+        path = "amx"
+    return NativeMoELayer(gate, up, down, fmt=fmt, path=path, **kw)
+
+
+@pytest.fixture(autouse=True)
+def no_amx_emulation_left_on():
+    yield
+    native.set_amx_emulation(False)
 FORMATS = ["bf16", "int8", "int4"]
 
 
@@ -101,7 +117,7 @@ def test_native_matches_reference(fmt, path, T, k, E, I, H):
     gate, up, down = make(E, I, H)
     ids, w = routing(T, k, E)
     x = torch.randn(T, H)
-    op = NativeMoELayer(gate, up, down, fmt=fmt, threads=2, path=path)
+    op = layer(gate, up, down, fmt=fmt, threads=2, path=path)
     got = op.forward(x, ids, w)
     close(got, reference(x, *dequantized(op), ids, w, fmt=fmt), TOL[fmt])
     close(got, reference(x, gate, up, down, ids, w), TOL_ORIGINAL[fmt])
@@ -110,14 +126,14 @@ def test_native_matches_reference(fmt, path, T, k, E, I, H):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", PATHS)
 def test_large_T_repeated_ids_and_zero_weights(fmt, path):
-    E, I, H, T, k = 8, 48, 96, 300, 2
+    E, I, H, T, k = 8, 56, 96, 300, 2  # 2I = 112 rows: a lone 16-row tile after the pairs (AMX)
     gate, up, down = make(E, I, H)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32)
     ids[:, 1] = ids[:, 0]  # the same expert twice in one token
     w = torch.rand(T, k)
     w[::3] = 0.0
     x = torch.randn(T, H)
-    op = NativeMoELayer(gate, up, down, fmt=fmt, threads=2, path=path)
+    op = layer(gate, up, down, fmt=fmt, threads=2, path=path)
     got = op.forward(x, ids, w)
     close(got, reference(x, *dequantized(op), ids, w, fmt=fmt), TOL[fmt])
     assert torch.all(got[::3] == 0)
@@ -128,7 +144,7 @@ def test_paths_agree_and_async_matches_forward(fmt):
     gate, up, down = make(8, 80, 96)
     ids, w = routing(5, 3, 8)
     x = torch.randn(5, 96)
-    outs = [NativeMoELayer(gate, up, down, fmt=fmt, path=p).forward(x, ids, w) for p in PATHS]
+    outs = [layer(gate, up, down, fmt=fmt, path=p).forward(x, ids, w) for p in PATHS]
     for o in outs[1:]:
         close(o, outs[0], 1e-3)
     op = NativeMoELayer(gate, up, down, fmt=fmt)
@@ -171,7 +187,7 @@ def test_one_and_two_threads_agree_bitwise(fmt, path):
     gate, up, down = make(8, 80, 96)
     ids, w = routing(64, 4, 8)
     x = torch.randn(64, 96)
-    op = NativeMoELayer(gate, up, down, fmt=fmt, path=path)
+    op = layer(gate, up, down, fmt=fmt, path=path)
     try:
         native.set_threads(1)
         one = op.forward(x, ids, w)

@@ -1,0 +1,196 @@
+// AMX tile kernels for prefill: bf16 (TDPBF16PS) and int8 (TDPBSUD: signed weights x unsigned
+// activations, the same u8 = q + 128 convention as the VNNI kernel). The weights are the A operand,
+// read in place from their row-major packing (a tile = 16 rows x 64 bytes, stride = the padded row);
+// the activations of one expert are the B operand, put once per forward into the layout the tiles
+// want (pack_amx_b): per group of 16 slots and per K step, 16 rows of [16 slots x 2 bf16 | 4 u8].
+// Each call computes 2 x 2 tiles (32 weight rows x 32 slots) per K step from 2 A + 2 B loads.
+// Rows that do not fill a 16-row tile go to the AVX-512 kernels (the callers do that).
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "moe.h"
+
+namespace moe {
+
+bool amx_permitted() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  // Linux hands out the (8 KiB) tile data state only to processes that ask before the first tile
+  // instruction; without it, that instruction faults.
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+size_t amx_b_bytes(Fmt fmt, int ns, int Kp) {
+  const size_t groups = (ns + 15) / 16;
+  return groups * size_t(Kp) * (fmt == Fmt::Bf16 ? 32 : 16);  // per group: Kp/32 (Kp/64) tiles of 1 KiB
+}
+
+void pack_amx_b(Fmt fmt, const Acts& x, int ns, int Kp, uint8_t* dst) {
+  const int groups = (ns + 15) / 16;
+  if (fmt == Fmt::Bf16) {
+    auto* d = reinterpret_cast<uint16_t*>(dst);
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < Kp / 32; ++c)
+        for (int n = 0; n < 16; ++n) {
+          const int s = g * 16 + n;
+          const auto* xs = s < ns ? static_cast<const uint16_t*>(x.rows[s]) + c * 32 : nullptr;
+          for (int j = 0; j < 16; ++j)  // tile row j = k pair j of this step
+            for (int p = 0; p < 2; ++p)
+              d[((size_t(g) * (Kp / 32) + c) * 16 + j) * 32 + n * 2 + p] = xs ? xs[2 * j + p] : 0;
+        }
+  } else {
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < Kp / 64; ++c)
+        for (int n = 0; n < 16; ++n) {
+          const int s = g * 16 + n;
+          const auto* xs = s < ns ? static_cast<const uint8_t*>(x.rows[s]) + c * 64 : nullptr;
+          for (int j = 0; j < 16; ++j)  // tile row j = k quad j of this step
+            for (int q = 0; q < 4; ++q)
+              dst[((size_t(g) * (Kp / 64) + c) * 16 + j) * 64 + n * 4 + q] = xs ? xs[4 * j + q] : 128;
+        }
+  }
+}
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: C (16 x 16 fp32 | int32); 4, 5: A (weights); 6, 7: B (activations)
+__attribute__((target("amx-tile"))) void load_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C[0..3] (each 16 x 16, row = weight row, column = slot) for rows A0 / A1 and slot groups B0 / B1.
+template <bool BF16>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block_2x2(const uint8_t* A0, const uint8_t* A1,
+                                                                       size_t lda, const uint8_t* B0,
+                                                                       const uint8_t* B1, int steps, void* C) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int c = 0; c < steps; ++c) {
+    _tile_loadd(4, A0 + size_t(c) * 64, lda);
+    _tile_loadd(5, A1 + size_t(c) * 64, lda);
+    _tile_loadd(6, B0 + size_t(c) * 1024, 64);
+    _tile_loadd(7, B1 + size_t(c) * 1024, 64);
+    if constexpr (BF16) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    } else {
+      _tile_dpbsud(0, 4, 6);
+      _tile_dpbsud(1, 4, 7);
+      _tile_dpbsud(2, 5, 6);
+      _tile_dpbsud(3, 5, 7);
+    }
+  }
+  auto* out = static_cast<uint8_t*>(C);
+  _tile_stored(0, out, 64);
+  _tile_stored(1, out + 1024, 64);
+  _tile_stored(2, out + 2048, 64);
+  _tile_stored(3, out + 3072, 64);
+}
+
+__attribute__((target("amx-tile"))) void release() { _tile_release(); }
+
+// The same 2 x 2 block in plain C++, following the instructions' definitions: lets machines without
+// AMX test everything around the tiles (the packing, the blocking, the edges, the epilogue).
+template <bool BF16>
+void block_2x2_emulated(const uint8_t* A0, const uint8_t* A1, size_t lda, const uint8_t* B0, const uint8_t* B1,
+                        int steps, void* C) {
+  const uint8_t* As[2] = {A0, A1};
+  const uint8_t* Bs[2] = {B0, B1};
+  for (int t = 0; t < 4; ++t)
+    for (int mi = 0; mi < 16; ++mi)
+      for (int n = 0; n < 16; ++n) {
+        float accf = 0.f;
+        int32_t acci = 0;
+        for (int c = 0; c < steps; ++c) {
+          const uint8_t* a = As[t >> 1] + size_t(mi) * lda + size_t(c) * 64;
+          const uint8_t* b = Bs[t & 1] + size_t(c) * 1024;
+          for (int k = 0; k < 16; ++k) {
+            if (BF16) {
+              auto* a16 = reinterpret_cast<const uint16_t*>(a);
+              auto* b16 = reinterpret_cast<const uint16_t*>(b + k * 64);
+              accf += bf16_to_f32(a16[2 * k]) * bf16_to_f32(b16[2 * n]) +
+                      bf16_to_f32(a16[2 * k + 1]) * bf16_to_f32(b16[2 * n + 1]);
+            } else {
+              for (int q = 0; q < 4; ++q) acci += int32_t(int8_t(a[4 * k + q])) * int32_t(b[k * 64 + 4 * n + q]);
+            }
+          }
+        }
+        if (BF16) static_cast<float*>(C)[(t * 16 + mi) * 16 + n] = accf;
+        else static_cast<int32_t*>(C)[(t * 16 + mi) * 16 + n] = acci;
+      }
+}
+
+std::atomic<bool> g_emulate{false};
+
+}  // namespace
+
+void set_amx_emulation(bool on) { g_emulate = on; }
+bool amx_emulation() { return g_emulate; }
+
+void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  MOE_CHECK(fmt != Fmt::Int4 && (r1 - r0) % 16 == 0 && x.amx_b, "AMX: whole 16-row tiles of bf16/int8 only");
+  const bool bf16 = fmt == Fmt::Bf16;
+  const size_t elt = bf16 ? 2 : 1, lda = size_t(m.Kp) * elt;
+  const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * lda;
+  const int steps = bf16 ? m.Kp / 32 : m.Kp / 64;
+  const size_t group_bytes = size_t(steps) * 1024;
+  const int groups = (ns + 15) / 16;
+  alignas(64) float C[4][16][16];
+  const bool emulate = g_emulate;
+  if (!emulate) load_config();
+  for (int r = r0; r < r1; r += 32) {
+    const bool two_rows = r + 16 < r1;
+    const uint8_t* A0 = We + size_t(r) * lda;
+    const uint8_t* A1 = two_rows ? A0 + 16 * lda : A0;  // a lone tile computes twice, stores once
+    for (int g = 0; g < groups; g += 2) {
+      const uint8_t* B0 = x.amx_b + size_t(g) * group_bytes;
+      const uint8_t* B1 = g + 1 < groups ? B0 + group_bytes : B0;
+      if (emulate) (bf16 ? block_2x2_emulated<true> : block_2x2_emulated<false>)(A0, A1, lda, B0, B1, steps, C);
+      else if (bf16) block_2x2<true>(A0, A1, lda, B0, B1, steps, C);
+      else block_2x2<false>(A0, A1, lda, B0, B1, steps, C);
+      for (int t = 0; t < 4; ++t) {
+        const int rt = r + (t >> 1) * 16, gt = g + (t & 1);
+        if (rt >= r1 || gt >= groups) continue;
+        for (int n = 0; n < 16 && gt * 16 + n < ns; ++n) {
+          const int s = gt * 16 + n;
+          float* y = Y + size_t(s) * ldy + rt;
+          if (bf16) {
+            for (int i = 0; i < 16; ++i) y[i] = C[t][i][n];
+          } else {
+            const int32_t* Ci = reinterpret_cast<const int32_t*>(C[t]);
+            const float* sw = m.scale + size_t(e) * m.rows + rt;
+            const int32_t* rs = m.rowsum + size_t(e) * m.rows + rt;
+            for (int i = 0; i < 16; ++i) y[i] = float(Ci[i * 16 + n] - 128 * rs[i]) * sw[i] * x.scale[s];
+          }
+        }
+      }
+    }
+  }
+  if (!emulate) release();
+}
+
+}  // namespace moe
