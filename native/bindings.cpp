@@ -5,6 +5,7 @@
 #include "doorbell.h"
 #include "huge_buffer.h"
 #include "moe.h"
+#include "numa.h"
 #include "probes.h"
 
 namespace py = pybind11;
@@ -104,6 +105,13 @@ PYBIND11_MODULE(_moe_native, m) {
   m.def(
       "doorbell_wake", [](py::buffer buf, size_t offset) { doorbell_wake(doorbell_at(buf, offset)); },
       py::arg("buf"), py::arg("offset"), "wake waiters on buf[offset] without changing it");
+  m.def("numa_topology", [] { return numa().describe(); }, "NUMA nodes the kernels place experts on");
+  m.def(
+      "numa_place", [](uintptr_t p, size_t bytes_per_expert, int E) {
+        return numa_place(reinterpret_cast<void*>(p), bytes_per_expert, E);
+      },
+      py::arg("ptr"), py::arg("bytes_per_expert"), py::arg("E"),
+      "bind expert e's slice to node e % nodes before first touch; returns slices bound (0 on one node)");
   m.def("set_amx_emulation", &set_amx_emulation, py::arg("on"),
         "tests only: run the AMX path with its tile instructions emulated in C++ (needs AVX-512 for the rest)");
   m.def("init_pool", [](int threads) { return pool(threads).size(); }, py::arg("threads"),

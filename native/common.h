@@ -44,15 +44,22 @@ class ThreadPool {
   ~ThreadPool();
   int size() const { return int(workers_.size()) + 1; }
   void parallel_for(int n_tasks, const std::function<void(int)>& fn);
+  // Tasks in groups (NUMA nodes): [group_start[g], group_start[g+1]) belong to group g. Each thread
+  // takes tasks of its own node's group first, then helps the others.
+  void parallel_for_grouped(const int* group_start, int groups, const std::function<void(int)>& fn);
 
  private:
-  void worker_loop();
+  static constexpr int MAX_GROUPS = 64;
+  void worker_loop(int index);
+  void run_tasks(int home);
   std::vector<std::thread> workers_;
+  std::vector<int> home_;  // NUMA node of each worker
   std::mutex mu_;
   std::condition_variable cv_;
   const std::function<void(int)>* fn_ = nullptr;
-  int n_tasks_ = 0;
-  std::atomic<int> next_{0};
+  const int* group_start_ = nullptr;
+  int groups_ = 1;
+  std::atomic<int> next_[MAX_GROUPS];
   std::atomic<int> finished_{0};  // workers done with the current generation
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};

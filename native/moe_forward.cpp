@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "moe.h"
+#include "numa.h"
 
 namespace moe {
 
@@ -108,11 +109,17 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   tp.parallel_for(T, [&](int t) { quantize_row(m.fmt, hidden + size_t(t) * H, H, xb, t); });
   const Acts xs = xb.view(tok_of.data(), S);
 
+  // tasks grouped by the NUMA node holding their expert (numa.h), each node's threads start on theirs
+  const int nodes = numa().nodes;
+  std::vector<int> group_start(nodes + 1, 0);
   auto make_tasks = [&](int rows) {
     std::vector<std::pair<int, int>> tasks;
-    for (int e = 0; e < E; ++e)
-      if (start[e + 1] > start[e])
-        for (int r = 0; r < rows; r += ROW_BLOCK) tasks.emplace_back(e, r);
+    for (int n = 0; n < nodes; ++n) {
+      for (int e = n; e < E; e += nodes)  // numa_node_of_expert(e) == n
+        if (start[e + 1] > start[e])
+          for (int r = 0; r < rows; r += ROW_BLOCK) tasks.emplace_back(e, r);
+      group_start[n + 1] = int(tasks.size());
+    }
     return tasks;
   };
   // AMX: each expert's activations in tile layout, packed once per phase (not once per task)
@@ -142,7 +149,7 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   };
   auto t1 = make_tasks(2 * I);
   pack_amx(xs, m.gate_up.Kp);
-  tp.parallel_for(int(t1.size()), [&](int i) {
+  tp.parallel_for_grouped(group_start.data(), nodes, [&](int i) {
     auto [e, r0] = t1[i];
     int s0 = start[e];
     gemm_rows(isa, m.fmt, m.gate_up, e, r0, std::min(2 * I, r0 + ROW_BLOCK), sub(xs, e), start[e + 1] - s0,
@@ -162,7 +169,7 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   const Acts as = ab.view(nullptr, S);
   auto t2 = make_tasks(H);
   pack_amx(as, m.down.Kp);
-  tp.parallel_for(int(t2.size()), [&](int i) {
+  tp.parallel_for_grouped(group_start.data(), nodes, [&](int i) {
     auto [e, r0] = t2[i];
     int s0 = start[e];
     gemm_rows(isa, m.fmt, m.down, e, r0, std::min(H, r0 + ROW_BLOCK), sub(as, e), start[e + 1] - s0,

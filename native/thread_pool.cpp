@@ -2,7 +2,11 @@
 #include <cstdlib>
 #include <memory>
 
+#include <pthread.h>
+#include <sched.h>
+
 #include "common.h"
+#include "numa.h"
 
 namespace moe {
 
@@ -20,7 +24,17 @@ static int64_t now_ns() {
 ThreadPool::ThreadPool(int n) {
   const char* env = std::getenv("MOE_SPIN_US");  // 0: sleep at once (machines shared with other work)
   spin_ns_ = (env ? std::atoll(env) : 200) * 1000;
-  for (int i = 1; i < n; ++i) workers_.emplace_back([this] { worker_loop(); });
+  const NumaTopology& topo = numa();
+  for (int i = 1; i < n; ++i) home_.push_back(i % topo.nodes);  // the caller (index 0) is usually on node 0
+  for (int i = 1; i < n; ++i) {
+    workers_.emplace_back([this, i] { worker_loop(i); });
+    if (topo.nodes > 1 && topo.node_id[0] >= 0) {  // real nodes: keep each worker on its node's CPUs
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int c : topo.cpus[home_[i - 1]]) CPU_SET(c, &set);
+      pthread_setaffinity_np(workers_.back().native_handle(), sizeof(set), &set);
+    }
+  }
 }
 
 ThreadPool::~ThreadPool() {
@@ -32,7 +46,16 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::worker_loop() {
+void ThreadPool::run_tasks(int home) {
+  const int G = groups_;
+  home = std::min(home, G - 1);
+  for (int j = 0; j < G; ++j) {
+    const int g = (home + j) % G, base = group_start_[g], n = group_start_[g + 1] - base;
+    for (int i = next_[g].fetch_add(1); i < n; i = next_[g].fetch_add(1)) (*fn_)(base + i);
+  }
+}
+
+void ThreadPool::worker_loop(int index) {
   uint64_t seen = 0;
   for (;;) {
     uint64_t g;
@@ -47,30 +70,36 @@ void ThreadPool::worker_loop() {
     }
     if (stop_) return;
     seen = g;
-    auto* fn = fn_;
-    const int n = n_tasks_;
-    for (int i = next_.fetch_add(1); i < n; i = next_.fetch_add(1)) (*fn)(i);
+    run_tasks(home_[index - 1]);
     // every worker checks in once per generation, so none can carry a stale task list into the next
     finished_.fetch_add(1, std::memory_order_release);
   }
 }
 
 void ThreadPool::parallel_for(int n_tasks, const std::function<void(int)>& fn) {
+  const int range[2] = {0, n_tasks};
+  parallel_for_grouped(range, 1, fn);
+}
+
+void ThreadPool::parallel_for_grouped(const int* group_start, int groups, const std::function<void(int)>& fn) {
+  MOE_CHECK(groups >= 1 && groups <= MAX_GROUPS, "bad task group count");
+  const int n_tasks = group_start[groups] - group_start[0];
   if (workers_.empty() || n_tasks <= 1) {
-    for (int i = 0; i < n_tasks; ++i) fn(i);
+    for (int i = group_start[0]; i < group_start[groups]; ++i) fn(i);
     return;
   }
   // the previous call returned only once every worker checked in: nobody reads these now
   fn_ = &fn;
-  n_tasks_ = n_tasks;
-  next_.store(0, std::memory_order_relaxed);
+  group_start_ = group_start;
+  groups_ = groups;
+  for (int g = 0; g < groups; ++g) next_[g].store(0, std::memory_order_relaxed);
   finished_.store(0, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> g(mu_);  // a worker about to sleep either sees the new generation or gets the notify
     generation_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_all();
-  for (int i = next_.fetch_add(1); i < n_tasks; i = next_.fetch_add(1)) fn(i);
+  run_tasks(groups > 1 ? numa_current_node() : 0);
   // the rest is at most one task per worker: spin, yielding if a worker was descheduled
   for (int spins = 0; finished_.load(std::memory_order_acquire) < int(workers_.size()); ++spins) {
     if (spins > 4096) std::this_thread::yield();

@@ -211,3 +211,32 @@ def test_loading_shows_progress_per_expert(checkpoints, capsys):
     total = len(cfg.moe_layers) * cfg.n_routed_experts
     assert f"{total}/{total}" in err and "experts -> int8" in err
     assert sorted(layers) == list(cfg.moe_layers)
+
+
+def test_numa_grouping_gives_the_same_answer(tmp_path):
+    """Experts on (pretend) NUMA nodes, tasks taken node-first: bitwise the same output."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "numa.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from expert_service import _moe_native as n\n"
+        "from expert_service.kernels.native_moe import NativeMoELayer\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w = [(torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((9, 40, 96), (9, 40, 96), (9, 96, 40))]\n"
+        "x = torch.randn(33, 96, generator=g)\n"
+        "ids = torch.stack([torch.randperm(9, generator=g)[:3] for _ in range(33)]).to(torch.int32)\n"
+        "wt = torch.rand(33, 3, generator=g)\n"
+        "outs = {f: NativeMoELayer(*w, fmt=f, threads=2).forward(x, ids, wt) for f in ('bf16', 'int8', 'int4')}\n"
+        "torch.save((n.numa_topology(), n.numa_place(0, 0, 1), outs), sys.argv[1])\n")
+    got = {}
+    for fake in ("1", "2"):
+        out = tmp_path / f"out{fake}.pt"
+        subprocess.run([sys.executable, str(script), str(out)], check=True, env={**__import__("os").environ,
+                       "MOE_NUMA_FAKE": fake})
+        got[fake] = torch.load(out)
+    assert got["2"][0].startswith("2 pretend node(s)") and got["1"][0].startswith("1 node")
+    assert got["2"][1] == 0  # pretend nodes bind no memory
+    for f in ("bf16", "int8", "int4"):
+        assert torch.equal(got["1"][2][f], got["2"][2][f]), f

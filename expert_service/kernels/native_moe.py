@@ -37,7 +37,11 @@ def choose_path() -> str:
 
 
 PATH = choose_path()
-log.info("native MoE kernel path: %s", PATH)
+log.info("native MoE kernel path: %s; NUMA: %s", PATH, _n.numa_topology())
+
+
+def _ptr_of(buf) -> int:
+    return torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
 
 
 def row_len(n: int, fmt: str) -> int:
@@ -50,8 +54,11 @@ def row_len(n: int, fmt: str) -> int:
 
 
 def to_huge(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t on huge-page-advised memory (streaming GBs of weights without a TLB miss per 4 KiB)."""
+    """A copy of t [E, ...] on huge-page-advised memory (streaming GBs of weights without a TLB miss
+    per 4 KiB), each expert's slice on its NUMA node (bound before the copy first touches it)."""
     buf = _n.HugeBuffer(t.nbytes)
+    if t.nbytes:
+        _n.numa_place(_ptr_of(buf), t.nbytes // t.shape[0], t.shape[0])
     out = torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape) if t.nbytes else t.clone()
     out.copy_(t)
     return out  # the tensor keeps `buf` alive through its storage
