@@ -1,7 +1,9 @@
-"""Serves one shared-memory session's request ring (layout: moe_core/shm.py) on its own thread:
-wait on the request doorbell, check the descriptor against the region, compute, write each part's
-output where the caller asked, ring the response doorbell. No gRPC and no event loop on this path.
-A bad request gets an error response (INVALID_ARGUMENT and a message) and the ring goes on."""
+"""Serves one shared-memory session's request ring (layout: moe_core/shm.py) on its own thread.
+The hot loop is C++ (native/ring.cpp: wait on the request doorbell, check the descriptor against the
+region, run the native kernels straight on the region, post responses, ring) and never takes the
+GIL; it hands back to Python only what it does not run itself: invalid requests (answered here with
+INVALID_ARGUMENT and a message, and the ring goes on), fp16 requests and layers on the torch
+operator. No gRPC and no event loop on this path."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -23,12 +25,11 @@ from . import metrics
 log = logging.getLogger("expert_service.ring")
 
 U32 = struct.Struct("<I")
-MASK = 0xFFFFFFFF
 SPIN_US = 200          # a request usually follows within microseconds during a forward pass
-WAIT_US = 200_000      # wake up this often to notice stop()
-BACKPRESSURE_S = 30.0  # a peer that stops reading responses this long has broken the protocol
+WAIT_US = 200_000      # come back this often (metrics, stop)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+IDLE, CLOSED, FOR_PYTHON = 0, 1, 2
 
 
 class RingServer:
@@ -36,40 +37,40 @@ class RingServer:
         self.mm, self.servicer, self.name = mm, servicer, name
         self.layout = Layout(len(mm))
         self.buf = torch.frombuffer(mm, dtype=torch.uint8)
+        self.native = native.RingServer(mm, servicer.cfg.hidden_size, servicer.max_tokens,
+                                        codec.TO_WIRE[torch.float32], codec.TO_WIRE[torch.bfloat16])
+        for layer, op in servicer.layers.items():
+            if hasattr(op, "forward_part"):  # the torch operator's layers stay on the Python path
+                self.native.add_layer(layer, *op._wargs)
         self.done: concurrent.futures.Future = concurrent.futures.Future()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"shm-{name[-8:]}", daemon=True)
-        self.responses = 0  # responses posted (full count; the doorbell carries it mod 2**32)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop = True
-        if self.buf is not None:
-            U32.pack_into(self.mm, shm.CLOSED, 1)
-            native.doorbell_wake(self.mm, shm.REQ_SEQ)
-            native.doorbell_wake(self.mm, shm.RESP_READ)
+        if self.native is not None:
+            self.native.stop()
 
     def join(self) -> None:
         self._thread.join()
-        self.buf = None
+        self.native = self.buf = None
         try:
             self.mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with the last one
             pass
 
-    def _closed(self) -> bool:
-        return self._stop or U32.unpack_from(self.mm, shm.CLOSED)[0] != 0
-
     def _run(self) -> None:
         try:
-            served = 0
-            while not self._closed():
-                posted = native.doorbell_wait(self.mm, shm.REQ_SEQ, served & MASK, WAIT_US, SPIN_US)
-                while posted != served & MASK and not self._closed():
-                    self._serve(served, time.time_ns())
-                    served += 1
+            while not self._stop:
+                kind, seq, parts = self.native.serve(WAIT_US, SPIN_US)
+                self._observe(parts)
+                if kind == CLOSED:
+                    break
+                if kind == FOR_PYTHON:
+                    self._serve(seq, time.time_ns())
         except Exception:
             log.exception("shared-memory session %s failed", self.name)
         finally:
@@ -77,6 +78,18 @@ class RingServer:
                 U32.pack_into(self.mm, shm.CLOSED, 1)
                 native.doorbell_wake(self.mm, shm.RESP_SEQ)  # a waiting peer sees the ring closed
             self.done.set_result(None)
+
+    @staticmethod
+    def _observe(parts) -> None:
+        """Metrics of the parts the C++ loop ran since the last call (published in batches)."""
+        for layer, part, tokens, t0, t1, queued_ns in parts:
+            dt = (t1 - t0) / 1e9
+            metrics.BUSY.inc(dt)
+            metrics.COMPUTE.labels(str(layer), "deferred" if part else "immediate").observe(dt)
+            if part == 0:
+                metrics.LAYER_REQUESTS.labels("Shm").inc()
+                metrics.TOKENS.inc(tokens)
+                metrics.QUEUED.observe(queued_ns / 1e9)
 
     # -- one request --------------------------------------------------------------------------
     def _span(self, span, nbytes: int, what: str) -> int:
@@ -148,22 +161,7 @@ class RingServer:
             yield part, timing
 
     def _respond(self, seq: int, part: int, status: int, span, timing, msg: str) -> None:
-        j = self.responses
-        # back-pressure: never overwrite a response descriptor the peer has not read (a correct
-        # peer never has more than RESP_SLOTS unread, so this only waits on a broken one)
-        deadline = time.monotonic() + BACKPRESSURE_S
-        while True:
-            read = U32.unpack_from(self.mm, shm.RESP_READ)[0]
-            if (j - read) & MASK < shm.RESP_SLOTS:
-                break
-            if self._closed() or time.monotonic() > deadline:
-                raise RuntimeError("peer stopped reading responses")
-            native.doorbell_wait(self.mm, shm.RESP_READ, read, 10_000, 0)
         t = timing or expert_pb2.ExpertTiming()
-        text = msg.encode()[: shm.MSG_MAX]
-        off = Layout.resp_desc(j)
-        shm.RESP_DESC.pack_into(self.mm, off, seq, part, status, span[0], span[1], t.queued_us, t.compute_us,
-                                t.start_unix_ns, t.end_unix_ns, len(text))
-        self.mm[off + shm.RESP_DESC.size: off + shm.RESP_DESC.size + len(text)] = text
-        self.responses = j + 1
-        native.doorbell_ring(self.mm, shm.RESP_SEQ, self.responses & MASK)
+        if not self.native.respond(seq, part, status, span[0], span[1], t.queued_us, t.compute_us, t.start_unix_ns,
+                                   t.end_unix_ns, msg.encode()[: shm.MSG_MAX].decode(errors="ignore")):
+            raise RuntimeError("the ring closed, or its peer stopped reading responses")

@@ -6,10 +6,10 @@ The OpenShm stream is the session's lifeline: a watcher thread follows it, and w
 expert service went away) any waiting result() returns with UNAVAILABLE instead of hanging."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import struct
 import threading
+from typing import NamedTuple
 from collections import deque
 
 import grpc
@@ -28,6 +28,13 @@ SPIN_US = 2000        # results usually come within a few ms during decode: spin
 WAIT_US = 100_000     # check the lifeline this often while waiting
 ALIGN = 64
 STATUS = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class Timing(NamedTuple):  # what the expert service measured, as ExpertTiming's fields
+    queued_us: int
+    compute_us: int
+    start_unix_ns: int
+    end_unix_ns: int
 
 
 class ShmError(RuntimeError):
@@ -54,7 +61,6 @@ class ShmChannel:
         finally:
             shm.unlink(name)  # normally already gone: the expert service unlinks it once mapped
         self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.base = self.buf.data_ptr()
         self.dead: str | None = None
         self.posted = 0       # requests posted
         self.consumed = 0     # responses read
@@ -88,72 +94,59 @@ class ShmChannel:
         except Exception as e:  # works without, only slower
             log.warning("could not pin the shared region for CUDA copies: %s", e)
 
-    def _put(self, off: int, t: torch.Tensor) -> tuple[int, int]:
-        n = t.numel() * t.element_size()
-        if t.is_cuda:
-            self.buf[off: off + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-        else:  # one memmove: a torch copy_ into a view costs several times more for small tensors
-            t = t.contiguous()
-            ctypes.memmove(self.base + off, t.data_ptr(), n)
-        return off, n
-
     def submit(self, step: int, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, defer: int) -> None:
         if self.dead:
             raise ShmError(grpc.StatusCode.UNAVAILABLE, self.dead)
-        if x.is_cuda and not self._pinned:
-            self._pin(x)
         T, H = x.shape
         k = ids.shape[1]
         seq = self.posted
         base = self.layout.block(seq)
-        hid = _aligned(T * H * x.element_size())
-        ids_span = self._put(base + hid, ids if ids.dtype == torch.int32 else ids.to(torch.int32))
-        w_span = self._put(base + hid + _aligned(T * k * 4), w if w.dtype == torch.float32 else w.float())
-        out = base + hid + 2 * _aligned(T * k * 4)
-        x_span = self._put(base, x)
-        if x.is_cuda:
+        xn = T * H * x.element_size()
+        hid, kn = _aligned(xn), T * k * 4
+        ids = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
+        w = w if w.dtype == torch.float32 and w.is_contiguous() else w.float().contiguous()
+        out = base + hid + 2 * _aligned(kn)
+        if x.is_cuda:  # device -> pinned region directly; the doorbell waits for the copy
+            if not self._pinned:
+                self._pin(x)
+            self.buf[base: base + xn].view(x.dtype).view(x.shape).copy_(x, non_blocking=True)
             torch.cuda.current_stream(x.device).synchronize()
-        out_span, dout_span = (out, x_span[1]), (out + hid, x_span[1])
-        shm.REQ_DESC.pack_into(self.mm, Layout.req_desc(seq), seq, step, layer, T, k, defer, codec.TO_WIRE[x.dtype],
-                               *x_span, *ids_span, *w_span, *out_span, *(dout_span if defer else (0, 0)))
+            x_ptr = 0
+        else:
+            x = x.contiguous()
+            x_ptr = x.data_ptr()
+        # one native call: copies, descriptor, doorbell
+        native.ring_submit(self.mm, seq, step, layer, T, k, defer, codec.TO_WIRE[x.dtype], base, xn, base + hid,
+                           kn, base + hid + _aligned(kn), kn, out, xn, *((out + hid, xn) if defer else (0, 0)),
+                           x_ptr, ids.data_ptr(), w.data_ptr(), (seq + 1) & MASK)
         self.posted = seq + 1
         self.pending.append([seq, 2 if defer else 1])
         self.expect.append((seq, layer, False))
         if defer:
             self.expect.append((seq, layer, True))
-        native.doorbell_ring(self.mm, shm.REQ_SEQ, self.posted & MASK)
 
-    def result(self, layer: int, deferred: bool, shape, dtype) -> tuple[torch.Tensor, expert_pb2.ExpertTiming]:
-        j = self.consumed
-        while True:
-            v = native.doorbell_wait(self.mm, shm.RESP_SEQ, j & MASK, WAIT_US, SPIN_US)
-            if v != j & MASK:
+    def result(self, layer: int, deferred: bool, shape, dtype) -> tuple[torch.Tensor, Timing]:
+        want_seq, want_layer, want_def = self.expect[0]
+        if (want_layer, want_def) != (layer, deferred):
+            raise ShmError(grpc.StatusCode.INTERNAL, f"results read out of order: wanted layer {layer} part "
+                           f"{int(deferred)}, next is layer {want_layer} part {int(want_def)}")
+        y = torch.empty(shape, dtype=dtype)
+        while True:  # the wait, the checks and the copy out happen in C++ without the GIL
+            status, msg, queued_us, compute_us, t0, t1 = native.ring_result(
+                self.mm, self.consumed, want_seq, int(want_def), y.data_ptr(), y.numel() * y.element_size(),
+                WAIT_US, SPIN_US)
+            if status >= 0:
                 break
             if self.dead or U32.unpack_from(self.mm, shm.CLOSED)[0]:
                 raise ShmError(grpc.StatusCode.UNAVAILABLE, self.dead or "the expert service closed the shared-memory ring")
-        seq, part, status, off, nbytes, queued_us, compute_us, t0, t1, msg_len = \
-            shm.RESP_DESC.unpack_from(self.mm, Layout.resp_desc(j))
-        want_seq, want_layer, want_def = self.expect[0]
         if status:
-            start = Layout.resp_desc(j) + shm.RESP_DESC.size
-            msg = bytes(self.mm[start: start + min(msg_len, shm.MSG_MAX)]).decode(errors="replace")
-            raise ShmError(STATUS.get(status, grpc.StatusCode.UNKNOWN), msg)
-        if (seq, part) != (want_seq, int(want_def)) or (want_layer, want_def) != (layer, deferred):
-            raise ShmError(grpc.StatusCode.INTERNAL, f"shared-memory ring out of order: wanted layer {layer} "
-                           f"part {int(deferred)} of request {want_seq}, got part {part} of request {seq}")
-        shm.check_span(self.layout, off, nbytes, "output")
-        n = shape[0] * shape[1] * dtype.itemsize
-        if nbytes != n:
-            raise ShmError(grpc.StatusCode.INTERNAL, f"shared-memory output of {nbytes} bytes, expected {n}")
-        y = torch.empty(shape, dtype=dtype)
-        ctypes.memmove(y.data_ptr(), self.base + off, n)
+            raise ShmError(STATUS.get(status, grpc.StatusCode.UNKNOWN), msg.decode(errors="replace"))
         self.expect.popleft()
-        self.consumed = j + 1
-        U32.pack_into(self.mm, shm.RESP_READ, self.consumed & MASK)
+        self.consumed += 1
         self.pending[0][1] -= 1
         if self.pending[0][1] == 0:
             self.pending.popleft()
-        return y, expert_pb2.ExpertTiming(queued_us=queued_us, compute_us=compute_us, start_unix_ns=t0, end_unix_ns=t1)
+        return y, Timing(queued_us, compute_us, t0, t1)
 
     def close(self) -> None:
         if self.mm.closed:

@@ -1,11 +1,13 @@
 // pybind11 bindings: raw pointers + shapes in (the Python layer owns the tensors), GIL released.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "common.h"
 #include "doorbell.h"
 #include "huge_buffer.h"
 #include "moe.h"
 #include "numa.h"
+#include "ring.h"
 #include "probes.h"
 
 namespace py = pybind11;
@@ -48,6 +50,11 @@ static MoEWeights weights_of(const std::string& fmt, int E, int I, int H, int Kp
   py::arg("path"), py::arg("fmt"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("Kp_h"), py::arg("Kp_i"), \
       py::arg("gu_w"), py::arg("gu_scale"), py::arg("gu_rowsum"), py::arg("gu_rowcorr"), py::arg("dn_w"),       \
       py::arg("dn_scale"), py::arg("dn_rowsum"), py::arg("dn_rowcorr")
+
+static std::pair<uint8_t*, size_t> writable(py::buffer& buf) {
+  py::buffer_info info = buf.request(true);
+  return {static_cast<uint8_t*>(info.ptr), size_t(info.size) * size_t(info.itemsize)};
+}
 
 static Isa parse_isa(const std::string& name) {
   if (name == "portable") return Isa::Portable;
@@ -105,6 +112,83 @@ PYBIND11_MODULE(_moe_native, m) {
   m.def(
       "doorbell_wake", [](py::buffer buf, size_t offset) { doorbell_wake(doorbell_at(buf, offset)); },
       py::arg("buf"), py::arg("offset"), "wake waiters on buf[offset] without changing it");
+  m.def("ring_layout", [] {
+    using namespace ring;
+    py::dict d;
+    d["REQ_SEQ"] = REQ_SEQ; d["RESP_SEQ"] = RESP_SEQ; d["RESP_READ"] = RESP_READ; d["CLOSED"] = CLOSED;
+    d["DESC_START"] = DESC_START; d["REQ_SLOTS"] = REQ_SLOTS; d["RESP_SLOTS"] = RESP_SLOTS;
+    d["REQ_DESC_SIZE"] = REQ_DESC_SIZE; d["RESP_DESC_SIZE"] = RESP_DESC_SIZE; d["MSG_MAX"] = MSG_MAX;
+    d["DATA_START"] = DATA_START; d["REQ_DESC_BYTES"] = sizeof(ReqDesc); d["RESP_DESC_BYTES"] = sizeof(RespDesc);
+    return d;
+  }, "the ring layout the C++ side uses (tests check moe_core/shm.py against it)");
+  py::class_<RingServer>(m, "RingServer", "the expert side's serving loop of one shared-memory session")
+      .def(py::init([](py::buffer region, int hidden, int max_tokens, uint32_t code_f32, uint32_t code_bf16) {
+             auto [p, n] = writable(region);
+             return new RingServer(p, n, hidden, max_tokens, code_f32, code_bf16);
+           }),
+           py::arg("region"), py::arg("hidden"), py::arg("max_tokens"), py::arg("code_f32"), py::arg("code_bf16"),
+           py::keep_alive<1, 2>())
+      .def("add_layer",
+           [](RingServer& r, int layer, const std::string& path, const std::string& fmt, int E, int I, int H, int Kp_h,
+              int Kp_i, uintptr_t gu_w, uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w,
+              uintptr_t dn_scale, uintptr_t dn_rowsum, uintptr_t dn_rowcorr) {
+             r.add_layer(layer, kernel_isa(path), weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum,
+                                                             gu_rowcorr, dn_w, dn_scale, dn_rowsum, dn_rowcorr));
+           })
+      .def("serve",
+           [](RingServer& r, int64_t timeout_us, int64_t spin_us) {
+             uint64_t seq = 0;
+             std::vector<PartLog> log;
+             int kind;
+             {
+               py::gil_scoped_release nogil;
+               kind = r.serve(timeout_us, spin_us, &seq, &log);
+             }
+             py::list parts;
+             for (auto& p : log) parts.append(py::make_tuple(p.layer, p.part, p.tokens, p.start_ns, p.end_ns, p.queued_ns));
+             return py::make_tuple(kind, seq, parts);
+           },
+           py::arg("timeout_us"), py::arg("spin_us"),
+           "-> (0 idle | 1 closed | 2 request for Python, its seq, [(layer, part, tokens, start_ns, end_ns, queued_ns)])")
+      .def("respond",
+           [](RingServer& r, uint64_t seq, uint32_t part, uint32_t status, uint64_t off, uint64_t n, uint64_t queued_us,
+              uint64_t compute_us, int64_t start_ns, int64_t end_ns, const std::string& msg) {
+             py::gil_scoped_release nogil;
+             return r.respond(seq, part, status, ring::Span{off, n}, queued_us, compute_us, start_ns, end_ns, msg);
+           })
+      .def("stop", &RingServer::stop)
+      .def_property_readonly("served", &RingServer::served);
+  m.def(
+      "ring_submit",
+      [](py::buffer region, uint64_t seq, uint64_t step, uint32_t layer, uint32_t T, uint32_t k, uint32_t defer,
+         uint32_t dtype, uint64_t x_off, uint64_t x_n, uint64_t i_off, uint64_t i_n, uint64_t w_off, uint64_t w_n,
+         uint64_t o_off, uint64_t o_n, uint64_t d_off, uint64_t d_n, uintptr_t x, uintptr_t ids, uintptr_t w,
+         uint32_t posted) {
+        auto [p, n] = writable(region);
+        ring::ReqDesc d{seq, step, layer, T, k, defer, dtype, 0,
+                        {{x_off, x_n}, {i_off, i_n}, {w_off, w_n}, {o_off, o_n}, {d_off, d_n}}};
+        for (int i = 0; i < 3; ++i)  // our own spans: a bug here would write outside the region
+          MOE_CHECK(d.span[i].off >= ring::DATA_START && d.span[i].off <= n && d.span[i].n <= n - d.span[i].off,
+                    "submit: span outside the region");
+        ring_submit(p, d, reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(ids),
+                    reinterpret_cast<const void*>(w), posted);
+      },
+      "GPU side: copy hidden/ids/weights into their spans, write the request descriptor, ring");
+  m.def(
+      "ring_result",
+      [](py::buffer region, uint64_t j, uint64_t seq, uint32_t part, uintptr_t out, uint64_t nbytes, int64_t timeout_us,
+         int64_t spin_us) {
+        auto [p, n] = writable(region);
+        ring::RespDesc got{};
+        std::string msg;
+        int status;
+        {
+          py::gil_scoped_release nogil;
+          status = ring_result(p, n, j, seq, part, reinterpret_cast<void*>(out), nbytes, timeout_us, spin_us, &got, &msg);
+        }
+        return py::make_tuple(status, py::bytes(msg), got.queued_us, got.compute_us, got.start_ns, got.end_ns);
+      },
+      "GPU side: wait for response j, check it, copy its output -> (status | -1 timeout, message, timing...)");
   m.def("numa_topology", [] { return numa().describe(); }, "NUMA nodes the kernels place experts on");
   m.def(
       "numa_place", [](uintptr_t p, size_t bytes_per_expert, int E) {
@@ -128,6 +212,7 @@ PYBIND11_MODULE(_moe_native, m) {
         MoEWeights m = weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum, gu_rowcorr, dn_w, dn_scale,
                                   dn_rowsum, dn_rowcorr);
         py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
         moe_forward(isa, m, reinterpret_cast<const float*>(hidden), reinterpret_cast<const int32_t*>(ids),
                     reinterpret_cast<const float*>(weights), reinterpret_cast<float*>(out), T, k);
       },
@@ -142,6 +227,7 @@ PYBIND11_MODULE(_moe_native, m) {
         MoEWeights m = weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum, gu_rowcorr, dn_w, dn_scale,
                                   dn_rowsum, dn_rowcorr);
         py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
         moe_forward_part(isa, m, reinterpret_cast<const void*>(hidden), hidden_bf16,
                          reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
                          reinterpret_cast<void*>(out), out_bf16, T, k, defer, part);

@@ -288,3 +288,15 @@ def test_auto_falls_back_to_grpc_and_shm_fails_loudly(checkpoints, services_fact
         ex.start_transport()
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "--shm-max-mb" in str(e.value)
     ex.close()
+
+
+def test_python_and_cpp_agree_on_the_ring_layout():
+    """moe_core/shm.py and native/ring.h describe the same bytes."""
+    c = native.ring_layout()
+    assert (c["REQ_SEQ"], c["RESP_SEQ"], c["RESP_READ"], c["CLOSED"]) == (shm.REQ_SEQ, shm.RESP_SEQ, shm.RESP_READ,
+                                                                          shm.CLOSED)
+    assert (c["DESC_START"], c["REQ_SLOTS"], c["RESP_SLOTS"]) == (shm.DESC_START, shm.REQ_SLOTS, shm.RESP_SLOTS)
+    assert (c["REQ_DESC_SIZE"], c["RESP_DESC_SIZE"], c["MSG_MAX"]) == (shm.REQ_DESC_SIZE, shm.RESP_DESC_SIZE,
+                                                                       shm.MSG_MAX)
+    assert (c["REQ_DESC_BYTES"], c["RESP_DESC_BYTES"]) == (shm.REQ_DESC.size, shm.RESP_DESC.size)
+    assert c["DATA_START"] == shm.Layout(1 << 20).data_start
