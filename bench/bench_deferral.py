@@ -84,8 +84,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--family", default="qwen3_moe", choices=sorted(MODELS))
     ap.add_argument("--transport", default="auto", choices=["grpc", "shm", "auto"])
+    ap.add_argument("--moe-intermediate", type=int, default=0, help="override the experts' size (0: the model's)")
     a = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp())
+    if a.moe_intermediate:
+        MODELS[a.family][2]["moe_intermediate_size"] = a.moe_intermediate
     build(tmp / "model", a.family)
     gm, em = free_port(), free_port()
     svc = Services(tmp / "model", tmp, gpu_args=("--metrics-port", str(gm), "--transport", a.transport), expert_args=("--metrics-port", str(em)),

@@ -20,6 +20,7 @@ Layout (little-endian, offsets in bytes from the region start):
         response descriptors, RESP_SLOTS x RESP_DESC_SIZE
         data area (page-aligned), REQ_SLOTS equal blocks; request i uses block i % REQ_SLOTS for
         its hidden, ids, weights and both outputs.
+The hot loops of both sides are C++ (native/ring.h mirrors this layout; a test checks they agree).
 Every offset a descriptor carries is checked against the region before it is touched
 (check_span): beyond the region, past its end, overlapping the header or overflowing 64 bits is
 refused with INVALID_ARGUMENT, never read.
