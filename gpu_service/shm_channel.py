@@ -64,7 +64,7 @@ class ShmChannel:
         self.dead: str | None = None
         self.posted = 0       # requests posted
         self.consumed = 0     # responses read
-        # per request still being answered: [seq, layer, parts left]
+        # per request still being answered: [seq, parts left]; a slot is reused only once it is done
         self.pending: deque = deque()
         self.expect: deque = deque()  # (seq, layer, deferred) of every response still to come, in order
         self._pinned = False
