@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "moe.h"
+#include "reduce4.h"
 
 namespace moe {
 
@@ -15,7 +16,7 @@ constexpr int RB = 4, TB = 4;
 constexpr int G = INT4_GROUP;
 
 template <int NT>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, const float* S,
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, const float* S,
                                                                        size_t lds, int nr, const uint8_t* const* X,
                                                                        int K, float* C) {
   __m512 acc[RB][NT];
@@ -48,8 +49,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void mk(const uint
                                     s[r], acc[r][t]);
     }
   }
-  for (int t = 0; t < NT; ++t)
-    for (int r = 0; r < nr; ++r) C[t * RB + r] = _mm512_reduce_add_ps(acc[r][t]);
+  static_assert(RB == 4, "reduce4 sums 4 rows at a time");
+  for (int t = 0; t < NT; ++t) {
+    alignas(16) float out[4];
+    _mm_store_ps(out, reduce4_ps(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+    for (int r = 0; r < nr; ++r) C[t * RB + r] = out[r];
+  }
 }
 
 void mk_dispatch(const uint8_t* W, size_t ldw, const float* S, size_t lds, int nr, const uint8_t* const* X, int nt,

@@ -4,6 +4,7 @@
 
 #include "common.h"
 #include "moe.h"
+#include "reduce4.h"
 
 namespace moe {
 
@@ -12,7 +13,7 @@ namespace {
 constexpr int RB = 4, TB = 6;
 
 template <int NT>
-__attribute__((target("avx512f,avx512bw,avx512vnni,avx2"))) inline void mk(const int8_t* W, size_t ldw, int nr,
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const int8_t* W, size_t ldw, int nr,
                                                                        const uint8_t* const* X, int K, int32_t* C) {
   __m512i acc[RB][NT];
   for (int r = 0; r < RB; ++r)
@@ -31,16 +32,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2"))) inline void mk(const
       for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], xv, a[r]);
     }
   }
-  // a token's 4 row sums with one shuffle tree (as in gemm_bf16.cpp)
-  static_assert(RB == 4, "4 rows per reduction");
+  static_assert(RB == 4, "reduce4 sums 4 rows at a time");
   for (int t = 0; t < NT; ++t) {
-    __m256i h[4];
-    for (int r = 0; r < 4; ++r)
-      h[r] = _mm256_add_epi32(_mm512_castsi512_si256(acc[r][t]), _mm512_extracti64x4_epi64(acc[r][t], 1));
-    __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(h[0], h[1]), _mm256_hadd_epi32(h[2], h[3]));
-    __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
     alignas(16) int32_t out[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(out), sums);
+    _mm_store_si128(reinterpret_cast<__m128i*>(out), reduce4_epi32(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
     for (int r = 0; r < nr; ++r) C[t * RB + r] = out[r];
   }
 }
