@@ -115,12 +115,14 @@ def main() -> None:
     svc = Services(a.model, tmp)  # each service: 1 thread, as on a 2-core machine
     try:
         split = statistics.median(bench_split(svc, prompt, a.tokens, a.runs))
-        report("decode tok/s, split (2 processes, gRPC)", split, "tok/s", inproc, "in-process, no gRPC")
+        transport = svc.stub.Info(generate_pb2.ServerInfoRequest(), timeout=5).transport
+        report(f"decode tok/s, split (2 processes, {transport} exchange)", split, "tok/s", inproc,
+               "in-process, no exchange")
         n_moe = len(cfg.moe_layers)
         report("per-token cost of the split", (1 / split - 1 / inproc) * 1e6 / n_moe, "us per MoE layer")
         rtt, comp = bench_exchange(svc.expert_port, cfg, cfg.hidden_size, dtype, a.exchanges)
         med_rtt, med_comp = statistics.median(rtt), statistics.median(comp)
-        report(f"exchange round trip, H={cfg.hidden_size} {cfg.torch_dtype}, T=1", med_rtt, "us median",
+        report(f"gRPC exchange round trip, H={cfg.hidden_size} {cfg.torch_dtype}, T=1", med_rtt, "us median",
                med_comp, "expert compute inside it")
         report("exchange overhead (round trip - compute)", med_rtt - med_comp, "us median")
     finally:
