@@ -53,11 +53,12 @@ def decode(msg: tensor_pb2.Tensor, field: str, allowed=None, ndim: int | None = 
         raise CodecError(f"{field}.shape: expected {ndim} dimensions, got {shape}")
     if any(s < 0 for s in shape):
         raise CodecError(f"{field}.shape: negative dimension in {shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     n = math.prod(shape)
-    if n * itemsize != len(msg.data):
-        raise CodecError(f"{field}.data: {len(msg.data)} bytes do not match shape {shape} x {itemsize} bytes")
+    data = msg.data  # each access copies the bytes out of the message: once only
+    if n * itemsize != len(data):
+        raise CodecError(f"{field}.data: {len(data)} bytes do not match shape {shape} x {itemsize} bytes")
     if n == 0:
         return torch.empty(shape, dtype=dtype)
-    buf = bytearray(msg.data)  # a writable copy; protobuf bytes are immutable
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
+    # a writable copy; protobuf bytes are immutable
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(tuple(shape))
