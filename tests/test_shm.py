@@ -300,3 +300,36 @@ def test_python_and_cpp_agree_on_the_ring_layout():
                                                                        shm.MSG_MAX)
     assert (c["REQ_DESC_BYTES"], c["RESP_DESC_BYTES"]) == (shm.REQ_DESC.size, shm.RESP_DESC.size)
     assert c["DATA_START"] == shm.Layout(1 << 20).data_start
+
+
+def test_two_sessions_at_once_are_served_independently(expert_alone):
+    """Two GPU-side processes (here two channels in threads) on one expert service: each ring gets its
+    own answers, computed one at a time on the shared kernels."""
+    import concurrent.futures
+
+    s, stub = expert_alone
+    chans = [ShmChannel(stub, (), 1 << 20) for _ in range(2)]
+    try:
+        assert expert_info(s.expert_port).shm_sessions == 2
+
+        def run(ch, seed):
+            g = torch.Generator().manual_seed(seed)
+            outs = []
+            for step in range(30):
+                x = torch.randn(2, 64, generator=g)
+                ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(2)]).to(torch.int32)
+                w = torch.rand(2, 4, generator=g)
+                ch.submit(step, 1 + step % 2, x, ids, w, 1)
+                outs.append(ch.result(1 + step % 2, False, (2, 64), torch.float32)[0]
+                            + ch.result(1 + step % 2, True, (2, 64), torch.float32)[0])
+            return outs
+
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            together = list(ex.map(run, chans, (1, 2)))
+        alone = [run(chans[0], 1), run(chans[1], 2)]
+        for a, b in zip(together, alone):
+            assert all(torch.equal(p, q) for p, q in zip(a, b))
+        assert not all(torch.equal(p, q) for p, q in zip(together[0], together[1]))
+    finally:
+        for ch in chans:
+            ch.close()
