@@ -7,6 +7,8 @@
 //   combine: out[t] = sum_j w[t,j] * Y[slot(t,j)]   (fixed order: the same answer for any thread count)
 // Each task reads one contiguous range of one expert's weights: at decode every thread streams DRAM
 // sequentially; at prefill a block of weight rows is reused across all of that expert's tokens.
+#include <immintrin.h>
+
 #include <cmath>
 
 #include "common.h"
@@ -59,6 +61,52 @@ void quantize_row(Fmt fmt, const float* x, int n, ActBuf& b, int r) {
   // u8 = q + 128: VNNI multiplies unsigned activations by signed weights
   for (int i = 0; i < n; ++i) dst[i] = uint8_t(int(std::nearbyint(x[i] * inv)) + 128);
   for (size_t i = n; i < b.row_bytes; ++i) dst[i] = 128;  // padding is q = 0
+}
+
+// SwiGLU activation of one slot: a = silu(gate) * up, each step rounded to bf16 as a bf16 model's
+// would be.
+void act_row(const float* gate, const float* up, float* a, int I) {
+  for (int i = 0; i < I; ++i) {
+    float gv = bf16_to_f32(f32_to_bf16(gate[i])), uv = bf16_to_f32(f32_to_bf16(up[i]));
+    float sv = bf16_to_f32(f32_to_bf16(gv / (1.f + std::exp(-gv))));
+    a[i] = bf16_to_f32(f32_to_bf16(sv * uv));
+  }
+}
+
+// Round to bf16 (nearest even, like f32_to_bf16 for finite values) and back, 16 lanes.
+__attribute__((target("avx512f,avx512bw"))) inline __m512 round_bf16(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xffff0000u))));
+}
+
+// e^x, 16 lanes (Cephes expf: range reduction by ln 2 in two parts, degree-6 polynomial,
+// 2^n by scalef); within 2 ulp of std::exp, and rounded to bf16 right after.
+__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.f)), _mm512_set1_ps(88.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+__attribute__((target("avx512f,avx512bw"))) void act_row_avx512(const float* gate, const float* up, float* a, int I) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int i = 0; i < I; i += 16) {
+    const __mmask16 k = I - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (I - i)) - 1);
+    __m512 gv = round_bf16(_mm512_maskz_loadu_ps(k, gate + i)), uv = round_bf16(_mm512_maskz_loadu_ps(k, up + i));
+    __m512 sv = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+    _mm512_mask_storeu_ps(a + i, k, round_bf16(_mm512_mul_ps(sv, uv)));
+  }
 }
 
 void gemm_rows(Isa isa, Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,
@@ -159,11 +207,8 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     const float* g = gu.data() + size_t(s) * 2 * I;
     thread_local std::vector<float> a;
     a.resize(I);
-    for (int i = 0; i < I; ++i) {
-      float gv = bf16_to_f32(f32_to_bf16(g[i])), uv = bf16_to_f32(f32_to_bf16(g[I + i]));
-      float sv = bf16_to_f32(f32_to_bf16(gv / (1.f + std::exp(-gv))));
-      a[i] = bf16_to_f32(f32_to_bf16(sv * uv));
-    }
+    if (isa == Isa::Portable) act_row(g, g + I, a.data(), I);
+    else act_row_avx512(g, g + I, a.data(), I);
     quantize_row(m.fmt, a.data(), I, ab, s);
   });
   const Acts as = ab.view(nullptr, S);
