@@ -13,23 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import queue
 import statistics
 import sys
 import time
 
-import grpc
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_exchange import exchange_rtt  # noqa: E402
 from conftest import Services  # noqa: E402
-from moe_core import codec  # noqa: E402
 from moe_core.checkpoint import Checkpoint  # noqa: E402
 from moe_core.config import load_config  # noqa: E402
-from protos import expert_pb2, expert_pb2_grpc, generate_pb2  # noqa: E402
+from protos import generate_pb2  # noqa: E402
 
 
 def decode_rate(chunks) -> float:
@@ -66,30 +64,6 @@ def bench_inprocess(model_dir, prompt_ids, tokens, runs) -> list[float]:
     return rates
 
 
-def bench_exchange(port: int, cfg, hidden: int, dtype: torch.dtype, n: int) -> tuple[list[float], list[float]]:
-    """-> (round trip us, reported compute us) for T=1 LayerRequests on one Exchange stream."""
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = expert_pb2_grpc.ExpertServiceStub(ch)
-    q: queue.Queue = queue.Queue()
-    responses = stub.Exchange(iter(q.get, None))
-    layer = cfg.moe_layers[0]
-    ids = torch.randperm(cfg.n_routed_experts)[:cfg.top_k].to(torch.int32).view(1, -1)
-    req = expert_pb2.LayerRequest(layer=layer, hidden=codec.encode(torch.randn(1, hidden).to(dtype)),
-                                  topk_ids=codec.encode(ids), topk_weights=codec.encode(torch.rand(1, cfg.top_k)))
-    rtt, compute = [], []
-    for i in range(n + 20):
-        t0 = time.perf_counter()
-        q.put(req)
-        r = next(responses)
-        dt = (time.perf_counter() - t0) * 1e6
-        if i >= 20:
-            rtt.append(dt)
-            compute.append(r.timing.compute_us)
-    q.put(None)
-    ch.close()
-    return rtt, compute
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "models" / "default"))
@@ -120,7 +94,8 @@ def main() -> None:
                "in-process, no exchange")
         n_moe = len(cfg.moe_layers)
         report("per-token cost of the split", (1 / split - 1 / inproc) * 1e6 / n_moe, "us per MoE layer")
-        rtt, comp = bench_exchange(svc.expert_port, cfg, cfg.hidden_size, dtype, a.exchanges)
+        rtt, comp = exchange_rtt(svc.expert_port, "grpc", cfg.moe_layers[0], cfg.hidden_size, cfg.n_routed_experts,
+                                 cfg.top_k, dtype, a.exchanges)
         med_rtt, med_comp = statistics.median(rtt), statistics.median(comp)
         report(f"gRPC exchange round trip, H={cfg.hidden_size} {cfg.torch_dtype}, T=1", med_rtt, "us median",
                med_comp, "expert compute inside it")

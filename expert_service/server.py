@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-import threading
 import time
 
 import grpc
@@ -44,7 +43,6 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self.active_streams = 0
         self.shm_max_bytes = shm_max_bytes  # 0: no shared-memory sessions
         self.shm_sessions: set = set()
-        self.compute_lock = threading.Lock()
         self.fmt, self.kernel_path, self.threads, self.max_tokens = fmt, kernel_path, threads, max_tokens
         # One compute thread: the kernels parallelize inside; requests are served in arrival order.
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="experts")
@@ -98,12 +96,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     # -- compute --------------------------------------------------------------------------------
     def run_part(self, layer: int, part: int, kernel):
-        """Run one part's kernel under the compute lock (the gRPC path and the shared-memory rings
-        share the kernels' thread pool), timed and counted. -> (kernel's result, ExpertTiming)"""
-        with self.compute_lock:
-            t0 = time.time_ns()
-            y = kernel()
-            t1 = time.time_ns()
+        """Run one part's kernel, timed and counted (the native kernels serialize themselves on one
+        mutex, shared with the shared-memory rings' C++ loop). -> (kernel's result, ExpertTiming)"""
+        t0 = time.time_ns()
+        y = kernel()
+        t1 = time.time_ns()
         dt = (t1 - t0) / 1e9
         metrics.BUSY.inc(dt)
         metrics.COMPUTE.labels(str(layer), "deferred" if part else "immediate").observe(dt)

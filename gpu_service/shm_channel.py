@@ -64,8 +64,6 @@ class ShmChannel:
         self.dead: str | None = None
         self.posted = 0       # requests posted
         self.consumed = 0     # responses read
-        # per request still being answered: [seq, parts left]; a slot is reused only once it is done
-        self.pending: deque = deque()
         self.expect: deque = deque()  # (seq, layer, deferred) of every response still to come, in order
         self._pinned = False
         threading.Thread(target=self._watch, name="shm-lifeline", daemon=True).start()
@@ -84,7 +82,9 @@ class ShmChannel:
 
     def fits(self, T: int, H: int, itemsize: int, k: int) -> bool:
         need = 3 * _aligned(T * H * itemsize) + 2 * _aligned(T * k * 4)
-        return need <= self.layout.block_size and len(self.pending) < shm.REQ_SLOTS
+        # a request's slot is reused only once all its results are read
+        in_flight = len({seq for seq, _, _ in self.expect})
+        return need <= self.layout.block_size and in_flight < shm.REQ_SLOTS
 
     def _pin(self, x: torch.Tensor) -> None:
         # CUDA: page-lock the region once so device<->host copies DMA straight into it
@@ -120,7 +120,6 @@ class ShmChannel:
                            kn, base + hid + _aligned(kn), kn, out, xn, *((out + hid, xn) if defer else (0, 0)),
                            x_ptr, ids.data_ptr(), w.data_ptr(), (seq + 1) & MASK)
         self.posted = seq + 1
-        self.pending.append([seq, 2 if defer else 1])
         self.expect.append((seq, layer, False))
         if defer:
             self.expect.append((seq, layer, True))
@@ -143,9 +142,6 @@ class ShmChannel:
             raise ShmError(STATUS.get(status, grpc.StatusCode.UNKNOWN), msg.decode(errors="replace"))
         self.expect.popleft()
         self.consumed += 1
-        self.pending[0][1] -= 1
-        if self.pending[0][1] == 0:
-            self.pending.popleft()
         return y, Timing(queued_us, compute_us, t0, t1)
 
     def close(self) -> None:

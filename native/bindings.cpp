@@ -97,15 +97,6 @@ PYBIND11_MODULE(_moe_native, m) {
     return vnni_peak_ops(iters);
   });
   m.def(
-      "doorbell_wait",
-      [](py::buffer buf, size_t offset, uint32_t seen, int64_t timeout_us, int64_t spin_us) {
-        auto* w = doorbell_at(buf, offset);
-        py::gil_scoped_release nogil;
-        return doorbell_wait(w, seen, timeout_us, spin_us);
-      },
-      py::arg("buf"), py::arg("offset"), py::arg("seen"), py::arg("timeout_us"), py::arg("spin_us"),
-      "wait until the u32 at buf[offset] != seen (spin, then futex); returns the value (== seen on timeout)");
-  m.def(
       "doorbell_ring",
       [](py::buffer buf, size_t offset, uint32_t value) { doorbell_ring(doorbell_at(buf, offset), value); },
       py::arg("buf"), py::arg("offset"), py::arg("value"), "store value at buf[offset] (release) and wake waiters");

@@ -33,30 +33,25 @@ size_t amx_b_bytes(Fmt fmt, int ns, int Kp) {
   return groups * size_t(Kp) * (fmt == Fmt::Bf16 ? 32 : 16);  // per group: Kp/32 (Kp/64) tiles of 1 KiB
 }
 
+// B tile layout: per group of 16 slots and per K step (32 bf16 | 64 int8), 16 rows; row j holds, for
+// each slot n, its PER consecutive elements j*PER .. j*PER+PER-1 of the step. Missing slots: `pad`.
+template <class T, int PER>
+static void pack_b(const Acts& x, int ns, int Kp, T* d, T pad) {
+  constexpr int STEP = 16 * PER;  // elements of one K step
+  for (int g = 0; g < (ns + 15) / 16; ++g)
+    for (int c = 0; c < Kp / STEP; ++c)
+      for (int n = 0; n < 16; ++n) {
+        const int s = g * 16 + n;
+        const T* xs = s < ns ? static_cast<const T*>(x.rows[s]) + c * STEP : nullptr;
+        T* row = d + (size_t(g) * (Kp / STEP) + c) * 16 * STEP + n * PER;
+        for (int j = 0; j < 16; ++j)
+          for (int p = 0; p < PER; ++p) row[j * STEP + p] = xs ? xs[j * PER + p] : pad;
+      }
+}
+
 void pack_amx_b(Fmt fmt, const Acts& x, int ns, int Kp, uint8_t* dst) {
-  const int groups = (ns + 15) / 16;
-  if (fmt == Fmt::Bf16) {
-    auto* d = reinterpret_cast<uint16_t*>(dst);
-    for (int g = 0; g < groups; ++g)
-      for (int c = 0; c < Kp / 32; ++c)
-        for (int n = 0; n < 16; ++n) {
-          const int s = g * 16 + n;
-          const auto* xs = s < ns ? static_cast<const uint16_t*>(x.rows[s]) + c * 32 : nullptr;
-          for (int j = 0; j < 16; ++j)  // tile row j = k pair j of this step
-            for (int p = 0; p < 2; ++p)
-              d[((size_t(g) * (Kp / 32) + c) * 16 + j) * 32 + n * 2 + p] = xs ? xs[2 * j + p] : 0;
-        }
-  } else {
-    for (int g = 0; g < groups; ++g)
-      for (int c = 0; c < Kp / 64; ++c)
-        for (int n = 0; n < 16; ++n) {
-          const int s = g * 16 + n;
-          const auto* xs = s < ns ? static_cast<const uint8_t*>(x.rows[s]) + c * 64 : nullptr;
-          for (int j = 0; j < 16; ++j)  // tile row j = k quad j of this step
-            for (int q = 0; q < 4; ++q)
-              dst[((size_t(g) * (Kp / 64) + c) * 16 + j) * 64 + n * 4 + q] = xs ? xs[4 * j + q] : 128;
-        }
-  }
+  if (fmt == Fmt::Bf16) pack_b<uint16_t, 2>(x, ns, Kp, reinterpret_cast<uint16_t*>(dst), 0);
+  else pack_b<uint8_t, 4>(x, ns, Kp, dst, 128);  // u8 128 = activation 0
 }
 
 namespace {

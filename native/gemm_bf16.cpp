@@ -66,12 +66,6 @@ __attribute__((target("avx512f,avx512dq"))) void reduce(const float* acc, int nt
 }  // namespace
 
 void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  if (isa == Isa::Amx) {  // whole 16-row tiles on AMX when the driver packed this expert's tokens
-    const int tiles = x.amx_b ? (r1 - r0) / 16 * 16 : 0;
-    if (tiles) gemm_rows_amx(Fmt::Bf16, m, e, r0, r0 + tiles, x, ns, Y, ldy);
-    r0 += tiles;
-    isa = Isa::Avx512;
-  }
   const uint16_t* We = static_cast<const uint16_t*>(m.w) + size_t(e) * m.rows * m.Kp;
   auto X = reinterpret_cast<const uint16_t* const*>(x.rows);
   if (isa == Isa::Portable) {

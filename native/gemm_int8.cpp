@@ -54,12 +54,6 @@ void mk_dispatch(const int8_t* W, size_t ldw, int nr, const uint8_t* const* X, i
 }  // namespace
 
 void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  if (isa == Isa::Amx) {  // whole 16-row tiles on AMX when the driver packed this expert's tokens
-    const int tiles = x.amx_b ? (r1 - r0) / 16 * 16 : 0;
-    if (tiles) gemm_rows_amx(Fmt::Int8, m, e, r0, r0 + tiles, x, ns, Y, ldy);
-    r0 += tiles;
-    isa = Isa::Avx512;
-  }
   const int8_t* We = static_cast<const int8_t*>(m.w) + size_t(e) * m.rows * m.Kp;
   const float* sw = m.scale + size_t(e) * m.rows;
   const int32_t* rs = m.rowsum + size_t(e) * m.rows;

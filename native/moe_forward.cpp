@@ -111,6 +111,13 @@ __attribute__((target("avx512f,avx512bw"))) void act_row_avx512(const float* gat
 
 void gemm_rows(Isa isa, Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,
                size_t ldy) {
+  if (isa == Isa::Amx) {  // whole 16-row tiles on AMX where this expert's tokens were packed; the rest on AVX-512
+    const int tiles = x.amx_b ? (r1 - r0) / 16 * 16 : 0;
+    if (tiles) gemm_rows_amx(fmt, m, e, r0, r0 + tiles, x, ns, Y, ldy);
+    r0 += tiles;
+    isa = Isa::Avx512;
+    if (r0 >= r1) return;
+  }
   switch (fmt) {
     case Fmt::Bf16: return gemm_rows_bf16(isa, m, e, r0, r1, x, ns, Y, ldy);
     case Fmt::Int8: return gemm_rows_int8(isa, m, e, r0, r1, x, ns, Y, ldy);

@@ -205,7 +205,6 @@ def raw_request(ch: ShmChannel, layer=1, T=1, k=4, defer=0, **spans):
     shm.REQ_DESC.pack_into(ch.mm, shm.Layout.req_desc(seq), seq, 0, layer, T, k, defer, 1,  # 1 = FLOAT32
                            *s["hidden"], *s["ids"], *s["w"], *s["out"], *s["dout"])
     ch.posted += 1
-    ch.pending.append([seq, 2 if defer else 1])
     ch.expect.append((seq, layer, False))
     if defer:
         ch.expect.append((seq, layer, True))
@@ -227,7 +226,6 @@ def test_bad_offsets_and_sizes_are_refused_and_the_ring_goes_on(expert_alone):
                 ch.result(spans.get("layer", 1), False, (1, 64), torch.float32)
             assert getattr(e.value, "code", None) == grpc.StatusCode.INVALID_ARGUMENT, (spans, e.value)
             ch.expect.clear()
-            ch.pending.clear()
             ch.consumed += 1
             struct.pack_into("<I", ch.mm, shm.RESP_READ, ch.consumed)
         # after all that, a good request is served on the same ring
