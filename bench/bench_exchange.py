@@ -7,6 +7,10 @@ compute inside the round trip is small), starts the expert service pinned to cor
 client to core 0, and sends T=1 layer requests (top-8) one at a time. Per transport it reports the
 median round trip, the expert compute the service measured inside it, and their difference: what
 the transport itself costs per layer. Targets (issue #4): gRPC <= 150 us, shm <= 20 us.
+
+The baseline measured in the same run: grpcio's own floor, a bidirectional stream that echoes bytes
+of the request's size (an asyncio server on uvloop pinned to core 1, like the expert service, and the
+same synchronous client): what any Python grpcio exchange costs here before our code does anything.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import os
 import pathlib
 import queue
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -74,6 +79,48 @@ def shm_rtt(stub, layer, x, ids, w, n) -> tuple[list[float], list[float]]:
     return rtt, compute
 
 
+def echo_server(port: int) -> None:
+    """grpcio's floor: a generic bidi stream echoing raw bytes, no protobuf, no work."""
+    import asyncio
+
+    import uvloop
+
+    async def echo(requests, context):
+        async for m in requests:
+            yield m
+
+    async def serve():
+        server = grpc.aio.server()
+        same = lambda b: b  # noqa: E731
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "Echo", {"Exchange": grpc.stream_stream_rpc_method_handler(echo, same, same)}),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+    uvloop.run(serve())
+
+
+def echo_rtt(port: int, nbytes: int, n: int) -> list[float]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    same = lambda b: b  # noqa: E731
+    q: queue.Queue = queue.Queue()
+    responses = channel.stream_stream("/Echo/Exchange", request_serializer=same, response_deserializer=same)(
+        iter(q.get, None))
+    payload, rtt = b"x" * nbytes, []
+    try:
+        for i in range(n + WARMUP):
+            t0 = time.perf_counter()
+            q.put(payload)
+            next(responses)
+            if i >= WARMUP:
+                rtt.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        q.put(None)
+        channel.close()
+    return rtt
+
+
 def exchange_rtt(port: int, transport: str, layer: int, hidden: int, n_experts: int, top_k: int, dtype, n: int):
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = expert_pb2_grpc.ExpertServiceStub(channel)
@@ -92,7 +139,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=500, help="round trips per transport and round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, transports interleaved")
     ap.add_argument("--transports", default="grpc,shm")
+    ap.add_argument("--echo-server", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the floor's server process
     a = ap.parse_args()
+    if a.echo_server:
+        return echo_server(a.echo_server)
     import tiny_models
     from conftest import Services
 
@@ -103,14 +153,24 @@ def main() -> None:
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
     svc = Services(model, tmp, expert_prefix=("taskset", "-c", "1"), gpu=False)
+    from conftest import free_port
+    echo_port = free_port()
+    echo = subprocess.Popen(["taskset", "-c", "1", sys.executable, __file__, "--echo-server", str(echo_port)])
+    # the request as it travels: hidden [1, H] bf16, top-8 ids and weights (the answer is about as large)
+    nbytes = expert_pb2.LayerRequest(hidden=codec.encode(torch.zeros(1, a.hidden, dtype=torch.bfloat16)),
+                                     topk_ids=codec.encode(torch.zeros(1, 8, dtype=torch.int32)),
+                                     topk_weights=codec.encode(torch.zeros(1, 8))).ByteSize()
     res: dict = {t: ([], []) for t in a.transports.split(",")}
+    floor: list = []
     try:
         for _ in range(a.rounds):
             for t in a.transports.split(","):
                 r, c = exchange_rtt(svc.expert_port, t, 0, a.hidden, 8, 8, torch.bfloat16, a.n)
                 res[t][0].extend(r)
                 res[t][1].extend(c)
+            floor.extend(echo_rtt(echo_port, nbytes, a.n))
     finally:
+        echo.kill()
         svc.stop()
     rows = {}
     for t, (r, c) in res.items():
@@ -118,12 +178,17 @@ def main() -> None:
                    "rtt_p90_us": round(sorted(r)[int(0.9 * len(r))], 1), "compute_us": round(statistics.median(c), 1),
                    "overhead_us": round(statistics.median(x - y for x, y in zip(r, c)), 1)}
         print(json.dumps(rows[t]))
+    floor_us = round(statistics.median(floor), 1)
+    print(json.dumps({"transport": "grpcio echo (floor)", "bytes": nbytes, "rtt_us": floor_us}))
     print("\n| transport | round trip (median) | p90 | expert compute inside | transport overhead | target |")
     print("|---|---|---|---|---|---|")
     for t, target in (("grpc", 150), ("shm", 20)):
         r = rows[t]
         print(f"| {t} | {r['rtt_us']} us | {r['rtt_p90_us']} us | {r['compute_us']} us | {r['overhead_us']} us "
               f"| <= {target} us |")
+    print(f"| grpcio echo of {nbytes} bytes (floor, no work) | {floor_us} us | | | {floor_us} us | |")
+    if "grpc" in rows:
+        print(f"\ngRPC overhead vs grpcio's own floor: {rows['grpc']['overhead_us'] / floor_us:.2f}x")
     print(f"\nshm vs gRPC overhead: {rows['grpc']['overhead_us'] / max(rows['shm']['overhead_us'], 0.1):.1f}x less "
           f"(H={a.hidden} bf16, T=1, top-8; medians of {a.rounds * a.n})")
 

@@ -62,8 +62,16 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             w = codec.decode(req.topk_weights, "topk_weights", (torch.float32,), ndim=2)
         except codec.CodecError as e:
             raise BadRequest(str(e)) from None
-        self.validate(req.layer, hidden, ids, w, req.defer)
+        if self.runs_native(req.layer, hidden.dtype):  # the C++ part entry checks the values itself
+            self.validate_shape(req.layer, *hidden.shape, ids.shape, w.shape, req.defer)
+        else:
+            self.validate(req.layer, hidden, ids, w, req.defer)
         return hidden, ids, w
+
+    def runs_native(self, layer: int, dtype) -> bool:
+        """Whether the layer's requests go straight to the native part entry (deferral split, dtype
+        conversion and value checks in C++): native operators, bf16 or fp32 hidden states."""
+        return hasattr(self.layers.get(layer), "forward_part") and dtype != torch.float16
 
     def validate_shape(self, layer: int, T: int, H: int, ids_shape, w_shape, defer: int) -> None:
         """The checks on sizes and settings every layer request passes, whichever transport brought it."""
@@ -106,15 +114,29 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         metrics.COMPUTE.labels(str(layer), "deferred" if part else "immediate").observe(dt)
         return y, expert_pb2.ExpertTiming(compute_us=(t1 - t0) // 1000, start_unix_ns=t0, end_unix_ns=t1)
 
-    def compute(self, layer: int, hidden, ids, w, defer: int):
-        """-> [(part, out, ExpertTiming)], immediate first. Runs on the compute thread."""
+    def part_jobs(self, layer: int, hidden, ids, w, defer: int):
+        """-> [(part, kernel)], immediate first; each kernel() returns that part's weighted sum."""
         op = self.layers[layer]
+        if self.runs_native(layer, hidden.dtype):
+            T, k = ids.shape
+            bf16 = hidden.dtype == torch.bfloat16
+
+            def native(part):
+                out = torch.empty_like(hidden)
+                op.forward_part(hidden.data_ptr(), bf16, ids.data_ptr(), w.data_ptr(), out.data_ptr(), bf16, T, k,
+                                defer, part)
+                return out
+            return [(p, lambda p=p: native(p)) for p in range(2 if defer else 1)]
         if defer == 0:
-            jobs = [(expert_pb2.IMMEDIATE, ids, w)]
-        else:
-            i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
-            jobs = [(expert_pb2.IMMEDIATE, i_ids, i_w), (expert_pb2.DEFERRED, d_ids, d_w)]
-        out = [(part, *self.run_part(layer, part, lambda: op.forward(hidden, p_ids, p_w))) for part, p_ids, p_w in jobs]
+            return [(expert_pb2.IMMEDIATE, lambda: op.forward(hidden, ids, w))]
+        i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
+        return [(expert_pb2.IMMEDIATE, lambda: op.forward(hidden, i_ids, i_w)),
+                (expert_pb2.DEFERRED, lambda: op.forward(hidden, d_ids, d_w))]
+
+    def compute(self, layer: int, hidden, ids, w, defer: int):
+        """-> [(part, out, ExpertTiming)], immediate first, computed here and now (the shared-memory
+        ring's Python path)."""
+        out = [(part, *self.run_part(layer, part, kernel)) for part, kernel in self.part_jobs(layer, hidden, ids, w, defer)]
         metrics.TOKENS.inc(hidden.shape[0])
         return out
 
@@ -127,7 +149,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"model fingerprint mismatch: expert service serves {self.fp}, caller has {theirs}")
 
-    async def _run(self, req, context):
+    async def _parts(self, req, context):
+        """Validate, then compute the parts on the compute thread, yielding (part, out, ExpertTiming)
+        as each is ready: the IMMEDIATE sum goes out while the DEFERRED experts still run."""
         t_recv = time.time_ns()
         try:
             hidden, ids, w = self.parse(req)
@@ -135,16 +159,19 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         loop = asyncio.get_running_loop()
-        try:
-            parts = await loop.run_in_executor(self.pool, self.compute, req.layer, hidden, ids, w, req.defer)
-        except ValueError as e:  # a kernel's own check (they raise, never abort the process)
-            metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expert kernel refused the request: {e}")
-        queued_ns = parts[0][2].start_unix_ns - t_recv
-        metrics.QUEUED.observe(queued_ns / 1e9)
-        for _, _, timing in parts:
+        queued_ns = None
+        for part, kernel in self.part_jobs(req.layer, hidden, ids, w, req.defer):
+            try:
+                out, timing = await loop.run_in_executor(self.pool, self.run_part, req.layer, part, kernel)
+            except ValueError as e:  # a kernel's own check (they raise, never abort the process)
+                metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expert kernel refused the request: {e}")
+            if queued_ns is None:
+                queued_ns = timing.start_unix_ns - t_recv
+                metrics.QUEUED.observe(queued_ns / 1e9)
             timing.queued_us = max(0, queued_ns // 1000)
-        return parts
+            yield part, out, timing
+        metrics.TOKENS.inc(hidden.shape[0])
 
     async def Exchange(self, request_iterator, context):
         await self._check_peer(context)
@@ -153,7 +180,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         try:
             async for req in request_iterator:
                 metrics.LAYER_REQUESTS.labels("Exchange").inc()
-                for part, out, timing in await self._run(req, context):
+                async for part, out, timing in self._parts(req, context):
                     yield expert_pb2.LayerResult(step=req.step, layer=req.layer, part=part,
                                                  output=codec.encode(out), timing=timing)
         finally:  # the peer went away or the stream ended: nothing of it stays behind
@@ -163,7 +190,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     async def RunLayer(self, request, context):
         await self._check_peer(context)
         metrics.LAYER_REQUESTS.labels("RunLayer").inc()
-        parts = await self._run(request, context)
+        parts = [p async for p in self._parts(request, context)]
         t = parts[0][2]
         resp = expert_pb2.LayerResponse(immediate=codec.encode(parts[0][1]), timing=expert_pb2.ExpertTiming(
             queued_us=t.queued_us, compute_us=sum(p[2].compute_us for p in parts), start_unix_ns=t.start_unix_ns,

@@ -13,7 +13,7 @@ static uint64_t xgetbv0() {
   return (uint64_t(edx) << 32) | eax;
 }
 
-CpuFeatures detect_cpu() {
+static CpuFeatures probe_cpu() {
   CpuFeatures f{};
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
@@ -31,6 +31,13 @@ CpuFeatures detect_cpu() {
   f.amx_int8 = d & (1u << 25);
   __cpuid_count(7, 1, a, b, c, d);
   f.avx512bf16 = a & (1u << 5);
+  return f;
+}
+
+// Probed once: CPUID traps to the hypervisor in a VM (microseconds each), and the kernels'
+// entry points check the path on every call.
+CpuFeatures detect_cpu() {
+  static const CpuFeatures f = probe_cpu();
   return f;
 }
 

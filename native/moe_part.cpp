@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <string>
 
 #include "common.h"
 #include "moe.h"
@@ -19,7 +20,8 @@ void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hid
   const int H = m.H;
   const size_t n = size_t(T) * H;
   for (size_t i = 0; i < size_t(T) * k; ++i) {
-    MOE_CHECK(ids[i] >= 0 && ids[i] < m.E, "topk_ids: expert id out of range");
+    MOE_CHECK(ids[i] >= 0 && ids[i] < m.E, "topk_ids: expert ids must be in [0, " + std::to_string(m.E) + "), got " +
+                                               std::to_string(ids[i]));
     MOE_CHECK(std::isfinite(weights[i]), "topk_weights: non-finite values");
   }
   thread_local std::vector<float> x32, y32, wsel;

@@ -71,3 +71,32 @@ def test_skip_mode_matches_reference(checkpoints, services_factory):
     deferred = s.stub.Score(generate_pb2.ScoreRequest(token_ids=generate_pb2.TokenIds(ids=prompt), defer=2),
                             timeout=60)
     assert (codec.decode(deferred.logits, "logits") - want).abs().max().item() > 1e-3  # a different thing
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # native part entry / torch operator
+def test_exchange_sends_immediate_while_deferred_experts_run(dtype, tmp_path, services_factory):
+    """The IMMEDIATE sum of a layer reaches the caller before the expert service has finished the
+    layer's DEFERRED experts (the caller's next layer overlaps them)."""
+    import time
+
+    import grpc
+
+    from moe_core import codec
+    from protos import expert_pb2, expert_pb2_grpc
+
+    d = tiny_models.build("deepseek_v3", tmp_path / "m", dtype=dtype, moe_intermediate_size=512)
+    s = services_factory(d, gpu=False)
+    T, E, k = 1024, 16, 4
+    g = torch.Generator().manual_seed(0)
+    req = expert_pb2.LayerRequest(  # one immediate expert per token, three deferred: the deferred part is long
+        layer=1, defer=3, hidden=codec.encode(torch.randn(T, 64, generator=g).to(dtype)),
+        topk_ids=codec.encode(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()),
+        topk_weights=codec.encode(torch.rand(T, k, generator=g)))
+    with grpc.insecure_channel(f"127.0.0.1:{s.expert_port}") as ch:
+        arrived = {}
+        for r in expert_pb2_grpc.ExpertServiceStub(ch).Exchange(iter([req]), timeout=60):
+            arrived[r.part] = (time.time_ns(), r.timing)
+    assert set(arrived) == {expert_pb2.IMMEDIATE, expert_pb2.DEFERRED}
+    deferred = arrived[expert_pb2.DEFERRED][1]
+    assert deferred.end_unix_ns - deferred.start_unix_ns > 2_000_000  # long enough to tell the order apart
+    assert arrived[expert_pb2.IMMEDIATE][0] < deferred.end_unix_ns
