@@ -80,6 +80,11 @@ PYBIND11_MODULE(_moe_native, m) {
     d["os_avx512"] = f.os_avx512; d["os_amx"] = f.os_amx;
     return d;
   });
+  m.def("set_tuning", [](size_t pf_bytes, size_t task_kb) {  // between calls only (benchmarks)
+    MOE_CHECK(task_kb >= 1, "task_kb must be >= 1");
+    tuning() = Tuning{pf_bytes, task_kb * 1024};
+  }, py::arg("pf_bytes"), py::arg("task_kb"));
+  m.def("get_tuning", [] { return py::make_tuple(tuning().pf_bytes, tuning().task_bytes / 1024); });
   m.def("best_path", [] { return std::string(isa_name(best_isa(detect_cpu()))); });
   m.def("path_supported", [](const std::string& p) { return isa_supported(parse_isa(p), detect_cpu()); });
   m.def("read_bandwidth", [](uintptr_t buf, size_t n) {

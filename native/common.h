@@ -3,6 +3,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -17,6 +18,36 @@
   } while (0)
 
 namespace moe {
+
+// How the kernels stream weights, chosen by interleaved A/B runs (bench/bench_tuning.py) on Zen 4:
+// software-prefetch this many bytes ahead in each row stream (the hardware prefetcher stops at
+// 4 KiB page ends), and cut work into tasks of about this many weight bytes (each task start is
+// a new stream that ramps up again; 64-row tasks cost int4 decode a third of its speed).
+// MOE_PF_BYTES / MOE_TASK_KB override at start; set_tuning() between calls (benchmarks).
+struct Tuning {
+  size_t pf_bytes = 8192;
+  size_t task_bytes = size_t(1) << 20;
+};
+inline Tuning& tuning() {
+  static Tuning t = [] {
+    Tuning d;
+    if (const char* v = std::getenv("MOE_PF_BYTES")) d.pf_bytes = size_t(std::atoll(v));
+    if (const char* v = std::getenv("MOE_TASK_KB")) d.task_bytes = size_t(std::atoll(v)) * 1024;
+    return d;
+  }();
+  return t;
+}
+// Rows per task for rows of `row_bytes`: about task_bytes, in whole 64-row blocks, 64..1024.
+inline int task_rows(size_t row_bytes) {
+  size_t rows = tuning().task_bytes / row_bytes / 64 * 64;
+  return int(rows < 64 ? 64 : rows > 1024 ? 1024 : rows);
+}
+// Prefetch offset in rows for rows of `row_bytes`: at least one block of `rb` rows ahead.
+inline size_t prefetch_rows(size_t row_bytes, int rb) {
+  size_t rows = (tuning().pf_bytes + row_bytes - 1) / row_bytes;
+  rows = (rows + rb - 1) / rb * rb;
+  return rows < size_t(rb) ? size_t(rb) : rows;
+}
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;

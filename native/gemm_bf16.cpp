@@ -22,13 +22,14 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < NT; ++t)
       acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + (t * RB + r) * 16);
+  const size_t pf = prefetch_rows(ldw * 2, RB) * ldw;  // elements ahead
   const uint16_t* w[RB];
   for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;  // missing rows recompute row 0
   for (int i = k0; i < k1; i += 32) {
     __m512bh a[RB];
     for (int r = 0; r < RB; ++r) {
       // the next row block, same offset: in L2 by the time this block is done
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + RB * ldw), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
       a[r] = (__m512bh)_mm512_loadu_si512(w[r] + i);
     }
     for (int t = 0; t < NT; ++t) {

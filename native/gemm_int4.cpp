@@ -22,6 +22,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   __m512 acc[RB][NT];
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const size_t pf = prefetch_rows(ldw * 1, RB) * ldw;  // elements ahead
   const uint8_t* w[RB];
   const float* sc[RB];
   for (int r = 0; r < RB; ++r) {
@@ -46,7 +47,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
       xh[t] = _mm512_shuffle_i64x2(A, B, 0xEE);  // [A elems 32-63 | B elems 32-63]
     }
     for (int r = 0; r < RB; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + RB * ldw), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m512i p = _mm512_loadu_si512(w[r] + i / 2);
       __m512i lo = _mm512_sub_epi8(_mm512_and_si512(p, lo4x), eight);
       __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), eight);
@@ -63,7 +64,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
     __m512 s[RB];
     for (int r = 0; r < RB; ++r) {
       // the next row block, same offset: in L2 by the time this block is done
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + RB * ldw), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));  // 64 nibbles
       a[r] = _mm512_sub_epi8(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
                                                 _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1),

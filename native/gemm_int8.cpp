@@ -18,13 +18,14 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   __m512i acc[RB][NT];
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
+  const size_t pf = prefetch_rows(ldw * 1, RB) * ldw;  // elements ahead
   const int8_t* w[RB];
   for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
   for (int i = 0; i < K; i += 64) {
     __m512i a[RB];
     for (int r = 0; r < RB; ++r) {
       // the next row block, same offset: in L2 by the time this block is done
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + RB * ldw), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
       a[r] = _mm512_loadu_si512(w[r] + i);
     }
     for (int t = 0; t < NT; ++t) {

@@ -19,7 +19,6 @@ namespace moe {
 
 namespace {
 
-constexpr int ROW_BLOCK = 64;  // rows per task
 
 // Activations of several rows in one format; buffers reused across calls (fresh multi-MB buffers
 // page-fault on every call).
@@ -167,12 +166,15 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   // tasks grouped by the NUMA node holding their expert (numa.h), each node's threads start on theirs
   const int nodes = numa().nodes;
   std::vector<int> group_start(nodes + 1, 0);
-  auto make_tasks = [&](int rows) {
+  auto block_of = [&](const Matrix& mat) {  // rows per task: about tuning().task_bytes of weights
+    return task_rows(m.fmt == Fmt::Bf16 ? mat.Kp * 2 : m.fmt == Fmt::Int8 ? mat.Kp : mat.Kp / 2);
+  };
+  auto make_tasks = [&](int rows, int block) {
     std::vector<std::pair<int, int>> tasks;
     for (int n = 0; n < nodes; ++n) {
       for (int e = n; e < E; e += nodes)  // numa_node_of_expert(e) == n
         if (start[e + 1] > start[e])
-          for (int r = 0; r < rows; r += ROW_BLOCK) tasks.emplace_back(e, r);
+          for (int r = 0; r < rows; r += block) tasks.emplace_back(e, r);
       group_start[n + 1] = int(tasks.size());
     }
     return tasks;
@@ -202,12 +204,13 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     const int s0 = start[e];
     return Acts{a.rows + s0, a.scale + s0, amx && amx_off[e + 1] > amx_off[e] ? amx_ptr(e) : nullptr};
   };
-  auto t1 = make_tasks(2 * I);
+  const int b1 = block_of(m.gate_up), b2 = block_of(m.down);
+  auto t1 = make_tasks(2 * I, b1);
   pack_amx(xs, m.gate_up.Kp);
   tp.parallel_for_grouped(group_start.data(), nodes, [&](int i) {
     auto [e, r0] = t1[i];
     int s0 = start[e];
-    gemm_rows(isa, m.fmt, m.gate_up, e, r0, std::min(2 * I, r0 + ROW_BLOCK), sub(xs, e), start[e + 1] - s0,
+    gemm_rows(isa, m.fmt, m.gate_up, e, r0, std::min(2 * I, r0 + b1), sub(xs, e), start[e + 1] - s0,
               gu.data() + size_t(s0) * 2 * I, 2 * I);
   });
   tp.parallel_for(S, [&](int s) {
@@ -219,12 +222,12 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     quantize_row(m.fmt, a.data(), I, ab, s);
   });
   const Acts as = ab.view(nullptr, S);
-  auto t2 = make_tasks(H);
+  auto t2 = make_tasks(H, b2);
   pack_amx(as, m.down.Kp);
   tp.parallel_for_grouped(group_start.data(), nodes, [&](int i) {
     auto [e, r0] = t2[i];
     int s0 = start[e];
-    gemm_rows(isa, m.fmt, m.down, e, r0, std::min(H, r0 + ROW_BLOCK), sub(as, e), start[e + 1] - s0,
+    gemm_rows(isa, m.fmt, m.down, e, r0, std::min(H, r0 + b2), sub(as, e), start[e + 1] - s0,
               y.data() + size_t(s0) * H, H);
   });
   tp.parallel_for(T, [&](int t) {
