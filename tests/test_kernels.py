@@ -240,3 +240,24 @@ def test_numa_grouping_gives_the_same_answer(tmp_path):
     assert got["2"][1] == 0  # pretend nodes bind no memory
     for f in ("bf16", "int8", "int4"):
         assert torch.equal(got["1"][2][f], got["2"][2][f]), f
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("path", PATHS)
+def test_task_size_and_prefetch_distance_do_not_change_the_answer(fmt, path):
+    """Each expert's rows cut into many 64-row tasks (the smallest) or one task, prefetching near or
+    far: the same bits, and the reference's answer."""
+    gate, up, down = make(4, 200, 300)
+    ids, w = routing(7, 2, 4)
+    x = torch.randn(7, 300)
+    op = layer(gate, up, down, fmt=fmt, path=path)
+    default = native.get_tuning()
+    try:
+        outs = []
+        for pf_bytes, task_kb in ((0, 1), (65536, 1), (8192, 4096)):
+            native.set_tuning(pf_bytes, task_kb)
+            outs.append(op.forward(x, ids, w))
+    finally:
+        native.set_tuning(*default)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    close(outs[0], reference(x, *dequantized(op), ids, w, fmt), TOL[fmt])
