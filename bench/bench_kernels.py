@@ -1,6 +1,6 @@
 """Routed-expert kernel benchmark: decode (T=1) and prefill (T=512) for each weight format,
-against the machine's own probes (DRAM read bandwidth, BF16 peak) and torch's idiomatic MoE on
-the same weights, all measured in this run.
+against the machine's own probes (DRAM read bandwidth, BF16 peak; probed again right before each
+case) and torch's idiomatic MoE on the same weights, all measured in this run.
 
     python bench/bench_kernels.py [--threads 2] [--shapes qwen3,dsv3] [--formats bf16] [--reps 5]
 
@@ -58,10 +58,15 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
     probe = torch.ones(1 << 28)
-    bw = statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
-    del probe
-    peak = max(native.bf16_peak_flops(10_000_000) for _ in range(5))  # a peak: the best of several
-    vnni = max(native.vnni_peak_ops(10_000_000) for _ in range(5))
+
+    def dram_bw() -> float:
+        return statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
+
+    def peaks() -> tuple[float, float]:  # a peak: the best of several
+        return (max(native.bf16_peak_flops(10_000_000) for _ in range(5)),
+                max(native.vnni_peak_ops(10_000_000) for _ in range(5)))
+    bw = dram_bw()
+    peak, vnni = peaks()
     rows = [{"case": "probe", "dram_read_GBps": round(bw / 1e9, 2), "bf16_peak_GFLOPs": round(peak / 1e9, 1),
              "vnni_peak_GOPs": round(vnni / 1e9, 1),
              "threads": a.threads, "path": native.best_path()}]
@@ -79,12 +84,15 @@ def main() -> None:
             # decode: fresh experts every call, so the weights come from DRAM, not the cache
             calls = [(torch.randn(1, H).bfloat16(), torch.randperm(E, generator=g)[:k].view(1, k).to(torch.int32),
                       torch.rand(1, k)) for _ in range(64)]
+            # the roofline is probed again next to each case: this shared machine's bandwidth and clock
+            # drift by tens of percent over a run, and a ratio against a probe from minutes ago lies
+            bw = dram_bw()
             t_ours = timeit(lambda: [op.forward(*c) for c in calls], a.reps) / len(calls)
             t_torch = timeit(lambda: [ref.forward(*c) for c in calls], a.reps) / len(calls)
             moved = k * bytes_per_expert
             row = {"case": "decode", "shape": shape, "fmt": fmt, "T": 1, "ours_us": round(t_ours * 1e6, 1),
                    "torch_bf16_us": round(t_torch * 1e6, 1), "ours_GBps": round(moved / t_ours / 1e9, 2),
-                   "share_of_dram_bw": round(moved / t_ours / bw, 3),
+                   "dram_read_GBps": round(bw / 1e9, 2), "share_of_dram_bw": round(moved / t_ours / bw, 3),
                    "torch_share_of_dram_bw": round(k * (ref.nbytes / E) / t_torch / bw, 3),
                    "speedup_vs_torch": round(t_torch / t_ours, 2)}
             print(json.dumps(row), flush=True)
@@ -93,31 +101,33 @@ def main() -> None:
             x = torch.randn(T, H).bfloat16()
             ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
             w = torch.rand(T, k)
+            peak, vnni = peaks()
             t_ours = timeit(lambda: op.forward(x, ids, w), max(1, a.reps // 2))
             t_torch = timeit(lambda: ref.forward(x, ids, w), max(1, a.reps // 2))
             flop = 2 * T * k * 3 * H * I
             roof = peak if fmt == "bf16" else vnni  # int formats run on vpdpbusd
             row = {"case": "prefill", "shape": shape, "fmt": fmt, "T": T, "ours_ms": round(t_ours * 1e3, 1),
                    "torch_bf16_ms": round(t_torch * 1e3, 1), "ours_GFLOPs": round(flop / t_ours / 1e9, 1),
-                   "roofline": "bf16 peak" if fmt == "bf16" else "VNNI peak",
+                   "roofline": "bf16 peak" if fmt == "bf16" else "VNNI peak", "roofline_GOPs": round(roof / 1e9, 1),
                    "share_of_peak": round(flop / t_ours / roof, 3),
                    "torch_share_of_bf16_peak": round(flop / t_torch / peak, 3),
                    "speedup_vs_torch": round(t_torch / t_ours, 2)}
             print(json.dumps(row), flush=True)
             rows.append(row)
             del op
-    print(f"\nDRAM read {rows[0]['dram_read_GBps']} GB/s, BF16 peak {rows[0]['bf16_peak_GFLOPs']} GFLOP/s, "
+    print(f"\nProbes at the start: DRAM read {rows[0]['dram_read_GBps']} GB/s, BF16 peak {rows[0]['bf16_peak_GFLOPs']} GFLOP/s, "
           f"VNNI peak {rows[0]['vnni_peak_GOPs']} GOP/s, "
-          f"{a.threads} threads, path {rows[0]['path']}\n")
+          f"{a.threads} threads, path {rows[0]['path']}; each case is compared with the probe taken right "
+          f"before it (in brackets)\n")
     print("| case | shape | fmt | ours | torch bf16 | ours vs roofline | torch vs roofline | speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows[1:]:
         if r["case"] == "decode":
             print(f"| decode T=1 | {r['shape']} | {r['fmt']} | {r['ours_us']} us | {r['torch_bf16_us']} us | "
-                  f"{r['share_of_dram_bw']:.0%} of DRAM BW | {r['torch_share_of_dram_bw']:.0%} | {r['speedup_vs_torch']}x |")
+                  f"{r['share_of_dram_bw']:.0%} of DRAM BW ({r['dram_read_GBps']} GB/s) | {r['torch_share_of_dram_bw']:.0%} | {r['speedup_vs_torch']}x |")
         else:
             print(f"| prefill T={r['T']} | {r['shape']} | {r['fmt']} | {r['ours_ms']} ms | {r['torch_bf16_ms']} ms | "
-                  f"{r['share_of_peak']:.0%} of {r['roofline']} | {r['torch_share_of_bf16_peak']:.0%} of BF16 peak | "
+                  f"{r['share_of_peak']:.0%} of {r['roofline']} ({r['roofline_GOPs']} G/s) | {r['torch_share_of_bf16_peak']:.0%} of BF16 peak | "
                   f"{r['speedup_vs_torch']}x |")
 
 

@@ -19,26 +19,26 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint
                                                                        float* acc_mem, bool first) {
   // partial sums stay 16-lane vectors in acc_mem ([NT][RB] zmm) across K chunks; reduced once at the end
   __m512 acc[RB][NT];
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < NT; ++t)
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t)
       acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + (t * RB + r) * 16);
   const size_t pf = prefetch_rows(ldw * 2, RB) * ldw;  // elements ahead
   const uint16_t* w[RB];
-  for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;  // missing rows recompute row 0
+  MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;  // missing rows recompute row 0
   for (int i = k0; i < k1; i += 32) {
     __m512bh a[RB];
-    for (int r = 0; r < RB; ++r) {
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
       // the next row block, same offset: in L2 by the time this block is done
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
       a[r] = (__m512bh)_mm512_loadu_si512(w[r] + i);
     }
-    for (int t = 0; t < NT; ++t) {
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512bh x = (__m512bh)_mm512_loadu_si512(X[t] + i);
-      for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a[r], x);
+      MOE_UNROLL for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a[r], x);
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc_mem + (t * RB + r) * 16, acc[r][t]);
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc_mem + (t * RB + r) * 16, acc[r][t]);
 }
 
 void mk_dispatch(const uint16_t* W, size_t ldw, int nr, const uint16_t* const* X, int nt, int k0, int k1, float* acc,

@@ -20,12 +20,12 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
                                                                        size_t lds, int nr, const uint8_t* const* X,
                                                                        int K, float* C) {
   __m512 acc[RB][NT];
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   const size_t pf = prefetch_rows(ldw * 1, RB) * ldw;  // elements ahead
   const uint8_t* w[RB];
   const float* sc[RB];
-  for (int r = 0; r < RB; ++r) {
+  MOE_UNROLL for (int r = 0; r < RB; ++r) {
     w[r] = W + (r < nr ? r : 0) * ldw;
     sc[r] = S + (r < nr ? r : 0) * lds;
   }
@@ -41,19 +41,19 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   // compute-bound on Zen 4 with short rows.
   for (; i + 2 * G <= K; i += 2 * G, g += 2) {
     __m512i xl[NT], xh[NT];
-    for (int t = 0; t < NT; ++t) {
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512i A = _mm512_loadu_si512(X[t] + i), B = _mm512_loadu_si512(X[t] + i + G);
       xl[t] = _mm512_shuffle_i64x2(A, B, 0x44);  // [A elems 0-31 | B elems 0-31]
       xh[t] = _mm512_shuffle_i64x2(A, B, 0xEE);  // [A elems 32-63 | B elems 32-63]
     }
-    for (int r = 0; r < RB; ++r) {
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m512i p = _mm512_loadu_si512(w[r] + i / 2);
       __m512i lo = _mm512_sub_epi8(_mm512_and_si512(p, lo4x), eight);
       __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), eight);
       __m512 sv = _mm512_permutexvar_ps(
           scale_lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc[r] + g)))));
-      for (int t = 0; t < NT; ++t)
+      MOE_UNROLL for (int t = 0; t < NT; ++t)
         acc[r][t] = _mm512_fmadd_ps(
             _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl[t], lo), xh[t], hi)),
             sv, acc[r][t]);
@@ -62,7 +62,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   for (; i < K; i += G, ++g) {  // an odd last group
     __m512i a[RB];
     __m512 s[RB];
-    for (int r = 0; r < RB; ++r) {
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
       // the next row block, same offset: in L2 by the time this block is done
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));  // 64 nibbles
@@ -71,17 +71,21 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
                              eight);
       s[r] = _mm512_set1_ps(sc[r][g]);
     }
-    for (int t = 0; t < NT; ++t) {
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512i xv = _mm512_loadu_si512(X[t] + i);
-      for (int r = 0; r < RB; ++r)
+      MOE_UNROLL for (int r = 0; r < RB; ++r)
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, a[r])),
                                     s[r], acc[r][t]);
     }
   }
+  alignas(64) float tile[NT][RB][16];  // parked before reducing: see gemm_int8.cpp
+  MOE_UNROLL for (int t = 0; t < NT; ++t)
+    MOE_UNROLL for (int r = 0; r < RB; ++r) _mm512_store_ps(tile[t][r], acc[r][t]);
   static_assert(RB == 4, "reduce4 sums 4 rows at a time");
   for (int t = 0; t < NT; ++t) {
     alignas(16) float out[4];
-    _mm_store_ps(out, reduce4_ps(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+    _mm_store_ps(out, reduce4_ps(_mm512_load_ps(tile[t][0]), _mm512_load_ps(tile[t][1]), _mm512_load_ps(tile[t][2]),
+                                 _mm512_load_ps(tile[t][3])));
     for (int r = 0; r < nr; ++r) C[t * RB + r] = out[r];
   }
 }

@@ -16,27 +16,34 @@ template <int NT>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const int8_t* W, size_t ldw, int nr,
                                                                        const uint8_t* const* X, int K, int32_t* C) {
   __m512i acc[RB][NT];
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
   const size_t pf = prefetch_rows(ldw * 1, RB) * ldw;  // elements ahead
   const int8_t* w[RB];
-  for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
+  MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
   for (int i = 0; i < K; i += 64) {
     __m512i a[RB];
-    for (int r = 0; r < RB; ++r) {
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
       // the next row block, same offset: in L2 by the time this block is done
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
       a[r] = _mm512_loadu_si512(w[r] + i);
     }
-    for (int t = 0; t < NT; ++t) {
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512i xv = _mm512_loadu_si512(X[t] + i);
-      for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], xv, a[r]);
+      MOE_UNROLL for (int r = 0; r < RB; ++r) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], xv, a[r]);
     }
   }
+  // park the tile, then reduce: reducing straight from the registers makes GCC 12 spill and copy
+  // the accumulators inside the K loop
+  alignas(64) int32_t tile[NT][RB][16];
+  MOE_UNROLL for (int t = 0; t < NT; ++t)
+    MOE_UNROLL for (int r = 0; r < RB; ++r) _mm512_store_si512(tile[t][r], acc[r][t]);
   static_assert(RB == 4, "reduce4 sums 4 rows at a time");
   for (int t = 0; t < NT; ++t) {
     alignas(16) int32_t out[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(out), reduce4_epi32(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+    _mm_store_si128(reinterpret_cast<__m128i*>(out),
+                    reduce4_epi32(_mm512_load_si512(tile[t][0]), _mm512_load_si512(tile[t][1]),
+                                  _mm512_load_si512(tile[t][2]), _mm512_load_si512(tile[t][3])));
     for (int r = 0; r < nr; ++r) C[t * RB + r] = out[r];
   }
 }
