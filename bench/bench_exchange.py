@@ -81,8 +81,6 @@ def shm_rtt(stub, layer, x, ids, w, n) -> tuple[list[float], list[float]]:
 
 def echo_server(port: int) -> None:
     """grpcio's floor: a generic bidi stream echoing raw bytes, no protobuf, no work."""
-    import asyncio
-
     import uvloop
 
     async def echo(requests, context):

@@ -5,7 +5,8 @@ case) and torch's idiomatic MoE on the same weights, all measured in this run.
     python bench/bench_kernels.py [--threads 2] [--shapes qwen3,dsv3] [--formats bf16] [--reps 5]
 
 One JSON line per case, then a table. Decode efficiency = bytes of the chosen experts' weights /
-time, as a share of the measured DRAM read bandwidth. Prefill efficiency = 2*T*k*3*H*I FLOP / time,
+time, as a share of the DRAM read bandwidth probed right before (the median over repetitions that
+each probe once and then time 64 calls). Prefill efficiency = 2*T*k*3*H*I FLOP / time,
 as a share of the measured BF16 peak (bf16) or VNNI int8 peak (int8, int4).
 """
 from __future__ import annotations
@@ -31,14 +32,10 @@ SHAPES = {  # name: (E, H, I, k)
 }
 
 
-def timeit(fn, reps: int) -> float:
+def timed(fn) -> float:
+    t0 = time.perf_counter()
     fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time.perf_counter() - t0
 
 
 def weights(E, H, I):
@@ -84,34 +81,50 @@ def main() -> None:
             # decode: fresh experts every call, so the weights come from DRAM, not the cache
             calls = [(torch.randn(1, H).bfloat16(), torch.randperm(E, generator=g)[:k].view(1, k).to(torch.int32),
                       torch.rand(1, k)) for _ in range(64)]
-            # the roofline is probed again next to each case: this shared machine's bandwidth and clock
-            # drift by tens of percent over a run, and a ratio against a probe from minutes ago lies
-            bw = dram_bw()
-            t_ours = timeit(lambda: [op.forward(*c) for c in calls], a.reps) / len(calls)
-            t_torch = timeit(lambda: [ref.forward(*c) for c in calls], a.reps) / len(calls)
-            moved = k * bytes_per_expert
+            # the roofline is probed next to each measurement: one probe pass, then our 64 calls, then
+            # torch's, in turn, and each repetition's ratio is against its own probe. This shared
+            # machine's bandwidth drifts by tens of percent within a minute; a ratio against a probe
+            # from another moment says more about the neighbours than about the kernel.
+            moved, torch_moved = k * bytes_per_expert, k * (ref.nbytes / E)
+            for c in calls[:4]:
+                op.forward(*c)
+                ref.forward(*c)
+            bws, ours, theirs = [], [], []
+            for _ in range(2 * a.reps):
+                bws.append(native.read_bandwidth(probe.data_ptr(), probe.numel()))
+                ours.append(timed(lambda: [op.forward(*c) for c in calls]) / len(calls))
+                theirs.append(timed(lambda: [ref.forward(*c) for c in calls]) / len(calls))
+            bw, t_ours, t_torch = (statistics.median(v) for v in (bws, ours, theirs))
             row = {"case": "decode", "shape": shape, "fmt": fmt, "T": 1, "ours_us": round(t_ours * 1e6, 1),
                    "torch_bf16_us": round(t_torch * 1e6, 1), "ours_GBps": round(moved / t_ours / 1e9, 2),
-                   "dram_read_GBps": round(bw / 1e9, 2), "share_of_dram_bw": round(moved / t_ours / bw, 3),
-                   "torch_share_of_dram_bw": round(k * (ref.nbytes / E) / t_torch / bw, 3),
-                   "speedup_vs_torch": round(t_torch / t_ours, 2)}
+                   "dram_read_GBps": round(bw / 1e9, 2),
+                   "share_of_dram_bw": round(statistics.median(moved / t / b for t, b in zip(ours, bws)), 3),
+                   "torch_share_of_dram_bw": round(statistics.median(torch_moved / t / b for t, b in zip(theirs, bws)), 3),
+                   "speedup_vs_torch": round(statistics.median(b / a_ for a_, b in zip(ours, theirs)), 2)}
             print(json.dumps(row), flush=True)
             rows.append(row)
             T = a.prefill_tokens
             x = torch.randn(T, H).bfloat16()
             ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
             w = torch.rand(T, k)
-            peak, vnni = peaks()
-            t_ours = timeit(lambda: op.forward(x, ids, w), max(1, a.reps // 2))
-            t_torch = timeit(lambda: ref.forward(x, ids, w), max(1, a.reps // 2))
+            op.forward(x, ids, w)
+            ref.forward(x, ids, w)
             flop = 2 * T * k * 3 * H * I
-            roof = peak if fmt == "bf16" else vnni  # int formats run on vpdpbusd
+            # as for decode: per repetition a peak probe, then ours, then torch; ratios per repetition
+            roofs, bf16_peaks, ours, theirs = [], [], [], []
+            for _ in range(a.reps):
+                peak, vnni = peaks()
+                roofs.append(peak if fmt == "bf16" else vnni)  # int formats run on vpdpbusd
+                bf16_peaks.append(peak)
+                ours.append(timed(lambda: op.forward(x, ids, w)))
+                theirs.append(timed(lambda: ref.forward(x, ids, w)))
+            roof, t_ours, t_torch = (statistics.median(v) for v in (roofs, ours, theirs))
             row = {"case": "prefill", "shape": shape, "fmt": fmt, "T": T, "ours_ms": round(t_ours * 1e3, 1),
                    "torch_bf16_ms": round(t_torch * 1e3, 1), "ours_GFLOPs": round(flop / t_ours / 1e9, 1),
                    "roofline": "bf16 peak" if fmt == "bf16" else "VNNI peak", "roofline_GOPs": round(roof / 1e9, 1),
-                   "share_of_peak": round(flop / t_ours / roof, 3),
-                   "torch_share_of_bf16_peak": round(flop / t_torch / peak, 3),
-                   "speedup_vs_torch": round(t_torch / t_ours, 2)}
+                   "share_of_peak": round(statistics.median(flop / t / r for t, r in zip(ours, roofs)), 3),
+                   "torch_share_of_bf16_peak": round(statistics.median(flop / t / p for t, p in zip(theirs, bf16_peaks)), 3),
+                   "speedup_vs_torch": round(statistics.median(b / a_ for a_, b in zip(ours, theirs)), 2)}
             print(json.dumps(row), flush=True)
             rows.append(row)
             del op
