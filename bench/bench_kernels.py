@@ -127,7 +127,7 @@ def main() -> None:
                    "speedup_vs_torch": round(statistics.median(b / a_ for a_, b in zip(ours, theirs)), 2)}
             print(json.dumps(row), flush=True)
             rows.append(row)
-            del op
+            op = None  # free the packed weights before the next format's
     print(f"\nProbes at the start: DRAM read {rows[0]['dram_read_GBps']} GB/s, BF16 peak {rows[0]['bf16_peak_GFLOPs']} GFLOP/s, "
           f"VNNI peak {rows[0]['vnni_peak_GOPs']} GOP/s, "
           f"{a.threads} threads, path {rows[0]['path']}; each case is compared with the probe taken right "

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -103,6 +104,6 @@ def run(main) -> None:
     uvloop.run(wrapper())
 
 
-def fail(msg: str) -> "NoReturn":  # noqa: F821
+def fail(msg: str) -> NoReturn:
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
