@@ -11,7 +11,7 @@ namespace {
 
 constexpr int RB = 4;          // weight rows per micro-kernel call
 constexpr int TB = 6;          // tokens per call: RB*TB accumulators + RB + 1 of the 32 zmm
-constexpr int KC = 1024;       // K chunk: RB rows x 2 KiB of weights stay in L1 across the tokens
+constexpr int KC = 2048;       // K chunk: RB rows x 4 KiB of weights stay in L1 across the tokens
 
 template <int NT>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint16_t* W, size_t ldw, int nr,
