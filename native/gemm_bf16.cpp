@@ -28,7 +28,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint
   for (int i = k0; i < k1; i += 32) {
     __m512bh a[RB];
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
-      // the next row block, same offset: in L2 by the time this block is done
+      // rows about tuning().pf_bytes further on, same offset: in L2 by the time they are read
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
       a[r] = (__m512bh)_mm512_loadu_si512(w[r] + i);
     }

@@ -63,7 +63,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
     __m512i a[RB];
     __m512 s[RB];
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
-      // the next row block, same offset: in L2 by the time this block is done
+      // rows about tuning().pf_bytes further on, same offset: in L2 by the time they are read
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));  // 64 nibbles
       a[r] = _mm512_sub_epi8(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),

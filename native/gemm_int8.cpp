@@ -24,7 +24,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   for (int i = 0; i < K; i += 64) {
     __m512i a[RB];
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
-      // the next row block, same offset: in L2 by the time this block is done
+      // rows about tuning().pf_bytes further on, same offset: in L2 by the time they are read
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
       a[r] = _mm512_loadu_si512(w[r] + i);
     }
