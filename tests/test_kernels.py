@@ -261,3 +261,13 @@ def test_task_size_and_prefetch_distance_do_not_change_the_answer(fmt, path):
         native.set_tuning(*default)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     close(outs[0], reference(x, *dequantized(op), ids, w, fmt), TOL[fmt])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_rows_longer_than_one_k_chunk(path):
+    """Hidden size above the bf16 kernel's K chunk (8192): partial sums carried across chunks."""
+    gate, up, down = make(2, 16, 8300)
+    ids, w = routing(9, 2, 2)
+    x = torch.randn(9, 8300)
+    op = layer(gate, up, down, fmt="bf16", path=path)
+    close(op.forward(x, ids, w), reference(x, *dequantized(op), ids, w, "bf16"), TOL["bf16"])
