@@ -1,6 +1,8 @@
 // bf16 weights x bf16 activations, fp32 accumulation: AVX-512 BF16 (vdpbf16ps) and portable.
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "common.h"
 #include "moe.h"
 #include "reduce4.h"
@@ -17,7 +19,7 @@ constexpr int TB = 6;          // tokens per call: RB*TB accumulators + RB + 1 o
 // -1.5%).
 constexpr int KC = 8192;
 
-template <int NT>
+template <int NT, bool PF>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint16_t* W, size_t ldw, int nr,
                                                                        const uint16_t* const* X, int k0, int k1,
                                                                        float* acc_mem, bool first) {
@@ -33,7 +35,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint
     __m512bh a[RB];
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       // rows about tuning().pf_bytes further on, same offset: in L2 by the time they are read
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
       a[r] = (__m512bh)_mm512_loadu_si512(w[r] + i);
     }
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
@@ -46,15 +48,20 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint
 }
 
 void mk_dispatch(const uint16_t* W, size_t ldw, int nr, const uint16_t* const* X, int nt, int k0, int k1, float* acc,
-                 bool first) {
-  switch (nt) {
-    case 6: return mk<6>(W, ldw, nr, X, k0, k1, acc, first);
-    case 5: return mk<5>(W, ldw, nr, X, k0, k1, acc, first);
-    case 4: return mk<4>(W, ldw, nr, X, k0, k1, acc, first);
-    case 3: return mk<3>(W, ldw, nr, X, k0, k1, acc, first);
-    case 2: return mk<2>(W, ldw, nr, X, k0, k1, acc, first);
-    default: return mk<1>(W, ldw, nr, X, k0, k1, acc, first);
-  }
+                 bool first, bool prefetch) {
+  auto run = [&](auto pf) {
+    constexpr bool PF = decltype(pf)::value;
+    switch (nt) {
+      case 6: return mk<6, PF>(W, ldw, nr, X, k0, k1, acc, first);
+      case 5: return mk<5, PF>(W, ldw, nr, X, k0, k1, acc, first);
+      case 4: return mk<4, PF>(W, ldw, nr, X, k0, k1, acc, first);
+      case 3: return mk<3, PF>(W, ldw, nr, X, k0, k1, acc, first);
+      case 2: return mk<2, PF>(W, ldw, nr, X, k0, k1, acc, first);
+      default: return mk<1, PF>(W, ldw, nr, X, k0, k1, acc, first);
+    }
+  };
+  if (prefetch) run(std::true_type{});
+  else run(std::false_type{});
 }
 
 __attribute__((target("avx512f,avx512dq"))) void reduce(const float* acc, int nt, int nr, float* C, size_t ldc) {
@@ -82,6 +89,9 @@ void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
       }
     return;
   }
+  // With many token blocks the kernel is compute-bound and the prefetches of the later blocks only
+  // take load slots; with few (Qwen3 prefill, ~6 per expert), every block prefetches
+  const bool prefetch_all = ns < 8 * TB;
   thread_local std::vector<float> acc;
   acc.resize(size_t(ns) * RB * 16);
   for (int r = r0; r < r1; r += RB) {
@@ -89,7 +99,7 @@ void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
     for (int k0 = 0; k0 < m.Kp; k0 += KC)
       for (int s = 0; s < ns; s += TB)
         mk_dispatch(We + size_t(r) * m.Kp, m.Kp, nr, X + s, std::min(TB, ns - s), k0, std::min(m.Kp, k0 + KC),
-                    acc.data() + size_t(s) * RB * 16, k0 == 0);
+                    acc.data() + size_t(s) * RB * 16, k0 == 0, prefetch_all || s < 2 * TB);
     for (int s = 0; s < ns; s += TB)
       reduce(acc.data() + size_t(s) * RB * 16, std::min(TB, ns - s), nr, Y + size_t(s) * ldy + r, ldy);
   }
