@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import struct
 import threading
-from typing import NamedTuple
 from collections import deque
+from typing import NamedTuple
 
 import grpc
 import torch

@@ -20,7 +20,7 @@ constexpr int TB = 6;          // tokens per call: RB*TB accumulators + RB + 1 o
 constexpr int KC = 8192;
 
 template <int NT, bool PF>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint16_t* W, size_t ldw, int nr,
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint16_t* W, size_t ldw, size_t pf, int nr,
                                                                        const uint16_t* const* X, int k0, int k1,
                                                                        float* acc_mem, bool first) {
   // partial sums stay 16-lane vectors in acc_mem ([NT][RB] zmm) across K chunks; reduced once at the end
@@ -28,7 +28,6 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t)
       acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + (t * RB + r) * 16);
-  const size_t pf = prefetch_rows(ldw * 2, RB) * ldw;  // elements ahead
   const uint16_t* w[RB];
   MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;  // missing rows recompute row 0
   for (int i = k0; i < k1; i += 32) {
@@ -47,17 +46,17 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mk(const uint
     MOE_UNROLL for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc_mem + (t * RB + r) * 16, acc[r][t]);
 }
 
-void mk_dispatch(const uint16_t* W, size_t ldw, int nr, const uint16_t* const* X, int nt, int k0, int k1, float* acc,
+void mk_dispatch(const uint16_t* W, size_t ldw, size_t pf, int nr, const uint16_t* const* X, int nt, int k0, int k1, float* acc,
                  bool first, bool prefetch) {
-  auto run = [&](auto pf) {
-    constexpr bool PF = decltype(pf)::value;
+  auto run = [&](auto prefetching) {
+    constexpr bool PF = decltype(prefetching)::value;
     switch (nt) {
-      case 6: return mk<6, PF>(W, ldw, nr, X, k0, k1, acc, first);
-      case 5: return mk<5, PF>(W, ldw, nr, X, k0, k1, acc, first);
-      case 4: return mk<4, PF>(W, ldw, nr, X, k0, k1, acc, first);
-      case 3: return mk<3, PF>(W, ldw, nr, X, k0, k1, acc, first);
-      case 2: return mk<2, PF>(W, ldw, nr, X, k0, k1, acc, first);
-      default: return mk<1, PF>(W, ldw, nr, X, k0, k1, acc, first);
+      case 6: return mk<6, PF>(W, ldw, pf, nr, X, k0, k1, acc, first);
+      case 5: return mk<5, PF>(W, ldw, pf, nr, X, k0, k1, acc, first);
+      case 4: return mk<4, PF>(W, ldw, pf, nr, X, k0, k1, acc, first);
+      case 3: return mk<3, PF>(W, ldw, pf, nr, X, k0, k1, acc, first);
+      case 2: return mk<2, PF>(W, ldw, pf, nr, X, k0, k1, acc, first);
+      default: return mk<1, PF>(W, ldw, pf, nr, X, k0, k1, acc, first);
     }
   };
   if (prefetch) run(std::true_type{});
@@ -79,6 +78,7 @@ __attribute__((target("avx512f,avx512dq"))) void reduce(const float* acc, int nt
 
 void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const uint16_t* We = static_cast<const uint16_t*>(m.w) + size_t(e) * m.rows * m.Kp;
+  const size_t pf = prefetch_rows(weight_row_bytes(Fmt::Bf16, m.Kp), RB) * m.Kp;  // elements ahead
   auto X = reinterpret_cast<const uint16_t* const*>(x.rows);
   if (isa == Isa::Portable) {
     for (int r = r0; r < r1; ++r)
@@ -98,7 +98,7 @@ void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
     const int nr = std::min(RB, r1 - r);
     for (int k0 = 0; k0 < m.Kp; k0 += KC)
       for (int s = 0; s < ns; s += TB)
-        mk_dispatch(We + size_t(r) * m.Kp, m.Kp, nr, X + s, std::min(TB, ns - s), k0, std::min(m.Kp, k0 + KC),
+        mk_dispatch(We + size_t(r) * m.Kp, m.Kp, pf, nr, X + s, std::min(TB, ns - s), k0, std::min(m.Kp, k0 + KC),
                     acc.data() + size_t(s) * RB * 16, k0 == 0, prefetch_all || s < 2 * TB);
     for (int s = 0; s < ns; s += TB)
       reduce(acc.data() + size_t(s) * RB * 16, std::min(TB, ns - s), nr, Y + size_t(s) * ldy + r, ldy);

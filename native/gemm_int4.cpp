@@ -16,13 +16,12 @@ constexpr int RB = 4, TB = 4;
 constexpr int G = INT4_GROUP;
 
 template <int NT>
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, const float* S,
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const float* S,
                                                                        size_t lds, int nr, const uint8_t* const* X,
                                                                        int K, float* C) {
   __m512 acc[RB][NT];
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-  const size_t pf = prefetch_rows(ldw * 1, RB) * ldw;  // elements ahead
   const uint8_t* w[RB];
   const float* sc[RB];
   MOE_UNROLL for (int r = 0; r < RB; ++r) {
@@ -90,13 +89,13 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   }
 }
 
-void mk_dispatch(const uint8_t* W, size_t ldw, const float* S, size_t lds, int nr, const uint8_t* const* X, int nt,
+void mk_dispatch(const uint8_t* W, size_t ldw, size_t pf, const float* S, size_t lds, int nr, const uint8_t* const* X, int nt,
                  int K, float* C) {
   switch (nt) {
-    case 4: return mk<4>(W, ldw, S, lds, nr, X, K, C);
-    case 3: return mk<3>(W, ldw, S, lds, nr, X, K, C);
-    case 2: return mk<2>(W, ldw, S, lds, nr, X, K, C);
-    default: return mk<1>(W, ldw, S, lds, nr, X, K, C);
+    case 4: return mk<4>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 3: return mk<3>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 2: return mk<2>(W, ldw, pf, S, lds, nr, X, K, C);
+    default: return mk<1>(W, ldw, pf, S, lds, nr, X, K, C);
   }
 }
 
@@ -104,7 +103,8 @@ void mk_dispatch(const uint8_t* W, size_t ldw, const float* S, size_t lds, int n
 
 void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const int groups = m.Kp / G;
-  const size_t ldw = m.Kp / 2;
+  const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
+  const size_t pf = prefetch_rows(ldw, RB) * ldw;  // bytes ahead
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
   const float* Se = m.scale + size_t(e) * m.rows * groups;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
@@ -129,7 +129,7 @@ void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
             C[t * RB + j] = acc;
           }
       } else {
-        mk_dispatch(We + size_t(r) * ldw, ldw, Se + size_t(r) * groups, groups, nr, X + s, nt, m.Kp, C);
+        mk_dispatch(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, nt, m.Kp, C);
       }
       const float* corr = m.rowcorr + size_t(e) * m.rows;
       for (int t = 0; t < nt; ++t)

@@ -13,12 +13,11 @@ namespace {
 constexpr int RB = 4, TB = 6;
 
 template <int NT>
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const int8_t* W, size_t ldw, int nr,
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const int8_t* W, size_t ldw, size_t pf, int nr,
                                                                        const uint8_t* const* X, int K, int32_t* C) {
   __m512i acc[RB][NT];
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
-  const size_t pf = prefetch_rows(ldw * 1, RB) * ldw;  // elements ahead
   const int8_t* w[RB];
   MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
   for (int i = 0; i < K; i += 64) {
@@ -48,14 +47,14 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   }
 }
 
-void mk_dispatch(const int8_t* W, size_t ldw, int nr, const uint8_t* const* X, int nt, int K, int32_t* C) {
+void mk_dispatch(const int8_t* W, size_t ldw, size_t pf, int nr, const uint8_t* const* X, int nt, int K, int32_t* C) {
   switch (nt) {
-    case 6: return mk<6>(W, ldw, nr, X, K, C);
-    case 5: return mk<5>(W, ldw, nr, X, K, C);
-    case 4: return mk<4>(W, ldw, nr, X, K, C);
-    case 3: return mk<3>(W, ldw, nr, X, K, C);
-    case 2: return mk<2>(W, ldw, nr, X, K, C);
-    default: return mk<1>(W, ldw, nr, X, K, C);
+    case 6: return mk<6>(W, ldw, pf, nr, X, K, C);
+    case 5: return mk<5>(W, ldw, pf, nr, X, K, C);
+    case 4: return mk<4>(W, ldw, pf, nr, X, K, C);
+    case 3: return mk<3>(W, ldw, pf, nr, X, K, C);
+    case 2: return mk<2>(W, ldw, pf, nr, X, K, C);
+    default: return mk<1>(W, ldw, pf, nr, X, K, C);
   }
 }
 
@@ -63,6 +62,7 @@ void mk_dispatch(const int8_t* W, size_t ldw, int nr, const uint8_t* const* X, i
 
 void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const int8_t* We = static_cast<const int8_t*>(m.w) + size_t(e) * m.rows * m.Kp;
+  const size_t pf = prefetch_rows(weight_row_bytes(Fmt::Int8, m.Kp), RB) * m.Kp;  // bytes ahead
   const float* sw = m.scale + size_t(e) * m.rows;
   const int32_t* rs = m.rowsum + size_t(e) * m.rows;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
@@ -80,7 +80,7 @@ void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
             C[t * RB + j] = acc;
           }
       } else {
-        mk_dispatch(We + size_t(r) * m.Kp, m.Kp, nr, X + s, nt, m.Kp, C);
+        mk_dispatch(We + size_t(r) * m.Kp, m.Kp, pf, nr, X + s, nt, m.Kp, C);
       }
       for (int t = 0; t < nt; ++t)
         for (int j = 0; j < nr; ++j)

@@ -1,5 +1,6 @@
 // The MoE operator's C++ interface: buffers in, buffers out; no torch dependency.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -7,6 +8,11 @@ namespace moe {
 
 enum class Isa { Portable, Avx512, Amx };  // Avx512 = AVX-512 F/BW + BF16 + VNNI
 enum class Fmt { Bf16, Int8, Int4 };
+
+// Bytes of one packed weight row of Kp elements.
+inline size_t weight_row_bytes(Fmt f, int Kp) {
+  return f == Fmt::Bf16 ? size_t(Kp) * 2 : f == Fmt::Int8 ? size_t(Kp) : size_t(Kp) / 2;
+}
 
 constexpr int INT4_GROUP = 64;  // int4: one scale per 64 consecutive weights of a row
 

@@ -166,9 +166,6 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   // tasks grouped by the NUMA node holding their expert (numa.h), each node's threads start on theirs
   const int nodes = numa().nodes;
   std::vector<int> group_start(nodes + 1, 0);
-  auto block_of = [&](const Matrix& mat) {  // rows per task: about tuning().task_bytes of weights
-    return task_rows(m.fmt == Fmt::Bf16 ? mat.Kp * 2 : m.fmt == Fmt::Int8 ? mat.Kp : mat.Kp / 2);
-  };
   auto make_tasks = [&](int rows, int block) {
     std::vector<std::pair<int, int>> tasks;
     for (int n = 0; n < nodes; ++n) {
@@ -204,7 +201,9 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     const int s0 = start[e];
     return Acts{a.rows + s0, a.scale + s0, amx && amx_off[e + 1] > amx_off[e] ? amx_ptr(e) : nullptr};
   };
-  const int b1 = block_of(m.gate_up), b2 = block_of(m.down);
+  // rows per task: about tuning().task_bytes of weights
+  const int b1 = task_rows(weight_row_bytes(m.fmt, m.gate_up.Kp));
+  const int b2 = task_rows(weight_row_bytes(m.fmt, m.down.Kp));
   auto t1 = make_tasks(2 * I, b1);
   pack_amx(xs, m.gate_up.Kp);
   tp.parallel_for_grouped(group_start.data(), nodes, [&](int i) {
