@@ -149,12 +149,13 @@ class RingServer:
             yield part, timing
 
     def _generic(self, layer, offs, dtype, T, H, k, defer):
-        """Any operator (the torch path): tensor views of the region, the same checks as gRPC."""
+        """Any operator (the torch path): private copies of the inputs (the peer can still write the
+        region: what is checked must be what is used), the same checks as gRPC."""
         view = lambda off, n, dt, shape: self.buf[off: off + n].view(dt).view(shape)  # noqa: E731
         xb = T * H * dtype.itemsize
-        hidden = view(offs[0], xb, dtype, (T, H))
-        ids = view(offs[1], T * k * 4, torch.int32, (T, k))
-        w = view(offs[2], T * k * 4, torch.float32, (T, k))
+        hidden = view(offs[0], xb, dtype, (T, H)).clone()
+        ids = view(offs[1], T * k * 4, torch.int32, (T, k)).clone()
+        w = view(offs[2], T * k * 4, torch.float32, (T, k)).clone()
         self.servicer.validate(layer, hidden, ids, w, defer)
         for (part, y, timing), off in zip(self.servicer.compute(layer, hidden, ids, w, defer), offs[3:]):
             view(off, xb, dtype, (T, H)).copy_(y)

@@ -51,6 +51,10 @@ def parse_args(argv=None):
                     help="size of the shared-memory region; layer requests that do not fit a quarter of it go over gRPC")
     ap.add_argument("--connect-timeout", type=float, default=120.0,
                     help="seconds to wait at start for the expert service to be ready")
+    ap.add_argument("--expert-timeout", type=float, default=30.0,
+                    help="seconds one layer's expert results may take (plus 10 ms per token in the step) before the "
+                         "expert service counts as stuck: its requests end with UNAVAILABLE and the next ones "
+                         "reconnect")
     serving.add_server_args(ap)
     security.add_server_args(ap)
     security.add_client_args(ap, prefix="experts-", what="the expert service (the auth token is the same one)")
@@ -150,7 +154,10 @@ async def serve(args, stop: asyncio.Event) -> None:
     await serving.set_health(hs, names, serving=False)
     await server.start()
     serve_metrics(args.metrics_port, args.metrics_host)
-    experts = RemoteExperts(args.experts, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20)
+    if not args.expert_timeout > 0:
+        serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
+    experts = RemoteExperts(args.experts, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20,
+                            args.expert_timeout)
     log.info("waiting for the expert service at %s", args.experts)
     info = await asyncio.to_thread(wait_for_experts, experts, args.connect_timeout)
     if info.model_fingerprint != fp:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import threading
+import time
 
 import grpc
 
@@ -30,12 +32,58 @@ NO_SHM = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.S
           grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-class ExpertServiceError(RuntimeError):
-    """The expert service failed or went away; `code` is the gRPC status to report."""
+# How long one layer's result may take: the base (--expert-timeout) plus this much per token in the
+# step, so a long prefill on a slow CPU is not mistaken for a stuck expert service.
+PER_TOKEN_S = 0.01
 
-    def __init__(self, code: grpc.StatusCode, msg: str):
+
+class ExpertServiceError(RuntimeError):
+    """The expert service failed or went away; `code` is the gRPC status to report. `retry`: whether
+    a fresh stream may help at once (not after a deadline: the service is alive but stuck)."""
+
+    def __init__(self, code: grpc.StatusCode, msg: str, retry: bool = True):
         super().__init__(msg)
         self.code = code
+        self.retry = retry
+
+
+class Deadline:
+    """Cancels a gRPC call that a blocking next() waits on for too long (a stream's next() has no
+    timeout of its own). One thread for the process's life; arm() and disarm() take a lock and wake
+    the thread only when it sleeps without a deadline."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._call = None
+        self._at = 0.0
+        self._idle = True
+        self.fired = False
+        threading.Thread(target=self._run, name="exchange-deadline", daemon=True).start()
+
+    def arm(self, call, seconds: float) -> None:
+        with self._cv:
+            self._call, self._at, self.fired = call, time.monotonic() + seconds, False
+            if self._idle:
+                self._cv.notify()
+
+    def disarm(self) -> None:
+        with self._cv:
+            self._call = None
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                self._idle = self._call is None
+                if self._idle:
+                    self._cv.wait()
+                    continue
+                left = self._at - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                self.fired = True
+                self._call.cancel()
+                self._call = None
 
 
 class LocalExperts:
@@ -64,9 +112,12 @@ class LocalExperts:
 
 class RemoteExperts:
     def __init__(self, target: str, fingerprint: str, max_message: int, security: ClientSecurity | None = None,
-                 transport: str = "grpc", shm_bytes: int = 64 << 20):
+                 transport: str = "grpc", shm_bytes: int = 64 << 20, timeout_s: float = 30.0):
         assert transport in TRANSPORTS, transport
         self.target, self.fingerprint = target, fingerprint
+        self.timeout_s = timeout_s  # per layer result, plus PER_TOKEN_S per token of the step
+        self._tokens = 0            # tokens of the step in flight
+        self._deadline = Deadline()
         self.transport, self.shm_bytes = transport, shm_bytes
         self.shm: ShmChannel | None = None
         self._shm_out: dict = {}  # layer -> (shape, dtype) of requests that went through shared memory
@@ -101,8 +152,11 @@ class RemoteExperts:
 
     def _open_shm(self) -> None:
         try:
-            self.shm = ShmChannel(self.stub, self.metadata, self.shm_bytes)
+            self.shm = ShmChannel(self.stub, self.metadata, self.shm_bytes, self.timeout_s)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:  # our own deadline (ShmChannel)
+                raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE, f"expert service at {self.target} did not "
+                                         f"answer OpenShm within {self.timeout_s:g}s", retry=False) from None
             raise ExpertServiceError(e.code(), f"expert service at {self.target}, opening shared memory: "
                                      f"{e.details()}") from None
         except OSError as e:
@@ -113,7 +167,15 @@ class RemoteExperts:
         self._requests = q
         self._responses = self.stub.Exchange(iter(q.get, None), metadata=self.metadata)
 
+    def _limit(self) -> float:
+        return self.timeout_s + PER_TOKEN_S * self._tokens
+
+    def _stuck(self, layer: int) -> ExpertServiceError:
+        return ExpertServiceError(grpc.StatusCode.UNAVAILABLE, f"expert service at {self.target} did not answer "
+                                  f"layer {layer} within {self._limit():.3g}s (--expert-timeout)", retry=False)
+
     def submit(self, step, layer, x, ids, w, defer):
+        self._tokens = x.shape[0]
         if self.transport != "grpc" and self.shm is None:
             self._reopen_shm()
         if self.shm is not None:
@@ -136,16 +198,23 @@ class RemoteExperts:
         if layer in self._shm_out:
             shape, dtype = self._shm_out[layer]
             try:
-                y, timing = self.shm.result(layer, deferred, shape, dtype)
+                y, timing = self.shm.result(layer, deferred, shape, dtype, self._limit())
+            except TimeoutError:
+                self.reset()
+                raise self._stuck(layer) from None
             except ShmError as e:
                 self.reset()
                 raise ExpertServiceError(e.code, f"expert service at {self.target}: {e}") from None
             self._timings.append((layer, deferred, timing))
             return y
+        self._deadline.arm(self._responses, self._limit())
         try:
             r = next(self._responses)
         except grpc.RpcError as e:
+            self._deadline.disarm()
             self.reset()
+            if self._deadline.fired:
+                raise self._stuck(layer) from None
             code = e.code()
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION):
                 raise ExpertServiceError(code, f"expert service at {self.target} refused: {e.details()}") from None
@@ -155,9 +224,11 @@ class RemoteExperts:
             raise ExpertServiceError(grpc.StatusCode.INTERNAL,
                                      f"expert service at {self.target} failed: {code.name}: {e.details()}") from None
         except StopIteration:
+            self._deadline.disarm()
             self.reset()
             raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE,
                                      f"expert service at {self.target} closed the exchange stream") from None
+        self._deadline.disarm()
         want = expert_pb2.DEFERRED if deferred else expert_pb2.IMMEDIATE
         if r.layer != layer or r.part != want:
             self.reset()

@@ -142,14 +142,20 @@ class Engine:
             try:
                 return self._step(group, defer, skip)
             except ExpertServiceError as e:
-                if attempt == 0 and e.code == grpc.StatusCode.UNAVAILABLE:
+                if attempt == 0 and e.code == grpc.StatusCode.UNAVAILABLE and e.retry:
                     log.info("expert exchange failed (%s); retrying the step on a new stream", e)
                     continue
                 log.warning("step failed: %s", e)
                 return self._fail(group, e.code, str(e))
-            except Exception as e:  # a bug: fail these requests loudly, keep serving others
-                log.exception("step failed")
+            except Exception as e:  # a bug, or one request's inputs: keep it to the request it belongs to
                 self.experts.reset()
+                if len(group) > 1:
+                    log.exception("a step of %d requests failed; running them one by one", len(group))
+                    for r in group:
+                        if not r.cancelled:
+                            self._step_or_fail([r], defer, skip)
+                    return
+                log.exception("step failed")
                 return self._fail(group, grpc.StatusCode.INTERNAL, f"internal error: {e}")
 
     def _fail(self, reqs: list[Request], code, msg: str) -> None:
@@ -177,11 +183,15 @@ class Engine:
         t_sample = time.time_ns()
         for r, s in zip(reqs, segs):
             n = s.tokens.shape[0] if r.score_only else 1
-            if r.score_only:
-                r.emit(Scores(logits[row:row + n].cpu()))
-                r.cache = None
-            else:
-                self._advance(r, logits[row], now, spans, t_sample)
+            try:
+                if r.score_only:
+                    r.emit(Scores(logits[row:row + n].cpu()))
+                    r.cache = None
+                else:
+                    self._advance(r, logits[row], now, spans, t_sample)
+            except Exception as e:  # sampling or detokenizing this request: the others go on
+                log.exception("request failed after the forward pass")
+                self._fail([r], grpc.StatusCode.INTERNAL, f"internal error: {e}")
             row += n
         record_step_metrics(spans, time.perf_counter() - t0)
 

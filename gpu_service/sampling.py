@@ -1,10 +1,13 @@
 """Token sampling from one row of logits: greedy, temperature, top-k, top-p, seeded per request
-(a per-request torch.Generator on the CPU, so results do not depend on batching or device)."""
+(a per-request torch.Generator on the CPU, so results do not depend on batching or device).
+Temperatures below SAMPLING_EPS are greedy (as in vLLM): dividing by them overflows the logits."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+
+SAMPLING_EPS = 1e-5
 
 
 @dataclasses.dataclass
@@ -14,8 +17,12 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
     def generator(self) -> torch.Generator | None:
-        if self.temperature == 0:
+        if self.greedy:
             return None
         g = torch.Generator()
         if self.seed is None:
@@ -27,7 +34,7 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """logits [V] fp32 (any device) -> token id."""
-    if p.temperature == 0:
+    if p.greedy:
         return int(torch.argmax(logits))
     logits = logits.float().cpu() / p.temperature
     if 0 < p.top_k < logits.shape[0]:

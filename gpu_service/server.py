@@ -97,8 +97,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                             top_p=s.top_p if s.HasField("top_p") else 1.0,
                             top_k=s.top_k if s.HasField("top_k") else 0,
                             seed=s.seed if s.HasField("seed") else None)
-        if not sp.temperature >= 0 or sp.temperature != sp.temperature:
-            raise BadRequest(f"sampling.temperature: must be >= 0, got {sp.temperature}")
+        if not 0 <= sp.temperature < float("inf"):  # below SAMPLING_EPS: greedy (sampling.py)
+            raise BadRequest(f"sampling.temperature: must be a finite number >= 0, got {sp.temperature}")
         if not 0 < sp.top_p <= 1:
             raise BadRequest(f"sampling.top_p: must be in (0, 1], got {sp.top_p}")
         if sp.top_k < 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -26,7 +27,7 @@ U32 = struct.Struct("<I")
 MASK = 0xFFFFFFFF
 SPIN_US = 2000        # results usually come within a few ms during decode: spinning beats a futex wake
 WAIT_US = 100_000     # check the lifeline this often while waiting
-ALIGN = 64
+ALIGN = shm.SPAN_ALIGN
 STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -48,13 +49,19 @@ def _aligned(n: int) -> int:
 
 
 class ShmChannel:
-    def __init__(self, stub, metadata, size: int):
+    def __init__(self, stub, metadata, size: int, timeout_s: float = 30.0):
         self.layout = Layout(size)
         name, nonce, self.mm = shm.create(size)
         self.name = name
         try:
             self.call = stub.OpenShm(expert_pb2.ShmOpen(name=name, size=size, nonce=nonce), metadata=metadata)
-            next(self.call)  # ready (or the RpcError saying why not)
+            # the stream is the session's lifeline (no deadline of its own): a stuck peer must not hang us here
+            timer = threading.Timer(timeout_s, self.call.cancel)
+            timer.start()
+            try:
+                next(self.call)  # ready (or the RpcError saying why not; CANCELLED: the timer fired)
+            finally:
+                timer.cancel()
         except BaseException:
             self.mm.close()
             raise
@@ -124,12 +131,15 @@ class ShmChannel:
         if defer:
             self.expect.append((seq, layer, True))
 
-    def result(self, layer: int, deferred: bool, shape, dtype) -> tuple[torch.Tensor, Timing]:
+    def result(self, layer: int, deferred: bool, shape, dtype, timeout_s: float = float("inf")
+               ) -> tuple[torch.Tensor, Timing]:
+        """The next result, which must be (layer, deferred). TimeoutError after timeout_s without one."""
         want_seq, want_layer, want_def = self.expect[0]
         if (want_layer, want_def) != (layer, deferred):
             raise ShmError(grpc.StatusCode.INTERNAL, f"results read out of order: wanted layer {layer} part "
                            f"{int(deferred)}, next is layer {want_layer} part {int(want_def)}")
         y = torch.empty(shape, dtype=dtype)
+        until = time.monotonic() + timeout_s
         while True:  # the wait, the checks and the copy out happen in C++ without the GIL
             status, msg, queued_us, compute_us, t0, t1 = native.ring_result(
                 self.mm, self.consumed, want_seq, int(want_def), y.data_ptr(), y.numel() * y.element_size(),
@@ -138,6 +148,8 @@ class ShmChannel:
                 break
             if self.dead or U32.unpack_from(self.mm, shm.CLOSED)[0]:
                 raise ShmError(grpc.StatusCode.UNAVAILABLE, self.dead or "the expert service closed the shared-memory ring")
+            if time.monotonic() > until:
+                raise TimeoutError
         if status:
             raise ShmError(STATUS.get(status, grpc.StatusCode.UNKNOWN), msg.decode(errors="replace"))
         self.expect.popleft()

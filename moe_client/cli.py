@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import grpc
@@ -14,34 +15,65 @@ from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc
 FINISH = {v: k.lower() for k, v in generate_pb2.FinishReason.items()}
 
 
+class Parser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr and exit code 2 (argparse's usage block goes to --help)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _number(kind, lo=None, hi=None, lo_open=False, what=""):
+    """An argparse type: `kind` within [lo, hi] (lo excluded with lo_open), finite."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if isinstance(v, float) and not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) \
+                or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what}")
+        return v
+    return parse
+
+
+MAX_TOKENS = _number(int, 1, 2**32 - 1, what="must be in [1, 4294967295]")
+TEMPERATURE = _number(float, 0.0, what="must be a finite number >= 0 (0 = greedy)")
+TOP_P = _number(float, 0.0, 1.0, lo_open=True, what="must be in (0, 1]")
+TOP_K = _number(int, 0, 2**31 - 1, what="must be in [0, 2147483647] (0 = off)")
+SEED = _number(int, 0, 2**64 - 1, what="must be in [0, 2**64 - 1]")
+DEFER = _number(int, 0, 2**32 - 1, what="must be >= 0")
+SECONDS = _number(float, 0.0, lo_open=True, what="must be > 0")
+WAIT = _number(float, 0.0, what="must be >= 0")
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="moe-client", description=__doc__)
+    ap = Parser(prog="moe-client", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream a completion", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("prompt", help="the prompt text (with --chat: the user message)")
     g.add_argument("--server", default="127.0.0.1:50051", help="gpu-service host:port")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--max-tokens", type=MAX_TOKENS, default=64)
+    g.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (so is anything below 1e-5)")
+    g.add_argument("--top-p", type=TOP_P, default=1.0)
+    g.add_argument("--top-k", type=TOP_K, default=0, help="0 = off")
+    g.add_argument("--seed", type=SEED, default=None, help="makes sampling reproducible")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     g.add_argument("--system", default=None, help="with --chat: a system message")
-    g.add_argument("--defer", type=int, default=None, help="override the server's expert deferral")
+    g.add_argument("--defer", type=DEFER, default=None, help="override the server's expert deferral")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object per chunk (token ids, timings)")
-    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    g.add_argument("--timeout", type=SECONDS, default=None, help="deadline in seconds")
     p = sub.add_parser("profile", help="run one prompt with profiling: per-layer table, optional Chrome/Perfetto trace",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompt")
     p.add_argument("--server", default="127.0.0.1:50051")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--defer", type=int, default=None)
+    p.add_argument("--max-tokens", type=MAX_TOKENS, default=16)
+    p.add_argument("--defer", type=DEFER, default=None)
     p.add_argument("--trace", default=None, help="write a Chrome trace JSON here (open in chrome://tracing or Perfetto)")
     h = sub.add_parser("health", help="exit 0 once a service reports SERVING (grpc.health.v1), 1 on timeout")
     h.add_argument("--server", default="127.0.0.1:50051")
-    h.add_argument("--wait", type=float, default=0.0, help="keep trying for this many seconds")
+    h.add_argument("--wait", type=WAIT, default=0.0, help="keep trying for this many seconds")
     i = sub.add_parser("info", help="print a service's Info (gpu-service or expert-service)")
     i.add_argument("--server", default="127.0.0.1:50051")
     i.add_argument("--expert", action="store_true", help="the server is an expert service")
@@ -186,6 +218,9 @@ def main(argv=None) -> None:
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         sys.exit(1)
+    except (ValueError, OSError) as e:  # a value the checks above let through, an unreadable token file
+        print(f"moe-client: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ Layout (little-endian, offsets in bytes from the region start):
         its hidden, ids, weights and both outputs.
 The hot loops of both sides are C++ (native/ring.h mirrors this layout; a test checks they agree).
 Every offset a descriptor carries is checked against the region before it is touched
-(check_span): beyond the region, past its end, overlapping the header or overflowing 64 bits is
-refused with INVALID_ARGUMENT, never read.
+(check_span): beyond the region, past its end, overlapping the header, misaligned or overflowing
+64 bits is refused with INVALID_ARGUMENT, never read.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ VERSION = 1
 HEADER = struct.Struct("<QIII16s")  # magic, version, req_slots, resp_slots, nonce
 REQ_SEQ, RESP_SEQ, RESP_READ, CLOSED = 64, 128, 192, 256
 DESC_START = 4096
+SPAN_ALIGN = 64  # every tensor span starts on a cache line (the kernels read int32/fp32 vectors from them)
 REQ_SLOTS, RESP_SLOTS = 4, 8  # a request has at most 2 responses: RESP_SLOTS = 2 * REQ_SLOTS never overflows
 # request: seq, step, layer, T, k, defer, hidden dtype (wire enum), then (offset, nbytes) for
 # hidden, ids, weights, immediate output, deferred output
@@ -95,6 +96,8 @@ def check_span(layout: Layout, off: int, nbytes: int, what: str) -> None:
     if off < layout.data_start or nbytes < 0 or off > layout.size or nbytes > layout.size - off:
         raise RegionError("INVALID_ARGUMENT", f"{what}: span [{off}, {off}+{nbytes}) is outside the data area "
                           f"[{layout.data_start}, {layout.size}) of the shared region")
+    if off % SPAN_ALIGN:
+        raise RegionError("INVALID_ARGUMENT", f"{what}: span offset {off} is not a multiple of {SPAN_ALIGN}")
 
 
 def shm_available() -> bool:

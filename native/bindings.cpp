@@ -89,16 +89,19 @@ PYBIND11_MODULE(_moe_native, m) {
   m.def("path_supported", [](const std::string& p) { return isa_supported(parse_isa(p), detect_cpu()); });
   m.def("read_bandwidth", [](uintptr_t buf, size_t n) {
     py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(compute_mutex());
     return read_bandwidth(reinterpret_cast<const float*>(buf), n);
   });
   m.def("bf16_peak_flops", [](long iters) {
     MOE_CHECK(isa_supported(Isa::Avx512, detect_cpu()), "no AVX-512 BF16 on this CPU");
     py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(compute_mutex());
     return bf16_peak_flops(iters);
   });
   m.def("vnni_peak_ops", [](long iters) {
     MOE_CHECK(isa_supported(Isa::Avx512, detect_cpu()), "no AVX-512 VNNI on this CPU");
     py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(compute_mutex());
     return vnni_peak_ops(iters);
   });
   m.def(
@@ -114,7 +117,7 @@ PYBIND11_MODULE(_moe_native, m) {
     d["REQ_SEQ"] = REQ_SEQ; d["RESP_SEQ"] = RESP_SEQ; d["RESP_READ"] = RESP_READ; d["CLOSED"] = CLOSED;
     d["DESC_START"] = DESC_START; d["REQ_SLOTS"] = REQ_SLOTS; d["RESP_SLOTS"] = RESP_SLOTS;
     d["REQ_DESC_SIZE"] = REQ_DESC_SIZE; d["RESP_DESC_SIZE"] = RESP_DESC_SIZE; d["MSG_MAX"] = MSG_MAX;
-    d["DATA_START"] = DATA_START; d["REQ_DESC_BYTES"] = sizeof(ReqDesc); d["RESP_DESC_BYTES"] = sizeof(RespDesc);
+    d["DATA_START"] = DATA_START; d["SPAN_ALIGN"] = SPAN_ALIGN; d["REQ_DESC_BYTES"] = sizeof(ReqDesc); d["RESP_DESC_BYTES"] = sizeof(RespDesc);
     return d;
   }, "the ring layout the C++ side uses (tests check moe_core/shm.py against it)");
   py::class_<RingServer>(m, "RingServer", "the expert side's serving loop of one shared-memory session")
@@ -199,6 +202,31 @@ PYBIND11_MODULE(_moe_native, m) {
   m.def("set_threads", [](int threads) { py::gil_scoped_release nogil; return resize_pool(threads); },
         py::arg("threads"), "rebuild the shared pool with this many threads (no work may be in flight)");
   m.def(
+      "pool_check",
+      [](int n_tasks, int fail_from) {
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        std::vector<int> hit(std::max(n_tasks, 0), 0);
+        pool().parallel_for(n_tasks, [&](int i) {
+          if (fail_from >= 0 && i >= fail_from) throw std::runtime_error("task " + std::to_string(i) + " failed");
+          hit[i] = 1;
+        });
+        long done = 0;
+        for (int h : hit) done += h;
+        return done;
+      },
+      py::arg("n_tasks"), py::arg("fail_from") = -1,
+      "tests: run n_tasks pool tasks, those from index fail_from on throwing; -> tasks that ran (all of them "
+      "when none throws)");
+  m.def("scratch_bytes", [] {
+    std::lock_guard<std::mutex> g(compute_mutex());
+    const Scratch& s = pool().scratch;
+    size_t n = 0;
+    for (auto* v : {&s.x32, &s.y32, &s.gu, &s.y, &s.wts, &s.wsel}) n += v->capacity() * 4;
+    n += (s.ids.capacity() + s.isel.capacity()) * 4 + s.amx.capacity() + s.xb.data.capacity() + s.act.data.capacity();
+    return n;
+  }, "bytes the kernels' scratch arena holds between calls");
+  m.def(
       "forward",
       [](const std::string& path, const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,
          uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w, uintptr_t dn_scale,
@@ -211,6 +239,7 @@ PYBIND11_MODULE(_moe_native, m) {
         std::lock_guard<std::mutex> g(compute_mutex());
         moe_forward(isa, m, reinterpret_cast<const float*>(hidden), reinterpret_cast<const int32_t*>(ids),
                     reinterpret_cast<const float*>(weights), reinterpret_cast<float*>(out), T, k);
+        release_scratch();
       },
       WEIGHT_ARGS, py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("T"), py::arg("k"));
   m.def(
@@ -227,6 +256,7 @@ PYBIND11_MODULE(_moe_native, m) {
         moe_forward_part(isa, m, reinterpret_cast<const void*>(hidden), hidden_bf16,
                          reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
                          reinterpret_cast<void*>(out), out_bf16, T, k, defer, part);
+        release_scratch();
       },
       WEIGHT_ARGS, py::arg("hidden"), py::arg("hidden_bf16"), py::arg("ids"), py::arg("weights"), py::arg("out"),
       py::arg("out_bf16"), py::arg("T"), py::arg("k"), py::arg("defer"), py::arg("part"),

@@ -5,12 +5,15 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "moe.h"
 
 #define MOE_CHECK(cond, msg)                                                       \
   do {                                                                             \
@@ -70,11 +73,52 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
   return uint16_t(u >> 16);
 }
 
+// Activations of several rows in one format (bf16 rows, or u8 rows q + 128 with a scale each).
+struct ActBuf {
+  std::vector<uint8_t> data;
+  std::vector<float> scale, scales_of_slot;
+  std::vector<const void*> rows;
+  size_t row_bytes = 0;
+
+  void resize(Fmt fmt, int n, int Kp) {
+    row_bytes = fmt == Fmt::Bf16 ? size_t(Kp) * 2 : size_t(Kp);
+    data.assign(size_t(n) * row_bytes, 0);  // zero padding: the kernels read whole rows
+    scale.assign(n, 1.f);
+  }
+  Acts view(const int* row_of_slot, int ns) {  // slot s reads row row_of_slot[s] (or s)
+    rows.resize(ns);
+    scales_of_slot.resize(ns);
+    for (int s = 0; s < ns; ++s) {
+      int r = row_of_slot ? row_of_slot[s] : s;
+      rows[s] = data.data() + size_t(r) * row_bytes;
+      scales_of_slot[s] = scale[r];
+    }
+    return Acts{rows.data(), scales_of_slot.data()};
+  }
+};
+
+// The drivers' scratch memory: one arena, owned with the pool, used by one forward at a time
+// (every kernel call holds compute_mutex()). Buffers keep their capacity between calls (fresh
+// multi-MB buffers page-fault on every call), but release() after a call frees every buffer
+// above `keep` bytes, so one long prefill does not pin its peak for the life of the process.
+struct Scratch {
+  std::vector<float> x32, y32, gu, y;  // part: hidden in fp32, output; driver: gate/up, down outputs
+  std::vector<int32_t> ids, isel;     // part: private copy of the ids (never index with shared memory),
+  std::vector<float> wts, wsel;       // of the weights, and the deferral split's selection
+  std::vector<uint8_t> amx;
+  ActBuf xb, act;
+  // Returns the bytes freed.
+  size_t release(size_t keep);
+};
+
 // A fixed pool created once and shared by every layer: parallel_for hands out task indices
 // from an atomic counter; the calling thread works too. Workers spin for a short while after each
 // job before sleeping on a condition variable, so the phases of one forward (a few per layer, each
 // a few hundred microseconds at decode) hand over in well under a microsecond instead of paying a
 // futex wake-up each; between requests they sleep and cost nothing.
+// A task that throws: the first exception is kept, the remaining tasks are skipped, and it is
+// rethrown on the calling thread once every worker has checked in (never while workers still
+// run tasks that reference the caller's stack).
 class ThreadPool {
  public:
   explicit ThreadPool(int n);
@@ -84,6 +128,7 @@ class ThreadPool {
   // Tasks in groups (NUMA nodes): [group_start[g], group_start[g+1]) belong to group g. Each thread
   // takes tasks of its own node's group first, then helps the others.
   void parallel_for_grouped(const int* group_start, int groups, const std::function<void(int)>& fn);
+  Scratch scratch;
 
  private:
   static constexpr int MAX_GROUPS = 64;
@@ -100,10 +145,19 @@ class ThreadPool {
   std::atomic<int> finished_{0};  // workers done with the current generation
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> failed_{false};  // a task of the current generation threw
+  std::mutex error_mu_;
+  std::exception_ptr error_;
   int64_t spin_ns_;
 };
 
+// Every native kernel call holds this: the pool and its scratch arena serve one forward at a time.
+std::mutex& compute_mutex();
+
 ThreadPool& pool(int threads = 0);  // the process-wide pool (sized on first use)
-int resize_pool(int threads);
+int resize_pool(int threads);       // takes compute_mutex(): never swaps the pool under a running forward
+// After a forward (compute_mutex() held): give back scratch buffers above this many bytes.
+constexpr size_t SCRATCH_KEEP = size_t(32) << 20;
+void release_scratch(size_t keep = SCRATCH_KEEP);
 
 }  // namespace moe

@@ -20,31 +20,6 @@ namespace moe {
 namespace {
 
 
-// Activations of several rows in one format; buffers reused across calls (fresh multi-MB buffers
-// page-fault on every call).
-struct ActBuf {
-  std::vector<uint8_t> data;
-  std::vector<float> scale, scales_of_slot;
-  std::vector<const void*> rows;
-  size_t row_bytes = 0;
-
-  void resize(Fmt fmt, int n, int Kp) {
-    row_bytes = fmt == Fmt::Bf16 ? size_t(Kp) * 2 : size_t(Kp);
-    data.assign(size_t(n) * row_bytes, 0);  // zero padding: the kernels read whole rows
-    scale.assign(n, 1.f);
-  }
-  Acts view(const int* row_of_slot, int ns) {  // slot s reads row row_of_slot[s] (or s)
-    rows.resize(ns);
-    scales_of_slot.resize(ns);
-    for (int s = 0; s < ns; ++s) {
-      int r = row_of_slot ? row_of_slot[s] : s;
-      rows[s] = data.data() + size_t(r) * row_bytes;
-      scales_of_slot[s] = scale[r];
-    }
-    return Acts{rows.data(), scales_of_slot.data()};
-  }
-};
-
 // Put one fp32 row (n values) into row `r` of `b` in the format's activation form.
 void quantize_row(Fmt fmt, const float* x, int n, ActBuf& b, int r) {
   uint8_t* dst = b.data.data() + size_t(r) * b.row_bytes;
@@ -147,14 +122,11 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
       tok_of[s] = i / k;
     }
   }
-  // (thread_local objects named inside the lambdas would resolve to each worker's own copy, so
-  // the lambdas use these references to the calling thread's buffers)
-  thread_local ActBuf xb_tl, act_tl;
-  thread_local std::vector<float> gu_tl, y_tl;
-  ActBuf& xb = xb_tl;
-  ActBuf& ab = act_tl;
-  std::vector<float>& gu = gu_tl;
-  std::vector<float>& y = y_tl;
+  Scratch& sc = tp.scratch;  // ours alone: the caller holds compute_mutex()
+  ActBuf& xb = sc.xb;
+  ActBuf& ab = sc.act;
+  std::vector<float>& gu = sc.gu;
+  std::vector<float>& y = sc.y;
   xb.resize(m.fmt, T, m.gate_up.Kp);
   ab.resize(m.fmt, S, m.down.Kp);
   if (gu.size() < size_t(S) * 2 * I) gu.resize(size_t(S) * 2 * I);
@@ -178,8 +150,7 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   };
   // AMX: each expert's activations in tile layout, packed once per phase (not once per task)
   const bool amx = isa == Isa::Amx && m.fmt != Fmt::Int4;
-  thread_local std::vector<uint8_t> amx_tl;
-  std::vector<uint8_t>& amx_buf = amx_tl;
+  std::vector<uint8_t>& amx_buf = sc.amx;
   std::vector<size_t> amx_off(E + 1, 0);
   auto amx_ptr = [&](int e) -> uint8_t* {
     auto base = reinterpret_cast<uintptr_t>(amx_buf.data());

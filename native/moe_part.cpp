@@ -18,14 +18,21 @@ void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hid
   MOE_CHECK(T >= 0 && k >= 1 && defer >= 0 && defer < k && (part == 0 || part == 1), "bad T, k, defer or part");
   MOE_CHECK(part == 0 || defer > 0, "no deferred part when defer = 0");
   const int H = m.H;
-  const size_t n = size_t(T) * H;
-  for (size_t i = 0; i < size_t(T) * k; ++i) {
+  const size_t n = size_t(T) * H, nk = size_t(T) * k;
+  // `hidden`, `ids` and `weights` may sit in memory another process can still write (the shared
+  // ring): copy what is indexed with or sorted by into private memory once, check the copy, and
+  // use only the copy. Hidden values are only read (a change mid-call garbles this result, no more).
+  Scratch& sc = pool().scratch;  // the caller holds compute_mutex()
+  sc.ids.assign(ids, ids + nk);
+  sc.wts.assign(weights, weights + nk);
+  ids = sc.ids.data();
+  weights = sc.wts.data();
+  for (size_t i = 0; i < nk; ++i) {
     MOE_CHECK(ids[i] >= 0 && ids[i] < m.E, "topk_ids: expert ids must be in [0, " + std::to_string(m.E) + "), got " +
                                                std::to_string(ids[i]));
     MOE_CHECK(std::isfinite(weights[i]), "topk_weights: non-finite values");
   }
-  thread_local std::vector<float> x32, y32, wsel;
-  thread_local std::vector<int32_t> isel;
+  std::vector<float>& x32 = sc.x32;
   const float* x;
   bool bad = false;  // inf/nan: all exponent bits set; OR-reduced so the loop vectorizes
   if (hidden_bf16) {
@@ -47,6 +54,8 @@ void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hid
   const int32_t* pid = ids;
   const float* pw = weights;
   if (defer > 0) {
+    std::vector<int32_t>& isel = sc.isel;
+    std::vector<float>& wsel = sc.wsel;
     isel.resize(size_t(T) * kp);
     wsel.resize(size_t(T) * kp);
     int order[256];
@@ -64,6 +73,7 @@ void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hid
     pid = isel.data();
     pw = wsel.data();
   }
+  std::vector<float>& y32 = sc.y32;
   float* y = out_bf16 ? (y32.resize(n), y32.data()) : static_cast<float*>(out);
   if (T)
     moe_forward(isa, m, x, pid, pw, y, T, kp);

@@ -12,11 +12,6 @@ namespace moe {
 
 using namespace ring;
 
-std::mutex& compute_mutex() {
-  static std::mutex mu;
-  return mu;
-}
-
 static int64_t wall_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -26,8 +21,10 @@ static std::atomic<uint32_t>* word(uint8_t* base, size_t off) {
   return reinterpret_cast<std::atomic<uint32_t>*>(base + off);
 }
 
+// Inside the data area (overflow-safe: no off + n), of the size the shape needs, and aligned:
+// the kernels read int32/fp32 (and vectors) straight from these spans.
 static bool span_ok(const Span& s, uint64_t want, size_t size) {
-  return s.off >= DATA_START && s.off <= size && s.n <= size - s.off && s.n == want;
+  return s.off >= DATA_START && s.off % SPAN_ALIGN == 0 && s.off <= size && s.n <= size - s.off && s.n == want;
 }
 
 RingServer::RingServer(uint8_t* base, size_t size, int hidden, int max_tokens, uint32_t code_f32, uint32_t code_bf16)
@@ -79,6 +76,8 @@ bool RingServer::run_native(uint64_t seq, int64_t t_recv, std::vector<PartLog>* 
   int64_t queued = 0;
   for (uint32_t part = 0; part < (d.defer ? 2u : 1u); ++part) {
     int64_t t0, t1;
+    uint32_t status = 0;
+    std::string msg;
     {
       std::lock_guard<std::mutex> g(compute_mutex());
       t0 = wall_ns();
@@ -86,15 +85,22 @@ bool RingServer::run_native(uint64_t seq, int64_t t_recv, std::vector<PartLog>* 
         moe_forward_part(isa, m, base_ + d.span[0].off, bf16, reinterpret_cast<const int32_t*>(base_ + d.span[1].off),
                          reinterpret_cast<const float*>(base_ + d.span[2].off), base_ + d.span[3 + part].off, bf16,
                          int(d.T), int(d.k), int(d.defer), int(part));
-      } catch (const std::invalid_argument&) {
+      } catch (const std::invalid_argument& e) {
         if (part == 0) return false;  // bad values: Python answers with the message (nothing was posted)
-        throw;                        // part 1 sees the inputs part 0 accepted: cannot happen
+        status = 3;                   // INVALID_ARGUMENT: the peer changed the inputs after part 0 took them
+        msg = e.what();
+      } catch (const std::exception& e) {
+        status = 13;  // INTERNAL, for this request alone: the ring goes on
+        msg = std::string("expert kernels failed: ") + e.what();
       }
+      release_scratch();
       t1 = wall_ns();
     }
     if (part == 0) queued = std::max<int64_t>(0, t0 - t_recv);
-    if (!respond(seq, part, 0, d.span[3 + part], uint64_t(queued / 1000), uint64_t((t1 - t0) / 1000), t0, t1, ""))
+    const Span out = status ? Span{0, 0} : d.span[3 + part];
+    if (!respond(seq, part, status, out, uint64_t(queued / 1000), uint64_t((t1 - t0) / 1000), t0, t1, msg))
       return true;  // closed: nothing more to do for it
+    if (status) return true;
     log->push_back({d.layer, part, d.T, t0, t1, queued});
   }
   return true;

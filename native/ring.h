@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common.h"
 #include "moe.h"
 
 namespace moe {
@@ -17,6 +18,7 @@ constexpr size_t REQ_SEQ = 64, RESP_SEQ = 128, RESP_READ = 192, CLOSED = 256, DE
 constexpr int REQ_SLOTS = 4, RESP_SLOTS = 8;
 constexpr size_t REQ_DESC_SIZE = 256, RESP_DESC_SIZE = 384, MSG_MAX = 256;
 constexpr size_t DATA_START = 8192;  // DESC_START + descriptors, page-rounded
+constexpr size_t SPAN_ALIGN = 64;    // every tensor span starts on a cache line
 
 struct Span {
   uint64_t off, n;
@@ -41,9 +43,6 @@ inline size_t resp_desc(uint64_t j) {
   return DESC_START + REQ_SLOTS * REQ_DESC_SIZE + (j % RESP_SLOTS) * RESP_DESC_SIZE;
 }
 }  // namespace ring
-
-// Every native kernel call takes this: the thread pool serves one forward at a time.
-std::mutex& compute_mutex();
 
 struct PartLog {  // one computed part, for the Python side's metrics
   uint32_t layer, part, tokens;

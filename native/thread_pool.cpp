@@ -1,3 +1,5 @@
+#include <malloc.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -51,7 +53,16 @@ void ThreadPool::run_tasks(int home) {
   home = std::min(home, G - 1);
   for (int j = 0; j < G; ++j) {
     const int g = (home + j) % G, base = group_start_[g], n = group_start_[g + 1] - base;
-    for (int i = next_[g].fetch_add(1); i < n; i = next_[g].fetch_add(1)) (*fn_)(base + i);
+    for (int i = next_[g].fetch_add(1); i < n; i = next_[g].fetch_add(1)) {
+      if (failed_.load(std::memory_order_relaxed)) continue;  // drain the counter, run nothing more
+      try {
+        (*fn_)(base + i);
+      } catch (...) {
+        std::lock_guard<std::mutex> g(error_mu_);
+        if (!error_) error_ = std::current_exception();
+        failed_.store(true, std::memory_order_relaxed);
+      }
+    }
   }
 }
 
@@ -94,6 +105,7 @@ void ThreadPool::parallel_for_grouped(const int* group_start, int groups, const 
   groups_ = groups;
   for (int g = 0; g < groups; ++g) next_[g].store(0, std::memory_order_relaxed);
   finished_.store(0, std::memory_order_relaxed);
+  failed_.store(false, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> g(mu_);  // a worker about to sleep either sees the new generation or gets the notify
     generation_.fetch_add(1, std::memory_order_release);
@@ -106,6 +118,14 @@ void ThreadPool::parallel_for_grouped(const int* group_start, int groups, const 
     else cpu_relax();
   }
   fn_ = nullptr;
+  if (failed_.load(std::memory_order_acquire)) {  // every worker has checked in: safe to unwind
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> g(error_mu_);
+      std::swap(e, error_);
+    }
+    std::rethrow_exception(e);
+  }
 }
 
 static std::unique_ptr<ThreadPool> g_pool;
@@ -118,9 +138,41 @@ ThreadPool& pool(int threads) {
 }
 
 int resize_pool(int threads) {
+  std::lock_guard<std::mutex> c(compute_mutex());
   std::lock_guard<std::mutex> g(g_pool_mu);
+  g_pool.reset();  // join the old workers before starting new ones (2 cores: no overlap)
   g_pool = std::make_unique<ThreadPool>(threads > 0 ? threads : int(std::thread::hardware_concurrency()));
   return g_pool->size();
+}
+
+std::mutex& compute_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+template <class V>
+static size_t drop_if_above(V& v, size_t keep) {
+  const size_t bytes = v.capacity() * sizeof(typename V::value_type);
+  if (bytes <= keep) return 0;
+  V().swap(v);
+  return bytes;
+}
+
+size_t Scratch::release(size_t keep) {
+  size_t freed = 0;
+  for (auto* v : {&x32, &y32, &wts, &wsel, &gu, &y}) freed += drop_if_above(*v, keep);
+  for (auto* v : {&ids, &isel}) freed += drop_if_above(*v, keep);
+  freed += drop_if_above(amx, keep);
+  for (ActBuf* b : {&xb, &act}) {
+    freed += drop_if_above(b->data, keep);
+    freed += drop_if_above(b->scale, keep) + drop_if_above(b->scales_of_slot, keep) + drop_if_above(b->rows, keep);
+  }
+  return freed;
+}
+
+void release_scratch(size_t keep) {
+  // buffers above glibc's mmap threshold go back to the OS on free; trim gives back heap pages too
+  if (pool().scratch.release(keep)) malloc_trim(0);
 }
 
 }  // namespace moe

@@ -174,8 +174,9 @@ def test_metrics_and_trace(svc):
     chunks = list(svc.stub.Generate(req, timeout=60))
     spans = chunks[-1].profile.spans
     assert {sp.service for sp in spans} == {"gpu", "expert"}
+    # every MoE layer marks the shared-expert span (empty for Qwen3, which has none)
     assert {"attention", "router", "shared_experts", "expert_wait", "experts_immediate", "sampling"} <= \
-        {sp.name for sp in spans} | {"shared_experts"}
+        {sp.name for sp in spans}
     trace = json.loads(json.dumps(chrome_trace(spans)))
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {1, 2}
     assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")

@@ -297,7 +297,7 @@ def test_python_and_cpp_agree_on_the_ring_layout():
     assert (c["REQ_DESC_SIZE"], c["RESP_DESC_SIZE"], c["MSG_MAX"]) == (shm.REQ_DESC_SIZE, shm.RESP_DESC_SIZE,
                                                                        shm.MSG_MAX)
     assert (c["REQ_DESC_BYTES"], c["RESP_DESC_BYTES"]) == (shm.REQ_DESC.size, shm.RESP_DESC.size)
-    assert c["DATA_START"] == shm.Layout(1 << 20).data_start
+    assert c["DATA_START"] == shm.Layout(1 << 20).data_start and c["SPAN_ALIGN"] == shm.SPAN_ALIGN
 
 
 def test_two_sessions_at_once_are_served_independently(expert_alone):
