@@ -13,6 +13,7 @@ import collections
 import importlib.util
 import json
 import mmap
+import os
 import random
 import struct
 import sys
@@ -57,8 +58,28 @@ def main() -> int:
     sv.attach({0: op}, "fp")
 
     size = shm.MIN_SIZE
-    mm = mmap.mmap(-1, size)  # anonymous, shared between the threads of this process
+    mm = mmap.mmap(-1, size)  # anonymous and shared: with the hammer process forked below too
     layout = shm.Layout(size)
+    al = lambda n: (n + 63) // 64 * 64  # noqa: E731
+    ids_at = [layout.block(b) + al(MAX_T * H * 4) for b in range(shm.REQ_SLOTS)]  # where T = MAX_T puts them
+    hammer = os.fork()
+    if hammer == 0:  # flip the ids and weights of every slot between valid and invalid as fast as it can
+        import numpy as np
+        words = np.frombuffer(mm, dtype=np.int32)
+        n = MAX_T * 4
+        good, evil = np.arange(n, dtype=np.int32) % E, np.full(n, E + 100_000, dtype=np.int32)
+        nan = np.full(n, np.nan, dtype=np.float32).view(np.int32)
+        end = time.monotonic() + a.seconds + 1
+        while time.monotonic() < end:
+            for _ in range(1000):
+                for at in ids_at:
+                    i, wi = at // 4, (at + al(n * 4)) // 4
+                    words[i: i + n] = evil
+                    words[wi: wi + n] = nan
+                    words[i: i + n] = good
+            if os.getppid() == 1:
+                break
+        os._exit(0)
     server = RingServer(mm, sv, "moe-shm-hostile")
     server.start()
 
@@ -99,11 +120,10 @@ def main() -> int:
     f32_code = codec.TO_WIRE[torch.float32]
     ok = True
     while time.monotonic() < deadline:
-        T, k = rng.randint(1, MAX_T), 4
+        T, k = rng.choice((rng.randint(1, MAX_T), MAX_T)), 4  # T = MAX_T: the hammered spans
         defer = rng.randint(0, 3)
         base = layout.block(posted)
         xn, kn = T * H * 4, T * k * 4
-        al = lambda n: (n + 63) // 64 * 64  # noqa: E731
         spans = [(base, xn), (base + al(xn), kn), (base + al(xn) + al(kn), kn), (base + al(xn) + 2 * al(kn), xn),
                  (base + 2 * al(xn) + 2 * al(kn), xn) if defer else (0, 0)]
         x = torch.randn(T, H)
@@ -142,6 +162,7 @@ def main() -> int:
     u32.pack_into(mm, shm.CLOSED, 1)
     native.doorbell_wake(mm, shm.REQ_SEQ)
     server.done.result(timeout=30)
+    os.waitpid(hammer, 0)
     print(json.dumps({"posted": posted, "responses": sum(statuses.values()),
                       "statuses": {str(k): v for k, v in statuses.items()}}))
     return 0 if ok else 1
