@@ -209,7 +209,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             kernel_path=self.kernel_path, threads=self.threads,
             weight_bytes=sum(op.nbytes for op in self.layers.values()),
             transport="grpc,shm" if self.shm_max_bytes else "grpc", active_streams=self.active_streams,
-            shm_sessions=len(self.shm_sessions))
+            shm_sessions=len(self.shm_sessions), max_tokens=self.max_tokens)
 
     async def OpenShm(self, request, context):
         await self._check_peer(context)

@@ -139,7 +139,9 @@ async def serve(args, stop: asyncio.Event) -> None:
         num_layers=cfg.num_layers, moe_layers=list(cfg.moe_layers), vocab_size=cfg.vocab_size,
         max_context=max_context, expert_service=args.experts, defer=args.defer, max_batch=args.max_batch)
     # up first (NOT_SERVING), so probes see it while it loads
-    server = grpc.aio.server(options=serving.message_options(max_context * cfg.vocab_size * 4 + (1 << 20)),
+    # sent: at most Score's logits (refused past grpcio's 2 GiB: logprobs_only then); received: prompts
+    server = grpc.aio.server(options=serving.message_options(max_context * cfg.vocab_size * 4 + (1 << 20),
+                                                             (64 << 20) + max_context * 64),
                              interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
     servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
@@ -170,13 +172,13 @@ async def serve(args, stop: asyncio.Event) -> None:
         serving.fail(f"--transport {args.transport}: {e}")
     server_info.transport = transport
     model = await asyncio.to_thread(Model, cfg, ckpt, device, dtype)
-    engine = Engine(model, experts, text, args.max_batch, max_context)
+    engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=info.max_tokens)
     engine.start()
     servicer.attach(engine)
     watcher = asyncio.create_task(watch_experts(experts, fp, servicer, hs, names))
-    log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), defer=%d", args.listen,
-             cfg.model_type, fp, device, dtype, args.experts, info.weight_format, info.kernel_path, transport,
-             args.defer)
+    log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s, %s tokens per step), "
+             "defer=%d", args.listen, cfg.model_type, fp, device, dtype, args.experts, info.weight_format,
+             info.kernel_path, transport, info.max_tokens or "any", args.defer)
     try:
         await stop.wait()
     finally:

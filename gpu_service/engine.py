@@ -3,6 +3,7 @@ steps over all active requests (continuous batching: new prompts are prefilled i
 as the running sequences decode). Talks to the gRPC layer only through Request.emit."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -43,7 +44,9 @@ class Failure:
 
 @dataclasses.dataclass
 class Scores:
-    logits: torch.Tensor  # [T, V] fp32
+    logits: torch.Tensor | None             # [T, V] fp32, or (logprobs_only) None
+    token_logprobs: torch.Tensor | None = None  # [T - 1]: log p(next id)
+    argmax_ids: torch.Tensor | None = None      # [T]
 
 
 @dataclasses.dataclass
@@ -57,6 +60,7 @@ class Request:
     defer: int = 0
     skip: bool = False  # drop the deferred experts instead (accuracy baseline)
     score_only: bool = False
+    logprobs_only: bool = False  # score_only: per-position logprobs instead of the logits
     profile: bool = False
     deadline: float | None = None  # time.perf_counter() value after which the client has gone
     cancelled: bool = False
@@ -72,11 +76,16 @@ class Request:
 
 
 class Engine:
-    def __init__(self, model: Model, experts, text: TextCodec, max_batch: int, max_context: int):
+    def __init__(self, model: Model, experts, text: TextCodec, max_batch: int, max_context: int,
+                 step_tokens: int = 0):
         self.model, self.experts, self.text = model, experts, text
         self.max_batch, self.max_context = max_batch, max_context
+        # most tokens one forward may carry: the expert service's per-request limit (0 = no limit).
+        # New prompts wait for a later step rather than overflow it.
+        self.step_tokens = step_tokens
         self.eos = set(model.cfg.eos_token_ids)
         self.inbox: queue.Queue[Request] = queue.Queue()
+        self.held: collections.deque[Request] = collections.deque()  # taken from the inbox, not admitted yet
         self.running: list[Request] = []
         self.steps = itertools.count()
         self._stop = threading.Event()
@@ -93,18 +102,27 @@ class Engine:
         self.inbox.put(req)
 
     # -- the loop ---------------------------------------------------------------------------------
+    def _next(self, block: bool) -> Request | None:
+        if self.held:
+            return self.held.popleft()
+        try:
+            return self.inbox.get(timeout=0.2) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+
     def _admit(self) -> list[Request]:
-        new = []
-        if not self.running:
-            try:
-                new.append(self.inbox.get(timeout=0.2))
-            except queue.Empty:
-                return new
+        new: list[Request] = []
+        budget = self.step_tokens - len(self.running) if self.step_tokens else None  # a decode is one token
         while len(self.running) + len(new) < self.max_batch:
-            try:
-                new.append(self.inbox.get_nowait())
-            except queue.Empty:
+            r = self._next(block=not self.running and not new)
+            if r is None:
                 break
+            if budget is not None:
+                if len(r.prompt_ids) > budget and (new or self.running):
+                    self.held.appendleft(r)  # first in line for the next step
+                    break
+                budget -= len(r.prompt_ids)
+            new.append(r)
         for r in new:
             r.cache = self.model.new_cache()
             r.detok = DetokenizeStream(self.text, r.prompt_ids, r.stop)
@@ -124,7 +142,7 @@ class Engine:
             self.running = [r for r in self.running if not self._expired(r, now)]
             new = [r for r in new if not self._expired(r, now)]
             metrics.RUNNING.set(len(self.running) + len(new))
-            metrics.WAITING.set(self.inbox.qsize())
+            metrics.WAITING.set(self.inbox.qsize() + len(self.held))
             if not self.running and not new:
                 continue
             batch = self.running + new
@@ -171,7 +189,8 @@ class Engine:
                 metrics.PROMPT_TOKENS.inc(len(r.prompt_ids))
             else:
                 toks = torch.tensor([r.output[-1]], dtype=torch.long)
-            segs.append(Segment(r.cache, toks, r.cache.length, all_logits=r.score_only))
+            segs.append(Segment(r.cache, toks, r.cache.length, all_logits=r.score_only and not r.logprobs_only,
+                                logprobs=r.logprobs_only))
         step = next(self.steps)
         spans: list = []
         t0 = time.perf_counter()
@@ -182,9 +201,12 @@ class Engine:
         now = time.perf_counter()
         t_sample = time.time_ns()
         for r, s in zip(reqs, segs):
-            n = s.tokens.shape[0] if r.score_only else 1
+            n = 0 if r.logprobs_only else s.tokens.shape[0] if r.score_only else 1
             try:
-                if r.score_only:
+                if r.logprobs_only:
+                    r.emit(Scores(None, *s.scored))
+                    r.cache = None
+                elif r.score_only:
                     r.emit(Scores(logits[row:row + n].cpu()))
                     r.cache = None
                 else:

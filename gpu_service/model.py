@@ -34,6 +34,8 @@ class Segment:
     tokens: torch.Tensor
     start: int
     all_logits: bool = False  # logits for every position (scoring), else only the last
+    logprobs: bool = False    # scoring: log p(next token) and the argmax at every position, into `scored`
+    scored: tuple | None = None
 
 
 def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
@@ -59,6 +61,20 @@ class Model:
         self.last_moe_layer = cfg.moe_layers[-1] if cfg.moe_layers else -1
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
+
+    def _token_logprobs(self, h: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [n, H] (final-normed) -> (log p(tokens[i+1]) for i < n - 1, argmax id at each position), computed
+        in chunks of positions so that no [n, vocab] tensor exists for long contexts."""
+        n, chunk = h.shape[0], max(1, (1 << 24) // self.cfg.vocab_size)
+        nxt = tokens[1:].to(self.device)
+        lps, ams = [torch.zeros(0)], []
+        for i in range(0, n, chunk):
+            logits = F.linear(h[i:i + chunk], self.lm_head).float()
+            ams.append(logits.argmax(-1).cpu())
+            j = min(i + chunk, n - 1)  # positions that have a next token
+            if j > i:
+                lps.append(logits[: j - i].log_softmax(-1).gather(1, nxt[i:j, None])[:, 0].cpu())
+        return torch.cat(lps), torch.cat(ams)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg.num_layers)
@@ -145,10 +161,13 @@ class Model:
             y = y.to(device=self.device, dtype=h.dtype)
             h = h + (y + shared if shared is not None else y)
         h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps)
-        rows, off = [], 0
+        rows, off = [torch.zeros(0, dtype=torch.long)], 0
         for s in segments:
             n = s.tokens.shape[0]
-            rows.append(torch.arange(off, off + n) if s.all_logits else torch.tensor([off + n - 1]))
+            if s.logprobs:
+                s.scored = self._token_logprobs(h[off:off + n], s.tokens)
+            else:
+                rows.append(torch.arange(off, off + n) if s.all_logits else torch.tensor([off + n - 1]))
             off += n
         sel = torch.cat(rows).to(self.device)
         for s in segments:

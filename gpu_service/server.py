@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from moe_core import codec
+from moe_core.serving import GRPC_MAX_MESSAGE
 from protos import generate_pb2, generate_pb2_grpc
 
 from . import metrics
@@ -84,7 +85,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise BadRequest("input: the prompt tokenizes to zero tokens")
         if len(ids) >= self.engine.max_context:
             raise BadRequest(f"input: prompt has {len(ids)} tokens; the context limit is {self.engine.max_context}")
+        self._check_step(len(ids), "input")
         return ids
+
+    def _check_step(self, n: int, field: str) -> None:
+        limit = self.engine.step_tokens
+        if limit and n > limit:
+            raise BadRequest(f"{field}: {n} tokens exceed the {limit} one step can carry to the expert service "
+                             "(its --max-tokens); prompts are not split into chunks yet")
 
     def _request(self, req: generate_pb2.GenerateRequest, emit) -> Request:
         ids = self._prompt_ids(req)
@@ -164,9 +172,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if defer > self.cfg.top_k - 1:
             await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT,
                               f"defer: must be <= top_k - 1 = {self.cfg.top_k - 1}, got {defer}")
+        try:
+            self._check_step(len(ids), "token_ids.ids")
+        except BadRequest as e:
+            await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        nbytes = len(ids) * self.cfg.vocab_size * 4
+        if not request.logprobs_only and nbytes + (1 << 20) > GRPC_MAX_MESSAGE:
+            await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT,
+                              f"token_ids.ids: the logits of {len(ids)} positions x {self.cfg.vocab_size} ids are "
+                              f"{nbytes / 2**30:.1f} GiB, over gRPC's 2 GiB message limit; set logprobs_only")
         q, emit = self._emitter()
-        r = Request(prompt_ids=ids, emit=emit, score_only=True, defer=defer, skip=request.skip_deferred,
-                    deadline=self._deadline(context))
+        r = Request(prompt_ids=ids, emit=emit, score_only=True, logprobs_only=request.logprobs_only, defer=defer,
+                    skip=request.skip_deferred, deadline=self._deadline(context))
         self.engine.submit(r)
         try:
             ev = await q.get()
@@ -175,6 +192,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if isinstance(ev, Failure):
             await self._abort(context, "Score", ev.code, ev.message)
         metrics.REQUESTS.labels("Score", "OK").inc()
+        if ev.logits is None:
+            return generate_pb2.ScoreResponse(token_logprobs=ev.token_logprobs.tolist(),
+                                              argmax_ids=ev.argmax_ids.tolist())
         return generate_pb2.ScoreResponse(logits=codec.encode(ev.logits.to(torch.float32)))
 
     async def Info(self, request, context):

@@ -2,6 +2,9 @@
 
 One shard (model.safetensors) or several (model.safetensors.index.json). Tensors are read
 one at a time from the mmap'ed files, never the whole checkpoint into Python objects.
+FP8 block-quantized checkpoints (quantization_config fp8, as DeepSeek-V3 publishes them) are
+dequantized here, one tensor at a time: get() returns e4m3 value x its block's `_scale_inv`
+in float32, and names() lists the weights without their scale companions.
 """
 from __future__ import annotations
 
@@ -13,7 +16,22 @@ from typing import Callable, Iterator
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfigError
+from .config import ModelConfigError, fp8_block
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+SCALE_SUFFIX = "_scale_inv"
+
+
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w [rows, cols] e4m3, scale_inv [ceil(rows/br), ceil(cols/bc)] fp32 -> w * scale of its block,
+    float32 (edge blocks may be partial: the scales are expanded, then cut to the weight's shape)."""
+    (rows, cols), (br, bc) = w.shape, block
+    want = (-(-rows // br), -(-cols // bc))
+    if w.dim() != 2 or tuple(scale_inv.shape) != want:
+        raise ModelConfigError(f"fp8 weight of shape {list(w.shape)} with {list(block)} blocks needs scale_inv of "
+                               f"shape {list(want)}, got {list(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return w.float() * scale
 
 
 class Checkpoint:
@@ -31,6 +49,8 @@ class Checkpoint:
                 with safe_open(f, framework="pt") as h:
                     weight_map.update({k: f.name for k in h.keys()})
         self.weight_map: dict[str, str] = weight_map
+        cfg = self.dir / "config.json"
+        self.fp8_block = fp8_block(json.loads(cfg.read_text())) if cfg.exists() else None
         self._handles: dict[str, object] = {}
         self._stack = contextlib.ExitStack()
 
@@ -45,13 +65,32 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def names(self, keep: Callable[[str], bool] = lambda n: True) -> Iterator[str]:
-        return (n for n in sorted(self.weight_map) if keep(n))
+    def tensors(self) -> list[str]:
+        """Every tensor stored, scale companions included (the fingerprint hashes them all)."""
+        return sorted(self.weight_map)
 
-    def get(self, name: str) -> torch.Tensor:
+    def names(self, keep: Callable[[str], bool] = lambda n: True) -> Iterator[str]:
+        """The model's weights (an FP8 weight's scale_inv is folded into it by get())."""
+        return (n for n in sorted(self.weight_map) if keep(n) and not self._is_scale(n))
+
+    def _is_scale(self, name: str) -> bool:
+        return self.fp8_block is not None and name.endswith(SCALE_SUFFIX) and \
+            name[: -len(SCALE_SUFFIX)] in self.weight_map
+
+    def _raw(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise ModelConfigError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
         return self._handle(self.weight_map[name]).get_tensor(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._raw(name)
+        if t.dtype not in FP8_DTYPES:
+            return t
+        if self.fp8_block is None:
+            raise ModelConfigError(f"tensor {name!r} is float8 but config.json has no fp8 quantization_config")
+        if name + SCALE_SUFFIX not in self.weight_map:
+            raise ModelConfigError(f"fp8 tensor {name!r} has no {name + SCALE_SUFFIX!r} beside it")
+        return dequantize_fp8(t, self._raw(name + SCALE_SUFFIX), self.fp8_block)
 
     def meta(self, name: str) -> tuple[list[int], str]:
         s = self._handle(self.weight_map[name]).get_slice(name)

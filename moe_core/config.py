@@ -16,6 +16,30 @@ class ModelConfigError(ValueError):
 
 
 SUPPORTED = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral")
+QUANT_SUPPORTED = "fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them)"
+
+
+def fp8_block(raw: dict) -> tuple[int, int] | None:
+    """The checkpoint's quantization: None (plain bf16/fp16/fp32 weights) or the (rows, cols) of the
+    blocks of an FP8 block-quantized checkpoint. Any other quantization_config is refused here, so
+    both services refuse it at start rather than load it wrong."""
+    q = raw.get("quantization_config")
+    if not q:
+        return None
+    method = str(q.get("quant_method", "?"))
+    if method != "fp8":
+        raise ModelConfigError(f"quantization_config.quant_method {method!r} is not supported; supported: "
+                               f"none (bf16/fp16/fp32 weights) or {QUANT_SUPPORTED}")
+    fmt, block = q.get("fmt", "e4m3"), q.get("weight_block_size")
+    if fmt != "e4m3":
+        raise ModelConfigError(f"quantization_config.fmt {fmt!r} is not supported (fp8 checkpoints: e4m3)")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelConfigError(f"quantization_config.weight_block_size {block!r}: fp8 checkpoints need [rows, cols] "
+                               "blocks (per-tensor fp8 is not supported)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ModelConfigError(f"quantization_config.activation_scheme {q.get('activation_scheme')!r} is not "
+                               "supported (dynamic)")
+    return block[0], block[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +86,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    fp8_block: tuple[int, int] | None = None  # FP8 block-quantized checkpoint: the blocks' (rows, cols)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -126,6 +151,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         top_k=int(raw["num_experts_per_tok"]),
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos(raw, model_dir),
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        fp8_block=fp8_block(raw),
     )
     if mt in ("deepseek_v3", "deepseek_v2"):
         n_exp = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts"))

@@ -12,7 +12,7 @@ def fingerprint(ckpt: Checkpoint) -> str:
     cfg = json.loads((ckpt.dir / "config.json").read_text())
     cfg.pop("transformers_version", None)
     h.update(json.dumps(cfg, sort_keys=True).encode())
-    for name in ckpt.names():
+    for name in ckpt.tensors():
         shape, dtype = ckpt.meta(name)
         h.update(f"{name}:{shape}:{dtype};".encode())
     return h.hexdigest()[:16]

@@ -58,8 +58,14 @@ def setup_logging(level: str = "INFO") -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def message_options(max_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)] + KEEPALIVE
+GRPC_MAX_MESSAGE = 2**31 - 1  # grpcio refuses larger message limits (OverflowError at server creation)
+
+
+def message_options(max_bytes: int, max_receive: int | None = None) -> list[tuple[str, int]]:
+    """Send and receive limits, never above what grpcio accepts."""
+    send = min(max_bytes, GRPC_MAX_MESSAGE)
+    receive = min(max_bytes if max_receive is None else max_receive, GRPC_MAX_MESSAGE)
+    return [("grpc.max_send_message_length", send), ("grpc.max_receive_message_length", receive)] + KEEPALIVE
 
 
 def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:

@@ -124,20 +124,26 @@ class Profile(_message.Message):
     def __init__(self, spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("token_ids", "defer", "skip_deferred")
+    __slots__ = ("token_ids", "defer", "skip_deferred", "logprobs_only")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEFER_FIELD_NUMBER: _ClassVar[int]
     SKIP_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_ONLY_FIELD_NUMBER: _ClassVar[int]
     token_ids: TokenIds
     defer: int
     skip_deferred: bool
-    def __init__(self, token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., defer: _Optional[int] = ..., skip_deferred: _Optional[bool] = ...) -> None: ...
+    logprobs_only: bool
+    def __init__(self, token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., defer: _Optional[int] = ..., skip_deferred: _Optional[bool] = ..., logprobs_only: _Optional[bool] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("logits",)
+    __slots__ = ("logits", "token_logprobs", "argmax_ids")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ARGMAX_IDS_FIELD_NUMBER: _ClassVar[int]
     logits: _tensor_pb2.Tensor
-    def __init__(self, logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    argmax_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, logits: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., argmax_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,160 @@
+"""Published configurations, at reduced width (tools/synth_checkpoint.py): DeepSeek-V3 as published
+(FP8 block-quantized weights with float32 scale_inv, YaRN, 163840 positions, 129280 ids) and
+Qwen3-30B-A3B (151936 ids, 40960 positions). Both start with default flags, and generate exactly
+transformers' greedy tokens on the same (dequantized) weights in fp32, past the first 64 positions.
+Other quantization methods are refused at start by both services, naming the method."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import pathlib
+import sys
+
+import grpc
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from conftest import ROOT, free_port, start
+from moe_core import codec
+from moe_core.checkpoint import Checkpoint, dequantize_fp8
+from protos import generate_pb2
+
+sys.path.insert(0, str(ROOT / "tools"))
+import synth_checkpoint  # noqa: E402
+
+NARROW = {
+    "deepseek-v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16, n_group=4,
+                        topk_group=2, num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4,
+                        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "qwen3-30b-a3b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
+                          num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+
+
+def synth(arch: str, out: pathlib.Path, layers: int, **extra) -> pathlib.Path:
+    c = synth_checkpoint.config_of(arch, layers, {**NARROW[arch], **extra})
+    return synth_checkpoint.write(c, out, std=0.1, seed=0, shard_mb=8)
+
+
+def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """The same model with every weight as float32 (FP8 ones dequantized), for transformers."""
+    ck = Checkpoint(src)
+    out.mkdir()
+    save_file({n: ck.get(n).float().contiguous() for n in ck.names()}, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def greedy(stub, prompt, n):
+    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=n, ignore_eos=True,
+                                       sampling=generate_pb2.SamplingParams(temperature=0))
+    return [t for c in stub.Generate(req, timeout=300) for t in c.token_ids]
+
+
+def test_fp8_dequantization_matches_transformers_and_handles_partial_blocks():
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(0)
+    w = (torch.randn(256, 384) * 3).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 3) + 0.01
+    assert torch.equal(dequantize_fp8(w, s, (128, 128)), Fp8Dequantize(None)._dequantize_one(w, s, torch.float32))
+    # partial edge blocks (transformers' loader refuses these shapes): against a plain loop
+    w = (torch.randn(40, 70) * 3).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 5) + 0.01
+    want = torch.empty(40, 70)
+    for i in range(40):
+        for j in range(70):
+            want[i, j] = w[i, j].float() * s[i // 16, j // 16]
+    assert torch.equal(dequantize_fp8(w, s, (16, 16)), want)
+    q, scale = synth_checkpoint.quantize_fp8(torch.randn(40, 70), (16, 16))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 5)
+
+
+@pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("qwen3-30b-a3b", None)],
+                         ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "qwen3-30b-a3b"])
+def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
+    extra = {}
+    if block:
+        extra["quantization_config"] = {**synth_checkpoint.PRESETS[arch]["quantization_config"],
+                                        "weight_block_size": block}
+    d = synth(arch, tmp_path / "ckpt", layers=3, **extra)
+    cfg = json.loads((d / "config.json").read_text())
+    # default flags: starts (message limits from the real vocabulary and context) and serves
+    s = services_factory(d)
+    info = s.stub.Info(generate_pb2.ServerInfoRequest(), timeout=10)
+    assert info.max_context == cfg["max_position_embeddings"] and info.vocab_size == cfg["vocab_size"]
+    assert len(greedy(s.stub, [5, 9, 17], 4)) == 4
+    s.stop()
+    # fp32 on the dequantized weights: transformers' greedy tokens, past the first 64 positions
+    ref = transformers.AutoModelForCausalLM.from_pretrained(dequantized_copy(d, tmp_path / "ref"),
+                                                            dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    prompt = torch.randint(2, 4000, (70,)).tolist()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    s = services_factory(d, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 24) == want, s.logs()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "compressed-tensors", "mxfp4"])
+def test_other_quantization_is_refused_at_start(method, checkpoints, tmp_path):
+    d = tmp_path / "q"
+    d.mkdir()
+    src = pathlib.Path(checkpoints["qwen3_moe"])
+    for f in src.iterdir():
+        (d / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": method, "bits": 4}
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(json.dumps(cfg))
+    for module, extra in (("expert_service", ()), ("gpu_service", ("--experts", f"127.0.0.1:{free_port()}"))):
+        log = tmp_path / f"{module}.log"
+        p = start(module, "--model", str(d), "--listen", f"127.0.0.1:{free_port()}", *extra, log=log)
+        assert p.wait(120) == 2
+        text = log.read_text()
+        assert f"quant_method {method!r} is not supported" in text and "fp8" in text, text
+        assert "Traceback" not in text, text
+
+
+# -- limits from what is really sent ---------------------------------------------------------------
+def test_score_long_contexts_as_logprobs(tmp_path, services_factory):
+    """Full logits past gRPC's 2 GiB message limit are refused, naming logprobs_only; logprobs_only answers
+    them, and on short prompts agrees with the full logits."""
+    d = synth("qwen3-30b-a3b", tmp_path / "ckpt", layers=2)
+    s = services_factory(d, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    score = lambda ids, **kw: s.stub.Score(generate_pb2.ScoreRequest(  # noqa: E731
+        token_ids=generate_pb2.TokenIds(ids=ids), **kw), timeout=300)
+    torch.manual_seed(0)
+    short = torch.randint(2, 4000, (40,)).tolist()
+    logits = codec.decode(score(short).logits, "logits")
+    r = score(short, logprobs_only=True)
+    want = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(short[1:])[:, None])[:, 0]
+    assert len(r.token_logprobs) == len(short) - 1 and not r.HasField("logits")
+    torch.testing.assert_close(torch.tensor(list(r.token_logprobs)), want, rtol=1e-4, atol=1e-4)
+    assert list(r.argmax_ids) == logits.argmax(-1).tolist()
+    long = torch.randint(2, 4000, (3600,)).tolist()  # 3600 x 151936 x 4 bytes = 2.04 GiB of logits
+    with pytest.raises(grpc.RpcError) as e:
+        score(long)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs_only" in e.value.details()
+    r = score(long, logprobs_only=True)
+    assert len(r.token_logprobs) == len(long) - 1 and len(r.argmax_ids) == len(long)
+    assert all(lp <= 0 for lp in r.token_logprobs)
+
+
+def test_steps_respect_the_expert_services_token_limit(checkpoints, services_factory):
+    """The expert service publishes --max-tokens; a prompt over it is refused with a message saying so,
+    and prompts that fit alone but not together run in separate steps instead of failing as a batch."""
+    s = services_factory(checkpoints["qwen3_moe"], expert_args=("--max-tokens", "64"))
+    with pytest.raises(grpc.RpcError) as e:
+        greedy(s.stub, [5] * 100, 2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-tokens" in e.value.details()
+    prompts = [[(i * 7 + j) % 300 + 2 for j in range(40)] for i in range(4)]
+    solo = [greedy(s.stub, p, 8) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        assert list(ex.map(lambda p: greedy(s.stub, p, 8), prompts)) == solo

@@ -1,0 +1,211 @@
+"""Write a synthetic checkpoint of a published MoE architecture: config.json exactly as published
+(vocabulary, positions, rope scaling, quantization_config), the same tensor names, dtypes and
+shard layout (model-0000i-of-0000n.safetensors + index), random weights. For testing and
+benchmarking real-size behaviour without the real weights.
+
+    python tools/synth_checkpoint.py --arch deepseek-v3 --layers 4 --out /tmp/dsv3      # 3 dense + 1 MoE, FP8
+    python tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out /tmp/qwen3
+    python tools/synth_checkpoint.py --arch deepseek-v3 --layers 2 --set hidden_size=64 ... --out DIR  # narrow
+
+Tensors are generated and written one shard at a time (at most --shard-mb in memory). FP8
+checkpoints store every attention and MLP projection as e4m3 with a float32 `weight_scale_inv`
+per weight_block_size block (partial edge blocks as published); embeddings, lm_head, norms, the
+router and its bias stay unquantized. The tokenizer is the embedded default model's (its ids are
+a prefix of any vocabulary here)."""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOKENIZER = ROOT / "models" / "default"
+
+PRESETS = {
+    # deepseek-ai/DeepSeek-V3 config.json (the R1 releases share it)
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
+        "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+        "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+        "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+        "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+        "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
+        "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                                "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+        "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True,
+        "v_head_dim": 128, "vocab_size": 129280,
+    },
+    # Qwen/Qwen3-30B-A3B config.json
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+        "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+        "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+        "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    },
+}
+
+
+def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor, in the published order; kind: proj (an attention or MLP
+    projection: quantized in FP8 checkpoints), norm, embed, router, bias."""
+    H, V, out = c["hidden_size"], c["vocab_size"], []
+    proj = lambda name, rows, cols: out.append((name, (rows, cols), "proj"))  # noqa: E731
+    layers = c["num_hidden_layers"] + (c.get("num_nextn_predict_layers") or 0)
+    out.append(("model.embed_tokens.weight", (V, H), "embed"))
+    for L in range(layers):
+        p = f"model.layers.{L}."
+        if L >= c["num_hidden_layers"]:  # DeepSeek's multi-token-prediction layer (not used to decode)
+            out += [(p + "embed_tokens.weight", (V, H), "embed"), (p + "enorm.weight", (H,), "norm"),
+                    (p + "hnorm.weight", (H,), "norm"), (p + "shared_head.norm.weight", (H,), "norm"),
+                    (p + "shared_head.head.weight", (V, H), "embed")]
+            proj(p + "eh_proj.weight", H, 2 * H)
+        out += [(p + "input_layernorm.weight", (H,), "norm"), (p + "post_attention_layernorm.weight", (H,), "norm")]
+        a = p + "self_attn."
+        if c["model_type"] == "deepseek_v3":
+            nh, nope, rope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+            proj(a + "q_a_proj.weight", c["q_lora_rank"], H)
+            out.append((a + "q_a_layernorm.weight", (c["q_lora_rank"],), "norm"))
+            proj(a + "q_b_proj.weight", nh * (nope + rope), c["q_lora_rank"])
+            proj(a + "kv_a_proj_with_mqa.weight", c["kv_lora_rank"] + rope, H)
+            out.append((a + "kv_a_layernorm.weight", (c["kv_lora_rank"],), "norm"))
+            proj(a + "kv_b_proj.weight", nh * (nope + v), c["kv_lora_rank"])
+            proj(a + "o_proj.weight", H, nh * v)
+            moe = L >= c["first_k_dense_replace"] and L % c.get("moe_layer_freq", 1) == 0
+            E, shared = c["n_routed_experts"], c["moe_intermediate_size"] * c["n_shared_experts"]
+        else:
+            nh, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+            proj(a + "q_proj.weight", nh * hd, H)
+            proj(a + "k_proj.weight", kv * hd, H)
+            proj(a + "v_proj.weight", kv * hd, H)
+            proj(a + "o_proj.weight", H, nh * hd)
+            out += [(a + "q_norm.weight", (hd,), "norm"), (a + "k_norm.weight", (hd,), "norm")]
+            moe = L not in (c.get("mlp_only_layers") or []) and (L + 1) % c.get("decoder_sparse_step", 1) == 0
+            E, shared = c["num_experts"], 0
+        m = p + "mlp."
+        if not moe:
+            for n, (r, k) in (("gate_proj", (c["intermediate_size"], H)), ("up_proj", (c["intermediate_size"], H)),
+                              ("down_proj", (H, c["intermediate_size"]))):
+                proj(m + n + ".weight", r, k)
+            continue
+        I = c["moe_intermediate_size"]
+        for e in range(E):
+            proj(m + f"experts.{e}.gate_proj.weight", I, H)
+            proj(m + f"experts.{e}.up_proj.weight", I, H)
+            proj(m + f"experts.{e}.down_proj.weight", H, I)
+        out.append((m + "gate.weight", (E, H), "router"))
+        if c["model_type"] == "deepseek_v3":
+            out.append((m + "gate.e_score_correction_bias", (E,), "bias"))
+        if shared:
+            proj(m + "shared_experts.gate_proj.weight", shared, H)
+            proj(m + "shared_experts.up_proj.weight", shared, H)
+            proj(m + "shared_experts.down_proj.weight", H, shared)
+    out += [("model.norm.weight", (H,), "norm"), ("lm_head.weight", (V, H), "embed")]
+    return out
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] -> (e4m3 values, float32 scale_inv per block): each block's absolute maximum maps
+    to e4m3's largest value, 448 (DeepSeek's recipe)."""
+    (rows, cols), (br, bc) = w.shape, block
+    sr, sc = -(-rows // br), -(-cols // bc)
+    padded = torch.zeros(sr * br, sc * bc)
+    padded[:rows, :cols] = w.float()
+    amax = padded.view(sr, br, sc, bc).abs().amax(dim=(1, 3)).clamp_min(1e-12)
+    scale = amax / 448.0
+    q = (padded.view(sr, br, sc, bc) / scale[:, None, :, None]).view(sr * br, sc * bc)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale.float()
+
+
+def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    name, shape, kind = spec
+    dtype = getattr(torch, {"bfloat16": "bfloat16", "float16": "float16"}.get(c.get("torch_dtype"), "float32"))
+    if kind == "norm":
+        return {name: (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)}
+    if kind == "bias":
+        return {name: (0.1 * torch.rand(shape, generator=gen)).float()}  # published as fp32
+    w = torch.randn(shape, generator=gen) * std
+    q = c.get("quantization_config")
+    if kind == "proj" and q:
+        values, scale_inv = quantize_fp8(w, tuple(q["weight_block_size"]))
+        return {name: values, name + "_scale_inv": scale_inv}
+    return {name: w.to(dtype)}
+
+
+def write(c: dict, out: pathlib.Path, std: float, seed: int, shard_mb: int) -> pathlib.Path:
+    out.mkdir(parents=True, exist_ok=True)
+    specs = tensor_specs(c)
+    nbytes = lambda s: (1 if (s[2] == "proj" and c.get("quantization_config")) else 2) * \
+        int(torch.tensor(s[1]).prod())  # noqa: E731
+    shards, cur, size = [], [], 0
+    for s in specs:  # cut into shards of about shard_mb, in order
+        if cur and size + nbytes(s) > shard_mb << 20:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(s)
+        size += nbytes(s)
+    shards.append(cur)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    for i, group in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for s in group:
+            tensors.update(generate(c, s, std, gen))
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in tensors})
+        total += sum(t.nbytes for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(c, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / f, out / f)
+    return out
+
+
+def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
+    c = json.loads(json.dumps(PRESETS[arch]))
+    if layers is not None:
+        c["num_hidden_layers"] = layers
+        if c["model_type"] == "deepseek_v3":
+            c["first_k_dense_replace"] = min(c["first_k_dense_replace"], layers - 1)
+    c.update(overrides)
+    return c
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: as published)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="override a config.json field, e.g. hidden_size=64 or quantization_config=null")
+    ap.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard-mb", type=int, default=4096)
+    a = ap.parse_args(argv)
+    overrides = {}
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        overrides[k] = json.loads(v)
+    c = config_of(a.arch, a.layers, overrides)
+    out = write(c, pathlib.Path(a.out), a.std, a.seed, a.shard_mb)
+    print(f"wrote {out}: {c['model_type']}, {c['num_hidden_layers']} layers")
+
+
+if __name__ == "__main__":
+    main()
