@@ -81,9 +81,14 @@ async def serve(args, stop: asyncio.Event) -> None:
     try:
         # off the event loop, so health checks are answered (NOT_SERVING) while loading
         fp = await asyncio.to_thread(fingerprint, ckpt)
-        layers = await asyncio.to_thread(load_expert_layers, cfg, ckpt, fmt, args.threads)
+        layers = await serving.unless_stopped(
+            stop, lambda cancel: load_expert_layers(cfg, ckpt, fmt, args.threads, cancel=cancel))
     except ModelConfigError as e:
         serving.fail(str(e))
+    except serving.Stopped:
+        log.info("stopped while loading")
+        await server.stop(grace=0)
+        return
     servicer.attach(layers, fp)
     await serving.set_health(hs, [name], serving=True)
     log.info("ready: %s fingerprint %s, %d MoE layers, %d experts, format %s, kernel %s, %d threads",

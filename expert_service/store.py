@@ -1,11 +1,13 @@
 """Load the routed experts (and nothing else) of every MoE layer from a checkpoint into DRAM,
-one operator per layer."""
+one operator per layer, packed expert by expert: at most one expert's source tensors exist beside
+the packed weights, and the checkpoint's memory-mapped pages are let go every few experts (a mapped
+page read once stays in the process's RSS until its file is closed)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
-import torch
 from tqdm import tqdm
 
 from moe_core.checkpoint import Checkpoint
@@ -15,27 +17,35 @@ from . import kernels
 
 log = logging.getLogger("expert_service.store")
 
+RELEASE_EVERY = 8  # experts between closing the shards (reopening one costs a few ms: its header)
+
+
+class LoadCancelled(Exception):
+    """Loading stopped on request (SIGTERM while loading)."""
+
 
 def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: int,
-                       progress: bool | None = None) -> dict[int, object]:
-    """-> {layer index: MoELayer}. Reads the shards memory-mapped, one expert tensor at a time, and
-    repacks / quantizes layer by layer. progress: a progress bar (None = when stderr is a terminal;
-    a log line per layer either way, for containers)."""
+                       progress: bool | None = None, cancel: threading.Event | None = None) -> dict[int, object]:
+    """-> {layer index: MoELayer}. progress: a progress bar (None = when stderr is a terminal; a log line
+    per layer either way, for containers). cancel: set it to stop between two experts (LoadCancelled)."""
     layers = {}
     t0 = time.perf_counter()
-    E = cfg.n_routed_experts
+    E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     bar = tqdm(total=len(cfg.moe_layers) * E, unit="expert", desc=f"experts -> {fmt}", dynamic_ncols=True,
                disable=None if progress is None else not progress)  # None: only on a terminal
     with bar:
         for i, layer in enumerate(cfg.moe_layers):
-            gate, up, down = [], [], []
-            for e in range(E):
-                g, u, d = cfg.expert_tensor_names(layer, e)
-                gate.append(ckpt.get(g)), up.append(ckpt.get(u)), down.append(ckpt.get(d))
-            layers[layer] = kernels.MoELayer(torch.stack(gate), torch.stack(up), torch.stack(down), fmt=fmt,
-                                             threads=threads)
-            bar.update(E)
+            def load(e: int, layer=layer):
+                if cancel is not None and cancel.is_set():
+                    raise LoadCancelled()
+                if e % RELEASE_EVERY == 0:
+                    ckpt.close()
+                bar.update(1)
+                return tuple(ckpt.get(n) for n in cfg.expert_tensor_names(layer, e))
+
+            layers[layer] = kernels.MoELayerFromExperts(E, I, H, load, fmt=fmt, threads=threads)
             log.info("loaded MoE layer %d (%d/%d), %d experts as %s, %.1fs", layer, i + 1, len(cfg.moe_layers), E, fmt,
                      time.perf_counter() - t0)
+    ckpt.close()
     log.info("loaded %d MoE layers in %.1fs", len(layers), time.perf_counter() - t0)
     return layers

@@ -70,9 +70,9 @@ def pick_device(arg: str) -> torch.device:
     return dev
 
 
-def wait_for_experts(experts: RemoteExperts, timeout: float):
+def wait_for_experts(experts: RemoteExperts, timeout: float, cancel):
     deadline, delay = time.monotonic() + timeout, 0.1
-    while True:
+    while not cancel.is_set():
         try:
             return experts.info(timeout=5)
         except grpc.RpcError as e:
@@ -81,7 +81,7 @@ def wait_for_experts(experts: RemoteExperts, timeout: float):
             if time.monotonic() > deadline:
                 serving.fail(f"expert service at {experts.target} not ready after {timeout:.0f}s: "
                              f"{e.code().name}: {e.details()}")
-            time.sleep(delay)
+            cancel.wait(delay)
             delay = min(delay * 2, 2.0)
 
 
@@ -161,7 +161,14 @@ async def serve(args, stop: asyncio.Event) -> None:
     experts = RemoteExperts(args.experts, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20,
                             args.expert_timeout)
     log.info("waiting for the expert service at %s", args.experts)
-    info = await asyncio.to_thread(wait_for_experts, experts, args.connect_timeout)
+    try:
+        info = await serving.unless_stopped(stop, lambda c: wait_for_experts(experts, args.connect_timeout, c))
+        model = await serving.unless_stopped(stop, lambda c: Model(cfg, ckpt, device, dtype, cancel=c))
+    except serving.Stopped:
+        log.info("stopped while starting")
+        await server.stop(grace=0)
+        experts.close()
+        return
     if info.model_fingerprint != fp:
         serving.fail(f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service "
                      f"at {args.experts} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
@@ -171,7 +178,6 @@ async def serve(args, stop: asyncio.Event) -> None:
     except ExpertServiceError as e:
         serving.fail(f"--transport {args.transport}: {e}")
     server_info.transport = transport
-    model = await asyncio.to_thread(Model, cfg, ckpt, device, dtype)
     engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=info.max_tokens)
     engine.start()
     servicer.attach(engine)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 import torch
@@ -45,14 +46,20 @@ def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
+                 cancel: threading.Event | None = None):
+        """Loads every non-expert weight (FP8 ones dequantized, then cast to `dtype`); `cancel` stops it
+        between two tensors (InterruptedError). The checkpoint's mapped pages are let go afterwards."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.W: dict[str, torch.Tensor] = {}
         for name in ckpt.names(lambda n: not is_routed_expert_tensor(n)):
+            if cancel is not None and cancel.is_set():
+                raise InterruptedError("loading cancelled")
             if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers:
                 continue  # e.g. DeepSeek-V3's multi-token-prediction layer: not used for decoding
             t = ckpt.get(name)
             self.W[name] = t.to(device=device, dtype=torch.float32 if _keep_fp32(cfg, name) else dtype)
+        ckpt.close()  # tensors still viewing the map keep their pages; the rest are let go
         self.lm_head = self.W.get("lm_head.weight", self.W["model.embed_tokens.weight"])
         self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)

@@ -3,11 +3,13 @@ the fingerprint metadata key, and the CLI error convention (clear message, exit 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
-from typing import NoReturn
+import threading
+from typing import Callable, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -108,6 +110,30 @@ def run(main) -> None:
             logging.getLogger("serving").info("stopped")
 
     uvloop.run(wrapper())
+
+
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """SIGTERM/SIGINT arrived while the service was still starting."""
+
+
+async def unless_stopped(stop: asyncio.Event, work: Callable[[threading.Event], T]) -> T:
+    """Run work(cancel) in a thread (loading, connecting). If `stop` is set first, set `cancel` (work
+    checks it between steps and returns or raises soon), wait for it, and raise Stopped: a service
+    told to stop while loading exits promptly instead of finishing the load first."""
+    cancel = threading.Event()
+    task = asyncio.ensure_future(asyncio.to_thread(work, cancel))
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        waiter.cancel()
+        return task.result()
+    cancel.set()
+    with contextlib.suppress(Exception):
+        await task
+    raise Stopped
 
 
 def fail(msg: str) -> NoReturn:

@@ -11,7 +11,9 @@ weights use the torch operator.
 import logging
 import os
 
-from .torch_moe import TorchMoELayer
+import torch
+
+from .torch_moe import FORMATS as TORCH_DTYPES, TorchMoELayer
 
 log = logging.getLogger("expert_service.kernels")
 
@@ -32,8 +34,18 @@ def kernel_path(fmt: str) -> str:
 
 
 def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None):
+    return MoELayerFromExperts(gate.shape[0], gate.shape[1], gate.shape[2], lambda e: (gate[e], up[e], down[e]),
+                               fmt, threads)
+
+
+def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None):
+    """The same operator, built expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I])."""
     if NativeMoELayer is not None and fmt in NATIVE_FORMATS:
-        return NativeMoELayer(gate, up, down, fmt=fmt, threads=threads)
+        return NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads)
     if fmt in ("int8", "int4"):
         raise ValueError(f"weight format {fmt} needs the native kernels, which are not built")
-    return TorchMoELayer(gate, up, down, fmt=fmt, threads=threads)
+    if fmt not in TORCH_DTYPES:
+        raise ValueError(f"unknown weight format {fmt!r} (native: {NATIVE_FORMATS}, torch: {tuple(TORCH_DTYPES)})")
+    dt = TORCH_DTYPES[fmt]
+    parts = [tuple(t.to(dt) for t in load(e)) for e in range(E)]  # cast as read: no full-precision copy
+    return TorchMoELayer(*(torch.stack([p[i] for p in parts]) for i in range(3)), fmt=fmt, threads=threads)

@@ -53,33 +53,49 @@ def row_len(n: int, fmt: str) -> int:
     return n + 64 if nbytes % 512 == 0 else n
 
 
-def to_huge(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t [E, ...] on huge-page-advised memory (streaming GBs of weights without a TLB miss
-    per 4 KiB), each expert's slice on its NUMA node (bound before the copy first touches it)."""
-    buf = _n.HugeBuffer(t.nbytes)
-    if t.nbytes:
-        _n.numa_place(_ptr_of(buf), t.nbytes // t.shape[0], t.shape[0])
-    out = torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape) if t.nbytes else t.clone()
-    out.copy_(t)
-    return out  # the tensor keeps `buf` alive through its storage
+def huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized [E, ...] tensor on huge-page-advised memory (streaming GBs of weights without a
+    TLB miss per 4 KiB), each expert's slice bound to its NUMA node before anything touches it."""
+    n = int(torch.Size(shape).numel()) * dtype.itemsize
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = _n.HugeBuffer(n)
+    _n.numa_place(_ptr_of(buf), n // shape[0], shape[0])
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # keeps `buf` alive
 
 
-def pack(w: torch.Tensor, fmt: str, Kp: int):
-    """w [E, rows, K] -> (data, scale, rowsum, rowcorr) in the kernels' layout (None where unused)."""
+def alloc(fmt: str, E: int, rows: int, Kp: int):
+    """Empty packed storage of E experts' [rows, Kp] matrices: (data, scale, rowsum, rowcorr), None where
+    the format has none."""
+    if fmt == "bf16":
+        return huge((E, rows, Kp), torch.bfloat16), None, None, None
+    if fmt == "int8":
+        return huge((E, rows, Kp), torch.int8), torch.empty(E, rows), torch.empty(E, rows, dtype=torch.int32), None
+    return huge((E, rows, Kp // 2), torch.uint8), torch.empty(E, rows, Kp // INT4_GROUP), None, torch.empty(E, rows)
+
+
+def pack_expert(w: torch.Tensor, fmt: str, Kp: int) -> tuple:
+    """One expert's w [rows, K] (any float dtype) -> its (data, scale, rowsum, rowcorr) in the kernels' layout."""
     w = F.pad(w.float(), (0, Kp - w.shape[-1]))
     if fmt == "bf16":
-        return to_huge(w.to(torch.bfloat16)), None, None, None
+        return w.to(torch.bfloat16), None, None, None
     if fmt == "int8":
         scale = (w.abs().amax(-1) / 127).clamp_min(1e-12)
         q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
-        return to_huge(q), scale.contiguous(), q.sum(-1, dtype=torch.int32).contiguous(), None
-    E, R, _ = w.shape
-    g = w.view(E, R, Kp // INT4_GROUP, INT4_GROUP)
+        return q, scale, q.sum(-1, dtype=torch.int32), None
+    R = w.shape[0]
+    g = w.view(R, Kp // INT4_GROUP, INT4_GROUP)
     scale = (g.abs().amax(-1) / 7).clamp_min(1e-12)
     q = (torch.round(g / scale[..., None]).clamp(-7, 7) + 8).to(torch.uint8)      # 1..15, 8 = zero
     packed = q[..., :INT4_GROUP // 2] | (q[..., INT4_GROUP // 2:] << 4)           # byte i: elems i, i+32
     rowcorr = 128 * (scale * (q.float() - 8).sum(-1)).sum(-1)                      # takes the +128 of u8 x out
-    return to_huge(packed.reshape(E, R, Kp // 2)), scale.reshape(E, R, -1).contiguous(), None, rowcorr.contiguous()
+    return packed.reshape(R, Kp // 2), scale, None, rowcorr
+
+
+def store_expert(dst: tuple, e: int, parts: tuple) -> None:
+    for d, p in zip(dst, parts):
+        if d is not None:
+            d[e].copy_(p)
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -89,16 +105,35 @@ def _ptr(t: torch.Tensor | None) -> int:
 class NativeMoELayer(SubmitWait):
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
                  threads: int | None = None, path: str | None = None):
-        if fmt not in FORMATS:
-            raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
         E, I, H = gate.shape
         if up.shape != (E, I, H) or down.shape != (E, H, I):
             raise ValueError(f"expert shapes disagree: gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}")
+        self._build(E, I, H, lambda e: (gate[e], up[e], down[e]), fmt, threads, path)
+
+    @classmethod
+    def from_experts(cls, E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None,
+                     path: str | None = None) -> "NativeMoELayer":
+        """Pack expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]) in any float dtype, so at
+        most one expert's source tensors exist beside the packed layer."""
+        self = cls.__new__(cls)
+        self._build(E, I, H, load, fmt, threads, path)
+        return self
+
+    def _build(self, E, I, H, load, fmt, threads, path) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
         self.num_experts, self.intermediate, self.hidden, self.fmt = E, I, H, fmt
         self.path = path or PATH
         self.Kp_h, self.Kp_i = row_len(H, fmt), row_len(I, fmt)
-        self.gu = pack(torch.cat([gate, up], dim=1), fmt, self.Kp_h)   # [E, 2I, Kp_h]
-        self.dn = pack(down, fmt, self.Kp_i)                            # [E, H, Kp_i]
+        self.gu = alloc(fmt, E, 2 * I, self.Kp_h)   # [E, 2I, Kp_h]: gate rows, then up rows
+        self.dn = alloc(fmt, E, H, self.Kp_i)       # [E, H, Kp_i]
+        for e in range(E):
+            g, u, d = load(e)
+            if g.shape != (I, H) or u.shape != (I, H) or d.shape != (H, I):
+                raise ValueError(f"expert {e}: shapes gate {tuple(g.shape)}, up {tuple(u.shape)}, down "
+                                 f"{tuple(d.shape)}; expected [{I}, {H}], [{I}, {H}], [{H}, {I}]")
+            store_expert(self.gu, e, pack_expert(torch.cat([g, u]), fmt, self.Kp_h))
+            store_expert(self.dn, e, pack_expert(d, fmt, self.Kp_i))
         self._wargs = self._weight_args()  # the packed buffers live as long as self
         _n.init_pool(threads or os.cpu_count() or 1)
 

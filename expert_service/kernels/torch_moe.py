@@ -9,15 +9,15 @@ import torch.nn.functional as F
 
 from .submit_wait import SubmitWait
 
-_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TorchMoELayer(SubmitWait):
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
                  threads: int | None = None):
-        if fmt not in _FORMATS:
-            raise ValueError(f"the torch path supports formats {sorted(_FORMATS)}, not {fmt!r}")
-        dt = _FORMATS[fmt]
+        if fmt not in FORMATS:
+            raise ValueError(f"the torch path supports formats {sorted(FORMATS)}, not {fmt!r}")
+        dt = FORMATS[fmt]
         E, I, H = gate.shape
         if up.shape != (E, I, H) or down.shape != (E, H, I):
             raise ValueError(f"expert shapes disagree: gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}")
