@@ -83,7 +83,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         fp = await asyncio.to_thread(fingerprint, ckpt)
         layers = await serving.unless_stopped(
             stop, lambda cancel: load_expert_layers(cfg, ckpt, fmt, args.threads, cancel=cancel))
-    except ModelConfigError as e:
+    except ValueError as e:  # ModelConfigError, or expert tensors of the wrong shape
         serving.fail(str(e))
     except serving.Stopped:
         log.info("stopped while loading")

@@ -71,16 +71,18 @@ def pick_device(arg: str) -> torch.device:
 
 
 def wait_for_experts(experts: RemoteExperts, timeout: float, cancel):
+    """ExpertInfo once the expert service answers; ConnectionError (the message for serving.fail) if it
+    refuses us or is not up within `timeout`; None once `cancel` is set."""
     deadline, delay = time.monotonic() + timeout, 0.1
     while not cancel.is_set():
         try:
             return experts.info(timeout=5)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                serving.fail(f"expert service at {experts.target} refused us: {e.details()}")
+                raise ConnectionError(f"expert service at {experts.target} refused us: {e.details()}") from None
             if time.monotonic() > deadline:
-                serving.fail(f"expert service at {experts.target} not ready after {timeout:.0f}s: "
-                             f"{e.code().name}: {e.details()}")
+                raise ConnectionError(f"expert service at {experts.target} not ready after {timeout:.0f}s: "
+                                      f"{e.code().name}: {e.details()}") from None
             cancel.wait(delay)
             delay = min(delay * 2, 2.0)
 
@@ -169,6 +171,8 @@ async def serve(args, stop: asyncio.Event) -> None:
         await server.stop(grace=0)
         experts.close()
         return
+    except (ConnectionError, ModelConfigError) as e:
+        serving.fail(str(e))
     if info.model_fingerprint != fp:
         serving.fail(f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service "
                      f"at {args.experts} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
