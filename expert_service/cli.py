@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import pathlib
+import sys
 
 import grpc
 import torch
@@ -16,7 +18,7 @@ from moe_core.edge import MalformedRequestInterceptor
 from moe_core.metrics import serve_metrics
 from protos import expert_pb2, expert_pb2_grpc
 
-from . import kernels
+from . import kernels, packed_cache
 from .server import ExpertServicer
 from .store import load_expert_layers
 
@@ -37,6 +39,9 @@ def parse_args(argv=None):
                     help="most tokens accepted in one layer request (bounds message size)")
     ap.add_argument("--shm-max-mb", type=int, default=1024,
                     help="largest shared-memory region a co-located GPU service may register (0: gRPC only)")
+    ap.add_argument("--cache-dir", default=str(packed_cache.default_dir()),
+                    help="packed-weight cache: experts packed in the chosen format are written here once and "
+                         "read back on later starts ('off' to disable; $MOE_CACHE_DIR sets the default)")
     serving.add_server_args(ap)
     security.add_server_args(ap)
     return ap.parse_args(argv)
@@ -61,6 +66,9 @@ async def serve(args, stop: asyncio.Event) -> None:
     torch.set_num_threads(args.threads)
     fmt = weight_format(args.weight_format, cfg.torch_dtype)
     max_msg = args.max_tokens * (cfg.hidden_size * 4 + cfg.n_routed_experts * 8) + (1 << 16)
+    if not 1 <= args.max_tokens or max_msg > serving.GRPC_MAX_MESSAGE:
+        serving.fail(f"--max-tokens {args.max_tokens}: must be >= 1, and a layer request of that many tokens of "
+                     f"hidden size {cfg.hidden_size} must fit gRPC's 2 GiB message limit")
     server = grpc.aio.server(options=serving.message_options(max_msg),
                              interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
     hs = serving.add_health(server)
@@ -81,8 +89,9 @@ async def serve(args, stop: asyncio.Event) -> None:
     try:
         # off the event loop, so health checks are answered (NOT_SERVING) while loading
         fp = await asyncio.to_thread(fingerprint, ckpt)
+        cache = open_cache(args.cache_dir, ckpt, fp, fmt)
         layers = await serving.unless_stopped(
-            stop, lambda cancel: load_expert_layers(cfg, ckpt, fmt, args.threads, cancel=cancel))
+            stop, lambda cancel: load_expert_layers(cfg, ckpt, fmt, args.threads, cancel=cancel, cache=cache))
     except ValueError as e:  # ModelConfigError, or expert tensors of the wrong shape
         serving.fail(str(e))
     except serving.Stopped:
@@ -101,7 +110,44 @@ async def serve(args, stop: asyncio.Event) -> None:
         await server.stop(grace=args.grace)
 
 
+def open_cache(where: str, ckpt, fp: str, fmt: str) -> packed_cache.PackedCache | None:
+    """The packed-weight cache for this model and format (native formats only), or None when off."""
+    if where in ("", "off") or fmt not in kernels.NATIVE_FORMATS or kernels.kernel_path(fmt) == "torch":
+        return None
+    return packed_cache.PackedCache(pathlib.Path(where).expanduser(), fp, packed_cache.source_stamp(ckpt), fmt)
+
+
+def convert_main(argv) -> None:
+    """expert-service convert: pack once, offline."""
+    ap = argparse.ArgumentParser(
+        prog="expert-service convert", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Pack a checkpoint's routed experts into a packed-weight cache directory, offline; then "
+                    "`expert-service --model MODEL --cache-dir OUT` starts from it without re-quantizing.")
+    ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    ap.add_argument("--weight-format", default="auto", choices=["auto", *kernels.NATIVE_FORMATS],
+                    help="auto = the checkpoint's dtype, bf16 for fp32/fp16 ones")
+    ap.add_argument("--out", required=True, help="the cache directory to write (created if needed)")
+    ap.add_argument("--threads", type=int, default=serving.physical_cores())
+    ap.add_argument("--log-level", default="INFO")
+    a = ap.parse_args(argv)
+    serving.setup_logging(a.log_level)
+    try:
+        cfg, ckpt = load_config(a.model), Checkpoint(a.model)
+        fmt = weight_format(a.weight_format, cfg.torch_dtype)
+        fmt = fmt if fmt in kernels.NATIVE_FORMATS else "bf16"
+        cache = open_cache(a.out, ckpt, fingerprint(ckpt), fmt)
+        if cache is None:
+            serving.fail(f"the native kernels are not available here: {fmt} cannot be packed")
+        load_expert_layers(cfg, ckpt, fmt, a.threads, cache=cache)
+    except ValueError as e:
+        serving.fail(str(e))
+    print(f"packed {len(cfg.moe_layers)} MoE layers as {fmt} into {cache.dir}")
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["convert"]:
+        return convert_main(argv[1:])
     args = parse_args(argv)
     serving.setup_logging(args.log_level)
     serving.run(lambda stop: serve(args, stop))

@@ -14,6 +14,7 @@ from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfig
 
 from . import kernels
+from .packed_cache import PackedCache
 
 log = logging.getLogger("expert_service.store")
 
@@ -25,10 +26,16 @@ class LoadCancelled(Exception):
 
 
 def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: int,
-                       progress: bool | None = None, cancel: threading.Event | None = None) -> dict[int, object]:
+                       progress: bool | None = None, cancel: threading.Event | None = None,
+                       cache: PackedCache | None = None) -> dict[int, object]:
     """-> {layer index: MoELayer}. progress: a progress bar (None = when stderr is a terminal; a log line
-    per layer either way, for containers). cancel: set it to stop between two experts (LoadCancelled)."""
+    per layer either way, for containers). cancel: set it to stop between two experts (LoadCancelled).
+    cache: take each layer from the packed-weight cache when it holds a valid copy, else pack it from
+    the checkpoint and write it there (native formats only)."""
     layers = {}
+    hits = 0
+    if cache is not None:
+        cache.sweep()
     t0 = time.perf_counter()
     E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     bar = tqdm(total=len(cfg.moe_layers) * E, unit="expert", desc=f"experts -> {fmt}", dynamic_ncols=True,
@@ -43,9 +50,24 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
                 bar.update(1)
                 return tuple(ckpt.get(n) for n in cfg.expert_tensor_names(layer, e))
 
-            layers[layer] = kernels.MoELayerFromExperts(E, I, H, load, fmt=fmt, threads=threads)
-            log.info("loaded MoE layer %d (%d/%d), %d experts as %s, %.1fs", layer, i + 1, len(cfg.moe_layers), E, fmt,
+            if cancel is not None and cancel.is_set():
+                raise LoadCancelled()
+            op = cache.load(layer, E, I, H, threads) if cache is not None else None
+            cached = op is not None
+            if cached:
+                hits += 1
+                bar.update(E)
+            else:
+                op = kernels.MoELayerFromExperts(E, I, H, load, fmt=fmt, threads=threads)
+                if cache is not None:
+                    if cancel is not None and cancel.is_set():
+                        raise LoadCancelled()
+                    cache.save(layer, op)
+            layers[layer] = op
+            log.info("loaded MoE layer %d (%d/%d), %d experts as %s%s, %.1fs", layer, i + 1, len(cfg.moe_layers), E,
+                     fmt, " from the packed-weight cache" if cached else "",
                      time.perf_counter() - t0)
     ckpt.close()
-    log.info("loaded %d MoE layers in %.1fs", len(layers), time.perf_counter() - t0)
+    log.info("loaded %d MoE layers in %.1fs (%d from the packed-weight cache%s)", len(layers),
+             time.perf_counter() - t0, hits, f" in {cache.dir}" if cache is not None else ": off")
     return layers

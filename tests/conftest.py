@@ -2,12 +2,15 @@
 processes on free localhost ports."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -19,6 +22,10 @@ import tiny_models  # noqa: E402
 from protos import generate_pb2_grpc  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# the services' packed-weight cache: one per test session, never the user's ~/.cache
+if "MOE_CACHE_DIR" not in os.environ:
+    os.environ["MOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MOE_CACHE_DIR"], True)
 
 
 def free_port() -> int:

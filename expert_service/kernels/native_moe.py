@@ -119,7 +119,24 @@ class NativeMoELayer(SubmitWait):
         self._build(E, I, H, load, fmt, threads, path)
         return self
 
-    def _build(self, E, I, H, load, fmt, threads, path) -> None:
+    @classmethod
+    def from_packed(cls, E: int, I: int, H: int, fmt: str, gu: tuple, dn: tuple, threads: int | None = None,
+                    path: str | None = None) -> "NativeMoELayer":
+        """From already packed (data, scale, rowsum, rowcorr) tensors (the packed-weight cache), copied into
+        this layer's own huge-page buffers. ValueError if they are not this layout's."""
+        self = cls.__new__(cls)
+        self._alloc(E, I, H, fmt, path)
+        for name, dst, src in (("gate/up", self.gu, gu), ("down", self.dn, dn)):
+            for part, d, t in zip(("data", "scale", "rowsum", "rowcorr"), dst, src):
+                if (d is None) != (t is None) or (d is not None and (d.shape != t.shape or d.dtype != t.dtype)):
+                    raise ValueError(f"{name} {part}: got {None if t is None else (tuple(t.shape), t.dtype)}, "
+                                     f"this layout needs {None if d is None else (tuple(d.shape), d.dtype)}")
+                if d is not None:
+                    d.copy_(t)
+        self._finish(threads)
+        return self
+
+    def _alloc(self, E, I, H, fmt, path) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
         self.num_experts, self.intermediate, self.hidden, self.fmt = E, I, H, fmt
@@ -127,6 +144,13 @@ class NativeMoELayer(SubmitWait):
         self.Kp_h, self.Kp_i = row_len(H, fmt), row_len(I, fmt)
         self.gu = alloc(fmt, E, 2 * I, self.Kp_h)   # [E, 2I, Kp_h]: gate rows, then up rows
         self.dn = alloc(fmt, E, H, self.Kp_i)       # [E, H, Kp_i]
+
+    def _finish(self, threads) -> None:
+        self._wargs = self._weight_args()  # the packed buffers live as long as self
+        _n.init_pool(threads or os.cpu_count() or 1)
+
+    def _build(self, E, I, H, load, fmt, threads, path) -> None:
+        self._alloc(E, I, H, fmt, path)
         for e in range(E):
             g, u, d = load(e)
             if g.shape != (I, H) or u.shape != (I, H) or d.shape != (H, I):
@@ -134,8 +158,7 @@ class NativeMoELayer(SubmitWait):
                                  f"{tuple(d.shape)}; expected [{I}, {H}], [{I}, {H}], [{H}, {I}]")
             store_expert(self.gu, e, pack_expert(torch.cat([g, u]), fmt, self.Kp_h))
             store_expert(self.dn, e, pack_expert(d, fmt, self.Kp_i))
-        self._wargs = self._weight_args()  # the packed buffers live as long as self
-        _n.init_pool(threads or os.cpu_count() or 1)
+        self._finish(threads)
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,159 @@
+"""The packed-weight cache: a layer's experts as the native kernels hold them (packed rows, scales),
+written once and read back on later starts instead of re-reading and re-quantizing the checkpoint.
+
+One safetensors file per MoE layer in `<cache dir>/<fingerprint>-<format>-v<LAYOUT>/`, written to a
+temporary name and renamed into place (a crash leaves no half-written layer under its real name).
+Each file carries in its metadata what it was made from and a CRC-32 of its tensors; a layer is used
+only if all of it matches (same model fingerprint, same source files by size and mtime, same format,
+same packing layout, same shapes, every byte as written). Anything else is logged and rebuilt, never
+trusted. The tensors are copied from the file's memory map into the kernels' huge-page buffers, so
+the file's pages are let go once a layer is loaded."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import zlib
+
+import struct
+
+import torch
+from safetensors import safe_open
+
+from moe_core.checkpoint import Checkpoint
+
+from .kernels import native_moe
+
+log = logging.getLogger("expert_service.cache")
+
+# Bump whenever the packed layout changes (row padding, int4 nibble order, scales): old caches are
+# then stale by key, never misread.
+LAYOUT = 1
+PARTS = ("data", "scale", "rowsum", "rowcorr")
+
+
+def default_dir() -> pathlib.Path:
+    env = os.environ.get("MOE_CACHE_DIR")
+    if env:
+        return pathlib.Path(env)
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "moe-split"
+
+
+def source_stamp(ckpt: Checkpoint) -> str:
+    """The checkpoint files as they are now (name, size, mtime): the model fingerprint hashes only
+    headers, so two checkpoints of one architecture would otherwise share a cache."""
+    h = hashlib.sha256()
+    for f in sorted(set(ckpt.weight_map.values())):
+        st = (ckpt.dir / f).stat()
+        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
+ST_DTYPES = {torch.bfloat16: "BF16", torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32", torch.int32: "I32"}
+
+
+def write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written straight from the tensors' memory (safetensors.torch.save_file first
+    copies every tensor into bytes: a second copy of a whole packed layer)."""
+    header, off = {"__metadata__": metadata}, 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _crc(tensors: dict[str, torch.Tensor]) -> int:
+    c = 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        c = zlib.crc32(t.view(torch.uint8).reshape(-1).numpy(), c) if t.numel() else c
+    return c
+
+
+@dataclasses.dataclass
+class PackedCache:
+    root: pathlib.Path
+    fingerprint: str
+    stamp: str
+    fmt: str
+
+    @property
+    def dir(self) -> pathlib.Path:
+        return self.root / f"{self.fingerprint}-{self.fmt}-v{LAYOUT}"
+
+    def _path(self, layer: int) -> pathlib.Path:
+        return self.dir / f"layer-{layer:04d}.safetensors"
+
+    def _meta(self, op) -> dict[str, str]:
+        return {"fingerprint": self.fingerprint, "source": self.stamp, "format": self.fmt, "layout": str(LAYOUT),
+                "shape": json.dumps([op.num_experts, op.intermediate, op.hidden, op.Kp_h, op.Kp_i])}
+
+    def save(self, layer: int, op) -> None:
+        """Write one layer's packed experts (atomically: temporary name, fsync, rename)."""
+        tensors = {f"{m}.{p}": t for m, parts in (("gu", op.gu), ("dn", op.dn))
+                   for p, t in zip(PARTS, parts) if t is not None}
+        meta = {**self._meta(op), "crc32": str(_crc(tensors))}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self._path(layer)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        try:
+            write_safetensors(tmp, tensors, meta)
+            os.replace(tmp, final)
+        except OSError as e:  # a full or read-only disk costs the next start time, not this one its model
+            log.warning("could not write the packed-weight cache %s: %s", final, e)
+            tmp.unlink(missing_ok=True)
+
+    def load(self, layer: int, E: int, I: int, H: int, threads: int):
+        """-> the layer's NativeMoELayer from the cache, or None (absent, stale or corrupt: logged)."""
+        path = self._path(layer)
+        if not path.exists():
+            return None
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                Kp_h, Kp_i = native_moe.row_len(H, self.fmt), native_moe.row_len(I, self.fmt)
+                want = {"fingerprint": self.fingerprint, "source": self.stamp, "format": self.fmt,
+                        "layout": str(LAYOUT), "shape": json.dumps([E, I, H, Kp_h, Kp_i])}
+                stale = [k for k, v in want.items() if meta.get(k) != v]
+                if stale:
+                    log.warning("packed-weight cache %s is stale (%s differ): rebuilding it", path, ", ".join(stale))
+                    return None
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                if str(_crc(tensors)) != meta.get("crc32"):
+                    log.warning("packed-weight cache %s is corrupt (checksum mismatch): rebuilding it", path)
+                    return None
+                parts = {m: tuple(tensors.get(f"{m}.{p}") for p in PARTS) for m in ("gu", "dn")}
+                return native_moe.NativeMoELayer.from_packed(E, I, H, self.fmt, parts["gu"], parts["dn"], threads)
+        except Exception as e:  # truncated, not safetensors, wrong shapes...: never trusted
+            log.warning("packed-weight cache %s is unreadable (%s): rebuilding it", path, e)
+            return None
+
+    def sweep(self) -> None:
+        """Remove temporary files of writers that died (their pid is gone)."""
+        if not self.dir.is_dir():
+            return
+        for f in self.dir.glob(".*.tmp-*"):
+            pid = f.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _alive(int(pid)):
+                f.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
