@@ -1,0 +1,134 @@
+"""Expert-service start-up: time to SERVING and memory, cold (nothing cached), warm (packed-weight
+cache in the page cache) and after the page cache of the checkpoint and the cache files was dropped,
+against the floor of reading the same cache bytes from the same state, measured in the same run.
+
+    python bench/bench_restart.py --synth qwen3-30b-a3b --layers 6 --weight-format int4 bf16
+    python bench/bench_restart.py --model DIR --weight-format int8
+
+Page caches are dropped per file (posix_fadvise DONTNEED), which needs no privileges. Each row is the
+median of --reps starts; the cold start runs once per format (it writes the cache)."""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def cpu_name() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def drop_page_cache(*dirs: pathlib.Path) -> None:
+    for d in dirs:
+        for f in d.rglob("*"):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # dirty pages are not dropped
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def read_all(d: pathlib.Path) -> float:
+    """Seconds to read every byte under d sequentially (the I/O floor of a start that reads them)."""
+    t0 = time.perf_counter()
+    for f in sorted(d.rglob("*.safetensors")):
+        with open(f, "rb", buffering=0) as h:
+            while h.readinto(buf):
+                pass
+    return time.perf_counter() - t0
+
+
+buf = bytearray(16 << 20)
+
+
+def status_mib(pid: int, field: str) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def start(model: pathlib.Path, fmt: str, cache: pathlib.Path, threads: int) -> dict:
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "expert_service", "--model", str(model), "--listen", "127.0.0.1:0",
+                          "--threads", str(threads), "--weight-format", fmt, "--cache-dir", str(cache)],
+                         cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    hits = None
+    for line in p.stderr:
+        m = re.search(r"\((\d+) from the packed-weight cache", line)
+        if m:
+            hits = int(m.group(1))
+        if "ready:" in line:
+            break
+    else:
+        raise RuntimeError(f"expert service exited with {p.wait()}")
+    out = {"s": time.perf_counter() - t0, "peak": status_mib(p.pid, "VmHWM"), "steady": status_mib(p.pid, "VmRSS"),
+           "hits": hits}
+    p.terminate()
+    p.wait(60)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=pathlib.Path)
+    src.add_argument("--synth", help="write a synthetic checkpoint of this architecture (tools/synth_checkpoint.py)")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--weight-format", nargs="+", default=["int4"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    a = ap.parse_args()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="bench-restart-"))
+    try:
+        model = a.model
+        if a.synth:
+            import synth_checkpoint
+            t0 = time.perf_counter()
+            model = synth_checkpoint.write(synth_checkpoint.config_of(a.synth, a.layers, {}), work / "model",
+                                           std=0.02, seed=0, shard_mb=4096)
+            print(f"wrote {a.synth} with {a.layers} layers in {time.perf_counter() - t0:.0f}s")
+        size = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**30
+        print(f"CPU: {cpu_name()}; checkpoint {model} ({size:.1f} GiB); threads {a.threads}")
+        print("format  start                 to SERVING (s)  cache hits  peak RSS (MiB)  steady RSS (MiB)  "
+              "read floor (s)")
+        for fmt in a.weight_format:
+            cache = work / f"cache-{fmt}"
+            cold = start(model, fmt, cache, a.threads)
+            packed = sum(f.stat().st_size for f in cache.rglob("*.safetensors")) / 2**30
+            rows = [("cold (packs, writes)", [cold], None)]
+            warm, dropped, floor_warm, floor_cold = [], [], [], []
+            for _ in range(a.reps):  # interleaved: floor, start, in each state
+                floor_warm.append(read_all(cache))
+                warm.append(start(model, fmt, cache, a.threads))
+                drop_page_cache(model, cache)
+                floor_cold.append(read_all(cache))
+                drop_page_cache(model, cache)
+                dropped.append(start(model, fmt, cache, a.threads))
+            rows += [("warm restart", warm, floor_warm), ("page cache dropped", dropped, floor_cold)]
+            for name, runs, floor in rows:
+                med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
+                fl = f"{statistics.median(floor):.2f}" if floor else "-"
+                print(f"{fmt:6}  {name:22}{med('s'):14.2f}  {runs[0]['hits']!s:>10}  {med('peak'):14.0f}  "
+                      f"{med('steady'):16.0f}  {fl:>14}")
+            print(f"{fmt:6}  packed cache: {packed:.2f} GiB")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
