@@ -41,6 +41,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-context", type=int, default=0,
                     help="context limit in tokens (prompt + completion); 0 = the model's max_position_embeddings")
     ap.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    ap.add_argument("--max-step-tokens", type=int, default=2048,
+                    help="token budget of one engine step (vLLM's max_num_batched_tokens): running decodes first, "
+                         "then prompts in chunks of what is left; also capped by the expert service's --max-tokens")
     ap.add_argument("--defer", type=int, default=0,
                     help="expert deferral: per token, this many lowest-weighted experts are merged one layer later (0 = exact)")
     ap.add_argument("--threads", type=int, default=serving.physical_cores(), help="CPU threads for torch on this side")
@@ -158,6 +161,9 @@ async def serve(args, stop: asyncio.Event) -> None:
     await serving.set_health(hs, names, serving=False)
     await server.start()
     serve_metrics(args.metrics_port, args.metrics_host)
+    if args.max_step_tokens < args.max_batch:
+        serving.fail(f"--max-step-tokens {args.max_step_tokens} must be >= --max-batch {args.max_batch} "
+                     "(every running decode takes one token of each step)")
     if not args.expert_timeout > 0:
         serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
     experts = RemoteExperts(args.experts, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20,
@@ -182,13 +188,14 @@ async def serve(args, stop: asyncio.Event) -> None:
     except ExpertServiceError as e:
         serving.fail(f"--transport {args.transport}: {e}")
     server_info.transport = transport
-    engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=info.max_tokens)
+    step_tokens = min(args.max_step_tokens, info.max_tokens or args.max_step_tokens)
+    engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens)
     engine.start()
     servicer.attach(engine)
     watcher = asyncio.create_task(watch_experts(experts, fp, servicer, hs, names))
-    log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s, %s tokens per step), "
+    log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "
              "defer=%d", args.listen, cfg.model_type, fp, device, dtype, args.experts, info.weight_format,
-             info.kernel_path, transport, info.max_tokens or "any", args.defer)
+             info.kernel_path, transport, step_tokens, args.defer)
     try:
         await stop.wait()
     finally:

@@ -1,6 +1,9 @@
 """The engine: one thread that owns the model, the KV caches and the expert exchange, and runs
 steps over all active requests (continuous batching: new prompts are prefilled in the same step
-as the running sequences decode). Talks to the gRPC layer only through Request.emit."""
+as the running sequences decode). Each step carries at most `step_tokens` tokens: every running
+decode's one token first, then prompts in arrival order, cut into chunks of what is left (vLLM's
+chunked prefill), so a long prompt neither overflows the expert service's per-request limit nor
+stalls the running streams by more than one chunk. Talks to the gRPC layer only through Request.emit."""
 from __future__ import annotations
 
 import collections
@@ -15,6 +18,8 @@ from typing import Callable
 import grpc
 import torch
 
+from moe_core import serving
+
 from . import metrics
 from .dispatch import ExpertServiceError
 from .model import Model, Segment
@@ -22,6 +27,7 @@ from .sampling import SamplingParams, sample
 from .text import DetokenizeStream, TextCodec
 
 log = logging.getLogger("gpu_service.engine")
+TRIM_AFTER = 1024  # tokens of context: a request this long returns freed memory to the OS when it ends
 
 
 @dataclasses.dataclass
@@ -70,6 +76,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     detok: DetokenizeStream | None = None
     gen: torch.Generator | None = None
+    score_parts: list = dataclasses.field(default_factory=list)  # score_only: the chunks' results so far
     first_token_at: float | None = None
     last_token_at: float | None = None
     spans: list = dataclasses.field(default_factory=list)
@@ -85,7 +92,6 @@ class Engine:
         self.step_tokens = step_tokens
         self.eos = set(model.cfg.eos_token_ids)
         self.inbox: queue.Queue[Request] = queue.Queue()
-        self.held: collections.deque[Request] = collections.deque()  # taken from the inbox, not admitted yet
         self.running: list[Request] = []
         self.steps = itertools.count()
         self._stop = threading.Event()
@@ -102,27 +108,18 @@ class Engine:
         self.inbox.put(req)
 
     # -- the loop ---------------------------------------------------------------------------------
-    def _next(self, block: bool) -> Request | None:
-        if self.held:
-            return self.held.popleft()
-        try:
-            return self.inbox.get(timeout=0.2) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return None
-
     def _admit(self) -> list[Request]:
-        new: list[Request] = []
-        budget = self.step_tokens - len(self.running) if self.step_tokens else None  # a decode is one token
+        new = []
+        if not self.running:
+            try:
+                new.append(self.inbox.get(timeout=0.2))
+            except queue.Empty:
+                return new
         while len(self.running) + len(new) < self.max_batch:
-            r = self._next(block=not self.running and not new)
-            if r is None:
+            try:
+                new.append(self.inbox.get_nowait())
+            except queue.Empty:
                 break
-            if budget is not None:
-                if len(r.prompt_ids) > budget and (new or self.running):
-                    self.held.appendleft(r)  # first in line for the next step
-                    break
-                budget -= len(r.prompt_ids)
-            new.append(r)
         for r in new:
             r.cache = self.model.new_cache()
             r.detok = DetokenizeStream(self.text, r.prompt_ids, r.stop)
@@ -142,17 +139,38 @@ class Engine:
             self.running = [r for r in self.running if not self._expired(r, now)]
             new = [r for r in new if not self._expired(r, now)]
             metrics.RUNNING.set(len(self.running) + len(new))
-            metrics.WAITING.set(self.inbox.qsize() + len(self.held))
+            metrics.WAITING.set(self.inbox.qsize())
             if not self.running and not new:
                 continue
             batch = self.running + new
+            plan = self._plan(batch)
             # one forward per distinct deferral setting: a request's result never depends on its neighbours
-            for defer, skip in sorted({(r.defer, r.skip) for r in batch}):
-                self._step_or_fail([r for r in batch if (r.defer, r.skip) == (defer, skip)], defer, skip)
+            for defer, skip in sorted({(r.defer, r.skip) for r, _ in plan}):
+                self._step_or_fail([(r, n) for r, n in plan if (r.defer, r.skip) == (defer, skip)], defer, skip)
             self.running = [r for r in batch if r.cache is not None and not r.cancelled]
+            alive = {id(r) for r in self.running}
+            if any(len(r.prompt_ids) + len(r.output) >= TRIM_AFTER for r in batch if id(r) not in alive):
+                serving.trim_heap()  # a long context just ended: its KV cache and activations go back
         metrics.RUNNING.set(0)
 
-    def _step_or_fail(self, group: list[Request], defer: int, skip: bool) -> None:
+    def _plan(self, batch: list[Request]) -> list[tuple[Request, int]]:
+        """This step's tokens of each request: every decode's one, then prompt chunks in arrival order
+        within what is left of the step's budget (a prompt that gets nothing waits for the next step)."""
+        budget = self.step_tokens or float("inf")
+        plan = []
+        for r in batch:
+            if r.cache.length >= len(r.prompt_ids):  # decoding
+                plan.append((r, 1))
+                budget -= 1
+        for r in batch:
+            rest = len(r.prompt_ids) - r.cache.length
+            if rest > 0 and budget > 0:
+                n = int(min(rest, budget))
+                plan.append((r, n))
+                budget -= n
+        return plan
+
+    def _step_or_fail(self, group: list[tuple[Request, int]], defer: int, skip: bool) -> None:
         # A stream broken while idle (the expert service restarted between steps) fails on first use:
         # retry the step once on a fresh stream. Safe: a step writes its KV entries at fixed positions
         # and commits nothing else before its forward pass completes.
@@ -164,33 +182,35 @@ class Engine:
                     log.info("expert exchange failed (%s); retrying the step on a new stream", e)
                     continue
                 log.warning("step failed: %s", e)
-                return self._fail(group, e.code, str(e))
+                return self._fail([r for r, _ in group], e.code, str(e))
             except Exception as e:  # a bug, or one request's inputs: keep it to the request it belongs to
                 self.experts.reset()
                 if len(group) > 1:
                     log.exception("a step of %d requests failed; running them one by one", len(group))
-                    for r in group:
+                    for r, n in group:
                         if not r.cancelled:
-                            self._step_or_fail([r], defer, skip)
+                            self._step_or_fail([(r, n)], defer, skip)
                     return
                 log.exception("step failed")
-                return self._fail(group, grpc.StatusCode.INTERNAL, f"internal error: {e}")
+                return self._fail([r for r, _ in group], grpc.StatusCode.INTERNAL, f"internal error: {e}")
 
     def _fail(self, reqs: list[Request], code, msg: str) -> None:
         for r in reqs:
             r.cache = None
             r.emit(Failure(code, msg))
 
-    def _step(self, reqs: list[Request], defer: int, skip: bool) -> None:
-        segs = []
-        for r in reqs:
-            if r.cache.length == 0:
-                toks = torch.tensor(r.prompt_ids, dtype=torch.long)
-                metrics.PROMPT_TOKENS.inc(len(r.prompt_ids))
+    def _step(self, plan: list[tuple[Request, int]], defer: int, skip: bool) -> None:
+        segs, reqs = [], [r for r, _ in plan]
+        for r, n in plan:
+            s0, P = r.cache.length, len(r.prompt_ids)
+            if s0 < P:  # a prompt chunk
+                toks = torch.tensor(r.prompt_ids[s0:s0 + n], dtype=torch.long)
+                metrics.PROMPT_TOKENS.inc(n)
             else:
                 toks = torch.tensor([r.output[-1]], dtype=torch.long)
-            segs.append(Segment(r.cache, toks, r.cache.length, all_logits=r.score_only and not r.logprobs_only,
-                                logprobs=r.logprobs_only))
+            targets = torch.tensor(r.prompt_ids[s0 + 1:s0 + n + 1], dtype=torch.long) if r.logprobs_only else None
+            segs.append(Segment(r.cache, toks, s0, all_logits=r.score_only and not r.logprobs_only,
+                                logprobs=r.logprobs_only, targets=targets))
         step = next(self.steps)
         spans: list = []
         t0 = time.perf_counter()
@@ -202,15 +222,20 @@ class Engine:
         t_sample = time.time_ns()
         for r, s in zip(reqs, segs):
             n = 0 if r.logprobs_only else s.tokens.shape[0] if r.score_only else 1
+            prefilled = r.cache.length >= len(r.prompt_ids)  # this step finished (or was past) the prompt
             try:
-                if r.logprobs_only:
-                    r.emit(Scores(None, *s.scored))
-                    r.cache = None
-                elif r.score_only:
-                    r.emit(Scores(logits[row:row + n].cpu()))
-                    r.cache = None
-                else:
+                if r.score_only:
+                    r.score_parts.append(s.scored if r.logprobs_only else logits[row:row + n].cpu())
+                    if prefilled:
+                        if r.logprobs_only:
+                            r.emit(Scores(None, *(torch.cat(p) for p in zip(*r.score_parts))))
+                        else:
+                            r.emit(Scores(torch.cat(r.score_parts)))
+                        r.cache = None
+                elif prefilled:
                     self._advance(r, logits[row], now, spans, t_sample)
+                elif r.profile:
+                    r.spans += spans
             except Exception as e:  # sampling or detokenizing this request: the others go on
                 log.exception("request failed after the forward pass")
                 self._fail([r], grpc.StatusCode.INTERNAL, f"internal error: {e}")

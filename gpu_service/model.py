@@ -35,7 +35,8 @@ class Segment:
     tokens: torch.Tensor
     start: int
     all_logits: bool = False  # logits for every position (scoring), else only the last
-    logprobs: bool = False    # scoring: log p(next token) and the argmax at every position, into `scored`
+    logprobs: bool = False    # scoring: log p(targets[i]) and the argmax at every position, into `scored`
+    targets: torch.Tensor | None = None  # logprobs: the next token of each position (one fewer at the end)
     scored: tuple | None = None
 
 
@@ -69,16 +70,16 @@ class Model:
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
 
-    def _token_logprobs(self, h: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [n, H] (final-normed) -> (log p(tokens[i+1]) for i < n - 1, argmax id at each position), computed
-        in chunks of positions so that no [n, vocab] tensor exists for long contexts."""
+    def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [n, H] (final-normed), targets [m <= n] -> (log p(targets[i]) at position i < m, argmax id at each
+        position), in chunks of positions so that no [n, vocab] tensor exists for long contexts."""
         n, chunk = h.shape[0], max(1, (1 << 24) // self.cfg.vocab_size)
-        nxt = tokens[1:].to(self.device)
+        nxt = targets.to(self.device)
         lps, ams = [torch.zeros(0)], []
         for i in range(0, n, chunk):
             logits = F.linear(h[i:i + chunk], self.lm_head).float()
             ams.append(logits.argmax(-1).cpu())
-            j = min(i + chunk, n - 1)  # positions that have a next token
+            j = min(i + chunk, len(nxt))  # positions whose next token is known
             if j > i:
                 lps.append(logits[: j - i].log_softmax(-1).gather(1, nxt[i:j, None])[:, 0].cpu())
         return torch.cat(lps), torch.cat(ams)
@@ -172,7 +173,7 @@ class Model:
         for s in segments:
             n = s.tokens.shape[0]
             if s.logprobs:
-                s.scored = self._token_logprobs(h[off:off + n], s.tokens)
+                s.scored = self._token_logprobs(h[off:off + n], s.targets)
             else:
                 rows.append(torch.arange(off, off + n) if s.all_logits else torch.tensor([off + n - 1]))
             off += n

@@ -85,14 +85,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise BadRequest("input: the prompt tokenizes to zero tokens")
         if len(ids) >= self.engine.max_context:
             raise BadRequest(f"input: prompt has {len(ids)} tokens; the context limit is {self.engine.max_context}")
-        self._check_step(len(ids), "input")
         return ids
-
-    def _check_step(self, n: int, field: str) -> None:
-        limit = self.engine.step_tokens
-        if limit and n > limit:
-            raise BadRequest(f"{field}: {n} tokens exceed the {limit} one step can carry to the expert service "
-                             "(its --max-tokens); prompts are not split into chunks yet")
 
     def _request(self, req: generate_pb2.GenerateRequest, emit) -> Request:
         ids = self._prompt_ids(req)
@@ -172,10 +165,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if defer > self.cfg.top_k - 1:
             await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT,
                               f"defer: must be <= top_k - 1 = {self.cfg.top_k - 1}, got {defer}")
-        try:
-            self._check_step(len(ids), "token_ids.ids")
-        except BadRequest as e:
-            await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT, str(e))
         nbytes = len(ids) * self.cfg.vocab_size * 4
         if not request.logprobs_only and nbytes + (1 << 20) > GRPC_MAX_MESSAGE:
             await self._abort(context, "Score", grpc.StatusCode.INVALID_ARGUMENT,

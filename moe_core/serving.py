@@ -92,6 +92,8 @@ def run(main) -> None:
     and returns (exit 0). A second signal cancels it outright."""
     import uvloop
 
+    tune_malloc()
+
     async def wrapper():
         stop = asyncio.Event()
         task = asyncio.current_task()
@@ -113,6 +115,30 @@ def run(main) -> None:
 
 
 T = TypeVar("T")
+
+
+def _libc():
+    try:
+        import ctypes
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def tune_malloc() -> None:
+    """Tensors of 1 MiB and more get their own mapping, returned to the OS when freed. glibc's default
+    raises this threshold whenever a large block is freed (up to 32 MiB), after which a long prompt's
+    mid-sized tensors land on the heap, and fragments of it stay in the RSS for good. No-op without glibc."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (setting it also turns the dynamic adjustment off)
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the OS (after a long context ended). No-op without glibc."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 class Stopped(Exception):

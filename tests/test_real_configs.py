@@ -5,7 +5,6 @@ transformers' greedy tokens on the same (dequantized) weights in fp32, past the 
 Other quantization methods are refused at start by both services, naming the method."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import pathlib
 import sys
@@ -145,16 +144,3 @@ def test_score_long_contexts_as_logprobs(tmp_path, services_factory):
     r = score(long, logprobs_only=True)
     assert len(r.token_logprobs) == len(long) - 1 and len(r.argmax_ids) == len(long)
     assert all(lp <= 0 for lp in r.token_logprobs)
-
-
-def test_steps_respect_the_expert_services_token_limit(checkpoints, services_factory):
-    """The expert service publishes --max-tokens; a prompt over it is refused with a message saying so,
-    and prompts that fit alone but not together run in separate steps instead of failing as a batch."""
-    s = services_factory(checkpoints["qwen3_moe"], expert_args=("--max-tokens", "64"))
-    with pytest.raises(grpc.RpcError) as e:
-        greedy(s.stub, [5] * 100, 2)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-tokens" in e.value.details()
-    prompts = [[(i * 7 + j) % 300 + 2 for j in range(40)] for i in range(4)]
-    solo = [greedy(s.stub, p, 8) for p in prompts]
-    with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        assert list(ex.map(lambda p: greedy(s.stub, p, 8), prompts)) == solo
