@@ -46,7 +46,7 @@ def test_loading_peak_and_steady_memory(wide, tmp_path, fmt):
     process's fixed cost (before: peak 1.22x / 1.39x, and 1.2 GB of the checkpoint's pages kept mapped)."""
     port, log = free_port(), tmp_path / "expert.log"
     p = start("expert_service", "--model", str(wide), "--listen", f"127.0.0.1:{port}", "--threads", "1",
-              "--weight-format", fmt, log=log)
+              "--weight-format", fmt, "--cache-dir", str(tmp_path / "cache"), log=log)  # cold: packs and writes it
     try:
         wait_log(log, "ready:", p)
         peak, steady = status_mib(p.pid, "VmHWM"), status_mib(p.pid, "VmRSS")
@@ -64,7 +64,7 @@ def test_loading_peak_and_steady_memory(wide, tmp_path, fmt):
 def test_sigterm_while_loading_stops_promptly(wide, tmp_path):
     port, log = free_port(), tmp_path / "expert.log"
     p = start("expert_service", "--model", str(wide), "--listen", f"127.0.0.1:{port}", "--threads", "1",
-              "--weight-format", "int4", log=log)
+              "--weight-format", "int4", "--cache-dir", "off", log=log)  # a cached start is too quick to stop
     wait_log(log, "loading experts", p)
     time.sleep(0.3)
     assert "ready:" not in log.read_text()
