@@ -3,25 +3,25 @@ written once and read back on later starts instead of re-reading and re-quantizi
 
 One safetensors file per MoE layer in `<cache dir>/<fingerprint>-<format>-v<LAYOUT>/`, written to a
 temporary name and renamed into place (a crash leaves no half-written layer under its real name).
-Each file carries in its metadata what it was made from and a CRC-32 of its tensors; a layer is used
-only if all of it matches (same model fingerprint, same source files by size and mtime, same format,
-same packing layout, same shapes, every byte as written). Anything else is logged and rebuilt, never
-trusted. The tensors are copied from the file's memory map into the kernels' huge-page buffers, so
-the file's pages are let go once a layer is loaded."""
+Each file carries in its metadata what it was made from and a CRC-32 of every 64 MiB chunk of every
+tensor; a layer is used only if all of it matches (same model fingerprint, same source files by size
+and mtime, same format, same packing layout, same shapes, every byte as written). Anything else is
+logged and rebuilt, never trusted. Reading goes straight into the kernels' huge-page buffers with
+pread (no memory map: the file's pages never count in the RSS), chunks in parallel with their checks.
+"""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import pathlib
+import struct
 import zlib
 
-import struct
-
 import torch
-from safetensors import safe_open
 
 from moe_core.checkpoint import Checkpoint
 
@@ -33,6 +33,8 @@ log = logging.getLogger("expert_service.cache")
 # then stale by key, never misread.
 LAYOUT = 1
 PARTS = ("data", "scale", "rowsum", "rowcorr")
+CHUNK = 64 << 20  # bytes per checksum, and per read task
+READERS = 2       # parallel pread + CRC tasks (both release the GIL)
 
 
 def default_dir() -> pathlib.Path:
@@ -73,12 +75,18 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], meta
         os.fsync(f.fileno())
 
 
-def _crc(tensors: dict[str, torch.Tensor]) -> int:
-    c = 0
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        c = zlib.crc32(t.view(torch.uint8).reshape(-1).numpy(), c) if t.numel() else c
-    return c
+def _bytes(t: torch.Tensor):
+    return t.view(torch.uint8).reshape(-1).numpy()
+
+
+def chunk_crcs(t: torch.Tensor) -> list[int]:
+    b = _bytes(t)
+    return [zlib.crc32(b[i:i + CHUNK]) for i in range(0, len(b), CHUNK)]
+
+
+def _tensors(op) -> dict[str, torch.Tensor]:
+    return {f"{m}.{p}": t for m, parts in (("gu", op.gu), ("dn", op.dn)) for p, t in zip(PARTS, parts)
+            if t is not None}
 
 
 @dataclasses.dataclass
@@ -101,9 +109,8 @@ class PackedCache:
 
     def save(self, layer: int, op) -> None:
         """Write one layer's packed experts (atomically: temporary name, fsync, rename)."""
-        tensors = {f"{m}.{p}": t for m, parts in (("gu", op.gu), ("dn", op.dn))
-                   for p, t in zip(PARTS, parts) if t is not None}
-        meta = {**self._meta(op), "crc32": str(_crc(tensors))}
+        tensors = _tensors(op)
+        meta = {**self._meta(op), "crc32": json.dumps({k: chunk_crcs(t) for k, t in tensors.items()})}
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self._path(layer)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -115,29 +122,67 @@ class PackedCache:
             tmp.unlink(missing_ok=True)
 
     def load(self, layer: int, E: int, I: int, H: int, threads: int):
-        """-> the layer's NativeMoELayer from the cache, or None (absent, stale or corrupt: logged)."""
+        """-> the layer's NativeMoELayer from the cache, or None (absent, stale, truncated or corrupt: logged)."""
         path = self._path(layer)
         if not path.exists():
             return None
         try:
-            with safe_open(path, framework="pt") as f:
-                meta = f.metadata() or {}
-                Kp_h, Kp_i = native_moe.row_len(H, self.fmt), native_moe.row_len(I, self.fmt)
-                want = {"fingerprint": self.fingerprint, "source": self.stamp, "format": self.fmt,
-                        "layout": str(LAYOUT), "shape": json.dumps([E, I, H, Kp_h, Kp_i])}
-                stale = [k for k, v in want.items() if meta.get(k) != v]
-                if stale:
-                    log.warning("packed-weight cache %s is stale (%s differ): rebuilding it", path, ", ".join(stale))
-                    return None
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-                if str(_crc(tensors)) != meta.get("crc32"):
-                    log.warning("packed-weight cache %s is corrupt (checksum mismatch): rebuilding it", path)
-                    return None
-                parts = {m: tuple(tensors.get(f"{m}.{p}") for p in PARTS) for m in ("gu", "dn")}
-                return native_moe.NativeMoELayer.from_packed(E, I, H, self.fmt, parts["gu"], parts["dn"], threads)
-        except Exception as e:  # truncated, not safetensors, wrong shapes...: never trusted
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
             log.warning("packed-weight cache %s is unreadable (%s): rebuilding it", path, e)
             return None
+        try:
+            return self._read(fd, path, E, I, H, threads)
+        except Exception as e:  # not safetensors, wrong names or shapes...: never trusted
+            log.warning("packed-weight cache %s is unreadable (%s): rebuilding it", path, e)
+            return None
+        finally:
+            os.close(fd)
+
+    def _read(self, fd: int, path: pathlib.Path, E: int, I: int, H: int, threads: int):
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if not 2 <= n <= 1 << 24:
+            raise ValueError(f"header length {n}")
+        header = json.loads(os.pread(fd, n, 8))
+        meta = header.pop("__metadata__", {})
+        Kp_h, Kp_i = native_moe.row_len(H, self.fmt), native_moe.row_len(I, self.fmt)
+        want = {"fingerprint": self.fingerprint, "source": self.stamp, "format": self.fmt, "layout": str(LAYOUT),
+                "shape": json.dumps([E, I, H, Kp_h, Kp_i])}
+        stale = [k for k, v in want.items() if meta.get(k) != v]
+        if stale:
+            log.warning("packed-weight cache %s is stale (%s differ): rebuilding it", path, ", ".join(stale))
+            return None
+        op = native_moe.NativeMoELayer.empty(E, I, H, self.fmt)
+        dst, crcs = _tensors(op), json.loads(meta["crc32"])
+        if set(header) != set(dst) or set(crcs) != set(dst):
+            raise ValueError(f"tensors {sorted(header)}, this layout has {sorted(dst)}")
+        data_end = 8 + n + max(h["data_offsets"][1] for h in header.values())
+        if os.fstat(fd).st_size != data_end:
+            raise ValueError(f"{os.fstat(fd).st_size} bytes, the header describes {data_end} (truncated?)")
+        tasks = []
+        for name, t in dst.items():
+            h = header[name]
+            if h["dtype"] != ST_DTYPES[t.dtype] or h["shape"] != list(t.shape) or \
+                    h["data_offsets"][1] - h["data_offsets"][0] != t.nbytes:
+                raise ValueError(f"{name}: {h['dtype']} {h['shape']}, this layout has {ST_DTYPES[t.dtype]} "
+                                 f"{list(t.shape)}")
+            buf = _bytes(t)
+            if len(crcs[name]) != -(-len(buf) // CHUNK):
+                raise ValueError(f"{name}: {len(crcs[name])} checksums for {len(buf)} bytes")
+            for i, crc in enumerate(crcs[name]):
+                tasks.append((buf[i * CHUNK:(i + 1) * CHUNK], 8 + n + h["data_offsets"][0] + i * CHUNK, crc))
+
+        def read(task) -> bool:
+            view, off, crc = task
+            got = os.preadv(fd, [view], off)
+            return got == len(view) and zlib.crc32(view) == crc
+
+        with concurrent.futures.ThreadPoolExecutor(READERS) as ex:
+            if not all(ex.map(read, tasks)):
+                log.warning("packed-weight cache %s is corrupt (checksum mismatch): rebuilding it", path)
+                return None
+        op.ready(threads)
+        return op
 
     def sweep(self) -> None:
         """Remove temporary files of writers that died (their pid is gone)."""

@@ -120,20 +120,11 @@ class NativeMoELayer(SubmitWait):
         return self
 
     @classmethod
-    def from_packed(cls, E: int, I: int, H: int, fmt: str, gu: tuple, dn: tuple, threads: int | None = None,
-                    path: str | None = None) -> "NativeMoELayer":
-        """From already packed (data, scale, rowsum, rowcorr) tensors (the packed-weight cache), copied into
-        this layer's own huge-page buffers. ValueError if they are not this layout's."""
+    def empty(cls, E: int, I: int, H: int, fmt: str, path: str | None = None) -> "NativeMoELayer":
+        """A layer whose packed buffers (self.gu, self.dn) are allocated, not filled: the packed-weight
+        cache reads straight into them, then calls ready()."""
         self = cls.__new__(cls)
         self._alloc(E, I, H, fmt, path)
-        for name, dst, src in (("gate/up", self.gu, gu), ("down", self.dn, dn)):
-            for part, d, t in zip(("data", "scale", "rowsum", "rowcorr"), dst, src):
-                if (d is None) != (t is None) or (d is not None and (d.shape != t.shape or d.dtype != t.dtype)):
-                    raise ValueError(f"{name} {part}: got {None if t is None else (tuple(t.shape), t.dtype)}, "
-                                     f"this layout needs {None if d is None else (tuple(d.shape), d.dtype)}")
-                if d is not None:
-                    d.copy_(t)
-        self._finish(threads)
         return self
 
     def _alloc(self, E, I, H, fmt, path) -> None:
@@ -145,7 +136,7 @@ class NativeMoELayer(SubmitWait):
         self.gu = alloc(fmt, E, 2 * I, self.Kp_h)   # [E, 2I, Kp_h]: gate rows, then up rows
         self.dn = alloc(fmt, E, H, self.Kp_i)       # [E, H, Kp_i]
 
-    def _finish(self, threads) -> None:
+    def ready(self, threads: int | None = None) -> None:
         self._wargs = self._weight_args()  # the packed buffers live as long as self
         _n.init_pool(threads or os.cpu_count() or 1)
 
@@ -158,7 +149,7 @@ class NativeMoELayer(SubmitWait):
                                  f"{tuple(d.shape)}; expected [{I}, {H}], [{I}, {H}], [{H}, {I}]")
             store_expert(self.gu, e, pack_expert(torch.cat([g, u]), fmt, self.Kp_h))
             store_expert(self.dn, e, pack_expert(d, fmt, self.Kp_i))
-        self._finish(threads)
+        self.ready(threads)
 
     @property
     def nbytes(self) -> int:
