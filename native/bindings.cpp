@@ -78,6 +78,7 @@ PYBIND11_MODULE(_moe_native, m) {
     d["avx512f"] = f.avx512f; d["avx512bw"] = f.avx512bw; d["avx512bf16"] = f.avx512bf16;
     d["avx512vnni"] = f.avx512vnni; d["amx_tile"] = f.amx_tile; d["amx_bf16"] = f.amx_bf16; d["amx_int8"] = f.amx_int8;
     d["os_avx512"] = f.os_avx512; d["os_amx"] = f.os_amx;
+    d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["os_avx"] = f.os_avx;
     return d;
   });
   m.def("set_tuning", [](size_t pf_bytes, size_t task_kb) {  // between calls only (benchmarks)
@@ -87,11 +88,12 @@ PYBIND11_MODULE(_moe_native, m) {
   m.def("get_tuning", [] { return py::make_tuple(tuning().pf_bytes, tuning().task_bytes / 1024); });
   m.def("best_path", [] { return std::string(isa_name(best_isa(detect_cpu()))); });
   m.def("path_supported", [](const std::string& p) { return isa_supported(parse_isa(p), detect_cpu()); });
-  m.def("read_bandwidth", [](uintptr_t buf, size_t n) {
+  m.def("read_bandwidth", [](uintptr_t buf, size_t n, const std::string& variant) {
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> g(compute_mutex());
-    return read_bandwidth(reinterpret_cast<const float*>(buf), n);
-  });
+    return read_bandwidth(reinterpret_cast<const float*>(buf), n, variant);
+  }, py::arg("buf"), py::arg("n"), py::arg("variant") = "auto",
+  "bytes/s streaming n floats on all pool threads; variant auto | avx512 | avx2 | scalar (checked against the CPU)");
   m.def("bf16_peak_flops", [](long iters) {
     MOE_CHECK(isa_supported(Isa::Avx512, detect_cpu()), "no AVX-512 BF16 on this CPU");
     py::gil_scoped_release nogil;

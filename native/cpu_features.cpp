@@ -19,10 +19,14 @@ static CpuFeatures probe_cpu() {
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   bool osxsave = c & (1u << 27);
   uint64_t xcr0 = osxsave ? xgetbv0() : 0;
+  f.os_avx = (xcr0 & 0x6) == 0x6;
   f.os_avx512 = (xcr0 & 0xe6) == 0xe6;
+  f.fma = c & (1u << 12);
+  f.f16c = c & (1u << 29);
   f.os_amx = (xcr0 & (3ull << 17)) == (3ull << 17);
   if (__get_cpuid_max(0, nullptr) < 7) return f;
   __cpuid_count(7, 0, a, b, c, d);
+  f.avx2 = b & (1u << 5);
   f.avx512f = b & (1u << 16);
   f.avx512bw = b & (1u << 30);
   f.avx512vnni = c & (1u << 11);

@@ -18,6 +18,7 @@ constexpr int INT4_GROUP = 64;  // int4: one scale per 64 consecutive weights of
 
 struct CpuFeatures {
   bool avx512f, avx512bw, avx512bf16, avx512vnni, amx_tile, amx_bf16, amx_int8, os_avx512, os_amx;
+  bool avx2, fma, f16c, os_avx;  // os_avx: the OS saves the ymm state (XCR0 bits 1-2)
 };
 
 CpuFeatures detect_cpu();

@@ -1,8 +1,10 @@
 #pragma once
 #include <cstddef>
+#include <string>
 
 namespace moe {
-double read_bandwidth(const float* buf, size_t n_floats);  // bytes/s, all pool threads
+// bytes/s, all pool threads; variant: auto (the widest the CPU and OS allow) | avx512 | avx2 | scalar
+double read_bandwidth(const float* buf, size_t n_floats, const std::string& variant = "auto");
 double bf16_peak_flops(long iters);                        // FLOP/s of vdpbf16ps, all pool threads
 double vnni_peak_ops(long iters);                          // int8 OP/s of vpdpbusd, all pool threads
 }  // namespace moe

@@ -271,3 +271,18 @@ def test_bf16_rows_longer_than_one_k_chunk(path):
     x = torch.randn(9, 8300)
     op = layer(gate, up, down, fmt="bf16", path=path)
     close(op.forward(x, ids, w), reference(x, *dequantized(op), ids, w, "bf16"), TOL["bf16"])
+
+
+def test_bandwidth_probe_checks_the_cpu():
+    """Every probe variant the CPU and OS allow runs; the others are refused with a message, never an
+    illegal instruction (auto picks the widest available)."""
+    f = native.cpu_features()
+    buf = torch.ones(1 << 22)
+    allowed = {"scalar": True, "avx2": f["avx2"] and f["os_avx"], "avx512": f["avx512f"] and f["os_avx512"]}
+    assert native.read_bandwidth(buf.data_ptr(), buf.numel()) > 0
+    for variant, ok in allowed.items():
+        if ok:
+            assert native.read_bandwidth(buf.data_ptr(), buf.numel(), variant) > 0
+        else:
+            with pytest.raises(ValueError, match="not available"):
+                native.read_bandwidth(buf.data_ptr(), buf.numel(), variant)
