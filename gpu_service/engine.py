@@ -6,7 +6,6 @@ chunked prefill), so a long prompt neither overflows the expert service's per-re
 stalls the running streams by more than one chunk. Talks to the gRPC layer only through Request.emit."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -87,8 +86,7 @@ class Engine:
                  step_tokens: int = 0):
         self.model, self.experts, self.text = model, experts, text
         self.max_batch, self.max_context = max_batch, max_context
-        # most tokens one forward may carry: the expert service's per-request limit (0 = no limit).
-        # New prompts wait for a later step rather than overflow it.
+        # most tokens one step may carry (0 = no limit): prompts go in chunks of what decodes leave
         self.step_tokens = step_tokens
         self.eos = set(model.cfg.eos_token_ids)
         self.inbox: queue.Queue[Request] = queue.Queue()
