@@ -13,6 +13,8 @@ from moe_core.config import ModelConfig
 
 from .layers import apply_rope, rms_norm
 
+SCORE_BYTES = 256 << 20  # MLA: most bytes of attention scores held at once (heads are grouped to fit)
+
 
 class KVCache:
     """One sequence's cache: per layer, a few [capacity, ...] buffers grown by doubling."""
@@ -98,11 +100,17 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     wkv = W[p + "kv_b_proj.weight"].view(nh, dn + dv, r)
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]                                      # [nh, dn, r], [nh, dv, r]
     q_lat = torch.einsum("thd,hdr->htr", q_nope, w_uk)                         # [nh, t, r]
-    scores = (torch.matmul(q_lat, C.T) + torch.matmul(q_pe.transpose(0, 1), KPE.T)) * scale  # [nh, t, L]
+    q_pe = q_pe.transpose(0, 1)                                                # [nh, t, dr]
     mask = _causal_mask(t, start, x.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.float().softmax(dim=-1).to(x.dtype)
-    o_lat = torch.matmul(probs, C)                                             # [nh, t, r]
+    L = C.shape[0]
+    # the scores are [heads, t, L] fp32: DeepSeek-V3's 128 heads x a 2048-token chunk x 8k context would
+    # be 8.6 GB at once, so heads go in groups of at most SCORE_BYTES of scores
+    group = max(1, min(nh, SCORE_BYTES // max(1, t * L * 4)))
+    o_lat = torch.empty(nh, t, r, dtype=x.dtype, device=x.device)
+    for h in range(0, nh, group):
+        scores = (torch.matmul(q_lat[h:h + group], C.T) + torch.matmul(q_pe[h:h + group], KPE.T)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        o_lat[h:h + group] = torch.matmul(scores.float().softmax(dim=-1).to(x.dtype), C)  # [group, t, r]
     o = torch.einsum("htr,hvr->thv", o_lat, w_uv).reshape(t, nh * dv)
     return F.linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))

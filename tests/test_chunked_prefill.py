@@ -129,3 +129,26 @@ def test_decodes_go_on_while_a_long_prompt_prefills(engine, monkeypatch):
     prefill = [step for step in steps if any(n > 3 for _, n in step)]  # the long prompt's chunks (the stream's is 3)
     assert len(prefill) >= 200 // 16  # the prompt went in chunks
     assert all(any(n == 1 for _, n in step) for step in prefill)  # the stream decoded in each of those steps
+
+
+def test_mla_scores_in_head_groups_change_nothing(checkpoints, monkeypatch):
+    """MLA attention holds at most SCORE_BYTES of scores at once (heads in groups): the same output."""
+    from gpu_service import attention
+    from gpu_service.layers import rope_cos_sin
+    from gpu_service.model import Model
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+
+    d = checkpoints["deepseek_v3"]
+    cfg, ckpt = load_config(d), Checkpoint(d)
+    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32)
+    x = torch.randn(40, cfg.hidden_size)
+    cos, sin = rope_cos_sin(model.inv_freq, model.rope_scaling, torch.arange(40), torch.float32)
+
+    def run():
+        cache = model.new_cache()
+        return attention.mla_attention(cfg, model.W, "model.layers.1.self_attn.", x, cos, sin, cache, 1, 0,
+                                       model.scale)
+    whole = run()
+    monkeypatch.setattr(attention, "SCORE_BYTES", 40 * 40 * 4)  # one head at a time
+    assert torch.allclose(run(), whole, atol=1e-6, rtol=1e-5)
