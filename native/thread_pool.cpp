@@ -58,7 +58,7 @@ void ThreadPool::run_tasks(int home) {
       try {
         (*fn_)(base + i);
       } catch (...) {
-        std::lock_guard<std::mutex> g(error_mu_);
+        std::lock_guard<std::mutex> lk(error_mu_);
         if (!error_) error_ = std::current_exception();
         failed_.store(true, std::memory_order_relaxed);
       }
@@ -121,7 +121,7 @@ void ThreadPool::parallel_for_grouped(const int* group_start, int groups, const 
   if (failed_.load(std::memory_order_acquire)) {  // every worker has checked in: safe to unwind
     std::exception_ptr e;
     {
-      std::lock_guard<std::mutex> g(error_mu_);
+      std::lock_guard<std::mutex> lk(error_mu_);
       std::swap(e, error_);
     }
     std::rethrow_exception(e);
