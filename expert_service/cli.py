@@ -112,7 +112,7 @@ async def serve(args, stop: asyncio.Event) -> None:
 
 def open_cache(where: str, ckpt, fp: str, fmt: str) -> packed_cache.PackedCache | None:
     """The packed-weight cache for this model and format (native formats only), or None when off."""
-    if where in ("", "off") or fmt not in kernels.NATIVE_FORMATS or kernels.kernel_path(fmt) == "torch":
+    if where in ("", "off") or kernels.kernel_path(fmt) == "torch":  # torch: not a native format, or none built
         return None
     return packed_cache.PackedCache(pathlib.Path(where).expanduser(), fp, packed_cache.source_stamp(ckpt), fmt)
 

@@ -103,14 +103,16 @@ class PackedCache:
     def _path(self, layer: int) -> pathlib.Path:
         return self.dir / f"layer-{layer:04d}.safetensors"
 
-    def _meta(self, op) -> dict[str, str]:
+    def _meta(self, E: int, I: int, H: int) -> dict[str, str]:
+        """What a layer file must have been made from to be used (its metadata, less the checksums)."""
+        Kp_h, Kp_i = native_moe.row_len(H, self.fmt), native_moe.row_len(I, self.fmt)
         return {"fingerprint": self.fingerprint, "source": self.stamp, "format": self.fmt, "layout": str(LAYOUT),
-                "shape": json.dumps([op.num_experts, op.intermediate, op.hidden, op.Kp_h, op.Kp_i])}
+                "shape": json.dumps([E, I, H, Kp_h, Kp_i])}
 
     def save(self, layer: int, op) -> None:
         """Write one layer's packed experts (atomically: temporary name, fsync, rename)."""
         tensors = _tensors(op)
-        meta = {**self._meta(op), "crc32": json.dumps({k: chunk_crcs(t) for k, t in tensors.items()})}
+        meta = {**self._meta(op.num_experts, op.intermediate, op.hidden), "crc32": json.dumps({k: chunk_crcs(t) for k, t in tensors.items()})}
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self._path(layer)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -145,10 +147,7 @@ class PackedCache:
             raise ValueError(f"header length {n}")
         header = json.loads(os.pread(fd, n, 8))
         meta = header.pop("__metadata__", {})
-        Kp_h, Kp_i = native_moe.row_len(H, self.fmt), native_moe.row_len(I, self.fmt)
-        want = {"fingerprint": self.fingerprint, "source": self.stamp, "format": self.fmt, "layout": str(LAYOUT),
-                "shape": json.dumps([E, I, H, Kp_h, Kp_i])}
-        stale = [k for k, v in want.items() if meta.get(k) != v]
+        stale = [k for k, v in self._meta(E, I, H).items() if meta.get(k) != v]
         if stale:
             log.warning("packed-weight cache %s is stale (%s differ): rebuilding it", path, ", ".join(stale))
             return None

@@ -40,18 +40,20 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
     E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     bar = tqdm(total=len(cfg.moe_layers) * E, unit="expert", desc=f"experts -> {fmt}", dynamic_ncols=True,
                disable=None if progress is None else not progress)  # None: only on a terminal
+    def check_cancel() -> None:
+        if cancel is not None and cancel.is_set():
+            raise LoadCancelled()
+
     with bar:
         for i, layer in enumerate(cfg.moe_layers):
             def load(e: int, layer=layer):
-                if cancel is not None and cancel.is_set():
-                    raise LoadCancelled()
+                check_cancel()
                 if e % RELEASE_EVERY == 0:
                     ckpt.close()
                 bar.update(1)
                 return tuple(ckpt.get(n) for n in cfg.expert_tensor_names(layer, e))
 
-            if cancel is not None and cancel.is_set():
-                raise LoadCancelled()
+            check_cancel()
             op = cache.load(layer, E, I, H, threads) if cache is not None else None
             cached = op is not None
             if cached:
@@ -60,8 +62,7 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
             else:
                 op = kernels.MoELayerFromExperts(E, I, H, load, fmt=fmt, threads=threads)
                 if cache is not None:
-                    if cancel is not None and cancel.is_set():
-                        raise LoadCancelled()
+                    check_cancel()  # before a write of the whole layer
                     cache.save(layer, op)
             layers[layer] = op
             log.info("loaded MoE layer %d (%d/%d), %d experts as %s%s, %.1fs", layer, i + 1, len(cfg.moe_layers), E,

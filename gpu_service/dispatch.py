@@ -207,11 +207,9 @@ class RemoteExperts:
                 raise ExpertServiceError(e.code, f"expert service at {self.target}: {e}") from None
             self._timings.append((layer, deferred, timing))
             return y
-        self._deadline.arm(self._responses, self._limit())
         try:
-            r = next(self._responses)
+            r = self._next_response()
         except grpc.RpcError as e:
-            self._deadline.disarm()
             self.reset()
             if self._deadline.fired:
                 raise self._stuck(layer) from None
@@ -224,11 +222,9 @@ class RemoteExperts:
             raise ExpertServiceError(grpc.StatusCode.INTERNAL,
                                      f"expert service at {self.target} failed: {code.name}: {e.details()}") from None
         except StopIteration:
-            self._deadline.disarm()
             self.reset()
             raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE,
                                      f"expert service at {self.target} closed the exchange stream") from None
-        self._deadline.disarm()
         want = expert_pb2.DEFERRED if deferred else expert_pb2.IMMEDIATE
         if r.layer != layer or r.part != want:
             self.reset()
@@ -236,6 +232,14 @@ class RemoteExperts:
                                      f"part {want}, got layer {r.layer} part {r.part}")
         self._timings.append((layer, deferred, r.timing))
         return codec.decode(r.output, "output")
+
+    def _next_response(self):
+        """The next message of the Exchange stream, the call cancelled if it takes past the deadline."""
+        self._deadline.arm(self._responses, self._limit())
+        try:
+            return next(self._responses)
+        finally:
+            self._deadline.disarm()
 
     def drain_timings(self) -> list:
         out, self._timings = self._timings, []

@@ -86,7 +86,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
-    fp8_block: tuple[int, int] | None = None  # FP8 block-quantized checkpoint: the blocks' (rows, cols)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -138,6 +137,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
     if mt not in SUPPORTED:
         raise ModelConfigError(f"unsupported architecture model_type={mt!r}; supported: {', '.join(SUPPORTED)}")
     model_dir = model_dir or pathlib.Path(".")
+    fp8_block(raw)  # an unsupported quantization is refused here (Checkpoint dequantizes fp8 as it reads)
     n_layers = int(raw["num_hidden_layers"])
     theta, rope_type, rope_params = _rope(raw)
     common = dict(
@@ -151,7 +151,6 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         top_k=int(raw["num_experts_per_tok"]),
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos(raw, model_dir),
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-        fp8_block=fp8_block(raw),
     )
     if mt in ("deepseek_v3", "deepseek_v2"):
         n_exp = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts"))

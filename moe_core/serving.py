@@ -114,9 +114,6 @@ def run(main) -> None:
     uvloop.run(wrapper())
 
 
-T = TypeVar("T")
-
-
 def _libc():
     try:
         import ctypes
@@ -139,6 +136,9 @@ def trim_heap() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+T = TypeVar("T")
 
 
 class Stopped(Exception):

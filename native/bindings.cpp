@@ -222,11 +222,7 @@ PYBIND11_MODULE(_moe_native, m) {
       "when none throws)");
   m.def("scratch_bytes", [] {
     std::lock_guard<std::mutex> g(compute_mutex());
-    const Scratch& s = pool().scratch;
-    size_t n = 0;
-    for (auto* v : {&s.x32, &s.y32, &s.gu, &s.y, &s.wts, &s.wsel}) n += v->capacity() * 4;
-    n += (s.ids.capacity() + s.isel.capacity()) * 4 + s.amx.capacity() + s.xb.data.capacity() + s.act.data.capacity();
-    return n;
+    return pool().scratch.bytes();
   }, "bytes the kernels' scratch arena holds between calls");
   m.def(
       "forward",

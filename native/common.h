@@ -107,8 +107,16 @@ struct Scratch {
   std::vector<float> wts, wsel;       // of the weights, and the deferral split's selection
   std::vector<uint8_t> amx;
   ActBuf xb, act;
-  // Returns the bytes freed.
+  // Frees every buffer above `keep` bytes; returns the bytes freed.
   size_t release(size_t keep);
+  size_t bytes();  // held now
+
+ private:
+  template <class F>
+  void each(F f) {  // every buffer of the arena, once
+    f(x32), f(y32), f(gu), f(y), f(wts), f(wsel), f(ids), f(isel), f(amx);
+    for (ActBuf* b : {&xb, &act}) f(b->data), f(b->scale), f(b->scales_of_slot), f(b->rows);
+  }
 };
 
 // A fixed pool created once and shared by every layer: parallel_for hands out task indices

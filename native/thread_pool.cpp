@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <type_traits>
 
 #include <pthread.h>
 #include <sched.h>
@@ -151,23 +152,25 @@ std::mutex& compute_mutex() {
 }
 
 template <class V>
-static size_t drop_if_above(V& v, size_t keep) {
-  const size_t bytes = v.capacity() * sizeof(typename V::value_type);
-  if (bytes <= keep) return 0;
-  V().swap(v);
-  return bytes;
+static size_t capacity_bytes(const V& v) {
+  return v.capacity() * sizeof(typename V::value_type);
 }
 
 size_t Scratch::release(size_t keep) {
   size_t freed = 0;
-  for (auto* v : {&x32, &y32, &wts, &wsel, &gu, &y}) freed += drop_if_above(*v, keep);
-  for (auto* v : {&ids, &isel}) freed += drop_if_above(*v, keep);
-  freed += drop_if_above(amx, keep);
-  for (ActBuf* b : {&xb, &act}) {
-    freed += drop_if_above(b->data, keep);
-    freed += drop_if_above(b->scale, keep) + drop_if_above(b->scales_of_slot, keep) + drop_if_above(b->rows, keep);
-  }
+  each([&](auto& v) {
+    if (capacity_bytes(v) > keep) {
+      freed += capacity_bytes(v);
+      std::remove_reference_t<decltype(v)>().swap(v);
+    }
+  });
   return freed;
+}
+
+size_t Scratch::bytes() {
+  size_t n = 0;
+  each([&](auto& v) { n += capacity_bytes(v); });
+  return n;
 }
 
 void release_scratch(size_t keep) {
