@@ -58,9 +58,10 @@ static std::pair<uint8_t*, size_t> writable(py::buffer& buf) {
 
 static Isa parse_isa(const std::string& name) {
   if (name == "portable") return Isa::Portable;
+  if (name == "avx2") return Isa::Avx2;
   if (name == "avx512") return Isa::Avx512;
   if (name == "amx") return Isa::Amx;
-  throw std::invalid_argument("unknown kernel path '" + name + "' (portable, avx512, amx)");
+  throw std::invalid_argument("unknown kernel path '" + name + "' (portable, avx2, avx512, amx)");
 }
 
 PYBIND11_MODULE(_moe_native, m) {

@@ -48,6 +48,7 @@ CpuFeatures detect_cpu() {
 bool isa_supported(Isa isa, const CpuFeatures& f) {
   switch (isa) {
     case Isa::Portable: return true;
+    case Isa::Avx2: return f.os_avx && f.avx2 && f.fma && f.f16c;
     case Isa::Avx512: return f.os_avx512 && f.avx512f && f.avx512bw && f.avx512bf16 && f.avx512vnni;
     case Isa::Amx:  // and the OS must grant this process the tile state (Linux: arch_prctl)
       return f.os_amx && f.amx_tile && f.amx_bf16 && f.amx_int8 && isa_supported(Isa::Avx512, f) && amx_permitted();
@@ -58,12 +59,14 @@ bool isa_supported(Isa isa, const CpuFeatures& f) {
 Isa best_isa(const CpuFeatures& f) {
   // AMX covers prefill of bf16/int8 weights; decode and int4 run the AVX-512 kernels on it too
   if (isa_supported(Isa::Amx, f)) return Isa::Amx;
-  return isa_supported(Isa::Avx512, f) ? Isa::Avx512 : Isa::Portable;
+  if (isa_supported(Isa::Avx512, f)) return Isa::Avx512;
+  return isa_supported(Isa::Avx2, f) ? Isa::Avx2 : Isa::Portable;
 }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Portable: return "portable";
+    case Isa::Avx2: return "avx2";
     case Isa::Avx512: return "avx512";
     case Isa::Amx: return "amx";
   }

@@ -1,4 +1,7 @@
-// bf16 weights x bf16 activations, fp32 accumulation: AVX-512 BF16 (vdpbf16ps) and portable.
+// bf16 weights x bf16 activations, fp32 accumulation: AVX-512 BF16 (vdpbf16ps), AVX2 + FMA, and portable.
+// AVX2 has no bf16 arithmetic: a 256-bit load of 16 bf16 weights becomes two fp32 vectors with one
+// instruction each (<< 16: the even elements; & 0xffff0000: the odd ones), and the activations are
+// converted once per call into the same [even 8 | odd 8] order, so each FMA pairs matching elements.
 #include <immintrin.h>
 
 #include <type_traits>
@@ -74,21 +77,113 @@ __attribute__((target("avx512f,avx512dq"))) void reduce(const float* acc, int nt
   }
 }
 
+// ---- AVX2 ----
+constexpr int TB2 = 2;  // RB*TB2 accumulators + 2*TB2 activations + the converted row: 15 of the 16 ymm
+
+template <int NT, bool PF>
+__attribute__((target("avx2,fma"))) inline void mk_avx2(const uint16_t* W, size_t ldw, size_t pf, int nr,
+                                                       const float* const* X, int k0, int k1, float* acc_mem,
+                                                       bool first) {
+  __m256 acc[RB][NT];
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t)
+      acc[r][t] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_mem + (t * RB + r) * 8);
+  const uint16_t* w[RB];
+  MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
+  const __m256i odd = _mm256_set1_epi32(int(0xffff0000u));
+  for (int i = k0; i < k1; i += 16) {
+    __m256 xe[NT], xo[NT];
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
+      xe[t] = _mm256_loadu_ps(X[t] + i);
+      xo[t] = _mm256_loadu_ps(X[t] + i + 8);
+    }
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(p, odd));
+      MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_fmadd_ps(wo, xo[t], _mm256_fmadd_ps(we, xe[t], acc[r][t]));
+    }
+  }
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) _mm256_storeu_ps(acc_mem + (t * RB + r) * 8, acc[r][t]);
+}
+
+void mk_avx2_dispatch(const uint16_t* W, size_t ldw, size_t pf, int nr, const float* const* X, int nt, int k0, int k1,
+                      float* acc, bool first, bool prefetch) {
+  auto run = [&](auto prefetching) {
+    constexpr bool PF = decltype(prefetching)::value;
+    if (nt == 2) return mk_avx2<2, PF>(W, ldw, pf, nr, X, k0, k1, acc, first);
+    return mk_avx2<1, PF>(W, ldw, pf, nr, X, k0, k1, acc, first);
+  };
+  if (prefetch) run(std::true_type{});
+  else run(std::false_type{});
+}
+
+__attribute__((target("avx2"))) void reduce_avx2(const float* acc, int nt, int nr, float* C, size_t ldc) {
+  for (int t = 0; t < nt; ++t) {
+    const float* a = acc + t * RB * 8;
+    alignas(16) float out[4];
+    _mm_store_ps(out, reduce4_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(a + 8), _mm256_loadu_ps(a + 16),
+                                 _mm256_loadu_ps(a + 24)));
+    for (int r = 0; r < nr; ++r) C[t * ldc + r] = out[r];
+  }
+}
+
+// bf16 row -> fp32 in the kernel's [even 8 | odd 8] order per 16 elements
+__attribute__((target("avx2"))) void widen_row(const uint16_t* x, int Kp, float* dst) {
+  const __m256i odd = _mm256_set1_epi32(int(0xffff0000u));
+  for (int i = 0; i < Kp; i += 16) {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_slli_epi32(p, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i + 8), _mm256_and_si256(p, odd));
+  }
+}
+
+void gemm_rows_avx2(const Matrix& m, const uint16_t* We, size_t pf, int r0, int r1, const uint16_t* const* X, int ns,
+                    float* Y, size_t ldy) {
+  // the activations widened once per call (a task's rows reuse them); a few KB per token
+  thread_local std::vector<float> xf, acc;
+  thread_local std::vector<const float*> xr;
+  xf.resize(size_t(ns) * m.Kp);
+  xr.resize(ns);
+  for (int s = 0; s < ns; ++s) {
+    widen_row(X[s], m.Kp, xf.data() + size_t(s) * m.Kp);
+    xr[s] = xf.data() + size_t(s) * m.Kp;
+  }
+  const bool prefetch_all = ns < 8 * TB2;
+  acc.resize(size_t(ns) * RB * 8);
+  for (int r = r0; r < r1; r += RB) {
+    const int nr = std::min(RB, r1 - r);
+    for (int k0 = 0; k0 < m.Kp; k0 += KC)
+      for (int s = 0; s < ns; s += TB2)
+        mk_avx2_dispatch(We + size_t(r) * m.Kp, m.Kp, pf, nr, xr.data() + s, std::min(TB2, ns - s), k0,
+                         std::min(m.Kp, k0 + KC), acc.data() + size_t(s) * RB * 8, k0 == 0,
+                         prefetch_all || s < 2 * TB2);
+    for (int s = 0; s < ns; s += TB2)
+      reduce_avx2(acc.data() + size_t(s) * RB * 8, std::min(TB2, ns - s), nr, Y + size_t(s) * ldy + r, ldy);
+  }
+}
+
 }  // namespace
 
 void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const uint16_t* We = static_cast<const uint16_t*>(m.w) + size_t(e) * m.rows * m.Kp;
   const size_t pf = prefetch_rows(weight_row_bytes(Fmt::Bf16, m.Kp), RB) * m.Kp;  // elements ahead
   auto X = reinterpret_cast<const uint16_t* const*>(x.rows);
-  if (isa == Isa::Portable) {
+  if (isa == Isa::Portable) {  // 16 partial sums, so the compiler vectorizes it (SSE2, NEON) without -ffast-math
     for (int r = r0; r < r1; ++r)
       for (int s = 0; s < ns; ++s) {
+        const uint16_t *w = We + size_t(r) * m.Kp, *xs = X[s];
+        float a[16] = {};
+        for (int i = 0; i < m.Kp; i += 16)
+          for (int j = 0; j < 16; ++j) a[j] += bf16_to_f32(w[i + j]) * bf16_to_f32(xs[i + j]);
         float acc = 0.f;
-        for (int i = 0; i < m.K; ++i) acc += bf16_to_f32(We[size_t(r) * m.Kp + i]) * bf16_to_f32(X[s][i]);
+        for (float v : a) acc += v;
         Y[size_t(s) * ldy + r] = acc;
       }
     return;
   }
+  if (isa == Isa::Avx2) return gemm_rows_avx2(m, We, pf, r0, r1, X, ns, Y, ldy);
   // With many token blocks the kernel is compute-bound and the prefetches of the later blocks only
   // take load slots; with few (Qwen3 prefill, ~6 per expert), every block prefetches
   const bool prefetch_all = ns < 8 * TB;

@@ -1,7 +1,8 @@
-// int4 weights (one scale per 64-weight group) x int8 activations: AVX-512 VNNI and portable.
+// int4 weights (one scale per 64-weight group) x int8 activations: AVX-512 VNNI, AVX2 and portable.
 // Nibbles q in 0..15 stand for q - 8; activations come as u8 = x + 128, so per group
 // sum((x + 128) * (q - 8)) is one vpdpbusd, the group's scale applies in fp32, and the +128 comes
-// back out through the per-row constant rowcorr.
+// back out through the per-row constant rowcorr. On AVX2, vpmaddubsw cannot saturate here (pairs of
+// 255 * 8 products), so two of them add in int16 before one vpmaddwd widens the group's sum.
 #include <immintrin.h>
 
 #include "common.h"
@@ -99,6 +100,51 @@ void mk_dispatch(const uint8_t* W, size_t ldw, size_t pf, const float* S, size_t
   }
 }
 
+// ---- AVX2 ----
+constexpr int TB2 = 2;
+
+template <int NT>
+__attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t ldw, size_t pf, const float* S,
+                                                       size_t lds, int nr, const uint8_t* const* X, int K, float* C) {
+  __m256 acc[RB][NT];
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  const uint8_t* w[RB];
+  const float* sc[RB];
+  MOE_UNROLL for (int r = 0; r < RB; ++r) {
+    w[r] = W + (r < nr ? r : 0) * ldw;
+    sc[r] = S + (r < nr ? r : 0) * lds;
+  }
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
+  for (int i = 0, g = 0; i < K; i += G, ++g) {
+    __m256i xl[NT], xh[NT];  // elements 0-31 and 32-63 of the group: the low and the high nibbles
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
+      xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i));
+      xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i + 32));
+    }
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));
+      const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(p, lo4), eight);
+      const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), eight);
+      const __m256 sv = _mm256_broadcast_ss(sc[r] + g);
+      MOE_UNROLL for (int t = 0; t < NT; ++t) {
+        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(xl[t], lo), _mm256_maddubs_epi16(xh[t], hi));
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), sv, acc[r][t]);
+      }
+    }
+  }
+  alignas(32) float tile[NT][RB][8];  // parked before reducing: see gemm_int8.cpp
+  MOE_UNROLL for (int t = 0; t < NT; ++t)
+    MOE_UNROLL for (int r = 0; r < RB; ++r) _mm256_store_ps(tile[t][r], acc[r][t]);
+  for (int t = 0; t < NT; ++t) {
+    alignas(16) float out[4];
+    _mm_store_ps(out, reduce4_ps(_mm256_load_ps(tile[t][0]), _mm256_load_ps(tile[t][1]), _mm256_load_ps(tile[t][2]),
+                                 _mm256_load_ps(tile[t][3])));
+    for (int r = 0; r < nr; ++r) C[t * RB + r] = out[r];
+  }
+}
+
 }  // namespace
 
 void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
@@ -108,10 +154,11 @@ void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
   const float* Se = m.scale + size_t(e) * m.rows * groups;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
+  const int tb = isa == Isa::Avx2 ? TB2 : TB;
   for (int r = r0; r < r1; r += RB) {
     const int nr = std::min(RB, r1 - r);
-    for (int s = 0; s < ns; s += TB) {
-      const int nt = std::min(TB, ns - s);
+    for (int s = 0; s < ns; s += tb) {
+      const int nt = std::min(tb, ns - s);
       float C[TB * RB];
       if (isa == Isa::Portable) {
         for (int t = 0; t < nt; ++t)
@@ -128,6 +175,9 @@ void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
             }
             C[t * RB + j] = acc;
           }
+      } else if (isa == Isa::Avx2) {
+        if (nt == 2) mk_avx2<2>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, m.Kp, C);
+        else mk_avx2<1>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, m.Kp, C);
       } else {
         mk_dispatch(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, nt, m.Kp, C);
       }

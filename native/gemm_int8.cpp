@@ -1,5 +1,8 @@
-// int8 weights (per-row scales) x int8 activations (per-row scales): AVX-512 VNNI (vpdpbusd, u8 x s8)
-// and portable. Activations arrive as u8 = q + 128, so dot = sum(u8 * w) - 128 * rowsum(w).
+// int8 weights (per-row scales) x int8 activations (per-row scales): AVX-512 VNNI (vpdpbusd, u8 x s8),
+// AVX2 and portable. Activations arrive as u8 = q + 128, so dot = sum(u8 * w) - 128 * rowsum(w).
+// AVX2 has no 4-way u8 x s8 dot product; vpmaddubsw adds pairs of products into int16 and saturates
+// for u8 = q + 128 (255 * 127 * 2 > 32767), so it takes |w| x (q with w's sign), both within 127,
+// and sums sum(q * w) directly (ggml's mul_sum_i8_pairs).
 #include <immintrin.h>
 
 #include "common.h"
@@ -58,6 +61,45 @@ void mk_dispatch(const int8_t* W, size_t ldw, size_t pf, int nr, const uint8_t* 
   }
 }
 
+// ---- AVX2 ----
+constexpr int TB2 = 2;
+
+template <int NT>
+__attribute__((target("avx2"))) inline void mk_avx2(const int8_t* W, size_t ldw, size_t pf, int nr,
+                                                   const uint8_t* const* X, int K, int32_t* C) {
+  __m256i acc[RB][NT];
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
+  const int8_t* w[RB];
+  MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
+  const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < K; i += 32) {
+    __m256i q[NT];  // u8 q + 128 -> s8 q
+    MOE_UNROLL for (int t = 0; t < NT; ++t)
+      q[t] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i)), flip);
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i));
+      const __m256i aw = _mm256_abs_epi8(wv);
+      MOE_UNROLL for (int t = 0; t < NT; ++t)
+        acc[r][t] = _mm256_add_epi32(
+            acc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(q[t], wv)), ones));
+    }
+  }
+  alignas(32) int32_t tile[NT][RB][8];  // parked before reducing, as above
+  MOE_UNROLL for (int t = 0; t < NT; ++t)
+    MOE_UNROLL for (int r = 0; r < RB; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(tile[t][r]), acc[r][t]);
+  for (int t = 0; t < NT; ++t) {
+    alignas(16) int32_t out[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(out),
+                    reduce4_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(tile[t][0])),
+                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(tile[t][1])),
+                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(tile[t][2])),
+                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(tile[t][3]))));
+    for (int r = 0; r < nr; ++r) C[t * RB + r] = out[r];
+  }
+}
+
 }  // namespace
 
 void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
@@ -66,10 +108,11 @@ void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
   const float* sw = m.scale + size_t(e) * m.rows;
   const int32_t* rs = m.rowsum + size_t(e) * m.rows;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
+  const int tb = isa == Isa::Avx2 ? TB2 : TB;
   for (int r = r0; r < r1; r += RB) {
     const int nr = std::min(RB, r1 - r);
-    for (int s = 0; s < ns; s += TB) {
-      const int nt = std::min(TB, ns - s);
+    for (int s = 0; s < ns; s += tb) {
+      const int nt = std::min(tb, ns - s);
       int32_t C[TB * RB];
       if (isa == Isa::Portable) {
         for (int t = 0; t < nt; ++t)
@@ -79,12 +122,16 @@ void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
             for (int i = 0; i < m.Kp; ++i) acc += int32_t(X[s + t][i]) * wr[i];
             C[t * RB + j] = acc;
           }
+      } else if (isa == Isa::Avx2) {
+        if (nt == 2) mk_avx2<2>(We + size_t(r) * m.Kp, m.Kp, pf, nr, X + s, m.Kp, C);
+        else mk_avx2<1>(We + size_t(r) * m.Kp, m.Kp, pf, nr, X + s, m.Kp, C);
       } else {
         mk_dispatch(We + size_t(r) * m.Kp, m.Kp, pf, nr, X + s, nt, m.Kp, C);
       }
+      const int off = isa == Isa::Avx2 ? 0 : 128;  // the AVX2 kernel sums q * w, the others (q + 128) * w
       for (int t = 0; t < nt; ++t)
         for (int j = 0; j < nr; ++j)
-          Y[size_t(s + t) * ldy + r + j] = float(C[t * RB + j] - 128 * rs[r + j]) * sw[r + j] * x.scale[s + t];
+          Y[size_t(s + t) * ldy + r + j] = float(C[t * RB + j] - off * rs[r + j]) * sw[r + j] * x.scale[s + t];
     }
   }
 }

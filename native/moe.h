@@ -6,7 +6,9 @@
 
 namespace moe {
 
-enum class Isa { Portable, Avx512, Amx };  // Avx512 = AVX-512 F/BW + BF16 + VNNI
+// Avx2 = AVX2 + FMA + F16C (Zen 2/3, Intel before Ice Lake, most cloud VMs); Avx512 = AVX-512 F/BW +
+// BF16 + VNNI (Zen 4+, Sapphire Rapids+); Amx = Avx512 + AMX tiles for prefill.
+enum class Isa { Portable, Avx2, Avx512, Amx };
 enum class Fmt { Bf16, Int8, Int4 };
 
 // Bytes of one packed weight row of Kp elements.

@@ -83,6 +83,43 @@ __attribute__((target("avx512f,avx512bw"))) void act_row_avx512(const float* gat
   }
 }
 
+// The same on AVX2 (8 lanes; 2^n built in the exponent bits; a scalar tail).
+__attribute__((target("avx2,fma"))) inline __m256 round_bf16(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xffff0000u))));
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.f)), _mm256_set1_ps(88.f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // |n| <= 127: 2^n is exactly the float with exponent field n + 127 (0 for n = -127: e^-88 ~ 0)
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma"))) void act_row_avx2(const float* gate, const float* up, float* a, int I) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  int i = 0;
+  for (; i + 8 <= I; i += 8) {
+    __m256 gv = round_bf16(_mm256_loadu_ps(gate + i)), uv = round_bf16(_mm256_loadu_ps(up + i));
+    __m256 sv = round_bf16(_mm256_div_ps(gv, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
+    _mm256_storeu_ps(a + i, round_bf16(_mm256_mul_ps(sv, uv)));
+  }
+  act_row(gate + i, up + i, a + i, I - i);
+}
+
 void gemm_rows(Isa isa, Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,
                size_t ldy) {
   if (isa == Isa::Amx) {  // whole 16-row tiles on AMX where this expert's tokens were packed; the rest on AVX-512
@@ -188,6 +225,7 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     thread_local std::vector<float> a;
     a.resize(I);
     if (isa == Isa::Portable) act_row(g, g + I, a.data(), I);
+    else if (isa == Isa::Avx2) act_row_avx2(g, g + I, a.data(), I);
     else act_row_avx512(g, g + I, a.data(), I);
     quantize_row(m.fmt, a.data(), I, ab, s);
   });

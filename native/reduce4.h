@@ -1,6 +1,7 @@
 // Four 16-lane partial-sum vectors -> their four sums, with one shuffle tree (13 ops instead of
 // four separate horizontal reductions of ~8 each: with short rows the reductions are a tenth of a
-// micro-kernel's time). Used by the kernels whose accumulators hold one (row, token) pair each.
+// micro-kernel's time). Used by the kernels whose accumulators hold one (row, token) pair each;
+// AVX-512 (16 lanes) and AVX2 (8 lanes) overloads.
 #pragma once
 #include <immintrin.h>
 
@@ -31,5 +32,19 @@ MOE_SIMD_INLINE __m128i reduce4_epi32(__m512i a, __m512i b, __m512i c, __m512i d
 }
 
 #undef MOE_SIMD_INLINE
+#define MOE_AVX2_INLINE __attribute__((target("avx2"), always_inline)) inline
+
+// The same for the AVX2 kernels' 8-lane partial sums.
+MOE_AVX2_INLINE __m128 reduce4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
+}
+
+MOE_AVX2_INLINE __m128i reduce4_epi32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+}
+
+#undef MOE_AVX2_INLINE
 
 }  // namespace moe

@@ -11,7 +11,7 @@ from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 
 # every path this CPU can run; and the AMX path with its tile instructions emulated in C++ (the
 # packing, blocking, edges and epilogue around them), wherever the AVX-512 path runs
-PATHS = [p for p in ("portable", "avx512", "amx") if native.path_supported(p)]
+PATHS = [p for p in ("portable", "avx2", "avx512", "amx") if native.path_supported(p)]
 if native.path_supported("avx512"):
     PATHS.append("amx-emulated")
 
