@@ -1,19 +1,24 @@
 """Routed-expert kernel benchmark: decode (T=1) and prefill (T=512) for each weight format,
-against the machine's own probes (DRAM read bandwidth, BF16 peak; probed again right before each
-case) and torch's idiomatic MoE on the same weights, all measured in this run.
+against the machine's own probes (DRAM read bandwidth, the arithmetic peak of the kernel path;
+probed again right before each case) and torch's idiomatic MoE on the same weights, all measured in
+this run. Runs on any x86-64 (and elsewhere): every probe is chosen by what the CPU has.
 
     python bench/bench_kernels.py [--threads 2] [--shapes qwen3,dsv3] [--formats bf16] [--reps 5]
+                                  [--path avx2]
 
 One JSON line per case, then a table. Decode efficiency = bytes of the chosen experts' weights /
 time, as a share of the DRAM read bandwidth probed right before (the median over repetitions that
-each probe once and then time 64 calls). Prefill efficiency = 2*T*k*3*H*I FLOP / time,
-as a share of the measured BF16 peak (bf16) or VNNI int8 peak (int8, int4).
+each probe once and then time 64 calls). Prefill efficiency = 2*T*k*3*H*I FLOP / time, as a share
+of the peak of the instructions the path computes with: avx512/amx: vdpbf16ps (bf16) and vpdpbusd
+(int8, int4); avx2: 256-bit fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int8, int4); portable:
+none (only the comparison with torch).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import platform
 import statistics
 import sys
 import time
@@ -38,6 +43,16 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def weights(E, H, I):
     g = torch.Generator().manual_seed(0)
     mk = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
@@ -51,29 +66,37 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,int8,int4")
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--path", default=None, help="kernel path to measure (default: the one chosen for this CPU)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
+    path = a.path or native.best_path()
     probe = torch.ones(1 << 28)
+    # the instructions each path computes with: (name, probe) for bf16 weights, for int weights
+    roof = {"avx512": (("vdpbf16ps peak", native.bf16_peak_flops), ("vpdpbusd peak", native.vnni_peak_ops)),
+            "avx2": (("fp32 FMA peak", native.fma_peak_flops), ("vpmaddubsw peak", native.avx2_int8_peak_ops))}
+    roof["amx"] = roof["avx512"]  # AMX tiles have no separate probe: held to the AVX-512 peaks
 
     def dram_bw() -> float:
         return statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
 
-    def peaks() -> tuple[float, float]:  # a peak: the best of several
-        return (max(native.bf16_peak_flops(10_000_000) for _ in range(5)),
-                max(native.vnni_peak_ops(10_000_000) for _ in range(5)))
+    def peaks() -> tuple[float | None, float | None]:  # a peak: the best of several
+        if path not in roof:
+            return None, None
+        return tuple(max(fn(10_000_000) for _ in range(5)) for _, fn in roof[path])
     bw = dram_bw()
-    peak, vnni = peaks()
-    rows = [{"case": "probe", "dram_read_GBps": round(bw / 1e9, 2), "bf16_peak_GFLOPs": round(peak / 1e9, 1),
-             "vnni_peak_GOPs": round(vnni / 1e9, 1),
-             "threads": a.threads, "path": native.best_path()}]
+    peak, ipeak = peaks()
+    g9 = lambda v: None if v is None else round(v / 1e9, 1)  # noqa: E731
+    rows = [{"case": "probe", "cpu": cpu_model(), "path": path, "threads": a.threads,
+             "dram_read_GBps": round(bw / 1e9, 2), "bf16_roofline_G": g9(peak), "int_roofline_G": g9(ipeak),
+             "rooflines": [n for n, _ in roof.get(path, ())]}]
     print(json.dumps(rows[0]), flush=True)
     for shape in a.shapes.split(","):
         E, H, I, k = SHAPES[shape]
         gate, up, down = weights(E, H, I)
         ref = TorchMoELayer(gate, up, down, fmt="bf16")
         for fmt in a.formats.split(","):
-            op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads)
+            op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads, path=path)
             # the weights' own bytes (and scales); the kernels' row padding is not counted
             bytes_per_expert = 3 * H * I * {"bf16": 2, "int8": 1, "int4": 0.5}[fmt] + \
                 {"bf16": 0, "int8": (2 * I + H) * 4, "int4": 3 * H * I // 64 * 4}[fmt]
@@ -113,25 +136,27 @@ def main() -> None:
             # as for decode: per repetition a peak probe, then ours, then torch; ratios per repetition
             roofs, bf16_peaks, ours, theirs = [], [], [], []
             for _ in range(a.reps):
-                peak, vnni = peaks()
-                roofs.append(peak if fmt == "bf16" else vnni)  # int formats run on vpdpbusd
+                peak, ipeak = peaks()
+                roofs.append(peak if fmt == "bf16" else ipeak)
                 bf16_peaks.append(peak)
                 ours.append(timed(lambda: op.forward(x, ids, w)))
                 theirs.append(timed(lambda: ref.forward(x, ids, w)))
-            roof, t_ours, t_torch = (statistics.median(v) for v in (roofs, ours, theirs))
+            t_ours, t_torch = statistics.median(ours), statistics.median(theirs)
+            share = lambda ts, rs: None if rs[0] is None else round(statistics.median(flop / t / r for t, r in zip(ts, rs)), 3)  # noqa: E731
             row = {"case": "prefill", "shape": shape, "fmt": fmt, "T": T, "ours_ms": round(t_ours * 1e3, 1),
                    "torch_bf16_ms": round(t_torch * 1e3, 1), "ours_GFLOPs": round(flop / t_ours / 1e9, 1),
-                   "roofline": "bf16 peak" if fmt == "bf16" else "VNNI peak", "roofline_GOPs": round(roof / 1e9, 1),
-                   "share_of_peak": round(statistics.median(flop / t / r for t, r in zip(ours, roofs)), 3),
-                   "torch_share_of_bf16_peak": round(statistics.median(flop / t / p for t, p in zip(theirs, bf16_peaks)), 3),
+                   "roofline": roof[path][fmt != "bf16"][0] if path in roof else None,
+                   "roofline_GOPs": g9(statistics.median(roofs)) if roofs[0] else None,
+                   "share_of_peak": share(ours, roofs), "torch_share_of_bf16_peak": share(theirs, bf16_peaks),
                    "speedup_vs_torch": round(statistics.median(b / a_ for a_, b in zip(ours, theirs)), 2)}
             print(json.dumps(row), flush=True)
             rows.append(row)
             op = None  # free the packed weights before the next format's
-    print(f"\nProbes at the start: DRAM read {rows[0]['dram_read_GBps']} GB/s, BF16 peak {rows[0]['bf16_peak_GFLOPs']} GFLOP/s, "
-          f"VNNI peak {rows[0]['vnni_peak_GOPs']} GOP/s, "
-          f"{a.threads} threads, path {rows[0]['path']}; each case is compared with the probe taken right "
-          f"before it (in brackets)\n")
+    p = rows[0]
+    print(f"\n{p['cpu']}, path {p['path']}, {a.threads} threads. Probes at the start: DRAM read {p['dram_read_GBps']} GB/s, "
+          f"rooflines {', '.join(p['rooflines']) or 'none'}: {p['bf16_roofline_G']} / {p['int_roofline_G']} G/s; "
+          f"each case is compared with the probe taken right before it (in brackets)\n")
+    pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
     print("| case | shape | fmt | ours | torch bf16 | ours vs roofline | torch vs roofline | speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows[1:]:
@@ -140,7 +165,7 @@ def main() -> None:
                   f"{r['share_of_dram_bw']:.0%} of DRAM BW ({r['dram_read_GBps']} GB/s) | {r['torch_share_of_dram_bw']:.0%} | {r['speedup_vs_torch']}x |")
         else:
             print(f"| prefill T={r['T']} | {r['shape']} | {r['fmt']} | {r['ours_ms']} ms | {r['torch_bf16_ms']} ms | "
-                  f"{r['share_of_peak']:.0%} of {r['roofline']} ({r['roofline_GOPs']} G/s) | {r['torch_share_of_bf16_peak']:.0%} of BF16 peak | "
+                  f"{pct(r['share_of_peak'])} of {r['roofline']} ({r['roofline_GOPs']} G/s) | {pct(r['torch_share_of_bf16_peak'])} of the bf16 roofline | "
                   f"{r['speedup_vs_torch']}x |")
 
 

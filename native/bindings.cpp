@@ -107,6 +107,18 @@ PYBIND11_MODULE(_moe_native, m) {
     std::lock_guard<std::mutex> g(compute_mutex());
     return vnni_peak_ops(iters);
   });
+  m.def("fma_peak_flops", [](long iters) {
+    MOE_CHECK(isa_supported(Isa::Avx2, detect_cpu()), "no AVX2 + FMA on this CPU");
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(compute_mutex());
+    return fma_peak_flops(iters);
+  });
+  m.def("avx2_int8_peak_ops", [](long iters) {
+    MOE_CHECK(isa_supported(Isa::Avx2, detect_cpu()), "no AVX2 on this CPU");
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(compute_mutex());
+    return avx2_int8_peak_ops(iters);
+  });
   m.def(
       "doorbell_ring",
       [](py::buffer buf, size_t offset, uint32_t value) { doorbell_ring(doorbell_at(buf, offset), value); },

@@ -101,7 +101,7 @@ void mk_dispatch(const uint8_t* W, size_t ldw, size_t pf, const float* S, size_t
 }
 
 // ---- AVX2 ----
-constexpr int TB2 = 2;
+constexpr int TB2 = 4;
 
 template <int NT>
 __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t ldw, size_t pf, const float* S,
@@ -145,6 +145,16 @@ __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t
   }
 }
 
+void mk_avx2_dispatch(const uint8_t* W, size_t ldw, size_t pf, const float* S, size_t lds, int nr,
+                      const uint8_t* const* X, int nt, int K, float* C) {
+  switch (nt) {
+    case 4: return mk_avx2<4>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 3: return mk_avx2<3>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 2: return mk_avx2<2>(W, ldw, pf, S, lds, nr, X, K, C);
+    default: return mk_avx2<1>(W, ldw, pf, S, lds, nr, X, K, C);
+  }
+}
+
 }  // namespace
 
 void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
@@ -176,8 +186,7 @@ void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
             C[t * RB + j] = acc;
           }
       } else if (isa == Isa::Avx2) {
-        if (nt == 2) mk_avx2<2>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, m.Kp, C);
-        else mk_avx2<1>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, m.Kp, C);
+        mk_avx2_dispatch(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, nt, m.Kp, C);
       } else {
         mk_dispatch(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, nt, m.Kp, C);
       }

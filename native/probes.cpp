@@ -1,5 +1,6 @@
-// Machine probes for the kernel benchmark: DRAM read bandwidth and BF16 dot-product peak,
-// measured with the same thread pool the kernels use.
+// Machine probes for the kernel benchmark: DRAM read bandwidth and the arithmetic peaks each kernel
+// path is held to (AVX-512: vdpbf16ps, vpdpbusd; AVX2: fp32 FMA, the vpmaddubsw chain), measured
+// with the same thread pool the kernels use.
 #include <immintrin.h>
 
 #include <chrono>
@@ -113,6 +114,46 @@ __attribute__((target("avx512f,avx512vnni"))) static int vnni_loop(long iters) {
 double vnni_peak_ops(long iters) {
   double s = time_on_all_threads([&] { return double(vnni_loop(iters)); });
   return double(iters) * 24 * 64 * 2 * pool().size() / s;  // 64 int8 multiply-adds per instruction
+}
+
+__attribute__((target("avx2,fma"))) static float fma_loop(long iters) {
+  __m256 acc[12];  // 12 chains: two FMA pipes x 4-5 cycles latency, with room
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const __m256 x = _mm256_set1_ps(1.f), y = _mm256_set1_ps(1e-9f);
+  for (long i = 0; i < iters; ++i)
+    for (auto& a : acc) a = _mm256_fmadd_ps(x, y, a);
+  __m256 s = acc[0];
+  for (int j = 1; j < 12; ++j) s = _mm256_add_ps(s, acc[j]);
+  alignas(32) float out[8];
+  _mm256_store_ps(out, s);
+  return out[0];
+}
+
+double fma_peak_flops(long iters) {
+  double s = time_on_all_threads([&] { return double(fma_loop(iters)); });
+  return double(iters) * 12 * 8 * 2 * pool().size() / s;  // 8 fp32 multiply-adds per instruction
+}
+
+// The int8 dot product AVX2 has: vpmaddubsw (32 u8 x s8 products, pairs summed to int16), vpmaddwd
+// by ones (to int32), vpaddd; without the operand sign fix-up the kernels need on top.
+__attribute__((target("avx2"))) static int avx2_int8_loop(long iters) {
+  __m256i acc[8];
+  for (auto& a : acc) a = _mm256_setzero_si256();
+  const __m256i x = _mm256_set1_epi8(1), y = _mm256_set1_epi8(2), ones = _mm256_set1_epi16(1);
+  for (long i = 0; i < iters; ++i)
+    for (auto& a : acc) {
+      __m256i xi = x;
+      __asm__ volatile("" : "+x"(xi));  // opaque to the compiler: otherwise the invariant products leave the loop
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(xi, y), ones));
+    }
+  __m256i s = acc[0];
+  for (int j = 1; j < 8; ++j) s = _mm256_add_epi32(s, acc[j]);
+  return _mm256_extract_epi32(s, 0);
+}
+
+double avx2_int8_peak_ops(long iters) {
+  double s = time_on_all_threads([&] { return double(avx2_int8_loop(iters)); });
+  return double(iters) * 8 * 32 * 2 * pool().size() / s;  // 32 int8 multiply-adds per vpmaddubsw
 }
 
 }  // namespace moe

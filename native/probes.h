@@ -7,4 +7,6 @@ namespace moe {
 double read_bandwidth(const float* buf, size_t n_floats, const std::string& variant = "auto");
 double bf16_peak_flops(long iters);                        // FLOP/s of vdpbf16ps, all pool threads
 double vnni_peak_ops(long iters);                          // int8 OP/s of vpdpbusd, all pool threads
+double fma_peak_flops(long iters);                         // FLOP/s of 256-bit fp32 FMA, all pool threads
+double avx2_int8_peak_ops(long iters);                     // int8 OP/s of vpmaddubsw+vpmaddwd+vpaddd
 }  // namespace moe
