@@ -31,7 +31,10 @@ def parse_args(argv=None):
     ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json + *.safetensors)")
     ap.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on")
     ap.add_argument("--threads", type=int, default=serving.physical_cores(),
-                    help="CPU threads for the expert kernels (default: physical cores)")
+                    help="CPU threads for the expert kernels (default: physical cores). Sharing a host with "
+                         "gpu-service on the CPU or with other programs is fine with the defaults: waits spin only "
+                         "while a CPU is free (MOE_SPIN=always|never overrides) and torch's OpenMP threads wait "
+                         "passively (OMP_WAIT_POLICY)")
     ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4"],
                     help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group "
                          "scales, quantized at load); auto = the checkpoint's dtype")

@@ -46,7 +46,9 @@ def parse_args(argv=None):
                          "then prompts in chunks of what is left; also capped by the expert service's --max-tokens")
     ap.add_argument("--defer", type=int, default=0,
                     help="expert deferral: per token, this many lowest-weighted experts are merged one layer later (0 = exact)")
-    ap.add_argument("--threads", type=int, default=serving.physical_cores(), help="CPU threads for torch on this side")
+    ap.add_argument("--threads", type=int, default=serving.physical_cores(), help="CPU threads for torch on this side; on one host with the expert service both default to every "
+                         "core, which is fine: they compute in turn and neither spins while the other needs the "
+                         "cores (see expert-service --threads)")
     ap.add_argument("--transport", default="auto", choices=["grpc", "shm", "auto"],
                     help="data path to the expert service: gRPC bytes, shared memory (same host only), or auto = "
                          "shared memory when the expert service can map it, else gRPC")

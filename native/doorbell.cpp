@@ -1,9 +1,13 @@
 // Doorbells for the shared-memory exchange ring (see moe_core/shm.py for the layout): a 32-bit
 // counter in a shared mapping that one process bumps and the other waits on. Waiting spins for a
-// short while (a result is often microseconds away) and then sleeps on a futex; the futex is
+// short while (a result is often microseconds away; only briefly on an oversubscribed machine,
+// see contention.h) and then sleeps on a futex; the futex is
 // process-shared (no FUTEX_PRIVATE_FLAG) because the two sides are different processes.
 #include "doorbell.h"
 
+#include "contention.h"
+
+#include <algorithm>
 #include <chrono>
 
 #if defined(__linux__)
@@ -24,7 +28,9 @@ static inline void cpu_relax() {
 uint32_t doorbell_wait(std::atomic<uint32_t>* word, uint32_t seen, int64_t timeout_us, int64_t spin_us) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto spin_end = start + std::chrono::microseconds(spin_us);
+  const auto spin_end = start + (cpu_contended() ? std::min(std::chrono::nanoseconds(CONTENDED_SPIN_NS),
+                                                             std::chrono::nanoseconds(spin_us * 1000))
+                                                  : std::chrono::nanoseconds(spin_us * 1000));
   const auto deadline = start + std::chrono::microseconds(timeout_us);
   uint32_t v;
   // Spin: check the clock only every 64 polls, it costs more than a load.

@@ -9,6 +9,7 @@
 #include <sched.h>
 
 #include "common.h"
+#include "contention.h"
 #include "numa.h"
 
 namespace moe {
@@ -71,7 +72,8 @@ void ThreadPool::worker_loop(int index) {
   uint64_t seen = 0;
   for (;;) {
     uint64_t g;
-    const int64_t until = now_ns() + spin_ns_;
+    // the phases of one forward follow within microseconds: worth a short spin even when contended
+    const int64_t until = now_ns() + (cpu_contended() ? std::min<int64_t>(spin_ns_, CONTENDED_SPIN_NS) : spin_ns_);
     for (int spins = 0; (g = generation_.load(std::memory_order_acquire)) == seen && !stop_.load(); ++spins) {
       if ((spins & 63) == 63 && now_ns() > until) {
         std::unique_lock<std::mutex> lk(mu_);
@@ -113,9 +115,11 @@ void ThreadPool::parallel_for_grouped(const int* group_start, int groups, const 
   }
   cv_.notify_all();
   run_tasks(groups > 1 ? numa_current_node() : 0);
-  // the rest is at most one task per worker: spin, yielding if a worker was descheduled
+  // the rest is at most one task per worker: spin, yielding if a worker was descheduled (at once
+  // when the machine is oversubscribed: the straggler may be waiting for this very core)
+  const bool yield_now = cpu_contended();
   for (int spins = 0; finished_.load(std::memory_order_acquire) < int(workers_.size()); ++spins) {
-    if (spins > 4096) std::this_thread::yield();
+    if (yield_now || spins > 4096) std::this_thread::yield();
     else cpu_relax();
   }
   fn_ = nullptr;
