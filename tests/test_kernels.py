@@ -286,3 +286,19 @@ def test_bandwidth_probe_checks_the_cpu():
         else:
             with pytest.raises(ValueError, match="not available"):
                 native.read_bandwidth(buf.data_ptr(), buf.numel(), variant)
+
+
+def test_portable_only_machines_run_bf16_on_torch(monkeypatch):
+    """Where only plain C++ runs, torch's bf16 code is faster: bf16 goes there unless a path was forced;
+    the int formats have no torch operator and stay native."""
+    import expert_service.kernels as k
+    monkeypatch.setattr(k, "NATIVE_PATH", "portable")
+    monkeypatch.delenv("MOE_KERNEL_PATH", raising=False)
+    assert k.kernel_path("bf16") == "torch" and k.kernel_path("int8") == "portable"
+    gate, up, down = make(4, 32, 64)
+    assert isinstance(k.MoELayer(gate, up, down, fmt="bf16"), TorchMoELayer)
+    monkeypatch.setenv("MOE_KERNEL_PATH", "portable")
+    assert k.kernel_path("bf16") == "portable"
+    monkeypatch.setattr(k, "NATIVE_PATH", "avx2")
+    monkeypatch.delenv("MOE_KERNEL_PATH")
+    assert k.kernel_path("bf16") == "avx2"

@@ -5,8 +5,10 @@ Shapes: gate, up: [E, I, H]; down: [E, H, I]; hidden: [T, H]; topk_ids: [T, k] i
 topk_weights: [T, k] fp32; out: [T, H] in hidden's dtype.
 
 bf16, int8 and int4 weights run on the native kernels (native/; path in NATIVE_PATH, forced with
-MOE_KERNEL_PATH=portable|avx512, or MOE_KERNEL_PATH=torch for the torch reference); fp32/fp16
-weights use the torch operator.
+MOE_KERNEL_PATH=portable|avx2|avx512|amx, or MOE_KERNEL_PATH=torch for the torch reference); fp32/fp16
+weights use the torch operator. Where only the portable (plain C++) path runs and nothing forced it,
+bf16 weights use torch too: its vectorized bf16 code beats ours there (on a Zen 3 before the AVX2
+path: bf16 decode 0.31x torch); int8/int4 have no torch operator and stay native.
 """
 import logging
 import os
@@ -29,8 +31,15 @@ except ImportError as e:  # extension not built: the torch path still serves
 NATIVE_FORMATS = ("bf16", "int8", "int4")
 
 
+def native(fmt: str) -> bool:
+    """Whether weights of this format run on the native kernels."""
+    if NativeMoELayer is None or fmt not in NATIVE_FORMATS:
+        return False
+    return not (fmt == "bf16" and NATIVE_PATH == "portable" and not os.environ.get("MOE_KERNEL_PATH"))
+
+
 def kernel_path(fmt: str) -> str:
-    return NATIVE_PATH if (NATIVE_PATH and fmt in NATIVE_FORMATS) else "torch"
+    return NATIVE_PATH if native(fmt) else "torch"
 
 
 def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None):
@@ -40,7 +49,7 @@ def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None):
 
 def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None):
     """The same operator, built expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I])."""
-    if NativeMoELayer is not None and fmt in NATIVE_FORMATS:
+    if native(fmt):
         return NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads)
     if fmt in ("int8", "int4"):
         raise ValueError(f"weight format {fmt} needs the native kernels, which are not built")

@@ -5,9 +5,9 @@ Weight formats, packed once at load (gate and up fused into one [E, 2I, K] matri
 - int8: symmetric, one fp32 scale per output channel (row);
 - int4: symmetric, one fp32 scale per group of 64 consecutive weights of a row (INT4_GROUP).
 Activations are rounded to bf16 (bf16 weights) or quantized to int8 per token (int formats);
-dequantization happens in registers. The kernel path (portable | avx512 | amx) is chosen at import
-from CPUID and the OS's XSAVE state (amx: also the OS's grant of the tile state), or forced with
-MOE_KERNEL_PATH. amx runs prefill of bf16/int8 weights on tiles, everything else on AVX-512.
+dequantization happens in registers. The kernel path (portable | avx2 | avx512 | amx) is chosen at
+import from CPUID and the OS's XSAVE state (amx: also the OS's grant of the tile state), or forced
+with MOE_KERNEL_PATH. amx runs prefill of bf16/int8 weights on tiles, everything else on AVX-512.
 """
 from __future__ import annotations
 
