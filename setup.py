@@ -1,4 +1,4 @@
-"""Builds the native kernel extension (expert_service/_moe_native). Metadata lives in pyproject.toml.
+"""Builds the native kernel extension (moe_kernels/_native). Metadata lives in pyproject.toml.
 No -march=native: per-ISA functions carry target attributes and are chosen at run time.
 MOE_ASAN=1 builds it with AddressSanitizer (run Python with LD_PRELOAD=$(gcc -print-file-name=libasan.so));
 tests/test_asan.py does that in a scratch folder."""
@@ -12,7 +12,7 @@ ASAN = os.environ.get("MOE_ASAN") == "1"
 flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"] if ASAN else ["-O3"]
 
 setup(
-    ext_modules=[Pybind11Extension("expert_service._moe_native", sorted(glob.glob("native/*.cpp")),
+    ext_modules=[Pybind11Extension("moe_kernels._native", sorted(glob.glob("native/*.cpp")),
                                    include_dirs=["native"], cxx_std=17, extra_compile_args=flags,
                                    extra_link_args=["-fsanitize=address"] if ASAN else [])],
     cmdclass={"build_ext": build_ext},

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from bench_kernels import SHAPES, weights  # noqa: E402
-from expert_service import _moe_native as native  # noqa: E402
+from moe_kernels import native as native  # noqa: E402
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 
 

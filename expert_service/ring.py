@@ -19,7 +19,7 @@ from moe_core import codec, shm
 from moe_core.shm import Layout, RegionError
 from protos import expert_pb2
 
-from . import _moe_native as native
+from moe_kernels import native
 from . import metrics
 
 log = logging.getLogger("expert_service.ring")

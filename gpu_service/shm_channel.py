@@ -16,7 +16,7 @@ from typing import NamedTuple
 import grpc
 import torch
 
-from expert_service import _moe_native as native
+from moe_kernels import native as native
 from moe_core import codec, shm
 from moe_core.shm import Layout
 from protos import expert_pb2

@@ -64,7 +64,7 @@ static Isa parse_isa(const std::string& name) {
   throw std::invalid_argument("unknown kernel path '" + name + "' (portable, avx2, avx512, amx)");
 }
 
-PYBIND11_MODULE(_moe_native, m) {
+PYBIND11_MODULE(_native, m) {
   m.doc() = "Native routed-expert kernels (see native/)";
   py::class_<HugeBuffer>(m, "HugeBuffer", py::buffer_protocol(),
                          "bytes on 2 MiB-aligned memory advised for transparent huge pages")

@@ -25,19 +25,17 @@ import types
 def load_native(path: str | None):
     """Use the extension at `path` (the ASan build) instead of the installed one."""
     if path:
-        spec = importlib.util.spec_from_file_location("expert_service._moe_native", path)
+        spec = importlib.util.spec_from_file_location("moe_kernels._native", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        sys.modules["expert_service._moe_native"] = mod
-        import expert_service
-        expert_service._moe_native = mod
-    from expert_service import _moe_native
-    return _moe_native
+        sys.modules["moe_kernels._native"] = mod  # moe_kernels imports this one instead of the installed one
+    from moe_kernels import native
+    return native
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--native", default=None, help="path of the _moe_native build to load")
+    ap.add_argument("--native", default=None, help="path of the native library build to load")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--fmt", default="bf16")
     a = ap.parse_args()

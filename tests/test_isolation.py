@@ -29,7 +29,7 @@ import torch
 
 import tiny_models
 from conftest import ROOT, Services
-from expert_service import _moe_native as native
+from moe_kernels import native as native
 from expert_service.kernels import MoELayer
 from expert_service.kernels.torch_moe import TorchMoELayer
 from protos import generate_pb2
@@ -112,7 +112,7 @@ def asan_native(tmp_path_factory) -> str:
                         str(out / "tmp"), "-j", "2"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "MOE_ASAN": "1"})
     assert p.returncode == 0, p.stderr[-4000:]
-    (so,) = (out / "lib" / "expert_service").glob("_moe_native*.so")
+    (so,) = (out / "lib" / "moe_kernels").glob("_native*.so")
     return str(so)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import Services
-from expert_service import _moe_native as native
+from moe_kernels import native as native
 from expert_service.kernels import MoELayer
 from gpu_service.dispatch import ExpertServiceError, RemoteExperts
 from gpu_service.shm_channel import ShmChannel

@@ -1,105 +1,20 @@
 """The native routed-expert operator (C++ in native/). Same contract as TorchMoELayer.
 
-Weight formats, packed once at load (gate and up fused into one [E, 2I, K] matrix):
-- bf16: as is;
-- int8: symmetric, one fp32 scale per output channel (row);
-- int4: symmetric, one fp32 scale per group of 64 consecutive weights of a row (INT4_GROUP).
-Activations are rounded to bf16 (bf16 weights) or quantized to int8 per token (int formats);
-dequantization happens in registers. The kernel path (portable | avx2 | avx512 | amx) is chosen at
-import from CPUID and the OS's XSAVE state (amx: also the OS's grant of the tile state), or forced
-with MOE_KERNEL_PATH. amx runs prefill of bf16/int8 weights on tiles, everything else on AVX-512.
+Weights are packed once at load in one of moe_kernels.packing's formats (gate and up fused into one
+[E, 2I, K] matrix). Activations are rounded to bf16 (bf16 weights) or quantized to int8 per token
+(int formats); dequantization happens in registers. The kernel path is moe_kernels.PATH; amx runs
+prefill of bf16/int8 weights on tiles, everything else on AVX-512.
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
-import torch.nn.functional as F
 
-from expert_service import _moe_native as _n
+from moe_kernels import PATH, native as _n
+from moe_kernels.packing import FORMATS, INT4_GROUP, alloc, data_ptr, pack_expert, row_len, store_expert  # noqa: F401
 
 from .submit_wait import SubmitWait
-
-log = logging.getLogger("expert_service.kernels")
-
-FORMATS = ("bf16", "int8", "int4")
-INT4_GROUP = 64
-
-
-def choose_path() -> str:
-    forced = os.environ.get("MOE_KERNEL_PATH")
-    if forced and forced != "torch":
-        if not _n.path_supported(forced):
-            raise RuntimeError(f"MOE_KERNEL_PATH={forced} cannot run on this CPU/OS (features: {_n.cpu_features()})")
-        return forced
-    return _n.best_path()
-
-
-PATH = choose_path()
-log.info("native MoE kernel path: %s; NUMA: %s", PATH, _n.numa_topology())
-
-
-def _ptr_of(buf) -> int:
-    return torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-
-
-def row_len(n: int, fmt: str) -> int:
-    """Packed row length: a multiple of 64 elements (whole VNNI steps and int4 groups), bumped when
-    the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
-    fall in one L1 set."""
-    n = (n + 63) // 64 * 64
-    nbytes = {"bf16": 2 * n, "int8": n, "int4": n // 2}[fmt]
-    return n + 64 if nbytes % 512 == 0 else n
-
-
-def huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized [E, ...] tensor on huge-page-advised memory (streaming GBs of weights without a
-    TLB miss per 4 KiB), each expert's slice bound to its NUMA node before anything touches it."""
-    n = int(torch.Size(shape).numel()) * dtype.itemsize
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    buf = _n.HugeBuffer(n)
-    _n.numa_place(_ptr_of(buf), n // shape[0], shape[0])
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # keeps `buf` alive
-
-
-def alloc(fmt: str, E: int, rows: int, Kp: int):
-    """Empty packed storage of E experts' [rows, Kp] matrices: (data, scale, rowsum, rowcorr), None where
-    the format has none."""
-    if fmt == "bf16":
-        return huge((E, rows, Kp), torch.bfloat16), None, None, None
-    if fmt == "int8":
-        return huge((E, rows, Kp), torch.int8), torch.empty(E, rows), torch.empty(E, rows, dtype=torch.int32), None
-    return huge((E, rows, Kp // 2), torch.uint8), torch.empty(E, rows, Kp // INT4_GROUP), None, torch.empty(E, rows)
-
-
-def pack_expert(w: torch.Tensor, fmt: str, Kp: int) -> tuple:
-    """One expert's w [rows, K] (any float dtype) -> its (data, scale, rowsum, rowcorr) in the kernels' layout."""
-    w = F.pad(w.float(), (0, Kp - w.shape[-1]))
-    if fmt == "bf16":
-        return w.to(torch.bfloat16), None, None, None
-    if fmt == "int8":
-        scale = (w.abs().amax(-1) / 127).clamp_min(1e-12)
-        q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
-        return q, scale, q.sum(-1, dtype=torch.int32), None
-    R = w.shape[0]
-    g = w.view(R, Kp // INT4_GROUP, INT4_GROUP)
-    scale = (g.abs().amax(-1) / 7).clamp_min(1e-12)
-    q = (torch.round(g / scale[..., None]).clamp(-7, 7) + 8).to(torch.uint8)      # 1..15, 8 = zero
-    packed = q[..., :INT4_GROUP // 2] | (q[..., INT4_GROUP // 2:] << 4)           # byte i: elems i, i+32
-    rowcorr = 128 * (scale * (q.float() - 8).sum(-1)).sum(-1)                      # takes the +128 of u8 x out
-    return packed.reshape(R, Kp // 2), scale, None, rowcorr
-
-
-def store_expert(dst: tuple, e: int, parts: tuple) -> None:
-    for d, p in zip(dst, parts):
-        if d is not None:
-            d[e].copy_(p)
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return t.data_ptr() if t is not None else 0
 
 
 class NativeMoELayer(SubmitWait):
@@ -179,7 +94,7 @@ class NativeMoELayer(SubmitWait):
 
     def _weight_args(self) -> tuple:
         return (self.path, self.fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
-                *map(_ptr, self.gu), *map(_ptr, self.dn))
+                *map(data_ptr, self.gu), *map(data_ptr, self.dn))
 
     def forward_part(self, hidden: int, hidden_bf16: bool, ids: int, weights: int, out: int, out_bf16: bool,
                      T: int, k: int, defer: int, part: int) -> None:

@@ -1,0 +1,31 @@
+"""The native kernels both services import: the C++ library in native/ (as `native`), the kernel
+path this CPU runs, and the packed weight formats.
+
+    native/ (C++)  ->  moe_kernels (this package: path choice, packing, dense layers)
+                         <- expert_service.kernels (routed experts: NativeMoELayer, ring)
+                         <- gpu_service (dense layers on the CPU, shared-memory doorbells)
+
+The kernel path (portable | avx2 | avx512 | amx) is chosen at import from CPUID and the OS's XSAVE
+state (amx: also the OS's grant of the tile state), or forced with MOE_KERNEL_PATH.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from . import _native as native
+
+log = logging.getLogger("moe_kernels")
+
+
+def choose_path() -> str:
+    forced = os.environ.get("MOE_KERNEL_PATH")
+    if forced and forced != "torch":
+        if not native.path_supported(forced):
+            raise RuntimeError(f"MOE_KERNEL_PATH={forced} cannot run on this CPU/OS (features: {native.cpu_features()})")
+        return forced
+    return native.best_path()
+
+
+PATH = choose_path()
+log.info("native kernel path: %s; NUMA: %s", PATH, native.numa_topology())
