@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from moe_core.config import ModelConfig
 
-from .layers import apply_rope, rms_norm
+from .layers import apply_rope, linear, rms_norm
 
 SCORE_BYTES = 256 << 20  # MLA: most bytes of attention scores held at once (heads are grouped to fit)
 
@@ -58,9 +58,9 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]."""
     t = x.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = F.linear(x, W[p + "q_proj.weight"], W.get(p + "q_proj.bias")).view(t, nh, d)
-    k = F.linear(x, W[p + "k_proj.weight"], W.get(p + "k_proj.bias")).view(t, nkv, d)
-    v = F.linear(x, W[p + "v_proj.weight"], W.get(p + "v_proj.bias")).view(t, nkv, d)
+    q = linear(x, W[p + "q_proj.weight"], W.get(p + "q_proj.bias")).view(t, nh, d)
+    k = linear(x, W[p + "k_proj.weight"], W.get(p + "k_proj.bias")).view(t, nkv, d)
+    v = linear(x, W[p + "v_proj.weight"], W.get(p + "v_proj.bias")).view(t, nkv, d)
     if cfg.qk_norm:
         q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
@@ -72,10 +72,10 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         qg = q.view(nkv, nh // nkv, d)                                          # [kv, group, d]
         s = torch.matmul(qg, K.permute(1, 2, 0)) * d ** -0.5                    # [kv, group, L]
         o = torch.matmul(s.float().softmax(-1).to(q.dtype), V.transpose(0, 1))  # [kv, group, d]
-        return F.linear(o.reshape(1, nh * d), W[p + "o_proj.weight"])
+        return linear(o.reshape(1, nh * d), W[p + "o_proj.weight"])
     o = F.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1),
                                        attn_mask=_causal_mask(t, start, x.device), enable_gqa=nkv != nh)
-    return F.linear(o.transpose(0, 1).reshape(t, nh * d), W[p + "o_proj.weight"])
+    return linear(o.transpose(0, 1).reshape(t, nh * d), W[p + "o_proj.weight"])
 
 
 def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: KVCache, layer: int,
@@ -84,14 +84,14 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     t = x.shape[0]
     nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
-        q = F.linear(x, W[p + "q_proj.weight"])
+        q = linear(x, W[p + "q_proj.weight"])
     else:
-        qa = rms_norm(F.linear(x, W[p + "q_a_proj.weight"], W.get(p + "q_a_proj.bias")),
+        qa = rms_norm(linear(x, W[p + "q_a_proj.weight"], W.get(p + "q_a_proj.bias")),
                       W[p + "q_a_layernorm.weight"], 1e-6)
-        q = F.linear(qa, W[p + "q_b_proj.weight"])
+        q = linear(qa, W[p + "q_b_proj.weight"])
     q = q.view(t, nh, dn + dr)
     q_nope, q_pe = q[..., :dn], q[..., dn:]
-    ckv = F.linear(x, W[p + "kv_a_proj_with_mqa.weight"], W.get(p + "kv_a_proj_with_mqa.bias"))
+    ckv = linear(x, W[p + "kv_a_proj_with_mqa.weight"], W.get(p + "kv_a_proj_with_mqa.bias"))
     c = rms_norm(ckv[:, :r], W[p + "kv_a_layernorm.weight"], 1e-6)              # [t, r]
     k_pe = ckv[:, r:].view(t, 1, dr)
     q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)                     # [t, nh, dr]
@@ -113,4 +113,4 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
             scores = scores.masked_fill(~mask, float("-inf"))
         o_lat[h:h + group] = torch.matmul(scores.float().softmax(dim=-1).to(x.dtype), C)  # [group, t, r]
     o = torch.einsum("htr,hvr->thv", o_lat, w_uv).reshape(t, nh * dv)
-    return F.linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
+    return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))

@@ -37,6 +37,11 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="compute dtype; auto = the checkpoint's dtype")
+    ap.add_argument("--dense-format", default="auto", choices=["auto", "torch", "bf16", "int8", "int4"],
+                    help="on the CPU: attention projections, dense MLPs, shared experts and lm_head run on the native "
+                         "kernels with weights packed in this format (int8/int4: quantized at load, like the experts); "
+                         "torch = torch's own matmuls. auto = bf16 for a bf16 model when this CPU has a SIMD kernel "
+                         "path, else torch; on CUDA always torch")
     ap.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together in one step")
     ap.add_argument("--max-context", type=int, default=0,
                     help="context limit in tokens (prompt + completion); 0 = the model's max_position_embeddings")
@@ -73,6 +78,23 @@ def pick_device(arg: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         serving.fail("--device cuda: no CUDA device is available")
     return dev
+
+
+def dense_format(arg: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """--dense-format resolved: a native weight format, or None for torch's matmuls."""
+    if arg == "torch" or (arg == "auto" and (device.type != "cpu" or dtype != torch.bfloat16)):
+        return None
+    if device.type != "cpu":
+        serving.fail(f"--dense-format {arg}: the native kernels run on the CPU, and this service computes on {device}")
+    try:
+        import moe_kernels
+    except ImportError as e:
+        if arg == "auto":
+            return None
+        serving.fail(f"--dense-format {arg}: the native kernels are not built ({e})")
+    if arg == "auto":
+        return "bf16" if moe_kernels.PATH != "portable" else None
+    return arg
 
 
 def wait_for_experts(experts: RemoteExperts, timeout: float, cancel):
@@ -173,7 +195,13 @@ async def serve(args, stop: asyncio.Event) -> None:
     log.info("waiting for the expert service at %s", args.experts)
     try:
         info = await serving.unless_stopped(stop, lambda c: wait_for_experts(experts, args.connect_timeout, c))
-        model = await serving.unless_stopped(stop, lambda c: Model(cfg, ckpt, device, dtype, cancel=c))
+        dense = dense_format(args.dense_format, device, dtype)
+        if dense:
+            from moe_kernels import native
+            native.init_pool(args.threads)
+        log.info("dense layers: %s", f"native kernels, {dense} weights" if dense else "torch")
+        model = await serving.unless_stopped(stop, lambda c: Model(cfg, ckpt, device, dtype, cancel=c,
+                                                                    dense_format=dense))
     except serving.Stopped:
         log.info("stopped while starting")
         await server.stop(grace=0)

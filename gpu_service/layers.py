@@ -16,8 +16,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or a weight packed for the native kernels (moe_kernels.dense, --dense-format)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    y = w(x)
+    return y if b is None else y + b
+
+
+def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 # -- rotary embeddings ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 
@@ -20,7 +21,7 @@ from moe_core.config import ModelConfig, is_routed_expert_tensor
 from moe_core.routing import split_deferred
 
 from .attention import KVCache, gqa_attention, mla_attention
-from .layers import rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
+from .layers import linear, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
 
 log = logging.getLogger("gpu_service.model")
 
@@ -40,6 +41,12 @@ class Segment:
     scored: tuple | None = None
 
 
+# weights used as plain x W^T, which --dense-format packs for the native kernels: attention projections
+# (not MLA's kv_b_proj, used in absorbed form), dense MLPs and shared experts; lm_head too
+DENSE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|gate_proj|up_proj|down_proj)"
+                   r"\.weight$")
+
+
 def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
     # transformers keeps DeepSeek's router weight and bias in fp32 whatever the model dtype
     return cfg.model_type.startswith("deepseek") and (name.endswith("mlp.gate.weight")
@@ -48,9 +55,11 @@ def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
 
 class Model:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
-                 cancel: threading.Event | None = None):
+                 cancel: threading.Event | None = None, dense_format: str | None = None):
         """Loads every non-expert weight (FP8 ones dequantized, then cast to `dtype`); `cancel` stops it
-        between two tensors (InterruptedError). The checkpoint's mapped pages are let go afterwards."""
+        between two tensors (InterruptedError). The checkpoint's mapped pages are let go afterwards.
+        dense_format (bf16 | int8 | int4, CPU only): the DENSE weights and lm_head are packed for the
+        native kernels in that format instead of kept as torch tensors."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.W: dict[str, torch.Tensor] = {}
         for name in ckpt.names(lambda n: not is_routed_expert_tensor(n)):
@@ -62,6 +71,8 @@ class Model:
             self.W[name] = t.to(device=device, dtype=torch.float32 if _keep_fp32(cfg, name) else dtype)
         ckpt.close()  # tensors still viewing the map keep their pages; the rest are let go
         self.lm_head = self.W.get("lm_head.weight", self.W["model.embed_tokens.weight"])
+        if dense_format:
+            self._pack_dense(dense_format)
         self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
@@ -70,6 +81,14 @@ class Model:
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
 
+    def _pack_dense(self, fmt: str) -> None:
+        from moe_kernels.dense import NativeLinear
+        for name in [n for n in self.W if DENSE.search(n)]:
+            self.W[name] = NativeLinear(self.W[name], fmt)  # the torch tensor goes
+        self.lm_head = NativeLinear(self.lm_head, fmt)  # a tied one: the embedding stays a tensor
+        if "lm_head.weight" in self.W:
+            self.W["lm_head.weight"] = self.lm_head
+
     def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [n, H] (final-normed), targets [m <= n] -> (log p(targets[i]) at position i < m, argmax id at each
         position), in chunks of positions so that no [n, vocab] tensor exists for long contexts."""
@@ -77,7 +96,7 @@ class Model:
         nxt = targets.to(self.device)
         lps, ams = [torch.zeros(0)], []
         for i in range(0, n, chunk):
-            logits = F.linear(h[i:i + chunk], self.lm_head).float()
+            logits = linear(h[i:i + chunk], self.lm_head).float()
             ams.append(logits.argmax(-1).cpu())
             j = min(i + chunk, len(nxt))  # positions whose next token is known
             if j > i:
@@ -180,6 +199,6 @@ class Model:
         sel = torch.cat(rows).to(self.device)
         for s in segments:
             s.cache.length = s.start + s.tokens.shape[0]
-        logits = F.linear(h[sel], self.lm_head).float()
+        logits = linear(h[sel], self.lm_head).float()
         mark("lm_head", -1, t)
         return logits

@@ -33,11 +33,15 @@ static Isa kernel_isa(const std::string& path) {
   return isa;
 }
 
+static Fmt parse_fmt(const std::string& fmt) {
+  return fmt == "bf16" ? Fmt::Bf16 : fmt == "int8" ? Fmt::Int8 : fmt == "int4" ? Fmt::Int4
+       : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4)");
+}
+
 static MoEWeights weights_of(const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,
                              uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w,
                              uintptr_t dn_scale, uintptr_t dn_rowsum, uintptr_t dn_rowcorr) {
-  Fmt f = fmt == "bf16" ? Fmt::Bf16 : fmt == "int8" ? Fmt::Int8 : fmt == "int4" ? Fmt::Int4
-        : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4)");
+  Fmt f = parse_fmt(fmt);
   auto mat = [](uintptr_t w, uintptr_t scale, uintptr_t rowsum, uintptr_t rowcorr, int rows, int K, int Kp) {
     return Matrix{reinterpret_cast<const void*>(w), reinterpret_cast<const float*>(scale),
                   reinterpret_cast<const int32_t*>(rowsum), reinterpret_cast<const float*>(rowcorr), rows, K, Kp};
@@ -253,6 +257,22 @@ PYBIND11_MODULE(_native, m) {
         release_scratch();
       },
       WEIGHT_ARGS, py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("T"), py::arg("k"));
+  m.def(
+      "linear",
+      [](const std::string& path, const std::string& fmt, int rows, int K, int Kp, uintptr_t w, uintptr_t scale,
+         uintptr_t rowsum, uintptr_t rowcorr, uintptr_t x, uintptr_t y, int T) {
+        Isa isa = kernel_isa(path);
+        Matrix m{reinterpret_cast<const void*>(w), reinterpret_cast<const float*>(scale),
+                 reinterpret_cast<const int32_t*>(rowsum), reinterpret_cast<const float*>(rowcorr), rows, K, Kp};
+        Fmt f = parse_fmt(fmt);
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        linear_forward(isa, f, m, reinterpret_cast<const float*>(x), T, reinterpret_cast<float*>(y));
+        release_scratch();
+      },
+      py::arg("path"), py::arg("fmt"), py::arg("rows"), py::arg("K"), py::arg("Kp"), py::arg("w"), py::arg("scale"),
+      py::arg("rowsum"), py::arg("rowcorr"), py::arg("x"), py::arg("y"), py::arg("T"),
+      "y [T, rows] fp32 = x [T, K] fp32 times one packed [rows, Kp] matrix, transposed (native/linear.cpp)");
   m.def(
       "forward_part",
       [](const std::string& path, const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,

@@ -55,6 +55,9 @@ struct MoEWeights {
 void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
                  float* out, int T, int k);
 
+// Dense layer: y [T, m.rows] fp32 = x [T, m.K] fp32 times matrix 0 of m, transposed (native/linear.cpp).
+void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, float* y);
+
 // One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
 // part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and
 // finiteness (throws std::invalid_argument naming the field).

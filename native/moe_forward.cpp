@@ -13,6 +13,7 @@
 
 #include "common.h"
 #include "moe.h"
+#include "driver.h"
 #include "numa.h"
 
 namespace moe {
@@ -50,27 +51,6 @@ __attribute__((target("avx2"))) int quantize_u8_avx2(const float* x, int n, floa
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permutevar8x32_epi32(b, order));
   }
   return i;
-}
-
-// Put one fp32 row (n values) into row `r` of `b` in the format's activation form.
-void quantize_row(Isa isa, Fmt fmt, const float* x, int n, ActBuf& b, int r) {
-  uint8_t* dst = b.data.data() + size_t(r) * b.row_bytes;
-  if (fmt == Fmt::Bf16) {
-    auto* d = reinterpret_cast<uint16_t*>(dst);
-    for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(x[i]);
-    return;
-  }
-  const bool simd = isa != Isa::Portable;
-  float amax = 0.f;
-  if (simd) amax = absmax_avx2(x, n);
-  else
-    for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float scale = amax > 0 ? amax / 127.f : 1.f, inv = 1.f / scale;
-  b.scale[r] = scale;
-  // u8 = q + 128: VNNI multiplies unsigned activations by signed weights
-  for (int i = simd ? quantize_u8_avx2(x, n, inv, dst) : 0; i < n; ++i)
-    dst[i] = uint8_t(int(std::nearbyint(x[i] * inv)) + 128);
-  for (size_t i = n; i < b.row_bytes; ++i) dst[i] = 128;  // padding is q = 0
 }
 
 // SwiGLU activation of one slot: a = silu(gate) * up, each step rounded to bf16 as a bf16 model's
@@ -156,6 +136,29 @@ __attribute__((target("avx2,fma"))) void act_row_avx2(const float* gate, const f
   act_row(gate + i, up + i, a + i, I - i);
 }
 
+}  // namespace
+
+// Put one fp32 row (n values) into row `r` of `b` in the format's activation form.
+void quantize_row(Isa isa, Fmt fmt, const float* x, int n, ActBuf& b, int r) {
+  uint8_t* dst = b.data.data() + size_t(r) * b.row_bytes;
+  if (fmt == Fmt::Bf16) {
+    auto* d = reinterpret_cast<uint16_t*>(dst);
+    for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(x[i]);
+    return;
+  }
+  const bool simd = isa != Isa::Portable;
+  float amax = 0.f;
+  if (simd) amax = absmax_avx2(x, n);
+  else
+    for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax > 0 ? amax / 127.f : 1.f, inv = 1.f / scale;
+  b.scale[r] = scale;
+  // u8 = q + 128: VNNI multiplies unsigned activations by signed weights
+  for (int i = simd ? quantize_u8_avx2(x, n, inv, dst) : 0; i < n; ++i)
+    dst[i] = uint8_t(int(std::nearbyint(x[i] * inv)) + 128);
+  for (size_t i = n; i < b.row_bytes; ++i) dst[i] = 128;  // padding is q = 0
+}
+
 void gemm_rows(Isa isa, Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,
                size_t ldy) {
   if (isa == Isa::Amx) {  // whole 16-row tiles on AMX where this expert's tokens were packed; the rest on AVX-512
@@ -172,7 +175,6 @@ void gemm_rows(Isa isa, Fmt fmt, const Matrix& m, int e, int r0, int r1, const A
   }
 }
 
-}  // namespace
 
 void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
                  float* out, int T, int k) {

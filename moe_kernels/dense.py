@@ -1,0 +1,43 @@
+"""Dense layers on the native kernels: one packed [out, in] weight, y = x W^T. The GPU service runs its
+projections, dense MLPs, shared experts and lm_head through these when it computes on the CPU
+(gpu-service --dense-format), so those layers stream packed weights at DRAM speed as the experts do.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import PATH, native
+from .packing import alloc, data_ptr, pack_expert, row_len
+
+PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
+
+
+class NativeLinear:
+    def __init__(self, w: torch.Tensor, fmt: str, path: str | None = None):
+        rows, K = w.shape
+        self.rows, self.K, self.fmt, self.path = rows, K, fmt, path or PATH
+        self.Kp = row_len(K, fmt)
+        self.parts = alloc(fmt, 1, rows, self.Kp)  # (data, scale, rowsum, rowcorr), each [1, rows, ...]
+        for r in range(0, rows, PACK_ROWS):
+            for d, p in zip(self.parts, pack_expert(w[r:r + PACK_ROWS], fmt, self.Kp)):
+                if d is not None:
+                    d[0, r:r + PACK_ROWS].copy_(p)
+        self._args = (self.path, fmt, rows, K, self.Kp, *map(data_ptr, self.parts))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.K
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts if p is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (any float dtype) -> [..., rows] in x's dtype."""
+        if x.shape[-1] != self.K:
+            raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {self.K}")
+        xf = x.reshape(-1, self.K).float().contiguous()
+        y = torch.empty(xf.shape[0], self.rows)
+        if xf.shape[0]:
+            native.linear(*self._args, xf.data_ptr(), y.data_ptr(), xf.shape[0])
+        return y.to(x.dtype).view(*x.shape[:-1], self.rows)

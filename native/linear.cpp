@@ -1,0 +1,26 @@
+// Dense layers on the experts' kernels: y[T, rows] = x[T, K] W^T for one packed matrix (any weight
+// format), every token against every row. The GPU service runs its projections, dense MLPs, shared
+// experts and lm_head through this when its device is the CPU, so those layers stream packed bf16 /
+// int8 / int4 weights at DRAM speed like the experts do.
+#include "common.h"
+#include "driver.h"
+#include "moe.h"
+
+namespace moe {
+
+void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, float* y) {
+  MOE_CHECK(T >= 0 && m.rows > 0 && m.K > 0 && m.Kp >= m.K && m.Kp % 64 == 0, "bad linear shapes");
+  if (T == 0) return;
+  if (isa == Isa::Amx) isa = Isa::Avx512;  // tiles need packed activations per expert: not worth it here
+  ThreadPool& tp = pool();
+  ActBuf& xb = tp.scratch.xb;  // ours alone: the caller holds compute_mutex()
+  xb.resize(fmt, T, m.Kp);
+  tp.parallel_for(T, [&](int t) { quantize_row(isa, fmt, x + size_t(t) * m.K, m.K, xb, t); });
+  const Acts xs = xb.view(nullptr, T);
+  const int b = task_rows(weight_row_bytes(fmt, m.Kp));
+  tp.parallel_for((m.rows + b - 1) / b, [&](int i) {
+    gemm_rows(isa, fmt, m, 0, i * b, std::min(m.rows, (i + 1) * b), xs, T, y, size_t(m.rows));
+  });
+}
+
+}  // namespace moe
