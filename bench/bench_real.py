@@ -28,14 +28,15 @@ from conftest import free_port, start, wait_healthy  # noqa: E402
 from protos import generate_pb2, generate_pb2_grpc  # noqa: E402
 
 
-def up(model, fmt, cache, threads, tmp, tag) -> tuple[dict, object, object, float]:
+def up(model, fmt, cache, threads, tmp, tag, dense="auto") -> tuple[dict, object, object, float]:
     ep, gp = free_port(), free_port()
     env = {"MOE_CACHE_DIR": str(cache), "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     e = start("expert_service", "--model", str(model), "--listen", f"127.0.0.1:{ep}", "--threads", str(threads),
               "--weight-format", fmt, log=tmp / f"expert-{tag}.log", env=env)
     g = start("gpu_service", "--model", str(model), "--experts", f"127.0.0.1:{ep}", "--listen", f"127.0.0.1:{gp}",
-              "--threads", str(threads), "--device", "cpu", log=tmp / f"gpu-{tag}.log", env=env)
+              "--threads", str(threads), "--device", "cpu", "--dense-format", dense, log=tmp / f"gpu-{tag}.log",
+              env=env)
     wait_healthy(ep, e, timeout=3600)
     wait_healthy(gp, g, timeout=3600)
     return {"port": gp}, e, g, time.perf_counter() - t0
@@ -63,6 +64,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dense-format", nargs="+", default=["auto"],
+                    help="gpu-service --dense-format; several: one warm run each (e.g. torch bf16 int8)")
     a = ap.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench-real-"))
     procs = []
@@ -76,12 +79,13 @@ def main() -> None:
         print(f"CPU: {cpu_name()}; {model.name if a.model else a.synth} ({size:.1f} GiB), experts {a.weight_format}, "
               f"{a.threads} threads per service (shared cores)")
         cache = work / "cache"
-        for tag in ("cold", "warm"):
-            svc, e, g, ready = up(model, a.weight_format, cache, a.threads, work, tag)
+        runs_of = [("cold", a.dense_format[0])] + [("warm", d) for d in a.dense_format]
+        for tag, dense in runs_of:
+            svc, e, g, ready = up(model, a.weight_format, cache, a.threads, work, f"{tag}-{dense}", dense)
             procs = [e, g]
             mem = {name: (status_mib(p.pid, "VmHWM"), status_mib(p.pid, "VmRSS")) for name, p in
                    (("expert", e), ("gpu", g))}
-            print(f"{tag:5} start: both SERVING in {ready:.1f}s; expert RSS peak {mem['expert'][0]:.0f} / steady "
+            print(f"{tag:5} start (dense layers: {dense}): both SERVING in {ready:.1f}s; expert RSS peak {mem['expert'][0]:.0f} / steady "
                   f"{mem['expert'][1]:.0f} MiB; gpu RSS peak {mem['gpu'][0]:.0f} / steady {mem['gpu'][1]:.0f} MiB")
             if tag == "warm":
                 for n in a.prompts:

@@ -60,6 +60,8 @@ class Model:
         between two tensors (InterruptedError). The checkpoint's mapped pages are let go afterwards.
         dense_format (bf16 | int8 | int4, CPU only): the DENSE weights and lm_head are packed for the
         native kernels in that format instead of kept as torch tensors."""
+        if dense_format:
+            from moe_kernels.dense import NativeLinear
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.W: dict[str, torch.Tensor] = {}
         for name in ckpt.names(lambda n: not is_routed_expert_tensor(n)):
@@ -68,11 +70,16 @@ class Model:
             if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers:
                 continue  # e.g. DeepSeek-V3's multi-token-prediction layer: not used for decoding
             t = ckpt.get(name)
-            self.W[name] = t.to(device=device, dtype=torch.float32 if _keep_fp32(cfg, name) else dtype)
+            if dense_format and (DENSE.search(name) or name == "lm_head.weight"):
+                # packed straight from the checkpoint's tensor, a few thousand rows at a time: no
+                # second full copy of any weight while starting
+                self.W[name] = NativeLinear(t, dense_format)
+            else:
+                self.W[name] = t.to(device=device, dtype=torch.float32 if _keep_fp32(cfg, name) else dtype)
         ckpt.close()  # tensors still viewing the map keep their pages; the rest are let go
         self.lm_head = self.W.get("lm_head.weight", self.W["model.embed_tokens.weight"])
-        if dense_format:
-            self._pack_dense(dense_format)
+        if dense_format and isinstance(self.lm_head, torch.Tensor):  # tied to the embedding, which stays
+            self.lm_head = NativeLinear(self.lm_head, dense_format)
         self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
@@ -80,14 +87,6 @@ class Model:
         self.last_moe_layer = cfg.moe_layers[-1] if cfg.moe_layers else -1
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
-
-    def _pack_dense(self, fmt: str) -> None:
-        from moe_kernels.dense import NativeLinear
-        for name in [n for n in self.W if DENSE.search(n)]:
-            self.W[name] = NativeLinear(self.W[name], fmt)  # the torch tensor goes
-        self.lm_head = NativeLinear(self.lm_head, fmt)  # a tied one: the embedding stays a tensor
-        if "lm_head.weight" in self.W:
-            self.W["lm_head.weight"] = self.lm_head
 
     def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [n, H] (final-normed), targets [m <= n] -> (log p(targets[i]) at position i < m, argmax id at each
