@@ -47,6 +47,9 @@ DENSE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_
                    r"\.weight$")
 
 
+CLOSE_EVERY_BYTES = 256 << 20  # packing dense layers: reopen the checkpoint after this many source bytes
+
+
 def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
     # transformers keeps DeepSeek's router weight and bias in fp32 whatever the model dtype
     return cfg.model_type.startswith("deepseek") and (name.endswith("mlp.gate.weight")
@@ -64,6 +67,7 @@ class Model:
             from moe_kernels.dense import NativeLinear
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.W: dict[str, torch.Tensor] = {}
+        packed_since_close = 0
         for name in ckpt.names(lambda n: not is_routed_expert_tensor(n)):
             if cancel is not None and cancel.is_set():
                 raise InterruptedError("loading cancelled")
@@ -74,6 +78,11 @@ class Model:
                 # packed straight from the checkpoint's tensor, a few thousand rows at a time: no
                 # second full copy of any weight while starting
                 self.W[name] = NativeLinear(t, dense_format)
+                packed_since_close += t.nbytes
+                if packed_since_close > CLOSE_EVERY_BYTES:  # the source pages read so far leave the RSS
+                    del t
+                    ckpt.close()
+                    packed_since_close = 0
             else:
                 self.W[name] = t.to(device=device, dtype=torch.float32 if _keep_fp32(cfg, name) else dtype)
         ckpt.close()  # tensors still viewing the map keep their pages; the rest are let go
