@@ -1,0 +1,200 @@
+"""End to end against llama.cpp on the same weights, CPU only: prefill of a 512-token prompt and
+decode tokens/s, our two services (sharing the cores) against llama.cpp's llama-bench, in alternating
+rounds within one run.
+
+    python bench/bench_llamacpp.py --model DIR [--formats bf16,int8,int4] [--rounds 3] [--isa avx2]
+
+DIR: a Qwen3-MoE checkpoint (tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out DIR).
+llama.cpp is built here from the llama-cpp-python sdist on PyPI (its vendored tree; nothing of it is
+committed) into --work (kept between runs): llama-bench and llama-quantize, CPU backend. --isa avx2
+builds it for AVX2 + FMA + F16C only and runs our side on the avx2 kernel path with torch limited to
+AVX2, i.e. what both do on an AVX2-only CPU; --isa native lets both use everything this CPU has.
+The GGUF holds the checkpoint's tensors under llama.cpp's qwen3moe names (written with the sdist's
+gguf-py), in bf16; Q8_0 and Q4_0 come from llama-quantize. Pairs: bf16 <-> our bf16 experts and bf16
+dense layers; Q8_0 <-> int8 experts, int8 dense; Q4_0 <-> int4 experts, int8 dense layers (ours keep
+8 bits outside the experts, llama.cpp's Q4_0 puts 4 bits everywhere but the output matrix).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from bench_real import generate  # noqa: E402
+from bench_restart import cpu_name  # noqa: E402
+from conftest import free_port, start, wait_healthy  # noqa: E402
+
+LLAMA_PY = "llama-cpp-python==0.3.36"
+PAIRS = {"bf16": ("bf16", "bf16", "bf16"), "int8": ("Q8_0", "int8", "int8"), "int4": ("Q4_0", "int4", "int8")}
+AVX2_ONLY = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]
+
+
+def build_llama(work: pathlib.Path, isa: str) -> pathlib.Path:
+    """-> the llama.cpp source tree, with build-<isa>/bin/llama-bench and llama-quantize."""
+    src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
+    if src is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_PY,
+                        "-d", str(work)], check=True)
+        tar = next(work.glob("llama_cpp_python-*.tar.gz"))
+        subprocess.run(["tar", "xzf", str(tar), "-C", str(work)], check=True)
+        src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    build = src / f"build-{isa}"
+    if not (build / "bin" / "llama-bench").exists():
+        flags = AVX2_ONLY if isa == "avx2" else ["-DGGML_NATIVE=ON"]
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", *flags], check=True)
+        subprocess.run(["ninja", "-C", str(build), "llama-bench", "llama-quantize"], check=True)
+    return src
+
+
+def write_gguf(model: pathlib.Path, src: pathlib.Path, out: pathlib.Path) -> None:
+    """The checkpoint as a bf16 GGUF for llama.cpp's qwen3moe (experts stacked per layer)."""
+    sys.path.insert(0, str(src / "gguf-py"))
+    import gguf
+    import torch
+
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+
+    cfg, ck = load_config(model), Checkpoint(model)
+    raw = json.loads((model / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "qwen3moe")
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(raw["intermediate_size"])
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.top_k)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    # llama-bench feeds random ids: a placeholder vocabulary of the checkpoint's size is enough
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+    w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
+    w.add_token_merges(["<t2> <t3>"])  # llama.cpp refuses a gpt2 vocabulary without merges
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+    def put(name: str, t: torch.Tensor) -> None:
+        t = t.to(torch.bfloat16) if t.dim() > 1 else t.float()
+        a = t.contiguous().view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.contiguous().numpy()
+        w.add_tensor(name, a, raw_dtype=gguf.GGMLQuantizationType.BF16 if t.dtype == torch.bfloat16 else None)
+
+    put("token_embd.weight", ck.get("model.embed_tokens.weight"))
+    put("output_norm.weight", ck.get("model.norm.weight"))
+    put("output.weight", ck.get("lm_head.weight"))
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+    for L in range(cfg.num_layers):
+        for hf, gg in names.items():
+            put(f"blk.{L}.{gg}.weight", ck.get(f"model.layers.{L}.{hf}.weight"))
+        for proj, gg in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            put(f"blk.{L}.{gg}.weight", torch.stack([ck.get(f"model.layers.{L}.mlp.experts.{e}.{proj}.weight")
+                                                     for e in range(cfg.n_routed_experts)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def llama_bench(src: pathlib.Path, isa: str, gguf_path: pathlib.Path, threads: int, prompt: int, gen: int):
+    """-> (prefill tok/s, decode tok/s) from one llama-bench run of each test."""
+    out = subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-bench"), "-m", str(gguf_path), "-t", str(threads),
+                          "-p", str(prompt), "-n", str(gen), "-r", "1", "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
+    return pp, tg
+
+
+def ours_up(model, expert_fmt, dense_fmt, threads, work, env):
+    ep, gp = free_port(), free_port()
+    e = start("expert_service", "--model", str(model), "--listen", f"127.0.0.1:{ep}", "--threads", str(threads),
+              "--weight-format", expert_fmt, log=work / f"expert-{expert_fmt}.log", env=env)
+    g = start("gpu_service", "--model", str(model), "--experts", f"127.0.0.1:{ep}", "--listen", f"127.0.0.1:{gp}",
+              "--threads", str(threads), "--device", "cpu", "--dense-format", dense_fmt,
+              log=work / f"gpu-{expert_fmt}.log", env=env)
+    wait_healthy(ep, e, timeout=3600)
+    wait_healthy(gp, g, timeout=3600)
+    return gp, (e, g)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=pathlib.Path, required=True)
+    ap.add_argument("--formats", default="bf16,int8,int4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--isa", choices=["avx2", "native"], default="avx2")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--work", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir()) / "moe-llamacpp")
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    src = build_llama(a.work, a.isa)
+    bf16 = a.work / f"{a.model.name}-bf16.gguf"
+    if not bf16.exists():
+        write_gguf(a.model, src, bf16)
+    env = {"MOE_CACHE_DIR": str(a.work / "cache")}
+    if a.isa == "avx2":
+        env |= {"MOE_KERNEL_PATH": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    print(f"CPU: {cpu_name()}; {a.model.name}; {a.threads} threads each; isa {a.isa}; prompt {a.prompt}, "
+          f"decode {a.gen} tokens; {a.rounds} alternating rounds", flush=True)
+    prompt = [(i * 7919) % 4000 + 2 for i in range(a.prompt)]
+    rows = []
+    for fmt in a.formats.split(","):
+        qtype, expert_fmt, dense_fmt = PAIRS[fmt]
+        gg = bf16 if qtype == "bf16" else a.work / f"{a.model.name}-{qtype}.gguf"
+        if not gg.exists():
+            subprocess.run([str(src / f"build-{a.isa}" / "bin" / "llama-quantize"), str(bf16), str(gg), qtype],
+                           check=True, capture_output=True)
+        port, procs = ours_up(a.model, expert_fmt, dense_fmt, a.threads, a.work, env)
+        try:
+            generate(port, prompt[:16], 4)  # warm-up
+            ours, theirs = [], []
+            for _ in range(a.rounds):
+                ttft, _ = generate(port, prompt, 2)
+                _, dec = generate(port, prompt[:16], a.gen)
+                ours.append((a.prompt / ttft, dec))
+                theirs.append(llama_bench(src, a.isa, gg, a.threads, a.prompt, a.gen))
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(60)
+        med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
+        row = {"format": f"{fmt} (experts {expert_fmt}, dense {dense_fmt}) vs {qtype}",
+               "prefill_tok_s": round(med(ours, 0), 1), "llama_prefill_tok_s": round(med(theirs, 0), 1),
+               "decode_tok_s": round(med(ours, 1), 2), "llama_decode_tok_s": round(med(theirs, 1), 2)}
+        row["prefill_ratio"] = round(statistics.median(o[0] / t[0] for o, t in zip(ours, theirs)), 2)
+        row["decode_ratio"] = round(statistics.median(o[1] / t[1] for o, t in zip(ours, theirs)), 2)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print("\n| weights | prefill tok/s ours / llama.cpp | ratio | decode tok/s ours / llama.cpp | ratio |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['format']} | {r['prefill_tok_s']} / {r['llama_prefill_tok_s']} | {r['prefill_ratio']}x | "
+              f"{r['decode_tok_s']} / {r['llama_decode_tok_s']} | {r['decode_ratio']}x |")
+
+
+if __name__ == "__main__":
+    main()
