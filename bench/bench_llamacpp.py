@@ -12,7 +12,8 @@ AVX2, i.e. what both do on an AVX2-only CPU; --isa native lets both use everythi
 The GGUF holds the checkpoint's tensors under llama.cpp's qwen3moe names (written with the sdist's
 gguf-py), in bf16; Q8_0 and Q4_0 come from llama-quantize. Pairs: bf16 <-> our bf16 experts and bf16
 dense layers; Q8_0 <-> int8 experts, int8 dense; Q4_0 <-> int4 experts, int8 dense layers (ours keep
-8 bits outside the experts, llama.cpp's Q4_0 puts 4 bits everywhere but the output matrix).
+8 bits outside the experts, llama.cpp's Q4_0 puts 4 bits everywhere but the output matrix, Q6_K);
+int4-all: Q4_0 <-> int4 experts and int4 dense layers (fewer bytes than Q4_0's Q6_K output).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from bench_restart import cpu_name  # noqa: E402
 from conftest import free_port, start, wait_healthy  # noqa: E402
 
 LLAMA_PY = "llama-cpp-python==0.3.36"
-PAIRS = {"bf16": ("bf16", "bf16", "bf16"), "int8": ("Q8_0", "int8", "int8"), "int4": ("Q4_0", "int4", "int8")}
+PAIRS = {"bf16": ("bf16", "bf16", "bf16"), "int8": ("Q8_0", "int8", "int8"), "int4": ("Q4_0", "int4", "int8"),
+         "int4-all": ("Q4_0", "int4", "int4")}
 AVX2_ONLY = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]
 
@@ -158,7 +160,8 @@ def main() -> None:
     env = {"MOE_CACHE_DIR": str(a.work / "cache")}
     if a.isa == "avx2":
         env |= {"MOE_KERNEL_PATH": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    print(f"CPU: {cpu_name()}; {a.model.name}; {a.threads} threads each; isa {a.isa}; prompt {a.prompt}, "
+    print(f"CPU: {cpu_name()}; {a.model.name}; {a.threads} threads each; isa {a.isa} (llama.cpp built for it; "
+          f"ours on {'the avx2 path, torch limited to AVX2' if a.isa == 'avx2' else 'its default path'}); prompt {a.prompt}, "
           f"decode {a.gen} tokens; {a.rounds} alternating rounds", flush=True)
     prompt = [(i * 7919) % 4000 + 2 for i in range(a.prompt)]
     rows = []

@@ -17,7 +17,10 @@ void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, fl
   xb.resize(fmt, T, m.Kp);
   tp.parallel_for(T, [&](int t) { quantize_row(isa, fmt, x + size_t(t) * m.K, m.K, xb, t); });
   const Acts xs = xb.view(nullptr, T);
-  const int b = task_rows(weight_row_bytes(fmt, m.Kp));
+  // about task_bytes of weights a task, but at least two tasks a thread where the rows allow (a k or v
+  // projection of 512 rows is one task's worth: one thread would stream it alone)
+  const int per = (m.rows + 2 * tp.size() - 1) / (2 * tp.size());
+  const int b = std::min(task_rows(weight_row_bytes(fmt, m.Kp)), std::max(64, (per + 63) / 64 * 64));
   tp.parallel_for((m.rows + b - 1) / b, [&](int i) {
     gemm_rows(isa, fmt, m, 0, i * b, std::min(m.rows, (i + 1) * b), xs, T, y, size_t(m.rows));
   });

@@ -85,3 +85,25 @@ def test_model_with_native_dense_layers_matches_torch_dense(fmt, tol, agree):
     ref, got = logits(None), logits(fmt)
     assert ((got - ref).norm() / ref.norm()).item() < tol
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= agree
+
+
+@pytest.mark.parametrize("path, ckpt, want_dtype, want_dense", [
+    ("avx512", "bfloat16", torch.bfloat16, "bf16"),   # bf16 arithmetic: the checkpoint's dtype
+    ("amx", "bfloat16", torch.bfloat16, "bf16"),
+    ("avx2", "bfloat16", torch.float32, "bf16"),      # none: fp32 compute, the weights still bf16
+    ("portable", "bfloat16", torch.float32, None),    # no SIMD kernels: torch for everything
+    (None, "bfloat16", torch.float32, None),          # not built
+    ("avx2", "float32", torch.float32, None),         # fp32 checkpoints stay exact
+])
+def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, path, ckpt, want_dtype, want_dense):
+    from types import SimpleNamespace
+
+    from gpu_service import cli
+    monkeypatch.setattr(cli, "native_path", lambda: path)
+    cpu = torch.device("cpu")
+    cfg = SimpleNamespace(torch_dtype=ckpt)
+    assert cli.compute_dtype("auto", cfg, cpu) == want_dtype
+    assert cli.compute_dtype("bf16", cfg, cpu) == torch.bfloat16  # asked for: given
+    assert cli.dense_format("auto", cpu, cli.DTYPES[ckpt]) == want_dense
+    assert cli.dense_format("torch", cpu, cli.DTYPES[ckpt]) is None
+    assert cli.dense_format("auto", torch.device("cuda"), cli.DTYPES[ckpt]) is None
