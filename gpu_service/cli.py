@@ -42,7 +42,8 @@ def parse_args(argv=None):
                     help="on the CPU: attention projections, dense MLPs, shared experts and lm_head run on the native "
                          "kernels with weights packed in this format (int8/int4: quantized at load, like the experts); "
                          "torch = torch's own matmuls. auto = bf16 for a bf16 checkpoint when this CPU has a SIMD "
-                         "kernel path (whatever --dtype computes in), else torch; on CUDA always torch")
+                         "kernel path and --dtype is auto or bf16, else torch (an explicit --dtype fp32 stays "
+                         "exact); on CUDA always torch")
     ap.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together in one step")
     ap.add_argument("--max-context", type=int, default=0,
                     help="context limit in tokens (prompt + completion); 0 = the model's max_position_embeddings")
@@ -102,10 +103,12 @@ def compute_dtype(arg: str, cfg, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def dense_format(arg: str, device: torch.device, ckpt_dtype: torch.dtype) -> str | None:
-    """--dense-format resolved: a native weight format, or None for torch's matmuls. auto follows the
-    checkpoint: bf16 weights packed as bf16 (the same bits), whatever the compute dtype."""
-    if arg == "torch" or (arg == "auto" and (device.type != "cpu" or ckpt_dtype != torch.bfloat16)):
+def dense_format(arg: str, device: torch.device, ckpt_dtype: torch.dtype, dtype_arg: str = "auto") -> str | None:
+    """--dense-format resolved: a native weight format, or None for torch's matmuls. auto: a bf16
+    checkpoint's weights packed as bf16 (the same bits) when --dtype is auto or bf16; an explicit
+    --dtype fp32/fp16 keeps torch's matmuls (the kernels round activations to bf16: not exact)."""
+    if arg == "torch" or (arg == "auto" and (device.type != "cpu" or ckpt_dtype != torch.bfloat16
+                                              or dtype_arg not in ("auto", "bf16"))):
         return None
     if device.type != "cpu":
         serving.fail(f"--dense-format {arg}: the native kernels run on the CPU, and this service computes on {device}")
@@ -217,7 +220,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     log.info("waiting for the expert service at %s", args.experts)
     try:
         info = await serving.unless_stopped(stop, lambda c: wait_for_experts(experts, args.connect_timeout, c))
-        dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype])
+        dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype)
         if dense:
             from moe_kernels import native
             native.init_pool(args.threads)

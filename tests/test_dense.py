@@ -107,3 +107,5 @@ def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, path, ckpt, wan
     assert cli.dense_format("auto", cpu, cli.DTYPES[ckpt]) == want_dense
     assert cli.dense_format("torch", cpu, cli.DTYPES[ckpt]) is None
     assert cli.dense_format("auto", torch.device("cuda"), cli.DTYPES[ckpt]) is None
+    assert cli.dense_format("auto", cpu, cli.DTYPES[ckpt], "fp32") is None  # asked for fp32: exact, torch
+    assert cli.dense_format("auto", cpu, cli.DTYPES[ckpt], "bf16") == want_dense
