@@ -13,6 +13,7 @@ from moe_core.config import ModelConfig
 
 from .layers import apply_rope, linear, rms_norm
 
+QKV = "qkv_proj.weight"  # GQA's q, k and v projections fused into one packed matrix (rows q, then k, then v)
 SCORE_BYTES = 256 << 20  # MLA: most bytes of attention scores held at once (heads are grouped to fit)
 
 
@@ -58,9 +59,15 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]."""
     t = x.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, W[p + "q_proj.weight"], W.get(p + "q_proj.bias")).view(t, nh, d)
-    k = linear(x, W[p + "k_proj.weight"], W.get(p + "k_proj.bias")).view(t, nkv, d)
-    v = linear(x, W[p + "v_proj.weight"], W.get(p + "v_proj.bias")).view(t, nkv, d)
+    if p + QKV in W:  # packed for the native kernels as one matrix: one call instead of three
+        q, k, v = linear(x, W[p + QKV]).split([nh * d, nkv * d, nkv * d], dim=-1)
+        q, k, v = (y if W.get(p + n + ".bias") is None else y + W[p + n + ".bias"]
+                   for y, n in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
+    else:
+        q = linear(x, W[p + "q_proj.weight"], W.get(p + "q_proj.bias"))
+        k = linear(x, W[p + "k_proj.weight"], W.get(p + "k_proj.bias"))
+        v = linear(x, W[p + "v_proj.weight"], W.get(p + "v_proj.bias"))
+    q, k, v = q.reshape(t, nh, d), k.reshape(t, nkv, d), v.reshape(t, nkv, d)
     if cfg.qk_norm:
         q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)

@@ -20,7 +20,7 @@ from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfig, is_routed_expert_tensor
 from moe_core.routing import split_deferred
 
-from .attention import KVCache, gqa_attention, mla_attention
+from .attention import QKV, KVCache, gqa_attention, mla_attention
 from .layers import linear, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
 
 log = logging.getLogger("gpu_service.model")
@@ -47,6 +47,7 @@ DENSE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_
                    r"\.weight$")
 
 
+QKV_PART = re.compile(r"self_attn\.[qkv]_proj\.weight$")
 CLOSE_EVERY_BYTES = 256 << 20  # packing dense layers: reopen the checkpoint after this many source bytes
 
 
@@ -68,13 +69,16 @@ class Model:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.W: dict[str, torch.Tensor] = {}
         packed_since_close = 0
+        qkv: dict[str, dict[str, torch.Tensor]] = {}  # layer prefix -> the q/k/v weights read so far
         for name in ckpt.names(lambda n: not is_routed_expert_tensor(n)):
             if cancel is not None and cancel.is_set():
                 raise InterruptedError("loading cancelled")
             if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers:
                 continue  # e.g. DeepSeek-V3's multi-token-prediction layer: not used for decoding
             t = ckpt.get(name)
-            if dense_format and (DENSE.search(name) or name == "lm_head.weight"):
+            if dense_format and cfg.attention != "mla" and QKV_PART.search(name):
+                self._fuse_qkv(name, t, qkv, dense_format)  # packed once all three are read
+            elif dense_format and (DENSE.search(name) or name == "lm_head.weight"):
                 # packed straight from the checkpoint's tensor, a few thousand rows at a time: no
                 # second full copy of any weight while starting
                 self.W[name] = NativeLinear(t, dense_format)
@@ -96,6 +100,15 @@ class Model:
         self.last_moe_layer = cfg.moe_layers[-1] if cfg.moe_layers else -1
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
+
+    def _fuse_qkv(self, name: str, t: torch.Tensor, pending: dict, fmt: str) -> None:
+        from moe_kernels.dense import NativeLinear
+        prefix, part = name.rsplit(".", 2)[0] + ".", name.rsplit(".", 2)[1]
+        got = pending.setdefault(prefix, {})
+        got[part] = t
+        if len(got) == 3:
+            self.W[prefix + QKV] = NativeLinear(torch.cat([got["q_proj"], got["k_proj"], got["v_proj"]]), fmt)
+            del pending[prefix]
 
     def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [n, H] (final-normed), targets [m <= n] -> (log p(targets[i]) at position i < m, argmax id at each

@@ -109,3 +109,30 @@ def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, path, ckpt, wan
     assert cli.dense_format("auto", torch.device("cuda"), cli.DTYPES[ckpt]) is None
     assert cli.dense_format("auto", cpu, cli.DTYPES[ckpt], "fp32") is None  # asked for fp32: exact, torch
     assert cli.dense_format("auto", cpu, cli.DTYPES[ckpt], "bf16") == want_dense
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2"])
+def test_every_family_runs_with_native_dense_layers(family, checkpoints):
+    """GQA's q/k/v fused into one packed matrix (qwen2_moe: with biases), MLA's projections and shared
+    experts one by one: logits close to the same weights on torch's fp32 matmuls."""
+    from expert_service.store import load_expert_layers
+    from gpu_service.attention import QKV
+    from gpu_service.dispatch import LocalExperts
+    from gpu_service.model import Model, Segment
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+
+    d = checkpoints[family]
+    cfg = load_config(d)
+    experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 2))
+    prompt = torch.tensor([5, 17, 30, 41, 7, 99])
+
+    def run(dense):
+        model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32, dense_format=dense)
+        return model, model.forward([Segment(model.new_cache(), prompt, 0, all_logits=True)], experts)
+
+    _, ref = run(None)
+    model, got = run("bf16")
+    assert any(k.endswith(QKV) for k in model.W) == (cfg.attention != "mla")
+    # bf16 weights and activations against fp32: measured 0.3-1.9% (qwen2_moe the most)
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03
