@@ -47,7 +47,11 @@ DENSE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_
                    r"\.weight$")
 
 
-QKV_PART = re.compile(r"self_attn\.[qkv]_proj\.weight$")
+GATE_UP = "gate_up_proj.weight"
+# weights that share their input, packed as one matrix for the native kernels (one call instead of
+# several): GQA's q/k/v, and gate/up of dense MLPs and shared experts; rows in this order
+FUSED = {QKV: ("q_proj", "k_proj", "v_proj"), GATE_UP: ("gate_proj", "up_proj")}
+FUSED_PART = re.compile(r"(self_attn\.[qkv]_proj|(gate|up)_proj)\.weight$")
 CLOSE_EVERY_BYTES = 256 << 20  # packing dense layers: reopen the checkpoint after this many source bytes
 
 
@@ -69,15 +73,15 @@ class Model:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.W: dict[str, torch.Tensor] = {}
         packed_since_close = 0
-        qkv: dict[str, dict[str, torch.Tensor]] = {}  # layer prefix -> the q/k/v weights read so far
+        parts: dict[str, dict[str, torch.Tensor]] = {}  # fused name -> its parts read so far
         for name in ckpt.names(lambda n: not is_routed_expert_tensor(n)):
             if cancel is not None and cancel.is_set():
                 raise InterruptedError("loading cancelled")
             if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers:
                 continue  # e.g. DeepSeek-V3's multi-token-prediction layer: not used for decoding
             t = ckpt.get(name)
-            if dense_format and cfg.attention != "mla" and QKV_PART.search(name):
-                self._fuse_qkv(name, t, qkv, dense_format)  # packed once all three are read
+            if dense_format and FUSED_PART.search(name) and not (cfg.attention == "mla" and "self_attn" in name):
+                self._fuse(name, t, parts, dense_format)  # packed once every part is read
             elif dense_format and (DENSE.search(name) or name == "lm_head.weight"):
                 # packed straight from the checkpoint's tensor, a few thousand rows at a time: no
                 # second full copy of any weight while starting
@@ -101,14 +105,24 @@ class Model:
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
 
-    def _fuse_qkv(self, name: str, t: torch.Tensor, pending: dict, fmt: str) -> None:
+    def _fuse(self, name: str, t: torch.Tensor, pending: dict, fmt: str) -> None:
         from moe_kernels.dense import NativeLinear
-        prefix, part = name.rsplit(".", 2)[0] + ".", name.rsplit(".", 2)[1]
-        got = pending.setdefault(prefix, {})
+        prefix, part = name.rsplit(".", 2)[:2]
+        fused = prefix + "." + (QKV if part in FUSED[QKV] else GATE_UP)
+        got = pending.setdefault(fused, {})
         got[part] = t
-        if len(got) == 3:
-            self.W[prefix + QKV] = NativeLinear(torch.cat([got["q_proj"], got["k_proj"], got["v_proj"]]), fmt)
-            del pending[prefix]
+        names = FUSED[QKV if part in FUSED[QKV] else GATE_UP]
+        if len(got) == len(names):
+            self.W[fused] = NativeLinear(torch.cat([got[n] for n in names]), fmt)
+            del pending[fused]
+
+    def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of the weights under prefix p (a dense MLP or shared experts)."""
+        W = self.W
+        if p + GATE_UP in W:
+            gate, up = linear(x, W[p + GATE_UP]).chunk(2, dim=-1)
+            return linear(F.silu(gate) * up, W[p + "down_proj.weight"])
+        return swiglu(x, W[p + "gate_proj.weight"], W[p + "up_proj.weight"], W[p + "down_proj.weight"])
 
     def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [n, H] (final-normed), targets [m <= n] -> (log p(targets[i]) at position i < m, argmax id at each
@@ -145,11 +159,9 @@ class Model:
         if cfg.shared_intermediate_size == 0:
             return None
         if cfg.shared_expert_gate:  # Qwen2-MoE
-            s = swiglu(x, W[p + "shared_expert.gate_proj.weight"], W[p + "shared_expert.up_proj.weight"],
-                       W[p + "shared_expert.down_proj.weight"])
+            s = self._mlp(p + "shared_expert.", x)
             return F.sigmoid(F.linear(x, W[p + "shared_expert_gate.weight"])) * s
-        return swiglu(x, W[p + "shared_experts.gate_proj.weight"], W[p + "shared_experts.up_proj.weight"],
-                      W[p + "shared_experts.down_proj.weight"])
+        return self._mlp(p + "shared_experts.", x)
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment], experts, step: int = 0, defer: int = 0,
@@ -187,7 +199,7 @@ class Model:
             x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             fp = p + cfg.ffn_prefix + "."
             if not cfg.is_moe_layer(L):
-                h = h + swiglu(x, W[fp + "gate_proj.weight"], W[fp + "up_proj.weight"], W[fp + "down_proj.weight"])
+                h = h + self._mlp(fp, x)
                 t = mark("dense_mlp", L, t)
                 continue
             ids, w = route(cfg, x, W[fp + "gate.weight"], W.get(fp + "gate.e_score_correction_bias"))

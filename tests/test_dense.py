@@ -113,8 +113,9 @@ def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, path, ckpt, wan
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2"])
 def test_every_family_runs_with_native_dense_layers(family, checkpoints):
-    """GQA's q/k/v fused into one packed matrix (qwen2_moe: with biases), MLA's projections and shared
-    experts one by one: logits close to the same weights on torch's fp32 matmuls."""
+    """GQA's q/k/v fused into one packed matrix (qwen2_moe: with biases), gate/up of dense MLPs and shared
+    experts into another, MLA's projections one by one: logits close to the same weights on torch's fp32
+    matmuls."""
     from expert_service.store import load_expert_layers
     from gpu_service.attention import QKV
     from gpu_service.dispatch import LocalExperts
@@ -134,5 +135,6 @@ def test_every_family_runs_with_native_dense_layers(family, checkpoints):
     _, ref = run(None)
     model, got = run("bf16")
     assert any(k.endswith(QKV) for k in model.W) == (cfg.attention != "mla")
+    assert not any(k.endswith((".gate_proj.weight", ".up_proj.weight")) for k in model.W)  # fused into gate_up
     # bf16 weights and activations against fp32: measured 0.3-1.9% (qwen2_moe the most)
     assert ((got - ref).norm() / ref.norm()).item() < 0.03
