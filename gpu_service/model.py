@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfig, is_routed_expert_tensor
 from moe_core.routing import split_deferred
+from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel needs moe_kernels anyway
 
 from .attention import QKV, KVCache, gqa_attention, mla_attention
 from .layers import linear, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
@@ -68,8 +69,6 @@ class Model:
         between two tensors (InterruptedError). The checkpoint's mapped pages are let go afterwards.
         dense_format (bf16 | int8 | int4, CPU only): the DENSE weights and lm_head are packed for the
         native kernels in that format instead of kept as torch tensors."""
-        if dense_format:
-            from moe_kernels.dense import NativeLinear
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.W: dict[str, torch.Tensor] = {}
         packed_since_close = 0
@@ -106,14 +105,13 @@ class Model:
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
 
     def _fuse(self, name: str, t: torch.Tensor, pending: dict, fmt: str) -> None:
-        from moe_kernels.dense import NativeLinear
         prefix, part = name.rsplit(".", 2)[:2]
-        fused = prefix + "." + (QKV if part in FUSED[QKV] else GATE_UP)
+        kind = QKV if part in FUSED[QKV] else GATE_UP
+        fused = prefix + "." + kind
         got = pending.setdefault(fused, {})
         got[part] = t
-        names = FUSED[QKV if part in FUSED[QKV] else GATE_UP]
-        if len(got) == len(names):
-            self.W[fused] = NativeLinear(torch.cat([got[n] for n in names]), fmt)
+        if len(got) == len(FUSED[kind]):
+            self.W[fused] = NativeLinear(torch.cat([got[n] for n in FUSED[kind]]), fmt)
             del pending[fused]
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:

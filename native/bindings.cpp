@@ -38,16 +38,16 @@ static Fmt parse_fmt(const std::string& fmt) {
        : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4)");
 }
 
+static Matrix matrix_of(uintptr_t w, uintptr_t scale, uintptr_t rowsum, uintptr_t rowcorr, int rows, int K, int Kp) {
+  return Matrix{reinterpret_cast<const void*>(w), reinterpret_cast<const float*>(scale),
+                reinterpret_cast<const int32_t*>(rowsum), reinterpret_cast<const float*>(rowcorr), rows, K, Kp};
+}
+
 static MoEWeights weights_of(const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,
                              uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w,
                              uintptr_t dn_scale, uintptr_t dn_rowsum, uintptr_t dn_rowcorr) {
-  Fmt f = parse_fmt(fmt);
-  auto mat = [](uintptr_t w, uintptr_t scale, uintptr_t rowsum, uintptr_t rowcorr, int rows, int K, int Kp) {
-    return Matrix{reinterpret_cast<const void*>(w), reinterpret_cast<const float*>(scale),
-                  reinterpret_cast<const int32_t*>(rowsum), reinterpret_cast<const float*>(rowcorr), rows, K, Kp};
-  };
-  return MoEWeights{f, E, H, I, mat(gu_w, gu_scale, gu_rowsum, gu_rowcorr, 2 * I, H, Kp_h),
-                    mat(dn_w, dn_scale, dn_rowsum, dn_rowcorr, H, I, Kp_i)};
+  return MoEWeights{parse_fmt(fmt), E, H, I, matrix_of(gu_w, gu_scale, gu_rowsum, gu_rowcorr, 2 * I, H, Kp_h),
+                    matrix_of(dn_w, dn_scale, dn_rowsum, dn_rowcorr, H, I, Kp_i)};
 }
 
 #define WEIGHT_ARGS                                                                                             \
@@ -99,30 +99,19 @@ PYBIND11_MODULE(_native, m) {
     return read_bandwidth(reinterpret_cast<const float*>(buf), n, variant);
   }, py::arg("buf"), py::arg("n"), py::arg("variant") = "auto",
   "bytes/s streaming n floats on all pool threads; variant auto | avx512 | avx2 | scalar (checked against the CPU)");
-  m.def("bf16_peak_flops", [](long iters) {
-    MOE_CHECK(isa_supported(Isa::Avx512, detect_cpu()), "no AVX-512 BF16 on this CPU");
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> g(compute_mutex());
-    return bf16_peak_flops(iters);
-  });
-  m.def("vnni_peak_ops", [](long iters) {
-    MOE_CHECK(isa_supported(Isa::Avx512, detect_cpu()), "no AVX-512 VNNI on this CPU");
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> g(compute_mutex());
-    return vnni_peak_ops(iters);
-  });
-  m.def("fma_peak_flops", [](long iters) {
-    MOE_CHECK(isa_supported(Isa::Avx2, detect_cpu()), "no AVX2 + FMA on this CPU");
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> g(compute_mutex());
-    return fma_peak_flops(iters);
-  });
-  m.def("avx2_int8_peak_ops", [](long iters) {
-    MOE_CHECK(isa_supported(Isa::Avx2, detect_cpu()), "no AVX2 on this CPU");
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> g(compute_mutex());
-    return avx2_int8_peak_ops(iters);
-  });
+  // arithmetic peaks (probes.h), each refused on a CPU without its instructions
+  auto peak = [&m](const char* name, Isa needs, const char* what, double (*probe)(long)) {
+    m.def(name, [=](long iters) {
+      MOE_CHECK(isa_supported(needs, detect_cpu()), std::string("no ") + what + " on this CPU");
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> g(compute_mutex());
+      return probe(iters);
+    });
+  };
+  peak("bf16_peak_flops", Isa::Avx512, "AVX-512 BF16", bf16_peak_flops);
+  peak("vnni_peak_ops", Isa::Avx512, "AVX-512 VNNI", vnni_peak_ops);
+  peak("fma_peak_flops", Isa::Avx2, "AVX2 + FMA", fma_peak_flops);
+  peak("avx2_int8_peak_ops", Isa::Avx2, "AVX2", avx2_int8_peak_ops);
   m.def(
       "doorbell_ring",
       [](py::buffer buf, size_t offset, uint32_t value) { doorbell_ring(doorbell_at(buf, offset), value); },
@@ -262,8 +251,7 @@ PYBIND11_MODULE(_native, m) {
       [](const std::string& path, const std::string& fmt, int rows, int K, int Kp, uintptr_t w, uintptr_t scale,
          uintptr_t rowsum, uintptr_t rowcorr, uintptr_t x, uintptr_t y, int T) {
         Isa isa = kernel_isa(path);
-        Matrix m{reinterpret_cast<const void*>(w), reinterpret_cast<const float*>(scale),
-                 reinterpret_cast<const int32_t*>(rowsum), reinterpret_cast<const float*>(rowcorr), rows, K, Kp};
+        Matrix m = matrix_of(w, scale, rowsum, rowcorr, rows, K, Kp);
         Fmt f = parse_fmt(fmt);
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());

@@ -11,4 +11,8 @@ bool cpu_contended();
 // The spin a wait keeps while contended: hand-overs inside one forward (a few microseconds) still
 // skip the futex round trip, longer waits sleep.
 constexpr long long CONTENDED_SPIN_NS = 20'000;
+// How long a wait that would spin `ns` should spin now.
+inline long long spin_budget_ns(long long ns) {
+  return cpu_contended() && ns > CONTENDED_SPIN_NS ? CONTENDED_SPIN_NS : ns;
+}
 }  // namespace moe

@@ -7,7 +7,6 @@
 
 #include "contention.h"
 
-#include <algorithm>
 #include <chrono>
 
 #if defined(__linux__)
@@ -28,9 +27,7 @@ static inline void cpu_relax() {
 uint32_t doorbell_wait(std::atomic<uint32_t>* word, uint32_t seen, int64_t timeout_us, int64_t spin_us) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto spin_end = start + (cpu_contended() ? std::min(std::chrono::nanoseconds(CONTENDED_SPIN_NS),
-                                                             std::chrono::nanoseconds(spin_us * 1000))
-                                                  : std::chrono::nanoseconds(spin_us * 1000));
+  const auto spin_end = start + std::chrono::nanoseconds(spin_budget_ns(spin_us * 1000));
   const auto deadline = start + std::chrono::microseconds(timeout_us);
   uint32_t v;
   // Spin: check the clock only every 64 polls, it costs more than a load.

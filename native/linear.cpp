@@ -11,12 +11,11 @@ namespace moe {
 void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, float* y) {
   MOE_CHECK(T >= 0 && m.rows > 0 && m.K > 0 && m.Kp >= m.K && m.Kp % 64 == 0, "bad linear shapes");
   if (T == 0) return;
-  if (isa == Isa::Amx) isa = Isa::Avx512;  // tiles need packed activations per expert: not worth it here
   ThreadPool& tp = pool();
   ActBuf& xb = tp.scratch.xb;  // ours alone: the caller holds compute_mutex()
   xb.resize(fmt, T, m.Kp);
   tp.parallel_for(T, [&](int t) { quantize_row(isa, fmt, x + size_t(t) * m.K, m.K, xb, t); });
-  const Acts xs = xb.view(nullptr, T);
+  const Acts xs = xb.view(nullptr, T);  // no AMX tile packing: gemm_rows runs amx on AVX-512 then
   // about task_bytes of weights a task, but at least two tasks a thread where the rows allow (a k or v
   // projection of 512 rows is one task's worth: one thread would stream it alone)
   const int per = (m.rows + 2 * tp.size() - 1) / (2 * tp.size());

@@ -73,7 +73,7 @@ void ThreadPool::worker_loop(int index) {
   for (;;) {
     uint64_t g;
     // the phases of one forward follow within microseconds: worth a short spin even when contended
-    const int64_t until = now_ns() + (cpu_contended() ? std::min<int64_t>(spin_ns_, CONTENDED_SPIN_NS) : spin_ns_);
+    const int64_t until = now_ns() + spin_budget_ns(spin_ns_);
     for (int spins = 0; (g = generation_.load(std::memory_order_acquire)) == seen && !stop_.load(); ++spins) {
       if ((spins & 63) == 63 && now_ns() > until) {
         std::unique_lock<std::mutex> lk(mu_);

@@ -54,7 +54,7 @@ def reference(x, gate, up, down, ids, w, fmt=None):
 
 def dequantized(op):
     """The weights exactly as the packed format stores them, back in fp32 [E, rows, K]."""
-    from expert_service.kernels.native_moe import INT4_GROUP
+    from moe_kernels.packing import INT4_GROUP
 
     def one(packed, K):
         data, scale, _, _ = packed

@@ -12,7 +12,7 @@ import os
 import torch
 
 from moe_kernels import PATH, native as _n
-from moe_kernels.packing import FORMATS, INT4_GROUP, alloc, data_ptr, pack_expert, row_len, store_expert  # noqa: F401
+from moe_kernels.packing import FORMATS, alloc, data_ptr, pack_expert, row_len, store_expert
 
 from .submit_wait import SubmitWait
 
