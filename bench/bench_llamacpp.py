@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import statistics
 import subprocess
 import sys
@@ -118,6 +117,18 @@ def write_gguf(model: pathlib.Path, src: pathlib.Path, out: pathlib.Path) -> Non
     w.close()
 
 
+def gguf(model: pathlib.Path, src: pathlib.Path, isa: str, work: pathlib.Path, qtype: str) -> pathlib.Path:
+    """-> the checkpoint as a GGUF of qtype (bf16, Q8_0, Q4_0) in work, written once."""
+    bf16 = work / f"{model.name}-bf16.gguf"
+    if not bf16.exists():
+        write_gguf(model, src, bf16)
+    out = bf16 if qtype == "bf16" else work / f"{model.name}-{qtype}.gguf"
+    if not out.exists():
+        subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-quantize"), str(bf16), str(out), qtype],
+                       check=True, capture_output=True)
+    return out
+
+
 def llama_bench(src: pathlib.Path, isa: str, gguf_path: pathlib.Path, threads: int, prompt: int, gen: int):
     """-> (prefill tok/s, decode tok/s) from one llama-bench run of each test."""
     out = subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-bench"), "-m", str(gguf_path), "-t", str(threads),
@@ -154,9 +165,6 @@ def main() -> None:
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     src = build_llama(a.work, a.isa)
-    bf16 = a.work / f"{a.model.name}-bf16.gguf"
-    if not bf16.exists():
-        write_gguf(a.model, src, bf16)
     env = {"MOE_CACHE_DIR": str(a.work / "cache")}
     if a.isa == "avx2":
         env |= {"MOE_KERNEL_PATH": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
@@ -167,10 +175,7 @@ def main() -> None:
     rows = []
     for fmt in a.formats.split(","):
         qtype, expert_fmt, dense_fmt = PAIRS[fmt]
-        gg = bf16 if qtype == "bf16" else a.work / f"{a.model.name}-{qtype}.gguf"
-        if not gg.exists():
-            subprocess.run([str(src / f"build-{a.isa}" / "bin" / "llama-quantize"), str(bf16), str(gg), qtype],
-                           check=True, capture_output=True)
+        gg = gguf(a.model, src, a.isa, a.work, qtype)
         port, procs = ours_up(a.model, expert_fmt, dense_fmt, a.threads, a.work, env)
         try:
             generate(port, prompt[:16], 4)  # warm-up

@@ -39,14 +39,21 @@ def huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # keeps `buf` alive
 
 
-def alloc(fmt: str, E: int, rows: int, Kp: int):
-    """Empty packed storage of E experts' [rows, Kp] matrices: (data, scale, rowsum, rowcorr), None where
-    the format has none."""
+def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
+    """The packed storage of E experts' [rows, Kp] matrices: (data, scale, rowsum, rowcorr) as
+    (shape, dtype), None where the format has none."""
     if fmt == "bf16":
-        return huge((E, rows, Kp), torch.bfloat16), None, None, None
+        return ((E, rows, Kp), torch.bfloat16), None, None, None
     if fmt == "int8":
-        return huge((E, rows, Kp), torch.int8), torch.empty(E, rows), torch.empty(E, rows, dtype=torch.int32), None
-    return huge((E, rows, Kp // 2), torch.uint8), torch.empty(E, rows, Kp // INT4_GROUP), None, torch.empty(E, rows)
+        return ((E, rows, Kp), torch.int8), ((E, rows), torch.float32), ((E, rows), torch.int32), None
+    return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // INT4_GROUP), torch.float32), None, \
+        ((E, rows), torch.float32)
+
+
+def alloc(fmt: str, E: int, rows: int, Kp: int) -> tuple:
+    """Empty packed storage (layout()): the weights on huge pages, their scales and sums beside."""
+    data, *rest = layout(fmt, E, rows, Kp)
+    return huge(*data), *(None if p is None else torch.empty(p[0], dtype=p[1]) for p in rest)
 
 
 def pack_expert(w: torch.Tensor, fmt: str, Kp: int) -> tuple:

@@ -203,6 +203,7 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("ptr"), py::arg("bytes_per_expert"), py::arg("E"),
       "bind expert e's slice to node e % nodes before first touch; returns slices bound (0 on one node)");
+  m.def("numa_binds", &numa_binds, "whether numa_place binds memory here (several real NUMA nodes)");
   m.def("set_amx_emulation", &set_amx_emulation, py::arg("on"),
         "tests only: run the AMX path with its tile instructions emulated in C++ (needs AVX-512 for the rest)");
   m.def("init_pool", [](int threads) { return pool(threads).size(); }, py::arg("threads"),

@@ -86,7 +86,7 @@ int numa_current_node() {
 
 int numa_place(void* p, size_t bytes_per_expert, int E) {
   const NumaTopology& t = numa();
-  if (t.nodes == 1 || t.node_id[0] < 0 || bytes_per_expert == 0) return 0;
+  if (!numa_binds() || bytes_per_expert == 0) return 0;
   const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
   int bound = 0;
   for (int e = 0; e < E; ++e) {

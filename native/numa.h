@@ -23,5 +23,8 @@ int numa_current_node();  // of the CPU this thread runs on now
 // Bind the pages of expert e's slice ([e * bytes_per_expert, +bytes_per_expert) from p) to its
 // node before they are first touched. Returns the number of slices bound (0 without real NUMA).
 int numa_place(void* p, size_t bytes_per_expert, int E);
+// Whether numa_place binds memory here (several real nodes): memory that must not be bound
+// (a mapped file's pages) is then the wrong home for experts.
+inline bool numa_binds() { return numa().nodes > 1 && numa().node_id[0] >= 0; }
 
 }  // namespace moe

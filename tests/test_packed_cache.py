@@ -41,8 +41,16 @@ def same(a: dict, b: dict) -> bool:
         all(torch.equal(x, y) for x, y in zip(packed(a[k]), packed(b[k]))) for k in a)
 
 
+@pytest.fixture(params=["map", "pread"])
+def reader(request, monkeypatch):
+    """Both ways a layer file is read: mapped in place (one NUMA node) and into node-bound buffers."""
+    from expert_service import packed_cache
+    monkeypatch.setattr(packed_cache, "_reader", lambda: getattr(packed_cache, f"_{request.param}"))
+    return request.param
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_warm_load_is_the_cold_load_bit_for_bit(checkpoints, tmp_path, fmt, caplog):
+def test_warm_load_is_the_cold_load_bit_for_bit(checkpoints, tmp_path, fmt, reader, caplog):
     d = checkpoints["deepseek_v3"]
     cold = layers_of(d, fmt, cache_for(d, tmp_path, fmt))
     files = sorted(cache_for(d, tmp_path, fmt).dir.glob("layer-*.safetensors"))
@@ -54,6 +62,27 @@ def test_warm_load_is_the_cold_load_bit_for_bit(checkpoints, tmp_path, fmt, capl
     x, ids, w = torch.randn(3, 64), torch.randint(0, 16, (3, 4), dtype=torch.int32), torch.rand(3, 4)
     for k in cold:
         assert torch.equal(cold[k].forward(x, ids, w), warm[k].forward(x, ids, w))
+
+
+def test_warm_load_reads_the_weights_in_place(checkpoints, tmp_path, monkeypatch):
+    """On one NUMA node the weights are the layer file's mapped pages (page-aligned), not a copy."""
+    from expert_service import packed_cache
+    monkeypatch.setattr(packed_cache, "_reader", lambda: packed_cache._map)
+    d = checkpoints["deepseek_v3"]
+    layers_of(d, "int8", cache_for(d, tmp_path, "int8"))
+    warm = layers_of(d, "int8", cache_for(d, tmp_path, "int8"))
+    maps = []  # (start, end, path) of file mappings
+    for line in open("/proc/self/maps"):
+        f = line.split()
+        if len(f) >= 6 and f[5].endswith(".safetensors"):
+            a, b = (int(x, 16) for x in f[0].split("-"))
+            maps.append((a, b, f[5]))
+    for layer, op in warm.items():
+        for t in packed(op):
+            ptr = t.data_ptr()
+            hit = [m for m in maps if m[0] <= ptr and ptr + t.nbytes <= m[1]]
+            assert hit and hit[0][2].endswith(f"layer-{layer:04d}.safetensors")
+        assert op.gu[0].data_ptr() % 4096 == 0
 
 
 def damage_truncate(f: pathlib.Path):
@@ -75,7 +104,7 @@ def damage_garbage(f: pathlib.Path):
 
 @pytest.mark.parametrize("damage,word", [(damage_truncate, "unreadable"), (damage_flip, "corrupt"),
                                          (damage_garbage, "unreadable")])
-def test_damaged_cache_is_rebuilt_not_trusted(checkpoints, tmp_path, damage, word, caplog):
+def test_damaged_cache_is_rebuilt_not_trusted(checkpoints, tmp_path, damage, word, reader, caplog):
     d = checkpoints["deepseek_v3"]
     cold = layers_of(d, "int4", cache_for(d, tmp_path, "int4"))
     victim = sorted(cache_for(d, tmp_path, "int4").dir.glob("layer-*.safetensors"))[0]

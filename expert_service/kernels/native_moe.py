@@ -12,7 +12,7 @@ import os
 import torch
 
 from moe_kernels import PATH, native as _n
-from moe_kernels.packing import FORMATS, alloc, data_ptr, pack_expert, row_len, store_expert
+from moe_kernels.packing import FORMATS, alloc, data_ptr, layout, pack_expert, row_len, store_expert
 
 from .submit_wait import SubmitWait
 
@@ -42,12 +42,31 @@ class NativeMoELayer(SubmitWait):
         self._alloc(E, I, H, fmt, path)
         return self
 
-    def _alloc(self, E, I, H, fmt, path) -> None:
+    @classmethod
+    def wrap(cls, E: int, I: int, H: int, fmt: str, gu: tuple, dn: tuple, threads: int | None = None,
+             path: str | None = None) -> "NativeMoELayer":
+        """A layer over packed tensors that exist already (the packed-weight cache's mapped file), laid
+        out as packed_layout() says; they are read, never written."""
+        self = cls.__new__(cls)
+        self._shape(E, I, H, fmt, path)
+        self.gu, self.dn = tuple(gu), tuple(dn)
+        self.ready(threads)
+        return self
+
+    @staticmethod
+    def packed_layout(E: int, I: int, H: int, fmt: str) -> dict[str, tuple]:
+        """{"gu": gate and up fused, "dn": down} -> packing.layout()'s (data, scale, rowsum, rowcorr)."""
+        return {"gu": layout(fmt, E, 2 * I, row_len(H, fmt)), "dn": layout(fmt, E, H, row_len(I, fmt))}
+
+    def _shape(self, E, I, H, fmt, path) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
         self.num_experts, self.intermediate, self.hidden, self.fmt = E, I, H, fmt
         self.path = path or PATH
         self.Kp_h, self.Kp_i = row_len(H, fmt), row_len(I, fmt)
+
+    def _alloc(self, E, I, H, fmt, path) -> None:
+        self._shape(E, I, H, fmt, path)
         self.gu = alloc(fmt, E, 2 * I, self.Kp_h)   # [E, 2I, Kp_h]: gate rows, then up rows
         self.dn = alloc(fmt, E, H, self.Kp_i)       # [E, H, Kp_i]
 
