@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 8192])
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--long-reps", type=int, default=1, help="repetitions of prompts over 2048 tokens (minutes each)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dense-format", nargs="+", default=["auto"],
                     help="gpu-service --dense-format; several: one warm run each (e.g. torch bf16 int8)")
@@ -91,7 +92,8 @@ def main() -> None:
                 for n in a.prompts:
                     prompt = [(i * 7919) % 4000 + 2 for i in range(n)]
                     generate(svc["port"], prompt[:16], 4)  # warm-up
-                    runs = [generate(svc["port"], prompt, a.decode_tokens) for _ in range(a.reps)]
+                    runs = [generate(svc["port"], prompt, a.decode_tokens)
+                            for _ in range(a.reps if n <= 2048 else a.long_reps)]
                     ttft = statistics.median(r[0] for r in runs)
                     dec = statistics.median(r[1] for r in runs)
                     print(f"prompt {n:5}: time to first token {ttft:.2f}s ({n / ttft:.0f} prompt tok/s), "
