@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import pathlib
 import time
 
 import grpc
@@ -34,6 +35,12 @@ def parse_args(argv=None):
     ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
     ap.add_argument("--experts", default="127.0.0.1:50061", help="host:port of the expert service")
     ap.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve GenerateService on")
+    ap.add_argument("--http-listen", default="",
+                    help="host:port to serve the OpenAI-compatible HTTP API on (/v1/models, /v1/completions, "
+                         "/v1/chat/completions, /health), beside the gRPC API and on the same engine; empty = off. "
+                         "Same auth token (Authorization: Bearer) and TLS settings as gRPC")
+    ap.add_argument("--served-model-name", default="",
+                    help="the model id the HTTP API lists and accepts (default: the --model folder's name)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="compute dtype; auto = the checkpoint's dtype, but fp32 on a CPU without bf16 arithmetic "
@@ -209,6 +216,16 @@ async def serve(args, stop: asyncio.Event) -> None:
         serving.fail(f"cannot listen on {args.listen}: {e}")
     await serving.set_health(hs, names, serving=False)
     await server.start()
+    http = None
+    if args.http_listen:
+        from . import openai_api
+        api = openai_api.Api(servicer, args.served_model_name or pathlib.Path(args.model).resolve().name, sec.token)
+        sec.warn_if_open(args.http_listen)
+        try:
+            http = await openai_api.start(api, args.http_listen, sec.ssl_context)
+        except (OSError, ValueError) as e:
+            serving.fail(f"cannot listen on --http-listen {args.http_listen}: {e}")
+        log.info("OpenAI-compatible HTTP API on %s (model id %r)", args.http_listen, api.model_name)
     serve_metrics(args.metrics_port, args.metrics_host)
     if args.max_step_tokens < args.max_batch:
         serving.fail(f"--max-step-tokens {args.max_step_tokens} must be >= --max-batch {args.max_batch} "
@@ -229,6 +246,8 @@ async def serve(args, stop: asyncio.Event) -> None:
                                                                     dense_format=dense))
     except serving.Stopped:
         log.info("stopped while starting")
+        if http:
+            await openai_api.stop(api, http, 0)
         await server.stop(grace=0)
         experts.close()
         return
@@ -257,8 +276,9 @@ async def serve(args, stop: asyncio.Event) -> None:
         # drain: refuse new work, let requests in flight finish within the grace period, then stop
         log.info("draining (grace %.0fs)", args.grace)
         watcher.cancel()
+        servicer.draining = True  # HTTP requests get 503 from here on (gRPC: the server refuses them)
         await serving.set_health(hs, names, serving=False)
-        await server.stop(grace=args.grace)
+        await asyncio.gather(server.stop(grace=args.grace), *([openai_api.stop(api, http, args.grace)] if http else []))
         engine.stop()
         experts.close()
 

@@ -22,7 +22,7 @@ from moe_core import serving
 from . import metrics
 from .dispatch import ExpertServiceError
 from .model import Model, Segment
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprobs
 from .text import DetokenizeStream, TextCodec
 
 log = logging.getLogger("gpu_service.engine")
@@ -39,6 +39,7 @@ class Chunk:
     ttft_s: float
     elapsed_s: float
     spans: list | None = None  # the request's profile, on the last chunk when asked for
+    logprobs: list | None = None  # per token: (id, logprob, [(id, logprob) of the top ones]), when asked for
 
 
 @dataclasses.dataclass
@@ -67,6 +68,7 @@ class Request:
     score_only: bool = False
     logprobs_only: bool = False  # score_only: per-position logprobs instead of the logits
     profile: bool = False
+    logprobs: int | None = None  # set: each token's logprob and this many top alternatives
     deadline: float | None = None  # time.perf_counter() value after which the client has gone
     cancelled: bool = False
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -241,7 +243,8 @@ class Engine:
         record_step_metrics(spans, time.perf_counter() - t0)
 
     def _advance(self, r: Request, logits: torch.Tensor, now: float, spans: list, t_sample: int) -> None:
-        tok = sample(logits, r.sampling, r.gen)
+        tok = sample(logits, r.sampling, r.gen, r.prompt_ids, r.output)
+        lps = None if r.logprobs is None else [token_logprobs(logits, tok, r.logprobs)]
         r.output.append(tok)
         if r.first_token_at is None:
             r.first_token_at = now
@@ -265,7 +268,7 @@ class Engine:
             r.spans += spans
             r.spans.append(("sampling", "gpu", -1, spans[0][3] if spans else 0, t_sample, time.time_ns()))
         r.emit(Chunk(text, [tok], finish, len(r.prompt_ids), len(r.output), r.first_token_at - r.arrival,
-                     now - r.arrival, r.spans if (finish and r.profile) else None))
+                     now - r.arrival, r.spans if (finish and r.profile) else None, lps))
         if finish is not None:
             r.cache = None  # frees the KV cache
 

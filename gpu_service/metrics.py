@@ -7,6 +7,8 @@ LAT = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 FAST = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, .1, .25, 1)
 
 REQUESTS = Counter("moe_requests_total", "Generate/Score requests by final gRPC status", ["rpc", "code"])
+HTTP_REQUESTS = Counter("moe_http_requests_total", "OpenAI-compatible HTTP API requests by route and HTTP status",
+                        ["route", "status"])
 PROMPT_TOKENS = Counter("moe_prompt_tokens_total", "Prompt tokens processed")
 GENERATED_TOKENS = Counter("moe_generated_tokens_total", "Tokens generated")
 RUNNING = Gauge("moe_running_requests", "Requests in the engine's running batch")

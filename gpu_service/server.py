@@ -14,7 +14,7 @@ from protos import generate_pb2, generate_pb2_grpc
 
 from . import metrics
 from .engine import Engine, Failure, Request
-from .sampling import SamplingParams
+from .sampling import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("gpu_service")
 
@@ -27,6 +27,29 @@ class BadRequest(ValueError):
     pass
 
 
+def sampling_params(s: generate_pb2.SamplingParams) -> SamplingParams:
+    """The request's sampling settings, checked (BadRequest names the bad one); unset fields: off."""
+    get = lambda name, default: getattr(s, name) if s.HasField(name) else default  # noqa: E731
+    sp = SamplingParams(temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", 0),
+                        min_p=get("min_p", 0.0), presence_penalty=get("presence_penalty", 0.0),
+                        frequency_penalty=get("frequency_penalty", 0.0),
+                        repetition_penalty=get("repetition_penalty", 1.0), seed=get("seed", None))
+    if not 0 <= sp.temperature < float("inf"):  # below SAMPLING_EPS: greedy (sampling.py)
+        raise BadRequest(f"sampling.temperature: must be a finite number >= 0, got {sp.temperature}")
+    if not 0 < sp.top_p <= 1:
+        raise BadRequest(f"sampling.top_p: must be in (0, 1], got {sp.top_p}")
+    if sp.top_k < 0:
+        raise BadRequest(f"sampling.top_k: must be >= 0, got {sp.top_k}")
+    if not 0 <= sp.min_p <= 1:
+        raise BadRequest(f"sampling.min_p: must be in [0, 1], got {sp.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(sp, name) <= 2:
+            raise BadRequest(f"sampling.{name}: must be in [-2, 2], got {getattr(sp, name)}")
+    if not 0 < sp.repetition_penalty < float("inf"):
+        raise BadRequest(f"sampling.repetition_penalty: must be a finite number > 0, got {sp.repetition_penalty}")
+    return sp
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Serves once attach() gave it an engine; until then, and while the expert service is down,
     new requests get UNAVAILABLE at once."""
@@ -36,16 +59,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.cfg, self.info, self.default_defer = cfg, info, default_defer
         self.max_tokens_limit = max_tokens_limit
         self.expert_ready = False
+        self.draining = False
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def _check_ready(self, context, rpc: str) -> None:
+    def unavailable(self) -> str | None:
+        """Why new requests are refused right now (gRPC UNAVAILABLE, HTTP 503), or None."""
+        if self.draining:
+            return "the service is shutting down"
         if self.engine is None:
-            await self._abort(context, rpc, grpc.StatusCode.UNAVAILABLE, "GPU service is still loading the model")
+            return "GPU service is still loading the model"
         if not self.expert_ready:
-            await self._abort(context, rpc, grpc.StatusCode.UNAVAILABLE,
-                              f"expert service at {self.info.expert_service} is unavailable")
+            return f"expert service at {self.info.expert_service} is unavailable"
+        return None
+
+    async def _check_ready(self, context, rpc: str) -> None:
+        why = self.unavailable()
+        if why:
+            await self._abort(context, rpc, grpc.StatusCode.UNAVAILABLE, why)
 
     async def _abort(self, context, rpc: str, code: grpc.StatusCode, msg: str):
         metrics.REQUESTS.labels(rpc, code.name).inc()
@@ -93,17 +125,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise BadRequest("max_tokens: must be > 0")
         if req.max_tokens > self.max_tokens_limit:
             raise BadRequest(f"max_tokens: {req.max_tokens} exceeds the limit {self.max_tokens_limit}")
-        s = req.sampling
-        sp = SamplingParams(temperature=s.temperature if s.HasField("temperature") else 1.0,
-                            top_p=s.top_p if s.HasField("top_p") else 1.0,
-                            top_k=s.top_k if s.HasField("top_k") else 0,
-                            seed=s.seed if s.HasField("seed") else None)
-        if not 0 <= sp.temperature < float("inf"):  # below SAMPLING_EPS: greedy (sampling.py)
-            raise BadRequest(f"sampling.temperature: must be a finite number >= 0, got {sp.temperature}")
-        if not 0 < sp.top_p <= 1:
-            raise BadRequest(f"sampling.top_p: must be in (0, 1], got {sp.top_p}")
-        if sp.top_k < 0:
-            raise BadRequest(f"sampling.top_k: must be >= 0, got {sp.top_k}")
+        sp = sampling_params(req.sampling)
+        if req.HasField("logprobs") and req.logprobs > MAX_LOGPROBS:
+            raise BadRequest(f"logprobs: at most {MAX_LOGPROBS} alternatives per token, got {req.logprobs}")
         stop = list(req.stop)
         if len(stop) > MAX_STOP or any(not x for x in stop):
             raise BadRequest(f"stop: at most {MAX_STOP} non-empty strings")
@@ -111,7 +135,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if defer > self.cfg.top_k - 1:
             raise BadRequest(f"defer: must be <= top_k - 1 = {self.cfg.top_k - 1}, got {defer}")
         return Request(prompt_ids=ids, emit=emit, max_tokens=req.max_tokens, sampling=sp, stop=stop,
-                       ignore_eos=req.ignore_eos, defer=defer, skip=req.skip_deferred, profile=req.profile)
+                       ignore_eos=req.ignore_eos, defer=defer, skip=req.skip_deferred, profile=req.profile,
+                       logprobs=req.logprobs if req.HasField("logprobs") else None)
+
+    def submit(self, req: generate_pb2.GenerateRequest, deadline: float | None = None) -> tuple[Request, asyncio.Queue]:
+        """Check req (BadRequest names what is wrong) and hand it to the engine: -> the engine's request
+        (set .cancelled to drop it) and the queue its Chunk / Failure events arrive on. The one way in
+        for gRPC's Generate and the HTTP API alike."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        r = self._request(req, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        r.deadline = deadline
+        self.engine.submit(r)
+        return r, q
 
     def _emitter(self):
         loop = asyncio.get_running_loop()
@@ -121,13 +157,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     # -- RPCs -------------------------------------------------------------------------------------
     async def Generate(self, request, context):
         await self._check_ready(context, "Generate")
-        q, emit = self._emitter()
         try:
-            r = self._request(request, emit)
+            r, q = self.submit(request, self._deadline(context))
         except BadRequest as e:
             await self._abort(context, "Generate", grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        r.deadline = self._deadline(context)
-        self.engine.submit(r)
         code = "CANCELLED"
         try:
             while True:
@@ -139,6 +172,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     text=ev.text, token_ids=ev.token_ids, finish_reason=FINISH.get(ev.finish_reason, 0),
                     usage=generate_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
                     time_to_first_token_s=ev.ttft_s, elapsed_s=ev.elapsed_s)
+                for tok, lp, top in ev.logprobs or ():
+                    chunk.logprobs.add(token_id=tok, logprob=lp,
+                                       top=[generate_pb2.TopLogprob(token_id=i, logprob=v) for i, v in top])
                 if ev.spans:
                     chunk.profile.spans.extend(
                         generate_pb2.Span(name=n, service=svc, layer=layer, step=step, start_unix_ns=t0, end_unix_ns=t1)

@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 import pathlib
+import ssl
 
 import grpc
 
@@ -130,6 +131,7 @@ def _denied(handler, msg: str):
 class ServerSecurity:
     token: str | None
     credentials: grpc.ServerCredentials | None
+    ssl_context: ssl.SSLContext | None = None  # the same TLS settings for an HTTP listener
 
     @classmethod
     def from_args(cls, args) -> "ServerSecurity":
@@ -141,6 +143,12 @@ class ServerSecurity:
             ca = _read(args.tls_client_ca)
             creds = grpc.ssl_server_credentials([(_read(args.tls_key), _read(args.tls_cert))], root_certificates=ca,
                                                 require_client_auth=ca is not None)
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(args.tls_cert, args.tls_key)
+            if ca is not None:
+                ctx.verify_mode = ssl.CERT_REQUIRED
+                ctx.load_verify_locations(cadata=ca.decode())
+            return cls(token, creds, ctx)
         elif args.tls_client_ca:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         return cls(token, creds)
@@ -149,12 +157,15 @@ class ServerSecurity:
     def interceptors(self) -> list:
         return [TokenInterceptor(self.token)] if self.token else []
 
-    def add_port(self, server: grpc.aio.Server, address: str) -> None:
+    def warn_if_open(self, address: str) -> None:
         if not self.token and not _is_loopback(address):
             log.warning("!" * 72)
             log.warning("listening on %s WITHOUT authentication: anyone who can reach it can use it. "
                         "Set --auth-token-file (or $%s), and TLS for untrusted networks.", address, TOKEN_ENV)
             log.warning("!" * 72)
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> None:
+        self.warn_if_open(address)
         if self.credentials:
             server.add_secure_port(address, self.credentials)
         else:

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos import tensor_pb2 as protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\x06moe.v1\x1a\x13protos/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"-\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.moe.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x97\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.moe.v1.ChatH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.moe.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.moe.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05\x64\x65\x66\x65r\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07profile\x18\t \x01(\x08\x12\x15\n\rskip_deferred\x18\n \x01(\x08\x42\x07\n\x05inputB\x08\n\x06_defer\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xcf\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.moe.v1.FinishReason\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.moe.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\x12 \n\x07profile\x18\x07 \x01(\x0b\x32\x0f.moe.v1.Profile\"n\n\x04Span\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x15\n\rstart_unix_ns\x18\x05 \x01(\x03\x12\x13\n\x0b\x65nd_unix_ns\x18\x06 \x01(\x03\"&\n\x07Profile\x12\x1b\n\x05spans\x18\x01 \x03(\x0b\x32\x0c.moe.v1.Span\"\x7f\n\x0cScoreRequest\x12#\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x10.moe.v1.TokenIds\x12\x12\n\x05\x64\x65\x66\x65r\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rskip_deferred\x18\x03 \x01(\x08\x12\x15\n\rlogprobs_only\x18\x04 \x01(\x08\x42\x08\n\x06_defer\"[\n\rScoreResponse\x12\x1e\n\x06logits\x18\x01 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12\x16\n\x0etoken_logprobs\x18\x02 \x03(\x02\x12\x12\n\nargmax_ids\x18\x03 \x03(\x05\"\x13\n\x11ServerInfoRequest\"\xb2\x02\n\nServerInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x12\n\nmoe_layers\x18\x06 \x03(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x16\n\x0e\x65xpert_service\x18\t \x01(\t\x12\r\n\x05\x64\x65\x66\x65r\x18\n \x01(\r\x12\x1c\n\x14\x65xpert_service_ready\x18\x0b \x01(\x08\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x11\n\tmax_batch\x18\r \x01(\r\x12\x11\n\ttransport\x18\x0e \x01(\t*L\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x32\xbc\x01\n\x0fGenerateService\x12<\n\x08Generate\x12\x17.moe.v1.GenerateRequest\x1a\x15.moe.v1.GenerateChunk0\x01\x12\x34\n\x05Score\x12\x14.moe.v1.ScoreRequest\x1a\x15.moe.v1.ScoreResponse\x12\x35\n\x04Info\x12\x19.moe.v1.ServerInfoRequest\x1a\x12.moe.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\x06moe.v1\x1a\x13protos/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"-\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.moe.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\xbb\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.moe.v1.ChatH\x00\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x10.moe.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.moe.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05\x64\x65\x66\x65r\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07profile\x18\t \x01(\x08\x12\x15\n\rskip_deferred\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05inputB\x08\n\x06_deferB\x0b\n\t_logprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xf7\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.moe.v1.FinishReason\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.moe.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\x12 \n\x07profile\x18\x07 \x01(\x0b\x32\x0f.moe.v1.Profile\x12&\n\x08logprobs\x18\x08 \x03(\x0b\x32\x14.moe.v1.TokenLogprob\"R\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x1f\n\x03top\x18\x03 \x03(\x0b\x32\x12.moe.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"n\n\x04Span\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x15\n\rstart_unix_ns\x18\x05 \x01(\x03\x12\x13\n\x0b\x65nd_unix_ns\x18\x06 \x01(\x03\"&\n\x07Profile\x12\x1b\n\x05spans\x18\x01 \x03(\x0b\x32\x0c.moe.v1.Span\"\x7f\n\x0cScoreRequest\x12#\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x10.moe.v1.TokenIds\x12\x12\n\x05\x64\x65\x66\x65r\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rskip_deferred\x18\x03 \x01(\x08\x12\x15\n\rlogprobs_only\x18\x04 \x01(\x08\x42\x08\n\x06_defer\"[\n\rScoreResponse\x12\x1e\n\x06logits\x18\x01 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12\x16\n\x0etoken_logprobs\x18\x02 \x03(\x02\x12\x12\n\nargmax_ids\x18\x03 \x03(\x05\"\x13\n\x11ServerInfoRequest\"\xb2\x02\n\nServerInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x12\n\nmoe_layers\x18\x06 \x03(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x16\n\x0e\x65xpert_service\x18\t \x01(\t\x12\r\n\x05\x64\x65\x66\x65r\x18\n \x01(\r\x12\x1c\n\x14\x65xpert_service_ready\x18\x0b \x01(\x08\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x11\n\tmax_batch\x18\r \x01(\r\x12\x11\n\ttransport\x18\x0e \x01(\t*L\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x32\xbc\x01\n\x0fGenerateService\x12<\n\x08Generate\x12\x17.moe.v1.GenerateRequest\x1a\x15.moe.v1.GenerateChunk0\x01\x12\x34\n\x05Score\x12\x14.moe.v1.ScoreRequest\x1a\x15.moe.v1.ScoreResponse\x12\x35\n\x04Info\x12\x19.moe.v1.ServerInfoRequest\x1a\x12.moe.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1576
-  _globals['_FINISHREASON']._serialized_end=1652
+  _globals['_FINISHREASON']._serialized_start=1977
+  _globals['_FINISHREASON']._serialized_end=2053
   _globals['_CHATMESSAGE']._serialized_start=54
   _globals['_CHATMESSAGE']._serialized_end=98
   _globals['_CHAT']._serialized_start=100
@@ -41,25 +41,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=147
   _globals['_TOKENIDS']._serialized_end=170
   _globals['_SAMPLINGPARAMS']._serialized_start=173
-  _globals['_SAMPLINGPARAMS']._serialized_end=319
-  _globals['_GENERATEREQUEST']._serialized_start=322
-  _globals['_GENERATEREQUEST']._serialized_end=601
-  _globals['_USAGE']._serialized_start=603
-  _globals['_USAGE']._serialized_end=660
-  _globals['_GENERATECHUNK']._serialized_start=663
-  _globals['_GENERATECHUNK']._serialized_end=870
-  _globals['_SPAN']._serialized_start=872
-  _globals['_SPAN']._serialized_end=982
-  _globals['_PROFILE']._serialized_start=984
-  _globals['_PROFILE']._serialized_end=1022
-  _globals['_SCOREREQUEST']._serialized_start=1024
-  _globals['_SCOREREQUEST']._serialized_end=1151
-  _globals['_SCORERESPONSE']._serialized_start=1153
-  _globals['_SCORERESPONSE']._serialized_end=1244
-  _globals['_SERVERINFOREQUEST']._serialized_start=1246
-  _globals['_SERVERINFOREQUEST']._serialized_end=1265
-  _globals['_SERVERINFO']._serialized_start=1268
-  _globals['_SERVERINFO']._serialized_end=1574
-  _globals['_GENERATESERVICE']._serialized_start=1655
-  _globals['_GENERATESERVICE']._serialized_end=1843
+  _globals['_SAMPLINGPARAMS']._serialized_end=511
+  _globals['_GENERATEREQUEST']._serialized_start=514
+  _globals['_GENERATEREQUEST']._serialized_end=829
+  _globals['_USAGE']._serialized_start=831
+  _globals['_USAGE']._serialized_end=888
+  _globals['_GENERATECHUNK']._serialized_start=891
+  _globals['_GENERATECHUNK']._serialized_end=1138
+  _globals['_TOKENLOGPROB']._serialized_start=1140
+  _globals['_TOKENLOGPROB']._serialized_end=1222
+  _globals['_TOPLOGPROB']._serialized_start=1224
+  _globals['_TOPLOGPROB']._serialized_end=1271
+  _globals['_SPAN']._serialized_start=1273
+  _globals['_SPAN']._serialized_end=1383
+  _globals['_PROFILE']._serialized_start=1385
+  _globals['_PROFILE']._serialized_end=1423
+  _globals['_SCOREREQUEST']._serialized_start=1425
+  _globals['_SCOREREQUEST']._serialized_end=1552
+  _globals['_SCORERESPONSE']._serialized_start=1554
+  _globals['_SCORERESPONSE']._serialized_end=1645
+  _globals['_SERVERINFOREQUEST']._serialized_start=1647
+  _globals['_SERVERINFOREQUEST']._serialized_end=1666
+  _globals['_SERVERINFO']._serialized_start=1669
+  _globals['_SERVERINFO']._serialized_end=1975
+  _globals['_GENERATESERVICE']._serialized_start=2056
+  _globals['_GENERATESERVICE']._serialized_end=2244
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,391 @@
+"""The OpenAI-compatible HTTP API: GET /v1/models, POST /v1/completions and /v1/chat/completions
+(plain JSON or Server-Sent Events), GET /health. It is a translation layer only: each HTTP request
+becomes a GenerateRequest and goes through GenerateServicer.submit, so validation, chat templates,
+sampling, stop strings and limits are the gRPC API's, and both share one engine.
+
+aiohttp, not FastAPI/uvicorn: it runs on the event loop the gRPC server already owns (AppRunner)
+without a second server lifecycle or its own signal handling, streams with plain writes, and can
+cancel a handler when its client disconnects (which frees the request's slot at the next step)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+
+import grpc
+from aiohttp import web
+
+from protos import generate_pb2
+
+from . import metrics
+from .engine import Failure
+from .server import BadRequest, GenerateServicer
+
+log = logging.getLogger("gpu_service.http")
+
+FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503,
+               grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+MAX_BODY = 64 << 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+    """OpenAI's error shape."""
+    return web.json_response({"error": {"message": message, "type": ERROR_TYPE.get(status, "internal_error"),
+                                        "param": param, "code": code}}, status=status)
+
+
+# -- request fields -------------------------------------------------------------------------------
+def _field(body: dict, name: str, kinds, default=None, check=None, what: str = ""):
+    """body[name] if present and not null, of one of `kinds`, passing `check`; else default."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+        raise ApiError(400, f"{name}: expected {what or ' or '.join(k.__name__ for k in kinds)}, got {v!r}", name)
+    if check is not None and not check(v):
+        raise ApiError(400, f"{name}: {what}, got {v!r}", name)
+    return v
+
+
+NUM = (int, float)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if _field(body, "n", (int,), 1) != 1:
+        raise ApiError(400, "n: only 1 completion per request is supported", "n")
+    if _field(body, "best_of", (int,), 1) != 1:
+        raise ApiError(400, "best_of: only 1 is supported", "best_of")
+    if body.get("logit_bias"):
+        raise ApiError(400, "logit_bias is not supported", "logit_bias")
+    if body.get("echo"):
+        raise ApiError(400, "echo is not supported", "echo")
+    if body.get("suffix"):
+        raise ApiError(400, "suffix is not supported", "suffix")
+    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
+        raise ApiError(400, "tools and function calling are not supported", "tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
+
+
+def _common(body: dict, req: generate_pb2.GenerateRequest, max_tokens_default: int) -> None:
+    """The sampling and stopping fields both endpoints share, into req (range checks: the servicer's)."""
+    _refuse_unsupported(body)
+    mt = _field(body, "max_completion_tokens", (int,), None) or _field(body, "max_tokens", (int,), None)
+    req.max_tokens = max_tokens_default if mt is None else mt
+    if req.max_tokens <= 0:
+        raise ApiError(400, f"max_tokens: must be > 0, got {req.max_tokens}", "max_tokens")
+    s = req.sampling
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = _field(body, name, NUM)
+        if v is not None:
+            setattr(s, name, float(v))
+    top_k = _field(body, "top_k", (int,))
+    if top_k is not None and top_k != -1:  # vLLM: -1 = off
+        s.top_k = top_k
+    seed = _field(body, "seed", (int,))
+    if seed is not None:
+        s.seed = seed % 2**64
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(x, str) for x in stop)):
+        raise ApiError(400, "stop: expected a string or a list of strings", "stop")
+    req.stop.extend(stop or [])
+    req.ignore_eos = bool(_field(body, "ignore_eos", (bool,), False))
+
+
+def completion_request(body: dict) -> generate_pb2.GenerateRequest:
+    req = generate_pb2.GenerateRequest()
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        req.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "prompt: one prompt per request (a list of several is not supported)", "prompt")
+    else:
+        raise ApiError(400, "prompt: expected a non-empty string or list of token ids", "prompt")
+    _common(body, req, 16)  # OpenAI's default for completions
+    lp = _field(body, "logprobs", (int,), None, lambda v: v >= 0, "an integer >= 0")
+    if lp is not None:
+        req.logprobs = lp
+    return req
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ApiError(400, f"messages[{i}].content: expected a string or a list of text parts", "messages")
+
+
+def chat_request(body: dict, max_tokens_default: int) -> generate_pb2.GenerateRequest:
+    req = generate_pb2.GenerateRequest()
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "messages: expected a non-empty list", "messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}]: expected an object with a role", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        req.chat.messages.add(role=role, content=_content(m, i))
+    _common(body, req, max_tokens_default)
+    if _field(body, "logprobs", (bool,), False):
+        req.logprobs = _field(body, "top_logprobs", (int,), 0, lambda v: v >= 0, "an integer >= 0")
+    elif body.get("top_logprobs"):
+        raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+    return req
+
+
+# -- responses ------------------------------------------------------------------------------------
+class Api:
+    def __init__(self, servicer: GenerateServicer, model_name: str, token: str | None):
+        self.servicer, self.model_name = servicer, model_name
+        self._want = f"Bearer {token}".encode() if token else None
+        self.created = int(time.time())
+        self.active = 0  # requests in flight, for the drain
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        status = 500
+        self.active += 1
+        try:
+            if self._want and request.path != "/health":
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, self._want):
+                    status = 401
+                    return error_response(401, "missing or wrong API key (header 'Authorization: Bearer <token>')",
+                                          code="invalid_api_key")
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except ApiError as e:
+            status = e.status
+            return error_response(e.status, e.message, e.param, e.code)
+        except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
+            status = e.status
+            msg = {404: f"no route {request.method} {request.path}", 405: f"{request.method} is not allowed on "
+                   f"{request.path}", 413: f"request body over {MAX_BODY >> 20} MiB"}.get(e.status, e.reason)
+            return error_response(e.status, msg)
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code)
+            raise
+        except Exception as e:
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return error_response(500, f"internal error: {e}")
+        finally:
+            self.active -= 1
+            metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
+
+    async def health(self, request):
+        why = self.servicer.unavailable()
+        return web.json_response({"status": "unavailable", "reason": why} if why else {"status": "ok"},
+                                 status=503 if why else 200)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moe-split",
+                "max_model_len": self.servicer.info.max_context}
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_card())
+
+    def _check_model(self, name) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}", "model",
+                           "model_not_found")
+
+    async def _body(self, request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        self._check_model(_field(body, "model", (str,), None))
+        return body
+
+    def _submit(self, req: generate_pb2.GenerateRequest):
+        why = self.servicer.unavailable()
+        if why:
+            raise ApiError(503, why)
+        try:
+            return self.servicer.submit(req)
+        except BadRequest as e:
+            msg = str(e).replace("sampling.", "")  # the HTTP API's fields are flat
+            code = "context_length_exceeded" if "context limit" in msg else None
+            raise ApiError(400, msg, msg.split(":", 1)[0], code) from None
+
+    async def completions(self, request):
+        body = await self._body(request)
+        return await self._run(request, body, completion_request(body), chat=False)
+
+    async def chat(self, request):
+        body = await self._body(request)
+        req = chat_request(body, self.servicer.max_tokens_limit)
+        return await self._run(request, body, req, chat=True)
+
+    async def _run(self, request, body: dict, req: generate_pb2.GenerateRequest, chat: bool):
+        stream = bool(_field(body, "stream", (bool,), False))
+        opts = _field(body, "stream_options", (dict,), {})
+        usage_chunk = bool(opts.get("include_usage"))
+        r, q = self._submit(req)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        out = Output(self, rid, chat, req.HasField("logprobs"))
+        try:
+            if stream:
+                return await self._stream(request, q, out, usage_chunk)
+            while True:
+                ev = await q.get()
+                if isinstance(ev, Failure):
+                    raise ApiError(HTTP_STATUS.get(ev.code, 500), ev.message)
+                out.add(ev)
+                if ev.finish_reason:
+                    return web.json_response(out.whole())
+        finally:
+            r.cancelled = True  # done, failed or the client went away: the engine drops it at the next step
+
+    async def _stream(self, request, q: asyncio.Queue, out: "Output", usage_chunk: bool):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+
+        async def send(obj) -> None:
+            await resp.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
+
+        try:
+            if out.chat:
+                await send(out.chunk({"role": "assistant", "content": ""}, None, None, usage_chunk))
+            while True:
+                ev = await q.get()
+                if isinstance(ev, Failure):  # mid-stream: the status line is gone; the error goes in the stream
+                    await send({"error": {"message": ev.message, "type": ERROR_TYPE.get(
+                        HTTP_STATUS.get(ev.code, 500), "internal_error"), "param": None, "code": ev.code.name}})
+                    break
+                out.add(ev)
+                lps = out.logprobs_of(ev.logprobs) if ev.logprobs else None
+                if ev.text or lps:
+                    await send(out.chunk({"content": ev.text} if out.chat else ev.text, None, lps, usage_chunk))
+                if ev.finish_reason:
+                    await send(out.chunk({} if out.chat else "", FINISH[ev.finish_reason], None, usage_chunk))
+                    if usage_chunk:
+                        await send({**out.head("chunk"), "choices": [], "usage": out.usage()})
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError):  # the client left: _run's finally cancels the request
+            pass
+        return resp
+
+
+class Output:
+    """One response being built: text, logprobs, usage, in OpenAI's shapes for completions and chat."""
+
+    def __init__(self, api: Api, rid: str, chat: bool, logprobs: bool):
+        self.api, self.id, self.chat, self.want_logprobs = api, rid, chat, logprobs
+        self.created = int(time.time())
+        self.text, self.lps, self.finish, self.prompt_tokens, self.completion_tokens = [], [], None, 0, 0
+
+    def add(self, ev) -> None:
+        self.text.append(ev.text)
+        self.lps += ev.logprobs or []
+        self.finish = ev.finish_reason
+        self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def head(self, kind: str) -> dict:
+        obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if kind == "chunk" and self.chat else "")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_name}
+
+    def _token(self, i: int) -> str:
+        return self.api.servicer.engine.text.decode([i])
+
+    def logprobs_of(self, lps: list | None) -> dict | None:
+        """Tokens' (id, logprob, top) in the endpoint's shape, or None when not asked for."""
+        if not self.want_logprobs or lps is None:
+            return None
+        if self.chat:
+            def entry(i, lp):
+                t = self._token(i)
+                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+            return {"content": [{**entry(i, lp), "top_logprobs": [entry(j, v) for j, v in top]}
+                                for i, lp, top in lps]}
+        return {"tokens": [self._token(i) for i, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
+                "top_logprobs": [{self._token(j): v for j, v in top} for _, _, top in lps]}
+
+    def chunk(self, delta, finish: str | None, logprobs: dict | None, with_usage: bool) -> dict:
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        choice["delta" if self.chat else "text"] = delta
+        out = {**self.head("chunk"), "choices": [choice]}
+        if with_usage:
+            out["usage"] = None
+        return out
+
+    def whole(self) -> dict:
+        text = "".join(self.text)
+        choice = {"index": 0, "logprobs": self.logprobs_of(self.lps), "finish_reason": FINISH[self.finish]}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self.head("whole"), "choices": [choice], "usage": self.usage()}
+
+
+async def start(api: Api, listen: str, ssl_context=None) -> web.AppRunner:
+    """Serve api on host:port on the running loop; -> the runner (stop it with stop())."""
+    host, _, port = listen.rpartition(":")
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port), ssl_context=ssl_context)
+    await site.start()
+    return runner
+
+
+async def stop(api: Api, runner: web.AppRunner, grace: float) -> None:
+    """Stop accepting, give requests in flight `grace` seconds, then close what is left."""
+    for site in list(runner.sites):
+        await site.stop()
+    deadline = time.monotonic() + grace
+    while api.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
