@@ -180,10 +180,10 @@ def test_a_failing_request_does_not_fail_its_batch(engine, monkeypatch):
     real_sample, real_forward = engine_mod.sample, engine.model.forward
     bad_sample, bad_forward = (1, 1, 1, 1), (2, 2, 2)
 
-    def sample(logits, params, gen):  # sampling fails for one request only
+    def sample(logits, params, gen, *history):  # sampling fails for one request only
         if getattr(params, "poison", False):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real_sample(logits, params, gen)
+        return real_sample(logits, params, gen, *history)
 
     def forward(segs, *a, **kw):  # the forward pass fails whenever one request is in the batch
         if any(tuple(s.tokens.tolist()) == bad_forward for s in segs):
