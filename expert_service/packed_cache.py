@@ -29,6 +29,7 @@ import torch
 import xxhash
 
 from moe_core.checkpoint import Checkpoint
+from moe_kernels import native
 from moe_kernels.packing import huge
 
 from .kernels import native_moe
@@ -105,7 +106,7 @@ def _layout(E: int, I: int, H: int, fmt: str) -> dict[str, tuple]:
 
 
 def _reader():
-    return _pread if native_moe._n.numa_binds() else _map
+    return _pread if native.numa_binds() else _map
 
 
 def _check_all(check, tasks) -> bool:
