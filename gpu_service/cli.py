@@ -69,7 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--shm-mb", type=int, default=64,
                     help="size of the shared-memory region; layer requests that do not fit a quarter of it go over gRPC")
     ap.add_argument("--connect-timeout", type=float, default=120.0,
-                    help="seconds to wait at start for the expert service to be ready")
+                    help="seconds to wait at start for an expert service that does not answer; one that answers "
+                         "and is still loading its experts (minutes, cold, for a large model) is waited for")
     ap.add_argument("--expert-timeout", type=float, default=30.0,
                     help="seconds one layer's expert results may take (plus 10 ms per token in the step) before the "
                          "expert service counts as stuck: its requests end with UNAVAILABLE and the next ones "
@@ -129,16 +130,35 @@ def dense_format(arg: str, device: torch.device, ckpt_dtype: torch.dtype, dtype_
     return arg
 
 
+def expert_is_up(experts: RemoteExperts) -> bool:
+    """Whether the expert service's process answers at all (its health service: SERVING or not)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        health_pb2_grpc.HealthStub(experts.channel).Check(health_pb2.HealthCheckRequest(), timeout=2,
+                                                          metadata=experts.security.metadata)
+        return True
+    except grpc.RpcError:
+        return False
+
+
 def wait_for_experts(experts: RemoteExperts, timeout: float, cancel):
-    """ExpertInfo once the expert service answers; ConnectionError (the message for serving.fail) if it
-    refuses us or is not up within `timeout`; None once `cancel` is set."""
-    deadline, delay = time.monotonic() + timeout, 0.1
+    """ExpertInfo once the expert service is ready; ConnectionError (the message for serving.fail) if it
+    refuses us or does not answer for `timeout` seconds (while it answers and loads, we wait); None
+    once `cancel` is set."""
+    deadline, delay, loading = time.monotonic() + timeout, 0.1, False
     while not cancel.is_set():
         try:
             return experts.info(timeout=5)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 raise ConnectionError(f"expert service at {experts.target} refused us: {e.details()}") from None
+            if time.monotonic() > deadline and expert_is_up(experts):
+                if not loading:
+                    log.info("expert service at %s is up and still loading its experts: waiting for it",
+                             experts.target)
+                loading = True
+                deadline = time.monotonic() + timeout
             if time.monotonic() > deadline:
                 raise ConnectionError(f"expert service at {experts.target} not ready after {timeout:.0f}s: "
                                       f"{e.code().name}: {e.details()}") from None

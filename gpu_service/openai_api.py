@@ -382,9 +382,8 @@ async def start(api: Api, listen: str, ssl_context=None) -> web.AppRunner:
 
 
 async def stop(api: Api, runner: web.AppRunner, grace: float) -> None:
-    """Stop accepting, give requests in flight `grace` seconds, then close what is left."""
-    for site in list(runner.sites):
-        await site.stop()
+    """Drain (servicer.draining is set): new requests get 503, so a load balancer moves on, while those
+    in flight get `grace` seconds to finish; then close what is left."""
     deadline = time.monotonic() + grace
     while api.active and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -87,3 +87,23 @@ def test_sigterm_while_waiting_for_the_expert_service(checkpoints, tmp_path):
     assert p.wait(10) == 0, log.read_text()
     assert time.monotonic() - t0 < 3, log.read_text()
     assert "stopped while starting" in log.read_text()
+
+
+def test_gpu_service_waits_for_an_expert_service_that_is_still_loading(wide, tmp_path):
+    """--connect-timeout is for an expert service that does not answer; one that answers and loads (a
+    cold start of a large model takes minutes) is waited for."""
+    from conftest import wait_healthy
+
+    eport, gport, elog, glog = free_port(), free_port(), tmp_path / "expert.log", tmp_path / "gpu.log"
+    e = start("expert_service", "--model", str(wide), "--listen", f"127.0.0.1:{eport}", "--threads", "1",
+              "--weight-format", "int4", "--cache-dir", "off", log=elog)
+    g = start("gpu_service", "--model", str(wide), "--listen", f"127.0.0.1:{gport}", "--experts",
+              f"127.0.0.1:{eport}", "--connect-timeout", "1", "--threads", "1", log=glog)
+    try:
+        wait_log(glog, "still loading its experts: waiting", g)
+        assert "ready:" not in elog.read_text()
+        wait_healthy(gport, g, timeout=120)
+    finally:
+        for p in (g, e):
+            p.terminate()
+            p.wait(30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import signal
 import time
 import urllib.request
 
@@ -249,3 +250,21 @@ def test_503_while_the_expert_service_is_down(services_factory, tmp_path):
     with pytest.raises(openai.APIStatusError) as e:
         c.completions.create(model="default", prompt="x", max_tokens=2)
     assert e.value.status_code == 503 and "expert service" in e.value.message
+
+
+def test_sigterm_drains_http_too(services_factory):
+    """Draining: a stream in flight finishes; new requests get 503 (not a refused connection) meanwhile."""
+    port = free_port()
+    s = services_factory(MODEL, gpu_args=("--http-listen", f"127.0.0.1:{port}", "--grace", "20"))
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    stream = iter(c.completions.create(model="default", prompt="x", max_tokens=150, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    next(stream)
+    s.gpu.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model="default", prompt="x", max_tokens=2)
+    assert e.value.status_code == 503 and "shutting down" in e.value.message
+    rest = list(stream)  # the request in flight still finishes
+    assert rest[-2].choices[0].finish_reason == "length" and rest[-1].usage.completion_tokens == 150
+    assert s.gpu.wait(30) == 0
