@@ -83,7 +83,8 @@ def _refuse_unsupported(body: dict) -> None:
 def _common(body: dict, req: generate_pb2.GenerateRequest, max_tokens_default: int) -> None:
     """The sampling and stopping fields both endpoints share, into req (range checks: the servicer's)."""
     _refuse_unsupported(body)
-    mt = _field(body, "max_completion_tokens", (int,), None) or _field(body, "max_tokens", (int,), None)
+    mt = _field(body, "max_completion_tokens", (int,), None)
+    mt = _field(body, "max_tokens", (int,), None) if mt is None else mt
     req.max_tokens = max_tokens_default if mt is None else mt
     if req.max_tokens <= 0:
         raise ApiError(400, f"max_tokens: must be > 0, got {req.max_tokens}", "max_tokens")
