@@ -14,6 +14,7 @@ chunks either way (XXH3, ~20 GB/s: a CRC-32 at ~4 GB/s was a third of a warm sta
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -22,6 +23,7 @@ import math
 import mmap
 import os
 import pathlib
+import resource
 import struct
 import warnings
 
@@ -106,7 +108,30 @@ def _layout(E: int, I: int, H: int, fmt: str) -> dict[str, tuple]:
 
 
 def _reader():
-    return _pread if native.numa_binds() else _map
+    return _pread if native.numa_binds() or not _can_lock else _map
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_can_lock = True  # until an mlock fails: then every later layer is read into memory instead
+
+
+def _lock(m: mmap.mmap) -> bool:
+    """Pin a mapping's pages (mlock): mapped weights are file pages, which memory pressure could evict
+    and the kernels would then read back from disk in the middle of a token. False where
+    RLIMIT_MEMLOCK forbids it (Docker's default; compose raises it for the expert service)."""
+    global _can_lock
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        ptr = torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()
+    if _libc.mlock(ctypes.c_void_p(ptr), ctypes.c_size_t(len(m))) == 0:
+        return True
+    _can_lock = False
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    log.warning("cannot lock the mapped packed-weight cache in memory (%s; RLIMIT_MEMLOCK %s): reading it into "
+                "memory instead, which makes warm starts slower. Raise the limit (ulimit -l unlimited; compose: "
+                "ulimits: memlock: -1) to use the mapped cache", os.strerror(ctypes.get_errno()),
+                "unlimited" if soft == resource.RLIM_INFINITY else f"{soft >> 10} KiB")
+    return False
 
 
 def _check_all(check, tasks) -> bool:
@@ -115,10 +140,14 @@ def _check_all(check, tasks) -> bool:
 
 
 def _map(fd: int, size: int, want: dict, spans: dict, hashes: dict) -> dict[str, torch.Tensor] | None:
-    """The tensors as views of the file mapped read-only, as llama.cpp maps GGUF: a warm start only
-    maps pages the page cache holds already (no copy, no fresh memory to fault in: that, not the
-    read, was most of a warm start), and the machine holds one copy of the weights, not two."""
+    """The tensors as views of the file mapped read-only and locked in memory, as llama.cpp maps GGUF
+    with --mlock: a warm start only maps pages the page cache holds already (no copy, no fresh memory
+    to fault in: that, not the read, was most of a warm start), and the machine holds one copy of the
+    weights, not two. Where the pages cannot be locked, _pread."""
     m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+    if not _lock(m):
+        m.close()
+        return _pread(fd, size, want, spans, hashes)
     view = memoryview(m)
 
     def check(task) -> bool:

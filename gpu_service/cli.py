@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import pathlib
+import threading
 import time
 
 import grpc
@@ -166,6 +167,37 @@ def wait_for_experts(experts: RemoteExperts, timeout: float, cancel):
             delay = min(delay * 2, 2.0)
 
 
+def connect_and_load(wait, check, load, cancel: threading.Event):
+    """-> (ExpertInfo, Model): this side's weights load (load()) while another thread waits for the
+    expert service (wait(), then check(info)), since a cold expert start of a large model takes minutes.
+    An expert service that refuses us, never answers or serves another model (ConnectionError) stops
+    the load at once through `cancel`, and the error is raised."""
+    got: dict = {}
+
+    def waiter() -> None:
+        try:
+            info = wait()
+            if info is not None:
+                check(info)
+            got["info"] = info
+        except ConnectionError as e:
+            got["error"] = e
+            cancel.set()
+
+    t = threading.Thread(target=waiter, name="wait-for-experts", daemon=True)
+    t.start()
+    try:
+        model = load()
+    except InterruptedError:
+        if "error" not in got:
+            raise  # stopped: unless_stopped turns it into Stopped
+        model = None
+    t.join()
+    if "error" in got:
+        raise got["error"]
+    return got.get("info"), model
+
+
 async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServicer, hs, names) -> None:
     """Health of this service follows the expert service's: probe it every second; on recovery,
     re-check it serves the same model before taking requests again."""
@@ -254,16 +286,24 @@ async def serve(args, stop: asyncio.Event) -> None:
         serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
     experts = RemoteExperts(args.experts, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20,
                             args.expert_timeout)
-    log.info("waiting for the expert service at %s", args.experts)
+    dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype)
+    if dense:
+        from moe_kernels import native
+        native.init_pool(args.threads)
+    log.info("dense layers: %s", f"native kernels, {dense} weights" if dense else "torch")
+
+    def same_model(info) -> None:
+        if info.model_fingerprint != fp:
+            raise ConnectionError(
+                f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service at "
+                f"{args.experts} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
+                f"point both at the same checkpoint")
+
+    log.info("waiting for the expert service at %s (loading this side's weights meanwhile)", args.experts)
     try:
-        info = await serving.unless_stopped(stop, lambda c: wait_for_experts(experts, args.connect_timeout, c))
-        dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype)
-        if dense:
-            from moe_kernels import native
-            native.init_pool(args.threads)
-        log.info("dense layers: %s", f"native kernels, {dense} weights" if dense else "torch")
-        model = await serving.unless_stopped(stop, lambda c: Model(cfg, ckpt, device, dtype, cancel=c,
-                                                                    dense_format=dense))
+        info, model = await serving.unless_stopped(stop, lambda c: connect_and_load(
+            lambda: wait_for_experts(experts, args.connect_timeout, c), same_model,
+            lambda: Model(cfg, ckpt, device, dtype, cancel=c, dense_format=dense), c))
     except serving.Stopped:
         log.info("stopped while starting")
         if http:
@@ -273,10 +313,6 @@ async def serve(args, stop: asyncio.Event) -> None:
         return
     except (ConnectionError, ModelConfigError) as e:
         serving.fail(str(e))
-    if info.model_fingerprint != fp:
-        serving.fail(f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service "
-                     f"at {args.experts} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
-                     f"point both at the same checkpoint")
     try:
         transport = await asyncio.to_thread(experts.start_transport)
     except ExpertServiceError as e:

@@ -78,10 +78,16 @@ class Model:
                 raise InterruptedError("loading cancelled")
             if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers:
                 continue  # e.g. DeepSeek-V3's multi-token-prediction layer: not used for decoding
-            t = ckpt.get(name)
-            if dense_format and FUSED_PART.search(name) and not (cfg.attention == "mla" and "self_attn" in name):
+            fuse = dense_format and FUSED_PART.search(name) and not (cfg.attention == "mla" and "self_attn" in name)
+            pack = dense_format and (DENSE.search(name) or name == "lm_head.weight")
+            # an FP8 weight is dequantized straight to what it becomes (bf16 packing keeps bf16: the same
+            # bits as rounding later; int formats quantize from fp32), never a whole fp32 copy beside it
+            want = ((torch.bfloat16 if dense_format == "bf16" else torch.float32) if fuse or pack
+                    else torch.float32 if _keep_fp32(cfg, name) else dtype)
+            t = ckpt.get(name, want)
+            if fuse:
                 self._fuse(name, t, parts, dense_format)  # packed once every part is read
-            elif dense_format and (DENSE.search(name) or name == "lm_head.weight"):
+            elif pack:
                 # packed straight from the checkpoint's tensor, a few thousand rows at a time: no
                 # second full copy of any weight while starting
                 self.W[name] = NativeLinear(t, dense_format)
@@ -111,7 +117,7 @@ class Model:
         got = pending.setdefault(fused, {})
         got[part] = t
         if len(got) == len(FUSED[kind]):
-            self.W[fused] = NativeLinear(torch.cat([got[n] for n in FUSED[kind]]), fmt)
+            self.W[fused] = NativeLinear([got[n] for n in FUSED[kind]], fmt)
             del pending[fused]
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:

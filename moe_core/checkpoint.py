@@ -22,16 +22,22 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"
 
 
-def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """w [rows, cols] e4m3, scale_inv [ceil(rows/br), ceil(cols/bc)] fp32 -> w * scale of its block,
-    float32 (edge blocks may be partial: the scales are expanded, then cut to the weight's shape)."""
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [rows, cols] e4m3, scale_inv [ceil(rows/br), ceil(cols/bc)] fp32 -> w * scale of its block in
+    fp32, rounded to `dtype` (edge blocks may be partial). One block row at a time: the result is the
+    only full-size tensor made (a whole fp32 copy of an 18432 x 7168 MLP matrix is 528 MB)."""
     (rows, cols), (br, bc) = w.shape, block
     want = (-(-rows // br), -(-cols // bc))
     if w.dim() != 2 or tuple(scale_inv.shape) != want:
         raise ModelConfigError(f"fp8 weight of shape {list(w.shape)} with {list(block)} blocks needs scale_inv of "
                                f"shape {list(want)}, got {list(scale_inv.shape)}")
-    scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-    return w.float() * scale
+    out = torch.empty(rows, cols, dtype=dtype)
+    s = scale_inv.float()
+    for i in range(want[0]):
+        r = slice(i * br, min(rows, (i + 1) * br))
+        out[r] = w[r].float() * s[i].repeat_interleave(bc)[:cols]
+    return out
 
 
 class Checkpoint:
@@ -82,7 +88,8 @@ class Checkpoint:
             raise ModelConfigError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
         return self._handle(self.weight_map[name]).get_tensor(name)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, fp8_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor as stored, or an FP8 one dequantized to fp8_dtype."""
         t = self._raw(name)
         if t.dtype not in FP8_DTYPES:
             return t
@@ -90,7 +97,7 @@ class Checkpoint:
             raise ModelConfigError(f"tensor {name!r} is float8 but config.json has no fp8 quantization_config")
         if name + SCALE_SUFFIX not in self.weight_map:
             raise ModelConfigError(f"fp8 tensor {name!r} has no {name + SCALE_SUFFIX!r} beside it")
-        return dequantize_fp8(t, self._raw(name + SCALE_SUFFIX), self.fp8_block)
+        return dequantize_fp8(t, self._raw(name + SCALE_SUFFIX), self.fp8_block, fp8_dtype)
 
     def meta(self, name: str) -> tuple[list[int], str]:
         s = self._handle(self.weight_map[name]).get_slice(name)

@@ -13,15 +13,25 @@ PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
 
 
 class NativeLinear:
-    def __init__(self, w: torch.Tensor, fmt: str, path: str | None = None):
-        rows, K = w.shape
+    def __init__(self, w: torch.Tensor | list[torch.Tensor], fmt: str, path: str | None = None):
+        """w [out, in], or a list of them stacked along out (fused q/k/v, gate/up) without a copy of
+        the whole."""
+        blocks = [w] if isinstance(w, torch.Tensor) else list(w)
+        K = blocks[0].shape[1]
+        if any(b.dim() != 2 or b.shape[1] != K for b in blocks):
+            raise ValueError(f"linear: blocks of shapes {[list(b.shape) for b in blocks]} do not stack")
+        rows = sum(b.shape[0] for b in blocks)
         self.rows, self.K, self.fmt, self.path = rows, K, fmt, path or PATH
         self.Kp = row_len(K, fmt)
         self.parts = alloc(fmt, 1, rows, self.Kp)  # (data, scale, rowsum, rowcorr), each [1, rows, ...]
-        for r in range(0, rows, PACK_ROWS):
-            for d, p in zip(self.parts, pack_expert(w[r:r + PACK_ROWS], fmt, self.Kp)):
-                if d is not None:
-                    d[0, r:r + PACK_ROWS].copy_(p)
+        at = 0
+        for b in blocks:
+            for r in range(0, b.shape[0], PACK_ROWS):
+                chunk = b[r:r + PACK_ROWS]
+                for d, p in zip(self.parts, pack_expert(chunk, fmt, self.Kp)):
+                    if d is not None:
+                        d[0, at + r:at + r + chunk.shape[0]].copy_(p)
+            at += b.shape[0]
         self._args = (self.path, fmt, rows, K, self.Kp, *map(data_ptr, self.parts))
 
     @property

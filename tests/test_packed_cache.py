@@ -46,6 +46,7 @@ def reader(request, monkeypatch):
     """Both ways a layer file is read: mapped in place (one NUMA node) and into node-bound buffers."""
     from expert_service import packed_cache
     monkeypatch.setattr(packed_cache, "_reader", lambda: getattr(packed_cache, f"_{request.param}"))
+    monkeypatch.setattr(packed_cache, "_lock", lambda m: True)  # whatever RLIMIT_MEMLOCK allows here
     return request.param
 
 
@@ -64,25 +65,66 @@ def test_warm_load_is_the_cold_load_bit_for_bit(checkpoints, tmp_path, fmt, read
         assert torch.equal(cold[k].forward(x, ids, w), warm[k].forward(x, ids, w))
 
 
-def test_warm_load_reads_the_weights_in_place(checkpoints, tmp_path, monkeypatch):
-    """On one NUMA node the weights are the layer file's mapped pages (page-aligned), not a copy."""
-    from expert_service import packed_cache
-    monkeypatch.setattr(packed_cache, "_reader", lambda: packed_cache._map)
-    d = checkpoints["deepseek_v3"]
-    layers_of(d, "int8", cache_for(d, tmp_path, "int8"))
-    warm = layers_of(d, "int8", cache_for(d, tmp_path, "int8"))
-    maps = []  # (start, end, path) of file mappings
+def file_mappings() -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's mappings of .safetensors files."""
+    out = []
     for line in open("/proc/self/maps"):
         f = line.split()
         if len(f) >= 6 and f[5].endswith(".safetensors"):
             a, b = (int(x, 16) for x in f[0].split("-"))
-            maps.append((a, b, f[5]))
+            out.append((a, b, f[5]))
+    return out
+
+
+def test_warm_load_reads_the_weights_in_place(checkpoints, tmp_path, monkeypatch):
+    """On one NUMA node the weights are the layer file's mapped pages (page-aligned), not a copy."""
+    from expert_service import packed_cache
+    monkeypatch.setattr(packed_cache, "_reader", lambda: packed_cache._map)
+    monkeypatch.setattr(packed_cache, "_lock", lambda m: True)  # whatever RLIMIT_MEMLOCK allows here
+    d = checkpoints["deepseek_v3"]
+    layers_of(d, "int8", cache_for(d, tmp_path, "int8"))
+    warm = layers_of(d, "int8", cache_for(d, tmp_path, "int8"))
+    maps = file_mappings()
     for layer, op in warm.items():
         for t in packed(op):
             ptr = t.data_ptr()
             hit = [m for m in maps if m[0] <= ptr and ptr + t.nbytes <= m[1]]
             assert hit and hit[0][2].endswith(f"layer-{layer:04d}.safetensors")
         assert op.gu[0].data_ptr() % 4096 == 0
+
+
+def test_mapped_layers_are_locked_or_read_instead(checkpoints, tmp_path, monkeypatch, caplog):
+    """Mapped weights are pinned (mlock) so memory pressure cannot evict them; where the limit forbids
+    it, the layer is read into memory instead, with a warning that says how to allow it."""
+    import ctypes
+
+    from expert_service import packed_cache
+    monkeypatch.setattr(packed_cache, "_can_lock", True)
+    d = checkpoints["deepseek_v3"]
+    cold = layers_of(d, "int4", cache_for(d, tmp_path, "int4"))
+    caplog.set_level("INFO")
+    warm = layers_of(d, "int4", cache_for(d, tmp_path, "int4"))
+    locked_kib = int(next(ln for ln in open("/proc/self/status") if ln.startswith("VmLck")).split()[1])
+    if packed_cache._can_lock:  # this machine allows it: the weights are locked
+        assert locked_kib * 1024 >= sum(t.nbytes for op in warm.values() for t in packed(op))
+    else:
+        assert "cannot lock the mapped packed-weight cache" in caplog.text
+    assert same(cold, warm)
+
+    class NoLock:  # as under Docker's default RLIMIT_MEMLOCK
+        @staticmethod
+        def mlock(ptr, size):
+            ctypes.set_errno(12)
+            return -1
+    monkeypatch.setattr(packed_cache, "_libc", NoLock)
+    monkeypatch.setattr(packed_cache, "_can_lock", True)
+    caplog.clear()
+    again = layers_of(d, "int4", cache_for(d, tmp_path, "int4"))
+    assert "cannot lock the mapped packed-weight cache" in caplog.text and "memlock" in caplog.text
+    assert caplog.text.count("cannot lock") == 1  # said once; later layers go straight to reading
+    assert same(cold, again) and f"{len(cold)} from the packed-weight cache" in caplog.text
+    maps = file_mappings()  # read, not mapped: no weight lies in a mapping of a layer file
+    assert not any(a <= t.data_ptr() < b for op in again.values() for t in packed(op) for a, b, _ in maps)
 
 
 def damage_truncate(f: pathlib.Path):
