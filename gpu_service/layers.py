@@ -35,7 +35,7 @@ def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """-> (inv_freq [dim/2] fp32, cos/sin scaling). YaRN as in transformers' _compute_yarn_parameters."""
-    dim, base = cfg.head_dim, cfg.rope_theta
+    dim, base = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     inv_freq = 1.0 / pos_freqs
     if cfg.rope_type == "default":
@@ -86,6 +86,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     pairs and return them de-interleaved (evens then odds), as transformers' DeepSeek does; q and k
     get the same permutation, so their dot products are unchanged."""
     cos, sin = cos[:, None, :], sin[:, None, :]
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:  # partial rotary (GLM): the rest of each head passes through
+        return torch.cat([apply_rope(x[..., :rot], cos[:, 0], sin[:, 0], interleave), x[..., rot:]], dim=-1)
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

@@ -57,9 +57,9 @@ CLOSE_EVERY_BYTES = 256 << 20  # packing dense layers: reopen the checkpoint aft
 
 
 def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
-    # transformers keeps DeepSeek's router weight and bias in fp32 whatever the model dtype
-    return cfg.model_type.startswith("deepseek") and (name.endswith("mlp.gate.weight")
-                                                       or name.endswith("e_score_correction_bias"))
+    # transformers keeps DeepSeek's (and GLM's, the same router) weight and bias in fp32 whatever the model dtype
+    return (cfg.model_type.startswith("deepseek") or cfg.scoring == "sigmoid") and \
+        (name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias"))
 
 
 class Model:

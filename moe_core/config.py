@@ -15,7 +15,7 @@ class ModelConfigError(ValueError):
     """The checkpoint directory or its config.json cannot be served."""
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral")
 QUANT_SUPPORTED = "fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them)"
 
 
@@ -62,6 +62,7 @@ class ModelConfig:
     attention: str                     # "gqa" | "mla"
     qkv_bias: bool = False
     qk_norm: bool = False
+    rotary_dim: int = 0                # GQA: rotate only the first rotary_dim dims of a head (GLM); 0 = all
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -176,26 +177,38 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         if cfg.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ModelConfigError(f"unsupported topk_method {cfg.topk_method!r}")
     else:
-        n_exp = int(raw.get("num_local_experts") or raw.get("num_experts"))
+        n_exp = int(raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts") or 0)
         n_heads = int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // n_heads)
         if raw.get("use_sliding_window") or (mt == "mixtral" and raw.get("sliding_window")):
             raise ModelConfigError("sliding-window attention is not supported")
-        if mt == "mixtral":
+        glm = mt == "glm4_moe"
+        routing = {}
+        if glm:  # DeepSeek-V3's MoE (dense first layers, shared experts, noaux_tc sigmoid routing) on GQA
+            moe_layers = tuple(range(int(raw.get("first_k_dense_replace", 0)), n_layers))
+            moe_inter = int(raw["moe_intermediate_size"])
+            routing = dict(shared_intermediate_size=moe_inter * int(raw.get("n_shared_experts") or 0),
+                           scoring="sigmoid", topk_method="noaux_tc", n_group=int(raw.get("n_group") or 1),
+                           topk_group=int(raw.get("topk_group") or 1),
+                           routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+        elif mt == "mixtral":
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
         else:
             step = int(raw.get("decoder_sparse_step", 1))
             skip = set(raw.get("mlp_only_layers") or [])
             moe_layers = tuple(i for i in range(n_layers) if i not in skip and (i + 1) % step == 0)
             moe_inter = int(raw["moe_intermediate_size"])
+        partial = float(rope_params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
         cfg = ModelConfig(
             **common, attention="gqa", num_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
-            head_dim=head_dim, rope_interleave=False,
-            qkv_bias=mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)), qk_norm=mt == "qwen3_moe",
+            head_dim=head_dim, rope_interleave=False, rotary_dim=int(head_dim * partial) if partial < 1 else 0,
+            qkv_bias=(mt == "qwen2_moe" and bool(raw.get("qkv_bias", True))) or (glm and bool(raw.get("attention_bias"))),
+            qk_norm=mt == "qwen3_moe" or (glm and bool(raw.get("use_qk_norm"))),
             moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
-            shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)) if mt == "qwen2_moe" else 0,
             shared_expert_gate=mt == "qwen2_moe",
-            norm_topk_prob=True if mt == "mixtral" else bool(raw.get("norm_topk_prob", False)),
+            norm_topk_prob=True if mt == "mixtral" else bool(raw.get("norm_topk_prob", glm)),
+            **(routing or {"shared_intermediate_size": int(raw.get("shared_expert_intermediate_size", 0))
+                           if mt == "qwen2_moe" else 0}),
         )
     if cfg.n_routed_experts <= 0 or not (0 < cfg.top_k <= cfg.n_routed_experts):
         raise ModelConfigError(f"bad MoE shape: {cfg.n_routed_experts} experts, top-{cfg.top_k}")

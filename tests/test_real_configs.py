@@ -27,6 +27,8 @@ NARROW = {
     "deepseek-v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16, n_group=4,
                         topk_group=2, num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4,
                         kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "glm-4.5-air": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
+                        num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "qwen3-30b-a3b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
                           num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
@@ -74,8 +76,9 @@ def test_fp8_dequantization_matches_transformers_and_handles_partial_blocks():
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 5)
 
 
-@pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("qwen3-30b-a3b", None)],
-                         ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("qwen3-30b-a3b", None),
+                                        ("glm-4.5-air", None)],
+                         ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "qwen3-30b-a3b", "glm-4.5-air"])
 def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
     extra = {}
     if block:

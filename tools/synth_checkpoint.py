@@ -5,6 +5,7 @@ benchmarking real-size behaviour without the real weights.
 
     python tools/synth_checkpoint.py --arch deepseek-v3 --layers 4 --out /tmp/dsv3      # 3 dense + 1 MoE, FP8
     python tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out /tmp/qwen3
+    python tools/synth_checkpoint.py --arch glm-4.5-air --layers 4 --out /tmp/glm   # 1 dense + 3 MoE
     python tools/synth_checkpoint.py --arch deepseek-v3 --layers 2 --set hidden_size=64 ... --out DIR  # narrow
 
 Tensors are generated and written one shard at a time (at most --shard-mb in memory). FP8
@@ -44,6 +45,19 @@ PRESETS = {
         "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
         "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True,
         "v_head_dim": 128, "vocab_size": 129280,
+    },
+    # zai-org/GLM-4.5-Air config.json
+    "glm-4.5-air": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+        "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": [151329, 151336, 151338],
+        "first_k_dense_replace": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 10944, "max_position_embeddings": 131072,
+        "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+        "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 46,
+        "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "pad_token_id": 151329,
+        "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+        "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16",
+        "use_cache": True, "use_qk_norm": False, "vocab_size": 151552,
     },
     # Qwen/Qwen3-30B-A3B config.json
     "qwen3-30b-a3b": {
@@ -89,13 +103,20 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
             E, shared = c["n_routed_experts"], c["moe_intermediate_size"] * c["n_shared_experts"]
         else:
             nh, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-            proj(a + "q_proj.weight", nh * hd, H)
-            proj(a + "k_proj.weight", kv * hd, H)
-            proj(a + "v_proj.weight", kv * hd, H)
+            glm = c["model_type"] == "glm4_moe"
+            for n, rows in (("q_proj", nh * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
+                proj(a + n + ".weight", rows, H)
+                if c.get("attention_bias"):
+                    out.append((a + n + ".bias", (rows,), "proj_bias"))
             proj(a + "o_proj.weight", H, nh * hd)
-            out += [(a + "q_norm.weight", (hd,), "norm"), (a + "k_norm.weight", (hd,), "norm")]
-            moe = L not in (c.get("mlp_only_layers") or []) and (L + 1) % c.get("decoder_sparse_step", 1) == 0
-            E, shared = c["num_experts"], 0
+            if not glm or c.get("use_qk_norm"):
+                out += [(a + "q_norm.weight", (hd,), "norm"), (a + "k_norm.weight", (hd,), "norm")]
+            if glm:  # DeepSeek-V3's MoE layout
+                moe = L >= c["first_k_dense_replace"]
+                E, shared = c["n_routed_experts"], c["moe_intermediate_size"] * c["n_shared_experts"]
+            else:
+                moe = L not in (c.get("mlp_only_layers") or []) and (L + 1) % c.get("decoder_sparse_step", 1) == 0
+                E, shared = c["num_experts"], 0
         m = p + "mlp."
         if not moe:
             for n, (r, k) in (("gate_proj", (c["intermediate_size"], H)), ("up_proj", (c["intermediate_size"], H)),
@@ -108,7 +129,7 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
             proj(m + f"experts.{e}.up_proj.weight", I, H)
             proj(m + f"experts.{e}.down_proj.weight", H, I)
         out.append((m + "gate.weight", (E, H), "router"))
-        if c["model_type"] == "deepseek_v3":
+        if c["model_type"] in ("deepseek_v3", "glm4_moe"):
             out.append((m + "gate.e_score_correction_bias", (E,), "bias"))
         if shared:
             proj(m + "shared_experts.gate_proj.weight", shared, H)
@@ -138,6 +159,8 @@ def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch
         return {name: (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)}
     if kind == "bias":
         return {name: (0.1 * torch.rand(shape, generator=gen)).float()}  # published as fp32
+    if kind == "proj_bias":
+        return {name: (0.1 * torch.randn(shape, generator=gen)).to(dtype)}
     w = torch.randn(shape, generator=gen) * std
     q = c.get("quantization_config")
     if kind == "proj" and q:
@@ -181,7 +204,7 @@ def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
     c = json.loads(json.dumps(PRESETS[arch]))
     if layers is not None:
         c["num_hidden_layers"] = layers
-        if c["model_type"] == "deepseek_v3":
+        if c["model_type"] in ("deepseek_v3", "glm4_moe"):
             c["first_k_dense_replace"] = min(c["first_k_dense_replace"], layers - 1)
     c.update(overrides)
     return c
