@@ -67,6 +67,9 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         q = linear(x, W[p + "q_proj.weight"], W.get(p + "q_proj.bias"))
         k = linear(x, W[p + "k_proj.weight"], W.get(p + "k_proj.bias"))
         v = linear(x, W[p + "v_proj.weight"], W.get(p + "v_proj.bias"))
+    if cfg.qk_norm_full:
+        q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k, v = q.reshape(t, nh, d), k.reshape(t, nkv, d), v.reshape(t, nkv, d)
     if cfg.qk_norm:
         q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)

@@ -101,7 +101,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 def route(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     k, E = cfg.top_k, cfg.n_routed_experts
     if cfg.scoring == "sigmoid":  # DeepSeek-V3 noaux_tc: bias only chooses, weights come from scores
-        logits = F.linear(x.float(), weight.float())
+        # in the router weight's dtype, as transformers does: fp32 for DeepSeek and GLM, which keep it
+        # in fp32, the model's dtype for MiniMax-M2
+        logits = F.linear(x.to(weight.dtype), weight).float()
         scores = logits.sigmoid()
         choice = scores + bias if bias is not None else scores
         choice = _group_mask(cfg, choice, choice.view(-1, cfg.n_group, E // cfg.n_group).topk(2, dim=-1)[0].sum(-1),

@@ -56,10 +56,12 @@ FUSED_PART = re.compile(r"(self_attn\.[qkv]_proj|(gate|up)_proj)\.weight$")
 CLOSE_EVERY_BYTES = 256 << 20  # packing dense layers: reopen the checkpoint after this many source bytes
 
 
+FP32_ROUTER = ("deepseek_v3", "deepseek_v2", "glm4_moe")
+
+
 def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
     # transformers keeps DeepSeek's (and GLM's, the same router) weight and bias in fp32 whatever the model dtype
-    return (cfg.model_type.startswith("deepseek") or cfg.scoring == "sigmoid") and \
-        (name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias"))
+    return cfg.model_type in FP32_ROUTER and (name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias"))
 
 
 class Model:
@@ -206,7 +208,8 @@ class Model:
                 h = h + self._mlp(fp, x)
                 t = mark("dense_mlp", L, t)
                 continue
-            ids, w = route(cfg, x, W[fp + "gate.weight"], W.get(fp + "gate.e_score_correction_bias"))
+            ids, w = route(cfg, x, W[fp + "gate.weight"],
+                           W.get(fp + "gate.e_score_correction_bias", W.get(fp + "e_score_correction_bias")))
             d = defer if L != self.last_moe_layer else 0
             if skip and d:
                 ids, w, _, _ = split_deferred(ids, w, d)

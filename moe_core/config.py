@@ -15,7 +15,8 @@ class ModelConfigError(ValueError):
     """The checkpoint directory or its config.json cannot be served."""
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "minimax_m2", "qwen3_moe", "qwen2_moe", "mixtral")
+MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.E.w1 / w3 / w2
 QUANT_SUPPORTED = "fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them)"
 
 
@@ -62,6 +63,7 @@ class ModelConfig:
     attention: str                     # "gqa" | "mla"
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_full: bool = False         # MiniMax-M2: one RMSNorm over all heads' q (k), not one per head
     rotary_dim: int = 0                # GQA: rotate only the first rotary_dim dims of a head (GLM); 0 = all
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -93,7 +95,7 @@ class ModelConfig:
 
     def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         """Checkpoint names of one routed expert's (gate [I,H], up [I,H], down [H,I]) weights."""
-        if self.model_type == "mixtral":
+        if self.model_type in MIXTRAL_NAMES:
             p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
             return p + "w1.weight", p + "w3.weight", p + "w2.weight"
         p = f"model.layers.{layer}.mlp.experts.{expert}."
@@ -101,7 +103,7 @@ class ModelConfig:
 
     @property
     def ffn_prefix(self) -> str:
-        return "block_sparse_moe" if self.model_type == "mixtral" else "mlp"
+        return "block_sparse_moe" if self.model_type in MIXTRAL_NAMES else "mlp"
 
 
 def is_routed_expert_tensor(name: str) -> bool:
@@ -182,9 +184,12 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // n_heads)
         if raw.get("use_sliding_window") or (mt == "mixtral" and raw.get("sliding_window")):
             raise ModelConfigError("sliding-window attention is not supported")
-        glm = mt == "glm4_moe"
+        glm, minimax = mt == "glm4_moe", mt == "minimax_m2"
         routing = {}
-        if glm:  # DeepSeek-V3's MoE (dense first layers, shared experts, noaux_tc sigmoid routing) on GQA
+        if minimax:  # every layer MoE, Mixtral's names; sigmoid routing with a correction bias, no groups
+            moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
+            routing = dict(scoring="sigmoid", topk_method="noaux_tc")
+        elif glm:  # DeepSeek-V3's MoE (dense first layers, shared experts, noaux_tc sigmoid routing) on GQA
             moe_layers = tuple(range(int(raw.get("first_k_dense_replace", 0)), n_layers))
             moe_inter = int(raw["moe_intermediate_size"])
             routing = dict(shared_intermediate_size=moe_inter * int(raw.get("n_shared_experts") or 0),
@@ -198,15 +203,16 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             skip = set(raw.get("mlp_only_layers") or [])
             moe_layers = tuple(i for i in range(n_layers) if i not in skip and (i + 1) % step == 0)
             moe_inter = int(raw["moe_intermediate_size"])
-        partial = float(rope_params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
+        partial = float(rope_params.get("partial_rotary_factor") or raw.get("partial_rotary_factor")
+                        or (int(raw["rotary_dim"]) / head_dim if raw.get("rotary_dim") else 1.0))
         cfg = ModelConfig(
             **common, attention="gqa", num_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
             head_dim=head_dim, rope_interleave=False, rotary_dim=int(head_dim * partial) if partial < 1 else 0,
             qkv_bias=(mt == "qwen2_moe" and bool(raw.get("qkv_bias", True))) or (glm and bool(raw.get("attention_bias"))),
-            qk_norm=mt == "qwen3_moe" or (glm and bool(raw.get("use_qk_norm"))),
+            qk_norm=mt == "qwen3_moe" or (glm and bool(raw.get("use_qk_norm"))), qk_norm_full=minimax,
             moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
             shared_expert_gate=mt == "qwen2_moe",
-            norm_topk_prob=True if mt == "mixtral" else bool(raw.get("norm_topk_prob", glm)),
+            norm_topk_prob=True if mt in MIXTRAL_NAMES else bool(raw.get("norm_topk_prob", glm)),
             **(routing or {"shared_intermediate_size": int(raw.get("shared_expert_intermediate_size", 0))
                            if mt == "qwen2_moe" else 0}),
         )

@@ -24,6 +24,10 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=16, n_group=4, topk_group=2,
         num_experts_per_tok=4, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
         partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, max_position_embeddings=512)),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=3, rotary_dim=8,
+        max_position_embeddings=512)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
