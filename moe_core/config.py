@@ -187,6 +187,8 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         glm, minimax = mt == "glm4_moe", mt == "minimax_m2"
         routing = {}
         if minimax:  # every layer MoE, Mixtral's names; sigmoid routing with a correction bias, no groups
+            if raw.get("scoring_func", "sigmoid") != "sigmoid":
+                raise ModelConfigError(f"minimax_m2 with scoring_func={raw['scoring_func']!r} is not supported (sigmoid)")
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
             routing = dict(scoring="sigmoid", topk_method="noaux_tc")
         elif glm:  # DeepSeek-V3's MoE (dense first layers, shared experts, noaux_tc sigmoid routing) on GQA

@@ -5,6 +5,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, free_port, start, wait_healthy
 
 
@@ -55,3 +57,20 @@ def test_expert_service_never_up(tmp_path, checkpoints):
     p = run_cli("gpu_service", "--model", str(checkpoints["mixtral"]), "--experts", f"127.0.0.1:{free_port()}",
                 "--connect-timeout", "1")
     assert_clean_failure(p, "not ready")
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_next", "qwen3_5_moe"])
+def test_families_not_supported_yet_are_refused_by_name(model_type, checkpoints):
+    from moe_core.config import ModelConfigError, parse_config
+
+    raw = {**json.loads((checkpoints["mixtral"] / "config.json").read_text()), "model_type": model_type}
+    with pytest.raises(ModelConfigError, match=f"unsupported architecture model_type='{model_type}'"):
+        parse_config(raw)
+
+
+def test_minimax_routing_other_than_sigmoid_is_refused(checkpoints):
+    from moe_core.config import ModelConfigError, parse_config
+
+    raw = {**json.loads((checkpoints["minimax_m2"] / "config.json").read_text()), "scoring_func": "softmax"}
+    with pytest.raises(ModelConfigError, match="scoring_func='softmax'"):
+        parse_config(raw)
