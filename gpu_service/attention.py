@@ -18,27 +18,30 @@ SCORE_BYTES = 256 << 20  # MLA: most bytes of attention scores held at once (hea
 
 
 class KVCache:
-    """One sequence's cache: per layer, a few [capacity, ...] buffers grown by doubling."""
+    """One sequence's cache: per layer, a few buffers grown by doubling along their position dim."""
 
     def __init__(self, num_layers: int):
         self.bufs: list[list[torch.Tensor] | None] = [None] * num_layers
         self.length = 0  # tokens stored (the same for every layer once a step completes)
 
-    def append(self, layer: int, start: int, *xs: torch.Tensor) -> list[torch.Tensor]:
-        """Write xs ([t, ...] each) at positions start..start+t-1; return views [0, start+t)."""
-        t = xs[0].shape[0]
+    def append(self, layer: int, start: int, *xs: torch.Tensor, dim: int = 0) -> list[torch.Tensor]:
+        """Write xs (t positions along `dim` each) at positions start..start+t-1; return views of
+        positions [0, start+t). dim=1 keeps GQA's cache head-major ([kv heads, positions, head dim]):
+        each head's keys are then one strided matrix, which decode's matmuls read ~2x faster at 2k
+        positions than a [positions, heads, dim] layout (bf16, 2 cores)."""
+        t = xs[0].shape[dim]
         end = start + t
         bufs = self.bufs[layer]
-        if bufs is None or bufs[0].shape[0] < end:
-            cap = max(64, end, 2 * (bufs[0].shape[0] if bufs else 0))
-            new = [x.new_empty((cap, *x.shape[1:])) for x in xs]
+        if bufs is None or bufs[0].shape[dim] < end:
+            cap = max(64, end, 2 * (bufs[0].shape[dim] if bufs else 0))
+            new = [x.new_empty((*x.shape[:dim], cap, *x.shape[dim + 1:])) for x in xs]
             if bufs is not None:
                 for n, b in zip(new, bufs):
-                    n[:start].copy_(b[:start])
+                    n.narrow(dim, 0, start).copy_(b.narrow(dim, 0, start))
             self.bufs[layer] = bufs = new
         for b, x in zip(bufs, xs):
-            b[start:end].copy_(x)
-        return [b[:end] for b in bufs]
+            b.narrow(dim, start, t).copy_(x)
+        return [b.narrow(dim, 0, end) for b in bufs]
 
     @property
     def nbytes(self) -> int:
@@ -75,16 +78,16 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False)
-    K, V = cache.append(layer, start, k, v)
+    K, V = cache.append(layer, start, k.transpose(0, 1), v.transpose(0, 1), dim=1)  # [kv, L, d] each
     if t == 1 and x.device.type == "cpu":
         # decode on the CPU: torch's SDPA kernel takes ~200 ms for one query over 8k keys (32 heads,
-        # bf16, 2 cores); as matmuls over each KV head's query group it takes ~3 ms
+        # bf16, 2 cores); as matmuls over each KV head's query group it takes a few ms
         qg = q.view(nkv, nh // nkv, d)                                          # [kv, group, d]
-        s = torch.matmul(qg, K.permute(1, 2, 0)) * d ** -0.5                    # [kv, group, L]
-        o = torch.matmul(s.float().softmax(-1).to(q.dtype), V.transpose(0, 1))  # [kv, group, d]
+        s = torch.matmul(qg, K.transpose(1, 2)) * d ** -0.5                     # [kv, group, L]
+        o = torch.matmul(s.float().softmax(-1).to(q.dtype), V)                  # [kv, group, d]
         return linear(o.reshape(1, nh * d), W[p + "o_proj.weight"])
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1),
-                                       attn_mask=_causal_mask(t, start, x.device), enable_gqa=nkv != nh)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), K, V, attn_mask=_causal_mask(t, start, x.device),
+                                       enable_gqa=nkv != nh)
     return linear(o.transpose(0, 1).reshape(t, nh * d), W[p + "o_proj.weight"])
 
 
