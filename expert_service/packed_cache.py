@@ -32,7 +32,6 @@ import xxhash
 
 from moe_core.checkpoint import Checkpoint
 from moe_kernels import native
-from moe_kernels.packing import huge
 
 from .kernels import native_moe
 
@@ -139,7 +138,7 @@ def _check_all(check, tasks) -> bool:
         return all(ex.map(check, tasks))
 
 
-def _map(fd: int, size: int, want: dict, spans: dict, hashes: dict) -> dict[str, torch.Tensor] | None:
+def _map(fd: int, size: int, want: dict, spans: dict, hashes: dict, empty) -> dict[str, torch.Tensor] | None:
     """The tensors as views of the file mapped read-only and locked in memory, as llama.cpp maps GGUF
     with --mlock: a warm start only maps pages the page cache holds already (no copy, no fresh memory
     to fault in: that, not the read, was most of a warm start), and the machine holds one copy of the
@@ -147,7 +146,7 @@ def _map(fd: int, size: int, want: dict, spans: dict, hashes: dict) -> dict[str,
     m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
     if not _lock(m):
         m.close()
-        return _pread(fd, size, want, spans, hashes)
+        return _pread(fd, size, want, spans, hashes, empty)
     view = memoryview(m)
 
     def check(task) -> bool:
@@ -166,11 +165,11 @@ def _map(fd: int, size: int, want: dict, spans: dict, hashes: dict) -> dict[str,
                 for name, (off, nbytes) in spans.items() for shape, dtype in [want[name]]}
 
 
-def _pread(fd: int, size: int, want: dict, spans: dict, hashes: dict) -> dict[str, torch.Tensor] | None:
-    """The tensors read into fresh huge-page buffers, each expert's slice bound to its NUMA node (on a
-    machine with several nodes, where a mapped file's pages would lie wherever they were read)."""
-    out = {name: (huge(*spec) if name.endswith(".data") else torch.empty(spec[0], dtype=spec[1]))
-           for name, spec in want.items()}
+def _pread(fd: int, size: int, want: dict, spans: dict, hashes: dict, empty) -> dict[str, torch.Tensor] | None:
+    """The tensors read into empty() (a layer's fresh buffers: weights on huge pages, each expert's
+    slice bound to its NUMA node, on a machine with several nodes where a mapped file's pages would
+    lie wherever they were read)."""
+    out = empty()
 
     def read(task) -> bool:
         view, off, digest = task
@@ -266,7 +265,8 @@ class PackedCache:
             if len(hashes[name]) != -(-nbytes // CHUNK):
                 raise ValueError(f"{name}: {len(hashes[name])} checksums for {nbytes} bytes")
             spans[name] = (8 + n + h["data_offsets"][0], nbytes)
-        tensors = _reader()(fd, size, want, spans, hashes)
+        empty = lambda: _tensors(native_moe.NativeMoELayer.empty(E, I, H, self.fmt))  # noqa: E731
+        tensors = _reader()(fd, size, want, spans, hashes, empty)
         if tensors is None:
             log.warning("packed-weight cache %s is corrupt (checksum mismatch): rebuilding it", path)
             return None

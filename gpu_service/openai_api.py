@@ -301,7 +301,7 @@ class Api:
                         HTTP_STATUS.get(ev.code, 500), "internal_error"), "param": None, "code": ev.code.name}})
                     break
                 out.add(ev)
-                lps = out.logprobs_of(ev.logprobs) if ev.logprobs else None
+                lps = out.logprobs_of(ev.logprobs)
                 if ev.text or lps:
                     await send(out.chunk({"content": ev.text} if out.chat else ev.text, None, lps, usage_chunk))
                 if ev.finish_reason:

@@ -142,9 +142,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Check req (BadRequest names what is wrong) and hand it to the engine: -> the engine's request
         (set .cancelled to drop it) and the queue its Chunk / Failure events arrive on. The one way in
         for gRPC's Generate and the HTTP API alike."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        r = self._request(req, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        q, emit = self._emitter()
+        r = self._request(req, emit)
         r.deadline = deadline
         self.engine.submit(r)
         return r, q

@@ -205,6 +205,8 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             skip = set(raw.get("mlp_only_layers") or [])
             moe_layers = tuple(i for i in range(n_layers) if i not in skip and (i + 1) % step == 0)
             moe_inter = int(raw["moe_intermediate_size"])
+            if mt == "qwen2_moe":
+                routing = dict(shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)))
         partial = float(rope_params.get("partial_rotary_factor") or raw.get("partial_rotary_factor")
                         or (int(raw["rotary_dim"]) / head_dim if raw.get("rotary_dim") else 1.0))
         cfg = ModelConfig(
@@ -215,8 +217,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
             shared_expert_gate=mt == "qwen2_moe",
             norm_topk_prob=True if mt in MIXTRAL_NAMES else bool(raw.get("norm_topk_prob", glm)),
-            **(routing or {"shared_intermediate_size": int(raw.get("shared_expert_intermediate_size", 0))
-                           if mt == "qwen2_moe" else 0}),
+            **routing,
         )
     if cfg.n_routed_experts <= 0 or not (0 < cfg.top_k <= cfg.n_routed_experts):
         raise ModelConfigError(f"bad MoE shape: {cfg.n_routed_experts} experts, top-{cfg.top_k}")
