@@ -1,7 +1,7 @@
 """End-to-end benchmark: decode tokens/s through both services (real processes, real gRPC) and
 the exchange round trip per layer; each against a baseline measured in the same run.
 
-    python bench/bench_e2e.py [--model models/default] [--tokens 64] [--runs 5]
+    python bench/bench_e2e.py [--model models/default] [--tokens 64] [--runs 5] [--device cpu|cuda]
 
 Prints one JSON line per measurement, then a table. Baselines:
 - decode: the same model in one process, experts called in-process (no gRPC, no second process);
@@ -42,13 +42,13 @@ def bench_split(svc: Services, prompt_ids, tokens, runs) -> list[float]:
     return [decode_rate(list(svc.stub.Generate(req, timeout=600))) for _ in range(runs)]
 
 
-def bench_inprocess(model_dir, prompt_ids, tokens, runs) -> list[float]:
+def bench_inprocess(model_dir, prompt_ids, tokens, runs, device="cpu") -> list[float]:
     from expert_service.store import load_expert_layers
     from gpu_service.dispatch import LocalExperts
     from gpu_service.model import DTYPES, Model, Segment
 
     cfg, ckpt = load_config(model_dir), Checkpoint(model_dir)
-    model = Model(cfg, ckpt, torch.device("cpu"), DTYPES[cfg.torch_dtype])
+    model = Model(cfg, ckpt, torch.device(device), DTYPES[cfg.torch_dtype])
     fmt = {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.torch_dtype, "fp32")
     experts = LocalExperts(load_expert_layers(cfg, ckpt, fmt, torch.get_num_threads()))
     rates = []
@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--exchanges", type=int, default=300)
+    ap.add_argument("--device", default="cpu", help="the GPU side's device, in-process and as a service")
     a = ap.parse_args()
     cfg = load_config(a.model)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.torch_dtype, torch.float32)
@@ -84,13 +85,13 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    inproc = statistics.median(bench_inprocess(a.model, prompt, a.tokens, a.runs))
+    inproc = statistics.median(bench_inprocess(a.model, prompt, a.tokens, a.runs, a.device))
     tmp = pathlib.Path(__import__("tempfile").mkdtemp())
-    svc = Services(a.model, tmp)  # each service: 1 thread, as on a 2-core machine
+    svc = Services(a.model, tmp, gpu_args=("--device", a.device))  # each service: 1 thread, as on a 2-core machine
     try:
         split = statistics.median(bench_split(svc, prompt, a.tokens, a.runs))
         transport = svc.stub.Info(generate_pb2.ServerInfoRequest(), timeout=5).transport
-        report(f"decode tok/s, split (2 processes, {transport} exchange)", split, "tok/s", inproc,
+        report(f"decode tok/s, split (2 processes, {transport} exchange, GPU side on {a.device})", split, "tok/s", inproc,
                "in-process, no exchange")
         n_moe = len(cfg.moe_layers)
         report("per-token cost of the split", (1 / split - 1 / inproc) * 1e6 / n_moe, "us per MoE layer")

@@ -185,7 +185,7 @@ class RemoteExperts:
                 except ShmError as e:
                     self.reset()
                     raise ExpertServiceError(e.code, f"expert service at {self.target}: {e}") from None
-                self._shm_out[layer] = (tuple(x.shape), x.dtype)
+                self._shm_out[layer] = (tuple(x.shape), x.dtype, x.is_cuda)
                 return
         self._shm_out.pop(layer, None)
         if self._responses is None:
@@ -196,9 +196,9 @@ class RemoteExperts:
 
     def result(self, layer, deferred):
         if layer in self._shm_out:
-            shape, dtype = self._shm_out[layer]
+            shape, dtype, pin = self._shm_out[layer]
             try:
-                y, timing = self.shm.result(layer, deferred, shape, dtype, self._limit())
+                y, timing = self.shm.result(layer, deferred, shape, dtype, self._limit(), pin)
             except TimeoutError:
                 self.reset()
                 raise self._stuck(layer) from None

@@ -222,10 +222,11 @@ class Model:
             late = experts.result(pending, deferred=True) if pending is not None else None
             y = experts.result(L, deferred=False)
             t = mark("expert_wait", L, t)
+            # from pinned memory (shared-memory exchange) these copies to the GPU are asynchronous
+            y = y.to(device=self.device, dtype=h.dtype, non_blocking=True)
             if late is not None:
-                y = y + late
+                y = y + late.to(device=self.device, dtype=h.dtype, non_blocking=True)
             pending = L if d else None
-            y = y.to(device=self.device, dtype=h.dtype)
             h = h + (y + shared if shared is not None else y)
         h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps)
         rows, off = [torch.zeros(0, dtype=torch.long)], 0

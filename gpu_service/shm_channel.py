@@ -93,7 +93,7 @@ class ShmChannel:
         in_flight = len({seq for seq, _, _ in self.expect})
         return need <= self.layout.block_size and in_flight < shm.REQ_SLOTS
 
-    def _pin(self, x: torch.Tensor) -> None:
+    def _pin(self) -> None:
         # CUDA: page-lock the region once so device<->host copies DMA straight into it
         self._pinned = True
         try:
@@ -110,35 +110,41 @@ class ShmChannel:
         base = self.layout.block(seq)
         xn = T * H * x.element_size()
         hid, kn = _aligned(xn), T * k * 4
-        ids = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
-        w = w if w.dtype == torch.float32 and w.is_contiguous() else w.float().contiguous()
         out = base + hid + 2 * _aligned(kn)
-        if x.is_cuda:  # device -> pinned region directly; the doorbell waits for the copy
+        spans = (base, base + hid, base + hid + _aligned(kn))  # x, ids, weights
+        if x.is_cuda:
+            # device -> the pinned region straight (DMA), converting ids/weights on the way; then wait for
+            # this stream only (the copies are its last work), never the whole device
             if not self._pinned:
-                self._pin(x)
-            self.buf[base: base + xn].view(x.dtype).view(x.shape).copy_(x, non_blocking=True)
+                self._pin()
+            for t, dt, off in zip((x, ids, w), (x.dtype, torch.int32, torch.float32), spans):
+                self.buf[off: off + t.numel() * dt.itemsize].view(dt).view(t.shape).copy_(t, non_blocking=True)
             torch.cuda.current_stream(x.device).synchronize()
-            x_ptr = 0
+            ptrs = (0, 0, 0)  # already in place
         else:
             x = x.contiguous()
-            x_ptr = x.data_ptr()
+            ids = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
+            w = w if w.dtype == torch.float32 and w.is_contiguous() else w.float().contiguous()
+            ptrs = (x.data_ptr(), ids.data_ptr(), w.data_ptr())
         # one native call: copies, descriptor, doorbell
-        native.ring_submit(self.mm, seq, step, layer, T, k, defer, codec.TO_WIRE[x.dtype], base, xn, base + hid,
-                           kn, base + hid + _aligned(kn), kn, out, xn, *((out + hid, xn) if defer else (0, 0)),
-                           x_ptr, ids.data_ptr(), w.data_ptr(), (seq + 1) & MASK)
+        native.ring_submit(self.mm, seq, step, layer, T, k, defer, codec.TO_WIRE[x.dtype], spans[0], xn, spans[1],
+                           kn, spans[2], kn, out, xn, *((out + hid, xn) if defer else (0, 0)),
+                           *ptrs, (seq + 1) & MASK)
         self.posted = seq + 1
         self.expect.append((seq, layer, False))
         if defer:
             self.expect.append((seq, layer, True))
 
-    def result(self, layer: int, deferred: bool, shape, dtype, timeout_s: float = float("inf")
+    def result(self, layer: int, deferred: bool, shape, dtype, timeout_s: float = float("inf"), pin: bool = False
                ) -> tuple[torch.Tensor, Timing]:
-        """The next result, which must be (layer, deferred). TimeoutError after timeout_s without one."""
+        """The next result, which must be (layer, deferred). TimeoutError after timeout_s without one.
+        pin: into page-locked memory, for an asynchronous copy to the GPU (torch's pinned allocator keeps
+        the block until that copy is done)."""
         want_seq, want_layer, want_def = self.expect[0]
         if (want_layer, want_def) != (layer, deferred):
             raise ShmError(grpc.StatusCode.INTERNAL, f"results read out of order: wanted layer {layer} part "
                            f"{int(deferred)}, next is layer {want_layer} part {int(want_def)}")
-        y = torch.empty(shape, dtype=dtype)
+        y = torch.empty(shape, dtype=dtype, pin_memory=pin)
         until = time.monotonic() + timeout_s
         while True:  # the wait, the checks and the copy out happen in C++ without the GIL
             status, msg, queued_us, compute_us, t0, t1 = native.ring_result(

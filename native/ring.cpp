@@ -130,9 +130,10 @@ int RingServer::serve(int64_t timeout_us, int64_t spin_us, uint64_t* seq, std::v
 }
 
 void ring_submit(uint8_t* base, const ReqDesc& d, const void* x, const void* ids, const void* w, uint32_t posted) {
-  if (x) std::memcpy(base + d.span[0].off, x, d.span[0].n);  // null: already there (a device copy)
-  std::memcpy(base + d.span[1].off, ids, d.span[1].n);
-  std::memcpy(base + d.span[2].off, w, d.span[2].n);
+  // a null source is already in place: the caller copied it from the GPU straight into the (pinned) region
+  if (x) std::memcpy(base + d.span[0].off, x, d.span[0].n);
+  if (ids) std::memcpy(base + d.span[1].off, ids, d.span[1].n);
+  if (w) std::memcpy(base + d.span[2].off, w, d.span[2].n);
   std::memcpy(base + req_desc(d.seq), &d, sizeof d);
   doorbell_ring(word(base, REQ_SEQ), posted);
 }

@@ -22,6 +22,9 @@ import tiny_models  # noqa: E402
 from protos import generate_pb2_grpc  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# the GPU service's --device in every test that starts it (e.g. MOE_TEST_DEVICE=cuda on a GPU machine:
+# scripts/gpu_check.sh); unset, its default (auto)
+DEVICE_ARGS = ("--device", os.environ["MOE_TEST_DEVICE"]) if os.environ.get("MOE_TEST_DEVICE") else ()
 # the services' packed-weight cache: one per test session, never the user's ~/.cache
 if "MOE_CACHE_DIR" not in os.environ:
     os.environ["MOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe-test-cache-")
@@ -97,7 +100,8 @@ class Services:
 
     def start_gpu(self) -> subprocess.Popen:
         return start("gpu_service", "--model", self.model_dir, "--experts", f"127.0.0.1:{self.expert_port}",
-                     "--listen", f"127.0.0.1:{self.gpu_port}", "--threads", "1", *self.gpu_args, log=self._log("gpu"),
+                     "--listen", f"127.0.0.1:{self.gpu_port}", "--threads", "1", *DEVICE_ARGS, *self.gpu_args,
+                     log=self._log("gpu"),
                      prefix=self.gpu_prefix)
 
     def logs(self) -> str:
