@@ -171,10 +171,12 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment], experts, step: int = 0, defer: int = 0,
-                spans: list | None = None, skip: bool = False, exact_spans: bool = False) -> torch.Tensor:
+                spans: list | None = None, skip: bool = False, exact_spans: bool = False,
+                defer_layers: range | None = None) -> torch.Tensor:
         """-> logits [n, vocab] fp32: one row per segment (its last token), or every row of a
         segment with all_logits. `experts` is a Dispatch (submit / result). With `skip`, the
-        `defer` lowest-weighted experts are dropped instead of deferred. `spans`, when given,
+        `defer` lowest-weighted experts are dropped instead of deferred; `defer_layers`: only in these
+        layers (the accuracy harness's depth study; default every MoE layer but the last). `spans`, when given,
         collects (name, service, layer, step, start_ns, end_ns) for the profile and metrics
         (`exact_spans`: synchronize the device at each span, for a profile)."""
         cfg, W = self.cfg, self.W
@@ -210,7 +212,7 @@ class Model:
                 continue
             ids, w = route(cfg, x, W[fp + "gate.weight"],
                            W.get(fp + "gate.e_score_correction_bias", W.get(fp + "e_score_correction_bias")))
-            d = defer if L != self.last_moe_layer else 0
+            d = defer if L != self.last_moe_layer and (defer_layers is None or L in defer_layers) else 0
             if skip and d:
                 ids, w, _, _ = split_deferred(ids, w, d)
                 d = 0

@@ -4,6 +4,12 @@ expert, 16 routed experts top-4 with sigmoid group routing) on Python's standard
 
     python tools/train_default_model.py --out models/default [--steps 1500] [--resume]
 
+--preset deep trains the accuracy harness's second model (bench/accuracy.py, issue: what deferral
+costs in a model shaped like the real ones): the same architecture, data and tokenizer, 24 layers
+deep with fine-grained experts (top-8 of 64 in 8 groups, a shared expert), rebuilt on demand:
+
+    python tools/train_default_model.py --preset deep --out build/deep-model --work build/train-deep --resume
+
 Deterministic (fixed seeds; files split by sorted position: every 20th file is held out).
 Resumable: a checkpoint of model, optimizer and data position goes to --work every 100 steps.
 Writes a normal Hugging Face checkpoint directory (bf16 safetensors, config, tokenizer).
@@ -27,6 +33,13 @@ CONFIG = dict(
     v_head_dim=32, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=1024,
     initializer_range=0.02, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
 )
+# Deep and fine-grained like DeepSeek-V3 (61 layers, top-8 of 256 in 8 groups, 1 shared expert) within
+# what 2 cores train in about two hours: the default's width and attention, 24 layers, each token's
+# routed width the default's (8 x 64 = 4 x 128), so the expert output deferred per token is a small
+# share of a deep residual stream, as in the real models.
+DEEP = dict(CONFIG, num_hidden_layers=24, n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
+            moe_intermediate_size=64, n_shared_experts=1)
+PRESETS = {"default": CONFIG, "deep": DEEP}
 CHAT_TEMPLATE = ("{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}# assistant:\n{% endif %}")
 
@@ -94,7 +107,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
     a = ap.parse_args()
+    config = PRESETS[a.preset]
     torch.set_num_threads(a.threads)
     out, work = pathlib.Path(a.out), pathlib.Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +128,7 @@ def main() -> None:
     print(f"train {len(data['train']):,} tokens ({len(train_files)} files), held-out {len(data['held']):,} tokens")
 
     torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(**CONFIG)
+    cfg = transformers.DeepseekV3Config(**config)
     model = transformers.DeepseekV3ForCausalLM(cfg).float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     step, log = 0, []
@@ -165,7 +180,7 @@ def main() -> None:
         logp = (counts / counts.sum()).log()
         unigram = float(-logp[torch.cat([w[1:] for w in wins])].mean())
     model.to(torch.bfloat16).save_pretrained(out)
-    summary = {"steps": step, "tokens_seen": step * a.batch * a.seq, "train_minutes_this_run": (time.time() - t0) / 60,
+    summary = {"preset": a.preset, "steps": step, "tokens_seen": step * a.batch * a.seq, "train_minutes_this_run": (time.time() - t0) / 60,
                "final_train_loss": sum(l for _, l in log[-20:]) / min(20, len(log)), "heldout_loss": held_loss,
                "heldout_ppl": math.exp(held_loss), "unigram_heldout_ppl": math.exp(unigram)}
     (out / "training_summary.json").write_text(json.dumps(summary, indent=1))
