@@ -44,6 +44,18 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertAct:
+    """The routed experts' activation: silu(gate) * up, or gpt-oss's clamped SwiGLU
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    kind: str = "silu"  # "silu" | "clamped_swiglu"
+    alpha: float = 0.0
+    limit: float = 0.0
+
+
+SILU = ExpertAct()
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int

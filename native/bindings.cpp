@@ -45,15 +45,29 @@ static Matrix matrix_of(uintptr_t w, uintptr_t scale, uintptr_t rowsum, uintptr_
 
 static MoEWeights weights_of(const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,
                              uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w,
-                             uintptr_t dn_scale, uintptr_t dn_rowsum, uintptr_t dn_rowcorr) {
+                             uintptr_t dn_scale, uintptr_t dn_rowsum, uintptr_t dn_rowcorr, uintptr_t gu_bias,
+                             uintptr_t dn_bias, int act, float alpha, float limit) {
+  MOE_CHECK(act == int(Act::Silu) || act == int(Act::ClampedSwiglu), "unknown activation " + std::to_string(act));
   return MoEWeights{parse_fmt(fmt), E, H, I, matrix_of(gu_w, gu_scale, gu_rowsum, gu_rowcorr, 2 * I, H, Kp_h),
-                    matrix_of(dn_w, dn_scale, dn_rowsum, dn_rowcorr, H, I, Kp_i)};
+                    matrix_of(dn_w, dn_scale, dn_rowsum, dn_rowcorr, H, I, Kp_i),
+                    reinterpret_cast<const float*>(gu_bias), reinterpret_cast<const float*>(dn_bias), Act(act), alpha,
+                    limit};
 }
 
+// one layer's weights as NativeMoELayer._weight_args passes them (biases: 0 = none)
+#define WEIGHT_PARAMS                                                                                              \
+  const std::string &path, const std::string &fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,        \
+      uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w, uintptr_t dn_scale,           \
+      uintptr_t dn_rowsum, uintptr_t dn_rowcorr, uintptr_t gu_bias, uintptr_t dn_bias, int act, float alpha,       \
+      float limit
+#define WEIGHTS_OF                                                                                                 \
+  weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum, gu_rowcorr, dn_w, dn_scale, dn_rowsum,          \
+             dn_rowcorr, gu_bias, dn_bias, act, alpha, limit)
 #define WEIGHT_ARGS                                                                                             \
   py::arg("path"), py::arg("fmt"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("Kp_h"), py::arg("Kp_i"), \
       py::arg("gu_w"), py::arg("gu_scale"), py::arg("gu_rowsum"), py::arg("gu_rowcorr"), py::arg("dn_w"),       \
-      py::arg("dn_scale"), py::arg("dn_rowsum"), py::arg("dn_rowcorr")
+      py::arg("dn_scale"), py::arg("dn_rowsum"), py::arg("dn_rowcorr"), py::arg("gu_bias"), py::arg("dn_bias"), \
+      py::arg("act"), py::arg("alpha"), py::arg("limit")
 
 static std::pair<uint8_t*, size_t> writable(py::buffer& buf) {
   py::buffer_info info = buf.request(true);
@@ -136,12 +150,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("region"), py::arg("hidden"), py::arg("max_tokens"), py::arg("code_f32"), py::arg("code_bf16"),
            py::keep_alive<1, 2>())
       .def("add_layer",
-           [](RingServer& r, int layer, const std::string& path, const std::string& fmt, int E, int I, int H, int Kp_h,
-              int Kp_i, uintptr_t gu_w, uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w,
-              uintptr_t dn_scale, uintptr_t dn_rowsum, uintptr_t dn_rowcorr) {
-             r.add_layer(layer, kernel_isa(path), weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum,
-                                                             gu_rowcorr, dn_w, dn_scale, dn_rowsum, dn_rowcorr));
-           })
+           [](RingServer& r, int layer, WEIGHT_PARAMS) { r.add_layer(layer, kernel_isa(path), WEIGHTS_OF); })
       .def("serve",
            [](RingServer& r, int64_t timeout_us, int64_t spin_us) {
              uint64_t seq = 0;
@@ -233,13 +242,9 @@ PYBIND11_MODULE(_native, m) {
   }, "bytes the kernels' scratch arena holds between calls");
   m.def(
       "forward",
-      [](const std::string& path, const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,
-         uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w, uintptr_t dn_scale,
-         uintptr_t dn_rowsum, uintptr_t dn_rowcorr,
-         uintptr_t hidden, uintptr_t ids, uintptr_t weights, uintptr_t out, int T, int k) {
+      [](WEIGHT_PARAMS, uintptr_t hidden, uintptr_t ids, uintptr_t weights, uintptr_t out, int T, int k) {
         Isa isa = kernel_isa(path);
-        MoEWeights m = weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum, gu_rowcorr, dn_w, dn_scale,
-                                  dn_rowsum, dn_rowcorr);
+        MoEWeights m = WEIGHTS_OF;
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());
         moe_forward(isa, m, reinterpret_cast<const float*>(hidden), reinterpret_cast<const int32_t*>(ids),
@@ -264,13 +269,10 @@ PYBIND11_MODULE(_native, m) {
       "y [T, rows] fp32 = x [T, K] fp32 times one packed [rows, Kp] matrix, transposed (native/linear.cpp)");
   m.def(
       "forward_part",
-      [](const std::string& path, const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,
-         uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w, uintptr_t dn_scale,
-         uintptr_t dn_rowsum, uintptr_t dn_rowcorr, uintptr_t hidden, bool hidden_bf16, uintptr_t ids,
-         uintptr_t weights, uintptr_t out, bool out_bf16, int T, int k, int defer, int part) {
+      [](WEIGHT_PARAMS, uintptr_t hidden, bool hidden_bf16, uintptr_t ids, uintptr_t weights, uintptr_t out,
+         bool out_bf16, int T, int k, int defer, int part) {
         Isa isa = kernel_isa(path);
-        MoEWeights m = weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum, gu_rowcorr, dn_w, dn_scale,
-                                  dn_rowsum, dn_rowcorr);
+        MoEWeights m = WEIGHTS_OF;
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());
         moe_forward_part(isa, m, reinterpret_cast<const void*>(hidden), hidden_bf16,

@@ -44,11 +44,19 @@ struct Matrix {
   int rows, K, Kp;
 };
 
+// The experts' activation: SwiGLU, silu(gate) * up; or gpt-oss's clamped variant,
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+enum class Act { Silu = 0, ClampedSwiglu = 1 };
+
 struct MoEWeights {
   Fmt fmt;
   int E, H, I;
   Matrix gate_up;  // rows 2I (gate then up), K = H
   Matrix down;     // rows H, K = I
+  const float* gate_up_bias = nullptr;  // [E, 2I] fp32 (gate then up), or none
+  const float* down_bias = nullptr;     // [E, H] fp32, or none
+  Act act = Act::Silu;
+  float alpha = 0.f, limit = 0.f;       // ClampedSwiglu's
 };
 
 // hidden [T, H] fp32, ids [T, k] int32, weights [T, k] fp32 -> out [T, H] fp32.

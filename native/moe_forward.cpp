@@ -9,6 +9,7 @@
 // sequentially; at prefill a block of weight rows is reused across all of that expert's tokens.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common.h"
@@ -134,6 +135,17 @@ __attribute__((target("avx2,fma"))) void act_row_avx2(const float* gate, const f
   act_row(gate + i, up + i, a + i, I - i);
 }
 
+// gpt-oss's clamped SwiGLU of one slot, each step rounded to bf16 as transformers' bf16 model's is.
+// Scalar: O(I) per slot against the O(I x H) projections around it.
+void act_row_clamped(const float* gate, const float* up, float* a, int I, float alpha, float limit) {
+  auto r = [](float v) { return bf16_to_f32(f32_to_bf16(v)); };
+  for (int i = 0; i < I; ++i) {
+    const float g = std::min(r(gate[i]), limit), u = std::clamp(r(up[i]), -limit, limit);
+    const float s = r(1.f / (1.f + std::exp(-r(g * alpha))));
+    a[i] = r(r(u + 1.f) * r(g * s));
+  }
+}
+
 }  // namespace
 
 // Put one fp32 row (n values) into row `r` of `b` in the format's activation form.
@@ -256,11 +268,18 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     gemm_rows(isa, m.fmt, m.gate_up, e, r0, std::min(2 * I, r0 + b1), sub(xs, e), start[e + 1] - s0,
               gu.data() + size_t(s0) * 2 * I, 2 * I);
   });
+  std::vector<int> expert_of(S);  // the expert of each slot (slots are grouped by expert)
+  for (int e = 0; e < E; ++e) std::fill(expert_of.begin() + start[e], expert_of.begin() + start[e + 1], e);
   tp.parallel_for(S, [&](int s) {
-    const float* g = gu.data() + size_t(s) * 2 * I;
+    float* g = gu.data() + size_t(s) * 2 * I;
+    if (m.gate_up_bias) {
+      const float* b = m.gate_up_bias + size_t(expert_of[s]) * 2 * I;
+      for (int i = 0; i < 2 * I; ++i) g[i] += b[i];
+    }
     thread_local std::vector<float> a;
     a.resize(I);
-    if (isa == Isa::Portable) act_row(g, g + I, a.data(), I);
+    if (m.act == Act::ClampedSwiglu) act_row_clamped(g, g + I, a.data(), I, m.alpha, m.limit);
+    else if (isa == Isa::Portable) act_row(g, g + I, a.data(), I);
     else if (isa == Isa::Avx2) act_row_avx2(g, g + I, a.data(), I);
     else act_row_avx512(g, g + I, a.data(), I);
     quantize_row(isa, m.fmt, a.data(), I, ab, s);
@@ -279,8 +298,14 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     for (int h = 0; h < H; ++h) o[h] = 0.f;
     for (int j = 0; j < k; ++j) {
       const float wj = weights[size_t(t) * k + j];
-      const float* yj = y.data() + size_t(slot_of[size_t(t) * k + j]) * H;
-      for (int h = 0; h < H; ++h) o[h] += wj * yj[h];
+      const int s = slot_of[size_t(t) * k + j];
+      const float* yj = y.data() + size_t(s) * H;
+      if (m.down_bias) {
+        const float* b = m.down_bias + size_t(expert_of[s]) * H;
+        for (int h = 0; h < H; ++h) o[h] += wj * (yj[h] + b[h]);
+      } else {
+        for (int h = 0; h < H; ++h) o[h] += wj * yj[h];
+      }
     }
   });
 }

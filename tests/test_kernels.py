@@ -30,10 +30,11 @@ def no_amx_emulation_left_on():
 FORMATS = ["bf16", "int8", "int4"]
 
 
-def reference(x, gate, up, down, ids, w, fmt=None):
+def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
     """fp32, one token and one expert at a time. With fmt, the activations go through the same
-    rounding as the kernels' (bf16, or symmetric int8 per vector) so only summation order differs."""
-    def act(v):
+    rounding as the kernels' (bf16, or symmetric int8 per vector) so only summation order differs.
+    act / bias: gpt-oss's clamped SwiGLU (ExpertAct) and expert biases ([E, 2I] gate then up, [E, H])."""
+    def act_q(v):
         if fmt is None:
             return v
         if fmt == "bf16":
@@ -43,12 +44,20 @@ def reference(x, gate, up, down, ids, w, fmt=None):
     bf = lambda v: v.bfloat16().float() if fmt else v  # noqa: E731  (kernels round gate/up/silu/product to bf16)
     out = torch.zeros(x.shape[0], gate.shape[2])
     for t in range(x.shape[0]):
-        xt = act(x[t].float())
+        xt = act_q(x[t].float())
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            g, u = bf(gate[e].float() @ xt), bf(up[e].float() @ xt)
-            a = act(bf(bf(F.silu(g)) * u))
-            out[t] += w[t, j].float() * (down[e].float() @ a)
+            g, u = gate[e].float() @ xt, up[e].float() @ xt
+            if bias[0] is not None:
+                g, u = g + bias[0][e, :g.shape[0]], u + bias[0][e, g.shape[0]:]
+            g, u = bf(g), bf(u)
+            if act is None:
+                a = act_q(bf(bf(F.silu(g)) * u))
+            else:  # each step rounded as the kernels (and a bf16 model) do
+                g, u = g.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
+                a = act_q(bf(bf(u + 1) * bf(g * bf(torch.sigmoid(bf(g * act.alpha))))))
+            y = down[e].float() @ a
+            out[t] += w[t, j].float() * (y if bias[1] is None else y + bias[1][e])
     return out
 
 
@@ -151,6 +160,32 @@ def test_paths_agree_and_async_matches_forward(fmt):
     op.submit(x, ids, w)
     assert torch.equal(op.wait(), op.forward(x, ids, w))
     assert op.forward(x.bfloat16(), ids, w).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("path", PATHS)
+def test_gpt_oss_experts_bias_and_clamped_swiglu(fmt, path):
+    """gpt-oss: biases on gate/up and down, and the clamped SwiGLU, its limit low enough to clamp."""
+    from moe_core.config import ExpertAct
+    E, I, H, T, k = 8, 40, 96, 6, 4
+    gate, up, down = make(E, I, H)
+    ids, w = routing(T, k, E)
+    x = torch.randn(T, H) * 3
+    act = ExpertAct("clamped_swiglu", alpha=1.702, limit=0.5)
+    bias = (torch.randn(E, 2 * I) * 0.3, torch.randn(E, H) * 0.1)
+    op = layer(gate, up, down, fmt=fmt, threads=2, path=path).set_extras(act, *bias)
+    got = op.forward(x, ids, w)
+    want = reference(x, *dequantized(op), ids, w, fmt=fmt, act=act, bias=bias)
+    close(got, want, TOL[fmt])
+    plain = reference(x, *dequantized(op), ids, w, fmt=fmt)
+    assert (want - plain).abs().max() > 0.1 * want.abs().max()  # the extras change the answer
+    ref = TorchMoELayer(gate.float(), up.float(), down.float(), fmt="fp32").set_extras(act, *bias)
+    close(ref.forward(x, ids, w), reference(x, gate, up, down, ids, w, act=act, bias=bias), 1e-5)
+    # and through the exchange's entry (deferral split, bf16 in and out)
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    xb, ids32 = x.bfloat16(), ids.contiguous()
+    op.forward_part(xb.data_ptr(), True, ids32.data_ptr(), w.data_ptr(), out.data_ptr(), True, T, k, 0, 0)
+    close(out, op.forward(xb, ids, w).float(), 1e-2)
 
 
 def test_torch_operator_matches_reference():

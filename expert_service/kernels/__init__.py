@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from moe_core.config import SILU, ExpertAct
+
 from .torch_moe import FORMATS as TORCH_DTYPES, TorchMoELayer
 
 log = logging.getLogger("expert_service.kernels")
@@ -42,19 +44,26 @@ def kernel_path(fmt: str) -> str:
     return NATIVE_PATH if native(fmt) else "torch"
 
 
-def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None):
+def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None, act: ExpertAct = SILU,
+             gate_up_bias=None, down_bias=None):
     return MoELayerFromExperts(gate.shape[0], gate.shape[1], gate.shape[2], lambda e: (gate[e], up[e], down[e]),
-                               fmt, threads)
+                               fmt, threads, act, gate_up_bias, down_bias)
 
 
-def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None):
-    """The same operator, built expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I])."""
+def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None,
+                        act: ExpertAct = SILU, gate_up_bias=None, down_bias=None):
+    """The same operator, built expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]);
+    act, and biases [E, 2I] (gate then up) and [E, H]: gpt-oss's experts (set_extras)."""
     if native(fmt):
-        return NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads)
-    if fmt in ("int8", "int4"):
+        op = NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads)
+    elif fmt in ("int8", "int4"):
         raise ValueError(f"weight format {fmt} needs the native kernels, which are not built")
-    if fmt not in TORCH_DTYPES:
+    elif fmt not in TORCH_DTYPES:
         raise ValueError(f"unknown weight format {fmt!r} (native: {NATIVE_FORMATS}, torch: {tuple(TORCH_DTYPES)})")
-    dt = TORCH_DTYPES[fmt]
-    parts = [tuple(t.to(dt) for t in load(e)) for e in range(E)]  # cast as read: no full-precision copy
-    return TorchMoELayer(*(torch.stack([p[i] for p in parts]) for i in range(3)), fmt=fmt, threads=threads)
+    else:
+        dt = TORCH_DTYPES[fmt]
+        parts = [tuple(t.to(dt) for t in load(e)) for e in range(E)]  # cast as read: no full-precision copy
+        op = TorchMoELayer(*(torch.stack([p[i] for p in parts]) for i in range(3)), fmt=fmt, threads=threads)
+    if act != SILU or gate_up_bias is not None or down_bias is not None:
+        op.set_extras(act, gate_up_bias, down_bias)
+    return op

@@ -11,10 +11,13 @@ import os
 
 import torch
 
+from moe_core.config import SILU, ExpertAct
 from moe_kernels import PATH, native as _n
 from moe_kernels.packing import FORMATS, alloc, data_ptr, layout, pack_expert, row_len, store_expert
 
 from .submit_wait import SubmitWait
+
+ACT_CODES = {"silu": 0, "clamped_swiglu": 1}  # native/moe.h's Act
 
 
 class NativeMoELayer(SubmitWait):
@@ -63,6 +66,7 @@ class NativeMoELayer(SubmitWait):
             raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
         self.num_experts, self.intermediate, self.hidden, self.fmt = E, I, H, fmt
         self.path = path or PATH
+        self.act, self.biases = SILU, (None, None)
         self.Kp_h, self.Kp_i = row_len(H, fmt), row_len(I, fmt)
 
     def _alloc(self, E, I, H, fmt, path) -> None:
@@ -84,6 +88,21 @@ class NativeMoELayer(SubmitWait):
             store_expert(self.gu, e, pack_expert(torch.cat([g, u]), fmt, self.Kp_h))
             store_expert(self.dn, e, pack_expert(d, fmt, self.Kp_i))
         self.ready(threads)
+
+    def set_extras(self, act: ExpertAct = SILU, gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None) -> "NativeMoELayer":
+        """gpt-oss's experts: their activation, and biases ([E, 2I] gate then up, [E, H]; kept in fp32,
+        outside the packed weights and their cache)."""
+        E, I, H = self.num_experts, self.intermediate, self.hidden
+        for b, shape, name in ((gate_up_bias, (E, 2 * I), "gate_up_bias"), (down_bias, (E, H), "down_bias")):
+            if b is not None and tuple(b.shape) != shape:
+                raise ValueError(f"{name}: expected {list(shape)}, got {list(b.shape)}")
+        if act.kind not in ACT_CODES:
+            raise ValueError(f"unknown expert activation {act.kind!r}")
+        self.act = act
+        self.biases = tuple(None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias))
+        self._wargs = self._weight_args()
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -113,7 +132,8 @@ class NativeMoELayer(SubmitWait):
 
     def _weight_args(self) -> tuple:
         return (self.path, self.fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
-                *map(data_ptr, self.gu), *map(data_ptr, self.dn))
+                *map(data_ptr, self.gu), *map(data_ptr, self.dn), *map(data_ptr, self.biases),
+                ACT_CODES[self.act.kind], self.act.alpha, self.act.limit)
 
     def forward_part(self, hidden: int, hidden_bf16: bool, ids: int, weights: int, out: int, out_bf16: bool,
                      T: int, k: int, defer: int, part: int) -> None:

@@ -1,15 +1,25 @@
 """Reference routed-expert operator in plain torch: the numerical baseline for the native kernels
 and the fallback where they are not built. Weights stay in their storage dtype; each expert's
-SwiGLU runs on the tokens routed to it and is accumulated in fp32."""
+SwiGLU runs on the tokens routed to it and is accumulated in fp32. gpt-oss's experts add biases and
+use a clamped SwiGLU (set_extras)."""
 from __future__ import annotations
 
 
 import torch
 import torch.nn.functional as F
 
+from moe_core.config import SILU, ExpertAct
+
 from .submit_wait import SubmitWait
 
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def activation(g: torch.Tensor, u: torch.Tensor, act: ExpertAct) -> torch.Tensor:
+    if act.kind == "clamped_swiglu":  # gpt-oss, as transformers' GptOssExperts._apply_gate
+        g, u = g.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
+        return (u + 1) * (g * torch.sigmoid(g * act.alpha))
+    return F.silu(g) * u
 
 
 class TorchMoELayer(SubmitWait):
@@ -25,6 +35,14 @@ class TorchMoELayer(SubmitWait):
         self.gate_up = torch.cat([gate.to(dt), up.to(dt)], dim=1).contiguous()  # [E, 2I, H]
         self.down = down.to(dt).contiguous()                                       # [E, H, I]
         self.fmt = fmt
+        self.act, self.biases = SILU, (None, None)
+
+    def set_extras(self, act: ExpertAct = SILU, gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None) -> "TorchMoELayer":
+        """gpt-oss's experts: their activation, and biases [E, 2I] (gate then up) and [E, H]."""
+        self.act = act
+        self.biases = tuple(None if b is None else b.to(self.gate_up.dtype) for b in (gate_up_bias, down_bias))
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -48,7 +66,8 @@ class TorchMoELayer(SubmitWait):
             start += n
             tok = sel // k
             x = x_all[tok]
-            g, u = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, self.down[e]).float()
+            bgu, bdn = (None if b is None else b[e] for b in self.biases)
+            g, u = F.linear(x, self.gate_up[e], bgu).chunk(2, dim=-1)
+            y = F.linear(activation(g, u, self.act), self.down[e], bdn).float()
             out.index_add_(0, tok, y * topk_weights.reshape(-1)[sel, None].float())
         return out.to(hidden.dtype)
