@@ -8,10 +8,11 @@ import logging
 import threading
 import time
 
+import torch
 from tqdm import tqdm
 
 from moe_core.checkpoint import Checkpoint
-from moe_core.config import ModelConfig
+from moe_core.config import SILU, ModelConfig
 
 from . import kernels
 from .packed_cache import PackedCache
@@ -23,6 +24,23 @@ RELEASE_EVERY = 8  # experts between closing the shards (reopening one costs a f
 
 class LoadCancelled(Exception):
     """Loading stopped on request (SIGTERM while loading)."""
+
+
+def fused_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int) -> tuple:
+    """gpt-oss keeps every expert of a layer in one tensor per projection: gate_up_proj [E, H, 2I] with
+    gate and up columns interleaved, down_proj [E, I, H]. -> expert e's (gate [I, H], up [I, H], down [H, I])."""
+    gate_up_name, _, down_name = cfg.expert_tensor_names(layer, e)
+    gu = ckpt.get_row(gate_up_name, e)  # [H, 2I]
+    return gu[:, 0::2].T, gu[:, 1::2].T, ckpt.get_row(down_name, e).T
+
+
+def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int) -> tuple:
+    """gpt-oss: (gate/up bias [E, 2I] as the kernels take it, gate then up; down bias [E, H]); else none."""
+    if not cfg.expert_bias:
+        return None, None
+    gate_up_name, _, down_name = cfg.expert_tensor_names(layer, 0)
+    b = ckpt.get(gate_up_name + "_bias")  # [E, 2I], interleaved like the weight's columns
+    return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1), ckpt.get(down_name + "_bias")
 
 
 def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: int,
@@ -51,6 +69,8 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
                 if e % RELEASE_EVERY == 0:
                     ckpt.close()
                 bar.update(1)
+                if cfg.model_type == "gpt_oss":
+                    return fused_expert(cfg, ckpt, layer, e)
                 return tuple(ckpt.get(n) for n in cfg.expert_tensor_names(layer, e))
 
             check_cancel()
@@ -64,6 +84,8 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
                 if cache is not None:
                     check_cancel()  # before a write of the whole layer
                     cache.save(layer, op)
+            if cfg.expert_bias or cfg.expert_act != SILU:  # small: read each start, never cached
+                op.set_extras(cfg.expert_act, *expert_biases(cfg, ckpt, layer))
             layers[layer] = op
             log.info("loaded MoE layer %d (%d/%d), %d experts as %s%s, %.1fs", layer, i + 1, len(cfg.moe_layers), E,
                      fmt, " from the packed-weight cache" if cached else "",

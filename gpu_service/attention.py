@@ -79,6 +79,10 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False)
     K, V = cache.append(layer, start, k.transpose(0, 1), v.transpose(0, 1), dim=1)  # [kv, L, d] each
+    window, sinks = cfg.window(layer), W.get(p + "sinks")
+    if window or sinks is not None:  # gpt-oss: SDPA has no sinks
+        o = windowed_attention(q, K, V, start, window, sinks, d ** -0.5)
+        return linear(o.reshape(t, nh * d), W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
     if t == 1 and x.device.type == "cpu":
         # decode on the CPU: torch's SDPA kernel takes ~200 ms for one query over 8k keys (32 heads,
         # bf16, 2 cores); as matmuls over each KV head's query group it takes a few ms
@@ -89,6 +93,34 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     o = F.scaled_dot_product_attention(q.transpose(0, 1), K, V, attn_mask=_causal_mask(t, start, x.device),
                                        enable_gqa=nkv != nh)
     return linear(o.transpose(0, 1).reshape(t, nh * d), W[p + "o_proj.weight"])
+
+
+def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, window: int,
+                       sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [t, nh, d] at positions start.., K/V [kv, L, d] -> [t, nh, d]. Query i sees keys j with
+    i - window < j <= i (window 0: every j <= i); `sinks` [nh] is one more logit per head in each
+    softmax, whose share is dropped (gpt-oss; transformers' eager attention with s_aux)."""
+    t, nh, d = q.shape
+    nkv = K.shape[0]
+    g = nh // nkv
+    lo = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before lo
+    K, V = K[:, lo:], V[:, lo:]
+    L = K.shape[1]
+    j = torch.arange(lo, lo + L, device=q.device)
+    i = torch.arange(start, start + t, device=q.device)[:, None]
+    allowed = (j <= i) & (j > i - window) if window else j <= i                 # [t, L]
+    qg = q.transpose(0, 1).reshape(nkv, g * t, d)                               # [kv, group x t, d]
+    o = torch.empty(nkv, g * t, d, dtype=q.dtype, device=q.device)
+    step = max(1, min(nkv, SCORE_BYTES // max(1, g * t * L * 4)))  # kv heads whose fp32 scores fit at once
+    for h in range(0, nkv, step):
+        s = torch.matmul(qg[h:h + step], K[h:h + step].transpose(1, 2)).float() * scale  # [n, group x t, L]
+        s = s.view(-1, g, t, L).masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            sink = sinks[h * g:(h + step) * g].float().view(-1, g, 1, 1).expand(-1, g, t, 1)
+            s = torch.cat([s, sink], dim=-1)
+        pr = s.softmax(-1)[..., :L].to(V.dtype).view(-1, g * t, L)
+        o[h:h + step] = torch.matmul(pr, V[h:h + step])
+    return o.view(nh, t, d).transpose(0, 1)
 
 
 def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: KVCache, layer: int,

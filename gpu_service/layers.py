@@ -113,6 +113,9 @@ def route(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         if cfg.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         w = w * cfg.routed_scaling_factor
+    elif cfg.scoring == "topk_softmax":  # gpt-oss: the router has a bias; softmax over the top-k logits
+        top, ids = torch.topk(F.linear(x, weight, bias), k, dim=-1)
+        w = top.softmax(dim=-1)  # in the model dtype, as transformers does
     elif cfg.model_type == "deepseek_v2":
         scores = F.linear(x.float(), weight.float()).softmax(dim=-1, dtype=torch.float32)
         if cfg.topk_method == "group_limited_greedy":

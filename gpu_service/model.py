@@ -210,8 +210,9 @@ class Model:
                 h = h + self._mlp(fp, x)
                 t = mark("dense_mlp", L, t)
                 continue
-            ids, w = route(cfg, x, W[fp + "gate.weight"],
-                           W.get(fp + "gate.e_score_correction_bias", W.get(fp + "e_score_correction_bias")))
+            rp = fp + cfg.router_name + "."  # the bias: gpt-oss's router's own, or DeepSeek's choice-only one
+            ids, w = route(cfg, x, W[rp + "weight"],
+                           W.get(rp + "bias", W.get(rp + "e_score_correction_bias", W.get(fp + "e_score_correction_bias"))))
             d = defer if L != self.last_moe_layer and (defer_layers is None or L in defer_layers) else 0
             if skip and d:
                 ids, w, _, _ = split_deferred(ids, w, d)

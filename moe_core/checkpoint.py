@@ -99,6 +99,12 @@ class Checkpoint:
             raise ModelConfigError(f"fp8 tensor {name!r} has no {name + SCALE_SUFFIX!r} beside it")
         return dequantize_fp8(t, self._raw(name + SCALE_SUFFIX), self.fp8_block, fp8_dtype)
 
+    def get_row(self, name: str, i: int) -> torch.Tensor:
+        """t[i] of a stored (not FP8) tensor t, reading only that slice (one expert of a fused tensor)."""
+        if name not in self.weight_map:
+            raise ModelConfigError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
+        return self._handle(self.weight_map[name]).get_slice(name)[i]
+
     def meta(self, name: str) -> tuple[list[int], str]:
         s = self._handle(self.weight_map[name]).get_slice(name)
         return list(s.get_shape()), s.get_dtype()

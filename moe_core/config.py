@@ -1,8 +1,9 @@
 """Model config: parse a Hugging Face config.json into the one description both services use.
 
 Supported families (transformers' implementations are the numerical reference):
-deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), qwen3_moe,
-qwen2_moe (gated shared expert), mixtral. Anything else is refused with a clear message.
+deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), glm4_moe, minimax_m2,
+gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_moe, qwen2_moe
+(gated shared expert), mixtral. Anything else is refused with a clear message.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ class ModelConfigError(ValueError):
     """The checkpoint directory or its config.json cannot be served."""
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "minimax_m2", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_moe", "qwen2_moe", "mixtral")
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.E.w1 / w3 / w2
 QUANT_SUPPORTED = "fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them)"
 
@@ -77,6 +78,9 @@ class ModelConfig:
     qk_norm: bool = False
     qk_norm_full: bool = False         # MiniMax-M2: one RMSNorm over all heads' q (k), not one per head
     rotary_dim: int = 0                # GQA: rotate only the first rotary_dim dims of a head (GLM); 0 = all
+    attn_sinks: bool = False           # gpt-oss: a learned per-head logit in every softmax (self_attn.sinks)
+    sliding_window: int = 0            # gpt-oss: a query sees its last sliding_window keys in the layers ...
+    layer_types: tuple[str, ...] = ()  # ... that layer_types marks "sliding_attention" (others: all keys)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -90,8 +94,11 @@ class ModelConfig:
     top_k: int = 0
     shared_intermediate_size: int = 0  # 0 = no shared expert
     shared_expert_gate: bool = False   # Qwen2-MoE: sigmoid(gate(x)) * shared(x)
+    expert_act: ExpertAct = SILU       # the routed experts' activation
+    expert_bias: bool = False          # gpt-oss: biases on the routed experts' projections
     # routing
-    scoring: str = "softmax"           # "softmax" | "sigmoid"
+    scoring: str = "softmax"           # "softmax" | "sigmoid" | "topk_softmax" (gpt-oss: softmax of the top-k logits)
+    router_name: str = "gate"          # <ffn prefix>.<router_name>.weight (gpt-oss: router, with a bias)
     topk_method: str = "greedy"        # "greedy" | "group_limited_greedy" | "noaux_tc"
     n_group: int = 1
     topk_group: int = 1
@@ -105,8 +112,18 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
+    def window(self, layer: int) -> int:
+        """Keys a query of this layer sees (itself and the ones before it); 0 = all."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else 0
+
     def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
-        """Checkpoint names of one routed expert's (gate [I,H], up [I,H], down [H,I]) weights."""
+        """Checkpoint names of one routed expert's (gate [I,H], up [I,H], down [H,I]) weights (gpt-oss:
+        every expert's in one tensor each: gate_up_proj [E, H, 2I], gate and up columns interleaved,
+        and down_proj [E, I, H]; expert_service.store slices them)."""
+        if self.model_type == "gpt_oss":
+            p = f"model.layers.{layer}.mlp.experts."
+            return p + "gate_up_proj", p + "gate_up_proj", p + "down_proj"
         if self.model_type in MIXTRAL_NAMES:
             p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
             return p + "w1.weight", p + "w3.weight", p + "w2.weight"
@@ -196,9 +213,20 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // n_heads)
         if raw.get("use_sliding_window") or (mt == "mixtral" and raw.get("sliding_window")):
             raise ModelConfigError("sliding-window attention is not supported")
-        glm, minimax = mt == "glm4_moe", mt == "minimax_m2"
+        glm, minimax, oss = mt == "glm4_moe", mt == "minimax_m2", mt == "gpt_oss"
         routing = {}
-        if minimax:  # every layer MoE, Mixtral's names; sigmoid routing with a correction bias, no groups
+        if oss:  # every layer MoE; attention sinks and alternating sliding windows; biased experts
+            moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
+            types = tuple(raw.get("layer_types") or  # transformers' default: sliding first, then alternating
+                          ("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)))
+            if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+                raise ModelConfigError(f"gpt_oss layer_types {list(types)}: one of sliding_attention | "
+                                       f"full_attention per layer ({n_layers})")
+            routing = dict(scoring="topk_softmax", router_name="router", expert_bias=True, attn_sinks=True,
+                           sliding_window=int(raw.get("sliding_window") or 0), layer_types=types,
+                           expert_act=ExpertAct("clamped_swiglu", float(raw.get("swiglu_alpha", 1.702)),
+                                                float(raw.get("swiglu_limit", 7.0))))
+        elif minimax:  # every layer MoE, Mixtral's names; sigmoid routing with a correction bias, no groups
             if raw.get("scoring_func", "sigmoid") != "sigmoid":
                 raise ModelConfigError(f"minimax_m2 with scoring_func={raw['scoring_func']!r} is not supported (sigmoid)")
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
@@ -224,7 +252,8 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         cfg = ModelConfig(
             **common, attention="gqa", num_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
             head_dim=head_dim, rope_interleave=False, rotary_dim=int(head_dim * partial) if partial < 1 else 0,
-            qkv_bias=(mt == "qwen2_moe" and bool(raw.get("qkv_bias", True))) or (glm and bool(raw.get("attention_bias"))),
+            qkv_bias=(mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+            or ((glm or oss) and bool(raw.get("attention_bias"))),
             qk_norm=mt == "qwen3_moe" or (glm and bool(raw.get("use_qk_norm"))), qk_norm_full=minimax,
             moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
             shared_expert_gate=mt == "qwen2_moe",

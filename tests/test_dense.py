@@ -112,7 +112,7 @@ def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, path, ckpt, wan
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "glm4_moe",
-                                    "minimax_m2"])
+                                    "minimax_m2", "gpt_oss"])
 def test_every_family_runs_with_native_dense_layers(family, checkpoints):
     """GQA's q/k/v fused into one packed matrix (qwen2_moe: with biases), gate/up of dense MLPs and shared
     experts into another, MLA's projections one by one: logits close to the same weights on torch's fp32

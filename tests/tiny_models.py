@@ -24,6 +24,11 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=16, n_group=4, topk_group=2,
         num_experts_per_tok=4, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
         partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, max_position_embeddings=512)),
+    # sliding window 4 (a 9-token prompt and 32 new tokens cross it), a limit low enough to clamp
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+        swiglu_limit=0.5, max_position_embeddings=512)),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=3, rotary_dim=8,
@@ -72,6 +77,11 @@ def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, sh
     for n, b in model.named_buffers():
         if n.endswith("e_score_correction_bias"):
             b.copy_(torch.rand_like(b) * 0.1)
+    if family == "gpt_oss":  # its biases start at zero too (attention, experts)
+        with torch.no_grad():
+            for n, w in model.named_parameters():
+                if n.endswith("bias"):
+                    w.copy_(torch.randn_like(w) * 0.2)
     out.mkdir(parents=True, exist_ok=True)
     if shards > 1:
         total = sum(p.numel() * p.element_size() for p in model.parameters())
