@@ -35,9 +35,11 @@ def parse_args(argv=None):
                          "gpu-service on the CPU or with other programs is fine with the defaults: waits spin only "
                          "while a CPU is free (MOE_SPIN=always|never overrides) and torch's OpenMP threads wait "
                          "passively (OMP_WAIT_POLICY)")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4"],
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4"],
                     help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group "
-                         "scales, quantized at load); auto = the checkpoint's dtype")
+                         "scales, quantized at load; mxfp4: e2m1 with a power-of-two scale per 32, gpt-oss's "
+                         "published experts kept bit for bit, others quantized at load); auto = the checkpoint's "
+                         "own (its dtype, or mxfp4 for published gpt-oss)")
     ap.add_argument("--max-tokens", type=int, default=8192,
                     help="most tokens accepted in one layer request (bounds message size)")
     ap.add_argument("--shm-max-mb", type=int, default=1024,
@@ -50,9 +52,12 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def weight_format(arg: str, torch_dtype: str) -> str:
+def weight_format(arg: str, torch_dtype: str, mxfp4: bool = False) -> str:
+    """auto: the checkpoint's own (published MXFP4 experts stay MXFP4)."""
     if arg != "auto":
         return arg
+    if mxfp4:
+        return "mxfp4"
     return {"bfloat16": "bf16", "float16": "fp16"}.get(torch_dtype, "fp32")
 
 
@@ -67,7 +72,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     except (OSError, ValueError) as e:
         serving.fail(f"security settings: {e}")
     torch.set_num_threads(args.threads)
-    fmt = weight_format(args.weight_format, cfg.torch_dtype)
+    fmt = weight_format(args.weight_format, cfg.torch_dtype, cfg.mxfp4_experts)
     max_msg = args.max_tokens * (cfg.hidden_size * 4 + cfg.n_routed_experts * 8) + (1 << 16)
     if not 1 <= args.max_tokens or max_msg > serving.GRPC_MAX_MESSAGE:
         serving.fail(f"--max-tokens {args.max_tokens}: must be >= 1, and a layer request of that many tokens of "
@@ -136,7 +141,7 @@ def convert_main(argv) -> None:
     serving.setup_logging(a.log_level)
     try:
         cfg, ckpt = load_config(a.model), Checkpoint(a.model)
-        fmt = weight_format(a.weight_format, cfg.torch_dtype)
+        fmt = weight_format(a.weight_format, cfg.torch_dtype, cfg.mxfp4_experts)
         fmt = fmt if fmt in kernels.NATIVE_FORMATS else "bf16"
         cache = open_cache(a.out, ckpt, fingerprint(ckpt), fmt)
         if cache is None:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import SILU, ModelConfig
+from moe_kernels.packing import Mx4
 
 from . import kernels
 from .packed_cache import PackedCache
@@ -28,8 +29,14 @@ class LoadCancelled(Exception):
 
 def fused_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int) -> tuple:
     """gpt-oss keeps every expert of a layer in one tensor per projection: gate_up_proj [E, H, 2I] with
-    gate and up columns interleaved, down_proj [E, I, H]. -> expert e's (gate [I, H], up [I, H], down [H, I])."""
+    gate and up columns interleaved, down_proj [E, I, H]; as published, MXFP4 _blocks [E, rows, K/32, 16]
+    and _scales [E, rows, K/32] of the transposed matrices ([2I, H] with gate and up rows interleaved,
+    [H, I]). -> expert e's (gate [I, H], up [I, H], down [H, I]), floats or Mx4 (kept bit for bit)."""
     gate_up_name, _, down_name = cfg.expert_tensor_names(layer, e)
+    if cfg.mxfp4_experts:
+        gu, dn = (Mx4.from_blocks(ckpt.get_row(n + "_blocks", e), ckpt.get_row(n + "_scales", e))
+                  for n in (gate_up_name, down_name))
+        return Mx4(gu.codes[0::2], gu.exps[0::2]), Mx4(gu.codes[1::2], gu.exps[1::2]), dn
     gu = ckpt.get_row(gate_up_name, e)  # [H, 2I]
     return gu[:, 0::2].T, gu[:, 1::2].T, ckpt.get_row(down_name, e).T
 

@@ -18,20 +18,28 @@ class ModelConfigError(ValueError):
 
 SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_moe", "qwen2_moe", "mixtral")
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.E.w1 / w3 / w2
-QUANT_SUPPORTED = "fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them)"
+QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them), "
+                   "mxfp4 (gpt_oss's experts as OpenAI publishes them: _blocks and _scales)")
+
+
+def is_mxfp4(raw: dict) -> bool:
+    """gpt-oss as published: its routed experts in MXFP4 (everything else bf16)."""
+    return str((raw.get("quantization_config") or {}).get("quant_method")) == "mxfp4"
 
 
 def fp8_block(raw: dict) -> tuple[int, int] | None:
-    """The checkpoint's quantization: None (plain bf16/fp16/fp32 weights) or the (rows, cols) of the
-    blocks of an FP8 block-quantized checkpoint. Any other quantization_config is refused here, so
-    both services refuse it at start rather than load it wrong."""
+    """The checkpoint's quantization: None (plain bf16/fp16/fp32 weights, or gpt-oss's MXFP4 experts) or
+    the (rows, cols) of the blocks of an FP8 block-quantized checkpoint. Any other quantization_config is
+    refused here, so both services refuse it at start rather than load it wrong."""
     q = raw.get("quantization_config")
     if not q:
         return None
     method = str(q.get("quant_method", "?"))
+    if method == "mxfp4" and raw.get("model_type") == "gpt_oss":
+        return None
     if method != "fp8":
-        raise ModelConfigError(f"quantization_config.quant_method {method!r} is not supported; supported: "
-                               f"none (bf16/fp16/fp32 weights) or {QUANT_SUPPORTED}")
+        raise ModelConfigError(f"quantization_config.quant_method {method!r} is not supported for model_type "
+                               f"{raw.get('model_type')!r}; supported: none (bf16/fp16/fp32 weights) or {QUANT_SUPPORTED}")
     fmt, block = q.get("fmt", "e4m3"), q.get("weight_block_size")
     if fmt != "e4m3":
         raise ModelConfigError(f"quantization_config.fmt {fmt!r} is not supported (fp8 checkpoints: e4m3)")
@@ -108,6 +116,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    mxfp4_experts: bool = False        # gpt-oss as published: expert weights as MXFP4 _blocks / _scales
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -182,7 +191,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         intermediate_size=int(raw.get("intermediate_size", 0)),
         top_k=int(raw["num_experts_per_tok"]),
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos(raw, model_dir),
-        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), mxfp4_experts=is_mxfp4(raw),
     )
     if mt in ("deepseek_v3", "deepseek_v2"):
         n_exp = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts"))

@@ -1,18 +1,65 @@
 """Packed weight formats of the native kernels, one [rows, K] matrix (or E experts' of them) at a time:
 - bf16: as is;
 - int8: symmetric, one fp32 scale per output channel (row);
-- int4: symmetric, one fp32 scale per group of 64 consecutive weights of a row (INT4_GROUP).
+- int4: symmetric, one fp32 scale per group of 64 consecutive weights of a row (INT4_GROUP);
+- mxfp4: OCP MX, e2m1 values with one power-of-two scale per 32 (MX_BLOCK): gpt-oss's experts as
+  published (Mx4: taken bit for bit), or quantized here from float weights.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import native
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "mxfp4")
 INT4_GROUP = 64
+MX_BLOCK = 32
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
+MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
+
+
+class Mx4(NamedTuple):
+    """MXFP4 weights as published: codes [rows, K] uint8 (e2m1, 0-15) and exps [rows, K/32] uint8 (e8m0:
+    the block's scale is 2^(e - 127))."""
+    codes: torch.Tensor
+    exps: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        v = (MX4_TWICE[self.codes.long()] / 2).view(self.codes.shape[0], -1, MX_BLOCK)
+        return torch.ldexp(v, self.exps.to(torch.int32)[..., None] - 127).view(self.codes.shape)
+
+    @staticmethod
+    def cat(parts: list["Mx4"]) -> "Mx4":
+        return Mx4(torch.cat([p.codes for p in parts]), torch.cat([p.exps for p in parts]))
+
+    @staticmethod
+    def from_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> "Mx4":
+        """The published tensors, blocks [rows, K/32, 16] (byte j: element 2j low nibble, 2j+1 high) and
+        scales [rows, K/32], as transformers' convert_moe_packed_tensors reads them."""
+        codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(blocks.shape[0], -1)
+        return Mx4(codes, scales.to(torch.uint8))
+
+
+def mx4_quantize(w: torch.Tensor) -> Mx4:
+    """Float w [rows, K] (K a multiple of 32) -> MXFP4: per block the smallest power of two that keeps
+    every value within e2m1's +-6 (no clipping), then each value to its nearest e2m1 value."""
+    R = w.shape[0]
+    g = w.float().view(R, -1, MX_BLOCK)
+    amax = g.abs().amax(-1)
+    e = torch.ceil(torch.log2(amax / 6)).clamp(-127, 127)
+    e = torch.where(amax > 0, e, torch.zeros_like(e))
+    v = g / torch.ldexp(torch.ones_like(e), e.to(torch.int32))[..., None]
+    idx = (v.abs()[..., None] - E2M1).abs().argmin(-1)  # ties: the smaller magnitude
+    codes = (idx | ((v < 0) & (idx > 0)).long() << 3).to(torch.uint8)
+    return Mx4(codes.view(R, -1), (e + 127).to(torch.uint8))
 
 
 def _ptr_of(buf) -> int:
@@ -24,7 +71,7 @@ def row_len(n: int, fmt: str) -> int:
     the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
     fall in one L1 set."""
     n = (n + 63) // 64 * 64
-    nbytes = {"bf16": 2 * n, "int8": n, "int4": n // 2}[fmt]
+    nbytes = {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2}[fmt]
     return n + 64 if nbytes % 512 == 0 else n
 
 
@@ -46,7 +93,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp), torch.bfloat16), None, None, None
     if fmt == "int8":
         return ((E, rows, Kp), torch.int8), ((E, rows), torch.float32), ((E, rows), torch.int32), None
-    return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // INT4_GROUP), torch.float32), None, \
+    group = MX_BLOCK if fmt == "mxfp4" else INT4_GROUP
+    return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // group), torch.float32), None, \
         ((E, rows), torch.float32)
 
 
@@ -56,8 +104,32 @@ def alloc(fmt: str, E: int, rows: int, Kp: int) -> tuple:
     return huge(*data), *(None if p is None else torch.empty(p[0], dtype=p[1]) for p in rest)
 
 
-def pack_expert(w: torch.Tensor, fmt: str, Kp: int) -> tuple:
-    """One expert's w [rows, K] (any float dtype) -> its (data, scale, rowsum, rowcorr) in the kernels' layout."""
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[R, Kp] values 0-15 -> [R, Kp/2] bytes, byte i of each 64-group holding elements i and i + 32."""
+    R, Kp = q.shape
+    g = q.view(R, Kp // INT4_GROUP, INT4_GROUP)
+    return (g[..., :INT4_GROUP // 2] | (g[..., INT4_GROUP // 2:] << 4)).reshape(R, Kp // 2)
+
+
+def pack_mx4(w: Mx4, Kp: int) -> tuple:
+    """MXFP4 [rows, K] -> (data, scale, None, rowcorr), bit-exact: codes kept, scale 2^(e - 127) / 2 (the
+    kernels multiply twice the e2m1 value, an integer)."""
+    R, K = w.codes.shape
+    codes = F.pad(w.codes, (0, Kp - K))                     # code 0 is +0
+    exps = F.pad(w.exps, (0, (Kp - K) // MX_BLOCK), value=127)
+    scale = torch.ldexp(torch.full(exps.shape, 0.5), exps.to(torch.int32) - 127)
+    sums = MX4_TWICE[codes.long()].view(R, -1, MX_BLOCK).sum(-1)
+    return _nibbles(codes), scale, None, 128 * (scale * sums).sum(-1)   # rowcorr takes the +128 of u8 x out
+
+
+def pack_expert(w, fmt: str, Kp: int) -> tuple:
+    """One expert's w [rows, K] (any float dtype, or Mx4) -> its (data, scale, rowsum, rowcorr) in the kernels' layout."""
+    if fmt == "mxfp4":
+        if not isinstance(w, Mx4):
+            w = mx4_quantize(F.pad(w.float(), (0, -w.shape[-1] % MX_BLOCK)))
+        return pack_mx4(w, Kp)
+    if isinstance(w, Mx4):
+        w = w.dequantize()
     w = F.pad(w.float(), (0, Kp - w.shape[-1]))
     if fmt == "bf16":
         return w.to(torch.bfloat16), None, None, None
@@ -69,9 +141,8 @@ def pack_expert(w: torch.Tensor, fmt: str, Kp: int) -> tuple:
     g = w.view(R, Kp // INT4_GROUP, INT4_GROUP)
     scale = (g.abs().amax(-1) / 7).clamp_min(1e-12)
     q = (torch.round(g / scale[..., None]).clamp(-7, 7) + 8).to(torch.uint8)      # 1..15, 8 = zero
-    packed = q[..., :INT4_GROUP // 2] | (q[..., INT4_GROUP // 2:] << 4)           # byte i: elems i, i+32
     rowcorr = 128 * (scale * (q.float() - 8).sum(-1)).sum(-1)                      # takes the +128 of u8 x out
-    return packed.reshape(R, Kp // 2), scale, None, rowcorr
+    return _nibbles(q.view(R, Kp)), scale, None, rowcorr
 
 
 def store_expert(dst: tuple, e: int, parts: tuple) -> None:

@@ -35,7 +35,8 @@ static Isa kernel_isa(const std::string& path) {
 
 static Fmt parse_fmt(const std::string& fmt) {
   return fmt == "bf16" ? Fmt::Bf16 : fmt == "int8" ? Fmt::Int8 : fmt == "int4" ? Fmt::Int4
-       : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4)");
+       : fmt == "mxfp4" ? Fmt::Mxfp4
+       : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4, mxfp4)");
 }
 
 static Matrix matrix_of(uintptr_t w, uintptr_t scale, uintptr_t rowsum, uintptr_t rowcorr, int rows, int K, int Kp) {

@@ -147,7 +147,7 @@ void set_amx_emulation(bool on) { g_emulate = on; }
 bool amx_emulation() { return g_emulate; }
 
 void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  MOE_CHECK(fmt != Fmt::Int4 && (r1 - r0) % 16 == 0 && x.amx_b, "AMX: whole 16-row tiles of bf16/int8 only");
+  MOE_CHECK((fmt == Fmt::Bf16 || fmt == Fmt::Int8) && (r1 - r0) % 16 == 0 && x.amx_b, "AMX: whole 16-row tiles of bf16/int8 only");
   const bool bf16 = fmt == Fmt::Bf16;
   const size_t elt = bf16 ? 2 : 1, lda = size_t(m.Kp) * elt;
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * lda;

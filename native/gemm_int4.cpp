@@ -1,8 +1,12 @@
-// int4 weights (one scale per 64-weight group) x int8 activations: AVX-512 VNNI, AVX2 and portable.
-// Nibbles q in 0..15 stand for q - 8; activations come as u8 = x + 128, so per group
-// sum((x + 128) * (q - 8)) is one vpdpbusd, the group's scale applies in fp32, and the +128 comes
-// back out through the per-row constant rowcorr. On AVX2, vpmaddubsw cannot saturate here (pairs of
-// 255 * 8 products), so two of them add in int16 before one vpmaddwd widens the group's sum.
+// 4-bit weights x int8 activations: AVX-512 VNNI, AVX2 and portable. Two formats share the kernels
+// (template flag MX), which differ only in what a nibble means and how many scales a group has:
+// - int4: nibbles q in 0..15 stand for q - 8; one scale per 64-weight group;
+// - mxfp4: nibbles are e2m1 codes, looked up (vpshufb) as twice their value, {0, 1, 2, 3, 4, 6, 8, 12}
+//   with bit 3 the sign, exact in int8; one scale per 32 weights (the published power of two, halved).
+// Activations come as u8 = x + 128, so per group sum((x + 128) * w) is one vpdpbusd, the scale applies
+// in fp32, and the +128 comes back out through the per-row constant rowcorr. On AVX2, vpmaddubsw
+// cannot saturate here (pairs of 255 * 12 products at most), so int4 adds two of them in int16 before
+// one vpmaddwd widens the group's sum (mxfp4's halves have their own scales: widened apart).
 #include <immintrin.h>
 
 #include "common.h"
@@ -16,7 +20,20 @@ namespace {
 constexpr int RB = 4, TB = 4;
 constexpr int G = INT4_GROUP;
 
-template <int NT>
+// e2m1 code -> twice its value, as int8 (mxfp4's lookup table)
+constexpr int8_t MX4_LUT[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// a vector of nibbles -> its weights: q - 8 (int4) or the looked-up e2m1 value (mxfp4; lut in every lane)
+template <bool MX>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i decode(__m512i q, __m512i lut) {
+  return MX ? _mm512_shuffle_epi8(lut, q) : _mm512_sub_epi8(q, _mm512_set1_epi8(8));
+}
+template <bool MX>
+__attribute__((target("avx2"))) inline __m256i decode(__m256i q, __m256i lut) {
+  return MX ? _mm256_shuffle_epi8(lut, q) : _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+}
+
+template <int NT, bool MX>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const float* S,
                                                                        size_t lds, int nr, const uint8_t* const* X,
                                                                        int K, float* C) {
@@ -30,8 +47,12 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
     sc[r] = S + (r < nr ? r : 0) * lds;
   }
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
-  const __m512i lo4x = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+  const __m512i lo4x = _mm512_set1_epi8(0x0f);
   const __m512i scale_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  // mxfp4: per 2 groups 4 scales (A low, A high, B low, B high); lanes 0-7 are group A's, 8-15 B's
+  const __m512i lo_lanes = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i hi_lanes = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MX4_LUT)));
   int i = 0, g = 0;
   // Two groups per step: one 512-bit load of 128 nibbles per row, the low nibbles of both groups
   // in one vector and the high ones in another; the activations are arranged to match (the low
@@ -49,14 +70,25 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m512i p = _mm512_loadu_si512(w[r] + i / 2);
-      __m512i lo = _mm512_sub_epi8(_mm512_and_si512(p, lo4x), eight);
-      __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), eight);
-      __m512 sv = _mm512_permutexvar_ps(
-          scale_lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc[r] + g)))));
-      MOE_UNROLL for (int t = 0; t < NT; ++t)
-        acc[r][t] = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl[t], lo), xh[t], hi)),
-            sv, acc[r][t]);
+      __m512i lo = decode<MX>(_mm512_and_si512(p, lo4x), lut);
+      __m512i hi = decode<MX>(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), lut);
+      if constexpr (MX) {
+        const __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(sc[r] + 2 * g));
+        const __m512 slo = _mm512_permutexvar_ps(lo_lanes, s4), shi = _mm512_permutexvar_ps(hi_lanes, s4);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl[t], lo)), slo,
+                                      acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xh[t], hi)), shi,
+                                      acc[r][t]);
+        }
+      } else {
+        __m512 sv = _mm512_permutexvar_ps(
+            scale_lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc[r] + g)))));
+        MOE_UNROLL for (int t = 0; t < NT; ++t)
+          acc[r][t] = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl[t], lo), xh[t], hi)),
+              sv, acc[r][t]);
+      }
     }
   }
   for (; i < K; i += G, ++g) {  // an odd last group
@@ -66,10 +98,11 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
       // rows about tuning().pf_bytes further on, same offset: in L2 by the time they are read
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));  // 64 nibbles
-      a[r] = _mm512_sub_epi8(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
-                                                _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1),
-                             eight);
-      s[r] = _mm512_set1_ps(sc[r][g]);
+      a[r] = decode<MX>(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1), lut);
+      // lanes 0-7 hold elements 0-31 (low nibbles), 8-15 elements 32-63: mxfp4 scales them apart
+      s[r] = MX ? _mm512_insertf32x8(_mm512_set1_ps(sc[r][2 * g]), _mm256_set1_ps(sc[r][2 * g + 1]), 1)
+                : _mm512_set1_ps(sc[r][g]);
     }
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512i xv = _mm512_loadu_si512(X[t] + i);
@@ -90,20 +123,21 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   }
 }
 
+template <bool MX>
 void mk_dispatch(const uint8_t* W, size_t ldw, size_t pf, const float* S, size_t lds, int nr, const uint8_t* const* X, int nt,
                  int K, float* C) {
   switch (nt) {
-    case 4: return mk<4>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 3: return mk<3>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 2: return mk<2>(W, ldw, pf, S, lds, nr, X, K, C);
-    default: return mk<1>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 4: return mk<4, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 3: return mk<3, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 2: return mk<2, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+    default: return mk<1, MX>(W, ldw, pf, S, lds, nr, X, K, C);
   }
 }
 
 // ---- AVX2 ----
 constexpr int TB2 = 4;
 
-template <int NT>
+template <int NT, bool MX>
 __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t ldw, size_t pf, const float* S,
                                                        size_t lds, int nr, const uint8_t* const* X, int K, float* C) {
   __m256 acc[RB][NT];
@@ -115,7 +149,8 @@ __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t
     w[r] = W + (r < nr ? r : 0) * ldw;
     sc[r] = S + (r < nr ? r : 0) * lds;
   }
-  const __m256i lo4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MX4_LUT)));
   for (int i = 0, g = 0; i < K; i += G, ++g) {
     __m256i xl[NT], xh[NT];  // elements 0-31 and 32-63 of the group: the low and the high nibbles
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
@@ -125,12 +160,22 @@ __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));
-      const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(p, lo4), eight);
-      const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), eight);
-      const __m256 sv = _mm256_broadcast_ss(sc[r] + g);
-      MOE_UNROLL for (int t = 0; t < NT; ++t) {
-        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(xl[t], lo), _mm256_maddubs_epi16(xh[t], hi));
-        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), sv, acc[r][t]);
+      const __m256i lo = decode<MX>(_mm256_and_si256(p, lo4), lut);
+      const __m256i hi = decode<MX>(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), lut);
+      if constexpr (MX) {
+        const __m256 slo = _mm256_broadcast_ss(sc[r] + 2 * g), shi = _mm256_broadcast_ss(sc[r] + 2 * g + 1);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(xl[t], lo), ones)),
+                                      slo, acc[r][t]);
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(xh[t], hi), ones)),
+                                      shi, acc[r][t]);
+        }
+      } else {
+        const __m256 sv = _mm256_broadcast_ss(sc[r] + g);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(xl[t], lo), _mm256_maddubs_epi16(xh[t], hi));
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), sv, acc[r][t]);
+        }
       }
     }
   }
@@ -145,24 +190,24 @@ __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t
   }
 }
 
+template <bool MX>
 void mk_avx2_dispatch(const uint8_t* W, size_t ldw, size_t pf, const float* S, size_t lds, int nr,
                       const uint8_t* const* X, int nt, int K, float* C) {
   switch (nt) {
-    case 4: return mk_avx2<4>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 3: return mk_avx2<3>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 2: return mk_avx2<2>(W, ldw, pf, S, lds, nr, X, K, C);
-    default: return mk_avx2<1>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 4: return mk_avx2<4, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 3: return mk_avx2<3, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 2: return mk_avx2<2, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+    default: return mk_avx2<1, MX>(W, ldw, pf, S, lds, nr, X, K, C);
   }
 }
 
-}  // namespace
-
-void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  const int groups = m.Kp / G;
+template <bool MX>
+void gemm_rows_4bit(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  const int groups = m.Kp / G, scales = MX ? m.Kp / MX_BLOCK : groups;  // scales per row
   const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
   const size_t pf = prefetch_rows(ldw, RB) * ldw;  // bytes ahead
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const float* Se = m.scale + size_t(e) * m.rows * groups;
+  const float* Se = m.scale + size_t(e) * m.rows * scales;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
   const int tb = isa == Isa::Avx2 ? TB2 : TB;
   for (int r = r0; r < r1; r += RB) {
@@ -175,26 +220,38 @@ void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
           for (int j = 0; j < nr; ++j) {
             const uint8_t* wr = We + size_t(r + j) * ldw;
             float acc = 0.f;
+            const float* sr = Se + size_t(r + j) * scales;
+            auto value = [](int q) { return MX ? int32_t(MX4_LUT[q]) : int32_t(q) - 8; };
             for (int g = 0; g < groups; ++g) {
-              int32_t p = 0;
+              int32_t lo = 0, hi = 0;  // elements 0-31 and 32-63 of the group
               for (int i = 0; i < G / 2; ++i) {
-                p += (int32_t(wr[g * G / 2 + i] & 15) - 8) * X[s + t][g * G + i];
-                p += (int32_t(wr[g * G / 2 + i] >> 4) - 8) * X[s + t][g * G + G / 2 + i];
+                lo += value(wr[g * G / 2 + i] & 15) * X[s + t][g * G + i];
+                hi += value(wr[g * G / 2 + i] >> 4) * X[s + t][g * G + G / 2 + i];
               }
-              acc += float(p) * Se[size_t(r + j) * groups + g];
+              acc += MX ? float(lo) * sr[2 * g] + float(hi) * sr[2 * g + 1] : float(lo + hi) * sr[g];
             }
             C[t * RB + j] = acc;
           }
       } else if (isa == Isa::Avx2) {
-        mk_avx2_dispatch(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, nt, m.Kp, C);
+        mk_avx2_dispatch<MX>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, scales, nr, X + s, nt, m.Kp, C);
       } else {
-        mk_dispatch(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * groups, groups, nr, X + s, nt, m.Kp, C);
+        mk_dispatch<MX>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, scales, nr, X + s, nt, m.Kp, C);
       }
       const float* corr = m.rowcorr + size_t(e) * m.rows;
       for (int t = 0; t < nt; ++t)
         for (int j = 0; j < nr; ++j) Y[size_t(s + t) * ldy + r + j] = (C[t * RB + j] - corr[r + j]) * x.scale[s + t];
     }
   }
+}
+
+}  // namespace
+
+void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  gemm_rows_4bit<false>(isa, m, e, r0, r1, x, ns, Y, ldy);
+}
+
+void gemm_rows_mxfp4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  gemm_rows_4bit<true>(isa, m, e, r0, r1, x, ns, Y, ldy);
 }
 
 }  // namespace moe

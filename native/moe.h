@@ -9,7 +9,7 @@ namespace moe {
 // Avx2 = AVX2 + FMA + F16C (Zen 2/3, Intel before Ice Lake, most cloud VMs); Avx512 = AVX-512 F/BW +
 // BF16 + VNNI (Zen 4+, Sapphire Rapids+); Amx = Avx512 + AMX tiles for prefill.
 enum class Isa { Portable, Avx2, Avx512, Amx };
-enum class Fmt { Bf16, Int8, Int4 };
+enum class Fmt { Bf16, Int8, Int4, Mxfp4 };
 
 // Bytes of one packed weight row of Kp elements.
 inline size_t weight_row_bytes(Fmt f, int Kp) {
@@ -17,6 +17,7 @@ inline size_t weight_row_bytes(Fmt f, int Kp) {
 }
 
 constexpr int INT4_GROUP = 64;  // int4: one scale per 64 consecutive weights of a row
+constexpr int MX_BLOCK = 32;    // mxfp4: one power-of-two scale per 32 (OCP MX, as gpt-oss publishes)
 
 struct CpuFeatures {
   bool avx512f, avx512bw, avx512bf16, avx512vnni, amx_tile, amx_bf16, amx_int8, os_avx512, os_amx;
@@ -34,6 +35,9 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //   int4: w = uint8 [E, rows, Kp/2], nibble q in 0..15 stands for q - 8; byte i of a 64-group holds
 //         element i (low nibble) and i + 32 (high); scale = fp32 [E, rows, Kp/64];
 //         rowcorr = fp32 [E, rows]: 128 * sum_g scale_g * sum_{i in g} (q_i - 8)
+//   mxfp4: w as int4's (the same nibble order), but nibble c is the e2m1 code of 2 * value, i.e.
+//         {0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign (MX4_LUT); scale = fp32 [E, rows, Kp/32]: the block's
+//         2^(e - 127) / 2; rowcorr as int4's over those values. Bit-exact with the published weights.
 // Both int formats take activations as u8 = q + 128 (VNNI multiplies unsigned by signed); the
 // +128 is taken back out with rowsum (int8) or rowcorr (int4), which depend on the row only.
 struct Matrix {
@@ -84,6 +88,7 @@ struct Acts {
 void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_mxfp4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 
 // AMX (prefill, bf16 and int8 weights). amx_permitted() asks the OS for the tile state once.
 constexpr int AMX_MIN_SLOTS = 8;  // fewer tokens per expert: the AVX-512 kernels do as well

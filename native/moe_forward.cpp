@@ -182,6 +182,7 @@ void gemm_rows(Isa isa, Fmt fmt, const Matrix& m, int e, int r0, int r1, const A
     case Fmt::Bf16: return gemm_rows_bf16(isa, m, e, r0, r1, x, ns, Y, ldy);
     case Fmt::Int8: return gemm_rows_int8(isa, m, e, r0, r1, x, ns, Y, ldy);
     case Fmt::Int4: return gemm_rows_int4(isa, m, e, r0, r1, x, ns, Y, ldy);
+    case Fmt::Mxfp4: return gemm_rows_mxfp4(isa, m, e, r0, r1, x, ns, Y, ldy);
   }
 }
 
@@ -234,7 +235,7 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     return tasks;
   };
   // AMX: each expert's activations in tile layout, packed once per phase (not once per task)
-  const bool amx = isa == Isa::Amx && m.fmt != Fmt::Int4;
+  const bool amx = isa == Isa::Amx && (m.fmt == Fmt::Bf16 || m.fmt == Fmt::Int8);
   std::vector<uint8_t>& amx_buf = sc.amx;
   std::vector<size_t> amx_off(E + 1, 0);
   auto amx_ptr = [&](int e) -> uint8_t* {

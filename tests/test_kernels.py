@@ -27,7 +27,7 @@ def layer(gate, up, down, fmt="bf16", path=None, **kw):
 def no_amx_emulation_left_on():
     yield
     native.set_amx_emulation(False)
-FORMATS = ["bf16", "int8", "int4"]
+FORMATS = ["bf16", "int8", "int4", "mxfp4"]
 
 
 def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
@@ -63,7 +63,7 @@ def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
 
 def dequantized(op):
     """The weights exactly as the packed format stores them, back in fp32 [E, rows, K]."""
-    from moe_kernels.packing import INT4_GROUP
+    from moe_kernels.packing import INT4_GROUP, MX4_TWICE, MX_BLOCK
 
     def one(packed, K):
         data, scale, _, _ = packed
@@ -72,10 +72,12 @@ def dequantized(op):
         elif op.fmt == "int8":
             w = data.float() * scale[..., None]
         else:
-            lo, hi = (data & 15).float() - 8, (data >> 4).float() - 8
+            value = (lambda q: MX4_TWICE[q.long()]) if op.fmt == "mxfp4" else (lambda q: q.float() - 8)  # noqa: E731
+            lo, hi = value(data & 15), value(data >> 4)
             E, R, half = data.shape
             g = torch.cat([lo.view(E, R, -1, INT4_GROUP // 2), hi.view(E, R, -1, INT4_GROUP // 2)], -1)
-            w = (g * scale[..., None]).view(E, R, -1)
+            block = MX_BLOCK if op.fmt == "mxfp4" else INT4_GROUP
+            w = (g.view(E, R, -1, block) * scale[..., None]).view(E, R, -1)
         return w[..., :K]
     gu = one(op.gu, op.hidden)
     I = op.intermediate
@@ -108,8 +110,8 @@ def close(got, want, tol):
 # against the original ones only loosely.
 # Against the reference that rounds like the kernels: sum order differs, which now and then moves an
 # activation across an int8 rounding boundary (one quantum, 1/127 of the vector's max).
-TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3}
-TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1}
+TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3}
+TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1}
 
 
 @pytest.fixture(autouse=True)
@@ -186,6 +188,29 @@ def test_gpt_oss_experts_bias_and_clamped_swiglu(fmt, path):
     xb, ids32 = x.bfloat16(), ids.contiguous()
     op.forward_part(xb.data_ptr(), True, ids32.data_ptr(), w.data_ptr(), out.data_ptr(), True, T, k, 0, 0)
     close(out, op.forward(xb, ids, w).float(), 1e-2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_mxfp4_published_weights_are_kept_bit_for_bit(path):
+    """gpt-oss's experts as published (e2m1 codes, e8m0 exponents): packed exactly (rows padded from 96 and
+    160 to whole 64-groups), and the kernels multiply exactly those values."""
+    from moe_kernels.packing import Mx4
+    E, I, H, T, k = 4, 96, 160, 5, 2
+    g = torch.Generator().manual_seed(3)
+    mx = lambda r, c: Mx4(torch.randint(0, 16, (r, c), dtype=torch.uint8, generator=g),  # noqa: E731
+                          torch.randint(120, 126, (r, c // 32), dtype=torch.uint8, generator=g))
+    parts = [(mx(I, H), mx(I, H), mx(H, I)) for _ in range(E)]
+    if path == "amx-emulated":
+        native.set_amx_emulation(True)
+    op = NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt="mxfp4", threads=2,
+                                     path="amx" if path == "amx-emulated" else path)
+    gate, up, down = dequantized(op)
+    for e, (pg, pu, pd) in enumerate(parts):
+        assert torch.equal(gate[e], pg.dequantize()) and torch.equal(up[e], pu.dequantize())
+        assert torch.equal(down[e], pd.dequantize())
+    ids, w = routing(T, k, E)
+    x = torch.randn(T, H)
+    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="mxfp4"), TOL["mxfp4"])
 
 
 def test_torch_operator_matches_reference():

@@ -50,9 +50,11 @@ def reader(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_warm_load_is_the_cold_load_bit_for_bit(checkpoints, tmp_path, fmt, reader, caplog):
-    d = checkpoints["deepseek_v3"]
+@pytest.mark.parametrize("family, fmt", [("deepseek_v3", "bf16"), ("deepseek_v3", "int8"), ("deepseek_v3", "int4"),
+                                         ("gpt_oss", "mxfp4")])  # gpt-oss: and its expert biases, read each start
+def test_warm_load_is_the_cold_load_bit_for_bit(checkpoints, tmp_path, family, fmt, reader, caplog):
+    d = checkpoints[family]
+    cfg = load_config(d)
     cold = layers_of(d, fmt, cache_for(d, tmp_path, fmt))
     files = sorted(cache_for(d, tmp_path, fmt).dir.glob("layer-*.safetensors"))
     assert len(files) == len(cold)
@@ -60,9 +62,11 @@ def test_warm_load_is_the_cold_load_bit_for_bit(checkpoints, tmp_path, fmt, read
     warm = layers_of(d, fmt, cache_for(d, tmp_path, fmt))
     assert same(cold, warm)
     assert f"{len(cold)} from the packed-weight cache" in caplog.text
-    x, ids, w = torch.randn(3, 64), torch.randint(0, 16, (3, 4), dtype=torch.int32), torch.rand(3, 4)
-    for k in cold:
-        assert torch.equal(cold[k].forward(x, ids, w), warm[k].forward(x, ids, w))
+    E, k = cfg.n_routed_experts, cfg.top_k
+    x, ids, w = torch.randn(3, 64), torch.randint(0, E, (3, k), dtype=torch.int32), torch.rand(3, k)
+    for layer in cold:
+        assert torch.equal(cold[layer].forward(x, ids, w), warm[layer].forward(x, ids, w))
+        assert (warm[layer].biases[0] is not None) == cfg.expert_bias
 
 
 def file_mappings() -> list[tuple[int, int, str]]:

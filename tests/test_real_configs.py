@@ -1,7 +1,8 @@
 """Published configurations, at reduced width (tools/synth_checkpoint.py): DeepSeek-V3 as published
-(FP8 block-quantized weights with float32 scale_inv, YaRN, 163840 positions, 129280 ids) and
-Qwen3-30B-A3B (151936 ids, 40960 positions). Both start with default flags, and generate exactly
-transformers' greedy tokens on the same (dequantized) weights in fp32, past the first 64 positions.
+(FP8 block-quantized weights with float32 scale_inv, YaRN, 163840 positions, 129280 ids),
+Qwen3-30B-A3B (151936 ids, 40960 positions), GLM-4.5-Air and gpt-oss-20b (MXFP4 experts, 201088 ids,
+131072 positions). Each starts with default flags, and generates exactly transformers' greedy tokens
+on the same (dequantized) weights in fp32, past the first 64 positions.
 Other quantization methods are refused at start by both services, naming the method."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 from conftest import ROOT, free_port, start
 from moe_core import codec
 from moe_core.checkpoint import Checkpoint, dequantize_fp8
+from moe_kernels.packing import Mx4
 from protos import generate_pb2
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -29,6 +31,8 @@ NARROW = {
                         kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
     "glm-4.5-air": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
                         num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "gpt-oss-20b": dict(hidden_size=64, intermediate_size=64, num_local_experts=8, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, sliding_window=32),  # a 70-token prompt crosses it
     "qwen3-30b-a3b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
                           num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
@@ -40,10 +44,19 @@ def synth(arch: str, out: pathlib.Path, layers: int, **extra) -> pathlib.Path:
 
 
 def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    """The same model with every weight as float32 (FP8 ones dequantized), for transformers."""
+    """The same model with every weight as float32 (FP8 ones dequantized; MXFP4 experts as the fused
+    [E, K, rows] tensors transformers' gpt-oss keeps), for transformers."""
     ck = Checkpoint(src)
     out.mkdir()
-    save_file({n: ck.get(n).float().contiguous() for n in ck.names()}, str(out / "model.safetensors"))
+    tensors = {}
+    for n in ck.names():
+        if n.endswith("_blocks"):
+            base = n[: -len("_blocks")]
+            w = torch.stack([Mx4.from_blocks(b, s).dequantize() for b, s in zip(ck.get(n), ck.get(base + "_scales"))])
+            tensors[base] = w.transpose(1, 2).contiguous()
+        elif not n.endswith("_scales"):
+            tensors[n] = ck.get(n).float().contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = "float32"
@@ -76,9 +89,21 @@ def test_fp8_dequantization_matches_transformers_and_handles_partial_blocks():
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 5)
 
 
+def test_mxfp4_reads_as_transformers_dequantizes():
+    """gpt-oss's published experts: our reading of _blocks/_scales equals transformers' own dequantization."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 140, (3, 40, 4), dtype=torch.uint8, generator=g)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, rows]
+    got = torch.stack([Mx4.from_blocks(b, s).dequantize() for b, s in zip(blocks, scales)])
+    assert torch.equal(got.transpose(1, 2), want)
+
+
 @pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("qwen3-30b-a3b", None),
-                                        ("glm-4.5-air", None)],
-                         ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "qwen3-30b-a3b", "glm-4.5-air"])
+                                        ("glm-4.5-air", None), ("gpt-oss-20b", None)],
+                         ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "qwen3-30b-a3b", "glm-4.5-air",
+                              "gpt-oss-20b-mxfp4"])
 def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
     extra = {}
     if block:
@@ -91,6 +116,8 @@ def test_published_config_matches_transformers(arch, block, tmp_path, services_f
     info = s.stub.Info(generate_pb2.ServerInfoRequest(), timeout=10)
     assert info.max_context == cfg["max_position_embeddings"] and info.vocab_size == cfg["vocab_size"]
     assert len(greedy(s.stub, [5, 9, 17], 4)) == 4
+    if arch.startswith("gpt-oss"):  # its experts served as published
+        assert "as mxfp4" in s.logs()
     s.stop()
     # fp32 on the dequantized weights: transformers' greedy tokens, past the first 64 positions
     ref = transformers.AutoModelForCausalLM.from_pretrained(dequantized_copy(d, tmp_path / "ref"),

@@ -6,6 +6,7 @@ benchmarking real-size behaviour without the real weights.
     python tools/synth_checkpoint.py --arch deepseek-v3 --layers 4 --out /tmp/dsv3      # 3 dense + 1 MoE, FP8
     python tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out /tmp/qwen3
     python tools/synth_checkpoint.py --arch glm-4.5-air --layers 4 --out /tmp/glm   # 1 dense + 3 MoE
+    python tools/synth_checkpoint.py --arch gpt-oss-20b --layers 4 --out /tmp/oss   # MXFP4 experts
     python tools/synth_checkpoint.py --arch deepseek-v3 --layers 2 --set hidden_size=64 ... --out DIR  # narrow
 
 Tensors are generated and written one shard at a time (at most --shard-mb in memory). FP8
@@ -60,6 +61,23 @@ PRESETS = {
         "use_cache": True, "use_qk_norm": False, "vocab_size": 151552,
     },
     # Qwen/Qwen3-30B-A3B config.json
+    # openai/gpt-oss-20b config.json: routed experts in MXFP4 (_blocks, _scales), the rest bf16
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+        "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+        "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+        "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+        "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088,
+    },
     "qwen3-30b-a3b": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
@@ -109,6 +127,15 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 if c.get("attention_bias"):
                     out.append((a + n + ".bias", (rows,), "proj_bias"))
             proj(a + "o_proj.weight", H, nh * hd)
+            if c["model_type"] == "gpt_oss":  # o_proj's bias and the sinks; every layer MoE, experts fused
+                out += [(a + "o_proj.bias", (H,), "proj_bias"), (a + "sinks", (nh,), "proj_bias")]
+                E, I, m = c["num_local_experts"], c["intermediate_size"], p + "mlp."
+                out += [(m + "router.weight", (E, H), "router"), (m + "router.bias", (E,), "proj_bias")]
+                for n, rows, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+                    out += [(m + f"experts.{n}_blocks", (E, rows, k // 32, 16), "mx_blocks"),
+                            (m + f"experts.{n}_scales", (E, rows, k // 32), "mx_scales"),
+                            (m + f"experts.{n}_bias", (E, rows), "proj_bias")]
+                continue
             if not glm or c.get("use_qk_norm"):
                 out += [(a + "q_norm.weight", (hd,), "norm"), (a + "k_norm.weight", (hd,), "norm")]
             if glm:  # DeepSeek-V3's MoE layout
@@ -161,9 +188,13 @@ def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch
         return {name: (0.1 * torch.rand(shape, generator=gen)).float()}  # published as fp32
     if kind == "proj_bias":
         return {name: (0.1 * torch.randn(shape, generator=gen)).to(dtype)}
+    if kind == "mx_blocks":  # any e2m1 codes
+        return {name: torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)}
+    if kind == "mx_scales":  # 2^-6..2^-4: values of std ~0.1 like the other weights'
+        return {name: torch.randint(121, 124, shape, generator=gen, dtype=torch.uint8)}
     w = torch.randn(shape, generator=gen) * std
     q = c.get("quantization_config")
-    if kind == "proj" and q:
+    if kind == "proj" and q and q["quant_method"] == "fp8":
         values, scale_inv = quantize_fp8(w, tuple(q["weight_block_size"]))
         return {name: values, name + "_scale_inv": scale_inv}
     return {name: w.to(dtype)}
@@ -172,7 +203,8 @@ def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch
 def write(c: dict, out: pathlib.Path, std: float, seed: int, shard_mb: int) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     specs = tensor_specs(c)
-    nbytes = lambda s: (1 if (s[2] == "proj" and c.get("quantization_config")) else 2) * \
+    fp8 = (c.get("quantization_config") or {}).get("quant_method") == "fp8"
+    nbytes = lambda s: (1 if (s[2] == "proj" and fp8) or s[2].startswith("mx") else 2) * \
         int(torch.tensor(s[1]).prod())  # noqa: E731
     shards, cur, size = [], [], 0
     for s in specs:  # cut into shards of about shard_mb, in order
@@ -206,6 +238,8 @@ def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
         c["num_hidden_layers"] = layers
         if c["model_type"] in ("deepseek_v3", "glm4_moe"):
             c["first_k_dense_replace"] = min(c["first_k_dense_replace"], layers - 1)
+        if "layer_types" in c:  # gpt-oss: one per layer
+            c["layer_types"] = c["layer_types"][:layers]
     c.update(overrides)
     return c
 

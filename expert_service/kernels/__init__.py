@@ -30,7 +30,7 @@ except ImportError as e:  # extension not built: the torch path still serves
     NATIVE_PATH, NativeMoELayer = None, None
 
 
-NATIVE_FORMATS = ("bf16", "int8", "int4")
+NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4")
 
 
 def native(fmt: str) -> bool:
@@ -56,13 +56,15 @@ def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads
     act, and biases [E, 2I] (gate then up) and [E, H]: gpt-oss's experts (set_extras)."""
     if native(fmt):
         op = NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads)
-    elif fmt in ("int8", "int4"):
+    elif fmt in ("int8", "int4", "mxfp4"):
         raise ValueError(f"weight format {fmt} needs the native kernels, which are not built")
     elif fmt not in TORCH_DTYPES:
         raise ValueError(f"unknown weight format {fmt!r} (native: {NATIVE_FORMATS}, torch: {tuple(TORCH_DTYPES)})")
     else:
         dt = TORCH_DTYPES[fmt]
-        parts = [tuple(t.to(dt) for t in load(e)) for e in range(E)]  # cast as read: no full-precision copy
+        # cast as read (published MXFP4 dequantized): no full-precision copy of the layer
+        parts = [tuple((t.dequantize() if hasattr(t, "dequantize") else t).to(dt) for t in load(e))
+                 for e in range(E)]
         op = TorchMoELayer(*(torch.stack([p[i] for p in parts]) for i in range(3)), fmt=fmt, threads=threads)
     if act != SILU or gate_up_bias is not None or down_bias is not None:
         op.set_extras(act, gate_up_bias, down_bias)

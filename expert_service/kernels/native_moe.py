@@ -13,7 +13,7 @@ import torch
 
 from moe_core.config import SILU, ExpertAct
 from moe_kernels import PATH, native as _n
-from moe_kernels.packing import FORMATS, alloc, data_ptr, layout, pack_expert, row_len, store_expert
+from moe_kernels.packing import FORMATS, Mx4, alloc, data_ptr, layout, pack_expert, row_len, store_expert
 
 from .submit_wait import SubmitWait
 
@@ -31,8 +31,8 @@ class NativeMoELayer(SubmitWait):
     @classmethod
     def from_experts(cls, E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None,
                      path: str | None = None) -> "NativeMoELayer":
-        """Pack expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]) in any float dtype, so at
-        most one expert's source tensors exist beside the packed layer."""
+        """Pack expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]) in any float dtype or as
+        published MXFP4 (packing.Mx4), so at most one expert's source tensors exist beside the packed layer."""
         self = cls.__new__(cls)
         self._build(E, I, H, load, fmt, threads, path)
         return self
@@ -85,7 +85,8 @@ class NativeMoELayer(SubmitWait):
             if g.shape != (I, H) or u.shape != (I, H) or d.shape != (H, I):
                 raise ValueError(f"expert {e}: shapes gate {tuple(g.shape)}, up {tuple(u.shape)}, down "
                                  f"{tuple(d.shape)}; expected [{I}, {H}], [{I}, {H}], [{H}, {I}]")
-            store_expert(self.gu, e, pack_expert(torch.cat([g, u]), fmt, self.Kp_h))
+            store_expert(self.gu, e, pack_expert(Mx4.cat([g, u]) if isinstance(g, Mx4) else torch.cat([g, u]), fmt,
+                                                 self.Kp_h))
             store_expert(self.dn, e, pack_expert(d, fmt, self.Kp_i))
         self.ready(threads)
 
