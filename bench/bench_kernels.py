@@ -10,7 +10,7 @@ One JSON line per case, then a table. Decode efficiency = bytes of the chosen ex
 time, as a share of the DRAM read bandwidth probed right before (the median over repetitions that
 each probe once and then time 64 calls). Prefill efficiency = 2*T*k*3*H*I FLOP / time, as a share
 of the peak of the instructions the path computes with: avx512/amx: vdpbf16ps (bf16) and vpdpbusd
-(int8, int4); avx2: 256-bit fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int8, int4); portable:
+(int8, int4, mxfp4); avx2: 256-bit fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); portable:
 none (only the comparison with torch).
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 SHAPES = {  # name: (E, H, I, k)
     "qwen3": (128, 2048, 768, 8),   # Qwen3-30B-A3B
     "dsv3": (32, 7168, 2048, 8),    # DeepSeek-V3 reduced to 32 experts
+    "gptoss": (32, 2880, 2880, 4),  # gpt-oss-20b (MXFP4 as published: --formats mxfp4)
 }
 
 
@@ -98,8 +99,8 @@ def main() -> None:
         for fmt in a.formats.split(","):
             op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads, path=path)
             # the weights' own bytes (and scales); the kernels' row padding is not counted
-            bytes_per_expert = 3 * H * I * {"bf16": 2, "int8": 1, "int4": 0.5}[fmt] + \
-                {"bf16": 0, "int8": (2 * I + H) * 4, "int4": 3 * H * I // 64 * 4}[fmt]
+            bytes_per_expert = 3 * H * I * {"bf16": 2, "int8": 1, "int4": 0.5, "mxfp4": 0.5}[fmt] + \
+                {"bf16": 0, "int8": (2 * I + H) * 4, "int4": 3 * H * I // 64 * 4, "mxfp4": 3 * H * I // 32 * 4}[fmt]
             g = torch.Generator().manual_seed(1)
             # decode: fresh experts every call, so the weights come from DRAM, not the cache
             calls = [(torch.randn(1, H).bfloat16(), torch.randperm(E, generator=g)[:k].view(1, k).to(torch.int32),
