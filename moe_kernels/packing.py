@@ -54,7 +54,7 @@ def mx4_quantize(w: torch.Tensor) -> Mx4:
     R = w.shape[0]
     g = w.float().view(R, -1, MX_BLOCK)
     amax = g.abs().amax(-1)
-    e = torch.ceil(torch.log2(amax / 6)).clamp(-127, 127)
+    e = torch.ceil(torch.log2(amax / 6)).clamp(-125, 127)  # e + 127 >= 2: a scale the kernels represent
     e = torch.where(amax > 0, e, torch.zeros_like(e))
     v = g / torch.ldexp(torch.ones_like(e), e.to(torch.int32))[..., None]
     idx = (v.abs()[..., None] - E2M1).abs().argmin(-1)  # ties: the smaller magnitude
@@ -93,9 +93,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp), torch.bfloat16), None, None, None
     if fmt == "int8":
         return ((E, rows, Kp), torch.int8), ((E, rows), torch.float32), ((E, rows), torch.int32), None
-    group = MX_BLOCK if fmt == "mxfp4" else INT4_GROUP
-    return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // group), torch.float32), None, \
-        ((E, rows), torch.float32)
+    scale = ((E, rows, Kp // MX_BLOCK), torch.uint8) if fmt == "mxfp4" else ((E, rows, Kp // INT4_GROUP), torch.float32)
+    return ((E, rows, Kp // 2), torch.uint8), scale, None, ((E, rows), torch.float32)
 
 
 def alloc(fmt: str, E: int, rows: int, Kp: int) -> tuple:
@@ -111,15 +110,20 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
     return (g[..., :INT4_GROUP // 2] | (g[..., INT4_GROUP // 2:] << 4)).reshape(R, Kp // 2)
 
 
+def mx_scale(exps: torch.Tensor) -> torch.Tensor:
+    """The kernels' fp32 scale of each published exponent: 2^(e - 127) / 2 (they multiply twice the e2m1
+    value, an integer), 0 for e <= 1 (as native/gemm_int4.cpp's mx_scale)."""
+    e = exps.to(torch.int32)
+    return torch.where(e > 1, torch.ldexp(torch.ones(e.shape), e - 128), torch.zeros(e.shape))
+
+
 def pack_mx4(w: Mx4, Kp: int) -> tuple:
-    """MXFP4 [rows, K] -> (data, scale, None, rowcorr), bit-exact: codes kept, scale 2^(e - 127) / 2 (the
-    kernels multiply twice the e2m1 value, an integer)."""
+    """MXFP4 [rows, K] -> (data, exponents, None, rowcorr), bit-exact: codes and 1-byte exponents kept."""
     R, K = w.codes.shape
     codes = F.pad(w.codes, (0, Kp - K))                     # code 0 is +0
     exps = F.pad(w.exps, (0, (Kp - K) // MX_BLOCK), value=127)
-    scale = torch.ldexp(torch.full(exps.shape, 0.5), exps.to(torch.int32) - 127)
     sums = MX4_TWICE[codes.long()].view(R, -1, MX_BLOCK).sum(-1)
-    return _nibbles(codes), scale, None, 128 * (scale * sums).sum(-1)   # rowcorr takes the +128 of u8 x out
+    return _nibbles(codes), exps, None, 128 * (mx_scale(exps) * sums).sum(-1)  # rowcorr: the +128 of u8 x out
 
 
 def pack_expert(w, fmt: str, Kp: int) -> tuple:

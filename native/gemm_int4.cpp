@@ -2,12 +2,16 @@
 // (template flag MX), which differ only in what a nibble means and how many scales a group has:
 // - int4: nibbles q in 0..15 stand for q - 8; one scale per 64-weight group;
 // - mxfp4: nibbles are e2m1 codes, looked up (vpshufb) as twice their value, {0, 1, 2, 3, 4, 6, 8, 12}
-//   with bit 3 the sign, exact in int8; one scale per 32 weights (the published power of two, halved).
+//   with bit 3 the sign, exact in int8; one scale per 32 weights, kept as the published 1-byte exponent
+//   and turned into 2^(e - 127) / 2 in registers (4.25 bits a weight read, as published).
 // Activations come as u8 = x + 128, so per group sum((x + 128) * w) is one vpdpbusd, the scale applies
 // in fp32, and the +128 comes back out through the per-row constant rowcorr. On AVX2, vpmaddubsw
 // cannot saturate here (pairs of 255 * 12 products at most), so int4 adds two of them in int16 before
 // one vpmaddwd widens the group's sum (mxfp4's halves have their own scales: widened apart).
 #include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
 
 #include "common.h"
 #include "moe.h"
@@ -23,6 +27,23 @@ constexpr int G = INT4_GROUP;
 // e2m1 code -> twice its value, as int8 (mxfp4's lookup table)
 constexpr int8_t MX4_LUT[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+// mxfp4's scale of a published exponent e (e8m0): 2^(e - 127) / 2 (the kernels multiply twice the e2m1
+// value), the float whose exponent field is e - 1; 0 for e <= 1 (blocks below 2^-127)
+inline float mx_scale(uint8_t e) {
+  const uint32_t b = e > 1 ? uint32_t(e - 1) << 23 : 0;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+__attribute__((target("avx512f,sse4.1"))) inline __m128 mx_scales4(const uint8_t* e) {
+  int32_t v;
+  std::memcpy(&v, e, 4);
+  const __m128i x = _mm_max_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(v)), _mm_set1_epi32(1));
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_sub_epi32(x, _mm_set1_epi32(1)), 23));
+}
+template <bool MX>
+using ScaleT = std::conditional_t<MX, uint8_t, float>;  // what a row's scales are stored as
+
 // a vector of nibbles -> its weights: q - 8 (int4) or the looked-up e2m1 value (mxfp4; lut in every lane)
 template <bool MX>
 __attribute__((target("avx512f,avx512bw"))) inline __m512i decode(__m512i q, __m512i lut) {
@@ -34,14 +55,14 @@ __attribute__((target("avx2"))) inline __m256i decode(__m256i q, __m256i lut) {
 }
 
 template <int NT, bool MX>
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const float* S,
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S,
                                                                        size_t lds, int nr, const uint8_t* const* X,
                                                                        int K, float* C) {
   __m512 acc[RB][NT];
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   const uint8_t* w[RB];
-  const float* sc[RB];
+  const ScaleT<MX>* sc[RB];
   MOE_UNROLL for (int r = 0; r < RB; ++r) {
     w[r] = W + (r < nr ? r : 0) * ldw;
     sc[r] = S + (r < nr ? r : 0) * lds;
@@ -73,7 +94,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
       __m512i lo = decode<MX>(_mm512_and_si512(p, lo4x), lut);
       __m512i hi = decode<MX>(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), lut);
       if constexpr (MX) {
-        const __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(sc[r] + 2 * g));
+        const __m512 s4 = _mm512_castps128_ps512(mx_scales4(sc[r] + 2 * g));
         const __m512 slo = _mm512_permutexvar_ps(lo_lanes, s4), shi = _mm512_permutexvar_ps(hi_lanes, s4);
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
           acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl[t], lo)), slo,
@@ -101,8 +122,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
       a[r] = decode<MX>(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
                                            _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1), lut);
       // lanes 0-7 hold elements 0-31 (low nibbles), 8-15 elements 32-63: mxfp4 scales them apart
-      s[r] = MX ? _mm512_insertf32x8(_mm512_set1_ps(sc[r][2 * g]), _mm256_set1_ps(sc[r][2 * g + 1]), 1)
-                : _mm512_set1_ps(sc[r][g]);
+      if constexpr (MX)
+        s[r] = _mm512_insertf32x8(_mm512_set1_ps(mx_scale(sc[r][2 * g])), _mm256_set1_ps(mx_scale(sc[r][2 * g + 1])), 1);
+      else
+        s[r] = _mm512_set1_ps(sc[r][g]);
     }
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512i xv = _mm512_loadu_si512(X[t] + i);
@@ -124,7 +147,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
 }
 
 template <bool MX>
-void mk_dispatch(const uint8_t* W, size_t ldw, size_t pf, const float* S, size_t lds, int nr, const uint8_t* const* X, int nt,
+void mk_dispatch(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr, const uint8_t* const* X, int nt,
                  int K, float* C) {
   switch (nt) {
     case 4: return mk<4, MX>(W, ldw, pf, S, lds, nr, X, K, C);
@@ -138,13 +161,13 @@ void mk_dispatch(const uint8_t* W, size_t ldw, size_t pf, const float* S, size_t
 constexpr int TB2 = 4;
 
 template <int NT, bool MX>
-__attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t ldw, size_t pf, const float* S,
+__attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S,
                                                        size_t lds, int nr, const uint8_t* const* X, int K, float* C) {
   __m256 acc[RB][NT];
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
   const uint8_t* w[RB];
-  const float* sc[RB];
+  const ScaleT<MX>* sc[RB];
   MOE_UNROLL for (int r = 0; r < RB; ++r) {
     w[r] = W + (r < nr ? r : 0) * ldw;
     sc[r] = S + (r < nr ? r : 0) * lds;
@@ -163,7 +186,7 @@ __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t
       const __m256i lo = decode<MX>(_mm256_and_si256(p, lo4), lut);
       const __m256i hi = decode<MX>(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), lut);
       if constexpr (MX) {
-        const __m256 slo = _mm256_broadcast_ss(sc[r] + 2 * g), shi = _mm256_broadcast_ss(sc[r] + 2 * g + 1);
+        const __m256 slo = _mm256_set1_ps(mx_scale(sc[r][2 * g])), shi = _mm256_set1_ps(mx_scale(sc[r][2 * g + 1]));
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
           acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(xl[t], lo), ones)),
                                       slo, acc[r][t]);
@@ -191,7 +214,7 @@ __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t
 }
 
 template <bool MX>
-void mk_avx2_dispatch(const uint8_t* W, size_t ldw, size_t pf, const float* S, size_t lds, int nr,
+void mk_avx2_dispatch(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr,
                       const uint8_t* const* X, int nt, int K, float* C) {
   switch (nt) {
     case 4: return mk_avx2<4, MX>(W, ldw, pf, S, lds, nr, X, K, C);
@@ -207,7 +230,7 @@ void gemm_rows_4bit(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
   const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
   const size_t pf = prefetch_rows(ldw, RB) * ldw;  // bytes ahead
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const float* Se = m.scale + size_t(e) * m.rows * scales;
+  const ScaleT<MX>* Se = reinterpret_cast<const ScaleT<MX>*>(m.scale) + size_t(e) * m.rows * scales;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
   const int tb = isa == Isa::Avx2 ? TB2 : TB;
   for (int r = r0; r < r1; r += RB) {
@@ -220,7 +243,7 @@ void gemm_rows_4bit(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
           for (int j = 0; j < nr; ++j) {
             const uint8_t* wr = We + size_t(r + j) * ldw;
             float acc = 0.f;
-            const float* sr = Se + size_t(r + j) * scales;
+            const ScaleT<MX>* sr = Se + size_t(r + j) * scales;
             auto value = [](int q) { return MX ? int32_t(MX4_LUT[q]) : int32_t(q) - 8; };
             for (int g = 0; g < groups; ++g) {
               int32_t lo = 0, hi = 0;  // elements 0-31 and 32-63 of the group
@@ -228,7 +251,10 @@ void gemm_rows_4bit(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
                 lo += value(wr[g * G / 2 + i] & 15) * X[s + t][g * G + i];
                 hi += value(wr[g * G / 2 + i] >> 4) * X[s + t][g * G + G / 2 + i];
               }
-              acc += MX ? float(lo) * sr[2 * g] + float(hi) * sr[2 * g + 1] : float(lo + hi) * sr[g];
+              if constexpr (MX)
+                acc += float(lo) * mx_scale(sr[2 * g]) + float(hi) * mx_scale(sr[2 * g + 1]);
+              else
+                acc += float(lo + hi) * sr[g];
             }
             C[t * RB + j] = acc;
           }

@@ -36,13 +36,14 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //         element i (low nibble) and i + 32 (high); scale = fp32 [E, rows, Kp/64];
 //         rowcorr = fp32 [E, rows]: 128 * sum_g scale_g * sum_{i in g} (q_i - 8)
 //   mxfp4: w as int4's (the same nibble order), but nibble c is the e2m1 code of 2 * value, i.e.
-//         {0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign (MX4_LUT); scale = fp32 [E, rows, Kp/32]: the block's
-//         2^(e - 127) / 2; rowcorr as int4's over those values. Bit-exact with the published weights.
+//         {0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign (MX4_LUT); scale = uint8 [E, rows, Kp/32]: the block's
+//         published exponent e (scale 2^(e - 127); the kernels use 2^(e - 128), 0 for e <= 1); rowcorr
+//         as int4's over those values. Bit-exact with the published weights, 4.25 bits a weight.
 // Both int formats take activations as u8 = q + 128 (VNNI multiplies unsigned by signed); the
 // +128 is taken back out with rowsum (int8) or rowcorr (int4), which depend on the row only.
 struct Matrix {
   const void* w;
-  const float* scale;
+  const float* scale;  // mxfp4: uint8 exponents, cast back by its kernels
   const int32_t* rowsum;
   const float* rowcorr;
   int rows, K, Kp;

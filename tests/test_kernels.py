@@ -63,7 +63,7 @@ def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
 
 def dequantized(op):
     """The weights exactly as the packed format stores them, back in fp32 [E, rows, K]."""
-    from moe_kernels.packing import INT4_GROUP, MX4_TWICE, MX_BLOCK
+    from moe_kernels.packing import INT4_GROUP, MX4_TWICE, MX_BLOCK, mx_scale
 
     def one(packed, K):
         data, scale, _, _ = packed
@@ -77,6 +77,7 @@ def dequantized(op):
             E, R, half = data.shape
             g = torch.cat([lo.view(E, R, -1, INT4_GROUP // 2), hi.view(E, R, -1, INT4_GROUP // 2)], -1)
             block = MX_BLOCK if op.fmt == "mxfp4" else INT4_GROUP
+            scale = mx_scale(scale) if op.fmt == "mxfp4" else scale
             w = (g.view(E, R, -1, block) * scale[..., None]).view(E, R, -1)
         return w[..., :K]
     gu = one(op.gu, op.hidden)
