@@ -4,6 +4,7 @@
 # checkpoints against transformers, deferral, batching, shared memory), the embedded bf16 model's
 # tokens on CUDA against the CPU and transformers, and decode/exchange figures on CUDA vs the CPU.
 #   bash scripts/gpu_check.sh          results under $OUT (default ./gpu-check), a summary on stdout
+#   BENCH=0 bash scripts/gpu_check.sh  the build and the tests only
 # Wheels in .whl/ (pip download ... for the machine's Python) are installed first: for what its image
 # lacks (grpcio-health-checking) or has too old (grpcio/protobuf the generated code wants).
 set -uo pipefail
@@ -31,8 +32,9 @@ $PY -c "import moe_kernels as m; print(\"kernel path\", m.PATH, m.native.cpu_fea
 step "tests, GPU service on cuda"
 MOE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
   tests/test_e2e_families.py tests/test_deferral.py tests/test_generate.py tests/test_shm.py \
-  tests/test_chunked_prefill.py tests/test_bad_requests.py >"$OUT/pytest.log" 2>&1
+  tests/test_chunked_prefill.py tests/test_bad_requests.py tests/test_real_configs.py >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?"; tail -25 "$OUT/pytest.log"
+[ "${BENCH:-1}" = 0 ] && { step done; exit 0; }
 
 step "embedded model: cuda vs cpu vs transformers"
 timeout 180 $PY scripts/gpu_agree.py >"$OUT/agree.log" 2>&1; echo "exit $?"; tail -16 "$OUT/agree.log"
