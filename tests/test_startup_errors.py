@@ -59,12 +59,20 @@ def test_expert_service_never_up(tmp_path, checkpoints):
     assert_clean_failure(p, "not ready")
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe"])
 def test_families_not_supported_yet_are_refused_by_name(model_type, checkpoints):
     from moe_core.config import ModelConfigError, parse_config
 
     raw = {**json.loads((checkpoints["mixtral"] / "config.json").read_text()), "model_type": model_type}
     with pytest.raises(ModelConfigError, match=f"unsupported architecture model_type='{model_type}'"):
+        parse_config(raw)
+
+
+def test_gpt_oss_layer_types_must_name_each_layer(checkpoints):
+    from moe_core.config import ModelConfigError, parse_config
+
+    raw = {**json.loads((checkpoints["gpt_oss"] / "config.json").read_text()), "layer_types": ["chunked_attention"] * 3}
+    with pytest.raises(ModelConfigError, match="layer_types"):
         parse_config(raw)
 
 
