@@ -2,6 +2,7 @@
 Knows nothing about the model's forward pass."""
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
 
@@ -45,8 +46,16 @@ class TextCodec:
         def raise_exception(msg):
             raise ValueError(f"chat: {msg}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        # what transformers' apply_chat_template gives templates (gpt-oss's harmony template uses
+        # strftime_now, others loop controls and a tojson that keeps non-ASCII text)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
         text = env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=True, bos_token=self._special("bos_token"),
             eos_token=self._special("eos_token"))

@@ -89,6 +89,29 @@ def test_chat_template(svc):
     assert chunks[-1].usage.prompt_tokens == want
 
 
+def test_chat_templates_get_what_transformers_gives_them(checkpoints, tmp_path):
+    """strftime_now (gpt-oss's harmony template dates its system message), loop controls, a tojson that
+    keeps non-ASCII text: rendered as transformers' apply_chat_template renders them."""
+    import json
+    import shutil
+
+    import transformers
+
+    from gpu_service.text import TextCodec
+    d = tmp_path / "tpl"
+    shutil.copytree(checkpoints["qwen3_moe"], d)
+    template = ("{{ strftime_now('%Y') }}|{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                "{{ m['content'] | tojson }};{% endfor %}")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    messages = [{"role": "user", "content": "Grüße"}, {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "never"}]
+    want = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json")).apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    codec = TextCodec(d)
+    assert codec.tok.decode(codec.render_chat(messages)) == want and "Grüße" in want and "never" not in want
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(prompt="x", max_tokens=0), "max_tokens"),
     (dict(prompt="x", max_tokens=10**6), "max_tokens"),
