@@ -76,7 +76,7 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
                 if e % RELEASE_EVERY == 0:
                     ckpt.close()
                 bar.update(1)
-                if cfg.model_type == "gpt_oss":
+                if cfg.fused_experts:
                     return fused_expert(cfg, ckpt, layer, e)
                 return tuple(ckpt.get(n) for n in cfg.expert_tensor_names(layer, e))
 

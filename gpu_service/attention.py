@@ -79,7 +79,7 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False)
     K, V = cache.append(layer, start, k.transpose(0, 1), v.transpose(0, 1), dim=1)  # [kv, L, d] each
-    window, sinks = cfg.window(layer), W.get(p + "sinks")
+    window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks
         o = windowed_attention(q, K, V, start, window, sinks, d ** -0.5)
         return linear(o.reshape(t, nh * d), W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))

@@ -130,7 +130,7 @@ class ModelConfig:
         """Checkpoint names of one routed expert's (gate [I,H], up [I,H], down [H,I]) weights (gpt-oss:
         every expert's in one tensor each: gate_up_proj [E, H, 2I], gate and up columns interleaved,
         and down_proj [E, I, H]; expert_service.store slices them)."""
-        if self.model_type == "gpt_oss":
+        if self.fused_experts:
             p = f"model.layers.{layer}.mlp.experts."
             return p + "gate_up_proj", p + "gate_up_proj", p + "down_proj"
         if self.model_type in MIXTRAL_NAMES:
@@ -138,6 +138,11 @@ class ModelConfig:
             return p + "w1.weight", p + "w3.weight", p + "w2.weight"
         p = f"model.layers.{layer}.mlp.experts.{expert}."
         return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    @property
+    def fused_experts(self) -> bool:
+        """Every expert of a layer in one tensor per projection (gpt-oss), not one tensor per expert."""
+        return self.model_type == "gpt_oss"
 
     @property
     def ffn_prefix(self) -> str:
@@ -223,7 +228,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         if raw.get("use_sliding_window") or (mt == "mixtral" and raw.get("sliding_window")):
             raise ModelConfigError("sliding-window attention is not supported")
         glm, minimax, oss = mt == "glm4_moe", mt == "minimax_m2", mt == "gpt_oss"
-        routing = {}
+        fields = {}  # what the family sets beyond the common GQA ones
         if oss:  # every layer MoE; attention sinks and alternating sliding windows; biased experts
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
             types = tuple(raw.get("layer_types") or  # transformers' default: sliding first, then alternating
@@ -231,7 +236,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
                 raise ModelConfigError(f"gpt_oss layer_types {list(types)}: one of sliding_attention | "
                                        f"full_attention per layer ({n_layers})")
-            routing = dict(scoring="topk_softmax", router_name="router", expert_bias=True, attn_sinks=True,
+            fields = dict(scoring="topk_softmax", router_name="router", expert_bias=True, attn_sinks=True,
                            sliding_window=int(raw.get("sliding_window") or 0), layer_types=types,
                            expert_act=ExpertAct("clamped_swiglu", float(raw.get("swiglu_alpha", 1.702)),
                                                 float(raw.get("swiglu_limit", 7.0))))
@@ -239,11 +244,11 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             if raw.get("scoring_func", "sigmoid") != "sigmoid":
                 raise ModelConfigError(f"minimax_m2 with scoring_func={raw['scoring_func']!r} is not supported (sigmoid)")
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
-            routing = dict(scoring="sigmoid", topk_method="noaux_tc")
+            fields = dict(scoring="sigmoid", topk_method="noaux_tc")
         elif glm:  # DeepSeek-V3's MoE (dense first layers, shared experts, noaux_tc sigmoid routing) on GQA
             moe_layers = tuple(range(int(raw.get("first_k_dense_replace", 0)), n_layers))
             moe_inter = int(raw["moe_intermediate_size"])
-            routing = dict(shared_intermediate_size=moe_inter * int(raw.get("n_shared_experts") or 0),
+            fields = dict(shared_intermediate_size=moe_inter * int(raw.get("n_shared_experts") or 0),
                            scoring="sigmoid", topk_method="noaux_tc", n_group=int(raw.get("n_group") or 1),
                            topk_group=int(raw.get("topk_group") or 1),
                            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
@@ -255,7 +260,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             moe_layers = tuple(i for i in range(n_layers) if i not in skip and (i + 1) % step == 0)
             moe_inter = int(raw["moe_intermediate_size"])
             if mt == "qwen2_moe":
-                routing = dict(shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)))
+                fields = dict(shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)))
         partial = float(rope_params.get("partial_rotary_factor") or raw.get("partial_rotary_factor")
                         or (int(raw["rotary_dim"]) / head_dim if raw.get("rotary_dim") else 1.0))
         cfg = ModelConfig(
@@ -267,7 +272,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
             shared_expert_gate=mt == "qwen2_moe",
             norm_topk_prob=True if mt in MIXTRAL_NAMES else bool(raw.get("norm_topk_prob", glm)),
-            **routing,
+            **fields,
         )
     if cfg.n_routed_experts <= 0 or not (0 < cfg.top_k <= cfg.n_routed_experts):
         raise ModelConfigError(f"bad MoE shape: {cfg.n_routed_experts} experts, top-{cfg.top_k}")

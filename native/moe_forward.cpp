@@ -300,8 +300,10 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     gemm_rows(isa, m.fmt, m.gate_up, e, r0, std::min(2 * I, r0 + b1), sub(xs, e), start[e + 1] - s0,
               gu.data() + size_t(s0) * 2 * I, 2 * I);
   });
-  std::vector<int> expert_of(S);  // the expert of each slot (slots are grouped by expert)
-  for (int e = 0; e < E; ++e) std::fill(expert_of.begin() + start[e], expert_of.begin() + start[e + 1], e);
+  // the expert of each slot (slots are grouped by expert): only biased experts (gpt-oss) need it
+  std::vector<int> expert_of(m.gate_up_bias || m.down_bias ? S : 0);
+  if (!expert_of.empty())
+    for (int e = 0; e < E; ++e) std::fill(expert_of.begin() + start[e], expert_of.begin() + start[e + 1], e);
   tp.parallel_for(S, [&](int s) {
     float* g = gu.data() + size_t(s) * 2 * I;
     if (m.gate_up_bias) {

@@ -15,8 +15,6 @@ import os
 
 import torch
 
-from moe_core.config import SILU, ExpertAct
-
 from .torch_moe import FORMATS as TORCH_DTYPES, TorchMoELayer
 
 log = logging.getLogger("expert_service.kernels")
@@ -44,28 +42,21 @@ def kernel_path(fmt: str) -> str:
     return NATIVE_PATH if native(fmt) else "torch"
 
 
-def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None, act: ExpertAct = SILU,
-             gate_up_bias=None, down_bias=None):
+def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None):
     return MoELayerFromExperts(gate.shape[0], gate.shape[1], gate.shape[2], lambda e: (gate[e], up[e], down[e]),
-                               fmt, threads, act, gate_up_bias, down_bias)
+                               fmt, threads)
 
 
-def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None,
-                        act: ExpertAct = SILU, gate_up_bias=None, down_bias=None):
-    """The same operator, built expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]);
-    act, and biases [E, 2I] (gate then up) and [E, H]: gpt-oss's experts (set_extras)."""
+def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None):
+    """The same operator, built expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]), floats or
+    published MXFP4 (packing.Mx4). gpt-oss's activation and biases: the operator's set_extras."""
     if native(fmt):
-        op = NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads)
-    elif fmt in ("int8", "int4", "mxfp4"):
+        return NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads)
+    if fmt in ("int8", "int4", "mxfp4"):
         raise ValueError(f"weight format {fmt} needs the native kernels, which are not built")
-    elif fmt not in TORCH_DTYPES:
+    if fmt not in TORCH_DTYPES:
         raise ValueError(f"unknown weight format {fmt!r} (native: {NATIVE_FORMATS}, torch: {tuple(TORCH_DTYPES)})")
-    else:
-        dt = TORCH_DTYPES[fmt]
-        # cast as read (published MXFP4 dequantized): no full-precision copy of the layer
-        parts = [tuple((t.dequantize() if hasattr(t, "dequantize") else t).to(dt) for t in load(e))
-                 for e in range(E)]
-        op = TorchMoELayer(*(torch.stack([p[i] for p in parts]) for i in range(3)), fmt=fmt, threads=threads)
-    if act != SILU or gate_up_bias is not None or down_bias is not None:
-        op.set_extras(act, gate_up_bias, down_bias)
-    return op
+    dt = TORCH_DTYPES[fmt]
+    # cast as read (published MXFP4 dequantized): no full-precision copy of the layer
+    parts = [tuple((t.dequantize() if hasattr(t, "dequantize") else t).to(dt) for t in load(e)) for e in range(E)]
+    return TorchMoELayer(*(torch.stack([p[i] for p in parts]) for i in range(3)), fmt=fmt, threads=threads)
