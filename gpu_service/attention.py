@@ -18,11 +18,27 @@ SCORE_BYTES = 256 << 20  # MLA: most bytes of attention scores held at once (hea
 
 
 class KVCache:
-    """One sequence's cache: per layer, a few buffers grown by doubling along their position dim."""
+    """One sequence's cache: per layer, a few buffers grown by doubling along their position dim; for
+    linear-attention layers (Qwen3-Next) a fixed-size state instead.
+
+    A state is replaced, not appended to, so a step stages its new states and `commit` installs them
+    once the whole forward pass is done: a step that fails half way (and is retried) leaves the
+    sequence as it was, as KV entries written at fixed positions do."""
 
     def __init__(self, num_layers: int):
         self.bufs: list[list[torch.Tensor] | None] = [None] * num_layers
+        self.states: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers  # as of `length`
+        self.staged: dict[int, tuple[torch.Tensor, ...]] = {}
         self.length = 0  # tokens stored (the same for every layer once a step completes)
+
+    def stage(self, layer: int, *state: torch.Tensor) -> None:
+        self.staged[layer] = state
+
+    def commit(self, length: int) -> None:
+        for layer, state in self.staged.items():
+            self.states[layer] = state
+        self.staged.clear()
+        self.length = length
 
     def append(self, layer: int, start: int, *xs: torch.Tensor, dim: int = 0) -> list[torch.Tensor]:
         """Write xs (t positions along `dim` each) at positions start..start+t-1; return views of
@@ -45,7 +61,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for layer in self.bufs if layer for b in layer)
+        return sum(b.nbytes for layer in self.bufs + self.states if layer for b in layer)
 
 
 def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
@@ -62,37 +78,44 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]."""
     t = x.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    nq = nh * d * (2 if cfg.attn_output_gate else 1)  # Qwen3-Next: each head's query, then its gate
     if p + QKV in W:  # packed for the native kernels as one matrix: one call instead of three
-        q, k, v = linear(x, W[p + QKV]).split([nh * d, nkv * d, nkv * d], dim=-1)
+        q, k, v = linear(x, W[p + QKV]).split([nq, nkv * d, nkv * d], dim=-1)
         q, k, v = (y if W.get(p + n + ".bias") is None else y + W[p + n + ".bias"]
                    for y, n in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
     else:
         q = linear(x, W[p + "q_proj.weight"], W.get(p + "q_proj.bias"))
         k = linear(x, W[p + "k_proj.weight"], W.get(p + "k_proj.bias"))
         v = linear(x, W[p + "v_proj.weight"], W.get(p + "v_proj.bias"))
+    gate = None
+    if cfg.attn_output_gate:
+        q, gate = q.view(t, nh, 2 * d).chunk(2, dim=-1)
+        gate = gate.reshape(t, nh * d)
     if cfg.qk_norm_full:
         q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
     q, k, v = q.reshape(t, nh, d), k.reshape(t, nkv, d), v.reshape(t, nkv, d)
     if cfg.qk_norm:
-        q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
+        q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
     q, k = apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False)
     K, V = cache.append(layer, start, k.transpose(0, 1), v.transpose(0, 1), dim=1)  # [kv, L, d] each
     window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks
         o = windowed_attention(q, K, V, start, window, sinks, d ** -0.5)
-        return linear(o.reshape(t, nh * d), W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
-    if t == 1 and x.device.type == "cpu":
+    elif t == 1 and x.device.type == "cpu":
         # decode on the CPU: torch's SDPA kernel takes ~200 ms for one query over 8k keys (32 heads,
         # bf16, 2 cores); as matmuls over each KV head's query group it takes a few ms
         qg = q.view(nkv, nh // nkv, d)                                          # [kv, group, d]
         s = torch.matmul(qg, K.transpose(1, 2)) * d ** -0.5                     # [kv, group, L]
         o = torch.matmul(s.float().softmax(-1).to(q.dtype), V)                  # [kv, group, d]
-        return linear(o.reshape(1, nh * d), W[p + "o_proj.weight"])
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), K, V, attn_mask=_causal_mask(t, start, x.device),
-                                       enable_gqa=nkv != nh)
-    return linear(o.transpose(0, 1).reshape(t, nh * d), W[p + "o_proj.weight"])
+    else:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), K, V, attn_mask=_causal_mask(t, start, x.device),
+                                           enable_gqa=nkv != nh).transpose(0, 1)
+    o = o.reshape(t, nh * d)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
 
 
 def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, window: int,

@@ -10,9 +10,13 @@ import torch.nn.functional as F
 from moe_core.config import ModelConfig
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """offset: zero-centred weights (Qwen3-Next), x_normed * (1 + w) in fp32, then rounded, as
+    transformers does (the plain form rounds x_normed first, then multiplies)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 

@@ -22,6 +22,7 @@ from moe_core.routing import split_deferred
 from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel needs moe_kernels anyway
 
 from .attention import QKV, KVCache, gqa_attention, mla_attention
+from .linear_attention import gated_deltanet
 from .layers import linear, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
 
 log = logging.getLogger("gpu_service.model")
@@ -44,8 +45,8 @@ class Segment:
 
 # weights used as plain x W^T, which --dense-format packs for the native kernels: attention projections
 # (not MLA's kv_b_proj, used in absorbed form), dense MLPs and shared experts; lm_head too
-DENSE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|gate_proj|up_proj|down_proj)"
-                   r"\.weight$")
+DENSE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|gate_proj|up_proj|down_proj"
+                   r"|in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.weight$")
 
 
 GATE_UP = "gate_up_proj.weight"
@@ -160,6 +161,14 @@ class Model:
             off += t
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def _linear_attention(self, p: str, x, segments: list[Segment], layer: int) -> torch.Tensor:
+        outs, off = [], 0
+        for s in segments:
+            t = s.tokens.shape[0]
+            outs.append(gated_deltanet(self.cfg, self.W, p, x[off:off + t], s.cache, layer))
+            off += t
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
     def _shared(self, p: str, x: torch.Tensor) -> torch.Tensor | None:
         cfg, W = self.cfg, self.W
         if cfg.shared_intermediate_size == 0:
@@ -201,10 +210,14 @@ class Model:
         pending = None  # the MoE layer whose deferred result is still outstanding
         for L in range(cfg.num_layers):
             p = f"model.layers.{L}."
-            x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            h = h + self._attention(p + "self_attn.", x, cos, sin, segments, L)
-            t = mark("attention", L, t)
-            x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+            if cfg.is_linear_attention(L):
+                h = h + self._linear_attention(p + "linear_attn.", x, segments, L)
+                t = mark("linear_attention", L, t)
+            else:
+                h = h + self._attention(p + "self_attn.", x, cos, sin, segments, L)
+                t = mark("attention", L, t)
+            x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
             fp = p + cfg.ffn_prefix + "."
             if not cfg.is_moe_layer(L):
                 h = h + self._mlp(fp, x)
@@ -231,7 +244,7 @@ class Model:
                 y = y + late.to(device=self.device, dtype=h.dtype, non_blocking=True)
             pending = L if d else None
             h = h + (y + shared if shared is not None else y)
-        h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps)
+        h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
         rows, off = [torch.zeros(0, dtype=torch.long)], 0
         for s in segments:
             n = s.tokens.shape[0]
@@ -241,8 +254,8 @@ class Model:
                 rows.append(torch.arange(off, off + n) if s.all_logits else torch.tensor([off + n - 1]))
             off += n
         sel = torch.cat(rows).to(self.device)
-        for s in segments:
-            s.cache.length = s.start + s.tokens.shape[0]
+        for s in segments:  # the step is complete: its linear-attention states replace the old ones
+            s.cache.commit(s.start + s.tokens.shape[0])
         logits = linear(h[sel], self.lm_head).float()
         mark("lm_head", -1, t)
         return logits

@@ -2,8 +2,9 @@
 
 Supported families (transformers' implementations are the numerical reference):
 deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), glm4_moe, minimax_m2,
-gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_moe, qwen2_moe
-(gated shared expert), mixtral. Anything else is refused with a clear message.
+gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_next (gated DeltaNet
+linear attention beside gated full attention), qwen3_moe, qwen2_moe (gated shared expert), mixtral.
+Anything else is refused with a clear message.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ class ModelConfigError(ValueError):
     """The checkpoint directory or its config.json cannot be served."""
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_moe", "qwen2_moe",
+             "mixtral")
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.E.w1 / w3 / w2
 QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them), "
                    "mxfp4 (gpt_oss's experts as OpenAI publishes them: _blocks and _scales)")
@@ -65,6 +67,21 @@ SILU = ExpertAct()
 
 
 @dataclasses.dataclass(frozen=True)
+class DeltaNet:
+    """The gated DeltaNet (linear attention) layers' shape (Qwen3-Next): q/k heads of k_dim, v heads
+    of v_dim (v_heads a multiple of k_heads), a causal depthwise conv of conv_kernel taps over q, k, v."""
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -88,7 +105,11 @@ class ModelConfig:
     rotary_dim: int = 0                # GQA: rotate only the first rotary_dim dims of a head (GLM); 0 = all
     attn_sinks: bool = False           # gpt-oss: a learned per-head logit in every softmax (self_attn.sinks)
     sliding_window: int = 0            # gpt-oss: a query sees its last sliding_window keys in the layers ...
-    layer_types: tuple[str, ...] = ()  # ... that layer_types marks "sliding_attention" (others: all keys)
+    layer_types: tuple[str, ...] = ()  # ... that layer_types marks "sliding_attention" (others: all keys);
+                                       # Qwen3-Next: "linear_attention" (gated DeltaNet) | "full_attention"
+    linear_attn: DeltaNet | None = None  # Qwen3-Next's linear attention layers
+    attn_output_gate: bool = False     # Qwen3-Next: q_proj also gives a per-head gate, o *= sigmoid(gate)
+    norm_offset: bool = False          # Qwen3-Next: zero-centred RMSNorm weights, x_normed * (1 + w)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -125,6 +146,9 @@ class ModelConfig:
         """Keys a query of this layer sees (itself and the ones before it); 0 = all."""
         sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else 0
+
+    def is_linear_attention(self, layer: int) -> bool:
+        return self.linear_attn is not None and self.layer_types[layer] == "linear_attention"
 
     def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         """Checkpoint names of one routed expert's (gate [I,H], up [I,H], down [H,I]) weights (gpt-oss:
@@ -178,6 +202,26 @@ def _eos(raw: dict, model_dir: pathlib.Path) -> tuple[int, ...]:
     return tuple(ids) if isinstance(ids, list) else (int(ids),)
 
 
+def _qwen3_next(raw: dict, n_layers: int) -> dict:
+    """Qwen3-Next's hybrid layers: gated DeltaNet in the layers layer_types marks linear_attention
+    (default: three of every full_attention_interval), gated full attention in the rest."""
+    every = int(raw.get("full_attention_interval", 4))
+    types = tuple(raw.get("layer_types") or
+                  ("full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)))
+    if len(types) != n_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ModelConfigError(f"qwen3_next layer_types {list(types)}: one of linear_attention | full_attention "
+                               f"per layer ({n_layers})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"qwen3_next hidden_act {raw['hidden_act']!r} is not supported (silu)")
+    shape = DeltaNet(int(raw.get("linear_num_key_heads", 16)), int(raw.get("linear_num_value_heads", 32)),
+                     int(raw.get("linear_key_head_dim", 128)), int(raw.get("linear_value_head_dim", 128)),
+                     int(raw.get("linear_conv_kernel_dim", 4)))
+    if shape.v_heads % shape.k_heads or shape.conv_kernel < 1:
+        raise ModelConfigError(f"qwen3_next linear attention: {shape.v_heads} value heads are not a multiple of "
+                               f"{shape.k_heads} key heads, or conv kernel {shape.conv_kernel} < 1")
+    return dict(layer_types=types, linear_attn=shape, attn_output_gate=True, norm_offset=True)
+
+
 def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfig:
     mt = raw.get("model_type")
     if mt not in SUPPORTED:
@@ -227,7 +271,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // n_heads)
         if raw.get("use_sliding_window") or (mt == "mixtral" and raw.get("sliding_window")):
             raise ModelConfigError("sliding-window attention is not supported")
-        glm, minimax, oss = mt == "glm4_moe", mt == "minimax_m2", mt == "gpt_oss"
+        glm, minimax, oss, nxt = mt == "glm4_moe", mt == "minimax_m2", mt == "gpt_oss", mt == "qwen3_next"
         fields = {}  # what the family sets beyond the common GQA ones
         if oss:  # every layer MoE; attention sinks and alternating sliding windows; biased experts
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
@@ -259,18 +303,20 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             skip = set(raw.get("mlp_only_layers") or [])
             moe_layers = tuple(i for i in range(n_layers) if i not in skip and (i + 1) % step == 0)
             moe_inter = int(raw["moe_intermediate_size"])
-            if mt == "qwen2_moe":
+            if mt in ("qwen2_moe", "qwen3_next"):
                 fields = dict(shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)))
+            if nxt:
+                fields.update(_qwen3_next(raw, n_layers))
         partial = float(rope_params.get("partial_rotary_factor") or raw.get("partial_rotary_factor")
                         or (int(raw["rotary_dim"]) / head_dim if raw.get("rotary_dim") else 1.0))
         cfg = ModelConfig(
             **common, attention="gqa", num_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
             head_dim=head_dim, rope_interleave=False, rotary_dim=int(head_dim * partial) if partial < 1 else 0,
             qkv_bias=(mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
-            or ((glm or oss) and bool(raw.get("attention_bias"))),
-            qk_norm=mt == "qwen3_moe" or (glm and bool(raw.get("use_qk_norm"))), qk_norm_full=minimax,
+            or ((glm or oss or nxt) and bool(raw.get("attention_bias"))),
+            qk_norm=mt in ("qwen3_moe", "qwen3_next") or (glm and bool(raw.get("use_qk_norm"))), qk_norm_full=minimax,
             moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
-            shared_expert_gate=mt == "qwen2_moe",
+            shared_expert_gate=mt in ("qwen2_moe", "qwen3_next"),
             norm_topk_prob=True if mt in MIXTRAL_NAMES else bool(raw.get("norm_topk_prob", glm)),
             **fields,
         )

@@ -112,7 +112,7 @@ def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, path, ckpt, wan
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "glm4_moe",
-                                    "minimax_m2", "gpt_oss"])
+                                    "minimax_m2", "gpt_oss", "qwen3_next"])
 def test_every_family_runs_with_native_dense_layers(family, checkpoints):
     """GQA's q/k/v fused into one packed matrix (qwen2_moe: with biases), gate/up of dense MLPs and shared
     experts into another, MLA's projections one by one: logits close to the same weights on torch's fp32
@@ -137,5 +137,9 @@ def test_every_family_runs_with_native_dense_layers(family, checkpoints):
     model, got = run("bf16")
     assert any(k.endswith(QKV) for k in model.W) == (cfg.attention != "mla")
     assert not any(k.endswith((".gate_proj.weight", ".up_proj.weight")) for k in model.W)  # fused into gate_up
+    if cfg.linear_attn:  # Qwen3-Next's DeltaNet projections are packed too
+        packed = [w for k, w in model.W.items() if k.endswith(("in_proj_qkvz.weight", "linear_attn.out_proj.weight"))]
+        assert len(packed) == 2 * cfg.layer_types.count("linear_attention")
+        assert not any(isinstance(w, torch.Tensor) for w in packed)
     # bf16 weights and activations against fp32: measured 0.3-1.9% (qwen2_moe the most)
     assert ((got - ref).norm() / ref.norm()).item() < 0.03

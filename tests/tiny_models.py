@@ -33,6 +33,12 @@ FAMILIES = {
         vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=3, rotary_dim=8,
         max_position_embeddings=512)),
+    # 4 layers: three gated DeltaNet, then gated full attention; a dense MLP layer (mlp_only_layers)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=512)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -82,6 +88,11 @@ def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, sh
             for n, w in model.named_parameters():
                 if n.endswith("bias"):
                     w.copy_(torch.randn_like(w) * 0.2)
+    if family == "qwen3_next":  # zero-centred norms start at 0 and the gated norm at 1: make them matter
+        with torch.no_grad():
+            for n, w in model.named_parameters():
+                if n.endswith("norm.weight") or n.endswith("dt_bias"):
+                    w.add_(torch.randn_like(w) * 0.3)
     out.mkdir(parents=True, exist_ok=True)
     if shards > 1:
         total = sum(p.numel() * p.element_size() for p in model.parameters())
