@@ -79,8 +79,8 @@ class Model:
         for name in ckpt.names(lambda n: not is_routed_expert_tensor(n)):
             if cancel is not None and cancel.is_set():
                 raise InterruptedError("loading cancelled")
-            if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers:
-                continue  # e.g. DeepSeek-V3's multi-token-prediction layer: not used for decoding
+            if name.startswith("mtp.") or (name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers):
+                continue  # multi-token-prediction layers (DeepSeek-V3's, Qwen3-Next's mtp.*): not used to decode
             fuse = dense_format and FUSED_PART.search(name) and not (cfg.attention == "mla" and "self_attn" in name)
             pack = dense_format and (DENSE.search(name) or name == "lm_head.weight")
             # an FP8 weight is dequantized straight to what it becomes (bf16 packing keeps bf16: the same

@@ -23,8 +23,9 @@ def score(stub, ids, **kw):
     return stub.Score(generate_pb2.ScoreRequest(token_ids=generate_pb2.TokenIds(ids=ids), **kw), timeout=300)
 
 
-def test_chunked_prefill_matches_transformers_and_unchunked(checkpoints, services_factory):
-    d = checkpoints["deepseek_v3"]
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])  # qwen3_next: the DeltaNet state across chunks
+def test_chunked_prefill_matches_transformers_and_unchunked(family, checkpoints, services_factory):
+    d = checkpoints[family]
     torch.manual_seed(3)
     prompt = torch.randint(2, 320, (300,)).tolist()
     ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()

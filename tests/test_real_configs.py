@@ -1,7 +1,7 @@
 """Published configurations, at reduced width (tools/synth_checkpoint.py): DeepSeek-V3 as published
 (FP8 block-quantized weights with float32 scale_inv, YaRN, 163840 positions, 129280 ids),
-Qwen3-30B-A3B (151936 ids, 40960 positions), GLM-4.5-Air and gpt-oss-20b (MXFP4 experts, 201088 ids,
-131072 positions). Each starts with default flags, and generates exactly transformers' greedy tokens
+Qwen3-30B-A3B (151936 ids, 40960 positions), GLM-4.5-Air, gpt-oss-20b (MXFP4 experts, 201088 ids,
+131072 positions) and Qwen3-Next-80B-A3B (DeltaNet layers, 262144 positions, its mtp.* layer beside). Each starts with default flags, and generates exactly transformers' greedy tokens
 on the same (dequantized) weights in fp32, past the first 64 positions.
 Other quantization methods are refused at start by both services, naming the method."""
 from __future__ import annotations
@@ -35,6 +35,10 @@ NARROW = {
                         num_key_value_heads=2, head_dim=16, sliding_window=32),  # a 70-token prompt crosses it
     "qwen3-30b-a3b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
                           num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "qwen3-next-80b-a3b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
+                               num_experts_per_tok=4, shared_expert_intermediate_size=32, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=16, linear_value_head_dim=16),
 }
 
 
@@ -101,15 +105,15 @@ def test_mxfp4_reads_as_transformers_dequantizes():
 
 
 @pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("qwen3-30b-a3b", None),
-                                        ("glm-4.5-air", None), ("gpt-oss-20b", None)],
+                                        ("glm-4.5-air", None), ("gpt-oss-20b", None), ("qwen3-next-80b-a3b", None)],
                          ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "qwen3-30b-a3b", "glm-4.5-air",
-                              "gpt-oss-20b-mxfp4"])
+                              "gpt-oss-20b-mxfp4", "qwen3-next-80b-a3b"])
 def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
     extra = {}
     if block:
         extra["quantization_config"] = {**synth_checkpoint.PRESETS[arch]["quantization_config"],
                                         "weight_block_size": block}
-    d = synth(arch, tmp_path / "ckpt", layers=3, **extra)
+    d = synth(arch, tmp_path / "ckpt", layers=4 if arch.startswith("qwen3-next") else 3, **extra)  # next: 3 + 1 full
     cfg = json.loads((d / "config.json").read_text())
     # default flags: starts (message limits from the real vocabulary and context) and serves
     s = services_factory(d)

@@ -7,6 +7,7 @@ benchmarking real-size behaviour without the real weights.
     python tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out /tmp/qwen3
     python tools/synth_checkpoint.py --arch glm-4.5-air --layers 4 --out /tmp/glm   # 1 dense + 3 MoE
     python tools/synth_checkpoint.py --arch gpt-oss-20b --layers 4 --out /tmp/oss   # MXFP4 experts
+    python tools/synth_checkpoint.py --arch qwen3-next-80b-a3b --layers 4 --out /tmp/next  # 3 DeltaNet + 1 full
     python tools/synth_checkpoint.py --arch deepseek-v3 --layers 2 --set hidden_size=64 ... --out DIR  # narrow
 
 Tensors are generated and written one shard at a time (at most --shard-mb in memory). FP8
@@ -60,7 +61,6 @@ PRESETS = {
         "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16",
         "use_cache": True, "use_qk_norm": False, "vocab_size": 151552,
     },
-    # Qwen/Qwen3-30B-A3B config.json
     # openai/gpt-oss-20b config.json: routed experts in MXFP4 (_blocks, _scales), the rest bf16
     "gpt-oss-20b": {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
@@ -78,6 +78,7 @@ PRESETS = {
         "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088,
     },
+    # Qwen/Qwen3-30B-A3B config.json
     "qwen3-30b-a3b": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
@@ -89,6 +90,21 @@ PRESETS = {
         "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
     },
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 3 of every 4 layers gated DeltaNet; mtp.* (its
+    # multi-token-prediction layer) is published beside the model and not used to decode
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+        "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144, "mlp_only_layers": [], "moe_intermediate_size": 512,
+        "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10,
+        "num_hidden_layers": 48, "num_key_value_heads": 2, "output_router_logits": False,
+        "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
+        "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    },
 }
 
 
@@ -98,10 +114,15 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     H, V, out = c["hidden_size"], c["vocab_size"], []
     proj = lambda name, rows, cols: out.append((name, (rows, cols), "proj"))  # noqa: E731
     layers = c["num_hidden_layers"] + (c.get("num_nextn_predict_layers") or 0)
+    nxt = c["model_type"] == "qwen3_next"
     out.append(("model.embed_tokens.weight", (V, H), "embed"))
-    for L in range(layers):
+    for L in range(layers + nxt):
         p = f"model.layers.{L}."
-        if L >= c["num_hidden_layers"]:  # DeepSeek's multi-token-prediction layer (not used to decode)
+        if nxt and L == layers:  # Qwen3-Next's multi-token-prediction module: one full-attention layer
+            p = "mtp.layers.0."
+            out += [("mtp.fc.weight", (H, 2 * H), "embed"), ("mtp.norm.weight", (H,), "norm"),
+                    ("mtp.pre_fc_norm_embedding.weight", (H,), "norm"), ("mtp.pre_fc_norm_hidden.weight", (H,), "norm")]
+        if L >= c["num_hidden_layers"] and not nxt:  # DeepSeek's multi-token-prediction layer (not used to decode)
             out += [(p + "embed_tokens.weight", (V, H), "embed"), (p + "enorm.weight", (H,), "norm"),
                     (p + "hnorm.weight", (H,), "norm"), (p + "shared_head.norm.weight", (H,), "norm"),
                     (p + "shared_head.head.weight", (V, H), "embed")]
@@ -122,28 +143,38 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
         else:
             nh, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
             glm = c["model_type"] == "glm4_moe"
-            for n, rows in (("q_proj", nh * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
-                proj(a + n + ".weight", rows, H)
-                if c.get("attention_bias"):
-                    out.append((a + n + ".bias", (rows,), "proj_bias"))
-            proj(a + "o_proj.weight", H, nh * hd)
-            if c["model_type"] == "gpt_oss":  # o_proj's bias and the sinks; every layer MoE, experts fused
-                out += [(a + "o_proj.bias", (H,), "proj_bias"), (a + "sinks", (nh,), "proj_bias")]
-                E, I, m = c["num_local_experts"], c["intermediate_size"], p + "mlp."
-                out += [(m + "router.weight", (E, H), "router"), (m + "router.bias", (E,), "proj_bias")]
-                for n, rows, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
-                    out += [(m + f"experts.{n}_blocks", (E, rows, k // 32, 16), "mx_blocks"),
-                            (m + f"experts.{n}_scales", (E, rows, k // 32), "mx_scales"),
-                            (m + f"experts.{n}_bias", (E, rows), "proj_bias")]
-                continue
-            if not glm or c.get("use_qk_norm"):
-                out += [(a + "q_norm.weight", (hd,), "norm"), (a + "k_norm.weight", (hd,), "norm")]
+            if nxt and L < layers and _linear_attention(c, L):  # a gated DeltaNet layer
+                la, nk, nv = p + "linear_attn.", c["linear_num_key_heads"], c["linear_num_value_heads"]
+                dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+                proj(la + "in_proj_qkvz.weight", 2 * nk * dk + 2 * nv * dv, H)
+                proj(la + "in_proj_ba.weight", 2 * nv, H)
+                out += [(la + "conv1d.weight", (2 * nk * dk + nv * dv, 1, c["linear_conv_kernel_dim"]), "conv"),
+                        (la + "dt_bias", (nv,), "norm"), (la + "A_log", (nv,), "log_decay"),
+                        (la + "norm.weight", (dv,), "norm")]
+                proj(la + "out_proj.weight", H, nv * dv)
+            else:  # q_proj: Qwen3-Next's gives each head's query and its output gate
+                for n, rows in (("q_proj", nh * hd * (2 if nxt else 1)), ("k_proj", kv * hd), ("v_proj", kv * hd)):
+                    proj(a + n + ".weight", rows, H)
+                    if c.get("attention_bias"):
+                        out.append((a + n + ".bias", (rows,), "proj_bias"))
+                proj(a + "o_proj.weight", H, nh * hd)
+                if c["model_type"] == "gpt_oss":  # o_proj's bias and the sinks; every layer MoE, experts fused
+                    out += [(a + "o_proj.bias", (H,), "proj_bias"), (a + "sinks", (nh,), "proj_bias")]
+                    E, I, m = c["num_local_experts"], c["intermediate_size"], p + "mlp."
+                    out += [(m + "router.weight", (E, H), "router"), (m + "router.bias", (E,), "proj_bias")]
+                    for n, rows, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+                        out += [(m + f"experts.{n}_blocks", (E, rows, k // 32, 16), "mx_blocks"),
+                                (m + f"experts.{n}_scales", (E, rows, k // 32), "mx_scales"),
+                                (m + f"experts.{n}_bias", (E, rows), "proj_bias")]
+                    continue
+                if not glm or c.get("use_qk_norm"):
+                    out += [(a + "q_norm.weight", (hd,), "norm"), (a + "k_norm.weight", (hd,), "norm")]
             if glm:  # DeepSeek-V3's MoE layout
                 moe = L >= c["first_k_dense_replace"]
                 E, shared = c["n_routed_experts"], c["moe_intermediate_size"] * c["n_shared_experts"]
             else:
                 moe = L not in (c.get("mlp_only_layers") or []) and (L + 1) % c.get("decoder_sparse_step", 1) == 0
-                E, shared = c["num_experts"], 0
+                E, shared = c["num_experts"], (c["shared_expert_intermediate_size"] if nxt else 0)
         m = p + "mlp."
         if not moe:
             for n, (r, k) in (("gate_proj", (c["intermediate_size"], H)), ("up_proj", (c["intermediate_size"], H)),
@@ -158,12 +189,20 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
         out.append((m + "gate.weight", (E, H), "router"))
         if c["model_type"] in ("deepseek_v3", "glm4_moe"):
             out.append((m + "gate.e_score_correction_bias", (E,), "bias"))
-        if shared:
-            proj(m + "shared_experts.gate_proj.weight", shared, H)
-            proj(m + "shared_experts.up_proj.weight", shared, H)
-            proj(m + "shared_experts.down_proj.weight", H, shared)
+        if shared:  # Qwen's one gated shared_expert, DeepSeek's shared_experts
+            se = m + ("shared_expert." if nxt else "shared_experts.")
+            proj(se + "gate_proj.weight", shared, H)
+            proj(se + "up_proj.weight", shared, H)
+            proj(se + "down_proj.weight", H, shared)
+            if nxt:
+                out.append((m + "shared_expert_gate.weight", (1, H), "router"))
     out += [("model.norm.weight", (H,), "norm"), ("lm_head.weight", (V, H), "embed")]
     return out
+
+
+def _linear_attention(c: dict, layer: int) -> bool:
+    types = c.get("layer_types")
+    return types[layer] == "linear_attention" if types else (layer + 1) % c.get("full_attention_interval", 4) != 0
 
 
 def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,6 +227,10 @@ def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch
         return {name: (0.1 * torch.rand(shape, generator=gen)).float()}  # published as fp32
     if kind == "proj_bias":
         return {name: (0.1 * torch.randn(shape, generator=gen)).to(dtype)}
+    if kind == "conv":  # DeltaNet's depthwise conv taps
+        return {name: (0.5 * torch.randn(shape, generator=gen)).to(dtype)}
+    if kind == "log_decay":  # A_log: decay rates 1..16 as transformers initializes them
+        return {name: (1 + 15 * torch.rand(shape, generator=gen)).log().to(dtype)}
     if kind == "mx_blocks":  # any e2m1 codes
         return {name: torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)}
     if kind == "mx_scales":  # 2^-6..2^-4: values of std ~0.1 like the other weights'
@@ -238,7 +281,7 @@ def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
         c["num_hidden_layers"] = layers
         if c["model_type"] in ("deepseek_v3", "glm4_moe"):
             c["first_k_dense_replace"] = min(c["first_k_dense_replace"], layers - 1)
-        if "layer_types" in c:  # gpt-oss: one per layer
+        if "layer_types" in c:  # gpt-oss, Qwen3-Next: one per layer
             c["layer_types"] = c["layer_types"][:layers]
     c.update(overrides)
     return c
