@@ -28,11 +28,17 @@ class LoadCancelled(Exception):
 
 
 def fused_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int) -> tuple:
-    """gpt-oss keeps every expert of a layer in one tensor per projection: gate_up_proj [E, H, 2I] with
-    gate and up columns interleaved, down_proj [E, I, H]; as published, MXFP4 _blocks [E, rows, K/32, 16]
-    and _scales [E, rows, K/32] of the transposed matrices ([2I, H] with gate and up rows interleaved,
-    [H, I]). -> expert e's (gate [I, H], up [I, H], down [H, I]), floats or Mx4 (kept bit for bit)."""
-    gate_up_name, _, down_name = cfg.expert_tensor_names(layer, e)
+    """Every expert of a layer in one tensor per projection -> expert e's (gate [I, H], up [I, H],
+    down [H, I]), floats or Mx4 (kept bit for bit).
+    gpt-oss: gate_up_proj [E, H, 2I] with gate and up columns interleaved, down_proj [E, I, H]; as
+    published, MXFP4 _blocks [E, rows, K/32, 16] and _scales [E, rows, K/32] of the transposed matrices
+    ([2I, H] with gate and up rows interleaved, [H, I]).
+    Qwen3.5 as published (transformers' own layout): gate_up_proj [E, 2I, H], gate rows then up rows,
+    down_proj [E, H, I]."""
+    gate_up_name, down_name = cfg.stacked_expert_names(layer)
+    if not cfg.fused_experts:
+        gu, I = ckpt.get_row(gate_up_name, e), cfg.moe_intermediate_size
+        return gu[:I], gu[I:], ckpt.get_row(down_name, e)
     if cfg.mxfp4_experts:
         gu, dn = (Mx4.from_blocks(ckpt.get_row(n + "_blocks", e), ckpt.get_row(n + "_scales", e))
                   for n in (gate_up_name, down_name))
@@ -71,12 +77,14 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
 
     with bar:
         for i, layer in enumerate(cfg.moe_layers):
-            def load(e: int, layer=layer):
+            stacked = cfg.fused_experts or cfg.stacked_expert_names(layer)[0] in ckpt
+
+            def load(e: int, layer=layer, stacked=stacked):
                 check_cancel()
                 if e % RELEASE_EVERY == 0:
                     ckpt.close()
                 bar.update(1)
-                if cfg.fused_experts:
+                if stacked:
                     return fused_expert(cfg, ckpt, layer, e)
                 return tuple(ckpt.get(n) for n in cfg.expert_tensor_names(layer, e))
 

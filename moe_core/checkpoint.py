@@ -5,6 +5,8 @@ one at a time from the mmap'ed files, never the whole checkpoint into Python obj
 FP8 block-quantized checkpoints (quantization_config fp8, as DeepSeek-V3 publishes them) are
 dequantized here, one tensor at a time: get() returns e4m3 value x its block's `_scale_inv`
 in float32, and names() lists the weights without their scale companions.
+A vision-language checkpoint whose text model is served (Qwen3.5) is seen as that text model: its
+model.language_model.* weights named model.*, its vision tower (model.visual.*) left out.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfigError, fp8_block
+from .config import ModelConfigError, fp8_block, text_prefix
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"
@@ -54,9 +56,19 @@ class Checkpoint:
             for f in files:
                 with safe_open(f, framework="pt") as h:
                     weight_map.update({k: f.name for k in h.keys()})
-        self.weight_map: dict[str, str] = weight_map
         cfg = self.dir / "config.json"
-        self.fp8_block = fp8_block(json.loads(cfg.read_text())) if cfg.exists() else None
+        raw = json.loads(cfg.read_text()) if cfg.exists() else {}
+        self.stored: dict[str, str] = {}  # name used here -> name in the file, where they differ
+        prefix = text_prefix(raw)
+        if prefix:
+            for k in list(weight_map):
+                if k.startswith(prefix):
+                    self.stored["model." + k[len(prefix):]] = k
+                    weight_map["model." + k[len(prefix):]] = weight_map.pop(k)
+                elif k.startswith("model."):  # the vision tower
+                    del weight_map[k]
+        self.weight_map: dict[str, str] = weight_map
+        self.fp8_block = fp8_block(raw) if raw else None
         self._handles: dict[str, object] = {}
         self._stack = contextlib.ExitStack()
 
@@ -86,7 +98,7 @@ class Checkpoint:
     def _raw(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise ModelConfigError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
-        return self._handle(self.weight_map[name]).get_tensor(name)
+        return self._handle(self.weight_map[name]).get_tensor(self.stored.get(name, name))
 
     def get(self, name: str, fp8_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor as stored, or an FP8 one dequantized to fp8_dtype."""
@@ -103,10 +115,10 @@ class Checkpoint:
         """t[i] of a stored (not FP8) tensor t, reading only that slice (one expert of a fused tensor)."""
         if name not in self.weight_map:
             raise ModelConfigError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
-        return self._handle(self.weight_map[name]).get_slice(name)[i]
+        return self._handle(self.weight_map[name]).get_slice(self.stored.get(name, name))[i]
 
     def meta(self, name: str) -> tuple[list[int], str]:
-        s = self._handle(self.weight_map[name]).get_slice(name)
+        s = self._handle(self.weight_map[name]).get_slice(self.stored.get(name, name))
         return list(s.get_shape()), s.get_dtype()
 
     def close(self) -> None:

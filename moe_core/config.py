@@ -2,9 +2,10 @@
 
 Supported families (transformers' implementations are the numerical reference):
 deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), glm4_moe, minimax_m2,
-gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_next (gated DeltaNet
-linear attention beside gated full attention), qwen3_moe, qwen2_moe (gated shared expert), mixtral.
-Anything else is refused with a clear message.
+gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_next and qwen3_5_moe
+(gated DeltaNet linear attention beside gated full attention; Qwen3.5's text model, published inside
+its vision-language wrapper), qwen3_moe, qwen2_moe (gated shared expert), mixtral. Anything else is
+refused with a clear message.
 """
 from __future__ import annotations
 
@@ -17,11 +18,20 @@ class ModelConfigError(ValueError):
     """The checkpoint directory or its config.json cannot be served."""
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_moe", "qwen2_moe",
-             "mixtral")
+SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5_moe",
+             "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
+HYBRID = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # gated DeltaNet + gated full attention layers
+# vision-language wrappers whose text model is served (text in, text out): its config under text_config,
+# its weights under this prefix (model.visual.* is the vision tower, not loaded)
+TEXT_IN_WRAPPER = {"qwen3_5_moe": "model.language_model."}
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.E.w1 / w3 / w2
 QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them), "
                    "mxfp4 (gpt_oss's experts as OpenAI publishes them: _blocks and _scales)")
+
+
+def text_prefix(raw: dict) -> str | None:
+    """Where a vision-language checkpoint keeps its text model's weights (None: a text model)."""
+    return TEXT_IN_WRAPPER.get(raw.get("model_type"))
 
 
 def is_mxfp4(raw: dict) -> bool:
@@ -155,8 +165,8 @@ class ModelConfig:
         every expert's in one tensor each: gate_up_proj [E, H, 2I], gate and up columns interleaved,
         and down_proj [E, I, H]; expert_service.store slices them)."""
         if self.fused_experts:
-            p = f"model.layers.{layer}.mlp.experts."
-            return p + "gate_up_proj", p + "gate_up_proj", p + "down_proj"
+            gate_up, down = self.stacked_expert_names(layer)
+            return gate_up, gate_up, down
         if self.model_type in MIXTRAL_NAMES:
             p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
             return p + "w1.weight", p + "w3.weight", p + "w2.weight"
@@ -165,8 +175,15 @@ class ModelConfig:
 
     @property
     def fused_experts(self) -> bool:
-        """Every expert of a layer in one tensor per projection (gpt-oss), not one tensor per expert."""
+        """Every expert of a layer in one tensor per projection (gpt-oss), not one tensor per expert.
+        (Qwen3.5 publishes its experts stacked too, though transformers saves them one by one: the
+        expert service looks at the checkpoint, expert_service.store.)"""
         return self.model_type == "gpt_oss"
+
+    def stacked_expert_names(self, layer: int) -> tuple[str, str]:
+        """A layer's experts stacked in one tensor per projection: (gate_up_proj, down_proj)."""
+        p = f"model.layers.{layer}.mlp.experts."
+        return p + "gate_up_proj", p + "down_proj"
 
     @property
     def ffn_prefix(self) -> str:
@@ -203,21 +220,24 @@ def _eos(raw: dict, model_dir: pathlib.Path) -> tuple[int, ...]:
 
 
 def _qwen3_next(raw: dict, n_layers: int) -> dict:
-    """Qwen3-Next's hybrid layers: gated DeltaNet in the layers layer_types marks linear_attention
-    (default: three of every full_attention_interval), gated full attention in the rest."""
+    """Qwen3-Next's (and Qwen3.5's) hybrid layers: gated DeltaNet in the layers layer_types marks
+    linear_attention (default: three of every full_attention_interval), gated full attention in the rest."""
+    mt = raw["model_type"]
     every = int(raw.get("full_attention_interval", 4))
     types = tuple(raw.get("layer_types") or
                   ("full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)))
     if len(types) != n_layers or set(types) - {"linear_attention", "full_attention"}:
-        raise ModelConfigError(f"qwen3_next layer_types {list(types)}: one of linear_attention | full_attention "
+        raise ModelConfigError(f"{mt} layer_types {list(types)}: one of linear_attention | full_attention "
                                f"per layer ({n_layers})")
     if raw.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"qwen3_next hidden_act {raw['hidden_act']!r} is not supported (silu)")
+        raise ModelConfigError(f"{mt} hidden_act {raw['hidden_act']!r} is not supported (silu)")
+    if not raw.get("attn_output_gate", True):
+        raise ModelConfigError(f"{mt} with attn_output_gate=false is not supported")
     shape = DeltaNet(int(raw.get("linear_num_key_heads", 16)), int(raw.get("linear_num_value_heads", 32)),
                      int(raw.get("linear_key_head_dim", 128)), int(raw.get("linear_value_head_dim", 128)),
                      int(raw.get("linear_conv_kernel_dim", 4)))
     if shape.v_heads % shape.k_heads or shape.conv_kernel < 1:
-        raise ModelConfigError(f"qwen3_next linear attention: {shape.v_heads} value heads are not a multiple of "
+        raise ModelConfigError(f"{mt} linear attention: {shape.v_heads} value heads are not a multiple of "
                                f"{shape.k_heads} key heads, or conv kernel {shape.conv_kernel} < 1")
     return dict(layer_types=types, linear_attn=shape, attn_output_gate=True, norm_offset=True)
 
@@ -226,6 +246,11 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
     mt = raw.get("model_type")
     if mt not in SUPPORTED:
         raise ModelConfigError(f"unsupported architecture model_type={mt!r}; supported: {', '.join(SUPPORTED)}")
+    if mt in TEXT_IN_WRAPPER:  # the text model's config, with what the wrapper sets for the whole model
+        if not isinstance(raw.get("text_config"), dict):
+            raise ModelConfigError(f"{mt} config.json has no text_config")
+        top = {k: raw[k] for k in ("tie_word_embeddings", "quantization_config") if k in raw}
+        raw = {**raw["text_config"], **top, "model_type": mt}
     model_dir = model_dir or pathlib.Path(".")
     fp8_block(raw)  # an unsupported quantization is refused here (Checkpoint dequantizes fp8 as it reads)
     n_layers = int(raw["num_hidden_layers"])
@@ -271,7 +296,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // n_heads)
         if raw.get("use_sliding_window") or (mt == "mixtral" and raw.get("sliding_window")):
             raise ModelConfigError("sliding-window attention is not supported")
-        glm, minimax, oss, nxt = mt == "glm4_moe", mt == "minimax_m2", mt == "gpt_oss", mt == "qwen3_next"
+        glm, minimax, oss, nxt = mt == "glm4_moe", mt == "minimax_m2", mt == "gpt_oss", mt in HYBRID
         fields = {}  # what the family sets beyond the common GQA ones
         if oss:  # every layer MoE; attention sinks and alternating sliding windows; biased experts
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
@@ -303,7 +328,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             skip = set(raw.get("mlp_only_layers") or [])
             moe_layers = tuple(i for i in range(n_layers) if i not in skip and (i + 1) % step == 0)
             moe_inter = int(raw["moe_intermediate_size"])
-            if mt in ("qwen2_moe", "qwen3_next"):
+            if mt == "qwen2_moe" or nxt:
                 fields = dict(shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)))
             if nxt:
                 fields.update(_qwen3_next(raw, n_layers))
@@ -314,10 +339,11 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             head_dim=head_dim, rope_interleave=False, rotary_dim=int(head_dim * partial) if partial < 1 else 0,
             qkv_bias=(mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
             or ((glm or oss or nxt) and bool(raw.get("attention_bias"))),
-            qk_norm=mt in ("qwen3_moe", "qwen3_next") or (glm and bool(raw.get("use_qk_norm"))), qk_norm_full=minimax,
+            qk_norm=mt == "qwen3_moe" or nxt or (glm and bool(raw.get("use_qk_norm"))), qk_norm_full=minimax,
             moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
-            shared_expert_gate=mt in ("qwen2_moe", "qwen3_next"),
-            norm_topk_prob=True if mt in MIXTRAL_NAMES else bool(raw.get("norm_topk_prob", glm)),
+            shared_expert_gate=mt == "qwen2_moe" or nxt,
+            # Qwen3.5's router always renormalizes its top-k (the field is gone from its config)
+            norm_topk_prob=True if mt in MIXTRAL_NAMES or mt.startswith("qwen3_5") else bool(raw.get("norm_topk_prob", glm)),
             **fields,
         )
     if cfg.n_routed_experts <= 0 or not (0 < cfg.top_k <= cfg.n_routed_experts):

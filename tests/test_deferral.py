@@ -35,7 +35,8 @@ def deferring_reference(model, defer, skip=False):
 
 
 @pytest.mark.parametrize("family, defer", [("deepseek_v3", 2), ("qwen3_moe", 1), ("glm4_moe", 2),
-                                           ("minimax_m2", 1), ("gpt_oss", 1), ("qwen3_next", 1)])
+                                           ("minimax_m2", 1), ("gpt_oss", 1), ("qwen3_next", 1),
+                                           ("qwen3_5_moe", 1)])
 def test_deferral_matches_reference(family, defer, checkpoints, services_factory):
     d = checkpoints[family]
     ref = deferring_reference(transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval(), defer)

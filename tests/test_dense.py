@@ -112,7 +112,7 @@ def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, path, ckpt, wan
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "glm4_moe",
-                                    "minimax_m2", "gpt_oss", "qwen3_next"])
+                                    "minimax_m2", "gpt_oss", "qwen3_next", "qwen3_5_moe"])
 def test_every_family_runs_with_native_dense_layers(family, checkpoints):
     """GQA's q/k/v fused into one packed matrix (qwen2_moe: with biases), gate/up of dense MLPs and shared
     experts into another, MLA's projections one by one: logits close to the same weights on torch's fp32
@@ -127,7 +127,10 @@ def test_every_family_runs_with_native_dense_layers(family, checkpoints):
     d = checkpoints[family]
     cfg = load_config(d)
     experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 2))
-    prompt = torch.tensor([5, 17, 30, 41, 7, 99])
+    # a top-k choice whose scores tie within bf16's rounding can flip, and a flip of a heavy expert changes
+    # everything after it (17-25% here for deepseek_v3 and qwen3_5_moe on some of five prompts tried, with
+    # torch's own bf16 weights too): on this prompt no family has such a tie
+    prompt = torch.tensor([200, 17, 3, 41, 77, 9])
 
     def run(dense):
         model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32, dense_format=dense)
@@ -137,9 +140,10 @@ def test_every_family_runs_with_native_dense_layers(family, checkpoints):
     model, got = run("bf16")
     assert any(k.endswith(QKV) for k in model.W) == (cfg.attention != "mla")
     assert not any(k.endswith((".gate_proj.weight", ".up_proj.weight")) for k in model.W)  # fused into gate_up
-    if cfg.linear_attn:  # Qwen3-Next's DeltaNet projections are packed too
-        packed = [w for k, w in model.W.items() if k.endswith(("in_proj_qkvz.weight", "linear_attn.out_proj.weight"))]
+    if cfg.linear_attn:  # Qwen3-Next's (Qwen3.5's) DeltaNet projections are packed too
+        packed = [w for k, w in model.W.items()
+                  if k.endswith(("in_proj_qkvz.weight", "in_proj_qkv.weight", "linear_attn.out_proj.weight"))]
         assert len(packed) == 2 * cfg.layer_types.count("linear_attention")
         assert not any(isinstance(w, torch.Tensor) for w in packed)
-    # bf16 weights and activations against fp32: measured 0.3-1.9% (qwen2_moe the most)
+    # bf16 weights and activations against fp32: measured 0.4-1.6% (qwen3_next the most)
     assert ((got - ref).norm() / ref.norm()).item() < 0.03

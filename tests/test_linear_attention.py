@@ -114,13 +114,15 @@ def qwen3_next(checkpoints):
     return checkpoints["qwen3_next"]
 
 
-def test_chunked_prefill_carries_the_state(qwen3_next):
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_chunked_prefill_carries_the_state(family, checkpoints):
     """A 200-token prompt in steps of 24 tokens (chunk edges fall inside the rule's 64-token blocks)
     gives transformers' tokens."""
+    d = checkpoints[family]
     prompt = [(i * 37) % 300 + 2 for i in range(200)]
-    e = make_engine(qwen3_next, step_tokens=24)
+    e = make_engine(d, step_tokens=24)
     try:
-        assert run(e, [prompt], 12) == [hf_greedy(qwen3_next, prompt, 12)]
+        assert run(e, [prompt], 12) == [hf_greedy(d, prompt, 12)]
     finally:
         e.stop()
 

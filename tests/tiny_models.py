@@ -39,6 +39,13 @@ FAMILIES = {
         shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=512)),
+    # Qwen3.5 as published: the text model inside the vision-language wrapper (a one-block vision tower
+    # that the services leave out); DeltaNet's projections one per part; every layer MoE
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
+        vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, max_position_embeddings=512)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -51,6 +58,10 @@ FAMILIES = {
         vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512)),
 }
+
+WRAPPED = ("qwen3_5_moe",)  # vision-language wrappers: kw is the text config
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                   num_position_embeddings=16)
 
 CORPUS = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
           "The quick brown fox jumps over the lazy dog. Grüße aus Köln — 東京 ✓ ünïcödé\n") * 20
@@ -76,7 +87,10 @@ def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, sh
     import transformers
 
     cfg_name, model_name, kw = FAMILIES[family]
-    cfg = getattr(transformers, cfg_name)(**{"initializer_range": 0.1, **kw, **overrides, "bos_token_id": 0, "eos_token_id": 1})
+    kw = {"initializer_range": 0.1, **kw, **overrides, "bos_token_id": 0, "eos_token_id": 1}
+    if family in WRAPPED:
+        kw = dict(text_config=kw, vision_config=TINY_VISION)
+    cfg = getattr(transformers, cfg_name)(**kw)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).to(dtype).eval()
     # random init leaves the DeepSeek correction bias at zero: give it values so it matters
@@ -88,7 +102,7 @@ def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, sh
             for n, w in model.named_parameters():
                 if n.endswith("bias"):
                     w.copy_(torch.randn_like(w) * 0.2)
-    if family == "qwen3_next":  # zero-centred norms start at 0 and the gated norm at 1: make them matter
+    if family in ("qwen3_next", "qwen3_5_moe"):  # zero-centred norms start at 0 and the gated norm at 1: make them matter
         with torch.no_grad():
             for n, w in model.named_parameters():
                 if n.endswith("norm.weight") or n.endswith("dt_bias"):
