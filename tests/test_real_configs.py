@@ -1,7 +1,8 @@
 """Published configurations, at reduced width (tools/synth_checkpoint.py): DeepSeek-V3 as published
 (FP8 block-quantized weights with float32 scale_inv, YaRN, 163840 positions, 129280 ids),
 Qwen3-30B-A3B (151936 ids, 40960 positions), GLM-4.5-Air, gpt-oss-20b (MXFP4 experts, 201088 ids,
-131072 positions) and Qwen3-Next-80B-A3B (DeltaNet layers, 262144 positions, its mtp.* layer beside). Each starts with default flags, and generates exactly transformers' greedy tokens
+131072 positions), Qwen3-Next-80B-A3B (DeltaNet layers, 262144 positions, its mtp.* layer beside) and
+Qwen3.5-35B-A3B (the same inside a vision-language wrapper, experts stacked, 248320 ids). Each starts with default flags, and generates exactly transformers' greedy tokens
 on the same (dequantized) weights in fp32, past the first 64 positions.
 Other quantization methods are refused at start by both services, naming the method."""
 from __future__ import annotations
@@ -39,6 +40,11 @@ NARROW = {
                                num_experts_per_tok=4, shared_expert_intermediate_size=32, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                                linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3.5-35b-a3b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+                            shared_expert_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=16,
+                            vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, out_hidden_size=64)),
 }
 
 
@@ -105,20 +111,23 @@ def test_mxfp4_reads_as_transformers_dequantizes():
 
 
 @pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("qwen3-30b-a3b", None),
-                                        ("glm-4.5-air", None), ("gpt-oss-20b", None), ("qwen3-next-80b-a3b", None)],
+                                        ("glm-4.5-air", None), ("gpt-oss-20b", None), ("qwen3-next-80b-a3b", None),
+                                        ("qwen3.5-35b-a3b", None)],
                          ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "qwen3-30b-a3b", "glm-4.5-air",
-                              "gpt-oss-20b-mxfp4", "qwen3-next-80b-a3b"])
+                              "gpt-oss-20b-mxfp4", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b"])
 def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
     extra = {}
     if block:
         extra["quantization_config"] = {**synth_checkpoint.PRESETS[arch]["quantization_config"],
                                         "weight_block_size": block}
-    d = synth(arch, tmp_path / "ckpt", layers=4 if arch.startswith("qwen3-next") else 3, **extra)  # next: 3 + 1 full
+    hybrid = arch.startswith(("qwen3-next", "qwen3.5"))
+    d = synth(arch, tmp_path / "ckpt", layers=4 if hybrid else 3, **extra)  # hybrid: 3 DeltaNet + 1 full attention
     cfg = json.loads((d / "config.json").read_text())
     # default flags: starts (message limits from the real vocabulary and context) and serves
     s = services_factory(d)
     info = s.stub.Info(generate_pb2.ServerInfoRequest(), timeout=10)
-    assert info.max_context == cfg["max_position_embeddings"] and info.vocab_size == cfg["vocab_size"]
+    text = cfg.get("text_config", cfg)  # Qwen3.5: inside its vision-language wrapper
+    assert info.max_context == text["max_position_embeddings"] and info.vocab_size == text["vocab_size"]
     assert len(greedy(s.stub, [5, 9, 17], 4)) == 4
     if arch.startswith("gpt-oss"):  # its experts served as published
         assert "as mxfp4" in s.logs()

@@ -8,6 +8,7 @@ benchmarking real-size behaviour without the real weights.
     python tools/synth_checkpoint.py --arch glm-4.5-air --layers 4 --out /tmp/glm   # 1 dense + 3 MoE
     python tools/synth_checkpoint.py --arch gpt-oss-20b --layers 4 --out /tmp/oss   # MXFP4 experts
     python tools/synth_checkpoint.py --arch qwen3-next-80b-a3b --layers 4 --out /tmp/next  # 3 DeltaNet + 1 full
+    python tools/synth_checkpoint.py --arch qwen3.5-35b-a3b --layers 4 --out /tmp/q35  # inside its VL wrapper
     python tools/synth_checkpoint.py --arch deepseek-v3 --layers 2 --set hidden_size=64 ... --out DIR  # narrow
 
 Tensors are generated and written one shard at a time (at most --shard-mb in memory). FP8
@@ -105,16 +106,51 @@ PRESETS = {
         "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
     },
+    # Qwen/Qwen3.5-35B-A3B config.json: the text model inside a vision-language wrapper; its weights under
+    # model.language_model., experts stacked per layer; the vision tower (model.visual.) beside it
+    "qwen3.5-35b-a3b": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "image_token_id": 248056, "model_type": "qwen3_5_moe",
+        "text_config": {
+            "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True, "bos_token_id": 248044,
+            "dtype": "bfloat16", "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256,
+            "hidden_act": "silu", "hidden_size": 2048,
+            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_value_head_dim": 128, "mamba_ssm_dtype": "float32",
+            "max_position_embeddings": 262144, "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 512,
+            "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False, "num_attention_heads": 16,
+            "num_experts": 256, "num_experts_per_tok": 8, "num_hidden_layers": 40, "num_key_value_heads": 2,
+            "output_router_logits": False, "pad_token_id": None, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+            "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                                "rope_theta": 10000000, "rope_type": "default"},
+            "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "use_cache": True,
+            "vocab_size": 248320,
+        },
+        "tie_word_embeddings": False, "video_token_id": 248057,
+        "vision_config": {
+            "deepstack_visual_indexes": [], "depth": 27, "dtype": "bfloat16", "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 1152, "in_channels": 3, "intermediate_size": 4304, "model_type": "qwen3_5_moe_vision",
+            "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 2048, "patch_size": 16,
+            "spatial_merge_size": 2, "temporal_patch_size": 2,
+        },
+        "vision_end_token_id": 248054, "vision_start_token_id": 248053,
+    },
 }
 
 
 def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of every tensor, in the published order; kind: proj (an attention or MLP
     projection: quantized in FP8 checkpoints), norm, embed, router, bias."""
+    if "text_config" in c:  # a vision-language wrapper: the text model under model.language_model., the tower beside
+        text = tensor_specs({**c["text_config"], "model_type": c["model_type"]})
+        moved = [("model.language_model." + n[len("model."):] if n.startswith("model.") else n, sh, k)
+                 for n, sh, k in text]
+        return moved + _vision_specs(c["vision_config"])
     H, V, out = c["hidden_size"], c["vocab_size"], []
     proj = lambda name, rows, cols: out.append((name, (rows, cols), "proj"))  # noqa: E731
     layers = c["num_hidden_layers"] + (c.get("num_nextn_predict_layers") or 0)
-    nxt = c["model_type"] == "qwen3_next"
+    nxt = c["model_type"] in ("qwen3_next", "qwen3_5_moe")
+    split = c["model_type"] == "qwen3_5_moe"  # Qwen3.5: DeltaNet projections one per part, experts stacked
     out.append(("model.embed_tokens.weight", (V, H), "embed"))
     for L in range(layers + nxt):
         p = f"model.layers.{L}."
@@ -146,8 +182,13 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
             if nxt and L < layers and _linear_attention(c, L):  # a gated DeltaNet layer
                 la, nk, nv = p + "linear_attn.", c["linear_num_key_heads"], c["linear_num_value_heads"]
                 dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-                proj(la + "in_proj_qkvz.weight", 2 * nk * dk + 2 * nv * dv, H)
-                proj(la + "in_proj_ba.weight", 2 * nv, H)
+                if split:
+                    for n, rows in (("in_proj_qkv", 2 * nk * dk + nv * dv), ("in_proj_z", nv * dv), ("in_proj_b", nv),
+                                    ("in_proj_a", nv)):
+                        proj(la + n + ".weight", rows, H)
+                else:
+                    proj(la + "in_proj_qkvz.weight", 2 * nk * dk + 2 * nv * dv, H)
+                    proj(la + "in_proj_ba.weight", 2 * nv, H)
                 out += [(la + "conv1d.weight", (2 * nk * dk + nv * dv, 1, c["linear_conv_kernel_dim"]), "conv"),
                         (la + "dt_bias", (nv,), "norm"), (la + "A_log", (nv,), "log_decay"),
                         (la + "norm.weight", (dv,), "norm")]
@@ -173,7 +214,7 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 moe = L >= c["first_k_dense_replace"]
                 E, shared = c["n_routed_experts"], c["moe_intermediate_size"] * c["n_shared_experts"]
             else:
-                moe = L not in (c.get("mlp_only_layers") or []) and (L + 1) % c.get("decoder_sparse_step", 1) == 0
+                moe = L not in (c.get("mlp_only_layers") or []) and (L + 1) % (c.get("decoder_sparse_step") or 1) == 0
                 E, shared = c["num_experts"], (c["shared_expert_intermediate_size"] if nxt else 0)
         m = p + "mlp."
         if not moe:
@@ -182,7 +223,9 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 proj(m + n + ".weight", r, k)
             continue
         I = c["moe_intermediate_size"]
-        for e in range(E):
+        if split and p.startswith("model."):  # stacked: gate_up_proj [E, 2I, H] (gate rows, then up), down [E, H, I]
+            out += [(m + "experts.gate_up_proj", (E, 2 * I, H), "proj"), (m + "experts.down_proj", (E, H, I), "proj")]
+        for e in range(0 if split and p.startswith("model.") else E):
             proj(m + f"experts.{e}.gate_proj.weight", I, H)
             proj(m + f"experts.{e}.up_proj.weight", I, H)
             proj(m + f"experts.{e}.down_proj.weight", H, I)
@@ -198,6 +241,25 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 out.append((m + "shared_expert_gate.weight", (1, H), "router"))
     out += [("model.norm.weight", (H,), "norm"), ("lm_head.weight", (V, H), "embed")]
     return out
+
+
+def _vision_specs(v: dict) -> list:
+    """The vision tower of a Qwen3.5 checkpoint (the services leave it out; written so that they must)."""
+    d, D, p = v["hidden_size"], v["intermediate_size"], "model.visual."
+    patch = (d, v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"])
+    out = [(p + "patch_embed.proj.weight", patch, "proj_bias"), (p + "patch_embed.proj.bias", (d,), "proj_bias"),
+           (p + "pos_embed.weight", (v["num_position_embeddings"], d), "embed")]
+    for i in range(v["depth"]):
+        b = f"{p}blocks.{i}."
+        for n, shape in (("attn.qkv", (3 * d, d)), ("attn.proj", (d, d)), ("mlp.linear_fc1", (D, d)),
+                         ("mlp.linear_fc2", (d, D))):
+            out += [(b + n + ".weight", shape, "proj_bias"), (b + n + ".bias", shape[:1], "proj_bias")]
+        out += [(b + n, (d,), "norm") for n in ("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias")]
+    m, merged = p + "merger.", d * v["spatial_merge_size"] ** 2
+    return out + [(m + "norm.weight", (d,), "norm"), (m + "norm.bias", (d,), "norm"),
+                  (m + "linear_fc1.weight", (merged, merged), "proj_bias"), (m + "linear_fc1.bias", (merged,), "proj_bias"),
+                  (m + "linear_fc2.weight", (v["out_hidden_size"], merged), "proj_bias"),
+                  (m + "linear_fc2.bias", (v["out_hidden_size"],), "proj_bias")]
 
 
 def _linear_attention(c: dict, layer: int) -> bool:
@@ -220,7 +282,8 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor,
 
 def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
     name, shape, kind = spec
-    dtype = getattr(torch, {"bfloat16": "bfloat16", "float16": "float16"}.get(c.get("torch_dtype"), "float32"))
+    stored = c.get("torch_dtype") or c.get("dtype") or (c.get("text_config") or {}).get("dtype")
+    dtype = getattr(torch, {"bfloat16": "bfloat16", "float16": "float16"}.get(stored, "float32"))
     if kind == "norm":
         return {name: (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)}
     if kind == "bias":
@@ -276,7 +339,12 @@ def write(c: dict, out: pathlib.Path, std: float, seed: int, shard_mb: int) -> p
 
 
 def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
-    c = json.loads(json.dumps(PRESETS[arch]))
+    """The preset with `layers` decoder layers and the fields in overrides set (a vision-language wrapper's
+    go to its text_config, but vision_config, which replaces the tower's)."""
+    top = json.loads(json.dumps(PRESETS[arch]))
+    c = top.get("text_config", top)
+    if "vision_config" in overrides:
+        top["vision_config"] = {**top["vision_config"], **overrides.pop("vision_config")}
     if layers is not None:
         c["num_hidden_layers"] = layers
         if c["model_type"] in ("deepseek_v3", "glm4_moe"):
@@ -284,7 +352,7 @@ def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
         if "layer_types" in c:  # gpt-oss, Qwen3-Next: one per layer
             c["layer_types"] = c["layer_types"][:layers]
     c.update(overrides)
-    return c
+    return top
 
 
 def main(argv=None) -> None:
@@ -304,7 +372,7 @@ def main(argv=None) -> None:
         overrides[k] = json.loads(v)
     c = config_of(a.arch, a.layers, overrides)
     out = write(c, pathlib.Path(a.out), a.std, a.seed, a.shard_mb)
-    print(f"wrote {out}: {c['model_type']}, {c['num_hidden_layers']} layers")
+    print(f"wrote {out}: {c['model_type']}, {c.get('text_config', c)['num_hidden_layers']} layers")
 
 
 if __name__ == "__main__":
