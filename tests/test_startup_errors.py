@@ -59,13 +59,31 @@ def test_expert_service_never_up(tmp_path, checkpoints):
     assert_clean_failure(p, "not ready")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["llama4", "kimi_linear"])
 def test_families_not_supported_yet_are_refused_by_name(model_type, checkpoints):
     from moe_core.config import ModelConfigError, parse_config
 
     raw = {**json.loads((checkpoints["mixtral"] / "config.json").read_text()), "model_type": model_type}
     with pytest.raises(ModelConfigError, match=f"unsupported architecture model_type='{model_type}'"):
         parse_config(raw)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]}, "layer_types"),
+    ({"attn_output_gate": False}, "attn_output_gate=false is not supported"),
+    ({"linear_num_value_heads": 3}, "not a multiple"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+])
+def test_hybrid_variants_that_do_not_fit_are_refused(change, message, checkpoints):
+    from moe_core.config import ModelConfigError, parse_config
+
+    raw = {**json.loads((checkpoints["qwen3_next"] / "config.json").read_text()), **change}
+    with pytest.raises(ModelConfigError, match=message):
+        parse_config(raw)
+    wrapped = json.loads((checkpoints["qwen3_5_moe"] / "config.json").read_text())
+    wrapped["text_config"].update(change)
+    with pytest.raises(ModelConfigError, match=message):
+        parse_config(wrapped)
 
 
 def test_gpt_oss_layer_types_must_name_each_layer(checkpoints):
