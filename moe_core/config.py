@@ -53,7 +53,7 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
         raise ModelConfigError(f"quantization_config.quant_method {method!r} is not supported for model_type "
                                f"{raw.get('model_type')!r}; supported: none (bf16/fp16/fp32 weights) or {QUANT_SUPPORTED}")
     fmt, block = q.get("fmt", "e4m3"), q.get("weight_block_size")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # DeepSeek writes the one, MiniMax-M2 the other
         raise ModelConfigError(f"quantization_config.fmt {fmt!r} is not supported (fp8 checkpoints: e4m3)")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ModelConfigError(f"quantization_config.weight_block_size {block!r}: fp8 checkpoints need [rows, cols] "

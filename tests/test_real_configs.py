@@ -1,7 +1,7 @@
 """Published configurations, at reduced width (tools/synth_checkpoint.py): DeepSeek-V3 as published
 (FP8 block-quantized weights with float32 scale_inv, YaRN, 163840 positions, 129280 ids),
 Qwen3-30B-A3B (151936 ids, 40960 positions), GLM-4.5-Air, gpt-oss-20b (MXFP4 experts, 201088 ids,
-131072 positions), Qwen3-Next-80B-A3B (DeltaNet layers, 262144 positions, its mtp.* layer beside) and
+131072 positions), MiniMax-M2 (FP8 as published, 200064 ids, 196608 positions), Qwen3-Next-80B-A3B (DeltaNet layers, 262144 positions, its mtp.* layer beside) and
 Qwen3.5-35B-A3B (the same inside a vision-language wrapper, experts stacked, 248320 ids). Each starts with default flags, and generates exactly transformers' greedy tokens
 on the same (dequantized) weights in fp32, past the first 64 positions.
 Other quantization methods are refused at start by both services, naming the method."""
@@ -34,6 +34,8 @@ NARROW = {
                         num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "gpt-oss-20b": dict(hidden_size=64, intermediate_size=64, num_local_experts=8, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, sliding_window=32),  # a 70-token prompt crosses it
+    "minimax-m2": dict(hidden_size=64, intermediate_size=32, num_local_experts=16, num_experts_per_tok=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=8),
     "qwen3-30b-a3b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
                           num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "qwen3-next-80b-a3b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
@@ -69,6 +71,7 @@ def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     save_file(tensors, str(out / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
     cfg.pop("quantization_config", None)
+    cfg.pop("use_mtp", None)  # MiniMax-M2's: transformers' generate() would look for MTP weights to draft with
     cfg["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(cfg))
     return out
@@ -112,9 +115,9 @@ def test_mxfp4_reads_as_transformers_dequantizes():
 
 @pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("qwen3-30b-a3b", None),
                                         ("glm-4.5-air", None), ("gpt-oss-20b", None), ("qwen3-next-80b-a3b", None),
-                                        ("qwen3.5-35b-a3b", None)],
+                                        ("qwen3.5-35b-a3b", None), ("minimax-m2", [16, 16])],
                          ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "qwen3-30b-a3b", "glm-4.5-air",
-                              "gpt-oss-20b-mxfp4", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b"])
+                              "gpt-oss-20b-mxfp4", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "minimax-m2-fp8"])
 def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
     extra = {}
     if block:

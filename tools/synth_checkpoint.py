@@ -7,6 +7,7 @@ benchmarking real-size behaviour without the real weights.
     python tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out /tmp/qwen3
     python tools/synth_checkpoint.py --arch glm-4.5-air --layers 4 --out /tmp/glm   # 1 dense + 3 MoE
     python tools/synth_checkpoint.py --arch gpt-oss-20b --layers 4 --out /tmp/oss   # MXFP4 experts
+    python tools/synth_checkpoint.py --arch minimax-m2 --layers 2 --out /tmp/m2     # FP8, as published
     python tools/synth_checkpoint.py --arch qwen3-next-80b-a3b --layers 4 --out /tmp/next  # 3 DeltaNet + 1 full
     python tools/synth_checkpoint.py --arch qwen3.5-35b-a3b --layers 4 --out /tmp/q35  # inside its VL wrapper
     python tools/synth_checkpoint.py --arch deepseek-v3 --layers 2 --set hidden_size=64 ... --out DIR  # narrow
@@ -78,6 +79,25 @@ PRESETS = {
                                                 "truncate": False},
         "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088,
+    },
+    # MiniMaxAI/MiniMax-M2 config.json as public copies of it give it (not read from the hub here; its
+    # bos/eos ids left out, unconfirmed): FP8 block-quantized with fmt written "float8_e4m3fn"; Mixtral's
+    # tensor names, sigmoid routing with a correction bias, QK-norm over all heads, half-rotary heads
+    # (the services do not build its multi-token-prediction modules)
+    "minimax-m2": {
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "attn_type_list": [1] * 62,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072,
+        "intermediate_size": 1536, "max_position_embeddings": 196608, "mtp_transformer_layers": 1,
+        "norm_topk_prob": True, "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62,
+        "num_key_value_heads": 8, "num_local_experts": 256, "num_mtp_modules": 3, "output_router_logits": False,
+        "partial_rotary_factor": 0.5, "qk_norm_type": "per_layer",
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                                "weight_block_size": [128, 128],
+                                "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]},
+        "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64, "router_aux_loss_coef": 0.001,
+        "router_jitter_noise": 0.0, "scoring_func": "sigmoid", "shared_intermediate_size": 0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_mtp": True,
+        "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064,
     },
     # Qwen/Qwen3-30B-A3B config.json
     "qwen3-30b-a3b": {
@@ -151,6 +171,7 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     layers = c["num_hidden_layers"] + (c.get("num_nextn_predict_layers") or 0)
     nxt = c["model_type"] in ("qwen3_next", "qwen3_5_moe")
     split = c["model_type"] == "qwen3_5_moe"  # Qwen3.5: DeltaNet projections one per part, experts stacked
+    minimax = c["model_type"] == "minimax_m2"
     out.append(("model.embed_tokens.weight", (V, H), "embed"))
     for L in range(layers + nxt):
         p = f"model.layers.{L}."
@@ -208,9 +229,13 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                                 (m + f"experts.{n}_scales", (E, rows, k // 32), "mx_scales"),
                                 (m + f"experts.{n}_bias", (E, rows), "proj_bias")]
                     continue
-                if not glm or c.get("use_qk_norm"):
+                if minimax:  # one norm over all heads' q (k)
+                    out += [(a + "q_norm.weight", (nh * hd,), "norm"), (a + "k_norm.weight", (kv * hd,), "norm")]
+                elif not glm or c.get("use_qk_norm"):
                     out += [(a + "q_norm.weight", (hd,), "norm"), (a + "k_norm.weight", (hd,), "norm")]
-            if glm:  # DeepSeek-V3's MoE layout
+            if minimax:  # every layer MoE, Mixtral's names (below)
+                moe, E, shared = True, c["num_local_experts"], 0
+            elif glm:  # DeepSeek-V3's MoE layout
                 moe = L >= c["first_k_dense_replace"]
                 E, shared = c["n_routed_experts"], c["moe_intermediate_size"] * c["n_shared_experts"]
             else:
@@ -221,6 +246,13 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
             for n, (r, k) in (("gate_proj", (c["intermediate_size"], H)), ("up_proj", (c["intermediate_size"], H)),
                               ("down_proj", (H, c["intermediate_size"]))):
                 proj(m + n + ".weight", r, k)
+            continue
+        if minimax:
+            m, I = p + "block_sparse_moe.", c["intermediate_size"]
+            for e in range(E):
+                for n, (r, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+                    proj(m + f"experts.{e}.{n}.weight", r, k)
+            out += [(m + "gate.weight", (E, H), "router"), (m + "e_score_correction_bias", (E,), "bias")]
             continue
         I = c["moe_intermediate_size"]
         if split and p.startswith("model."):  # stacked: gate_up_proj [E, 2I, H] (gate rows, then up), down [E, H, I]
@@ -349,8 +381,9 @@ def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
         c["num_hidden_layers"] = layers
         if c["model_type"] in ("deepseek_v3", "glm4_moe"):
             c["first_k_dense_replace"] = min(c["first_k_dense_replace"], layers - 1)
-        if "layer_types" in c:  # gpt-oss, Qwen3-Next: one per layer
-            c["layer_types"] = c["layer_types"][:layers]
+        for k in ("layer_types", "attn_type_list"):  # gpt-oss, Qwen3-Next, MiniMax-M2: one per layer
+            if k in c:
+                c[k] = c[k][:layers]
     c.update(overrides)
     return top
 
