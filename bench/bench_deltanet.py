@@ -2,7 +2,8 @@
 (16 q/k heads, 32 v heads, 128 dims), gpu_service.linear_attention against transformers' torch
 implementation on the same inputs, interleaved, medians of --reps:
 
-- prefill of t tokens (the chunked form), carrying a state in;
+- prefill of t tokens (the chunked form), carrying a state in, and the share of the fp32 FMA peak
+  (probed in the same run, CPU) its matrix products reach;
 - decode of one token (the recurrence), and the time its state traffic (S read and written, fp32,
   2 MiB a layer) takes at the DRAM read bandwidth probed in the same run (CPU only).
 
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_restart import cpu_name  # noqa: E402
-from gpu_service.linear_attention import delta_rule  # noqa: E402
+from gpu_service.linear_attention import CHUNK, delta_rule  # noqa: E402
 
 NK, NV, D = 16, 32, 128
 
@@ -39,6 +40,13 @@ def inputs(t: int, device, dtype, seed=0):
     S = torch.randn(NV, D, D, generator=g) * 0.1
     cast = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
     return cast(q), cast(k), cast(v), decay.to(device), beta.to(device), S.to(device)
+
+
+def chunked_flops(t: int) -> int:
+    """Floating-point operations of the chunked form's matrix products and triangular solves for t tokens."""
+    C, n = CHUNK, -(-t // CHUNK)
+    per_head_chunk = 2 * C * C * D * 2 + C * C * D * 2 + 2 * C * D * D * 2 + 2 * C * C * D + 2 * D * C * D
+    return NV * n * per_head_chunk
 
 
 def timed(fn, sync) -> float:
@@ -63,8 +71,13 @@ def main() -> None:
     dev, dtype = torch.device(a.device), {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
+    peak = None
+    if dev.type == "cpu":
+        from moe_kernels import native
+        native.init_pool(torch.get_num_threads())
+        peak = max(native.fma_peak_flops(10_000_000) for _ in range(5))
     print(f"{where}; {torch.get_num_threads()} threads; q/k/v in {a.dtype}, state fp32; {NK} q/k heads, {NV} v heads, "
-          f"{D} dims")
+          f"{D} dims" + (f"; fp32 FMA peak {peak / 1e9:.0f} GFLOP/s" if peak else ""))
 
     @torch.inference_mode()
     def ours(q, k, v, g, b, S):
@@ -85,7 +98,8 @@ def main() -> None:
             mine.append(timed(lambda: ours(*x), sync))
             ref.append(timed(lambda: theirs(*x, hf.torch_chunk_gated_delta_rule), sync))
         m, r = statistics.median(mine), statistics.median(ref)
-        print(f"prefill {t:5} tokens: {m * 1e3:8.1f} ms ours, {r * 1e3:8.1f} ms transformers' torch_chunk "
+        share = f", {chunked_flops(t) / m / peak:.0%} of the FMA peak" if peak else ""
+        print(f"prefill {t:5} tokens: {m * 1e3:8.1f} ms ours{share}, {r * 1e3:8.1f} ms transformers' torch_chunk "
               f"({r / m:.2f}x); max |difference| {err:.1e}")
     x = inputs(1, dev, dtype)
     (o1, S1), (o2, S2) = ours(*x), theirs(*x, hf.torch_recurrent_gated_delta_rule)
@@ -98,8 +112,6 @@ def main() -> None:
     line = (f"decode 1 token: {m * 1e6:.0f} us ours, {r * 1e6:.0f} us transformers' torch_recurrent ({r / m:.2f}x); "
             f"max |difference| {err:.1e}")
     if dev.type == "cpu":
-        from moe_kernels import native
-        native.init_pool(torch.get_num_threads())
         probe = torch.ones(1 << 28)
         bw = statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
         floor = 2 * NV * D * D * 4 / bw  # the state read once and written once
