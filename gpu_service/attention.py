@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_core.config import ModelConfig
+from moe_kernels import attention as native_attention
 
 from .layers import apply_rope, linear, rms_norm
 
@@ -74,8 +75,9 @@ def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
 
 
 def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: KVCache, layer: int,
-                  start: int) -> torch.Tensor:
-    """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]."""
+                  start: int, native: bool = False) -> torch.Tensor:
+    """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]. native: decode on the native
+    kernel where it takes the cache (bf16 on the CPU; moe_kernels.attention)."""
     t = x.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nq = nh * d * (2 if cfg.attn_output_gate else 1)  # Qwen3-Next: each head's query, then its gate
@@ -103,6 +105,8 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks
         o = windowed_attention(q, K, V, start, window, sinks, d ** -0.5)
+    elif t == 1 and native and native_attention.supported(K):
+        o = native_attention.decode_attention(q[0], K, V, d ** -0.5).to(q.dtype)  # [nh, d]
     elif t == 1 and x.device.type == "cpu":
         # decode on the CPU: torch's SDPA kernel takes ~200 ms for one query over 8k keys (32 heads,
         # bf16, 2 cores); as matmuls over each KV head's query group it takes a few ms

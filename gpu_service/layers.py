@@ -102,7 +102,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 # -- routers: hidden [T, H] -> (topk_ids [T, k] int32, topk_weights [T, k] fp32) ---------------
-def route(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def packs_router(cfg: ModelConfig) -> bool:
+    """Whether the router's logits may come from a packed bf16 matrix (moe_kernels.dense) on the CPU: the
+    routers computed in the model's dtype (not DeepSeek's and GLM's fp32 ones, nor MiniMax-M2's)."""
+    return cfg.scoring in ("softmax", "topk_softmax") and cfg.model_type != "deepseek_v2"
+
+
+def route(cfg: ModelConfig, x: torch.Tensor, weight, bias: torch.Tensor | None):
     k, E = cfg.top_k, cfg.n_routed_experts
     if cfg.scoring == "sigmoid":  # DeepSeek-V3 noaux_tc: bias only chooses, weights come from scores
         # in the router weight's dtype, as transformers does: fp32 for DeepSeek and GLM, which keep it
@@ -118,7 +124,7 @@ def route(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         w = w * cfg.routed_scaling_factor
     elif cfg.scoring == "topk_softmax":  # gpt-oss: the router has a bias; softmax over the top-k logits
-        top, ids = torch.topk(F.linear(x, weight, bias), k, dim=-1)
+        top, ids = torch.topk(linear(x, weight, bias), k, dim=-1)
         w = top.softmax(dim=-1)  # in the model dtype, as transformers does
     elif cfg.model_type == "deepseek_v2":
         scores = F.linear(x.float(), weight.float()).softmax(dim=-1, dtype=torch.float32)
@@ -127,7 +133,7 @@ def route(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         w, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
         w = w * cfg.routed_scaling_factor
     else:  # Mixtral / Qwen-MoE: softmax over the logits in the model dtype, then top-k
-        probs = F.linear(x, weight).float().softmax(dim=-1)
+        probs = linear(x, weight).float().softmax(dim=-1)
         w, ids = torch.topk(probs, k, dim=-1)
         if cfg.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)

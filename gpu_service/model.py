@@ -23,7 +23,7 @@ from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel n
 
 from .attention import QKV, KVCache, gqa_attention, mla_attention
 from .linear_attention import gated_deltanet
-from .layers import linear, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
+from .layers import linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
 
 log = logging.getLogger("gpu_service.model")
 
@@ -83,6 +83,10 @@ class Model:
                 continue  # multi-token-prediction layers (DeepSeek-V3's, Qwen3-Next's mtp.*): not used to decode
             fuse = dense_format and FUSED_PART.search(name) and not (cfg.attention == "mla" and "self_attn" in name)
             pack = dense_format and (DENSE.search(name) or name == "lm_head.weight")
+            # the router in bf16 whatever dense_format says: its logits round to bf16 as torch's bf16
+            # matmul's do (sums in fp32 both), where torch's bf16 matrix-vector product is slow on a CPU
+            router = dense_format and packs_router(cfg) and name.endswith(f".{cfg.router_name}.weight") and \
+                cfg.is_moe_layer(int(name.split(".")[2]))
             # an FP8 weight is dequantized straight to what it becomes (bf16 packing keeps bf16: the same
             # bits as rounding later; int formats quantize from fp32), never a whole fp32 copy beside it
             want = ((torch.bfloat16 if dense_format == "bf16" else torch.float32) if fuse or pack
@@ -90,6 +94,8 @@ class Model:
             t = ckpt.get(name, want)
             if fuse:
                 self._fuse(name, t, parts, dense_format)  # packed once every part is read
+            elif router:
+                self.W[name] = NativeLinear(t, "bf16")
             elif pack:
                 # packed straight from the checkpoint's tensor, a few thousand rows at a time: no
                 # second full copy of any weight while starting
@@ -110,6 +116,8 @@ class Model:
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
         self.scale = softmax_scale(cfg, qk_dim)
         self.last_moe_layer = cfg.moe_layers[-1] if cfg.moe_layers else -1
+        # decode attention on the native kernel too when the dense layers are (a bf16 cache on the CPU)
+        self.native_attention = bool(dense_format) and device.type == "cpu"
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
 
@@ -157,7 +165,8 @@ class Model:
                 outs.append(mla_attention(self.cfg, self.W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start,
                                           self.scale))
             else:
-                outs.append(gqa_attention(self.cfg, self.W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start))
+                outs.append(gqa_attention(self.cfg, self.W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start,
+                                          self.native_attention))
             off += t
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
