@@ -1,10 +1,11 @@
 // Decode attention on the CPU: one new query per head against a sequence's cached keys and values
-// (bf16, [kv heads, positions, dim] with any head and position strides), grouped-query: the query
-// heads of a kv head share one pass over its keys. fp32 scores, softmax and sums; tasks over kv heads.
-// torch's bf16 matmuls for this (two strided bmm, a softmax, casts) took ~1 ms a layer at 300
-// positions on 2 Zen 4 cores; the bytes are ~300 KB.
+// (bf16 or fp32, [kv heads, positions, dim] with any head and position strides), grouped-query: the
+// query heads of a kv head share each pass over its keys and values. fp32 scores, softmax and sums;
+// tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax, casts) took 0.4-1 ms a
+// layer at 300 positions on 2 Zen 4 cores, for ~300 KB of bytes.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -16,96 +17,173 @@ namespace moe {
 
 namespace {
 
-// 16 bf16 -> 16 fp32 (bf16 is the high half of an fp32)
-__attribute__((target("avx512f"))) inline __m512 load_bf16(const uint16_t* p) {
+// 16 / 8 elements -> fp32 lanes (bf16 is the high half of an fp32)
+__attribute__((target("avx512f"))) inline __m512 ld16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
+__attribute__((target("avx512f"))) inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx2"))) inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+__attribute__((target("avx2"))) inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline float ld1(const uint16_t* p) { return bf16_to_f32(*p); }
+inline float ld1(const float* p) { return *p; }
 
-// One kv head, DC chunks of 16 dims: scores of the g queries, softmax, then their weighted sums of V.
-template <int DC>
-__attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int g, const uint16_t* K, size_t ks,
-                                                              const uint16_t* V, size_t vs, int L, float scale,
-                                                              float* s, float* out) {
-  for (int j = 0; j < L; ++j) {  // a key row is read once for all g queries
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+constexpr int QG = 8;  // query heads summed together in one pass over V (accumulators)
+
+// In place: each of the g rows of s (L scores) -> its softmax. Plain loops around the vector exp.
+template <class ExpRow>
+void softmax_rows(float* s, int g, int L, ExpRow exp_row) {
+  for (int i = 0; i < g; ++i) {
+    float* r = s + size_t(i) * L;
+    const float mx = *std::max_element(r, r + L);
+    const float inv = 1.f / exp_row(r, L, mx);
+    for (int j = 0; j < L; ++j) r[j] *= inv;
+  }
+}
+
+// r[j] = e^(r[j] - mx); returns their sum
+__attribute__((target("avx512f"))) float exp_row_avx512(float* r, int L, float mx) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < L; j += 16) {
+    const __mmask16 k = L - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + j), _mm512_set1_ps(mx))));
+    _mm512_mask_storeu_ps(r + j, k, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+__attribute__((target("avx2,fma"))) float exp_row_avx2(float* r, int L, float mx) {
+  __m256 sum = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= L; j += 8) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(r + j), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(r + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float tail = 0.f;
+  for (; j < L; ++j) tail += (r[j] = std::exp(r[j] - mx));
+  return hsum8(sum) + tail;
+}
+
+// One kv head, d = 16 * DC: scores of the g queries (a key row's DC vectors kept in registers for all
+// of them), softmax, then per 16-dim slice of V the weighted sums of up to QG queries at once.
+template <int DC, class T>
+__attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int g, const T* K, size_t ks,
+                                                              const T* V, size_t vs, int L, float scale, float* s,
+                                                              float* out) {
+  constexpr int d = 16 * DC;
+  for (int j = 0; j < L; ++j) {
     __m512 k[DC];
-    MOE_UNROLL for (int c = 0; c < DC; ++c) k[c] = load_bf16(K + j * ks + 16 * c);
+    MOE_UNROLL for (int c = 0; c < DC; ++c) k[c] = ld16(K + j * ks + 16 * c);
     for (int i = 0; i < g; ++i) {
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + i * 16 * DC), k[0]);
-      MOE_UNROLL for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * 16 * DC + 16 * c), k[c], acc);
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + i * d), k[0]);
+      MOE_UNROLL for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + 16 * c), k[c], acc);
       s[size_t(i) * L + j] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-  for (int i = 0; i < g; ++i) {  // softmax of each query's scores
-    float* r = s + size_t(i) * L;
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    int j = 0;
-    for (; j + 16 <= L; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(r + j));
-    float mx = _mm512_reduce_max_ps(m);
-    for (; j < L; ++j) mx = std::max(mx, r[j]);
-    __m512 sum = _mm512_setzero_ps();
-    for (j = 0; j < L; j += 16) {
-      const __mmask16 km = L - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L - j)) - 1);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(km, r + j), _mm512_set1_ps(mx)));
-      _mm512_mask_storeu_ps(r + j, km, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(km, e));
-    }
-    const float inv = 1.f / _mm512_reduce_add_ps(sum);
-    for (j = 0; j < L; ++j) r[j] *= inv;
-  }
-  // out[i] = sum_j p[i][j] V[j]: two queries a pass over V where the registers allow
-  constexpr int QB = DC <= 8 ? 2 : 1;
-  for (int i0 = 0; i0 < g; i0 += QB) {
-    const int nb = std::min(QB, g - i0);
-    __m512 acc[QB][DC];
-    MOE_UNROLL for (int b = 0; b < QB; ++b) MOE_UNROLL for (int c = 0; c < DC; ++c) acc[b][c] = _mm512_setzero_ps();
-    for (int j = 0; j < L; ++j) {
-      MOE_UNROLL for (int c = 0; c < DC; ++c) {
-        const __m512 v = load_bf16(V + j * vs + 16 * c);
-        MOE_UNROLL for (int b = 0; b < QB; ++b)
-          if (b < nb) acc[b][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[size_t(i0 + b) * L + j]), v, acc[b][c]);
+  softmax_rows(s, g, L, exp_row_avx512);
+  for (int c = 0; c < DC; ++c)
+    for (int i0 = 0; i0 < g; i0 += QG) {
+      const int nb = std::min(QG, g - i0);
+      __m512 acc[QG];
+      MOE_UNROLL for (int b = 0; b < QG; ++b) acc[b] = _mm512_setzero_ps();
+      for (int j = 0; j < L; ++j) {
+        const __m512 v = ld16(V + j * vs + 16 * c);
+        MOE_UNROLL for (int b = 0; b < QG; ++b)
+          if (b < nb) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(s[size_t(i0 + b) * L + j]), v, acc[b]);
       }
+      for (int b = 0; b < nb; ++b) _mm512_storeu_ps(out + size_t(i0 + b) * d + 16 * c, acc[b]);
     }
-    for (int b = 0; b < nb; ++b)
-      MOE_UNROLL for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + size_t(i0 + b) * 16 * DC + 16 * c, acc[b][c]);
-  }
 }
 
-// The plain loops: the reference the vector version is tested against, and every other dim / path.
-void head_portable(const float* q, int g, int d, const uint16_t* K, size_t ks, const uint16_t* V, size_t vs, int L,
-                   float scale, float* s, float* out) {
-  for (int i = 0; i < g; ++i) {
-    float* r = s + size_t(i) * L;
-    float mx = -INFINITY;
+// The same on AVX2 (8 lanes; a key row is read from L1 for each query instead of kept in registers)
+template <int DC, class T>
+__attribute__((target("avx2,fma"))) void head_avx2(const float* q, int g, const T* K, size_t ks, const T* V, size_t vs,
+                                                   int L, float scale, float* s, float* out) {
+  constexpr int d = 8 * DC;
+  for (int j = 0; j < L; ++j)
+    for (int i = 0; i < g; ++i) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();  // two chains: FMA latency
+      MOE_UNROLL for (int c = 0; c < DC; c += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + 8 * c), ld8(K + j * ks + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + 8 * c + 8), ld8(K + j * ks + 8 * c + 8), a1);
+      }
+      s[size_t(i) * L + j] = hsum8(_mm256_add_ps(a0, a1)) * scale;
+    }
+  softmax_rows(s, g, L, exp_row_avx2);
+  for (int c = 0; c < DC; ++c)
+    for (int i0 = 0; i0 < g; i0 += QG) {
+      const int nb = std::min(QG, g - i0);
+      __m256 acc[QG];
+      MOE_UNROLL for (int b = 0; b < QG; ++b) acc[b] = _mm256_setzero_ps();
+      for (int j = 0; j < L; ++j) {
+        const __m256 v = ld8(V + j * vs + 8 * c);
+        MOE_UNROLL for (int b = 0; b < QG; ++b)
+          if (b < nb) acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(s[size_t(i0 + b) * L + j]), v, acc[b]);
+      }
+      for (int b = 0; b < nb; ++b) _mm256_storeu_ps(out + size_t(i0 + b) * d + 8 * c, acc[b]);
+    }
+}
+
+// The plain loops: the portable path, any head dim, and the reference the vector versions are tested against.
+template <class T>
+void head_portable(const float* q, int g, int d, const T* K, size_t ks, const T* V, size_t vs, int L, float scale,
+                   float* s, float* out) {
+  for (int i = 0; i < g; ++i)
     for (int j = 0; j < L; ++j) {
       float acc = 0.f;
-      for (int c = 0; c < d; ++c) acc += q[i * d + c] * bf16_to_f32(K[j * ks + c]);
-      r[j] = acc * scale;
-      mx = std::max(mx, r[j]);
+      for (int c = 0; c < d; ++c) acc += q[i * d + c] * ld1(K + j * ks + c);
+      s[size_t(i) * L + j] = acc * scale;
     }
+  softmax_rows(s, g, L, [](float* r, int n, float mx) {
     float sum = 0.f;
-    for (int j = 0; j < L; ++j) sum += (r[j] = std::exp(r[j] - mx));
-    for (int c = 0; c < d; ++c) out[i * d + c] = 0.f;
-    for (int j = 0; j < L; ++j)
-      for (int c = 0; c < d; ++c) out[i * d + c] += r[j] / sum * bf16_to_f32(V[j * vs + c]);
-  }
+    for (int j = 0; j < n; ++j) sum += (r[j] = std::exp(r[j] - mx));
+    return sum;
+  });
+  for (int i = 0; i < g; ++i)
+    for (int c = 0; c < d; ++c) {
+      float acc = 0.f;
+      for (int j = 0; j < L; ++j) acc += s[size_t(i) * L + j] * ld1(V + j * vs + c);
+      out[i * d + c] = acc;
+    }
+}
+
+template <class T>
+void one_head(Isa isa, const float* q, int g, int d, const T* K, size_t ks, const T* V, size_t vs, int L, float scale,
+              float* s, float* out) {
+  const bool v512 = isa == Isa::Avx512 || isa == Isa::Amx, v256 = isa == Isa::Avx2;
+  if (v512 && d == 64) return head_avx512<4>(q, g, K, ks, V, vs, L, scale, s, out);
+  if (v512 && d == 128) return head_avx512<8>(q, g, K, ks, V, vs, L, scale, s, out);
+  if (v512 && d == 256) return head_avx512<16>(q, g, K, ks, V, vs, L, scale, s, out);
+  if (v256 && d == 64) return head_avx2<8>(q, g, K, ks, V, vs, L, scale, s, out);
+  if (v256 && d == 128) return head_avx2<16>(q, g, K, ks, V, vs, L, scale, s, out);
+  if (v256 && d == 256) return head_avx2<32>(q, g, K, ks, V, vs, L, scale, s, out);
+  head_portable(q, g, d, K, ks, V, vs, L, scale, s, out);
 }
 
 }  // namespace
 
-void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const uint16_t* K, size_t k_head, size_t k_row,
-                      const uint16_t* V, size_t v_head, size_t v_row, int L, float scale, float* out) {
+void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, bool bf16, size_t k_head,
+                      size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out) {
   MOE_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && L > 0, "decode attention: bad shapes");
   const int g = nh / nkv;
-  const bool simd = isa == Isa::Avx512 || isa == Isa::Amx;
   pool().parallel_for(nkv, [&](int h) {
     std::vector<float> s(size_t(g) * L);
     const float* qh = q + size_t(h) * g * d;
-    const uint16_t *Kh = K + h * k_head, *Vh = V + h * v_head;
     float* oh = out + size_t(h) * g * d;
-    if (simd && d == 64) head_avx512<4>(qh, g, Kh, k_row, Vh, v_row, L, scale, s.data(), oh);
-    else if (simd && d == 128) head_avx512<8>(qh, g, Kh, k_row, Vh, v_row, L, scale, s.data(), oh);
-    else if (simd && d == 256) head_avx512<16>(qh, g, Kh, k_row, Vh, v_row, L, scale, s.data(), oh);
-    else head_portable(qh, g, d, Kh, k_row, Vh, v_row, L, scale, s.data(), oh);
+    if (bf16)
+      one_head(isa, qh, g, d, static_cast<const uint16_t*>(K) + h * k_head, k_row,
+               static_cast<const uint16_t*>(V) + h * v_head, v_row, L, scale, s.data(), oh);
+    else
+      one_head(isa, qh, g, d, static_cast<const float*>(K) + h * k_head, k_row, static_cast<const float*>(V) + h * v_head,
+               v_row, L, scale, s.data(), oh);
   });
 }
 

@@ -270,18 +270,18 @@ PYBIND11_MODULE(_native, m) {
       "y [T, rows] fp32 = x [T, K] fp32 times one packed [rows, Kp] matrix, transposed (native/linear.cpp)");
   m.def(
       "decode_attention",
-      [](const std::string& path, uintptr_t q, int nh, int nkv, int d, uintptr_t K, size_t k_head, size_t k_row,
-         uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out) {
+      [](const std::string& path, uintptr_t q, int nh, int nkv, int d, uintptr_t K, bool bf16, size_t k_head,
+         size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out) {
         Isa isa = kernel_isa(path);
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());
-        decode_attention(isa, reinterpret_cast<const float*>(q), nh, nkv, d, reinterpret_cast<const uint16_t*>(K),
-                         k_head, k_row, reinterpret_cast<const uint16_t*>(V), v_head, v_row, L, scale,
+        decode_attention(isa, reinterpret_cast<const float*>(q), nh, nkv, d, reinterpret_cast<const void*>(K), bf16,
+                         k_head, k_row, reinterpret_cast<const void*>(V), v_head, v_row, L, scale,
                          reinterpret_cast<float*>(out));
       },
-      py::arg("path"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("k_head"),
-      py::arg("k_row"), py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("L"), py::arg("scale"),
-      py::arg("out"), "one decode query per head against bf16 K/V (native/attention.cpp)");
+      py::arg("path"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("bf16"),
+      py::arg("k_head"), py::arg("k_row"), py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("L"),
+      py::arg("scale"), py::arg("out"), "one decode query per head against bf16 or fp32 K/V (native/attention.cpp)");
   m.def(
       "forward_part",
       [](WEIGHT_PARAMS, uintptr_t hidden, bool hidden_bf16, uintptr_t ids, uintptr_t weights, uintptr_t out,

@@ -71,9 +71,9 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
 // Dense layer: y [T, m.rows] fp32 = x [T, m.K] fp32 times matrix 0 of m, transposed (native/linear.cpp).
 void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, float* y);
 // out [nh, d] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K and V bf16
-// [nkv, L, d] at the given head and position strides (elements); nh / nkv query heads per kv head.
-void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const uint16_t* K, size_t k_head, size_t k_row,
-                      const uint16_t* V, size_t v_head, size_t v_row, int L, float scale, float* out);
+// (or fp32) [nkv, L, d] at the given head and position strides (elements); nh / nkv query heads per kv head.
+void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, bool bf16, size_t k_head,
+                      size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out);
 
 // One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
 // part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and

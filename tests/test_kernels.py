@@ -365,3 +365,45 @@ def test_portable_only_machines_run_bf16_on_torch(monkeypatch):
     monkeypatch.setattr(k, "NATIVE_PATH", "avx2")
     monkeypatch.delenv("MOE_KERNEL_PATH")
     assert k.kernel_path("bf16") == "avx2"
+
+
+# -- decode attention (native/attention.cpp) ------------------------------------------------------
+ATTN_PATHS = [p for p in ("portable", "avx2", "avx512") if native.path_supported(p)]
+
+
+def attention_reference(q, K, V, scale):
+    """float64: softmax(q K^T scale) V per kv head's query group."""
+    nkv, L, d = K.shape
+    qg = q.double().view(nkv, -1, d)
+    s = torch.softmax(qg @ K.double().transpose(1, 2) * scale, dim=-1)
+    return (s @ V.double()).reshape(q.shape)
+
+
+@pytest.mark.parametrize("path", ATTN_PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 256, 80])  # 80: no vector kernel, the plain loops on every path
+@pytest.mark.parametrize("nh, nkv", [(4, 4), (24, 4), (12, 1), (20, 2)])  # groups of 1, 6, 12, 10 query heads
+@pytest.mark.parametrize("L", [1, 17, 301])
+def test_decode_attention_matches_reference(path, dtype, d, nh, nkv, L):
+    from moe_kernels.attention import decode_attention
+
+    # K and V as the KV cache holds them: views of the first L positions of a larger buffer
+    K = torch.randn(nkv, L + 37, d).to(dtype)[:, :L]
+    V = torch.randn(nkv, L + 37, d).to(dtype)[:, :L]
+    q = (torch.randn(nh, d) * 2).to(dtype)  # sharp enough that the softmax is not flat
+    got = decode_attention(q, K, V, d ** -0.5, path)
+    want = attention_reference(q, K, V, d ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == (nh, d)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_attention_refuses_mixed_or_strided_caches():
+    from moe_kernels.attention import decode_attention
+
+    K = torch.randn(2, 8, 64).bfloat16()
+    with pytest.raises(ValueError, match="both bf16 or both fp32"):
+        decode_attention(torch.randn(4, 64), K, K.float(), 0.125)
+    with pytest.raises(ValueError, match="unit stride"):
+        decode_attention(torch.randn(4, 64), K.transpose(1, 2)[:, :8, :8], K[:, :8, :8], 0.125)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_attention(torch.randn(3, 64), K, K, 0.125)
