@@ -77,7 +77,7 @@ def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
 def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: KVCache, layer: int,
                   start: int, native: bool = False) -> torch.Tensor:
     """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]. native: decode on the native
-    kernel where it takes the cache (bf16 on the CPU; moe_kernels.attention)."""
+    kernel where it takes the cache (bf16 or fp32 on the CPU; moe_kernels.attention)."""
     t = x.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nq = nh * d * (2 if cfg.attn_output_gate else 1)  # Qwen3-Next: each head's query, then its gate
