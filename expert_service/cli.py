@@ -16,6 +16,7 @@ from moe_core.fingerprint import fingerprint
 from moe_core import security, serving
 from moe_core.edge import MalformedRequestInterceptor
 from moe_core.metrics import serve_metrics
+from moe_core.shards import Shard
 from protos import expert_pb2, expert_pb2_grpc
 
 from . import kernels, packed_cache
@@ -40,6 +41,10 @@ def parse_args(argv=None):
                          "scales, quantized at load; mxfp4: e2m1 with a power-of-two scale per 32, gpt-oss's "
                          "published experts kept bit for bit, others quantized at load); auto = the checkpoint's "
                          "own (its dtype, or mxfp4 for published gpt-oss)")
+    ap.add_argument("--shard", default="0/1", metavar="I/N",
+                    help="hold only shard I of N of every MoE layer's routed experts (expert e on shard e %% N): "
+                         "N expert services, one per shard, together serve the model; gpu-service --experts "
+                         "lists them all")
     ap.add_argument("--max-tokens", type=int, default=8192,
                     help="most tokens accepted in one layer request (bounds message size)")
     ap.add_argument("--shm-max-mb", type=int, default=1024,
@@ -72,6 +77,12 @@ async def serve(args, stop: asyncio.Event) -> None:
     except (OSError, ValueError) as e:
         serving.fail(f"security settings: {e}")
     torch.set_num_threads(args.threads)
+    try:
+        shard = Shard.parse(args.shard)
+    except ValueError as e:
+        serving.fail(f"--shard: {e}")
+    if shard.count > cfg.n_routed_experts:
+        serving.fail(f"--shard {shard}: {cfg.n_routed_experts} experts cannot be split into {shard.count} shards")
     fmt = weight_format(args.weight_format, cfg.torch_dtype, cfg.mxfp4_experts)
     max_msg = args.max_tokens * (cfg.hidden_size * 4 + cfg.n_routed_experts * 8) + (1 << 16)
     if not 1 <= args.max_tokens or max_msg > serving.GRPC_MAX_MESSAGE:
@@ -84,7 +95,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     if args.reflection:
         serving.add_reflection(server, [name, "grpc.health.v1.Health"])
     servicer = ExpertServicer(cfg, fmt, kernels.kernel_path(fmt), args.threads, args.max_tokens,
-                               shm_max_bytes=args.shm_max_mb << 20)
+                               shm_max_bytes=args.shm_max_mb << 20, shard=shard)
     expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     try:
         sec.add_port(server, args.listen)
@@ -97,9 +108,9 @@ async def serve(args, stop: asyncio.Event) -> None:
     try:
         # off the event loop, so health checks are answered (NOT_SERVING) while loading
         fp = await asyncio.to_thread(fingerprint, ckpt)
-        cache = open_cache(args.cache_dir, ckpt, fp, fmt)
-        layers = await serving.unless_stopped(
-            stop, lambda cancel: load_expert_layers(cfg, ckpt, fmt, args.threads, cancel=cancel, cache=cache))
+        cache = open_cache(args.cache_dir, ckpt, fp, fmt, shard)
+        layers = await serving.unless_stopped(stop, lambda cancel: load_expert_layers(
+            cfg, ckpt, fmt, args.threads, cancel=cancel, cache=cache, shard=shard))
     except ValueError as e:  # ModelConfigError, or expert tensors of the wrong shape
         serving.fail(str(e))
     except serving.Stopped:
@@ -108,8 +119,10 @@ async def serve(args, stop: asyncio.Event) -> None:
         return
     servicer.attach(layers, fp)
     await serving.set_health(hs, [name], serving=True)
-    log.info("ready: %s fingerprint %s, %d MoE layers, %d experts, format %s, kernel %s, %d threads",
-             cfg.model_type, fp, len(layers), cfg.n_routed_experts, fmt, kernels.kernel_path(fmt), args.threads)
+    log.info("ready: %s fingerprint %s, %d MoE layers, %d experts%s, format %s, kernel %s, %d threads",
+             cfg.model_type, fp, len(layers), len(shard.experts(cfg.n_routed_experts)),
+             f" (shard {shard} of {cfg.n_routed_experts})" if shard.count > 1 else "", fmt, kernels.kernel_path(fmt),
+             args.threads)
     try:
         await stop.wait()
     finally:
@@ -118,11 +131,12 @@ async def serve(args, stop: asyncio.Event) -> None:
         await server.stop(grace=args.grace)
 
 
-def open_cache(where: str, ckpt, fp: str, fmt: str) -> packed_cache.PackedCache | None:
-    """The packed-weight cache for this model and format (native formats only), or None when off."""
+def open_cache(where: str, ckpt, fp: str, fmt: str, shard: Shard = Shard()) -> packed_cache.PackedCache | None:
+    """The packed-weight cache for this model, format and shard (native formats only), or None when off."""
     if where in ("", "off") or kernels.kernel_path(fmt) == "torch":  # torch: not a native format, or none built
         return None
-    return packed_cache.PackedCache(pathlib.Path(where).expanduser(), fp, packed_cache.source_stamp(ckpt), fmt)
+    return packed_cache.PackedCache(pathlib.Path(where).expanduser(), fp, packed_cache.source_stamp(ckpt), fmt,
+                                    f"{shard.index}-of-{shard.count}" if shard.count > 1 else "")
 
 
 def convert_main(argv) -> None:

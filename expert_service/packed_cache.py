@@ -192,10 +192,11 @@ class PackedCache:
     fingerprint: str
     stamp: str
     fmt: str
+    shard: str = ""  # "I-of-N" for one shard's experts (moe_core.shards), "" for all
 
     @property
     def dir(self) -> pathlib.Path:
-        return self.root / f"{self.fingerprint}-{self.fmt}-v{LAYOUT}"
+        return self.root / f"{self.fingerprint}-{self.fmt}{'-shard' + self.shard if self.shard else ''}-v{LAYOUT}"
 
     def _path(self, layer: int) -> pathlib.Path:
         return self.dir / f"layer-{layer:04d}.safetensors"

@@ -15,6 +15,7 @@ from moe_core import codec, shm
 from moe_core.config import ModelConfig
 from moe_core.routing import split_deferred
 from moe_core.serving import FINGERPRINT_KEY
+from moe_core.shards import Shard
 from protos import expert_pb2, expert_pb2_grpc
 
 from . import metrics
@@ -38,8 +39,10 @@ def all_finite(t: torch.Tensor) -> bool:
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     def __init__(self, cfg: ModelConfig, fmt: str, kernel_path: str, threads: int, max_tokens: int,
-                 shm_max_bytes: int = 0):
+                 shm_max_bytes: int = 0, shard: Shard = Shard()):
         self.cfg, self.layers, self.fp = cfg, {}, None  # filled by attach() once loaded
+        self.shard = shard
+        self.n_experts = len(shard.experts(cfg.n_routed_experts))  # the ids requests use: this shard's
         self.active_streams = 0
         self.shm_max_bytes = shm_max_bytes  # 0: no shared-memory sessions
         self.shm_sessions: set = set()
@@ -94,9 +97,10 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     def validate(self, layer: int, hidden, ids, w, defer: int) -> None:
         """validate_shape, then the values (the native part entry checks these itself)."""
         self.validate_shape(layer, *hidden.shape, ids.shape, w.shape, defer)
-        E = self.cfg.n_routed_experts
-        if hidden.shape[0] and (ids.min() < 0 or ids.max() >= E):
-            raise BadRequest(f"topk_ids: expert ids must be in [0, {E}), got [{int(ids.min())}, {int(ids.max())}]")
+        E = self.n_experts
+        if hidden.shape[0] and (ids.min() < -1 or ids.max() >= E):
+            raise BadRequest(f"topk_ids: expert ids must be in [0, {E}) or -1 (none), got [{int(ids.min())}, "
+                             f"{int(ids.max())}]")
         if not all_finite(w):
             raise BadRequest("topk_weights: non-finite values")
         if not all_finite(hidden):
@@ -209,7 +213,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             kernel_path=self.kernel_path, threads=self.threads,
             weight_bytes=sum(op.nbytes for op in self.layers.values()),
             transport="grpc,shm" if self.shm_max_bytes else "grpc", active_streams=self.active_streams,
-            shm_sessions=len(self.shm_sessions), max_tokens=self.max_tokens)
+            shm_sessions=len(self.shm_sessions), max_tokens=self.max_tokens, shard_index=self.shard.index,
+            shard_count=self.shard.count)
 
     async def OpenShm(self, request, context):
         await self._check_peer(context)

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import SILU, ModelConfig
+from moe_core.shards import Shard
 from moe_kernels.packing import Mx4
 
 from . import kernels
@@ -47,28 +48,32 @@ def fused_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int) -> tupl
     return gu[:, 0::2].T, gu[:, 1::2].T, ckpt.get_row(down_name, e).T
 
 
-def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int) -> tuple:
-    """gpt-oss: (gate/up bias [E, 2I] as the kernels take it, gate then up; down bias [E, H]); else none."""
+def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int, shard: Shard = Shard()) -> tuple:
+    """gpt-oss: (gate/up bias [E, 2I] as the kernels take it, gate then up; down bias [E, H]), the shard's
+    experts only; else none."""
     if not cfg.expert_bias:
         return None, None
     gate_up_name, _, down_name = cfg.expert_tensor_names(layer, 0)
-    b = ckpt.get(gate_up_name + "_bias")  # [E, 2I], interleaved like the weight's columns
-    return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1), ckpt.get(down_name + "_bias")
+    mine = list(shard.experts(cfg.n_routed_experts))
+    b = ckpt.get(gate_up_name + "_bias")[mine]  # [E, 2I], interleaved like the weight's columns
+    return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1), ckpt.get(down_name + "_bias")[mine]
 
 
 def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: int,
                        progress: bool | None = None, cancel: threading.Event | None = None,
-                       cache: PackedCache | None = None) -> dict[int, object]:
+                       cache: PackedCache | None = None, shard: Shard = Shard()) -> dict[int, object]:
     """-> {layer index: MoELayer}. progress: a progress bar (None = when stderr is a terminal; a log line
     per layer either way, for containers). cancel: set it to stop between two experts (LoadCancelled).
     cache: take each layer from the packed-weight cache when it holds a valid copy, else pack it from
-    the checkpoint and write it there (native formats only)."""
+    the checkpoint and write it there (native formats only). shard: only its experts, in local order
+    (moe_core.shards)."""
     layers = {}
     hits = 0
     if cache is not None:
         cache.sweep()
     t0 = time.perf_counter()
-    E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    mine = shard.experts(cfg.n_routed_experts)
+    E, I, H = len(mine), cfg.moe_intermediate_size, cfg.hidden_size
     bar = tqdm(total=len(cfg.moe_layers) * E, unit="expert", desc=f"experts -> {fmt}", dynamic_ncols=True,
                disable=None if progress is None else not progress)  # None: only on a terminal
     def check_cancel() -> None:
@@ -79,11 +84,12 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
         for i, layer in enumerate(cfg.moe_layers):
             stacked = cfg.fused_experts or cfg.stacked_expert_names(layer)[0] in ckpt
 
-            def load(e: int, layer=layer, stacked=stacked):
+            def load(local: int, layer=layer, stacked=stacked):
                 check_cancel()
-                if e % RELEASE_EVERY == 0:
+                if local % RELEASE_EVERY == 0:
                     ckpt.close()
                 bar.update(1)
+                e = mine[local]
                 if stacked:
                     return fused_expert(cfg, ckpt, layer, e)
                 return tuple(ckpt.get(n) for n in cfg.expert_tensor_names(layer, e))
@@ -100,9 +106,10 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
                     check_cancel()  # before a write of the whole layer
                     cache.save(layer, op)
             if cfg.expert_bias or cfg.expert_act != SILU:  # small: read each start, never cached
-                op.set_extras(cfg.expert_act, *expert_biases(cfg, ckpt, layer))
+                op.set_extras(cfg.expert_act, *expert_biases(cfg, ckpt, layer, shard))
             layers[layer] = op
-            log.info("loaded MoE layer %d (%d/%d), %d experts as %s%s, %.1fs", layer, i + 1, len(cfg.moe_layers), E,
+            log.info("loaded MoE layer %d (%d/%d), %d experts%s as %s%s, %.1fs", layer, i + 1, len(cfg.moe_layers), E,
+                     f" (shard {shard})" if shard.count > 1 else "",
                      fmt, " from the packed-weight cache" if cached else "",
                      time.perf_counter() - t0)
     ckpt.close()

@@ -18,10 +18,12 @@ from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
 from moe_core.metrics import serve_metrics
+from moe_core.shards import Shard, check_coverage
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 from . import metrics
 from .dispatch import ExpertServiceError, RemoteExperts
+from .shards import ShardedExperts
 from .engine import Engine
 from .model import DTYPES, Model
 from .server import GenerateServicer
@@ -34,7 +36,10 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="gpu-service", description=__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
-    ap.add_argument("--experts", default="127.0.0.1:50061", help="host:port of the expert service")
+    ap.add_argument("--experts", default="127.0.0.1:50061",
+                    help="host:port of the expert service; or, for routed experts sharded over several expert "
+                         "services (expert-service --shard I/N), all of them, comma-separated, in any order: at "
+                         "connect they must cover every shard exactly once and serve the same model")
     ap.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve GenerateService on")
     ap.add_argument("--http-listen", default="",
                     help="host:port to serve the OpenAI-compatible HTTP API on (/v1/models, /v1/completions, "
@@ -198,11 +203,14 @@ def connect_and_load(wait, check, load, cancel: threading.Event):
     return got.get("info"), model
 
 
-async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServicer, hs, names) -> None:
+async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServicer, hs, names,
+                        ready: dict | None = None) -> None:
     """Health of this service follows the expert service's: probe it every second; on recovery,
-    re-check it serves the same model before taking requests again."""
+    re-check it serves the same model before taking requests again. Sharded: one watcher per shard,
+    `ready` their shared target -> up map; this service serves while every shard is up."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    ready = {experts.target: False} if ready is None else ready
     async with experts.security.aio_channel(experts.target, options=serving.RECONNECT) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         info_stub = expert_pb2_grpc.ExpertServiceStub(ch)
@@ -210,7 +218,7 @@ async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServi
             try:
                 ok = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status == \
                     health_pb2.HealthCheckResponse.SERVING
-                if ok and not servicer.expert_ready:
+                if ok and not ready[experts.target]:
                     info = await info_stub.Info(expert_pb2.ExpertInfoRequest(), timeout=5,
                                                 metadata=experts.security.metadata)
                     if info.model_fingerprint != fp:
@@ -219,11 +227,14 @@ async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServi
                         ok = False
             except grpc.RpcError:
                 ok = False
-            if ok != servicer.expert_ready:
+            if ok != ready[experts.target]:
                 log.warning("expert service at %s is %s", experts.target, "back" if ok else "unavailable")
-                servicer.expert_ready = ok
-                metrics.EXPERT_UP.set(int(ok))
-                await serving.set_health(hs, names, serving=ok)
+                ready[experts.target] = ok
+                up = all(ready.values())
+                if up != servicer.expert_ready:
+                    servicer.expert_ready = up
+                    metrics.EXPERT_UP.set(int(up))
+                    await serving.set_health(hs, names, serving=up)
             await asyncio.sleep(1.0)
 
 
@@ -284,45 +295,68 @@ async def serve(args, stop: asyncio.Event) -> None:
                      "(every running decode takes one token of each step)")
     if not args.expert_timeout > 0:
         serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
-    experts = RemoteExperts(args.experts, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20,
-                            args.expert_timeout)
+    targets = [t.strip() for t in args.experts.split(",") if t.strip()]
+    if not targets or len(set(targets)) != len(targets):
+        serving.fail(f"--experts {args.experts!r}: one or more distinct host:port, comma-separated")
+    remotes = [RemoteExperts(t, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20, args.expert_timeout)
+               for t in targets]
     dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype)
     if dense:
         from moe_kernels import native
         native.init_pool(args.threads)
     log.info("dense layers: %s", f"native kernels, {dense} weights" if dense else "torch")
 
-    def same_model(info) -> None:
-        if info.model_fingerprint != fp:
-            raise ConnectionError(
-                f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service at "
-                f"{args.experts} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
-                f"point both at the same checkpoint")
+    def same_model(infos) -> None:
+        for target, info in zip(targets, infos):
+            if info.model_fingerprint != fp:
+                raise ConnectionError(
+                    f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service "
+                    f"at {target} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
+                    f"point both at the same checkpoint")
+        try:
+            check_coverage({t: Shard(i.shard_index, i.shard_count or 1) for t, i in zip(targets, infos)})
+        except ValueError as e:
+            raise ConnectionError(f"--experts {args.experts}: {e}") from None
 
-    log.info("waiting for the expert service at %s (loading this side's weights meanwhile)", args.experts)
+    def wait_for_all(cancel):
+        infos = []
+        for r in remotes:
+            infos.append(wait_for_experts(r, args.connect_timeout, cancel))
+            if infos[-1] is None:
+                return None
+        return infos
+
+    log.info("waiting for the expert service%s at %s (loading this side's weights meanwhile)",
+             "s" if len(targets) > 1 else "", args.experts)
     try:
-        info, model = await serving.unless_stopped(stop, lambda c: connect_and_load(
-            lambda: wait_for_experts(experts, args.connect_timeout, c), same_model,
-            lambda: Model(cfg, ckpt, device, dtype, cancel=c, dense_format=dense), c))
+        infos, model = await serving.unless_stopped(stop, lambda c: connect_and_load(
+            lambda: wait_for_all(c), same_model, lambda: Model(cfg, ckpt, device, dtype, cancel=c, dense_format=dense),
+            c))
     except serving.Stopped:
         log.info("stopped while starting")
         if http:
             await openai_api.stop(api, http, 0)
         await server.stop(grace=0)
-        experts.close()
+        for r in remotes:
+            r.close()
         return
     except (ConnectionError, ModelConfigError) as e:
         serving.fail(str(e))
+    # shard order; one expert service alone is used directly
+    remotes = [r for _, r in sorted(zip((i.shard_index for i in infos), remotes), key=lambda p: p[0])]
+    info = infos[0]
+    experts = remotes[0] if len(remotes) == 1 else ShardedExperts(remotes)
     try:
         transport = await asyncio.to_thread(experts.start_transport)
     except ExpertServiceError as e:
         serving.fail(f"--transport {args.transport}: {e}")
     server_info.transport = transport
-    step_tokens = min(args.max_step_tokens, info.max_tokens or args.max_step_tokens)
+    step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
     engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens)
     engine.start()
     servicer.attach(engine)
-    watcher = asyncio.create_task(watch_experts(experts, fp, servicer, hs, names))
+    ready = {r.target: False for r in remotes}  # each watcher's first probe re-checks its shard and marks it up
+    watchers = [asyncio.create_task(watch_experts(r, fp, servicer, hs, names, ready)) for r in remotes]
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "
              "defer=%d", args.listen, cfg.model_type, fp, device, dtype, args.experts, info.weight_format,
              info.kernel_path, transport, step_tokens, args.defer)
@@ -331,7 +365,8 @@ async def serve(args, stop: asyncio.Event) -> None:
     finally:
         # drain: refuse new work, let requests in flight finish within the grace period, then stop
         log.info("draining (grace %.0fs)", args.grace)
-        watcher.cancel()
+        for w in watchers:
+            w.cancel()
         servicer.draining = True  # HTTP requests get 503 from here on (gRPC: the server refuses them)
         await serving.set_health(hs, names, serving=False)
         await asyncio.gather(server.stop(grace=args.grace), *([openai_api.stop(api, http, args.grace)] if http else []))

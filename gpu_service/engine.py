@@ -274,11 +274,12 @@ class Engine:
 
 
 def expert_spans(experts, step: int) -> list:
-    """The expert service's compute spans of this step, as it reported them."""
+    """The expert services' compute spans of this step, as they reported them (sharded: one lane per
+    shard, "expert-I")."""
     out = []
-    for layer, deferred, timing in getattr(experts, "drain_timings", lambda: [])():
-        out.append(("experts_deferred" if deferred else "experts_immediate", "expert", layer, step,
-                    timing.start_unix_ns, timing.end_unix_ns))
+    for layer, deferred, timing, *shard in getattr(experts, "drain_timings", lambda: [])():
+        out.append(("experts_deferred" if deferred else "experts_immediate", f"expert-{shard[0]}" if shard else "expert",
+                    layer, step, timing.start_unix_ns, timing.end_unix_ns))
     return out
 
 
@@ -295,9 +296,9 @@ def record_step_metrics(spans: list, step_s: float) -> None:
             metrics.EXPERT_WAIT.labels(str(layer)).observe((t1 - t0) / 1e9)
             if layer in submitted:
                 compute.setdefault(("rtt", layer), (t1 - submitted[layer]) / 1e9)
-        elif service == "expert":
+        elif service.startswith("expert"):
             metrics.EXPERT_COMPUTE.labels(name.removeprefix("experts_")).observe((t1 - t0) / 1e9)
-            compute[(name, layer)] = (t1 - t0) / 1e9
+            compute[(name, layer)] = max(compute.get((name, layer), 0.0), (t1 - t0) / 1e9)  # shards: the slowest
     for (kind, layer), rtt in list(compute.items()):
         if kind == "rtt" and ("experts_immediate", layer) in compute:
             metrics.EXCHANGE.observe(max(0.0, rtt - compute[("experts_immediate", layer)]))

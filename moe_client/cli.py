@@ -139,12 +139,14 @@ def info(a) -> int:
 def chrome_trace(spans) -> dict:
     """Both services' spans on one timeline: a process per service, a thread per kind of work."""
     t0 = min(sp.start_unix_ns for sp in spans)
-    pids = {"gpu": 1, "expert": 2}
+    pids = {"gpu": 1}  # then each expert service (expert, or expert-I per shard) as it first appears
+    for sp in spans:
+        pids.setdefault(sp.service, len(pids) + 1)
     events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{svc}-service"}}
               for svc, pid in pids.items()]
     for sp in spans:
         events.append({"name": sp.name + (f" L{sp.layer}" if sp.layer >= 0 else ""), "cat": sp.service, "ph": "X",
-                       "pid": pids.get(sp.service, 3), "tid": 1 if sp.service == "gpu" else 2,
+                       "pid": pids[sp.service], "tid": 1 if sp.service == "gpu" else 2,
                        "ts": (sp.start_unix_ns - t0) / 1e3, "dur": max(0, sp.end_unix_ns - sp.start_unix_ns) / 1e3,
                        "args": {"step": sp.step, "layer": sp.layer}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

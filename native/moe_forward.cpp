@@ -191,16 +191,21 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   const int E = m.E, H = m.H, I = m.I, S = T * k;
   MOE_CHECK(m.gate_up.rows == 2 * I && m.gate_up.K == H && m.down.rows == H && m.down.K == I, "bad weight shapes");
   MOE_CHECK(m.gate_up.Kp % 64 == 0 && m.down.Kp % 64 == 0, "packed rows must be a multiple of 64 elements");
-  for (int i = 0; i < S; ++i) MOE_CHECK(ids[i] >= 0 && ids[i] < E, "expert id out of range");
+  // id -1: no expert (a sharded expert service is sent -1 for the pairs other shards hold)
+  for (int i = 0; i < S; ++i) MOE_CHECK(ids[i] >= -1 && ids[i] < E, "expert id out of range");
   ThreadPool& tp = pool();
 
   // group slots by expert; the slots of one expert are in token order
-  std::vector<int> start(E + 1, 0), slot_of(S), tok_of(S);
-  for (int i = 0; i < S; ++i) ++start[ids[i] + 1];
+  std::vector<int> start(E + 1, 0), slot_of(S, -1);
+  for (int i = 0; i < S; ++i)
+    if (ids[i] >= 0) ++start[ids[i] + 1];
   for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+  const int n_slots = start[E];
+  std::vector<int> tok_of(n_slots);
   {
     std::vector<int> fill(start.begin(), start.end() - 1);
     for (int i = 0; i < S; ++i) {
+      if (ids[i] < 0) continue;
       int s = fill[ids[i]]++;
       slot_of[i] = s;
       tok_of[s] = i / k;
@@ -212,12 +217,12 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   std::vector<float>& gu = sc.gu;
   std::vector<float>& y = sc.y;
   xb.resize(m.fmt, T, m.gate_up.Kp);
-  ab.resize(m.fmt, S, m.down.Kp);
-  if (gu.size() < size_t(S) * 2 * I) gu.resize(size_t(S) * 2 * I);
-  if (y.size() < size_t(S) * H) y.resize(size_t(S) * H);
+  ab.resize(m.fmt, n_slots, m.down.Kp);
+  if (gu.size() < size_t(n_slots) * 2 * I) gu.resize(size_t(n_slots) * 2 * I);
+  if (y.size() < size_t(n_slots) * H) y.resize(size_t(n_slots) * H);
 
   tp.parallel_for(T, [&](int t) { quantize_row(isa, m.fmt, hidden + size_t(t) * H, H, xb, t); });
-  const Acts xs = xb.view(tok_of.data(), S);
+  const Acts xs = xb.view(tok_of.data(), n_slots);
 
   // tasks grouped by the NUMA node holding their expert (numa.h), each node's threads start on theirs
   const int nodes = numa().nodes;
@@ -268,10 +273,10 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
               gu.data() + size_t(s0) * 2 * I, 2 * I);
   });
   // the expert of each slot (slots are grouped by expert): only biased experts (gpt-oss) need it
-  std::vector<int> expert_of(m.gate_up_bias || m.down_bias ? S : 0);
+  std::vector<int> expert_of(m.gate_up_bias || m.down_bias ? n_slots : 0);
   if (!expert_of.empty())
     for (int e = 0; e < E; ++e) std::fill(expert_of.begin() + start[e], expert_of.begin() + start[e + 1], e);
-  tp.parallel_for(S, [&](int s) {
+  tp.parallel_for(n_slots, [&](int s) {
     float* g = gu.data() + size_t(s) * 2 * I;
     if (m.gate_up_bias) {
       const float* b = m.gate_up_bias + size_t(expert_of[s]) * 2 * I;
@@ -288,7 +293,7 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     else act_row_avx512(g, g + I, a.data(), I);
     quantize_row(isa, m.fmt, a.data(), I, ab, s);
   });
-  const Acts as = ab.view(nullptr, S);
+  const Acts as = ab.view(nullptr, n_slots);
   auto t2 = make_tasks(H, b2);
   pack_amx(as, m.down.Kp);
   tp.parallel_for_grouped(group_start.data(), nodes, [&](int i) {
@@ -303,6 +308,7 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     for (int j = 0; j < k; ++j) {
       const float wj = weights[size_t(t) * k + j];
       const int s = slot_of[size_t(t) * k + j];
+      if (s < 0) continue;  // no expert here
       const float* yj = y.data() + size_t(s) * H;
       if (m.down_bias) {
         const float* b = m.down_bias + size_t(expert_of[s]) * H;

@@ -28,8 +28,8 @@ void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hid
   ids = sc.ids.data();
   weights = sc.wts.data();
   for (size_t i = 0; i < nk; ++i) {
-    MOE_CHECK(ids[i] >= 0 && ids[i] < m.E, "topk_ids: expert ids must be in [0, " + std::to_string(m.E) + "), got " +
-                                               std::to_string(ids[i]));
+    MOE_CHECK(ids[i] >= -1 && ids[i] < m.E, "topk_ids: expert ids must be in [0, " + std::to_string(m.E) +
+                                                ") or -1 (none), got " + std::to_string(ids[i]));
     MOE_CHECK(std::isfinite(weights[i]), "topk_weights: non-finite values");
   }
   std::vector<float>& x32 = sc.x32;

@@ -88,7 +88,7 @@ class ExpertInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExpertInfo(_message.Message):
-    __slots__ = ("model_fingerprint", "architecture", "moe_layers", "n_routed_experts", "hidden_size", "moe_intermediate_size", "top_k", "weight_format", "kernel_path", "threads", "weight_bytes", "transport", "active_streams", "shm_sessions", "max_tokens")
+    __slots__ = ("model_fingerprint", "architecture", "moe_layers", "n_routed_experts", "hidden_size", "moe_intermediate_size", "top_k", "weight_format", "kernel_path", "threads", "weight_bytes", "transport", "active_streams", "shm_sessions", "max_tokens", "shard_index", "shard_count")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class ExpertInfo(_message.Message):
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     SHM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     architecture: str
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -119,4 +121,6 @@ class ExpertInfo(_message.Message):
     active_streams: int
     shm_sessions: int
     max_tokens: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_routed_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., moe_intermediate_size: _Optional[int] = ..., top_k: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel_path: _Optional[str] = ..., threads: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., active_streams: _Optional[int] = ..., shm_sessions: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    shard_index: int
+    shard_count: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_routed_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., moe_intermediate_size: _Optional[int] = ..., top_k: _Optional[int] = ..., weight_format: _Optional[str] = ..., kernel_path: _Optional[str] = ..., threads: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., active_streams: _Optional[int] = ..., shm_sessions: _Optional[int] = ..., max_tokens: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...

@@ -56,7 +56,7 @@ LAYER_CASES = [  # (name, request, code, text in the message)
     ("too many tokens", layer(T=65), IA, "exceed"),
     ("ids float", layer(ids=codec.encode(torch.zeros(2, K))), IA, "topk_ids.dtype"),
     ("ids wrong rows", layer(ids=codec.encode(torch.zeros(3, K, dtype=torch.int32))), IA, "topk_ids"),
-    ("ids negative", layer(ids=codec.encode(torch.full((2, K), -1, dtype=torch.int32))), IA, "expert ids"),
+    ("ids negative", layer(ids=codec.encode(torch.full((2, K), -2, dtype=torch.int32))), IA, "expert ids"),  # -1: none
     ("ids too large", layer(ids=codec.encode(torch.full((2, K), E, dtype=torch.int32))), IA, "expert ids"),
     ("ids k=0", layer(ids=codec.encode(torch.zeros(2, 0, dtype=torch.int32)), w=codec.encode(torch.zeros(2, 0))),
      IA, "k=0"),

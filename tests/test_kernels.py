@@ -407,3 +407,20 @@ def test_decode_attention_refuses_mixed_or_strided_caches():
         decode_attention(torch.randn(4, 64), K.transpose(1, 2)[:, :8, :8], K[:, :8, :8], 0.125)
     with pytest.raises(ValueError, match="do not fit"):
         decode_attention(torch.randn(3, 64), K, K, 0.125)
+
+
+@pytest.mark.parametrize("path", PATHS + ["torch"])
+def test_id_minus_one_is_no_expert(path):
+    """A sharded expert service gets -1 for the pairs other shards hold: the same output as leaving
+    those pairs out (weight 0), whatever their weight; a token of only -1 gets zeros."""
+    E, I, H = 8, 64, 128
+    gate, up, down = torch.randn(E, I, H) * 0.1, torch.randn(E, I, H) * 0.1, torch.randn(E, H, I) * 0.1
+    op = TorchMoELayer(gate, up, down) if path == "torch" else layer(gate, up, down, fmt="bf16", path=path)
+    x, ids, w = torch.randn(6, H), torch.randint(0, E, (6, 4), dtype=torch.int32), torch.rand(6, 4)
+    none = torch.rand(6, 4) < 0.4
+    none[5] = True
+    got = op.forward(x, torch.where(none, torch.full_like(ids, -1), ids), w)
+    want = op.forward(x, ids, torch.where(none, torch.zeros_like(w), w))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got[5].abs().max() == 0
+    assert want.abs().max() > 0.1

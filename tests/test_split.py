@@ -71,7 +71,7 @@ def test_run_layer_matches_local_operator(expert_stub, checkpoints):
     (lambda: layer_req(H=63), "hidden size"),
     (lambda: layer_req(T=65), "exceed"),
     (lambda: layer_req(ids=torch.tensor([[0, 1, 2, 16]], dtype=torch.int32), T=1), "expert ids"),
-    (lambda: layer_req(ids=torch.tensor([[0, 1, 2, -1]], dtype=torch.int32), T=1), "expert ids"),
+    (lambda: layer_req(ids=torch.tensor([[0, 1, 2, -2]], dtype=torch.int32), T=1), "expert ids"),  # -1: none
     (lambda: layer_req(w=torch.tensor([[0.1, float("nan"), 0.1, 0.1]]), T=1), "non-finite"),
     (lambda: layer_req(hidden_dtype=torch.int32), "not allowed"),
     (lambda: layer_req(defer=4), "defer"),

@@ -49,7 +49,7 @@ class TorchMoELayer(SubmitWait):
         return self.gate_up.nbytes + self.down.nbytes
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H]; topk_ids [T, k] int; topk_weights [T, k] fp32 -> [T, H] in hidden.dtype."""
+        """hidden [T, H]; topk_ids [T, k] int (-1: none); topk_weights [T, k] fp32 -> [T, H] in hidden.dtype."""
         T, k = topk_ids.shape
         out = torch.zeros(T, self.hidden, dtype=torch.float32)
         if T == 0 or k == 0:
@@ -57,8 +57,8 @@ class TorchMoELayer(SubmitWait):
         x_all = hidden.to(self.gate_up.dtype)
         flat_ids = topk_ids.reshape(-1).long()
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        start = 0
+        start = int((flat_ids < 0).sum())  # id -1 (no expert: another shard's pair) sorts first and is skipped
+        counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=self.num_experts).tolist()
         for e, n in enumerate(counts):
             if n == 0:
                 continue

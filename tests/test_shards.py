@@ -1,0 +1,204 @@
+"""Routed experts sharded over several expert services (expert-service --shard I/N, gpu-service
+--experts A,B,...): the same greedy tokens as one expert service, with and without deferral; a shard
+that is missing, doubled, of another split or another model refused at connect, naming it; a shard
+killed mid-stream fails the request within seconds naming it, and serves again once restarted."""
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import DEVICE_ARGS, free_port, start, wait_healthy
+from moe_core.shards import Shard, check_coverage, owner_and_local
+from protos import generate_pb2, generate_pb2_grpc
+
+
+# -- the split and its checks ----------------------------------------------------------------------
+def test_round_robin_split_and_local_ids():
+    ids = torch.tensor([[0, 5, 7, 2], [15, 4, 9, 10]])
+    owner, local = owner_and_local(ids, 3)
+    assert owner.tolist() == [[0, 2, 1, 2], [0, 1, 0, 1]]
+    assert local.tolist() == [[0, 1, 2, 0], [5, 1, 3, 3]]
+    assert list(Shard(1, 3).experts(16)) == [1, 4, 7, 10, 13]
+    assert all(int(e) in Shard(int(o), 3).experts(16) for e, o in zip(ids.flatten(), owner.flatten()))
+
+
+@pytest.mark.parametrize("text", ["2/2", "1", "a/b", "-1/2", "0/0"])
+def test_bad_shard_specs_are_refused(text):
+    with pytest.raises(ValueError):
+        Shard.parse(text)
+
+
+@pytest.mark.parametrize("shards, message", [
+    ({"a": Shard(0, 2)}, "no expert service serves shard 1/2"),
+    ({"a": Shard(0, 2), "b": Shard(0, 2)}, "a and b both serve shard 0/2"),
+    ({"a": Shard(0, 2), "b": Shard(1, 3)}, "b serves shard 1/3, but a serves shard 0/2"),
+    ({"a": Shard(0, 3), "b": Shard(2, 3)}, "shard 1/3"),
+])
+def test_coverage_names_what_is_wrong(shards, message):
+    with pytest.raises(ValueError, match=message):
+        check_coverage(shards)
+
+
+def test_full_coverage_passes():
+    check_coverage({"a": Shard(1, 3), "b": Shard(0, 3), "c": Shard(2, 3)})
+    check_coverage({"a": Shard()})
+
+
+# -- both services, sharded --------------------------------------------------------------------------
+class Sharded:
+    """N expert services (one per shard) and a GPU service over all of them."""
+
+    def __init__(self, model, tmp, n: int, gpu_args=(), shards: list[str] | None = None, models=None):
+        self.model, self.tmp, self.n = str(model), tmp, n
+        self.shards = shards or [f"{i}/{n}" for i in range(n)]
+        self.models = [str(m) for m in (models or [model] * len(self.shards))]
+        self.ports = [free_port() for _ in self.shards]
+        self.gpu_port, self.starts = free_port(), 0
+        self.experts = [self.start_expert(i) for i in range(len(self.shards))]
+        for p, proc in zip(self.ports, self.experts):
+            wait_healthy(p, proc)
+        self.gpu = start("gpu_service", "--model", self.model, "--experts",
+                         ",".join(f"127.0.0.1:{p}" for p in self.ports), "--listen", f"127.0.0.1:{self.gpu_port}",
+                         "--threads", "1", "--connect-timeout", "10", *DEVICE_ARGS, *gpu_args, log=self.log("gpu"))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gpu_port}")
+        self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
+
+    def log(self, name):
+        self.starts += 1
+        return self.tmp / f"{name}.{self.starts}.log"
+
+    def start_expert(self, i: int) -> subprocess.Popen:
+        return start("expert_service", "--model", self.models[i], "--listen", f"127.0.0.1:{self.ports[i]}",
+                     "--threads", "1", "--shard", self.shards[i], log=self.log(f"expert{i}"))
+
+    def logs(self) -> str:
+        return "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
+
+    def stop(self):
+        with contextlib.suppress(Exception):
+            self.channel.close()
+        for p in [self.gpu, *self.experts]:
+            if p.poll() is None:
+                p.terminate()
+        for p in [self.gpu, *self.experts]:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    made = []
+
+    def make(*a, **kw):
+        d = tmp_path / f"s{len(made)}"
+        d.mkdir()
+        made.append(Sharded(*a, tmp=d, **kw))
+        return made[-1]
+    yield make
+    for s in made:
+        s.stop()
+
+
+def greedy(stub, prompt, n=24, **kw):
+    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=n, ignore_eos=True,
+                                       sampling=generate_pb2.SamplingParams(temperature=0), **kw)
+    return [t for c in stub.Generate(req, timeout=120) for t in c.token_ids]
+
+
+def health(port) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError:
+            return -1
+
+
+PROMPTS = [[5, 17, 30, 41, 7, 99, 3], [200, 11, 9, 45, 18, 2, 77, 81, 6, 120, 33]]
+
+
+@pytest.mark.parametrize("family, n, defer", [("deepseek_v3", 2, 0), ("deepseek_v3", 3, 2), ("qwen3_moe", 2, 1),
+                                              ("gpt_oss", 3, 1)])
+def test_sharded_tokens_equal_one_expert_service(family, n, defer, checkpoints, services_factory, sharded):
+    """Greedy tokens over n shards equal one expert service's, for a batch of two prompts of different
+    lengths (one step holds tokens some shards have no expert for), with deferral across shards."""
+    d = checkpoints[family]
+    one = services_factory(d, gpu_args=("--defer", str(defer)))
+    want = [greedy(one.stub, p) for p in PROMPTS]
+    one.stop()
+    s = sharded(d, n=n, gpu_args=("--defer", str(defer)))
+    wait_healthy(s.gpu_port, s.gpu)
+    got = [None, None]
+
+    def run(i):
+        got[i] = greedy(s.stub, PROMPTS[i])
+    import threading
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want, s.logs()
+    info = s.stub.Info(generate_pb2.ServerInfoRequest(), timeout=10)
+    assert info.expert_service == ",".join(f"127.0.0.1:{p}" for p in s.ports)
+
+
+def test_profile_has_a_lane_per_shard(checkpoints, sharded):
+    s = sharded(checkpoints["qwen3_moe"], n=2)
+    wait_healthy(s.gpu_port, s.gpu)
+    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=PROMPTS[0]), max_tokens=3, profile=True,
+                                       ignore_eos=True, sampling=generate_pb2.SamplingParams(temperature=0))
+    spans = list(s.stub.Generate(req, timeout=60))[-1].profile.spans
+    assert {"expert-0", "expert-1"} <= {sp.service for sp in spans}
+
+
+@pytest.mark.parametrize("shards, message", [
+    (["0/2"], "no expert service serves shard 1/2"),
+    (["0/2", "0/2"], "both serve shard 0/2"),
+    (["0/2", "1/3"], "every shard must split the experts the same way"),
+])
+def test_bad_shard_sets_are_refused_at_connect(shards, message, checkpoints, sharded):
+    s = sharded(checkpoints["qwen3_moe"], n=2, shards=shards)
+    assert s.gpu.wait(60) != 0
+    assert message in s.logs() and "Traceback" not in s.logs(), s.logs()
+
+
+def test_a_shard_of_another_model_is_refused_naming_it(checkpoints, sharded):
+    s = sharded(checkpoints["qwen3_moe"], n=2, models=[checkpoints["qwen3_moe"], checkpoints["qwen2_moe"]])
+    assert s.gpu.wait(60) != 0
+    assert f"model mismatch" in s.logs() and f"127.0.0.1:{s.ports[1]}" in s.logs(), s.logs()
+
+
+def test_killed_shard_fails_the_stream_naming_it_and_serves_again_when_back(checkpoints, sharded):
+    s = sharded(checkpoints["qwen3_moe"], n=2)
+    wait_healthy(s.gpu_port, s.gpu)
+    before = greedy(s.stub, PROMPTS[0])
+    stream = s.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=400, ignore_eos=True), timeout=60)
+    next(stream)
+    s.experts[1].kill()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stream)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert f"127.0.0.1:{s.ports[1]}" in e.value.details()
+    assert time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 10
+    while health(s.gpu_port) != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, "gpu service never went NOT_SERVING"
+        time.sleep(0.2)
+    s.experts[1].wait()
+    s.experts[1] = s.start_expert(1)  # the shard alone; nothing else restarted
+    wait_healthy(s.ports[1], s.experts[1])
+    deadline = time.monotonic() + 15
+    while health(s.gpu_port) != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "gpu service never came back to SERVING"
+        time.sleep(0.2)
+    assert greedy(s.stub, PROMPTS[0]) == before
+    assert s.gpu.poll() is None and s.experts[0].poll() is None
