@@ -74,6 +74,9 @@ def parse_args(argv=None):
     h = sub.add_parser("health", help="exit 0 once a service reports SERVING (grpc.health.v1), 1 on timeout")
     h.add_argument("--server", default="127.0.0.1:50051")
     h.add_argument("--wait", type=WAIT, default=0.0, help="keep trying for this many seconds")
+    h.add_argument("--alive", action="store_true",
+                   help="exit 0 if the health service answers at all, SERVING or NOT_SERVING (a liveness probe: "
+                        "a gpu-service waiting for an expert service, or loading, is alive)")
     i = sub.add_parser("info", help="print a service's Info (gpu-service or expert-service)")
     i.add_argument("--server", default="127.0.0.1:50051")
     i.add_argument("--expert", action="store_true", help="the server is an expert service")
@@ -201,10 +204,10 @@ def health(a) -> int:
         while True:
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    print("SERVING")
-                    return 0
                 detail = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+                if status == health_pb2.HealthCheckResponse.SERVING or a.alive:
+                    print(detail)
+                    return 0
             except grpc.RpcError as e:
                 detail = f"{e.code().name}: {e.details()}"
             if time.monotonic() >= deadline:
