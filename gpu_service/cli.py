@@ -230,6 +230,7 @@ async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServi
             if ok != ready[experts.target]:
                 log.warning("expert service at %s is %s", experts.target, "back" if ok else "unavailable")
                 ready[experts.target] = ok
+                metrics.SHARD_UP.labels(experts.target).set(int(ok))
                 up = all(ready.values())
                 if up != servicer.expert_ready:
                     servicer.expert_ready = up

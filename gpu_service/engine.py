@@ -297,7 +297,7 @@ def record_step_metrics(spans: list, step_s: float) -> None:
             if layer in submitted:
                 compute.setdefault(("rtt", layer), (t1 - submitted[layer]) / 1e9)
         elif service.startswith("expert"):
-            metrics.EXPERT_COMPUTE.labels(name.removeprefix("experts_")).observe((t1 - t0) / 1e9)
+            metrics.EXPERT_COMPUTE.labels(name.removeprefix("experts_"), service).observe((t1 - t0) / 1e9)
             compute[(name, layer)] = max(compute.get((name, layer), 0.0), (t1 - t0) / 1e9)  # shards: the slowest
     for (kind, layer), rtt in list(compute.items()):
         if kind == "rtt" and ("experts_immediate", layer) in compute:

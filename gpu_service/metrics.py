@@ -20,11 +20,12 @@ EXPERT_WAIT = Histogram("moe_expert_wait_seconds", "Time the GPU side blocked on
                         ["layer"], buckets=FAST)
 EXCHANGE = Histogram("moe_exchange_overhead_seconds",
                      "Expert round trip minus the expert compute it contained (wire, codec, scheduling)", buckets=FAST)
-EXPERT_COMPUTE = Histogram("moe_remote_expert_compute_seconds", "Expert compute per layer part, as the expert service reports it",
-                           ["part"], buckets=FAST)
+EXPERT_COMPUTE = Histogram("moe_remote_expert_compute_seconds", "Expert compute per layer part, as the expert service reports it "
+                           "(service: expert, or expert-I for shard I)", ["part", "service"], buckets=FAST)
 GPU_BUSY = Counter("moe_gpu_busy_seconds_total", "Engine time not spent waiting for the expert service")
 EXPERT_BLOCKED = Counter("moe_expert_blocked_seconds_total", "Engine time spent waiting for the expert service")
-EXPERT_UP = Gauge("moe_expert_service_up", "1 while the expert service answers health checks")
+EXPERT_UP = Gauge("moe_expert_service_up", "1 while the expert service (every shard) answers health checks")
+SHARD_UP = Gauge("moe_expert_shard_up", "1 while this expert service (one of --experts) answers health checks", ["target"])
 
 
 busy_fraction_gauge("moe_gpu_busy_fraction", "Share of wall time the engine computed (not waiting), since the last read",

@@ -150,13 +150,21 @@ def test_sharded_tokens_equal_one_expert_service(family, n, defer, checkpoints, 
     assert info.expert_service == ",".join(f"127.0.0.1:{p}" for p in s.ports)
 
 
-def test_profile_has_a_lane_per_shard(checkpoints, sharded):
-    s = sharded(checkpoints["qwen3_moe"], n=2)
+def test_profile_lanes_and_metrics_per_shard(checkpoints, sharded):
+    from test_operations import scrape
+
+    port = free_port()
+    s = sharded(checkpoints["qwen3_moe"], n=2, gpu_args=("--metrics-port", str(port)))
     wait_healthy(s.gpu_port, s.gpu)
     req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=PROMPTS[0]), max_tokens=3, profile=True,
                                        ignore_eos=True, sampling=generate_pb2.SamplingParams(temperature=0))
     spans = list(s.stub.Generate(req, timeout=60))[-1].profile.spans
     assert {"expert-0", "expert-1"} <= {sp.service for sp in spans}
+    m = scrape(port)
+    computed = {x.labels["service"] for x in m["moe_remote_expert_compute_seconds"].samples if x.value > 0}
+    assert {"expert-0", "expert-1"} <= computed
+    up = {x.labels["target"]: x.value for x in m["moe_expert_shard_up"].samples}
+    assert up == {f"127.0.0.1:{p}": 1.0 for p in s.ports}
 
 
 @pytest.mark.parametrize("shards, message", [
