@@ -110,15 +110,19 @@ class Services:
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self.channel.close()
-        procs = [p for p in (self.gpu, self.expert) if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate_all([p for p in (self.gpu, self.expert) if p is not None])
+
+
+def terminate_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each (they drain and exit), then SIGKILL whatever is still up after 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import DEVICE_ARGS, free_port, start, wait_healthy
+from conftest import DEVICE_ARGS, free_port, start, terminate_all, wait_healthy
 from moe_core.shards import Shard, check_coverage, owner_and_local
 from protos import generate_pb2, generate_pb2_grpc
 
@@ -83,14 +83,7 @@ class Sharded:
     def stop(self):
         with contextlib.suppress(Exception):
             self.channel.close()
-        for p in [self.gpu, *self.experts]:
-            if p.poll() is None:
-                p.terminate()
-        for p in [self.gpu, *self.experts]:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate_all([self.gpu, *self.experts])
 
 
 @pytest.fixture
@@ -181,7 +174,7 @@ def test_bad_shard_sets_are_refused_at_connect(shards, message, checkpoints, sha
 def test_a_shard_of_another_model_is_refused_naming_it(checkpoints, sharded):
     s = sharded(checkpoints["qwen3_moe"], n=2, models=[checkpoints["qwen3_moe"], checkpoints["qwen2_moe"]])
     assert s.gpu.wait(60) != 0
-    assert f"model mismatch" in s.logs() and f"127.0.0.1:{s.ports[1]}" in s.logs(), s.logs()
+    assert "model mismatch" in s.logs() and f"127.0.0.1:{s.ports[1]}" in s.logs(), s.logs()
 
 
 def test_killed_shard_fails_the_stream_naming_it_and_serves_again_when_back(checkpoints, sharded):
