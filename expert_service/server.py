@@ -14,6 +14,7 @@ import torch
 from moe_core import codec, shm
 from moe_core.config import ModelConfig
 from moe_core.routing import split_deferred
+from moe_core.edge import check_request
 from moe_core.serving import FINGERPRINT_KEY
 from moe_core.shards import Shard
 from protos import expert_pb2, expert_pb2_grpc
@@ -25,6 +26,7 @@ log = logging.getLogger("expert_service")
 
 
 MAX_SHM_SESSIONS = 16
+INLINE_PAIRS = 64  # (token, expert) pairs up to which a layer request is computed on the event loop
 
 
 class BadRequest(ValueError):
@@ -164,9 +166,15 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         loop = asyncio.get_running_loop()
         queued_ns = None
+        # a decode-sized request runs right here: the hop to the compute thread and back costs more than
+        # its kernel takes to run (bench/bench_exchange.py); larger ones leave the event loop free
+        inline = ids.numel() <= INLINE_PAIRS
         for part, kernel in self.part_jobs(req.layer, hidden, ids, w, req.defer):
             try:
-                out, timing = await loop.run_in_executor(self.pool, self.run_part, req.layer, part, kernel)
+                if inline:
+                    out, timing = self.run_part(req.layer, part, kernel)
+                else:
+                    out, timing = await loop.run_in_executor(self.pool, self.run_part, req.layer, part, kernel)
             except ValueError as e:  # a kernel's own check (they raise, never abort the process)
                 metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expert kernel refused the request: {e}")
@@ -183,6 +191,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         metrics.STREAMS.set(self.active_streams)
         try:
             async for req in request_iterator:
+                await check_request(req, context)
                 metrics.LAYER_REQUESTS.labels("Exchange").inc()
                 async for part, out, timing in self._parts(req, context):
                     yield expert_pb2.LayerResult(step=req.step, layer=req.layer, part=part,

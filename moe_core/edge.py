@@ -20,6 +20,12 @@ def _safe(deserialize):
     return parse
 
 
+async def check_request(request, context) -> None:
+    """For stream-stream handlers, which the interceptor does not wrap: abort on a malformed message."""
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _msg(request))
+
+
 def _msg(m: Malformed) -> str:
     return f"request could not be parsed ({type(m.error).__name__}: {m.error}); check field types and UTF-8 strings"
 
@@ -48,15 +54,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                     yield item
             return grpc.unary_stream_rpc_method_handler(us, des, ser)
         if h.stream_stream:
-            inner = h.stream_stream
-
-            async def ss(request_iterator, context):
-                async def checked():
-                    async for request in request_iterator:
-                        if isinstance(request, Malformed):
-                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _msg(request))
-                        yield request
-                async for item in inner(checked(), context):
-                    yield item
-            return grpc.stream_stream_rpc_method_handler(ss, des, ser)
+            # the handler checks each request itself (check_request): wrapping both directions of a
+            # stream in generators cost ~60 us a message on the expert exchange's hot path
+            return grpc.stream_stream_rpc_method_handler(h.stream_stream, des, ser)
         return h  # stream-unary: none in our services
