@@ -227,3 +227,19 @@ def test_random_generate_requests(svc, req):
         assert chunks and chunks[-1].finish_reason != 0
     except grpc.RpcError as e:
         assert e.code() == IA, e.details()
+
+
+def test_malformed_bytes_on_the_exchange_stream(svc):
+    """The Exchange stream checks each message itself (the interceptor does not wrap stream-stream
+    handlers): garbage after a good request ends the stream with INVALID_ARGUMENT, the good one answered."""
+    from protos import expert_pb2
+
+    fn = svc.expert_channel.stream_stream("/moe.v1.ExpertService/Exchange",
+                                          response_deserializer=expert_pb2.LayerResult.FromString)
+    got = []
+    with pytest.raises(grpc.RpcError) as e:
+        for r in fn(iter([layer().SerializeToString(), MALFORMED]), timeout=10):
+            got.append(r)
+    assert e.value.code() == IA and "could not be parsed" in e.value.details()
+    assert len(got) == 1 and got[0].layer == layer().layer
+    still_serving(svc)
