@@ -280,6 +280,8 @@ def expert_spans(experts, step: int) -> list:
     for layer, deferred, timing, *shard in getattr(experts, "drain_timings", lambda: [])():
         out.append(("experts_deferred" if deferred else "experts_immediate", f"expert-{shard[0]}" if shard else "expert",
                     layer, step, timing.start_unix_ns, timing.end_unix_ns))
+    for layer, shard, t0, t1 in getattr(experts, "drain_waits", lambda: [])():  # sharded: the GPU side's wait on each
+        out.append(("shard_wait", f"expert-{shard}", layer, step, t0, t1))
     return out
 
 
@@ -296,7 +298,7 @@ def record_step_metrics(spans: list, step_s: float) -> None:
             metrics.EXPERT_WAIT.labels(str(layer)).observe((t1 - t0) / 1e9)
             if layer in submitted:
                 compute.setdefault(("rtt", layer), (t1 - submitted[layer]) / 1e9)
-        elif service.startswith("expert"):
+        elif service.startswith("expert") and name != "shard_wait":
             metrics.EXPERT_COMPUTE.labels(name.removeprefix("experts_"), service).observe((t1 - t0) / 1e9)
             compute[(name, layer)] = max(compute.get((name, layer), 0.0), (t1 - t0) / 1e9)  # shards: the slowest
     for (kind, layer), rtt in list(compute.items()):

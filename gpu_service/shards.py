@@ -9,6 +9,8 @@ and each shard's own split (the same rule) defers exactly those.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from moe_core.shards import owner_and_local
@@ -22,6 +24,7 @@ class ShardedExperts:
         self.shards = shards
         # layer -> (per shard: True (every row), the rows sent, or None (not asked); [T, H]; dtype; parts left)
         self.sent: dict[int, tuple] = {}
+        self.waits: list = []  # (layer, shard, start ns, end ns): how long result() blocked on each shard
 
     @property
     def target(self) -> str:
@@ -63,10 +66,12 @@ class ShardedExperts:
     def _result(self, layer, deferred):
         sent, shape, dtype, left = self.sent[layer]
         y = None
-        for shard, rows in zip(self.shards, sent):
+        for i, (shard, rows) in enumerate(zip(self.shards, sent)):
             if rows is None:
                 continue
+            t0 = time.time_ns()
             part = shard.result(layer, deferred)
+            self.waits.append((layer, i, t0, time.time_ns()))
             if rows is True:
                 y = part.clone() if y is None else y.add_(part)
             else:
@@ -83,11 +88,18 @@ class ShardedExperts:
         """(layer, deferred, timing, shard index) of every shard since the last drain."""
         return [(*t, i) for i, s in enumerate(self.shards) for t in s.drain_timings()]
 
+    def drain_waits(self) -> list:
+        """(layer, shard index, start ns, end ns) of each blocking result() since the last drain: a shard
+        whose answer was already in costs ~0, the slowest one shows the layer's wait."""
+        out, self.waits = self.waits, []
+        return out
+
     def start_transport(self) -> str:
         return ",".join(s.start_transport() for s in self.shards)
 
     def reset(self):
         self.sent.clear()
+        self.waits.clear()
         for s in self.shards:
             s.reset()
 

@@ -149,7 +149,8 @@ def chrome_trace(spans) -> dict:
               for svc, pid in pids.items()]
     for sp in spans:
         events.append({"name": sp.name + (f" L{sp.layer}" if sp.layer >= 0 else ""), "cat": sp.service, "ph": "X",
-                       "pid": pids[sp.service], "tid": 1 if sp.service == "gpu" else 2,
+                       # a shard's lane: its compute (2), and the GPU side's wait on it (3)
+                       "pid": pids[sp.service], "tid": 1 if sp.service == "gpu" else 3 if sp.name == "shard_wait" else 2,
                        "ts": (sp.start_unix_ns - t0) / 1e3, "dur": max(0, sp.end_unix_ns - sp.start_unix_ns) / 1e3,
                        "args": {"step": sp.step, "layer": sp.layer}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

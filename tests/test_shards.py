@@ -153,6 +153,8 @@ def test_profile_lanes_and_metrics_per_shard(checkpoints, sharded):
                                        ignore_eos=True, sampling=generate_pb2.SamplingParams(temperature=0))
     spans = list(s.stub.Generate(req, timeout=60))[-1].profile.spans
     assert {"expert-0", "expert-1"} <= {sp.service for sp in spans}
+    waits = {sp.service for sp in spans if sp.name == "shard_wait"}
+    assert waits == {"expert-0", "expert-1"}  # the GPU side's wait on each shard, beside its compute
     m = scrape(port)
     computed = {x.labels["service"] for x in m["moe_remote_expert_compute_seconds"].samples if x.value > 0}
     assert {"expert-0", "expert-1"} <= computed
