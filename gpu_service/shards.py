@@ -72,17 +72,19 @@ class ShardedExperts:
             t0 = time.time_ns()
             part = shard.result(layer, deferred)
             self.waits.append((layer, i, t0, time.time_ns()))
+            # summed in fp32, then rounded once to the hidden dtype (bf16 parts were each rounded by their
+            # shard already), into a tensor of our own (a part may view a buffer its transport reuses)
             if rows is True:
-                y = part.clone() if y is None else y.add_(part)
+                y = part.to(torch.float32, copy=True) if y is None else y.add_(part)
             else:
                 if y is None:
-                    y = torch.zeros(shape, dtype=part.dtype, device=part.device)
-                y.index_add_(0, rows.to(part.device), part)
+                    y = torch.zeros(shape, dtype=torch.float32, device=part.device)
+                y.index_add_(0, rows.to(part.device), part.float())
         if left == 1:
             del self.sent[layer]
         else:
             self.sent[layer] = (sent, shape, dtype, left - 1)
-        return y if y is not None else torch.zeros(shape, dtype=dtype)
+        return y.to(dtype) if y is not None else torch.zeros(shape, dtype=dtype)
 
     def drain_timings(self) -> list:
         """(layer, deferred, timing, shard index) of every shard since the last drain."""
