@@ -204,10 +204,10 @@ def connect_and_load(wait, check, load, cancel: threading.Event):
 
 
 async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServicer, hs, names,
-                        ready: dict | None = None) -> None:
+                        ready: dict | None = None, shard: Shard = Shard()) -> None:
     """Health of this service follows the expert service's: probe it every second; on recovery,
-    re-check it serves the same model before taking requests again. Sharded: one watcher per shard,
-    `ready` their shared target -> up map; this service serves while every shard is up."""
+    re-check it serves the same model (and the same shard) before taking requests again. Sharded: one
+    watcher per shard, `ready` their shared target -> up map; this service serves while every shard is up."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     ready = {experts.target: False} if ready is None else ready
@@ -224,6 +224,10 @@ async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServi
                     if info.model_fingerprint != fp:
                         log.error("expert service at %s now serves fingerprint %s, not %s: not serving",
                                   experts.target, info.model_fingerprint, fp)
+                        ok = False
+                    elif Shard(info.shard_index, info.shard_count or 1) != shard:
+                        log.error("expert service at %s now serves shard %d/%d, not %s: not serving",
+                                  experts.target, info.shard_index, info.shard_count or 1, shard)
                         ok = False
             except grpc.RpcError:
                 ok = False
@@ -357,7 +361,9 @@ async def serve(args, stop: asyncio.Event) -> None:
     engine.start()
     servicer.attach(engine)
     ready = {r.target: False for r in remotes}  # each watcher's first probe re-checks its shard and marks it up
-    watchers = [asyncio.create_task(watch_experts(r, fp, servicer, hs, names, ready)) for r in remotes]
+    shard_of = {t: Shard(i.shard_index, i.shard_count or 1) for t, i in zip(targets, infos)}
+    watchers = [asyncio.create_task(watch_experts(r, fp, servicer, hs, names, ready, shard_of[r.target]))
+                for r in remotes]
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "
              "defer=%d", args.listen, cfg.model_type, fp, device, dtype, args.experts, info.weight_format,
              info.kernel_path, transport, step_tokens, args.defer)

@@ -205,3 +205,29 @@ def test_killed_shard_fails_the_stream_naming_it_and_serves_again_when_back(chec
         time.sleep(0.2)
     assert greedy(s.stub, PROMPTS[0]) == before
     assert s.gpu.poll() is None and s.experts[0].poll() is None
+
+
+def test_a_shard_restarted_as_another_shard_is_not_served(checkpoints, sharded):
+    """Shard 1 comes back as shard 0/2 (an operator's slip): the GPU service stays NOT_SERVING, naming it
+    in its log, rather than sum one shard twice; back as 1/2, it serves again."""
+    s = sharded(checkpoints["qwen3_moe"], n=2)
+    wait_healthy(s.gpu_port, s.gpu)
+    before = greedy(s.stub, PROMPTS[0])
+    s.experts[1].kill()
+    s.experts[1].wait()
+    s.shards[1] = "0/2"
+    s.experts[1] = s.start_expert(1)
+    wait_healthy(s.ports[1], s.experts[1])
+    time.sleep(3)  # a few of the watcher's probes
+    assert health(s.gpu_port) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert f"127.0.0.1:{s.ports[1]} now serves shard 0/2, not 1/2" in s.logs()
+    s.experts[1].terminate()
+    s.experts[1].wait()
+    s.shards[1] = "1/2"
+    s.experts[1] = s.start_expert(1)
+    wait_healthy(s.ports[1], s.experts[1])
+    deadline = time.monotonic() + 15
+    while health(s.gpu_port) != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "gpu service never came back to SERVING"
+        time.sleep(0.2)
+    assert greedy(s.stub, PROMPTS[0]) == before
