@@ -39,6 +39,7 @@ constexpr int QG = 8;     // query heads summed together in one pass over V (acc
 // positions of V per tile: the sums walk a tile once per slice of dims, so it must stay in cache
 // (untiled, each of d/8 slices streamed all of V from memory again: 2.2 ms at 6000 positions, fp32)
 constexpr int TILE = 64;
+constexpr size_t SERIAL_MACS = size_t(1) << 19;  // below this many multiply-adds per call: no threads
 
 // In place: each of the g rows of s (L scores) -> its softmax. Plain loops around the vector exp.
 template <class ExpRow>
@@ -187,7 +188,7 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out) {
   MOE_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && L > 0, "decode attention: bad shapes");
   const int g = nh / nkv;
-  pool().parallel_for(nkv, [&](int h) {
+  auto head = [&](int h) {
     std::vector<float> s(size_t(g) * L);
     const float* qh = q + size_t(h) * g * d;
     float* oh = out + size_t(h) * g * d;
@@ -197,7 +198,14 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
     else
       one_head(isa, qh, g, d, static_cast<const float*>(K) + h * k_head, k_row, static_cast<const float*>(V) + h * v_head,
                v_row, L, scale, s.data(), oh);
-  });
+  };
+  // a short context is a few microseconds of work: waking the pool's threads would cost more (they
+  // sleep when the machine is busy), so it runs here
+  if (size_t(L) * nh * d < SERIAL_MACS) {
+    for (int h = 0; h < nkv; ++h) head(h);
+  } else {
+    pool().parallel_for(nkv, head);
+  }
 }
 
 }  // namespace moe
