@@ -167,7 +167,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         loop = asyncio.get_running_loop()
         queued_ns = None
         # a decode-sized request runs right here: the hop to the compute thread and back costs more than
-        # its kernel takes to run (bench/bench_exchange.py); larger ones leave the event loop free
+        # its kernel takes to run (bench/bench_exchange.py); larger ones leave the event loop free. (Here
+        # it may wait for the kernels' mutex behind one layer of another caller's: a health check then
+        # waits as long, well under the probes' timeouts.)
         inline = ids.numel() <= INLINE_PAIRS
         for part, kernel in self.part_jobs(req.layer, hidden, ids, w, req.defer):
             try:
