@@ -35,6 +35,7 @@ NO_SHM = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.S
 # How long one layer's result may take: the base (--expert-timeout) plus this much per token in the
 # step, so a long prefill on a slow CPU is not mistaken for a stuck expert service.
 PER_TOKEN_S = 0.01
+CONNECT_WAIT_S = 3.0  # opening a stream or a shared-memory session waits this long for the channel
 
 
 class ExpertServiceError(RuntimeError):
@@ -150,7 +151,17 @@ class RemoteExperts:
             log.warning("shared memory with %s not possible (%s): using gRPC", self.target, e)
             self.transport = "grpc"
 
+    def _wait_connected(self) -> None:
+        """After the expert service restarted, this channel can still be in its reconnect backoff when the
+        health watcher (on a channel of its own) already saw the service back and let requests in: give
+        it a moment rather than fail the request that opens the stream."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=CONNECT_WAIT_S)
+        except grpc.FutureTimeoutError:
+            pass  # the call that follows fails, with the reason
+
     def _open_shm(self) -> None:
+        self._wait_connected()
         try:
             self.shm = ShmChannel(self.stub, self.metadata, self.shm_bytes, self.timeout_s)
         except grpc.RpcError as e:
@@ -163,6 +174,7 @@ class RemoteExperts:
             raise ExpertServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot create a shared region: {e}") from None
 
     def _open(self):
+        self._wait_connected()
         q: queue.Queue = queue.Queue()
         self._requests = q
         self._responses = self.stub.Exchange(iter(q.get, None), metadata=self.metadata)
