@@ -155,9 +155,11 @@ class RemoteExperts:
         """After the expert service restarted, this channel can still be in its reconnect backoff when the
         health watcher (on a channel of its own) already saw the service back and let requests in: give
         it a moment rather than fail the request that opens the stream."""
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=CONNECT_WAIT_S)
-        except grpc.FutureTimeoutError:
+        try:  # an Info call that waits for the connection (grpc.channel_ready_future's watcher thread
+            # outlives it and trips over the channel's close)
+            self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=CONNECT_WAIT_S, wait_for_ready=True,
+                           metadata=self.security.metadata)
+        except grpc.RpcError:
             pass  # the call that follows fails, with the reason
 
     def _open_shm(self) -> None:
