@@ -203,14 +203,13 @@ def connect_and_load(wait, check, load, cancel: threading.Event):
     return got.get("info"), model
 
 
-async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServicer, hs, names,
-                        ready: dict | None = None, shard: Shard = Shard()) -> None:
+async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServicer, hs, names, ready: dict,
+                        shard: Shard) -> None:
     """Health of this service follows the expert service's: probe it every second; on recovery,
-    re-check it serves the same model (and the same shard) before taking requests again. Sharded: one
-    watcher per shard, `ready` their shared target -> up map; this service serves while every shard is up."""
+    re-check it serves the same model (and the same shard) before taking requests again. One watcher per
+    expert service (shard); `ready`, their shared target -> up map: this service serves while all are up."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    ready = {experts.target: False} if ready is None else ready
     async with experts.security.aio_channel(experts.target, options=serving.RECONNECT) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         info_stub = expert_pb2_grpc.ExpertServiceStub(ch)

@@ -157,27 +157,26 @@ class Model:
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg.num_layers)
 
-    def _attention(self, p: str, x, cos, sin, segments: list[Segment], layer: int) -> torch.Tensor:
+    @staticmethod
+    def _per_segment(x, segments: list[Segment], fn) -> torch.Tensor:
+        """fn(segment, its rows' slice) for each sequence of the step, concatenated."""
         outs, off = [], 0
         for s in segments:
             t = s.tokens.shape[0]
-            sl = slice(off, off + t)
-            if self.cfg.attention == "mla":
-                outs.append(mla_attention(self.cfg, self.W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start,
-                                          self.scale))
-            else:
-                outs.append(gqa_attention(self.cfg, self.W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start,
-                                          self.native_attention))
+            outs.append(fn(s, slice(off, off + t)))
             off += t
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def _attention(self, p: str, x, cos, sin, segments: list[Segment], layer: int) -> torch.Tensor:
+        cfg, W = self.cfg, self.W
+        if cfg.attention == "mla":
+            return self._per_segment(x, segments, lambda s, sl: mla_attention(
+                cfg, W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start, self.scale))
+        return self._per_segment(x, segments, lambda s, sl: gqa_attention(
+            cfg, W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start, self.native_attention))
+
     def _linear_attention(self, p: str, x, segments: list[Segment], layer: int) -> torch.Tensor:
-        outs, off = [], 0
-        for s in segments:
-            t = s.tokens.shape[0]
-            outs.append(gated_deltanet(self.cfg, self.W, p, x[off:off + t], s.cache, layer))
-            off += t
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self._per_segment(x, segments, lambda s, sl: gated_deltanet(self.cfg, self.W, p, x[sl], s.cache, layer))
 
     def _shared(self, p: str, x: torch.Tensor) -> torch.Tensor | None:
         cfg, W = self.cfg, self.W

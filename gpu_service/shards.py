@@ -26,10 +26,6 @@ class ShardedExperts:
         self.sent: dict[int, tuple] = {}
         self.waits: list = []  # (layer, shard, start ns, end ns): how long result() blocked on each shard
 
-    @property
-    def target(self) -> str:
-        return ",".join(s.target for s in self.shards)
-
     def submit(self, step, layer, x, ids, w, defer):
         try:
             self._submit(step, layer, x, ids, w, defer)

@@ -11,11 +11,12 @@ import time
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from conftest import DEVICE_ARGS, free_port, start, terminate_all, wait_healthy
 from moe_core.shards import Shard, check_coverage, owner_and_local
 from protos import generate_pb2, generate_pb2_grpc
+from test_operations import health, scrape, wait_for
 
 
 # -- the split and its checks ----------------------------------------------------------------------
@@ -106,14 +107,6 @@ def greedy(stub, prompt, n=24, **kw):
     return [t for c in stub.Generate(req, timeout=120) for t in c.token_ids]
 
 
-def health(port) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
-        except grpc.RpcError:
-            return -1
-
-
 PROMPTS = [[5, 17, 30, 41, 7, 99, 3], [200, 11, 9, 45, 18, 2, 77, 81, 6, 120, 33]]
 
 
@@ -144,8 +137,6 @@ def test_sharded_tokens_equal_one_expert_service(family, n, defer, checkpoints, 
 
 
 def test_profile_lanes_and_metrics_per_shard(checkpoints, sharded):
-    from test_operations import scrape
-
     port = free_port()
     s = sharded(checkpoints["qwen3_moe"], n=2, gpu_args=("--metrics-port", str(port)))
     wait_healthy(s.gpu_port, s.gpu)
@@ -192,17 +183,11 @@ def test_killed_shard_fails_the_stream_naming_it_and_serves_again_when_back(chec
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
     assert f"127.0.0.1:{s.ports[1]}" in e.value.details()
     assert time.monotonic() - t0 < 10
-    deadline = time.monotonic() + 10
-    while health(s.gpu_port) != health_pb2.HealthCheckResponse.NOT_SERVING:
-        assert time.monotonic() < deadline, "gpu service never went NOT_SERVING"
-        time.sleep(0.2)
+    wait_for(lambda: health(s.gpu_port) == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "gpu NOT_SERVING")
     s.experts[1].wait()
     s.experts[1] = s.start_expert(1)  # the shard alone; nothing else restarted
     wait_healthy(s.ports[1], s.experts[1])
-    deadline = time.monotonic() + 15
-    while health(s.gpu_port) != health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < deadline, "gpu service never came back to SERVING"
-        time.sleep(0.2)
+    wait_for(lambda: health(s.gpu_port) == health_pb2.HealthCheckResponse.SERVING, 15, "gpu SERVING again")
     assert greedy(s.stub, PROMPTS[0]) == before
     assert s.gpu.poll() is None and s.experts[0].poll() is None
 
@@ -226,8 +211,5 @@ def test_a_shard_restarted_as_another_shard_is_not_served(checkpoints, sharded):
     s.shards[1] = "1/2"
     s.experts[1] = s.start_expert(1)
     wait_healthy(s.ports[1], s.experts[1])
-    deadline = time.monotonic() + 15
-    while health(s.gpu_port) != health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < deadline, "gpu service never came back to SERVING"
-        time.sleep(0.2)
+    wait_for(lambda: health(s.gpu_port) == health_pb2.HealthCheckResponse.SERVING, 15, "gpu SERVING again")
     assert greedy(s.stub, PROMPTS[0]) == before
