@@ -88,7 +88,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     if not 1 <= args.max_tokens or max_msg > serving.GRPC_MAX_MESSAGE:
         serving.fail(f"--max-tokens {args.max_tokens}: must be >= 1, and a layer request of that many tokens of "
                      f"hidden size {cfg.hidden_size} must fit gRPC's 2 GiB message limit")
-    server = grpc.aio.server(options=serving.message_options(max_msg),
+    server = grpc.aio.server(options=serving.server_options(max_msg),
                              interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
     hs = serving.add_health(server)
     name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name

@@ -268,8 +268,8 @@ async def serve(args, stop: asyncio.Event) -> None:
         max_context=max_context, expert_service=args.experts, defer=args.defer, max_batch=args.max_batch)
     # up first (NOT_SERVING), so probes see it while it loads
     # sent: at most Score's logits (refused past grpcio's 2 GiB: logprobs_only then); received: prompts
-    server = grpc.aio.server(options=serving.message_options(max_context * cfg.vocab_size * 4 + (1 << 20),
-                                                             (64 << 20) + max_context * 64),
+    server = grpc.aio.server(options=serving.server_options(max_context * cfg.vocab_size * 4 + (1 << 20),
+                                                            (64 << 20) + max_context * 64),
                              interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
     servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)

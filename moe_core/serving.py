@@ -70,6 +70,12 @@ def message_options(max_bytes: int, max_receive: int | None = None) -> list[tupl
     return [("grpc.max_send_message_length", send), ("grpc.max_receive_message_length", receive)] + KEEPALIVE
 
 
+def server_options(max_bytes: int, max_receive: int | None = None) -> list[tuple[str, int]]:
+    """A server's options. SO_REUSEPORT off: with grpc's default a second service started on a taken port binds
+    too and the kernel splits the connections between the two; it must fail to start instead."""
+    return message_options(max_bytes, max_receive) + [("grpc.so_reuseport", 0)]
+
+
 def add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -31,10 +31,20 @@ if "MOE_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["MOE_CACHE_DIR"], True)
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now and never handed out before in this run: the kernel can give the same free
+    port to two calls in a row, and the first may be bound only after the second call (CI once had the GPU
+    service on its own expert service's port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @pytest.fixture(scope="session")

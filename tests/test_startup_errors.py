@@ -2,6 +2,7 @@
 non-zero exit, never a traceback."""
 import json
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -51,6 +52,19 @@ def test_mismatched_fingerprints_refuse_to_pair(tmp_path, checkpoints):
     finally:
         expert.terminate()
         expert.wait(10)
+
+
+def test_a_taken_port_is_refused_not_shared(checkpoints):
+    # held the way grpc's own servers hold theirs (SO_REUSEPORT): a service that also set it would bind beside
+    # it and get only some of the connections
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for mod, extra in (("expert_service", ()), ("gpu_service", ("--experts", f"127.0.0.1:{free_port()}"))):
+            p = run_cli(mod, "--model", str(checkpoints["mixtral"]), "--listen", f"127.0.0.1:{port}", *extra)
+            assert_clean_failure(p, f"cannot listen on 127.0.0.1:{port}")
 
 
 def test_expert_service_never_up(tmp_path, checkpoints):
