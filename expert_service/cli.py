@@ -20,7 +20,7 @@ from moe_core.shards import Shard
 from protos import expert_pb2, expert_pb2_grpc
 
 from . import kernels, packed_cache
-from .server import ExpertServicer
+from .server import RAW_METHODS, ExpertServicer
 from .store import load_expert_layers
 
 log = logging.getLogger("expert_service")
@@ -89,7 +89,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         serving.fail(f"--max-tokens {args.max_tokens}: must be >= 1, and a layer request of that many tokens of "
                      f"hidden size {cfg.hidden_size} must fit gRPC's 2 GiB message limit")
     server = grpc.aio.server(options=serving.server_options(max_msg),
-                             interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
+                             interceptors=[*sec.interceptors, MalformedRequestInterceptor(RAW_METHODS)])
     hs = serving.add_health(server)
     name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
     if args.reflection:

@@ -1,9 +1,34 @@
-"""Prometheus metrics of the expert service (served over HTTP by --metrics-port)."""
-from prometheus_client import Counter, Gauge, Histogram
+"""Prometheus metrics of the expert service (served over HTTP by --metrics-port).
+
+The figures of each layer request (its parts' compute, its queueing, its tokens) are recorded in a
+queue and published in batches: every observe() or inc() of prometheus_client takes a lock and
+costs microseconds, and a layer request has several, on the path every token waits for. A batch goes
+out every FLUSH_EVERY records and before each scrape, so a scrape always sees every request served.
+"""
+import collections
+import functools
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from moe_core.metrics import busy_fraction_gauge
 
 FAST = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, .1, .25, 1)
+FLUSH_EVERY = 256
+_pending: collections.deque = collections.deque()  # appends and pops are atomic: any thread may record
+
+
+class _FlushBeforeScrape:
+    """Registered before the metrics below, so the registry collects it, and publishes the queue, first."""
+
+    def describe(self):  # no metrics of its own (without it, register() would call collect())
+        return []
+
+    def collect(self):
+        flush()
+        return []
+
+
+REGISTRY.register(_FlushBeforeScrape())
 
 LAYER_REQUESTS = Counter("moe_expert_layer_requests_total", "Layer requests served", ["rpc"])
 TOKENS = Counter("moe_expert_tokens_total", "Tokens whose routed experts were computed")
@@ -17,3 +42,37 @@ BUSY = Counter("moe_expert_busy_seconds_total", "Time the CPU kernels were runni
 
 
 busy_fraction_gauge("moe_expert_busy_fraction", "Share of wall time the CPU kernels ran, since the last read", BUSY)
+
+
+def record_part(layer: int, part: int, seconds: float) -> None:
+    """One part (0 immediate, 1 deferred) of a layer request computed in `seconds`."""
+    _pending.append((layer, part, seconds))
+    if len(_pending) >= FLUSH_EVERY:
+        flush()
+
+
+def record_request(rpc: str, tokens: int, queued_seconds: float) -> None:
+    """A layer request served over `rpc` (Exchange, RunLayer, Shm): its tokens, receipt to compute start."""
+    _pending.append((rpc, tokens, queued_seconds))
+    if len(_pending) >= FLUSH_EVERY:
+        flush()
+
+
+def flush() -> None:
+    while True:
+        try:
+            a, b, c = _pending.popleft()
+        except IndexError:
+            return
+        if isinstance(a, str):
+            LAYER_REQUESTS.labels(a).inc()
+            TOKENS.inc(b)
+            QUEUED.observe(c)
+        else:
+            BUSY.inc(c)
+            _compute(a, b).observe(c)
+
+
+@functools.cache
+def _compute(layer: int, part: int):
+    return COMPUTE.labels(str(layer), "deferred" if part else "immediate")

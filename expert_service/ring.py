@@ -81,15 +81,11 @@ class RingServer:
 
     @staticmethod
     def _observe(parts) -> None:
-        """Metrics of the parts the C++ loop ran since the last call (published in batches)."""
+        """Metrics of the parts the C++ loop ran since the last call (it hands them over in batches)."""
         for layer, part, tokens, t0, t1, queued_ns in parts:
-            dt = (t1 - t0) / 1e9
-            metrics.BUSY.inc(dt)
-            metrics.COMPUTE.labels(str(layer), "deferred" if part else "immediate").observe(dt)
+            metrics.record_part(layer, part, (t1 - t0) / 1e9)
             if part == 0:
-                metrics.LAYER_REQUESTS.labels("Shm").inc()
-                metrics.TOKENS.inc(tokens)
-                metrics.QUEUED.observe(queued_ns / 1e9)
+                metrics.record_request("Shm", tokens, queued_ns / 1e9)
 
     # -- one request --------------------------------------------------------------------------
     def _span(self, span, nbytes: int, what: str) -> int:
@@ -103,7 +99,6 @@ class RingServer:
         d = shm.REQ_DESC.unpack_from(self.mm, Layout.req_desc(seq))
         r_seq, step, layer, T, k, defer, dtype_code = d[:7]
         spans = list(zip(d[7::2], d[8::2]))  # hidden, ids, weights, immediate out, deferred out
-        metrics.LAYER_REQUESTS.labels("Shm").inc()
         sv = self.servicer
         try:
             if r_seq != seq:
@@ -119,17 +114,16 @@ class RingServer:
             if defer:
                 offs.append(self._span(spans[4], xb, "deferred_output"))
             op = sv.layers[layer]
-            native = hasattr(op, "forward_part") and dtype != torch.float16
+            native = sv.runs_native(layer, dtype)
             parts = self._native(op, layer, offs, dtype == torch.bfloat16, T, k, defer) if native \
                 else self._generic(layer, offs, dtype, T, H, k, defer)
             queued_us = None
             for part, timing in parts:  # each part is posted as soon as it is computed
                 if queued_us is None:
                     queued_us = max(0, (timing.start_unix_ns - t_recv) // 1000)
-                    metrics.QUEUED.observe(queued_us / 1e6)
                 timing.queued_us = queued_us
                 self._respond(seq, part, 0, spans[3 + part], timing, "")
-            metrics.TOKENS.inc(T)
+            metrics.record_request("Shm", T, queued_us / 1e6)
         except (RegionError, ValueError) as e:  # BadRequest and the kernels' own checks are ValueErrors
             metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
             self._respond(seq, expert_pb2.IMMEDIATE, INVALID, (0, 0), None, str(e))

@@ -11,10 +11,10 @@ import time
 import grpc
 import torch
 
-from moe_core import codec, shm
+from moe_core import codec, shm, wire
 from moe_core.config import ModelConfig
 from moe_core.routing import split_deferred
-from moe_core.edge import check_request
+from moe_core.edge import parse_or_abort
 from moe_core.serving import FINGERPRINT_KEY
 from moe_core.shards import Shard
 from protos import expert_pb2, expert_pb2_grpc
@@ -27,6 +27,8 @@ log = logging.getLogger("expert_service")
 
 MAX_SHM_SESSIONS = 16
 INLINE_PAIRS = 64  # (token, expert) pairs up to which a layer request is computed on the event loop
+# methods whose handlers take and give the messages' bytes (moe_core/edge.py), for the native exchange
+RAW_METHODS = (wire.EXCHANGE,)
 
 
 class BadRequest(ValueError):
@@ -61,17 +63,20 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     # -- validation ---------------------------------------------------------------------------
     def parse(self, req: expert_pb2.LayerRequest):
+        """-> (native, hidden, ids, w). native: the layer's requests go to the native part entry, which
+        checks the values itself, and the three are the wire's (dtype, shape, bytes); else checked tensors."""
         try:
-            hidden = codec.decode(req.hidden, "hidden", codec.FLOAT_DTYPES, ndim=2)
-            ids = codec.decode(req.topk_ids, "topk_ids", (torch.int32,), ndim=2)
-            w = codec.decode(req.topk_weights, "topk_weights", (torch.float32,), ndim=2)
+            hidden = codec.raw(req.hidden, "hidden", codec.FLOAT_DTYPES, ndim=2)
+            ids = codec.raw(req.topk_ids, "topk_ids", (torch.int32,), ndim=2)
+            w = codec.raw(req.topk_weights, "topk_weights", (torch.float32,), ndim=2)
         except codec.CodecError as e:
             raise BadRequest(str(e)) from None
-        if self.runs_native(req.layer, hidden.dtype):  # the C++ part entry checks the values itself
-            self.validate_shape(req.layer, *hidden.shape, ids.shape, w.shape, req.defer)
-        else:
-            self.validate(req.layer, hidden, ids, w, req.defer)
-        return hidden, ids, w
+        if self.runs_native(req.layer, hidden[0]):
+            self.validate_shape(req.layer, *hidden[1], ids[1], w[1], req.defer)
+            return True, hidden, ids, w
+        hidden, ids, w = codec.from_raw(*hidden), codec.from_raw(*ids), codec.from_raw(*w)
+        self.validate(req.layer, hidden, ids, w, req.defer)
+        return False, hidden, ids, w
 
     def runs_native(self, layer: int, dtype) -> bool:
         """Whether the layer's requests go straight to the native part entry (deferral split, dtype
@@ -115,24 +120,23 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         t0 = time.time_ns()
         y = kernel()
         t1 = time.time_ns()
-        dt = (t1 - t0) / 1e9
-        metrics.BUSY.inc(dt)
-        metrics.COMPUTE.labels(str(layer), "deferred" if part else "immediate").observe(dt)
+        metrics.record_part(layer, part, (t1 - t0) / 1e9)
         return y, expert_pb2.ExpertTiming(compute_us=(t1 - t0) // 1000, start_unix_ns=t0, end_unix_ns=t1)
 
-    def part_jobs(self, layer: int, hidden, ids, w, defer: int):
-        """-> [(part, kernel)], immediate first; each kernel() returns that part's weighted sum."""
+    def wire_jobs(self, layer: int, hidden, ids, w, defer: int):
+        """-> [(part, kernel)] for the native part entry and a request as the wire holds it ((dtype, shape,
+        bytes) triples), immediate first; each kernel() returns that part's weighted sum as bytes in
+        hidden's dtype."""
         op = self.layers[layer]
-        if self.runs_native(layer, hidden.dtype):
-            T, k = ids.shape
-            bf16 = hidden.dtype == torch.bfloat16
+        dtype, (T, _), xb = hidden
+        k, bf16 = ids[1][1], dtype == torch.bfloat16
+        return [(p, lambda p=p: op.forward_part_bytes(xb, bf16, ids[2], w[2], T, k, defer, p))
+                for p in range(2 if defer else 1)]
 
-            def native(part):
-                out = torch.empty_like(hidden)
-                op.forward_part(hidden.data_ptr(), bf16, ids.data_ptr(), w.data_ptr(), out.data_ptr(), bf16, T, k,
-                                defer, part)
-                return out
-            return [(p, lambda p=p: native(p)) for p in range(2 if defer else 1)]
+    def part_jobs(self, layer: int, hidden, ids, w, defer: int):
+        """-> [(part, kernel)] for tensors (any operator), immediate first; each kernel() returns that
+        part's weighted sum."""
+        op = self.layers[layer]
         if defer == 0:
             return [(expert_pb2.IMMEDIATE, lambda: op.forward(hidden, ids, w))]
         i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
@@ -142,9 +146,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     def compute(self, layer: int, hidden, ids, w, defer: int):
         """-> [(part, out, ExpertTiming)], immediate first, computed here and now (the shared-memory
         ring's Python path)."""
-        out = [(part, *self.run_part(layer, part, kernel)) for part, kernel in self.part_jobs(layer, hidden, ids, w, defer)]
-        metrics.TOKENS.inc(hidden.shape[0])
-        return out
+        return [(part, *self.run_part(layer, part, kernel)) for part, kernel in self.part_jobs(layer, hidden, ids, w, defer)]
 
     async def _check_peer(self, context) -> None:
         await self._check_ready(context)
@@ -155,63 +157,96 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"model fingerprint mismatch: expert service serves {self.fp}, caller has {theirs}")
 
-    async def _parts(self, req, context):
-        """Validate, then compute the parts on the compute thread, yielding (part, out, ExpertTiming)
-        as each is ready: the IMMEDIATE sum goes out while the DEFERRED experts still run."""
+    async def _parts(self, req, context, rpc: str):
+        """Validate, then compute the parts, yielding (part, encoded output, ExpertTiming) as each is ready:
+        the IMMEDIATE sum goes out while the DEFERRED experts still run."""
         t_recv = time.time_ns()
         try:
-            hidden, ids, w = self.parse(req)
+            native, hidden, ids, w = self.parse(req)
         except BadRequest as e:
-            metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._refuse(context, str(e))
+        if native:
+            (dtype, shape, _), pairs = hidden, len(ids[2]) // 4
+            jobs = self.wire_jobs(req.layer, hidden, ids, w, req.defer)
+            encode = lambda out: codec.encode_raw(dtype, shape, out)  # noqa: E731
+        else:
+            shape, pairs = hidden.shape, ids.numel()
+            jobs, encode = self.part_jobs(req.layer, hidden, ids, w, req.defer), codec.encode
         loop = asyncio.get_running_loop()
         queued_ns = None
         # a decode-sized request runs right here: the hop to the compute thread and back costs more than
         # its kernel takes to run (bench/bench_exchange.py); larger ones leave the event loop free. (Here
         # it may wait for the kernels' mutex behind one layer of another caller's: a health check then
         # waits as long, well under the probes' timeouts.)
-        inline = ids.numel() <= INLINE_PAIRS
-        for part, kernel in self.part_jobs(req.layer, hidden, ids, w, req.defer):
+        inline = pairs <= INLINE_PAIRS
+        for part, kernel in jobs:
             try:
                 if inline:
                     out, timing = self.run_part(req.layer, part, kernel)
                 else:
                     out, timing = await loop.run_in_executor(self.pool, self.run_part, req.layer, part, kernel)
             except ValueError as e:  # a kernel's own check (they raise, never abort the process)
-                metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expert kernel refused the request: {e}")
+                await self._refuse(context, f"expert kernel refused the request: {e}")
             if queued_ns is None:
-                queued_ns = timing.start_unix_ns - t_recv
-                metrics.QUEUED.observe(queued_ns / 1e9)
-            timing.queued_us = max(0, queued_ns // 1000)
-            yield part, out, timing
-        metrics.TOKENS.inc(hidden.shape[0])
+                queued_ns = max(0, timing.start_unix_ns - t_recv)
+            timing.queued_us = queued_ns // 1000
+            yield part, encode(out), timing
+        metrics.record_request(rpc, shape[0], queued_ns / 1e9)
 
     async def Exchange(self, request_iterator, context):
+        """A raw method (RAW_METHODS): serialized LayerRequests in, serialized LayerResults out. A request
+        native/wire.h's fast path takes, for a native layer, is parsed, computed and answered in C++ (a
+        handful of Python operations a layer); any other goes through protobuf and _parts."""
         await self._check_peer(context)
         self.active_streams += 1
         metrics.STREAMS.set(self.active_streams)
+        loop = asyncio.get_running_loop()
         try:
-            async for req in request_iterator:
-                await check_request(req, context)
-                metrics.LAYER_REQUESTS.labels("Exchange").inc()
-                async for part, out, timing in self._parts(req, context):
-                    yield expert_pb2.LayerResult(step=req.step, layer=req.layer, part=part,
-                                                 output=codec.encode(out), timing=timing)
+            async for raw in request_iterator:
+                t_recv = time.time_ns()
+                head = wire.head(raw)
+                op = self.layers.get(head[1]) if head is not None else None
+                if not hasattr(op, "exchange_part"):
+                    req = await parse_or_abort(expert_pb2.LayerRequest, raw, context)
+                    async for part, out, timing in self._parts(req, context, "Exchange"):
+                        yield expert_pb2.LayerResult(step=req.step, layer=req.layer, part=part, output=out,
+                                                     timing=timing).SerializeToString()
+                    continue
+                _, layer, defer, T, H, k, _ = head
+                try:
+                    self.validate_shape(layer, T, H, (T, k), (T, k), defer)
+                except BadRequest as e:
+                    await self._refuse(context, str(e))
+                start = None
+                for part in range(2 if defer else 1):
+                    try:
+                        if T * k <= INLINE_PAIRS:  # as in _parts
+                            out, t0, t1 = op.exchange_part(raw, part, t_recv)
+                        else:
+                            out, t0, t1 = await loop.run_in_executor(self.pool, op.exchange_part, raw, part, t_recv)
+                    except ValueError as e:
+                        await self._refuse(context, f"expert kernel refused the request: {e}")
+                    metrics.record_part(layer, part, (t1 - t0) / 1e9)
+                    start = start or t0
+                    yield out
+                metrics.record_request("Exchange", T, max(0, start - t_recv) / 1e9)
         finally:  # the peer went away or the stream ended: nothing of it stays behind
             self.active_streams -= 1
             metrics.STREAMS.set(self.active_streams)
 
+    async def _refuse(self, context, message: str) -> None:
+        metrics.ERRORS.labels("INVALID_ARGUMENT").inc()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
     async def RunLayer(self, request, context):
         await self._check_peer(context)
-        metrics.LAYER_REQUESTS.labels("RunLayer").inc()
-        parts = [p async for p in self._parts(request, context)]
+        parts = [p async for p in self._parts(request, context, "RunLayer")]
         t = parts[0][2]
-        resp = expert_pb2.LayerResponse(immediate=codec.encode(parts[0][1]), timing=expert_pb2.ExpertTiming(
+        resp = expert_pb2.LayerResponse(immediate=parts[0][1], timing=expert_pb2.ExpertTiming(
             queued_us=t.queued_us, compute_us=sum(p[2].compute_us for p in parts), start_unix_ns=t.start_unix_ns,
             end_unix_ns=parts[-1][2].end_unix_ns))
         if len(parts) > 1:
-            resp.deferred.CopyFrom(codec.encode(parts[1][1]))
+            resp.deferred.CopyFrom(parts[1][1])
         return resp
 
     async def Info(self, request, context):

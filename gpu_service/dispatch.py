@@ -17,7 +17,7 @@ import time
 
 import grpc
 
-from moe_core import codec
+from moe_core import wire
 from moe_core.routing import split_deferred
 from moe_core.security import ClientSecurity
 from moe_core.serving import FINGERPRINT_KEY, RECONNECT, message_options
@@ -179,7 +179,8 @@ class RemoteExperts:
         self._wait_connected()
         q: queue.Queue = queue.Queue()
         self._requests = q
-        self._responses = self.stub.Exchange(iter(q.get, None), metadata=self.metadata)
+        # the stream's messages as bytes, written and read by moe_core.wire
+        self._responses = self.channel.stream_stream(wire.EXCHANGE)(iter(q.get, None), metadata=self.metadata)
 
     def _limit(self) -> float:
         return self.timeout_s + PER_TOKEN_S * self._tokens
@@ -204,9 +205,7 @@ class RemoteExperts:
         self._shm_out.pop(layer, None)
         if self._responses is None:
             self._open()
-        self._requests.put(expert_pb2.LayerRequest(step=step, layer=layer, hidden=codec.encode(x),
-                                                   topk_ids=codec.encode(ids), topk_weights=codec.encode(w),
-                                                   defer=defer))
+        self._requests.put(wire.request(step, layer, x, ids, w, defer))
 
     def result(self, layer, deferred):
         if layer in self._shm_out:
@@ -222,7 +221,7 @@ class RemoteExperts:
             self._timings.append((layer, deferred, timing))
             return y
         try:
-            r = self._next_response()
+            data = self._next_response()
         except grpc.RpcError as e:
             self.reset()
             if self._deadline.fired:
@@ -239,13 +238,19 @@ class RemoteExperts:
             self.reset()
             raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE,
                                      f"expert service at {self.target} closed the exchange stream") from None
+        try:
+            got_layer, part, y, timing = wire.result(data)
+        except Exception as e:  # DecodeError, CodecError: not a LayerResult we can use
+            self.reset()
+            raise ExpertServiceError(grpc.StatusCode.INTERNAL, f"expert service at {self.target} sent an unreadable "
+                                     f"result ({type(e).__name__}: {e})") from None
         want = expert_pb2.DEFERRED if deferred else expert_pb2.IMMEDIATE
-        if r.layer != layer or r.part != want:
+        if got_layer != layer or part != want:
             self.reset()
             raise ExpertServiceError(grpc.StatusCode.INTERNAL, f"exchange out of order: wanted layer {layer} "
-                                     f"part {want}, got layer {r.layer} part {r.part}")
-        self._timings.append((layer, deferred, r.timing))
-        return codec.decode(r.output, "output")
+                                     f"part {want}, got layer {got_layer} part {part}")
+        self._timings.append((layer, deferred, timing))
+        return y
 
     def _next_response(self):
         """The next message of the Exchange stream, the call cancelled if it takes past the deadline."""

@@ -28,37 +28,56 @@ class CodecError(ValueError):
 
 
 def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
-    t = t.detach()
+    code = TO_WIRE.get(t.dtype)
+    if code is None:
+        raise CodecError(f"dtype {t.dtype} has no wire encoding")
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    if t.dtype not in TO_WIRE:
-        raise CodecError(f"dtype {t.dtype} has no wire encoding")
-    # view as bytes: works for bf16 too, which numpy lacks
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return tensor_pb2.Tensor(dtype=TO_WIRE[t.dtype], shape=list(t.shape), data=data)
+    # view as bytes: works for bf16 too, which numpy lacks (one step per layer: as few ops as it takes)
+    data = t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return tensor_pb2.Tensor(dtype=code, shape=t.shape, data=data)
+
+
+def raw(msg: tensor_pb2.Tensor, field: str, allowed=None, ndim: int | None = None) -> tuple[torch.dtype, list, bytes]:
+    """decode()'s checks without building a tensor: -> (dtype, shape, the data bytes)."""
+    dtype = FROM_WIRE.get(msg.dtype)
+    shape = list(msg.shape)
+    if dtype is None or (allowed is not None and dtype not in allowed) or (ndim is not None and len(shape) != ndim) \
+            or (shape and min(shape) < 0):
+        raise CodecError(_refusal(msg, field, allowed, ndim))
+    data = msg.data  # each access copies the bytes out of the message: once only
+    if math.prod(shape) * dtype.itemsize != len(data):
+        raise CodecError(f"{field}.data: {len(data)} bytes do not match shape {shape} x {dtype.itemsize} bytes")
+    return dtype, shape, data
+
+
+def _refusal(msg: tensor_pb2.Tensor, field: str, allowed, ndim) -> str:
+    """What raw() found wrong with a tensor's dtype or shape (off the hot path)."""
+    dtype, shape = FROM_WIRE.get(msg.dtype), list(msg.shape)
+    if dtype is None:
+        return f"{field}.dtype: unknown or unspecified dtype {msg.dtype}"
+    if allowed is not None and dtype not in allowed:
+        names = ", ".join(tensor_pb2.DType.Name(TO_WIRE[d]) for d in allowed)
+        return f"{field}.dtype: {tensor_pb2.DType.Name(msg.dtype)} not allowed here (expected {names})"
+    if ndim is not None and len(shape) != ndim:
+        return f"{field}.shape: expected {ndim} dimensions, got {shape}"
+    return f"{field}.shape: negative dimension in {shape}"
 
 
 def decode(msg: tensor_pb2.Tensor, field: str, allowed=None, ndim: int | None = None) -> torch.Tensor:
     """Decode and check one tensor; `field` names it in errors. Returns a CPU tensor that
     owns its memory (writable)."""
-    dtype = FROM_WIRE.get(msg.dtype)
-    if dtype is None:
-        raise CodecError(f"{field}.dtype: unknown or unspecified dtype {msg.dtype}")
-    if allowed is not None and dtype not in allowed:
-        names = ", ".join(tensor_pb2.DType.Name(TO_WIRE[d]) for d in allowed)
-        raise CodecError(f"{field}.dtype: {tensor_pb2.DType.Name(msg.dtype)} not allowed here (expected {names})")
-    shape = list(msg.shape)
-    if ndim is not None and len(shape) != ndim:
-        raise CodecError(f"{field}.shape: expected {ndim} dimensions, got {shape}")
-    if any(s < 0 for s in shape):
-        raise CodecError(f"{field}.shape: negative dimension in {shape}")
-    itemsize = dtype.itemsize
-    n = math.prod(shape)
-    data = msg.data  # each access copies the bytes out of the message: once only
-    if n * itemsize != len(data):
-        raise CodecError(f"{field}.data: {len(data)} bytes do not match shape {shape} x {itemsize} bytes")
-    if n == 0:
+    return from_raw(*raw(msg, field, allowed, ndim))
+
+
+def from_raw(dtype: torch.dtype, shape, data: bytes) -> torch.Tensor:
+    """raw()'s triple as a CPU tensor that owns its memory (writable)."""
+    if not data:
         return torch.empty(shape, dtype=dtype)
     # a writable copy; protobuf bytes are immutable
     return torch.frombuffer(bytearray(data), dtype=dtype).view(tuple(shape))
+
+
+def encode_raw(dtype: torch.dtype, shape, data: bytes) -> tensor_pb2.Tensor:
+    """A tensor already in wire layout (C order, little-endian) as bytes."""
+    return tensor_pb2.Tensor(dtype=TO_WIRE[dtype], shape=shape, data=data)

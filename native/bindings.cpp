@@ -1,4 +1,8 @@
 // pybind11 bindings: raw pointers + shapes in (the Python layer owns the tensors), GIL released.
+#include <cstring>
+#include <limits>
+#include <ctime>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,6 +13,7 @@
 #include "numa.h"
 #include "ring.h"
 #include "probes.h"
+#include "wire.h"
 
 namespace py = pybind11;
 using namespace moe;
@@ -24,6 +29,20 @@ static std::atomic<uint32_t>* doorbell_at(py::buffer& buf, size_t offset) {
 }
 
 static Isa parse_isa(const std::string& name);
+
+static py::bytes new_bytes(size_t n) {  // to be filled before anyone else sees it
+  py::bytes b = py::reinterpret_steal<py::bytes>(PyBytes_FromStringAndSize(nullptr, py::ssize_t(n)));
+  if (!b) throw py::error_already_set();
+  return b;
+}
+
+static uint8_t* bytes_data(py::bytes& b) { return reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(b.ptr())); }
+
+static int64_t unix_ns() {  // Python's time.time_ns(): the clock ExpertTiming's stamps are read on
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
 
 static Isa kernel_isa(const std::string& path) {
   Isa isa = parse_isa(path);
@@ -298,4 +317,138 @@ PYBIND11_MODULE(_native, m) {
       WEIGHT_ARGS, py::arg("hidden"), py::arg("hidden_bf16"), py::arg("ids"), py::arg("weights"), py::arg("out"),
       py::arg("out_bf16"), py::arg("T"), py::arg("k"), py::arg("defer"), py::arg("part"),
       "one part of a deferral split, hidden/out bf16 or fp32 (see native/moe_part.cpp)");
+  m.def(
+      "forward_part_bytes",
+      [](WEIGHT_PARAMS, py::buffer hidden, bool hidden_bf16, py::buffer ids, py::buffer weights, bool out_bf16, int T,
+         int k, int defer, int part) {
+        // the gRPC exchange's entry: a request's bytes as the message holds them, the answer as new bytes,
+        // so a decode-sized request costs no tensor objects on either side (each costs microseconds)
+        Isa isa = kernel_isa(path);
+        MoEWeights m = WEIGHTS_OF;
+        py::buffer_info h = hidden.request(), i = ids.request(), w = weights.request();
+        MOE_CHECK(T >= 0 && k >= 1, "bad T or k");
+        const size_t n = size_t(T) * m.H, nk = size_t(T) * k;
+        MOE_CHECK(size_t(h.size * h.itemsize) == n * (hidden_bf16 ? 2 : 4), "hidden: wrong byte length");
+        MOE_CHECK(size_t(i.size * i.itemsize) == nk * 4 && size_t(w.size * w.itemsize) == nk * 4,
+                  "topk_ids/topk_weights: wrong byte length");
+        py::bytes out = new_bytes(n * (out_bf16 ? 2 : 4));
+        void* o = bytes_data(out);
+        {
+          py::gil_scoped_release nogil;
+          std::lock_guard<std::mutex> g(compute_mutex());
+          moe_forward_part(isa, m, h.ptr, hidden_bf16, static_cast<const int32_t*>(i.ptr),
+                           static_cast<const float*>(w.ptr), o, out_bf16, T, k, defer, part);
+          release_scratch();
+        }
+        return out;
+      },
+      WEIGHT_ARGS, py::arg("hidden"), py::arg("hidden_bf16"), py::arg("ids"), py::arg("weights"),
+      py::arg("out_bf16"), py::arg("T"), py::arg("k"), py::arg("defer"), py::arg("part"),
+      "forward_part on bytes-like inputs (their lengths checked), -> the output as new bytes");
+  m.def(
+      "wire_head",
+      [](py::buffer request) -> py::object {
+        py::buffer_info b = request.request();
+        wire::LayerRequestView q;
+        wire::Head h;
+        if (!wire::parse_layer_request(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) ||
+            !wire::fast_head(q, h))
+          return py::none();
+        return py::make_tuple(h.step, h.layer, h.defer, h.T, h.H, h.k, h.bf16);
+      },
+      py::arg("request"),
+      "a serialized LayerRequest -> (step, layer, defer, T, H, k, bf16) when the native exchange can take it "
+      "(native/wire.h: fast_head), else None");
+  m.def(
+      "wire_request",
+      [](uint64_t step, uint32_t layer, uint32_t defer, uintptr_t hidden, uint64_t hidden_dtype, int itemsize, int64_t T,
+         int64_t H, uintptr_t ids, uintptr_t weights, int64_t k) {
+        MOE_CHECK(T >= 0 && H >= 0 && k >= 0 && (itemsize == 2 || itemsize == 4), "bad shape or itemsize");
+        auto at = [](uintptr_t a) { return reinterpret_cast<const uint8_t*>(a); };
+        const size_t nk = size_t(T) * size_t(k) * 4;
+        wire::Request r{step, layer, defer, {hidden_dtype, T, H, at(hidden), size_t(T) * size_t(H) * itemsize},
+                        {wire::INT32, T, k, at(ids), nk}, {wire::FLOAT32, T, k, at(weights), nk}};
+        py::bytes b = new_bytes(wire::layer_request_size(r));
+        wire::write_layer_request(bytes_data(b), r);
+        return b;
+      },
+      py::arg("step"), py::arg("layer"), py::arg("defer"), py::arg("hidden"), py::arg("hidden_dtype"),
+      py::arg("itemsize"), py::arg("T"), py::arg("H"), py::arg("ids"), py::arg("weights"), py::arg("k"),
+      "a serialized LayerRequest from contiguous hidden [T, H], int32 ids and fp32 weights [T, k] at these addresses");
+  m.def(
+      "wire_result",
+      [](py::buffer result) -> py::object {
+        py::buffer_info b = result.request();
+        wire::LayerResultView q;
+        if (!wire::parse_layer_result(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) ||
+            q.layer > std::numeric_limits<uint32_t>::max() || q.output.shape.size() != 2)
+          return py::none();
+        const wire::Timing& t = q.timing;
+        return py::make_tuple(q.step, q.layer, q.part, q.output.dtype, q.output.shape[0], q.output.shape[1],
+                              q.output.len, t.queued_us, t.compute_us, t.start_unix_ns, t.end_unix_ns);
+      },
+      py::arg("result"),
+      "a serialized LayerResult -> (step, layer, part, output dtype, rows, cols, output bytes, queued_us, "
+      "compute_us, start_unix_ns, end_unix_ns), None when it is not one with a 2-D output");
+  m.def(
+      "wire_result_output",
+      [](py::buffer result, uintptr_t out, size_t nbytes) {
+        py::buffer_info b = result.request();
+        wire::LayerResultView q;
+        MOE_CHECK(wire::parse_layer_result(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) &&
+                      q.output.len == nbytes,
+                  "not a LayerResult with an output of that many bytes");
+        if (nbytes) std::memcpy(reinterpret_cast<void*>(out), q.output.data, nbytes);
+      },
+      py::arg("result"), py::arg("out"), py::arg("nbytes"), "copy a serialized LayerResult's output to `out`");
+  m.def(
+      "exchange_part",
+      [](WEIGHT_PARAMS, py::buffer request, int part, int64_t received_unix_ns) {
+        Isa isa = kernel_isa(path);
+        MoEWeights m = WEIGHTS_OF;
+        py::buffer_info b = request.request();
+        wire::LayerRequestView q;
+        wire::Head h;
+        MOE_CHECK(wire::parse_layer_request(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) &&
+                      wire::fast_head(q, h),
+                  "not a layer request the native exchange takes (wire_head says None)");
+        MOE_CHECK(h.H == m.H, "hidden size " + std::to_string(h.H) + " != " + std::to_string(m.H));
+        const size_t n = size_t(h.T) * size_t(h.H) * (h.bf16 ? 2 : 4), nk = size_t(h.T) * size_t(h.k) * 4;
+        // the tensors sit in the message at whatever offsets its headers leave: the kernel reads them as
+        // 2- and 4-byte values, so misaligned ones are copied first (small next to the kernel's work)
+        thread_local std::vector<uint32_t> x_al, ids_al, w_al;
+        thread_local std::vector<uint8_t> out;
+        auto aligned = [](const uint8_t* p, size_t len, std::vector<uint32_t>& keep) -> const void* {
+          if (reinterpret_cast<uintptr_t>(p) % 4 == 0) return p;
+          keep.resize((len + 3) / 4);
+          std::memcpy(keep.data(), p, len);
+          return keep.data();
+        };
+        const void* x = aligned(q.hidden.data, n, x_al);
+        auto* ids = static_cast<const int32_t*>(aligned(q.ids.data, nk, ids_al));
+        auto* w = static_cast<const float*>(aligned(q.weights.data, nk, w_al));
+        out.resize(n);
+        int64_t t0, t1;
+        {
+          py::gil_scoped_release nogil;
+          std::lock_guard<std::mutex> g(compute_mutex());
+          t0 = unix_ns();
+          moe_forward_part(isa, m, x, h.bf16, ids, w, out.data(), h.bf16, int(h.T), int(h.k), int(h.defer), part);
+          t1 = unix_ns();
+          release_scratch();
+        }
+        wire::Result r{h.step, h.layer, uint32_t(part), {h.bf16 ? wire::BFLOAT16 : wire::FLOAT32, h.T, h.H, out.data(), n},
+                       {uint64_t(std::max<int64_t>(0, t0 - received_unix_ns) / 1000), uint64_t((t1 - t0) / 1000), t0,
+                        t1}};
+        py::bytes res = new_bytes(wire::layer_result_size(r));
+        wire::write_layer_result(bytes_data(res), r);
+        if (out.capacity() > SCRATCH_KEEP) {  // a long prefill's buffers are not kept for good
+          std::vector<uint8_t>().swap(out);
+          std::vector<uint32_t>().swap(x_al);
+        }
+        return py::make_tuple(res, t0, t1);
+      },
+      WEIGHT_ARGS, py::arg("request"), py::arg("part"), py::arg("received_unix_ns"),
+      "one part of a serialized LayerRequest computed -> (the serialized LayerResult, compute start and end, "
+      "unix ns)");
 }

@@ -1,0 +1,56 @@
+"""The expert exchange's messages as bytes. The Exchange stream is a raw method on both ends: the
+GPU side writes each LayerRequest and reads each LayerResult, the expert service reads and answers
+them, with the native reader/writer (native/wire.cpp) where it can and the protobuf library where
+not. protos/expert.proto stays the contract; the bytes are the same either way (tests/test_native_wire.py).
+
+Why: a decode step sends one request per MoE layer, and each protobuf message, tensor and field built
+or read in Python costs microseconds, more so on a core whose caches a kernel has just swept.
+"""
+from __future__ import annotations
+
+import torch
+
+from protos import expert_pb2
+
+from . import codec
+
+EXCHANGE = f"/{expert_pb2.DESCRIPTOR.services_by_name['ExpertService'].full_name}/Exchange"
+
+try:
+    from moe_kernels import native as _n
+except ImportError:  # no native library: protobuf for everything
+    _n = None
+
+
+def head(request: bytes) -> tuple | None:
+    """(step, layer, defer, T, H, k, bf16) of a serialized LayerRequest the native exchange takes
+    (hidden [T, H] bf16|fp32, ids [T, k] int32, weights [T, k] fp32), else None."""
+    return _n.wire_head(request) if _n is not None else None
+
+
+def request(step: int, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, defer: int) -> bytes:
+    """A serialized LayerRequest for hidden x [T, H], ids [T, k], weights [T, k]."""
+    if _n is None or ids.dtype != torch.int32 or w.dtype != torch.float32 or x.dtype not in codec.TO_WIRE \
+            or x.element_size() not in (2, 4):
+        return expert_pb2.LayerRequest(step=step, layer=layer, hidden=codec.encode(x), topk_ids=codec.encode(ids),
+                                       topk_weights=codec.encode(w), defer=defer).SerializeToString()
+    if x.device.type != "cpu":
+        x, ids, w = x.cpu(), ids.cpu(), w.cpu()
+    x, ids, w = x.contiguous(), ids.contiguous(), w.contiguous()  # no-ops when they already are
+    (T, H), k = x.shape, ids.shape[1]
+    return _n.wire_request(step, layer, defer, x.data_ptr(), codec.TO_WIRE[x.dtype], x.element_size(), T, H,
+                           ids.data_ptr(), w.data_ptr(), k)
+
+
+def result(data: bytes) -> tuple[int, int, torch.Tensor, expert_pb2.ExpertTiming]:
+    """A serialized LayerResult -> (layer, part, output tensor of its own, timing). Raises DecodeError
+    (protobuf's) or codec.CodecError on what is not a valid one."""
+    h = _n.wire_result(data) if _n is not None else None
+    dtype = codec.FROM_WIRE.get(h[3]) if h is not None else None
+    if dtype is not None and h[4] >= 0 and h[5] >= 0 and h[4] * h[5] * dtype.itemsize == h[6]:
+        out = torch.empty((h[4], h[5]), dtype=dtype)
+        _n.wire_result_output(data, out.data_ptr(), h[6])
+        return h[1], h[2], out, expert_pb2.ExpertTiming(queued_us=h[7], compute_us=h[8], start_unix_ns=h[9],
+                                                        end_unix_ns=h[10])
+    r = expert_pb2.LayerResult.FromString(data)
+    return r.layer, r.part, codec.decode(r.output, "output"), r.timing
