@@ -63,20 +63,17 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     # -- validation ---------------------------------------------------------------------------
     def parse(self, req: expert_pb2.LayerRequest):
-        """-> (native, hidden, ids, w). native: the layer's requests go to the native part entry, which
-        checks the values itself, and the three are the wire's (dtype, shape, bytes); else checked tensors."""
         try:
-            hidden = codec.raw(req.hidden, "hidden", codec.FLOAT_DTYPES, ndim=2)
-            ids = codec.raw(req.topk_ids, "topk_ids", (torch.int32,), ndim=2)
-            w = codec.raw(req.topk_weights, "topk_weights", (torch.float32,), ndim=2)
+            hidden = codec.decode(req.hidden, "hidden", codec.FLOAT_DTYPES, ndim=2)
+            ids = codec.decode(req.topk_ids, "topk_ids", (torch.int32,), ndim=2)
+            w = codec.decode(req.topk_weights, "topk_weights", (torch.float32,), ndim=2)
         except codec.CodecError as e:
             raise BadRequest(str(e)) from None
-        if self.runs_native(req.layer, hidden[0]):
-            self.validate_shape(req.layer, *hidden[1], ids[1], w[1], req.defer)
-            return True, hidden, ids, w
-        hidden, ids, w = codec.from_raw(*hidden), codec.from_raw(*ids), codec.from_raw(*w)
-        self.validate(req.layer, hidden, ids, w, req.defer)
-        return False, hidden, ids, w
+        if self.runs_native(req.layer, hidden.dtype):  # the C++ part entry checks the values itself
+            self.validate_shape(req.layer, *hidden.shape, ids.shape, w.shape, req.defer)
+        else:
+            self.validate(req.layer, hidden, ids, w, req.defer)
+        return hidden, ids, w
 
     def runs_native(self, layer: int, dtype) -> bool:
         """Whether the layer's requests go straight to the native part entry (deferral split, dtype
@@ -123,20 +120,19 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         metrics.record_part(layer, part, (t1 - t0) / 1e9)
         return y, expert_pb2.ExpertTiming(compute_us=(t1 - t0) // 1000, start_unix_ns=t0, end_unix_ns=t1)
 
-    def wire_jobs(self, layer: int, hidden, ids, w, defer: int):
-        """-> [(part, kernel)] for the native part entry and a request as the wire holds it ((dtype, shape,
-        bytes) triples), immediate first; each kernel() returns that part's weighted sum as bytes in
-        hidden's dtype."""
-        op = self.layers[layer]
-        dtype, (T, _), xb = hidden
-        k, bf16 = ids[1][1], dtype == torch.bfloat16
-        return [(p, lambda p=p: op.forward_part_bytes(xb, bf16, ids[2], w[2], T, k, defer, p))
-                for p in range(2 if defer else 1)]
-
     def part_jobs(self, layer: int, hidden, ids, w, defer: int):
-        """-> [(part, kernel)] for tensors (any operator), immediate first; each kernel() returns that
-        part's weighted sum."""
+        """-> [(part, kernel)], immediate first; each kernel() returns that part's weighted sum."""
         op = self.layers[layer]
+        if self.runs_native(layer, hidden.dtype):
+            T, k = ids.shape
+            bf16 = hidden.dtype == torch.bfloat16
+
+            def native(part):
+                out = torch.empty_like(hidden)
+                op.forward_part(hidden.data_ptr(), bf16, ids.data_ptr(), w.data_ptr(), out.data_ptr(), bf16, T, k,
+                                defer, part)
+                return out
+            return [(p, lambda p=p: native(p)) for p in range(2 if defer else 1)]
         if defer == 0:
             return [(expert_pb2.IMMEDIATE, lambda: op.forward(hidden, ids, w))]
         i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
@@ -159,27 +155,21 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     async def _parts(self, req, context, rpc: str):
         """Validate, then compute the parts, yielding (part, encoded output, ExpertTiming) as each is ready:
-        the IMMEDIATE sum goes out while the DEFERRED experts still run."""
+        the IMMEDIATE sum goes out while the DEFERRED experts still run. (The protobuf path: RunLayer, and
+        what the native exchange does not take.)"""
         t_recv = time.time_ns()
         try:
-            native, hidden, ids, w = self.parse(req)
+            hidden, ids, w = self.parse(req)
         except BadRequest as e:
             await self._refuse(context, str(e))
-        if native:
-            (dtype, shape, _), pairs = hidden, len(ids[2]) // 4
-            jobs = self.wire_jobs(req.layer, hidden, ids, w, req.defer)
-            encode = lambda out: codec.encode_raw(dtype, shape, out)  # noqa: E731
-        else:
-            shape, pairs = hidden.shape, ids.numel()
-            jobs, encode = self.part_jobs(req.layer, hidden, ids, w, req.defer), codec.encode
         loop = asyncio.get_running_loop()
         queued_ns = None
         # a decode-sized request runs right here: the hop to the compute thread and back costs more than
         # its kernel takes to run (bench/bench_exchange.py); larger ones leave the event loop free. (Here
         # it may wait for the kernels' mutex behind one layer of another caller's: a health check then
         # waits as long, well under the probes' timeouts.)
-        inline = pairs <= INLINE_PAIRS
-        for part, kernel in jobs:
+        inline = ids.numel() <= INLINE_PAIRS
+        for part, kernel in self.part_jobs(req.layer, hidden, ids, w, req.defer):
             try:
                 if inline:
                     out, timing = self.run_part(req.layer, part, kernel)
@@ -190,8 +180,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             if queued_ns is None:
                 queued_ns = max(0, timing.start_unix_ns - t_recv)
             timing.queued_us = queued_ns // 1000
-            yield part, encode(out), timing
-        metrics.record_request(rpc, shape[0], queued_ns / 1e9)
+            yield part, codec.encode(out), timing
+        metrics.record_request(rpc, hidden.shape[0], queued_ns / 1e9)
 
     async def Exchange(self, request_iterator, context):
         """A raw method (RAW_METHODS): serialized LayerRequests in, serialized LayerResults out. A request

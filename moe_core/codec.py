@@ -38,8 +38,9 @@ def encode(t: torch.Tensor) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=code, shape=t.shape, data=data)
 
 
-def raw(msg: tensor_pb2.Tensor, field: str, allowed=None, ndim: int | None = None) -> tuple[torch.dtype, list, bytes]:
-    """decode()'s checks without building a tensor: -> (dtype, shape, the data bytes)."""
+def decode(msg: tensor_pb2.Tensor, field: str, allowed=None, ndim: int | None = None) -> torch.Tensor:
+    """Decode and check one tensor; `field` names it in errors. Returns a CPU tensor that
+    owns its memory (writable)."""
     dtype = FROM_WIRE.get(msg.dtype)
     shape = list(msg.shape)
     if dtype is None or (allowed is not None and dtype not in allowed) or (ndim is not None and len(shape) != ndim) \
@@ -48,11 +49,14 @@ def raw(msg: tensor_pb2.Tensor, field: str, allowed=None, ndim: int | None = Non
     data = msg.data  # each access copies the bytes out of the message: once only
     if math.prod(shape) * dtype.itemsize != len(data):
         raise CodecError(f"{field}.data: {len(data)} bytes do not match shape {shape} x {dtype.itemsize} bytes")
-    return dtype, shape, data
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    # a writable copy; protobuf bytes are immutable
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(tuple(shape))
 
 
 def _refusal(msg: tensor_pb2.Tensor, field: str, allowed, ndim) -> str:
-    """What raw() found wrong with a tensor's dtype or shape (off the hot path)."""
+    """What decode() found wrong with a tensor's dtype or shape (off the hot path)."""
     dtype, shape = FROM_WIRE.get(msg.dtype), list(msg.shape)
     if dtype is None:
         return f"{field}.dtype: unknown or unspecified dtype {msg.dtype}"
@@ -62,22 +66,3 @@ def _refusal(msg: tensor_pb2.Tensor, field: str, allowed, ndim) -> str:
     if ndim is not None and len(shape) != ndim:
         return f"{field}.shape: expected {ndim} dimensions, got {shape}"
     return f"{field}.shape: negative dimension in {shape}"
-
-
-def decode(msg: tensor_pb2.Tensor, field: str, allowed=None, ndim: int | None = None) -> torch.Tensor:
-    """Decode and check one tensor; `field` names it in errors. Returns a CPU tensor that
-    owns its memory (writable)."""
-    return from_raw(*raw(msg, field, allowed, ndim))
-
-
-def from_raw(dtype: torch.dtype, shape, data: bytes) -> torch.Tensor:
-    """raw()'s triple as a CPU tensor that owns its memory (writable)."""
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    # a writable copy; protobuf bytes are immutable
-    return torch.frombuffer(bytearray(data), dtype=dtype).view(tuple(shape))
-
-
-def encode_raw(dtype: torch.dtype, shape, data: bytes) -> tensor_pb2.Tensor:
-    """A tensor already in wire layout (C order, little-endian) as bytes."""
-    return tensor_pb2.Tensor(dtype=TO_WIRE[dtype], shape=shape, data=data)

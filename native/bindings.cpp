@@ -318,34 +318,6 @@ PYBIND11_MODULE(_native, m) {
       py::arg("out_bf16"), py::arg("T"), py::arg("k"), py::arg("defer"), py::arg("part"),
       "one part of a deferral split, hidden/out bf16 or fp32 (see native/moe_part.cpp)");
   m.def(
-      "forward_part_bytes",
-      [](WEIGHT_PARAMS, py::buffer hidden, bool hidden_bf16, py::buffer ids, py::buffer weights, bool out_bf16, int T,
-         int k, int defer, int part) {
-        // the gRPC exchange's entry: a request's bytes as the message holds them, the answer as new bytes,
-        // so a decode-sized request costs no tensor objects on either side (each costs microseconds)
-        Isa isa = kernel_isa(path);
-        MoEWeights m = WEIGHTS_OF;
-        py::buffer_info h = hidden.request(), i = ids.request(), w = weights.request();
-        MOE_CHECK(T >= 0 && k >= 1, "bad T or k");
-        const size_t n = size_t(T) * m.H, nk = size_t(T) * k;
-        MOE_CHECK(size_t(h.size * h.itemsize) == n * (hidden_bf16 ? 2 : 4), "hidden: wrong byte length");
-        MOE_CHECK(size_t(i.size * i.itemsize) == nk * 4 && size_t(w.size * w.itemsize) == nk * 4,
-                  "topk_ids/topk_weights: wrong byte length");
-        py::bytes out = new_bytes(n * (out_bf16 ? 2 : 4));
-        void* o = bytes_data(out);
-        {
-          py::gil_scoped_release nogil;
-          std::lock_guard<std::mutex> g(compute_mutex());
-          moe_forward_part(isa, m, h.ptr, hidden_bf16, static_cast<const int32_t*>(i.ptr),
-                           static_cast<const float*>(w.ptr), o, out_bf16, T, k, defer, part);
-          release_scratch();
-        }
-        return out;
-      },
-      WEIGHT_ARGS, py::arg("hidden"), py::arg("hidden_bf16"), py::arg("ids"), py::arg("weights"),
-      py::arg("out_bf16"), py::arg("T"), py::arg("k"), py::arg("defer"), py::arg("part"),
-      "forward_part on bytes-like inputs (their lengths checked), -> the output as new bytes");
-  m.def(
       "wire_head",
       [](py::buffer request) -> py::object {
         py::buffer_info b = request.request();

@@ -144,12 +144,6 @@ class NativeMoELayer(SubmitWait):
         non-finite inputs."""
         _n.forward_part(*self._wargs, hidden, hidden_bf16, ids, weights, out, out_bf16, T, k, defer, part)
 
-    def forward_part_bytes(self, hidden, hidden_bf16: bool, ids, weights, T: int, k: int, defer: int,
-                           part: int) -> bytes:
-        """forward_part on bytes-like inputs as a gRPC message holds them (lengths checked in C++);
-        -> the part's output [T, H] as new bytes, in hidden's dtype."""
-        return _n.forward_part_bytes(*self._wargs, hidden, hidden_bf16, ids, weights, hidden_bf16, T, k, defer, part)
-
     def exchange_part(self, request: bytes, part: int, received_unix_ns: int) -> tuple[bytes, int, int]:
         """One part of a serialized LayerRequest that moe_core.wire.head() took, computed in C++ -> (the serialized
         LayerResult, compute start and end in unix ns). Raises ValueError on bad ids or non-finite inputs."""
