@@ -2,6 +2,7 @@
 the exchange round trip per layer; each against a baseline measured in the same run.
 
     python bench/bench_e2e.py [--model models/default] [--tokens 64] [--runs 5] [--device cpu|cuda]
+                              [--transport auto|grpc|shm]
 
 Prints one JSON line per measurement, then a table. Baselines:
 - decode: the same model in one process, experts called in-process (no gRPC, no second process);
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--exchanges", type=int, default=300)
     ap.add_argument("--device", default="cpu", help="the GPU side's device, in-process and as a service")
+    ap.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"], help="the GPU service's")
     a = ap.parse_args()
     cfg = load_config(a.model)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.torch_dtype, torch.float32)
@@ -87,7 +89,7 @@ def main() -> None:
 
     inproc = statistics.median(bench_inprocess(a.model, prompt, a.tokens, a.runs, a.device))
     tmp = pathlib.Path(__import__("tempfile").mkdtemp())
-    svc = Services(a.model, tmp, gpu_args=("--device", a.device))  # each service: 1 thread, as on a 2-core machine
+    svc = Services(a.model, tmp, gpu_args=("--device", a.device, "--transport", a.transport))  # each service: 1 thread, as on a 2-core machine
     try:
         split = statistics.median(bench_split(svc, prompt, a.tokens, a.runs))
         transport = svc.stub.Info(generate_pb2.ServerInfoRequest(), timeout=5).transport
@@ -95,7 +97,7 @@ def main() -> None:
                "in-process, no exchange")
         n_moe = len(cfg.moe_layers)
         report("per-token cost of the split", (1 / split - 1 / inproc) * 1e6 / n_moe, "us per MoE layer")
-        rtt, comp = exchange_rtt(svc.expert_port, "grpc", cfg.moe_layers[0], cfg.hidden_size, cfg.n_routed_experts,
+        rtt, comp, *_ = exchange_rtt(svc.expert_port, "grpc", cfg.moe_layers[0], cfg.hidden_size, cfg.n_routed_experts,
                                  cfg.top_k, dtype, a.exchanges)
         med_rtt, med_comp = statistics.median(rtt), statistics.median(comp)
         report(f"gRPC exchange round trip, H={cfg.hidden_size} {cfg.torch_dtype}, T=1", med_rtt, "us median",
