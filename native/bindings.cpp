@@ -38,6 +38,20 @@ static py::bytes new_bytes(size_t n) {  // to be filled before anyone else sees 
 
 static uint8_t* bytes_data(py::bytes& b) { return reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(b.ptr())); }
 
+// a serialized LayerRequest the native exchange takes (wire.h: fast_head), read from a bytes-like object
+static bool read_request(py::buffer& buf, wire::LayerRequestView& q, wire::Head& h) {
+  py::buffer_info b = buf.request();
+  return wire::parse_layer_request(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) &&
+         wire::fast_head(q, h);
+}
+
+// a serialized LayerResult with a 2-D output, read from a bytes-like object
+static bool read_result(py::buffer& buf, wire::LayerResultView& q) {
+  py::buffer_info b = buf.request();
+  return wire::parse_layer_result(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) &&
+         q.layer <= std::numeric_limits<uint32_t>::max() && q.output.shape.size() == 2;
+}
+
 static int64_t unix_ns() {  // Python's time.time_ns(): the clock ExpertTiming's stamps are read on
   timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
@@ -320,12 +334,9 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "wire_head",
       [](py::buffer request) -> py::object {
-        py::buffer_info b = request.request();
         wire::LayerRequestView q;
         wire::Head h;
-        if (!wire::parse_layer_request(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) ||
-            !wire::fast_head(q, h))
-          return py::none();
+        if (!read_request(request, q, h)) return py::none();
         return py::make_tuple(h.step, h.layer, h.defer, h.T, h.H, h.k, h.bf16);
       },
       py::arg("request"),
@@ -350,11 +361,8 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "wire_result",
       [](py::buffer result) -> py::object {
-        py::buffer_info b = result.request();
         wire::LayerResultView q;
-        if (!wire::parse_layer_result(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) ||
-            q.layer > std::numeric_limits<uint32_t>::max() || q.output.shape.size() != 2)
-          return py::none();
+        if (!read_result(result, q)) return py::none();
         const wire::Timing& t = q.timing;
         return py::make_tuple(q.step, q.layer, q.part, q.output.dtype, q.output.shape[0], q.output.shape[1],
                               q.output.len, t.queued_us, t.compute_us, t.start_unix_ns, t.end_unix_ns);
@@ -365,11 +373,8 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "wire_result_output",
       [](py::buffer result, uintptr_t out, size_t nbytes) {
-        py::buffer_info b = result.request();
         wire::LayerResultView q;
-        MOE_CHECK(wire::parse_layer_result(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) &&
-                      q.output.len == nbytes,
-                  "not a LayerResult with an output of that many bytes");
+        MOE_CHECK(read_result(result, q) && q.output.len == nbytes, "not a LayerResult with an output of that many bytes");
         if (nbytes) std::memcpy(reinterpret_cast<void*>(out), q.output.data, nbytes);
       },
       py::arg("result"), py::arg("out"), py::arg("nbytes"), "copy a serialized LayerResult's output to `out`");
@@ -378,12 +383,9 @@ PYBIND11_MODULE(_native, m) {
       [](WEIGHT_PARAMS, py::buffer request, int part, int64_t received_unix_ns) {
         Isa isa = kernel_isa(path);
         MoEWeights m = WEIGHTS_OF;
-        py::buffer_info b = request.request();
         wire::LayerRequestView q;
         wire::Head h;
-        MOE_CHECK(wire::parse_layer_request(static_cast<const uint8_t*>(b.ptr), size_t(b.size * b.itemsize), q) &&
-                      wire::fast_head(q, h),
-                  "not a layer request the native exchange takes (wire_head says None)");
+        MOE_CHECK(read_request(request, q, h), "not a layer request the native exchange takes (wire_head says None)");
         MOE_CHECK(h.H == m.H, "hidden size " + std::to_string(h.H) + " != " + std::to_string(m.H));
         const size_t n = size_t(h.T) * size_t(h.H) * (h.bf16 ? 2 : 4), nk = size_t(h.T) * size_t(h.k) * 4;
         // the tensors sit in the message at whatever offsets its headers leave: the kernel reads them as

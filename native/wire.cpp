@@ -45,33 +45,45 @@ struct Reader {
   }
 };
 
-bool parse_tensor(const uint8_t* p, size_t n, TensorView& t) {  // merges into t, as protobuf does
+// Walks a message's fields: on_varint(field, value) for each varint, on_len(field, data, len) for each
+// length-delimited one (false: its content is malformed); other wire types are skipped, as are fields
+// a callback does not know (protobuf keeps those as unknown fields). false: the message is malformed.
+template <class OnVarint, class OnLen>
+bool for_fields(const uint8_t* p, size_t n, OnVarint on_varint, OnLen on_len) {
   Reader r{p, p + n};
   while (r.p != r.end) {
     uint64_t key, v;
-    if (!r.varint(key)) return false;
+    const uint8_t* d;
+    size_t len;
+    if (!r.varint(key) || key >> 3 == 0) return false;
     uint64_t field = key >> 3, type = key & 7;
-    if (field == 1 && type == VARINT) {
-      if (!r.varint(t.dtype)) return false;
-    } else if (field == 2 && type == VARINT) {  // shape, unpacked
+    if (type == VARINT) {
       if (!r.varint(v)) return false;
-      t.shape.push_back(int64_t(v));
-    } else if (field == 2 && type == LEN) {  // shape, packed
-      const uint8_t* d;
-      size_t len;
-      if (!r.bytes(d, len)) return false;
-      Reader s{d, d + len};
-      while (s.p != s.end) {
-        if (!s.varint(v)) return false;
-        t.shape.push_back(int64_t(v));
-      }
-    } else if (field == 3 && type == LEN) {
-      if (!r.bytes(t.data, t.len)) return false;
-    } else if (field == 0 || !r.skip(type)) {
+      on_varint(field, v);
+    } else if (type == LEN) {
+      if (!r.bytes(d, len) || !on_len(field, d, len)) return false;
+    } else if (!r.skip(type)) {
       return false;
     }
   }
   return true;
+}
+
+bool parse_tensor(const uint8_t* p, size_t n, TensorView& t) {  // merges into t, as protobuf does
+  return for_fields(
+      p, n,
+      [&](uint64_t field, uint64_t v) {
+        if (field == 1) t.dtype = v;
+        if (field == 2) t.shape.push_back(int64_t(v));  // shape, unpacked
+      },
+      [&](uint64_t field, const uint8_t* d, size_t len) {
+        if (field == 3) t.data = d, t.len = len;
+        if (field != 2) return true;
+        Reader s{d, d + len};  // shape, packed
+        for (uint64_t v; s.p != s.end; t.shape.push_back(int64_t(v)))
+          if (!s.varint(v)) return false;
+        return true;
+      });
 }
 
 bool is_matrix(const TensorView& t, uint64_t dtype, int64_t itemsize, int64_t& rows, int64_t& cols) {
@@ -125,44 +137,31 @@ size_t timing_size(const Timing& t) {
 }
 
 bool parse_timing(const uint8_t* p, size_t n, Timing& t) {  // merges into t
-  Reader r{p, p + n};
-  while (r.p != r.end) {
-    uint64_t key, v;
-    if (!r.varint(key)) return false;
-    uint64_t field = key >> 3, type = key & 7;
-    if (type == VARINT && field >= 1 && field <= 4) {
-      if (!r.varint(v)) return false;
-      if (field == 1) t.queued_us = v;
-      else if (field == 2) t.compute_us = v;
-      else if (field == 3) t.start_unix_ns = int64_t(v);
-      else t.end_unix_ns = int64_t(v);
-    } else if (field == 0 || !r.skip(type)) {
-      return false;
-    }
-  }
-  return true;
+  return for_fields(
+      p, n,
+      [&](uint64_t field, uint64_t v) {
+        if (field == 1) t.queued_us = v;
+        if (field == 2) t.compute_us = v;
+        if (field == 3) t.start_unix_ns = int64_t(v);
+        if (field == 4) t.end_unix_ns = int64_t(v);
+      },
+      [](uint64_t, const uint8_t*, size_t) { return true; });
 }
 
 }  // namespace
 
 bool parse_layer_request(const uint8_t* p, size_t n, LayerRequestView& q) {
-  Reader r{p, p + n};
-  while (r.p != r.end) {
-    uint64_t key;
-    if (!r.varint(key)) return false;
-    uint64_t field = key >> 3, type = key & 7;
-    const uint8_t* d;
-    size_t len;
-    if (type == VARINT && (field == 1 || field == 2 || field == 6)) {
-      if (!r.varint(field == 1 ? q.step : field == 2 ? q.layer : q.defer)) return false;
-    } else if (type == LEN && field >= 3 && field <= 5) {
-      if (!r.bytes(d, len) || !parse_tensor(d, len, field == 3 ? q.hidden : field == 4 ? q.ids : q.weights))
-        return false;
-    } else if (field == 0 || !r.skip(type)) {
-      return false;
-    }
-  }
-  return true;
+  return for_fields(
+      p, n,
+      [&](uint64_t field, uint64_t v) {
+        if (field == 1) q.step = v;
+        if (field == 2) q.layer = v;
+        if (field == 6) q.defer = v;
+      },
+      [&](uint64_t field, const uint8_t* d, size_t len) {
+        TensorView* t = field == 3 ? &q.hidden : field == 4 ? &q.ids : field == 5 ? &q.weights : nullptr;
+        return !t || parse_tensor(d, len, *t);
+      });
 }
 
 bool fast_head(const LayerRequestView& r, Head& h) {
@@ -178,23 +177,16 @@ bool fast_head(const LayerRequestView& r, Head& h) {
 }
 
 bool parse_layer_result(const uint8_t* p, size_t n, LayerResultView& q) {
-  Reader r{p, p + n};
-  while (r.p != r.end) {
-    uint64_t key;
-    if (!r.varint(key)) return false;
-    uint64_t field = key >> 3, type = key & 7;
-    const uint8_t* d;
-    size_t len;
-    if (type == VARINT && field >= 1 && field <= 3) {
-      if (!r.varint(field == 1 ? q.step : field == 2 ? q.layer : q.part)) return false;
-    } else if (type == LEN && (field == 4 || field == 5)) {
-      if (!r.bytes(d, len) || !(field == 4 ? parse_tensor(d, len, q.output) : parse_timing(d, len, q.timing)))
-        return false;
-    } else if (field == 0 || !r.skip(type)) {
-      return false;
-    }
-  }
-  return true;
+  return for_fields(
+      p, n,
+      [&](uint64_t field, uint64_t v) {
+        if (field == 1) q.step = v;
+        if (field == 2) q.layer = v;
+        if (field == 3) q.part = v;
+      },
+      [&](uint64_t field, const uint8_t* d, size_t len) {
+        return field == 4 ? parse_tensor(d, len, q.output) : field == 5 ? parse_timing(d, len, q.timing) : true;
+      });
 }
 
 size_t layer_request_size(const Request& r) {

@@ -116,13 +116,27 @@ def asan_native(tmp_path_factory) -> str:
     return str(so)
 
 
-def test_hostile_ring_peer_under_address_sanitizer(asan_native):
+def asan_env() -> dict:
     gcc = lambda name: subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True,  # noqa: E731
                                       text=True).stdout.strip()
     # libstdc++ too: a python binary does not link it, and ASan's __cxa_throw interceptor needs it
     preload = f"{gcc('libasan.so')} {gcc('libstdc++.so')}"
     assert all(os.path.exists(p) for p in preload.split()), preload
-    run_peer(6, asan_native, {"LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1"})
+    return {"LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1"}
+
+
+def test_hostile_ring_peer_under_address_sanitizer(asan_native):
+    run_peer(6, asan_native, asan_env())
+
+
+def test_damaged_exchange_messages_under_address_sanitizer(asan_native):
+    """The native wire reader (native/wire.cpp) on cut, flipped and stretched messages, the ones it takes
+    computed: no out-of-bounds access."""
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile_wire_bytes.py"), "--native", asan_native,
+                        "--n", "3000"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, **asan_env()})
+    assert p.returncode == 0 and "AddressSanitizer" not in p.stderr, p.stderr[-6000:]
+    assert int(p.stdout.split()[-1]) > 300, p.stdout  # messages taken and computed
 
 
 # -- the engine: one request's failure is its own --------------------------------------------------
