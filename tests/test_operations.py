@@ -208,3 +208,27 @@ def test_reflection_lists_services(svc):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             services = ProtoReflectionDescriptorDatabase(ch).get_services()
             assert want in services and "grpc.health.v1.Health" in services
+
+
+def test_batched_expert_metrics_are_all_in_every_scrape():
+    """The expert service publishes its per-request figures in batches (expert_service/metrics.py); a
+    scrape first flushes what is pending, so it never misses a request served before it."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    from expert_service import metrics
+
+    def value(name, **labels):
+        for fam in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+
+    before = (value("moe_expert_layer_requests_total", rpc="Exchange"), value("moe_expert_tokens_total"),
+              value("moe_expert_compute_seconds_count", layer="977", part="deferred"))
+    for _ in range(5):  # far fewer than a batch
+        metrics.record_part(977, 1, 0.002)
+        metrics.record_request("Exchange", 3, 1e-5)
+    after = (value("moe_expert_layer_requests_total", rpc="Exchange"), value("moe_expert_tokens_total"),
+             value("moe_expert_compute_seconds_count", layer="977", part="deferred"))
+    assert [a - b for a, b in zip(after, before)] == [5, 15, 5]
