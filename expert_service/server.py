@@ -1,5 +1,6 @@
-"""gRPC ExpertService: validate each layer request at the edge, run it off the event loop,
-answer IMMEDIATE (then DEFERRED) results in order."""
+"""gRPC ExpertService: validate each layer request at the edge, compute it (a decode-sized one on the
+event loop, an exchange request natively from its bytes where it can), answer IMMEDIATE (then
+DEFERRED) results in order."""
 from __future__ import annotations
 
 import asyncio
