@@ -1,17 +1,20 @@
 """Exchange round trip per MoE layer, gRPC vs shared memory, against a real expert service process.
 
-    python bench/bench_exchange.py [--hidden 7168] [--n 500]
+    python bench/bench_exchange.py [--hidden 7168] [--rounds 10] [--n 300] [--transports grpc,shm]
 
 Builds a one-MoE-layer DeepSeek-V3 checkpoint with the given hidden size (bf16, tiny experts so the
 compute inside the round trip is small), starts the expert service pinned to core 1, pins this
 client to core 0, and sends T=1 layer requests (top-8) one at a time through the GPU side's own
 client (gpu_service/dispatch.py: RemoteExperts.submit, then result). Per transport it reports the
-median round trip, the expert compute the service measured inside it, and their difference: what
-the transport itself costs per layer. Targets (issue #4): gRPC <= 150 us, shm <= 20 us.
+median round trip, the expert compute the service measured inside it, their difference (what the
+transport itself costs per layer), and the legs: submit -> the service has the request -> compute
+starts, compute ends -> result() returns. Targets: gRPC <= 1.5x the floor (issue #16), shm <= 20 us.
 
 The baseline measured in the same run: grpcio's own floor, a bidirectional stream that echoes bytes
 of the request's size (an asyncio server on uvloop pinned to core 1, like the expert service, and the
 same synchronous client): what any Python grpcio exchange costs here before our code does anything.
+Rounds alternate the floor and the transports; each round's overhead is taken against that round's
+floor and the median of those ratios reported (this machine's speed drifts over seconds).
 """
 from __future__ import annotations
 
