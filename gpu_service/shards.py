@@ -5,7 +5,8 @@ result() sums the shards' partial results in shard order.
 
 Deferral across shards: each token's pairs are put in descending weight order (ties: slot order)
 before the split, so the `defer` last columns are the globally lowest-weighted pairs on every shard,
-and each shard's own split (the same rule) defers exactly those.
+and each shard's own split (the same rule) defers exactly those. Without deferral the slots keep the
+router's order, as one expert service gets them.
 """
 from __future__ import annotations
 
@@ -41,22 +42,27 @@ class ShardedExperts:
             raise
 
     def _submit(self, step, layer, x, ids, w, defer):
-        n = len(self.shards)
-        order = torch.argsort(w, dim=1, descending=True, stable=True)
-        ids, w = ids.gather(1, order), w.gather(1, order)
+        n, T = len(self.shards), x.shape[0]
+        if defer:  # the deferral split takes each shard's last columns: order them by weight first
+            order = torch.argsort(w, dim=1, descending=True, stable=True)
+            ids, w = ids.gather(1, order), w.gather(1, order)
         owner, local = owner_and_local(ids, n)
+        # every shard's view in a few whole-tensor ops (a decode step pays per op, not per element)
+        mine = owner.unsqueeze(0) == torch.arange(n, device=ids.device).view(n, 1, 1)  # [n, T, k]
+        lids = torch.where(mine, local.to(torch.int32), -1)  # other shards' pairs: -1, no expert
+        asked = mine.any(dim=2)  # [n, T]: rows with at least one of the shard's experts
+        counts = asked.sum(dim=1).tolist()
         sent = []
         for i, shard in enumerate(self.shards):
-            mine = owner == i
-            rows = mine.any(dim=1).nonzero()[:, 0]
-            if rows.numel() == 0:  # none of this layer's pairs: the shard is not asked
+            if counts[i] == 0:  # none of this layer's pairs: the shard is not asked
                 sent.append(None)
-                continue
-            whole = rows.numel() == x.shape[0]
-            lid = torch.where(mine, local, torch.full_like(local, -1)).to(torch.int32)
-            shard.submit(step, layer, x if whole else x[rows], lid if whole else lid[rows], w if whole else w[rows],
-                         defer)
-            sent.append(True if whole else rows.cpu())
+            elif counts[i] == T:
+                shard.submit(step, layer, x, lids[i], w, defer)
+                sent.append(True)
+            else:
+                rows = asked[i].nonzero()[:, 0]
+                shard.submit(step, layer, x[rows], lids[i][rows], w[rows], defer)
+                sent.append(rows.cpu())
         self.sent[layer] = (sent, (x.shape[0], x.shape[1]), x.dtype, 2 if defer else 1)
 
     def _result(self, layer, deferred):
