@@ -128,7 +128,7 @@ class RemoteExperts:
         self.stub = expert_pb2_grpc.ExpertServiceStub(self.channel)
         self._requests: queue.Queue | None = None
         self._responses = None
-        self._timings: list = []  # (layer, deferred, ExpertTiming) since the last drain
+        self._timings: list = []  # (layer, deferred, wire.Timing) since the last drain
 
     def info(self, timeout: float = 5.0) -> expert_pb2.ExpertInfo:
         return self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=timeout, metadata=self.security.metadata)

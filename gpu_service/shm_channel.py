@@ -11,13 +11,13 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import NamedTuple
 
 import grpc
 import torch
 
 from moe_kernels import native as native
 from moe_core import codec, shm
+from moe_core.wire import Timing
 from moe_core.shm import Layout
 from protos import expert_pb2
 
@@ -29,13 +29,6 @@ SPIN_US = 2000        # results usually come within a few ms during decode: spin
 WAIT_US = 100_000     # check the lifeline this often while waiting
 ALIGN = shm.SPAN_ALIGN
 STATUS = {c.value[0]: c for c in grpc.StatusCode}
-
-
-class Timing(NamedTuple):  # what the expert service measured, as ExpertTiming's fields
-    queued_us: int
-    compute_us: int
-    start_unix_ns: int
-    end_unix_ns: int
 
 
 class ShmError(RuntimeError):

@@ -8,6 +8,8 @@ or read in Python costs microseconds, more so on a core whose caches a kernel ha
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from protos import expert_pb2
@@ -15,6 +17,14 @@ from protos import expert_pb2
 from . import codec
 
 EXCHANGE = f"/{expert_pb2.DESCRIPTOR.services_by_name['ExpertService'].full_name}/Exchange"
+
+
+class Timing(NamedTuple):  # what the expert service measured, as ExpertTiming's fields (either transport)
+    queued_us: int
+    compute_us: int
+    start_unix_ns: int
+    end_unix_ns: int
+
 
 try:
     from moe_kernels import native as _n
@@ -42,7 +52,7 @@ def request(step: int, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.
                            ids.data_ptr(), w.data_ptr(), k)
 
 
-def result(data: bytes) -> tuple[int, int, torch.Tensor, expert_pb2.ExpertTiming]:
+def result(data: bytes) -> tuple[int, int, torch.Tensor, Timing]:
     """A serialized LayerResult -> (layer, part, output tensor of its own, timing). Raises DecodeError
     (protobuf's) or codec.CodecError on what is not a valid one."""
     h = _n.wire_result(data) if _n is not None else None
@@ -50,7 +60,8 @@ def result(data: bytes) -> tuple[int, int, torch.Tensor, expert_pb2.ExpertTiming
     if dtype is not None and h[4] >= 0 and h[5] >= 0 and h[4] * h[5] * dtype.itemsize == h[6]:
         out = torch.empty((h[4], h[5]), dtype=dtype)
         _n.wire_result_output(data, out.data_ptr(), h[6])
-        return h[1], h[2], out, expert_pb2.ExpertTiming(queued_us=h[7], compute_us=h[8], start_unix_ns=h[9],
-                                                        end_unix_ns=h[10])
+        return h[1], h[2], out, Timing(*h[7:])
     r = expert_pb2.LayerResult.FromString(data)
-    return r.layer, r.part, codec.decode(r.output, "output"), r.timing
+    t = r.timing
+    return r.layer, r.part, codec.decode(r.output, "output"), Timing(t.queued_us, t.compute_us, t.start_unix_ns,
+                                                                   t.end_unix_ns)
