@@ -63,15 +63,23 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0-3: C (16 x 16 fp32 | int32); 4, 5: A (weights); 6, 7: B (activations)
-__attribute__((target("amx-tile"))) void load_config() {
+// tiles 0-3: C (16 x 16 fp32 | int32); 4, 5: A (weights); 6, 7: B (activations). Every tile is
+// 16 rows x 64 bytes.
+constexpr TileConfig make_config() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  return cfg;
 }
+
+// A constant in static storage, never a stack copy: GCC 12's _tile_loadconfig tells the compiler that
+// LDTILECFG reads 8 bytes of its operand (an "m" of a pointer), so the stores that fill in the rows and
+// column widths of a local config are dropped as dead, and real AMX faults (#GP) on the garbage.
+constexpr TileConfig kTileConfig = make_config();
+
+__attribute__((target("amx-tile"))) void load_config() { _tile_loadconfig(&kTileConfig); }
 
 // C[0..3] (each 16 x 16, row = weight row, column = slot) for rows A0 / A1 and slot groups B0 / B1.
 template <bool BF16>
