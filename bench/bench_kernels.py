@@ -9,9 +9,12 @@ this run. Runs on any x86-64 (and elsewhere): every probe is chosen by what the 
 One JSON line per case, then a table. Decode efficiency = bytes of the chosen experts' weights /
 time, as a share of the DRAM read bandwidth probed right before (the median over repetitions that
 each probe once and then time 64 calls). Prefill efficiency = 2*T*k*3*H*I FLOP / time, as a share
-of the peak of the instructions the path computes with: avx512/amx: vdpbf16ps (bf16) and vpdpbusd
-(int8, int4, mxfp4); avx2: 256-bit fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); portable:
-none (only the comparison with torch).
+of the peak of the instructions the path computes with: avx512: vdpbf16ps (bf16) and vpdpbusd
+(int8, int4, mxfp4); amx: TDPBF16PS (bf16), TDPBSUD (int8), vpdpbusd (int4, mxfp4); avx2: 256-bit
+fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); portable: none (only the comparison
+with torch). Prefill also reads every routed expert once, so it is reported against the roofline
+model too: the longer of FLOP / peak and weight bytes / DRAM bandwidth, as a share of our time
+(with 128 experts and 512 tokens an expert sees about 32 tokens, and AMX is bound by DRAM).
 """
 from __future__ import annotations
 
@@ -73,24 +76,32 @@ def main() -> None:
     native.init_pool(a.threads)
     path = a.path or native.best_path()
     probe = torch.ones(1 << 28)
-    # the instructions each path computes with: (name, probe) for bf16 weights, for int weights
-    roof = {"avx512": (("vdpbf16ps peak", native.bf16_peak_flops), ("vpdpbusd peak", native.vnni_peak_ops)),
-            "avx2": (("fp32 FMA peak", native.fma_peak_flops), ("vpmaddubsw peak", native.avx2_int8_peak_ops))}
-    roof["amx"] = roof["avx512"]  # AMX tiles have no separate probe: held to the AVX-512 peaks
+    # the instructions each path computes with: (name, probe, iterations) for bf16 weights, for int8,
+    # for the other int formats. AMX tiles run bf16 and int8; int4 and mxfp4 run on AVX-512 there.
+    vdp = ("vdpbf16ps peak", native.bf16_peak_flops, 10_000_000)
+    vnni = ("vpdpbusd peak", native.vnni_peak_ops, 10_000_000)
+    roof = {"avx512": (vdp, vnni, vnni),
+            "avx2": (("fp32 FMA peak", native.fma_peak_flops, 10_000_000),) + (
+                ("vpmaddubsw peak", native.avx2_int8_peak_ops, 10_000_000),) * 2,
+            "amx": (("TDPBF16PS peak", native.amx_bf16_peak_flops, 500_000),
+                    ("TDPBSUD peak", native.amx_int8_peak_ops, 500_000), vnni)}
+    slot = lambda fmt: {"bf16": 0, "int8": 1}.get(fmt, 2)  # noqa: E731
 
     def dram_bw() -> float:
         return statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
 
-    def peaks() -> tuple[float | None, float | None]:  # a peak: the best of several
+    def peaks(fmt: str) -> tuple[float | None, float | None]:  # (bf16's, fmt's); a peak: the best of several
         if path not in roof:
             return None, None
-        return tuple(max(fn(10_000_000) for _ in range(5)) for _, fn in roof[path])
+        best = lambda r: max(r[1](r[2]) for _ in range(5))  # noqa: E731
+        bf16 = best(roof[path][0])
+        return bf16, bf16 if slot(fmt) == 0 else best(roof[path][slot(fmt)])
     bw = dram_bw()
-    peak, ipeak = peaks()
+    peak, ipeak = peaks("int8")
     g9 = lambda v: None if v is None else round(v / 1e9, 1)  # noqa: E731
     rows = [{"case": "probe", "cpu": cpu_model(), "path": path, "threads": a.threads,
              "dram_read_GBps": round(bw / 1e9, 2), "bf16_roofline_G": g9(peak), "int_roofline_G": g9(ipeak),
-             "rooflines": [n for n, _ in roof.get(path, ())]}]
+             "rooflines": [r[0] for r in roof.get(path, ())[:2]]}]
     print(json.dumps(rows[0]), flush=True)
     for shape in a.shapes.split(","):
         E, H, I, k = SHAPES[shape]
@@ -134,21 +145,30 @@ def main() -> None:
             op.forward(x, ids, w)
             ref.forward(x, ids, w)
             flop = 2 * T * k * 3 * H * I
-            # as for decode: per repetition a peak probe, then ours, then torch; ratios per repetition
-            roofs, bf16_peaks, ours, theirs = [], [], [], []
+            # every expert the prompt routes to is read once: at this size the bound may be DRAM, not
+            # arithmetic, so the roofline is the slower of the two (probed, as everything, per repetition)
+            weight_bytes = int(ids.unique().numel()) * bytes_per_expert
+            # as for decode: per repetition the probes, then ours, then torch; ratios per repetition
+            roofs, bf16_peaks, bws, ours, theirs = [], [], [], [], []
             for _ in range(a.reps):
-                peak, ipeak = peaks()
-                roofs.append(peak if fmt == "bf16" else ipeak)
+                peak, fpeak = peaks(fmt)
+                roofs.append(fpeak)
                 bf16_peaks.append(peak)
+                bws.append(native.read_bandwidth(probe.data_ptr(), probe.numel()))
                 ours.append(timed(lambda: op.forward(x, ids, w)))
                 theirs.append(timed(lambda: ref.forward(x, ids, w)))
             t_ours, t_torch = statistics.median(ours), statistics.median(theirs)
             share = lambda ts, rs: None if rs[0] is None else round(statistics.median(flop / t / r for t, r in zip(ts, rs)), 3)  # noqa: E731
             row = {"case": "prefill", "shape": shape, "fmt": fmt, "T": T, "ours_ms": round(t_ours * 1e3, 1),
                    "torch_bf16_ms": round(t_torch * 1e3, 1), "ours_GFLOPs": round(flop / t_ours / 1e9, 1),
-                   "roofline": roof[path][fmt != "bf16"][0] if path in roof else None,
+                   "roofline": roof[path][slot(fmt)][0] if path in roof else None,
                    "roofline_GOPs": g9(statistics.median(roofs)) if roofs[0] else None,
                    "share_of_peak": share(ours, roofs), "torch_share_of_bf16_peak": share(theirs, bf16_peaks),
+                   "weight_GB": round(weight_bytes / 1e9, 3), "dram_read_GBps": round(statistics.median(bws) / 1e9, 2),
+                   "share_of_dram_bw": round(statistics.median(weight_bytes / t / b for t, b in zip(ours, bws)), 3),
+                   # the roofline model: time at the peak or at DRAM speed, whichever is longer, over ours
+                   "share_of_roofline": None if roofs[0] is None else round(statistics.median(
+                       max(flop / r, weight_bytes / b) / t for t, r, b in zip(ours, roofs, bws)), 3),
                    "speedup_vs_torch": round(statistics.median(b / a_ for a_, b in zip(ours, theirs)), 2)}
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -158,16 +178,16 @@ def main() -> None:
           f"rooflines {', '.join(p['rooflines']) or 'none'}: {p['bf16_roofline_G']} / {p['int_roofline_G']} G/s; "
           f"each case is compared with the probe taken right before it (in brackets)\n")
     pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
-    print("| case | shape | fmt | ours | torch bf16 | ours vs roofline | torch vs roofline | speedup |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| case | shape | fmt | ours | torch bf16 | ours vs roofline | torch vs roofline | speedup | prefill: DRAM share, roofline share |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows[1:]:
         if r["case"] == "decode":
             print(f"| decode T=1 | {r['shape']} | {r['fmt']} | {r['ours_us']} us | {r['torch_bf16_us']} us | "
-                  f"{r['share_of_dram_bw']:.0%} of DRAM BW ({r['dram_read_GBps']} GB/s) | {r['torch_share_of_dram_bw']:.0%} | {r['speedup_vs_torch']}x |")
+                  f"{r['share_of_dram_bw']:.0%} of DRAM BW ({r['dram_read_GBps']} GB/s) | {r['torch_share_of_dram_bw']:.0%} | {r['speedup_vs_torch']}x | |")
         else:
             print(f"| prefill T={r['T']} | {r['shape']} | {r['fmt']} | {r['ours_ms']} ms | {r['torch_bf16_ms']} ms | "
                   f"{pct(r['share_of_peak'])} of {r['roofline']} ({r['roofline_GOPs']} G/s) | {pct(r['torch_share_of_bf16_peak'])} of the bf16 roofline | "
-                  f"{r['speedup_vs_torch']}x |")
+                  f"{r['speedup_vs_torch']}x | {pct(r['share_of_dram_bw'])} of {r['dram_read_GBps']} GB/s, {pct(r['share_of_roofline'])} |")
 
 
 if __name__ == "__main__":

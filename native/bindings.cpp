@@ -160,6 +160,8 @@ PYBIND11_MODULE(_native, m) {
   peak("vnni_peak_ops", Isa::Avx512, "AVX-512 VNNI", vnni_peak_ops);
   peak("fma_peak_flops", Isa::Avx2, "AVX2 + FMA", fma_peak_flops);
   peak("avx2_int8_peak_ops", Isa::Avx2, "AVX2", avx2_int8_peak_ops);
+  peak("amx_bf16_peak_flops", Isa::Amx, "AMX (or the OS refuses the tile state)", amx_bf16_peak_flops);
+  peak("amx_int8_peak_ops", Isa::Amx, "AMX (or the OS refuses the tile state)", amx_int8_peak_ops);
   m.def(
       "doorbell_ring",
       [](py::buffer buf, size_t offset, uint32_t value) { doorbell_ring(doorbell_at(buf, offset), value); },

@@ -147,6 +147,52 @@ void block_2x2_emulated(const uint8_t* A0, const uint8_t* A1, size_t lda, const 
       }
 }
 
+// out[n] = column n of the 16 x 16 row-major fp32 (or int32: only bits move) block `in`: unpack
+// pairs, then 4 x 4 blocks, then 128-bit lanes twice.
+__attribute__((target("avx512f"))) inline void transpose16(const float* in, __m512 out[16]) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + 16 * i);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    out[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    out[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
+// One C tile (weight rows rt..rt+15 x slots s0..s0+n-1) into Y, where a slot's 16 outputs are a
+// column of the tile: transposed in registers (a scalar scatter cost as much as the multiplies for
+// short rows). int8: (acc - 128 * rowsum) * row scale * slot scale, as the VNNI kernel does.
+__attribute__((target("avx512f"))) void store_tile(bool bf16, const float* Ct, const Matrix& m, int e, int rt,
+                                                   const Acts& x, int s0, int n, float* Y, size_t ldy) {
+  __m512 col[16];
+  transpose16(Ct, col);
+  if (bf16) {
+    for (int j = 0; j < n; ++j) _mm512_storeu_ps(Y + size_t(s0 + j) * ldy + rt, col[j]);
+    return;
+  }
+  const size_t at = size_t(e) * m.rows + rt;
+  const __m512i zero_point = _mm512_slli_epi32(_mm512_loadu_si512(m.rowsum + at), 7);  // 128 * rowsum
+  const __m512 sw = _mm512_loadu_ps(m.scale + at);
+  for (int j = 0; j < n; ++j) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_castps_si512(col[j]), zero_point));
+    _mm512_storeu_ps(Y + size_t(s0 + j) * ldy + rt, _mm512_mul_ps(_mm512_mul_ps(v, sw), _mm512_set1_ps(x.scale[s0 + j])));
+  }
+}
+
 std::atomic<bool> g_emulate{false};
 
 }  // namespace
@@ -162,13 +208,12 @@ void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& 
   const int steps = bf16 ? m.Kp / 32 : m.Kp / 64;
   const size_t group_bytes = size_t(steps) * 1024;
   const int groups = (ns + 15) / 16;
-  alignas(64) float C[4][16][16];
+  alignas(64) float C[4][16 * 16];  // int32 for int8
   const bool emulate = g_emulate;
   if (!emulate) load_config();
   for (int r = r0; r < r1; r += 32) {
-    const bool two_rows = r + 16 < r1;
     const uint8_t* A0 = We + size_t(r) * lda;
-    const uint8_t* A1 = two_rows ? A0 + 16 * lda : A0;  // a lone tile computes twice, stores once
+    const uint8_t* A1 = r + 16 < r1 ? A0 + 16 * lda : A0;  // a lone tile computes twice, stores once
     for (int g = 0; g < groups; g += 2) {
       const uint8_t* B0 = x.amx_b + size_t(g) * group_bytes;
       const uint8_t* B1 = g + 1 < groups ? B0 + group_bytes : B0;
@@ -178,22 +223,46 @@ void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& 
       for (int t = 0; t < 4; ++t) {
         const int rt = r + (t >> 1) * 16, gt = g + (t & 1);
         if (rt >= r1 || gt >= groups) continue;
-        for (int n = 0; n < 16 && gt * 16 + n < ns; ++n) {
-          const int s = gt * 16 + n;
-          float* y = Y + size_t(s) * ldy + rt;
-          if (bf16) {
-            for (int i = 0; i < 16; ++i) y[i] = C[t][i][n];
-          } else {
-            const int32_t* Ci = reinterpret_cast<const int32_t*>(C[t]);
-            const float* sw = m.scale + size_t(e) * m.rows + rt;
-            const int32_t* rs = m.rowsum + size_t(e) * m.rows + rt;
-            for (int i = 0; i < 16; ++i) y[i] = float(Ci[i * 16 + n] - 128 * rs[i]) * sw[i] * x.scale[s];
-          }
-        }
+        store_tile(bf16, C[t], m, e, rt, x, gt * 16, std::min(16, ns - gt * 16), Y, ldy);
       }
     }
   }
   if (!emulate) release();
 }
+
+// The peak probe's loop: the kernel's four independent accumulators on operands already in tiles,
+// so nothing but the tile multiplies sets the pace.
+template <bool BF16>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) static float peak_loop(long iters) {
+  alignas(64) static const uint8_t zeros[1024] = {};
+  alignas(64) float out[256];
+  load_config();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, zeros, 64);
+  _tile_loadd(5, zeros, 64);
+  _tile_loadd(6, zeros, 64);
+  _tile_loadd(7, zeros, 64);
+  for (long i = 0; i < iters; ++i) {
+    if constexpr (BF16) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    } else {
+      _tile_dpbsud(0, 4, 6);
+      _tile_dpbsud(1, 4, 7);
+      _tile_dpbsud(2, 5, 6);
+      _tile_dpbsud(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 64);
+  release();
+  return out[0];
+}
+
+float amx_peak_loop(bool bf16, long iters) { return bf16 ? peak_loop<true>(iters) : peak_loop<false>(iters); }
 
 }  // namespace moe

@@ -105,5 +105,6 @@ void pack_amx_b(Fmt fmt, const Acts& x, int ns, int Kp, uint8_t* dst);
 void set_amx_emulation(bool on);
 bool amx_emulation();
 void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+float amx_peak_loop(bool bf16, long iters);  // iters x 4 tile multiplies (probes.cpp times it)
 
 }  // namespace moe

@@ -156,4 +156,15 @@ double avx2_int8_peak_ops(long iters) {
   return double(iters) * 8 * 32 * 2 * pool().size() / s;  // 32 int8 multiply-adds per vpmaddubsw
 }
 
+// A tile multiply is a 16 x 16 block of dot products of length 32 (bf16) or 64 (int8).
+double amx_bf16_peak_flops(long iters) {
+  double s = time_on_all_threads([&] { return double(amx_peak_loop(true, iters)); });
+  return double(iters) * 4 * 16 * 16 * 32 * 2 * pool().size() / s;
+}
+
+double amx_int8_peak_ops(long iters) {
+  double s = time_on_all_threads([&] { return double(amx_peak_loop(false, iters)); });
+  return double(iters) * 4 * 16 * 16 * 64 * 2 * pool().size() / s;
+}
+
 }  // namespace moe

@@ -12,6 +12,14 @@ from moe_kernels.packing import INT4_GROUP
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PATHS = [p for p in ("portable", "avx2", "avx512", "amx") if native.path_supported(p)]
+if native.path_supported("avx512"):  # the tile packing and epilogue, tiles emulated (as tests/test_kernels.py)
+    PATHS.append("amx-emulated")
+
+
+@pytest.fixture(autouse=True)
+def no_amx_emulation_left_on():
+    yield
+    native.set_amx_emulation(False)
 TOL = {"bf16": 1e-2, "int8": 3e-2, "int4": 3e-2}  # relative to the output's norm: activation rounding only
 
 
@@ -36,6 +44,9 @@ def dequantized(lin: NativeLinear) -> torch.Tensor:
 def test_linear_matches_reference(fmt, path, T, rows, K):
     torch.manual_seed(0)
     w = torch.randn(rows, K) * 0.05
+    if path == "amx-emulated":
+        native.set_amx_emulation(True)
+        path = "amx"
     lin = NativeLinear(w, fmt, path=path)
     x = torch.randn(T, K)
     got = lin(x)
@@ -43,6 +54,28 @@ def test_linear_matches_reference(fmt, path, T, rows, K):
     assert got.shape == (T, rows) and got.dtype == torch.float32
     assert ((got - want).norm() / want.norm()).item() < TOL[fmt]
     assert ((lin(x.bfloat16()).float() - want).norm() / want.norm()).item() < TOL[fmt] + 1e-2
+
+
+def test_amx_bf16_prefill_goes_to_torch_on_the_packed_rows(monkeypatch):
+    """bf16 weights on the amx path: from dense.TORCH_FROM_TOKENS bf16 tokens on, torch's matmul runs on
+    a view of the packed rows (no second copy of the weight); fewer tokens, or fp32 ones, stay ours."""
+    import moe_kernels.dense as dense
+    torch.manual_seed(0)
+    w = torch.randn(96, 200) * 0.05  # K = 200: padded rows, so the view is strided
+    lin = NativeLinear(w, "bf16", path="amx")
+    assert lin._torch_weight.data_ptr() == lin.parts[0].data_ptr()
+    calls = []
+    monkeypatch.setattr(dense.native, "linear", lambda *a: calls.append(a[-1]))
+    x = torch.randn(dense.TORCH_FROM_TOKENS, 200)
+    want = x @ dequantized(lin).T
+    got = lin(x.bfloat16())
+    assert calls == [] and got.dtype == torch.bfloat16
+    assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
+    lin(x[:-1].bfloat16())
+    lin(x)
+    assert calls == [dense.TORCH_FROM_TOKENS - 1, dense.TORCH_FROM_TOKENS]
+    assert NativeLinear(w, "bf16", path="avx512")._torch_weight is None
+    assert NativeLinear(w, "int8", path="amx")._torch_weight is None
 
 
 def test_linear_keeps_leading_dims_and_checks_width():

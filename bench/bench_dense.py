@@ -1,0 +1,83 @@
+"""Dense layers on the CPU (what the GPU service runs when it computes there): our packed kernels
+against torch's matmul on the same bf16 weights, per token count, interleaved in one run, and what
+NativeLinear's default dispatch gives (it hands bf16 prefill from dense.TORCH_FROM_TOKENS tokens on
+to torch where the kernel path is amx).
+
+    python bench/bench_dense.py [--threads 2] [--shapes 2048x2048,6144x2048] [--tokens 1,16,64,128,256,512]
+
+One JSON line per case, then a table of medians and of per-round ratios (torch time / ours).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from bench_restart import cpu_name  # noqa: E402
+from moe_kernels import dense, native  # noqa: E402
+from moe_kernels.dense import NativeLinear  # noqa: E402
+
+
+def median_ms(fn, x, calls: int) -> float:
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn(x)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shapes", default="2048x2048,6144x2048", help="rows x K, comma separated")
+    ap.add_argument("--tokens", default="1,16,64,128,256,512")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=9)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    native.init_pool(a.threads)
+    path = native.best_path()
+    rows_out = []
+    for shape in a.shapes.split(","):
+        rows, K = map(int, shape.split("x"))
+        w = torch.randn(rows, K) * 0.02
+        lin = NativeLinear(w, "bf16", path=path)
+        wb = w.bfloat16()
+        ref = lambda x: torch.nn.functional.linear(x, wb)  # noqa: E731
+
+        def ours(x):  # our kernels whatever the token count
+            keep, dense.TORCH_FROM_TOKENS = dense.TORCH_FROM_TOKENS, 1 << 62
+            try:
+                return lin(x)
+            finally:
+                dense.TORCH_FROM_TOKENS = keep
+
+        for T in map(int, a.tokens.split(",")):
+            x = torch.randn(T, K).bfloat16()
+            rounds = [(median_ms(ours, x, a.calls), median_ms(ref, x, a.calls), median_ms(lin, x, a.calls))
+                      for _ in range(a.rounds)]
+            o, t, d = (statistics.median(r[i] for r in rounds) for i in range(3))
+            row = {"rows": rows, "K": K, "T": T, "ours_ms": round(o, 3), "torch_ms": round(t, 3), "default_ms": round(d, 3),
+                   "torch_over_ours": round(statistics.median(r[1] / r[0] for r in rounds), 2),
+                   "torch_over_default": round(statistics.median(r[1] / r[2] for r in rounds), 2)}
+            print(json.dumps(row), flush=True)
+            rows_out.append(row)
+    print(f"\n{cpu_name()}, path {path}, {a.threads} threads, bf16 weights; torch_from_tokens "
+          f"{dense.TORCH_FROM_TOKENS if path == 'amx' else 'never (not amx)'}\n")
+    print("| rows x K | T | ours | torch | default | torch/ours | torch/default |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows_out:
+        print(f"| {r['rows']}x{r['K']} | {r['T']} | {r['ours_ms']} ms | {r['torch_ms']} ms | {r['default_ms']} ms | "
+              f"{r['torch_over_ours']}x | {r['torch_over_default']}x |")
+
+
+if __name__ == "__main__":
+    main()
