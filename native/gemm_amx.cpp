@@ -81,31 +81,41 @@ constexpr TileConfig kTileConfig = make_config();
 
 __attribute__((target("amx-tile"))) void load_config() { _tile_loadconfig(&kTileConfig); }
 
+__attribute__((target("amx-tile"))) inline void zero_c() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// C[0..3] += A(4, 5) x B(6, 7): the four products of a 2 x 2 block
+template <bool BF16>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) inline void multiply_2x2() {
+  if constexpr (BF16) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  } else {
+    _tile_dpbsud(0, 4, 6);
+    _tile_dpbsud(1, 4, 7);
+    _tile_dpbsud(2, 5, 6);
+    _tile_dpbsud(3, 5, 7);
+  }
+}
+
 // C[0..3] (each 16 x 16, row = weight row, column = slot) for rows A0 / A1 and slot groups B0 / B1.
 template <bool BF16>
 __attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block_2x2(const uint8_t* A0, const uint8_t* A1,
                                                                        size_t lda, const uint8_t* B0,
                                                                        const uint8_t* B1, int steps, void* C) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_c();
   for (int c = 0; c < steps; ++c) {
     _tile_loadd(4, A0 + size_t(c) * 64, lda);
     _tile_loadd(5, A1 + size_t(c) * 64, lda);
     _tile_loadd(6, B0 + size_t(c) * 1024, 64);
     _tile_loadd(7, B1 + size_t(c) * 1024, 64);
-    if constexpr (BF16) {
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    } else {
-      _tile_dpbsud(0, 4, 6);
-      _tile_dpbsud(1, 4, 7);
-      _tile_dpbsud(2, 5, 6);
-      _tile_dpbsud(3, 5, 7);
-    }
+    multiply_2x2<BF16>();
   }
   auto* out = static_cast<uint8_t*>(C);
   _tile_stored(0, out, 64);
@@ -237,26 +247,13 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) static float peak_loop(lon
   alignas(64) static const uint8_t zeros[1024] = {};
   alignas(64) float out[256];
   load_config();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_c();
   _tile_loadd(4, zeros, 64);
   _tile_loadd(5, zeros, 64);
   _tile_loadd(6, zeros, 64);
   _tile_loadd(7, zeros, 64);
   for (long i = 0; i < iters; ++i) {
-    if constexpr (BF16) {
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    } else {
-      _tile_dpbsud(0, 4, 6);
-      _tile_dpbsud(1, 4, 7);
-      _tile_dpbsud(2, 5, 6);
-      _tile_dpbsud(3, 5, 7);
-    }
+    multiply_2x2<BF16>();
   }
   _tile_stored(0, out, 64);
   release();
