@@ -46,14 +46,16 @@ busy_fraction_gauge("moe_expert_busy_fraction", "Share of wall time the CPU kern
 
 def record_part(layer: int, part: int, seconds: float) -> None:
     """One part (0 immediate, 1 deferred) of a layer request computed in `seconds`."""
-    _pending.append((layer, part, seconds))
-    if len(_pending) >= FLUSH_EVERY:
-        flush()
+    _record((layer, part, seconds))
 
 
 def record_request(rpc: str, tokens: int, queued_seconds: float) -> None:
     """A layer request served over `rpc` (Exchange, RunLayer, Shm): its tokens, receipt to compute start."""
-    _pending.append((rpc, tokens, queued_seconds))
+    _record((rpc, tokens, queued_seconds))
+
+
+def _record(item: tuple) -> None:
+    _pending.append(item)
     if len(_pending) >= FLUSH_EVERY:
         flush()
 

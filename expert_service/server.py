@@ -163,21 +163,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             hidden, ids, w = self.parse(req)
         except BadRequest as e:
             await self._refuse(context, str(e))
-        loop = asyncio.get_running_loop()
         queued_ns = None
-        # a decode-sized request runs right here: the hop to the compute thread and back costs more than
-        # its kernel takes to run (bench/bench_exchange.py); larger ones leave the event loop free. (Here
-        # it may wait for the kernels' mutex behind one layer of another caller's: a health check then
-        # waits as long, well under the probes' timeouts.)
-        inline = ids.numel() <= INLINE_PAIRS
         for part, kernel in self.part_jobs(req.layer, hidden, ids, w, req.defer):
-            try:
-                if inline:
-                    out, timing = self.run_part(req.layer, part, kernel)
-                else:
-                    out, timing = await loop.run_in_executor(self.pool, self.run_part, req.layer, part, kernel)
-            except ValueError as e:  # a kernel's own check (they raise, never abort the process)
-                await self._refuse(context, f"expert kernel refused the request: {e}")
+            out, timing = await self._run(context, ids.numel(), self.run_part, req.layer, part, kernel)
             if queued_ns is None:
                 queued_ns = max(0, timing.start_unix_ns - t_recv)
             timing.queued_us = queued_ns // 1000
@@ -191,7 +179,6 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         await self._check_peer(context)
         self.active_streams += 1
         metrics.STREAMS.set(self.active_streams)
-        loop = asyncio.get_running_loop()
         try:
             async for raw in request_iterator:
                 t_recv = time.time_ns()
@@ -210,13 +197,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                     await self._refuse(context, str(e))
                 start = None
                 for part in range(2 if defer else 1):
-                    try:
-                        if T * k <= INLINE_PAIRS:  # as in _parts
-                            out, t0, t1 = op.exchange_part(raw, part, t_recv)
-                        else:
-                            out, t0, t1 = await loop.run_in_executor(self.pool, op.exchange_part, raw, part, t_recv)
-                    except ValueError as e:
-                        await self._refuse(context, f"expert kernel refused the request: {e}")
+                    out, t0, t1 = await self._run(context, T * k, op.exchange_part, raw, part, t_recv)
                     metrics.record_part(layer, part, (t1 - t0) / 1e9)
                     start = start or t0
                     yield out
@@ -224,6 +205,19 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         finally:  # the peer went away or the stream ended: nothing of it stays behind
             self.active_streams -= 1
             metrics.STREAMS.set(self.active_streams)
+
+    async def _run(self, context, pairs: int, fn, *args):
+        """fn(*args) for a request of `pairs` (token, expert) pairs. A decode-sized one runs right here: the
+        hop to the compute thread and back costs more than its kernel takes to run (bench/bench_exchange.py);
+        larger ones leave the event loop free. (Here it may wait for the kernels' mutex behind one layer of
+        another caller's: a health check then waits as long, well under the probes' timeouts.) A kernel's own
+        check (a ValueError: they raise, never abort the process) ends the call INVALID_ARGUMENT."""
+        try:
+            if pairs <= INLINE_PAIRS:
+                return fn(*args)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        except ValueError as e:
+            await self._refuse(context, f"expert kernel refused the request: {e}")
 
     async def _refuse(self, context, message: str) -> None:
         metrics.ERRORS.labels("INVALID_ARGUMENT").inc()

@@ -107,6 +107,11 @@ struct Scratch {
   std::vector<float> wts, wsel;       // of the weights, and the deferral split's selection
   std::vector<uint8_t> amx;
   ActBuf xb, act;
+  // `bytes` of the AMX buffer (activations in tile layout), starting on a 64-byte line as tile loads like
+  uint8_t* amx_space(size_t bytes) {
+    if (amx.size() < bytes + 64) amx.resize(bytes + 64);
+    return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(amx.data()) + 63) / 64 * 64);
+  }
   // Frees every buffer above `keep` bytes; returns the bytes freed.
   size_t release(size_t keep);
   size_t bytes();  // held now

@@ -18,10 +18,8 @@ void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, fl
   Acts xs = xb.view(nullptr, T);
   if (isa == Isa::Amx && (fmt == Fmt::Bf16 || fmt == Fmt::Int8) && T >= AMX_MIN_SLOTS) {
     // every row multiplies every token: the tokens go into tile layout once, a group of 16 a task
-    std::vector<uint8_t>& buf = tp.scratch.amx;
     const size_t group = amx_b_bytes(fmt, 16, m.Kp);
-    buf.resize(amx_b_bytes(fmt, T, m.Kp) + 64);
-    uint8_t* dst = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) / 64 * 64);
+    uint8_t* dst = tp.scratch.amx_space(amx_b_bytes(fmt, T, m.Kp));
     tp.parallel_for((T + 15) / 16, [&](int g) {
       pack_amx_b(fmt, Acts{xs.rows + g * 16, xs.scale + g * 16}, std::min(16, T - g * 16), m.Kp, dst + g * group);
     });

@@ -239,19 +239,16 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
   };
   // AMX: each expert's activations in tile layout, packed once per phase (not once per task)
   const bool amx = isa == Isa::Amx && (m.fmt == Fmt::Bf16 || m.fmt == Fmt::Int8);
-  std::vector<uint8_t>& amx_buf = sc.amx;
   std::vector<size_t> amx_off(E + 1, 0);
-  auto amx_ptr = [&](int e) -> uint8_t* {
-    auto base = reinterpret_cast<uintptr_t>(amx_buf.data());
-    return reinterpret_cast<uint8_t*>((base + 63) / 64 * 64) + amx_off[e];  // tile loads like 64-byte lines
-  };
+  uint8_t* amx_base = nullptr;
+  auto amx_ptr = [&](int e) { return amx_base + amx_off[e]; };
   auto pack_amx = [&](const Acts& a, int Kp) {
     if (!amx) return;
     for (int e = 0; e < E; ++e) {
       const int n = start[e + 1] - start[e];
       amx_off[e + 1] = amx_off[e] + (n >= AMX_MIN_SLOTS ? amx_b_bytes(m.fmt, n, Kp) : 0);
     }
-    if (amx_buf.size() < amx_off[E] + 64) amx_buf.resize(amx_off[E] + 64);
+    amx_base = sc.amx_space(amx_off[E]);
     tp.parallel_for(E, [&](int e) {
       if (amx_off[e + 1] > amx_off[e])
         pack_amx_b(m.fmt, Acts{a.rows + start[e], a.scale + start[e]}, start[e + 1] - start[e], Kp, amx_ptr(e));
