@@ -11,8 +11,8 @@ time, as a share of the DRAM read bandwidth probed right before (the median over
 each probe once and then time 64 calls). Prefill efficiency = 2*T*k*3*H*I FLOP / time, as a share
 of the peak of the instructions the path computes with: avx512: vdpbf16ps (bf16) and vpdpbusd
 (int8, int4, mxfp4); amx: TDPBF16PS (bf16), TDPBSUD (int8), vpdpbusd (int4, mxfp4); avx2: 256-bit
-fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); portable: none (only the comparison
-with torch). Prefill also reads every routed expert once, so it is reported against the roofline
+fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); avxvnni: 256-bit fp32 FMA (bf16) and
+vpdpbusd on ymm (int formats); portable: none (only the comparison with torch). Prefill also reads every routed expert once, so it is reported against the roofline
 model too: the longer of FLOP / peak and weight bytes / DRAM bandwidth, as a share of our time
 (with 128 experts and 512 tokens an expert sees about 32 tokens, and AMX is bound by DRAM).
 """
@@ -80,9 +80,10 @@ def main() -> None:
     # for the other int formats. AMX tiles run bf16 and int8; int4 and mxfp4 run on AVX-512 there.
     vdp = ("vdpbf16ps peak", native.bf16_peak_flops, 10_000_000)
     vnni = ("vpdpbusd peak", native.vnni_peak_ops, 10_000_000)
+    fma = ("fp32 FMA peak", native.fma_peak_flops, 10_000_000)
     roof = {"avx512": (vdp, vnni, vnni),
-            "avx2": (("fp32 FMA peak", native.fma_peak_flops, 10_000_000),) + (
-                ("vpmaddubsw peak", native.avx2_int8_peak_ops, 10_000_000),) * 2,
+            "avx2": (fma,) + (("vpmaddubsw peak", native.avx2_int8_peak_ops, 10_000_000),) * 2,
+            "avxvnni": (fma,) + (("vpdpbusd ymm peak", native.avxvnni_peak_ops, 10_000_000),) * 2,
             "amx": (("TDPBF16PS peak", native.amx_bf16_peak_flops, 500_000),
                     ("TDPBSUD peak", native.amx_int8_peak_ops, 500_000), vnni)}
     slot = lambda fmt: {"bf16": 0, "int8": 1}.get(fmt, 2)  # noqa: E731

@@ -5,8 +5,8 @@ path this CPU runs, and the packed weight formats.
                          <- expert_service.kernels (routed experts: NativeMoELayer, ring)
                          <- gpu_service (dense layers on the CPU, shared-memory doorbells)
 
-The kernel path (portable | avx2 | avx512 | amx) is chosen at import from CPUID and the OS's XSAVE
-state (amx: also the OS's grant of the tile state), or forced with MOE_KERNEL_PATH.
+The kernel path (PATHS: portable | avx2 | avxvnni | avx512 | amx) is chosen at import from CPUID and
+the OS's XSAVE state (amx: also the OS's grant of the tile state), or forced with MOE_KERNEL_PATH.
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ import os
 from . import _native as native
 
 log = logging.getLogger("moe_kernels")
+
+# every kernel path, slowest first; avxvnni is avx2 with vpdpbusd on ymm for the int formats
+PATHS = ("portable", "avx2", "avxvnni", "avx512", "amx")
+SIMD_PATHS = PATHS[1:]
 
 
 def choose_path() -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import PATH, native
+from . import PATH, SIMD_PATHS, native
 
 VECTOR_DIMS = (64, 128, 256)  # head dims with a vector kernel; others run its plain loops
 DTYPES = (torch.bfloat16, torch.float32)
@@ -13,7 +13,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 def supported(K: torch.Tensor, path: str = PATH) -> bool:
     """Whether the native kernel takes this cache ([kv heads, positions, dim]) fast on this path."""
-    return (path in ("avx2", "avx512", "amx") and K.dtype in DTYPES and K.device.type == "cpu"
+    return (path in SIMD_PATHS and K.dtype in DTYPES and K.device.type == "cpu"
             and K.shape[-1] in VECTOR_DIMS and K.stride(-1) == 1)
 
 

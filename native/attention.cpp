@@ -172,7 +172,7 @@ void head_portable(const float* q, int g, int d, const T* K, size_t ks, const T*
 template <class T>
 void one_head(Isa isa, const float* q, int g, int d, const T* K, size_t ks, const T* V, size_t vs, int L, float scale,
               float* s, float* out) {
-  const bool v512 = isa == Isa::Avx512 || isa == Isa::Amx, v256 = isa == Isa::Avx2;
+  const bool v512 = isa == Isa::Avx512 || isa == Isa::Amx, v256 = ymm_path(isa);
   if (v512 && d == 64) return head_avx512<4>(q, g, K, ks, V, vs, L, scale, s, out);
   if (v512 && d == 128) return head_avx512<8>(q, g, K, ks, V, vs, L, scale, s, out);
   if (v512 && d == 256) return head_avx512<16>(q, g, K, ks, V, vs, L, scale, s, out);

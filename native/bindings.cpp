@@ -111,9 +111,10 @@ static std::pair<uint8_t*, size_t> writable(py::buffer& buf) {
 static Isa parse_isa(const std::string& name) {
   if (name == "portable") return Isa::Portable;
   if (name == "avx2") return Isa::Avx2;
+  if (name == "avxvnni") return Isa::AvxVnni;
   if (name == "avx512") return Isa::Avx512;
   if (name == "amx") return Isa::Amx;
-  throw std::invalid_argument("unknown kernel path '" + name + "' (portable, avx2, avx512, amx)");
+  throw std::invalid_argument("unknown kernel path '" + name + "' (portable, avx2, avxvnni, avx512, amx)");
 }
 
 PYBIND11_MODULE(_native, m) {
@@ -131,7 +132,7 @@ PYBIND11_MODULE(_native, m) {
     d["avx512f"] = f.avx512f; d["avx512bw"] = f.avx512bw; d["avx512bf16"] = f.avx512bf16;
     d["avx512vnni"] = f.avx512vnni; d["amx_tile"] = f.amx_tile; d["amx_bf16"] = f.amx_bf16; d["amx_int8"] = f.amx_int8;
     d["os_avx512"] = f.os_avx512; d["os_amx"] = f.os_amx;
-    d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["os_avx"] = f.os_avx;
+    d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["avxvnni"] = f.avxvnni; d["os_avx"] = f.os_avx;
     return d;
   });
   m.def("set_tuning", [](size_t pf_bytes, size_t task_kb) {  // between calls only (benchmarks)
@@ -160,6 +161,7 @@ PYBIND11_MODULE(_native, m) {
   peak("vnni_peak_ops", Isa::Avx512, "AVX-512 VNNI", vnni_peak_ops);
   peak("fma_peak_flops", Isa::Avx2, "AVX2 + FMA", fma_peak_flops);
   peak("avx2_int8_peak_ops", Isa::Avx2, "AVX2", avx2_int8_peak_ops);
+  peak("avxvnni_peak_ops", Isa::AvxVnni, "AVX-VNNI", avxvnni_peak_ops);
   peak("amx_bf16_peak_flops", Isa::Amx, "AMX (or the OS refuses the tile state)", amx_bf16_peak_flops);
   peak("amx_int8_peak_ops", Isa::Amx, "AMX (or the OS refuses the tile state)", amx_int8_peak_ops);
   m.def(

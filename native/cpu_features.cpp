@@ -34,6 +34,7 @@ static CpuFeatures probe_cpu() {
   f.amx_tile = d & (1u << 24);
   f.amx_int8 = d & (1u << 25);
   __cpuid_count(7, 1, a, b, c, d);
+  f.avxvnni = a & (1u << 4);
   f.avx512bf16 = a & (1u << 5);
   return f;
 }
@@ -49,6 +50,7 @@ bool isa_supported(Isa isa, const CpuFeatures& f) {
   switch (isa) {
     case Isa::Portable: return true;
     case Isa::Avx2: return f.os_avx && f.avx2 && f.fma && f.f16c;
+    case Isa::AvxVnni: return f.avxvnni && isa_supported(Isa::Avx2, f);
     case Isa::Avx512: return f.os_avx512 && f.avx512f && f.avx512bw && f.avx512bf16 && f.avx512vnni;
     case Isa::Amx:  // and the OS must grant this process the tile state (Linux: arch_prctl)
       return f.os_amx && f.amx_tile && f.amx_bf16 && f.amx_int8 && isa_supported(Isa::Avx512, f) && amx_permitted();
@@ -60,6 +62,7 @@ Isa best_isa(const CpuFeatures& f) {
   // AMX covers prefill of bf16/int8 weights; decode and int4 run the AVX-512 kernels on it too
   if (isa_supported(Isa::Amx, f)) return Isa::Amx;
   if (isa_supported(Isa::Avx512, f)) return Isa::Avx512;
+  if (isa_supported(Isa::AvxVnni, f)) return Isa::AvxVnni;
   return isa_supported(Isa::Avx2, f) ? Isa::Avx2 : Isa::Portable;
 }
 
@@ -67,6 +70,7 @@ const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Portable: return "portable";
     case Isa::Avx2: return "avx2";
+    case Isa::AvxVnni: return "avxvnni";
     case Isa::Avx512: return "avx512";
     case Isa::Amx: return "amx";
   }

@@ -185,7 +185,7 @@ void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
       }
     return;
   }
-  if (isa == Isa::Avx2) return gemm_rows_avx2(m, We, pf, r0, r1, X, ns, Y, ldy);
+  if (ymm_path(isa)) return gemm_rows_avx2(m, We, pf, r0, r1, X, ns, Y, ldy);
   // With many token blocks the kernel is compute-bound and the prefetches of the later blocks only
   // take load slots; with few (Qwen3 prefill, ~6 per expert), every block prefetches
   const bool prefetch_all = ns < 8 * TB;

@@ -1,4 +1,4 @@
-// 4-bit weights x int8 activations: AVX-512 VNNI, AVX2 and portable. Two formats share the kernels
+// 4-bit weights x int8 activations: AVX-512 VNNI, AVX-VNNI, AVX2 and portable. Two formats share the kernels
 // (template flag MX), which differ only in what a nibble means and how many scales a group has:
 // - int4: nibbles q in 0..15 stand for q - 8; one scale per 64-weight group;
 // - mxfp4: nibbles are e2m1 codes, looked up (vpshufb) as twice their value, {0, 1, 2, 3, 4, 6, 8, 12}
@@ -7,7 +7,8 @@
 // Activations come as u8 = x + 128, so per group sum((x + 128) * w) is one vpdpbusd, the scale applies
 // in fp32, and the +128 comes back out through the per-row constant rowcorr. On AVX2, vpmaddubsw
 // cannot saturate here (pairs of 255 * 12 products at most), so int4 adds two of them in int16 before
-// one vpmaddwd widens the group's sum (mxfp4's halves have their own scales: widened apart).
+// one vpmaddwd widens the group's sum (mxfp4's halves have their own scales: widened apart); AVX-VNNI
+// does both in vpdpbusd.
 #include <immintrin.h>
 
 #include <cstring>
@@ -202,15 +203,7 @@ __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t
       }
     }
   }
-  alignas(32) float tile[NT][RB][8];  // parked before reducing: see gemm_int8.cpp
-  MOE_UNROLL for (int t = 0; t < NT; ++t)
-    MOE_UNROLL for (int r = 0; r < RB; ++r) _mm256_store_ps(tile[t][r], acc[r][t]);
-  for (int t = 0; t < NT; ++t) {
-    alignas(16) float out[4];
-    _mm_store_ps(out, reduce4_ps(_mm256_load_ps(tile[t][0]), _mm256_load_ps(tile[t][1]), _mm256_load_ps(tile[t][2]),
-                                 _mm256_load_ps(tile[t][3])));
-    for (int r = 0; r < nr; ++r) C[t * RB + r] = out[r];
-  }
+  reduce_tile4(acc, nr, C);
 }
 
 template <bool MX>
@@ -224,6 +217,64 @@ void mk_avx2_dispatch(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>*
   }
 }
 
+// ---- AVX-VNNI: the AVX2 kernel with vpdpbusd in place of vpmaddubsw + vpmaddwd ----
+constexpr int TBV = 4;  // as AVX2's: the spills of 4 x 4 cost less than the decode work 2 or 3 tokens repeat
+
+template <int NT, bool MX>
+__attribute__((target("avx2,fma,avxvnni"))) inline void mk_vnni(const uint8_t* W, size_t ldw, size_t pf,
+                                                               const ScaleT<MX>* S, size_t lds, int nr,
+                                                               const uint8_t* const* X, int K, float* C) {
+  __m256 acc[RB][NT];
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  const uint8_t* w[RB];
+  const ScaleT<MX>* sc[RB];
+  MOE_UNROLL for (int r = 0; r < RB; ++r) {
+    w[r] = W + (r < nr ? r : 0) * ldw;
+    sc[r] = S + (r < nr ? r : 0) * lds;
+  }
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MX4_LUT)));
+  for (int i = 0, g = 0; i < K; i += G, ++g) {
+    __m256i xl[NT], xh[NT];  // elements 0-31 and 32-63 of the group: the low and the high nibbles
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
+      xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i));
+      xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i + 32));
+    }
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));
+      const __m256i lo = decode<MX>(_mm256_and_si256(p, lo4), lut);
+      const __m256i hi = decode<MX>(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), lut);
+      if constexpr (MX) {
+        const __m256 slo = _mm256_set1_ps(mx_scale(sc[r][2 * g])), shi = _mm256_set1_ps(mx_scale(sc[r][2 * g + 1]));
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(zero, xl[t], lo)), slo, acc[r][t]);
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(zero, xh[t], hi)), shi, acc[r][t]);
+        }
+      } else {
+        const __m256 sv = _mm256_broadcast_ss(sc[r] + g);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          const __m256i d = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(zero, xl[t], lo), xh[t], hi);
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, acc[r][t]);
+        }
+      }
+    }
+  }
+  reduce_tile4(acc, nr, C);
+}
+
+template <bool MX>
+void mk_vnni_dispatch(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr,
+                      const uint8_t* const* X, int nt, int K, float* C) {
+  switch (nt) {
+    case 4: return mk_vnni<4, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 3: return mk_vnni<3, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+    case 2: return mk_vnni<2, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+    default: return mk_vnni<1, MX>(W, ldw, pf, S, lds, nr, X, K, C);
+  }
+}
+
 template <bool MX>
 void gemm_rows_4bit(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const int groups = m.Kp / G, scales = MX ? m.Kp / MX_BLOCK : groups;  // scales per row
@@ -232,7 +283,7 @@ void gemm_rows_4bit(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
   const ScaleT<MX>* Se = reinterpret_cast<const ScaleT<MX>*>(m.scale) + size_t(e) * m.rows * scales;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
-  const int tb = isa == Isa::Avx2 ? TB2 : TB;
+  const int tb = isa == Isa::Avx2 ? TB2 : isa == Isa::AvxVnni ? TBV : TB;
   for (int r = r0; r < r1; r += RB) {
     const int nr = std::min(RB, r1 - r);
     for (int s = 0; s < ns; s += tb) {
@@ -260,6 +311,8 @@ void gemm_rows_4bit(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
           }
       } else if (isa == Isa::Avx2) {
         mk_avx2_dispatch<MX>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, scales, nr, X + s, nt, m.Kp, C);
+      } else if (isa == Isa::AvxVnni) {
+        mk_vnni_dispatch<MX>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, scales, nr, X + s, nt, m.Kp, C);
       } else {
         mk_dispatch<MX>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, scales, nr, X + s, nt, m.Kp, C);
       }

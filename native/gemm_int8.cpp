@@ -1,8 +1,8 @@
 // int8 weights (per-row scales) x int8 activations (per-row scales): AVX-512 VNNI (vpdpbusd, u8 x s8),
-// AVX2 and portable. Activations arrive as u8 = q + 128, so dot = sum(u8 * w) - 128 * rowsum(w).
+// AVX-VNNI, AVX2 and portable. Activations arrive as u8 = q + 128, so dot = sum(u8 * w) - 128 * rowsum(w).
 // AVX2 has no 4-way u8 x s8 dot product; vpmaddubsw adds pairs of products into int16 and saturates
 // for u8 = q + 128 (255 * 127 * 2 > 32767), so it takes |w| x (q with w's sign), both within 127,
-// and sums sum(q * w) directly (ggml's mul_sum_i8_pairs).
+// and sums sum(q * w) directly (ggml's mul_sum_i8_pairs). AVX-VNNI has the AVX-512 path's vpdpbusd on ymm.
 #include <immintrin.h>
 
 #include "common.h"
@@ -86,18 +86,7 @@ __attribute__((target("avx2"))) inline void mk_avx2(const int8_t* W, size_t ldw,
             acc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(q[t], wv)), ones));
     }
   }
-  alignas(32) int32_t tile[NT][RB][8];  // parked before reducing, as above
-  MOE_UNROLL for (int t = 0; t < NT; ++t)
-    MOE_UNROLL for (int r = 0; r < RB; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(tile[t][r]), acc[r][t]);
-  for (int t = 0; t < NT; ++t) {
-    alignas(16) int32_t out[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(out),
-                    reduce4_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(tile[t][0])),
-                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(tile[t][1])),
-                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(tile[t][2])),
-                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(tile[t][3]))));
-    for (int r = 0; r < nr; ++r) C[t * RB + r] = out[r];
-  }
+  reduce_tile4(acc, nr, C);
 }
 
 void mk_avx2_dispatch(const int8_t* W, size_t ldw, size_t pf, int nr, const uint8_t* const* X, int nt, int K,
@@ -110,6 +99,39 @@ void mk_avx2_dispatch(const int8_t* W, size_t ldw, size_t pf, int nr, const uint
   }
 }
 
+// ---- AVX-VNNI: vpdpbusd on ymm, (q + 128) x w as on AVX-512 (one instruction per 32 products
+// against AVX2's four) ----
+constexpr int TBV = 3;  // 4 x 3 accumulators + 3 activation vectors + 1 weight row: the 16 ymm registers
+
+template <int NT>
+__attribute__((target("avx2,avxvnni"))) inline void mk_vnni(const int8_t* W, size_t ldw, size_t pf, int nr,
+                                                           const uint8_t* const* X, int K, int32_t* C) {
+  __m256i acc[RB][NT];
+  MOE_UNROLL for (int r = 0; r < RB; ++r)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
+  const int8_t* w[RB];
+  MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
+  for (int i = 0; i < K; i += 32) {
+    __m256i xv[NT];
+    MOE_UNROLL for (int t = 0; t < NT; ++t) xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i));
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i));
+      MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_dpbusd_avx_epi32(acc[r][t], xv[t], wv);
+    }
+  }
+  reduce_tile4(acc, nr, C);
+}
+
+void mk_vnni_dispatch(const int8_t* W, size_t ldw, size_t pf, int nr, const uint8_t* const* X, int nt, int K,
+                      int32_t* C) {
+  switch (nt) {
+    case 3: return mk_vnni<3>(W, ldw, pf, nr, X, K, C);
+    case 2: return mk_vnni<2>(W, ldw, pf, nr, X, K, C);
+    default: return mk_vnni<1>(W, ldw, pf, nr, X, K, C);
+  }
+}
+
 }  // namespace
 
 void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
@@ -118,7 +140,7 @@ void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
   const float* sw = m.scale + size_t(e) * m.rows;
   const int32_t* rs = m.rowsum + size_t(e) * m.rows;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
-  const int tb = isa == Isa::Avx2 ? TB2 : TB;
+  const int tb = isa == Isa::Avx2 ? TB2 : isa == Isa::AvxVnni ? TBV : TB;
   for (int r = r0; r < r1; r += RB) {
     const int nr = std::min(RB, r1 - r);
     for (int s = 0; s < ns; s += tb) {
@@ -134,6 +156,8 @@ void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts&
           }
       } else if (isa == Isa::Avx2) {
         mk_avx2_dispatch(We + size_t(r) * m.Kp, m.Kp, pf, nr, X + s, nt, m.Kp, C);
+      } else if (isa == Isa::AvxVnni) {
+        mk_vnni_dispatch(We + size_t(r) * m.Kp, m.Kp, pf, nr, X + s, nt, m.Kp, C);
       } else {
         mk_dispatch(We + size_t(r) * m.Kp, m.Kp, pf, nr, X + s, nt, m.Kp, C);
       }

@@ -6,9 +6,12 @@
 
 namespace moe {
 
-// Avx2 = AVX2 + FMA + F16C (Zen 2/3, Intel before Ice Lake, most cloud VMs); Avx512 = AVX-512 F/BW +
+// Avx2 = AVX2 + FMA + F16C (Zen 2/3, Intel before Ice Lake, most cloud VMs); AvxVnni = Avx2 + AVX-VNNI
+// (vpdpbusd on ymm: Intel 12th gen desktops and later without AVX-512, Zen 5); Avx512 = AVX-512 F/BW +
 // BF16 + VNNI (Zen 4+, Sapphire Rapids+); Amx = Avx512 + AMX tiles for prefill.
-enum class Isa { Portable, Avx2, Avx512, Amx };
+enum class Isa { Portable, Avx2, AvxVnni, Avx512, Amx };
+// the 256-bit paths: AvxVnni runs Avx2's kernels except for the int8 x int8 dot products
+inline bool ymm_path(Isa isa) { return isa == Isa::Avx2 || isa == Isa::AvxVnni; }
 enum class Fmt { Bf16, Int8, Int4, Mxfp4 };
 
 // Bytes of one packed weight row of Kp elements.
@@ -21,7 +24,7 @@ constexpr int MX_BLOCK = 32;    // mxfp4: one power-of-two scale per 32 (OCP MX,
 
 struct CpuFeatures {
   bool avx512f, avx512bw, avx512bf16, avx512vnni, amx_tile, amx_bf16, amx_int8, os_avx512, os_amx;
-  bool avx2, fma, f16c, os_avx;  // os_avx: the OS saves the ymm state (XCR0 bits 1-2)
+  bool avx2, fma, f16c, avxvnni, os_avx;  // os_avx: the OS saves the ymm state (XCR0 bits 1-2)
 };
 
 CpuFeatures detect_cpu();

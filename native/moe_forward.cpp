@@ -283,10 +283,10 @@ void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_
     a.resize(I);
     if (m.act == Act::ClampedSwiglu) {
       if (isa == Isa::Portable) act_row_clamped(g, g + I, a.data(), I, m.alpha, m.limit);
-      else if (isa == Isa::Avx2) act_row_clamped_avx2(g, g + I, a.data(), I, m.alpha, m.limit);
+      else if (ymm_path(isa)) act_row_clamped_avx2(g, g + I, a.data(), I, m.alpha, m.limit);
       else act_row_clamped_avx512(g, g + I, a.data(), I, m.alpha, m.limit);
     } else if (isa == Isa::Portable) act_row(g, g + I, a.data(), I);
-    else if (isa == Isa::Avx2) act_row_avx2(g, g + I, a.data(), I);
+    else if (ymm_path(isa)) act_row_avx2(g, g + I, a.data(), I);
     else act_row_avx512(g, g + I, a.data(), I);
     quantize_row(isa, m.fmt, a.data(), I, ab, s);
   });

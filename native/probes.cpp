@@ -156,6 +156,23 @@ double avx2_int8_peak_ops(long iters) {
   return double(iters) * 8 * 32 * 2 * pool().size() / s;  // 32 int8 multiply-adds per vpmaddubsw
 }
 
+// AVX-VNNI's vpdpbusd on ymm (VEX): 32 u8 x s8 multiply-adds, summed into int32 in one instruction
+__attribute__((target("avx2,avxvnni"))) static int avxvnni_loop(long iters) {
+  __m256i acc[12];  // two pipes x 5 cycles latency, with room (the 16 ymm registers)
+  for (auto& a : acc) a = _mm256_setzero_si256();
+  const __m256i x = _mm256_set1_epi8(1), y = _mm256_set1_epi8(2);
+  for (long i = 0; i < iters; ++i)
+    for (auto& a : acc) a = _mm256_dpbusd_avx_epi32(a, x, y);
+  __m256i s = acc[0];
+  for (int j = 1; j < 12; ++j) s = _mm256_add_epi32(s, acc[j]);
+  return _mm256_extract_epi32(s, 0);
+}
+
+double avxvnni_peak_ops(long iters) {
+  double s = time_on_all_threads([&] { return double(avxvnni_loop(iters)); });
+  return double(iters) * 12 * 32 * 2 * pool().size() / s;
+}
+
 // A tile multiply is a 16 x 16 block of dot products of length 32 (bf16) or 64 (int8).
 double amx_bf16_peak_flops(long iters) {
   double s = time_on_all_threads([&] { return double(amx_peak_loop(true, iters)); });

@@ -45,6 +45,30 @@ MOE_AVX2_INLINE __m128i reduce4_epi32(__m256i a, __m256i b, __m256i c, __m256i d
   return _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
 }
 
+MOE_AVX2_INLINE void store8(int32_t* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+MOE_AVX2_INLINE void store8(float* p, __m256 v) { _mm256_store_ps(p, v); }
+MOE_AVX2_INLINE __m256i load8(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+MOE_AVX2_INLINE __m256 load8(const float* p) { return _mm256_load_ps(p); }
+MOE_AVX2_INLINE void store4(int32_t* p, __m128i v) { _mm_store_si128(reinterpret_cast<__m128i*>(p), v); }
+MOE_AVX2_INLINE void store4(float* p, __m128 v) { _mm_store_ps(p, v); }
+MOE_AVX2_INLINE __m128i reduce4(__m256i a, __m256i b, __m256i c, __m256i d) { return reduce4_epi32(a, b, c, d); }
+MOE_AVX2_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) { return reduce4_ps(a, b, c, d); }
+
+// A 256-bit kernel's 4-row x NT-token tile of partial sums -> C[t * 4 + r] for its nr valid rows.
+// Parked in memory first: reducing straight from the registers makes GCC 12 spill and copy the
+// accumulators inside the K loop.
+template <int NT, class V, class S>
+MOE_AVX2_INLINE void reduce_tile4(const V (&acc)[4][NT], int nr, S* C) {
+  alignas(32) S tile[NT][4][8];
+  _Pragma("GCC unroll 16") for (int t = 0; t < NT; ++t)
+    _Pragma("GCC unroll 16") for (int r = 0; r < 4; ++r) store8(tile[t][r], acc[r][t]);
+  for (int t = 0; t < NT; ++t) {
+    alignas(16) S out[4];
+    store4(out, reduce4(load8(tile[t][0]), load8(tile[t][1]), load8(tile[t][2]), load8(tile[t][3])));
+    for (int r = 0; r < nr; ++r) C[t * 4 + r] = out[r];
+  }
+}
+
 #undef MOE_AVX2_INLINE
 
 }  // namespace moe

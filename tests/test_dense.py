@@ -6,12 +6,13 @@ import pathlib
 import pytest
 import torch
 
+import moe_kernels
 from moe_kernels import native
 from moe_kernels.dense import NativeLinear
 from moe_kernels.packing import INT4_GROUP
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PATHS = [p for p in ("portable", "avx2", "avx512", "amx") if native.path_supported(p)]
+PATHS = [p for p in moe_kernels.PATHS if native.path_supported(p)]
 if native.path_supported("avx512"):  # the tile packing and epilogue, tiles emulated (as tests/test_kernels.py)
     PATHS.append("amx-emulated")
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import moe_kernels
 from expert_service.kernels import TorchMoELayer
 
 native = pytest.importorskip("moe_kernels._native", reason="native extension not built")
@@ -11,7 +12,7 @@ from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 
 # every path this CPU can run; and the AMX path with its tile instructions emulated in C++ (the
 # packing, blocking, edges and epilogue around them), wherever the AVX-512 path runs
-PATHS = [p for p in ("portable", "avx2", "avx512", "amx") if native.path_supported(p)]
+PATHS = [p for p in moe_kernels.PATHS if native.path_supported(p)]
 if native.path_supported("avx512"):
     PATHS.append("amx-emulated")
 
@@ -222,19 +223,31 @@ def test_torch_operator_matches_reference():
     close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w), 1e-5)
 
 
-def test_amx_is_refused_where_the_cpu_lacks_it():
+@pytest.mark.parametrize("path", ["avxvnni", "amx"])
+def test_paths_are_refused_where_the_cpu_lacks_them(path, monkeypatch):
     f = native.cpu_features()
-    assert native.path_supported("amx") == (f["amx_tile"] and f["amx_bf16"] and f["amx_int8"] and f["os_amx"])
-    if not native.path_supported("amx"):
+    needs = {"avxvnni": f["avxvnni"] and native.path_supported("avx2"),
+             "amx": f["amx_tile"] and f["amx_bf16"] and f["amx_int8"] and f["os_amx"]}
+    assert native.path_supported(path) == needs[path]
+    # the best path: AMX over AVX-512 over AVX-VNNI over AVX2
+    order = [p for p in moe_kernels.PATHS if native.path_supported(p)]
+    assert native.best_path() == order[-1]
+    if not native.path_supported(path):
+        monkeypatch.setenv("MOE_KERNEL_PATH", path)
         with pytest.raises(RuntimeError, match="cannot run"):
-            import os
+            moe_kernels.choose_path()
 
-            import moe_kernels
-            os.environ["MOE_KERNEL_PATH"] = "amx"
-            try:
-                moe_kernels.choose_path()
-            finally:
-                del os.environ["MOE_KERNEL_PATH"]
+
+@pytest.mark.skipif(not native.path_supported("avxvnni"), reason="no AVX-VNNI on this CPU")
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4"])
+def test_avxvnni_is_avx2_bitwise(fmt):
+    """vpdpbusd on (q + 128) minus 128 x the row sums and AVX2's signed pairs give the same integers, so
+    the same floats after the same scaling: any difference is a bug in one of them."""
+    gate, up, down = make(8, 96, 128)
+    ids, w = routing(9, 3, 8)
+    x = torch.randn(9, 128)
+    ops = {p: layer(gate, up, down, fmt=fmt, path=p) for p in ("avx2", "avxvnni")}
+    assert torch.equal(ops["avx2"].forward(x, ids, w), ops["avxvnni"].forward(x, ids, w))
 
 
 def test_bad_ids_raise_not_abort():

@@ -5,7 +5,7 @@ Shapes: gate, up: [E, I, H]; down: [E, H, I]; hidden: [T, H]; topk_ids: [T, k] i
 topk_weights: [T, k] fp32; out: [T, H] in hidden's dtype.
 
 bf16, int8 and int4 weights run on the native kernels (native/; path in NATIVE_PATH, forced with
-MOE_KERNEL_PATH=portable|avx2|avx512|amx, or MOE_KERNEL_PATH=torch for the torch reference); fp32/fp16
+MOE_KERNEL_PATH=portable|avx2|avxvnni|avx512|amx, or MOE_KERNEL_PATH=torch for the torch reference); fp32/fp16
 weights use the torch operator. Where only the portable (plain C++) path runs and nothing forced it,
 bf16 weights use torch too: its vectorized bf16 code beats ours there (on a Zen 3 before the AVX2
 path: bf16 decode 0.31x torch); int8/int4 have no torch operator and stay native.
