@@ -2,13 +2,16 @@
 decode tokens/s, our two services (sharing the cores) against llama.cpp's llama-bench, in alternating
 rounds within one run.
 
-    python bench/bench_llamacpp.py --model DIR [--formats bf16,int8,int4] [--rounds 3] [--isa avx2]
+    python bench/bench_llamacpp.py --model DIR [--formats bf16,int8,int4] [--rounds 3] [--isa avx2|avxvnni|avx512|native]
 
 DIR: a Qwen3-MoE checkpoint (tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out DIR).
 llama.cpp is built here from the llama-cpp-python sdist on PyPI (its vendored tree; nothing of it is
 committed) into --work (kept between runs): llama-bench and llama-quantize, CPU backend. --isa avx2
 builds it for AVX2 + FMA + F16C only and runs our side on the avx2 kernel path with torch limited to
-AVX2, i.e. what both do on an AVX2-only CPU; --isa native lets both use everything this CPU has.
+AVX2, i.e. what both do on an AVX2-only CPU; --isa avxvnni adds AVX-VNNI to both (llama.cpp's
+GGML_AVX_VNNI, our avxvnni path, torch's oneDNN up to AVX2_VNNI): an Intel 12th-14th gen desktop;
+--isa avx512 builds llama.cpp for AVX-512 without its AMX code and runs ours on its default path;
+--isa native lets both use everything this CPU has (llama.cpp's AMX code included).
 The GGUF holds the checkpoint's tensors under llama.cpp's qwen3moe names (written with the sdist's
 gguf-py), in bf16; Q8_0 and Q4_0 come from llama-quantize. Pairs: bf16 <-> our bf16 experts and bf16
 dense layers; Q8_0 <-> int8 experts, int8 dense; Q4_0 <-> int4 experts, int8 dense layers (ours keep
@@ -38,7 +41,18 @@ LLAMA_PY = "llama-cpp-python==0.3.36"
 PAIRS = {"bf16": ("bf16", "bf16", "bf16"), "int8": ("Q8_0", "int8", "int8"), "int4": ("Q4_0", "int4", "int8"),
          "int4-all": ("Q4_0", "int4", "int4")}
 AVX2_ONLY = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-             "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]
+             "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF"]
+# per --isa: llama.cpp's CMake flags, and our side's environment (kernel path, torch's ISA limits)
+ISAS = {"avx2": (AVX2_ONLY + ["-DGGML_AVX_VNNI=OFF"],
+                 {"MOE_KERNEL_PATH": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}),
+        "avxvnni": (AVX2_ONLY + ["-DGGML_AVX_VNNI=ON"],
+                    {"MOE_KERNEL_PATH": "avxvnni", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "ATEN_CPU_CAPABILITY": "avx2"}),
+        # llama.cpp with AVX-512 (VNNI, BF16) but not its AMX code: built by GCC 12 that dies in its first
+        # tile instruction (SIGILL at tilezero; it fills a stack tile config as we once did, see
+        # native/gemm_amx.cpp); ours on its default path (amx where the CPU has it)
+        "avx512": (["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                    "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"], {}),
+        "native": (["-DGGML_NATIVE=ON"], {})}
 
 
 def build_llama(work: pathlib.Path, isa: str) -> pathlib.Path:
@@ -52,7 +66,7 @@ def build_llama(work: pathlib.Path, isa: str) -> pathlib.Path:
         src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
     build = src / f"build-{isa}"
     if not (build / "bin" / "llama-bench").exists():
-        flags = AVX2_ONLY if isa == "avx2" else ["-DGGML_NATIVE=ON"]
+        flags = ISAS[isa][0]
         subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", *flags], check=True)
         subprocess.run(["ninja", "-C", str(build), "llama-bench", "llama-quantize"], check=True)
@@ -157,7 +171,7 @@ def main() -> None:
     ap.add_argument("--model", type=pathlib.Path, required=True)
     ap.add_argument("--formats", default="bf16,int8,int4")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--isa", choices=["avx2", "native"], default="avx2")
+    ap.add_argument("--isa", choices=list(ISAS), default="avx2")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=32)
@@ -165,11 +179,9 @@ def main() -> None:
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     src = build_llama(a.work, a.isa)
-    env = {"MOE_CACHE_DIR": str(a.work / "cache")}
-    if a.isa == "avx2":
-        env |= {"MOE_KERNEL_PATH": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    env = {"MOE_CACHE_DIR": str(a.work / "cache")} | ISAS[a.isa][1]
     print(f"CPU: {cpu_name()}; {a.model.name}; {a.threads} threads each; isa {a.isa} (llama.cpp built for it; "
-          f"ours on {'the avx2 path, torch limited to AVX2' if a.isa == 'avx2' else 'its default path'}); prompt {a.prompt}, "
+          f"ours on {env.get('MOE_KERNEL_PATH', 'its default path')}); prompt {a.prompt}, "
           f"decode {a.gen} tokens; {a.rounds} alternating rounds", flush=True)
     prompt = [(i * 7919) % 4000 + 2 for i in range(a.prompt)]
     rows = []
