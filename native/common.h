@@ -28,6 +28,13 @@
 
 namespace moe {
 
+// A micro-kernel's R row streams from base, ld apart; a short last block (nr < R) repeats row 0,
+// whose sums the caller drops.
+template <int R, class T>
+inline void row_streams(const T* base, size_t ld, int nr, const T* (&p)[R]) {
+  MOE_UNROLL for (int r = 0; r < R; ++r) p[r] = base + (r < nr ? r : 0) * ld;
+}
+
 // How the kernels stream weights, chosen by interleaved A/B runs (bench/bench_tuning.py) on Zen 4:
 // software-prefetch this many bytes ahead in each row stream (the hardware prefetcher stops at
 // 4 KiB page ends), and cut work into tasks of about this many weight bytes (each task start is

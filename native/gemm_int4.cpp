@@ -55,6 +55,24 @@ __attribute__((target("avx2"))) inline __m256i decode(__m256i q, __m256i lut) {
   return MX ? _mm256_shuffle_epi8(lut, q) : _mm256_sub_epi8(q, _mm256_set1_epi8(8));
 }
 
+#define MOE_AVX2_INLINE __attribute__((target("avx2"), always_inline)) inline
+// the 256-bit kernels' operands for one 64-group: elements 0-31 and 32-63 of each token's activations
+template <int NT>
+MOE_AVX2_INLINE void load_group(const uint8_t* const* X, int i, __m256i (&xl)[NT], __m256i (&xh)[NT]) {
+  MOE_UNROLL for (int t = 0; t < NT; ++t) {
+    xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i));
+    xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i + 32));
+  }
+}
+// ... and a row's 32 bytes of the group: its low nibbles (elements 0-31) and high nibbles, decoded
+template <bool MX>
+MOE_AVX2_INLINE void load_nibbles(const uint8_t* w, __m256i lut, __m256i& lo, __m256i& hi) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = decode<MX>(_mm256_and_si256(p, lo4), lut);
+  hi = decode<MX>(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), lut);
+}
+#undef MOE_AVX2_INLINE
+
 template <int NT, bool MX>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S,
                                                                        size_t lds, int nr, const uint8_t* const* X,
@@ -64,10 +82,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   const uint8_t* w[RB];
   const ScaleT<MX>* sc[RB];
-  MOE_UNROLL for (int r = 0; r < RB; ++r) {
-    w[r] = W + (r < nr ? r : 0) * ldw;
-    sc[r] = S + (r < nr ? r : 0) * lds;
-  }
+  row_streams(W, ldw, nr, w);
+  row_streams(S, lds, nr, sc);
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
   const __m512i lo4x = _mm512_set1_epi8(0x0f);
   const __m512i scale_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -169,23 +185,17 @@ __attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
   const uint8_t* w[RB];
   const ScaleT<MX>* sc[RB];
-  MOE_UNROLL for (int r = 0; r < RB; ++r) {
-    w[r] = W + (r < nr ? r : 0) * ldw;
-    sc[r] = S + (r < nr ? r : 0) * lds;
-  }
-  const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  row_streams(W, ldw, nr, w);
+  row_streams(S, lds, nr, sc);
+  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MX4_LUT)));
   for (int i = 0, g = 0; i < K; i += G, ++g) {
-    __m256i xl[NT], xh[NT];  // elements 0-31 and 32-63 of the group: the low and the high nibbles
-    MOE_UNROLL for (int t = 0; t < NT; ++t) {
-      xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i));
-      xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i + 32));
-    }
+    __m256i xl[NT], xh[NT];
+    load_group(X, i, xl, xh);
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));
-      const __m256i lo = decode<MX>(_mm256_and_si256(p, lo4), lut);
-      const __m256i hi = decode<MX>(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), lut);
+      __m256i lo, hi;
+      load_nibbles<MX>(w[r] + i / 2, lut, lo, hi);
       if constexpr (MX) {
         const __m256 slo = _mm256_set1_ps(mx_scale(sc[r][2 * g])), shi = _mm256_set1_ps(mx_scale(sc[r][2 * g + 1]));
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
@@ -229,23 +239,17 @@ __attribute__((target("avx2,fma,avxvnni"))) inline void mk_vnni(const uint8_t* W
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
   const uint8_t* w[RB];
   const ScaleT<MX>* sc[RB];
-  MOE_UNROLL for (int r = 0; r < RB; ++r) {
-    w[r] = W + (r < nr ? r : 0) * ldw;
-    sc[r] = S + (r < nr ? r : 0) * lds;
-  }
-  const __m256i lo4 = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+  row_streams(W, ldw, nr, w);
+  row_streams(S, lds, nr, sc);
+  const __m256i zero = _mm256_setzero_si256();
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MX4_LUT)));
   for (int i = 0, g = 0; i < K; i += G, ++g) {
-    __m256i xl[NT], xh[NT];  // elements 0-31 and 32-63 of the group: the low and the high nibbles
-    MOE_UNROLL for (int t = 0; t < NT; ++t) {
-      xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i));
-      xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i + 32));
-    }
+    __m256i xl[NT], xh[NT];
+    load_group(X, i, xl, xh);
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));
-      const __m256i lo = decode<MX>(_mm256_and_si256(p, lo4), lut);
-      const __m256i hi = decode<MX>(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), lut);
+      __m256i lo, hi;
+      load_nibbles<MX>(w[r] + i / 2, lut, lo, hi);
       if constexpr (MX) {
         const __m256 slo = _mm256_set1_ps(mx_scale(sc[r][2 * g])), shi = _mm256_set1_ps(mx_scale(sc[r][2 * g + 1]));
         MOE_UNROLL for (int t = 0; t < NT; ++t) {

@@ -22,7 +22,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
   const int8_t* w[RB];
-  MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
+  row_streams(W, ldw, nr, w);
   for (int i = 0; i < K; i += 64) {
     __m512i a[RB];
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
@@ -71,7 +71,7 @@ __attribute__((target("avx2"))) inline void mk_avx2(const int8_t* W, size_t ldw,
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
   const int8_t* w[RB];
-  MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
+  row_streams(W, ldw, nr, w);
   const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
   for (int i = 0; i < K; i += 32) {
     __m256i q[NT];  // u8 q + 128 -> s8 q
@@ -110,7 +110,7 @@ __attribute__((target("avx2,avxvnni"))) inline void mk_vnni(const int8_t* W, siz
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_si256();
   const int8_t* w[RB];
-  MOE_UNROLL for (int r = 0; r < RB; ++r) w[r] = W + (r < nr ? r : 0) * ldw;
+  row_streams(W, ldw, nr, w);
   for (int i = 0; i < K; i += 32) {
     __m256i xv[NT];
     MOE_UNROLL for (int t = 0; t < NT; ++t) xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i));
