@@ -1,7 +1,7 @@
 """Interleaved A/B of the kernels' streaming knobs (native/common.h Tuning: prefetch distance,
-task size) and of kernel paths on the Qwen3-30B-A3B expert shape, in one process: every repetition runs each setting
-once in turn, so the machine's slow and fast moments fall on all of them alike (on a shared
-2-core box single runs drift by +-20%).
+task size) and of kernel paths on the Qwen3-30B-A3B expert shape, in one process: every
+repetition runs each setting once in turn, so the machine's slow and fast moments fall on all of
+them alike (on a shared 2-core box single runs drift by +-20%).
 
     python bench/bench_tuning.py [--formats int4,int8,bf16] [--settings 0:64,8192:1024] [--case decode|prefill]
                                  [--paths avx2,avxvnni]

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import moe_kernels
 from expert_service.kernels import TorchMoELayer
 
 native = pytest.importorskip("moe_kernels._native", reason="native extension not built")
+import moe_kernels  # noqa: E402
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 
 # every path this CPU can run; and the AMX path with its tile instructions emulated in C++ (the
