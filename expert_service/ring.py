@@ -7,6 +7,7 @@ operator. No gRPC and no event loop on this path."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import struct
 import threading
@@ -77,7 +78,9 @@ class RingServer:
             if not self.mm.closed:
                 U32.pack_into(self.mm, shm.CLOSED, 1)
                 native.doorbell_wake(self.mm, shm.RESP_SEQ)  # a waiting peer sees the ring closed
-            self.done.set_result(None)
+            # the OpenShm handler cancels `done` when its stream ends first (asyncio.wrap_future passes the cancel on)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                self.done.set_result(None)
 
     @staticmethod
     def _observe(parts) -> None:

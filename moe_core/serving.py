@@ -15,12 +15,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 FINGERPRINT_KEY = "x-model-fingerprint"
-KEEPALIVE = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+KEEPALIVE_MS = 30_000  # both ends ping an idle connection this often (a dead peer is noticed within ~40 s)
+
+
+def keepalive_options() -> list[tuple[str, int]]:
+    """Keepalive for clients and servers alike. A server must accept its clients' pings: grpc's default lets
+    a client ping an idle stream only every 5 minutes and answers more with GOAWAY "too_many_pings" (the
+    shared-memory session, an idle stream, was cut every 90-120 s), so it allows twice our own rate."""
+    return [("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # on a server: the shortest interval between a client's pings it accepts (grpc's
+            # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS has this name)
+            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2)]
 
 
 # Client side: after the peer restarts, try again soon (gRPC's default backoff grows to 2 minutes).
@@ -67,7 +75,7 @@ def message_options(max_bytes: int, max_receive: int | None = None) -> list[tupl
     """Send and receive limits, never above what grpcio accepts."""
     send = min(max_bytes, GRPC_MAX_MESSAGE)
     receive = min(max_bytes if max_receive is None else max_receive, GRPC_MAX_MESSAGE)
-    return [("grpc.max_send_message_length", send), ("grpc.max_receive_message_length", receive)] + KEEPALIVE
+    return [("grpc.max_send_message_length", send), ("grpc.max_receive_message_length", receive)] + keepalive_options()
 
 
 def server_options(max_bytes: int, max_receive: int | None = None) -> list[tuple[str, int]]:
