@@ -26,7 +26,7 @@ from .dispatch import ExpertServiceError, RemoteExperts
 from .shards import ShardedExperts
 from .engine import Engine
 from .model import DTYPES, Model
-from .server import GenerateServicer
+from .server import GenerateServicer, prompt_bytes_limit
 from .text import TextCodec
 
 log = logging.getLogger("gpu_service")
@@ -267,9 +267,11 @@ async def serve(args, stop: asyncio.Event) -> None:
         num_layers=cfg.num_layers, moe_layers=list(cfg.moe_layers), vocab_size=cfg.vocab_size,
         max_context=max_context, expert_service=args.experts, defer=args.defer, max_batch=args.max_batch)
     # up first (NOT_SERVING), so probes see it while it loads
-    # sent: at most Score's logits (refused past grpcio's 2 GiB: logprobs_only then); received: prompts
+    # sent: at most Score's logits (refused past grpcio's 2 GiB: logprobs_only then); received: a request, whose
+    # prompt can have no more bytes than the context holds (token ids: up to 5 bytes each), plus its settings
+    prompt_bytes = prompt_bytes_limit(max_context, text)
     server = grpc.aio.server(options=serving.server_options(max_context * cfg.vocab_size * 4 + (1 << 20),
-                                                            (64 << 20) + max_context * 64),
+                                                            prompt_bytes + max_context * 6 + (1 << 20)),
                              interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
     servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
@@ -286,7 +288,9 @@ async def serve(args, stop: asyncio.Event) -> None:
     http = None
     if args.http_listen:
         from . import openai_api
-        api = openai_api.Api(servicer, args.served_model_name or pathlib.Path(args.model).resolve().name, sec.token)
+        # a JSON string spells a byte in up to 6 characters (\u00XX)
+        api = openai_api.Api(servicer, args.served_model_name or pathlib.Path(args.model).resolve().name, sec.token,
+                             max_body=6 * prompt_bytes + (1 << 20))
         sec.warn_if_open(args.http_listen)
         try:
             http = await openai_api.start(api, args.http_listen, sec.ssl_context)

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 
@@ -22,16 +23,23 @@ from protos import generate_pb2
 
 from . import metrics
 from .engine import Failure
-from .server import BadRequest, GenerateServicer
+from .sampling import MAX_LOGPROBS
+from .server import BadRequest, GenerateServicer, prompt_bytes_limit
 
 log = logging.getLogger("gpu_service.http")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503,
                grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-              413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
-MAX_BODY = 64 << 20
+ERROR_TYPE = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
+MAX_DEPTH = 32      # nesting of a request body (the deepest real one, a content part, is 3)
+MAX_STOP_CHARS = 1024
+PARSE_INLINE = 1 << 16  # bodies up to this many bytes are parsed on the event loop; larger ones on a thread
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPE.get(status, "invalid_request_error" if status < 500 else "internal_error")
 
 
 class ApiError(Exception):
@@ -42,24 +50,77 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
     """OpenAI's error shape."""
-    return web.json_response({"error": {"message": message, "type": ERROR_TYPE.get(status, "internal_error"),
+    return web.json_response({"error": {"message": message, "type": error_type(status),
                                         "param": param, "code": code}}, status=status)
 
 
 # -- request fields -------------------------------------------------------------------------------
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def _field(body: dict, name: str, kinds, default=None, check=None, what: str = ""):
     """body[name] if present and not null, of one of `kinds`, passing `check`; else default."""
     v = body.get(name)
     if v is None:
         return default
     if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
-        raise ApiError(400, f"{name}: expected {what or ' or '.join(k.__name__ for k in kinds)}, got {v!r}", name)
+        raise ApiError(400, f"{name}: expected {what or ' or '.join(k.__name__ for k in kinds)}, got {_short(v)}", name)
     if check is not None and not check(v):
-        raise ApiError(400, f"{name}: {what}, got {v!r}", name)
+        raise ApiError(400, f"{name}: {what}, got {_short(v)}", name)
     return v
 
 
-NUM = (int, float)
+def _int(body: dict, name: str, lo: int, hi: int, default=None):
+    """An integer field in [lo, hi] (the protobuf field it goes to holds every such value)."""
+    return _field(body, name, (int,), default, lambda v: lo <= v <= hi, f"an integer in [{lo}, {hi}]")
+
+
+def _num(body: dict, name: str) -> float | None:
+    """A number field as a float (its range is the servicer's check); None when absent."""
+    v = _field(body, name, (int, float))
+    if v is None:
+        return None
+    if abs(v) > 1e30:  # also keeps float() of a huge integer from overflowing
+        raise ApiError(400, f"{name}: out of range, got {_short(v)}", name)
+    return float(v)
+
+
+I32, U32 = 2**31 - 1, 2**32 - 1
+
+
+def _check_body(v, path: str, depth: int = 0) -> None:
+    """Nesting and text encodings of a parsed body, before any field is read: JSON's \\uD800 escapes give
+    strings that UTF-8 cannot encode (the tokenizer and protobuf would fail on them)."""
+    if depth > MAX_DEPTH:
+        raise ApiError(400, f"the body is nested more than {MAX_DEPTH} levels deep", path.split(".")[0] or None)
+    if isinstance(v, str):
+        if _SURROGATE.search(v):
+            raise ApiError(400, f"{path}: the text has an unpaired UTF-16 surrogate (not valid Unicode)",
+                           path.split(".")[0].split("[")[0])
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_body(x, f"{path}.{k}" if path else k, depth + 1)
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _check_body(x, f"{path}[{i}]", depth + 1)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(data: bytes):
+    """JSON -> Python, refusing NaN/Infinity and any nesting Python's parser cannot take (ApiError)."""
+    try:
+        body = json.loads(data, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, f"the body is nested more than {MAX_DEPTH} levels deep") from None
+    _check_body(body, "")
+    return body
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -67,6 +128,7 @@ def _refuse_unsupported(body: dict) -> None:
         raise ApiError(400, "n: only 1 completion per request is supported", "n")
     if _field(body, "best_of", (int,), 1) != 1:
         raise ApiError(400, "best_of: only 1 is supported", "best_of")
+    _field(body, "user", (str,))
     if body.get("logit_bias"):
         raise ApiError(400, "logit_bias is not supported", "logit_bias")
     if body.get("echo"):
@@ -80,20 +142,24 @@ def _refuse_unsupported(body: dict) -> None:
         raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
 
 
-def _common(body: dict, req: generate_pb2.GenerateRequest, max_tokens_default: int) -> None:
-    """The sampling and stopping fields both endpoints share, into req (range checks: the servicer's)."""
+def _common(body: dict, req: generate_pb2.GenerateRequest, max_tokens_default: int, max_tokens_limit: int) -> None:
+    """The sampling and stopping fields both endpoints share, into req. Types and the ranges of the
+    protobuf fields are checked here; what the values mean, by the servicer (one check for both APIs)."""
     _refuse_unsupported(body)
-    mt = _field(body, "max_completion_tokens", (int,), None)
-    mt = _field(body, "max_tokens", (int,), None) if mt is None else mt
-    req.max_tokens = max_tokens_default if mt is None else mt
-    if req.max_tokens <= 0:
-        raise ApiError(400, f"max_tokens: must be > 0, got {req.max_tokens}", "max_tokens")
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = _field(body, name, (int,), None, lambda v: 0 < v <= max_tokens_limit,
+                   f"an integer in [1, {max_tokens_limit}] (this server's --max-tokens-limit)")
+        if v is not None:
+            req.max_tokens = v
+            break
+    else:
+        req.max_tokens = max_tokens_default
     s = req.sampling
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = _field(body, name, NUM)
+        v = _num(body, name)
         if v is not None:
-            setattr(s, name, float(v))
-    top_k = _field(body, "top_k", (int,))
+            setattr(s, name, v)
+    top_k = _int(body, "top_k", -1, I32)
     if top_k is not None and top_k != -1:  # vLLM: -1 = off
         s.top_k = top_k
     seed = _field(body, "seed", (int,))
@@ -104,11 +170,13 @@ def _common(body: dict, req: generate_pb2.GenerateRequest, max_tokens_default: i
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(x, str) for x in stop)):
         raise ApiError(400, "stop: expected a string or a list of strings", "stop")
+    if any(len(x) > MAX_STOP_CHARS for x in stop or ()):
+        raise ApiError(400, f"stop: a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     req.stop.extend(stop or [])
     req.ignore_eos = bool(_field(body, "ignore_eos", (bool,), False))
 
 
-def completion_request(body: dict) -> generate_pb2.GenerateRequest:
+def completion_request(body: dict, max_tokens_limit: int) -> generate_pb2.GenerateRequest:
     req = generate_pb2.GenerateRequest()
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -116,13 +184,15 @@ def completion_request(body: dict) -> generate_pb2.GenerateRequest:
     if isinstance(prompt, str):
         req.prompt = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        if not all(0 <= i <= I32 for i in prompt):
+            raise ApiError(400, "prompt: token ids must be integers >= 0 (and below the vocabulary size)", "prompt")
         req.token_ids.ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise ApiError(400, "prompt: one prompt per request (a list of several is not supported)", "prompt")
     else:
         raise ApiError(400, "prompt: expected a non-empty string or list of token ids", "prompt")
-    _common(body, req, 16)  # OpenAI's default for completions
-    lp = _field(body, "logprobs", (int,), None, lambda v: v >= 0, "an integer >= 0")
+    _common(body, req, min(16, max_tokens_limit), max_tokens_limit)  # 16: OpenAI's default for completions
+    lp = _int(body, "logprobs", 0, MAX_LOGPROBS)
     if lp is not None:
         req.logprobs = lp
     return req
@@ -144,7 +214,7 @@ def _content(m: dict, i: int) -> str:
     raise ApiError(400, f"messages[{i}].content: expected a string or a list of text parts", "messages")
 
 
-def chat_request(body: dict, max_tokens_default: int) -> generate_pb2.GenerateRequest:
+def chat_request(body: dict, max_tokens_limit: int) -> generate_pb2.GenerateRequest:
     req = generate_pb2.GenerateRequest()
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -154,9 +224,9 @@ def chat_request(body: dict, max_tokens_default: int) -> generate_pb2.GenerateRe
             raise ApiError(400, f"messages[{i}]: expected an object with a role", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         req.chat.messages.add(role=role, content=_content(m, i))
-    _common(body, req, max_tokens_default)
+    _common(body, req, max_tokens_limit, max_tokens_limit)
     if _field(body, "logprobs", (bool,), False):
-        req.logprobs = _field(body, "top_logprobs", (int,), 0, lambda v: v >= 0, "an integer >= 0")
+        req.logprobs = _int(body, "top_logprobs", 0, MAX_LOGPROBS, 0)
     elif body.get("top_logprobs"):
         raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
     return req
@@ -164,14 +234,14 @@ def chat_request(body: dict, max_tokens_default: int) -> generate_pb2.GenerateRe
 
 # -- responses ------------------------------------------------------------------------------------
 class Api:
-    def __init__(self, servicer: GenerateServicer, model_name: str, token: str | None):
-        self.servicer, self.model_name = servicer, model_name
+    def __init__(self, servicer: GenerateServicer, model_name: str, token: str | None, max_body: int):
+        self.servicer, self.model_name, self.max_body = servicer, model_name, max_body
         self._want = f"Bearer {token}".encode() if token else None
         self.created = int(time.time())
         self.active = 0  # requests in flight, for the drain
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
@@ -200,7 +270,8 @@ class Api:
         except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
             status = e.status
             msg = {404: f"no route {request.method} {request.path}", 405: f"{request.method} is not allowed on "
-                   f"{request.path}", 413: f"request body over {MAX_BODY >> 20} MiB"}.get(e.status, e.reason)
+                   f"{request.path}", 413: f"request body over {self.max_body} bytes (the longest prompt that fits "
+                   f"the context, as JSON)"}.get(e.status, e.reason)
             return error_response(e.status, msg)
         except asyncio.CancelledError:
             status = 499  # the client went away (nginx's code)
@@ -234,29 +305,30 @@ class Api:
                            "model_not_found")
 
     async def _body(self, request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        data = await request.read()
+        body = parse_body(data) if len(data) <= PARSE_INLINE else await asyncio.to_thread(parse_body, data)
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         self._check_model(_field(body, "model", (str,), None))
         return body
 
-    def _submit(self, req: generate_pb2.GenerateRequest):
+    async def _submit(self, req: generate_pb2.GenerateRequest, chat: bool):
         why = self.servicer.unavailable()
         if why:
             raise ApiError(503, why)
         try:
-            return self.servicer.submit(req)
+            return await self.servicer.submit(req)
         except BadRequest as e:
             msg = str(e).replace("sampling.", "")  # the HTTP API's fields are flat
-            code = "context_length_exceeded" if "context limit" in msg else None
-            raise ApiError(400, msg, msg.split(":", 1)[0], code) from None
+            field = msg.split(":", 1)[0]
+            param = {"input": "messages" if chat else "prompt", "token_ids.ids": "prompt"}.get(
+                field, "messages" if field.startswith("chat") else field)
+            raise ApiError(400, msg, param, e.code) from None
 
     async def completions(self, request):
         body = await self._body(request)
-        return await self._run(request, body, completion_request(body), chat=False)
+        req = completion_request(body, self.servicer.max_tokens_limit)
+        return await self._run(request, body, req, chat=False)
 
     async def chat(self, request):
         body = await self._body(request)
@@ -265,9 +337,8 @@ class Api:
 
     async def _run(self, request, body: dict, req: generate_pb2.GenerateRequest, chat: bool):
         stream = bool(_field(body, "stream", (bool,), False))
-        opts = _field(body, "stream_options", (dict,), {})
-        usage_chunk = bool(opts.get("include_usage"))
-        r, q = self._submit(req)
+        usage_chunk = bool(_field(_field(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
+        r, q = await self._submit(req, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         out = Output(self, rid, chat, req.HasField("logprobs"))
         try:
@@ -297,8 +368,8 @@ class Api:
             while True:
                 ev = await q.get()
                 if isinstance(ev, Failure):  # mid-stream: the status line is gone; the error goes in the stream
-                    await send({"error": {"message": ev.message, "type": ERROR_TYPE.get(
-                        HTTP_STATUS.get(ev.code, 500), "internal_error"), "param": None, "code": ev.code.name}})
+                    await send({"error": {"message": ev.message, "type": error_type(HTTP_STATUS.get(ev.code, 500)),
+                                          "param": None, "code": ev.code.name}})
                     break
                 out.add(ev)
                 lps = out.logprobs_of(ev.logprobs)

@@ -15,6 +15,7 @@ from protos import generate_pb2, generate_pb2_grpc
 from . import metrics
 from .engine import Engine, Failure, Request
 from .sampling import MAX_LOGPROBS, SamplingParams
+from .text import PromptTooLong, TextCodec
 
 log = logging.getLogger("gpu_service")
 
@@ -24,7 +25,18 @@ ROLES = {"system", "user", "assistant", "tool"}
 
 
 class BadRequest(ValueError):
-    pass
+    """A request the engine cannot take; the message starts with the field's name. code: a machine-readable
+    reason where one exists (OpenAI's "context_length_exceeded")."""
+
+    def __init__(self, msg: str, code: str | None = None):
+        super().__init__(msg)
+        self.code = code
+
+
+def prompt_bytes_limit(max_context: int, text: TextCodec) -> int:
+    """The most bytes of text a prompt that fits the context can have (every token stands for at most
+    text.max_token_chars of them): the bound for request sizes, above which nothing can be legitimate."""
+    return max_context * text.max_token_chars
 
 
 def sampling_params(s: generate_pb2.SamplingParams) -> SamplingParams:
@@ -90,12 +102,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # -- validation -------------------------------------------------------------------------------
     def _prompt_ids(self, req) -> list[int]:
+        try:
+            ids = self._tokenize(req)
+        except PromptTooLong as e:
+            raise BadRequest(f"input: {e}", "context_length_exceeded") from None
+        if not ids:
+            raise BadRequest("input: the prompt tokenizes to zero tokens")
+        if len(ids) >= self.engine.max_context:
+            raise BadRequest(f"input: prompt has {len(ids)} tokens; the context limit is {self.engine.max_context}",
+                             "context_length_exceeded")
+        return ids
+
+    def _tokenize(self, req) -> list[int]:
         kind = req.WhichOneof("input")
+        limit = self.engine.max_context - 1  # room for one generated token
         if kind == "prompt":
             if not req.prompt:
                 raise BadRequest("prompt: must not be empty")
-            ids = self.engine.text.encode(req.prompt)
-        elif kind == "chat":
+            return self.engine.text.encode(req.prompt, limit)
+        if kind == "chat":
             msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
             if not msgs:
                 raise BadRequest("chat.messages: must not be empty")
@@ -103,21 +128,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if bad:
                 raise BadRequest(f"chat.messages.role: unknown role {bad[0]!r} (expected one of {sorted(ROLES)})")
             try:
-                ids = self.engine.text.render_chat(msgs)
+                return self.engine.text.render_chat(msgs, limit)
+            except PromptTooLong:
+                raise
             except ValueError as e:
                 raise BadRequest(str(e)) from None
-        elif kind == "token_ids":
+        if kind == "token_ids":
             ids = list(req.token_ids.ids)
             V = self.cfg.vocab_size
             if any(not 0 <= i < V for i in ids):
                 raise BadRequest(f"token_ids.ids: every id must be in [0, {V})")
-        else:
-            raise BadRequest("input: one of prompt, chat or token_ids is required")
-        if not ids:
-            raise BadRequest("input: the prompt tokenizes to zero tokens")
-        if len(ids) >= self.engine.max_context:
-            raise BadRequest(f"input: prompt has {len(ids)} tokens; the context limit is {self.engine.max_context}")
-        return ids
+            return ids
+        raise BadRequest("input: one of prompt, chat or token_ids is required")
 
     def _request(self, req: generate_pb2.GenerateRequest, emit) -> Request:
         ids = self._prompt_ids(req)
@@ -138,12 +160,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                        ignore_eos=req.ignore_eos, defer=defer, skip=req.skip_deferred, profile=req.profile,
                        logprobs=req.logprobs if req.HasField("logprobs") else None)
 
-    def submit(self, req: generate_pb2.GenerateRequest, deadline: float | None = None) -> tuple[Request, asyncio.Queue]:
+    async def submit(self, req: generate_pb2.GenerateRequest, deadline: float | None = None
+                     ) -> tuple[Request, asyncio.Queue]:
         """Check req (BadRequest names what is wrong) and hand it to the engine: -> the engine's request
         (set .cancelled to drop it) and the queue its Chunk / Failure events arrive on. The one way in
-        for gRPC's Generate and the HTTP API alike."""
+        for gRPC's Generate and the HTTP API alike. Tokenizing and rendering the chat template run on a
+        worker thread: a huge prompt must not stall the event loop, and with it every other stream."""
         q, emit = self._emitter()
-        r = self._request(req, emit)
+        r = await asyncio.to_thread(self._request, req, emit)
         r.deadline = deadline
         self.engine.submit(r)
         return r, q
@@ -157,7 +181,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(self, request, context):
         await self._check_ready(context, "Generate")
         try:
-            r, q = self.submit(request, self._deadline(context))
+            r, q = await self.submit(request, self._deadline(context))
         except BadRequest as e:
             await self._abort(context, "Generate", grpc.StatusCode.INVALID_ARGUMENT, str(e))
         code = "CANCELLED"

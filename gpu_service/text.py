@@ -10,6 +10,29 @@ from tokenizers import Tokenizer
 
 from moe_core.config import ModelConfigError
 
+PIECE = 1 << 15  # characters tokenized at a time while a long prompt is checked against the context
+
+
+class PromptTooLong(ValueError):
+    """The text has more than `limit` tokens; `at_least`: how many were counted before stopping."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"prompt has at least {at_least} tokens; the context limit is {limit}")
+        self.at_least, self.limit = at_least, limit
+
+
+def _pieces(text: str):
+    """text in pieces of about PIECE characters, cut after whitespace where there is some nearby (most
+    pre-tokenizers split there, so the pieces' token counts add up to about the whole's)."""
+    i = 0
+    while i < len(text):
+        j = min(i + PIECE, len(text))
+        if j < len(text):
+            k = max(text.rfind(" ", i + PIECE // 2, j), text.rfind("\n", i + PIECE // 2, j))
+            j = k + 1 if k >= 0 else j
+        yield text[i:j]
+        i = j
+
 
 class TextCodec:
     def __init__(self, model_dir: str | pathlib.Path):
@@ -26,20 +49,42 @@ class TextCodec:
         jinja = d / "chat_template.jinja"
         if self.chat_template is None and jinja.exists():
             self.chat_template = jinja.read_text()
+        # bytes of text one token can stand for, at most (a vocabulary entry's UTF-8 length bounds it: byte-level
+        # and SentencePiece entries spell a byte in one or more characters): a prompt of more characters than
+        # max_token_chars x the context limit cannot fit, whatever it tokenizes to
+        self.max_token_chars = max((len(t.encode()) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
 
     def _special(self, key: str) -> str:
         v = self.config.get(key)
         return (v.get("content", "") if isinstance(v, dict) else v) or ""
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
+    def encode(self, text: str, limit: int | None = None, add_special_tokens: bool = True) -> list[int]:
+        """text's ids. limit: raise PromptTooLong as soon as it is clear they number more than that, without
+        tokenizing all of a huge text (10 MB took 7-12 s and ~1 GB): too many characters for the limit is
+        refused at once, a long text is counted a piece at a time first (a few tokens of slack per cut), and
+        only a text that fits is tokenized whole (the exact ids)."""
+        if limit is not None:
+            if len(text) > limit * self.max_token_chars:
+                raise PromptTooLong(len(text) // self.max_token_chars, limit)
+            if len(text) > 2 * PIECE:
+                n = 0
+                for i, piece in enumerate(_pieces(text)):
+                    n += len(self.tok.encode(piece, add_special_tokens=False).ids)
+                    if n > limit + 4 * (i + 1):
+                        raise PromptTooLong(n - 4 * (i + 1), limit)
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], limit: int | None = None) -> list[int]:
+        """The chat template's prompt, as ids (limit: as in encode; checked on the messages' text before
+        rendering, then on the rendered prompt)."""
         if not self.chat_template:
             raise ValueError("chat: this checkpoint has no chat template")
+        chars = sum(len(m.get("content") or "") for m in messages)
+        if limit is not None and chars > limit * self.max_token_chars:
+            raise PromptTooLong(chars // self.max_token_chars, limit)
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -60,7 +105,7 @@ class TextCodec:
             messages=messages, add_generation_prompt=True, bos_token=self._special("bos_token"),
             eos_token=self._special("eos_token"))
         # the template already placed the special tokens it wants
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.encode(text, limit, add_special_tokens=False)
 
 
 class DetokenizeStream:
