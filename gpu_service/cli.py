@@ -22,7 +22,7 @@ from moe_core.shards import Shard, check_coverage
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 from . import metrics
-from .dispatch import ExpertServiceError, RemoteExperts
+from .dispatch import ExpertServiceError, RemoteExperts, identity, mismatch
 from .shards import ShardedExperts
 from .engine import Engine
 from .model import DTYPES, Model
@@ -81,6 +81,12 @@ def parse_args(argv=None):
                     help="seconds one layer's expert results may take (plus 10 ms per token in the step) before the "
                          "expert service counts as stuck: its requests end with UNAVAILABLE and the next ones "
                          "reconnect")
+    ap.add_argument("--expert-wait", type=float, default=120.0,
+                    help="seconds to hold requests, running and new, while the expert service is unreachable "
+                         "(restarting, loading, crashed): they resume where they stopped, with the same tokens, "
+                         "once it is back serving the same model, shard, weight format and kernel path; after "
+                         "that, they fail with UNAVAILABLE. 0 = fail at once (and refuse new requests while it "
+                         "is down). A client's own deadline always wins")
     serving.add_server_args(ap)
     security.add_server_args(ap)
     security.add_client_args(ap, prefix="experts-", what="the expert service (the auth token is the same one)")
@@ -203,33 +209,32 @@ def connect_and_load(wait, check, load, cancel: threading.Event):
     return got.get("info"), model
 
 
-async def watch_experts(experts: RemoteExperts, fp: str, servicer: GenerateServicer, hs, names, ready: dict,
-                        shard: Shard) -> None:
+async def watch_experts(experts: RemoteExperts, servicer: GenerateServicer, hs, names, ready: dict) -> None:
     """Health of this service follows the expert service's: probe it every second; on recovery,
-    re-check it serves the same model (and the same shard) before taking requests again. One watcher per
-    expert service (shard); `ready`, their shared target -> up map: this service serves while all are up."""
+    re-check it serves what it served at connect (experts.expected: model, shard, weight format, kernel
+    path) before counting it up. One watcher per expert service (shard); `ready`, their shared target -> up
+    map: this service serves while all are up."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     async with experts.security.aio_channel(experts.target, options=serving.RECONNECT) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         info_stub = expert_pb2_grpc.ExpertServiceStub(ch)
         while True:
+            t_probe = time.monotonic()
             try:
                 ok = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status == \
                     health_pb2.HealthCheckResponse.SERVING
                 if ok and not ready[experts.target]:
                     info = await info_stub.Info(expert_pb2.ExpertInfoRequest(), timeout=5,
                                                 metadata=experts.security.metadata)
-                    if info.model_fingerprint != fp:
-                        log.error("expert service at %s now serves fingerprint %s, not %s: not serving",
-                                  experts.target, info.model_fingerprint, fp)
-                        ok = False
-                    elif Shard(info.shard_index, info.shard_count or 1) != shard:
-                        log.error("expert service at %s now serves shard %d/%d, not %s: not serving",
-                                  experts.target, info.shard_index, info.shard_count or 1, shard)
+                    why = mismatch(experts.expected, info)
+                    if why:
+                        log.error("expert service at %s now serves %s: not serving", experts.target, why)
                         ok = False
             except grpc.RpcError:
                 ok = False
+            if not ok and ready[experts.target] and experts.last_ok > t_probe:
+                ok = True  # an exchange succeeded after this probe began: its failure is older news
             if ok != ready[experts.target]:
                 log.warning("expert service at %s is %s", experts.target, "back" if ok else "unavailable")
                 ready[experts.target] = ok
@@ -273,7 +278,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     server = grpc.aio.server(options=serving.server_options(max_context * cfg.vocab_size * 4 + (1 << 20),
                                                             prompt_bytes + max_context * 6 + (1 << 20)),
                              interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
-    servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit)
+    servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit, args.expert_wait)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
     hs = serving.add_health(server)
     names = [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name]
@@ -303,6 +308,8 @@ async def serve(args, stop: asyncio.Event) -> None:
                      "(every running decode takes one token of each step)")
     if not args.expert_timeout > 0:
         serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
+    if not 0 <= args.expert_wait < float("inf"):
+        serving.fail(f"--expert-wait must be a number of seconds >= 0, got {args.expert_wait}")
     targets = [t.strip() for t in args.experts.split(",") if t.strip()]
     if not targets or len(set(targets)) != len(targets):
         serving.fail(f"--experts {args.experts!r}: one or more distinct host:port, comma-separated")
@@ -350,6 +357,8 @@ async def serve(args, stop: asyncio.Event) -> None:
         return
     except (ConnectionError, ModelConfigError) as e:
         serving.fail(str(e))
+    for r, i in zip(remotes, infos):
+        r.expected = identity(i)
     # shard order; one expert service alone is used directly
     remotes = [r for _, r in sorted(zip((i.shard_index for i in infos), remotes), key=lambda p: p[0])]
     info = infos[0]
@@ -360,28 +369,43 @@ async def serve(args, stop: asyncio.Event) -> None:
         serving.fail(f"--transport {args.transport}: {e}")
     server_info.transport = transport
     step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
-    engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens)
+    engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
+                    expert_wait=args.expert_wait, experts_ready=lambda: servicer.expert_ready)
     engine.start()
     servicer.attach(engine)
-    ready = {r.target: False for r in remotes}  # each watcher's first probe re-checks its shard and marks it up
-    shard_of = {t: Shard(i.shard_index, i.shard_count or 1) for t, i in zip(targets, infos)}
-    watchers = [asyncio.create_task(watch_experts(r, fp, servicer, hs, names, ready, shard_of[r.target]))
-                for r in remotes]
+    ready = {r.target: False for r in remotes}  # each watcher's first probe re-checks its service and marks it up
+    watchers = [asyncio.create_task(watch_experts(r, servicer, hs, names, ready)) for r in remotes]
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "
              "defer=%d", args.listen, cfg.model_type, fp, device, dtype, args.experts, info.weight_format,
              info.kernel_path, transport, step_tokens, args.defer)
     try:
         await stop.wait()
     finally:
-        # drain: refuse new work, let requests in flight finish within the grace period, then stop
-        log.info("draining (grace %.0fs)", args.grace)
-        for w in watchers:
-            w.cancel()
-        servicer.draining = True  # HTTP requests get 503 from here on (gRPC: the server refuses them)
-        await serving.set_health(hs, names, serving=False)
-        await asyncio.gather(server.stop(grace=args.grace), *([openai_api.stop(api, http, args.grace)] if http else []))
+        await drain(args.grace, servicer, engine, server, hs, names, watchers, (api, http) if http else None)
         engine.stop()
         experts.close()
+
+
+async def drain(grace: float, servicer: GenerateServicer, engine: Engine, server, hs, names, watchers, http) -> None:
+    """SIGTERM: nothing new starts (new requests get UNAVAILABLE / 503, queued ones fail now), the running
+    ones get `grace` seconds to finish, then every one still running, gRPC or HTTP, ends with a clear
+    UNAVAILABLE error; the servers close once their handlers have sent it."""
+    log.info("draining (grace %gs)", grace)
+    for w in watchers:
+        w.cancel()
+    servicer.draining = True
+    engine.close("the service is shutting down")
+    await serving.set_health(hs, names, serving=False)
+    deadline = time.monotonic() + grace
+    while engine.busy() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.busy():
+        log.info("grace period over: ending the requests still running")
+        engine.abort(f"the service shut down before this request finished (--grace {grace:g}s)")
+    flush = 2.0  # for the handlers to send what the engine emitted
+    if http:
+        from . import openai_api
+    await asyncio.gather(server.stop(grace=flush), *([openai_api.stop(*http, flush)] if http else []))
 
 
 def main(argv=None) -> None:

@@ -48,6 +48,19 @@ class ExpertServiceError(RuntimeError):
         self.retry = retry
 
 
+def identity(info: expert_pb2.ExpertInfo) -> dict:
+    """What an expert service must keep across a restart for the tokens to stay the same."""
+    return {"model fingerprint": info.model_fingerprint, "shard": f"{info.shard_index}/{info.shard_count or 1}",
+            "weight format": info.weight_format, "kernel path": info.kernel_path}
+
+
+def mismatch(want: dict, info: expert_pb2.ExpertInfo) -> str | None:
+    """How info differs from the identity `want` (None: it does not)."""
+    got = identity(info)
+    diff = [f"{k} {got[k]}, not {want[k]}" for k in want if got[k] != want[k]]
+    return "; ".join(diff) or None
+
+
 class Deadline:
     """Cancels a gRPC call that a blocking next() waits on for too long (a stream's next() has no
     timeout of its own). One thread for the process's life; arm() and disarm() take a lock and wake
@@ -129,6 +142,8 @@ class RemoteExperts:
         self._requests: queue.Queue | None = None
         self._responses = None
         self._timings: list = []  # (layer, deferred, wire.Timing) since the last drain
+        self.expected: dict | None = None  # identity() at the first connect: a stream is opened only to that
+        self.last_ok = 0.0  # time.monotonic() of the last result received (the health watcher's stale-probe guard)
 
     def info(self, timeout: float = 5.0) -> expert_pb2.ExpertInfo:
         return self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=timeout, metadata=self.security.metadata)
@@ -157,10 +172,15 @@ class RemoteExperts:
         it a moment rather than fail the request that opens the stream."""
         try:  # an Info call that waits for the connection (grpc.channel_ready_future's watcher thread
             # outlives it and trips over the channel's close)
-            self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=CONNECT_WAIT_S, wait_for_ready=True,
-                           metadata=self.security.metadata)
+            info = self.stub.Info(expert_pb2.ExpertInfoRequest(), timeout=CONNECT_WAIT_S, wait_for_ready=True,
+                                  metadata=self.security.metadata)
         except grpc.RpcError:
-            pass  # the call that follows fails, with the reason
+            return  # the call that follows fails, with the reason
+        # a service restarted with another --weight-format or kernel path would change the tokens silently
+        why = self.expected and mismatch(self.expected, info)
+        if why:
+            raise ExpertServiceError(grpc.StatusCode.UNAVAILABLE, f"expert service at {self.target} came back "
+                                     f"serving {why}: not using it")
 
     def _open_shm(self) -> None:
         self._wait_connected()
@@ -219,6 +239,7 @@ class RemoteExperts:
                 self.reset()
                 raise ExpertServiceError(e.code, f"expert service at {self.target}: {e}") from None
             self._timings.append((layer, deferred, timing))
+            self.last_ok = time.monotonic()
             return y
         try:
             data = self._next_response()
@@ -250,6 +271,7 @@ class RemoteExperts:
             raise ExpertServiceError(grpc.StatusCode.INTERNAL, f"exchange out of order: wanted layer {layer} "
                                      f"part {want}, got layer {got_layer} part {part}")
         self._timings.append((layer, deferred, timing))
+        self.last_ok = time.monotonic()
         return y
 
     def _next_response(self):

@@ -85,16 +85,22 @@ class Request:
 
 class Engine:
     def __init__(self, model: Model, experts, text: TextCodec, max_batch: int, max_context: int,
-                 step_tokens: int = 0):
+                 step_tokens: int = 0, expert_wait: float = 0.0, experts_ready: Callable[[], bool] = lambda: True):
         self.model, self.experts, self.text = model, experts, text
         self.max_batch, self.max_context = max_batch, max_context
         # most tokens one step may carry (0 = no limit): prompts go in chunks of what decodes leave
         self.step_tokens = step_tokens
+        # an unreachable expert service: hold the steps this long (seconds), retrying once experts_ready()
+        # (the health watchers' view: up, and serving the same model, shard, format and kernel path)
+        self.expert_wait, self.experts_ready = expert_wait, experts_ready
+        self.holding: str | None = None  # why steps are held now (for /health), or None
         self.eos = set(model.cfg.eos_token_ids)
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.running: list[Request] = []
         self.steps = itertools.count()
         self._stop = threading.Event()
+        self._closed: str | None = None   # close(): new requests fail with this
+        self._aborted: str | None = None  # abort(): every request fails with this at the next step
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -105,11 +111,35 @@ class Engine:
         self.thread.join(timeout=10)
 
     def submit(self, req: Request) -> None:
+        if self._closed:
+            req.emit(Failure(grpc.StatusCode.UNAVAILABLE, self._closed))
+            return
         self.inbox.put(req)
+
+    def close(self, reason: str) -> None:
+        """Start nothing new: queued requests that have not started and later submits fail with `reason`
+        (UNAVAILABLE); the running ones go on."""
+        self._closed = reason
+
+    def abort(self, reason: str) -> None:
+        """End every request, running or held, with `reason` (UNAVAILABLE) at the next step boundary."""
+        self._closed = self._closed or reason
+        self._aborted = reason
+
+    def busy(self) -> bool:
+        return bool(self.running) or not self.inbox.empty()
 
     # -- the loop ---------------------------------------------------------------------------------
     def _admit(self) -> list[Request]:
         new = []
+        if self._closed:
+            self._fail_waiting(self._closed)
+            if self._aborted:
+                self._fail([r for r in self.running if not r.cancelled], grpc.StatusCode.UNAVAILABLE, self._aborted)
+                self.running = []
+            if not self.running:
+                self._stop.wait(0.05)
+            return new
         if not self.running:
             try:
                 new.append(self.inbox.get(timeout=0.2))
@@ -170,19 +200,39 @@ class Engine:
                 budget -= n
         return plan
 
+    def _fail_waiting(self, reason: str) -> None:
+        """Fail what waits in the inbox (not started yet) with UNAVAILABLE."""
+        while True:
+            try:
+                r = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if not r.cancelled:
+                r.emit(Failure(grpc.StatusCode.UNAVAILABLE, reason))
+
     def _step_or_fail(self, group: list[tuple[Request, int]], defer: int, skip: bool) -> None:
-        # A stream broken while idle (the expert service restarted between steps) fails on first use:
-        # retry the step once on a fresh stream. Safe: a step writes its KV entries at fixed positions
-        # and commits nothing else before its forward pass completes.
-        for attempt in (0, 1):
+        # An expert service that went away (restarted, crashed, loading): retry the step on a fresh stream, at
+        # once (a stream broken while idle fails on first use) and then whenever the health watchers see it
+        # back, for up to --expert-wait. Safe: a step writes its KV entries at fixed positions and commits
+        # nothing else before its forward pass completes, so a retried step gives the same tokens.
+        held_since, tries = None, 0
+        while True:
             try:
                 return self._step(group, defer, skip)
             except ExpertServiceError as e:
-                if attempt == 0 and e.code == grpc.StatusCode.UNAVAILABLE and e.retry:
-                    log.info("expert exchange failed (%s); retrying the step on a new stream", e)
-                    continue
-                log.warning("step failed: %s", e)
-                return self._fail([r for r, _ in group], e.code, str(e))
+                if e.code != grpc.StatusCode.UNAVAILABLE or not e.retry:  # refused, or stuck past --expert-timeout
+                    log.warning("step failed: %s", e)
+                    return self._fail([r for r, _ in group], e.code, str(e))
+                self.experts.reset()
+                if held_since is None:
+                    held_since = time.monotonic()
+                    log.warning("expert exchange failed (%s): holding %d request(s) for up to %gs (--expert-wait)",
+                                e, len(group), self.expert_wait)
+                    continue  # once at once: a stream broken while idle
+                group = self._hold(group, held_since, e, tries)
+                tries += 1
+                if not group:
+                    return
             except Exception as e:  # a bug, or one request's inputs: keep it to the request it belongs to
                 self.experts.reset()
                 if len(group) > 1:
@@ -193,6 +243,34 @@ class Engine:
                     return
                 log.exception("step failed")
                 return self._fail([r for r, _ in group], grpc.StatusCode.INTERNAL, f"internal error: {e}")
+
+    def _hold(self, group: list[tuple[Request, int]], since: float, err: ExpertServiceError, tries: int):
+        """Wait until the expert service looks back (-> what is left of the group, to retry), or fail the
+        group once --expert-wait has passed since `since` (-> []). Requests whose client left or whose
+        deadline passed drop out meanwhile; abort() and stop() end the wait."""
+        self.holding = f"waiting for the expert service: {err}"
+        try:
+            while True:
+                now = time.perf_counter()
+                group = [(r, n) for r, n in group if not self._expired(r, now)]
+                if self._aborted or self._stop.is_set():
+                    self._fail([r for r, _ in group], grpc.StatusCode.UNAVAILABLE, self._aborted or "stopped")
+                    return []
+                if not group:
+                    return []
+                if time.monotonic() - since > self.expert_wait:
+                    msg = (f"{err}; still unavailable after {self.expert_wait:g}s (--expert-wait)"
+                           if self.expert_wait else str(err))
+                    log.warning("step failed: %s", msg)
+                    self._fail([r for r, _ in group], grpc.StatusCode.UNAVAILABLE, msg)
+                    return []
+                if self.experts_ready():
+                    # the watchers' view can be a moment old: retry soon, but don't hammer a dead port
+                    self._stop.wait(min(0.05 * 2 ** tries, 1.0))
+                    return group
+                self._stop.wait(0.05)
+        finally:
+            self.holding = None
 
     def _fail(self, reqs: list[Request], code, msg: str) -> None:
         for r in reqs:

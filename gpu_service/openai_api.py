@@ -24,7 +24,7 @@ from protos import generate_pb2
 from . import metrics
 from .engine import Failure
 from .sampling import MAX_LOGPROBS
-from .server import BadRequest, GenerateServicer, prompt_bytes_limit
+from .server import BadRequest, GenerateServicer
 
 log = logging.getLogger("gpu_service.http")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -284,7 +284,7 @@ class Api:
             metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
 
     async def health(self, request):
-        why = self.servicer.unavailable()
+        why = self.servicer.health_problem()
         return web.json_response({"status": "unavailable", "reason": why} if why else {"status": "ok"},
                                  status=503 if why else 200)
 
@@ -446,7 +446,7 @@ class Output:
 async def start(api: Api, listen: str, ssl_context=None) -> web.AppRunner:
     """Serve api on host:port on the running loop; -> the runner (stop it with stop())."""
     host, _, port = listen.rpartition(":")
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port), ssl_context=ssl_context)
     await site.start()
@@ -454,8 +454,9 @@ async def start(api: Api, listen: str, ssl_context=None) -> web.AppRunner:
 
 
 async def stop(api: Api, runner: web.AppRunner, grace: float) -> None:
-    """Drain (servicer.draining is set): new requests get 503, so a load balancer moves on, while those
-    in flight get `grace` seconds to finish; then close what is left."""
+    """Close the server once the requests in flight have ended (the engine ends them at the drain's
+    deadline, with an error event), waiting `grace` seconds at most; what is still open then gets the
+    runner's shutdown_timeout (aiohttp's default, a minute, let streams run to their end after SIGTERM)."""
     deadline = time.monotonic() + grace
     while api.active and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -63,18 +63,23 @@ def sampling_params(s: generate_pb2.SamplingParams) -> SamplingParams:
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    """Serves once attach() gave it an engine; until then, and while the expert service is down,
-    new requests get UNAVAILABLE at once."""
+    """Serves once attach() gave it an engine; until then new requests get UNAVAILABLE at once. While the
+    expert service is down they are taken and held, as the running ones are, for up to expert_wait
+    seconds (0: refused at once)."""
 
-    def __init__(self, cfg, info: generate_pb2.ServerInfo, default_defer: int, max_tokens_limit: int):
+    def __init__(self, cfg, info: generate_pb2.ServerInfo, default_defer: int, max_tokens_limit: int,
+                 expert_wait: float = 0.0):
         self.engine: Engine | None = None
         self.cfg, self.info, self.default_defer = cfg, info, default_defer
-        self.max_tokens_limit = max_tokens_limit
+        self.max_tokens_limit, self.expert_wait = max_tokens_limit, expert_wait
         self.expert_ready = False
         self.draining = False
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
+
+    def _experts_down(self) -> str:
+        return f"expert service at {self.info.expert_service} is unavailable"
 
     def unavailable(self) -> str | None:
         """Why new requests are refused right now (gRPC UNAVAILABLE, HTTP 503), or None."""
@@ -82,9 +87,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return "the service is shutting down"
         if self.engine is None:
             return "GPU service is still loading the model"
-        if not self.expert_ready:
-            return f"expert service at {self.info.expert_service} is unavailable"
+        if not self.expert_ready and not self.expert_wait:
+            return self._experts_down()
         return None
+
+    def health_problem(self) -> str | None:
+        """Why this service reports itself unhealthy (HTTP /health 503), or None: also while requests are held
+        for the expert service, so a load balancer sends new ones elsewhere."""
+        why = self.unavailable()
+        if why is None and not self.expert_ready:
+            why = f"{self._experts_down()}; requests wait up to {self.expert_wait:g}s for it (--expert-wait)"
+        if why is None and self.engine.holding:
+            why = self.engine.holding
+        return why
 
     async def _check_ready(self, context, rpc: str) -> None:
         why = self.unavailable()

@@ -232,8 +232,9 @@ def test_http_metrics_in_the_same_registry(svc, client):
 
 
 def test_503_while_the_expert_service_is_down(services_factory, tmp_path):
+    """With --expert-wait 0 new requests are refused while it is down (by default they are held: test_operations)."""
     port = free_port()
-    s = services_factory(MODEL, gpu_args=("--http-listen", f"127.0.0.1:{port}"))
+    s = services_factory(MODEL, gpu_args=("--http-listen", f"127.0.0.1:{port}", "--expert-wait", "0"))
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     assert c.completions.create(model="default", prompt="x", max_tokens=2).choices[0].text is not None
     s.expert.terminate()
@@ -413,3 +414,34 @@ def test_huge_prompts_are_refused_without_stalling_anyone(svc, client):
     assert max(health_s) < 2.0, max(health_s)
     after = rss_kib(svc.gpu.pid)
     assert after <= before * 1.10, (before, after)
+
+
+def test_sigterm_ends_every_stream_at_the_grace_deadline(services_factory):
+    """--grace 1: after SIGTERM nothing new starts (a queued request fails at once), and at the deadline the
+    HTTP stream gets an error event and the gRPC stream UNAVAILABLE, both saying why; then it exits 0."""
+    port = free_port()
+    s = services_factory(MODEL, gpu_args=("--http-listen", f"127.0.0.1:{port}", "--grace", "1", "--max-batch", "2"))
+    body = json.dumps({"model": "default", "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True})
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/completions", body=body)
+    r = c.getresponse()
+    assert r.status == 200 and r.read1(65536).startswith(b"data: ")
+    g = s.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=1000, ignore_eos=True), timeout=60)
+    next(g)
+    queued = s.stub.Generate(generate_pb2.GenerateRequest(prompt="y", max_tokens=5, ignore_eos=True), timeout=60)
+    time.sleep(0.3)  # the batch is full: it waits in the queue
+    t0 = time.monotonic()
+    s.gpu.send_signal(signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as e:
+        list(queued)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(grpc.RpcError) as e:
+        list(g)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "--grace 1s" in e.value.details()
+    events = r.read().decode().strip().split("\n\n")
+    c.close()
+    err = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert "--grace 1s" in err["message"] and events[-1] == "data: [DONE]"
+    assert time.monotonic() - t0 < 6  # 1000 tokens would take ~10 s
+    assert s.gpu.wait(30) == 0

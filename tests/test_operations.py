@@ -1,5 +1,6 @@
 """Operating the two services as real processes: independent restarts, health, SIGTERM drain,
 cancellation, deadlines, metrics and traces."""
+import concurrent.futures
 import json
 import signal
 import subprocess
@@ -55,35 +56,82 @@ def svc(checkpoints, tmp_path):
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def test_expert_restart_mid_stream_and_between_requests(svc):
-    before = greedy(svc.stub)
-    # mid-stream: the request in flight ends promptly with UNAVAILABLE naming the expert service
-    stream = svc.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=400, ignore_eos=True), timeout=60)
-    next(stream)
-    svc.expert.kill()
-    t0 = time.monotonic()
-    with pytest.raises(grpc.RpcError) as e:
-        list(stream)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "expert service" in e.value.details()
-    assert time.monotonic() - t0 < 5
-    # while it is down: NOT_SERVING, and new requests fail fast with UNAVAILABLE
-    wait_for(lambda: health(svc.gpu_port) == NOT_SERVING, 10, "gpu NOT_SERVING")
-    t0 = time.monotonic()
-    with pytest.raises(grpc.RpcError) as e:
-        greedy(svc.stub)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5
-    # back: the GPU service reconnects by itself and gives the same tokens as before
-    svc.expert = svc.start_expert()
-    wait_healthy(svc.expert_port, svc.expert)
-    wait_for(lambda: health(svc.gpu_port) == SERVING, 15, "gpu SERVING again")
-    assert greedy(svc.stub) == before
-    # and between requests, a second time
+def gen_req(n, prompt="def fib(n):"):
+    return generate_pb2.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True,
+                                        sampling=generate_pb2.SamplingParams(temperature=0))
+
+
+def restart_expert(s, args=None):
+    s.expert.kill()
+    s.expert.wait()
+    if args is not None:
+        s.expert_args = args
+    s.expert = s.start_expert()
+
+
+def test_expert_restart_is_invisible_to_running_and_new_requests(svc):
+    """kill -9 of the expert service mid-stream: the stream is held, not failed, and once the service is
+    back it goes on with the tokens of a run without the restart; a request sent while it is down waits
+    too; the GPU side says NOT_SERVING meanwhile."""
+    solo = greedy(svc.stub, n=300)
+    stream = svc.stub.Generate(gen_req(300), timeout=120)
+    got = list(next(stream).token_ids)
     svc.expert.kill()
     svc.expert.wait()
-    svc.expert = svc.start_expert()
-    wait_healthy(svc.expert_port, svc.expert)
+    wait_for(lambda: health(svc.gpu_port) == NOT_SERVING, 10, "gpu NOT_SERVING")
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        sent_while_down = ex.submit(greedy, svc.stub, 12, "def fib(n):", 120)
+        time.sleep(1.0)
+        svc.expert = svc.start_expert()
+        got += [t for c in stream for t in c.token_ids]
+        assert sent_while_down.result() == solo[:12]
+    assert got == solo
     wait_for(lambda: health(svc.gpu_port) == SERVING and info(svc).expert_service_ready, 15, "gpu SERVING")
-    assert greedy(svc.stub) == before
+    # and between requests
+    restart_expert(svc)
+    assert greedy(svc.stub, n=300) == solo
+    assert "Traceback" not in svc.logs()
+
+
+def test_expert_wait_bounds_the_hold_and_a_client_deadline_wins(checkpoints, tmp_path):
+    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--expert-wait", "3"))
+    try:
+        stream = s.stub.Generate(gen_req(400), timeout=60)
+        next(stream)
+        s.expert.kill()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "--expert-wait" in e.value.details()
+        assert 3 <= time.monotonic() - t0 < 15
+        # a client deadline shorter than the wait ends the request, and frees its slot
+        with pytest.raises(grpc.RpcError) as e:
+            greedy(s.stub, timeout=1.0)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: info(s).running_requests == 0, 10, "the expired request dropped")
+    finally:
+        s.stop()
+
+
+def test_a_restarted_expert_service_in_another_weight_format_is_not_used(checkpoints, tmp_path):
+    """It would give other tokens silently: the held request fails at the end of the wait instead, naming
+    why, and the GPU side stays NOT_SERVING until the right service is back."""
+    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--expert-wait", "20"))
+    try:
+        solo = greedy(s.stub)
+        stream = s.stub.Generate(gen_req(400), timeout=60)
+        next(stream)
+        restart_expert(s, ("--weight-format", "int8"))
+        wait_healthy(s.expert_port, s.expert)  # serving, in the wrong format, well before the wait ends
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "weight format int8" in e.value.details()
+        assert health(s.gpu_port) == NOT_SERVING
+        restart_expert(s, ())
+        wait_for(lambda: health(s.gpu_port) == SERVING, 30, "gpu SERVING with the right expert service")
+        assert greedy(s.stub) == solo
+    finally:
+        s.stop()
 
 
 def test_gpu_restart_expert_keeps_serving(svc):
