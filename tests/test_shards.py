@@ -170,25 +170,23 @@ def test_a_shard_of_another_model_is_refused_naming_it(checkpoints, sharded):
     assert "model mismatch" in s.logs() and f"127.0.0.1:{s.ports[1]}" in s.logs(), s.logs()
 
 
-def test_killed_shard_fails_the_stream_naming_it_and_serves_again_when_back(checkpoints, sharded):
+def test_killed_shard_holds_the_stream_until_it_is_back(checkpoints, sharded):
+    """kill -9 of one shard mid-stream: the stream waits (NOT_SERVING meanwhile) and, once that shard alone
+    is restarted, goes on with the tokens of a run without the restart."""
     s = sharded(checkpoints["qwen3_moe"], n=2)
     wait_healthy(s.gpu_port, s.gpu)
-    before = greedy(s.stub, PROMPTS[0])
-    stream = s.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=400, ignore_eos=True), timeout=60)
-    next(stream)
+    req = generate_pb2.GenerateRequest(prompt="x", max_tokens=300, ignore_eos=True,
+                                       sampling=generate_pb2.SamplingParams(temperature=0))
+    solo = [t for c in s.stub.Generate(req, timeout=60) for t in c.token_ids]
+    stream = s.stub.Generate(req, timeout=120)
+    got = list(next(stream).token_ids)
     s.experts[1].kill()
-    t0 = time.monotonic()
-    with pytest.raises(grpc.RpcError) as e:
-        list(stream)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
-    assert f"127.0.0.1:{s.ports[1]}" in e.value.details()
-    assert time.monotonic() - t0 < 10
     wait_for(lambda: health(s.gpu_port) == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "gpu NOT_SERVING")
     s.experts[1].wait()
     s.experts[1] = s.start_expert(1)  # the shard alone; nothing else restarted
-    wait_healthy(s.ports[1], s.experts[1])
+    got += [t for c in stream for t in c.token_ids]
+    assert got == solo
     wait_for(lambda: health(s.gpu_port) == health_pb2.HealthCheckResponse.SERVING, 15, "gpu SERVING again")
-    assert greedy(s.stub, PROMPTS[0]) == before
     assert s.gpu.poll() is None and s.experts[0].poll() is None
 
 
