@@ -19,10 +19,10 @@ from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
 from moe_core.metrics import serve_metrics
 from moe_core.shards import Shard, check_coverage
-from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc
+from protos import generate_pb2, generate_pb2_grpc
 
-from . import metrics
-from .dispatch import ExpertServiceError, RemoteExperts, identity, mismatch
+from .dispatch import ExpertServiceError, RemoteExperts, identity
+from .expert_health import ExpertHealth
 from .shards import ShardedExperts
 from .engine import Engine
 from .model import DTYPES, Model
@@ -209,44 +209,6 @@ def connect_and_load(wait, check, load, cancel: threading.Event):
     return got.get("info"), model
 
 
-async def watch_experts(experts: RemoteExperts, servicer: GenerateServicer, hs, names, ready: dict) -> None:
-    """Health of this service follows the expert service's: probe it every second; on recovery,
-    re-check it serves what it served at connect (experts.expected: model, shard, weight format, kernel
-    path) before counting it up. One watcher per expert service (shard); `ready`, their shared target -> up
-    map: this service serves while all are up."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    async with experts.security.aio_channel(experts.target, options=serving.RECONNECT) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        info_stub = expert_pb2_grpc.ExpertServiceStub(ch)
-        while True:
-            t_probe = time.monotonic()
-            try:
-                ok = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status == \
-                    health_pb2.HealthCheckResponse.SERVING
-                if ok and not ready[experts.target]:
-                    info = await info_stub.Info(expert_pb2.ExpertInfoRequest(), timeout=5,
-                                                metadata=experts.security.metadata)
-                    why = mismatch(experts.expected, info)
-                    if why:
-                        log.error("expert service at %s now serves %s: not serving", experts.target, why)
-                        ok = False
-            except grpc.RpcError:
-                ok = False
-            if not ok and ready[experts.target] and experts.last_ok > t_probe:
-                ok = True  # an exchange succeeded after this probe began: its failure is older news
-            if ok != ready[experts.target]:
-                log.warning("expert service at %s is %s", experts.target, "back" if ok else "unavailable")
-                ready[experts.target] = ok
-                metrics.SHARD_UP.labels(experts.target).set(int(ok))
-                up = all(ready.values())
-                if up != servicer.expert_ready:
-                    servicer.expert_ready = up
-                    metrics.EXPERT_UP.set(int(up))
-                    await serving.set_health(hs, names, serving=up)
-            await asyncio.sleep(1.0)
-
-
 async def serve(args, stop: asyncio.Event) -> None:
     try:
         cfg = load_config(args.model)
@@ -369,12 +331,12 @@ async def serve(args, stop: asyncio.Event) -> None:
         serving.fail(f"--transport {args.transport}: {e}")
     server_info.transport = transport
     step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
+    health = ExpertHealth(remotes, on_change=lambda up: serving.set_health(hs, names, serving=up))
     engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
-                    expert_wait=args.expert_wait, experts_ready=lambda: servicer.expert_ready)
+                    expert_wait=args.expert_wait, experts_ready=health.up)
     engine.start()
-    servicer.attach(engine)
-    ready = {r.target: False for r in remotes}  # each watcher's first probe re-checks its service and marks it up
-    watchers = [asyncio.create_task(watch_experts(r, servicer, hs, names, ready)) for r in remotes]
+    servicer.attach(engine, health.up)
+    watchers = health.watchers()
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "
              "defer=%d", args.listen, cfg.model_type, fp, device, dtype, args.experts, info.weight_format,
              info.kernel_path, transport, step_tokens, args.defer)

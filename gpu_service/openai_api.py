@@ -34,7 +34,6 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABL
                grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
 ERROR_TYPE = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
 MAX_DEPTH = 32      # nesting of a request body (the deepest real one, a content part, is 3)
-MAX_STOP_CHARS = 1024
 PARSE_INLINE = 1 << 16  # bodies up to this many bytes are parsed on the event loop; larger ones on a thread
 
 
@@ -170,8 +169,6 @@ def _common(body: dict, req: generate_pb2.GenerateRequest, max_tokens_default: i
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(x, str) for x in stop)):
         raise ApiError(400, "stop: expected a string or a list of strings", "stop")
-    if any(len(x) > MAX_STOP_CHARS for x in stop or ()):
-        raise ApiError(400, f"stop: a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     req.stop.extend(stop or [])
     req.ignore_eos = bool(_field(body, "ignore_eos", (bool,), False))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import grpc
 import torch
@@ -21,6 +22,7 @@ log = logging.getLogger("gpu_service")
 
 FINISH = {"length": generate_pb2.LENGTH, "stop": generate_pb2.STOP, "eos": generate_pb2.EOS}
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # a stop string is matched against every text delta: keep it short
 ROLES = {"system", "user", "assistant", "tool"}
 
 
@@ -72,11 +74,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.engine: Engine | None = None
         self.cfg, self.info, self.default_defer = cfg, info, default_defer
         self.max_tokens_limit, self.expert_wait = max_tokens_limit, expert_wait
-        self.expert_ready = False
+        self.experts_up: Callable[[], bool] = lambda: False
         self.draining = False
 
-    def attach(self, engine: Engine) -> None:
-        self.engine = engine
+    def attach(self, engine: Engine, experts_up: Callable[[], bool]) -> None:
+        """Serve on `engine`; experts_up(): whether the expert service(s) can serve now (ExpertHealth.up)."""
+        self.engine, self.experts_up = engine, experts_up
 
     def _experts_down(self) -> str:
         return f"expert service at {self.info.expert_service} is unavailable"
@@ -87,7 +90,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return "the service is shutting down"
         if self.engine is None:
             return "GPU service is still loading the model"
-        if not self.expert_ready and not self.expert_wait:
+        if not self.expert_wait and not self.experts_up():
             return self._experts_down()
         return None
 
@@ -95,7 +98,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Why this service reports itself unhealthy (HTTP /health 503), or None: also while requests are held
         for the expert service, so a load balancer sends new ones elsewhere."""
         why = self.unavailable()
-        if why is None and not self.expert_ready:
+        if why is None and not self.experts_up():
             why = f"{self._experts_down()}; requests wait up to {self.expert_wait:g}s for it (--expert-wait)"
         if why is None and self.engine.holding:
             why = self.engine.holding
@@ -166,8 +169,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if req.HasField("logprobs") and req.logprobs > MAX_LOGPROBS:
             raise BadRequest(f"logprobs: at most {MAX_LOGPROBS} alternatives per token, got {req.logprobs}")
         stop = list(req.stop)
-        if len(stop) > MAX_STOP or any(not x for x in stop):
-            raise BadRequest(f"stop: at most {MAX_STOP} non-empty strings")
+        if len(stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
+            raise BadRequest(f"stop: at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
         defer = req.defer if req.HasField("defer") else self.default_defer
         if defer > self.cfg.top_k - 1:
             raise BadRequest(f"defer: must be <= top_k - 1 = {self.cfg.top_k - 1}, got {defer}")
@@ -263,6 +266,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Info(self, request, context):
         info = generate_pb2.ServerInfo()
         info.CopyFrom(self.info)
-        info.expert_service_ready = self.expert_ready
+        info.expert_service_ready = self.experts_up()
         info.running_requests = len(self.engine.running) if self.engine else 0
         return info

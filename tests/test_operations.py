@@ -113,6 +113,29 @@ def test_expert_wait_bounds_the_hold_and_a_client_deadline_wins(checkpoints, tmp
         s.stop()
 
 
+def test_once_a_request_succeeds_after_a_restart_the_next_ones_do_too(checkpoints, tmp_path):
+    """--expert-wait 0 (refuse while the expert service is down): the health watcher must not refuse
+    requests on a probe that began before the service came back (it did: the log showed "is back",
+    "exchange failed", "is unavailable", "is back" within 2 s, and 1-3 of 5 rounds refused a request)."""
+    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--expert-wait", "0"))
+    try:
+        want = greedy(s.stub, n=4)
+        for _ in range(5):
+            restart_expert(s)
+            deadline = time.monotonic() + 30
+            while True:  # until the first success ...
+                try:
+                    assert greedy(s.stub, n=4) == want
+                    break
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
+                    time.sleep(0.05)
+            for _ in range(20):  # ... then every one succeeds
+                assert greedy(s.stub, n=4) == want
+    finally:
+        s.stop()
+
+
 def test_a_restarted_expert_service_in_another_weight_format_is_not_used(checkpoints, tmp_path):
     """It would give other tokens silently: the held request fails at the end of the wait instead, naming
     why, and the GPU side stays NOT_SERVING until the right service is back."""
