@@ -1,0 +1,240 @@
+"""The decode step against its kernels: where a token's time goes when both services share one host,
+and how far the step is from the same kernels alone on the same bytes and from DRAM's read bandwidth,
+all measured in this run.
+
+    python bench/bench_step.py --synth qwen3-30b-a3b --layers 6 --vocab 32000 --weight-format int4 \\
+        --dense-format int4 [--context 256] [--tokens 32] [--rounds 3] [--threads 2]
+    python bench/bench_step.py --model DIR --weight-format int8 --dense-format int8
+
+1. Kernels alone, in this process before the services start (and writing the packed-weight cache the
+   expert service then starts from): every MoE layer's experts at T=1 with k distinct random experts,
+   every packed dense weight of the GPU side (fused q/k/v, o_proj, shared experts, dense MLPs, router,
+   lm_head) at T=1; the DRAM read probe between them. Their sum is what a token costs at the kernels'
+   own speed; bytes per token / the probe is the roofline.
+2. Both services, each on --threads (the CPU-only deployment: they share the cores), decode with
+   profile=True. Per decode step: the period (one step's start to the next's: what a token costs), the
+   GPU side's spans (embed, attention, router, shared experts, the wait for the experts, lm_head,
+   sampling) and the expert side's compute spans. The spans' sum is checked against the period before
+   the split is trusted (coverage).
+3. Ratios: period / kernels alone (the issue #28 bar: <= 1.15x), the experts' compute in the service /
+   the same kernels alone (<= 1.15x), and everything outside the kernels per MoE layer, in microseconds
+   (<= 30 us).
+
+One JSON line per figure, then tables; medians over the decode steps of --rounds requests.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from bench_restart import cpu_name  # noqa: E402
+from conftest import free_port, start, wait_healthy  # noqa: E402
+from moe_core.checkpoint import Checkpoint  # noqa: E402
+from moe_core.config import load_config  # noqa: E402
+from moe_core.fingerprint import fingerprint  # noqa: E402
+from protos import generate_pb2, generate_pb2_grpc  # noqa: E402
+
+GPU_SPANS = ("embed", "attention", "linear_attention", "dense_mlp", "router", "shared_experts", "expert_wait",
+             "lm_head", "sampling")
+
+
+def median_time(fn, reps: int) -> float:
+    fn()  # warm
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache: pathlib.Path, reps: int) -> dict:
+    """Seconds per token of each kind of kernel at T=1, bytes per token, and the DRAM probe (GB/s)."""
+    from expert_service.packed_cache import PackedCache, source_stamp
+    from expert_service.store import load_expert_layers
+    from gpu_service.model import Model
+    from moe_kernels import PATH, native
+    from moe_kernels.dense import NativeLinear
+
+    native.init_pool(threads)
+    torch.set_num_threads(threads)
+    cfg, ckpt = load_config(model), Checkpoint(model)
+    probe = torch.ones(1 << 28)  # 1 GiB: well past the caches
+    bw = []
+
+    def dram() -> None:
+        bw.append(native.read_bandwidth(probe.data_ptr(), probe.numel()))
+
+    out = {"experts_s": 0.0, "experts_bytes": 0, "dense_s": 0.0, "dense_bytes": 0, "per_layer_experts_s": {}}
+    layers = load_expert_layers(cfg, ckpt, fmt, threads, progress=False,
+                                cache=PackedCache(cache, fingerprint(ckpt), source_stamp(ckpt), fmt))
+    gen = torch.Generator().manual_seed(0)
+    H, k = cfg.hidden_size, cfg.top_k
+    for layer, op in layers.items():
+        dram()
+        x = torch.randn(1, H, generator=gen).to(torch.bfloat16)
+        ids = torch.randperm(cfg.n_routed_experts, generator=gen)[:k].view(1, k).to(torch.int32)
+        w = torch.rand(1, k, generator=gen)
+        s = median_time(lambda: op.forward(x, ids, w), reps)
+        out["per_layer_experts_s"][layer] = s
+        out["experts_s"] += s
+        out["experts_bytes"] += op.weight_bytes_per_expert * k
+    del layers
+    gc.collect()
+    if dense != "torch":
+        m = Model(cfg, ckpt, torch.device("cpu"), torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float32,
+                  dense_format=dense)
+        linears = {n: w for n, w in m.W.items() if isinstance(w, NativeLinear)}
+        if isinstance(m.lm_head, NativeLinear) and m.lm_head not in linears.values():
+            linears["lm_head"] = m.lm_head
+        for n, lin in linears.items():
+            if len(bw) % 8 == 0:
+                dram()
+            x = torch.randn(1, lin.K, generator=gen).to(torch.bfloat16)
+            out["dense_s"] += median_time(lambda: lin(x), reps)
+            out["dense_bytes"] += lin.nbytes
+        del m, linears
+    dram()
+    out["dram_gbps"] = statistics.median(bw) / 1e9  # read_bandwidth gives bytes/s
+    out["path"] = PATH
+    return out
+
+
+def decode_profile(port: int, prompt: list[int], tokens: int) -> list[tuple]:
+    import grpc
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=tokens,
+                                           ignore_eos=True, profile=True,
+                                           sampling=generate_pb2.SamplingParams(temperature=0))
+        chunks = list(generate_pb2_grpc.GenerateServiceStub(ch).Generate(req, timeout=3600))
+    return [(s.name, s.service, s.layer, s.step, s.start_unix_ns, s.end_unix_ns) for s in chunks[-1].profile.spans]
+
+
+def split_steps(spans: list[tuple]) -> list[dict]:
+    """Per decode step (the prompt's steps left out): its period, the sum of the GPU side's spans by name,
+    the experts' compute and per-layer waits."""
+    by_step = collections.defaultdict(list)
+    for sp in spans:
+        by_step[sp[3]].append(sp)
+    steps = sorted(by_step)
+    starts = {s: min(sp[4] for sp in by_step[s] if sp[1] == "gpu") for s in steps}
+    out = []
+    for s, nxt in zip(steps[1:], steps[2:]):  # steps[0] is the prefill; the last has no next start
+        gpu = collections.Counter()
+        for name, svc, layer, _, t0, t1 in by_step[s]:
+            if svc == "gpu":
+                gpu[name] += (t1 - t0) / 1e9
+        expert = sum((t1 - t0) / 1e9 for name, svc, *_, t0, t1 in by_step[s] if svc.startswith("expert")
+                     and name.startswith("experts_"))
+        out.append({"period": (starts[nxt] - starts[s]) / 1e9, "gpu": gpu, "expert_compute": expert})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=pathlib.Path)
+    src.add_argument("--synth", help="an architecture of tools/synth_checkpoint.py, written for this run")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=0, help="--synth: vocabulary size (0 = the architecture's)")
+    ap.add_argument("--weight-format", default="int4")
+    ap.add_argument("--dense-format", default="int4", help="gpu-service --dense-format (torch: no native dense kernels)")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens before the decode")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20, help="timings per kernel (median)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--work", type=pathlib.Path, help="keep the checkpoint and cache here (default: a temporary folder)")
+    a = ap.parse_args()
+    work = a.work or pathlib.Path(tempfile.mkdtemp(prefix="bench-step-"))
+    work.mkdir(parents=True, exist_ok=True)
+    procs = []
+    try:
+        model = a.model
+        if a.synth:
+            import synth_checkpoint
+            model = work / "model"
+            if not (model / "config.json").exists():
+                over = {"vocab_size": a.vocab} if a.vocab else {}
+                synth_checkpoint.write(synth_checkpoint.config_of(a.synth, a.layers, over), model, std=0.02, seed=0,
+                                       shard_mb=4096)
+        cfg = load_config(model)
+        cache = work / "cache"
+        k = kernels_alone(model, a.weight_format, a.dense_format, a.threads, cache, a.reps)
+        n_moe = len(cfg.moe_layers)
+        alone = k["experts_s"] + k["dense_s"]
+        nbytes = k["experts_bytes"] + k["dense_bytes"]
+        roofline = nbytes / (k["dram_gbps"] * 1e9)
+        print(f"CPU: {cpu_name()}; kernel path {k['path']}; {a.threads} threads per service (shared cores); "
+              f"{model.name if a.model else a.synth} {cfg.num_layers} layers ({n_moe} MoE), vocab {cfg.vocab_size}; "
+              f"experts {a.weight_format}, dense {a.dense_format}; context {a.context}; DRAM probe "
+              f"{k['dram_gbps']:.1f} GB/s", flush=True)
+
+        ep, gp = free_port(), free_port()
+        env = {"MOE_CACHE_DIR": str(cache)}
+        procs.append(start("expert_service", "--model", str(model), "--listen", f"127.0.0.1:{ep}", "--threads",
+                           str(a.threads), "--weight-format", a.weight_format, log=work / "expert.log", env=env))
+        procs.append(start("gpu_service", "--model", str(model), "--experts", f"127.0.0.1:{ep}", "--listen",
+                           f"127.0.0.1:{gp}", "--threads", str(a.threads), "--device", "cpu", "--dense-format",
+                           a.dense_format, log=work / "gpu.log", env=env))
+        for port, p in zip((ep, gp), procs):
+            wait_healthy(port, p, timeout=3600)
+        prompt = [(i * 7919) % min(4000, cfg.vocab_size - 2) + 2 for i in range(a.context)]
+        decode_profile(gp, prompt[:16], 4)  # warm-up
+        steps = []
+        for _ in range(a.rounds):
+            steps += split_steps(decode_profile(gp, prompt, a.tokens))
+        med = lambda xs: statistics.median(xs)  # noqa: E731
+        period = med([s["period"] for s in steps])
+        spans = {n: med([s["gpu"].get(n, 0.0) for s in steps]) for n in GPU_SPANS}
+        coverage = med([sum(s["gpu"].values()) / s["period"] for s in steps])
+        expert_compute = med([s["expert_compute"] for s in steps])
+        outside = period - alone
+        rows = [
+            ("decode step (period)", period * 1e3, "ms/token", None),
+            ("kernels alone, same bytes", alone * 1e3, "ms/token", period / alone),
+            ("DRAM roofline of those bytes", roofline * 1e3, "ms/token", period / roofline),
+            ("experts: compute in the service", expert_compute * 1e3, "ms/token", expert_compute / k["experts_s"]),
+            ("experts: kernels alone", k["experts_s"] * 1e3, "ms/token", None),
+            ("dense + lm_head: kernels alone", k["dense_s"] * 1e3, "ms/token", None),
+            ("outside the kernels, per MoE layer", outside / n_moe * 1e6, "us", None),
+            ("spans' sum / period (coverage)", coverage * 100, "%", None),
+        ] + [(f"GPU side: {n}", v * 1e3, "ms/token", None) for n, v in spans.items() if v]
+        for name, v, unit, ratio in rows:
+            print(json.dumps({"case": name, "value": round(v, 3), "unit": unit,
+                              **({"ratio": round(ratio, 3)} if ratio else {})}), flush=True)
+        print(f"\nbytes per token: {nbytes / 1e6:.1f} MB (experts {k['experts_bytes'] / 1e6:.1f}, dense + lm_head "
+              f"{k['dense_bytes'] / 1e6:.1f}); {len(steps)} decode steps\n")
+        print("| figure | value | unit | step / it |\n|---|---|---|---|")
+        for name, v, unit, ratio in rows:
+            print(f"| {name} | {v:.3f} | {unit} | {f'{ratio:.2f}x' if ratio else ''} |")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(60)
+            except Exception:
+                p.kill()
+        if not a.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
