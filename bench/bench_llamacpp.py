@@ -2,7 +2,7 @@
 decode tokens/s, our two services (sharing the cores) against llama.cpp's llama-bench, in alternating
 rounds within one run.
 
-    python bench/bench_llamacpp.py --model DIR [--formats bf16,int8,int4] [--rounds 3] [--isa avx2|avxvnni|avx512|native]
+    python bench/bench_llamacpp.py --model DIR [--formats bf16,int8,int4] [--rounds 3] [--isa native|avx2|avxvnni|avx512]
 
 DIR: a Qwen3-MoE checkpoint (tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out DIR).
 llama.cpp is built here from the llama-cpp-python sdist on PyPI (its vendored tree; nothing of it is
@@ -171,7 +171,9 @@ def main() -> None:
     ap.add_argument("--model", type=pathlib.Path, required=True)
     ap.add_argument("--formats", default="bf16,int8,int4")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--isa", choices=list(ISAS), default="avx2")
+    ap.add_argument("--isa", choices=list(ISAS), default="native",
+                    help="native (the default): each side on its best build for this CPU (llama.cpp's GGML_NATIVE); "
+                         "on an AMX CPU with GCC 12 llama.cpp's AMX code dies (SIGILL): use avx512 there")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=32)

@@ -54,18 +54,25 @@ GPU_SPANS = ("embed", "attention", "linear_attention", "dense_mlp", "router", "s
              "lm_head", "sampling")
 
 
-def median_time(fn, reps: int) -> float:
-    fn()  # warm
+def median_time(fns, reps: int) -> float:
+    """Median seconds of one pass over fns, called in order (a token's sequence of kernels: their weights
+    together are far larger than the caches, so each pass reads them from DRAM as a token does; timing
+    one small weight again and again would time the last-level cache)."""
+    for f in fns:  # warm
+        f()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
+        for f in fns:
+            f()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
 
 def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache: pathlib.Path, reps: int) -> dict:
-    """Seconds per token of each kind of kernel at T=1, bytes per token, and the DRAM probe (GB/s)."""
+    """Seconds per token of the routed experts' kernels and of the dense kernels at T=1, each timed as a
+    token's whole sequence of them; bytes per token; the DRAM read probe (GB/s, median of probes taken
+    between the timings)."""
     from expert_service.packed_cache import PackedCache, source_stamp
     from expert_service.store import load_expert_layers
     from gpu_service.model import Model
@@ -81,38 +88,37 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
     def dram() -> None:
         bw.append(native.read_bandwidth(probe.data_ptr(), probe.numel()))
 
-    out = {"experts_s": 0.0, "experts_bytes": 0, "dense_s": 0.0, "dense_bytes": 0, "per_layer_experts_s": {}}
+    out = {"dense_s": 0.0, "dense_bytes": 0, "path": PATH}
     layers = load_expert_layers(cfg, ckpt, fmt, threads, progress=False,
                                 cache=PackedCache(cache, fingerprint(ckpt), source_stamp(ckpt), fmt))
     gen = torch.Generator().manual_seed(0)
     H, k = cfg.hidden_size, cfg.top_k
-    for layer, op in layers.items():
-        dram()
-        x = torch.randn(1, H, generator=gen).to(torch.bfloat16)
-        ids = torch.randperm(cfg.n_routed_experts, generator=gen)[:k].view(1, k).to(torch.int32)
-        w = torch.rand(1, k, generator=gen)
-        s = median_time(lambda: op.forward(x, ids, w), reps)
-        out["per_layer_experts_s"][layer] = s
-        out["experts_s"] += s
-        out["experts_bytes"] += op.weight_bytes_per_expert * k
+    x = torch.randn(1, H, generator=gen).to(torch.bfloat16)
+    w = torch.rand(1, k, generator=gen)
+
+    def experts(op):
+        ids = torch.randperm(op.num_experts, generator=gen)[:k].view(1, k).to(torch.int32)  # k distinct, as routed
+        return lambda: op.forward(x, ids, w)
+
+    dram()
+    out["experts_s"] = statistics.median(median_time([experts(op) for op in layers.values()], 1)
+                                         for _ in range(reps))  # new experts each pass
+    out["experts_bytes"] = sum(op.weight_bytes_per_expert * k for op in layers.values())
     del layers
     gc.collect()
+    dram()
     if dense != "torch":
         m = Model(cfg, ckpt, torch.device("cpu"), torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float32,
                   dense_format=dense)
-        linears = {n: w for n, w in m.W.items() if isinstance(w, NativeLinear)}
-        if isinstance(m.lm_head, NativeLinear) and m.lm_head not in linears.values():
-            linears["lm_head"] = m.lm_head
-        for n, lin in linears.items():
-            if len(bw) % 8 == 0:
-                dram()
-            x = torch.randn(1, lin.K, generator=gen).to(torch.bfloat16)
-            out["dense_s"] += median_time(lambda: lin(x), reps)
-            out["dense_bytes"] += lin.nbytes
+        linears = [w for w in m.W.values() if isinstance(w, NativeLinear)]
+        if isinstance(m.lm_head, NativeLinear) and all(m.lm_head is not lin for lin in linears):
+            linears.append(m.lm_head)
+        xs = [torch.randn(1, lin.K, generator=gen).to(torch.bfloat16) for lin in linears]
+        out["dense_s"] = median_time([lambda lin=lin, x=x: lin(x) for lin, x in zip(linears, xs)], reps)
+        out["dense_bytes"] = sum(lin.nbytes for lin in linears)
         del m, linears
-    dram()
+        dram()
     out["dram_gbps"] = statistics.median(bw) / 1e9  # read_bandwidth gives bytes/s
-    out["path"] = PATH
     return out
 
 
@@ -181,7 +187,7 @@ def main() -> None:
         alone = k["experts_s"] + k["dense_s"]
         nbytes = k["experts_bytes"] + k["dense_bytes"]
         roofline = nbytes / (k["dram_gbps"] * 1e9)
-        print(f"CPU: {cpu_name()}; kernel path {k['path']}; {a.threads} threads per service (shared cores); "
+        print(f"CPU: {cpu_name()}; {a.threads} threads per service (shared cores); "
               f"{model.name if a.model else a.synth} {cfg.num_layers} layers ({n_moe} MoE), vocab {cfg.vocab_size}; "
               f"experts {a.weight_format}, dense {a.dense_format}; context {a.context}; DRAM probe "
               f"{k['dram_gbps']:.1f} GB/s", flush=True)
