@@ -9,10 +9,20 @@ import torch.nn.functional as F
 
 from moe_core.config import ModelConfig
 
+try:
+    from moe_kernels import norm_rope
+except ImportError:  # the native extension is not built: torch everywhere
+    norm_rope = None
+NATIVE_ROWS = 16  # tokens up to which the native norm and rope beat torch's ops (decode, small batches)
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+             native: bool = False) -> torch.Tensor:
     """offset: zero-centred weights (Qwen3-Next), x_normed * (1 + w) in fp32, then rounded, as
-    transformers does (the plain form rounds x_normed first, then multiplies)."""
+    transformers does (the plain form rounds x_normed first, then multiplies). native: the plain form
+    in one native call where it applies (a decode step's rows on the CPU; moe_kernels.norm_rope)."""
+    if native and norm_rope and not offset and x.shape[0] <= NATIVE_ROWS and norm_rope.rms_norm_supported(x, weight):
+        return norm_rope.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if offset:
@@ -84,11 +94,14 @@ def rope_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor
     return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+               native: bool = False) -> torch.Tensor:
     """x [T, heads, dim]; cos/sin [T, dim/2].
     interleave=False: rotate halves (Llama/Qwen/Mixtral). interleave=True: rotate (x0,x1),(x2,x3)...
     pairs and return them de-interleaved (evens then odds), as transformers' DeepSeek does; q and k
-    get the same permutation, so their dot products are unchanged."""
+    get the same permutation, so their dot products are unchanged. native: as rms_norm's."""
+    if native and norm_rope and not interleave and x.shape[0] <= NATIVE_ROWS and norm_rope.rope_supported(x, cos):
+        return norm_rope.rope(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]
     rot = 2 * cos.shape[-1]
     if rot < x.shape[-1]:  # partial rotary (GLM): the rest of each head passes through

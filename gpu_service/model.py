@@ -219,14 +219,15 @@ class Model:
         pending = None  # the MoE layer whose deferred result is still outstanding
         for L in range(cfg.num_layers):
             p = f"model.layers.{L}."
-            x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+            x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset, self.native_attention)
             if cfg.is_linear_attention(L):
                 h = h + self._linear_attention(p + "linear_attn.", x, segments, L)
                 t = mark("linear_attention", L, t)
             else:
                 h = h + self._attention(p + "self_attn.", x, cos, sin, segments, L)
                 t = mark("attention", L, t)
-            x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+            x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset,
+                         self.native_attention)
             fp = p + cfg.ffn_prefix + "."
             if not cfg.is_moe_layer(L):
                 h = h + self._mlp(fp, x)
@@ -253,7 +254,7 @@ class Model:
                 y = y + late.to(device=self.device, dtype=h.dtype, non_blocking=True)
             pending = L if d else None
             h = h + (y + shared if shared is not None else y)
-        h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, self.native_attention)
         rows, off = [torch.zeros(0, dtype=torch.long)], 0
         for s in segments:
             n = s.tokens.shape[0]

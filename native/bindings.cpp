@@ -319,6 +319,23 @@ PYBIND11_MODULE(_native, m) {
       py::arg("path"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("bf16"),
       py::arg("k_head"), py::arg("k_row"), py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("L"),
       py::arg("scale"), py::arg("out"), "one decode query per head against bf16 or fp32 K/V (native/attention.cpp)");
+  // small enough to run with the GIL held: no pool, no lock
+  m.def(
+      "rms_norm",
+      [](uintptr_t x, bool x_bf16, uintptr_t w, bool w_bf16, uintptr_t out, bool out_bf16, int rows, int n, float eps) {
+        rms_norm_rows(reinterpret_cast<const void*>(x), x_bf16, reinterpret_cast<const void*>(w), w_bf16,
+                      reinterpret_cast<void*>(out), out_bf16, rows, n, eps);
+      },
+      py::arg("x"), py::arg("x_bf16"), py::arg("w"), py::arg("w_bf16"), py::arg("out"), py::arg("out_bf16"),
+      py::arg("rows"), py::arg("n"), py::arg("eps"), "RMSNorm with torch's rounding (native/norm_rope.cpp)");
+  m.def(
+      "rope",
+      [](uintptr_t x, uintptr_t out, bool bf16, int T, int heads, int dim, uintptr_t cos, uintptr_t sin) {
+        rope_rows(reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), bf16, T, heads, dim,
+                  reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin));
+      },
+      py::arg("x"), py::arg("out"), py::arg("bf16"), py::arg("T"), py::arg("heads"), py::arg("dim"), py::arg("cos"),
+      py::arg("sin"), "rotary embedding, halves rotated, with torch's rounding (native/norm_rope.cpp)");
   m.def(
       "forward_part",
       [](WEIGHT_PARAMS, uintptr_t hidden, bool hidden_bf16, uintptr_t ids, uintptr_t weights, uintptr_t out,

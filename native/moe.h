@@ -78,6 +78,13 @@ void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, fl
 void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, bool bf16, size_t k_head,
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out);
 
+// RMSNorm of `rows` rows of n (x and out bf16 or fp32, weight w [n] bf16 or fp32) with torch's rounding: fp32
+// statistics, the normalized row rounded to x's dtype, times w in out's dtype (native/norm_rope.cpp).
+void rms_norm_rows(const void* x, bool x_bf16, const void* w, bool w_bf16, void* out, bool out_bf16, int rows, int n,
+                   float eps);
+// Rotary embedding, halves rotated (Llama/Qwen): x, out [T, heads, dim], cos/sin [T, dim/2], all bf16 or all fp32.
+void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, const void* cos, const void* sin);
+
 // One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
 // part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and
 // finiteness (throws std::invalid_argument naming the field).

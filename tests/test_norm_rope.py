@@ -1,0 +1,58 @@
+"""moe_kernels.norm_rope against gpu_service.layers' torch versions (the reference): rotary embeddings bit
+for bit, RMSNorm within one rounding step of the output dtype (the sum of squares is summed in another
+order), for bf16 and fp32 inputs and weights and awkward sizes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_service.layers import NATIVE_ROWS, apply_rope, rms_norm, rope_cos_sin
+from moe_kernels import norm_rope
+
+DT = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("xdt", DT)
+@pytest.mark.parametrize("wdt", DT)
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 7), (1, 32, 128), (2, 4, 72), (16, 5)])
+def test_rms_norm_matches_torch(xdt, wdt, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(xdt)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(wdt)
+    want = rms_norm(x, w, 1e-6)
+    got = rms_norm(x, w, 1e-6, native=True)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # the same up to the last bit of the normalized value: one rounding step of its dtype, times w
+    tol = (2 ** -7 if want.dtype == torch.bfloat16 or xdt == torch.bfloat16 else 1e-6) * w.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= tol * (1 + x.float().abs().max() / x.float().pow(2).mean().sqrt())
+    if xdt == torch.bfloat16:  # rounded to bf16 after the norm: almost every element bit-equal
+        assert (got == want).float().mean() > 0.97
+    else:  # fp32 all along: the order of the sum shows in the last bits
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_falls_back_where_the_native_one_does_not_apply():
+    x = torch.randn(NATIVE_ROWS + 1, 64)
+    w = torch.ones(64)
+    assert torch.equal(rms_norm(x, w, 1e-6, native=True), rms_norm(x, w, 1e-6))
+    assert torch.equal(rms_norm(x[:2], w, 1e-6, offset=True, native=True), rms_norm(x[:2], w, 1e-6, offset=True))
+
+
+@pytest.mark.parametrize("dt", DT)
+@pytest.mark.parametrize("T, heads, dim", [(1, 32, 128), (1, 4, 128), (3, 2, 64), (2, 3, 6)])
+def test_rope_is_torch_bit_for_bit(dt, T, heads, dim):
+    g = torch.Generator().manual_seed(T * heads * dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = rope_cos_sin(inv_freq, 1.0, torch.arange(300, 300 + T), dt)
+    x = torch.randn(T, heads, 2 * dim, generator=g).to(dt)[:, :, :dim]  # a non-contiguous view, as q is
+    want = apply_rope(x, cos, sin, False)
+    got = apply_rope(x, cos, sin, False, native=True)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_rope_supported_only_where_every_dim_turns_by_halves():
+    x = torch.randn(1, 2, 64)
+    cos = torch.randn(1, 16)  # partial rotary: torch's path
+    assert not norm_rope.rope_supported(x, cos)
+    assert not norm_rope.rope_supported(x.to(torch.bfloat16), torch.randn(1, 32))  # dtypes differ
+    assert norm_rope.rope_supported(x, torch.randn(1, 32))
