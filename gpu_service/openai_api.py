@@ -86,18 +86,22 @@ def _num(body: dict, name: str) -> float | None:
     return float(v)
 
 
-I32, U32 = 2**31 - 1, 2**32 - 1
+I32 = 2**31 - 1  # an int32 protobuf field's largest value
+
+
+def _top(path: str) -> str | None:
+    """The top-level field of a path like messages[0].content."""
+    return path.split(".")[0].split("[")[0] or None
 
 
 def _check_body(v, path: str, depth: int = 0) -> None:
     """Nesting and text encodings of a parsed body, before any field is read: JSON's \\uD800 escapes give
     strings that UTF-8 cannot encode (the tokenizer and protobuf would fail on them)."""
     if depth > MAX_DEPTH:
-        raise ApiError(400, f"the body is nested more than {MAX_DEPTH} levels deep", path.split(".")[0] or None)
+        raise ApiError(400, f"the body is nested more than {MAX_DEPTH} levels deep", _top(path))
     if isinstance(v, str):
         if _SURROGATE.search(v):
-            raise ApiError(400, f"{path}: the text has an unpaired UTF-16 surrogate (not valid Unicode)",
-                           path.split(".")[0].split("[")[0])
+            raise ApiError(400, f"{path}: the text has an unpaired UTF-16 surrogate (not valid Unicode)", _top(path))
     elif isinstance(v, dict):
         for k, x in v.items():
             _check_body(x, f"{path}.{k}" if path else k, depth + 1)

@@ -123,7 +123,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             ids = self._tokenize(req)
         except PromptTooLong as e:
-            raise BadRequest(f"input: {e}", "context_length_exceeded") from None
+            raise BadRequest(f"input: prompt has at least {e.at_least} tokens; the context limit is "
+                             f"{self.engine.max_context}", "context_length_exceeded") from None
         if not ids:
             raise BadRequest("input: the prompt tokenizes to zero tokens")
         if len(ids) >= self.engine.max_context:
