@@ -166,6 +166,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20, help="timings per kernel (median)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--local", action="store_true",
+                    help="gpu-service --experts local: the experts in the GPU side's process (no expert service)")
     ap.add_argument("--work", type=pathlib.Path, help="keep the checkpoint and cache here (default: a temporary folder)")
     a = ap.parse_args()
     work = a.work or pathlib.Path(tempfile.mkdtemp(prefix="bench-step-"))
@@ -188,18 +190,21 @@ def main() -> None:
         nbytes = k["experts_bytes"] + k["dense_bytes"]
         roofline = nbytes / (k["dram_gbps"] * 1e9)
         print(f"CPU: {cpu_name()}; {a.threads} threads per service (shared cores); "
+              f"{'experts in the GPU side (--experts local); ' if a.local else ''}"
               f"{model.name if a.model else a.synth} {cfg.num_layers} layers ({n_moe} MoE), vocab {cfg.vocab_size}; "
               f"experts {a.weight_format}, dense {a.dense_format}; context {a.context}; DRAM probe "
               f"{k['dram_gbps']:.1f} GB/s", flush=True)
 
         ep, gp = free_port(), free_port()
         env = {"MOE_CACHE_DIR": str(cache)}
-        procs.append(start("expert_service", "--model", str(model), "--listen", f"127.0.0.1:{ep}", "--threads",
-                           str(a.threads), "--weight-format", a.weight_format, log=work / "expert.log", env=env))
-        procs.append(start("gpu_service", "--model", str(model), "--experts", f"127.0.0.1:{ep}", "--listen",
-                           f"127.0.0.1:{gp}", "--threads", str(a.threads), "--device", "cpu", "--dense-format",
-                           a.dense_format, log=work / "gpu.log", env=env))
-        for port, p in zip((ep, gp), procs):
+        if not a.local:
+            procs.append(start("expert_service", "--model", str(model), "--listen", f"127.0.0.1:{ep}", "--threads",
+                               str(a.threads), "--weight-format", a.weight_format, log=work / "expert.log", env=env))
+        procs.append(start("gpu_service", "--model", str(model), "--experts", "local" if a.local else f"127.0.0.1:{ep}",
+                           "--listen", f"127.0.0.1:{gp}", "--threads", str(a.threads), "--device", "cpu",
+                           "--dense-format", a.dense_format, "--weight-format", a.weight_format,
+                           log=work / "gpu.log", env=env))
+        for port, p in zip(([] if a.local else [ep]) + [gp], procs):
             wait_healthy(port, p, timeout=3600)
         prompt = [(i * 7919) % min(4000, cfg.vocab_size - 2) + 2 for i in range(a.context)]
         decode_profile(gp, prompt[:16], 4)  # warm-up

@@ -21,7 +21,7 @@ from moe_core.metrics import serve_metrics
 from moe_core.shards import Shard, check_coverage
 from protos import generate_pb2, generate_pb2_grpc
 
-from .dispatch import ExpertServiceError, RemoteExperts, identity
+from .dispatch import ExpertServiceError, LocalExperts, RemoteExperts, identity
 from .expert_health import ExpertHealth
 from .shards import ShardedExperts
 from .engine import Engine
@@ -39,7 +39,13 @@ def parse_args(argv=None):
     ap.add_argument("--experts", default="127.0.0.1:50061",
                     help="host:port of the expert service; or, for routed experts sharded over several expert "
                          "services (expert-service --shard I/N), all of them, comma-separated, in any order: at "
-                         "connect they must cover every shard exactly once and serve the same model")
+                         "connect they must cover every shard exactly once and serve the same model; or 'local': "
+                         "the routed experts in this process, on the same native thread pool (one CPU-only host, "
+                         "no second service; --weight-format and --cache-dir as the expert service's)")
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4"],
+                    help="--experts local: the routed experts' format (as expert-service --weight-format)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="--experts local: the packed-weight cache (as expert-service --cache-dir; default the same)")
     ap.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve GenerateService on")
     ap.add_argument("--http-listen", default="",
                     help="host:port to serve the OpenAI-compatible HTTP API on (/v1/models, /v1/completions, "
@@ -178,6 +184,23 @@ def wait_for_experts(experts: RemoteExperts, timeout: float, cancel):
             delay = min(delay * 2, 2.0)
 
 
+def load_local(args, cfg, ckpt, fp: str, load_model, cancel: threading.Event):
+    """--experts local: -> (Model, {layer: MoELayer}, weight format): the routed experts in this process, on
+    the native pool the dense layers use, packed (and cached) as an expert service would hold them."""
+    from expert_service import packed_cache
+    from expert_service.cli import open_cache, weight_format
+    from expert_service.store import LoadCancelled, load_expert_layers
+
+    fmt = weight_format(args.weight_format, cfg.torch_dtype, cfg.mxfp4_experts)
+    model = load_model()
+    cache = open_cache(args.cache_dir or str(packed_cache.default_dir()), ckpt, fp, fmt)
+    try:
+        layers = load_expert_layers(cfg, ckpt, fmt, args.threads, cancel=cancel, cache=cache)
+    except LoadCancelled:
+        raise InterruptedError("loading cancelled") from None
+    return model, layers, fmt
+
+
 def connect_and_load(wait, check, load, cancel: threading.Event):
     """-> (ExpertInfo, Model): this side's weights load (load()) while another thread waits for the
     expert service (wait(), then check(info)), since a cold expert start of a large model takes minutes.
@@ -272,74 +295,92 @@ async def serve(args, stop: asyncio.Event) -> None:
         serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
     if not 0 <= args.expert_wait < float("inf"):
         serving.fail(f"--expert-wait must be a number of seconds >= 0, got {args.expert_wait}")
-    targets = [t.strip() for t in args.experts.split(",") if t.strip()]
-    if not targets or len(set(targets)) != len(targets):
-        serving.fail(f"--experts {args.experts!r}: one or more distinct host:port, comma-separated")
-    remotes = [RemoteExperts(t, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20, args.expert_timeout)
-               for t in targets]
     dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype)
     if dense:
         from moe_kernels import native
         native.init_pool(args.threads)
     log.info("dense layers: %s", f"native kernels, {dense} weights" if dense else "torch")
-
-    def same_model(infos) -> None:
-        for target, info in zip(targets, infos):
-            if info.model_fingerprint != fp:
-                raise ConnectionError(
-                    f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service "
-                    f"at {target} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
-                    f"point both at the same checkpoint")
+    if args.experts.strip() == "local":
         try:
-            check_coverage({t: Shard(i.shard_index, i.shard_count or 1) for t, i in zip(targets, infos)})
-        except ValueError as e:
-            raise ConnectionError(f"--experts {args.experts}: {e}") from None
+            model, layers, fmt = await serving.unless_stopped(stop, lambda c: load_local(
+                args, cfg, ckpt, fp, lambda: Model(cfg, ckpt, device, dtype, cancel=c, dense_format=dense), c))
+        except serving.Stopped:
+            log.info("stopped while starting")
+            if http:
+                await openai_api.stop(api, http, 0)
+            await server.stop(grace=0)
+            return
+        experts = LocalExperts(layers)
+        server_info.transport = transport = "local"
+        step_tokens, experts_up, watchers = args.max_step_tokens, (lambda: True), []
+        from expert_service.kernels import kernel_path
+        expert_desc = (fmt, kernel_path(fmt))
+        engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens)
+        await serving.set_health(hs, names, serving=True)
+    else:
+        targets = [t.strip() for t in args.experts.split(",") if t.strip()]
+        if not targets or len(set(targets)) != len(targets):
+            serving.fail(f"--experts {args.experts!r}: one or more distinct host:port, comma-separated")
+        remotes = [RemoteExperts(t, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20, args.expert_timeout)
+                   for t in targets]
 
-    def wait_for_all(cancel):
-        infos = []
-        for r in remotes:
-            infos.append(wait_for_experts(r, args.connect_timeout, cancel))
-            if infos[-1] is None:
-                return None
-        return infos
+        def same_model(infos) -> None:
+            for target, info in zip(targets, infos):
+                if info.model_fingerprint != fp:
+                    raise ConnectionError(
+                        f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service "
+                        f"at {target} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
+                        f"point both at the same checkpoint")
+            try:
+                check_coverage({t: Shard(i.shard_index, i.shard_count or 1) for t, i in zip(targets, infos)})
+            except ValueError as e:
+                raise ConnectionError(f"--experts {args.experts}: {e}") from None
 
-    log.info("waiting for the expert service%s at %s (loading this side's weights meanwhile)",
-             "s" if len(targets) > 1 else "", args.experts)
-    try:
-        infos, model = await serving.unless_stopped(stop, lambda c: connect_and_load(
-            lambda: wait_for_all(c), same_model, lambda: Model(cfg, ckpt, device, dtype, cancel=c, dense_format=dense),
-            c))
-    except serving.Stopped:
-        log.info("stopped while starting")
-        if http:
-            await openai_api.stop(api, http, 0)
-        await server.stop(grace=0)
-        for r in remotes:
-            r.close()
-        return
-    except (ConnectionError, ModelConfigError) as e:
-        serving.fail(str(e))
-    for r, i in zip(remotes, infos):
-        r.expected = identity(i)
-    # shard order; one expert service alone is used directly
-    remotes = [r for _, r in sorted(zip((i.shard_index for i in infos), remotes), key=lambda p: p[0])]
-    info = infos[0]
-    experts = remotes[0] if len(remotes) == 1 else ShardedExperts(remotes)
-    try:
-        transport = await asyncio.to_thread(experts.start_transport)
-    except ExpertServiceError as e:
-        serving.fail(f"--transport {args.transport}: {e}")
-    server_info.transport = transport
-    step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
-    health = ExpertHealth(remotes, on_change=lambda up: serving.set_health(hs, names, serving=up))
-    engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
-                    expert_wait=args.expert_wait, experts_ready=health.up)
+        def wait_for_all(cancel):
+            infos = []
+            for r in remotes:
+                infos.append(wait_for_experts(r, args.connect_timeout, cancel))
+                if infos[-1] is None:
+                    return None
+            return infos
+
+        log.info("waiting for the expert service%s at %s (loading this side's weights meanwhile)",
+                 "s" if len(targets) > 1 else "", args.experts)
+        try:
+            infos, model = await serving.unless_stopped(stop, lambda c: connect_and_load(
+                lambda: wait_for_all(c), same_model, lambda: Model(cfg, ckpt, device, dtype, cancel=c, dense_format=dense),
+                c))
+        except serving.Stopped:
+            log.info("stopped while starting")
+            if http:
+                await openai_api.stop(api, http, 0)
+            await server.stop(grace=0)
+            for r in remotes:
+                r.close()
+            return
+        except (ConnectionError, ModelConfigError) as e:
+            serving.fail(str(e))
+        for r, i in zip(remotes, infos):
+            r.expected = identity(i)
+        # shard order; one expert service alone is used directly
+        remotes = [r for _, r in sorted(zip((i.shard_index for i in infos), remotes), key=lambda p: p[0])]
+        info = infos[0]
+        experts = remotes[0] if len(remotes) == 1 else ShardedExperts(remotes)
+        try:
+            transport = await asyncio.to_thread(experts.start_transport)
+        except ExpertServiceError as e:
+            serving.fail(f"--transport {args.transport}: {e}")
+        server_info.transport = transport
+        step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
+        health = ExpertHealth(remotes, on_change=lambda up: serving.set_health(hs, names, serving=up))
+        engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
+                        expert_wait=args.expert_wait, experts_ready=health.up)
+        experts_up, watchers, expert_desc = health.up, health.watchers(), (info.weight_format, info.kernel_path)
     engine.start()
-    servicer.attach(engine, health.up)
-    watchers = health.watchers()
+    servicer.attach(engine, experts_up)
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "
-             "defer=%d", args.listen, cfg.model_type, fp, device, dtype, args.experts, info.weight_format,
-             info.kernel_path, transport, step_tokens, args.defer)
+             "defer=%d", args.listen, cfg.model_type, fp, device, dtype, args.experts, *expert_desc, transport,
+             step_tokens, args.defer)
     try:
         await stop.wait()
     finally:

@@ -123,6 +123,9 @@ class LocalExperts:
     def reset(self):
         self.out.clear()
 
+    def close(self):
+        self.out.clear()
+
 
 class RemoteExperts:
     def __init__(self, target: str, fingerprint: str, max_message: int, security: ClientSecurity | None = None,
