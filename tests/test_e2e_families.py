@@ -22,16 +22,21 @@ def greedy_ids(stub, prompt_ids, n=N_NEW):
     return out
 
 
-@pytest.mark.parametrize("family", list(tiny_models.FAMILIES))
-def test_matches_transformers(family, checkpoints, services_factory):
-    d = checkpoints[family]
+def transformers_reference(d) -> tuple[list[int], list[int], torch.Tensor]:
+    """-> (a prompt, transformers' N_NEW greedy tokens after it, its logits at every prompt position)."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     torch.manual_seed(1)
     prompt = torch.randint(2, tiny_models.VOCAB, (9,)).tolist()
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        ref_logits = ref(torch.tensor([prompt])).logits[0]
+        return prompt, want, ref(torch.tensor([prompt])).logits[0]
+
+
+@pytest.mark.parametrize("family", list(tiny_models.FAMILIES))
+def test_matches_transformers(family, checkpoints, services_factory):
+    d = checkpoints[family]
+    prompt, want, ref_logits = transformers_reference(d)
     s = services_factory(d)
     got = greedy_ids(s.stub, prompt)
     assert got == want, s.logs()
@@ -64,12 +69,7 @@ def local_gpu_service(tmp_path):
 def test_local_experts_match_transformers(family, checkpoints, local_gpu_service):
     """--experts local: one process, the same tokens as transformers (and so as the two services)."""
     d = checkpoints[family]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    torch.manual_seed(1)
-    prompt = torch.randint(2, tiny_models.VOCAB, (9,)).tolist()
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    prompt, want, _ = transformers_reference(d)
     stub = local_gpu_service(d)
     assert greedy_ids(stub, prompt) == want
     assert stub.Info(generate_pb2.ServerInfoRequest(), timeout=10).transport == "local"
