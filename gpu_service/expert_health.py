@@ -31,6 +31,7 @@ class ExpertHealth:
         # time.monotonic() at which the latest failing probe of each began; None: its latest probe passed
         self.down_at: dict[str, float | None] = {r.target: None for r in remotes}
         self.published: bool | None = None
+        self.mismatch: dict[str, str | None] = {}  # what each service was last found to serve wrongly
 
     def up_one(self, r: RemoteExperts) -> bool:
         d = self.down_at[r.target]
@@ -57,8 +58,11 @@ class ExpertHealth:
             if ok:  # every time: a restart can fall between two probes
                 info = await info_stub.Info(expert_pb2.ExpertInfoRequest(), timeout=5, metadata=r.security.metadata)
                 why = mismatch(r.expected, info)
+                if why != self.mismatch.get(r.target):  # said once, not every probe
+                    self.mismatch[r.target] = why
+                    if why:
+                        log.error("expert service at %s now serves %s: not serving", r.target, why)
                 if why:
-                    log.error("expert service at %s now serves %s: not serving", r.target, why)
                     return False
             return ok
         except grpc.RpcError:
