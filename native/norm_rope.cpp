@@ -1,7 +1,8 @@
 // RMSNorm and rotary embeddings for a decode step's few rows, with torch's rounding: what the GPU
 // service's layers do in torch (gpu_service/layers.py rms_norm, apply_rope) in one call each instead
-// of 7-8 torch ops (~30 us a call at T=1 on a Zen 4 core, against ~2 us here). Plain loops: a few
-// thousand elements a call; no threads. fp-contract off: torch rounds each product before the sum.
+// of 7-8 torch ops, whose dispatch costs far more than the arithmetic (docs/decode_step.md). Plain
+// loops the compiler vectorizes: a few thousand elements a call; no threads. fp-contract off: torch
+// rounds each product before the sum.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
