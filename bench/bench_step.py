@@ -148,8 +148,25 @@ def split_steps(spans: list[tuple]) -> list[dict]:
                 gpu[name] += (t1 - t0) / 1e9
         expert = sum((t1 - t0) / 1e9 for name, svc, *_, t0, t1 in by_step[s] if svc.startswith("expert")
                      and name.startswith("experts_"))
-        out.append({"period": (starts[nxt] - starts[s]) / 1e9, "gpu": gpu, "expert_compute": expert})
+        out.append({"period": (starts[nxt] - starts[s]) / 1e9, "gpu": gpu, "expert_compute": expert,
+                     "legs": handoff_legs(by_step[s])})
     return out
+
+
+def handoff_legs(spans: list[tuple]) -> list[tuple[float, float]]:
+    """Per MoE layer of one step: (the request's way: the GPU side's router span ends -> the expert side starts
+    computing, the answer's way: it ends -> the GPU side's wait ends), seconds. Both services stamp spans
+    with the same wall clock on one host. The answer's way counts only where the GPU side was already
+    waiting (its wait began before the compute ended)."""
+    by = {(name, layer): (t0, t1) for name, _, layer, _, t0, t1 in spans}
+    legs = []
+    for (name, layer), (r0, r1) in by.items():
+        if name != "router" or ("experts_immediate", layer) not in by or ("expert_wait", layer) not in by:
+            continue
+        c0, c1 = by[("experts_immediate", layer)]
+        w0, w1 = by[("expert_wait", layer)]
+        legs.append(((c0 - r1) / 1e9, (w1 - c1) / 1e9 if w0 < c1 else float("nan")))
+    return legs
 
 
 def main() -> None:
@@ -216,6 +233,9 @@ def main() -> None:
         spans = {n: med([s["gpu"].get(n, 0.0) for s in steps]) for n in GPU_SPANS}
         coverage = med([sum(s["gpu"].values()) / s["period"] for s in steps])
         expert_compute = med([s["expert_compute"] for s in steps])
+        legs = [leg for s in steps for leg in s["legs"]]
+        there = [a for a, _ in legs]
+        back = [b for _, b in legs if b == b]  # nan: the GPU side was not waiting yet
         outside = period - alone
         rows = [
             ("decode step (period)", period * 1e3, "ms/token", None),
@@ -226,7 +246,10 @@ def main() -> None:
             ("dense + lm_head: kernels alone", k["dense_s"] * 1e3, "ms/token", None),
             ("outside the kernels, per MoE layer", outside / n_moe * 1e6, "us", None),
             ("spans' sum / period (coverage)", coverage * 100, "%", None),
-        ] + [(f"GPU side: {n}", v * 1e3, "ms/token", None) for n, v in spans.items() if v]
+        ] + ([
+            ("handoff to the experts (router end -> compute start)", med(there) * 1e6, "us median", None),
+            ("handoff back (compute end -> the wait ends)", med(back) * 1e6, "us median", None),
+        ] if there and back else []) + [(f"GPU side: {n}", v * 1e3, "ms/token", None) for n, v in spans.items() if v]
         for name, v, unit, ratio in rows:
             print(json.dumps({"case": name, "value": round(v, 3), "unit": unit,
                               **({"ratio": round(ratio, 3)} if ratio else {})}), flush=True)
