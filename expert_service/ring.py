@@ -28,9 +28,7 @@ log = logging.getLogger("expert_service.ring")
 U32 = struct.Struct("<I")
 SPIN_US = 200          # a request usually follows within microseconds during a forward pass
 WAIT_US = 200_000      # come back this often (metrics, stop)
-INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-INTERNAL = grpc.StatusCode.INTERNAL.value[0]
-IDLE, CLOSED, FOR_PYTHON = 0, 1, 2
+INVALID, INTERNAL = shm.INVALID_ARGUMENT, shm.INTERNAL
 
 
 class RingServer:
@@ -38,11 +36,11 @@ class RingServer:
         self.mm, self.servicer, self.name = mm, servicer, name
         self.layout = Layout(len(mm))
         self.buf = torch.frombuffer(mm, dtype=torch.uint8)
-        self.native = native.RingServer(mm, servicer.cfg.hidden_size, servicer.max_tokens,
+        self.native = native.RingServer(mm, servicer.cfg.hidden_size, servicer.max_tokens, servicer.cfg.top_k,
                                         codec.TO_WIRE[torch.float32], codec.TO_WIRE[torch.bfloat16])
         for layer, op in servicer.layers.items():
-            if hasattr(op, "forward_part"):  # the torch operator's layers stay on the Python path
-                self.native.add_layer(layer, *op._wargs)
+            if hasattr(op, "native"):  # the torch operator's layers stay on the Python path
+                self.native.add_layer(layer, op.native)
         self.done: concurrent.futures.Future = concurrent.futures.Future()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"shm-{name[-8:]}", daemon=True)
@@ -66,12 +64,12 @@ class RingServer:
     def _run(self) -> None:
         try:
             while not self._stop:
-                kind, seq, parts = self.native.serve(WAIT_US, SPIN_US)
-                self._observe(parts)
-                if kind == CLOSED:
+                ev = self.native.serve(WAIT_US, SPIN_US)
+                self._observe(ev.parts)
+                if ev.kind == native.ServeKind.CLOSED:
                     break
-                if kind == FOR_PYTHON:
-                    self._serve(seq, time.time_ns())
+                if ev.kind == native.ServeKind.FOR_PYTHON:
+                    self._serve(ev.seq, time.time_ns())
         except Exception:
             log.exception("shared-memory session %s failed", self.name)
         finally:
@@ -85,10 +83,10 @@ class RingServer:
     @staticmethod
     def _observe(parts) -> None:
         """Metrics of the parts the C++ loop ran since the last call (it hands them over in batches)."""
-        for layer, part, tokens, t0, t1, queued_ns in parts:
-            metrics.record_part(layer, part, (t1 - t0) / 1e9)
-            if part == 0:
-                metrics.record_request("Shm", tokens, queued_ns / 1e9)
+        for p in parts:
+            metrics.record_part(p.layer, p.part, (p.end_ns - p.start_ns) / 1e9)
+            if p.part == 0:
+                metrics.record_request("Shm", p.tokens, p.queued_ns / 1e9)
 
     # -- one request --------------------------------------------------------------------------
     def _span(self, span, nbytes: int, what: str) -> int:

@@ -94,8 +94,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         if ids_shape[0] != T or tuple(w_shape) != tuple(ids_shape):
             raise BadRequest(f"topk_ids/topk_weights: shapes {list(ids_shape)} / {list(w_shape)} must both be [{T}, k]")
         k = ids_shape[1]
-        if not 1 <= k <= cfg.n_routed_experts:
-            raise BadRequest(f"topk_ids.shape: k={k} must be in [1, {cfg.n_routed_experts}]")
+        if not 1 <= k <= cfg.top_k:
+            raise BadRequest(f"topk_ids.shape: k={k} must be in [1, {cfg.top_k}] (the model's num_experts_per_tok)")
         if defer >= k:
             raise BadRequest(f"defer: {defer} must be < k={k}")
 
@@ -183,24 +183,24 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             async for raw in request_iterator:
                 t_recv = time.time_ns()
                 head = wire.head(raw)
-                op = self.layers.get(head[1]) if head is not None else None
+                op = self.layers.get(head.layer) if head is not None else None
                 if not hasattr(op, "exchange_part"):
                     req = await parse_or_abort(expert_pb2.LayerRequest, raw, context)
                     async for part, out, timing in self._parts(req, context, "Exchange"):
                         yield expert_pb2.LayerResult(step=req.step, layer=req.layer, part=part, output=out,
                                                      timing=timing).SerializeToString()
                     continue
-                _, layer, defer, T, H, k, _ = head
+                layer, defer, T, H, k = head.layer, head.defer, head.T, head.H, head.k
                 try:
                     self.validate_shape(layer, T, H, (T, k), (T, k), defer)
                 except BadRequest as e:
                     await self._refuse(context, str(e))
                 start = None
                 for part in range(2 if defer else 1):
-                    out, t0, t1 = await self._run(context, T * k, op.exchange_part, raw, part, t_recv)
-                    metrics.record_part(layer, part, (t1 - t0) / 1e9)
-                    start = start or t0
-                    yield out
+                    done = await self._run(context, T * k, op.exchange_part, raw, part, t_recv)
+                    metrics.record_part(layer, part, (done.end_unix_ns - done.start_unix_ns) / 1e9)
+                    start = start or done.start_unix_ns
+                    yield done.result
                 metrics.record_request("Exchange", T, max(0, start - t_recv) / 1e9)
         finally:  # the peer went away or the stream ended: nothing of it stays behind
             self.active_streams -= 1

@@ -140,20 +140,19 @@ class ShmChannel:
         y = torch.empty(shape, dtype=dtype, pin_memory=pin)
         until = time.monotonic() + timeout_s
         while True:  # the wait, the checks and the copy out happen in C++ without the GIL
-            status, msg, queued_us, compute_us, t0, t1 = native.ring_result(
-                self.mm, self.consumed, want_seq, int(want_def), y.data_ptr(), y.numel() * y.element_size(),
-                WAIT_US, SPIN_US)
-            if status >= 0:
+            got = native.ring_result(self.mm, self.consumed, want_seq, int(want_def), y.data_ptr(),
+                                     y.numel() * y.element_size(), WAIT_US, SPIN_US)
+            if got.status >= 0:
                 break
             if self.dead or U32.unpack_from(self.mm, shm.CLOSED)[0]:
                 raise ShmError(grpc.StatusCode.UNAVAILABLE, self.dead or "the expert service closed the shared-memory ring")
             if time.monotonic() > until:
                 raise TimeoutError
-        if status:
-            raise ShmError(STATUS.get(status, grpc.StatusCode.UNKNOWN), msg.decode(errors="replace"))
+        if got.status:
+            raise ShmError(STATUS.get(got.status, grpc.StatusCode.UNKNOWN), got.message.decode(errors="replace"))
         self.expect.popleft()
         self.consumed += 1
-        return y, Timing(queued_us, compute_us, t0, t1)
+        return y, Timing(got.queued_us, got.compute_us, got.start_unix_ns, got.end_unix_ns)
 
     def close(self) -> None:
         if self.mm.closed:

@@ -24,6 +24,7 @@ HYBRID = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # gated DeltaNet + g
 # vision-language wrappers whose text model is served (text in, text out): its config under text_config,
 # its weights under this prefix (model.visual.* is the vision tower, not loaded)
 TEXT_IN_WRAPPER = {"qwen3_5_moe": "model.language_model."}
+MAX_TOP_K = 256  # experts a token may name: native/moe.h's MAX_K (tests check they agree)
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.E.w1 / w3 / w2
 QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them), "
                    "mxfp4 (gpt_oss's experts as OpenAI publishes them: _blocks and _scales)")
@@ -346,8 +347,9 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             norm_topk_prob=True if mt in MIXTRAL_NAMES or mt.startswith("qwen3_5") else bool(raw.get("norm_topk_prob", glm)),
             **fields,
         )
-    if cfg.n_routed_experts <= 0 or not (0 < cfg.top_k <= cfg.n_routed_experts):
-        raise ModelConfigError(f"bad MoE shape: {cfg.n_routed_experts} experts, top-{cfg.top_k}")
+    if cfg.n_routed_experts <= 0 or not (0 < cfg.top_k <= min(cfg.n_routed_experts, MAX_TOP_K)):
+        raise ModelConfigError(f"bad MoE shape: {cfg.n_routed_experts} experts, top-{cfg.top_k} (top-k must be in "
+                               f"[1, {MAX_TOP_K}] and at most the number of experts)")
     if cfg.n_routed_experts % cfg.n_group:
         raise ModelConfigError(f"n_routed_experts={cfg.n_routed_experts} is not divisible by n_group={cfg.n_group}")
     return cfg

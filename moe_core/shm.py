@@ -49,6 +49,7 @@ REQ_DESC_SIZE = 256
 # response: request seq, part, status (gRPC code), output (offset, nbytes), queued_us, compute_us,
 # start_ns, end_ns, message length, message
 RESP_DESC = struct.Struct("<QII QQ QQ qq I4x")
+OK, INVALID_ARGUMENT, INTERNAL = 0, 3, 13  # the statuses a response carries: gRPC's codes (native/ring.h: Status)
 MSG_MAX = 256
 RESP_DESC_SIZE = 384
 MIN_SIZE = 1 << 20

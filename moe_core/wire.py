@@ -32,9 +32,9 @@ except ImportError:  # no native library: protobuf for everything
     _n = None
 
 
-def head(request: bytes) -> tuple | None:
-    """(step, layer, defer, T, H, k, bf16) of a serialized LayerRequest the native exchange takes
-    (hidden [T, H] bf16|fp32, ids [T, k] int32, weights [T, k] fp32), else None."""
+def head(request: bytes):
+    """The native.WireHead (step, layer, defer, T, H, k, bf16) of a serialized LayerRequest the native exchange
+    takes (hidden [T, H] bf16|fp32, ids [T, k] int32, weights [T, k] fp32), else None."""
     return _n.wire_head(request) if _n is not None else None
 
 
@@ -56,11 +56,11 @@ def result(data: bytes) -> tuple[int, int, torch.Tensor, Timing]:
     """A serialized LayerResult -> (layer, part, output tensor of its own, timing). Raises DecodeError
     (protobuf's) or codec.CodecError on what is not a valid one."""
     h = _n.wire_result(data) if _n is not None else None
-    dtype = codec.FROM_WIRE.get(h[3]) if h is not None else None
-    if dtype is not None and h[4] >= 0 and h[5] >= 0 and h[4] * h[5] * dtype.itemsize == h[6]:
-        out = torch.empty((h[4], h[5]), dtype=dtype)
-        _n.wire_result_output(data, out.data_ptr(), h[6])
-        return h[1], h[2], out, Timing(*h[7:])
+    dtype = codec.FROM_WIRE.get(h.dtype) if h is not None else None
+    if dtype is not None and h.rows >= 0 and h.cols >= 0 and h.rows * h.cols * dtype.itemsize == h.nbytes:
+        out = torch.empty((h.rows, h.cols), dtype=dtype)
+        _n.wire_result_output(data, out.data_ptr(), h.nbytes)
+        return h.layer, h.part, out, Timing(h.queued_us, h.compute_us, h.start_unix_ns, h.end_unix_ns)
     r = expert_pb2.LayerResult.FromString(data)
     t = r.timing
     return r.layer, r.part, codec.decode(r.output, "output"), Timing(t.queued_us, t.compute_us, t.start_unix_ns,

@@ -38,7 +38,7 @@ class NativeLinear:
                     if d is not None:
                         d[0, at + r:at + r + chunk.shape[0]].copy_(p)
             at += b.shape[0]
-        self._args = (self.path, fmt, rows, K, self.Kp, *map(data_ptr, self.parts))
+        self.native = native.Linear(self.path, fmt, rows, K, self.Kp, tuple(map(data_ptr, self.parts)), owner=self.parts)
         # the packed bf16 rows themselves, as torch sees a weight (padding cut off; no copy when K = Kp)
         self._torch_weight = self.parts[0][0, :, :K] if fmt == "bf16" and self.path == "amx" else None
 
@@ -59,5 +59,5 @@ class NativeLinear:
         xf = x.reshape(-1, self.K).float().contiguous()
         y = torch.empty(xf.shape[0], self.rows)
         if xf.shape[0]:
-            native.linear(*self._args, xf.data_ptr(), y.data_ptr(), xf.shape[0])
+            self.native.forward(xf.data_ptr(), y.data_ptr(), xf.shape[0])
         return y.to(x.dtype).view(*x.shape[:-1], self.rows)

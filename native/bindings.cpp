@@ -1,6 +1,8 @@
 // pybind11 bindings: raw pointers + shapes in (the Python layer owns the tensors), GIL released.
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <ctime>
 
 #include <pybind11/pybind11.h>
@@ -58,11 +60,12 @@ static int64_t unix_ns() {  // Python's time.time_ns(): the clock ExpertTiming's
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-static Isa kernel_isa(const std::string& path) {
-  Isa isa = parse_isa(path);
+// An ISA the kernels may run here (AMX also where tests emulate its tiles).
+static Isa kernel_isa(const std::string& name) {
+  Isa isa = parse_isa(name);
   MOE_CHECK(isa_supported(isa, detect_cpu()) || (isa == Isa::Amx && amx_emulation() &&
                                                    isa_supported(Isa::Avx512, detect_cpu())),
-            std::string("kernel path ") + path + " not supported here");
+            std::string("kernel path ") + name + " not supported here");
   return isa;
 }
 
@@ -72,36 +75,55 @@ static Fmt parse_fmt(const std::string& fmt) {
        : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4, mxfp4)");
 }
 
-static Matrix matrix_of(uintptr_t w, uintptr_t scale, uintptr_t rowsum, uintptr_t rowcorr, int rows, int K, int Kp) {
+// A packed matrix as Python hands it over: the addresses of (data, scale, rowsum, rowcorr), 0 for a part
+// the format has none of (moe_kernels/packing.py's layout()).
+using MatrixParts = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t>;
+
+static Matrix matrix_of(const MatrixParts& a, int rows, int K, int Kp) {
+  auto [w, scale, rowsum, rowcorr] = a;
+  MOE_CHECK(w != 0 && rows >= 0 && K >= 0 && Kp >= K, "bad packed matrix");
   return Matrix{reinterpret_cast<const void*>(w), reinterpret_cast<const float*>(scale),
                 reinterpret_cast<const int32_t*>(rowsum), reinterpret_cast<const float*>(rowcorr), rows, K, Kp};
 }
 
-static MoEWeights weights_of(const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,
-                             uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w,
-                             uintptr_t dn_scale, uintptr_t dn_rowsum, uintptr_t dn_rowcorr, uintptr_t gu_bias,
-                             uintptr_t dn_bias, int act, float alpha, float limit) {
-  MOE_CHECK(act == int(Act::Silu) || act == int(Act::ClampedSwiglu), "unknown activation " + std::to_string(act));
-  return MoEWeights{parse_fmt(fmt), E, H, I, matrix_of(gu_w, gu_scale, gu_rowsum, gu_rowcorr, 2 * I, H, Kp_h),
-                    matrix_of(dn_w, dn_scale, dn_rowsum, dn_rowcorr, H, I, Kp_i),
-                    reinterpret_cast<const float*>(gu_bias), reinterpret_cast<const float*>(dn_bias), Act(act), alpha,
-                    limit};
+static Act parse_act(const std::string& act) {
+  return act == "silu" ? Act::Silu : act == "clamped_swiglu" ? Act::ClampedSwiglu
+       : throw std::invalid_argument("unknown expert activation '" + act + "' (silu, clamped_swiglu)");
 }
 
-// one layer's weights as NativeMoELayer._weight_args passes them (biases: 0 = none)
-#define WEIGHT_PARAMS                                                                                              \
-  const std::string &path, const std::string &fmt, int E, int I, int H, int Kp_h, int Kp_i, uintptr_t gu_w,        \
-      uintptr_t gu_scale, uintptr_t gu_rowsum, uintptr_t gu_rowcorr, uintptr_t dn_w, uintptr_t dn_scale,           \
-      uintptr_t dn_rowsum, uintptr_t dn_rowcorr, uintptr_t gu_bias, uintptr_t dn_bias, int act, float alpha,       \
-      float limit
-#define WEIGHTS_OF                                                                                                 \
-  weights_of(fmt, E, I, H, Kp_h, Kp_i, gu_w, gu_scale, gu_rowsum, gu_rowcorr, dn_w, dn_scale, dn_rowsum,          \
-             dn_rowcorr, gu_bias, dn_bias, act, alpha, limit)
-#define WEIGHT_ARGS                                                                                             \
-  py::arg("path"), py::arg("fmt"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("Kp_h"), py::arg("Kp_i"), \
-      py::arg("gu_w"), py::arg("gu_scale"), py::arg("gu_rowsum"), py::arg("gu_rowcorr"), py::arg("dn_w"),       \
-      py::arg("dn_scale"), py::arg("dn_rowsum"), py::arg("dn_rowcorr"), py::arg("gu_bias"), py::arg("dn_bias"), \
-      py::arg("act"), py::arg("alpha"), py::arg("limit")
+// The bound objects keep `owner` (the Python object holding their buffers) alive as long as they live.
+struct BoundMoELayer {
+  MoELayer layer;
+  py::object owner;
+};
+struct BoundLinear {
+  Isa isa;
+  Fmt fmt;
+  Matrix m;
+  py::object owner;
+};
+
+// What the native readers of the exchange's bytes return (named fields, not positions).
+struct ResultHead {
+  uint64_t step, layer, part, dtype;
+  int64_t rows, cols;
+  size_t nbytes;
+  wire::Timing timing;
+};
+struct ServeEvent {
+  Served kind;
+  uint64_t seq;
+  std::vector<PartLog> parts;
+};
+struct Exchanged {  // one part of an exchange computed: its serialized LayerResult, and when the kernels ran
+  py::bytes result;
+  int64_t start_unix_ns, end_unix_ns;
+};
+struct RingAnswer {
+  int status;  // Status, or -1: nothing yet (timed out, or the ring closed)
+  py::bytes message;
+  ring::RespDesc desc;
+};
 
 static std::pair<uint8_t*, size_t> writable(py::buffer& buf) {
   py::buffer_info info = buf.request(true);
@@ -177,33 +199,42 @@ PYBIND11_MODULE(_native, m) {
     d["REQ_SEQ"] = REQ_SEQ; d["RESP_SEQ"] = RESP_SEQ; d["RESP_READ"] = RESP_READ; d["CLOSED"] = CLOSED;
     d["DESC_START"] = DESC_START; d["REQ_SLOTS"] = REQ_SLOTS; d["RESP_SLOTS"] = RESP_SLOTS;
     d["REQ_DESC_SIZE"] = REQ_DESC_SIZE; d["RESP_DESC_SIZE"] = RESP_DESC_SIZE; d["MSG_MAX"] = MSG_MAX;
+    d["OK"] = uint32_t(OK); d["INVALID_ARGUMENT"] = uint32_t(INVALID_ARGUMENT); d["INTERNAL"] = uint32_t(INTERNAL);
     d["DATA_START"] = DATA_START; d["SPAN_ALIGN"] = SPAN_ALIGN; d["REQ_DESC_BYTES"] = sizeof(ReqDesc); d["RESP_DESC_BYTES"] = sizeof(RespDesc);
     return d;
   }, "the ring layout the C++ side uses (tests check moe_core/shm.py against it)");
+  py::enum_<Served>(m, "ServeKind", "what one RingServer.serve() call ended with")
+      .value("IDLE", Served::Idle)
+      .value("CLOSED", Served::Closed)
+      .value("FOR_PYTHON", Served::ForPython);
+  py::class_<PartLog>(m, "PartLog", "one part the C++ loop computed, for the metrics")
+      .def_readonly("layer", &PartLog::layer)
+      .def_readonly("part", &PartLog::part)
+      .def_readonly("tokens", &PartLog::tokens)
+      .def_readonly("start_ns", &PartLog::start_ns)
+      .def_readonly("end_ns", &PartLog::end_ns)
+      .def_readonly("queued_ns", &PartLog::queued_ns);
+  py::class_<ServeEvent>(m, "ServeEvent")
+      .def_readonly("kind", &ServeEvent::kind)
+      .def_readonly("seq", &ServeEvent::seq, "the request handed to Python (kind FOR_PYTHON)")
+      .def_readonly("parts", &ServeEvent::parts, "parts computed since the last call");
   py::class_<RingServer>(m, "RingServer", "the expert side's serving loop of one shared-memory session")
-      .def(py::init([](py::buffer region, int hidden, int max_tokens, uint32_t code_f32, uint32_t code_bf16) {
+      .def(py::init([](py::buffer region, int hidden, int max_tokens, int max_k, uint32_t code_f32, uint32_t code_bf16) {
              auto [p, n] = writable(region);
-             return new RingServer(p, n, hidden, max_tokens, code_f32, code_bf16);
+             return new RingServer(p, n, hidden, max_tokens, max_k, code_f32, code_bf16);
            }),
-           py::arg("region"), py::arg("hidden"), py::arg("max_tokens"), py::arg("code_f32"), py::arg("code_bf16"),
-           py::keep_alive<1, 2>())
-      .def("add_layer",
-           [](RingServer& r, int layer, WEIGHT_PARAMS) { r.add_layer(layer, kernel_isa(path), WEIGHTS_OF); })
+           py::arg("region"), py::arg("hidden"), py::arg("max_tokens"), py::arg("max_k"), py::arg("code_f32"),
+           py::arg("code_bf16"), py::keep_alive<1, 2>())
+      .def("add_layer", [](RingServer& r, int layer, const BoundMoELayer& l) { r.add_layer(layer, l.layer); },
+           py::arg("layer"), py::arg("experts"), py::keep_alive<1, 3>())
       .def("serve",
            [](RingServer& r, int64_t timeout_us, int64_t spin_us) {
-             uint64_t seq = 0;
-             std::vector<PartLog> log;
-             int kind;
-             {
-               py::gil_scoped_release nogil;
-               kind = r.serve(timeout_us, spin_us, &seq, &log);
-             }
-             py::list parts;
-             for (auto& p : log) parts.append(py::make_tuple(p.layer, p.part, p.tokens, p.start_ns, p.end_ns, p.queued_ns));
-             return py::make_tuple(kind, seq, parts);
+             ServeEvent ev{Served::Idle, 0, {}};
+             py::gil_scoped_release nogil;
+             ev.kind = r.serve(timeout_us, spin_us, &ev.seq, &ev.parts);
+             return ev;
            },
-           py::arg("timeout_us"), py::arg("spin_us"),
-           "-> (0 idle | 1 closed | 2 request for Python, its seq, [(layer, part, tokens, start_ns, end_ns, queued_ns)])")
+           py::arg("timeout_us"), py::arg("spin_us"))
       .def("respond",
            [](RingServer& r, uint64_t seq, uint32_t part, uint32_t status, uint64_t off, uint64_t n, uint64_t queued_us,
               uint64_t compute_us, int64_t start_ns, int64_t end_ns, const std::string& msg) {
@@ -228,21 +259,29 @@ PYBIND11_MODULE(_native, m) {
                     reinterpret_cast<const void*>(w), posted);
       },
       "GPU side: copy hidden/ids/weights into their spans, write the request descriptor, ring");
+  py::class_<RingAnswer>(m, "RingAnswer", "one response of the ring as ring_result() read it")
+      .def_readonly("status", &RingAnswer::status, "a gRPC status code (0 ok), -1 when none came in time")
+      .def_readonly("message", &RingAnswer::message)
+      .def_property_readonly("queued_us", [](const RingAnswer& a) { return a.desc.queued_us; })
+      .def_property_readonly("compute_us", [](const RingAnswer& a) { return a.desc.compute_us; })
+      .def_property_readonly("start_unix_ns", [](const RingAnswer& a) { return a.desc.start_ns; })
+      .def_property_readonly("end_unix_ns", [](const RingAnswer& a) { return a.desc.end_ns; });
   m.def(
       "ring_result",
       [](py::buffer region, uint64_t j, uint64_t seq, uint32_t part, uintptr_t out, uint64_t nbytes, int64_t timeout_us,
          int64_t spin_us) {
         auto [p, n] = writable(region);
-        ring::RespDesc got{};
+        RingAnswer a{0, py::bytes(), {}};
         std::string msg;
-        int status;
         {
           py::gil_scoped_release nogil;
-          status = ring_result(p, n, j, seq, part, reinterpret_cast<void*>(out), nbytes, timeout_us, spin_us, &got, &msg);
+          a.status = ring_result(p, n, j, seq, part, reinterpret_cast<void*>(out), nbytes, timeout_us, spin_us, &a.desc,
+                                 &msg);
         }
-        return py::make_tuple(status, py::bytes(msg), got.queued_us, got.compute_us, got.start_ns, got.end_ns);
+        a.message = py::bytes(msg);
+        return a;
       },
-      "GPU side: wait for response j, check it, copy its output -> (status | -1 timeout, message, timing...)");
+      "GPU side: wait for response j, check it, copy its output -> RingAnswer");
   m.def("numa_topology", [] { return numa().describe(); }, "NUMA nodes the kernels place experts on");
   m.def(
       "numa_place", [](uintptr_t p, size_t bytes_per_expert, int E) {
@@ -279,33 +318,6 @@ PYBIND11_MODULE(_native, m) {
     return pool().scratch.bytes();
   }, "bytes the kernels' scratch arena holds between calls");
   m.def(
-      "forward",
-      [](WEIGHT_PARAMS, uintptr_t hidden, uintptr_t ids, uintptr_t weights, uintptr_t out, int T, int k) {
-        Isa isa = kernel_isa(path);
-        MoEWeights m = WEIGHTS_OF;
-        py::gil_scoped_release nogil;
-        std::lock_guard<std::mutex> g(compute_mutex());
-        moe_forward(isa, m, reinterpret_cast<const float*>(hidden), reinterpret_cast<const int32_t*>(ids),
-                    reinterpret_cast<const float*>(weights), reinterpret_cast<float*>(out), T, k);
-        release_scratch();
-      },
-      WEIGHT_ARGS, py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("T"), py::arg("k"));
-  m.def(
-      "linear",
-      [](const std::string& path, const std::string& fmt, int rows, int K, int Kp, uintptr_t w, uintptr_t scale,
-         uintptr_t rowsum, uintptr_t rowcorr, uintptr_t x, uintptr_t y, int T) {
-        Isa isa = kernel_isa(path);
-        Matrix m = matrix_of(w, scale, rowsum, rowcorr, rows, K, Kp);
-        Fmt f = parse_fmt(fmt);
-        py::gil_scoped_release nogil;
-        std::lock_guard<std::mutex> g(compute_mutex());
-        linear_forward(isa, f, m, reinterpret_cast<const float*>(x), T, reinterpret_cast<float*>(y));
-        release_scratch();
-      },
-      py::arg("path"), py::arg("fmt"), py::arg("rows"), py::arg("K"), py::arg("Kp"), py::arg("w"), py::arg("scale"),
-      py::arg("rowsum"), py::arg("rowcorr"), py::arg("x"), py::arg("y"), py::arg("T"),
-      "y [T, rows] fp32 = x [T, K] fp32 times one packed [rows, Kp] matrix, transposed (native/linear.cpp)");
-  m.def(
       "decode_attention",
       [](const std::string& path, uintptr_t q, int nh, int nkv, int d, uintptr_t K, bool bf16, size_t k_head,
          size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out) {
@@ -336,33 +348,25 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("x"), py::arg("out"), py::arg("bf16"), py::arg("T"), py::arg("heads"), py::arg("dim"), py::arg("cos"),
       py::arg("sin"), "rotary embedding, halves rotated, with torch's rounding (native/norm_rope.cpp)");
-  m.def(
-      "forward_part",
-      [](WEIGHT_PARAMS, uintptr_t hidden, bool hidden_bf16, uintptr_t ids, uintptr_t weights, uintptr_t out,
-         bool out_bf16, int T, int k, int defer, int part) {
-        Isa isa = kernel_isa(path);
-        MoEWeights m = WEIGHTS_OF;
-        py::gil_scoped_release nogil;
-        std::lock_guard<std::mutex> g(compute_mutex());
-        moe_forward_part(isa, m, reinterpret_cast<const void*>(hidden), hidden_bf16,
-                         reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
-                         reinterpret_cast<void*>(out), out_bf16, T, k, defer, part);
-        release_scratch();
-      },
-      WEIGHT_ARGS, py::arg("hidden"), py::arg("hidden_bf16"), py::arg("ids"), py::arg("weights"), py::arg("out"),
-      py::arg("out_bf16"), py::arg("T"), py::arg("k"), py::arg("defer"), py::arg("part"),
-      "one part of a deferral split, hidden/out bf16 or fp32 (see native/moe_part.cpp)");
+  py::class_<wire::Head>(m, "WireHead", "what the native exchange needs of a LayerRequest")
+      .def_readonly("step", &wire::Head::step)
+      .def_readonly("layer", &wire::Head::layer)
+      .def_readonly("defer", &wire::Head::defer)
+      .def_readonly("T", &wire::Head::T)
+      .def_readonly("H", &wire::Head::H)
+      .def_readonly("k", &wire::Head::k)
+      .def_readonly("bf16", &wire::Head::bf16);
   m.def(
       "wire_head",
-      [](py::buffer request) -> py::object {
+      [](py::buffer request) -> std::optional<wire::Head> {
         wire::LayerRequestView q;
         wire::Head h;
-        if (!read_request(request, q, h)) return py::none();
-        return py::make_tuple(h.step, h.layer, h.defer, h.T, h.H, h.k, h.bf16);
+        if (!read_request(request, q, h)) return std::nullopt;
+        return h;
       },
       py::arg("request"),
-      "a serialized LayerRequest -> (step, layer, defer, T, H, k, bf16) when the native exchange can take it "
-      "(native/wire.h: fast_head), else None");
+      "a serialized LayerRequest -> its WireHead when the native exchange can take it (native/wire.h: fast_head), "
+      "else None");
   m.def(
       "wire_request",
       [](uint64_t step, uint32_t layer, uint32_t defer, uintptr_t hidden, uint64_t hidden_dtype, int itemsize, int64_t T,
@@ -379,18 +383,27 @@ PYBIND11_MODULE(_native, m) {
       py::arg("step"), py::arg("layer"), py::arg("defer"), py::arg("hidden"), py::arg("hidden_dtype"),
       py::arg("itemsize"), py::arg("T"), py::arg("H"), py::arg("ids"), py::arg("weights"), py::arg("k"),
       "a serialized LayerRequest from contiguous hidden [T, H], int32 ids and fp32 weights [T, k] at these addresses");
+  py::class_<ResultHead>(m, "ResultHead", "a serialized LayerResult's fields, its output left in place")
+      .def_readonly("step", &ResultHead::step)
+      .def_readonly("layer", &ResultHead::layer)
+      .def_readonly("part", &ResultHead::part)
+      .def_readonly("dtype", &ResultHead::dtype, "the output's wire dtype (tensor.proto)")
+      .def_readonly("rows", &ResultHead::rows)
+      .def_readonly("cols", &ResultHead::cols)
+      .def_readonly("nbytes", &ResultHead::nbytes, "the output's bytes")
+      .def_property_readonly("queued_us", [](const ResultHead& h) { return h.timing.queued_us; })
+      .def_property_readonly("compute_us", [](const ResultHead& h) { return h.timing.compute_us; })
+      .def_property_readonly("start_unix_ns", [](const ResultHead& h) { return h.timing.start_unix_ns; })
+      .def_property_readonly("end_unix_ns", [](const ResultHead& h) { return h.timing.end_unix_ns; });
   m.def(
       "wire_result",
-      [](py::buffer result) -> py::object {
+      [](py::buffer result) -> std::optional<ResultHead> {
         wire::LayerResultView q;
-        if (!read_result(result, q)) return py::none();
-        const wire::Timing& t = q.timing;
-        return py::make_tuple(q.step, q.layer, q.part, q.output.dtype, q.output.shape[0], q.output.shape[1],
-                              q.output.len, t.queued_us, t.compute_us, t.start_unix_ns, t.end_unix_ns);
+        if (!read_result(result, q)) return std::nullopt;
+        return ResultHead{q.step, q.layer, q.part, q.output.dtype, q.output.shape[0], q.output.shape[1], q.output.len,
+                          q.timing};
       },
-      py::arg("result"),
-      "a serialized LayerResult -> (step, layer, part, output dtype, rows, cols, output bytes, queued_us, "
-      "compute_us, start_unix_ns, end_unix_ns), None when it is not one with a 2-D output");
+      py::arg("result"), "a serialized LayerResult -> its ResultHead, None when it is not one with a 2-D output");
   m.def(
       "wire_result_output",
       [](py::buffer result, uintptr_t out, size_t nbytes) {
@@ -399,51 +412,116 @@ PYBIND11_MODULE(_native, m) {
         if (nbytes) std::memcpy(reinterpret_cast<void*>(out), q.output.data, nbytes);
       },
       py::arg("result"), py::arg("out"), py::arg("nbytes"), "copy a serialized LayerResult's output to `out`");
-  m.def(
-      "exchange_part",
-      [](WEIGHT_PARAMS, py::buffer request, int part, int64_t received_unix_ns) {
-        Isa isa = kernel_isa(path);
-        MoEWeights m = WEIGHTS_OF;
-        wire::LayerRequestView q;
-        wire::Head h;
-        MOE_CHECK(read_request(request, q, h), "not a layer request the native exchange takes (wire_head says None)");
-        MOE_CHECK(h.H == m.H, "hidden size " + std::to_string(h.H) + " != " + std::to_string(m.H));
-        const size_t n = size_t(h.T) * size_t(h.H) * (h.bf16 ? 2 : 4), nk = size_t(h.T) * size_t(h.k) * 4;
-        // the tensors sit in the message at whatever offsets its headers leave: the kernel reads them as
-        // 2- and 4-byte values, so misaligned ones are copied first (small next to the kernel's work)
-        thread_local std::vector<uint32_t> x_al, ids_al, w_al;
-        thread_local std::vector<uint8_t> out;
-        auto aligned = [](const uint8_t* p, size_t len, std::vector<uint32_t>& keep) -> const void* {
-          if (reinterpret_cast<uintptr_t>(p) % 4 == 0) return p;
-          keep.resize((len + 3) / 4);
-          std::memcpy(keep.data(), p, len);
-          return keep.data();
-        };
-        const void* x = aligned(q.hidden.data, n, x_al);
-        auto* ids = static_cast<const int32_t*>(aligned(q.ids.data, nk, ids_al));
-        auto* w = static_cast<const float*>(aligned(q.weights.data, nk, w_al));
-        out.resize(n);
-        int64_t t0, t1;
-        {
-          py::gil_scoped_release nogil;
-          std::lock_guard<std::mutex> g(compute_mutex());
-          t0 = unix_ns();
-          moe_forward_part(isa, m, x, h.bf16, ids, w, out.data(), h.bf16, int(h.T), int(h.k), int(h.defer), part);
-          t1 = unix_ns();
-          release_scratch();
-        }
-        wire::Result r{h.step, h.layer, uint32_t(part), {h.bf16 ? wire::BFLOAT16 : wire::FLOAT32, h.T, h.H, out.data(), n},
-                       {uint64_t(std::max<int64_t>(0, t0 - received_unix_ns) / 1000), uint64_t((t1 - t0) / 1000), t0,
-                        t1}};
-        py::bytes res = new_bytes(wire::layer_result_size(r));
-        wire::write_layer_result(bytes_data(res), r);
-        if (out.capacity() > SCRATCH_KEEP) {  // a long prefill's buffers are not kept for good
-          std::vector<uint8_t>().swap(out);
-          std::vector<uint32_t>().swap(x_al);
-        }
-        return py::make_tuple(res, t0, t1);
-      },
-      WEIGHT_ARGS, py::arg("request"), py::arg("part"), py::arg("received_unix_ns"),
-      "one part of a serialized LayerRequest computed -> (the serialized LayerResult, compute start and end, "
-      "unix ns)");
+  m.attr("MAX_K") = MAX_K;
+  py::class_<Exchanged>(m, "Exchanged", "one part of a LayerRequest computed by MoELayer.exchange_part")
+      .def_readonly("result", &Exchanged::result, "the serialized LayerResult")
+      .def_readonly("start_unix_ns", &Exchanged::start_unix_ns)
+      .def_readonly("end_unix_ns", &Exchanged::end_unix_ns);
+  py::class_<BoundMoELayer>(m, "MoELayer",
+                            "one layer's packed routed experts bound to the kernel path that runs them (native/moe.h)")
+      .def(py::init([](const std::string& isa, const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i,
+                       const MatrixParts& gate_up, const MatrixParts& down, uintptr_t gate_up_bias, uintptr_t down_bias,
+                       const std::string& act, float alpha, float limit, py::object owner) {
+             MOE_CHECK(E > 0 && I > 0 && H > 0, "bad expert shape");
+             MoEWeights w{parse_fmt(fmt), E, H, I, matrix_of(gate_up, 2 * I, H, Kp_h), matrix_of(down, H, I, Kp_i),
+                          reinterpret_cast<const float*>(gate_up_bias), reinterpret_cast<const float*>(down_bias),
+                          parse_act(act), alpha, limit};
+             return BoundMoELayer{MoELayer{kernel_isa(isa), w}, std::move(owner)};
+           }),
+           py::arg("isa"), py::arg("fmt"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("Kp_h"), py::arg("Kp_i"),
+           py::arg("gate_up"), py::arg("down"), py::arg("gate_up_bias") = 0, py::arg("down_bias") = 0,
+           py::arg("act") = "silu", py::arg("alpha") = 0.f, py::arg("limit") = 0.f, py::arg("owner") = py::none(),
+           "gate_up / down: (data, scale, rowsum, rowcorr) addresses of [E, 2I, Kp_h] / [E, H, Kp_i] packed "
+           "matrices; biases fp32 [E, 2I] / [E, H] or 0; owner: kept alive with the layer")
+      .def_property_readonly("isa", [](const BoundMoELayer& l) { return std::string(isa_name(l.layer.isa)); })
+      .def(
+          "forward",
+          [](const BoundMoELayer& l, uintptr_t hidden, uintptr_t ids, uintptr_t weights, uintptr_t out, int T, int k) {
+            py::gil_scoped_release nogil;
+            std::lock_guard<std::mutex> g(compute_mutex());
+            moe_forward(l.layer.isa, l.layer.w, reinterpret_cast<const float*>(hidden),
+                        reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
+                        reinterpret_cast<float*>(out), T, k);
+            release_scratch();
+          },
+          py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("T"), py::arg("k"),
+          "hidden [T, H] fp32, ids [T, k] int32, weights [T, k] fp32 -> out [T, H] fp32 (addresses)")
+      .def(
+          "forward_part",
+          [](const BoundMoELayer& l, uintptr_t hidden, bool hidden_bf16, uintptr_t ids, uintptr_t weights,
+             uintptr_t out, bool out_bf16, int T, int k, int defer, int part) {
+            py::gil_scoped_release nogil;
+            std::lock_guard<std::mutex> g(compute_mutex());
+            moe_forward_part(l.layer.isa, l.layer.w, reinterpret_cast<const void*>(hidden), hidden_bf16,
+                             reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
+                             reinterpret_cast<void*>(out), out_bf16, T, k, defer, part);
+            release_scratch();
+          },
+          py::arg("hidden"), py::arg("hidden_bf16"), py::arg("ids"), py::arg("weights"), py::arg("out"),
+          py::arg("out_bf16"), py::arg("T"), py::arg("k"), py::arg("defer"), py::arg("part"),
+          "one part of a deferral split, hidden/out bf16 or fp32 (see native/moe_part.cpp)")
+      .def(
+          "exchange_part",
+          [](const BoundMoELayer& l, py::buffer request, int part, int64_t received_unix_ns) {
+            const MoEWeights& m = l.layer.w;
+            wire::LayerRequestView q;
+            wire::Head h;
+            MOE_CHECK(read_request(request, q, h), "not a layer request the native exchange takes (wire_head says None)");
+            MOE_CHECK(h.H == m.H, "hidden size " + std::to_string(h.H) + " != " + std::to_string(m.H));
+            const size_t n = size_t(h.T) * size_t(h.H) * (h.bf16 ? 2 : 4), nk = size_t(h.T) * size_t(h.k) * 4;
+            // the tensors sit in the message at whatever offsets its headers leave: the kernel reads them as
+            // 2- and 4-byte values, so misaligned ones are copied first (small next to the kernel's work)
+            thread_local std::vector<uint32_t> x_al, ids_al, w_al;
+            thread_local std::vector<uint8_t> out;
+            auto aligned = [](const uint8_t* p, size_t len, std::vector<uint32_t>& keep) -> const void* {
+              if (reinterpret_cast<uintptr_t>(p) % 4 == 0) return p;
+              keep.resize((len + 3) / 4);
+              std::memcpy(keep.data(), p, len);
+              return keep.data();
+            };
+            const void* x = aligned(q.hidden.data, n, x_al);
+            auto* ids = static_cast<const int32_t*>(aligned(q.ids.data, nk, ids_al));
+            auto* w = static_cast<const float*>(aligned(q.weights.data, nk, w_al));
+            out.resize(n);
+            int64_t t0, t1;
+            {
+              py::gil_scoped_release nogil;
+              std::lock_guard<std::mutex> g(compute_mutex());
+              t0 = unix_ns();
+              moe_forward_part(l.layer.isa, m, x, h.bf16, ids, w, out.data(), h.bf16, int(h.T), int(h.k),
+                               int(h.defer), part);
+              t1 = unix_ns();
+              release_scratch();
+            }
+            wire::Result r{h.step, h.layer, uint32_t(part),
+                           {h.bf16 ? wire::BFLOAT16 : wire::FLOAT32, h.T, h.H, out.data(), n},
+                           {uint64_t(std::max<int64_t>(0, t0 - received_unix_ns) / 1000), uint64_t((t1 - t0) / 1000),
+                            t0, t1}};
+            py::bytes res = new_bytes(wire::layer_result_size(r));
+            wire::write_layer_result(bytes_data(res), r);
+            if (out.capacity() > SCRATCH_KEEP) {  // a long prefill's buffers are not kept for good
+              std::vector<uint8_t>().swap(out);
+              std::vector<uint32_t>().swap(x_al);
+            }
+            return Exchanged{res, t0, t1};
+          },
+          py::arg("request"), py::arg("part"), py::arg("received_unix_ns"),
+          "one part of a serialized LayerRequest computed -> Exchanged");
+  py::class_<BoundLinear>(m, "Linear", "one packed dense [rows, Kp] matrix bound to the kernel path that runs it")
+      .def(py::init([](const std::string& isa, const std::string& fmt, int rows, int K, int Kp, const MatrixParts& parts,
+                       py::object owner) {
+             return BoundLinear{kernel_isa(isa), parse_fmt(fmt), matrix_of(parts, rows, K, Kp), std::move(owner)};
+           }),
+           py::arg("isa"), py::arg("fmt"), py::arg("rows"), py::arg("K"), py::arg("Kp"), py::arg("parts"),
+           py::arg("owner") = py::none())
+      .def(
+          "forward",
+          [](const BoundLinear& l, uintptr_t x, uintptr_t y, int T) {
+            py::gil_scoped_release nogil;
+            std::lock_guard<std::mutex> g(compute_mutex());
+            linear_forward(l.isa, l.fmt, l.m, reinterpret_cast<const float*>(x), T, reinterpret_cast<float*>(y));
+            release_scratch();
+          },
+          py::arg("x"), py::arg("y"), py::arg("T"),
+          "y [T, rows] fp32 = x [T, K] fp32 times the matrix, transposed (native/linear.cpp)");
 }

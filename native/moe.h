@@ -67,6 +67,17 @@ struct MoEWeights {
   float alpha = 0.f, limit = 0.f;       // ClampedSwiglu's
 };
 
+// Experts a token may name in one request: the deferral split sorts them on the stack (moe_part.cpp).
+// Models above it are refused when their experts load.
+constexpr int MAX_K = 256;
+
+// A layer's routed experts bound to the kernel path that runs them: built once, when the layer loads
+// (the ISA checked against the CPU then), used by every call and by the shared-memory ring.
+struct MoELayer {
+  Isa isa;
+  MoEWeights w;
+};
+
 // hidden [T, H] fp32, ids [T, k] int32, weights [T, k] fp32 -> out [T, H] fp32.
 void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
                  float* out, int T, int k);

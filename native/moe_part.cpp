@@ -58,8 +58,8 @@ void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hid
     std::vector<float>& wsel = sc.wsel;
     isel.resize(size_t(T) * kp);
     wsel.resize(size_t(T) * kp);
-    int order[256];
-    MOE_CHECK(k <= 256, "k above 256");
+    int order[MAX_K];
+    MOE_CHECK(k <= MAX_K, "k above " + std::to_string(MAX_K));
     for (int t = 0; t < T; ++t) {
       const float* wt = weights + size_t(t) * k;
       std::iota(order, order + k, 0);

@@ -27,9 +27,12 @@ static bool span_ok(const Span& s, uint64_t want, size_t size) {
   return s.off >= DATA_START && s.off % SPAN_ALIGN == 0 && s.off <= size && s.n <= size - s.off && s.n == want;
 }
 
-RingServer::RingServer(uint8_t* base, size_t size, int hidden, int max_tokens, uint32_t code_f32, uint32_t code_bf16)
-    : base_(base), size_(size), hidden_(hidden), max_tokens_(max_tokens), code_f32_(code_f32), code_bf16_(code_bf16) {
+RingServer::RingServer(uint8_t* base, size_t size, int hidden, int max_tokens, int max_k, uint32_t code_f32,
+                       uint32_t code_bf16)
+    : base_(base), size_(size), hidden_(hidden), max_tokens_(max_tokens), max_k_(max_k), code_f32_(code_f32),
+      code_bf16_(code_bf16) {
   MOE_CHECK(size > DATA_START, "region too small");
+  MOE_CHECK(max_k >= 1 && max_k <= MAX_K, "max_k outside [1, " + std::to_string(MAX_K) + "]");
 }
 
 bool RingServer::closed() const { return stop_ || word(base_, CLOSED)->load(std::memory_order_acquire) != 0; }
@@ -64,14 +67,15 @@ bool RingServer::run_native(uint64_t seq, int64_t t_recv, std::vector<PartLog>* 
   std::memcpy(&d, base_ + req_desc(seq), sizeof d);  // one copy: the peer may scribble on it meanwhile
   auto it = layers_.find(int(d.layer));
   const bool bf16 = d.dtype == code_bf16_;
-  if (d.seq != seq || it == layers_.end() || !(bf16 || d.dtype == code_f32_) || d.k < 1 || d.k > 64 ||
+  if (d.seq != seq || it == layers_.end() || !(bf16 || d.dtype == code_f32_) || d.k < 1 || d.k > uint32_t(max_k_) ||
       d.defer >= d.k || d.T > uint32_t(max_tokens_))
     return false;
   const uint64_t xb = uint64_t(d.T) * hidden_ * (bf16 ? 2 : 4), ib = uint64_t(d.T) * d.k * 4;
   if (!span_ok(d.span[0], xb, size_) || !span_ok(d.span[1], ib, size_) || !span_ok(d.span[2], ib, size_) ||
       !span_ok(d.span[3], xb, size_) || (d.defer && !span_ok(d.span[4], xb, size_)))
     return false;
-  const auto& [isa, m] = it->second;
+  const Isa isa = it->second.isa;
+  const MoEWeights& m = it->second.w;
   if (m.E <= 0 || m.H != hidden_) return false;
   int64_t queued = 0;
   for (uint32_t part = 0; part < (d.defer ? 2u : 1u); ++part) {
@@ -87,10 +91,10 @@ bool RingServer::run_native(uint64_t seq, int64_t t_recv, std::vector<PartLog>* 
                          int(d.T), int(d.k), int(d.defer), int(part));
       } catch (const std::invalid_argument& e) {
         if (part == 0) return false;  // bad values: Python answers with the message (nothing was posted)
-        status = 3;                   // INVALID_ARGUMENT: the peer changed the inputs after part 0 took them
+        status = INVALID_ARGUMENT;    // the peer changed the inputs after part 0 took them
         msg = e.what();
       } catch (const std::exception& e) {
-        status = 13;  // INTERNAL, for this request alone: the ring goes on
+        status = INTERNAL;  // for this request alone: the ring goes on
         msg = std::string("expert kernels failed: ") + e.what();
       }
       release_scratch();
@@ -106,7 +110,7 @@ bool RingServer::run_native(uint64_t seq, int64_t t_recv, std::vector<PartLog>* 
   return true;
 }
 
-int RingServer::serve(int64_t timeout_us, int64_t spin_us, uint64_t* seq, std::vector<PartLog>* log) {
+Served RingServer::serve(int64_t timeout_us, int64_t spin_us, uint64_t* seq, std::vector<PartLog>* log) {
   if (pending_python_) {  // the caller answered the request it was handed
     pending_python_ = false;
     ++served_;
@@ -119,14 +123,14 @@ int RingServer::serve(int64_t timeout_us, int64_t spin_us, uint64_t* seq, std::v
       if (!run_native(served_, wall_ns(), log)) {
         *seq = served_;
         pending_python_ = true;
-        return 2;
+        return Served::ForPython;
       }
       ++served_;
-      if (closed()) return 1;
+      if (closed()) return Served::Closed;
     }
-    if (wall_ns() > until) return 0;  // let the caller publish metrics now and then
+    if (wall_ns() > until) return Served::Idle;  // let the caller publish metrics now and then
   }
-  return 1;
+  return Served::Closed;
 }
 
 void ring_submit(uint8_t* base, const ReqDesc& d, const void* x, const void* ids, const void* w, uint32_t posted) {
@@ -149,15 +153,15 @@ int ring_result(uint8_t* base, size_t size, uint64_t j, uint64_t seq, uint32_t p
   if (got->seq != seq || got->part != part) {
     *msg = "ring out of order: wanted part " + std::to_string(part) + " of request " + std::to_string(seq) +
            ", got part " + std::to_string(got->part) + " of request " + std::to_string(got->seq);
-    return 13;  // INTERNAL
+    return INTERNAL;
   }
   if (!span_ok(got->out, n, size)) {
     *msg = "response span outside the region or of the wrong size";
-    return 13;
+    return INTERNAL;
   }
   std::memcpy(out, base + got->out.off, n);
   word(base, RESP_READ)->store(uint32_t(j + 1), std::memory_order_release);
-  return 0;
+  return OK;
 }
 
 }  // namespace moe

@@ -51,7 +51,7 @@ def main() -> int:
     E, I, H, MAX_T = 16, 64, 128, 8
     torch.manual_seed(0)
     op = NativeMoELayer(torch.randn(E, I, H) * 0.1, torch.randn(E, I, H) * 0.1, torch.randn(E, H, I) * 0.1, a.fmt, 2)
-    cfg = types.SimpleNamespace(hidden_size=H, moe_layers=[0], n_routed_experts=E)
+    cfg = types.SimpleNamespace(hidden_size=H, moe_layers=[0], n_routed_experts=E, top_k=4)
     sv = ExpertServicer(cfg, a.fmt, op.path, 2, MAX_T)
     sv.attach({0: op}, "fp")
 

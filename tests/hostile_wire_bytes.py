@@ -56,10 +56,10 @@ def main() -> int:
         res = expert_pb2.LayerResult(layer=1, output=codec.encode(x), timing=expert_pb2.ExpertTiming(compute_us=i))
         bad = damaged(res.SerializeToString(), rnd)
         h = native.wire_result(bad)
-        if h is not None and h[6] < 1 << 20:
-            out = bytearray(h[6])
+        if h is not None and h.nbytes < 1 << 20:
+            out = bytearray(h.nbytes)
             try:
-                native.wire_result_output(bad, (ctypes_addr(out)), h[6])
+                native.wire_result_output(bad, (ctypes_addr(out)), h.nbytes)
             except ValueError:
                 pass
     print(taken)

@@ -39,7 +39,11 @@ def op():
 def test_head_of_what_protobuf_writes(dtype, T, k):
     for step, layer, defer in ((0, 0, 0), (2**64 - 1, 2**32 - 1, 1), (123456789012, 61, 0)):
         req = request(T, k, dtype, step, layer, defer)
-        assert wire_head(req.SerializeToString()) == (step, layer, defer, T, H, k, dtype == torch.bfloat16)
+        assert fields(wire_head(req.SerializeToString())) == (step, layer, defer, T, H, k, dtype == torch.bfloat16)
+
+
+def fields(head) -> tuple:
+    return (head.step, head.layer, head.defer, head.T, head.H, head.k, head.bf16)
 
 
 def field(n: int, body: bytes) -> bytes:
@@ -97,7 +101,7 @@ def test_proto3_forms_protobuf_reads_the_same():
     ]
     for data in forms:
         ref = expert_pb2.LayerRequest.FromString(data)
-        assert wire_head(data) == (ref.step, ref.layer, ref.defer, 2, H, 3, True) == (7, 2, 0, 2, H, 3, True)
+        assert fields(wire_head(data)) == (ref.step, ref.layer, ref.defer, 2, H, 3, True) == (7, 2, 0, 2, H, 3, True)
 
 
 @given(st.binary(max_size=300), st.integers(0, 2**31))
@@ -122,8 +126,8 @@ def test_random_and_damaged_bytes(data, seed):
         if head is None:
             continue
         ref = expert_pb2.LayerRequest.FromString(candidate)
-        assert head[:3] == (ref.step, ref.layer, ref.defer)
-        assert list(ref.hidden.shape) == [head[3], head[4]] and list(ref.topk_ids.shape) == [head[3], head[5]]
+        assert (head.step, head.layer, head.defer) == (ref.step, ref.layer, ref.defer)
+        assert list(ref.hidden.shape) == [head.T, head.H] and list(ref.topk_ids.shape) == [head.T, head.k]
         codec.decode(ref.hidden, "hidden", ndim=2), codec.decode(ref.topk_ids, "ids", (torch.int32,), ndim=2)
 
 
@@ -137,7 +141,8 @@ def test_exchange_part_answers_as_the_tensor_path(op, dtype, defer, T):
     parts = [(ids, w)] if defer == 0 else [split_deferred(ids, w, defer)[:2], split_deferred(ids, w, defer)[2:]]
     for part, (p_ids, p_w) in enumerate(parts):
         received = time.time_ns() - 1_000_000  # a millisecond ago
-        data, t0, t1 = op.exchange_part(req.SerializeToString(), part, received)
+        done = op.exchange_part(req.SerializeToString(), part, received)
+        data, t0, t1 = done.result, done.start_unix_ns, done.end_unix_ns
         got = expert_pb2.LayerResult.FromString(data)
         # byte for byte what the protobuf library writes for the same message
         assert data == got.SerializeToString()
@@ -155,8 +160,8 @@ def test_misaligned_tensors_in_the_message(op):
     for n in range(4):  # an unknown field of 2 + n bytes in front shifts every offset by 2, 3, 4, 5
         data = field(7, b"\0" * n) + base
         assert wire_head(data) is not None
-        out = expert_pb2.LayerResult.FromString(op.exchange_part(data, 0, 0)[0]).output
-        ref = expert_pb2.LayerResult.FromString(op.exchange_part(base, 0, 0)[0]).output
+        out = expert_pb2.LayerResult.FromString(op.exchange_part(data, 0, 0).result).output
+        ref = expert_pb2.LayerResult.FromString(op.exchange_part(base, 0, 0).result).output
         assert out.data == ref.data
 
 

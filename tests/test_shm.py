@@ -298,6 +298,8 @@ def test_python_and_cpp_agree_on_the_ring_layout():
                                                                        shm.MSG_MAX)
     assert (c["REQ_DESC_BYTES"], c["RESP_DESC_BYTES"]) == (shm.REQ_DESC.size, shm.RESP_DESC.size)
     assert c["DATA_START"] == shm.Layout(1 << 20).data_start and c["SPAN_ALIGN"] == shm.SPAN_ALIGN
+    assert (c["OK"], c["INVALID_ARGUMENT"], c["INTERNAL"]) == (shm.OK, shm.INVALID_ARGUMENT, shm.INTERNAL) == tuple(
+        code.value[0] for code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL))
 
 
 def test_two_sessions_at_once_are_served_independently(expert_alone):

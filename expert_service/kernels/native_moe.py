@@ -17,7 +17,7 @@ from moe_kernels.packing import FORMATS, Mx4, alloc, data_ptr, layout, pack_expe
 
 from .submit_wait import SubmitWait
 
-ACT_CODES = {"silu": 0, "clamped_swiglu": 1}  # native/moe.h's Act
+ACTS = ("silu", "clamped_swiglu")  # native/moe.h's Act
 
 
 class NativeMoELayer(SubmitWait):
@@ -75,8 +75,16 @@ class NativeMoELayer(SubmitWait):
         self.dn = alloc(fmt, E, H, self.Kp_i)       # [E, H, Kp_i]
 
     def ready(self, threads: int | None = None) -> None:
-        self._wargs = self._weight_args()  # the packed buffers live as long as self
+        self._bind()
         _n.init_pool(threads or os.cpu_count() or 1)
+
+    def _bind(self) -> None:
+        """The native layer over the packed buffers: the kernel path and format resolved once; it keeps the
+        buffers alive (owner) for as long as anyone holds it (the shared-memory ring does)."""
+        self.native = _n.MoELayer(
+            self.path, self.fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
+            tuple(map(data_ptr, self.gu)), tuple(map(data_ptr, self.dn)), *map(data_ptr, self.biases),
+            self.act.kind, self.act.alpha, self.act.limit, owner=(self.gu, self.dn, self.biases))
 
     def _build(self, E, I, H, load, fmt, threads, path) -> None:
         self._alloc(E, I, H, fmt, path)
@@ -98,11 +106,11 @@ class NativeMoELayer(SubmitWait):
         for b, shape, name in ((gate_up_bias, (E, 2 * I), "gate_up_bias"), (down_bias, (E, H), "down_bias")):
             if b is not None and tuple(b.shape) != shape:
                 raise ValueError(f"{name}: expected {list(shape)}, got {list(b.shape)}")
-        if act.kind not in ACT_CODES:
+        if act.kind not in ACTS:
             raise ValueError(f"unknown expert activation {act.kind!r}")
         self.act = act
         self.biases = tuple(None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias))
-        self._wargs = self._weight_args()
+        self._bind()
         return self
 
     @property
@@ -126,15 +134,10 @@ class NativeMoELayer(SubmitWait):
         w = topk_weights.float().contiguous()
         out = torch.empty(T, self.hidden, dtype=torch.float32)
         if T and k:
-            _n.forward(*self._wargs, x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), T, k)
+            self.native.forward(x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), T, k)
         else:
             out.zero_()
         return out.to(hidden.dtype)
-
-    def _weight_args(self) -> tuple:
-        return (self.path, self.fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
-                *map(data_ptr, self.gu), *map(data_ptr, self.dn), *map(data_ptr, self.biases),
-                ACT_CODES[self.act.kind], self.act.alpha, self.act.limit)
 
     def forward_part(self, hidden: int, hidden_bf16: bool, ids: int, weights: int, out: int, out_bf16: bool,
                      T: int, k: int, defer: int, part: int) -> None:
@@ -142,9 +145,10 @@ class NativeMoELayer(SubmitWait):
         [T, k] fp32, out [T, H]) that the caller has bounds-checked; part 0 = the immediate experts, 1 =
         the deferred ones (moe_core/routing.py's rule, applied in C++). Raises ValueError on bad ids or
         non-finite inputs."""
-        _n.forward_part(*self._wargs, hidden, hidden_bf16, ids, weights, out, out_bf16, T, k, defer, part)
+        self.native.forward_part(hidden, hidden_bf16, ids, weights, out, out_bf16, T, k, defer, part)
 
-    def exchange_part(self, request: bytes, part: int, received_unix_ns: int) -> tuple[bytes, int, int]:
-        """One part of a serialized LayerRequest that moe_core.wire.head() took, computed in C++ -> (the serialized
-        LayerResult, compute start and end in unix ns). Raises ValueError on bad ids or non-finite inputs."""
-        return _n.exchange_part(*self._wargs, request, part, received_unix_ns)
+    def exchange_part(self, request: bytes, part: int, received_unix_ns: int):
+        """One part of a serialized LayerRequest that moe_core.wire.head() took, computed in C++ -> native.Exchanged
+        (.result: the serialized LayerResult; .start_unix_ns/.end_unix_ns: the kernels' run). Raises ValueError on
+        bad ids or non-finite inputs."""
+        return self.native.exchange_part(request, part, received_unix_ns)
