@@ -13,7 +13,6 @@ import struct
 import threading
 import time
 
-import grpc
 import torch
 
 from moe_core import codec, shm

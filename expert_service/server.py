@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from moe_core import codec, shm, wire
+from moe_core.errors import BadRequest
 from moe_core.config import ModelConfig
 from moe_core.routing import split_deferred
 from moe_core.edge import parse_or_abort
@@ -30,10 +31,6 @@ MAX_SHM_SESSIONS = 16
 INLINE_PAIRS = 64  # (token, expert) pairs up to which a layer request is computed on the event loop
 # methods whose handlers take and give the messages' bytes (moe_core/edge.py), for the native exchange
 RAW_METHODS = (wire.EXCHANGE,)
-
-
-class BadRequest(ValueError):
-    pass
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -69,7 +66,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             ids = codec.decode(req.topk_ids, "topk_ids", (torch.int32,), ndim=2)
             w = codec.decode(req.topk_weights, "topk_weights", (torch.float32,), ndim=2)
         except codec.CodecError as e:
-            raise BadRequest(str(e)) from None
+            raise BadRequest("", str(e)) from None
         if self.runs_native(req.layer, hidden.dtype):  # the C++ part entry checks the values itself
             self.validate_shape(req.layer, *hidden.shape, ids.shape, w.shape, req.defer)
         else:
@@ -85,31 +82,31 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         """The checks on sizes and settings every layer request passes, whichever transport brought it."""
         cfg = self.cfg
         if layer not in self.layers:
-            raise BadRequest(f"layer: {layer} is not an MoE layer of this model (MoE layers: "
-                             f"{cfg.moe_layers[0]}..{cfg.moe_layers[-1]})" if cfg.moe_layers else "layer: model has no MoE layers")
+            raise BadRequest("layer", f"{layer} is not an MoE layer of this model (MoE layers: "
+                             f"{cfg.moe_layers[0]}..{cfg.moe_layers[-1]})" if cfg.moe_layers else "model has no MoE layers")
         if H != cfg.hidden_size:
-            raise BadRequest(f"hidden.shape: hidden size {H} != model hidden_size {cfg.hidden_size}")
+            raise BadRequest("hidden.shape", f"hidden size {H} != model hidden_size {cfg.hidden_size}")
         if T > self.max_tokens:
-            raise BadRequest(f"hidden.shape: {T} tokens exceed the limit of {self.max_tokens}")
+            raise BadRequest("hidden.shape", f"{T} tokens exceed the limit of {self.max_tokens}")
         if ids_shape[0] != T or tuple(w_shape) != tuple(ids_shape):
-            raise BadRequest(f"topk_ids/topk_weights: shapes {list(ids_shape)} / {list(w_shape)} must both be [{T}, k]")
+            raise BadRequest("topk_ids/topk_weights", f"shapes {list(ids_shape)} / {list(w_shape)} must both be [{T}, k]")
         k = ids_shape[1]
         if not 1 <= k <= cfg.top_k:
-            raise BadRequest(f"topk_ids.shape: k={k} must be in [1, {cfg.top_k}] (the model's num_experts_per_tok)")
+            raise BadRequest("topk_ids.shape", f"k={k} must be in [1, {cfg.top_k}] (the model's num_experts_per_tok)")
         if defer >= k:
-            raise BadRequest(f"defer: {defer} must be < k={k}")
+            raise BadRequest("defer", f"{defer} must be < k={k}")
 
     def validate(self, layer: int, hidden, ids, w, defer: int) -> None:
         """validate_shape, then the values (the native part entry checks these itself)."""
         self.validate_shape(layer, *hidden.shape, ids.shape, w.shape, defer)
         E = self.n_experts
         if hidden.shape[0] and (ids.min() < -1 or ids.max() >= E):
-            raise BadRequest(f"topk_ids: expert ids must be in [0, {E}) or -1 (none), got [{int(ids.min())}, "
+            raise BadRequest("topk_ids", f"expert ids must be in [0, {E}) or -1 (none), got [{int(ids.min())}, "
                              f"{int(ids.max())}]")
         if not all_finite(w):
-            raise BadRequest("topk_weights: non-finite values")
+            raise BadRequest("topk_weights", "non-finite values")
         if not all_finite(hidden):
-            raise BadRequest("hidden: non-finite values")
+            raise BadRequest("hidden", "non-finite values")
 
     # -- compute --------------------------------------------------------------------------------
     def run_part(self, layer: int, part: int, kernel):

@@ -18,6 +18,7 @@ import time
 import grpc
 
 from moe_core import wire
+from moe_core.errors import Status
 from moe_core.routing import split_deferred
 from moe_core.security import ClientSecurity
 from moe_core.serving import FINGERPRINT_KEY, RECONNECT, message_options
@@ -39,12 +40,13 @@ CONNECT_WAIT_S = 3.0  # opening a stream or a shared-memory session waits this l
 
 
 class ExpertServiceError(RuntimeError):
-    """The expert service failed or went away; `code` is the gRPC status to report. `retry`: whether
-    a fresh stream may help at once (not after a deadline: the service is alive but stuck)."""
+    """The expert service failed or went away; `code` is the gRPC status to report (`status` the same as the
+    engine's Status). `retry`: whether a fresh stream may help at once (not after a deadline: the service is
+    alive but stuck)."""
 
     def __init__(self, code: grpc.StatusCode, msg: str, retry: bool = True):
         super().__init__(msg)
-        self.code = code
+        self.code, self.status = code, Status[code.name]
         self.retry = retry
 
 

@@ -14,10 +14,10 @@ import threading
 import time
 from typing import Callable
 
-import grpc
 import torch
 
 from moe_core import serving
+from moe_core.errors import Status
 
 from . import metrics
 from .dispatch import ExpertServiceError
@@ -44,7 +44,7 @@ class Chunk:
 
 @dataclasses.dataclass
 class Failure:
-    code: grpc.StatusCode
+    status: Status
     message: str
 
 
@@ -112,7 +112,7 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         if self._closed:
-            req.emit(Failure(grpc.StatusCode.UNAVAILABLE, self._closed))
+            req.emit(Failure(Status.UNAVAILABLE, self._closed))
             return
         self.inbox.put(req)
 
@@ -135,7 +135,7 @@ class Engine:
         if self._closed:
             self._fail_waiting(self._closed)
             if self._aborted:
-                self._fail([r for r in self.running if not r.cancelled], grpc.StatusCode.UNAVAILABLE, self._aborted)
+                self._fail([r for r in self.running if not r.cancelled], Status.UNAVAILABLE, self._aborted)
                 self.running = []
             if not self.running:
                 self._stop.wait(0.05)
@@ -159,7 +159,7 @@ class Engine:
     def _expired(self, r: Request, now: float) -> bool:
         if r.deadline is not None and now > r.deadline and not r.cancelled:
             r.cancelled = True
-            r.emit(Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
+            r.emit(Failure(Status.DEADLINE_EXCEEDED, "deadline exceeded"))
         return r.cancelled
 
     def _loop(self) -> None:
@@ -208,7 +208,7 @@ class Engine:
             except queue.Empty:
                 break
             if not r.cancelled:
-                r.emit(Failure(grpc.StatusCode.UNAVAILABLE, reason))
+                r.emit(Failure(Status.UNAVAILABLE, reason))
 
     def _step_or_fail(self, group: list[tuple[Request, int]], defer: int, skip: bool) -> None:
         # An expert service that went away (restarted, crashed, loading): retry the step on a fresh stream, at
@@ -220,9 +220,9 @@ class Engine:
             try:
                 return self._step(group, defer, skip)
             except ExpertServiceError as e:
-                if e.code != grpc.StatusCode.UNAVAILABLE or not e.retry:  # refused, or stuck past --expert-timeout
+                if e.status != Status.UNAVAILABLE or not e.retry:  # refused, or stuck past --expert-timeout
                     log.warning("step failed: %s", e)
-                    return self._fail([r for r, _ in group], e.code, str(e))
+                    return self._fail([r for r, _ in group], e.status, str(e))
                 self.experts.reset()
                 if held_since is None:
                     held_since = time.monotonic()
@@ -242,7 +242,7 @@ class Engine:
                             self._step_or_fail([(r, n)], defer, skip)
                     return
                 log.exception("step failed")
-                return self._fail([r for r, _ in group], grpc.StatusCode.INTERNAL, f"internal error: {e}")
+                return self._fail([r for r, _ in group], Status.INTERNAL, f"internal error: {e}")
 
     def _hold(self, group: list[tuple[Request, int]], since: float, err: ExpertServiceError, tries: int):
         """Wait until the expert service looks back (-> what is left of the group, to retry), or fail the
@@ -254,7 +254,7 @@ class Engine:
                 now = time.perf_counter()
                 group = [(r, n) for r, n in group if not self._expired(r, now)]
                 if self._aborted or self._stop.is_set():
-                    self._fail([r for r, _ in group], grpc.StatusCode.UNAVAILABLE, self._aborted or "stopped")
+                    self._fail([r for r, _ in group], Status.UNAVAILABLE, self._aborted or "stopped")
                     return []
                 if not group:
                     return []
@@ -262,7 +262,7 @@ class Engine:
                     msg = (f"{err}; still unavailable after {self.expert_wait:g}s (--expert-wait)"
                            if self.expert_wait else str(err))
                     log.warning("step failed: %s", msg)
-                    self._fail([r for r, _ in group], grpc.StatusCode.UNAVAILABLE, msg)
+                    self._fail([r for r, _ in group], Status.UNAVAILABLE, msg)
                     return []
                 if self.experts_ready():
                     # the watchers' view can be a moment old: retry soon, but don't hammer a dead port
@@ -272,10 +272,10 @@ class Engine:
         finally:
             self.holding = None
 
-    def _fail(self, reqs: list[Request], code, msg: str) -> None:
+    def _fail(self, reqs: list[Request], status: Status, msg: str) -> None:
         for r in reqs:
             r.cache = None
-            r.emit(Failure(code, msg))
+            r.emit(Failure(status, msg))
 
     def _step(self, plan: list[tuple[Request, int]], defer: int, skip: bool) -> None:
         segs, reqs = [], [r for r, _ in plan]
@@ -316,7 +316,7 @@ class Engine:
                     r.spans += spans
             except Exception as e:  # sampling or detokenizing this request: the others go on
                 log.exception("request failed after the forward pass")
-                self._fail([r], grpc.StatusCode.INTERNAL, f"internal error: {e}")
+                self._fail([r], Status.INTERNAL, f"internal error: {e}")
             row += n
         record_step_metrics(spans, time.perf_counter() - t0)
 

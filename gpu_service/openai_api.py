@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: GET /v1/models, POST /v1/completions and /v1/chat/completions
 (plain JSON or Server-Sent Events), GET /health. It is a translation layer only: each HTTP request
-becomes a GenerateRequest and goes through GenerateServicer.submit, so validation, chat templates,
-sampling, stop strings and limits are the gRPC API's, and both share one engine.
+becomes a GenerateInput (admission.py, as gRPC's do) and goes through GenerateServicer.submit, so
+validation, chat templates, sampling, stop strings and limits are the gRPC API's, and both share one engine.
 
 aiohttp, not FastAPI/uvicorn: it runs on the event loop the gRPC server already owns (AppRunner)
 without a second server lifecycle or its own signal handling, streams with plain writes, and can
@@ -16,22 +16,24 @@ import re
 import time
 import uuid
 
-import grpc
 from aiohttp import web
 
-from protos import generate_pb2
+from moe_core.errors import BadRequest, Status
 
 from . import metrics
+from .admission import GenerateInput
 from .engine import Failure
 from .sampling import MAX_LOGPROBS
-from .server import BadRequest, GenerateServicer
+from .server import GenerateServicer
 
 log = logging.getLogger("gpu_service.http")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503,
-               grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
+HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.UNAVAILABLE: 503, Status.DEADLINE_EXCEEDED: 504,
+               Status.RESOURCE_EXHAUSTED: 429}
+# the transport-neutral request's field names as these endpoints spell them (sampling's are flat here)
+HTTP_FIELDS = {"messages.role": "messages", "token_ids": "prompt"}
 ERROR_TYPE = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
 MAX_DEPTH = 32      # nesting of a request body (the deepest real one, a content part, is 3)
 PARSE_INLINE = 1 << 16  # bodies up to this many bytes are parsed on the event loop; larger ones on a thread
@@ -145,9 +147,9 @@ def _refuse_unsupported(body: dict) -> None:
         raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
 
 
-def _common(body: dict, req: generate_pb2.GenerateRequest, max_tokens_default: int, max_tokens_limit: int) -> None:
-    """The sampling and stopping fields both endpoints share, into req. Types and the ranges of the
-    protobuf fields are checked here; what the values mean, by the servicer (one check for both APIs)."""
+def _common(body: dict, req: GenerateInput, max_tokens_default: int, max_tokens_limit: int) -> None:
+    """The sampling and stopping fields both endpoints share, into req. Types and sane ranges are checked here;
+    what the values mean, by admission (one check for both APIs)."""
     _refuse_unsupported(body)
     for name in ("max_completion_tokens", "max_tokens"):
         v = _field(body, name, (int,), None, lambda v: 0 < v <= max_tokens_limit,
@@ -173,12 +175,12 @@ def _common(body: dict, req: generate_pb2.GenerateRequest, max_tokens_default: i
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(x, str) for x in stop)):
         raise ApiError(400, "stop: expected a string or a list of strings", "stop")
-    req.stop.extend(stop or [])
+    req.stop = list(stop or [])
     req.ignore_eos = bool(_field(body, "ignore_eos", (bool,), False))
 
 
-def completion_request(body: dict, max_tokens_limit: int) -> generate_pb2.GenerateRequest:
-    req = generate_pb2.GenerateRequest()
+def completion_request(body: dict, max_tokens_limit: int) -> GenerateInput:
+    req = GenerateInput()
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -187,7 +189,7 @@ def completion_request(body: dict, max_tokens_limit: int) -> generate_pb2.Genera
     elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         if not all(0 <= i <= I32 for i in prompt):
             raise ApiError(400, "prompt: token ids must be integers >= 0 (and below the vocabulary size)", "prompt")
-        req.token_ids.ids.extend(prompt)
+        req.token_ids = list(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise ApiError(400, "prompt: one prompt per request (a list of several is not supported)", "prompt")
     else:
@@ -215,8 +217,8 @@ def _content(m: dict, i: int) -> str:
     raise ApiError(400, f"messages[{i}].content: expected a string or a list of text parts", "messages")
 
 
-def chat_request(body: dict, max_tokens_limit: int) -> generate_pb2.GenerateRequest:
-    req = generate_pb2.GenerateRequest()
+def chat_request(body: dict, max_tokens_limit: int) -> GenerateInput:
+    req = GenerateInput(messages=[])
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "messages: expected a non-empty list", "messages")
@@ -224,7 +226,7 @@ def chat_request(body: dict, max_tokens_limit: int) -> generate_pb2.GenerateRequ
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}]: expected an object with a role", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        req.chat.messages.add(role=role, content=_content(m, i))
+        req.messages.append({"role": role, "content": _content(m, i)})
     _common(body, req, max_tokens_limit, max_tokens_limit)
     if _field(body, "logprobs", (bool,), False):
         req.logprobs = _int(body, "top_logprobs", 0, MAX_LOGPROBS, 0)
@@ -313,18 +315,16 @@ class Api:
         self._check_model(_field(body, "model", (str,), None))
         return body
 
-    async def _submit(self, req: generate_pb2.GenerateRequest, chat: bool):
+    async def _submit(self, req: GenerateInput, chat: bool):
         why = self.servicer.unavailable()
         if why:
             raise ApiError(503, why)
         try:
             return await self.servicer.submit(req)
         except BadRequest as e:
-            msg = str(e).replace("sampling.", "")  # the HTTP API's fields are flat
-            field = msg.split(":", 1)[0]
-            param = {"input": "messages" if chat else "prompt", "token_ids.ids": "prompt"}.get(
-                field, "messages" if field.startswith("chat") else field)
-            raise ApiError(400, msg, param, e.code) from None
+            names = {**HTTP_FIELDS, "input": "messages" if chat else "prompt"}
+            param = names.get(e.field, e.field.removeprefix("sampling."))
+            raise ApiError(400, e.named({**names, e.field: param}), param, e.code) from None
 
     async def completions(self, request):
         body = await self._body(request)
@@ -336,19 +336,19 @@ class Api:
         req = chat_request(body, self.servicer.max_tokens_limit)
         return await self._run(request, body, req, chat=True)
 
-    async def _run(self, request, body: dict, req: generate_pb2.GenerateRequest, chat: bool):
+    async def _run(self, request, body: dict, req: GenerateInput, chat: bool):
         stream = bool(_field(body, "stream", (bool,), False))
         usage_chunk = bool(_field(_field(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
         r, q = await self._submit(req, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        out = Output(self, rid, chat, req.HasField("logprobs"))
+        out = Output(self, rid, chat, req.logprobs is not None)
         try:
             if stream:
                 return await self._stream(request, q, out, usage_chunk)
             while True:
                 ev = await q.get()
                 if isinstance(ev, Failure):
-                    raise ApiError(HTTP_STATUS.get(ev.code, 500), ev.message)
+                    raise ApiError(HTTP_STATUS.get(ev.status, 500), ev.message)
                 out.add(ev)
                 if ev.finish_reason:
                     return web.json_response(out.whole())
@@ -369,8 +369,8 @@ class Api:
             while True:
                 ev = await q.get()
                 if isinstance(ev, Failure):  # mid-stream: the status line is gone; the error goes in the stream
-                    await send({"error": {"message": ev.message, "type": error_type(HTTP_STATUS.get(ev.code, 500)),
-                                          "param": None, "code": ev.code.name}})
+                    await send({"error": {"message": ev.message, "type": error_type(HTTP_STATUS.get(ev.status, 500)),
+                                          "param": None, "code": ev.status.name}})
                     break
                 out.add(ev)
                 lps = out.logprobs_of(ev.logprobs)

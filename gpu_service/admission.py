@@ -1,0 +1,153 @@
+"""What a client asks for, in one transport-neutral form, and the one check every request passes before the
+engine sees it. gRPC's Generate and Score and the HTTP API each translate their own message into a
+GenerateInput or ScoreInput; Admission checks it (BadRequest names the field) and makes the engine's Request.
+
+    gRPC GenerateRequest ─┐
+                          ├─> GenerateInput ─> Admission.generate ─> engine.Request
+    HTTP JSON body ───────┘
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from moe_core.errors import BadRequest
+
+from .engine import Request
+from .sampling import MAX_LOGPROBS, SamplingParams
+from .text import PromptTooLong, TextCodec
+
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # a stop string is matched against every text delta: keep it short
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+@dataclasses.dataclass
+class GenerateInput:
+    """One generation as asked: exactly one of prompt, messages (chat: [{"role", "content"}]) or token_ids."""
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    token_ids: list[int] | None = None
+    max_tokens: int = 16
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    logprobs: int | None = None  # set: each token's logprob and this many top alternatives
+    stop: list[str] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    defer: int | None = None  # None: the server's --defer
+    skip: bool = False        # drop the deferred experts instead of merging them (accuracy baseline)
+    profile: bool = False
+
+
+@dataclasses.dataclass
+class ScoreInput:
+    """Logits (or per-position logprobs) of a sequence of token ids."""
+    token_ids: list[int]
+    logprobs_only: bool = False
+    defer: int = 0
+    skip: bool = False
+
+
+def check_sampling(sp: SamplingParams) -> SamplingParams:
+    """The sampling settings' ranges (BadRequest names the bad one)."""
+    def bad(name: str, what: str):
+        raise BadRequest(f"sampling.{name}", f"must be {what}, got {getattr(sp, name)}")
+    if not 0 <= sp.temperature < math.inf:  # below SAMPLING_EPS: greedy (sampling.py)
+        bad("temperature", "a finite number >= 0")
+    if not 0 < sp.top_p <= 1:
+        bad("top_p", "in (0, 1]")
+    if sp.top_k < 0:
+        bad("top_k", ">= 0")
+    if not 0 <= sp.min_p <= 1:
+        bad("min_p", "in [0, 1]")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(sp, name) <= 2:
+            bad(name, "in [-2, 2]")
+    if not 0 < sp.repetition_penalty < math.inf:
+        bad("repetition_penalty", "a finite number > 0")
+    return sp
+
+
+@dataclasses.dataclass
+class Admission:
+    """The limits a request is checked against: the model's, the engine's context, the server's settings."""
+    vocab_size: int
+    top_k: int                # the model's experts per token: defer must leave one immediate
+    text: TextCodec
+    max_context: int
+    max_tokens_limit: int
+    default_defer: int
+
+    def generate(self, inp: GenerateInput, emit) -> Request:
+        """inp checked and tokenized (tokenizing a long prompt takes a while: call it off the event loop)."""
+        ids = self._prompt_ids(inp)
+        if inp.max_tokens <= 0:
+            raise BadRequest("max_tokens", "must be > 0")
+        if inp.max_tokens > self.max_tokens_limit:
+            raise BadRequest("max_tokens", f"{inp.max_tokens} exceeds the limit {self.max_tokens_limit}")
+        sp = check_sampling(inp.sampling)
+        if inp.logprobs is not None and not 0 <= inp.logprobs <= MAX_LOGPROBS:
+            raise BadRequest("logprobs", f"at most {MAX_LOGPROBS} alternatives per token, got {inp.logprobs}")
+        if len(inp.stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in inp.stop):
+            raise BadRequest("stop", f"at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
+        defer = self._defer(self.default_defer if inp.defer is None else inp.defer)
+        return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
+                       ignore_eos=inp.ignore_eos, defer=defer, skip=inp.skip, profile=inp.profile,
+                       logprobs=inp.logprobs)
+
+    def score(self, inp: ScoreInput, emit) -> Request:
+        ids = inp.token_ids
+        if not ids:
+            raise BadRequest("token_ids", "at least one id is required")
+        self._check_ids(ids)
+        if len(ids) > self.max_context:
+            raise BadRequest("token_ids", f"{len(ids)} tokens exceed the context limit {self.max_context}",
+                             "context_length_exceeded")
+        return Request(prompt_ids=list(ids), emit=emit, score_only=True, logprobs_only=inp.logprobs_only,
+                       defer=self._defer(inp.defer), skip=inp.skip)
+
+    def _defer(self, defer: int) -> int:
+        if not 0 <= defer <= self.top_k - 1:
+            raise BadRequest("defer", f"must be in [0, top_k - 1 = {self.top_k - 1}], got {defer}")
+        return defer
+
+    def _check_ids(self, ids) -> None:
+        V = self.vocab_size
+        if any(not 0 <= i < V for i in ids):
+            raise BadRequest("token_ids", f"every id must be in [0, {V})")
+
+    def _prompt_ids(self, inp: GenerateInput) -> list[int]:
+        try:
+            ids = self._tokenize(inp)
+        except PromptTooLong as e:
+            raise BadRequest("input", f"prompt has at least {e.at_least} tokens; the context limit is "
+                             f"{self.max_context}", "context_length_exceeded") from None
+        if not ids:
+            raise BadRequest("input", "the prompt tokenizes to zero tokens")
+        if len(ids) >= self.max_context:
+            raise BadRequest("input", f"prompt has {len(ids)} tokens; the context limit is {self.max_context}",
+                             "context_length_exceeded")
+        return ids
+
+    def _tokenize(self, inp: GenerateInput) -> list[int]:
+        given = [name for name in ("prompt", "messages", "token_ids") if getattr(inp, name) is not None]
+        if len(given) != 1:
+            raise BadRequest("input", "exactly one of prompt, chat messages or token_ids is required")
+        limit = self.max_context - 1  # room for one generated token
+        if inp.prompt is not None:
+            if not inp.prompt:
+                raise BadRequest("prompt", "must not be empty")
+            return self.text.encode(inp.prompt, limit)
+        if inp.messages is not None:
+            if not inp.messages:
+                raise BadRequest("messages", "must not be empty")
+            bad = [m["role"] for m in inp.messages if m["role"] not in ROLES]
+            if bad:
+                raise BadRequest("messages.role", f"unknown role {bad[0]!r} (expected one of {sorted(ROLES)})")
+            try:
+                return self.text.render_chat(inp.messages, limit)
+            except PromptTooLong:
+                raise
+            except ValueError as e:
+                raise BadRequest("messages", str(e)) from None
+        self._check_ids(inp.token_ids)
+        return list(inp.token_ids)
