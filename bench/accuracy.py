@@ -79,7 +79,7 @@ def thirds(cfg) -> dict[str, range]:
 def depth_rows(model_dir: str, wins, d: int, exact_am) -> list[dict]:
     """Deferral / skipping of d experts in one third of the layers at a time, in one process (fp32)."""
     from expert_service.store import load_expert_layers
-    from gpu_service.dispatch import LocalExperts
+    from gpu_service.experts import LocalExperts
     from gpu_service.model import Model, Segment
     from moe_core.checkpoint import Checkpoint
 

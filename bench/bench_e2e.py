@@ -45,7 +45,7 @@ def bench_split(svc: Services, prompt_ids, tokens, runs) -> list[float]:
 
 def bench_inprocess(model_dir, prompt_ids, tokens, runs, device="cpu") -> list[float]:
     from expert_service.store import load_expert_layers
-    from gpu_service.dispatch import LocalExperts
+    from gpu_service.experts import LocalExperts
     from gpu_service.model import DTYPES, Model, Segment
 
     cfg, ckpt = load_config(model_dir), Checkpoint(model_dir)

@@ -59,7 +59,7 @@ def client_rtt(port, transport, layer, x, ids, w, n) -> tuple[list[float], list[
             experts.submit(i, layer, x, ids, w, 0)
             y = experts.result(layer, False)
             dt, u1 = (time.perf_counter() - t0) * 1e6, time.time_ns()
-            (timing,) = [t for _, _, t in experts.drain_timings()]
+            (timing,) = [t.timing for t in experts.drain_timings()]
             if i >= WARMUP:
                 rtt.append(dt)
                 compute.append(timing.compute_us)

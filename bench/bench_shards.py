@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy import windows  # noqa: E402
-from gpu_service.dispatch import LocalExperts  # noqa: E402
+from gpu_service.experts import LocalExperts  # noqa: E402
 from gpu_service.model import Model, Segment  # noqa: E402
 from expert_service.store import load_expert_layers  # noqa: E402
 from moe_core.checkpoint import Checkpoint  # noqa: E402

@@ -7,7 +7,6 @@ import logging
 import pathlib
 import sys
 
-import grpc
 import torch
 
 from moe_core.checkpoint import Checkpoint
@@ -15,7 +14,6 @@ from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
 from moe_core import security, serving
 from moe_core.edge import MalformedRequestInterceptor
-from moe_core.metrics import serve_metrics
 from moe_core.shards import Shard
 from protos import expert_pb2, expert_pb2_grpc
 
@@ -88,22 +86,13 @@ async def serve(args, stop: asyncio.Event) -> None:
     if not 1 <= args.max_tokens or max_msg > serving.GRPC_MAX_MESSAGE:
         serving.fail(f"--max-tokens {args.max_tokens}: must be >= 1, and a layer request of that many tokens of "
                      f"hidden size {cfg.hidden_size} must fit gRPC's 2 GiB message limit")
-    server = grpc.aio.server(options=serving.server_options(max_msg),
-                             interceptors=[*sec.interceptors, MalformedRequestInterceptor(RAW_METHODS)])
-    hs = serving.add_health(server)
-    name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
-    if args.reflection:
-        serving.add_reflection(server, [name, "grpc.health.v1.Health"])
     servicer = ExpertServicer(cfg, fmt, kernels.kernel_path(fmt), args.threads, args.max_tokens,
                                shm_max_bytes=args.shm_max_mb << 20, shard=shard)
-    expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
-    try:
-        sec.add_port(server, args.listen)
-    except RuntimeError as e:
-        serving.fail(f"cannot listen on {args.listen}: {e}")
-    await serving.set_health(hs, [name], serving=False)
-    await server.start()
-    serve_metrics(args.metrics_port, args.metrics_host)
+    name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
+    svc = await serving.start_service(
+        sec, args.listen, serving.server_options(max_msg), [*sec.interceptors, MalformedRequestInterceptor(RAW_METHODS)],
+        [(expert_pb2_grpc.add_ExpertServiceServicer_to_server, servicer, name)], args.reflection, args.metrics_port,
+        args.metrics_host)
     log.info("listening on %s; loading experts of %s", args.listen, args.model)
     try:
         # off the event loop, so health checks are answered (NOT_SERVING) while loading
@@ -115,10 +104,10 @@ async def serve(args, stop: asyncio.Event) -> None:
         serving.fail(str(e))
     except serving.Stopped:
         log.info("stopped while loading")
-        await server.stop(grace=0)
+        await svc.stop(grace=0)
         return
     servicer.attach(layers, fp)
-    await serving.set_health(hs, [name], serving=True)
+    await svc.serving(True)
     log.info("ready: %s fingerprint %s, %d MoE layers, %d experts%s, format %s, kernel %s, %d threads",
              cfg.model_type, fp, len(layers), len(shard.experts(cfg.n_routed_experts)),
              f" (shard {shard} of {cfg.n_routed_experts})" if shard.count > 1 else "", fmt, kernels.kernel_path(fmt),
@@ -127,8 +116,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         log.info("draining (grace %.0fs)", args.grace)
-        await serving.set_health(hs, [name], serving=False)
-        await server.stop(grace=args.grace)
+        await svc.stop(grace=args.grace)
 
 
 def open_cache(where: str, ckpt, fp: str, fmt: str, shard: Shard = Shard()) -> packed_cache.PackedCache | None:

@@ -34,7 +34,7 @@ class GenerateInput:
     stop: list[str] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     defer: int | None = None  # None: the server's --defer
-    skip: bool = False        # drop the deferred experts instead of merging them (accuracy baseline)
+    skip_deferred: bool = False  # drop the deferred experts instead of merging them (accuracy baseline)
     profile: bool = False
 
 
@@ -44,7 +44,7 @@ class ScoreInput:
     token_ids: list[int]
     logprobs_only: bool = False
     defer: int = 0
-    skip: bool = False
+    skip_deferred: bool = False
 
 
 def check_sampling(sp: SamplingParams) -> SamplingParams:
@@ -91,7 +91,7 @@ class Admission:
             raise BadRequest("stop", f"at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
         defer = self._defer(self.default_defer if inp.defer is None else inp.defer)
         return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
-                       ignore_eos=inp.ignore_eos, defer=defer, skip=inp.skip, profile=inp.profile,
+                       ignore_eos=inp.ignore_eos, defer=defer, skip_deferred=inp.skip_deferred, profile=inp.profile,
                        logprobs=inp.logprobs)
 
     def score(self, inp: ScoreInput, emit) -> Request:
@@ -103,7 +103,7 @@ class Admission:
             raise BadRequest("token_ids", f"{len(ids)} tokens exceed the context limit {self.max_context}",
                              "context_length_exceeded")
         return Request(prompt_ids=list(ids), emit=emit, score_only=True, logprobs_only=inp.logprobs_only,
-                       defer=self._defer(inp.defer), skip=inp.skip)
+                       defer=self._defer(inp.defer), skip_deferred=inp.skip_deferred)
 
     def _defer(self, defer: int) -> int:
         if not 0 <= defer <= self.top_k - 1:

@@ -6,10 +6,8 @@ import argparse
 import asyncio
 import logging
 import pathlib
-import threading
 import time
 
-import grpc
 import torch
 
 from moe_core import security, serving
@@ -17,15 +15,14 @@ from moe_core.edge import MalformedRequestInterceptor
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
-from moe_core.metrics import serve_metrics
-from moe_core.shards import Shard, check_coverage
 from protos import generate_pb2, generate_pb2_grpc
 
-from .dispatch import ExpertServiceError, LocalExperts, RemoteExperts, identity
-from .expert_health import ExpertHealth
-from .shards import ShardedExperts
+from .dispatch import ExpertServiceError, RemoteExperts
 from .engine import Engine
-from .model import DTYPES, Model
+from .expert_connection import connect_remote, in_shard_order, load_local
+from .expert_health import ExpertHealth
+from .experts import LocalExperts
+from .model import DTYPES, Model, compute_dtype, dense_format, pick_device
 from .server import GenerateServicer, prompt_bytes_limit
 from .text import TextCodec
 
@@ -99,137 +96,28 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def pick_device(arg: str) -> torch.device:
-    if arg == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(arg)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        serving.fail("--device cuda: no CUDA device is available")
-    return dev
-
-
-def native_path() -> str | None:
+def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[str]]:
+    """Every setting checked before a server starts (serving.fail names the bad one) -> (device, compute dtype,
+    dense weight format or None, expert service targets (["local"] for --experts local))."""
+    if not 0 <= args.defer < cfg.top_k:
+        serving.fail(f"--defer must be in [0, top_k - 1 = {cfg.top_k - 1}]")
+    if args.max_step_tokens < args.max_batch:
+        serving.fail(f"--max-step-tokens {args.max_step_tokens} must be >= --max-batch {args.max_batch} "
+                     "(every running decode takes one token of each step)")
+    if not args.expert_timeout > 0:
+        serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
+    if not 0 <= args.expert_wait < float("inf"):
+        serving.fail(f"--expert-wait must be a number of seconds >= 0, got {args.expert_wait}")
+    targets = [t.strip() for t in args.experts.split(",") if t.strip()]
+    if not targets or len(set(targets)) != len(targets) or ("local" in targets and len(targets) > 1):
+        serving.fail(f"--experts {args.experts!r}: 'local', or one or more distinct host:port, comma-separated")
     try:
-        import moe_kernels
-    except ImportError:
-        return None
-    return moe_kernels.PATH
-
-
-def compute_dtype(arg: str, cfg, device: torch.device) -> torch.dtype:
-    """--dtype resolved. auto: the checkpoint's dtype, except fp32 for a bf16/fp16 model on a CPU without
-    bf16 arithmetic (kernel path below avx512): torch converts every bf16 op there, and norms, rope and
-    attention ran ~3.5x slower than in fp32 (decode attention over 300 tokens: 1.31 ms against 0.37 ms
-    per layer, torch limited to AVX2). The dense weights stay 16-bit with --dense-format."""
-    if arg != "auto":
-        return DTYPES[arg]
-    dtype = DTYPES[cfg.torch_dtype]
-    if device.type == "cpu" and dtype != torch.float32 and native_path() not in ("avx512", "amx"):
-        return torch.float32
-    return dtype
-
-
-def dense_format(arg: str, device: torch.device, ckpt_dtype: torch.dtype, dtype_arg: str = "auto") -> str | None:
-    """--dense-format resolved: a native weight format, or None for torch's matmuls. auto: a bf16
-    checkpoint's weights packed as bf16 (the same bits) when --dtype is auto or bf16; an explicit
-    --dtype fp32/fp16 keeps torch's matmuls (the kernels round activations to bf16: not exact)."""
-    if arg == "torch" or (arg == "auto" and (device.type != "cpu" or ckpt_dtype != torch.bfloat16
-                                              or dtype_arg not in ("auto", "bf16"))):
-        return None
-    if device.type != "cpu":
-        serving.fail(f"--dense-format {arg}: the native kernels run on the CPU, and this service computes on {device}")
-    path = native_path()
-    if path is None:
-        if arg == "auto":
-            return None
-        serving.fail(f"--dense-format {arg}: the native kernels are not built")
-    if arg == "auto":
-        return "bf16" if path != "portable" else None
-    return arg
-
-
-def expert_is_up(experts: RemoteExperts) -> bool:
-    """Whether the expert service's process answers at all (its health service: SERVING or not)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        health_pb2_grpc.HealthStub(experts.channel).Check(health_pb2.HealthCheckRequest(), timeout=2,
-                                                          metadata=experts.security.metadata)
-        return True
-    except grpc.RpcError:
-        return False
-
-
-def wait_for_experts(experts: RemoteExperts, timeout: float, cancel):
-    """ExpertInfo once the expert service is ready; ConnectionError (the message for serving.fail) if it
-    refuses us or does not answer for `timeout` seconds (while it answers and loads, we wait); None
-    once `cancel` is set."""
-    deadline, delay, loading = time.monotonic() + timeout, 0.1, False
-    while not cancel.is_set():
-        try:
-            return experts.info(timeout=5)
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                raise ConnectionError(f"expert service at {experts.target} refused us: {e.details()}") from None
-            if time.monotonic() > deadline and expert_is_up(experts):
-                if not loading:
-                    log.info("expert service at %s is up and still loading its experts: waiting for it",
-                             experts.target)
-                loading = True
-                deadline = time.monotonic() + timeout
-            if time.monotonic() > deadline:
-                raise ConnectionError(f"expert service at {experts.target} not ready after {timeout:.0f}s: "
-                                      f"{e.code().name}: {e.details()}") from None
-            cancel.wait(delay)
-            delay = min(delay * 2, 2.0)
-
-
-def load_local(args, cfg, ckpt, fp: str, load_model, cancel: threading.Event):
-    """--experts local: -> (Model, {layer: MoELayer}, weight format): the routed experts in this process, on
-    the native pool the dense layers use, packed (and cached) as an expert service would hold them."""
-    from expert_service import packed_cache
-    from expert_service.cli import open_cache, weight_format
-    from expert_service.store import LoadCancelled, load_expert_layers
-
-    fmt = weight_format(args.weight_format, cfg.torch_dtype, cfg.mxfp4_experts)
-    model = load_model()
-    cache = open_cache(args.cache_dir or str(packed_cache.default_dir()), ckpt, fp, fmt)
-    try:
-        layers = load_expert_layers(cfg, ckpt, fmt, args.threads, cancel=cancel, cache=cache)
-    except LoadCancelled:
-        raise InterruptedError("loading cancelled") from None
-    return model, layers, fmt
-
-
-def connect_and_load(wait, check, load, cancel: threading.Event):
-    """-> (ExpertInfo, Model): this side's weights load (load()) while another thread waits for the
-    expert service (wait(), then check(info)), since a cold expert start of a large model takes minutes.
-    An expert service that refuses us, never answers or serves another model (ConnectionError) stops
-    the load at once through `cancel`, and the error is raised."""
-    got: dict = {}
-
-    def waiter() -> None:
-        try:
-            info = wait()
-            if info is not None:
-                check(info)
-            got["info"] = info
-        except ConnectionError as e:
-            got["error"] = e
-            cancel.set()
-
-    t = threading.Thread(target=waiter, name="wait-for-experts", daemon=True)
-    t.start()
-    try:
-        model = load()
-    except InterruptedError:
-        if "error" not in got:
-            raise  # stopped: unless_stopped turns it into Stopped
-        model = None
-    t.join()
-    if "error" in got:
-        raise got["error"]
-    return got.get("info"), model
+        device = pick_device(args.device)
+        dtype = compute_dtype(args.dtype, cfg, device)
+        dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype)
+    except ValueError as e:
+        serving.fail(str(e))
+    return device, dtype, dense, targets
 
 
 async def serve(args, stop: asyncio.Event) -> None:
@@ -245,36 +133,25 @@ async def serve(args, stop: asyncio.Event) -> None:
         expert_sec = security.ClientSecurity.from_args(args, prefix="experts-")
     except (OSError, ValueError) as e:
         serving.fail(f"security settings: {e}")
-    if not 0 <= args.defer < cfg.top_k:
-        serving.fail(f"--defer must be in [0, top_k - 1 = {cfg.top_k - 1}]")
+    device, dtype, dense, targets = check_args(args, cfg)
     torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
-    dtype = compute_dtype(args.dtype, cfg, device)
     max_context = min(args.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
     max_msg = max(max_context, 8192) * (cfg.hidden_size * 4 + cfg.top_k * 8) + (1 << 16)
     server_info = generate_pb2.ServerInfo(
         model_fingerprint=fp, architecture=cfg.model_type, device=str(device), dtype=str(dtype).replace("torch.", ""),
         num_layers=cfg.num_layers, moe_layers=list(cfg.moe_layers), vocab_size=cfg.vocab_size,
         max_context=max_context, expert_service=args.experts, defer=args.defer, max_batch=args.max_batch)
-    # up first (NOT_SERVING), so probes see it while it loads
     # sent: at most Score's logits (refused past grpcio's 2 GiB: logprobs_only then); received: a request, whose
     # prompt can have no more bytes than the context holds (token ids: up to 5 bytes each), plus its settings
     prompt_bytes = prompt_bytes_limit(max_context, text)
-    server = grpc.aio.server(options=serving.server_options(max_context * cfg.vocab_size * 4 + (1 << 20),
-                                                            prompt_bytes + max_context * 6 + (1 << 20)),
-                             interceptors=[*sec.interceptors, MalformedRequestInterceptor()])
     servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit, args.expert_wait)
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
-    hs = serving.add_health(server)
-    names = [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name]
-    if args.reflection:
-        serving.add_reflection(server, [*names, "grpc.health.v1.Health"])
-    try:
-        sec.add_port(server, args.listen)
-    except RuntimeError as e:
-        serving.fail(f"cannot listen on {args.listen}: {e}")
-    await serving.set_health(hs, names, serving=False)
-    await server.start()
+    svc = await serving.start_service(
+        sec, args.listen, serving.server_options(max_context * cfg.vocab_size * 4 + (1 << 20),
+                                                 prompt_bytes + max_context * 6 + (1 << 20)),
+        [*sec.interceptors, MalformedRequestInterceptor()],
+        [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer,
+          generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name)],
+        args.reflection, args.metrics_port, args.metrics_host)
     http = None
     if args.http_listen:
         from . import openai_api
@@ -287,95 +164,58 @@ async def serve(args, stop: asyncio.Event) -> None:
         except (OSError, ValueError) as e:
             serving.fail(f"cannot listen on --http-listen {args.http_listen}: {e}")
         log.info("OpenAI-compatible HTTP API on %s (model id %r)", args.http_listen, api.model_name)
-    serve_metrics(args.metrics_port, args.metrics_host)
-    if args.max_step_tokens < args.max_batch:
-        serving.fail(f"--max-step-tokens {args.max_step_tokens} must be >= --max-batch {args.max_batch} "
-                     "(every running decode takes one token of each step)")
-    if not args.expert_timeout > 0:
-        serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
-    if not 0 <= args.expert_wait < float("inf"):
-        serving.fail(f"--expert-wait must be a number of seconds >= 0, got {args.expert_wait}")
-    dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype)
     if dense:
         from moe_kernels import native
         native.init_pool(args.threads)
     log.info("dense layers: %s", f"native kernels, {dense} weights" if dense else "torch")
-    if args.experts.strip() == "local":
+
+    def load_model(cancel):
+        return Model(cfg, ckpt, device, dtype, cancel=cancel, dense_format=dense)
+
+    async def stopped_while_starting(remotes=()) -> None:
+        log.info("stopped while starting")
+        if http:
+            await openai_api.stop(api, http, 0)
+        await svc.stop(grace=0)
+        for r in remotes:
+            r.close()
+
+    if targets == ["local"]:
         try:
             model, layers, fmt = await serving.unless_stopped(stop, lambda c: load_local(
-                args, cfg, ckpt, fp, lambda: Model(cfg, ckpt, device, dtype, cancel=c, dense_format=dense), c))
+                args, cfg, ckpt, fp, lambda: load_model(c), c))
         except serving.Stopped:
-            log.info("stopped while starting")
-            if http:
-                await openai_api.stop(api, http, 0)
-            await server.stop(grace=0)
-            return
+            return await stopped_while_starting()
         experts = LocalExperts(layers)
         server_info.transport = transport = "local"
         step_tokens, experts_up, watchers = args.max_step_tokens, (lambda: True), []
         from expert_service.kernels import kernel_path
         expert_desc = (fmt, kernel_path(fmt))
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens)
-        await serving.set_health(hs, names, serving=True)
+        await svc.serving(True)
     else:
-        targets = [t.strip() for t in args.experts.split(",") if t.strip()]
-        if not targets or len(set(targets)) != len(targets):
-            serving.fail(f"--experts {args.experts!r}: one or more distinct host:port, comma-separated")
         remotes = [RemoteExperts(t, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20, args.expert_timeout)
                    for t in targets]
-
-        def same_model(infos) -> None:
-            for target, info in zip(targets, infos):
-                if info.model_fingerprint != fp:
-                    raise ConnectionError(
-                        f"model mismatch: this GPU service serves {args.model} (fingerprint {fp}), the expert service "
-                        f"at {target} serves a {info.architecture} model with fingerprint {info.model_fingerprint}; "
-                        f"point both at the same checkpoint")
-            try:
-                check_coverage({t: Shard(i.shard_index, i.shard_count or 1) for t, i in zip(targets, infos)})
-            except ValueError as e:
-                raise ConnectionError(f"--experts {args.experts}: {e}") from None
-
-        def wait_for_all(cancel):
-            infos = []
-            for r in remotes:
-                infos.append(wait_for_experts(r, args.connect_timeout, cancel))
-                if infos[-1] is None:
-                    return None
-            return infos
-
         log.info("waiting for the expert service%s at %s (loading this side's weights meanwhile)",
                  "s" if len(targets) > 1 else "", args.experts)
         try:
-            infos, model = await serving.unless_stopped(stop, lambda c: connect_and_load(
-                lambda: wait_for_all(c), same_model, lambda: Model(cfg, ckpt, device, dtype, cancel=c, dense_format=dense),
-                c))
+            infos, model = await serving.unless_stopped(stop, lambda c: connect_remote(
+                remotes, fp, args.model, args.connect_timeout, lambda: load_model(c), c))
         except serving.Stopped:
-            log.info("stopped while starting")
-            if http:
-                await openai_api.stop(api, http, 0)
-            await server.stop(grace=0)
-            for r in remotes:
-                r.close()
-            return
+            return await stopped_while_starting(remotes)
         except (ConnectionError, ModelConfigError) as e:
             serving.fail(str(e))
-        for r, i in zip(remotes, infos):
-            r.expected = identity(i)
-        # shard order; one expert service alone is used directly
-        remotes = [r for _, r in sorted(zip((i.shard_index for i in infos), remotes), key=lambda p: p[0])]
-        info = infos[0]
-        experts = remotes[0] if len(remotes) == 1 else ShardedExperts(remotes)
+        experts, remotes = in_shard_order(remotes, infos)
         try:
             transport = await asyncio.to_thread(experts.start_transport)
         except ExpertServiceError as e:
             serving.fail(f"--transport {args.transport}: {e}")
         server_info.transport = transport
         step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
-        health = ExpertHealth(remotes, on_change=lambda up: serving.set_health(hs, names, serving=up))
+        health = ExpertHealth(remotes, on_change=svc.serving)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
                         expert_wait=args.expert_wait, experts_ready=health.up)
-        experts_up, watchers, expert_desc = health.up, health.watchers(), (info.weight_format, info.kernel_path)
+        experts_up, watchers, expert_desc = health.up, health.watchers(), (infos[0].weight_format, infos[0].kernel_path)
     engine.start()
     servicer.attach(engine, experts_up)
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "
@@ -384,12 +224,13 @@ async def serve(args, stop: asyncio.Event) -> None:
     try:
         await stop.wait()
     finally:
-        await drain(args.grace, servicer, engine, server, hs, names, watchers, (api, http) if http else None)
+        await drain(args.grace, servicer, engine, svc, watchers, (api, http) if http else None)
         engine.stop()
         experts.close()
 
 
-async def drain(grace: float, servicer: GenerateServicer, engine: Engine, server, hs, names, watchers, http) -> None:
+async def drain(grace: float, servicer: GenerateServicer, engine: Engine, svc: serving.Service, watchers,
+                http) -> None:
     """SIGTERM: nothing new starts (new requests get UNAVAILABLE / 503, queued ones fail now), the running
     ones get `grace` seconds to finish, then every one still running, gRPC or HTTP, ends with a clear
     UNAVAILABLE error; the servers close once their handlers have sent it."""
@@ -398,7 +239,7 @@ async def drain(grace: float, servicer: GenerateServicer, engine: Engine, server
         w.cancel()
     servicer.draining = True
     engine.close("the service is shutting down")
-    await serving.set_health(hs, names, serving=False)
+    await svc.serving(False)
     deadline = time.monotonic() + grace
     while engine.busy() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -408,7 +249,7 @@ async def drain(grace: float, servicer: GenerateServicer, engine: Engine, server
     flush = 2.0  # for the handlers to send what the engine emitted
     if http:
         from . import openai_api
-    await asyncio.gather(server.stop(grace=flush), *([openai_api.stop(*http, flush)] if http else []))
+    await asyncio.gather(svc.stop(grace=flush), *([openai_api.stop(*http, flush)] if http else []))
 
 
 def main(argv=None) -> None:

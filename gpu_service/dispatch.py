@@ -1,15 +1,10 @@
-"""Dispatch: how the GPU side hands a layer's routed experts to the expert service and gets the
-sums back. submit() returns at once; result() blocks for the next result, which must be the
-one asked for (results come back in request order: IMMEDIATE of a layer, then its DEFERRED).
-
-RemoteExperts: one bidirectional gRPC Exchange stream (kept open across steps), and with
-transport shm|auto a shared-memory session (shm_channel.py) that carries every layer request
+"""Dispatch: how the GPU side hands a layer's routed experts to an expert service and gets the sums back
+(the Experts protocol, experts.py). RemoteExperts: one bidirectional gRPC Exchange stream (kept open across
+steps), and with transport shm|auto a shared-memory session (shm_channel.py) that carries every layer request
 that fits its slots; larger ones (long prefills) take the gRPC stream.
-LocalExperts: the same contract in-process, for tests and tools.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -19,11 +14,11 @@ import grpc
 
 from moe_core import wire
 from moe_core.errors import Status
-from moe_core.routing import split_deferred
 from moe_core.security import ClientSecurity
 from moe_core.serving import FINGERPRINT_KEY, RECONNECT, message_options
 from protos import expert_pb2, expert_pb2_grpc
 
+from .experts import PartTiming, ShardWait
 from .shm_channel import ShmChannel, ShmError
 
 log = logging.getLogger("gpu_service.dispatch")
@@ -100,33 +95,6 @@ class Deadline:
                 self.fired = True
                 self._call.cancel()
                 self._call = None
-
-
-class LocalExperts:
-    def __init__(self, layers: dict):
-        self.layers = layers
-        self.out: collections.deque = collections.deque()
-
-    def submit(self, step, layer, x, ids, w, defer):
-        op = self.layers[layer]
-        x, ids, w = x.cpu(), ids.cpu(), w.cpu()
-        if defer == 0:
-            self.out.append((layer, False, op.forward(x, ids, w)))
-            return
-        i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
-        self.out.append((layer, False, op.forward(x, i_ids, i_w)))
-        self.out.append((layer, True, op.forward(x, d_ids, d_w)))
-
-    def result(self, layer, deferred):
-        got = self.out.popleft()
-        assert got[:2] == (layer, deferred), f"out of order: wanted {(layer, deferred)}, got {got[:2]}"
-        return got[2]
-
-    def reset(self):
-        self.out.clear()
-
-    def close(self):
-        self.out.clear()
 
 
 class RemoteExperts:
@@ -243,7 +211,7 @@ class RemoteExperts:
             except ShmError as e:
                 self.reset()
                 raise ExpertServiceError(e.code, f"expert service at {self.target}: {e}") from None
-            self._timings.append((layer, deferred, timing))
+            self._timings.append(PartTiming(layer, deferred, timing))
             self.last_ok = time.monotonic()
             return y
         try:
@@ -287,9 +255,12 @@ class RemoteExperts:
         finally:
             self._deadline.disarm()
 
-    def drain_timings(self) -> list:
+    def drain_timings(self) -> list[PartTiming]:
         out, self._timings = self._timings, []
         return out
+
+    def drain_waits(self) -> list[ShardWait]:
+        return []
 
     def reset(self):
         """Drop the stream and the shared-memory session (after an error): the next submit opens fresh ones."""

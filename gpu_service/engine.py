@@ -21,6 +21,7 @@ from moe_core.errors import Status
 
 from . import metrics
 from .dispatch import ExpertServiceError
+from .experts import Experts, Span
 from .model import Model, Segment
 from .sampling import SamplingParams, sample, token_logprobs
 from .text import DetokenizeStream, TextCodec
@@ -38,7 +39,7 @@ class Chunk:
     completion_tokens: int
     ttft_s: float
     elapsed_s: float
-    spans: list | None = None  # the request's profile, on the last chunk when asked for
+    spans: list[Span] | None = None  # the request's profile, on the last chunk when asked for
     logprobs: list | None = None  # per token: (id, logprob, [(id, logprob) of the top ones]), when asked for
 
 
@@ -64,7 +65,7 @@ class Request:
     stop: list[str] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     defer: int = 0
-    skip: bool = False  # drop the deferred experts instead (accuracy baseline)
+    skip_deferred: bool = False  # drop the deferred experts instead (accuracy baseline)
     score_only: bool = False
     logprobs_only: bool = False  # score_only: per-position logprobs instead of the logits
     profile: bool = False
@@ -80,11 +81,11 @@ class Request:
     score_parts: list = dataclasses.field(default_factory=list)  # score_only: the chunks' results so far
     first_token_at: float | None = None
     last_token_at: float | None = None
-    spans: list = dataclasses.field(default_factory=list)
+    spans: list[Span] = dataclasses.field(default_factory=list)
 
 
 class Engine:
-    def __init__(self, model: Model, experts, text: TextCodec, max_batch: int, max_context: int,
+    def __init__(self, model: Model, experts: Experts, text: TextCodec, max_batch: int, max_context: int,
                  step_tokens: int = 0, expert_wait: float = 0.0, experts_ready: Callable[[], bool] = lambda: True):
         self.model, self.experts, self.text = model, experts, text
         self.max_batch, self.max_context = max_batch, max_context
@@ -175,8 +176,8 @@ class Engine:
             batch = self.running + new
             plan = self._plan(batch)
             # one forward per distinct deferral setting: a request's result never depends on its neighbours
-            for defer, skip in sorted({(r.defer, r.skip) for r, _ in plan}):
-                self._step_or_fail([(r, n) for r, n in plan if (r.defer, r.skip) == (defer, skip)], defer, skip)
+            for defer, skip in sorted({(r.defer, r.skip_deferred) for r, _ in plan}):
+                self._step_or_fail([(r, n) for r, n in plan if (r.defer, r.skip_deferred) == (defer, skip)], defer, skip)
             self.running = [r for r in batch if r.cache is not None and not r.cancelled]
             alive = {id(r) for r in self.running}
             if any(len(r.prompt_ids) + len(r.output) >= TRIM_AFTER for r in batch if id(r) not in alive):
@@ -344,26 +345,24 @@ class Engine:
             text += r.detok.flush()
         if r.profile:
             r.spans += spans
-            r.spans.append(("sampling", "gpu", -1, spans[0][3] if spans else 0, t_sample, time.time_ns()))
+            r.spans.append(Span("sampling", "gpu", -1, spans[0].step if spans else 0, t_sample, time.time_ns()))
         r.emit(Chunk(text, [tok], finish, len(r.prompt_ids), len(r.output), r.first_token_at - r.arrival,
                      now - r.arrival, r.spans if (finish and r.profile) else None, lps))
         if finish is not None:
             r.cache = None  # frees the KV cache
 
 
-def expert_spans(experts, step: int) -> list:
+def expert_spans(experts: Experts, step: int) -> list[Span]:
     """The expert services' compute spans of this step, as they reported them (sharded: one lane per
-    shard, "expert-I")."""
-    out = []
-    for layer, deferred, timing, *shard in getattr(experts, "drain_timings", lambda: [])():
-        out.append(("experts_deferred" if deferred else "experts_immediate", f"expert-{shard[0]}" if shard else "expert",
-                    layer, step, timing.start_unix_ns, timing.end_unix_ns))
-    for layer, shard, t0, t1 in getattr(experts, "drain_waits", lambda: [])():  # sharded: the GPU side's wait on each
-        out.append(("shard_wait", f"expert-{shard}", layer, step, t0, t1))
+    shard, "expert-I"), and the GPU side's wait on each shard."""
+    out = [Span("experts_deferred" if t.deferred else "experts_immediate",
+                "expert" if t.shard is None else f"expert-{t.shard}", t.layer, step, t.timing.start_unix_ns,
+                t.timing.end_unix_ns) for t in experts.drain_timings()]
+    out += [Span("shard_wait", f"expert-{w.shard}", w.layer, step, w.start_ns, w.end_ns) for w in experts.drain_waits()]
     return out
 
 
-def record_step_metrics(spans: list, step_s: float) -> None:
+def record_step_metrics(spans: list[Span], step_s: float) -> None:
     metrics.STEP.observe(step_s)
     blocked = 0.0
     submitted = {}

@@ -22,6 +22,7 @@ from moe_core.routing import split_deferred
 from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel needs moe_kernels anyway
 
 from .attention import QKV, KVCache, gqa_attention, mla_attention
+from .experts import Experts, Span
 from .linear_attention import gated_deltanet
 from .layers import linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
 
@@ -188,7 +189,7 @@ class Model:
         return self._mlp(p + "shared_experts.", x)
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment], experts, step: int = 0, defer: int = 0,
+    def forward(self, segments: list[Segment], experts: Experts, step: int = 0, defer: int = 0,
                 spans: list | None = None, skip: bool = False, exact_spans: bool = False,
                 defer_layers: range | None = None) -> torch.Tensor:
         """-> logits [n, vocab] fp32: one row per segment (its last token), or every row of a
@@ -207,7 +208,7 @@ class Model:
                 torch.cuda.synchronize(self.device)
             t1 = clock()
             if spans is not None:
-                spans.append((name, "gpu", layer, step, t0, t1))
+                spans.append(Span(name, "gpu", layer, step, t0, t1))
             return t1
 
         t = clock()
@@ -269,3 +270,56 @@ class Model:
         logits = linear(h[sel], self.lm_head).float()
         mark("lm_head", -1, t)
         return logits
+
+
+# -- what to load the model as: the --device / --dtype / --dense-format policy (ValueError: the message for the
+# command line) -------------------------------------------------------------------------------------------
+def pick_device(arg: str) -> torch.device:
+    if arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(arg)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return dev
+
+
+def native_isa() -> str | None:
+    """The native kernels' ISA on this CPU, None when they are not built."""
+    try:
+        import moe_kernels
+    except ImportError:
+        return None
+    return moe_kernels.PATH
+
+
+def compute_dtype(arg: str, cfg, device: torch.device) -> torch.dtype:
+    """--dtype resolved. auto: the checkpoint's dtype, except fp32 for a bf16/fp16 model on a CPU without
+    bf16 arithmetic (kernel path below avx512): torch converts every bf16 op there, and norms, rope and
+    attention run several times slower than in fp32 (docs/decode_step.md). The dense weights stay 16-bit
+    with --dense-format."""
+    if arg != "auto":
+        return DTYPES[arg]
+    dtype = DTYPES[cfg.torch_dtype]
+    if device.type == "cpu" and dtype != torch.float32 and native_isa() not in ("avx512", "amx"):
+        return torch.float32
+    return dtype
+
+
+def dense_format(arg: str, device: torch.device, ckpt_dtype: torch.dtype, dtype_arg: str = "auto") -> str | None:
+    """--dense-format resolved: a native weight format, or None for torch's matmuls. auto: a bf16
+    checkpoint's weights packed as bf16 (the same bits) when --dtype is auto or bf16; an explicit
+    --dtype fp32/fp16 keeps torch's matmuls (the kernels round activations to bf16: not exact)."""
+    if arg == "torch" or (arg == "auto" and (device.type != "cpu" or ckpt_dtype != torch.bfloat16
+                                              or dtype_arg not in ("auto", "bf16"))):
+        return None
+    if device.type != "cpu":
+        raise ValueError(f"--dense-format {arg}: the native kernels run on the CPU, and this service computes on "
+                         f"{device}")
+    isa = native_isa()
+    if isa is None:
+        if arg == "auto":
+            return None
+        raise ValueError(f"--dense-format {arg}: the native kernels are not built")
+    if arg == "auto":
+        return "bf16" if isa != "portable" else None
+    return arg

@@ -46,7 +46,7 @@ def generate_input(req: generate_pb2.GenerateRequest) -> GenerateInput:
         token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
         max_tokens=req.max_tokens, sampling=sp, logprobs=req.logprobs if req.HasField("logprobs") else None,
         stop=list(req.stop), ignore_eos=req.ignore_eos, defer=req.defer if req.HasField("defer") else None,
-        skip=req.skip_deferred, profile=req.profile)
+        skip_deferred=req.skip_deferred, profile=req.profile)
 
 
 # the transport-neutral request's field names as GenerateRequest / ScoreRequest spell them

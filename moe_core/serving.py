@@ -101,6 +101,46 @@ def add_reflection(server: grpc.aio.Server, service_full_names: list[str]) -> No
     reflection.enable_server_reflection([*service_full_names, reflection.SERVICE_NAME], server)
 
 
+class Service:
+    """One service's gRPC server through its life, the same for both services: it listens at once with its
+    health NOT_SERVING (probes see it while the weights load), ready() makes it SERVING, stop() drains it."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer, names: list[str]):
+        self.server, self.health, self.names = server, health_servicer, names
+
+    async def serving(self, up: bool) -> None:
+        await set_health(self.health, self.names, up)
+
+    async def stop(self, grace: float) -> None:
+        """Health NOT_SERVING, then the server closes once its handlers end (at most `grace` seconds)."""
+        await self.serving(False)
+        await self.server.stop(grace=grace)
+
+
+async def start_service(sec, listen: str, options: list, interceptors: list, servicers: list[tuple],
+                        reflection: bool, metrics_port: int, metrics_host: str) -> Service:
+    """Listen on `listen` with these servicers ((add_X_to_server, servicer, full service name) each), the health
+    service (NOT_SERVING until Service.serving(True)), reflection if asked for, and the Prometheus endpoint.
+    A port it cannot take ends the process with a clear message."""
+    from .metrics import serve_metrics
+
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    for add, servicer, _ in servicers:
+        add(servicer, server)
+    names = [name for _, _, name in servicers]
+    svc = Service(server, add_health(server), names)
+    if reflection:
+        add_reflection(server, [*names, "grpc.health.v1.Health"])
+    try:
+        sec.add_port(server, listen)
+    except RuntimeError as e:
+        fail(f"cannot listen on {listen}: {e}")
+    await svc.serving(False)
+    await server.start()
+    serve_metrics(metrics_port, metrics_host)
+    return svc
+
+
 def run(main) -> None:
     """Run `main(stop)` on uvloop; SIGTERM/SIGINT set the asyncio.Event `stop`, and main drains
     and returns (exit 0). A second signal cancels it outright."""

@@ -69,7 +69,7 @@ def test_prompts_longer_than_the_expert_limit_run_in_chunks(checkpoints, service
 @pytest.fixture
 def engine(checkpoints):
     from expert_service.store import load_expert_layers
-    from gpu_service.dispatch import LocalExperts
+    from gpu_service.experts import LocalExperts
     from gpu_service.engine import Engine
     from gpu_service.model import Model
     from gpu_service.text import TextCodec

@@ -110,7 +110,7 @@ def test_model_with_native_dense_layers_matches_torch_dense(fmt, tol, agree):
     """The embedded (bf16) model in one process: logits with every projection, dense MLP and lm_head on
     the native kernels against the same model on torch's matmuls."""
     from expert_service.store import load_expert_layers
-    from gpu_service.dispatch import LocalExperts
+    from gpu_service.experts import LocalExperts
     from gpu_service.model import DTYPES, Model, Segment
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
@@ -140,17 +140,17 @@ def test_model_with_native_dense_layers_matches_torch_dense(fmt, tol, agree):
 def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, path, ckpt, want_dtype, want_dense):
     from types import SimpleNamespace
 
-    from gpu_service import cli
-    monkeypatch.setattr(cli, "native_path", lambda: path)
+    from gpu_service import model as load
+    monkeypatch.setattr(load, "native_isa", lambda: path)
     cpu = torch.device("cpu")
     cfg = SimpleNamespace(torch_dtype=ckpt)
-    assert cli.compute_dtype("auto", cfg, cpu) == want_dtype
-    assert cli.compute_dtype("bf16", cfg, cpu) == torch.bfloat16  # asked for: given
-    assert cli.dense_format("auto", cpu, cli.DTYPES[ckpt]) == want_dense
-    assert cli.dense_format("torch", cpu, cli.DTYPES[ckpt]) is None
-    assert cli.dense_format("auto", torch.device("cuda"), cli.DTYPES[ckpt]) is None
-    assert cli.dense_format("auto", cpu, cli.DTYPES[ckpt], "fp32") is None  # asked for fp32: exact, torch
-    assert cli.dense_format("auto", cpu, cli.DTYPES[ckpt], "bf16") == want_dense
+    assert load.compute_dtype("auto", cfg, cpu) == want_dtype
+    assert load.compute_dtype("bf16", cfg, cpu) == torch.bfloat16  # asked for: given
+    assert load.dense_format("auto", cpu, load.DTYPES[ckpt]) == want_dense
+    assert load.dense_format("torch", cpu, load.DTYPES[ckpt]) is None
+    assert load.dense_format("auto", torch.device("cuda"), load.DTYPES[ckpt]) is None
+    assert load.dense_format("auto", cpu, load.DTYPES[ckpt], "fp32") is None  # asked for fp32: exact, torch
+    assert load.dense_format("auto", cpu, load.DTYPES[ckpt], "bf16") == want_dense
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "glm4_moe",
@@ -161,7 +161,7 @@ def test_every_family_runs_with_native_dense_layers(family, checkpoints):
     matmuls."""
     from expert_service.store import load_expert_layers
     from gpu_service.attention import QKV
-    from gpu_service.dispatch import LocalExperts
+    from gpu_service.experts import LocalExperts
     from gpu_service.model import Model, Segment
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config

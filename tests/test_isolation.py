@@ -143,7 +143,7 @@ def test_damaged_exchange_messages_under_address_sanitizer(asan_native):
 @pytest.fixture(scope="module")
 def engine(checkpoints):
     from expert_service.store import load_expert_layers
-    from gpu_service.dispatch import LocalExperts
+    from gpu_service.experts import LocalExperts
     from gpu_service.engine import Engine
     from gpu_service.model import Model
     from gpu_service.text import TextCodec

@@ -61,7 +61,7 @@ def test_state_carries_across_any_split():
 # -- the engine, in process ------------------------------------------------------------------------
 def make_engine(d, **kw):
     from expert_service.store import load_expert_layers
-    from gpu_service.dispatch import LocalExperts
+    from gpu_service.experts import LocalExperts
     from gpu_service.engine import Engine
     from gpu_service.model import Model
     from gpu_service.text import TextCodec

@@ -1,5 +1,5 @@
 """Routed experts over several expert services, one per shard (moe_core.shards: expert e on shard
-e % N). The same contract as one RemoteExperts (dispatch.py): per MoE layer, submit() sends each shard
+e % N). The Experts protocol (experts.py), as one RemoteExperts (dispatch.py) keeps it: per MoE layer, submit() sends each shard
 only the tokens with at least one of its experts, their other pairs as id -1, all shards at once;
 result() sums the shards' partial results in shard order.
 
@@ -17,6 +17,7 @@ import torch
 from moe_core.shards import owner_and_local
 
 from .dispatch import ExpertServiceError, RemoteExperts
+from .experts import PartTiming, ShardWait
 
 
 class ShardedExperts:
@@ -25,7 +26,7 @@ class ShardedExperts:
         self.shards = shards
         # layer -> (per shard: True (every row), the rows sent, or None (not asked); [T, H]; dtype; parts left)
         self.sent: dict[int, tuple] = {}
-        self.waits: list = []  # (layer, shard, start ns, end ns): how long result() blocked on each shard
+        self.waits: list[ShardWait] = []  # how long result() blocked on each shard
 
     def submit(self, step, layer, x, ids, w, defer):
         try:
@@ -73,7 +74,7 @@ class ShardedExperts:
                 continue
             t0 = time.time_ns()
             part = shard.result(layer, deferred)
-            self.waits.append((layer, i, t0, time.time_ns()))
+            self.waits.append(ShardWait(layer, i, t0, time.time_ns()))
             # summed in fp32, then rounded once to the hidden dtype (bf16 parts were each rounded by their
             # shard already), into a tensor of our own (a part may view a buffer its transport reuses)
             if rows is True:
@@ -88,13 +89,11 @@ class ShardedExperts:
             self.sent[layer] = (sent, shape, dtype, left - 1)
         return y.to(dtype) if y is not None else torch.zeros(shape, dtype=dtype)
 
-    def drain_timings(self) -> list:
-        """(layer, deferred, timing, shard index) of every shard since the last drain."""
-        return [(*t, i) for i, s in enumerate(self.shards) for t in s.drain_timings()]
+    def drain_timings(self) -> list[PartTiming]:
+        return [t._replace(shard=i) for i, s in enumerate(self.shards) for t in s.drain_timings()]
 
-    def drain_waits(self) -> list:
-        """(layer, shard index, start ns, end ns) of each blocking result() since the last drain: a shard
-        whose answer was already in costs ~0, the slowest one shows the layer's wait."""
+    def drain_waits(self) -> list[ShardWait]:
+        """A shard whose answer was already in costs ~0, the slowest one shows the layer's wait."""
         out, self.waits = self.waits, []
         return out
 

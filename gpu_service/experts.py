@@ -1,0 +1,103 @@
+"""The routed experts as the GPU side's layers see them: one protocol, whatever runs them.
+
+    Experts (this protocol)
+      ├─ LocalExperts      (here)               in this process: tests, tools, `gpu-service --experts local`
+      ├─ RemoteExperts     (dispatch.py)        one expert service: a gRPC Exchange stream, and a shared-memory
+      │                                         ring (shm_channel.py) when both run on one host
+      └─ ShardedExperts    (sharded_experts.py) several expert services, one per shard
+
+submit() returns at once; result() blocks for the next result, which must be the one asked for (results
+come back in request order: a layer's IMMEDIATE part, then its DEFERRED one). What they measured comes
+back as typed records, which the engine turns into the request's profile (Span).
+"""
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple, Protocol
+
+import torch
+
+from moe_core.routing import split_deferred
+from moe_core.wire import Timing
+
+
+class Span(NamedTuple):
+    """One timed piece of a step, for the profile (GenerateChunk.profile) and the metrics."""
+    name: str      # "attention", "router", "expert_wait", "experts_immediate", "sampling", ...
+    service: str   # "gpu", "expert", or "expert-I" (shard I)
+    layer: int     # -1: not a layer's
+    step: int
+    start_ns: int  # unix ns, one clock on both services (the same host, or NTP between hosts)
+    end_ns: int
+
+
+class PartTiming(NamedTuple):
+    """What an expert service reported of one part it computed."""
+    layer: int
+    deferred: bool
+    timing: Timing
+    shard: int | None = None  # sharded: which shard
+
+
+class ShardWait(NamedTuple):
+    """How long result() blocked on one shard (sharded only): the slowest shard shows the layer's wait."""
+    layer: int
+    shard: int
+    start_ns: int
+    end_ns: int
+
+
+class Experts(Protocol):
+    def submit(self, step: int, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+               defer: int) -> None:
+        """Hand over layer `layer`'s routed experts: hidden x [T, H], ids/weights [T, k]; the `defer`
+        lowest-weighted of each token come back as a separate DEFERRED result."""
+
+    def result(self, layer: int, deferred: bool) -> torch.Tensor:
+        """The next result ([T, H]), which must be (layer, deferred); raises ExpertServiceError."""
+
+    def drain_timings(self) -> list[PartTiming]:
+        """What the expert side measured since the last call."""
+
+    def drain_waits(self) -> list[ShardWait]:
+        """The blocking waits on each shard since the last call (empty unless sharded)."""
+
+    def reset(self) -> None:
+        """Forget what is in flight (after an error): the next submit starts afresh."""
+
+    def close(self) -> None: ...
+
+
+class LocalExperts:
+    """The experts' operators in this process, called in submit(): results are ready at once."""
+
+    def __init__(self, layers: dict):
+        self.layers = layers
+        self.out: collections.deque = collections.deque()
+
+    def submit(self, step, layer, x, ids, w, defer):
+        op = self.layers[layer]
+        x, ids, w = x.cpu(), ids.cpu(), w.cpu()
+        if defer == 0:
+            self.out.append((layer, False, op.forward(x, ids, w)))
+            return
+        i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
+        self.out.append((layer, False, op.forward(x, i_ids, i_w)))
+        self.out.append((layer, True, op.forward(x, d_ids, d_w)))
+
+    def result(self, layer, deferred):
+        got = self.out.popleft()
+        assert got[:2] == (layer, deferred), f"out of order: wanted {(layer, deferred)}, got {got[:2]}"
+        return got[2]
+
+    def drain_timings(self) -> list[PartTiming]:
+        return []
+
+    def drain_waits(self) -> list[ShardWait]:
+        return []
+
+    def reset(self):
+        self.out.clear()
+
+    def close(self):
+        self.out.clear()
