@@ -20,31 +20,14 @@ import argparse
 import json
 import math
 import pathlib
-import sys
 import tempfile
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from conftest import Services  # noqa: E402
-from gpu_service.text import TextCodec  # noqa: E402
+from common import ROOT, Services, windows  # noqa: E402
 from moe_core import codec  # noqa: E402
 from moe_core.config import load_config  # noqa: E402
 from protos import generate_pb2  # noqa: E402
-from tools.train_default_model import read, split, stdlib_files  # noqa: E402
-
-
-def windows(model_dir: str, n: int, length: int) -> list[list[int]]:
-    text = TextCodec(model_dir)
-    ids: list[int] = []
-    for f in split(stdlib_files())[1]:
-        ids += text.encode(read(f)) + [1]
-        if len(ids) > n * length:
-            break
-    return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
 def score(stub, win, defer, skip):  # -> logits [len, vocab] fp32

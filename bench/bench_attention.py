@@ -10,20 +10,16 @@ With --path avx2, run torch limited to AVX2 too (ATEN_CPU_CAPABILITY=avx2 ONEDNN
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from common import cpu_name  # noqa: E402
 from moe_core.openmp import passive_by_default  # noqa: E402
 
 passive_by_default()  # as both services run: torch's threads do not spin beside the native pool's
 
 import torch  # noqa: E402
 
-from bench_restart import cpu_name  # noqa: E402
 from moe_kernels import PATH, native  # noqa: E402
 from moe_kernels.attention import decode_attention  # noqa: E402
 

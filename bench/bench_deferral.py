@@ -18,18 +18,13 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from conftest import Services, free_port  # noqa: E402
+from common import free_port, Services  # noqa: E402
 from protos import generate_pb2  # noqa: E402
 
 MODELS = {

@@ -14,18 +14,12 @@ The projections around the rule (in_proj_*, out_proj) are ordinary dense layers:
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_restart import cpu_name  # noqa: E402
+from common import cpu_name  # noqa: E402
 from gpu_service.linear_attention import CHUNK, delta_rule  # noqa: E402
 
 NK, NV, D = 16, 32, 128

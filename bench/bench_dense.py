@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-from bench_restart import cpu_name  # noqa: E402
+from common import cpu_name  # noqa: E402
 from moe_kernels import dense, native  # noqa: E402
 from moe_kernels.dense import NativeLinear  # noqa: E402
 

@@ -15,25 +15,14 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from bench_exchange import exchange_rtt  # noqa: E402
-from conftest import Services  # noqa: E402
+from common import ROOT, decode_rate, exchange_rtt, Services  # noqa: E402
 from moe_core.checkpoint import Checkpoint  # noqa: E402
 from moe_core.config import load_config  # noqa: E402
 from protos import generate_pb2  # noqa: E402
-
-
-def decode_rate(chunks) -> float:
-    last = chunks[-1]
-    return (last.usage.completion_tokens - 1) / (last.elapsed_s - last.time_to_first_token_s)
 
 
 def bench_split(svc: Services, prompt_ids, tokens, runs) -> list[float]:

@@ -36,39 +36,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from common import exchange_rtt  # noqa: E402
 from moe_core import codec  # noqa: E402
-from protos import expert_pb2, expert_pb2_grpc  # noqa: E402
+from protos import expert_pb2  # noqa: E402
 
 WARMUP = 50
-
-
-def client_rtt(port, transport, layer, x, ids, w, n) -> tuple[list[float], list[float], list[tuple]]:
-    """-> (round trip us, compute us, (to the service, queued there, back) us): the GPU side's own client
-    (gpu_service/dispatch.py), one layer request at a time, as decode sends them. The legs come from the
-    service's clock readings (ExpertTiming), the same clock on one host."""
-    from gpu_service.dispatch import RemoteExperts
-
-    probe = expert_pb2_grpc.ExpertServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    fp = probe.Info(expert_pb2.ExpertInfoRequest(), timeout=10).model_fingerprint
-    experts = RemoteExperts(f"127.0.0.1:{port}", fp, 64 << 20, transport=transport, shm_bytes=16 << 20)
-    rtt, compute, legs = [], [], []
-    try:
-        assert experts.start_transport() == transport
-        for i in range(n + WARMUP):
-            t0, u0 = time.perf_counter(), time.time_ns()
-            experts.submit(i, layer, x, ids, w, 0)
-            y = experts.result(layer, False)
-            dt, u1 = (time.perf_counter() - t0) * 1e6, time.time_ns()
-            (timing,) = [t.timing for t in experts.drain_timings()]
-            if i >= WARMUP:
-                rtt.append(dt)
-                compute.append(timing.compute_us)
-                received = timing.start_unix_ns - timing.queued_us * 1000
-                legs.append(((received - u0) / 1e3, timing.queued_us, (u1 - timing.end_unix_ns) / 1e3))
-    finally:
-        experts.close()
-    assert y.shape == x.shape
-    return rtt, compute, legs
 
 
 def echo_server(port: int) -> None:
@@ -109,13 +81,6 @@ def echo_rtt(port: int, nbytes: int, n: int) -> list[float]:
         q.put(None)
         channel.close()
     return rtt
-
-
-def exchange_rtt(port: int, transport: str, layer: int, hidden: int, n_experts: int, top_k: int, dtype, n: int):
-    x = torch.randn(1, hidden).to(dtype)
-    ids = torch.randperm(n_experts)[:top_k].to(torch.int32).view(1, -1)
-    w = torch.rand(1, top_k)
-    return client_rtt(port, transport, layer, x, ids, w, n)
 
 
 def main() -> None:

@@ -19,18 +19,12 @@ hurts a per-row int8 scale most). Synthetic weights: the conclusion holds for we
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT))
-
-from bench_restart import cpu_name  # noqa: E402
+from common import cpu_name  # noqa: E402
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 from moe_core.checkpoint import dequantize_fp8  # noqa: E402
 from synth_checkpoint import quantize_fp8  # noqa: E402

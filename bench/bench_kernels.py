@@ -21,47 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from common import SHAPES, cpu_name, timed, weights  # noqa: E402
 from moe_kernels import native as native  # noqa: E402
 from expert_service.kernels import TorchMoELayer  # noqa: E402
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
-
-SHAPES = {  # name: (E, H, I, k)
-    "qwen3": (128, 2048, 768, 8),   # Qwen3-30B-A3B
-    "dsv3": (32, 7168, 2048, 8),    # DeepSeek-V3 reduced to 32 experts
-    "gptoss": (32, 2880, 2880, 4),  # gpt-oss-20b (MXFP4 as published: --formats mxfp4)
-}
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def weights(E, H, I):
-    g = torch.Generator().manual_seed(0)
-    mk = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
-    return mk(E, I, H), mk(E, I, H), mk(E, H, I)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,7 +70,7 @@ def main() -> None:
     bw = dram_bw()
     peak, ipeak = peaks("int8")
     g9 = lambda v: None if v is None else round(v / 1e9, 1)  # noqa: E731
-    rows = [{"case": "probe", "cpu": cpu_model(), "path": path, "threads": a.threads,
+    rows = [{"case": "probe", "cpu": cpu_name(), "path": path, "threads": a.threads,
              "dram_read_GBps": round(bw / 1e9, 2), "bf16_roofline_G": g9(peak), "int_roofline_G": g9(ipeak),
              "rooflines": [r[0] for r in roof.get(path, ())[:2]]}]
     print(json.dumps(rows[0]), flush=True)

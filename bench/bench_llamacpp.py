@@ -29,13 +29,9 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from common import cpu_name, free_port, generate, start, wait_healthy  # noqa: E402
 
-from bench_real import generate  # noqa: E402
-from bench_restart import cpu_name  # noqa: E402
-from conftest import free_port, start, wait_healthy  # noqa: E402
+
 
 LLAMA_PY = "llama-cpp-python==0.3.36"
 PAIRS = {"bf16": ("bf16", "bf16", "bf16"), "int8": ("Q8_0", "int8", "int8"), "int4": ("Q4_0", "int4", "int8"),

@@ -14,18 +14,10 @@ import os
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from bench_restart import cpu_name, status_mib  # noqa: E402
-from conftest import free_port, start, wait_healthy  # noqa: E402
-from protos import generate_pb2, generate_pb2_grpc  # noqa: E402
+from common import cpu_name, free_port, generate, start, status_mib, wait_healthy  # noqa: E402
 
 
 def up(model, fmt, cache, threads, tmp, tag, dense="auto") -> tuple[dict, object, object, float]:
@@ -40,17 +32,6 @@ def up(model, fmt, cache, threads, tmp, tag, dense="auto") -> tuple[dict, object
     wait_healthy(ep, e, timeout=3600)
     wait_healthy(gp, g, timeout=3600)
     return {"port": gp}, e, g, time.perf_counter() - t0
-
-
-def generate(port, prompt, n):
-    import grpc
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=n, ignore_eos=True,
-                                           sampling=generate_pb2.SamplingParams(temperature=0))
-        chunks = list(generate_pb2_grpc.GenerateServiceStub(ch).Generate(req, timeout=3600))
-    last = chunks[-1]
-    decode = (last.usage.completion_tokens - 1) / (last.elapsed_s - last.time_to_first_token_s) if n > 1 else 0.0
-    return last.time_to_first_token_s, decode
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import platform
 import re
 import shutil
 import statistics
@@ -25,26 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from common import cpu_name  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
-
-
-def cpu_name() -> str:
-    """The CPU model, its vector extensions and the kernel path the expert service picks here."""
-    name, flags = platform.processor(), set()
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            name = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    isa = "+".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f in flags)
-    try:
-        from expert_service.kernels import NATIVE_PATH
-    except ImportError:
-        NATIVE_PATH = None
-    return f"{name} ({isa}), kernel path {NATIVE_PATH or 'torch'}"
 
 
 def drop_file(f: pathlib.Path) -> None:

@@ -25,11 +25,7 @@ import sys
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from accuracy import windows  # noqa: E402
+from common import ROOT, windows  # noqa: E402
 from gpu_service.experts import LocalExperts  # noqa: E402
 from gpu_service.model import Model, Segment  # noqa: E402
 from expert_service.store import load_expert_layers  # noqa: E402

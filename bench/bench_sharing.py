@@ -22,12 +22,7 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from bench_e2e import decode_rate  # noqa: E402
-from conftest import Services  # noqa: E402
+from common import ROOT, decode_rate, Services  # noqa: E402
 from moe_core import serving  # noqa: E402
 from protos import generate_pb2  # noqa: E402
 

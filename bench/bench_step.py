@@ -32,19 +32,12 @@ import os
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from bench_restart import cpu_name  # noqa: E402
-from conftest import free_port, start, wait_healthy  # noqa: E402
+from common import cpu_name, free_port, start, wait_healthy  # noqa: E402
 from moe_core.checkpoint import Checkpoint  # noqa: E402
 from moe_core.config import load_config  # noqa: E402
 from moe_core.fingerprint import fingerprint  # noqa: E402

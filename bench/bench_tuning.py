@@ -14,16 +14,12 @@ path (the first path's first setting is the baseline).
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-from bench_kernels import SHAPES, weights  # noqa: E402
+from common import SHAPES, weights  # noqa: E402
 from moe_kernels import native as native  # noqa: E402
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 

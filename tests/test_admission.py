@@ -8,7 +8,7 @@ import pathlib
 import grpc
 import pytest
 
-from conftest import ROOT
+from harness import ROOT
 from gpu_service.admission import Admission, GenerateInput, ScoreInput
 from gpu_service.sampling import SamplingParams
 from gpu_service.server import PROTO_FIELDS

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import ROOT, free_port, start, wait_healthy
+from harness import ROOT, free_port, start, wait_healthy
 from protos import generate_pb2, generate_pb2_grpc
 
 TOKEN = "s3cret-token-for-tests"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import Services
+from harness import Services
 from moe_core import codec
 from moe_core.serving import FINGERPRINT_KEY
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, tensor_pb2

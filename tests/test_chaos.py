@@ -13,7 +13,7 @@ import grpc
 import openai
 import pytest
 
-from conftest import Services, free_port, wait_healthy
+from harness import Services, free_port, wait_healthy
 from protos import generate_pb2
 from test_openai_api import rss_kib
 from test_shards import sharded  # noqa: F401  (the fixture)

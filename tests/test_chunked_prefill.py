@@ -9,14 +9,9 @@ import pytest
 import torch
 import transformers
 
+from harness import greedy, local_engine
 from moe_core import codec
 from protos import generate_pb2
-
-
-def greedy(stub, prompt, n):
-    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=n, ignore_eos=True,
-                                       sampling=generate_pb2.SamplingParams(temperature=0))
-    return [t for c in stub.Generate(req, timeout=300) for t in c.token_ids]
 
 
 def score(stub, ids, **kw):
@@ -68,20 +63,7 @@ def test_prompts_longer_than_the_expert_limit_run_in_chunks(checkpoints, service
 
 @pytest.fixture
 def engine(checkpoints):
-    from expert_service.store import load_expert_layers
-    from gpu_service.experts import LocalExperts
-    from gpu_service.engine import Engine
-    from gpu_service.model import Model
-    from gpu_service.text import TextCodec
-    from moe_core.checkpoint import Checkpoint
-    from moe_core.config import load_config
-
-    d = checkpoints["qwen3_moe"]
-    cfg, ckpt = load_config(d), Checkpoint(d)
-    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32)
-    e = Engine(model, LocalExperts(load_expert_layers(cfg, ckpt, "fp32", 1)), TextCodec(d), max_batch=4,
-               max_context=512, step_tokens=16)
-    e.start()
+    e = local_engine(checkpoints["qwen3_moe"], max_batch=4, step_tokens=16)
     yield e
     e.stop()
 

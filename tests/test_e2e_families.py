@@ -6,20 +6,11 @@ import torch
 import transformers
 
 import tiny_models
-from conftest import DEVICE_ARGS, free_port, start, terminate_all, wait_healthy
+from harness import DEVICE_ARGS, free_port, greedy, start, terminate_all, wait_healthy
 from moe_core import codec
 from protos import generate_pb2, generate_pb2_grpc
 
 N_NEW = 32
-
-
-def greedy_ids(stub, prompt_ids, n=N_NEW):
-    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt_ids), max_tokens=n,
-                                       ignore_eos=True, sampling=generate_pb2.SamplingParams(temperature=0))
-    out = []
-    for chunk in stub.Generate(req, timeout=120):
-        out.extend(chunk.token_ids)
-    return out
 
 
 def transformers_reference(d) -> tuple[list[int], list[int], torch.Tensor]:
@@ -38,7 +29,7 @@ def test_matches_transformers(family, checkpoints, services_factory):
     d = checkpoints[family]
     prompt, want, ref_logits = transformers_reference(d)
     s = services_factory(d)
-    got = greedy_ids(s.stub, prompt)
+    got = greedy(s.stub, prompt, N_NEW)
     assert got == want, s.logs()
     resp = s.stub.Score(generate_pb2.ScoreRequest(token_ids=generate_pb2.TokenIds(ids=prompt)), timeout=60)
     logits = codec.decode(resp.logits, "logits")
@@ -71,7 +62,7 @@ def test_local_experts_match_transformers(family, checkpoints, local_gpu_service
     d = checkpoints[family]
     prompt, want, _ = transformers_reference(d)
     stub = local_gpu_service(d)
-    assert greedy_ids(stub, prompt) == want
+    assert greedy(stub, prompt, N_NEW) == want
     assert stub.Info(generate_pb2.ServerInfoRequest(), timeout=10).transport == "local"
 
 

@@ -10,7 +10,7 @@ from protos import generate_pb2
 
 @pytest.fixture(scope="module")
 def svc(checkpoints, tmp_path_factory):
-    from conftest import Services
+    from harness import Services
     s = Services(checkpoints["qwen3_moe"], tmp_path_factory.mktemp("gen"), gpu_args=("--max-batch", "4"))
     yield s
     s.stop()

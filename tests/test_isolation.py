@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import tiny_models
-from conftest import ROOT, Services
+from harness import ROOT, Services, greedy_request, local_engine, status_mib
 from moe_kernels import native as native
 from expert_service.kernels import MoELayer
 from expert_service.kernels.torch_moe import TorchMoELayer
@@ -64,11 +64,6 @@ def test_task_error_reaches_the_caller_and_the_pool_serves_the_next_call(two_poo
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_scratch_memory_is_given_back_after_a_large_call(two_pool_threads):
     """A long prefill's scratch (here ~170 MB of gate/up and activation rows) is freed after the call,
     not kept for the life of the process."""
@@ -78,10 +73,10 @@ def test_scratch_memory_is_given_back_after_a_large_call(two_pool_threads):
     x, w = torch.randn(T, H), torch.rand(T, k)
     ids = torch.arange(T * k, dtype=torch.int32).view(T, k) % E
     op.forward(x[:2], ids[:2], w[:2])
-    before = rss_bytes()
+    before = status_mib("self") * 2**20
     op.forward(x, ids, w)  # gate/up outputs alone: T*k * 2I * 4 bytes = 134 MB
     assert native.scratch_bytes() < 32 << 20
-    assert rss_bytes() - before < 48 << 20
+    assert status_mib("self") * 2**20 - before < 48 << 20
 
 
 # -- a hostile shared-memory peer ------------------------------------------------------------------
@@ -142,20 +137,7 @@ def test_damaged_exchange_messages_under_address_sanitizer(asan_native):
 # -- the engine: one request's failure is its own --------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(checkpoints):
-    from expert_service.store import load_expert_layers
-    from gpu_service.experts import LocalExperts
-    from gpu_service.engine import Engine
-    from gpu_service.model import Model
-    from gpu_service.text import TextCodec
-    from moe_core.checkpoint import Checkpoint
-    from moe_core.config import load_config
-
-    d = checkpoints["qwen3_moe"]
-    cfg, ckpt = load_config(d), Checkpoint(d)
-    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32)
-    e = Engine(model, LocalExperts(load_expert_layers(cfg, ckpt, "fp32", 1)), TextCodec(d), max_batch=8,
-               max_context=512)
-    e.start()
+    e = local_engine(checkpoints["qwen3_moe"])
     yield e
     e.stop()
 
@@ -217,12 +199,6 @@ def test_a_failing_request_does_not_fail_its_batch(engine, monkeypatch):
 
 
 # -- hostile clients beside a good stream ----------------------------------------------------------
-def greedy(ids, n, **kw):
-    kw.setdefault("sampling", generate_pb2.SamplingParams(temperature=0))
-    return generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=list(ids)), max_tokens=n, ignore_eos=True,
-                                        **kw)
-
-
 def tokens(stub, req, timeout=120):
     return [t for c in stub.Generate(req, timeout=timeout) for t in c.token_ids]
 
@@ -240,17 +216,17 @@ def negative_max_tokens() -> bytes:
 def test_hostile_requests_leave_a_concurrent_stream_alone(checkpoints, tmp_path):
     s = Services(checkpoints["deepseek_v3"], tmp_path)
     try:
-        good = greedy((5, 9, 17, 33, 2, 8), 60)
+        good = greedy_request((5, 9, 17, 33, 2, 8), 60)
         solo = tokens(s.stub, good)
         sp = generate_pb2.SamplingParams
         hostile = {  # name -> (request or raw bytes, expected code or None for OK, text in the message)
-            "denormal temperature": (greedy((4, 5), 8, sampling=sp(temperature=1e-39)), None, ""),
-            "temperature 1e-40, top-k 1": (greedy((4, 5), 8, sampling=sp(temperature=1e-40, top_k=1)), None, ""),
-            "top-p 1e-45": (greedy((4, 5), 8, sampling=sp(temperature=1.0, top_p=1e-45, seed=1)), None, ""),
-            "temperature inf": (greedy((4, 5), 8, sampling=sp(temperature=float("inf"))), IA, "sampling.temperature"),
-            "prompt past the context": (greedy([7] * 600, 4), IA, "context limit"),
+            "denormal temperature": (greedy_request((4, 5), 8, sampling=sp(temperature=1e-39)), None, ""),
+            "temperature 1e-40, top-k 1": (greedy_request((4, 5), 8, sampling=sp(temperature=1e-40, top_k=1)), None, ""),
+            "top-p 1e-45": (greedy_request((4, 5), 8, sampling=sp(temperature=1.0, top_p=1e-45, seed=1)), None, ""),
+            "temperature inf": (greedy_request((4, 5), 8, sampling=sp(temperature=float("inf"))), IA, "sampling.temperature"),
+            "prompt past the context": (greedy_request([7] * 600, 4), IA, "context limit"),
             "negative max-tokens": (negative_max_tokens(), IA, "max_tokens"),
-            "deferral above k": (greedy((4, 5), 4, defer=99), IA, "defer"),
+            "deferral above k": (greedy_request((4, 5), 4, defer=99), IA, "defer"),
             "malformed bytes": (b"\xff\xff\xff\x01", IA, "could not be parsed"),
         }
         raw = s.channel.unary_stream("/moe.v1.GenerateService/Generate", request_serializer=None,
@@ -274,7 +250,7 @@ def test_hostile_requests_leave_a_concurrent_stream_alone(checkpoints, tmp_path)
 
         def hang_up():  # a client that goes away mid-stream, three times
             for _ in range(3):
-                call = s.stub.Generate(greedy((6, 7), 200), timeout=60)
+                call = s.stub.Generate(greedy_request((6, 7), 200), timeout=60)
                 next(call), next(call)
                 call.cancel()
 
@@ -296,8 +272,8 @@ def test_hostile_requests_leave_a_concurrent_stream_alone(checkpoints, tmp_path)
 def test_frozen_expert_service_fails_requests_within_the_deadline(checkpoints, tmp_path, transport):
     s = Services(checkpoints["deepseek_v3"], tmp_path, gpu_args=("--expert-timeout", "2", "--transport", transport))
     try:
-        req = greedy((5, 9, 17), 400)
-        before = tokens(s.stub, greedy((5, 9, 17), 20))
+        req = greedy_request((5, 9, 17), 400)
+        before = tokens(s.stub, greedy_request((5, 9, 17), 20))
         call = s.stub.Generate(req, timeout=120)
         next(call)
         os.kill(s.expert.pid, signal.SIGSTOP)
@@ -311,13 +287,13 @@ def test_frozen_expert_service_fails_requests_within_the_deadline(checkpoints, t
         # while frozen, new requests end with UNAVAILABLE too, never hang
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
-            tokens(s.stub, greedy((5, 9, 17), 20), timeout=30)
+            tokens(s.stub, greedy_request((5, 9, 17), 20), timeout=30)
         assert e.value.code() == UNAVAILABLE and time.monotonic() - t0 < 10
         os.kill(s.expert.pid, signal.SIGCONT)
         deadline = time.monotonic() + 30
         while True:  # the GPU service sees its expert service healthy again and serves
             try:
-                assert tokens(s.stub, greedy((5, 9, 17), 20), timeout=30) == before
+                assert tokens(s.stub, greedy_request((5, 9, 17), 20), timeout=30) == before
                 break
             except grpc.RpcError as err:
                 assert err.code() == UNAVAILABLE and time.monotonic() < deadline, err
@@ -330,22 +306,17 @@ def test_frozen_expert_service_fails_requests_within_the_deadline(checkpoints, t
 
 
 # -- memory after a long prefill ---------------------------------------------------------------------
-def rss_of(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_memory_returns_to_steady_after_a_long_prefill(tmp_path):
     d = tiny_models.build("deepseek_v3", tmp_path / "long", max_position_embeddings=16384)
     s = Services(d, tmp_path, expert_args=("--max-tokens", "8192"))
     try:
         for _ in range(2):  # warm up: steady state of a short request and 100 decode steps
-            tokens(s.stub, greedy([5, 9, 17, 33] * 4, 100))
-        steady = {p: rss_of(p.pid) for p in (s.gpu, s.expert)}
-        long = tokens(s.stub, greedy([(i * 7) % 300 + 2 for i in range(8192)], 100), timeout=600)
+            tokens(s.stub, greedy_request([5, 9, 17, 33] * 4, 100))
+        steady = {p: status_mib(p.pid) * 2**20 for p in (s.gpu, s.expert)}
+        long = tokens(s.stub, greedy_request([(i * 7) % 300 + 2 for i in range(8192)], 100), timeout=600)
         assert len(long) == 100
-        tokens(s.stub, greedy([5, 9, 17, 33] * 4, 100))
-        after = {p: rss_of(p.pid) for p in (s.gpu, s.expert)}
+        tokens(s.stub, greedy_request([5, 9, 17, 33] * 4, 100))
+        after = {p: status_mib(p.pid) * 2**20 for p in (s.gpu, s.expert)}
         for p, name in ((s.gpu, "gpu"), (s.expert, "expert")):
             assert after[p] <= 1.10 * steady[p], f"{name} service: {steady[p] >> 20} MiB -> {after[p] >> 20} MiB"
     finally:

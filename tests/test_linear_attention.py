@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from gpu_service.linear_attention import CHUNK, delta_rule
+from harness import local_engine
 
 
 def reference_rule(q, k, v, g, beta, S):
@@ -60,20 +61,7 @@ def test_state_carries_across_any_split():
 
 # -- the engine, in process ------------------------------------------------------------------------
 def make_engine(d, **kw):
-    from expert_service.store import load_expert_layers
-    from gpu_service.experts import LocalExperts
-    from gpu_service.engine import Engine
-    from gpu_service.model import Model
-    from gpu_service.text import TextCodec
-    from moe_core.checkpoint import Checkpoint
-    from moe_core.config import load_config
-
-    cfg, ckpt = load_config(d), Checkpoint(d)
-    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32)
-    e = Engine(model, LocalExperts(load_expert_layers(cfg, ckpt, "fp32", 1)), TextCodec(d), max_batch=8,
-               max_context=512, **kw)
-    e.start()
-    return e
+    return local_engine(d, **kw)
 
 
 def run(engine, prompts, n):

@@ -5,21 +5,10 @@ import time
 
 import grpc
 
-from conftest import ROOT, Services
+from harness import ROOT, Services, greedy, status_mib
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2
 
 N = 32
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
-def greedy(stub, prompt, n=16):
-    req = generate_pb2.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True,
-                                       sampling=generate_pb2.SamplingParams(temperature=0))
-    return [t for c in stub.Generate(req, timeout=300) for t in c.token_ids]
 
 
 def test_32_concurrent_streams(tmp_path):
@@ -27,14 +16,14 @@ def test_32_concurrent_streams(tmp_path):
     try:
         prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(N)]
         solo = [greedy(s.stub, p) for p in prompts]
-        base_gpu, base_exp = rss_mb(s.gpu.pid), rss_mb(s.expert.pid)
+        base_gpu, base_exp = status_mib(s.gpu.pid), status_mib(s.expert.pid)
         for _ in range(2):  # twice: the second round must not grow memory further
             with concurrent.futures.ThreadPoolExecutor(N) as ex:
                 together = list(ex.map(lambda p: greedy(s.stub, p), prompts))
             assert together == solo
         time.sleep(0.5)
-        assert rss_mb(s.gpu.pid) < base_gpu + 64, (base_gpu, rss_mb(s.gpu.pid))
-        assert rss_mb(s.expert.pid) < base_exp + 64, (base_exp, rss_mb(s.expert.pid))
+        assert status_mib(s.gpu.pid) < base_gpu + 64, (base_gpu, status_mib(s.gpu.pid))
+        assert status_mib(s.expert.pid) < base_exp + 64, (base_exp, status_mib(s.expert.pid))
         # clients that disconnect mid-stream leave nothing behind
         streams = [s.stub.Generate(generate_pb2.GenerateRequest(prompt=p, max_tokens=200, ignore_eos=True), timeout=60)
                    for p in prompts[:8]]

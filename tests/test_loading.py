@@ -2,7 +2,6 @@
 prompt stop on SIGTERM while loading or connecting."""
 from __future__ import annotations
 
-import re
 import signal
 import sys
 import time
@@ -10,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from conftest import ROOT, free_port, start
+from harness import ROOT, free_port, start, status_mib
 from protos import expert_pb2, expert_pb2_grpc
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -25,11 +24,6 @@ WIDE = dict(hidden_size=512, moe_intermediate_size=512, num_experts=64, vocab_si
 def wide(tmp_path_factory):
     c = synth_checkpoint.config_of("qwen3-30b-a3b", 6, WIDE)
     return synth_checkpoint.write(c, tmp_path_factory.mktemp("wide"), std=0.02, seed=0, shard_mb=256)
-
-
-def status_mib(pid: int, field: str) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
 
 
 def wait_log(path, text: str, proc, timeout: float = 120) -> None:
@@ -92,7 +86,7 @@ def test_sigterm_while_waiting_for_the_expert_service(checkpoints, tmp_path):
 def test_gpu_service_waits_for_an_expert_service_that_is_still_loading(wide, tmp_path):
     """--connect-timeout is for an expert service that does not answer; one that answers and loads (a
     cold start of a large model takes minutes) is waited for."""
-    from conftest import wait_healthy
+    from harness import wait_healthy
 
     eport, gport, elog, glog = free_port(), free_port(), tmp_path / "expert.log", tmp_path / "gpu.log"
     e = start("expert_service", "--model", str(wide), "--listen", f"127.0.0.1:{eport}", "--threads", "1",

@@ -3,7 +3,7 @@ import json
 import os
 import subprocess
 
-from conftest import ROOT, free_port
+from harness import ROOT, free_port
 
 
 def test_run_local_streams_a_completion():

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from conftest import ROOT, Services, free_port
+from harness import ROOT, Services, free_port, status_mib
 from protos import generate_pb2
 
 TOKEN = "openai-api-test-token"
@@ -361,11 +361,6 @@ def test_no_traceback_in_the_log_after_hostile_requests(svc):
     assert "Traceback" not in svc.logs()
 
 
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
 def test_huge_prompts_are_refused_without_stalling_anyone(svc, client):
     """Prompts far over the context (as big as the body limit lets through, and larger) are refused with
     context_length_exceeded / 413 / RESOURCE_EXHAUSTED while a stream beside them keeps getting tokens and
@@ -386,7 +381,7 @@ def test_huge_prompts_are_refused_without_stalling_anyone(svc, client):
     client.chat.completions.create(model="default", messages=msgs("hello " * 50), max_tokens=2)
     stream()
     gaps.clear()
-    before = rss_kib(svc.gpu.pid)
+    before = status_mib(svc.gpu.pid)
 
     def probe():
         while not stop:
@@ -416,7 +411,7 @@ def test_huge_prompts_are_refused_without_stalling_anyone(svc, client):
     # liveness, not speed: a token every ~50 ms here; a stalled event loop showed gaps of 7-12 s
     assert len(gaps) >= 100 and max(gaps) < 2.0, max(gaps)
     assert max(health_s) < 2.0, max(health_s)
-    after = rss_kib(svc.gpu.pid)
+    after = status_mib(svc.gpu.pid)
     assert after <= before * 1.10, (before, after)
 
 

@@ -12,15 +12,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Services, free_port, wait_healthy
+from harness import Services, free_port, greedy, wait_healthy
 from moe_client.cli import chrome_trace
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2
 
 
-def greedy(stub, n=12, prompt="def fib(n):", timeout=60):
-    req = generate_pb2.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True,
-                                       sampling=generate_pb2.SamplingParams(temperature=0))
-    return [t for c in stub.Generate(req, timeout=timeout) for t in c.token_ids]
+def fib(stub, n=12, timeout=60):
+    return greedy(stub, "def fib(n):", n, timeout)
 
 
 def health(port):
@@ -73,7 +71,7 @@ def test_expert_restart_is_invisible_to_running_and_new_requests(svc):
     """kill -9 of the expert service mid-stream: the stream is held, not failed, and once the service is
     back it goes on with the tokens of a run without the restart; a request sent while it is down waits
     too; the GPU side says NOT_SERVING meanwhile."""
-    solo = greedy(svc.stub, n=300)
+    solo = fib(svc.stub, n=300)
     stream = svc.stub.Generate(gen_req(300), timeout=120)
     got = list(next(stream).token_ids)
     svc.expert.kill()
@@ -89,7 +87,7 @@ def test_expert_restart_is_invisible_to_running_and_new_requests(svc):
     wait_for(lambda: health(svc.gpu_port) == SERVING and info(svc).expert_service_ready, 15, "gpu SERVING")
     # and between requests
     restart_expert(svc)
-    assert greedy(svc.stub, n=300) == solo
+    assert fib(svc.stub, n=300) == solo
     assert "Traceback" not in svc.logs()
 
 
@@ -106,7 +104,7 @@ def test_expert_wait_bounds_the_hold_and_a_client_deadline_wins(checkpoints, tmp
         assert 3 <= time.monotonic() - t0 < 15
         # a client deadline shorter than the wait ends the request, and frees its slot
         with pytest.raises(grpc.RpcError) as e:
-            greedy(s.stub, timeout=1.0)
+            fib(s.stub, timeout=1.0)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         wait_for(lambda: info(s).running_requests == 0, 10, "the expired request dropped")
     finally:
@@ -119,19 +117,19 @@ def test_once_a_request_succeeds_after_a_restart_the_next_ones_do_too(checkpoint
     "exchange failed", "is unavailable", "is back" within 2 s, and 1-3 of 5 rounds refused a request)."""
     s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--expert-wait", "0"))
     try:
-        want = greedy(s.stub, n=4)
+        want = fib(s.stub, n=4)
         for _ in range(5):
             restart_expert(s)
             deadline = time.monotonic() + 30
             while True:  # until the first success ...
                 try:
-                    assert greedy(s.stub, n=4) == want
+                    assert fib(s.stub, n=4) == want
                     break
                 except grpc.RpcError as e:
                     assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
                     time.sleep(0.05)
             for _ in range(20):  # ... then every one succeeds
-                assert greedy(s.stub, n=4) == want
+                assert fib(s.stub, n=4) == want
     finally:
         s.stop()
 
@@ -141,7 +139,7 @@ def test_a_restarted_expert_service_in_another_weight_format_is_not_used(checkpo
     why, and the GPU side stays NOT_SERVING until the right service is back."""
     s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--expert-wait", "20"))
     try:
-        solo = greedy(s.stub)
+        solo = fib(s.stub)
         stream = s.stub.Generate(gen_req(400), timeout=60)
         next(stream)
         restart_expert(s, ("--weight-format", "int8"))
@@ -152,13 +150,13 @@ def test_a_restarted_expert_service_in_another_weight_format_is_not_used(checkpo
         assert health(s.gpu_port) == NOT_SERVING
         restart_expert(s, ())
         wait_for(lambda: health(s.gpu_port) == SERVING, 30, "gpu SERVING with the right expert service")
-        assert greedy(s.stub) == solo
+        assert fib(s.stub) == solo
     finally:
         s.stop()
 
 
 def test_gpu_restart_expert_keeps_serving(svc):
-    before = greedy(svc.stub)
+    before = fib(svc.stub)
     svc.gpu.kill()
     svc.gpu.wait()
     with grpc.insecure_channel(f"127.0.0.1:{svc.expert_port}") as ch:
@@ -168,7 +166,7 @@ def test_gpu_restart_expert_keeps_serving(svc):
         wait_for(lambda: sessions() == 0, 10, "expert service dropped the dead peer's session")
         svc.gpu = svc.start_gpu()
         wait_healthy(svc.gpu_port, svc.gpu)
-        assert greedy(svc.stub) == before
+        assert fib(svc.stub) == before
         assert sessions() == 1
     assert "Traceback" not in svc.logs()  # the dead peer's shared-memory session ended quietly
 
@@ -179,7 +177,7 @@ def test_sigterm_drains_then_exits_zero(svc):
     svc.gpu.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     with pytest.raises(grpc.RpcError):  # draining: new work refused
-        greedy(svc.stub, timeout=5)
+        fib(svc.stub, timeout=5)
     rest = list(stream)                 # the request in flight still finishes
     assert rest[-1].finish_reason == generate_pb2.LENGTH and rest[-1].usage.completion_tokens == 150
     assert svc.gpu.wait(30) == 0
@@ -214,7 +212,7 @@ def test_cancel_and_deadline_free_the_engine(svc):
 
 
 def test_health_goes_not_serving_to_serving(checkpoints, tmp_path):
-    from conftest import start
+    from harness import start
     eport, gport = free_port(), free_port()
     model = str(checkpoints["mixtral"])
     gpu = start("gpu_service", "--model", model, "--experts", f"127.0.0.1:{eport}", "--listen", f"127.0.0.1:{gport}",

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, free_port, start
+from harness import ROOT, free_port, start
 from expert_service.kernels import NATIVE_PATH
 from expert_service.packed_cache import PackedCache, source_stamp
 from expert_service.store import load_expert_layers

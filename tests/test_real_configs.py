@@ -17,7 +17,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from conftest import ROOT, free_port, start
+from harness import ROOT, free_port, greedy, start
 from moe_core import codec
 from moe_core.checkpoint import Checkpoint, dequantize_fp8
 from moe_kernels.packing import Mx4
@@ -75,12 +75,6 @@ def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     cfg["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(cfg))
     return out
-
-
-def greedy(stub, prompt, n):
-    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=n, ignore_eos=True,
-                                       sampling=generate_pb2.SamplingParams(temperature=0))
-    return [t for c in stub.Generate(req, timeout=300) for t in c.token_ids]
 
 
 def test_fp8_dequantization_matches_transformers_and_handles_partial_blocks():

@@ -8,7 +8,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from conftest import free_port
+from harness import free_port
 from moe_core import serving
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from conftest import DEVICE_ARGS, free_port, start, terminate_all, wait_healthy
+from harness import DEVICE_ARGS, free_port, greedy, start, terminate_all, wait_healthy
 from moe_core.shards import Shard, check_coverage, owner_and_local
 from protos import generate_pb2, generate_pb2_grpc
 from test_operations import health, scrape, wait_for
@@ -101,12 +101,6 @@ def sharded(tmp_path):
         s.stop()
 
 
-def greedy(stub, prompt, n=24, **kw):
-    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=n, ignore_eos=True,
-                                       sampling=generate_pb2.SamplingParams(temperature=0), **kw)
-    return [t for c in stub.Generate(req, timeout=120) for t in c.token_ids]
-
-
 PROMPTS = [[5, 17, 30, 41, 7, 99, 3], [200, 11, 9, 45, 18, 2, 77, 81, 6, 120, 33]]
 
 
@@ -117,14 +111,14 @@ def test_sharded_tokens_equal_one_expert_service(family, n, defer, checkpoints, 
     lengths (one step holds tokens some shards have no expert for), with deferral across shards."""
     d = checkpoints[family]
     one = services_factory(d, gpu_args=("--defer", str(defer)))
-    want = [greedy(one.stub, p) for p in PROMPTS]
+    want = [greedy(one.stub, p, 24) for p in PROMPTS]
     one.stop()
     s = sharded(d, n=n, gpu_args=("--defer", str(defer)))
     wait_healthy(s.gpu_port, s.gpu)
     got = [None, None]
 
     def run(i):
-        got[i] = greedy(s.stub, PROMPTS[i])
+        got[i] = greedy(s.stub, PROMPTS[i], 24)
     import threading
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
@@ -195,7 +189,7 @@ def test_a_shard_restarted_as_another_shard_is_not_served(checkpoints, sharded):
     in its log, rather than sum one shard twice; back as 1/2, it serves again."""
     s = sharded(checkpoints["qwen3_moe"], n=2)
     wait_healthy(s.gpu_port, s.gpu)
-    before = greedy(s.stub, PROMPTS[0])
+    before = greedy(s.stub, PROMPTS[0], 24)
     s.experts[1].kill()
     s.experts[1].wait()
     s.shards[1] = "0/2"
@@ -210,4 +204,4 @@ def test_a_shard_restarted_as_another_shard_is_not_served(checkpoints, sharded):
     s.experts[1] = s.start_expert(1)
     wait_healthy(s.ports[1], s.experts[1])
     wait_for(lambda: health(s.gpu_port) == health_pb2.HealthCheckResponse.SERVING, 15, "gpu SERVING again")
-    assert greedy(s.stub, PROMPTS[0]) == before
+    assert greedy(s.stub, PROMPTS[0], 24) == before

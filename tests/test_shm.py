@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import Services
+from harness import Services
 from moe_kernels import native as native
 from expert_service.kernels import MoELayer
 from gpu_service.dispatch import ExpertServiceError, RemoteExperts

@@ -34,7 +34,7 @@ def test_split_deferred_takes_lowest_weights():
 
 @pytest.fixture(scope="module")
 def expert_stub(checkpoints, tmp_path_factory):
-    from conftest import free_port, start, wait_healthy
+    from harness import free_port, start, wait_healthy
     port = free_port()
     p = start("expert_service", "--model", str(checkpoints["deepseek_v3"]), "--listen", f"127.0.0.1:{port}",
               "--threads", "1", "--max-tokens", "64", log=tmp_path_factory.mktemp("es") / "log")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, free_port, start, wait_healthy
+from harness import ROOT, free_port, start, wait_healthy
 
 
 def run_cli(*args, timeout=60):

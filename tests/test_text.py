@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import ROOT
+from harness import ROOT
 from gpu_service import text as text_mod
 from gpu_service.text import PromptTooLong, TextCodec
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from harness import ROOT
 from moe_core import codec
 from protos import tensor_pb2
 

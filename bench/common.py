@@ -1,0 +1,130 @@
+"""What the benchmarks share, in one place: the repository on sys.path, the services as processes (the tests'
+harness, tests/harness.py), the machine's name, generation and timing helpers. Every bench script imports
+from here, never from another bench script or from tests/conftest.py. No torch at import: some scripts set
+OpenMP's environment before torch loads."""
+from __future__ import annotations
+
+import pathlib
+import platform
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+for _p in (ROOT, ROOT / "tests", ROOT / "tools"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import grpc  # noqa: E402
+
+from harness import Services, free_port, start, status_mib, terminate_all, wait_healthy  # noqa: E402,F401
+from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc  # noqa: E402
+
+__all__ = ["ROOT", "SHAPES", "Services", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
+           "start", "status_mib", "terminate_all", "timed", "wait_healthy", "weights", "windows"]
+WARMUP = 50  # exchange round trips before the timed ones
+
+SHAPES = {  # name: (E, H, I, k)
+    "qwen3": (128, 2048, 768, 8),   # Qwen3-30B-A3B
+    "dsv3": (32, 7168, 2048, 8),    # DeepSeek-V3 reduced to 32 experts
+    "gptoss": (32, 2880, 2880, 4),  # gpt-oss-20b (MXFP4 as published: --formats mxfp4)
+}
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def cpu_name() -> str:
+    """The CPU model, its vector extensions and the kernel path the expert service picks here."""
+    name, flags = platform.processor(), set()
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    isa = "+".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f in flags)
+    try:
+        from expert_service.kernels import NATIVE_PATH
+    except ImportError:
+        NATIVE_PATH = None
+    return f"{name} ({isa}), kernel path {NATIVE_PATH or 'torch'}"
+
+
+def weights(E, H, I):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    mk = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
+    return mk(E, I, H), mk(E, I, H), mk(E, H, I)
+
+
+def generate(port, prompt, n) -> tuple[float, float]:
+    """-> (time to first token s, decode tokens/s) of one greedy request of n tokens."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=n, ignore_eos=True,
+                                           sampling=generate_pb2.SamplingParams(temperature=0))
+        chunks = list(generate_pb2_grpc.GenerateServiceStub(ch).Generate(req, timeout=3600))
+    last = chunks[-1]
+    decode = (last.usage.completion_tokens - 1) / (last.elapsed_s - last.time_to_first_token_s) if n > 1 else 0.0
+    return last.time_to_first_token_s, decode
+
+
+def decode_rate(chunks) -> float:
+    """Decode tokens/s of a finished stream (its first token's time left out)."""
+    last = chunks[-1]
+    return (last.usage.completion_tokens - 1) / (last.elapsed_s - last.time_to_first_token_s)
+
+
+def windows(model_dir: str, n: int, length: int) -> list[list[int]]:
+    """n windows of `length` token ids of held-out text (Python's standard library, as the default model saw none
+    of it in training)."""
+    from gpu_service.text import TextCodec
+    from tools.train_default_model import read, split, stdlib_files
+
+    text = TextCodec(model_dir)
+    ids: list[int] = []
+    for f in split(stdlib_files())[1]:
+        ids += text.encode(read(f)) + [1]
+        if len(ids) > n * length:
+            break
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def client_rtt(port, transport, layer, x, ids, w, n) -> tuple[list[float], list[float], list[tuple]]:
+    """-> (round trip us, compute us, (to the service, queued there, back) us): the GPU side's own client
+    (gpu_service/dispatch.py), one layer request at a time, as decode sends them. The legs come from the
+    service's clock readings (ExpertTiming), the same clock on one host."""
+    from gpu_service.dispatch import RemoteExperts
+
+    probe = expert_pb2_grpc.ExpertServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    fp = probe.Info(expert_pb2.ExpertInfoRequest(), timeout=10).model_fingerprint
+    experts = RemoteExperts(f"127.0.0.1:{port}", fp, 64 << 20, transport=transport, shm_bytes=16 << 20)
+    rtt, compute, legs = [], [], []
+    try:
+        assert experts.start_transport() == transport
+        for i in range(n + WARMUP):
+            t0, u0 = time.perf_counter(), time.time_ns()
+            experts.submit(i, layer, x, ids, w, 0)
+            y = experts.result(layer, False)
+            dt, u1 = (time.perf_counter() - t0) * 1e6, time.time_ns()
+            (timing,) = [t.timing for t in experts.drain_timings()]
+            if i >= WARMUP:
+                rtt.append(dt)
+                compute.append(timing.compute_us)
+                received = timing.start_unix_ns - timing.queued_us * 1000
+                legs.append(((received - u0) / 1e3, timing.queued_us, (u1 - timing.end_unix_ns) / 1e3))
+    finally:
+        experts.close()
+    assert y.shape == x.shape
+    return rtt, compute, legs
+
+
+def exchange_rtt(port: int, transport: str, layer: int, hidden: int, n_experts: int, top_k: int, dtype, n: int):
+    import torch
+
+    x = torch.randn(1, hidden).to(dtype)
+    ids = torch.randperm(n_experts)[:top_k].to(torch.int32).view(1, -1)
+    w = torch.rand(1, top_k)
+    return client_rtt(port, transport, layer, x, ids, w, n)
