@@ -3,9 +3,9 @@ and 4 KV heads of 128, the head-major cache gpu_service keeps: [kv heads, positi
 doubled-capacity buffer): torch's matmuls (what gpu_service runs with torch dense layers) against the
 native kernel (moe_kernels.attention, with native dense layers), interleaved in the same run.
 
-    python bench/bench_attention.py [--lengths 400 1500 6000] [--dtype bf16] [--path avx2] [--threads 2]
+    python bench/bench_attention.py [--lengths 400 1500 6000] [--dtype bf16] [--isa avx2] [--threads 2]
 
-With --path avx2, run torch limited to AVX2 too (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2).
+With --isa avx2, run torch limited to AVX2 too (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ passive_by_default()  # as both services run: torch's threads do not spin beside
 
 import torch  # noqa: E402
 
-from moe_kernels import PATH, native  # noqa: E402
+from moe_kernels import ISA, native  # noqa: E402
 from moe_kernels.attention import decode_attention  # noqa: E402
 
 NH, NKV, D = 32, 4, 128
@@ -47,14 +47,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[400, 1500, 6000])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--path", default=PATH, help="native kernel path (default: this CPU's)")
+    ap.add_argument("--isa", default=ISA, help="native kernel isa (default: this CPU's)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    print(f"CPU: {cpu_name()}; native path {a.path}; {a.threads} threads; {a.dtype}; per layer, median of {a.reps}")
+    print(f"CPU: {cpu_name()}; native isa {a.path}; {a.threads} threads; {a.dtype}; per layer, median of {a.reps}")
     print("| positions | torch matmuls | native kernel | speed-up |\n|---|---|---|---|")
     for L in a.lengths:
         cap = 1 << (L - 1).bit_length()  # the cache's doubled capacity

@@ -1,7 +1,7 @@
 """Dense layers on the CPU (what the GPU service runs when it computes there): our packed kernels
 against torch's matmul on the same bf16 weights, per token count, interleaved in one run, and what
 NativeLinear's default dispatch gives (it hands bf16 prefill from dense.TORCH_FROM_TOKENS tokens on
-to torch where the kernel path is amx).
+to torch where the kernel isa is amx).
 
     python bench/bench_dense.py [--threads 2] [--shapes 2048x2048,6144x2048] [--tokens 1,16,64,128,256,512]
 
@@ -40,12 +40,12 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
-    path = native.best_path()
+    isa = native.best_isa()
     rows_out = []
     for shape in a.shapes.split(","):
         rows, K = map(int, shape.split("x"))
         w = torch.randn(rows, K) * 0.02
-        lin = NativeLinear(w, "bf16", path=path)
+        lin = NativeLinear(w, "bf16", isa=isa)
         wb = w.bfloat16()
         ref = lambda x: torch.nn.functional.linear(x, wb)  # noqa: E731
 
@@ -66,8 +66,8 @@ def main() -> None:
                    "torch_over_default": round(statistics.median(r[1] / r[2] for r in rounds), 2)}
             print(json.dumps(row), flush=True)
             rows_out.append(row)
-    print(f"\n{cpu_name()}, path {path}, {a.threads} threads, bf16 weights; torch_from_tokens "
-          f"{dense.TORCH_FROM_TOKENS if path == 'amx' else 'never (not amx)'}\n")
+    print(f"\n{cpu_name()}, isa {isa}, {a.threads} threads, bf16 weights; torch_from_tokens "
+          f"{dense.TORCH_FROM_TOKENS if isa == 'amx' else 'never (not amx)'}\n")
     print("| rows x K | T | ours | torch | default | torch/ours | torch/default |")
     print("|---|---|---|---|---|---|---|")
     for r in rows_out:

@@ -1,15 +1,15 @@
 """Routed-expert kernel benchmark: decode (T=1) and prefill (T=512) for each weight format,
-against the machine's own probes (DRAM read bandwidth, the arithmetic peak of the kernel path;
+against the machine's own probes (DRAM read bandwidth, the arithmetic peak of the kernel isa;
 probed again right before each case) and torch's idiomatic MoE on the same weights, all measured in
 this run. Runs on any x86-64 (and elsewhere): every probe is chosen by what the CPU has.
 
     python bench/bench_kernels.py [--threads 2] [--shapes qwen3,dsv3] [--formats bf16] [--reps 5]
-                                  [--path avx2]
+                                  [--isa avx2]
 
 One JSON line per case, then a table. Decode efficiency = bytes of the chosen experts' weights /
 time, as a share of the DRAM read bandwidth probed right before (the median over repetitions that
 each probe once and then time 64 calls). Prefill efficiency = 2*T*k*3*H*I FLOP / time, as a share
-of the peak of the instructions the path computes with: avx512: vdpbf16ps (bf16) and vpdpbusd
+of the peak of the instructions the isa computes with: avx512: vdpbf16ps (bf16) and vpdpbusd
 (int8, int4, mxfp4); amx: TDPBF16PS (bf16), TDPBSUD (int8), vpdpbusd (int4, mxfp4); avx2: 256-bit
 fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); avxvnni: 256-bit fp32 FMA (bf16) and
 vpdpbusd on ymm (int formats); portable: none (only the comparison with torch). Prefill also reads every routed expert once, so it is reported against the roofline
@@ -40,13 +40,13 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,int8,int4")
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--path", default=None, help="kernel path to measure (default: the one chosen for this CPU)")
+    ap.add_argument("--isa", default=None, help="kernel isa to measure (default: the one chosen for this CPU)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
-    path = a.path or native.best_path()
+    isa = a.path or native.best_isa()
     probe = torch.ones(1 << 28)
-    # the instructions each path computes with: (name, probe, iterations) for bf16 weights, for int8,
+    # the instructions each isa computes with: (name, probe, iterations) for bf16 weights, for int8,
     # for the other int formats. AMX tiles run bf16 and int8; int4 and mxfp4 run on AVX-512 there.
     vdp = ("vdpbf16ps peak", native.bf16_peak_flops, 10_000_000)
     vnni = ("vpdpbusd peak", native.vnni_peak_ops, 10_000_000)
@@ -62,24 +62,24 @@ def main() -> None:
         return statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
 
     def peaks(fmt: str) -> tuple[float | None, float | None]:  # (bf16's, fmt's); a peak: the best of several
-        if path not in roof:
+        if isa not in roof:
             return None, None
         best = lambda r: max(r[1](r[2]) for _ in range(5))  # noqa: E731
-        bf16 = best(roof[path][0])
-        return bf16, bf16 if slot(fmt) == 0 else best(roof[path][slot(fmt)])
+        bf16 = best(roof[isa][0])
+        return bf16, bf16 if slot(fmt) == 0 else best(roof[isa][slot(fmt)])
     bw = dram_bw()
     peak, ipeak = peaks("int8")
     g9 = lambda v: None if v is None else round(v / 1e9, 1)  # noqa: E731
-    rows = [{"case": "probe", "cpu": cpu_name(), "path": path, "threads": a.threads,
+    rows = [{"case": "probe", "cpu": cpu_name(), "isa": isa, "threads": a.threads,
              "dram_read_GBps": round(bw / 1e9, 2), "bf16_roofline_G": g9(peak), "int_roofline_G": g9(ipeak),
-             "rooflines": [r[0] for r in roof.get(path, ())[:2]]}]
+             "rooflines": [r[0] for r in roof.get(isa, ())[:2]]}]
     print(json.dumps(rows[0]), flush=True)
     for shape in a.shapes.split(","):
         E, H, I, k = SHAPES[shape]
         gate, up, down = weights(E, H, I)
         ref = TorchMoELayer(gate, up, down, fmt="bf16")
         for fmt in a.formats.split(","):
-            op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads, path=path)
+            op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads, isa=isa)
             # the weights' own bytes (and scales); the kernels' row padding is not counted
             bytes_per_expert = 3 * H * I * {"bf16": 2, "int8": 1, "int4": 0.5, "mxfp4": 0.5}[fmt] + \
                 {"bf16": 0, "int8": (2 * I + H) * 4, "int4": 3 * H * I // 64 * 4, "mxfp4": 3 * H * I // 32}[fmt]
@@ -132,7 +132,7 @@ def main() -> None:
             share = lambda ts, rs: None if rs[0] is None else round(statistics.median(flop / t / r for t, r in zip(ts, rs)), 3)  # noqa: E731
             row = {"case": "prefill", "shape": shape, "fmt": fmt, "T": T, "ours_ms": round(t_ours * 1e3, 1),
                    "torch_bf16_ms": round(t_torch * 1e3, 1), "ours_GFLOPs": round(flop / t_ours / 1e9, 1),
-                   "roofline": roof[path][slot(fmt)][0] if path in roof else None,
+                   "roofline": roof[isa][slot(fmt)][0] if isa in roof else None,
                    "roofline_GOPs": g9(statistics.median(roofs)) if roofs[0] else None,
                    "share_of_peak": share(ours, roofs), "torch_share_of_bf16_peak": share(theirs, bf16_peaks),
                    "weight_GB": round(weight_bytes / 1e9, 3), "dram_read_GBps": round(statistics.median(bws) / 1e9, 2),
@@ -145,7 +145,7 @@ def main() -> None:
             rows.append(row)
             op = None  # free the packed weights before the next format's
     p = rows[0]
-    print(f"\n{p['cpu']}, path {p['path']}, {a.threads} threads. Probes at the start: DRAM read {p['dram_read_GBps']} GB/s, "
+    print(f"\n{p['cpu']}, isa {p['isa']}, {a.threads} threads. Probes at the start: DRAM read {p['dram_read_GBps']} GB/s, "
           f"rooflines {', '.join(p['rooflines']) or 'none'}: {p['bf16_roofline_G']} / {p['int_roofline_G']} G/s; "
           f"each case is compared with the probe taken right before it (in brackets)\n")
     pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731

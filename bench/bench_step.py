@@ -69,7 +69,7 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
     from expert_service.packed_cache import PackedCache, source_stamp
     from expert_service.store import load_expert_layers
     from gpu_service.model import Model
-    from moe_kernels import PATH, native
+    from moe_kernels import ISA, native
     from moe_kernels.dense import NativeLinear
 
     native.init_pool(threads)
@@ -81,7 +81,7 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
     def dram() -> None:
         bw.append(native.read_bandwidth(probe.data_ptr(), probe.numel()))
 
-    out = {"dense_s": 0.0, "dense_bytes": 0, "path": PATH}
+    out = {"dense_s": 0.0, "dense_bytes": 0, "path": ISA}
     layers = load_expert_layers(cfg, ckpt, fmt, threads, progress=False,
                                 cache=PackedCache(cache, fingerprint(ckpt), source_stamp(ckpt), fmt))
     gen = torch.Generator().manual_seed(0)

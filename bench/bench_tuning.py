@@ -1,15 +1,15 @@
 """Interleaved A/B of the kernels' streaming knobs (native/common.h Tuning: prefetch distance,
-task size) and of kernel paths on the Qwen3-30B-A3B expert shape, in one process: every
+task size) and of kernel isas on the Qwen3-30B-A3B expert shape, in one process: every
 repetition runs each setting once in turn, so the machine's slow and fast moments fall on all of
 them alike (on a shared 2-core box single runs drift by +-20%).
 
     python bench/bench_tuning.py [--formats int4,int8,bf16] [--settings 0:64,8192:1024] [--case decode|prefill]
-                                 [--paths avx2,avxvnni]
+                                 [--isas avx2,avxvnni]
 
 A setting is PF_BYTES:TASK_KB. The first is the baseline; each line gives medians and the ratio
 to it (below 1 = faster). 0:1 is the earlier behaviour (prefetch the next 4-row block only, the
-minimum of 64 rows per task); 8192:1024 is the default. With --paths, every setting runs on each
-path (the first path's first setting is the baseline).
+minimum of 64 rows per task); 8192:1024 is the default. With --isas, every setting runs on each
+isa (the first isa's first setting is the baseline).
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3", choices=SHAPES)
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--paths", default=None, help="kernel paths to compare (default: the one chosen for this CPU)")
+    ap.add_argument("--isas", default=None, help="kernel isas to compare (default: the one chosen for this CPU)")
     a = ap.parse_args()
-    paths = a.paths.split(",") if a.paths else [native.best_path()]
-    settings = [(p, *(int(v) for v in s.split(":"))) for p in paths for s in a.settings.split(",")]
+    isas = a.isas.split(",") if a.isas else [native.best_isa()]
+    settings = [(p, *(int(v) for v in s.split(":"))) for p in isas for s in a.settings.split(",")]
     E, H, I, k = SHAPES[a.shape]
     gate, up, down = weights(E, H, I)
     torch.set_num_threads(a.threads)
@@ -50,7 +50,7 @@ def main() -> None:
         calls = [(torch.randn(T, H).bfloat16(),
                   torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32), torch.rand(T, k))]
     for fmt in a.formats.split(","):
-        ops = {p: NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads, path=p) for p in paths}
+        ops = {p: NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads, isa=p) for p in isas}
         times: dict = {s: [] for s in settings}
         for _ in range(a.reps):
             for s in settings:

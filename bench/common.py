@@ -46,10 +46,10 @@ def cpu_name() -> str:
             flags = set(line.split(":", 1)[1].split())
     isa = "+".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f in flags)
     try:
-        from expert_service.kernels import NATIVE_PATH
+        from expert_service.kernels import NATIVE_ISA
     except ImportError:
-        NATIVE_PATH = None
-    return f"{name} ({isa}), kernel path {NATIVE_PATH or 'torch'}"
+        NATIVE_ISA = None
+    return f"{name} ({isa}), kernel path {NATIVE_ISA or 'torch'}"
 
 
 def weights(E, H, I):

@@ -243,7 +243,7 @@ class RemoteExperts:
             self.reset()
             raise ExpertServiceError(grpc.StatusCode.INTERNAL, f"exchange out of order: wanted layer {layer} "
                                      f"part {want}, got layer {got_layer} part {part}")
-        self._timings.append((layer, deferred, timing))
+        self._timings.append(PartTiming(layer, deferred, timing))
         self.last_ok = time.monotonic()
         return y
 

@@ -1,7 +1,7 @@
 """The GPU-side model: every weight except the routed experts, and one forward over a flat
 batch of tokens from several sequences (prefill and decode mixed).
 
-Per MoE layer the routed experts go to the expert service through `experts` (Dispatch); the
+Per MoE layer the routed experts go to the expert service through `experts` (experts.Experts); the
 shared experts run here while the expert service computes. With deferral, layer L's deferred
 sum is added one MoE layer later.
 """
@@ -193,7 +193,7 @@ class Model:
                 spans: list | None = None, skip: bool = False, exact_spans: bool = False,
                 defer_layers: range | None = None) -> torch.Tensor:
         """-> logits [n, vocab] fp32: one row per segment (its last token), or every row of a
-        segment with all_logits. `experts` is a Dispatch (submit / result). With `skip`, the
+        segment with all_logits. `experts`: the Experts protocol (submit / result). With `skip`, the
         `defer` lowest-weighted experts are dropped instead of deferred; `defer_layers`: only in these
         layers (the accuracy harness's depth study; default every MoE layer but the last). `spans`, when given,
         collects (name, service, layer, step, start_ns, end_ns) for the profile and metrics
@@ -289,7 +289,7 @@ def native_isa() -> str | None:
         import moe_kernels
     except ImportError:
         return None
-    return moe_kernels.PATH
+    return moe_kernels.ISA
 
 
 def compute_dtype(arg: str, cfg, device: torch.device) -> torch.dtype:

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from . import PATH, SIMD_PATHS, native
+from . import ISA, SIMD_ISAS, native
 
 VECTOR_DIMS = (64, 128, 256)  # head dims with a vector kernel; others run its plain loops
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def supported(K: torch.Tensor, path: str = PATH) -> bool:
-    """Whether the native kernel takes this cache ([kv heads, positions, dim]) fast on this path."""
-    return (path in SIMD_PATHS and K.dtype in DTYPES and K.device.type == "cpu"
+def supported(K: torch.Tensor, isa: str = ISA) -> bool:
+    """Whether the native kernel takes this cache ([kv heads, positions, dim]) fast on this isa."""
+    return (isa in SIMD_ISAS and K.dtype in DTYPES and K.device.type == "cpu"
             and K.shape[-1] in VECTOR_DIMS and K.stride(-1) == 1)
 
 
 def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: float,
-                     path: str = PATH) -> torch.Tensor:
+                     isa: str = ISA) -> torch.Tensor:
     """q [nh, d] (any float dtype), K/V [nkv, L, d] bf16 or fp32 (unit stride along d) -> [nh, d] fp32."""
     nh, d = q.shape
     nkv, L, _ = K.shape
@@ -28,6 +28,6 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: f
         raise ValueError(f"decode_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} do not fit")
     qf = q.float().contiguous()
     out = torch.empty(nh, d)
-    native.decode_attention(path, qf.data_ptr(), nh, nkv, d, K.data_ptr(), K.dtype == torch.bfloat16, K.stride(0),
+    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), K.dtype == torch.bfloat16, K.stride(0),
                             K.stride(1), V.data_ptr(), V.stride(0), V.stride(1), L, scale, out.data_ptr())
     return out

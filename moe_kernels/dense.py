@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import PATH, native
+from . import ISA, native
 from .packing import alloc, data_ptr, pack_expert, row_len
 
 PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
@@ -19,7 +19,7 @@ TORCH_FROM_TOKENS = 64
 
 
 class NativeLinear:
-    def __init__(self, w: torch.Tensor | list[torch.Tensor], fmt: str, path: str | None = None):
+    def __init__(self, w: torch.Tensor | list[torch.Tensor], fmt: str, isa: str | None = None):
         """w [out, in], or a list of them stacked along out (fused q/k/v, gate/up) without a copy of
         the whole."""
         blocks = [w] if isinstance(w, torch.Tensor) else list(w)
@@ -27,7 +27,7 @@ class NativeLinear:
         if any(b.dim() != 2 or b.shape[1] != K for b in blocks):
             raise ValueError(f"linear: blocks of shapes {[list(b.shape) for b in blocks]} do not stack")
         rows = sum(b.shape[0] for b in blocks)
-        self.rows, self.K, self.fmt, self.path = rows, K, fmt, path or PATH
+        self.rows, self.K, self.fmt, self.path = rows, K, fmt, isa or ISA
         self.Kp = row_len(K, fmt)
         self.parts = alloc(fmt, 1, rows, self.Kp)  # (data, scale, rowsum, rowcorr), each [1, rows, ...]
         at = 0

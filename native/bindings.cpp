@@ -162,8 +162,8 @@ PYBIND11_MODULE(_native, m) {
     tuning() = Tuning{pf_bytes, task_kb * 1024};
   }, py::arg("pf_bytes"), py::arg("task_kb"));
   m.def("get_tuning", [] { return py::make_tuple(tuning().pf_bytes, tuning().task_bytes / 1024); });
-  m.def("best_path", [] { return std::string(isa_name(best_isa(detect_cpu()))); });
-  m.def("path_supported", [](const std::string& p) { return isa_supported(parse_isa(p), detect_cpu()); });
+  m.def("best_isa", [] { return std::string(isa_name(best_isa(detect_cpu()))); });
+  m.def("isa_supported", [](const std::string& p) { return isa_supported(parse_isa(p), detect_cpu()); });
   m.def("read_bandwidth", [](uintptr_t buf, size_t n, const std::string& variant) {
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> g(compute_mutex());
@@ -319,16 +319,16 @@ PYBIND11_MODULE(_native, m) {
   }, "bytes the kernels' scratch arena holds between calls");
   m.def(
       "decode_attention",
-      [](const std::string& path, uintptr_t q, int nh, int nkv, int d, uintptr_t K, bool bf16, size_t k_head,
+      [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, uintptr_t K, bool bf16, size_t k_head,
          size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out) {
-        Isa isa = kernel_isa(path);
+        Isa isa = kernel_isa(isa_arg);
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());
         decode_attention(isa, reinterpret_cast<const float*>(q), nh, nkv, d, reinterpret_cast<const void*>(K), bf16,
                          k_head, k_row, reinterpret_cast<const void*>(V), v_head, v_row, L, scale,
                          reinterpret_cast<float*>(out));
       },
-      py::arg("path"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("bf16"),
+      py::arg("isa"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("bf16"),
       py::arg("k_head"), py::arg("k_row"), py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("L"),
       py::arg("scale"), py::arg("out"), "one decode query per head against bf16 or fp32 K/V (native/attention.cpp)");
   // small enough to run with the GIL held: no pool, no lock

@@ -27,7 +27,7 @@ if ! timeout 180 $PY setup.py build_ext --inplace -j "$(nproc)" >"$OUT/build.log
   tail -20 "$OUT/build.log"
   ls moe_kernels/_native*.so 2>/dev/null || exit 1  # a carried build, if any
 fi
-$PY -c "import moe_kernels as m; print(\"kernel path\", m.PATH, m.native.cpu_features())"
+$PY -c "import moe_kernels as m; print(\"kernel path\", m.ISA, m.native.cpu_features())"
 
 step "tests, GPU service on cuda"
 MOE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \

@@ -60,6 +60,8 @@ LAYER_CASES = [  # (name, request, code, text in the message)
     ("ids too large", layer(ids=codec.encode(torch.full((2, K), E, dtype=torch.int32))), IA, "expert ids"),
     ("ids k=0", layer(ids=codec.encode(torch.zeros(2, 0, dtype=torch.int32)), w=codec.encode(torch.zeros(2, 0))),
      IA, "k=0"),
+    ("k above the model's top-k", layer(ids=codec.encode(torch.randint(0, E, (2, K + 1), dtype=torch.int32)),
+                                        w=codec.encode(torch.rand(2, K + 1))), IA, "num_experts_per_tok"),
     ("weights shape", layer(w=codec.encode(torch.rand(2, K + 1))), IA, "topk_weights"),
     ("weights int", layer(w=codec.encode(torch.zeros(2, K, dtype=torch.int32))), IA, "topk_weights.dtype"),
     ("weights NaN", layer(w=codec.encode(torch.full((2, K), float("nan")))), IA, "non-finite"),

@@ -1,5 +1,5 @@
 """Dense layers on the native kernels (moe_kernels.dense, gpu-service --dense-format): against a plain
-fp32 reference on the same (dequantized) weights, on every path this CPU runs; and the GPU-side model
+fp32 reference on the same (dequantized) weights, on every isa this CPU runs; and the GPU-side model
 with its dense layers packed against the same model on torch's matmuls."""
 import pathlib
 
@@ -12,9 +12,9 @@ from moe_kernels.dense import NativeLinear
 from moe_kernels.packing import INT4_GROUP
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PATHS = [p for p in moe_kernels.PATHS if native.path_supported(p)]
-if native.path_supported("avx512"):  # the tile packing and epilogue, tiles emulated (as tests/test_kernels.py)
-    PATHS.append("amx-emulated")
+ISAS = [p for p in moe_kernels.ISAS if native.isa_supported(p)]
+if native.isa_supported("avx512"):  # the tile packing and epilogue, tiles emulated (as tests/test_kernels.py)
+    ISAS.append("amx-emulated")
 
 
 @pytest.fixture(autouse=True)
@@ -39,16 +39,16 @@ def dequantized(lin: NativeLinear) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T", [1, 7, 64])
 @pytest.mark.parametrize("rows, K", [(96, 128), (70, 200), (1100, 64)])
-def test_linear_matches_reference(fmt, path, T, rows, K):
+def test_linear_matches_reference(fmt, isa, T, rows, K):
     torch.manual_seed(0)
     w = torch.randn(rows, K) * 0.05
-    if path == "amx-emulated":
+    if isa == "amx-emulated":
         native.set_amx_emulation(True)
-        path = "amx"
-    lin = NativeLinear(w, fmt, path=path)
+        isa = "amx"
+    lin = NativeLinear(w, fmt, isa=isa)
     x = torch.randn(T, K)
     got = lin(x)
     want = x @ dequantized(lin).T
@@ -58,7 +58,7 @@ def test_linear_matches_reference(fmt, path, T, rows, K):
 
 
 def test_amx_bf16_prefill_goes_to_torch_on_the_packed_rows(monkeypatch):
-    """bf16 weights on the amx path: from dense.TORCH_FROM_TOKENS bf16 tokens on, torch's matmul runs on
+    """bf16 weights on the amx isa: from dense.TORCH_FROM_TOKENS bf16 tokens on, torch's matmul runs on
     a view of the packed rows (no second copy of the weight); fewer tokens, or fp32 ones, stay ours."""
     import moe_kernels.dense as dense
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def test_amx_bf16_prefill_goes_to_torch_on_the_packed_rows(monkeypatch):
             calls.append(T)
 
     monkeypatch.setattr(dense.native, "Linear", Recorder)
-    lin = NativeLinear(w, "bf16", path="amx")
+    lin = NativeLinear(w, "bf16", isa="amx")
     assert lin._torch_weight.data_ptr() == lin.parts[0].data_ptr()
     x = torch.randn(dense.TORCH_FROM_TOKENS, 200)
     want = x @ dequantized(lin).T
@@ -83,8 +83,8 @@ def test_amx_bf16_prefill_goes_to_torch_on_the_packed_rows(monkeypatch):
     lin(x[:-1].bfloat16())
     lin(x)
     assert calls == [dense.TORCH_FROM_TOKENS - 1, dense.TORCH_FROM_TOKENS]
-    assert NativeLinear(w, "bf16", path="avx512")._torch_weight is None
-    assert NativeLinear(w, "int8", path="amx")._torch_weight is None
+    assert NativeLinear(w, "bf16", isa="avx512")._torch_weight is None
+    assert NativeLinear(w, "int8", isa="amx")._torch_weight is None
 
 
 def test_linear_keeps_leading_dims_and_checks_width():
@@ -129,7 +129,7 @@ def test_model_with_native_dense_layers_matches_torch_dense(fmt, tol, agree):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= agree
 
 
-@pytest.mark.parametrize("path, ckpt, want_dtype, want_dense", [
+@pytest.mark.parametrize("isa, ckpt, want_dtype, want_dense", [
     ("avx512", "bfloat16", torch.bfloat16, "bf16"),   # bf16 arithmetic: the checkpoint's dtype
     ("amx", "bfloat16", torch.bfloat16, "bf16"),
     ("avx2", "bfloat16", torch.float32, "bf16"),      # none: fp32 compute, the weights still bf16
@@ -137,11 +137,11 @@ def test_model_with_native_dense_layers_matches_torch_dense(fmt, tol, agree):
     (None, "bfloat16", torch.float32, None),          # not built
     ("avx2", "float32", torch.float32, None),         # fp32 checkpoints stay exact
 ])
-def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, path, ckpt, want_dtype, want_dense):
+def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, isa, ckpt, want_dtype, want_dense):
     from types import SimpleNamespace
 
     from gpu_service import model as load
-    monkeypatch.setattr(load, "native_isa", lambda: path)
+    monkeypatch.setattr(load, "native_isa", lambda: isa)
     cpu = torch.device("cpu")
     cfg = SimpleNamespace(torch_dtype=ckpt)
     assert load.compute_dtype("auto", cfg, cpu) == want_dtype

@@ -1,4 +1,4 @@
-"""Routed-expert operators against a plain fp32 torch reference: every path this machine can run,
+"""Routed-expert operators against a plain fp32 torch reference: every isa this machine can run,
 awkward sizes, repeated ids, zero weights, async submit/wait, thread counts."""
 import pytest
 import torch
@@ -10,18 +10,18 @@ native = pytest.importorskip("moe_kernels._native", reason="native extension not
 import moe_kernels  # noqa: E402
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 
-# every path this CPU can run; and the AMX path with its tile instructions emulated in C++ (the
-# packing, blocking, edges and epilogue around them), wherever the AVX-512 path runs
-PATHS = [p for p in moe_kernels.PATHS if native.path_supported(p)]
-if native.path_supported("avx512"):
-    PATHS.append("amx-emulated")
+# every isa this CPU can run; and the AMX isa with its tile instructions emulated in C++ (the
+# packing, blocking, edges and epilogue around them), wherever the AVX-512 isa runs
+ISAS = [p for p in moe_kernels.ISAS if native.isa_supported(p)]
+if native.isa_supported("avx512"):
+    ISAS.append("amx-emulated")
 
 
-def layer(gate, up, down, fmt="bf16", path=None, **kw):
-    if path == "amx-emulated":
+def layer(gate, up, down, fmt="bf16", isa=None, **kw):
+    if isa == "amx-emulated":
         native.set_amx_emulation(True)  # switched off again by the fixture below
-        path = "amx"
-    return NativeMoELayer(gate, up, down, fmt=fmt, path=path, **kw)
+        isa = "amx"
+    return NativeMoELayer(gate, up, down, fmt=fmt, isa=isa, **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -122,23 +122,23 @@ def seeded():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T", [1, 2, 7, 64])
 @pytest.mark.parametrize("k", [1, 2, 8])
 @pytest.mark.parametrize("E, I, H", [(8, 80, 96), (16, 64, 128), (9, 33, 70)])
-def test_native_matches_reference(fmt, path, T, k, E, I, H):
+def test_native_matches_reference(fmt, isa, T, k, E, I, H):
     gate, up, down = make(E, I, H)
     ids, w = routing(T, k, E)
     x = torch.randn(T, H)
-    op = layer(gate, up, down, fmt=fmt, threads=2, path=path)
+    op = layer(gate, up, down, fmt=fmt, threads=2, isa=isa)
     got = op.forward(x, ids, w)
     close(got, reference(x, *dequantized(op), ids, w, fmt=fmt), TOL[fmt])
     close(got, reference(x, gate, up, down, ids, w), TOL_ORIGINAL[fmt])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("path", PATHS)
-def test_large_T_repeated_ids_and_zero_weights(fmt, path):
+@pytest.mark.parametrize("isa", ISAS)
+def test_large_T_repeated_ids_and_zero_weights(fmt, isa):
     E, I, H, T, k = 8, 56, 96, 300, 2  # 2I = 112 rows: a lone 16-row tile after the pairs (AMX)
     gate, up, down = make(E, I, H)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32)
@@ -146,29 +146,26 @@ def test_large_T_repeated_ids_and_zero_weights(fmt, path):
     w = torch.rand(T, k)
     w[::3] = 0.0
     x = torch.randn(T, H)
-    op = layer(gate, up, down, fmt=fmt, threads=2, path=path)
+    op = layer(gate, up, down, fmt=fmt, threads=2, isa=isa)
     got = op.forward(x, ids, w)
     close(got, reference(x, *dequantized(op), ids, w, fmt=fmt), TOL[fmt])
     assert torch.all(got[::3] == 0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_paths_agree_and_async_matches_forward(fmt):
+def test_isas_agree(fmt):
     gate, up, down = make(8, 80, 96)
     ids, w = routing(5, 3, 8)
     x = torch.randn(5, 96)
-    outs = [layer(gate, up, down, fmt=fmt, path=p).forward(x, ids, w) for p in PATHS]
+    outs = [layer(gate, up, down, fmt=fmt, isa=p).forward(x, ids, w) for p in ISAS]
     for o in outs[1:]:
         close(o, outs[0], 1e-3)
-    op = NativeMoELayer(gate, up, down, fmt=fmt)
-    op.submit(x, ids, w)
-    assert torch.equal(op.wait(), op.forward(x, ids, w))
-    assert op.forward(x.bfloat16(), ids, w).dtype == torch.bfloat16
+    assert NativeMoELayer(gate, up, down, fmt=fmt).forward(x.bfloat16(), ids, w).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("path", PATHS)
-def test_gpt_oss_experts_bias_and_clamped_swiglu(fmt, path):
+@pytest.mark.parametrize("isa", ISAS)
+def test_gpt_oss_experts_bias_and_clamped_swiglu(fmt, isa):
     """gpt-oss: biases on gate/up and down, and the clamped SwiGLU, its limit low enough to clamp."""
     from moe_core.config import ExpertAct
     E, I, H, T, k = 8, 40, 96, 6, 4
@@ -177,7 +174,7 @@ def test_gpt_oss_experts_bias_and_clamped_swiglu(fmt, path):
     x = torch.randn(T, H) * 3
     act = ExpertAct("clamped_swiglu", alpha=1.702, limit=0.5)
     bias = (torch.randn(E, 2 * I) * 0.3, torch.randn(E, H) * 0.1)
-    op = layer(gate, up, down, fmt=fmt, threads=2, path=path).set_extras(act, *bias)
+    op = layer(gate, up, down, fmt=fmt, threads=2, isa=isa).set_extras(act, *bias)
     got = op.forward(x, ids, w)
     want = reference(x, *dequantized(op), ids, w, fmt=fmt, act=act, bias=bias)
     close(got, want, TOL[fmt])
@@ -192,8 +189,8 @@ def test_gpt_oss_experts_bias_and_clamped_swiglu(fmt, path):
     close(out, op.forward(xb, ids, w).float(), 1e-2)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_mxfp4_published_weights_are_kept_bit_for_bit(path):
+@pytest.mark.parametrize("isa", ISAS)
+def test_mxfp4_published_weights_are_kept_bit_for_bit(isa):
     """gpt-oss's experts as published (e2m1 codes, e8m0 exponents): packed exactly (rows padded from 96 and
     160 to whole 64-groups), and the kernels multiply exactly those values."""
     from moe_kernels.packing import Mx4
@@ -202,10 +199,10 @@ def test_mxfp4_published_weights_are_kept_bit_for_bit(path):
     mx = lambda r, c: Mx4(torch.randint(0, 16, (r, c), dtype=torch.uint8, generator=g),  # noqa: E731
                           torch.randint(120, 126, (r, c // 32), dtype=torch.uint8, generator=g))
     parts = [(mx(I, H), mx(I, H), mx(H, I)) for _ in range(E)]
-    if path == "amx-emulated":
+    if isa == "amx-emulated":
         native.set_amx_emulation(True)
     op = NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt="mxfp4", threads=2,
-                                     path="amx" if path == "amx-emulated" else path)
+                                     isa="amx" if isa == "amx-emulated" else isa)
     gate, up, down = dequantized(op)
     for e, (pg, pu, pd) in enumerate(parts):
         assert torch.equal(gate[e], pg.dequantize()) and torch.equal(up[e], pu.dequantize())
@@ -223,22 +220,22 @@ def test_torch_operator_matches_reference():
     close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w), 1e-5)
 
 
-@pytest.mark.parametrize("path", ["avxvnni", "amx"])
-def test_paths_are_refused_where_the_cpu_lacks_them(path, monkeypatch):
+@pytest.mark.parametrize("isa", ["avxvnni", "amx"])
+def test_paths_are_refused_where_the_cpu_lacks_them(isa, monkeypatch):
     f = native.cpu_features()
-    needs = {"avxvnni": f["avxvnni"] and native.path_supported("avx2"),
+    needs = {"avxvnni": f["avxvnni"] and native.isa_supported("avx2"),
              "amx": f["amx_tile"] and f["amx_bf16"] and f["amx_int8"] and f["os_amx"]}
-    assert native.path_supported(path) == needs[path]
-    # the best path: AMX over AVX-512 over AVX-VNNI over AVX2
-    order = [p for p in moe_kernels.PATHS if native.path_supported(p)]
-    assert native.best_path() == order[-1]
-    if not native.path_supported(path):
-        monkeypatch.setenv("MOE_KERNEL_PATH", path)
+    assert native.isa_supported(isa) == needs[isa]
+    # the best isa: AMX over AVX-512 over AVX-VNNI over AVX2
+    order = [p for p in moe_kernels.ISAS if native.isa_supported(p)]
+    assert native.best_isa() == order[-1]
+    if not native.isa_supported(isa):
+        monkeypatch.setenv("MOE_KERNEL_PATH", isa)
         with pytest.raises(RuntimeError, match="cannot run"):
-            moe_kernels.choose_path()
+            moe_kernels.choose_isa()
 
 
-@pytest.mark.skipif(not native.path_supported("avxvnni"), reason="no AVX-VNNI on this CPU")
+@pytest.mark.skipif(not native.isa_supported("avxvnni"), reason="no AVX-VNNI on this CPU")
 @pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4"])
 def test_avxvnni_is_avx2_bitwise(fmt):
     """vpdpbusd on (q + 128) minus 128 x the row sums and AVX2's signed pairs give the same integers, so
@@ -246,7 +243,7 @@ def test_avxvnni_is_avx2_bitwise(fmt):
     gate, up, down = make(8, 96, 128)
     ids, w = routing(9, 3, 8)
     x = torch.randn(9, 128)
-    ops = {p: layer(gate, up, down, fmt=fmt, path=p) for p in ("avx2", "avxvnni")}
+    ops = {p: layer(gate, up, down, fmt=fmt, isa=p) for p in ("avx2", "avxvnni")}
     assert torch.equal(ops["avx2"].forward(x, ids, w), ops["avxvnni"].forward(x, ids, w))
 
 
@@ -258,12 +255,12 @@ def test_bad_ids_raise_not_abort():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("path", PATHS)
-def test_one_and_two_threads_agree_bitwise(fmt, path):
+@pytest.mark.parametrize("isa", ISAS)
+def test_one_and_two_threads_agree_bitwise(fmt, isa):
     gate, up, down = make(8, 80, 96)
     ids, w = routing(64, 4, 8)
     x = torch.randn(64, 96)
-    op = layer(gate, up, down, fmt=fmt, path=path)
+    op = layer(gate, up, down, fmt=fmt, isa=isa)
     try:
         native.set_threads(1)
         one = op.forward(x, ids, w)
@@ -319,14 +316,14 @@ def test_numa_grouping_gives_the_same_answer(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("path", PATHS)
-def test_task_size_and_prefetch_distance_do_not_change_the_answer(fmt, path):
+@pytest.mark.parametrize("isa", ISAS)
+def test_task_size_and_prefetch_distance_do_not_change_the_answer(fmt, isa):
     """Each expert's rows cut into many 64-row tasks (the smallest) or one task, prefetching near or
     far: the same bits, and the reference's answer."""
     gate, up, down = make(4, 200, 300)
     ids, w = routing(7, 2, 4)
     x = torch.randn(7, 300)
-    op = layer(gate, up, down, fmt=fmt, path=path)
+    op = layer(gate, up, down, fmt=fmt, isa=isa)
     default = native.get_tuning()
     try:
         outs = []
@@ -339,13 +336,13 @@ def test_task_size_and_prefetch_distance_do_not_change_the_answer(fmt, path):
     close(outs[0], reference(x, *dequantized(op), ids, w, fmt), TOL[fmt])
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_bf16_rows_longer_than_one_k_chunk(path):
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_rows_longer_than_one_k_chunk(isa):
     """Hidden size above the bf16 kernel's K chunk (8192): partial sums carried across chunks."""
     gate, up, down = make(2, 16, 8300)
     ids, w = routing(9, 2, 2)
     x = torch.randn(9, 8300)
-    op = layer(gate, up, down, fmt="bf16", path=path)
+    op = layer(gate, up, down, fmt="bf16", isa=isa)
     close(op.forward(x, ids, w), reference(x, *dequantized(op), ids, w, "bf16"), TOL["bf16"])
 
 
@@ -365,23 +362,23 @@ def test_bandwidth_probe_checks_the_cpu():
 
 
 def test_portable_only_machines_run_bf16_on_torch(monkeypatch):
-    """Where only plain C++ runs, torch's bf16 code is faster: bf16 goes there unless a path was forced;
+    """Where only plain C++ runs, torch's bf16 code is faster: bf16 goes there unless a isa was forced;
     the int formats have no torch operator and stay native."""
     import expert_service.kernels as k
-    monkeypatch.setattr(k, "NATIVE_PATH", "portable")
+    monkeypatch.setattr(k, "NATIVE_ISA", "portable")
     monkeypatch.delenv("MOE_KERNEL_PATH", raising=False)
     assert k.kernel_path("bf16") == "torch" and k.kernel_path("int8") == "portable"
     gate, up, down = make(4, 32, 64)
     assert isinstance(k.MoELayer(gate, up, down, fmt="bf16"), TorchMoELayer)
     monkeypatch.setenv("MOE_KERNEL_PATH", "portable")
     assert k.kernel_path("bf16") == "portable"
-    monkeypatch.setattr(k, "NATIVE_PATH", "avx2")
+    monkeypatch.setattr(k, "NATIVE_ISA", "avx2")
     monkeypatch.delenv("MOE_KERNEL_PATH")
     assert k.kernel_path("bf16") == "avx2"
 
 
 # -- decode attention (native/attention.cpp) ------------------------------------------------------
-ATTN_PATHS = [p for p in ("portable", "avx2", "avx512") if native.path_supported(p)]
+ATTN_PATHS = [p for p in ("portable", "avx2", "avx512") if native.isa_supported(p)]
 
 
 def attention_reference(q, K, V, scale):
@@ -392,19 +389,19 @@ def attention_reference(q, K, V, scale):
     return (s @ V.double()).reshape(q.shape)
 
 
-@pytest.mark.parametrize("path", ATTN_PATHS)
+@pytest.mark.parametrize("isa", ATTN_PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("d", [64, 128, 256, 80])  # 80: no vector kernel, the plain loops on every path
+@pytest.mark.parametrize("d", [64, 128, 256, 80])  # 80: no vector kernel, the plain loops on every isa
 @pytest.mark.parametrize("nh, nkv", [(4, 4), (24, 4), (12, 1), (20, 2)])  # groups of 1, 6, 12, 10 query heads
 @pytest.mark.parametrize("L", [1, 17, 301])
-def test_decode_attention_matches_reference(path, dtype, d, nh, nkv, L):
+def test_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L):
     from moe_kernels.attention import decode_attention
 
     # K and V as the KV cache holds them: views of the first L positions of a larger buffer
     K = torch.randn(nkv, L + 37, d).to(dtype)[:, :L]
     V = torch.randn(nkv, L + 37, d).to(dtype)[:, :L]
     q = (torch.randn(nh, d) * 2).to(dtype)  # sharp enough that the softmax is not flat
-    got = decode_attention(q, K, V, d ** -0.5, path)
+    got = decode_attention(q, K, V, d ** -0.5, isa)
     want = attention_reference(q, K, V, d ** -0.5)
     assert got.dtype == torch.float32 and got.shape == (nh, d)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
@@ -422,13 +419,13 @@ def test_decode_attention_refuses_mixed_or_strided_caches():
         decode_attention(torch.randn(3, 64), K, K, 0.125)
 
 
-@pytest.mark.parametrize("path", PATHS + ["torch"])
-def test_id_minus_one_is_no_expert(path):
+@pytest.mark.parametrize("isa", ISAS + ["torch"])
+def test_id_minus_one_is_no_expert(isa):
     """A sharded expert service gets -1 for the pairs other shards hold: the same output as leaving
     those pairs out (weight 0), whatever their weight; a token of only -1 gets zeros."""
     E, I, H = 8, 64, 128
     gate, up, down = torch.randn(E, I, H) * 0.1, torch.randn(E, I, H) * 0.1, torch.randn(E, H, I) * 0.1
-    op = TorchMoELayer(gate, up, down) if path == "torch" else layer(gate, up, down, fmt="bf16", path=path)
+    op = TorchMoELayer(gate, up, down) if isa == "torch" else layer(gate, up, down, fmt="bf16", isa=isa)
     x, ids, w = torch.randn(6, H), torch.randint(0, E, (6, 4), dtype=torch.int32), torch.rand(6, 4)
     none = torch.rand(6, 4) < 0.4
     none[5] = True

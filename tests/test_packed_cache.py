@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from harness import ROOT, free_port, start
-from expert_service.kernels import NATIVE_PATH
+from expert_service.kernels import NATIVE_ISA
 from expert_service.packed_cache import PackedCache, source_stamp
 from expert_service.store import load_expert_layers
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 from moe_core.fingerprint import fingerprint
 
-pytestmark = pytest.mark.skipif(NATIVE_PATH is None, reason="the cache holds the native kernels' layout")
+pytestmark = pytest.mark.skipif(NATIVE_ISA is None, reason="the cache holds the native kernels' layout")
 
 
 def layers_of(d, fmt, cache):

@@ -114,3 +114,16 @@ def test_minimax_routing_other_than_sigmoid_is_refused(checkpoints):
     raw = {**json.loads((checkpoints["minimax_m2"] / "config.json").read_text()), "scoring_func": "softmax"}
     with pytest.raises(ModelConfigError, match="scoring_func='softmax'"):
         parse_config(raw)
+
+
+@pytest.mark.parametrize("experts, top_k", [(512, 257), (8, 9), (8, 0)])
+def test_top_k_is_bounded_by_the_experts_and_the_kernels(checkpoints, experts, top_k):
+    """One k limit: a model's num_experts_per_tok, at most its experts and the native kernels' MAX_K."""
+    from moe_core.config import MAX_TOP_K, ModelConfigError, parse_config
+    from moe_kernels import native
+
+    assert native.MAX_K == MAX_TOP_K
+    raw = {**json.loads((checkpoints["qwen3_moe"] / "config.json").read_text()), "num_experts": experts,
+           "num_experts_per_tok": top_k}
+    with pytest.raises(ModelConfigError, match="top-k"):
+        parse_config(raw)

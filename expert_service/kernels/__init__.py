@@ -4,7 +4,7 @@ implementation for one model layer; all share forward / submit / wait.
 Shapes: gate, up: [E, I, H]; down: [E, H, I]; hidden: [T, H]; topk_ids: [T, k] int32;
 topk_weights: [T, k] fp32; out: [T, H] in hidden's dtype.
 
-bf16, int8 and int4 weights run on the native kernels (native/; path in NATIVE_PATH, forced with
+bf16, int8 and int4 weights run on the native kernels (native/; path in NATIVE_ISA, forced with
 MOE_KERNEL_PATH=portable|avx2|avxvnni|avx512|amx, or MOE_KERNEL_PATH=torch for the torch reference); fp32/fp16
 weights use the torch operator. Where only the portable (plain C++) path runs and nothing forced it,
 bf16 weights use torch too: its vectorized bf16 code beats ours there (on a Zen 3 before the AVX2
@@ -22,10 +22,10 @@ log = logging.getLogger("expert_service.kernels")
 try:
     if os.environ.get("MOE_KERNEL_PATH") == "torch":
         raise ImportError("MOE_KERNEL_PATH=torch")
-    from .native_moe import PATH as NATIVE_PATH, NativeMoELayer
+    from .native_moe import ISA as NATIVE_ISA, NativeMoELayer
 except ImportError as e:  # extension not built: the torch path still serves
     log.warning("native kernels unavailable (%s); using the torch path", e)
-    NATIVE_PATH, NativeMoELayer = None, None
+    NATIVE_ISA, NativeMoELayer = None, None
 
 
 NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4")
@@ -35,11 +35,11 @@ def native(fmt: str) -> bool:
     """Whether weights of this format run on the native kernels."""
     if NativeMoELayer is None or fmt not in NATIVE_FORMATS:
         return False
-    return not (fmt == "bf16" and NATIVE_PATH == "portable" and not os.environ.get("MOE_KERNEL_PATH"))
+    return not (fmt == "bf16" and NATIVE_ISA == "portable" and not os.environ.get("MOE_KERNEL_PATH"))
 
 
 def kernel_path(fmt: str) -> str:
-    return NATIVE_PATH if native(fmt) else "torch"
+    return NATIVE_ISA if native(fmt) else "torch"
 
 
 def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None):

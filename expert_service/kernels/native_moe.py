@@ -2,7 +2,7 @@
 
 Weights are packed once at load in one of moe_kernels.packing's formats (gate and up fused into one
 [E, 2I, K] matrix). Activations are rounded to bf16 (bf16 weights) or quantized to int8 per token
-(int formats); dequantization happens in registers. The kernel path is moe_kernels.PATH; amx runs
+(int formats); dequantization happens in registers. The kernel isa is moe_kernels.ISA; amx runs
 prefill of bf16/int8 weights on tiles, everything else on AVX-512.
 """
 from __future__ import annotations
@@ -12,46 +12,45 @@ import os
 import torch
 
 from moe_core.config import SILU, ExpertAct
-from moe_kernels import PATH, native as _n
+from moe_kernels import ISA, native as _n
 from moe_kernels.packing import FORMATS, Mx4, alloc, data_ptr, layout, pack_expert, row_len, store_expert
 
-from .submit_wait import SubmitWait
 
 ACTS = ("silu", "clamped_swiglu")  # native/moe.h's Act
 
 
-class NativeMoELayer(SubmitWait):
+class NativeMoELayer:
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
-                 threads: int | None = None, path: str | None = None):
+                 threads: int | None = None, isa: str | None = None):
         E, I, H = gate.shape
         if up.shape != (E, I, H) or down.shape != (E, H, I):
             raise ValueError(f"expert shapes disagree: gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}")
-        self._build(E, I, H, lambda e: (gate[e], up[e], down[e]), fmt, threads, path)
+        self._build(E, I, H, lambda e: (gate[e], up[e], down[e]), fmt, threads, isa)
 
     @classmethod
     def from_experts(cls, E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None,
-                     path: str | None = None) -> "NativeMoELayer":
+                     isa: str | None = None) -> "NativeMoELayer":
         """Pack expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]) in any float dtype or as
         published MXFP4 (packing.Mx4), so at most one expert's source tensors exist beside the packed layer."""
         self = cls.__new__(cls)
-        self._build(E, I, H, load, fmt, threads, path)
+        self._build(E, I, H, load, fmt, threads, isa)
         return self
 
     @classmethod
-    def empty(cls, E: int, I: int, H: int, fmt: str, path: str | None = None) -> "NativeMoELayer":
+    def empty(cls, E: int, I: int, H: int, fmt: str, isa: str | None = None) -> "NativeMoELayer":
         """A layer whose packed buffers (self.gu, self.dn) are allocated, not filled: the packed-weight
         cache reads straight into them, then calls ready()."""
         self = cls.__new__(cls)
-        self._alloc(E, I, H, fmt, path)
+        self._alloc(E, I, H, fmt, isa)
         return self
 
     @classmethod
     def wrap(cls, E: int, I: int, H: int, fmt: str, gu: tuple, dn: tuple, threads: int | None = None,
-             path: str | None = None) -> "NativeMoELayer":
+             isa: str | None = None) -> "NativeMoELayer":
         """A layer over packed tensors that exist already (the packed-weight cache's mapped file), laid
         out as packed_layout() says; they are read, never written."""
         self = cls.__new__(cls)
-        self._shape(E, I, H, fmt, path)
+        self._shape(E, I, H, fmt, isa)
         self.gu, self.dn = tuple(gu), tuple(dn)
         self.ready(threads)
         return self
@@ -61,16 +60,16 @@ class NativeMoELayer(SubmitWait):
         """{"gu": gate and up fused, "dn": down} -> packing.layout()'s (data, scale, rowsum, rowcorr)."""
         return {"gu": layout(fmt, E, 2 * I, row_len(H, fmt)), "dn": layout(fmt, E, H, row_len(I, fmt))}
 
-    def _shape(self, E, I, H, fmt, path) -> None:
+    def _shape(self, E, I, H, fmt, isa) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
         self.num_experts, self.intermediate, self.hidden, self.fmt = E, I, H, fmt
-        self.path = path or PATH
+        self.path = isa or ISA
         self.act, self.biases = SILU, (None, None)
         self.Kp_h, self.Kp_i = row_len(H, fmt), row_len(I, fmt)
 
-    def _alloc(self, E, I, H, fmt, path) -> None:
-        self._shape(E, I, H, fmt, path)
+    def _alloc(self, E, I, H, fmt, isa) -> None:
+        self._shape(E, I, H, fmt, isa)
         self.gu = alloc(fmt, E, 2 * I, self.Kp_h)   # [E, 2I, Kp_h]: gate rows, then up rows
         self.dn = alloc(fmt, E, H, self.Kp_i)       # [E, H, Kp_i]
 
@@ -79,15 +78,15 @@ class NativeMoELayer(SubmitWait):
         _n.init_pool(threads or os.cpu_count() or 1)
 
     def _bind(self) -> None:
-        """The native layer over the packed buffers: the kernel path and format resolved once; it keeps the
+        """The native layer over the packed buffers: the kernel isa and format resolved once; it keeps the
         buffers alive (owner) for as long as anyone holds it (the shared-memory ring does)."""
         self.native = _n.MoELayer(
             self.path, self.fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
             tuple(map(data_ptr, self.gu)), tuple(map(data_ptr, self.dn)), *map(data_ptr, self.biases),
             self.act.kind, self.act.alpha, self.act.limit, owner=(self.gu, self.dn, self.biases))
 
-    def _build(self, E, I, H, load, fmt, threads, path) -> None:
-        self._alloc(E, I, H, fmt, path)
+    def _build(self, E, I, H, load, fmt, threads, isa) -> None:
+        self._alloc(E, I, H, fmt, isa)
         for e in range(E):
             g, u, d = load(e)
             if g.shape != (I, H) or u.shape != (I, H) or d.shape != (H, I):

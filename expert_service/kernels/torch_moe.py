@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from moe_core.config import SILU, ExpertAct
 
-from .submit_wait import SubmitWait
 
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -22,7 +21,7 @@ def activation(g: torch.Tensor, u: torch.Tensor, act: ExpertAct) -> torch.Tensor
     return F.silu(g) * u
 
 
-class TorchMoELayer(SubmitWait):
+class TorchMoELayer:
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
                  threads: int | None = None):
         if fmt not in FORMATS:
