@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    print(f"CPU: {cpu_name()}; native isa {a.path}; {a.threads} threads; {a.dtype}; per layer, median of {a.reps}")
+    print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}; per layer, median of {a.reps}")
     print("| positions | torch matmuls | native kernel | speed-up |\n|---|---|---|---|")
     for L in a.lengths:
         cap = 1 << (L - 1).bit_length()  # the cache's doubled capacity
@@ -62,7 +62,7 @@ def main() -> None:
         K, V = torch.randn(NKV, cap, D, dtype=dt)[:, :L], torch.randn(NKV, cap, D, dtype=dt)[:, :L]
 
         def nat(q, K, V):
-            return decode_attention(q, K, V, D ** -0.5, a.path)
+            return decode_attention(q, K, V, D ** -0.5, a.isa)
         assert torch.allclose(with_torch(q, K, V).float(), nat(q, K, V), atol=2e-2, rtol=2e-2)
         rows = []
         for _ in range(3):  # interleaved

@@ -44,7 +44,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
-    isa = a.path or native.best_isa()
+    isa = a.isa or native.best_isa()
     probe = torch.ones(1 << 28)
     # the instructions each isa computes with: (name, probe, iterations) for bf16 weights, for int8,
     # for the other int formats. AMX tiles run bf16 and int8; int4 and mxfp4 run on AVX-512 there.

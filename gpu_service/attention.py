@@ -108,8 +108,8 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     elif t == 1 and native and native_attention.supported(K):
         o = native_attention.decode_attention(q[0], K, V, d ** -0.5).to(q.dtype)  # [nh, d]
     elif t == 1 and x.device.type == "cpu":
-        # decode on the CPU: torch's SDPA kernel takes ~200 ms for one query over 8k keys (32 heads,
-        # bf16, 2 cores); as matmuls over each KV head's query group it takes a few ms
+        # decode on the CPU: torch's SDPA kernel is ~50x slower for one query than matmuls over each KV head's
+        # query group (docs/kernels.md, "Measured choices")
         qg = q.view(nkv, nh // nkv, d)                                          # [kv, group, d]
         s = torch.matmul(qg, K.transpose(1, 2)) * d ** -0.5                     # [kv, group, L]
         o = torch.matmul(s.float().softmax(-1).to(q.dtype), V)                  # [kv, group, d]

@@ -117,8 +117,8 @@ class Model:
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
         self.scale = softmax_scale(cfg, qk_dim)
         self.last_moe_layer = cfg.moe_layers[-1] if cfg.moe_layers else -1
-        # decode attention on the native kernel too when the dense layers are (on the CPU; torch's small
-        # matmuls and softmax cost 0.2-0.5 ms a layer there, bench/bench_attention.py)
+        # decode attention on the native kernel too when the dense layers are (on the CPU, where torch's small
+        # matmuls and softmax cost several times the bytes they read: docs/kernels.md, "Measured choices")
         self.native_attention = bool(dense_format) and device.type == "cpu"
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)

@@ -12,9 +12,7 @@ from .packing import alloc, data_ptr, pack_expert, row_len
 PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
 # bf16 weights on an AMX CPU: from this many tokens on, torch's matmul (oneDNN: tiles, with its own
 # weight blocking) computes faster than our tiles on the row-major packing; below it, and at decode,
-# ours stream the weights as fast or faster. `python bench/bench_dense.py` on a Sapphire Rapids-class
-# Xeon, 2 threads, torch time / ours, 2048x2048 | 6144x2048: T=1 1.07 | 2.03x, T=16 0.86 | 0.92x,
-# T=64 0.58 | 0.53x, T=128 0.48 | 0.66x, T=512 0.49 | 0.68x.
+# ours stream the weights as fast or faster (`python bench/bench_dense.py`; docs/kernels.md).
 TORCH_FROM_TOKENS = 64
 
 

@@ -1,8 +1,8 @@
 // Decode attention on the CPU: one new query per head against a sequence's cached keys and values
 // (bf16 or fp32, [kv heads, positions, dim] with any head and position strides), grouped-query: the
 // query heads of a kv head share each pass over its keys and values. fp32 scores, softmax and sums;
-// tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax, casts) took 0.4-1 ms a
-// layer at 300 positions on 2 Zen 4 cores, for ~300 KB of bytes.
+// tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax, casts) take several times what
+// its bytes need (docs/kernels.md, "Measured choices").
 #include <immintrin.h>
 
 #include <algorithm>
@@ -36,8 +36,8 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
 }
 
 constexpr int QG = 8;     // query heads summed together in one pass over V (accumulators)
-// positions of V per tile: the sums walk a tile once per slice of dims, so it must stay in cache
-// (untiled, each of d/8 slices streamed all of V from memory again: 2.2 ms at 6000 positions, fp32)
+// positions of V per tile: the sums walk a tile once per slice of dims, so it must stay in cache (untiled,
+// each of d/8 slices streams all of V from memory again)
 constexpr int TILE = 64;
 constexpr size_t SERIAL_MACS = size_t(1) << 19;  // below this many multiply-adds per call: no threads
 

@@ -11,6 +11,7 @@
 #include "common.h"
 #include "doorbell.h"
 #include "huge_buffer.h"
+#include "kernels.h"
 #include "moe.h"
 #include "numa.h"
 #include "ring.h"
@@ -97,8 +98,7 @@ struct BoundMoELayer {
   py::object owner;
 };
 struct BoundLinear {
-  Isa isa;
-  Fmt fmt;
+  const Kernels* k;
   Matrix m;
   py::object owner;
 };
@@ -426,20 +426,20 @@ PYBIND11_MODULE(_native, m) {
              MoEWeights w{parse_fmt(fmt), E, H, I, matrix_of(gate_up, 2 * I, H, Kp_h), matrix_of(down, H, I, Kp_i),
                           reinterpret_cast<const float*>(gate_up_bias), reinterpret_cast<const float*>(down_bias),
                           parse_act(act), alpha, limit};
-             return BoundMoELayer{MoELayer{kernel_isa(isa), w}, std::move(owner)};
+             return BoundMoELayer{MoELayer{&kernels_for(kernel_isa(isa), w.fmt), w}, std::move(owner)};
            }),
            py::arg("isa"), py::arg("fmt"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("Kp_h"), py::arg("Kp_i"),
            py::arg("gate_up"), py::arg("down"), py::arg("gate_up_bias") = 0, py::arg("down_bias") = 0,
            py::arg("act") = "silu", py::arg("alpha") = 0.f, py::arg("limit") = 0.f, py::arg("owner") = py::none(),
            "gate_up / down: (data, scale, rowsum, rowcorr) addresses of [E, 2I, Kp_h] / [E, H, Kp_i] packed "
            "matrices; biases fp32 [E, 2I] / [E, H] or 0; owner: kept alive with the layer")
-      .def_property_readonly("isa", [](const BoundMoELayer& l) { return std::string(isa_name(l.layer.isa)); })
+      .def_property_readonly("isa", [](const BoundMoELayer& l) { return std::string(isa_name(l.layer.k->isa)); })
       .def(
           "forward",
           [](const BoundMoELayer& l, uintptr_t hidden, uintptr_t ids, uintptr_t weights, uintptr_t out, int T, int k) {
             py::gil_scoped_release nogil;
             std::lock_guard<std::mutex> g(compute_mutex());
-            moe_forward(l.layer.isa, l.layer.w, reinterpret_cast<const float*>(hidden),
+            moe_forward(*l.layer.k, l.layer.w, reinterpret_cast<const float*>(hidden),
                         reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
                         reinterpret_cast<float*>(out), T, k);
             release_scratch();
@@ -452,7 +452,7 @@ PYBIND11_MODULE(_native, m) {
              uintptr_t out, bool out_bf16, int T, int k, int defer, int part) {
             py::gil_scoped_release nogil;
             std::lock_guard<std::mutex> g(compute_mutex());
-            moe_forward_part(l.layer.isa, l.layer.w, reinterpret_cast<const void*>(hidden), hidden_bf16,
+            moe_forward_part(*l.layer.k, l.layer.w, reinterpret_cast<const void*>(hidden), hidden_bf16,
                              reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
                              reinterpret_cast<void*>(out), out_bf16, T, k, defer, part);
             release_scratch();
@@ -488,7 +488,7 @@ PYBIND11_MODULE(_native, m) {
               py::gil_scoped_release nogil;
               std::lock_guard<std::mutex> g(compute_mutex());
               t0 = unix_ns();
-              moe_forward_part(l.layer.isa, m, x, h.bf16, ids, w, out.data(), h.bf16, int(h.T), int(h.k),
+              moe_forward_part(*l.layer.k, m, x, h.bf16, ids, w, out.data(), h.bf16, int(h.T), int(h.k),
                                int(h.defer), part);
               t1 = unix_ns();
               release_scratch();
@@ -510,7 +510,8 @@ PYBIND11_MODULE(_native, m) {
   py::class_<BoundLinear>(m, "Linear", "one packed dense [rows, Kp] matrix bound to the kernel path that runs it")
       .def(py::init([](const std::string& isa, const std::string& fmt, int rows, int K, int Kp, const MatrixParts& parts,
                        py::object owner) {
-             return BoundLinear{kernel_isa(isa), parse_fmt(fmt), matrix_of(parts, rows, K, Kp), std::move(owner)};
+             return BoundLinear{&kernels_for(kernel_isa(isa), parse_fmt(fmt)), matrix_of(parts, rows, K, Kp),
+                                std::move(owner)};
            }),
            py::arg("isa"), py::arg("fmt"), py::arg("rows"), py::arg("K"), py::arg("Kp"), py::arg("parts"),
            py::arg("owner") = py::none())
@@ -519,7 +520,7 @@ PYBIND11_MODULE(_native, m) {
           [](const BoundLinear& l, uintptr_t x, uintptr_t y, int T) {
             py::gil_scoped_release nogil;
             std::lock_guard<std::mutex> g(compute_mutex());
-            linear_forward(l.isa, l.fmt, l.m, reinterpret_cast<const float*>(x), T, reinterpret_cast<float*>(y));
+            linear_forward(*l.k, l.m, reinterpret_cast<const float*>(x), T, reinterpret_cast<float*>(y));
             release_scratch();
           },
           py::arg("x"), py::arg("y"), py::arg("T"),

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "kernels.h"
 #include "moe.h"
 #include "reduce4.h"
 
@@ -18,8 +19,7 @@ constexpr int RB = 4;          // weight rows per micro-kernel call
 constexpr int TB = 6;          // tokens per call: RB*TB accumulators + RB + 1 of the 32 zmm
 // K chunk (partial sums parked in acc_mem between chunks). Rows up to 16 KiB go whole: re-reading a
 // row block from L2 for each token block costs less than parking the accumulators per chunk
-// (alternating builds, DeepSeek-V3 prefill K=7168: 8192 vs 2048 -3%, 5 of 7 pairs; 2048 vs 1024
-// -1.5%).
+// (alternating builds: docs/kernels.md, "Measured choices").
 constexpr int KC = 8192;
 
 template <int NT, bool PF>
@@ -79,7 +79,7 @@ __attribute__((target("avx512f,avx512dq"))) void reduce(const float* acc, int nt
 
 // ---- AVX2 ----
 // Tried and dropped: widening each block of weight rows once per K chunk into an L1 buffer so the
-// prefill inner loop is loads and FMAs only: slower (Qwen3 prefill 312-362 ms against 262-284 ms).
+// prefill inner loop is loads and FMAs only: slower (docs/kernels.md, "Measured choices").
 constexpr int TB2 = 2;  // RB*TB2 accumulators + 2*TB2 activations + the converted row: 15 of the 16 ymm
 
 template <int NT, bool PF>
@@ -141,8 +141,8 @@ __attribute__((target("avx2"))) void widen_row(const uint16_t* x, int Kp, float*
   }
 }
 
-void gemm_rows_avx2(const Matrix& m, const uint16_t* We, size_t pf, int r0, int r1, const uint16_t* const* X, int ns,
-                    float* Y, size_t ldy) {
+void rows_avx2(const Matrix& m, const uint16_t* We, size_t pf, int r0, int r1, const uint16_t* const* X, int ns,
+               float* Y, size_t ldy) {
   // the activations widened once per call (a task's rows reuse them); a few KB per token
   thread_local std::vector<float> xf, acc;
   thread_local std::vector<const float*> xr;
@@ -168,24 +168,32 @@ void gemm_rows_avx2(const Matrix& m, const uint16_t* We, size_t pf, int r0, int 
 
 }  // namespace
 
-void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+// 16 partial sums, so the compiler vectorizes it (SSE2, NEON) without -ffast-math
+void ref_gemm_rows_bf16(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  const uint16_t* We = static_cast<const uint16_t*>(m.w) + size_t(e) * m.rows * m.Kp;
+  auto X = reinterpret_cast<const uint16_t* const*>(x.rows);
+  for (int r = r0; r < r1; ++r)
+    for (int s = 0; s < ns; ++s) {
+      const uint16_t *w = We + size_t(r) * m.Kp, *xs = X[s];
+      float a[16] = {};
+      for (int i = 0; i < m.Kp; i += 16)
+        for (int j = 0; j < 16; ++j) a[j] += bf16_to_f32(w[i + j]) * bf16_to_f32(xs[i + j]);
+      float acc = 0.f;
+      for (float v : a) acc += v;
+      Y[size_t(s) * ldy + r] = acc;
+    }
+}
+
+void gemm_rows_bf16_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  const uint16_t* We = static_cast<const uint16_t*>(m.w) + size_t(e) * m.rows * m.Kp;
+  const size_t pf = prefetch_rows(weight_row_bytes(Fmt::Bf16, m.Kp), RB) * m.Kp;  // elements ahead
+  rows_avx2(m, We, pf, r0, r1, reinterpret_cast<const uint16_t* const*>(x.rows), ns, Y, ldy);
+}
+
+void gemm_rows_bf16_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const uint16_t* We = static_cast<const uint16_t*>(m.w) + size_t(e) * m.rows * m.Kp;
   const size_t pf = prefetch_rows(weight_row_bytes(Fmt::Bf16, m.Kp), RB) * m.Kp;  // elements ahead
   auto X = reinterpret_cast<const uint16_t* const*>(x.rows);
-  if (isa == Isa::Portable) {  // 16 partial sums, so the compiler vectorizes it (SSE2, NEON) without -ffast-math
-    for (int r = r0; r < r1; ++r)
-      for (int s = 0; s < ns; ++s) {
-        const uint16_t *w = We + size_t(r) * m.Kp, *xs = X[s];
-        float a[16] = {};
-        for (int i = 0; i < m.Kp; i += 16)
-          for (int j = 0; j < 16; ++j) a[j] += bf16_to_f32(w[i + j]) * bf16_to_f32(xs[i + j]);
-        float acc = 0.f;
-        for (float v : a) acc += v;
-        Y[size_t(s) * ldy + r] = acc;
-      }
-    return;
-  }
-  if (ymm_path(isa)) return gemm_rows_avx2(m, We, pf, r0, r1, X, ns, Y, ldy);
   // With many token blocks the kernel is compute-bound and the prefetches of the later blocks only
   // take load slots; with few (Qwen3 prefill, ~6 per expert), every block prefetches
   const bool prefetch_all = ns < 8 * TB;

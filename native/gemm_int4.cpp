@@ -5,18 +5,19 @@
 //   with bit 3 the sign, exact in int8; one scale per 32 weights, kept as the published 1-byte exponent
 //   and turned into 2^(e - 127) / 2 in registers (4.25 bits a weight read, as published).
 // Activations come as u8 = x + 128, so per group sum((x + 128) * w) is one vpdpbusd, the scale applies
-// in fp32, and the +128 comes back out through the per-row constant rowcorr. On AVX2, vpmaddubsw
-// cannot saturate here (pairs of 255 * 12 products at most), so int4 adds two of them in int16 before
-// one vpmaddwd widens the group's sum (mxfp4's halves have their own scales: widened apart); AVX-VNNI
-// does both in vpdpbusd.
+// in fp32, and the +128 comes back out through the per-row constant rowcorr. One 256-bit micro-kernel serves
+// AVX2 and AVX-VNNI, their dot products apart (ymm.h: Avx2Dot::small2 adds a group's two halves in int16
+// before one widening; VnniDot does both in vpdpbusd); the portable loops are the reference.
 #include <immintrin.h>
 
 #include <cstring>
 #include <type_traits>
 
 #include "common.h"
+#include "kernels.h"
 #include "moe.h"
 #include "reduce4.h"
+#include "ymm.h"
 
 namespace moe {
 
@@ -50,29 +51,6 @@ template <bool MX>
 __attribute__((target("avx512f,avx512bw"))) inline __m512i decode(__m512i q, __m512i lut) {
   return MX ? _mm512_shuffle_epi8(lut, q) : _mm512_sub_epi8(q, _mm512_set1_epi8(8));
 }
-template <bool MX>
-__attribute__((target("avx2"))) inline __m256i decode(__m256i q, __m256i lut) {
-  return MX ? _mm256_shuffle_epi8(lut, q) : _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-}
-
-#define MOE_AVX2_INLINE __attribute__((target("avx2"), always_inline)) inline
-// the 256-bit kernels' operands for one 64-group: elements 0-31 and 32-63 of each token's activations
-template <int NT>
-MOE_AVX2_INLINE void load_group(const uint8_t* const* X, int i, __m256i (&xl)[NT], __m256i (&xh)[NT]) {
-  MOE_UNROLL for (int t = 0; t < NT; ++t) {
-    xl[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i));
-    xh[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X[t] + i + 32));
-  }
-}
-// ... and a row's 32 bytes of the group: its low nibbles (elements 0-31) and high nibbles, decoded
-template <bool MX>
-MOE_AVX2_INLINE void load_nibbles(const uint8_t* w, __m256i lut, __m256i& lo, __m256i& hi) {
-  const __m256i lo4 = _mm256_set1_epi8(0x0f), p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  lo = decode<MX>(_mm256_and_si256(p, lo4), lut);
-  hi = decode<MX>(_mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), lut);
-}
-#undef MOE_AVX2_INLINE
-
 template <int NT, bool MX>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S,
                                                                        size_t lds, int nr, const uint8_t* const* X,
@@ -151,190 +129,142 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
                                     s[r], acc[r][t]);
     }
   }
-  alignas(64) float tile[NT][RB][16];  // parked before reducing: see gemm_int8.cpp
-  MOE_UNROLL for (int t = 0; t < NT; ++t)
-    MOE_UNROLL for (int r = 0; r < RB; ++r) _mm512_store_ps(tile[t][r], acc[r][t]);
-  static_assert(RB == 4, "reduce4 sums 4 rows at a time");
-  for (int t = 0; t < NT; ++t) {
-    alignas(16) float out[4];
-    _mm_store_ps(out, reduce4_ps(_mm512_load_ps(tile[t][0]), _mm512_load_ps(tile[t][1]), _mm512_load_ps(tile[t][2]),
-                                 _mm512_load_ps(tile[t][3])));
-    for (int r = 0; r < nr; ++r) C[t * RB + r] = out[r];
-  }
+  reduce_tile16(acc, nr, C);
 }
 
-template <bool MX>
-void mk_dispatch(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr, const uint8_t* const* X, int nt,
-                 int K, float* C) {
-  switch (nt) {
-    case 4: return mk<4, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 3: return mk<3, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 2: return mk<2, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-    default: return mk<1, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-  }
-}
+// ---- 256-bit: AVX2 and AVX-VNNI ----
+// 4 tokens a tile on both: the spills of 4 x 4 cost less than the decode work 2 or 3 tokens repeat
+constexpr int TB256 = 4;
 
-// ---- AVX2 ----
-constexpr int TB2 = 4;
-
-template <int NT, bool MX>
-__attribute__((target("avx2,fma"))) inline void mk_avx2(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S,
-                                                       size_t lds, int nr, const uint8_t* const* X, int K, float* C) {
+template <class Dot, int NT, bool MX>
+inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr,
+                  const uint8_t* const* X, int K, float* C) {
   __m256 acc[RB][NT];
   MOE_UNROLL for (int r = 0; r < RB; ++r)
-    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = Ymm::zero_ps();
   const uint8_t* w[RB];
   const ScaleT<MX>* sc[RB];
   row_streams(W, ldw, nr, w);
   row_streams(S, lds, nr, sc);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MX4_LUT)));
+  const __m256i lut = Ymm::bytes16(MX4_LUT);
   for (int i = 0, g = 0; i < K; i += G, ++g) {
-    __m256i xl[NT], xh[NT];
-    load_group(X, i, xl, xh);
+    __m256i xl[NT], xh[NT];  // elements 0-31 and 32-63 of each token's group
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
+      xl[t] = Ymm::load(X[t] + i);
+      xh[t] = Ymm::load(X[t] + i + 32);
+    }
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i lo, hi;
-      load_nibbles<MX>(w[r] + i / 2, lut, lo, hi);
+      Ymm::nibbles(w[r] + i / 2, lo, hi);
       if constexpr (MX) {
-        const __m256 slo = _mm256_set1_ps(mx_scale(sc[r][2 * g])), shi = _mm256_set1_ps(mx_scale(sc[r][2 * g + 1]));
+        lo = Ymm::lookup(lut, lo), hi = Ymm::lookup(lut, hi);
+        const __m256 slo = Ymm::set1(mx_scale(sc[r][2 * g])), shi = Ymm::set1(mx_scale(sc[r][2 * g + 1]));
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(xl[t], lo), ones)),
-                                      slo, acc[r][t]);
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(xh[t], hi), ones)),
-                                      shi, acc[r][t]);
+          acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xl[t], lo)), slo, acc[r][t]);
+          acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xh[t], hi)), shi, acc[r][t]);
         }
       } else {
-        const __m256 sv = _mm256_broadcast_ss(sc[r] + g);
-        MOE_UNROLL for (int t = 0; t < NT; ++t) {
-          const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(xl[t], lo), _mm256_maddubs_epi16(xh[t], hi));
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), sv, acc[r][t]);
-        }
+        lo = Ymm::minus8(lo), hi = Ymm::minus8(hi);
+        const __m256 sv = Ymm::broadcast(sc[r] + g);
+        MOE_UNROLL for (int t = 0; t < NT; ++t)
+          acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small2(xl[t], lo, xh[t], hi)), sv, acc[r][t]);
       }
     }
   }
-  reduce_tile4(acc, nr, C);
+  Ymm::reduce(acc, nr, C);
 }
+
+#define MOE_4BIT_YMM(NAME, TARGET, DOT)                                                                            \
+  template <bool MX>                                                                                             \
+  MOE_YMM_ENTRY(TARGET) void NAME(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr, \
+                                  const uint8_t* const* X, int nt, int K, float* C) {                            \
+    with_tokens<TB256>(nt, [&](auto NT) { mk256<DOT, decltype(NT)::value, MX>(W, ldw, pf, S, lds, nr, X, K, C); }); \
+  }
+MOE_4BIT_YMM(mk_avx2, "avx2,fma", Avx2Dot)
+MOE_4BIT_YMM(mk_avxvnni, "avx2,fma,avxvnni", VnniDot)
+#undef MOE_4BIT_YMM
 
 template <bool MX>
-void mk_avx2_dispatch(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr,
-                      const uint8_t* const* X, int nt, int K, float* C) {
-  switch (nt) {
-    case 4: return mk_avx2<4, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 3: return mk_avx2<3, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 2: return mk_avx2<2, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-    default: return mk_avx2<1, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-  }
+void mk_avx512(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr, const uint8_t* const* X,
+               int nt, int K, float* C) {
+  with_tokens<TB>(nt, [&](auto NT) { mk<decltype(NT)::value, MX>(W, ldw, pf, S, lds, nr, X, K, C); });
 }
 
-// ---- AVX-VNNI: the AVX2 kernel with vpdpbusd in place of vpmaddubsw + vpmaddwd ----
-constexpr int TBV = 4;  // as AVX2's: the spills of 4 x 4 cost less than the decode work 2 or 3 tokens repeat
-
-template <int NT, bool MX>
-__attribute__((target("avx2,fma,avxvnni"))) inline void mk_vnni(const uint8_t* W, size_t ldw, size_t pf,
-                                                               const ScaleT<MX>* S, size_t lds, int nr,
-                                                               const uint8_t* const* X, int K, float* C) {
-  __m256 acc[RB][NT];
-  MOE_UNROLL for (int r = 0; r < RB; ++r)
-    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
-  const uint8_t* w[RB];
-  const ScaleT<MX>* sc[RB];
-  row_streams(W, ldw, nr, w);
-  row_streams(S, lds, nr, sc);
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MX4_LUT)));
-  for (int i = 0, g = 0; i < K; i += G, ++g) {
-    __m256i xl[NT], xh[NT];
-    load_group(X, i, xl, xh);
-    MOE_UNROLL for (int r = 0; r < RB; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
-      __m256i lo, hi;
-      load_nibbles<MX>(w[r] + i / 2, lut, lo, hi);
-      if constexpr (MX) {
-        const __m256 slo = _mm256_set1_ps(mx_scale(sc[r][2 * g])), shi = _mm256_set1_ps(mx_scale(sc[r][2 * g + 1]));
-        MOE_UNROLL for (int t = 0; t < NT; ++t) {
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(zero, xl[t], lo)), slo, acc[r][t]);
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(zero, xh[t], hi)), shi, acc[r][t]);
-        }
-      } else {
-        const __m256 sv = _mm256_broadcast_ss(sc[r] + g);
-        MOE_UNROLL for (int t = 0; t < NT; ++t) {
-          const __m256i d = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(zero, xl[t], lo), xh[t], hi);
-          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sv, acc[r][t]);
-        }
-      }
-    }
-  }
-  reduce_tile4(acc, nr, C);
-}
-
-template <bool MX>
-void mk_vnni_dispatch(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr,
-                      const uint8_t* const* X, int nt, int K, float* C) {
-  switch (nt) {
-    case 4: return mk_vnni<4, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 3: return mk_vnni<3, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-    case 2: return mk_vnni<2, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-    default: return mk_vnni<1, MX>(W, ldw, pf, S, lds, nr, X, K, C);
-  }
-}
-
-template <bool MX>
-void gemm_rows_4bit(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  const int groups = m.Kp / G, scales = MX ? m.Kp / MX_BLOCK : groups;  // scales per row
+// rows [r0, r1) of expert e on one ISA's micro-kernel (the int8 driver's twin: gemm_int8.cpp)
+template <bool MX, int TBI, class MK>
+inline void drive_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
+  const int scales = MX ? m.Kp / MX_BLOCK : m.Kp / G;  // per row
   const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
   const size_t pf = prefetch_rows(ldw, RB) * ldw;  // bytes ahead
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
   const ScaleT<MX>* Se = reinterpret_cast<const ScaleT<MX>*>(m.scale) + size_t(e) * m.rows * scales;
+  const float* corr = m.rowcorr + size_t(e) * m.rows;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
-  const int tb = isa == Isa::Avx2 ? TB2 : isa == Isa::AvxVnni ? TBV : TB;
-  for (int r = r0; r < r1; r += RB) {
-    const int nr = std::min(RB, r1 - r);
-    for (int s = 0; s < ns; s += tb) {
-      const int nt = std::min(tb, ns - s);
-      float C[TB * RB];
-      if (isa == Isa::Portable) {
+  drive_rows<RB, TBI, float>(
+      r0, r1, ns, TBI,
+      [&](int r, int nr, int s, int nt, float* C) {
+        mk(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, size_t(scales), nr, X + s, nt, m.Kp, C);
+      },
+      [&](int r, int nr, int s, int nt, const float* C) {
         for (int t = 0; t < nt; ++t)
-          for (int j = 0; j < nr; ++j) {
-            const uint8_t* wr = We + size_t(r + j) * ldw;
-            float acc = 0.f;
-            const ScaleT<MX>* sr = Se + size_t(r + j) * scales;
-            auto value = [](int q) { return MX ? int32_t(MX4_LUT[q]) : int32_t(q) - 8; };
-            for (int g = 0; g < groups; ++g) {
-              int32_t lo = 0, hi = 0;  // elements 0-31 and 32-63 of the group
-              for (int i = 0; i < G / 2; ++i) {
-                lo += value(wr[g * G / 2 + i] & 15) * X[s + t][g * G + i];
-                hi += value(wr[g * G / 2 + i] >> 4) * X[s + t][g * G + G / 2 + i];
-              }
-              if constexpr (MX)
-                acc += float(lo) * mx_scale(sr[2 * g]) + float(hi) * mx_scale(sr[2 * g + 1]);
-              else
-                acc += float(lo + hi) * sr[g];
-            }
-            C[t * RB + j] = acc;
-          }
-      } else if (isa == Isa::Avx2) {
-        mk_avx2_dispatch<MX>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, scales, nr, X + s, nt, m.Kp, C);
-      } else if (isa == Isa::AvxVnni) {
-        mk_vnni_dispatch<MX>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, scales, nr, X + s, nt, m.Kp, C);
-      } else {
-        mk_dispatch<MX>(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, scales, nr, X + s, nt, m.Kp, C);
+          for (int j = 0; j < nr; ++j) Y[size_t(s + t) * ldy + r + j] = (C[t * RB + j] - corr[r + j]) * x.scale[s + t];
+      });
+}
+
+template <bool MX>
+void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  const int groups = m.Kp / G, scales = MX ? m.Kp / MX_BLOCK : groups;
+  const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
+  auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
+  auto value = [](int q) { return MX ? int32_t(MX4_LUT[q]) : int32_t(q) - 8; };
+  for (int r = r0; r < r1; ++r) {
+    const size_t row = size_t(e) * m.rows + r;
+    const uint8_t* wr = static_cast<const uint8_t*>(m.w) + row * ldw;
+    const ScaleT<MX>* sr = reinterpret_cast<const ScaleT<MX>*>(m.scale) + row * scales;
+    for (int s = 0; s < ns; ++s) {
+      float acc = 0.f;
+      for (int g = 0; g < groups; ++g) {
+        int32_t lo = 0, hi = 0;  // elements 0-31 and 32-63 of the group
+        for (int i = 0; i < G / 2; ++i) {
+          lo += value(wr[g * G / 2 + i] & 15) * X[s][g * G + i];
+          hi += value(wr[g * G / 2 + i] >> 4) * X[s][g * G + G / 2 + i];
+        }
+        if constexpr (MX)
+          acc += float(lo) * mx_scale(sr[2 * g]) + float(hi) * mx_scale(sr[2 * g + 1]);
+        else
+          acc += float(lo + hi) * sr[g];
       }
-      const float* corr = m.rowcorr + size_t(e) * m.rows;
-      for (int t = 0; t < nt; ++t)
-        for (int j = 0; j < nr; ++j) Y[size_t(s + t) * ldy + r + j] = (C[t * RB + j] - corr[r + j]) * x.scale[s + t];
+      Y[size_t(s) * ldy + r] = (acc - m.rowcorr[row]) * x.scale[s];
     }
   }
 }
 
 }  // namespace
 
-void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  gemm_rows_4bit<false>(isa, m, e, r0, r1, x, ns, Y, ldy);
+void ref_gemm_rows_int4(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  ref_gemm_rows_4bit<false>(m, e, r0, r1, x, ns, Y, ldy);
 }
-
-void gemm_rows_mxfp4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  gemm_rows_4bit<true>(isa, m, e, r0, r1, x, ns, Y, ldy);
+void ref_gemm_rows_mxfp4(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  ref_gemm_rows_4bit<true>(m, e, r0, r1, x, ns, Y, ldy);
+}
+void gemm_rows_int4_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<false, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<false>);
+}
+void gemm_rows_mxfp4_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<true, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<true>);
+}
+void gemm_rows_int4_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<false, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<false>);
+}
+void gemm_rows_mxfp4_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<true, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<true>);
+}
+void gemm_rows_int4_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<false, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<false>);
+}
+void gemm_rows_mxfp4_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<true, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<true>);
 }
 
 }  // namespace moe

@@ -3,20 +3,21 @@
 // experts and lm_head through this when its device is the CPU, so those layers stream packed bf16 /
 // int8 / int4 weights at DRAM speed like the experts do.
 #include "common.h"
-#include "driver.h"
+#include "kernels.h"
 #include "moe.h"
 
 namespace moe {
 
-void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, float* y) {
+void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, float* y) {
+  const Fmt fmt = kn.fmt;
   MOE_CHECK(T >= 0 && m.rows > 0 && m.K > 0 && m.Kp >= m.K && m.Kp % 64 == 0, "bad linear shapes");
   if (T == 0) return;
   ThreadPool& tp = pool();
   ActBuf& xb = tp.scratch.xb;  // ours alone: the caller holds compute_mutex()
   xb.resize(fmt, T, m.Kp);
-  tp.parallel_for(T, [&](int t) { quantize_row(isa, fmt, x + size_t(t) * m.K, m.K, xb, t); });
+  tp.parallel_for(T, [&](int t) { kn.quantize_row(fmt, x + size_t(t) * m.K, m.K, xb, t); });
   Acts xs = xb.view(nullptr, T);
-  if (isa == Isa::Amx && (fmt == Fmt::Bf16 || fmt == Fmt::Int8) && T >= AMX_MIN_SLOTS) {
+  if (kn.amx_tiles && T >= AMX_MIN_SLOTS) {
     // every row multiplies every token: the tokens go into tile layout once, a group of 16 a task
     const size_t group = amx_b_bytes(fmt, 16, m.Kp);
     uint8_t* dst = tp.scratch.amx_space(amx_b_bytes(fmt, T, m.Kp));
@@ -30,7 +31,7 @@ void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, fl
   const int per = (m.rows + 2 * tp.size() - 1) / (2 * tp.size());
   const int b = std::min(task_rows(weight_row_bytes(fmt, m.Kp)), std::max(64, (per + 63) / 64 * 64));
   tp.parallel_for((m.rows + b - 1) / b, [&](int i) {
-    gemm_rows(isa, fmt, m, 0, i * b, std::min(m.rows, (i + 1) * b), xs, T, y, size_t(m.rows));
+    gemm_rows(kn, m, 0, i * b, std::min(m.rows, (i + 1) * b), xs, T, y, size_t(m.rows));
   });
 }
 

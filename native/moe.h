@@ -71,19 +71,21 @@ struct MoEWeights {
 // Models above it are refused when their experts load.
 constexpr int MAX_K = 256;
 
-// A layer's routed experts bound to the kernel path that runs them: built once, when the layer loads
-// (the ISA checked against the CPU then), used by every call and by the shared-memory ring.
+struct Kernels;  // kernels.h: one (ISA, format) pair's functions
+
+// A layer's routed experts bound to the kernels that run them: built once, when the layer loads (the ISA
+// checked against the CPU then), used by every call and by the shared-memory ring.
 struct MoELayer {
-  Isa isa;
+  const Kernels* k;
   MoEWeights w;
 };
 
 // hidden [T, H] fp32, ids [T, k] int32, weights [T, k] fp32 -> out [T, H] fp32.
-void moe_forward(Isa isa, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
+void moe_forward(const Kernels& kn, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
                  float* out, int T, int k);
 
 // Dense layer: y [T, m.rows] fp32 = x [T, m.K] fp32 times matrix 0 of m, transposed (native/linear.cpp).
-void linear_forward(Isa isa, Fmt fmt, const Matrix& m, const float* x, int T, float* y);
+void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, float* y);
 // out [nh, d] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K and V bf16
 // (or fp32) [nkv, L, d] at the given head and position strides (elements); nh / nkv query heads per kv head.
 void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, bool bf16, size_t k_head,
@@ -99,7 +101,7 @@ void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, c
 // One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
 // part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and
 // finiteness (throws std::invalid_argument naming the field).
-void moe_forward_part(Isa isa, const MoEWeights& m, const void* hidden, bool hidden_bf16, const int32_t* ids,
+void moe_forward_part(const Kernels& kn, const MoEWeights& m, const void* hidden, bool hidden_bf16, const int32_t* ids,
                       const float* weights, void* out, bool out_bf16, int T, int k, int defer, int part);
 
 // Activations as the kernels take them: bf16 rows, or (int formats) uint8 rows q + 128 with one
@@ -110,11 +112,7 @@ struct Acts {
   const uint8_t* amx_b = nullptr;   // AMX path: the same slots packed by pack_amx_b (from slot 0), or none
 };
 
-// Y[s * ldy + r] = dequantized dot(W[e] row r, x_s) for rows [r0, r1) and every slot s < ns.
-void gemm_rows_bf16(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
-void gemm_rows_int8(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
-void gemm_rows_int4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
-void gemm_rows_mxfp4(Isa isa, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+// The row kernels, per format and ISA, are in kernels.h.
 
 // AMX (prefill, bf16 and int8 weights). amx_permitted() asks the OS for the tile state once.
 constexpr int AMX_MIN_SLOTS = 8;  // fewer tokens per expert: the AVX-512 kernels do as well

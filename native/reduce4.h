@@ -31,6 +31,33 @@ MOE_SIMD_INLINE __m128i reduce4_epi32(__m512i a, __m512i b, __m512i c, __m512i d
   return _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
 }
 
+// A 512-bit kernel's 4-row x NT-token tile of partial sums -> C[t * 4 + r] for its nr valid rows. Parked in
+// memory first: reducing straight from the registers makes GCC 12 spill and copy the accumulators inside the
+// K loop.
+MOE_SIMD_INLINE void store16(int32_t* p, __m512i v) { _mm512_store_si512(p, v); }
+MOE_SIMD_INLINE void store16(float* p, __m512 v) { _mm512_store_ps(p, v); }
+MOE_SIMD_INLINE __m128i reduce4_16(const int32_t (&t)[4][16]) {
+  return reduce4_epi32(_mm512_load_si512(t[0]), _mm512_load_si512(t[1]), _mm512_load_si512(t[2]),
+                       _mm512_load_si512(t[3]));
+}
+MOE_SIMD_INLINE __m128 reduce4_16(const float (&t)[4][16]) {
+  return reduce4_ps(_mm512_load_ps(t[0]), _mm512_load_ps(t[1]), _mm512_load_ps(t[2]), _mm512_load_ps(t[3]));
+}
+MOE_SIMD_INLINE void store4_16(int32_t* p, __m128i v) { _mm_store_si128(reinterpret_cast<__m128i*>(p), v); }
+MOE_SIMD_INLINE void store4_16(float* p, __m128 v) { _mm_store_ps(p, v); }
+
+template <int NT, class V, class S>
+MOE_SIMD_INLINE void reduce_tile16(const V (&acc)[4][NT], int nr, S* C) {
+  alignas(64) S tile[NT][4][16];
+  _Pragma("GCC unroll 16") for (int t = 0; t < NT; ++t)
+    _Pragma("GCC unroll 16") for (int r = 0; r < 4; ++r) store16(tile[t][r], acc[r][t]);
+  for (int t = 0; t < NT; ++t) {
+    alignas(16) S out[4];
+    store4_16(out, reduce4_16(tile[t]));
+    for (int r = 0; r < nr; ++r) C[t * 4 + r] = out[r];
+  }
+}
+
 #undef MOE_SIMD_INLINE
 #define MOE_AVX2_INLINE __attribute__((target("avx2"), always_inline)) inline
 

@@ -1,0 +1,62 @@
+// The (ISA, format) -> kernels table: the one place that knows which function runs what (kernels.h).
+#include "kernels.h"
+
+#include <string>
+
+namespace moe {
+
+namespace {
+
+constexpr int N_ISA = 5, N_FMT = 4;  // Isa and Fmt in declaration order
+
+// one row per ISA, one column per format (bf16, int8, int4, mxfp4)
+constexpr GemmRowsFn GEMM[N_ISA][N_FMT] = {
+    {ref_gemm_rows_bf16, ref_gemm_rows_int8, ref_gemm_rows_int4, ref_gemm_rows_mxfp4},                  // portable
+    {gemm_rows_bf16_avx2, gemm_rows_int8_avx2, gemm_rows_int4_avx2, gemm_rows_mxfp4_avx2},              // avx2
+    {gemm_rows_bf16_avx2, gemm_rows_int8_avxvnni, gemm_rows_int4_avxvnni, gemm_rows_mxfp4_avxvnni},     // avxvnni
+    {gemm_rows_bf16_avx512, gemm_rows_int8_avx512, gemm_rows_int4_avx512, gemm_rows_mxfp4_avx512},      // avx512
+    {gemm_rows_bf16_avx512, gemm_rows_int8_avx512, gemm_rows_int4_avx512, gemm_rows_mxfp4_avx512},      // amx
+};
+
+Kernels entry(Isa isa, Fmt fmt) {
+  const int i = int(isa), f = int(fmt);
+  const bool ymm = ymm_path(isa), zmm = isa == Isa::Avx512 || isa == Isa::Amx;
+  return Kernels{isa,
+                 fmt,
+                 GEMM[i][f],
+                 isa == Isa::Amx && (fmt == Fmt::Bf16 || fmt == Fmt::Int8),
+                 isa == Isa::Portable ? quantize_row<false> : quantize_row<true>,
+                 zmm ? silu_avx512 : ymm ? silu_avx2 : silu_ref,
+                 zmm ? clamped_swiglu_avx512 : ymm ? clamped_swiglu_avx2 : clamped_swiglu_ref};
+}
+
+}  // namespace
+
+const Kernels& kernels_for(Isa isa, Fmt fmt) {
+  static const auto table = [] {
+    struct Table {
+      Kernels k[N_ISA][N_FMT];
+    } t;
+    for (int i = 0; i < N_ISA; ++i)
+      for (int f = 0; f < N_FMT; ++f) t.k[i][f] = entry(Isa(i), Fmt(f));
+    return t;
+  }();
+  MOE_CHECK(int(isa) >= 0 && int(isa) < N_ISA && int(fmt) >= 0 && int(fmt) < N_FMT, "unknown ISA or format");
+  MOE_CHECK(isa_supported(isa, detect_cpu()) ||
+                (isa == Isa::Amx && amx_emulation() && isa_supported(Isa::Avx512, detect_cpu())),
+            std::string("kernel path ") + isa_name(isa) + " not supported here");
+  return table.k[int(isa)][int(fmt)];
+}
+
+void gemm_rows(const Kernels& k, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,
+               size_t ldy) {
+  if (k.amx_tiles && x.amx_b) {  // whole 16-row tiles on AMX; the rest on AVX-512
+    const int tiles = (r1 - r0) / 16 * 16;
+    if (tiles) gemm_rows_amx(k.fmt, m, e, r0, r0 + tiles, x, ns, Y, ldy);
+    r0 += tiles;
+    if (r0 >= r1) return;
+  }
+  k.gemm_rows(m, e, r0, r1, x, ns, Y, ldy);
+}
+
+}  // namespace moe

@@ -1,0 +1,92 @@
+// The kernels of one (ISA, weight format) pair, resolved once into a table (kernels.cpp), as ggml's per-type
+// function tables: the drivers (moe_forward.cpp, linear.cpp) call through a Kernels and never branch on the
+// ISA or the format. A new ISA (NEON, AVX10) is a new file of row kernels and one row of the table.
+#pragma once
+#include <cstddef>
+#include <type_traits>
+
+#include "common.h"
+#include "moe.h"
+
+namespace moe {
+
+// Y[s * ldy + r] = dequantized dot(W[e] row r, x_s) for rows [r0, r1) and every slot s < ns.
+using GemmRowsFn = void (*)(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+// Row r of b = one fp32 row of n values in the format's activation form (bf16, or u8 q + 128 with a scale).
+using QuantizeRowFn = void (*)(Fmt fmt, const float* x, int n, ActBuf& b, int r);
+// a = the experts' activation of one slot's gate and up rows (I values), each step rounded to bf16.
+using ActRowFn = void (*)(const float* gate, const float* up, float* a, int I, float alpha, float limit);
+
+struct Kernels {
+  Isa isa;
+  Fmt fmt;
+  GemmRowsFn gemm_rows;  // every row on the vector units (on amx: the AVX-512 kernel, for what the tiles leave)
+  bool amx_tiles;        // prefill's whole 16-row tiles on AMX (bf16 and int8 on the amx ISA)
+  QuantizeRowFn quantize_row;
+  ActRowFn silu, clamped_swiglu;
+};
+
+// The table's entry; throws std::invalid_argument for an ISA this CPU lacks (amx: unless emulated for tests).
+const Kernels& kernels_for(Isa isa, Fmt fmt);
+
+// Rows [r0, r1) on k: AMX tiles where this call's slots were packed for them (x.amx_b), the vector kernel for
+// the rest.
+void gemm_rows(const Kernels& k, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,
+               size_t ldy);
+
+// The row kernels the table holds, per format and ISA; ref_*: the portable loops, also the tests' reference.
+void ref_gemm_rows_bf16(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_bf16_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_bf16_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void ref_gemm_rows_int8(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int8_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int8_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int8_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void ref_gemm_rows_int4(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int4_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int4_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int4_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void ref_gemm_rows_mxfp4(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_mxfp4_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_mxfp4_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_mxfp4_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+
+// The activation and quantizer entries (act_quant.cpp)
+void silu_ref(const float* gate, const float* up, float* a, int I, float alpha, float limit);
+void silu_avx2(const float* gate, const float* up, float* a, int I, float alpha, float limit);
+void silu_avx512(const float* gate, const float* up, float* a, int I, float alpha, float limit);
+void clamped_swiglu_ref(const float* gate, const float* up, float* a, int I, float alpha, float limit);
+void clamped_swiglu_avx2(const float* gate, const float* up, float* a, int I, float alpha, float limit);
+void clamped_swiglu_avx512(const float* gate, const float* up, float* a, int I, float alpha, float limit);
+template <bool SIMD>  // SIMD: AVX2, which every ISA above portable has
+void quantize_row(Fmt fmt, const float* x, int n, ActBuf& b, int r);
+
+// The one row/token driver of the int kernels: rows in blocks of RB, slots in blocks of tb (<= TB_MAX), each
+// (block, block) tile computed by tile(r, nr, s, nt, C) into C[t * RB + j] and finished into Y by
+// finish(r, nr, s, nt, C).
+template <int RB, int TB_MAX, class C_t, class Tile, class Finish>
+inline void drive_rows(int r0, int r1, int ns, int tb, Tile&& tile, Finish&& finish) {
+  for (int r = r0; r < r1; r += RB) {
+    const int nr = r1 - r < RB ? r1 - r : RB;
+    for (int s = 0; s < ns; s += tb) {
+      const int nt = ns - s < tb ? ns - s : tb;
+      C_t C[TB_MAX * RB];
+      tile(r, nr, s, nt, C);
+      finish(r, nr, s, nt, C);
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, NT>) for nt in [1, N]: the micro-kernels' token count as a template
+// argument, chosen at run time.
+template <int N, class F>
+inline void with_tokens(int nt, F&& f) {
+  if constexpr (N > 1) {
+    if (nt >= N) return f(std::integral_constant<int, N>{});
+    return with_tokens<N - 1>(nt, f);
+  } else {
+    return f(std::integral_constant<int, 1>{});
+  }
+}
+
+}  // namespace moe

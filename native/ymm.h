@@ -1,0 +1,85 @@
+// The 256-bit kernels' vector operations, for micro-kernels written once and run on AVX2 and on AVX-VNNI.
+// A GCC function takes one target; a template cannot vary it by its arguments. So a shared micro-kernel is a
+// template with no target that does every vector operation through these functions (target avx2,fma, not
+// always_inline) and through its dot-product policy's (target avx2 or avx2,avxvnni); each ISA's entry point
+// carries its target and `flatten` (MOE_YMM_ENTRY), which inlines the whole tree into it. The generated code
+// is what hand-inlined intrinsics give; the dot product's instructions are the ISA's alone.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "reduce4.h"
+
+namespace moe {
+
+#define MOE_YMM __attribute__((target("avx2,fma"))) static inline
+
+struct Ymm {
+  MOE_YMM __m256i zero_si() { return _mm256_setzero_si256(); }
+  MOE_YMM __m256 zero_ps() { return _mm256_setzero_ps(); }
+  MOE_YMM __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  MOE_YMM __m256i bytes16(const int8_t* p) {  // 16 bytes in both 128-bit halves (a vpshufb table)
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  MOE_YMM __m256 set1(float v) { return _mm256_set1_ps(v); }
+  MOE_YMM __m256 broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  MOE_YMM __m256 to_ps(__m256i v) { return _mm256_cvtepi32_ps(v); }
+  MOE_YMM __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+  // 32 packed nibbles (64 weights of a row) -> low nibbles (elements 0-31) and high ones (32-63), as bytes
+  MOE_YMM void nibbles(const uint8_t* w, __m256i& lo, __m256i& hi) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0f), p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    lo = _mm256_and_si256(p, lo4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4);
+  }
+  MOE_YMM __m256i minus8(__m256i q) { return _mm256_sub_epi8(q, _mm256_set1_epi8(8)); }
+  MOE_YMM __m256i lookup(__m256i table, __m256i q) { return _mm256_shuffle_epi8(table, q); }
+  // a 4-row x NT-token tile of partial sums -> C[t * 4 + r] (reduce4.h)
+  template <int NT, class V, class S>
+  MOE_YMM void reduce(const V (&acc)[4][NT], int nr, S* C) { reduce_tile4(acc, nr, C); }
+};
+
+// u8 activations (q + 128) times s8 weights, 32 products summed in groups of 4 into 8 int32 lanes.
+// AVX2 has no such instruction: vpmaddubsw adds pairs into int16 and would saturate on (q + 128) * w,
+// so it multiplies |w| by q with w's sign (q = u8 - 128), both within 127, and sums q * w (ggml's
+// mul_sum_i8_pairs); `offset` says which sum a policy gives: 0 (q * w) or 128 ((q + 128) * w).
+struct Avx2Dot {
+  static constexpr int offset = 0;
+  __attribute__((target("avx2"))) static inline __m256i act(__m256i x) {  // u8 -> s8 q, once per load
+    return _mm256_xor_si256(x, _mm256_set1_epi8(char(0x80)));
+  }
+  __attribute__((target("avx2"))) static inline __m256i dot(__m256i acc, __m256i q, __m256i w) {
+    return _mm256_add_epi32(
+        acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w)), _mm256_set1_epi16(1)));
+  }
+  // small weights (|w| <= 12: int4, mxfp4): vpmaddubsw cannot saturate on (q + 128) * w pairs, so u8 is used as is
+  __attribute__((target("avx2"))) static inline __m256i pairs(__m256i x, __m256i w) { return _mm256_maddubs_epi16(x, w); }
+  __attribute__((target("avx2"))) static inline __m256i widen(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
+  __attribute__((target("avx2"))) static inline __m256i small(__m256i x, __m256i w) { return widen(pairs(x, w)); }
+  // two halves of a group: added in int16 (at most 2 x 2 x 255 x 12, no overflow) before one widening
+  __attribute__((target("avx2"))) static inline __m256i small2(__m256i xl, __m256i wl, __m256i xh, __m256i wh) {
+    return widen(_mm256_add_epi16(pairs(xl, wl), pairs(xh, wh)));
+  }
+};
+
+// AVX-VNNI: vpdpbusd on ymm, (q + 128) x w in one instruction.
+struct VnniDot {
+  static constexpr int offset = 128;
+  __attribute__((target("avx2"))) static inline __m256i act(__m256i x) { return x; }
+  __attribute__((target("avx2,avxvnni"))) static inline __m256i dot(__m256i acc, __m256i x, __m256i w) {
+    return _mm256_dpbusd_avx_epi32(acc, x, w);
+  }
+  __attribute__((target("avx2,avxvnni"))) static inline __m256i small(__m256i x, __m256i w) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), x, w);
+  }
+  __attribute__((target("avx2,avxvnni"))) static inline __m256i small2(__m256i xl, __m256i wl, __m256i xh, __m256i wh) {
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), xl, wl), xh, wh);
+  }
+};
+
+// An ISA's entry into a shared 256-bit micro-kernel: its target, and everything inlined into it.
+#define MOE_YMM_ENTRY(TARGET) __attribute__((target(TARGET), flatten))
+
+#undef MOE_YMM
+
+}  // namespace moe
