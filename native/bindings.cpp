@@ -61,14 +61,7 @@ static int64_t unix_ns() {  // Python's time.time_ns(): the clock ExpertTiming's
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-// An ISA the kernels may run here (AMX also where tests emulate its tiles).
-static Isa kernel_isa(const std::string& name) {
-  Isa isa = parse_isa(name);
-  MOE_CHECK(isa_supported(isa, detect_cpu()) || (isa == Isa::Amx && amx_emulation() &&
-                                                   isa_supported(Isa::Avx512, detect_cpu())),
-            std::string("kernel path ") + name + " not supported here");
-  return isa;
-}
+static Isa kernel_isa(const std::string& name) { return usable_isa(parse_isa(name)); }
 
 static Fmt parse_fmt(const std::string& fmt) {
   return fmt == "bf16" ? Fmt::Bf16 : fmt == "int8" ? Fmt::Int8 : fmt == "int4" ? Fmt::Int4

@@ -32,6 +32,13 @@ Kernels entry(Isa isa, Fmt fmt) {
 
 }  // namespace
 
+Isa usable_isa(Isa isa) {
+  const CpuFeatures f = detect_cpu();
+  MOE_CHECK(isa_supported(isa, f) || (isa == Isa::Amx && amx_emulation() && isa_supported(Isa::Avx512, f)),
+            std::string("kernel path ") + isa_name(isa) + " not supported here");
+  return isa;
+}
+
 const Kernels& kernels_for(Isa isa, Fmt fmt) {
   static const auto table = [] {
     struct Table {
@@ -42,10 +49,7 @@ const Kernels& kernels_for(Isa isa, Fmt fmt) {
     return t;
   }();
   MOE_CHECK(int(isa) >= 0 && int(isa) < N_ISA && int(fmt) >= 0 && int(fmt) < N_FMT, "unknown ISA or format");
-  MOE_CHECK(isa_supported(isa, detect_cpu()) ||
-                (isa == Isa::Amx && amx_emulation() && isa_supported(Isa::Avx512, detect_cpu())),
-            std::string("kernel path ") + isa_name(isa) + " not supported here");
-  return table.k[int(isa)][int(fmt)];
+  return table.k[int(usable_isa(isa))][int(fmt)];
 }
 
 void gemm_rows(const Kernels& k, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,

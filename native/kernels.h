@@ -26,7 +26,9 @@ struct Kernels {
   ActRowFn silu, clamped_swiglu;
 };
 
-// The table's entry; throws std::invalid_argument for an ISA this CPU lacks (amx: unless emulated for tests).
+// isa, or std::invalid_argument when this CPU lacks it (amx: unless the tests emulate its tiles).
+Isa usable_isa(Isa isa);
+// The table's entry for a usable ISA (usable_isa's check).
 const Kernels& kernels_for(Isa isa, Fmt fmt);
 
 // Rows [r0, r1) on k: AMX tiles where this call's slots were packed for them (x.amx_b), the vector kernel for
