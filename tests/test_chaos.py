@@ -13,9 +13,8 @@ import grpc
 import openai
 import pytest
 
-from harness import Services, free_port, wait_healthy
+from harness import Services, free_port, status_mib, wait_healthy
 from protos import generate_pb2
-from test_openai_api import rss_kib
 from test_shards import sharded  # noqa: F401  (the fixture)
 
 STREAMS, TOKENS, ROUNDS = 16, 160, 3
@@ -42,7 +41,7 @@ def http_text(port: int, i: int, stream: bool) -> str:
 
 def run_chaos(stub, http_port: int, gpu_pid: int, kill_and_restart, logs) -> None:
     solo = {i: grpc_tokens(stub, i) if i % 2 else http_text(http_port, i, False) for i in range(STREAMS)}
-    base_rss = rss_kib(gpu_pid)
+    base_rss = status_mib(gpu_pid)
     outcome: dict = {}
     done = threading.Event()
 
@@ -73,7 +72,7 @@ def run_chaos(stub, http_port: int, gpu_pid: int, kill_and_restart, logs) -> Non
     text = logs()
     assert "holding" in text  # the kills did land while streams were running (the engine held them)
     assert "Traceback" not in text and "Exception in thread" not in text, text[-4000:]
-    assert rss_kib(gpu_pid) < 1.5 * base_rss + 200_000
+    assert status_mib(gpu_pid) < 1.5 * base_rss + 200  # MiB
 
 
 @pytest.mark.timeout(900)

@@ -78,7 +78,7 @@ def test_expert_restart_is_invisible_to_running_and_new_requests(svc):
     svc.expert.wait()
     wait_for(lambda: health(svc.gpu_port) == NOT_SERVING, 10, "gpu NOT_SERVING")
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        sent_while_down = ex.submit(greedy, svc.stub, 12, "def fib(n):", 120)
+        sent_while_down = ex.submit(fib, svc.stub, 12, 120)
         time.sleep(1.0)
         svc.expert = svc.start_expert()
         got += [t for c in stream for t in c.token_ids]
