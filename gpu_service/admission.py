@@ -13,6 +13,7 @@ import math
 
 from moe_core.errors import BadRequest
 
+from .constraints import ConstraintSpec, Grammars
 from .engine import Request
 from .sampling import MAX_LOGPROBS, SamplingParams
 from .text import PromptTooLong, TextCodec
@@ -36,6 +37,7 @@ class GenerateInput:
     defer: int | None = None  # None: the server's --defer
     skip_deferred: bool = False  # drop the deferred experts instead of merging them (accuracy baseline)
     profile: bool = False
+    constraint: ConstraintSpec | None = None  # structured output
 
 
 @dataclasses.dataclass
@@ -76,6 +78,12 @@ class Admission:
     max_context: int
     max_tokens_limit: int
     default_defer: int
+    eos_ids: tuple = ()
+    grammars: Grammars | None = None  # built from text and eos_ids when not given
+
+    def __post_init__(self):
+        if self.grammars is None:
+            self.grammars = Grammars(self.text.tok.to_str(), self.vocab_size, list(self.eos_ids))
 
     def generate(self, inp: GenerateInput, emit) -> Request:
         """inp checked and tokenized (tokenizing a long prompt takes a while: call it off the event loop)."""
@@ -90,9 +98,10 @@ class Admission:
         if len(inp.stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in inp.stop):
             raise BadRequest("stop", f"at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
         defer = self._defer(self.default_defer if inp.defer is None else inp.defer)
+        constraint = self.grammars.matcher(inp.constraint) if inp.constraint is not None else None
         return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
                        ignore_eos=inp.ignore_eos, defer=defer, skip_deferred=inp.skip_deferred, profile=inp.profile,
-                       logprobs=inp.logprobs)
+                       logprobs=inp.logprobs, constraint=constraint)
 
     def score(self, inp: ScoreInput, emit) -> Request:
         ids = inp.token_ids

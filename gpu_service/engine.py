@@ -70,6 +70,7 @@ class Request:
     logprobs_only: bool = False  # score_only: per-position logprobs instead of the logits
     profile: bool = False
     logprobs: int | None = None  # set: each token's logprob and this many top alternatives
+    constraint: object = None  # constraints.Matcher: structured output (the sampler sees only what it allows)
     deadline: float | None = None  # time.perf_counter() value after which the client has gone
     cancelled: bool = False
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -322,8 +323,12 @@ class Engine:
         record_step_metrics(spans, time.perf_counter() - t0)
 
     def _advance(self, r: Request, logits: torch.Tensor, now: float, spans: list, t_sample: int) -> None:
-        tok = sample(logits, r.sampling, r.gen, r.prompt_ids, r.output)
+        # logprobs stay the model's own distribution; the constraint masks what is sampled from
+        tok = sample(logits if r.constraint is None else r.constraint.mask(logits), r.sampling, r.gen, r.prompt_ids,
+                     r.output)
         lps = None if r.logprobs is None else [token_logprobs(logits, tok, r.logprobs)]
+        if r.constraint is not None:
+            r.constraint.consume(tok)
         r.output.append(tok)
         if r.first_token_at is None:
             r.first_token_at = now
@@ -337,11 +342,11 @@ class Engine:
             text, finish = "", "eos"
         else:
             text = r.detok.push(tok)
-            if r.detok.stopped:
+            if r.detok.stopped or (r.constraint is not None and r.constraint.done):
                 finish = "stop"
         if finish is None and (len(r.output) >= r.max_tokens or len(r.prompt_ids) + len(r.output) >= self.max_context):
             finish = "length"
-        if finish in ("length", "eos"):
+        if finish in ("length", "eos") or (finish == "stop" and not r.detok.stopped):
             text += r.detok.flush()
         if r.profile:
             r.spans += spans

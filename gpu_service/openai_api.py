@@ -22,6 +22,7 @@ from moe_core.errors import BadRequest, Status
 
 from . import metrics
 from .admission import GenerateInput
+from .constraints import ConstraintSpec
 from .engine import Failure
 from .sampling import MAX_LOGPROBS
 from .server import GenerateServicer
@@ -142,9 +143,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise ApiError(400, "suffix is not supported", "suffix")
     if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
         raise ApiError(400, "tools and function calling are not supported", "tools")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", "response_format")
 
 
 def _common(body: dict, req: GenerateInput, max_tokens_default: int, max_tokens_limit: int) -> None:
@@ -177,6 +175,77 @@ def _common(body: dict, req: GenerateInput, max_tokens_default: int, max_tokens_
         raise ApiError(400, "stop: expected a string or a list of strings", "stop")
     req.stop = list(stop or [])
     req.ignore_eos = bool(_field(body, "ignore_eos", (bool,), False))
+    req.constraint = constraint_of(body)
+
+
+def _schema_text(v, param: str) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, (dict, bool)):
+        return json.dumps(v)
+    raise ApiError(400, f"{param}: a JSON schema (an object, or its JSON text) expected, got {_short(v)}", param)
+
+
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+
+
+def constraint_field(body: dict) -> str:
+    """The body field a structured-output constraint came in (for the error's param)."""
+    return next((k for k in CONSTRAINT_FIELDS if body.get(k) is not None and k != "response_format"
+                 or k == "response_format" and isinstance(body.get(k), dict) and body[k].get("type") != "text"),
+                "response_format")
+
+
+def constraint_of(body: dict) -> ConstraintSpec | None:
+    """The structured-output constraint of a body and the field that carried it: OpenAI's response_format
+    (text | json_object | json_schema), vLLM's structured_outputs {json | regex | choice | grammar | json_object}
+    or its older guided_json / guided_regex / guided_choice / guided_grammar. At most one of them."""
+    found = []
+    fmt = _field(body, "response_format", (dict,))
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append((ConstraintSpec("json_object"), "response_format"))
+        elif kind == "json_schema":
+            js = fmt.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise ApiError(400, "response_format.json_schema: an object with a schema is required",
+                               "response_format")
+            found.append((ConstraintSpec("json_schema", _schema_text(js["schema"], "response_format")),
+                          "response_format"))
+        elif kind != "text":
+            raise ApiError(400, f"response_format.type: text, json_object or json_schema, got {_short(kind)}",
+                           "response_format")
+    so = _field(body, "structured_outputs", (dict,))
+    if so is not None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise ApiError(400, "structured_outputs: exactly one of json, regex, choice, grammar, json_object",
+                           "structured_outputs")
+        found.append((_vllm_spec(given[0], so[given[0]], "structured_outputs"), "structured_outputs"))
+    for key, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if body.get(key) is not None:
+            found.append((_vllm_spec(kind, body[key], key), key))
+    if len(found) > 1:
+        raise ApiError(400, f"{found[1][1]}: one structured-output constraint per request ({found[0][1]} is one)",
+                       found[1][1])
+    return found[0][0] if found else None
+
+
+def _vllm_spec(kind: str, v, param: str) -> ConstraintSpec:
+    if kind == "json":
+        return ConstraintSpec("json_schema", _schema_text(v, param))
+    if kind == "json_object":
+        return ConstraintSpec("json_object")
+    if kind == "choice":
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ApiError(400, f"{param}: choice must be a list of strings", param)
+        return ConstraintSpec.choice(v)
+    if not isinstance(v, str):
+        raise ApiError(400, f"{param}: {kind} must be a string", param)
+    return ConstraintSpec(kind, v)
 
 
 def completion_request(body: dict, max_tokens_limit: int) -> GenerateInput:
@@ -315,14 +384,14 @@ class Api:
         self._check_model(_field(body, "model", (str,), None))
         return body
 
-    async def _submit(self, req: GenerateInput, chat: bool):
+    async def _submit(self, req: GenerateInput, chat: bool, body: dict):
         why = self.servicer.unavailable()
         if why:
             raise ApiError(503, why)
         try:
             return await self.servicer.submit(req)
         except BadRequest as e:
-            names = {**HTTP_FIELDS, "input": "messages" if chat else "prompt"}
+            names = {**HTTP_FIELDS, "input": "messages" if chat else "prompt", "constraint": constraint_field(body)}
             param = names.get(e.field, e.field.removeprefix("sampling."))
             raise ApiError(400, e.named({**names, e.field: param}), param, e.code) from None
 
@@ -339,7 +408,7 @@ class Api:
     async def _run(self, request, body: dict, req: GenerateInput, chat: bool):
         stream = bool(_field(body, "stream", (bool,), False))
         usage_chunk = bool(_field(_field(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
-        r, q = await self._submit(req, chat)
+        r, q = await self._submit(req, chat, body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         out = Output(self, rid, chat, req.logprobs is not None)
         try:

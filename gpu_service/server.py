@@ -16,6 +16,7 @@ from protos import generate_pb2, generate_pb2_grpc
 
 from . import metrics
 from .admission import Admission, GenerateInput, ScoreInput
+from .constraints import ConstraintSpec
 from .engine import Engine, Failure, Request
 from .sampling import SamplingParams
 from .text import TextCodec
@@ -46,7 +47,16 @@ def generate_input(req: generate_pb2.GenerateRequest) -> GenerateInput:
         token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
         max_tokens=req.max_tokens, sampling=sp, logprobs=req.logprobs if req.HasField("logprobs") else None,
         stop=list(req.stop), ignore_eos=req.ignore_eos, defer=req.defer if req.HasField("defer") else None,
-        skip_deferred=req.skip_deferred, profile=req.profile)
+        skip_deferred=req.skip_deferred, profile=req.profile, constraint=constraint_spec(req.constraint))
+
+
+def constraint_spec(c: generate_pb2.Constraint) -> ConstraintSpec | None:
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return ConstraintSpec.choice(list(c.choice.options))
+    return ConstraintSpec(kind, "" if kind == "json_object" else getattr(c, kind))
 
 
 # the transport-neutral request's field names as GenerateRequest / ScoreRequest spell them
@@ -70,7 +80,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def attach(self, engine: Engine, experts_up: Callable[[], bool]) -> None:
         """Serve on `engine`; experts_up(): whether the expert service(s) can serve now (ExpertHealth.up)."""
         self.admission = Admission(self.cfg.vocab_size, self.cfg.top_k, engine.text, engine.max_context,
-                                   self.max_tokens_limit, self.default_defer)
+                                   self.max_tokens_limit, self.default_defer, tuple(self.cfg.eos_token_ids))
         self.engine, self.experts_up = engine, experts_up
 
     def _experts_down(self) -> str:

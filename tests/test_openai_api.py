@@ -317,8 +317,10 @@ HOSTILE = [  # (route, body, param named in the error or None)
     ("chat", {"messages": "hello"}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, "presence_penalty"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      "response_format"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": "json"}, "response_format"),
+    ("completions", {"prompt": "x", "structured_outputs": {"json": 5}}, "structured_outputs"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
 ]
 

@@ -1,0 +1,135 @@
+"""Structured outputs: a request's constraint (a JSON schema, any JSON object, a regex, a choice of strings, a
+Lark or GBNF grammar) compiled into a matcher that masks each step's logits to the tokens that can still lead
+to a valid answer, and that says when the answer is complete.
+
+The grammar library is llguidance (guidance-ai; also behind vLLM's, SGLang's and llama.cpp's structured
+outputs). Chosen over xgrammar because it takes the checkpoint's tokenizer.json as it is (xgrammar wants a
+transformers tokenizer or a hand-built vocabulary), compiles lazily (an Earley parser over lexemes: no
+per-schema automaton to build up front, so a large schema costs microseconds, not seconds) with explicit
+resource limits (LLParserLimits: what bounds a hostile schema), and computes a mask in ~50 us for a 128k
+vocabulary. Its grammar syntax (Lark, with GBNF converted) is what the `grammar` constraint accepts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import threading
+
+import llguidance
+import torch
+
+from moe_core.errors import BadRequest
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 256 << 10  # a schema, regex or grammar longer than this is refused before it is compiled
+MAX_CHOICES = 1024
+# the parser's resource bounds (llguidance's defaults, the grammar size tightened): a constraint that needs more
+# is refused at admission, or ends its request, never stalls the engine
+LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000)
+# compact JSON: whitespace is not free, so a schema with bounded values always ends (no unbounded runs of spaces)
+JSON_OPTIONS = {"whitespace_flexible": False}
+CACHED_GRAMMARS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstraintSpec:
+    """What the client asked for. value: the schema (JSON text), regex, grammar; choice: a JSON list of strings;
+    json_object: ignored."""
+    kind: str
+    value: str = ""
+
+    @staticmethod
+    def choice(options: list[str]) -> "ConstraintSpec":
+        return ConstraintSpec("choice", json.dumps(list(options)))
+
+
+def _grammar_text(spec: ConstraintSpec) -> str:
+    """The llguidance grammar of a spec (not validated yet); BadRequest for what is malformed on its face."""
+    if spec.kind not in KINDS:
+        raise BadRequest("constraint", f"unknown kind {spec.kind!r} (one of {', '.join(KINDS)})")
+    if len(spec.value) > MAX_SPEC_CHARS:
+        raise BadRequest("constraint", f"{spec.kind} of {len(spec.value)} characters; at most {MAX_SPEC_CHARS}")
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.value)
+        except ValueError as e:
+            raise BadRequest("constraint", f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise BadRequest("constraint", "json_schema must be a JSON object")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+        except ValueError as e:
+            raise BadRequest("constraint", f"json_schema: {e}") from None
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind == "choice":
+        options = json.loads(spec.value)
+        if not options or len(options) > MAX_CHOICES or not all(isinstance(o, str) and o for o in options):
+            raise BadRequest("constraint", f"choice: 1 to {MAX_CHOICES} non-empty strings")
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+    try:
+        return llguidance.grammar_from("grammar", spec.value)  # Lark, or GBNF converted to Lark
+    except ValueError as e:
+        raise BadRequest("constraint", f"grammar: {e}") from None
+
+
+class Grammars:
+    """Compiles and checks constraints for one tokenizer; the compiled grammars are cached by their text."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
+        self._args = (tokenizer_json, vocab_size, eos_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self.vocab_size = vocab_size
+        self._checked = functools.lru_cache(CACHED_GRAMMARS)(self._check)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:  # built on first use: only constrained requests pay for it
+            if self._tokenizer is None:
+                tok, n, eos = self._args
+                self._tokenizer = llguidance.LLTokenizer(tok, n_vocab=n, eos_token=list(eos))
+            return self._tokenizer
+
+    def _check(self, spec: ConstraintSpec) -> str:
+        grammar = _grammar_text(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=LIMITS)
+        if error:
+            raise BadRequest("constraint", f"{spec.kind} does not compile: {error.strip()}")
+        return grammar
+
+    def matcher(self, spec: ConstraintSpec) -> "Matcher":
+        """A fresh matcher for one request; BadRequest (field "constraint") names what is wrong with spec. Takes
+        milliseconds for a large schema: call it off the event loop."""
+        return Matcher(llguidance.LLMatcher(self.tokenizer, self._checked(spec), log_level=0, limits=LIMITS),
+                       self.vocab_size)
+
+
+class Matcher:
+    """One request's place in its grammar: mask the next token's logits, consume the sampled token."""
+
+    def __init__(self, m: llguidance.LLMatcher, vocab_size: int):
+        self.m, self.vocab_size = m, vocab_size
+        self._bits = torch.arange(8, dtype=torch.uint8)
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar allows next (EOS where the answer may end)."""
+        packed = torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.uint8)
+        return ((packed.unsqueeze(-1) >> self._bits) & 1).flatten()[: self.vocab_size].bool()
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] with every token the grammar forbids at -inf (a new tensor)."""
+        allowed = self.allowed().to(logits.device)
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def consume(self, token: int) -> None:
+        if not self.m.consume_token(token):
+            raise RuntimeError(f"structured output: the grammar refused token {token}: {self.m.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The answer is complete and nothing more may follow."""
+        return self.m.is_stopped()
