@@ -17,6 +17,7 @@ import json
 import threading
 
 import llguidance
+import numpy as np
 import torch
 
 from moe_core.errors import BadRequest
@@ -113,17 +114,16 @@ class Matcher:
 
     def __init__(self, m: llguidance.LLMatcher, vocab_size: int):
         self.m, self.vocab_size = m, vocab_size
-        self._bits = torch.arange(8, dtype=torch.uint8)
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next (EOS where the answer may end)."""
-        packed = torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.uint8)
-        return ((packed.unsqueeze(-1) >> self._bits) & 1).flatten()[: self.vocab_size].bool()
+        packed = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)  # bit i of the mask: token i
+        return torch.from_numpy(np.unpackbits(packed, count=self.vocab_size, bitorder="little").view(np.bool_))
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] with every token the grammar forbids at -inf (a new tensor)."""
         allowed = self.allowed().to(logits.device)
-        return logits.masked_fill(~allowed, float("-inf"))
+        return torch.where(allowed, logits, float("-inf"))
 
     def consume(self, token: int) -> None:
         if not self.m.consume_token(token):
