@@ -51,7 +51,7 @@ def mask_cost_us(model: pathlib.Path, steps: int = 64) -> float:
     from moe_core.config import load_config
 
     cfg = load_config(model)
-    g = Grammars(TextCodec(model).tok.to_str(), cfg.vocab_size, list(cfg.eos_token_ids))
+    g = Grammars(TextCodec(model).tok, cfg.vocab_size, list(cfg.eos_token_ids))
     m = g.matcher(ConstraintSpec("json_schema", json.dumps(SCHEMA)))
     logits, times = torch.randn(cfg.vocab_size), []
     for _ in range(steps):
@@ -88,7 +88,8 @@ def main() -> None:
     model = a.model
     if a.synth:
         import synth_checkpoint
-        model = synth_checkpoint.write(synth_checkpoint.config_of(a.synth, a.layers), tmp / "ckpt", std=0.02, seed=0)
+        model = synth_checkpoint.write(synth_checkpoint.config_of(a.synth, a.layers, {}), tmp / "ckpt", std=0.02, seed=0,
+                                       shard_mb=1024)
     batches = [int(b) for b in a.batches.split(",")]
     svc = Services(model, tmp, gpu_args=("--max-batch", str(max(batches))), expert_args=())
     print(f"CPU: {cpu_name()}; model {model}; {a.tokens} tokens a stream; {a.rounds} alternating rounds")

@@ -83,7 +83,7 @@ class Admission:
 
     def __post_init__(self):
         if self.grammars is None:
-            self.grammars = Grammars(self.text.tok.to_str(), self.vocab_size, list(self.eos_ids))
+            self.grammars = Grammars(self.text.tok, self.vocab_size, list(self.eos_ids))
 
     def generate(self, inp: GenerateInput, emit) -> Request:
         """inp checked and tokenized (tokenizing a long prompt takes a while: call it off the event loop)."""

@@ -80,8 +80,10 @@ def _grammar_text(spec: ConstraintSpec) -> str:
 class Grammars:
     """Compiles and checks constraints for one tokenizer; the compiled grammars are cached by their text."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
-        self._args = (tokenizer_json, vocab_size, eos_ids)
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
+        """tokenizer: the checkpoint's (a tokenizers.Tokenizer); vocab_size: the model's logits (may be padded
+        past the tokenizer's ids); eos_ids: where an answer may end (those the tokenizer has)."""
+        self._args = (tokenizer, vocab_size, eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
@@ -92,7 +94,12 @@ class Grammars:
         with self._lock:  # built on first use: only constrained requests pay for it
             if self._tokenizer is None:
                 tok, n, eos = self._args
-                self._tokenizer = llguidance.LLTokenizer(tok, n_vocab=n, eos_token=list(eos))
+                known = [e for e in eos if e < tok.get_vocab_size(with_added_tokens=True)]
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(tok.to_str(), n_vocab=n, eos_token=known or None)
+                except ValueError as e:
+                    raise BadRequest("constraint", f"structured outputs cannot run on this checkpoint's "
+                                     f"tokenizer: {e}") from None
             return self._tokenizer
 
     def _check(self, spec: ConstraintSpec) -> str:

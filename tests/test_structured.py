@@ -36,7 +36,7 @@ CHOICES = ["red", "green", "blue"]
 @pytest.fixture(scope="module")
 def grammars():
     cfg, text = load_config(DEFAULT), TextCodec(DEFAULT)
-    return Grammars(text.tok.to_str(), cfg.vocab_size, list(cfg.eos_token_ids))
+    return Grammars(text.tok, cfg.vocab_size, list(cfg.eos_token_ids))
 
 
 @pytest.mark.parametrize("spec, words", [
@@ -191,3 +191,13 @@ def test_bad_constraints_are_400s(svc, body, param):
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}], max_tokens=8,
                                        extra_body=body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_a_padded_vocabulary_and_foreign_eos_ids(grammars):
+    """The model's logits may outnumber the tokenizer's ids (padding; synthetic checkpoints with another's
+    tokenizer), and its EOS ids may lie past them: the mask covers the logits, the padding is never allowed."""
+    text = TextCodec(DEFAULT)
+    g = Grammars(text.tok, 151936, [151645, 1])
+    m = g.matcher(ConstraintSpec.choice(CHOICES))
+    allowed = m.allowed()
+    assert allowed.numel() == 151936 and not allowed[4096:].any() and allowed.any()
