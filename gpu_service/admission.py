@@ -15,6 +15,7 @@ from moe_core.errors import BadRequest
 
 from .constraints import ConstraintSpec, Grammars
 from .engine import Request
+from .reasoning import ReasoningSplitter, opens_thinking
 from .sampling import MAX_LOGPROBS, SamplingParams
 from .text import PromptTooLong, TextCodec
 
@@ -38,6 +39,8 @@ class GenerateInput:
     skip_deferred: bool = False  # drop the deferred experts instead of merging them (accuracy baseline)
     profile: bool = False
     constraint: ConstraintSpec | None = None  # structured output
+    chat_template_kwargs: dict | None = None  # extra variables for the chat template (enable_thinking, ...)
+    separate_reasoning: bool = True  # chat: <think> blocks apart from the answer, where the server splits them
 
 
 @dataclasses.dataclass
@@ -80,6 +83,7 @@ class Admission:
     default_defer: int
     eos_ids: tuple = ()
     grammars: Grammars | None = None  # built from text and eos_ids when not given
+    reasoning: bool = False  # the server splits <think> blocks off chat answers (--reasoning-parser)
 
     def __post_init__(self):
         if self.grammars is None:
@@ -99,9 +103,13 @@ class Admission:
             raise BadRequest("stop", f"at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
         defer = self._defer(self.default_defer if inp.defer is None else inp.defer)
         constraint = self.grammars.matcher(inp.constraint) if inp.constraint is not None else None
+        split = None
+        if self.reasoning and inp.messages is not None and inp.separate_reasoning:
+            tail = self.text.tok.decode(ids[-16:], skip_special_tokens=False)
+            split = ReasoningSplitter(inside=opens_thinking(tail))
         return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
                        ignore_eos=inp.ignore_eos, defer=defer, skip_deferred=inp.skip_deferred, profile=inp.profile,
-                       logprobs=inp.logprobs, constraint=constraint)
+                       logprobs=inp.logprobs, constraint=constraint, reasoning=split)
 
     def score(self, inp: ScoreInput, emit) -> Request:
         ids = inp.token_ids
@@ -152,8 +160,13 @@ class Admission:
             bad = [m["role"] for m in inp.messages if m["role"] not in ROLES]
             if bad:
                 raise BadRequest("messages.role", f"unknown role {bad[0]!r} (expected one of {sorted(ROLES)})")
+            kwargs = inp.chat_template_kwargs or {}
+            if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs) \
+                    or {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs):
+                raise BadRequest("chat_template_kwargs", "an object of template variables (not messages, "
+                                 "add_generation_prompt, bos_token or eos_token)")
             try:
-                return self.text.render_chat(inp.messages, limit)
+                return self.text.render_chat(inp.messages, limit, **kwargs)
             except PromptTooLong:
                 raise
             except ValueError as e:

@@ -23,6 +23,7 @@ from .expert_connection import connect_remote, in_shard_order, load_local
 from .expert_health import ExpertHealth
 from .experts import LocalExperts
 from .model import DTYPES, Model, compute_dtype, dense_format, pick_device
+from .reasoning import PARSERS as REASONING_PARSERS
 from .server import GenerateServicer, prompt_bytes_limit
 from .text import TextCodec
 
@@ -90,6 +91,10 @@ def parse_args(argv=None):
                          "once it is back serving the same model, shard, weight format and kernel path; after "
                          "that, they fail with UNAVAILABLE. 0 = fail at once (and refuse new requests while it "
                          "is down). A client's own deadline always wins")
+    ap.add_argument("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
+                    help="chat answers of reasoning models: think = <think>...</think> goes to reasoning_content "
+                         "(gRPC: GenerateChunk.reasoning), apart from the answer; none = all in the text; auto = "
+                         "think when the checkpoint's chat template or vocabulary has the tags")
     serving.add_server_args(ap)
     security.add_server_args(ap)
     security.add_client_args(ap, prefix="experts-", what="the expert service (the auth token is the same one)")
@@ -144,7 +149,8 @@ async def serve(args, stop: asyncio.Event) -> None:
     # sent: at most Score's logits (refused past grpcio's 2 GiB: logprobs_only then); received: a request, whose
     # prompt can have no more bytes than the context holds (token ids: up to 5 bytes each), plus its settings
     prompt_bytes = prompt_bytes_limit(max_context, text)
-    servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit, args.expert_wait)
+    servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit, args.expert_wait,
+                                args.reasoning_parser)
     svc = await serving.start_service(
         sec, args.listen, serving.server_options(max_context * cfg.vocab_size * 4 + (1 << 20),
                                                  prompt_bytes + max_context * 6 + (1 << 20)),

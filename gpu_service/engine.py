@@ -23,6 +23,7 @@ from . import metrics
 from .dispatch import ExpertServiceError
 from .experts import Experts, Span
 from .model import Model, Segment
+from .reasoning import ReasoningSplitter
 from .sampling import SamplingParams, sample, token_logprobs
 from .text import DetokenizeStream, TextCodec
 
@@ -41,6 +42,7 @@ class Chunk:
     elapsed_s: float
     spans: list[Span] | None = None  # the request's profile, on the last chunk when asked for
     logprobs: list | None = None  # per token: (id, logprob, [(id, logprob) of the top ones]), when asked for
+    reasoning: str = ""  # the thinking's delta, apart from text, when the request separates them
 
 
 @dataclasses.dataclass
@@ -71,6 +73,7 @@ class Request:
     profile: bool = False
     logprobs: int | None = None  # set: each token's logprob and this many top alternatives
     constraint: object = None  # constraints.Matcher: structured output (the sampler sees only what it allows)
+    reasoning: ReasoningSplitter | None = None  # set: <think> blocks go to Chunk.reasoning
     deadline: float | None = None  # time.perf_counter() value after which the client has gone
     cancelled: bool = False
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -348,11 +351,17 @@ class Engine:
             finish = "length"
         if finish in ("length", "eos") or (finish == "stop" and not r.detok.stopped):
             text += r.detok.flush()
+        thought = ""
+        if r.reasoning is not None:
+            thought, text = r.reasoning.push(text)
+            if finish:
+                more = r.reasoning.flush()
+                thought, text = thought + more[0], text + more[1]
         if r.profile:
             r.spans += spans
             r.spans.append(Span("sampling", "gpu", -1, spans[0].step if spans else 0, t_sample, time.time_ns()))
         r.emit(Chunk(text, [tok], finish, len(r.prompt_ids), len(r.output), r.first_token_at - r.arrival,
-                     now - r.arrival, r.spans if (finish and r.profile) else None, lps))
+                     now - r.arrival, r.spans if (finish and r.profile) else None, lps, thought))
         if finish is not None:
             r.cache = None  # frees the KV cache
 

@@ -297,6 +297,7 @@ def chat_request(body: dict, max_tokens_limit: int) -> GenerateInput:
         role = "system" if m["role"] == "developer" else m["role"]
         req.messages.append({"role": role, "content": _content(m, i)})
     _common(body, req, max_tokens_limit, max_tokens_limit)
+    req.chat_template_kwargs = _field(body, "chat_template_kwargs", (dict,))
     if _field(body, "logprobs", (bool,), False):
         req.logprobs = _int(body, "top_logprobs", 0, MAX_LOGPROBS, 0)
     elif body.get("top_logprobs"):
@@ -443,6 +444,8 @@ class Api:
                     break
                 out.add(ev)
                 lps = out.logprobs_of(ev.logprobs)
+                if out.chat and ev.reasoning:
+                    await send(out.chunk({"reasoning_content": ev.reasoning}, None, None, usage_chunk))
                 if ev.text or lps:
                     await send(out.chunk({"content": ev.text} if out.chat else ev.text, None, lps, usage_chunk))
                 if ev.finish_reason:
@@ -464,9 +467,11 @@ class Output:
         self.api, self.id, self.chat, self.want_logprobs = api, rid, chat, logprobs
         self.created = int(time.time())
         self.text, self.lps, self.finish, self.prompt_tokens, self.completion_tokens = [], [], None, 0, 0
+        self.reasoning: list[str] = []
 
     def add(self, ev) -> None:
         self.text.append(ev.text)
+        self.reasoning.append(ev.reasoning)
         self.lps += ev.logprobs or []
         self.finish = ev.finish_reason
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
@@ -507,7 +512,8 @@ class Output:
         text = "".join(self.text)
         choice = {"index": 0, "logprobs": self.logprobs_of(self.lps), "finish_reason": FINISH[self.finish]}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text,
+                                 "reasoning_content": "".join(self.reasoning) or None}
         else:
             choice["text"] = text
         return {**self.head("whole"), "choices": [choice], "usage": self.usage()}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Callable
@@ -17,6 +18,7 @@ from protos import generate_pb2, generate_pb2_grpc
 from . import metrics
 from .admission import Admission, GenerateInput, ScoreInput
 from .constraints import ConstraintSpec
+from .reasoning import uses_think_tags
 from .engine import Engine, Failure, Request
 from .sampling import SamplingParams
 from .text import TextCodec
@@ -30,6 +32,18 @@ def prompt_bytes_limit(max_context: int, text: TextCodec) -> int:
     """The most bytes of text a prompt that fits the context can have (every token stands for at most
     text.max_token_chars of them): the bound for request sizes, above which nothing can be legitimate."""
     return max_context * text.max_token_chars
+
+
+def template_kwargs(text: str) -> dict | None:
+    if not text:
+        return None
+    try:
+        kwargs = json.loads(text)
+    except ValueError as e:
+        raise BadRequest("chat_template_kwargs", f"not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs", "must be a JSON object")
+    return kwargs
 
 
 def generate_input(req: generate_pb2.GenerateRequest) -> GenerateInput:
@@ -47,7 +61,8 @@ def generate_input(req: generate_pb2.GenerateRequest) -> GenerateInput:
         token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
         max_tokens=req.max_tokens, sampling=sp, logprobs=req.logprobs if req.HasField("logprobs") else None,
         stop=list(req.stop), ignore_eos=req.ignore_eos, defer=req.defer if req.HasField("defer") else None,
-        skip_deferred=req.skip_deferred, profile=req.profile, constraint=constraint_spec(req.constraint))
+        skip_deferred=req.skip_deferred, profile=req.profile, constraint=constraint_spec(req.constraint),
+        chat_template_kwargs=template_kwargs(req.chat_template_kwargs))
 
 
 def constraint_spec(c: generate_pb2.Constraint) -> ConstraintSpec | None:
@@ -69,7 +84,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     seconds (0: refused at once)."""
 
     def __init__(self, cfg, info: generate_pb2.ServerInfo, default_defer: int, max_tokens_limit: int,
-                 expert_wait: float = 0.0):
+                 expert_wait: float = 0.0, reasoning_parser: str = "auto"):
+        self.reasoning_parser = reasoning_parser
         self.engine: Engine | None = None
         self.admission: Admission | None = None
         self.cfg, self.info, self.default_defer = cfg, info, default_defer
@@ -79,8 +95,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def attach(self, engine: Engine, experts_up: Callable[[], bool]) -> None:
         """Serve on `engine`; experts_up(): whether the expert service(s) can serve now (ExpertHealth.up)."""
-        self.admission = Admission(self.cfg.vocab_size, self.cfg.top_k, engine.text, engine.max_context,
-                                   self.max_tokens_limit, self.default_defer, tuple(self.cfg.eos_token_ids))
+        text = engine.text
+        reasoning = self.reasoning_parser == "think" or (
+            self.reasoning_parser == "auto" and uses_think_tags(text.chat_template, text.tok.get_vocab()))
+        self.admission = Admission(self.cfg.vocab_size, self.cfg.top_k, text, engine.max_context,
+                                   self.max_tokens_limit, self.default_defer, tuple(self.cfg.eos_token_ids),
+                                   reasoning=reasoning)
         self.engine, self.experts_up = engine, experts_up
 
     def _experts_down(self) -> str:
@@ -153,7 +173,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 chunk = generate_pb2.GenerateChunk(
                     text=ev.text, token_ids=ev.token_ids, finish_reason=FINISH.get(ev.finish_reason, 0),
                     usage=generate_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
-                    time_to_first_token_s=ev.ttft_s, elapsed_s=ev.elapsed_s)
+                    time_to_first_token_s=ev.ttft_s, elapsed_s=ev.elapsed_s, reasoning=ev.reasoning)
                 for tok, lp, top in ev.logprobs or ():
                     chunk.logprobs.add(token_id=tok, logprob=lp,
                                        top=[generate_pb2.TopLogprob(token_id=i, logprob=v) for i, v in top])

@@ -77,9 +77,14 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], limit: int | None = None) -> list[int]:
+    def render_chat(self, messages: list[dict], limit: int | None = None, **template_kwargs) -> list[int]:
         """The chat template's prompt, as ids (limit: as in encode; checked on the messages' text before
         rendering, then on the rendered prompt)."""
+        return self.encode(self.render_chat_text(messages, limit, **template_kwargs), limit, add_special_tokens=False)
+
+    def render_chat_text(self, messages: list[dict], limit: int | None = None, **template_kwargs) -> str:
+        """The chat template's prompt as text; template_kwargs reach the template as transformers'
+        apply_chat_template passes them (enable_thinking, ...)."""
         if not self.chat_template:
             raise ValueError("chat: this checkpoint has no chat template")
         chars = sum(len(m.get("content") or "") for m in messages)
@@ -101,11 +106,10 @@ class TextCodec:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         env.filters["tojson"] = tojson
-        text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self._special("bos_token"),
+        # the template places the special tokens it wants (no more are added when it is tokenized)
+        return env.from_string(self.chat_template).render(
+            **template_kwargs, messages=messages, add_generation_prompt=True, bos_token=self._special("bos_token"),
             eos_token=self._special("eos_token"))
-        # the template already placed the special tokens it wants
-        return self.encode(text, limit, add_special_tokens=False)
 
 
 class DetokenizeStream:
