@@ -192,15 +192,16 @@ CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 
 def constraint_field(body: dict) -> str:
     """The body field a structured-output constraint came in (for the error's param)."""
-    return next((k for k in CONSTRAINT_FIELDS if body.get(k) is not None and k != "response_format"
-                 or k == "response_format" and isinstance(body.get(k), dict) and body[k].get("type") != "text"),
-                "response_format")
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return "response_format"
+    return next((k for k in CONSTRAINT_FIELDS[1:] if body.get(k) is not None), "response_format")
 
 
 def constraint_of(body: dict) -> ConstraintSpec | None:
-    """The structured-output constraint of a body and the field that carried it: OpenAI's response_format
-    (text | json_object | json_schema), vLLM's structured_outputs {json | regex | choice | grammar | json_object}
-    or its older guided_json / guided_regex / guided_choice / guided_grammar. At most one of them."""
+    """The structured-output constraint of a body, or None: OpenAI's response_format (text | json_object |
+    json_schema), vLLM's structured_outputs {json | regex | choice | grammar | json_object} or its older
+    guided_json / guided_regex / guided_choice / guided_grammar. At most one of them (ApiError otherwise)."""
     found = []
     fmt = _field(body, "response_format", (dict,))
     if fmt is not None:
