@@ -40,7 +40,6 @@ class GenerateInput:
     profile: bool = False
     constraint: ConstraintSpec | None = None  # structured output
     chat_template_kwargs: dict | None = None  # extra variables for the chat template (enable_thinking, ...)
-    separate_reasoning: bool = True  # chat: <think> blocks apart from the answer, where the server splits them
 
 
 @dataclasses.dataclass
@@ -104,7 +103,7 @@ class Admission:
         defer = self._defer(self.default_defer if inp.defer is None else inp.defer)
         constraint = self.grammars.matcher(inp.constraint) if inp.constraint is not None else None
         split = None
-        if self.reasoning and inp.messages is not None and inp.separate_reasoning:
+        if self.reasoning and inp.messages is not None:  # chat only: a completion is raw text
             tail = self.text.tok.decode(ids[-16:], skip_special_tokens=False)
             split = ReasoningSplitter(inside=opens_thinking(tail))
         return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
