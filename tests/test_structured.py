@@ -56,6 +56,22 @@ def test_bad_constraints_are_refused_by_name(grammars, spec, words):
     assert e.value.field == "constraint" and words in str(e.value)
 
 
+def _deep(n: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("schema", [_deep(200), {"type": "integer", "minimum": -10**30, "maximum": 10**30},
+                                    {"enum": [f"value {i}" for i in range(40000)]}])
+def test_hostile_schemas_are_400s(grammars, schema):
+    """Past the parser's bounds (nesting, numeric ranges it cannot express, size): refused, not a stall or a 500."""
+    with pytest.raises(BadRequest) as e:
+        grammars.matcher(ConstraintSpec("json_schema", json.dumps(schema)))
+    assert e.value.field == "constraint"
+
+
 def test_a_matcher_masks_and_ends(grammars):
     m = grammars.matcher(ConstraintSpec.choice(CHOICES))
     text = TextCodec(DEFAULT)
