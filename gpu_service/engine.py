@@ -326,11 +326,12 @@ class Engine:
         record_step_metrics(spans, time.perf_counter() - t0)
 
     def _advance(self, r: Request, logits: torch.Tensor, now: float, spans: list, t_sample: int) -> None:
-        # logprobs stay the model's own distribution; the constraint masks what is sampled from
-        tok = sample(logits if r.constraint is None else r.constraint.mask(logits), r.sampling, r.gen, r.prompt_ids,
-                     r.output)
+        # logprobs stay the model's own distribution; a constraint masks what is sampled from, once the answer
+        # has begun (a reasoning model's <think> block is free text)
+        constrained = r.constraint is not None and (r.reasoning is None or not r.reasoning.inside)
+        tok = sample(r.constraint.mask(logits) if constrained else logits, r.sampling, r.gen, r.prompt_ids, r.output)
         lps = None if r.logprobs is None else [token_logprobs(logits, tok, r.logprobs)]
-        if r.constraint is not None:
+        if constrained:
             r.constraint.consume(tok)
         r.output.append(tok)
         if r.first_token_at is None:
@@ -345,7 +346,7 @@ class Engine:
             text, finish = "", "eos"
         else:
             text = r.detok.push(tok)
-            if r.detok.stopped or (r.constraint is not None and r.constraint.done):
+            if r.detok.stopped or (constrained and r.constraint.done):
                 finish = "stop"
         if finish is None and (len(r.output) >= r.max_tokens or len(r.prompt_ids) + len(r.output) >= self.max_context):
             finish = "length"

@@ -108,3 +108,16 @@ def test_bad_template_kwargs_are_400s(svc, kwargs):
         client(svc).chat.completions.create(model="default", messages=MSGS, max_tokens=4,
                                             extra_body={"chat_template_kwargs": kwargs})
     assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def test_a_constraint_binds_the_answer_not_the_thinking(svc):
+    """Structured output on a reasoning model: the <think> block is free; the grammar starts with the answer."""
+    c = client(svc)
+    choices = {"structured_outputs": {"choice": ["red", "green", "blue"]}}
+    r = c.chat.completions.create(model="default", messages=MSGS, max_tokens=12, temperature=0, extra_body=choices)
+    # this model never closes the block the template opened: thinking only, never forced into the choice
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.model_extra["reasoning_content"]
+    assert not r.choices[0].message.content
+    r = c.chat.completions.create(model="default", messages=MSGS, max_tokens=12, temperature=0,
+                                  extra_body={**choices, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content in ("red", "green", "blue")
