@@ -122,8 +122,8 @@ def connect_remote(remotes: list[RemoteExperts], fp: str, model_dir: str, timeou
 
 
 def in_shard_order(remotes: list[RemoteExperts], infos: list[expert_pb2.ExpertInfo]) -> tuple[Experts, list]:
-    """-> (the Experts to run on: one service used directly, several as ShardedExperts, and the remotes in shard
-    order (for the health watchers)."""
+    """-> (the Experts to run on: one service directly, several as ShardedExperts; the remotes in shard order,
+    for the health watchers)."""
     ordered = [r for _, r in sorted(zip((i.shard_index for i in infos), remotes), key=lambda p: p[0])]
     return (ordered[0] if len(ordered) == 1 else ShardedExperts(ordered)), ordered
 
