@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import Services  # noqa: E402
+from harness import Services  # noqa: E402
 from protos import generate_pb2  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass ", "    for i in range(len(items)):\n"]
