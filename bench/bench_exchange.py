@@ -97,7 +97,7 @@ def main() -> None:
     if a.echo_server:
         return echo_server(a.echo_server)
     import tiny_models
-    from conftest import Services
+    from common import Services
 
     tmp = pathlib.Path(tempfile.mkdtemp())
     model = tiny_models.build("deepseek_v3", tmp / "model", dtype=torch.bfloat16, hidden_size=a.hidden,
@@ -107,7 +107,7 @@ def main() -> None:
     torch.set_num_threads(1)
     svc = Services(model, tmp, expert_prefix=("taskset", "-c", "1"), gpu=False,
                    expert_args=("--weight-format", a.weight_format))
-    from conftest import free_port
+    from common import free_port
     echo_port = free_port()
     echo = subprocess.Popen(["taskset", "-c", "1", sys.executable, __file__, "--echo-server", str(echo_port)])
     # the request as it travels: hidden [1, H] bf16, top-8 ids and weights (the answer is about as large)

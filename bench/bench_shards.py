@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
-import sys
 
 import torch
 
@@ -64,12 +63,8 @@ def e2e(model: str, counts: list[int], transport: str, tokens: int, rounds: int)
     import collections
     import tempfile
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import wait_healthy
+    from common import Sharded, cpu_name, wait_healthy
     from protos import generate_pb2
-    from test_shards import Sharded
-
-    from bench_restart import cpu_name
     print(f"CPU: {cpu_name()}; {model}; transport {transport}; decode {tokens} tokens after a 16-token prompt, "
           f"median of {rounds}")
     print("| shards | decode tok/s | busiest shard's compute per layer | exchange beyond it per layer |")

@@ -16,10 +16,10 @@ for _p in (ROOT, ROOT / "tests", ROOT / "tools"):
 
 import grpc  # noqa: E402
 
-from harness import Services, free_port, start, status_mib, terminate_all, wait_healthy  # noqa: E402,F401
+from harness import Services, Sharded, free_port, start, status_mib, terminate_all, wait_healthy  # noqa: E402,F401
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc  # noqa: E402
 
-__all__ = ["ROOT", "SHAPES", "Services", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
+__all__ = ["ROOT", "SHAPES", "Services", "Sharded", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
            "start", "status_mib", "terminate_all", "timed", "wait_healthy", "weights", "windows"]
 WARMUP = 50  # exchange round trips before the timed ones
 

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import tiny_models  # noqa: E402
 
-from harness import Services  # noqa: E402
+from harness import Services, Sharded  # noqa: E402
 
 # the services' packed-weight cache: one per test session, never the user's ~/.cache
 if "MOE_CACHE_DIR" not in os.environ:
@@ -42,4 +42,19 @@ def services_factory(tmp_path):
 
     yield make
     for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """make(model, n, ...) -> a Sharded (n expert services and a GPU service over them), stopped afterwards."""
+    made = []
+
+    def make(*a, **kw):
+        d = tmp_path / f"s{len(made)}"
+        d.mkdir()
+        made.append(Sharded(*a, tmp=d, **kw))
+        return made[-1]
+    yield make
+    for s in made:
         s.stop()

@@ -120,6 +120,41 @@ def terminate_all(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
+class Sharded:
+    """N expert services (one per shard) and a GPU service over all of them."""
+
+    def __init__(self, model, tmp, n: int, gpu_args=(), shards: list[str] | None = None, models=None):
+        self.model, self.tmp, self.n = str(model), tmp, n
+        self.shards = shards or [f"{i}/{n}" for i in range(n)]
+        self.models = [str(m) for m in (models or [model] * len(self.shards))]
+        self.ports = [free_port() for _ in self.shards]
+        self.gpu_port, self.starts = free_port(), 0
+        self.experts = [self.start_expert(i) for i in range(len(self.shards))]
+        for p, proc in zip(self.ports, self.experts):
+            wait_healthy(p, proc)
+        self.gpu = start("gpu_service", "--model", self.model, "--experts",
+                         ",".join(f"127.0.0.1:{p}" for p in self.ports), "--listen", f"127.0.0.1:{self.gpu_port}",
+                         "--threads", "1", "--connect-timeout", "10", *DEVICE_ARGS, *gpu_args, log=self.log("gpu"))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gpu_port}")
+        self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
+
+    def log(self, name):
+        self.starts += 1
+        return self.tmp / f"{name}.{self.starts}.log"
+
+    def start_expert(self, i: int) -> subprocess.Popen:
+        return start("expert_service", "--model", self.models[i], "--listen", f"127.0.0.1:{self.ports[i]}",
+                     "--threads", "1", "--shard", self.shards[i], log=self.log(f"expert{i}"))
+
+    def logs(self) -> str:
+        return "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
+
+    def stop(self):
+        with contextlib.suppress(Exception):
+            self.channel.close()
+        terminate_all([self.gpu, *self.experts])
+
+
 # -- generation ---------------------------------------------------------------------------------------------
 def greedy_request(prompt: str | list[int], n: int, **kw) -> generate_pb2.GenerateRequest:
     """n tokens at temperature 0, EOS ignored; prompt text or token ids."""

@@ -15,7 +15,6 @@ import pytest
 
 from harness import Services, free_port, status_mib, wait_healthy
 from protos import generate_pb2
-from test_shards import sharded  # noqa: F401  (the fixture)
 
 STREAMS, TOKENS, ROUNDS = 16, 160, 3
 
@@ -95,7 +94,7 @@ def test_expert_service_killed_and_restarted_under_load(checkpoints, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_one_shard_killed_and_restarted_under_load(checkpoints, sharded):  # noqa: F811
+def test_one_shard_killed_and_restarted_under_load(checkpoints, sharded):
     http = free_port()
     s = sharded(checkpoints["qwen3_moe"], n=2, gpu_args=("--http-listen", f"127.0.0.1:{http}",
                                                           "--max-batch", str(STREAMS)))

@@ -4,18 +4,15 @@ that is missing, doubled, of another split or another model refused at connect, 
 killed mid-stream fails the request within seconds naming it, and serves again once restarted."""
 from __future__ import annotations
 
-import contextlib
-import subprocess
 import time
 
-import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from harness import DEVICE_ARGS, free_port, greedy, start, terminate_all, wait_healthy
+from harness import free_port, greedy, wait_healthy
 from moe_core.shards import Shard, check_coverage, owner_and_local
-from protos import generate_pb2, generate_pb2_grpc
+from protos import generate_pb2
 from test_operations import health, scrape, wait_for
 
 
@@ -52,55 +49,6 @@ def test_full_coverage_passes():
 
 
 # -- both services, sharded --------------------------------------------------------------------------
-class Sharded:
-    """N expert services (one per shard) and a GPU service over all of them."""
-
-    def __init__(self, model, tmp, n: int, gpu_args=(), shards: list[str] | None = None, models=None):
-        self.model, self.tmp, self.n = str(model), tmp, n
-        self.shards = shards or [f"{i}/{n}" for i in range(n)]
-        self.models = [str(m) for m in (models or [model] * len(self.shards))]
-        self.ports = [free_port() for _ in self.shards]
-        self.gpu_port, self.starts = free_port(), 0
-        self.experts = [self.start_expert(i) for i in range(len(self.shards))]
-        for p, proc in zip(self.ports, self.experts):
-            wait_healthy(p, proc)
-        self.gpu = start("gpu_service", "--model", self.model, "--experts",
-                         ",".join(f"127.0.0.1:{p}" for p in self.ports), "--listen", f"127.0.0.1:{self.gpu_port}",
-                         "--threads", "1", "--connect-timeout", "10", *DEVICE_ARGS, *gpu_args, log=self.log("gpu"))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gpu_port}")
-        self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
-
-    def log(self, name):
-        self.starts += 1
-        return self.tmp / f"{name}.{self.starts}.log"
-
-    def start_expert(self, i: int) -> subprocess.Popen:
-        return start("expert_service", "--model", self.models[i], "--listen", f"127.0.0.1:{self.ports[i]}",
-                     "--threads", "1", "--shard", self.shards[i], log=self.log(f"expert{i}"))
-
-    def logs(self) -> str:
-        return "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))
-
-    def stop(self):
-        with contextlib.suppress(Exception):
-            self.channel.close()
-        terminate_all([self.gpu, *self.experts])
-
-
-@pytest.fixture
-def sharded(tmp_path):
-    made = []
-
-    def make(*a, **kw):
-        d = tmp_path / f"s{len(made)}"
-        d.mkdir()
-        made.append(Sharded(*a, tmp=d, **kw))
-        return made[-1]
-    yield make
-    for s in made:
-        s.stop()
-
-
 PROMPTS = [[5, 17, 30, 41, 7, 99, 3], [200, 11, 9, 45, 18, 2, 77, 81, 6, 120, 33]]
 
 
