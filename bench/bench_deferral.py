@@ -122,9 +122,11 @@ def main() -> None:
     # expert side works layers in order, so per MoE layer the step shrinks by min(deferred experts'
     # time, the GPU side's time before it needs them) out of (GPU side + experts).
     p0 = prof[0]
-    gpu = sum(v for k, v in p0.items() if not k.startswith("expert"))  # GPU-side work, waits left out
+    gpu = sum(v for k, v in p0.items() if k not in ("expert_wait", "shard_wait") and not k.startswith("experts_"))
+    # (GPU-side work: the waits and the expert side's spans left out)
     shared, experts = p0.get("shared_experts", 0.0), p0.get("experts_immediate", 0.0)
-    overlap = p0.get("attention", 0.0) + p0.get("router", 0.0)  # what the next layer runs before it needs them
+    # what the next layer runs before it needs them
+    overlap = p0.get("attention", 0.0) + p0.get("router", 0.0) + p0.get("expert_submit", 0.0)
     hidden = min(experts * a.defer / MODELS[a.family][2]["num_experts_per_tok"], overlap)
     step0 = gpu - shared + max(shared, experts)  # shared experts already run beside the routed ones
     step_d = gpu - shared + max(shared, experts - hidden)

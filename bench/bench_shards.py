@@ -87,7 +87,7 @@ def e2e(model: str, counts: list[int], transport: str, tokens: int, rounds: int)
                     steps = collections.defaultdict(dict)  # (step, layer) -> what happened
                     for sp in last.profile.spans:
                         d = steps[(sp.step, sp.layer)]
-                        if sp.name == "router":
+                        if sp.name == "expert_submit":
                             d["submitted"] = sp.end_unix_ns
                         elif sp.name == "expert_wait":
                             d["back"] = sp.end_unix_ns

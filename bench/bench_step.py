@@ -43,8 +43,8 @@ from moe_core.config import load_config  # noqa: E402
 from moe_core.fingerprint import fingerprint  # noqa: E402
 from protos import generate_pb2, generate_pb2_grpc  # noqa: E402
 
-GPU_SPANS = ("embed", "attention", "linear_attention", "dense_mlp", "router", "shared_experts", "expert_wait",
-             "lm_head", "sampling")
+GPU_SPANS = ("embed", "attention", "linear_attention", "dense_mlp", "router", "expert_submit", "shared_experts",
+             "expert_wait", "lm_head", "sampling")
 
 
 def median_time(fns, reps: int) -> float:
@@ -147,14 +147,14 @@ def split_steps(spans: list[tuple]) -> list[dict]:
 
 
 def handoff_legs(spans: list[tuple]) -> list[tuple[float, float]]:
-    """Per MoE layer of one step: (the request's way: the GPU side's router span ends -> the expert side starts
+    """Per MoE layer of one step: (the request's way: the GPU side's submit span ends -> the expert side starts
     computing, the answer's way: it ends -> the GPU side's wait ends), seconds. Both services stamp spans
     with the same wall clock on one host. The answer's way counts only where the GPU side was already
     waiting (its wait began before the compute ended)."""
     by = {(name, layer): (t0, t1) for name, _, layer, _, t0, t1 in spans}
     legs = []
     for (name, layer), (r0, r1) in by.items():
-        if name != "router" or ("experts_immediate", layer) not in by or ("expert_wait", layer) not in by:
+        if name != "expert_submit" or ("experts_immediate", layer) not in by or ("expert_wait", layer) not in by:
             continue
         c0, c1 = by[("experts_immediate", layer)]
         w0, w1 = by[("expert_wait", layer)]
@@ -240,7 +240,7 @@ def main() -> None:
             ("outside the kernels, per MoE layer", outside / n_moe * 1e6, "us", None),
             ("spans' sum / period (coverage)", coverage * 100, "%", None),
         ] + ([
-            ("handoff to the experts (router end -> compute start)", med(there) * 1e6, "us median", None),
+            ("handoff to the experts (submit end -> compute start)", med(there) * 1e6, "us median", None),
             ("handoff back (compute end -> the wait ends)", med(back) * 1e6, "us median", None),
         ] if there and back else []) + [(f"GPU side: {n}", v * 1e3, "ms/token", None) for n, v in spans.items() if v]
         for name, v, unit, ratio in rows:

@@ -383,7 +383,7 @@ def record_step_metrics(spans: list[Span], step_s: float) -> None:
     submitted = {}
     compute = {}
     for name, service, layer, _, t0, t1 in spans:
-        if name == "router":
+        if name == "expert_submit":
             submitted[layer] = t1
         elif name == "expert_wait":
             blocked += (t1 - t0) / 1e9

@@ -241,8 +241,9 @@ class Model:
             if skip and d:
                 ids, w, _, _ = split_deferred(ids, w, d)
                 d = 0
+            t = mark("router", L, t)  # the post-attention norm and the routing
             experts.submit(step, L, x, ids, w, d)
-            t = mark("router", L, t)
+            t = mark("expert_submit", L, t)  # the request handed over (wire bytes or the ring, its doorbell)
             shared = self._shared(fp, x)                 # overlaps the expert service's work
             t = mark("shared_experts", L, t)
             # results arrive in request order: the previous layer's DEFERRED before this IMMEDIATE

@@ -245,7 +245,8 @@ def test_metrics_and_trace(svc):
     spans = chunks[-1].profile.spans
     assert {sp.service for sp in spans} == {"gpu", "expert"}
     # every MoE layer marks the shared-expert span (empty for Qwen3, which has none)
-    assert {"attention", "router", "shared_experts", "expert_wait", "experts_immediate", "sampling"} <= \
+    assert {"attention", "router", "expert_submit", "shared_experts", "expert_wait", "experts_immediate",
+            "sampling"} <= \
         {sp.name for sp in spans}
     trace = json.loads(json.dumps(chrome_trace(spans)))
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {1, 2}
