@@ -434,3 +434,28 @@ def test_id_minus_one_is_no_expert(isa):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got[5].abs().max() == 0
     assert want.abs().max() > 0.1
+
+
+def test_the_bound_layer_keeps_its_weights_alive():
+    """native.MoELayer holds the packed buffers it points into: it outlives the Python layer that built it (the
+    shared-memory ring keeps only the bound object), and an ISA this CPU lacks is refused when it is built."""
+    import gc
+
+    gate, up, down = make(4, 64, 64)
+    ids, w = routing(3, 2, 4)
+    x = torch.randn(3, 64)
+    op = NativeMoELayer(gate, up, down, fmt="int8")
+    want = op.forward(x, ids, w)
+    bound = op.native
+    del op
+    gc.collect()
+    for _ in range(3):  # reuse the freed Python objects' memory, if anything had been freed
+        NativeMoELayer(*make(4, 64, 64), fmt="int8")
+    got = torch.empty(3, 64)
+    bound.forward(x.contiguous().data_ptr(), ids.to(torch.int32).contiguous().data_ptr(),
+                  w.float().contiguous().data_ptr(), got.data_ptr(), 3, 2)
+    assert torch.equal(got, want) and bound.isa == moe_kernels.ISA
+    missing = [i for i in moe_kernels.ISAS if not moe_kernels.native.isa_supported(i) and i != "amx"]
+    for isa in missing:
+        with pytest.raises(ValueError, match="not supported here"):
+            NativeMoELayer(gate, up, down, fmt="int8", isa=isa)
