@@ -13,11 +13,12 @@ import math
 
 from moe_core.errors import BadRequest
 
+from .answer import AnswerFormat
 from .constraints import ConstraintSpec, Grammars
 from .engine import Request
-from .reasoning import ReasoningSplitter, opens_thinking
 from .sampling import MAX_LOGPROBS, SamplingParams
 from .text import PromptTooLong, TextCodec
+from .tools import ToolChoice, check_choice, check_tools, history_call
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024  # a stop string is matched against every text delta: keep it short
@@ -26,7 +27,9 @@ ROLES = {"system", "user", "assistant", "tool"}
 
 @dataclasses.dataclass
 class GenerateInput:
-    """One generation as asked: exactly one of prompt, messages (chat: [{"role", "content"}]) or token_ids."""
+    """One generation as asked: exactly one of prompt, messages or token_ids. messages (chat): [{"role",
+    "content"}], an assistant's with "tool_calls" ([{"id", "function": {"name", "arguments"}}]) and
+    "reasoning_content" where it had them, a tool result's with "tool_call_id" (and "name")."""
     prompt: str | None = None
     messages: list[dict] | None = None
     token_ids: list[int] | None = None
@@ -40,6 +43,9 @@ class GenerateInput:
     profile: bool = False
     constraint: ConstraintSpec | None = None  # structured output
     chat_template_kwargs: dict | None = None  # extra variables for the chat template (enable_thinking, ...)
+    tools: list[dict] | None = None  # offered to the model (chat): OpenAI's [{"type": "function", "function"}]
+    tool_choice: ToolChoice = dataclasses.field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True  # a forced call may be several
 
 
 @dataclasses.dataclass
@@ -82,15 +88,18 @@ class Admission:
     default_defer: int
     eos_ids: tuple = ()
     grammars: Grammars | None = None  # built from text and eos_ids when not given
-    reasoning: bool = False  # the server splits <think> blocks off chat answers (--reasoning-parser)
+    answers: AnswerFormat | None = None  # how chat answers are taken apart; from the chat template when not given
 
     def __post_init__(self):
         if self.grammars is None:
             self.grammars = Grammars(self.text.tok, self.vocab_size, list(self.eos_ids))
+        if self.answers is None:
+            self.answers = AnswerFormat(self.text.chat_template, self.text.tok.get_vocab(), self.text.added_tokens())
 
     def generate(self, inp: GenerateInput, emit) -> Request:
         """inp checked and tokenized (tokenizing a long prompt takes a while: call it off the event loop)."""
-        ids = self._prompt_ids(inp)
+        tools = self._tools(inp)
+        ids = self._prompt_ids(inp, tools)
         if inp.max_tokens <= 0:
             raise BadRequest("max_tokens", "must be > 0")
         if inp.max_tokens > self.max_tokens_limit:
@@ -101,14 +110,34 @@ class Admission:
         if len(inp.stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in inp.stop):
             raise BadRequest("stop", f"at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
         defer = self._defer(self.default_defer if inp.defer is None else inp.defer)
-        constraint = self.grammars.matcher(inp.constraint) if inp.constraint is not None else None
-        split = None
-        if self.reasoning and inp.messages is not None:  # chat only: a completion is raw text
-            tail = self.text.tok.decode(ids[-16:], skip_special_tokens=False)
-            split = ReasoningSplitter(inside=opens_thinking(tail))
+        spec = inp.constraint
+        if inp.tool_choice.forced:
+            if spec is not None:
+                raise BadRequest("tool_choice", f"{inp.tool_choice.mode!r} and a structured-output constraint "
+                                 "cannot both shape the answer")
+            spec = ConstraintSpec("grammar", self.answers.forced_grammar(tools, inp.tool_choice, inp.parallel_tool_calls))
+        try:
+            constraint = self.grammars.matcher(spec) if spec is not None else None
+        except BadRequest as e:
+            if inp.tool_choice.forced:  # the grammar is ours: what does not compile is a tool's schema
+                raise BadRequest("tools", f"a tool's parameters do not compile: {e.detail}") from None
+            raise
+        parser = None
+        if inp.messages is not None:  # chat only: a completion is raw text
+            parser = self.answers.parser(self.text.tok.decode(ids[-16:], skip_special_tokens=False), tools,
+                                         inp.tool_choice)
         return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
                        ignore_eos=inp.ignore_eos, defer=defer, skip_deferred=inp.skip_deferred, profile=inp.profile,
-                       logprobs=inp.logprobs, constraint=constraint, reasoning=split)
+                       logprobs=inp.logprobs, constraint=constraint, parser=parser,
+                       constrain_reasoning=inp.tool_choice.forced and self.answers.harmony)
+
+    def _tools(self, inp: GenerateInput) -> list[dict] | None:
+        tools = check_tools(inp.tools) if inp.tools else None
+        if tools and inp.messages is None:
+            raise BadRequest("tools", "tools are offered in chat requests only")
+        check_choice(inp.tool_choice, tools)
+        self.answers.check(tools, inp.tool_choice)
+        return tools
 
     def score(self, inp: ScoreInput, emit) -> Request:
         ids = inp.token_ids
@@ -131,9 +160,9 @@ class Admission:
         if any(not 0 <= i < V for i in ids):
             raise BadRequest("token_ids", f"every id must be in [0, {V})")
 
-    def _prompt_ids(self, inp: GenerateInput) -> list[int]:
+    def _prompt_ids(self, inp: GenerateInput, tools: list[dict] | None) -> list[int]:
         try:
-            ids = self._tokenize(inp)
+            ids = self._tokenize(inp, tools)
         except PromptTooLong as e:
             raise BadRequest("input", f"prompt has at least {e.at_least} tokens; the context limit is "
                              f"{self.max_context}", "context_length_exceeded") from None
@@ -144,7 +173,7 @@ class Admission:
                              "context_length_exceeded")
         return ids
 
-    def _tokenize(self, inp: GenerateInput) -> list[int]:
+    def _tokenize(self, inp: GenerateInput, tools: list[dict] | None) -> list[int]:
         given = [name for name in ("prompt", "messages", "token_ids") if getattr(inp, name) is not None]
         if len(given) != 1:
             raise BadRequest("input", "exactly one of prompt, chat messages or token_ids is required")
@@ -161,14 +190,26 @@ class Admission:
                 raise BadRequest("messages.role", f"unknown role {bad[0]!r} (expected one of {sorted(ROLES)})")
             kwargs = inp.chat_template_kwargs or {}
             if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs) \
-                    or {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs):
+                    or {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(kwargs):
                 raise BadRequest("chat_template_kwargs", "an object of template variables (not messages, "
-                                 "add_generation_prompt, bos_token or eos_token)")
+                                 "add_generation_prompt, bos_token, eos_token or tools)")
+            messages = [self._message(m, i) for i, m in enumerate(inp.messages)]
             try:
-                return self.text.render_chat(inp.messages, limit, **kwargs)
+                return self.text.render_chat(messages, limit, **kwargs, **({"tools": tools} if tools else {}))
             except PromptTooLong:
                 raise
             except ValueError as e:
                 raise BadRequest("messages", str(e)) from None
         self._check_ids(inp.token_ids)
         return list(inp.token_ids)
+
+    @staticmethod
+    def _message(m: dict, i: int) -> dict:
+        """A chat message as templates read it: earlier calls' arguments as objects (tools.history_call)."""
+        out = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            out["tool_calls"] = [history_call(c, f"[{i}].tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if m.get(key):
+                out[key] = m[key]
+        return out

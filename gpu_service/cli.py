@@ -24,6 +24,7 @@ from .expert_health import ExpertHealth
 from .experts import LocalExperts
 from .model import DTYPES, Model, compute_dtype, dense_format, pick_device
 from .reasoning import PARSERS as REASONING_PARSERS
+from .tool_formats import PARSERS as TOOL_PARSERS
 from .server import GenerateServicer, prompt_bytes_limit
 from .text import TextCodec
 
@@ -93,8 +94,13 @@ def parse_args(argv=None):
                          "is down). A client's own deadline always wins")
     ap.add_argument("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
                     help="chat answers of reasoning models: think = <think>...</think> goes to reasoning_content "
-                         "(gRPC: GenerateChunk.reasoning), apart from the answer; none = all in the text; auto = "
-                         "think when the checkpoint's chat template or vocabulary has the tags")
+                         "(gRPC: GenerateChunk.reasoning), apart from the answer; harmony = gpt-oss's analysis "
+                         "channel; none = all in the text; auto = harmony or think when the checkpoint's chat "
+                         "template or vocabulary shows them")
+    ap.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSERS),
+                    help="the syntax the model writes tool calls in: hermes (Qwen2/Qwen3), deepseek_v3 (V3, R1), "
+                         "deepseek_v31 (V3.1), glm45 (GLM-4.5/4.6), minimax_m2, harmony (gpt-oss); auto = the one "
+                         "the checkpoint's chat template writes; none = chat requests with tools are refused")
     serving.add_server_args(ap)
     security.add_server_args(ap)
     security.add_client_args(ap, prefix="experts-", what="the expert service (the auth token is the same one)")
@@ -150,7 +156,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     # prompt can have no more bytes than the context holds (token ids: up to 5 bytes each), plus its settings
     prompt_bytes = prompt_bytes_limit(max_context, text)
     servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit, args.expert_wait,
-                                args.reasoning_parser)
+                                args.reasoning_parser, args.tool_call_parser)
     svc = await serving.start_service(
         sec, args.listen, serving.server_options(max_context * cfg.vocab_size * 4 + (1 << 20),
                                                  prompt_bytes + max_context * 6 + (1 << 20)),

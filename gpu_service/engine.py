@@ -23,7 +23,7 @@ from . import metrics
 from .dispatch import ExpertServiceError
 from .experts import Experts, Span
 from .model import Model, Segment
-from .reasoning import ReasoningSplitter
+from .answer import AnswerParser
 from .sampling import SamplingParams, sample, token_logprobs
 from .text import DetokenizeStream, TextCodec
 
@@ -35,7 +35,7 @@ TRIM_AFTER = 1024  # tokens of context: a request this long returns freed memory
 class Chunk:
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # None | "length" | "stop" | "eos"
+    finish_reason: str | None  # None | "length" | "stop" | "eos" | "tool_calls" (stop or eos after a call)
     prompt_tokens: int
     completion_tokens: int
     ttft_s: float
@@ -43,6 +43,7 @@ class Chunk:
     spans: list[Span] | None = None  # the request's profile, on the last chunk when asked for
     logprobs: list | None = None  # per token: (id, logprob, [(id, logprob) of the top ones]), when asked for
     reasoning: str = ""  # the thinking's delta, apart from text, when the request separates them
+    tool_calls: list = dataclasses.field(default_factory=list)  # tools.ToolCallDelta: the calls' new pieces
 
 
 @dataclasses.dataclass
@@ -73,7 +74,8 @@ class Request:
     profile: bool = False
     logprobs: int | None = None  # set: each token's logprob and this many top alternatives
     constraint: object = None  # constraints.Matcher: structured output (the sampler sees only what it allows)
-    reasoning: ReasoningSplitter | None = None  # set: <think> blocks go to Chunk.reasoning
+    parser: AnswerParser | None = None  # set: reasoning and tool calls come apart from the text (chat)
+    constrain_reasoning: bool = False  # the constraint covers the reasoning too (harmony's forced call)
     deadline: float | None = None  # time.perf_counter() value after which the client has gone
     cancelled: bool = False
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -157,7 +159,7 @@ class Engine:
                 break
         for r in new:
             r.cache = self.model.new_cache()
-            r.detok = DetokenizeStream(self.text, r.prompt_ids, r.stop)
+            r.detok = DetokenizeStream(self.text, r.prompt_ids, r.stop, r.parser.symbols if r.parser else None)
             r.gen = r.sampling.generator()
         return new
 
@@ -328,7 +330,7 @@ class Engine:
     def _advance(self, r: Request, logits: torch.Tensor, now: float, spans: list, t_sample: int) -> None:
         # logprobs stay the model's own distribution; a constraint masks what is sampled from, once the answer
         # has begun (a reasoning model's <think> block is free text)
-        constrained = r.constraint is not None and (r.reasoning is None or not r.reasoning.inside)
+        constrained = r.constraint is not None and (r.constrain_reasoning or r.parser is None or not r.parser.thinking)
         tok = sample(r.constraint.mask(logits) if constrained else logits, r.sampling, r.gen, r.prompt_ids, r.output)
         lps = None if r.logprobs is None else [token_logprobs(logits, tok, r.logprobs)]
         if constrained:
@@ -352,17 +354,17 @@ class Engine:
             finish = "length"
         if finish in ("length", "eos") or (finish == "stop" and not r.detok.stopped):
             text += r.detok.flush()
-        thought = ""
-        if r.reasoning is not None:
-            thought, text = r.reasoning.push(text)
-            if finish:
-                more = r.reasoning.flush()
-                thought, text = thought + more[0], text + more[1]
+        thought, calls = "", []
+        if r.parser is not None:
+            parsed = r.parser.push(text, final=finish is not None)
+            text, thought, calls = parsed.text, parsed.reasoning, parsed.tool_calls
+            if finish in ("stop", "eos") and r.parser.called:
+                finish = "tool_calls"
         if r.profile:
             r.spans += spans
             r.spans.append(Span("sampling", "gpu", -1, spans[0].step if spans else 0, t_sample, time.time_ns()))
         r.emit(Chunk(text, [tok], finish, len(r.prompt_ids), len(r.output), r.first_token_at - r.arrival,
-                     now - r.arrival, r.spans if (finish and r.profile) else None, lps, thought))
+                     now - r.arrival, r.spans if (finish and r.profile) else None, lps, thought, calls))
         if finish is not None:
             r.cache = None  # frees the KV cache
 

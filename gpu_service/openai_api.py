@@ -26,11 +26,12 @@ from .constraints import ConstraintSpec
 from .engine import Failure
 from .sampling import MAX_LOGPROBS
 from .server import GenerateServicer
+from .tools import ToolChoice
 
 log = logging.getLogger("gpu_service.http")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
-FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
+FINISH = {"length": "length", "stop": "stop", "eos": "stop", "tool_calls": "tool_calls"}
 HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.UNAVAILABLE: 503, Status.DEADLINE_EXCEEDED: 504,
                Status.RESOURCE_EXHAUSTED: 429}
 # the transport-neutral request's field names as these endpoints spell them (sampling's are flat here)
@@ -141,8 +142,9 @@ def _refuse_unsupported(body: dict) -> None:
         raise ApiError(400, "echo is not supported", "echo")
     if body.get("suffix"):
         raise ApiError(400, "suffix is not supported", "suffix")
-    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
-        raise ApiError(400, "tools and function calling are not supported", "tools")
+    if body.get("functions") or body.get("function_call"):
+        raise ApiError(400, "functions and function_call (deprecated) are not supported: use tools and tool_choice",
+                       "functions")
 
 
 def _common(body: dict, req: GenerateInput, max_tokens_default: int, max_tokens_limit: int) -> None:
@@ -251,6 +253,8 @@ def _vllm_spec(kind: str, v, param: str) -> ConstraintSpec:
 
 def completion_request(body: dict, max_tokens_limit: int) -> GenerateInput:
     req = GenerateInput()
+    if body.get("tools") or body.get("tool_choice"):
+        raise ApiError(400, "tools: only /v1/chat/completions offers tools", "tools")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -287,6 +291,39 @@ def _content(m: dict, i: int) -> str:
     raise ApiError(400, f"messages[{i}].content: expected a string or a list of text parts", "messages")
 
 
+def _message(m: dict, i: int) -> dict:
+    """A chat message, its text joined; an assistant's tool_calls and a tool result's tool_call_id kept (admission
+    checks them)."""
+    role = "system" if m["role"] == "developer" else m["role"]
+    out = {"role": role, "content": _content(m, i)}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise ApiError(400, f"messages[{i}].tool_calls: expected a list", "messages")
+        out["tool_calls"] = calls
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        v = m.get(key)
+        if v is not None and not isinstance(v, str):
+            raise ApiError(400, f"messages[{i}].{key}: expected a string", "messages")
+        if v:
+            out[key] = v
+    return out
+
+
+def _tool_choice(body: dict) -> ToolChoice:
+    """OpenAI's tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}."""
+    v = body.get("tool_choice")
+    if v is None:
+        return ToolChoice("auto" if body.get("tools") else "none")
+    if isinstance(v, str):
+        return ToolChoice(v)
+    name = v.get("function", {}).get("name") if isinstance(v, dict) and isinstance(v.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, 'tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}}',
+                       "tool_choice")
+    return ToolChoice("function", name)
+
+
 def chat_request(body: dict, max_tokens_limit: int) -> GenerateInput:
     req = GenerateInput(messages=[])
     msgs = body.get("messages")
@@ -295,9 +332,11 @@ def chat_request(body: dict, max_tokens_limit: int) -> GenerateInput:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}]: expected an object with a role", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        req.messages.append({"role": role, "content": _content(m, i)})
+        req.messages.append(_message(m, i))
     _common(body, req, max_tokens_limit, max_tokens_limit)
+    req.tools = _field(body, "tools", (list,))
+    req.tool_choice = _tool_choice(body)
+    req.parallel_tool_calls = _field(body, "parallel_tool_calls", (bool,), True)
     req.chat_template_kwargs = _field(body, "chat_template_kwargs", (dict,))
     if _field(body, "logprobs", (bool,), False):
         req.logprobs = _int(body, "top_logprobs", 0, MAX_LOGPROBS, 0)
@@ -449,6 +488,9 @@ class Api:
                     await send(out.chunk({"reasoning_content": ev.reasoning}, None, None, usage_chunk))
                 if ev.text or lps:
                     await send(out.chunk({"content": ev.text} if out.chat else ev.text, None, lps, usage_chunk))
+                if ev.tool_calls:
+                    await send(out.chunk({"tool_calls": [call_delta(d) for d in ev.tool_calls]}, None, None,
+                                         usage_chunk))
                 if ev.finish_reason:
                     await send(out.chunk({} if out.chat else "", FINISH[ev.finish_reason], None, usage_chunk))
                     if usage_chunk:
@@ -469,10 +511,15 @@ class Output:
         self.created = int(time.time())
         self.text, self.lps, self.finish, self.prompt_tokens, self.completion_tokens = [], [], None, 0, 0
         self.reasoning: list[str] = []
+        self.calls: list[dict] = []
 
     def add(self, ev) -> None:
         self.text.append(ev.text)
         self.reasoning.append(ev.reasoning)
+        for d in ev.tool_calls:
+            if d.index == len(self.calls):
+                self.calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
+            self.calls[d.index]["function"]["arguments"] += d.arguments
         self.lps += ev.logprobs or []
         self.finish = ev.finish_reason
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
@@ -513,11 +560,22 @@ class Output:
         text = "".join(self.text)
         choice = {"index": 0, "logprobs": self.logprobs_of(self.lps), "finish_reason": FINISH[self.finish]}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text,
+            choice["message"] = {"role": "assistant", "content": text if text or not self.calls else None,
                                  "reasoning_content": "".join(self.reasoning) or None}
+            if self.calls:
+                choice["message"]["tool_calls"] = self.calls
         else:
             choice["text"] = text
         return {**self.head("whole"), "choices": [choice], "usage": self.usage()}
+
+
+def call_delta(d) -> dict:
+    """A tools.ToolCallDelta as OpenAI streams it: the first piece of a call has its id, type and name."""
+    out = {"index": d.index, "function": {"arguments": d.arguments}}
+    if d.id is not None:
+        out.update(id=d.id, type="function")
+        out["function"]["name"] = d.name
+    return out
 
 
 async def start(api: Api, listen: str, ssl_context=None) -> web.AppRunner:

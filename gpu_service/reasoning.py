@@ -2,11 +2,11 @@
 checkpoints that write their reasoning between <think> and </think>. The split is made on the text as it
 streams, so the reasoning and the answer arrive as separate deltas (OpenAI's `reasoning_content`, gRPC's
 `GenerateChunk.reasoning`). A template may open the block itself (DeepSeek-R1's ends its generation prompt
-with "<think>\\n"): the split then starts inside it. gpt-oss's harmony channels are not handled here.
+with "<think>\\n"): the split then starts inside it. gpt-oss's harmony channels are read by harmony.py.
 """
 from __future__ import annotations
 
-PARSERS = ("auto", "think", "none")
+PARSERS = ("auto", "think", "harmony", "none")  # harmony: gpt-oss's channels (harmony.py)
 START, END = "<think>", "</think>"
 
 

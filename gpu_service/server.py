@@ -18,14 +18,16 @@ from protos import generate_pb2, generate_pb2_grpc
 from . import metrics
 from .admission import Admission, GenerateInput, ScoreInput
 from .constraints import ConstraintSpec
-from .reasoning import uses_think_tags
+from .answer import AnswerFormat
 from .engine import Engine, Failure, Request
 from .sampling import SamplingParams
 from .text import TextCodec
+from .tools import ToolChoice
 
 log = logging.getLogger("gpu_service")
 
-FINISH = {"length": generate_pb2.LENGTH, "stop": generate_pb2.STOP, "eos": generate_pb2.EOS}
+FINISH = {"length": generate_pb2.LENGTH, "stop": generate_pb2.STOP, "eos": generate_pb2.EOS,
+          "tool_calls": generate_pb2.TOOL_CALLS}
 
 
 def prompt_bytes_limit(max_context: int, text: TextCodec) -> int:
@@ -57,12 +59,40 @@ def generate_input(req: generate_pb2.GenerateRequest) -> GenerateInput:
     kind = req.WhichOneof("input")
     return GenerateInput(
         prompt=req.prompt if kind == "prompt" else None,
-        messages=[{"role": m.role, "content": m.content} for m in req.chat.messages] if kind == "chat" else None,
+        messages=[chat_message(m) for m in req.chat.messages] if kind == "chat" else None,
         token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
         max_tokens=req.max_tokens, sampling=sp, logprobs=req.logprobs if req.HasField("logprobs") else None,
         stop=list(req.stop), ignore_eos=req.ignore_eos, defer=req.defer if req.HasField("defer") else None,
         skip_deferred=req.skip_deferred, profile=req.profile, constraint=constraint_spec(req.constraint),
-        chat_template_kwargs=template_kwargs(req.chat_template_kwargs))
+        chat_template_kwargs=template_kwargs(req.chat_template_kwargs), tools=tools(req.tools) or None,
+        tool_choice=ToolChoice("function", req.tool_choice.function) if req.tool_choice.HasField("function")
+        else ToolChoice(req.tool_choice.mode or "auto"),
+        parallel_tool_calls=req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True)
+
+
+def chat_message(m: generate_pb2.ChatMessage) -> dict:
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    for key, v in (("tool_call_id", m.tool_call_id), ("name", m.name), ("reasoning_content", m.reasoning)):
+        if v:
+            out[key] = v
+    return out
+
+
+def tools(given) -> list[dict]:
+    """GenerateRequest.tools in OpenAI's form (tools.check_tools checks the rest)."""
+    out = []
+    for i, t in enumerate(given):
+        try:
+            params = json.loads(t.parameters) if t.parameters else {"type": "object", "properties": {}}
+        except ValueError as e:
+            raise BadRequest("tools", f"[{i}].parameters: not valid JSON: {e}") from None
+        out.append({"type": "function", "function": {"name": t.name, "parameters": params,
+                                                      **({"description": t.description} if t.description else {}),
+                                                      **({"strict": True} if t.strict else {})}})
+    return out
 
 
 def constraint_spec(c: generate_pb2.Constraint) -> ConstraintSpec | None:
@@ -84,8 +114,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     seconds (0: refused at once)."""
 
     def __init__(self, cfg, info: generate_pb2.ServerInfo, default_defer: int, max_tokens_limit: int,
-                 expert_wait: float = 0.0, reasoning_parser: str = "auto"):
-        self.reasoning_parser = reasoning_parser
+                 expert_wait: float = 0.0, reasoning_parser: str = "auto", tool_parser: str = "auto"):
+        self.reasoning_parser, self.tool_parser = reasoning_parser, tool_parser
         self.engine: Engine | None = None
         self.admission: Admission | None = None
         self.cfg, self.info, self.default_defer = cfg, info, default_defer
@@ -96,11 +126,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def attach(self, engine: Engine, experts_up: Callable[[], bool]) -> None:
         """Serve on `engine`; experts_up(): whether the expert service(s) can serve now (ExpertHealth.up)."""
         text = engine.text
-        reasoning = self.reasoning_parser == "think" or (
-            self.reasoning_parser == "auto" and uses_think_tags(text.chat_template, text.tok.get_vocab()))
+        answers = AnswerFormat(text.chat_template, text.tok.get_vocab(), text.added_tokens(), self.reasoning_parser,
+                               self.tool_parser)
         self.admission = Admission(self.cfg.vocab_size, self.cfg.top_k, text, engine.max_context,
                                    self.max_tokens_limit, self.default_defer, tuple(self.cfg.eos_token_ids),
-                                   reasoning=reasoning)
+                                   answers=answers)
         self.engine, self.experts_up = engine, experts_up
 
     def _experts_down(self) -> str:
@@ -173,7 +203,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 chunk = generate_pb2.GenerateChunk(
                     text=ev.text, token_ids=ev.token_ids, finish_reason=FINISH.get(ev.finish_reason, 0),
                     usage=generate_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
-                    time_to_first_token_s=ev.ttft_s, elapsed_s=ev.elapsed_s, reasoning=ev.reasoning)
+                    time_to_first_token_s=ev.ttft_s, elapsed_s=ev.elapsed_s, reasoning=ev.reasoning,
+                    tool_calls=[generate_pb2.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
+                                                           arguments=d.arguments) for d in ev.tool_calls])
                 for tok, lp, top in ev.logprobs or ():
                     chunk.logprobs.add(token_id=tok, logprob=lp,
                                        top=[generate_pb2.TopLogprob(token_id=i, logprob=v) for i, v in top])

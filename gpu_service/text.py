@@ -10,6 +10,8 @@ from tokenizers import Tokenizer
 
 from moe_core.config import ModelConfigError
 
+from .tools import Arguments
+
 PIECE = 1 << 15  # characters tokenized at a time while a long prompt is checked against the context
 
 
@@ -54,6 +56,10 @@ class TextCodec:
         # max_token_chars x the context limit cannot fit, whatever it tokenizes to
         self.max_token_chars = max((len(t.encode()) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
 
+    def added_tokens(self) -> dict[str, int]:
+        """The vocabulary's added tokens (special or not: control tokens, tool-call markers), content -> id."""
+        return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()}
+
     def _special(self, key: str) -> str:
         v = self.config.get(key)
         return (v.get("content", "") if isinstance(v, dict) else v) or ""
@@ -97,6 +103,7 @@ class TextCodec:
             raise ValueError(f"chat: {msg}")
 
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            x = x.obj if isinstance(x, Arguments) else x  # an earlier call's arguments: the object
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
         # what transformers' apply_chat_template gives templates (gpt-oss's harmony template uses
@@ -107,17 +114,23 @@ class TextCodec:
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         env.filters["tojson"] = tojson
         # the template places the special tokens it wants (no more are added when it is tokenized)
-        return env.from_string(self.chat_template).render(
-            **template_kwargs, messages=messages, add_generation_prompt=True, bos_token=self._special("bos_token"),
-            eos_token=self._special("eos_token"))
+        try:
+            return env.from_string(self.chat_template).render(
+                **template_kwargs, messages=messages, add_generation_prompt=True,
+                bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
+        except (jinja2.TemplateError, TypeError, AttributeError, KeyError) as e:  # the messages are not what it reads
+            raise ValueError(f"chat: the chat template cannot render these messages: {e}") from None
 
 
 class DetokenizeStream:
     """Turns a growing token list into text deltas that never split a UTF-8 character, and
-    applies stop strings (the match and everything after it are never emitted)."""
+    applies stop strings (the match and everything after it are never emitted). symbols: token ids written as
+    the given text instead of being decoded (tool-call and channel markers, which may be special tokens that
+    decoding would drop)."""
 
-    def __init__(self, codec: TextCodec, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, codec: TextCodec, prompt_ids: list[int], stop: list[str], symbols: dict[int, str] | None = None):
         self.codec = codec
+        self.symbols = symbols or {}
         self.ids = list(prompt_ids[-4:])  # a little context, so leading-space merges decode right
         self.prefix = len(self.ids)       # tokens before the ones whose text is not yet out
         self.read = len(self.ids)
@@ -127,6 +140,10 @@ class DetokenizeStream:
 
     def push(self, token: int) -> str:
         """Add one token; return the text that may be shown now (possibly empty)."""
+        if token in self.symbols:  # what is pending comes out as it is, then the symbol; decoding starts afresh
+            pending = self.codec.decode(self.ids[self.prefix:])[len(self.codec.decode(self.ids[self.prefix:self.read])):]
+            self.ids, self.prefix, self.read = [], 0, 0
+            return self._apply_stop(pending + self.symbols[token])
         self.ids.append(token)
         prefix_text = self.codec.decode(self.ids[self.prefix:self.read])
         full = self.codec.decode(self.ids[self.prefix:])
