@@ -13,6 +13,7 @@ import math
 
 from moe_core.errors import BadRequest
 
+from . import harmony
 from .answer import AnswerFormat
 from .constraints import ConstraintSpec, Grammars
 from .engine import Request
@@ -116,6 +117,8 @@ class Admission:
                 raise BadRequest("tool_choice", f"{inp.tool_choice.mode!r} and a structured-output constraint "
                                  "cannot both shape the answer")
             spec = ConstraintSpec("grammar", self.answers.forced_grammar(tools, inp.tool_choice, inp.parallel_tool_calls))
+        elif spec is not None and inp.messages is not None and self.answers.harmony:
+            spec = dataclasses.replace(spec, within=harmony.answer_grammar(self.answers.markers))  # the final channel
         try:
             constraint = self.grammars.matcher(spec) if spec is not None else None
         except BadRequest as e:
@@ -129,7 +132,7 @@ class Admission:
         return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
                        ignore_eos=inp.ignore_eos, defer=defer, skip_deferred=inp.skip_deferred, profile=inp.profile,
                        logprobs=inp.logprobs, constraint=constraint, parser=parser,
-                       constrain_reasoning=inp.tool_choice.forced and self.answers.harmony)
+                       constrain_reasoning=spec is not None and inp.messages is not None and self.answers.harmony)
 
     def _tools(self, inp: GenerateInput) -> list[dict] | None:
         tools = check_tools(inp.tools) if inp.tools else None

@@ -36,9 +36,11 @@ CACHED_GRAMMARS = 256
 @dataclasses.dataclass(frozen=True)
 class ConstraintSpec:
     """What the client asked for. value: the schema (JSON text), regex, grammar; choice: a JSON list of strings;
-    json_object: ignored."""
+    json_object: ignored. within: a Lark grammar around the answer, which it names @answer (gpt-oss's harmony
+    puts the answer in its final channel, after the reasoning: harmony.answer_grammar)."""
     kind: str
     value: str = ""
+    within: str = ""
 
     @staticmethod
     def choice(options: list[str]) -> "ConstraintSpec":
@@ -77,6 +79,14 @@ def _grammar_text(spec: ConstraintSpec) -> str:
         raise BadRequest("constraint", f"grammar: {e}") from None
 
 
+def nest(outer: str, grammar: str) -> str:
+    """One llguidance grammar: the Lark outer, whose @answer is grammar (a Lark text or llguidance's JSON)."""
+    inner = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
+    inner = [dict(g) for g in inner]
+    inner[0]["name"] = "answer"
+    return json.dumps({"grammars": [{"lark_grammar": outer}, *inner]})
+
+
 class Grammars:
     """Compiles and checks constraints for one tokenizer; the compiled grammars are cached by their text."""
 
@@ -104,6 +114,8 @@ class Grammars:
 
     def _check(self, spec: ConstraintSpec) -> str:
         grammar = _grammar_text(spec)
+        if spec.within:
+            grammar = nest(spec.within, grammar)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=LIMITS)
         if error:
             raise BadRequest("constraint", f"{spec.kind} does not compile: {error.strip()}")
@@ -114,6 +126,26 @@ class Grammars:
         milliseconds for a large schema: call it off the event loop."""
         return Matcher(llguidance.LLMatcher(self.tokenizer, self._checked(spec), log_level=0, limits=LIMITS),
                        self.vocab_size)
+
+
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def mask_rows(matchers: list["Matcher"], logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, vocab] of B requests with their matchers -> a copy with every token a request's grammar forbids
+    at -inf: the masks computed in parallel (llguidance's executor, off the GIL) and applied in one operation (one
+    copy to the logits' device). A matcher that fails here is in error afterwards (Matcher.error)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+    B, V = logits.shape
+    bits = np.zeros((B, (V + 31) // 32), dtype=np.int32)  # bit i of word w: token 32 w + i
+    # what llguidance.torch.fill_next_token_bitmask_par does (without importing its torch.compile'd helpers)
+    _executor.unsafe_compute_mask_ptr([(m.m, i) for i, m in enumerate(matchers)], bits.ctypes.data, bits.shape[1] * 4, B)
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=V, bitorder="little").view(np.bool_)
+    return torch.where(torch.from_numpy(allowed).to(logits.device), logits, float("-inf"))
 
 
 class Matcher:
@@ -131,6 +163,10 @@ class Matcher:
         """logits [vocab] with every token the grammar forbids at -inf (a new tensor)."""
         allowed = self.allowed().to(logits.device)
         return torch.where(allowed, logits, float("-inf"))
+
+    @property
+    def error(self) -> str | None:
+        return self.m.get_error() if self.m.is_error() else None
 
     def consume(self, token: int) -> None:
         if not self.m.consume_token(token):

@@ -20,10 +20,11 @@ from moe_core import serving
 from moe_core.errors import Status
 
 from . import metrics
+from .answer import AnswerParser
+from .constraints import mask_rows
 from .dispatch import ExpertServiceError
 from .experts import Experts, Span
 from .model import Model, Segment
-from .answer import AnswerParser
 from .sampling import SamplingParams, sample, token_logprobs
 from .text import DetokenizeStream, TextCodec
 
@@ -302,11 +303,13 @@ class Engine:
         logits = self.model.forward(segs, self.experts, step=step, defer=defer, spans=spans, skip=skip,
                                     exact_spans=any(r.profile for r in reqs))
         spans += expert_spans(self.experts, step)
-        row = 0
         now = time.perf_counter()
         t_sample = time.time_ns()
-        for r, s in zip(reqs, segs):
-            n = 0 if r.logprobs_only else s.tokens.shape[0] if r.score_only else 1
+        rows = list(itertools.accumulate((0 if r.logprobs_only else s.tokens.shape[0] if r.score_only else 1
+                                          for r, s in zip(reqs, segs)), initial=0))
+        masked = self._mask(reqs, rows, logits)
+        for r, s, row, end in zip(reqs, segs, rows, rows[1:]):
+            n = end - row
             prefilled = r.cache.length >= len(r.prompt_ids)  # this step finished (or was past) the prompt
             try:
                 if r.score_only:
@@ -318,20 +321,34 @@ class Engine:
                             r.emit(Scores(torch.cat(r.score_parts)))
                         r.cache = None
                 elif prefilled:
-                    self._advance(r, logits[row], now, spans, t_sample)
+                    self._advance(r, logits[row], masked.get(id(r)), now, spans, t_sample)
                 elif r.profile:
                     r.spans += spans
             except Exception as e:  # sampling or detokenizing this request: the others go on
                 log.exception("request failed after the forward pass")
                 self._fail([r], Status.INTERNAL, f"internal error: {e}")
-            row += n
         record_step_metrics(spans, time.perf_counter() - t0)
 
-    def _advance(self, r: Request, logits: torch.Tensor, now: float, spans: list, t_sample: int) -> None:
-        # logprobs stay the model's own distribution; a constraint masks what is sampled from, once the answer
-        # has begun (a reasoning model's <think> block is free text)
-        constrained = r.constraint is not None and (r.constrain_reasoning or r.parser is None or not r.parser.thinking)
-        tok = sample(r.constraint.mask(logits) if constrained else logits, r.sampling, r.gen, r.prompt_ids, r.output)
+    @staticmethod
+    def _mask(reqs: list[Request], rows: list[int], logits: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The constrained requests' next-token logits, masked for the whole batch at once: id(request) -> row.
+        A constraint applies once the answer has begun (a reasoning model's <think> block is free text), or from
+        the start where its grammar covers the reasoning too."""
+        on = [(r, row) for r, row in zip(reqs, rows) if r.constraint is not None and not r.score_only
+              and r.cache.length >= len(r.prompt_ids)
+              and (r.constrain_reasoning or r.parser is None or not r.parser.thinking)]
+        if not on:
+            return {}
+        out = mask_rows([r.constraint for r, _ in on], logits[[row for _, row in on]])
+        return {id(r): out[i] for i, (r, _) in enumerate(on)}
+
+    def _advance(self, r: Request, logits: torch.Tensor, masked: torch.Tensor | None, now: float, spans: list,
+                 t_sample: int) -> None:
+        # logprobs stay the model's own distribution; the sample is drawn from what the constraint allows
+        constrained = masked is not None
+        if constrained and r.constraint.error:
+            raise RuntimeError(f"structured output: {r.constraint.error}")
+        tok = sample(masked if constrained else logits, r.sampling, r.gen, r.prompt_ids, r.output)
         lps = None if r.logprobs is None else [token_logprobs(logits, tok, r.logprobs)]
         if constrained:
             r.constraint.consume(tok)

@@ -20,9 +20,20 @@ MAX_HEADER = 256  # characters of header without a <|message|>: the model is not
 RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 
+def _analysis(m: Markers) -> str:
+    """The Lark rule of an analysis message and the next message's start (the reasoning, before the answer)."""
+    ch, msg, end, st = (m.lark(t) for t in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"))
+    return f'analysis: {ch} "analysis" {msg} /(?s:.*)/ {end} {st} "assistant"'
+
+
+def answer_grammar(m: Markers) -> str:
+    """The Lark around a constrained answer (@answer): optional reasoning, then the final channel."""
+    return f'start: analysis? {m.lark("<|channel|>")} "final" {m.lark("<|message|>")} @answer\n{_analysis(m)}'
+
+
 def grammar(m: Markers, tools: list[dict], name: str | None) -> str:
     """The forced call's Lark: an optional analysis message, then a call to one of tools (name: that one)."""
-    ch, msg, end, st, con = (m.lark(t) for t in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>"))
+    ch, msg, con = (m.lark(t) for t in ("<|channel|>", "<|message|>", "<|constrain|>"))
     calls, rules = [], []
     for i, t in enumerate(x["function"] for x in tools):
         if name is not None and t["name"] != name:
@@ -30,8 +41,7 @@ def grammar(m: Markers, tools: list[dict], name: str | None) -> str:
         calls.append(f"c{i}")
         rules += [f'c{i}: {ch} "commentary to=functions.{t["name"]} " {con} "json" {msg} a{i}',
                   f"a{i}: {json_rule(t.get('parameters') or {})}"]
-    return "\n".join(["start: analysis? call", f'analysis: {ch} "analysis" {msg} /(?s:.*)/ {end} {st} "assistant"',
-                      "call: " + " | ".join(calls), *rules])
+    return "\n".join(["start: analysis? call", _analysis(m), "call: " + " | ".join(calls), *rules])
 
 
 class HarmonyStream:

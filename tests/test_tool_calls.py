@@ -13,7 +13,8 @@ import pytest
 
 import tool_templates as tt
 from gpu_service.answer import AnswerFormat
-from gpu_service.constraints import ConstraintSpec, Grammars
+from gpu_service.admission import Admission, GenerateInput
+from gpu_service.constraints import ConstraintSpec, Grammars, Matcher
 from gpu_service.text import DetokenizeStream, TextCodec
 from gpu_service.tool_formats import FORMATS, CallStream, Markers
 from gpu_service.tools import ToolChoice, history_call
@@ -175,11 +176,10 @@ def test_harmony_channels(codecs):
     assert parse_ids(codec, codec.tok.encode("plain words", add_special_tokens=False).ids)[:2] == ("plain words", "")
 
 
-def random_walk(codec: TextCodec, spec: ConstraintSpec, seed: int, steps: int = 3000) -> list[int]:
+def random_walk(codec: TextCodec, spec: ConstraintSpec | Matcher, seed: int, steps: int = 3000) -> list[int]:
     """Token ids drawn at random from what the grammar allows at each step, until it is done (a model with
     random weights under the constraint), favouring the markers so that free text ends."""
-    vocab = codec.tok.get_vocab_size()
-    m = Grammars(codec.tok, vocab, [1]).matcher(spec)
+    m = spec if isinstance(spec, Matcher) else Grammars(codec.tok, codec.tok.get_vocab_size(), [1]).matcher(spec)
     rng = np.random.default_rng(seed)
     special = set(codec.added_tokens().values())
     ids = []
@@ -216,12 +216,28 @@ def test_a_forced_call_always_parses_and_validates(codecs, syntax, choice):
                 jsonschema.validate(json.loads(args), SCHEMAS[name])
 
 
-def test_tool_requests_are_checked(codecs, tmp_path):
-    from gpu_service.admission import Admission, GenerateInput
+def admission(codec: TextCodec) -> Admission:
+    return Admission(vocab_size=codec.tok.get_vocab_size(), top_k=2, text=codec, max_context=4096,
+                     max_tokens_limit=64, default_defer=0, eos_ids=(1,))
 
+
+def test_harmony_puts_a_constrained_answer_in_the_final_channel(codecs):
+    """gpt-oss with response_format: the reasoning may come first, the answer is the final channel's and valid."""
+    codec = codecs["harmony"]
+    for seed in range(4):
+        r = admission(codec).generate(GenerateInput(messages=[{"role": "user", "content": "hi"}],
+                                                    constraint=ConstraintSpec("json_schema", json.dumps(TIME))),
+                                      lambda ev: None)
+        assert r.constrain_reasoning
+        ids = random_walk(codec, r.constraint, seed)
+        content, reasoning, calls = parse_ids(codec, ids, tools=None, choice=ToolChoice("none"))
+        jsonschema.validate(json.loads(content), TIME)
+        assert not calls
+
+
+def test_tool_requests_are_checked(codecs):
     codec = codecs["hermes"]
-    adm = Admission(vocab_size=tt.tiny_models.VOCAB + tt.ADDED, top_k=2, text=codec, max_context=4096,
-                    max_tokens_limit=64, default_defer=0, eos_ids=(1,))
+    adm = admission(codec)
     chat = [{"role": "user", "content": "hi"}]
 
     def refused(field, **kw) -> str:

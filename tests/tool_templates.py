@@ -54,7 +54,7 @@ For each function call, return a json object with function name and arguments wi
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
-DEEPSEEK_V3 = r"""{{ bos_token }}{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
+DEEPSEEK_TOOLS = r"""{{ bos_token }}{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
 {%- if tools %}
 
 ## Tools
@@ -67,7 +67,9 @@ Parameters: {{ tool.function.parameters | tojson }}
 {% endfor %}
 
 IMPORTANT: ALWAYS adhere to this exact format for tool use:
-<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_call_name
+"""
+
+DEEPSEEK_V3 = DEEPSEEK_TOOLS + r"""<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>tool_call_name
 ```json
 tool_call_arguments
 ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
@@ -83,20 +85,7 @@ tool_call_arguments
 {%- endfor %}
 {%- if add_generation_prompt %}<｜Assistant｜>{% endif %}"""
 
-DEEPSEEK_V31 = r"""{{ bos_token }}{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
-{%- if tools %}
-
-## Tools
-You have access to the following tools:
-{% for tool in tools %}
-### {{ tool.function.name }}
-Description: {{ tool.function.description }}
-
-Parameters: {{ tool.function.parameters | tojson }}
-{% endfor %}
-
-IMPORTANT: ALWAYS adhere to this exact format for tool use:
-<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+DEEPSEEK_V31 = DEEPSEEK_TOOLS + r"""<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 {% endif %}
 {%- for m in messages %}
 {%- if m.role == 'user' %}<｜User｜>{{ m.content }}
