@@ -13,7 +13,6 @@ import math
 
 from moe_core.errors import BadRequest
 
-from . import harmony
 from .answer import AnswerFormat
 from .constraints import ConstraintSpec, Grammars
 from .engine import Request
@@ -111,28 +110,29 @@ class Admission:
         if len(inp.stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in inp.stop):
             raise BadRequest("stop", f"at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
         defer = self._defer(self.default_defer if inp.defer is None else inp.defer)
+        parser = None
+        if inp.messages is not None:  # chat only: a completion is raw text
+            parser = self.answers.parser(self.text.tok.decode(ids[-16:], skip_special_tokens=False), tools,
+                                         inp.tool_choice)
         spec = inp.constraint
         if inp.tool_choice.forced:
             if spec is not None:
                 raise BadRequest("tool_choice", f"{inp.tool_choice.mode!r} and a structured-output constraint "
                                  "cannot both shape the answer")
             spec = ConstraintSpec("grammar", self.answers.forced_grammar(tools, inp.tool_choice, inp.parallel_tool_calls))
-        elif spec is not None and inp.messages is not None and self.answers.harmony:
-            spec = dataclasses.replace(spec, within=harmony.answer_grammar(self.answers.markers))  # the final channel
+        around = self.answers.around(inp.tool_choice.forced, parser) if spec is not None and parser else ""
+        if around:
+            spec = dataclasses.replace(spec, within=around)
         try:
             constraint = self.grammars.matcher(spec) if spec is not None else None
         except BadRequest as e:
             if inp.tool_choice.forced:  # the grammar is ours: what does not compile is a tool's schema
                 raise BadRequest("tools", f"a tool's parameters do not compile: {e.detail}") from None
             raise
-        parser = None
-        if inp.messages is not None:  # chat only: a completion is raw text
-            parser = self.answers.parser(self.text.tok.decode(ids[-16:], skip_special_tokens=False), tools,
-                                         inp.tool_choice)
         return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
                        ignore_eos=inp.ignore_eos, defer=defer, skip_deferred=inp.skip_deferred, profile=inp.profile,
                        logprobs=inp.logprobs, constraint=constraint, parser=parser,
-                       constrain_reasoning=spec is not None and inp.messages is not None and self.answers.harmony)
+                       constrain_reasoning=bool(around) or (inp.tool_choice.forced and self.answers.harmony))
 
     def _tools(self, inp: GenerateInput) -> list[dict] | None:
         tools = check_tools(inp.tools) if inp.tools else None

@@ -15,6 +15,8 @@ import dataclasses
 from moe_core.errors import BadRequest
 
 from . import harmony, tool_formats
+from .reasoning import END as THINK_END
+from .reasoning import START as THINK_START
 from .reasoning import ReasoningSplitter, opens_thinking, uses_think_tags
 from .tool_formats import FORMATS, CallStream, Markers
 from .tools import ToolCallDelta, ToolChoice, parameters
@@ -40,8 +42,10 @@ def merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
 
 class AnswerParser:
     def __init__(self, markers: Markers | None, reasoning: ReasoningSplitter | None = None,
-                 calls: CallStream | None = None, harmony_stream: harmony.HarmonyStream | None = None):
+                 calls: CallStream | None = None, harmony_stream: harmony.HarmonyStream | None = None,
+                 may_open_thinking: bool = False):
         self.markers, self.reasoning, self.calls, self.harmony = markers, reasoning, calls, harmony_stream
+        self.may_open_thinking = may_open_thinking  # the model opens its <think> block itself, if it thinks
 
     @property
     def symbols(self) -> dict[int, str]:
@@ -95,7 +99,11 @@ class AnswerFormat:
         self.harmony = self.tools == "harmony" or reasoning_parser == "harmony"
         self.renders_tools = "tools" in template  # a template that never reads tools cannot offer them
         strings = harmony.MARKERS if self.harmony else FORMATS[self.tools].markers if self.tools else ()
+        if self.reasoning == "think":
+            strings = (*strings, THINK_START, THINK_END)
         self.markers = Markers(strings, added) if strings else None
+        # the tags are tokens: a grammar can let the reasoning come first (its text cannot end the block by accident)
+        self.think_tokens = self.reasoning == "think" and {THINK_START, THINK_END} <= set(self.markers.token)
 
     def parser(self, prompt_tail: str, tools: list[dict] | None, choice: ToolChoice) -> AnswerParser | None:
         """A chat request's parser (None: the answer is all text). prompt_tail: the rendered prompt's end (does
@@ -103,11 +111,28 @@ class AnswerFormat:
         calls_on = bool(tools) and choice.mode != "none" and self.tools is not None
         if self.harmony:
             return AnswerParser(self.markers, harmony_stream=harmony.HarmonyStream(self.markers, calls_on))
-        split = ReasoningSplitter(inside=opens_thinking(prompt_tail)) if self.reasoning == "think" else None
+        split = None
+        if self.reasoning == "think":
+            split = ReasoningSplitter(opens_thinking(prompt_tail), self.markers.sym[THINK_START],
+                                      self.markers.sym[THINK_END])
         calls = CallStream(FORMATS[self.tools], self.markers, parameters(tools)) if calls_on else None
         if split is None and calls is None:
             return None
-        return AnswerParser(self.markers if calls else None, split, calls)
+        # a template that closed a block for this answer (Qwen3's enable_thinking=False, V3.1's non-thinking mode)
+        # switched the thinking off
+        may_think = split is not None and not split.inside and THINK_END not in prompt_tail
+        return AnswerParser(self.markers, split, calls, may_open_thinking=may_think)
+
+    def around(self, forced: bool, parser: AnswerParser | None) -> str:
+        """The Lark grammar around a constraint (which it names @answer) that lets the reasoning come first: a
+        harmony analysis message, or a <think> block where its tags are tokens and the model opens it itself.
+        "" where the constraint binds the answer alone (the engine then masks only outside the reasoning)."""
+        if self.harmony:
+            return "" if forced else harmony.answer_grammar(self.markers)  # a forced call has its own
+        if self.think_tokens and parser is not None and parser.may_open_thinking:
+            start, end = self.markers.lark(THINK_START), self.markers.lark(THINK_END)
+            return f"start: think? @answer\nthink: {start} /(?s:.*)/ {end} /[ \t\n]*/"
+        return ""
 
     def check(self, tools: list[dict] | None, choice: ToolChoice) -> None:
         """Whether this checkpoint can take tools at all (BadRequest says why not)."""

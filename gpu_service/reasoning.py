@@ -30,18 +30,20 @@ def _partial_tail(text: str, tag: str) -> int:
 
 class ReasoningSplitter:
     """Text deltas in, (reasoning, answer) deltas out. A tag split across deltas is held back until it is
-    whole; the tags themselves are never shown."""
+    whole; the tags themselves are never shown. start, end: the tags as the text shows them (a symbol where they
+    are tokens: tool_formats.Markers)."""
 
-    def __init__(self, inside: bool = False):
+    def __init__(self, inside: bool = False, start: str = START, end: str = END):
         self.inside = inside  # within a <think> block now
         self.held = ""
+        self.start, self.end = start, end
 
     def push(self, text: str) -> tuple[str, str]:
         text = self.held + text
         self.held = ""
         reasoning, answer = [], []
         while text:
-            tag = END if self.inside else START
+            tag = self.end if self.inside else self.start
             i = text.find(tag)
             out = reasoning if self.inside else answer
             if i >= 0:

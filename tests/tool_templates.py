@@ -4,7 +4,9 @@ There is no model hub here and the published templates' text may not be copied i
 are written for the tests: each renders tools, earlier calls and tool results, and the generation prompt in its
 family's published syntax (the markers, where they go, how arguments are written: JSON, or GLM-4.5's and
 MiniMax-M2's raw strings), with the family's control tokens, special or not as the published vocabularies have
-them. What the parsers and grammars must agree with is that syntax, which these reproduce."""
+them. What the parsers and grammars must agree with is that syntax, which these reproduce. One liberty: MiniMax-M2's
+template has no switch for its thinking; this one takes Qwen3's enable_thinking, since a model with random weights
+that starts thinking may never stop."""
 from __future__ import annotations
 
 import json
@@ -52,7 +54,11 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
 
 DEEPSEEK_TOOLS = r"""{{ bos_token }}{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
 {%- if tools %}
@@ -134,7 +140,8 @@ For each function call, output the function name and arguments within the follow
 </tool_response>
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}<|assistant|>{% endif %}"""
+{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}
+<think></think>{% endif %}{% endif %}"""
 
 MINIMAX_M2 = r"""]~!b[]~b]system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
@@ -174,7 +181,9 @@ When making tool calls, use XML format to invoke tools and pass parameters:
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}]~b]ai
-{% endif %}"""
+{% if enable_thinking is defined and not enable_thinking %}<think>
+</think>
+{% endif %}{% endif %}"""
 
 HARMONY = r"""<|start|>system<|message|>You are a helpful assistant.
 Reasoning: medium
