@@ -18,9 +18,9 @@ from gpu_service.constraints import ConstraintSpec, Grammars, Matcher
 from gpu_service.text import DetokenizeStream, TextCodec
 from gpu_service.tool_formats import FORMATS, CallStream, Markers
 from gpu_service.tools import ToolChoice, history_call
-from harness import DEVICE_ARGS, ROOT, free_port, start, terminate_all, wait_healthy
+from harness import ROOT, Services, free_port
 from moe_core.errors import BadRequest
-from protos import generate_pb2, generate_pb2_grpc
+from protos import generate_pb2
 
 SYNTAXES = list(tt.FAMILIES)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Köln"]},
@@ -300,24 +300,23 @@ def test_tool_requests_are_checked(codecs):
 # -- the services ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """One gpu-service (--experts local) per syntax, on a tiny checkpoint that speaks it, started lazily."""
-    procs, made = [], {}
+    """Both services per syntax, on a tiny checkpoint that speaks it, started when first asked for."""
+    running, made = [], {}
     root = tmp_path_factory.mktemp("tools")
 
     def get(syntax: str):
         if syntax not in made:
-            d = tt.checkpoint(syntax, root / syntax)
-            port, http = free_port(), free_port()
-            p = start("gpu_service", "--model", str(d), "--experts", "local", "--listen", f"127.0.0.1:{port}",
-                      "--http-listen", f"127.0.0.1:{http}", "--served-model-name", "m", "--threads", "1",
-                      *DEVICE_ARGS, log=root / f"{syntax}.log")
-            procs.append(p)
-            wait_healthy(port, p)
+            http = free_port()
+            (root / f"{syntax}-logs").mkdir()
+            svc = Services(tt.checkpoint(syntax, root / syntax), root / f"{syntax}-logs", gpu_args=(
+                "--http-listen", f"127.0.0.1:{http}", "--served-model-name", "m"))
+            running.append(svc)
             made[syntax] = (openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="x", max_retries=0),
-                            generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}")))
+                            svc.stub)
         return made[syntax]
     yield get
-    terminate_all(procs)
+    for svc in running:
+        svc.stop()
 
 
 USER = [{"role": "user", "content": "What is the weather in Köln for three days?"}]
