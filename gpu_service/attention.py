@@ -31,6 +31,31 @@ class KVCache:
         self.states: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers  # as of `length`
         self.staged: dict[int, tuple[torch.Tensor, ...]] = {}
         self.length = 0  # tokens stored (the same for every layer once a step completes)
+        self.dims: list[int] = [0] * num_layers  # each layer's position dim in its buffers
+
+    def snapshot(self, length: int) -> "KVCache":
+        """A cache of this one's first `length` positions that shares its buffers (positions below the length
+        are never written again) and states (replaced, never changed in place): prefix_cache.py. Taken when
+        the states are those at `length` (a step boundary)."""
+        snap = KVCache(len(self.bufs))
+        snap.bufs = [list(b) if b is not None else None for b in self.bufs]
+        snap.states, snap.dims, snap.length = list(self.states), list(self.dims), length
+        return snap
+
+    def fork(self, n: int, reserve: int) -> "KVCache":
+        """A new cache holding a copy of this one's first n positions, with room for `reserve` (its states:
+        this one's, valid when n is this one's length)."""
+        new = KVCache(len(self.bufs))
+        for layer, bufs in enumerate(self.bufs):
+            if bufs is None:
+                continue
+            dim = self.dims[layer]
+            cap = max(64, reserve)
+            new.bufs[layer] = [b.new_empty((*b.shape[:dim], cap, *b.shape[dim + 1:])) for b in bufs]
+            for dst, src in zip(new.bufs[layer], bufs):
+                dst.narrow(dim, 0, n).copy_(src.narrow(dim, 0, n))
+        new.states, new.dims, new.length = list(self.states), list(self.dims), n
+        return new
 
     def stage(self, layer: int, *state: torch.Tensor) -> None:
         self.staged[layer] = state
@@ -48,6 +73,7 @@ class KVCache:
         positions than a [positions, heads, dim] layout (bf16, 2 cores)."""
         t = xs[0].shape[dim]
         end = start + t
+        self.dims[layer] = dim
         bufs = self.bufs[layer]
         if bufs is None or bufs[0].shape[dim] < end:
             cap = max(64, end, 2 * (bufs[0].shape[dim] if bufs else 0))
@@ -62,7 +88,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for layer in self.bufs + self.states if layer for b in layer)
+        return sum(b.nbytes for layer in self.bufs + self.states if layer for b in layer if b is not None)
 
 
 def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:

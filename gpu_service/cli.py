@@ -24,6 +24,7 @@ from .expert_health import ExpertHealth
 from .experts import LocalExperts
 from .model import DTYPES, Model, compute_dtype, dense_format, pick_device
 from .reasoning import PARSERS as REASONING_PARSERS
+from .prefix_cache import PrefixCache
 from .tool_formats import PARSERS as TOOL_PARSERS
 from .server import GenerateServicer, prompt_bytes_limit
 from .text import TextCodec
@@ -97,6 +98,10 @@ def parse_args(argv=None):
                          "(gRPC: GenerateChunk.reasoning), apart from the answer; harmony = gpt-oss's analysis "
                          "channel; none = all in the text; auto = harmony or think when the checkpoint's chat "
                          "template or vocabulary shows them")
+    ap.add_argument("--prefix-cache-gb", type=float, default=2.0,
+                    help="GiB of KV cache kept from recent prompts and answers, so that a request starting with the "
+                         "same tokens (a chat's next turn, a shared system prompt) computes only the rest "
+                         "(gpu_service/prefix_cache.py); least recently used dropped first; 0 = off")
     ap.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSERS),
                     help="the syntax the model writes tool calls in: hermes (Qwen2/Qwen3), deepseek_v3 (V3, R1), "
                          "deepseek_v31 (V3.1), glm45 (GLM-4.5/4.6), minimax_m2, harmony (gpt-oss); auto = the one "
@@ -117,6 +122,8 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
                      "(every running decode takes one token of each step)")
     if not args.expert_timeout > 0:
         serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
+    if not 0 <= args.prefix_cache_gb < float("inf"):
+        serving.fail(f"--prefix-cache-gb must be a number >= 0, got {args.prefix_cache_gb}")
     if not 0 <= args.expert_wait < float("inf"):
         serving.fail(f"--expert-wait must be a number of seconds >= 0, got {args.expert_wait}")
     targets = [t.strip() for t in args.experts.split(",") if t.strip()]
@@ -129,6 +136,12 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
     except ValueError as e:
         serving.fail(str(e))
     return device, dtype, dense, targets
+
+
+def prefix_cache(args, cfg) -> PrefixCache | None:
+    if args.prefix_cache_gb <= 0:
+        return None
+    return PrefixCache(int(args.prefix_cache_gb * 2**30), any(cfg.is_linear_attention(L) for L in range(cfg.num_layers)))
 
 
 async def serve(args, stop: asyncio.Event) -> None:
@@ -203,7 +216,8 @@ async def serve(args, stop: asyncio.Event) -> None:
         step_tokens, experts_up, watchers = args.max_step_tokens, (lambda: True), []
         from expert_service.kernels import kernel_path
         expert_desc = (fmt, kernel_path(fmt))
-        engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens)
+        engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
+                        prefix_cache=prefix_cache(args, cfg))
         await svc.serving(True)
     else:
         remotes = [RemoteExperts(t, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20, args.expert_timeout)
@@ -226,7 +240,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
         health = ExpertHealth(remotes, on_change=svc.serving)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
-                        expert_wait=args.expert_wait, experts_ready=health.up)
+                        expert_wait=args.expert_wait, experts_ready=health.up, prefix_cache=prefix_cache(args, cfg))
         experts_up, watchers, expert_desc = health.up, health.watchers(), (infos[0].weight_format, infos[0].kernel_path)
     engine.start()
     servicer.attach(engine, experts_up)

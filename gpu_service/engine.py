@@ -25,6 +25,7 @@ from .constraints import mask_rows
 from .dispatch import ExpertServiceError
 from .experts import Experts, Span
 from .model import Model, Segment
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample, token_logprobs
 from .text import DetokenizeStream, TextCodec
 
@@ -45,6 +46,7 @@ class Chunk:
     logprobs: list | None = None  # per token: (id, logprob, [(id, logprob) of the top ones]), when asked for
     reasoning: str = ""  # the thinking's delta, apart from text, when the request separates them
     tool_calls: list = dataclasses.field(default_factory=list)  # tools.ToolCallDelta: the calls' new pieces
+    cached_tokens: int = 0  # prompt tokens the prefix cache had (not computed)
 
 
 @dataclasses.dataclass
@@ -82,6 +84,7 @@ class Request:
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     # engine state
     cache: object = None
+    cached_tokens: int = 0  # of the prompt, from the prefix cache
     output: list[int] = dataclasses.field(default_factory=list)
     detok: DetokenizeStream | None = None
     gen: torch.Generator | None = None
@@ -93,8 +96,10 @@ class Request:
 
 class Engine:
     def __init__(self, model: Model, experts: Experts, text: TextCodec, max_batch: int, max_context: int,
-                 step_tokens: int = 0, expert_wait: float = 0.0, experts_ready: Callable[[], bool] = lambda: True):
+                 step_tokens: int = 0, expert_wait: float = 0.0, experts_ready: Callable[[], bool] = lambda: True,
+                 prefix_cache: PrefixCache | None = None):
         self.model, self.experts, self.text = model, experts, text
+        self.prefix = prefix_cache
         self.max_batch, self.max_context = max_batch, max_context
         # most tokens one step may carry (0 = no limit): prompts go in chunks of what decodes leave
         self.step_tokens = step_tokens
@@ -159,7 +164,10 @@ class Engine:
             except queue.Empty:
                 break
         for r in new:
-            r.cache = self.model.new_cache()
+            if self.prefix is not None and not r.score_only:
+                r.cache, r.cached_tokens = self.prefix.lookup(r.prompt_ids, prefix_key(r), self.model.new_cache)
+            else:
+                r.cache = self.model.new_cache()
             r.detok = DetokenizeStream(self.text, r.prompt_ids, r.stop, r.parser.symbols if r.parser else None)
             r.gen = r.sampling.generator()
         return new
@@ -321,6 +329,8 @@ class Engine:
                             r.emit(Scores(torch.cat(r.score_parts)))
                         r.cache = None
                 elif prefilled:
+                    if not r.output and self.prefix is not None:  # the prompt is in: later requests may share it
+                        self.prefix.remember(r.prompt_ids, r.cache, prefix_key(r))
                     self._advance(r, logits[row], masked.get(id(r)), now, spans, t_sample)
                 elif r.profile:
                     r.spans += spans
@@ -380,10 +390,18 @@ class Engine:
         if r.profile:
             r.spans += spans
             r.spans.append(Span("sampling", "gpu", -1, spans[0].step if spans else 0, t_sample, time.time_ns()))
+        if finish is not None and self.prefix is not None:  # the answer too (the last token was never fed back)
+            self.prefix.remember((r.prompt_ids + r.output)[:r.cache.length], r.cache, prefix_key(r))
         r.emit(Chunk(text, [tok], finish, len(r.prompt_ids), len(r.output), r.first_token_at - r.arrival,
-                     now - r.arrival, r.spans if (finish and r.profile) else None, lps, thought, calls))
+                     now - r.arrival, r.spans if (finish and r.profile) else None, lps, thought, calls,
+                     r.cached_tokens))
         if finish is not None:
-            r.cache = None  # frees the KV cache
+            r.cache = None  # frees the KV cache, unless the prefix cache keeps it
+
+
+def prefix_key(r: Request) -> tuple:
+    """What, besides the tokens, a request's keys and values depend on within one server."""
+    return (r.defer, r.skip_deferred)
 
 
 def expert_spans(experts: Experts, step: int) -> list[Span]:

@@ -24,6 +24,10 @@ EXPERT_COMPUTE = Histogram("moe_remote_expert_compute_seconds", "Expert compute 
                            "(service: expert, or expert-I for shard I)", ["part", "service"], buckets=FAST)
 GPU_BUSY = Counter("moe_gpu_busy_seconds_total", "Engine time not spent waiting for the expert service")
 EXPERT_BLOCKED = Counter("moe_expert_blocked_seconds_total", "Engine time spent waiting for the expert service")
+PREFIX_QUERY_TOKENS = Counter("moe_prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache")
+PREFIX_HIT_TOKENS = Counter("moe_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache (not computed)")
+PREFIX_EVICTIONS = Counter("moe_prefix_cache_evictions_total", "Prefix cache entries dropped for room")
+PREFIX_BYTES = Gauge("moe_prefix_cache_bytes", "Bytes of KV cache the prefix cache holds")
 EXPERT_UP = Gauge("moe_expert_service_up", "1 while the expert service (every shard) answers health checks")
 SHARD_UP = Gauge("moe_expert_shard_up", "1 while this expert service (one of --experts) answers health checks", ["target"])
 

@@ -510,6 +510,7 @@ class Output:
         self.api, self.id, self.chat, self.want_logprobs = api, rid, chat, logprobs
         self.created = int(time.time())
         self.text, self.lps, self.finish, self.prompt_tokens, self.completion_tokens = [], [], None, 0, 0
+        self.cached_tokens = 0
         self.reasoning: list[str] = []
         self.calls: list[dict] = []
 
@@ -523,10 +524,12 @@ class Output:
         self.lps += ev.logprobs or []
         self.finish = ev.finish_reason
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+        self.cached_tokens = ev.cached_tokens
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def head(self, kind: str) -> dict:
         obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if kind == "chunk" and self.chat else "")

@@ -202,7 +202,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     await self._abort(context, "Generate", grpc.StatusCode[ev.status.name], ev.message)
                 chunk = generate_pb2.GenerateChunk(
                     text=ev.text, token_ids=ev.token_ids, finish_reason=FINISH.get(ev.finish_reason, 0),
-                    usage=generate_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
+                    usage=generate_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
+                                             cached_tokens=ev.cached_tokens),
                     time_to_first_token_s=ev.ttft_s, elapsed_s=ev.elapsed_s, reasoning=ev.reasoning,
                     tool_calls=[generate_pb2.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
                                                            arguments=d.arguments) for d in ev.tool_calls])
