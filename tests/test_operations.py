@@ -186,7 +186,8 @@ def test_sigterm_drains_then_exits_zero(svc):
 
 
 def test_sigterm_cancels_after_grace(checkpoints, tmp_path):
-    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--grace", "0.5"))
+    # a grace well below the 450 tokens' decode (~0.5 s on 2 cores): the request is still running when it ends
+    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--grace", "0.1"))
     try:
         stream = s.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=450, ignore_eos=True), timeout=60)
         next(stream)
