@@ -208,10 +208,13 @@ class Engine:
             if r.cache.length >= len(r.prompt_ids):  # decoding
                 plan.append((r, 1))
                 budget -= 1
+        hold_last = self.prefix is not None and self.prefix.linear
         for r in batch:
             rest = len(r.prompt_ids) - r.cache.length
             if rest > 0 and budget > 0:
                 n = int(min(rest, budget))
+                if hold_last and n == rest > 1 and not r.score_only:
+                    n -= 1  # the last prompt token in a step of its own: prefix_cache.py, linear attention
                 plan.append((r, n))
                 budget -= n
         return plan
@@ -329,11 +332,14 @@ class Engine:
                             r.emit(Scores(torch.cat(r.score_parts)))
                         r.cache = None
                 elif prefilled:
-                    if not r.output and self.prefix is not None:  # the prompt is in: later requests may share it
-                        self.prefix.remember(r.prompt_ids, r.cache, prefix_key(r))
+                    if not r.output and self.prefix is not None and not self.prefix.linear:
+                        self.prefix.remember(r.prompt_ids, r.cache, prefix_key(r))  # later requests may share it
                     self._advance(r, logits[row], masked.get(id(r)), now, spans, t_sample)
-                elif r.profile:
-                    r.spans += spans
+                else:
+                    if self.prefix is not None and self.prefix.linear and r.cache.length == len(r.prompt_ids) - 1:
+                        self.prefix.remember(r.prompt_ids[:-1], r.cache, prefix_key(r))  # a repeat's state
+                    if r.profile:
+                        r.spans += spans
             except Exception as e:  # sampling or detokenizing this request: the others go on
                 log.exception("request failed after the forward pass")
                 self._fail([r], Status.INTERNAL, f"internal error: {e}")

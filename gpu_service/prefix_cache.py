@@ -42,7 +42,9 @@ class Entry:
 class PrefixCache:
     def __init__(self, budget_bytes: int, linear_layers: bool):
         """linear_layers: the model has linear-attention layers (Qwen3-Next), whose state exists only at an
-        entry's end: a hit must then reuse the entry whole."""
+        entry's end: a hit must then reuse the entry whole. The engine then prefills a prompt's last token in a
+        step of its own and remembers the prompt without it (where a repeat of it resumes), and the entries
+        of one conversation are all kept (each is the only place its state exists)."""
         self.budget, self.linear = budget_bytes, linear_layers
         self.entries: list[Entry] = []
 
@@ -77,9 +79,10 @@ class PrefixCache:
         if self.budget <= 0 or len(tokens) < MIN_TOKENS or cache.length < len(tokens):
             return
         t = np.asarray(tokens, dtype=np.int64)
-        # an entry this one extends (its prompt, now with the answer) is superseded
-        self.entries = [e for e in self.entries if not (e.key == key and len(e.tokens) <= len(t)
-                                                        and (e.tokens == t[:len(e.tokens)]).all())]
+        # an entry this one extends (its prompt, now with the answer) is superseded; with linear attention only
+        # the same tokens are (a shorter entry's state is the only one at its length)
+        self.entries = [e for e in self.entries if not (e.key == key and len(e.tokens) <= len(t) and (
+            not self.linear or len(e.tokens) == len(t)) and (e.tokens == t[:len(e.tokens)]).all())]
         snap = cache.snapshot(len(tokens))
         self.entries.append(Entry(t, snap, key, snap.nbytes, time.monotonic()))
         self._evict()

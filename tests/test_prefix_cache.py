@@ -59,9 +59,7 @@ def test_hits_give_the_tokens_of_a_full_prefill(checkpoints, family):
     cached = local_engine(d, prefix_cache=pc)
     try:
         assert run(cached, PROMPT) == (a, 0)
-        # all but the last token, whose logits are needed (linear attention: the state at that token was never
-        # kept, only the one after the prompt: a repeated prompt is not a hit there)
-        assert run(cached, PROMPT) == (a, 0 if pc.linear else len(PROMPT) - 1)
+        assert run(cached, PROMPT) == (a, len(PROMPT) - 1)  # all but the last token, whose logits are needed
         # the next turn hits the answer: prompt + all generated tokens but the last (never fed back)
         assert run(cached, turn2) == (want2, len(PROMPT) + len(a) - 1)
         toks, n = run(cached, fork)
