@@ -346,7 +346,7 @@ class Engine:
         record_step_metrics(spans, time.perf_counter() - t0)
 
     @staticmethod
-    def _mask(reqs: list[Request], rows: list[int], logits: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _mask(reqs: list[Request], rows: list[int], logits: torch.Tensor) -> dict[int, torch.Tensor | Exception]:
         """The constrained requests' next-token logits, masked for the whole batch at once: id(request) -> row.
         A constraint applies once the answer has begun (a reasoning model's <think> block is free text), or from
         the start where its grammar covers the reasoning too."""
@@ -355,12 +355,24 @@ class Engine:
               and (r.constrain_reasoning or r.parser is None or not r.parser.thinking)]
         if not on:
             return {}
-        out = mask_rows([r.constraint for r, _ in on], logits[[row for _, row in on]])
-        return {id(r): out[i] for i, (r, _) in enumerate(on)}
+        try:
+            out = mask_rows([r.constraint for r, _ in on], logits[[row for _, row in on]])
+            return {id(r): out[i] for i, (r, _) in enumerate(on)}
+        except Exception:  # one at a time: what fails fails its own request only (in _advance)
+            log.exception("batched token masks failed")
+            masked = {}
+            for r, row in on:
+                try:
+                    masked[id(r)] = r.constraint.mask(logits[row])
+                except Exception as e:
+                    masked[id(r)] = e
+            return masked
 
-    def _advance(self, r: Request, logits: torch.Tensor, masked: torch.Tensor | None, now: float, spans: list,
-                 t_sample: int) -> None:
+    def _advance(self, r: Request, logits: torch.Tensor, masked: torch.Tensor | Exception | None, now: float,
+                 spans: list, t_sample: int) -> None:
         # logprobs stay the model's own distribution; the sample is drawn from what the constraint allows
+        if isinstance(masked, Exception):
+            raise masked
         constrained = masked is not None
         if constrained and r.constraint.error:
             raise RuntimeError(f"structured output: {r.constraint.error}")
