@@ -98,10 +98,11 @@ def parse_args(argv=None):
                          "(gRPC: GenerateChunk.reasoning), apart from the answer; harmony = gpt-oss's analysis "
                          "channel; none = all in the text; auto = harmony or think when the checkpoint's chat "
                          "template or vocabulary shows them")
-    ap.add_argument("--prefix-cache-gb", type=float, default=2.0,
+    ap.add_argument("--prefix-cache-gb", type=float, default=None,
                     help="GiB of KV cache kept from recent prompts and answers, so that a request starting with the "
                          "same tokens (a chat's next turn, a shared system prompt) computes only the rest "
-                         "(gpu_service/prefix_cache.py); least recently used dropped first; 0 = off")
+                         "(gpu_service/prefix_cache.py); least recently used dropped first; 0 = off; default 2 on "
+                         "the CPU, 5%% of the GPU's memory (at most 2) on CUDA")
     ap.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSERS),
                     help="the syntax the model writes tool calls in: hermes (Qwen2/Qwen3), deepseek_v3 (V3, R1), "
                          "deepseek_v31 (V3.1), glm45 (GLM-4.5/4.6), minimax_m2, harmony (gpt-oss); auto = the one "
@@ -122,7 +123,7 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
                      "(every running decode takes one token of each step)")
     if not args.expert_timeout > 0:
         serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
-    if not 0 <= args.prefix_cache_gb < float("inf"):
+    if args.prefix_cache_gb is not None and not 0 <= args.prefix_cache_gb < float("inf"):
         serving.fail(f"--prefix-cache-gb must be a number >= 0, got {args.prefix_cache_gb}")
     if not 0 <= args.expert_wait < float("inf"):
         serving.fail(f"--expert-wait must be a number of seconds >= 0, got {args.expert_wait}")
@@ -138,10 +139,15 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
     return device, dtype, dense, targets
 
 
-def prefix_cache(args, cfg) -> PrefixCache | None:
-    if args.prefix_cache_gb <= 0:
+def prefix_cache(args, cfg, device: torch.device) -> PrefixCache | None:
+    """--prefix-cache-gb resolved: its GiB, or by default 2 GiB of host memory on the CPU path and 5% of the
+    device's memory on a GPU (capped at 2 GiB: it shares the device with the weights and the running caches)."""
+    gb = args.prefix_cache_gb
+    if gb is None:
+        gb = 2.0 if device.type != "cuda" else min(2.0, 0.05 * torch.cuda.get_device_properties(device).total_memory / 2**30)
+    if gb <= 0:
         return None
-    return PrefixCache(int(args.prefix_cache_gb * 2**30), any(cfg.is_linear_attention(L) for L in range(cfg.num_layers)))
+    return PrefixCache(int(gb * 2**30), any(cfg.is_linear_attention(L) for L in range(cfg.num_layers)))
 
 
 async def serve(args, stop: asyncio.Event) -> None:
@@ -217,7 +223,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         from expert_service.kernels import kernel_path
         expert_desc = (fmt, kernel_path(fmt))
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
-                        prefix_cache=prefix_cache(args, cfg))
+                        prefix_cache=prefix_cache(args, cfg, device))
         await svc.serving(True)
     else:
         remotes = [RemoteExperts(t, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20, args.expert_timeout)
@@ -240,7 +246,8 @@ async def serve(args, stop: asyncio.Event) -> None:
         step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
         health = ExpertHealth(remotes, on_change=svc.serving)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
-                        expert_wait=args.expert_wait, experts_ready=health.up, prefix_cache=prefix_cache(args, cfg))
+                        expert_wait=args.expert_wait, experts_ready=health.up,
+                        prefix_cache=prefix_cache(args, cfg, device))
         experts_up, watchers, expert_desc = health.up, health.watchers(), (infos[0].weight_format, infos[0].kernel_path)
     engine.start()
     servicer.attach(engine, experts_up)

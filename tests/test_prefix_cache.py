@@ -167,3 +167,12 @@ def test_the_cached_share_is_reported_on_both_apis(tmp_path):
         assert streamed[-1].usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens - 1
     finally:
         svc.stop()
+
+
+def test_a_bad_budget_is_refused_at_start():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "gpu_service", "--model", str(ROOT / "models" / "default"), "--experts",
+                        "local", "--prefix-cache-gb", "-1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode != 0 and "--prefix-cache-gb" in p.stderr + p.stdout
