@@ -19,6 +19,7 @@ Not yet paged: the KV cache is one buffer per layer and sequence, so sharing is 
 blocks (issue #30's paged pool comes next and replaces the copy)."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -28,9 +29,10 @@ from . import metrics
 from .attention import KVCache
 
 MIN_TOKENS = 16  # a shorter common prefix is not worth a lookup's copy
+MAX_ENTRIES = 1024  # beyond the byte budget, a bound on the bookkeeping (short prompts of a small model)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # entries are told apart by identity
 class Entry:
     tokens: np.ndarray  # the ids whose keys and values the cache holds (positions 0 .. len - 1)
     cache: KVCache      # shares buffers with the request that made it
@@ -46,20 +48,26 @@ class PrefixCache:
         step of its own and remembers the prompt without it (where a repeat of it resumes), and the entries
         of one conversation are all kept (each is the only place its state exists)."""
         self.budget, self.linear = budget_bytes, linear_layers
-        self.entries: list[Entry] = []
+        # entries by their key and first MIN_TOKENS ids (only those can give a hit: a lookup reads one group),
+        # and all of them from least to most recently used
+        self.groups: dict[tuple, list[Entry]] = {}
+        self.lru: collections.OrderedDict[int, tuple[tuple, Entry]] = collections.OrderedDict()
+        self.nbytes = 0
 
     @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
+    def entries(self) -> list[Entry]:
+        return [e for _, e in self.lru.values()]
+
+    @staticmethod
+    def _group(key: tuple, ids: np.ndarray) -> tuple:
+        return key, ids[:MIN_TOKENS].tobytes()
 
     def lookup(self, prompt: list[int], key: tuple, new_cache) -> tuple[KVCache, int]:
         """A cache for a new request with this prompt: -> (the cache, the tokens it already holds). The prompt's
         longest remembered prefix (never all of it: its last token is computed for the logits)."""
         p = np.asarray(prompt, dtype=np.int64)
         best, n = None, 0
-        for e in self.entries:
-            if e.key != key:
-                continue
+        for e in self.groups.get(self._group(key, p), ()) if len(p) > MIN_TOKENS else ():
             m = min(len(e.tokens), len(p) - 1)
             same = e.tokens[:m] == p[:m]
             k = m if same.all() else int(np.argmin(same))  # the first difference
@@ -71,6 +79,7 @@ class PrefixCache:
         if best is None or n < MIN_TOKENS:
             return new_cache(), 0
         best.used = time.monotonic()
+        self.lru.move_to_end(id(best))
         metrics.PREFIX_HIT_TOKENS.inc(n)
         return best.cache.fork(n, reserve=len(prompt)), n
 
@@ -79,21 +88,31 @@ class PrefixCache:
         if self.budget <= 0 or len(tokens) < MIN_TOKENS or cache.length < len(tokens):
             return
         t = np.asarray(tokens, dtype=np.int64)
+        g = self._group(key, t)
         # an entry this one extends (its prompt, now with the answer) is superseded; with linear attention only
         # the same tokens are (a shorter entry's state is the only one at its length)
-        self.entries = [e for e in self.entries if not (e.key == key and len(e.tokens) <= len(t) and (
-            not self.linear or len(e.tokens) == len(t)) and (e.tokens == t[:len(e.tokens)]).all())]
+        for e in [e for e in self.groups.get(g, ()) if len(e.tokens) <= len(t) and (
+                not self.linear or len(e.tokens) == len(t)) and (e.tokens == t[:len(e.tokens)]).all()]:
+            self._drop(g, e)
         snap = cache.snapshot(len(tokens))
-        self.entries.append(Entry(t, snap, key, snap.nbytes, time.monotonic()))
-        self._evict()
-
-    def _evict(self) -> None:
-        self.entries.sort(key=lambda e: e.used)
-        while self.entries and self.nbytes > self.budget:
-            self.entries.pop(0)
+        e = Entry(t, snap, key, snap.nbytes, time.monotonic())
+        self.groups.setdefault(g, []).append(e)
+        self.lru[id(e)] = (g, e)
+        self.nbytes += e.nbytes
+        while self.lru and (self.nbytes > self.budget or len(self.lru) > MAX_ENTRIES):
+            self._drop(*next(iter(self.lru.values())))
             metrics.PREFIX_EVICTIONS.inc()
         metrics.PREFIX_BYTES.set(self.nbytes)
 
+    def _drop(self, g: tuple, e: Entry) -> None:
+        self.groups[g].remove(e)
+        if not self.groups[g]:
+            del self.groups[g]
+        del self.lru[id(e)]
+        self.nbytes -= e.nbytes
+
     def clear(self) -> None:
-        self.entries.clear()
+        self.groups.clear()
+        self.lru.clear()
+        self.nbytes = 0
         metrics.PREFIX_BYTES.set(0)

@@ -176,3 +176,22 @@ def test_a_bad_budget_is_refused_at_start():
     p = subprocess.run([sys.executable, "-m", "gpu_service", "--model", str(ROOT / "models" / "default"), "--experts",
                         "local", "--prefix-cache-gb", "-1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode != 0 and "--prefix-cache-gb" in p.stderr + p.stdout
+
+
+def test_the_bookkeeping_is_bounded_and_lookups_read_one_group():
+    from gpu_service.attention import KVCache
+    from gpu_service.prefix_cache import MAX_ENTRIES
+
+    pc = PrefixCache(1 << 30, False)
+
+    def cache(n):
+        c = KVCache(1)
+        c.length = n
+        return c
+    for i in range(MAX_ENTRIES + 10):
+        pc.remember([i] + PROMPT, cache(65), ())
+    assert len(pc.entries) == MAX_ENTRIES and len(pc.groups) == MAX_ENTRIES  # the oldest ten went
+    assert pc.lookup([3] + PROMPT, (), lambda: cache(0))[1] == 0             # evicted
+    c, n = pc.lookup([MAX_ENTRIES + 9] + PROMPT + [1, 2], (), lambda: cache(0))
+    assert n == 65 and c.length == 65
+    assert pc.lookup([MAX_ENTRIES + 9] + PROMPT + [1, 2], ("other key",), lambda: cache(0))[1] == 0
