@@ -21,7 +21,7 @@ import urllib.request
 
 import numpy as np
 
-from common import ROOT, Services, cpu_name, free_port  # noqa: E402
+from common import Services, cpu_name, free_port  # noqa: E402
 from protos import generate_pb2  # noqa: E402
 
 

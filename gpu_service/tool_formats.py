@@ -106,6 +106,8 @@ def hermes_body(body: str, final: bool, m: Markers, params: dict) -> tuple[str |
             obj = None
         if isinstance(obj, dict) and isinstance(obj.get("name"), str):
             args = obj.get("arguments", obj.get("parameters", {}))
+            if isinstance(args, str):  # the arguments as a JSON string (some models write them so)
+                return obj["name"], args, True
             raw = _hermes_args(s, head, True)
             try:
                 same = raw is not None and json.loads(raw) == args
@@ -129,6 +131,8 @@ def _hermes_args(s: str, head, final: bool) -> str | None:
     args = s[m.end():].rstrip()
     if final:
         return args[:-1].rstrip() if args.endswith("}") else args
+    if args.startswith('"'):
+        return ""  # a JSON string: its text is known once the call ends
     return re.sub(r"\s*\}?\s*$", "", s[m.end():])
 
 

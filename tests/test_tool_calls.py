@@ -137,6 +137,14 @@ def test_a_malformed_call_is_content(codecs, syntax):
     assert content.startswith("Before. ") and len(content) > len("Before. ")
 
 
+def test_arguments_written_as_a_json_string(codecs):
+    """Some models write Qwen's arguments as a JSON string: the call's arguments are that string's text."""
+    codec = codecs["hermes"]
+    text = '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}\n</tool_call>'
+    _, _, calls = parse_ids(codec, codec.tok.encode(text, add_special_tokens=False).ids)
+    assert [(n, json.loads(a)) for _, n, a in calls.values()] == [("get_time", {"zone": "CET"})]
+
+
 def test_markers_are_tokens_not_their_spelling(codecs):
     """The Qwen marker spelled by ordinary tokens, as prose quoting it would be, is text; the token is a call."""
     codec = codecs["hermes"]
