@@ -21,7 +21,7 @@ import urllib.request
 
 import numpy as np
 
-from common import Services, cpu_name, free_port  # noqa: E402
+from common import Services, cpu_name, free_port, synth_model  # noqa: E402
 from protos import generate_pb2  # noqa: E402
 
 
@@ -56,11 +56,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-prefix-"))
-    model = a.model
-    if model is None:
-        import synth_checkpoint
-        model = synth_checkpoint.write(synth_checkpoint.config_of(a.synth, a.layers, {}), tmp / "ckpt", std=0.02,
-                                       seed=0, shard_mb=1024)
+    model = a.model or synth_model(a.synth, a.layers, tmp / "ckpt")
     vocab = json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"]
     metrics = free_port()
     svc = Services(model, tmp, gpu_args=("--threads", str(a.threads), "--dense-format", a.dense_format,

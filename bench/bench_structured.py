@@ -19,7 +19,7 @@ import pathlib
 import statistics
 import tempfile
 
-from common import ROOT, Services, cpu_name  # noqa: E402
+from common import ROOT, Services, cpu_name, synth_model  # noqa: E402
 from protos import generate_pb2  # noqa: E402
 
 # at least 16 short records: the answer keeps going (past --tokens) through keys, punctuation and strings
@@ -87,11 +87,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-structured-"))
-    model = a.model
-    if a.synth:
-        import synth_checkpoint
-        model = synth_checkpoint.write(synth_checkpoint.config_of(a.synth, a.layers, {}), tmp / "ckpt", std=0.02, seed=0,
-                                       shard_mb=1024)
+    model = synth_model(a.synth, a.layers, tmp / "ckpt") if a.synth else a.model
     batches = [int(b) for b in a.batches.split(",")]
     svc = Services(model, tmp, gpu_args=("--max-batch", str(max(batches))), expert_args=())
     print(f"CPU: {cpu_name()}; model {model}; {a.tokens} tokens a stream; {a.rounds} alternating rounds")

@@ -20,7 +20,7 @@ from harness import Services, Sharded, free_port, start, status_mib, terminate_a
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc  # noqa: E402
 
 __all__ = ["ROOT", "SHAPES", "Services", "Sharded", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
-           "start", "status_mib", "terminate_all", "timed", "wait_healthy", "weights", "windows"]
+           "start", "status_mib", "synth_model", "terminate_all", "timed", "wait_healthy", "weights", "windows"]
 WARMUP = 50  # exchange round trips before the timed ones
 
 SHAPES = {  # name: (E, H, I, k)
@@ -28,6 +28,14 @@ SHAPES = {  # name: (E, H, I, k)
     "dsv3": (32, 7168, 2048, 8),    # DeepSeek-V3 reduced to 32 experts
     "gptoss": (32, 2880, 2880, 4),  # gpt-oss-20b (MXFP4 as published: --formats mxfp4)
 }
+
+
+def synth_model(arch: str, layers: int, out: pathlib.Path, overrides: dict | None = None,
+                shard_mb: int = 1024) -> pathlib.Path:
+    """A checkpoint of a published architecture's shapes with random weights (tools/synth_checkpoint.py)."""
+    import synth_checkpoint
+    return synth_checkpoint.write(synth_checkpoint.config_of(arch, layers, overrides or {}), out, std=0.02, seed=0,
+                                  shard_mb=shard_mb)
 
 
 def timed(fn) -> float:
