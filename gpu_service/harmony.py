@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 
-from .tool_formats import Markers, json_rule, partial_tail
+from .text import partial_tail
+from .tool_formats import Markers, json_rule
 from .tools import ToolCallDelta, new_call_id
 
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")

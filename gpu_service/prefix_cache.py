@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 
 import numpy as np
 
@@ -38,7 +37,6 @@ class Entry:
     cache: KVCache      # shares buffers with the request that made it
     key: tuple
     nbytes: int
-    used: float
 
 
 class PrefixCache:
@@ -78,7 +76,6 @@ class PrefixCache:
         metrics.PREFIX_QUERY_TOKENS.inc(len(prompt))
         if best is None or n < MIN_TOKENS:
             return new_cache(), 0
-        best.used = time.monotonic()
         self.lru.move_to_end(id(best))
         metrics.PREFIX_HIT_TOKENS.inc(n)
         return best.cache.fork(n, reserve=len(prompt)), n
@@ -95,7 +92,7 @@ class PrefixCache:
                 not self.linear or len(e.tokens) == len(t)) and (e.tokens == t[:len(e.tokens)]).all()]:
             self._drop(g, e)
         snap = cache.snapshot(len(tokens))
-        e = Entry(t, snap, key, snap.nbytes, time.monotonic())
+        e = Entry(t, snap, key, snap.nbytes)
         self.groups.setdefault(g, []).append(e)
         self.lru[id(e)] = (g, e)
         self.nbytes += e.nbytes

@@ -6,6 +6,8 @@ with "<think>\\n"): the split then starts inside it. gpt-oss's harmony channels 
 """
 from __future__ import annotations
 
+from .text import partial_tail
+
 PARSERS = ("auto", "think", "harmony", "none")  # harmony: gpt-oss's channels (harmony.py)
 START, END = "<think>", "</think>"
 
@@ -18,14 +20,6 @@ def uses_think_tags(chat_template: str | None, vocab: dict[str, int]) -> bool:
 def opens_thinking(prompt_text: str) -> bool:
     """Whether a rendered prompt ends inside a <think> block (its template opened one for the model)."""
     return prompt_text.rfind(START) > prompt_text.rfind(END)
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest end of text that could be the start of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ReasoningSplitter:
@@ -51,7 +45,7 @@ class ReasoningSplitter:
                 text = text[i + len(tag):]
                 self.inside = not self.inside
                 continue
-            keep = _partial_tail(text, tag)
+            keep = partial_tail(text, tag)
             out.append(text[:len(text) - keep])
             self.held = text[len(text) - keep:]
             break

@@ -122,6 +122,14 @@ class TextCodec:
             raise ValueError(f"chat: the chat template cannot render these messages: {e}") from None
 
 
+def partial_tail(text: str, tag: str) -> int:
+    """Length of the longest end of text that could be the start of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
 class DetokenizeStream:
     """Turns a growing token list into text deltas that never split a UTF-8 character, and
     applies stop strings (the match and everything after it are never emitted). symbols: token ids written as
@@ -162,12 +170,7 @@ class DetokenizeStream:
             self.stopped, self.held = True, ""
             return text[:min(hits)]
         # hold back the longest tail that is a prefix of some stop string
-        keep = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:n]):
-                    keep = max(keep, n)
-                    break
+        keep = max(partial_tail(text, s) for s in self.stop)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
 

@@ -24,6 +24,7 @@ import logging
 import re
 from typing import Callable
 
+from .text import partial_tail
 from .tools import ToolCallDelta, ToolChoice, new_call_id
 
 log = logging.getLogger("gpu_service.tools")
@@ -58,14 +59,6 @@ class Markers:
     def lark(self, s: str) -> str:
         """s in a Lark grammar: its token (by id) or its text."""
         return f"<[{self.token[s]}]>" if s in self.token else json.dumps(s)
-
-
-def partial_tail(text: str, tag: str) -> int:
-    """Length of the longest end of text that could be the start of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def _value(raw: str, schema: dict | None) -> str:
@@ -271,6 +264,7 @@ class Format:
     body: Callable                     # (body, final, markers, params) -> (name, arguments so far, ok)
     call_grammar: Callable             # (markers, name, schema, i) -> (Lark for the call, its rules)
     between: str = "\n"                # between two calls
+    opened: str = ""                   # after the block's opening marker, before its first call
     extra: tuple[str, ...] = ()        # other markers the body reads
 
     @property
@@ -280,8 +274,8 @@ class Format:
     def wrap_grammar(self, m: Markers, calls: str) -> str:
         if self.outer is None:
             return calls
-        sep = '"\\n"' if self.name == "minimax_m2" else ""
-        return f"{m.lark(self.outer[0])} {sep} {calls} {m.lark(self.outer[1])}"
+        opened = json.dumps(self.opened) if self.opened else ""
+        return f"{m.lark(self.outer[0])} {opened} {calls} {m.lark(self.outer[1])}"
 
 
 DS_OUTER = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
@@ -294,7 +288,7 @@ FORMATS = {f.name: f for f in (
     Format("glm45", ("<tool_call>", "</tool_call>"), None, glm_body, _glm_call,
            extra=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
     Format("minimax_m2", ('<invoke name="', "</invoke>"), ("<minimax:tool_call>", "</minimax:tool_call>"),
-           minimax_body, _minimax_call, between=""),
+           minimax_body, _minimax_call, between="", opened="\n"),
 )}
 PARSERS = ("auto", *FORMATS, "harmony", "none")
 
@@ -340,8 +334,7 @@ class CallStream:
         return self._run(False)
 
     def flush(self) -> tuple[str, list[ToolCallDelta]]:
-        content, deltas = self._run(True)
-        return content, deltas
+        return self._run(True)
 
     def _content(self, out: list[str], text: str, final: bool) -> None:
         if not self.calls:
