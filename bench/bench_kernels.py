@@ -10,8 +10,8 @@ One JSON line per case, then a table. Decode efficiency = bytes of the chosen ex
 time, as a share of the DRAM read bandwidth probed right before (the median over repetitions that
 each probe once and then time 64 calls). Prefill efficiency = 2*T*k*3*H*I FLOP / time, as a share
 of the peak of the instructions the isa computes with: avx512: vdpbf16ps (bf16) and vpdpbusd
-(int8, int4, mxfp4); amx: TDPBF16PS (bf16), TDPBSUD (int8), vpdpbusd (int4, mxfp4); avx2: 256-bit
-fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); avxvnni: 256-bit fp32 FMA (bf16) and
+(int8, int4, mxfp4); fp8 widens to bf16 and is measured against bf16's peak on every isa;
+amx: TDPBF16PS (bf16), TDPBSUD (int8), vpdpbusd (int4, mxfp4); avx2: 256-bit fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); avxvnni: 256-bit fp32 FMA (bf16) and
 vpdpbusd on ymm (int formats); portable: none (only the comparison with torch). Prefill also reads every routed expert once, so it is reported against the roofline
 model too: the longer of FLOP / peak and weight bytes / DRAM bandwidth, as a share of our time
 (with 128 experts and 512 tokens an expert sees about 32 tokens, and AMX is bound by DRAM).
@@ -56,7 +56,7 @@ def main() -> None:
             "avxvnni": (fma,) + (("vpdpbusd ymm peak", native.avxvnni_peak_ops, 10_000_000),) * 2,
             "amx": (("TDPBF16PS peak", native.amx_bf16_peak_flops, 500_000),
                     ("TDPBSUD peak", native.amx_int8_peak_ops, 500_000), vnni)}
-    slot = lambda fmt: {"bf16": 0, "int8": 1}.get(fmt, 2)  # noqa: E731
+    slot = lambda fmt: {"bf16": 0, "fp8": 0, "int8": 1}.get(fmt, 2)  # noqa: E731  (fp8 computes in bf16)
 
     def dram_bw() -> float:
         return statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
@@ -81,8 +81,9 @@ def main() -> None:
         for fmt in a.formats.split(","):
             op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads, isa=isa)
             # the weights' own bytes (and scales); the kernels' row padding is not counted
-            bytes_per_expert = 3 * H * I * {"bf16": 2, "int8": 1, "int4": 0.5, "mxfp4": 0.5}[fmt] + \
-                {"bf16": 0, "int8": (2 * I + H) * 4, "int4": 3 * H * I // 64 * 4, "mxfp4": 3 * H * I // 32}[fmt]
+            bytes_per_expert = 3 * H * I * {"bf16": 2, "int8": 1, "int4": 0.5, "mxfp4": 0.5, "fp8": 1}[fmt] + \
+                {"bf16": 0, "int8": (2 * I + H) * 4, "int4": 3 * H * I // 64 * 4, "mxfp4": 3 * H * I // 32,
+                 "fp8": 3 * H * I // (128 * 128) * 4}[fmt]
             g = torch.Generator().manual_seed(1)
             # decode: fresh experts every call, so the weights come from DRAM, not the cache
             calls = [(torch.randn(1, H).bfloat16(), torch.randperm(E, generator=g)[:k].view(1, k).to(torch.int32),

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from moe_core.checkpoint import Checkpoint
-from moe_core.config import ModelConfigError, load_config
+from moe_core.config import FP8_BLOCK, ModelConfig, ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
 from moe_core import security, serving
 from moe_core.edge import MalformedRequestInterceptor
@@ -34,11 +34,13 @@ def parse_args(argv=None):
                          "gpu-service on the CPU or with other programs is fine with the defaults: waits spin only "
                          "while a CPU is free (MOE_SPIN=always|never overrides) and torch's OpenMP threads wait "
                          "passively (OMP_WAIT_POLICY)")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4"],
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4", "fp8"],
                     help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group "
                          "scales, quantized at load; mxfp4: e2m1 with a power-of-two scale per 32, gpt-oss's "
-                         "published experts kept bit for bit, others quantized at load); auto = the checkpoint's "
-                         "own (its dtype, or mxfp4 for published gpt-oss)")
+                         "published experts kept bit for bit, others quantized at load; fp8: e4m3 with a scale "
+                         "per 128 x 128 block, published FP8 experts kept bit for bit, others quantized at load); "
+                         "auto = the checkpoint's own (its dtype, mxfp4 for published gpt-oss, fp8 for FP8 "
+                         "releases)")
     ap.add_argument("--shard", default="0/1", metavar="I/N",
                     help="hold only shard I of N of every MoE layer's routed experts (expert e on shard e %% N): "
                          "N expert services, one per shard, together serve the model; gpu-service --experts "
@@ -55,13 +57,23 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def weight_format(arg: str, torch_dtype: str, mxfp4: bool = False) -> str:
-    """auto: the checkpoint's own (published MXFP4 experts stay MXFP4)."""
+def weight_format(arg: str, cfg: ModelConfig) -> str:
+    """auto: the checkpoint's own (published MXFP4 experts stay MXFP4, published FP8 stays FP8 where its blocks
+    are the kernels' 128 x 128). fp8 on an FP8 checkpoint whose blocks the kernels cannot keep is refused
+    (ModelConfigError) rather than requantized."""
+    keeps_fp8 = cfg.fp8_block == (FP8_BLOCK, FP8_BLOCK) and cfg.moe_intermediate_size % FP8_BLOCK == 0
+    if arg == "fp8" and cfg.fp8_block is not None and not keeps_fp8:
+        raise ModelConfigError(
+            f"--weight-format fp8 keeps published FP8 experts in {FP8_BLOCK} x {FP8_BLOCK} blocks with gate and up "
+            f"stacked; this checkpoint has {list(cfg.fp8_block)} blocks and moe_intermediate_size "
+            f"{cfg.moe_intermediate_size}: use --weight-format bf16 (exact) or int8")
     if arg != "auto":
         return arg
-    if mxfp4:
+    if cfg.mxfp4_experts:
         return "mxfp4"
-    return {"bfloat16": "bf16", "float16": "fp16"}.get(torch_dtype, "fp32")
+    if keeps_fp8 and kernels.native("fp8"):
+        return "fp8"
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.torch_dtype, "fp32")
 
 
 async def serve(args, stop: asyncio.Event) -> None:
@@ -81,7 +93,10 @@ async def serve(args, stop: asyncio.Event) -> None:
         serving.fail(f"--shard: {e}")
     if shard.count > cfg.n_routed_experts:
         serving.fail(f"--shard {shard}: {cfg.n_routed_experts} experts cannot be split into {shard.count} shards")
-    fmt = weight_format(args.weight_format, cfg.torch_dtype, cfg.mxfp4_experts)
+    try:
+        fmt = weight_format(args.weight_format, cfg)
+    except ModelConfigError as e:
+        serving.fail(str(e))
     max_msg = args.max_tokens * (cfg.hidden_size * 4 + cfg.n_routed_experts * 8) + (1 << 16)
     if not 1 <= args.max_tokens or max_msg > serving.GRPC_MAX_MESSAGE:
         serving.fail(f"--max-tokens {args.max_tokens}: must be >= 1, and a layer request of that many tokens of "
@@ -143,7 +158,7 @@ def convert_main(argv) -> None:
     serving.setup_logging(a.log_level)
     try:
         cfg, ckpt = load_config(a.model), Checkpoint(a.model)
-        fmt = weight_format(a.weight_format, cfg.torch_dtype, cfg.mxfp4_experts)
+        fmt = weight_format(a.weight_format, cfg)
         fmt = fmt if fmt in kernels.NATIVE_FORMATS else "bf16"
         cache = open_cache(a.out, ckpt, fingerprint(ckpt), fmt)
         if cache is None:

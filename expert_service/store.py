@@ -12,9 +12,9 @@ import torch
 from tqdm import tqdm
 
 from moe_core.checkpoint import Checkpoint
-from moe_core.config import SILU, ModelConfig
+from moe_core.config import FP8_BLOCK, SILU, ModelConfig
 from moe_core.shards import Shard
-from moe_kernels.packing import Mx4
+from moe_kernels.packing import Fp8, Mx4
 
 from . import kernels
 from .packed_cache import PackedCache
@@ -46,6 +46,15 @@ def fused_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int) -> tupl
         return Mx4(gu.codes[0::2], gu.exps[0::2]), Mx4(gu.codes[1::2], gu.exps[1::2]), dn
     gu = ckpt.get_row(gate_up_name, e)  # [H, 2I]
     return gu[:, 0::2].T, gu[:, 1::2].T, ckpt.get_row(down_name, e).T
+
+
+def expert_tensor(ckpt: Checkpoint, name: str, fmt: str):
+    """One expert matrix: FP8 kept as published (packing.Fp8) for the fp8 format, else floats."""
+    if fmt == "fp8" and ckpt.fp8_block == (FP8_BLOCK, FP8_BLOCK):
+        published = ckpt.get_fp8(name)
+        if published is not None:
+            return Fp8(*published)
+    return ckpt.get(name)
 
 
 def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int, shard: Shard = Shard()) -> tuple:
@@ -92,7 +101,7 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
                 e = mine[local]
                 if stacked:
                     return fused_expert(cfg, ckpt, layer, e)
-                return tuple(ckpt.get(n) for n in cfg.expert_tensor_names(layer, e))
+                return tuple(expert_tensor(ckpt, n, fmt) for n in cfg.expert_tensor_names(layer, e))
 
             check_cancel()
             op = cache.load(layer, E, I, H, threads) if cache is not None else None

@@ -135,7 +135,7 @@ def load_local(args, cfg, ckpt, fp: str, load_model, cancel: threading.Event):
     from expert_service.cli import open_cache, weight_format
     from expert_service.store import LoadCancelled, load_expert_layers
 
-    fmt = weight_format(args.weight_format, cfg.torch_dtype, cfg.mxfp4_experts)
+    fmt = weight_format(args.weight_format, cfg)
     model = load_model()
     cache = open_cache(args.cache_dir or str(packed_cache.default_dir()), ckpt, fp, fmt)
     try:

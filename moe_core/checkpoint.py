@@ -105,11 +105,22 @@ class Checkpoint:
         t = self._raw(name)
         if t.dtype not in FP8_DTYPES:
             return t
+        return dequantize_fp8(t, self._raw(self._scale_of(name)), self.fp8_block, fp8_dtype)
+
+    def _scale_of(self, name: str) -> str:
+        """The scale_inv beside an FP8 tensor (errors where the checkpoint does not say how to read it)."""
         if self.fp8_block is None:
             raise ModelConfigError(f"tensor {name!r} is float8 but config.json has no fp8 quantization_config")
         if name + SCALE_SUFFIX not in self.weight_map:
             raise ModelConfigError(f"fp8 tensor {name!r} has no {name + SCALE_SUFFIX!r} beside it")
-        return dequantize_fp8(t, self._raw(name + SCALE_SUFFIX), self.fp8_block, fp8_dtype)
+        return name + SCALE_SUFFIX
+
+    def get_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An FP8 weight as published: (e4m3 values, float32 scale_inv per block); None for any other tensor."""
+        t = self._raw(name)
+        if t.dtype not in FP8_DTYPES:
+            return None
+        return t, self._raw(self._scale_of(name)).float()
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
         """t[i] of a stored (not FP8) tensor t, reading only that slice (one expert of a fused tensor)."""

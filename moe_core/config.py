@@ -30,6 +30,9 @@ QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as D
                    "mxfp4 (gpt_oss's experts as OpenAI publishes them: _blocks and _scales)")
 
 
+FP8_BLOCK = 128  # the FP8 blocks the fp8 weight format keeps as published (DeepSeek-V3's weight_block_size)
+
+
 def text_prefix(raw: dict) -> str | None:
     """Where a vision-language checkpoint keeps its text model's weights (None: a text model)."""
     return TEXT_IN_WRAPPER.get(raw.get("model_type"))
@@ -149,6 +152,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     mxfp4_experts: bool = False        # gpt-oss as published: expert weights as MXFP4 _blocks / _scales
+    fp8_block: tuple[int, int] | None = None  # FP8 block-quantized as published: (rows, cols) of a scale's block
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -253,7 +257,6 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         top = {k: raw[k] for k in ("tie_word_embeddings", "quantization_config") if k in raw}
         raw = {**raw["text_config"], **top, "model_type": mt}
     model_dir = model_dir or pathlib.Path(".")
-    fp8_block(raw)  # an unsupported quantization is refused here (Checkpoint dequantizes fp8 as it reads)
     n_layers = int(raw["num_hidden_layers"])
     theta, rope_type, rope_params = _rope(raw)
     common = dict(
@@ -267,6 +270,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         top_k=int(raw["num_experts_per_tok"]),
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos(raw, model_dir),
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), mxfp4_experts=is_mxfp4(raw),
+        fp8_block=fp8_block(raw),
     )
     if mt in ("deepseek_v3", "deepseek_v2"):
         n_exp = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts"))

@@ -3,7 +3,9 @@
 - int8: symmetric, one fp32 scale per output channel (row);
 - int4: symmetric, one fp32 scale per group of 64 consecutive weights of a row (INT4_GROUP);
 - mxfp4: OCP MX, e2m1 values with one power-of-two scale per 32 (MX_BLOCK): gpt-oss's experts as
-  published (Mx4: taken bit for bit), or quantized here from float weights.
+  published (Mx4: taken bit for bit), or quantized here from float weights;
+- fp8: e4m3 values with one fp32 scale per 128 x 128 block (FP8_BLOCK): DeepSeek-V3-style FP8 releases as
+  published (Fp8: taken bit for bit), or quantized here from float weights with DeepSeek's recipe.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes.
 """
 from __future__ import annotations
@@ -13,11 +15,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from moe_core.config import FP8_BLOCK
+
 from . import native
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4")
+FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8")
 INT4_GROUP = 64
 MX_BLOCK = 32
+E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
 
@@ -48,6 +53,43 @@ class Mx4(NamedTuple):
         return Mx4(codes, scales.to(torch.uint8))
 
 
+class Fp8(NamedTuple):
+    """FP8 weights as published: values [rows, K] float8_e4m3fn and scale [ceil(rows/128), ceil(K/128)] fp32
+    (the checkpoint's `weight_scale_inv`: a block's weights are value x scale)."""
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        R, K = self.values.shape
+        s = self.scale.float().repeat_interleave(FP8_BLOCK, 0)[:R].repeat_interleave(FP8_BLOCK, 1)[:, :K]
+        return self.values.float() * s
+
+    @staticmethod
+    def cat(parts: list["Fp8"]) -> "Fp8":
+        """Stacked along rows; every part but the last must fill whole 128-row blocks (a block never spans
+        two of them)."""
+        for p in parts[:-1]:
+            if p.values.shape[0] % FP8_BLOCK:
+                raise ValueError(f"fp8 matrices of {p.values.shape[0]} rows (not a multiple of {FP8_BLOCK}) cannot be "
+                                 "stacked without requantizing a block")
+        return Fp8(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def fp8_quantize(w: torch.Tensor) -> Fp8:
+    """Float w [rows, K] -> FP8 with 128 x 128 blocks, each block's largest magnitude mapped to e4m3's 448
+    (DeepSeek's recipe, as tools/synth_checkpoint.py writes its checkpoints)."""
+    R, K = w.shape
+    sr, sc = -(-R // FP8_BLOCK), -(-K // FP8_BLOCK)
+    padded = F.pad(w.float(), (0, sc * FP8_BLOCK - K, 0, sr * FP8_BLOCK - R)).view(sr, FP8_BLOCK, sc, FP8_BLOCK)
+    scale = (padded.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(1e-30)
+    q = (padded / scale[:, None, :, None]).view(sr * FP8_BLOCK, sc * FP8_BLOCK)[:R, :K]
+    return Fp8(q.to(torch.float8_e4m3fn), scale)
+
+
 def mx4_quantize(w: torch.Tensor) -> Mx4:
     """Float w [rows, K] (K a multiple of 32) -> MXFP4: per block the smallest power of two that keeps
     every value within e2m1's +-6 (no clipping), then each value to its nearest e2m1 value."""
@@ -71,7 +113,7 @@ def row_len(n: int, fmt: str) -> int:
     the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
     fall in one L1 set."""
     n = (n + 63) // 64 * 64
-    nbytes = {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2}[fmt]
+    nbytes = {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "fp8": n}[fmt]
     return n + 64 if nbytes % 512 == 0 else n
 
 
@@ -93,6 +135,9 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp), torch.bfloat16), None, None, None
     if fmt == "int8":
         return ((E, rows, Kp), torch.int8), ((E, rows), torch.float32), ((E, rows), torch.int32), None
+    if fmt == "fp8":
+        blocks = (E, -(-rows // FP8_BLOCK), -(-Kp // FP8_BLOCK))
+        return ((E, rows, Kp), torch.uint8), (blocks, torch.float32), None, None
     scale = ((E, rows, Kp // MX_BLOCK), torch.uint8) if fmt == "mxfp4" else ((E, rows, Kp // INT4_GROUP), torch.float32)
     return ((E, rows, Kp // 2), torch.uint8), scale, None, ((E, rows), torch.float32)
 
@@ -126,13 +171,31 @@ def pack_mx4(w: Mx4, Kp: int) -> tuple:
     return _nibbles(codes), exps, None, 128 * (mx_scale(exps) * sums).sum(-1)  # rowcorr: the +128 of u8 x out
 
 
+def pack_fp8(w: Fp8, Kp: int) -> tuple:
+    """FP8 [rows, K] -> (e4m3 bytes, scale x 256, None, None), bit-exact: the kernels widen a byte to its
+    value / 256 (native/gemm_fp8.cpp)."""
+    R, K = w.values.shape
+    want = (-(-R // FP8_BLOCK), -(-K // FP8_BLOCK))
+    if tuple(w.scale.shape) != want:
+        raise ValueError(f"fp8 weight [{R}, {K}] needs {list(want)} block scales ({FP8_BLOCK} x {FP8_BLOCK}), "
+                         f"got {list(w.scale.shape)}")
+    data = F.pad(w.values.view(torch.uint8), (0, Kp - K))  # byte 0 is +0
+    if bool(((data & 0x7F) == 0x7F).any()):
+        raise ValueError("fp8 weight holds NaN")
+    scale = F.pad(w.scale.float() * 256, (0, -(-Kp // FP8_BLOCK) - want[1]), value=1.0)
+    return data, scale, None, None
+
+
 def pack_expert(w, fmt: str, Kp: int) -> tuple:
-    """One expert's w [rows, K] (any float dtype, or Mx4) -> its (data, scale, rowsum, rowcorr) in the kernels' layout."""
+    """One expert's w [rows, K] (any float dtype, Mx4 or Fp8) -> its (data, scale, rowsum, rowcorr) in the
+    kernels' layout."""
     if fmt == "mxfp4":
         if not isinstance(w, Mx4):
-            w = mx4_quantize(F.pad(w.float(), (0, -w.shape[-1] % MX_BLOCK)))
+            w = mx4_quantize(F.pad(w.dequantize() if isinstance(w, Fp8) else w.float(), (0, -w.shape[-1] % MX_BLOCK)))
         return pack_mx4(w, Kp)
-    if isinstance(w, Mx4):
+    if fmt == "fp8":
+        return pack_fp8(w if isinstance(w, Fp8) else fp8_quantize(w.dequantize() if isinstance(w, Mx4) else w), Kp)
+    if isinstance(w, (Mx4, Fp8)):
         w = w.dequantize()
     w = F.pad(w.float(), (0, Kp - w.shape[-1]))
     if fmt == "bf16":
@@ -147,6 +210,16 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
     q = (torch.round(g / scale[..., None]).clamp(-7, 7) + 8).to(torch.uint8)      # 1..15, 8 = zero
     rowcorr = 128 * (scale * (q.float() - 8).sum(-1)).sum(-1)                      # takes the +128 of u8 x out
     return _nibbles(q.view(R, Kp)), scale, None, rowcorr
+
+
+def stack_rows(parts: list, fmt: str):
+    """Matrices of one K stacked along rows (gate and up) in what pack_expert takes: published MXFP4 and FP8
+    stay as published where the format keeps them."""
+    if all(isinstance(p, Mx4) for p in parts):
+        return Mx4.cat(parts)
+    if fmt == "fp8" and all(isinstance(p, Fp8) for p in parts):
+        return Fp8.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, (Mx4, Fp8)) else p for p in parts])
 
 
 def store_expert(dst: tuple, e: int, parts: tuple) -> None:

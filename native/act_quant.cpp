@@ -161,6 +161,10 @@ void quantize_row(Fmt fmt, const float* x, int n, ActBuf& b, int r) {
     for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(x[i]);
     return;
   }
+  if (fmt == Fmt::Fp8) {  // fp32 as is: its kernels scale and round each row per weight block
+    std::memcpy(dst, x, size_t(n) * sizeof(float));
+    return;
+  }
   float amax = 0.f;
   if constexpr (SIMD) amax = absmax_avx2(x, n);
   else

@@ -65,8 +65,8 @@ static Isa kernel_isa(const std::string& name) { return usable_isa(parse_isa(nam
 
 static Fmt parse_fmt(const std::string& fmt) {
   return fmt == "bf16" ? Fmt::Bf16 : fmt == "int8" ? Fmt::Int8 : fmt == "int4" ? Fmt::Int4
-       : fmt == "mxfp4" ? Fmt::Mxfp4
-       : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4, mxfp4)");
+       : fmt == "mxfp4" ? Fmt::Mxfp4 : fmt == "fp8" ? Fmt::Fp8
+       : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4, mxfp4, fp8)");
 }
 
 // A packed matrix as Python hands it over: the addresses of (data, scale, rowsum, rowcorr), 0 for a part
@@ -145,7 +145,7 @@ PYBIND11_MODULE(_native, m) {
     CpuFeatures f = detect_cpu();
     py::dict d;
     d["avx512f"] = f.avx512f; d["avx512bw"] = f.avx512bw; d["avx512bf16"] = f.avx512bf16;
-    d["avx512vnni"] = f.avx512vnni; d["amx_tile"] = f.amx_tile; d["amx_bf16"] = f.amx_bf16; d["amx_int8"] = f.amx_int8;
+    d["avx512vnni"] = f.avx512vnni; d["avx512vbmi"] = f.avx512vbmi; d["amx_tile"] = f.amx_tile; d["amx_bf16"] = f.amx_bf16; d["amx_int8"] = f.amx_int8;
     d["os_avx512"] = f.os_avx512; d["os_amx"] = f.os_amx;
     d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["avxvnni"] = f.avxvnni; d["os_avx"] = f.os_avx;
     return d;

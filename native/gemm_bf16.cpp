@@ -141,32 +141,44 @@ __attribute__((target("avx2"))) void widen_row(const uint16_t* x, int Kp, float*
   }
 }
 
-void rows_avx2(const Matrix& m, const uint16_t* We, size_t pf, int r0, int r1, const uint16_t* const* X, int ns,
-               float* Y, size_t ldy) {
-  // the activations widened once per call (a task's rows reuse them); a few KB per token
-  thread_local std::vector<float> xf, acc;
-  thread_local std::vector<const float*> xr;
-  xf.resize(size_t(ns) * m.Kp);
-  xr.resize(ns);
-  for (int s = 0; s < ns; ++s) {
-    widen_row(X[s], m.Kp, xf.data() + size_t(s) * m.Kp);
-    xr[s] = xf.data() + size_t(s) * m.Kp;
-  }
-  const bool prefetch_all = ns < 8 * TB2;
+// rows over activations already widened (xr: fp32 rows in widen_row's order)
+void rows_avx2_widened(int Kp, const uint16_t* We, size_t pf, int r0, int r1, const float* const* xr, int ns, float* Y,
+                       size_t ldy, bool prefetch) {
+  thread_local std::vector<float> acc;
+  const bool prefetch_all = prefetch && ns < 8 * TB2;
   acc.resize(size_t(ns) * RB * 8);
   for (int r = r0; r < r1; r += RB) {
     const int nr = std::min(RB, r1 - r);
-    for (int k0 = 0; k0 < m.Kp; k0 += KC)
+    for (int k0 = 0; k0 < Kp; k0 += KC)
       for (int s = 0; s < ns; s += TB2)
-        mk_avx2_dispatch(We + size_t(r) * m.Kp, m.Kp, pf, nr, xr.data() + s, std::min(TB2, ns - s), k0,
-                         std::min(m.Kp, k0 + KC), acc.data() + size_t(s) * RB * 8, k0 == 0,
-                         prefetch_all || s < 2 * TB2);
+        mk_avx2_dispatch(We + size_t(r) * Kp, Kp, pf, nr, xr + s, std::min(TB2, ns - s), k0,
+                         std::min(Kp, k0 + KC), acc.data() + size_t(s) * RB * 8, k0 == 0,
+                         prefetch && (prefetch_all || s < 2 * TB2));
     for (int s = 0; s < ns; s += TB2)
       reduce_avx2(acc.data() + size_t(s) * RB * 8, std::min(TB2, ns - s), nr, Y + size_t(s) * ldy + r, ldy);
   }
 }
 
+void rows_avx2(int Kp, const uint16_t* We, size_t pf, int r0, int r1, const uint16_t* const* X, int ns, float* Y,
+               size_t ldy) {
+  // the activations widened once per call (a task's rows reuse them); a few KB per token
+  thread_local std::vector<float> xf;
+  thread_local std::vector<const float*> xr;
+  xf.resize(size_t(ns) * Kp);
+  xr.resize(ns);
+  for (int s = 0; s < ns; ++s) {
+    widen_row(X[s], Kp, xf.data() + size_t(s) * Kp);
+    xr[s] = xf.data() + size_t(s) * Kp;
+  }
+  rows_avx2_widened(Kp, We, pf, r0, r1, xr.data(), ns, Y, ldy, true);
+}
+
 }  // namespace
+
+void bf16_rows_avx2_widened(const uint16_t* We, int Kp, int r0, int r1, const float* const* X, int ns, float* Y,
+                            size_t ldy) {
+  rows_avx2_widened(Kp, We, 0, r0, r1, X, ns, Y, ldy, false);
+}
 
 // 16 partial sums, so the compiler vectorizes it (SSE2, NEON) without -ffast-math
 void ref_gemm_rows_bf16(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
@@ -187,24 +199,28 @@ void ref_gemm_rows_bf16(const Matrix& m, int e, int r0, int r1, const Acts& x, i
 void gemm_rows_bf16_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const uint16_t* We = static_cast<const uint16_t*>(m.w) + size_t(e) * m.rows * m.Kp;
   const size_t pf = prefetch_rows(weight_row_bytes(Fmt::Bf16, m.Kp), RB) * m.Kp;  // elements ahead
-  rows_avx2(m, We, pf, r0, r1, reinterpret_cast<const uint16_t* const*>(x.rows), ns, Y, ldy);
+  rows_avx2(m.Kp, We, pf, r0, r1, reinterpret_cast<const uint16_t* const*>(x.rows), ns, Y, ldy);
 }
 
 void gemm_rows_bf16_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const uint16_t* We = static_cast<const uint16_t*>(m.w) + size_t(e) * m.rows * m.Kp;
   const size_t pf = prefetch_rows(weight_row_bytes(Fmt::Bf16, m.Kp), RB) * m.Kp;  // elements ahead
-  auto X = reinterpret_cast<const uint16_t* const*>(x.rows);
+  bf16_rows_avx512(We, m.Kp, r0, r1, reinterpret_cast<const uint16_t* const*>(x.rows), ns, Y, ldy, pf);
+}
+
+void bf16_rows_avx512(const uint16_t* We, int Kp, int r0, int r1, const uint16_t* const* X, int ns, float* Y,
+                      size_t ldy, size_t pf) {
   // With many token blocks the kernel is compute-bound and the prefetches of the later blocks only
   // take load slots; with few (Qwen3 prefill, ~6 per expert), every block prefetches
-  const bool prefetch_all = ns < 8 * TB;
+  const bool prefetch_all = pf && ns < 8 * TB;
   thread_local std::vector<float> acc;
   acc.resize(size_t(ns) * RB * 16);
   for (int r = r0; r < r1; r += RB) {
     const int nr = std::min(RB, r1 - r);
-    for (int k0 = 0; k0 < m.Kp; k0 += KC)
+    for (int k0 = 0; k0 < Kp; k0 += KC)
       for (int s = 0; s < ns; s += TB)
-        mk_dispatch(We + size_t(r) * m.Kp, m.Kp, pf, nr, X + s, std::min(TB, ns - s), k0, std::min(m.Kp, k0 + KC),
-                    acc.data() + size_t(s) * RB * 16, k0 == 0, prefetch_all || s < 2 * TB);
+        mk_dispatch(We + size_t(r) * Kp, Kp, pf, nr, X + s, std::min(TB, ns - s), k0, std::min(Kp, k0 + KC),
+                    acc.data() + size_t(s) * RB * 16, k0 == 0, pf && (prefetch_all || s < 2 * TB));
     for (int s = 0; s < ns; s += TB)
       reduce(acc.data() + size_t(s) * RB * 16, std::min(TB, ns - s), nr, Y + size_t(s) * ldy + r, ldy);
   }

@@ -12,7 +12,8 @@ namespace moe {
 
 // Y[s * ldy + r] = dequantized dot(W[e] row r, x_s) for rows [r0, r1) and every slot s < ns.
 using GemmRowsFn = void (*)(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
-// Row r of b = one fp32 row of n values in the format's activation form (bf16, or u8 q + 128 with a scale).
+// Row r of b = one fp32 row of n values in the format's activation form (bf16, u8 q + 128 with a scale, or
+// fp32 for fp8).
 using QuantizeRowFn = void (*)(Fmt fmt, const float* x, int n, ActBuf& b, int r);
 // a = the experts' activation of one slot's gate and up rows (I values), each step rounded to bf16.
 using ActRowFn = void (*)(const float* gate, const float* up, float* a, int I, float alpha, float limit);
@@ -21,7 +22,8 @@ struct Kernels {
   Isa isa;
   Fmt fmt;
   GemmRowsFn gemm_rows;  // every row on the vector units (on amx: the AVX-512 kernel, for what the tiles leave)
-  bool amx_tiles;        // prefill's whole 16-row tiles on AMX (bf16 and int8 on the amx ISA)
+  bool amx_tiles;        // prefill's whole 16-row tiles on AMX (bf16 and int8 on the amx ISA; fp8's kernel
+                         // packs its own tiles, per block row)
   QuantizeRowFn quantize_row;
   ActRowFn silu, clamped_swiglu;
 };
@@ -52,6 +54,17 @@ void ref_gemm_rows_mxfp4(const Matrix& m, int e, int r0, int r1, const Acts& x, 
 void gemm_rows_mxfp4_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_mxfp4_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_mxfp4_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+// Rows [r0, r1) of a bf16 matrix We (rows Kp apart) times bf16 activations X; pf: the weights' software
+// prefetch distance in elements, 0 for none (weights already in cache: fp8's widened rows). AVX2: X already
+// widened to fp32, per 16 elements [the even 8 | the odd 8] (the order its bf16 loads split into).
+void bf16_rows_avx2_widened(const uint16_t* We, int Kp, int r0, int r1, const float* const* X, int ns, float* Y,
+                            size_t ldy);
+void bf16_rows_avx512(const uint16_t* We, int Kp, int r0, int r1, const uint16_t* const* X, int ns, float* Y,
+                      size_t ldy, size_t pf);
+void ref_gemm_rows_fp8(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_fp8_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_fp8_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_fp8_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 
 // The activation and quantizer entries (act_quant.cpp)
 void silu_ref(const float* gate, const float* up, float* a, int I, float alpha, float limit);

@@ -12,18 +12,20 @@ namespace moe {
 enum class Isa { Portable, Avx2, AvxVnni, Avx512, Amx };
 // the 256-bit paths: AvxVnni runs Avx2's kernels except for the int8 x int8 dot products
 inline bool ymm_path(Isa isa) { return isa == Isa::Avx2 || isa == Isa::AvxVnni; }
-enum class Fmt { Bf16, Int8, Int4, Mxfp4 };
+enum class Fmt { Bf16, Int8, Int4, Mxfp4, Fp8 };
 
 // Bytes of one packed weight row of Kp elements.
 inline size_t weight_row_bytes(Fmt f, int Kp) {
-  return f == Fmt::Bf16 ? size_t(Kp) * 2 : f == Fmt::Int8 ? size_t(Kp) : size_t(Kp) / 2;
+  return f == Fmt::Bf16 ? size_t(Kp) * 2 : f == Fmt::Int8 || f == Fmt::Fp8 ? size_t(Kp) : size_t(Kp) / 2;
 }
 
 constexpr int INT4_GROUP = 64;  // int4: one scale per 64 consecutive weights of a row
 constexpr int MX_BLOCK = 32;    // mxfp4: one power-of-two scale per 32 (OCP MX, as gpt-oss publishes)
+constexpr int FP8_BLOCK = 128;  // fp8: one scale per 128 x 128 block (DeepSeek-V3's weight_block_size)
 
 struct CpuFeatures {
   bool avx512f, avx512bw, avx512bf16, avx512vnni, amx_tile, amx_bf16, amx_int8, os_avx512, os_amx;
+  bool avx512vbmi;  // byte permutes: the fp8 kernels' lookup (Ice Lake, Sapphire Rapids, Zen 4; not Cooper Lake)
   bool avx2, fma, f16c, avxvnni, os_avx;  // os_avx: the OS saves the ymm state (XCR0 bits 1-2)
 };
 
@@ -42,6 +44,9 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //         {0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign (MX4_LUT); scale = uint8 [E, rows, Kp/32]: the block's
 //         published exponent e (scale 2^(e - 127); the kernels use 2^(e - 128), 0 for e <= 1); rowcorr
 //         as int4's over those values. Bit-exact with the published weights, 4.25 bits a weight.
+//   fp8:  w = uint8 [E, rows, Kp], e4m3 (float8_e4m3fn) bytes as published; scale = fp32
+//         [E, ceil(rows/128), ceil(Kp/128)]: the block's published scale_inv times 256 (the kernels widen a
+//         byte through fp16 bits that read as its value / 256). Activations: fp32 rows (gemm_fp8.cpp).
 // Both int formats take activations as u8 = q + 128 (VNNI multiplies unsigned by signed); the
 // +128 is taken back out with rowsum (int8) or rowcorr (int4), which depend on the row only.
 struct Matrix {
@@ -104,8 +109,8 @@ void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, c
 void moe_forward_part(const Kernels& kn, const MoEWeights& m, const void* hidden, bool hidden_bf16, const int32_t* ids,
                       const float* weights, void* out, bool out_bf16, int T, int k, int defer, int part);
 
-// Activations as the kernels take them: bf16 rows, or (int formats) uint8 rows q + 128 with one
-// scale per row.
+// Activations as the kernels take them: bf16 rows, (int formats) uint8 rows q + 128 with one
+// scale per row, or (fp8) fp32 rows, scaled per weight block by its kernels.
 struct Acts {
   const void* const* rows;          // one pointer per slot
   const float* scale;               // per slot (int formats)

@@ -28,15 +28,37 @@ def layer(gate, up, down, fmt="bf16", isa=None, **kw):
 def no_amx_emulation_left_on():
     yield
     native.set_amx_emulation(False)
-FORMATS = ["bf16", "int8", "int4", "mxfp4"]
+FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8"]
+
+
+class Fp8Rows:
+    """One projection of packed fp8 experts, multiplied as the kernels do: each 128-row block's rows times
+    the vector scaled by that block row's scales, rounded to bf16 (native/gemm_fp8.cpp); in float64."""
+    def __init__(self, packed, r0, r1, K):
+        from moe_kernels.packing import FP8_BLOCK
+        data, scale = packed[0], packed[1]
+        self.values = data.view(torch.float8_e4m3fn).double() / 256
+        self.scale = scale.double().repeat_interleave(FP8_BLOCK, 2)[..., :data.shape[2]]  # [E, row blocks, Kp]
+        self.r0, self.r1, self.K, self.block = r0, r1, K, FP8_BLOCK
+        self.shape = (data.shape[0], r1 - r0, K)
+
+    def __getitem__(self, e):
+        def mv(v):
+            vp = F.pad(v.double(), (0, self.values.shape[2] - self.K))
+            xs = (vp * self.scale[e]).bfloat16().double()                      # [row blocks, Kp]
+            rows = torch.arange(self.r0, self.r1)
+            return (self.values[e, rows] * xs[rows // self.block]).sum(-1).float()
+        return mv
 
 
 def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
     """fp32, one token and one expert at a time. With fmt, the activations go through the same
-    rounding as the kernels' (bf16, or symmetric int8 per vector) so only summation order differs.
-    act / bias: gpt-oss's clamped SwiGLU (ExpertAct) and expert biases ([E, 2I] gate then up, [E, H])."""
+    rounding as the kernels' (bf16, or symmetric int8 per vector; fp8: Fp8Rows) so only summation order
+    differs. act / bias: gpt-oss's clamped SwiGLU (ExpertAct) and expert biases ([E, 2I] gate then up, [E, H])."""
+    mv = lambda m, v: m(v) if callable(m) else m.float() @ v  # noqa: E731
+
     def act_q(v):
-        if fmt is None:
+        if fmt is None or fmt == "fp8":
             return v
         if fmt == "bf16":
             return v.bfloat16().float()
@@ -48,7 +70,7 @@ def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
         xt = act_q(x[t].float())
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            g, u = gate[e].float() @ xt, up[e].float() @ xt
+            g, u = mv(gate[e], xt), mv(up[e], xt)
             if bias[0] is not None:
                 g, u = g + bias[0][e, :g.shape[0]], u + bias[0][e, g.shape[0]:]
             g, u = bf(g), bf(u)
@@ -57,14 +79,18 @@ def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
             else:  # each step rounded as the kernels (and a bf16 model) do
                 g, u = g.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
                 a = act_q(bf(bf(u + 1) * bf(g * bf(torch.sigmoid(bf(g * act.alpha))))))
-            y = down[e].float() @ a
+            y = mv(down[e], a)
             out[t] += w[t, j].float() * (y if bias[1] is None else y + bias[1][e])
     return out
 
 
 def dequantized(op):
-    """The weights exactly as the packed format stores them, back in fp32 [E, rows, K]."""
+    """The weights exactly as the packed format stores them, back in fp32 [E, rows, K] (fp8: Fp8Rows)."""
     from moe_kernels.packing import INT4_GROUP, MX4_TWICE, MX_BLOCK, mx_scale
+
+    if op.fmt == "fp8":
+        I, H = op.intermediate, op.hidden
+        return Fp8Rows(op.gu, 0, I, H), Fp8Rows(op.gu, I, 2 * I, H), Fp8Rows(op.dn, 0, H, I)
 
     def one(packed, K):
         data, scale, _, _ = packed
@@ -112,8 +138,9 @@ def close(got, want, tol):
 # against the original ones only loosely.
 # Against the reference that rounds like the kernels: sum order differs, which now and then moves an
 # activation across an int8 rounding boundary (one quantum, 1/127 of the vector's max).
-TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3}
-TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1}
+# fp8: e4m3 keeps 3 mantissa bits (up to 6% error per weight against the original bf16 weights).
+TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3, "fp8": 2e-3}
+TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1, "fp8": 1.5e-1}
 
 
 @pytest.fixture(autouse=True)
@@ -210,6 +237,56 @@ def test_mxfp4_published_weights_are_kept_bit_for_bit(isa):
     ids, w = routing(T, k, E)
     x = torch.randn(T, H)
     close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="mxfp4"), TOL["mxfp4"])
+
+
+def published_fp8(rows, cols, gen):
+    """A random FP8 weight as a checkpoint publishes it: any finite e4m3 byte, a scale per 128 x 128 block."""
+    from moe_kernels.packing import Fp8
+    b = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=gen)
+    b[(b & 0x7F) == 0x7F] = 0x3F  # no NaN
+    scale = torch.rand(-(-rows // 128), -(-cols // 128), generator=gen) * 1e-3 + 1e-4
+    return Fp8(b.view(torch.float8_e4m3fn), scale)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_published_weights_are_kept_bit_for_bit(isa):
+    """DeepSeek-style FP8 experts as published (e4m3 bytes, subnormals included, a scale per 128 x 128 block;
+    gate and up of 128 rows each stacked, H = 200 padded): packed exactly, and the kernels multiply exactly
+    those values, decode (few tokens, widened in registers) and prefill (a bf16 scratch, AMX tiles)."""
+    E, I, H = 3, 128, 200
+    g = torch.Generator().manual_seed(4)
+    parts = [(published_fp8(I, H, g), published_fp8(I, H, g), published_fp8(H, I, g)) for _ in range(E)]
+    if isa == "amx-emulated":
+        native.set_amx_emulation(True)
+    op = NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt="fp8", threads=2,
+                                     isa="amx" if isa == "amx-emulated" else isa)
+    data, scale = op.gu[0], op.gu[1]
+    for e, (pg, pu, pd) in enumerate(parts):
+        assert torch.equal(data[e, :I, :H], pg.values.view(torch.uint8)) and torch.equal(data[e, I:, :H], pu.values.view(torch.uint8))
+        assert torch.equal(scale[e, :, :2], torch.cat([pg.scale, pu.scale]) * 256)
+        assert torch.equal(op.dn[0][e, :, :I], pd.values.view(torch.uint8))
+        assert not data[e, :, H:].any()  # padding is +0
+    for T in (1, 3, 40):
+        ids, w = routing(T, 2, E)
+        x = torch.randn(T, H)
+        close(op.forward(x, ids, w), reference(x, *dequantized(op), ids, w, fmt="fp8"), TOL["fp8"])
+
+
+def test_fp8_error_is_below_bf16s_on_fp8_weights():
+    """On weights that are exactly FP8 (a published checkpoint), the fp8 format keeps them exact and rounds
+    only its activations; bf16 rounds both: fp8's output error against the exact weights is the smaller."""
+    E, I, H, T = 4, 256, 384, 16
+    g = torch.Generator().manual_seed(5)
+    parts = [(published_fp8(I, H, g), published_fp8(I, H, g), published_fp8(H, I, g)) for _ in range(E)]
+    exact = [tuple(p.dequantize() for p in ps) for ps in parts]
+    ids, w = routing(T, 2, E)
+    x = torch.randn(T, H)
+    want = reference(x, *(torch.stack([ex[i] for ex in exact]) for i in range(3)), ids, w).double()
+    err = {}
+    for fmt in ("fp8", "bf16"):
+        op = NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt=fmt, threads=2)
+        err[fmt] = float((op.forward(x, ids, w).double() - want).norm() / want.norm())
+    assert err["fp8"] < err["bf16"] < 1e-2, err
 
 
 def test_torch_operator_matches_reference():

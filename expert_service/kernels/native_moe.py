@@ -13,7 +13,7 @@ import torch
 
 from moe_core.config import SILU, ExpertAct
 from moe_kernels import ISA, native as _n
-from moe_kernels.packing import FORMATS, Mx4, alloc, data_ptr, layout, pack_expert, row_len, store_expert
+from moe_kernels.packing import FORMATS, alloc, data_ptr, layout, pack_expert, row_len, stack_rows, store_expert
 
 
 ACTS = ("silu", "clamped_swiglu")  # native/moe.h's Act
@@ -31,7 +31,8 @@ class NativeMoELayer:
     def from_experts(cls, E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None,
                      isa: str | None = None) -> "NativeMoELayer":
         """Pack expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]) in any float dtype or as
-        published MXFP4 (packing.Mx4), so at most one expert's source tensors exist beside the packed layer."""
+        published (packing.Mx4, packing.Fp8), so at most one expert's source tensors exist beside the packed
+        layer."""
         self = cls.__new__(cls)
         self._build(E, I, H, load, fmt, threads, isa)
         return self
@@ -92,8 +93,7 @@ class NativeMoELayer:
             if g.shape != (I, H) or u.shape != (I, H) or d.shape != (H, I):
                 raise ValueError(f"expert {e}: shapes gate {tuple(g.shape)}, up {tuple(u.shape)}, down "
                                  f"{tuple(d.shape)}; expected [{I}, {H}], [{I}, {H}], [{H}, {I}]")
-            store_expert(self.gu, e, pack_expert(Mx4.cat([g, u]) if isinstance(g, Mx4) else torch.cat([g, u]), fmt,
-                                                 self.Kp_h))
+            store_expert(self.gu, e, pack_expert(stack_rows([g, u], fmt), fmt, self.Kp_h))
             store_expert(self.dn, e, pack_expert(d, fmt, self.Kp_i))
         self.ready(threads)
 
