@@ -161,8 +161,10 @@ void quantize_row(Fmt fmt, const float* x, int n, ActBuf& b, int r) {
     for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(x[i]);
     return;
   }
-  if (fmt == Fmt::Fp8) {  // fp32 as is: its kernels scale and round each row per weight block
-    std::memcpy(dst, x, size_t(n) * sizeof(float));
+  if (fmt == Fmt::Fp8) {  // fp32 as is (scaled and rounded per weight block by its kernels), then its bf16 rounding
+    std::memcpy(dst, x, size_t(n) * sizeof(float));  // (read where the kernels fold the scales into the weights)
+    auto* d = reinterpret_cast<uint16_t*>(dst + (b.row_bytes / 6) * 4);
+    for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(x[i]);
     return;
   }
   float amax = 0.f;

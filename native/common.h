@@ -80,7 +80,8 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
   return uint16_t(u >> 16);
 }
 
-// Activations of several rows in one format (bf16 rows, u8 rows q + 128 with a scale each, or fp32 rows).
+// Activations of several rows in one format (bf16 rows, u8 rows q + 128 with a scale each, or fp8's fp32 rows
+// each followed by its bf16 rounding).
 struct ActBuf {
   std::vector<uint8_t> data;
   std::vector<float> scale, scales_of_slot;
@@ -88,7 +89,7 @@ struct ActBuf {
   size_t row_bytes = 0;
 
   void resize(Fmt fmt, int n, int Kp) {
-    row_bytes = fmt == Fmt::Bf16 ? size_t(Kp) * 2 : fmt == Fmt::Fp8 ? size_t(Kp) * 4 : size_t(Kp);
+    row_bytes = fmt == Fmt::Bf16 ? size_t(Kp) * 2 : fmt == Fmt::Fp8 ? size_t(Kp) * 6 : size_t(Kp);
     data.assign(size_t(n) * row_bytes, 0);  // zero padding: the kernels read whole rows
     scale.assign(n, 1.f);
   }

@@ -160,7 +160,7 @@ void rows_avx2_widened(int Kp, const uint16_t* We, size_t pf, int r0, int r1, co
 }
 
 void rows_avx2(int Kp, const uint16_t* We, size_t pf, int r0, int r1, const uint16_t* const* X, int ns, float* Y,
-               size_t ldy) {
+               size_t ldy) {  // pf 0: no prefetching
   // the activations widened once per call (a task's rows reuse them); a few KB per token
   thread_local std::vector<float> xf;
   thread_local std::vector<const float*> xr;
@@ -170,10 +170,15 @@ void rows_avx2(int Kp, const uint16_t* We, size_t pf, int r0, int r1, const uint
     widen_row(X[s], Kp, xf.data() + size_t(s) * Kp);
     xr[s] = xf.data() + size_t(s) * Kp;
   }
-  rows_avx2_widened(Kp, We, pf, r0, r1, xr.data(), ns, Y, ldy, true);
+  rows_avx2_widened(Kp, We, pf, r0, r1, xr.data(), ns, Y, ldy, pf != 0);
 }
 
 }  // namespace
+
+void bf16_rows_avx2(const uint16_t* We, int Kp, int r0, int r1, const uint16_t* const* X, int ns, float* Y, size_t ldy,
+                    size_t pf) {
+  rows_avx2(Kp, We, pf, r0, r1, X, ns, Y, ldy);
+}
 
 void bf16_rows_avx2_widened(const uint16_t* We, int Kp, int r0, int r1, const float* const* X, int ns, float* Y,
                             size_t ldy) {

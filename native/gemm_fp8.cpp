@@ -31,6 +31,7 @@ namespace {
 constexpr int RB = 4;
 constexpr int INLINE_SLOTS = 4;  // at most this many slots: widen in registers (decode); more: a bf16 scratch
 constexpr int CONV_ROWS = 32;    // rows widened into the scratch at a time (32 x 7232 x 2 B: L2-resident)
+constexpr int FOLD_SLOTS = 128;  // from this many slots the scales go onto the widened weights (fp8_rows)
 
 inline int kblocks(int Kp) { return (Kp + FP8_BLOCK - 1) / FP8_BLOCK; }
 
@@ -66,18 +67,23 @@ __attribute__((target("avx512f,avx512bf16"))) void scale_rows_avx512(const float
     }
 }
 
+// v rounded to bf16 (nearest even, as f32_to_bf16), kept in the top half of each lane; exact values unchanged
+__attribute__((target("avx2"), always_inline)) inline __m256i round_bf16_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+  return _mm256_and_si256(r, _mm256_set1_epi32(int(0xffff0000u)));
+}
+
 // AVX2: fp32, natural order, each value rounded through bf16 (round to nearest even, as f32_to_bf16) so every
 // path multiplies the same activations
 __attribute__((target("avx2,fma"))) void scale_rows_avx2(const float* const* X, int ns, int Kp, const float* S,
                                                          void* out) {
   auto* xs = static_cast<float*>(out);
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), high = _mm256_set1_epi32(int(0xffff0000u));
   for (int s = 0; s < ns; ++s)
     for (int k = 0; k < Kp; k += 8) {
-      const __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(X[s] + k), _mm256_set1_ps(S[k / FP8_BLOCK])));
-      const __m256i r = _mm256_and_si256(
-          _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), high);
-      _mm256_storeu_ps(xs + size_t(s) * Kp + k, _mm256_castsi256_ps(r));
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(X[s] + k), _mm256_set1_ps(S[k / FP8_BLOCK]));
+      _mm256_storeu_ps(xs + size_t(s) * Kp + k, _mm256_castsi256_ps(round_bf16_avx2(v)));
     }
 }
 
@@ -111,13 +117,29 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"), always_inline))
   b = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
 }
 
+// Rows widened into the prefill scratch: exact (S null), or times their block scales S[k / 128] rounded to bf16
+// (folded: the weights the bf16 format would hold, bit for bit)
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline __m512bh scale_bf16(__m512bh v, __m512 sc) {
+  const __m512 lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)v));
+  const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)v, 1));
+  return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sc), _mm512_mul_ps(lo, sc));
+}
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) void widen_rows_avx512(const uint8_t* W, int n,
-                                                                                         int Kp, uint16_t* dst) {
+                                                                                         int Kp, const float* S,
+                                                                                         uint16_t* dst) {
   const Lut512 t = lut512();
+  // scaled: back to natural order (128-bit lanes a0 b0 a1 b1 | a2 b2 a3 b3), as the bf16 format's rows
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   for (int r = 0; r < n; ++r)
     for (int k = 0; k < Kp; k += 64) {
       __m512bh a, b;
       widen64(W + size_t(r) * Kp + k, t, a, b);
+      if (S) {
+        const __m512 sc = _mm512_set1_ps(S[k / FP8_BLOCK]);
+        const __m512i sa = (__m512i)scale_bf16(a, sc), sb = (__m512i)scale_bf16(b, sc);
+        a = (__m512bh)_mm512_permutex2var_epi64(sa, first, sb);
+        b = (__m512bh)_mm512_permutex2var_epi64(sa, second, sb);
+      }
       _mm512_storeu_si512(dst + size_t(r) * Kp + k, (__m512i)a);
       _mm512_storeu_si512(dst + size_t(r) * Kp + k + 32, (__m512i)b);
     }
@@ -132,16 +154,25 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void widen16_avx2
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
-// AVX2's scratch: per 16 weights, 32-bit lane j holds the bf16 of element j (low half) and of j + 8 (high), so
-// the bf16 kernel's split of a load into even and odd halves gives elements 0-7 and 8-15: natural order
-__attribute__((target("avx2,fma,f16c"))) void widen_rows_avx2(const uint8_t* W, int n, int Kp, uint16_t* dst) {
-  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+// AVX2's scratch, exact: per 16 weights, 32-bit lane j holds the bf16 of element j (low half) and of j + 8 (high),
+// so the bf16 kernel's split of a load into even and odd halves gives elements 0-7 and 8-15: natural order for
+// the fp32 activations. Scaled (S): natural order, as the bf16 format holds its rows.
+__attribute__((target("avx2,fma,f16c"))) void widen_rows_avx2(const uint8_t* W, int n, int Kp, const float* S,
+                                                              uint16_t* dst) {
   for (int r = 0; r < n; ++r)
     for (int k = 0; k < Kp; k += 16) {
-      __m256 lo, hi;  // exact values of <= 4 significant bits: their bf16 is their top half
+      __m256 lo, hi;
       widen16_avx2(W + size_t(r) * Kp + k, lo, hi);
-      const __m256i p = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(lo), 16),
-                                        _mm256_and_si256(_mm256_castps_si256(hi), high));
+      __m256i p;
+      if (S) {  // natural order, as the bf16 format's rows
+        const __m256 sc = _mm256_set1_ps(S[k / FP8_BLOCK]);
+        const __m256i a = _mm256_srli_epi32(round_bf16_avx2(_mm256_mul_ps(lo, sc)), 16);
+        const __m256i b = _mm256_srli_epi32(round_bf16_avx2(_mm256_mul_ps(hi, sc)), 16);
+        p = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+      } else {  // exact: their bf16 is their top half
+        p = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(lo), 16),
+                            _mm256_and_si256(_mm256_castps_si256(hi), _mm256_set1_epi32(int(0xffff0000u))));
+      }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + size_t(r) * Kp + k), p);
     }
 }
@@ -231,8 +262,9 @@ void inline_ref(const uint8_t* W, size_t ldw, size_t, int nr, const void* const*
       C[t * RB + r] = acc;
     }
 }
-void widen_rows_ref(const uint8_t* W, int n, int Kp, uint16_t* dst) {
-  for (size_t i = 0; i < size_t(n) * Kp; ++i) dst[i] = f32_to_bf16(half_to_f32(e4m3_half_bits(W[i])));
+void widen_rows_ref(const uint8_t* W, int n, int Kp, const float* S, uint16_t* dst) {
+  for (size_t i = 0; i < size_t(n) * Kp; ++i)
+    dst[i] = f32_to_bf16(half_to_f32(e4m3_half_bits(W[i])) * (S ? S[(i % Kp) / FP8_BLOCK] : 1.f));
 }
 
 // One ISA's pieces: the scaled activations, the inline kernel, the row widening and the bf16 rows (the bf16
@@ -242,8 +274,10 @@ void widen_rows_ref(const uint8_t* W, int n, int Kp, uint16_t* dst) {
 struct Path {
   void (*scale_rows)(const float* const* X, int ns, int Kp, const float* S, void* xs);
   void (*inline_rows)(const uint8_t* W, size_t ldw, size_t pf, int nr, const void* const* X, int nt, int Kp, float* C);
-  void (*widen_rows)(const uint8_t* W, int n, int Kp, uint16_t* dst);
+  void (*widen_rows)(const uint8_t* W, int n, int Kp, const float* S, uint16_t* dst);
   void (*bf16_rows)(const uint16_t* We, int Kp, int r0, int r1, const void* const* X, int ns, float* Y, size_t ldy);
+  // folded: the bf16 format's kernel on natural-order rows and activations
+  void (*natural_rows)(const uint16_t* We, int Kp, int r0, int r1, const void* const* X, int ns, float* Y, size_t ldy);
   int act_bytes;
   bool amx;
 };
@@ -262,9 +296,27 @@ void fp8_rows(const Path& p, const Matrix& m, int e, int r0, int r1, const Acts&
   xr.resize(ns);
   for (int s = 0; s < ns; ++s) xr[s] = xs.data() + size_t(s) * row_bytes;
   const bool tiles = p.amx && ns >= AMX_MIN_SLOTS;
+  // Many slots: the block scales go onto the widened weights instead (bf16(value x scale), the bf16 format's
+  // weights bit for bit) and the activations are the bf16 rows quantize_row made once per forward: rescaling
+  // every slot's row for each block row would stream ns x Kp activations per 128 rows, out of L2 at this size
+  const bool fold = ns >= FOLD_SLOTS;
+  auto pack_tiles = [&](Acts& xa) {  // the activations in tile layout (bf16: the AVX-512 paths)
+    amx_b.resize(amx_b_bytes(Fmt::Bf16, ns, Kp) + 64);
+    xa.amx_b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(amx_b.data()) + 63) / 64 * 64);
+    pack_amx_b(Fmt::Bf16, xa, ns, Kp, const_cast<uint8_t*>(xa.amx_b));
+  };
+  Acts xa{xr.data(), nullptr, nullptr};
+  thread_local std::vector<const void*> xn;  // folded: each slot's bf16 row, made once by quantize_row
+  if (fold) {
+    xn.resize(ns);
+    for (int s = 0; s < ns; ++s) xn[s] = static_cast<const uint8_t*>(x.rows[s]) + size_t(Kp) * 4;
+    xa.rows = xn.data();
+    if (tiles) pack_tiles(xa);
+  }
   for (int r = r0; r < r1;) {
     const int rb = r / FP8_BLOCK, rz = std::min(r1, (rb + 1) * FP8_BLOCK);
-    p.scale_rows(X, ns, Kp, Se + size_t(rb) * nkb, xs.data());
+    const float* S = Se + size_t(rb) * nkb;
+    if (!fold) p.scale_rows(X, ns, Kp, S, xs.data());
     const void* const* xp = xr.data();
     if (ns <= INLINE_SLOTS) {
       for (int q = r; q < rz; q += RB) {
@@ -275,16 +327,11 @@ void fp8_rows(const Path& p, const Matrix& m, int e, int r0, int r1, const Acts&
           for (int j = 0; j < nr; ++j) Y[size_t(t) * ldy + q + j] = C[t * RB + j];
       }
     } else {
-      Acts xa{xr.data(), nullptr, nullptr};
-      if (tiles) {  // this block row's activations in tile layout, once (bf16: the AVX-512 paths)
-        amx_b.resize(amx_b_bytes(Fmt::Bf16, ns, Kp) + 64);
-        xa.amx_b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(amx_b.data()) + 63) / 64 * 64);
-        pack_amx_b(Fmt::Bf16, xa, ns, Kp, const_cast<uint8_t*>(xa.amx_b));
-      }
+      if (tiles && !fold) pack_tiles(xa);  // this block row's scaled activations
       wb.resize(size_t(CONV_ROWS) * Kp);
       for (int q = r; q < rz; q += CONV_ROWS) {
         const int n = std::min(CONV_ROWS, rz - q);
-        p.widen_rows(We + size_t(q) * Kp, n, Kp, wb.data());
+        p.widen_rows(We + size_t(q) * Kp, n, Kp, fold ? S : nullptr, wb.data());
         // the next chunk's bytes come from DRAM while this one computes: a share of them prefetched before
         // each group of rows (the widening reads them at cache speed then; without this it waited on DRAM,
         // a third of the prefill time)
@@ -305,7 +352,8 @@ void fp8_rows(const Path& p, const Matrix& m, int e, int r0, int r1, const Acts&
         }
         for (int j = whole; j < n; j += RB) {  // the widened rows are in cache: no prefetching of them
           prefetch_share(g++);
-          p.bf16_rows(wb.data(), Kp, j, std::min(n, j + RB), xp, ns, Y + q, ldy);
+          if (fold) p.natural_rows(wb.data(), Kp, j, std::min(n, j + RB), xn.data(), ns, Y + q, ldy);
+          else p.bf16_rows(wb.data(), Kp, j, std::min(n, j + RB), xp, ns, Y + q, ldy);
         }
       }
     }
@@ -317,17 +365,20 @@ void bf16_rows_ref(const uint16_t* We, int Kp, int r0, int r1, const void* const
   const Matrix m{We, nullptr, nullptr, nullptr, r1, Kp, Kp};
   ref_gemm_rows_bf16(m, 0, r0, r1, Acts{X, nullptr}, ns, Y, ldy);
 }
-void bf16_rows_avx2(const uint16_t* We, int Kp, int r0, int r1, const void* const* X, int ns, float* Y, size_t ldy) {
+void widened_rows_avx2(const uint16_t* We, int Kp, int r0, int r1, const void* const* X, int ns, float* Y, size_t ldy) {
   bf16_rows_avx2_widened(We, Kp, r0, r1, reinterpret_cast<const float* const*>(X), ns, Y, ldy);
 }
 void bf16_rows_zmm(const uint16_t* We, int Kp, int r0, int r1, const void* const* X, int ns, float* Y, size_t ldy) {
   bf16_rows_avx512(We, Kp, r0, r1, reinterpret_cast<const uint16_t* const*>(X), ns, Y, ldy, 0);
 }
+void natural_rows_avx2(const uint16_t* We, int Kp, int r0, int r1, const void* const* X, int ns, float* Y, size_t ldy) {
+  bf16_rows_avx2(We, Kp, r0, r1, reinterpret_cast<const uint16_t* const*>(X), ns, Y, ldy, 0);
+}
 
-constexpr Path REF{scale_rows_ref, inline_ref, widen_rows_ref, bf16_rows_ref, 2, false};
-constexpr Path AVX2{scale_rows_avx2, inline_avx2, widen_rows_avx2, bf16_rows_avx2, 4, false};
-constexpr Path AVX512{scale_rows_avx512, inline_avx512, widen_rows_avx512, bf16_rows_zmm, 2, false};
-constexpr Path AMX{scale_rows_avx512, inline_avx512, widen_rows_avx512, bf16_rows_zmm, 2, true};
+constexpr Path REF{scale_rows_ref, inline_ref, widen_rows_ref, bf16_rows_ref, bf16_rows_ref, 2, false};
+constexpr Path AVX2{scale_rows_avx2, inline_avx2, widen_rows_avx2, widened_rows_avx2, natural_rows_avx2, 4, false};
+constexpr Path AVX512{scale_rows_avx512, inline_avx512, widen_rows_avx512, bf16_rows_zmm, bf16_rows_zmm, 2, false};
+constexpr Path AMX{scale_rows_avx512, inline_avx512, widen_rows_avx512, bf16_rows_zmm, bf16_rows_zmm, 2, true};
 
 // AVX-512 without VBMI (Cooper Lake): the AVX2 kernels
 const Path& zmm_path(const Path& p) { return detect_cpu().avx512vbmi ? p : AVX2; }

@@ -57,6 +57,8 @@ void gemm_rows_mxfp4_avx512(const Matrix& m, int e, int r0, int r1, const Acts& 
 // Rows [r0, r1) of a bf16 matrix We (rows Kp apart) times bf16 activations X; pf: the weights' software
 // prefetch distance in elements, 0 for none (weights already in cache: fp8's widened rows). AVX2: X already
 // widened to fp32, per 16 elements [the even 8 | the odd 8] (the order its bf16 loads split into).
+void bf16_rows_avx2(const uint16_t* We, int Kp, int r0, int r1, const uint16_t* const* X, int ns, float* Y, size_t ldy,
+                    size_t pf);
 void bf16_rows_avx2_widened(const uint16_t* We, int Kp, int r0, int r1, const float* const* X, int ns, float* Y,
                             size_t ldy);
 void bf16_rows_avx512(const uint16_t* We, int Kp, int r0, int r1, const uint16_t* const* X, int ns, float* Y,

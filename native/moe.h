@@ -46,7 +46,8 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //         as int4's over those values. Bit-exact with the published weights, 4.25 bits a weight.
 //   fp8:  w = uint8 [E, rows, Kp], e4m3 (float8_e4m3fn) bytes as published; scale = fp32
 //         [E, ceil(rows/128), ceil(Kp/128)]: the block's published scale_inv times 256 (the kernels widen a
-//         byte through fp16 bits that read as its value / 256). Activations: fp32 rows (gemm_fp8.cpp).
+//         byte through fp16 bits that read as its value / 256). Activations: fp32 rows of Kp, each followed by
+//         its bf16 rounding (gemm_fp8.cpp).
 // Both int formats take activations as u8 = q + 128 (VNNI multiplies unsigned by signed); the
 // +128 is taken back out with rowsum (int8) or rowcorr (int4), which depend on the row only.
 struct Matrix {
@@ -110,7 +111,7 @@ void moe_forward_part(const Kernels& kn, const MoEWeights& m, const void* hidden
                       const float* weights, void* out, bool out_bf16, int T, int k, int defer, int part);
 
 // Activations as the kernels take them: bf16 rows, (int formats) uint8 rows q + 128 with one
-// scale per row, or (fp8) fp32 rows, scaled per weight block by its kernels.
+// scale per row, or (fp8) fp32 rows (then their bf16 rounding), scaled per weight block by its kernels.
 struct Acts {
   const void* const* rows;          // one pointer per slot
   const float* scale;               // per slot (int formats)

@@ -272,6 +272,27 @@ def test_fp8_published_weights_are_kept_bit_for_bit(isa):
         close(op.forward(x, ids, w), reference(x, *dequantized(op), ids, w, fmt="fp8"), TOL["fp8"])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_prefill_with_many_tokens_an_expert_computes_the_bf16_formats_numbers(isa):
+    """From 128 tokens an expert (FOLD_SLOTS) the block scales go onto the widened weights: bf16(value x scale)
+    is what the bf16 format holds for the same published weights, and the activations are rounded alike, so the
+    two formats agree up to summation order (which can move an activation across a bf16 rounding boundary:
+    TOL["bf16"])."""
+    E, I, H, T = 2, 128, 256, 300
+    g = torch.Generator().manual_seed(6)
+    parts = [(published_fp8(I, H, g), published_fp8(I, H, g), published_fp8(H, I, g)) for _ in range(E)]
+    ops = [layer(*(torch.stack([p[j].dequantize() for p in parts]) for j in range(3)), fmt="bf16", isa=isa)]
+    if isa == "amx-emulated":
+        native.set_amx_emulation(True)
+    ops.append(NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt="fp8", threads=2,
+                                           isa="amx" if isa == "amx-emulated" else isa))
+    ids = torch.tensor([[0, 1]] * T, dtype=torch.int32)
+    w = torch.rand(T, 2, generator=g)
+    x = torch.randn(T, H, generator=g)
+    bf16, fp8 = (op.forward(x, ids, w) for op in ops)
+    close(fp8, bf16, TOL["bf16"])
+
+
 def test_fp8_error_is_below_bf16s_on_fp8_weights():
     """On weights that are exactly FP8 (a published checkpoint), the fp8 format keeps them exact and rounds
     only its activations; bf16 rounds both: fp8's output error against the exact weights is the smaller."""
