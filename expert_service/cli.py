@@ -34,7 +34,7 @@ def parse_args(argv=None):
                          "gpu-service on the CPU or with other programs is fine with the defaults: waits spin only "
                          "while a CPU is free (MOE_SPIN=always|never overrides) and torch's OpenMP threads wait "
                          "passively (OMP_WAIT_POLICY)")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4", "fp8"],
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4", "fp8", "int4g32"],
                     help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group "
                          "scales, quantized at load; mxfp4: e2m1 with a power-of-two scale per 32, gpt-oss's "
                          "published experts kept bit for bit, others quantized at load; fp8: e4m3 with a scale "

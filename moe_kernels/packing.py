@@ -5,7 +5,9 @@
 - mxfp4: OCP MX, e2m1 values with one power-of-two scale per 32 (MX_BLOCK): gpt-oss's experts as
   published (Mx4: taken bit for bit), or quantized here from float weights;
 - fp8: e4m3 values with one fp32 scale per 128 x 128 block (FP8_BLOCK): DeepSeek-V3-style FP8 releases as
-  published (Fp8: taken bit for bit), or quantized here from float weights with DeepSeek's recipe.
+  published (Fp8: taken bit for bit), or quantized here from float weights with DeepSeek's recipe;
+- int4g32: int4's nibbles with one fp32 scale per 32 weights: symmetric int4 checkpoints (Int4: groups of
+  32, 64, 128... as published, their scales repeated per 32), or quantized here from float weights.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes.
 """
 from __future__ import annotations
@@ -19,9 +21,10 @@ from moe_core.config import FP8_BLOCK
 
 from . import native
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8")
+FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32")
 INT4_GROUP = 64
 MX_BLOCK = 32
+G32 = 32  # int4g32's group
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
@@ -79,6 +82,27 @@ class Fp8(NamedTuple):
         return Fp8(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]))
 
 
+class Int4(NamedTuple):
+    """Symmetric int4 weights as a checkpoint publishes them: values [rows, K] int8 in -8..7 and scale
+    [rows, K / group] fp32 (w = value x the scale of its group of `group` consecutive weights of a row)."""
+    values: torch.Tensor
+    scale: torch.Tensor
+    group: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scale.float().repeat_interleave(self.group, 1)[:, :self.values.shape[1]]
+
+    @staticmethod
+    def cat(parts: list["Int4"]) -> "Int4":
+        if len({p.group for p in parts}) != 1:
+            raise ValueError(f"int4 matrices of different group sizes {[p.group for p in parts]} cannot be stacked")
+        return Int4(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), parts[0].group)
+
+
 def fp8_quantize(w: torch.Tensor) -> Fp8:
     """Float w [rows, K] -> FP8 with 128 x 128 blocks, each block's largest magnitude mapped to e4m3's 448
     (DeepSeek's recipe, as tools/synth_checkpoint.py writes its checkpoints)."""
@@ -113,7 +137,7 @@ def row_len(n: int, fmt: str) -> int:
     the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
     fall in one L1 set."""
     n = (n + 63) // 64 * 64
-    nbytes = {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "fp8": n}[fmt]
+    nbytes = {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "fp8": n, "int4g32": n // 2}[fmt]
     return n + 64 if nbytes % 512 == 0 else n
 
 
@@ -138,7 +162,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
     if fmt == "fp8":
         blocks = (E, -(-rows // FP8_BLOCK), -(-Kp // FP8_BLOCK))
         return ((E, rows, Kp), torch.uint8), (blocks, torch.float32), None, None
-    scale = ((E, rows, Kp // MX_BLOCK), torch.uint8) if fmt == "mxfp4" else ((E, rows, Kp // INT4_GROUP), torch.float32)
+    scale = {"mxfp4": ((E, rows, Kp // MX_BLOCK), torch.uint8),
+             "int4g32": ((E, rows, Kp // G32), torch.float32)}.get(fmt, ((E, rows, Kp // INT4_GROUP), torch.float32))
     return ((E, rows, Kp // 2), torch.uint8), scale, None, ((E, rows), torch.float32)
 
 
@@ -186,16 +211,44 @@ def pack_fp8(w: Fp8, Kp: int) -> tuple:
     return data, scale, None, None
 
 
+def pack_int4g32(w: Int4, Kp: int) -> tuple:
+    """Symmetric int4 [rows, K] with groups of 32 x n -> (nibbles, a scale per 32, None, rowcorr), bit-exact."""
+    R, K = w.values.shape
+    if w.group % G32 or w.scale.shape != (R, -(-K // w.group)):
+        raise ValueError(f"int4 weight [{R}, {K}] in groups of {w.group}: the int4g32 format keeps groups of a "
+                         f"multiple of {G32} with a scale each, got scales {list(w.scale.shape)}")
+    if int(w.values.min()) < -8 or int(w.values.max()) > 7:
+        raise ValueError("int4 values outside -8..7")
+    q = F.pad(w.values.to(torch.int16) + 8, (0, Kp - K), value=8).to(torch.uint8)  # 8 = zero
+    scale = w.scale.float().repeat_interleave(w.group // G32, 1)
+    scale = F.pad(scale, (0, Kp // G32 - scale.shape[1]), value=1.0)[:, :Kp // G32]
+    sums = (q.float() - 8).view(R, -1, G32).sum(-1)
+    return _nibbles(q), scale, None, 128 * (scale * sums).sum(-1)  # rowcorr: the +128 of u8 x out
+
+
+def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
+    """Float w [rows, K] -> symmetric int4 in groups (each group's largest magnitude maps to 7)."""
+    R, K = w.shape
+    g = F.pad(w.float(), (0, -K % group)).view(R, -1, group)
+    scale = (g.abs().amax(-1) / 7).clamp_min(1e-12)
+    q = torch.round(g / scale[..., None]).clamp(-8, 7).to(torch.int8).view(R, -1)[:, :K]
+    return Int4(q, scale, group)
+
+
 def pack_expert(w, fmt: str, Kp: int) -> tuple:
     """One expert's w [rows, K] (any float dtype, Mx4 or Fp8) -> its (data, scale, rowsum, rowcorr) in the
     kernels' layout."""
     if fmt == "mxfp4":
         if not isinstance(w, Mx4):
-            w = mx4_quantize(F.pad(w.dequantize() if isinstance(w, Fp8) else w.float(), (0, -w.shape[-1] % MX_BLOCK)))
+            w = mx4_quantize(F.pad(w.dequantize() if isinstance(w, (Fp8, Int4)) else w.float(), (0, -w.shape[-1] % MX_BLOCK)))
         return pack_mx4(w, Kp)
     if fmt == "fp8":
-        return pack_fp8(w if isinstance(w, Fp8) else fp8_quantize(w.dequantize() if isinstance(w, Mx4) else w), Kp)
-    if isinstance(w, (Mx4, Fp8)):
+        return pack_fp8(w if isinstance(w, Fp8) else fp8_quantize(w.dequantize() if isinstance(w, (Mx4, Int4)) else w),
+                        Kp)
+    if fmt == "int4g32":
+        return pack_int4g32(w if isinstance(w, Int4) else int4_quantize(w.dequantize() if isinstance(w, (Mx4, Fp8)) else w),
+                            Kp)
+    if isinstance(w, (Mx4, Fp8, Int4)):
         w = w.dequantize()
     w = F.pad(w.float(), (0, Kp - w.shape[-1]))
     if fmt == "bf16":
@@ -219,7 +272,9 @@ def stack_rows(parts: list, fmt: str):
         return Mx4.cat(parts)
     if fmt == "fp8" and all(isinstance(p, Fp8) for p in parts):
         return Fp8.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, (Mx4, Fp8)) else p for p in parts])
+    if fmt == "int4g32" and all(isinstance(p, Int4) for p in parts):
+        return Int4.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, (Mx4, Fp8, Int4)) else p for p in parts])
 
 
 def store_expert(dst: tuple, e: int, parts: tuple) -> None:

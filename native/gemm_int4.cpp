@@ -1,6 +1,8 @@
-// 4-bit weights x int8 activations: AVX-512 VNNI, AVX-VNNI, AVX2 and portable. Two formats share the kernels
-// (template flag MX), which differ only in what a nibble means and how many scales a group has:
+// 4-bit weights x int8 activations: AVX-512 VNNI, AVX-VNNI, AVX2 and portable. Three formats share the kernels
+// (template argument MODE), which differ only in what a nibble means and how many scales a group has:
 // - int4: nibbles q in 0..15 stand for q - 8; one scale per 64-weight group;
+// - int4g32: the same nibbles, one fp32 scale per 32 weights (int4 checkpoints' groups of 32, 64 or 128, their
+//   scales repeated: compressed-tensors, symmetric GPTQ), kept without requantizing;
 // - mxfp4: nibbles are e2m1 codes, looked up (vpshufb) as twice their value, {0, 1, 2, 3, 4, 6, 8, 12}
 //   with bit 3 the sign, exact in int8; one scale per 32 weights, kept as the published 1-byte exponent
 //   and turned into 2^(e - 127) / 2 in registers (4.25 bits a weight read, as published).
@@ -43,29 +45,43 @@ __attribute__((target("avx512f,sse4.1"))) inline __m128 mx_scales4(const uint8_t
   const __m128i x = _mm_max_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(v)), _mm_set1_epi32(1));
   return _mm_castsi128_ps(_mm_slli_epi32(_mm_sub_epi32(x, _mm_set1_epi32(1)), 23));
 }
-template <bool MX>
-using ScaleT = std::conditional_t<MX, uint8_t, float>;  // what a row's scales are stored as
-
-// a vector of nibbles -> its weights: q - 8 (int4) or the looked-up e2m1 value (mxfp4; lut in every lane)
-template <bool MX>
-__attribute__((target("avx512f,avx512bw"))) inline __m512i decode(__m512i q, __m512i lut) {
-  return MX ? _mm512_shuffle_epi8(lut, q) : _mm512_sub_epi8(q, _mm512_set1_epi8(8));
+// The three 4-bit formats: int4 (q - 8, a scale per 64), mxfp4 (e2m1, an exponent per 32), int4g32 (q - 8, an fp32
+// scale per 32: int4 checkpoints' groups, kept)
+enum Mode { INT4, MX, G32 };
+template <int MODE>
+using ScaleT = std::conditional_t<MODE == MX, uint8_t, float>;  // what a row's scales are stored as
+// a row's 4 scales of two 64-groups (A low, A high, B low, B high), as floats
+template <int MODE>
+__attribute__((target("avx512f,sse4.1"))) inline __m128 scales4(const ScaleT<MODE>* s) {
+  if constexpr (MODE == MX) return mx_scales4(s);
+  else return _mm_loadu_ps(s);
 }
-template <int NT, bool MX>
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S,
+template <int MODE>
+inline float scale_of(ScaleT<MODE> s) {
+  if constexpr (MODE == MX) return mx_scale(s);
+  else return s;
+}
+
+// a vector of nibbles -> its weights: q - 8 (int4, int4g32) or the looked-up e2m1 value (mxfp4; lut in every lane)
+template <int MODE>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i decode(__m512i q, __m512i lut) {
+  return MODE == MX ? _mm512_shuffle_epi8(lut, q) : _mm512_sub_epi8(q, _mm512_set1_epi8(8));
+}
+template <int NT, int MODE>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S,
                                                                        size_t lds, int nr, const uint8_t* const* X,
                                                                        int K, float* C) {
   __m512 acc[RB][NT];
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   const uint8_t* w[RB];
-  const ScaleT<MX>* sc[RB];
+  const ScaleT<MODE>* sc[RB];
   row_streams(W, ldw, nr, w);
   row_streams(S, lds, nr, sc);
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
   const __m512i lo4x = _mm512_set1_epi8(0x0f);
   const __m512i scale_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  // mxfp4: per 2 groups 4 scales (A low, A high, B low, B high); lanes 0-7 are group A's, 8-15 B's
+  // mxfp4, int4g32: per 2 groups 4 scales (A low, A high, B low, B high); lanes 0-7 are group A's, 8-15 B's
   const __m512i lo_lanes = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i hi_lanes = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MX4_LUT)));
@@ -86,10 +102,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m512i p = _mm512_loadu_si512(w[r] + i / 2);
-      __m512i lo = decode<MX>(_mm512_and_si512(p, lo4x), lut);
-      __m512i hi = decode<MX>(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), lut);
-      if constexpr (MX) {
-        const __m512 s4 = _mm512_castps128_ps512(mx_scales4(sc[r] + 2 * g));
+      __m512i lo = decode<MODE>(_mm512_and_si512(p, lo4x), lut);
+      __m512i hi = decode<MODE>(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), lut);
+      if constexpr (MODE != INT4) {
+        const __m512 s4 = _mm512_castps128_ps512(scales4<MODE>(sc[r] + 2 * g));
         const __m512 slo = _mm512_permutexvar_ps(lo_lanes, s4), shi = _mm512_permutexvar_ps(hi_lanes, s4);
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
           acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl[t], lo)), slo,
@@ -114,11 +130,12 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
       // rows about tuning().pf_bytes further on, same offset: in L2 by the time they are read
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));  // 64 nibbles
-      a[r] = decode<MX>(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
-                                           _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1), lut);
-      // lanes 0-7 hold elements 0-31 (low nibbles), 8-15 elements 32-63: mxfp4 scales them apart
-      if constexpr (MX)
-        s[r] = _mm512_insertf32x8(_mm512_set1_ps(mx_scale(sc[r][2 * g])), _mm256_set1_ps(mx_scale(sc[r][2 * g + 1])), 1);
+      a[r] = decode<MODE>(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
+                                             _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1), lut);
+      // lanes 0-7 hold elements 0-31 (low nibbles), 8-15 elements 32-63: mxfp4 and int4g32 scale them apart
+      if constexpr (MODE != INT4)
+        s[r] = _mm512_insertf32x8(_mm512_set1_ps(scale_of<MODE>(sc[r][2 * g])),
+                                  _mm256_set1_ps(scale_of<MODE>(sc[r][2 * g + 1])), 1);
       else
         s[r] = _mm512_set1_ps(sc[r][g]);
     }
@@ -136,14 +153,14 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
 // 4 tokens a tile on both: the spills of 4 x 4 cost less than the decode work 2 or 3 tokens repeat
 constexpr int TB256 = 4;
 
-template <class Dot, int NT, bool MX>
-inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr,
+template <class Dot, int NT, int MODE>
+inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S, size_t lds, int nr,
                   const uint8_t* const* X, int K, float* C) {
   __m256 acc[RB][NT];
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = Ymm::zero_ps();
   const uint8_t* w[RB];
-  const ScaleT<MX>* sc[RB];
+  const ScaleT<MODE>* sc[RB];
   row_streams(W, ldw, nr, w);
   row_streams(S, lds, nr, sc);
   const __m256i lut = Ymm::bytes16(MX4_LUT);
@@ -157,9 +174,10 @@ inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, 
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i lo, hi;
       Ymm::nibbles(w[r] + i / 2, lo, hi);
-      if constexpr (MX) {
-        lo = Ymm::lookup(lut, lo), hi = Ymm::lookup(lut, hi);
-        const __m256 slo = Ymm::set1(mx_scale(sc[r][2 * g])), shi = Ymm::set1(mx_scale(sc[r][2 * g + 1]));
+      if constexpr (MODE != INT4) {
+        if constexpr (MODE == MX) lo = Ymm::lookup(lut, lo), hi = Ymm::lookup(lut, hi);
+        else lo = Ymm::minus8(lo), hi = Ymm::minus8(hi);
+        const __m256 slo = Ymm::set1(scale_of<MODE>(sc[r][2 * g])), shi = Ymm::set1(scale_of<MODE>(sc[r][2 * g + 1]));
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
           acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xl[t], lo)), slo, acc[r][t]);
           acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xh[t], hi)), shi, acc[r][t]);
@@ -175,30 +193,30 @@ inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, 
   Ymm::reduce(acc, nr, C);
 }
 
-#define MOE_4BIT_YMM(NAME, TARGET, DOT)                                                                            \
-  template <bool MX>                                                                                             \
-  MOE_YMM_ENTRY(TARGET) void NAME(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr, \
-                                  const uint8_t* const* X, int nt, int K, float* C) {                            \
-    with_tokens<TB256>(nt, [&](auto NT) { mk256<DOT, decltype(NT)::value, MX>(W, ldw, pf, S, lds, nr, X, K, C); }); \
+#define MOE_4BIT_YMM(NAME, TARGET, DOT)                                                                              \
+  template <int MODE>                                                                                                \
+  MOE_YMM_ENTRY(TARGET) void NAME(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S, size_t lds, int nr, \
+                                  const uint8_t* const* X, int nt, int K, float* C) {                              \
+    with_tokens<TB256>(nt, [&](auto NT) { mk256<DOT, decltype(NT)::value, MODE>(W, ldw, pf, S, lds, nr, X, K, C); }); \
   }
 MOE_4BIT_YMM(mk_avx2, "avx2,fma", Avx2Dot)
 MOE_4BIT_YMM(mk_avxvnni, "avx2,fma,avxvnni", VnniDot)
 #undef MOE_4BIT_YMM
 
-template <bool MX>
-void mk_avx512(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MX>* S, size_t lds, int nr, const uint8_t* const* X,
+template <int MODE>
+void mk_avx512(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S, size_t lds, int nr, const uint8_t* const* X,
                int nt, int K, float* C) {
-  with_tokens<TB>(nt, [&](auto NT) { mk<decltype(NT)::value, MX>(W, ldw, pf, S, lds, nr, X, K, C); });
+  with_tokens<TB>(nt, [&](auto NT) { mk<decltype(NT)::value, MODE>(W, ldw, pf, S, lds, nr, X, K, C); });
 }
 
 // rows [r0, r1) of expert e on one ISA's micro-kernel (the int8 driver's twin: gemm_int8.cpp)
-template <bool MX, int TBI, class MK>
+template <int MODE, int TBI, class MK>
 inline void drive_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
-  const int scales = MX ? m.Kp / MX_BLOCK : m.Kp / G;  // per row
+  const int scales = MODE == INT4 ? m.Kp / G : m.Kp / (G / 2);  // per row
   const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
   const size_t pf = prefetch_rows(ldw, RB) * ldw;  // bytes ahead
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const ScaleT<MX>* Se = reinterpret_cast<const ScaleT<MX>*>(m.scale) + size_t(e) * m.rows * scales;
+  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * m.rows * scales;
   const float* corr = m.rowcorr + size_t(e) * m.rows;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
   drive_rows<RB, TBI, float>(
@@ -212,16 +230,16 @@ inline void drive_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, in
       });
 }
 
-template <bool MX>
+template <int MODE>
 void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  const int groups = m.Kp / G, scales = MX ? m.Kp / MX_BLOCK : groups;
+  const int groups = m.Kp / G, scales = MODE == INT4 ? groups : 2 * groups;
   const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
-  auto value = [](int q) { return MX ? int32_t(MX4_LUT[q]) : int32_t(q) - 8; };
+  auto value = [](int q) { return MODE == MX ? int32_t(MX4_LUT[q]) : int32_t(q) - 8; };
   for (int r = r0; r < r1; ++r) {
     const size_t row = size_t(e) * m.rows + r;
     const uint8_t* wr = static_cast<const uint8_t*>(m.w) + row * ldw;
-    const ScaleT<MX>* sr = reinterpret_cast<const ScaleT<MX>*>(m.scale) + row * scales;
+    const ScaleT<MODE>* sr = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + row * scales;
     for (int s = 0; s < ns; ++s) {
       float acc = 0.f;
       for (int g = 0; g < groups; ++g) {
@@ -230,8 +248,8 @@ void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, i
           lo += value(wr[g * G / 2 + i] & 15) * X[s][g * G + i];
           hi += value(wr[g * G / 2 + i] >> 4) * X[s][g * G + G / 2 + i];
         }
-        if constexpr (MX)
-          acc += float(lo) * mx_scale(sr[2 * g]) + float(hi) * mx_scale(sr[2 * g + 1]);
+        if constexpr (MODE != INT4)
+          acc += float(lo) * scale_of<MODE>(sr[2 * g]) + float(hi) * scale_of<MODE>(sr[2 * g + 1]);
         else
           acc += float(lo + hi) * sr[g];
       }
@@ -243,28 +261,41 @@ void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, i
 }  // namespace
 
 void ref_gemm_rows_int4(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  ref_gemm_rows_4bit<false>(m, e, r0, r1, x, ns, Y, ldy);
+  ref_gemm_rows_4bit<INT4>(m, e, r0, r1, x, ns, Y, ldy);
 }
 void ref_gemm_rows_mxfp4(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  ref_gemm_rows_4bit<true>(m, e, r0, r1, x, ns, Y, ldy);
+  ref_gemm_rows_4bit<MX>(m, e, r0, r1, x, ns, Y, ldy);
 }
 void gemm_rows_int4_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  drive_4bit<false, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<false>);
+  drive_4bit<INT4, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<INT4>);
 }
 void gemm_rows_mxfp4_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  drive_4bit<true, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<true>);
+  drive_4bit<MX, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<MX>);
 }
 void gemm_rows_int4_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  drive_4bit<false, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<false>);
+  drive_4bit<INT4, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<INT4>);
 }
 void gemm_rows_mxfp4_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  drive_4bit<true, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<true>);
+  drive_4bit<MX, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<MX>);
 }
 void gemm_rows_int4_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  drive_4bit<false, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<false>);
+  drive_4bit<INT4, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<INT4>);
 }
 void gemm_rows_mxfp4_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  drive_4bit<true, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<true>);
+  drive_4bit<MX, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<MX>);
+}
+
+void ref_gemm_rows_int4g32(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  ref_gemm_rows_4bit<G32>(m, e, r0, r1, x, ns, Y, ldy);
+}
+void gemm_rows_int4g32_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<G32, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<G32>);
+}
+void gemm_rows_int4g32_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<G32, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<G32>);
+}
+void gemm_rows_int4g32_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<G32, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<G32>);
 }
 
 }  // namespace moe

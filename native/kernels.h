@@ -63,6 +63,10 @@ void bf16_rows_avx2_widened(const uint16_t* We, int Kp, int r0, int r1, const fl
                             size_t ldy);
 void bf16_rows_avx512(const uint16_t* We, int Kp, int r0, int r1, const uint16_t* const* X, int ns, float* Y,
                       size_t ldy, size_t pf);
+void ref_gemm_rows_int4g32(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int4g32_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int4g32_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int4g32_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void ref_gemm_rows_fp8(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_fp8_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_fp8_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);

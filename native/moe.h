@@ -12,7 +12,7 @@ namespace moe {
 enum class Isa { Portable, Avx2, AvxVnni, Avx512, Amx };
 // the 256-bit paths: AvxVnni runs Avx2's kernels except for the int8 x int8 dot products
 inline bool ymm_path(Isa isa) { return isa == Isa::Avx2 || isa == Isa::AvxVnni; }
-enum class Fmt { Bf16, Int8, Int4, Mxfp4, Fp8 };
+enum class Fmt { Bf16, Int8, Int4, Mxfp4, Fp8, Int4G32 };
 
 // Bytes of one packed weight row of Kp elements.
 inline size_t weight_row_bytes(Fmt f, int Kp) {
@@ -44,6 +44,8 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //         {0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign (MX4_LUT); scale = uint8 [E, rows, Kp/32]: the block's
 //         published exponent e (scale 2^(e - 127); the kernels use 2^(e - 128), 0 for e <= 1); rowcorr
 //         as int4's over those values. Bit-exact with the published weights, 4.25 bits a weight.
+//   int4g32: w as int4's (the same nibbles, q - 8); scale = fp32 [E, rows, Kp/32], one per 32 weights (elements
+//         0-31 of a 64-group, then 32-63); rowcorr as int4's over those groups. int4 checkpoints' groups kept.
 //   fp8:  w = uint8 [E, rows, Kp], e4m3 (float8_e4m3fn) bytes as published; scale = fp32
 //         [E, ceil(rows/128), ceil(Kp/128)]: the block's published scale_inv times 256 (the kernels widen a
 //         byte through fp16 bits that read as its value / 256). Activations: fp32 rows of Kp, each followed by

@@ -28,7 +28,7 @@ def layer(gate, up, down, fmt="bf16", isa=None, **kw):
 def no_amx_emulation_left_on():
     yield
     native.set_amx_emulation(False)
-FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8"]
+FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8", "int4g32"]
 
 
 class Fp8Rows:
@@ -86,7 +86,7 @@ def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
 
 def dequantized(op):
     """The weights exactly as the packed format stores them, back in fp32 [E, rows, K] (fp8: Fp8Rows)."""
-    from moe_kernels.packing import INT4_GROUP, MX4_TWICE, MX_BLOCK, mx_scale
+    from moe_kernels.packing import G32, INT4_GROUP, MX4_TWICE, MX_BLOCK, mx_scale
 
     if op.fmt == "fp8":
         I, H = op.intermediate, op.hidden
@@ -103,7 +103,7 @@ def dequantized(op):
             lo, hi = value(data & 15), value(data >> 4)
             E, R, half = data.shape
             g = torch.cat([lo.view(E, R, -1, INT4_GROUP // 2), hi.view(E, R, -1, INT4_GROUP // 2)], -1)
-            block = MX_BLOCK if op.fmt == "mxfp4" else INT4_GROUP
+            block = {"mxfp4": MX_BLOCK, "int4g32": G32}.get(op.fmt, INT4_GROUP)
             scale = mx_scale(scale) if op.fmt == "mxfp4" else scale
             w = (g.view(E, R, -1, block) * scale[..., None]).view(E, R, -1)
         return w[..., :K]
@@ -139,8 +139,8 @@ def close(got, want, tol):
 # Against the reference that rounds like the kernels: sum order differs, which now and then moves an
 # activation across an int8 rounding boundary (one quantum, 1/127 of the vector's max).
 # fp8: e4m3 keeps 3 mantissa bits (up to 6% error per weight against the original bf16 weights).
-TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3, "fp8": 2e-3}
-TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1, "fp8": 1.5e-1}
+TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3, "fp8": 2e-3, "int4g32": 6e-3}
+TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1, "fp8": 1.5e-1, "int4g32": 3.5e-1}
 
 
 @pytest.fixture(autouse=True)
@@ -239,6 +239,30 @@ def test_mxfp4_published_weights_are_kept_bit_for_bit(isa):
     close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="mxfp4"), TOL["mxfp4"])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_published_groups_are_kept_bit_for_bit(isa, group):
+    """Symmetric int4 checkpoints (compressed-tensors, GPTQ) in groups of 32, 64 or 128: values and scales packed
+    exactly (a scale repeated per 32), rows padded (H = 160 to 192), and the kernels multiply exactly those."""
+    from moe_kernels.packing import Int4
+    E, I, H, T, k = 3, 96, 160, 5, 2
+    g = torch.Generator().manual_seed(7)
+    i4 = lambda r, c: Int4(torch.randint(-8, 8, (r, c), dtype=torch.int8, generator=g),  # noqa: E731
+                           torch.rand(r, -(-c // group), generator=g) * 0.02 + 1e-3, group)
+    parts = [(i4(I, H), i4(I, H), i4(H, I)) for _ in range(E)]
+    if isa == "amx-emulated":
+        native.set_amx_emulation(True)
+    op = NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt="int4g32", threads=2,
+                                     isa="amx" if isa == "amx-emulated" else isa)
+    gate, up, down = dequantized(op)
+    for e, (pg, pu, pd) in enumerate(parts):
+        assert torch.equal(gate[e], pg.dequantize()) and torch.equal(up[e], pu.dequantize())
+        assert torch.equal(down[e], pd.dequantize())
+    ids, w = routing(T, k, E)
+    x = torch.randn(T, H)
+    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="int4g32"), TOL["int4g32"])
+
+
 def published_fp8(rows, cols, gen):
     """A random FP8 weight as a checkpoint publishes it: any finite e4m3 byte, a scale per 128 x 128 block."""
     from moe_kernels.packing import Fp8
@@ -334,7 +358,7 @@ def test_paths_are_refused_where_the_cpu_lacks_them(isa, monkeypatch):
 
 
 @pytest.mark.skipif(not native.isa_supported("avxvnni"), reason="no AVX-VNNI on this CPU")
-@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "int4g32"])
 def test_avxvnni_is_avx2_bitwise(fmt):
     """vpdpbusd on (q + 128) minus 128 x the row sums and AVX2's signed pairs give the same integers, so
     the same floats after the same scaling: any difference is a bug in one of them."""
