@@ -12,6 +12,7 @@ import torch
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import FP8_BLOCK, ModelConfig, ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
+from moe_core.int4_checkpoints import runs_as_published
 from moe_core import security, serving
 from moe_core.edge import MalformedRequestInterceptor
 from moe_core.shards import Shard
@@ -59,20 +60,27 @@ def parse_args(argv=None):
 
 def weight_format(arg: str, cfg: ModelConfig) -> str:
     """auto: the checkpoint's own (published MXFP4 experts stay MXFP4, published FP8 stays FP8 where its blocks
-    are the kernels' 128 x 128). fp8 on an FP8 checkpoint whose blocks the kernels cannot keep is refused
-    (ModelConfigError) rather than requantized."""
+    are the kernels' 128 x 128, symmetric int4 stays int4g32). fp8 / int4g32 on a quantized checkpoint whose
+    layout the kernels cannot keep is refused (ModelConfigError) rather than requantized."""
     keeps_fp8 = cfg.fp8_block == (FP8_BLOCK, FP8_BLOCK) and cfg.moe_intermediate_size % FP8_BLOCK == 0
     if arg == "fp8" and cfg.fp8_block is not None and not keeps_fp8:
         raise ModelConfigError(
             f"--weight-format fp8 keeps published FP8 experts in {FP8_BLOCK} x {FP8_BLOCK} blocks with gate and up "
             f"stacked; this checkpoint has {list(cfg.fp8_block)} blocks and moe_intermediate_size "
             f"{cfg.moe_intermediate_size}: use --weight-format bf16 (exact) or int8")
+    if arg == "int4g32" and cfg.int4 is not None and not runs_as_published(cfg.int4):
+        raise ModelConfigError(
+            f"--weight-format int4g32 keeps symmetric int4 groups as published; this {cfg.int4.method} checkpoint has "
+            f"{'zero points' if not cfg.int4.symmetric else 'act-order groups' if cfg.int4.act_order else 'groups of ' + str(cfg.int4.group)}"
+            ": use --weight-format bf16 (its weights dequantized exactly) or int4")
     if arg != "auto":
         return arg
     if cfg.mxfp4_experts:
         return "mxfp4"
     if keeps_fp8 and kernels.native("fp8"):
         return "fp8"
+    if cfg.int4 is not None and runs_as_published(cfg.int4) and kernels.native("int4g32"):
+        return "int4g32"
     return {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.torch_dtype, "fp32")
 
 

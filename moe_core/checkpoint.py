@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfigError, fp8_block, text_prefix
+from .int4_checkpoints import int4_scheme, stored_parts, unpack
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"
@@ -69,6 +70,12 @@ class Checkpoint:
                     del weight_map[k]
         self.weight_map: dict[str, str] = weight_map
         self.fp8_block = fp8_block(raw) if raw else None
+        # int4 checkpoints: a quantized linear X stored as X.<parts> is the weight X.weight here
+        self.int4 = int4_scheme(raw.get("quantization_config") or {}) if raw else None
+        self.packed: dict[str, str] = {}  # X.weight -> X
+        if self.int4 is not None:
+            first = "." + stored_parts(self.int4)[0]
+            self.packed = {k[: -len(first)] + ".weight": k[: -len(first)] for k in weight_map if k.endswith(first)}
         self._handles: dict[str, object] = {}
         self._stack = contextlib.ExitStack()
 
@@ -81,19 +88,25 @@ class Checkpoint:
         return self._handles[fname]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
+        return name in self.weight_map or name in self.packed
 
     def tensors(self) -> list[str]:
         """Every tensor stored, scale companions included (the fingerprint hashes them all)."""
         return sorted(self.weight_map)
 
     def names(self, keep: Callable[[str], bool] = lambda n: True) -> Iterator[str]:
-        """The model's weights (an FP8 weight's scale_inv is folded into it by get())."""
-        return (n for n in sorted(self.weight_map) if keep(n) and not self._is_scale(n))
+        """The model's weights (an FP8 weight's scale_inv is folded into it by get(); an int4 linear's stored
+        parts are its one weight)."""
+        every = sorted([n for n in self.weight_map if not self._is_part(n)] + list(self.packed))
+        return (n for n in every if keep(n))
 
-    def _is_scale(self, name: str) -> bool:
-        return self.fp8_block is not None and name.endswith(SCALE_SUFFIX) and \
-            name[: -len(SCALE_SUFFIX)] in self.weight_map
+    def _is_part(self, name: str) -> bool:
+        if self.fp8_block is not None and name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self.weight_map:
+            return True
+        if self.packed:
+            base, _, suffix = name.rpartition(".")
+            return base + ".weight" in self.packed and any(p.lstrip("?") == suffix for p in stored_parts(self.int4))
+        return False
 
     def _raw(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
@@ -101,7 +114,9 @@ class Checkpoint:
         return self._handle(self.weight_map[name]).get_tensor(self.stored.get(name, name))
 
     def get(self, name: str, fp8_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The tensor as stored, or an FP8 one dequantized to fp8_dtype."""
+        """The tensor as stored, an FP8 one dequantized to fp8_dtype, an int4 one dequantized to float32."""
+        if name in self.packed:
+            return self._unpacked(name).dequantize()
         t = self._raw(name)
         if t.dtype not in FP8_DTYPES:
             return t
@@ -121,6 +136,17 @@ class Checkpoint:
         if t.dtype not in FP8_DTYPES:
             return None
         return t, self._raw(self._scale_of(name)).float()
+
+    def get_int4(self, name: str):
+        """A symmetric int4 weight as published (packing.Int4: values and a scale per group); None for any other
+        tensor, or where its zero points or act-order groups need the dequantized weight."""
+        if name not in self.packed:
+            return None
+        return self._unpacked(name).symmetric_int4(self.int4.group)
+
+    def _unpacked(self, name: str):
+        base = self.packed[name]
+        return unpack(self.int4, lambda s: self._raw(f"{base}.{s}") if f"{base}.{s}" in self.weight_map else None, base)
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
         """t[i] of a stored (not FP8) tensor t, reading only that slice (one expert of a fused tensor)."""

@@ -27,7 +27,8 @@ TEXT_IN_WRAPPER = {"qwen3_5_moe": "model.language_model."}
 MAX_TOP_K = 256  # experts a token may name: native/moe.h's MAX_K (tests check they agree)
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.E.w1 / w3 / w2
 QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them), "
-                   "mxfp4 (gpt_oss's experts as OpenAI publishes them: _blocks and _scales)")
+                   "mxfp4 (gpt_oss's experts as OpenAI publishes them: _blocks and _scales), "
+                   "int4 compressed-tensors (pack-quantized), gptq and awq (gemm)")
 
 
 FP8_BLOCK = 128  # the FP8 blocks the fp8 weight format keeps as published (DeepSeek-V3's weight_block_size)
@@ -53,6 +54,9 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
     method = str(q.get("quant_method", "?"))
     if method == "mxfp4" and raw.get("model_type") == "gpt_oss":
         return None
+    from .int4_checkpoints import int4_scheme  # (it imports this module)
+    if int4_scheme(q) is not None:  # an int4 checkpoint (its unsupported variants are refused there)
+        return None
     if method != "fp8":
         raise ModelConfigError(f"quantization_config.quant_method {method!r} is not supported for model_type "
                                f"{raw.get('model_type')!r}; supported: none (bf16/fp16/fp32 weights) or {QUANT_SUPPORTED}")
@@ -66,6 +70,11 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
         raise ModelConfigError(f"quantization_config.activation_scheme {q.get('activation_scheme')!r} is not "
                                "supported (dynamic)")
     return block[0], block[1]
+
+
+def _int4(raw: dict):
+    from .int4_checkpoints import int4_scheme
+    return int4_scheme(raw.get("quantization_config") or {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +162,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
     mxfp4_experts: bool = False        # gpt-oss as published: expert weights as MXFP4 _blocks / _scales
     fp8_block: tuple[int, int] | None = None  # FP8 block-quantized as published: (rows, cols) of a scale's block
+    int4: object | None = None         # an int4 checkpoint's scheme (int4_checkpoints.Int4Scheme)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -270,7 +280,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         top_k=int(raw["num_experts_per_tok"]),
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos(raw, model_dir),
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), mxfp4_experts=is_mxfp4(raw),
-        fp8_block=fp8_block(raw),
+        fp8_block=fp8_block(raw), int4=_int4(raw),
     )
     if mt in ("deepseek_v3", "deepseek_v2"):
         n_exp = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts"))
