@@ -57,11 +57,12 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="compute dtype; auto = the checkpoint's dtype, but fp32 on a CPU without bf16 arithmetic "
                          "(AVX2 and older: torch's bf16 ops are several times slower there)")
-    ap.add_argument("--dense-format", default="auto", choices=["auto", "torch", "bf16", "int8", "int4"],
+    ap.add_argument("--dense-format", default="auto", choices=["auto", "torch", "bf16", "int8", "int4", "fp8"],
                     help="on the CPU: attention projections, dense MLPs, shared experts and lm_head run on the native "
-                         "kernels with weights packed in this format (int8/int4: quantized at load, like the experts); "
-                         "torch = torch's own matmuls. auto = bf16 for a bf16 checkpoint when this CPU has a SIMD "
-                         "kernel path and --dtype is auto or bf16, else torch (an explicit --dtype fp32 stays "
+                         "kernels with weights packed in this format (int8/int4: quantized at load, like the experts; "
+                         "fp8: an FP8 checkpoint's FP8 weights kept as published, its others bf16); torch = torch's "
+                         "own matmuls. auto = bf16 for a bf16 checkpoint (fp8 for an FP8 one) when this CPU has a "
+                         "SIMD kernel path and --dtype is auto or bf16, else torch (an explicit --dtype fp32 stays "
                          "exact); on CUDA always torch")
     ap.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together in one step")
     ap.add_argument("--max-context", type=int, default=0,
@@ -133,7 +134,7 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
     try:
         device = pick_device(args.device)
         dtype = compute_dtype(args.dtype, cfg, device)
-        dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype)
+        dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype, cfg.fp8_block)
     except ValueError as e:
         serving.fail(str(e))
     return device, dtype, dense, targets

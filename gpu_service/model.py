@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from moe_core.checkpoint import Checkpoint
-from moe_core.config import ModelConfig, is_routed_expert_tensor
+from moe_core.config import FP8_BLOCK, ModelConfig, is_routed_expert_tensor
 from moe_core.routing import split_deferred
 from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel needs moe_kernels anyway
+from moe_kernels.packing import Fp8
 
 from .attention import QKV, KVCache, gqa_attention, mla_attention
 from .experts import Experts, Span
@@ -71,8 +72,9 @@ class Model:
                  cancel: threading.Event | None = None, dense_format: str | None = None):
         """Loads every non-expert weight (FP8 ones dequantized, then cast to `dtype`); `cancel` stops it
         between two tensors (InterruptedError). The checkpoint's mapped pages are let go afterwards.
-        dense_format (bf16 | int8 | int4, CPU only): the DENSE weights and lm_head are packed for the
-        native kernels in that format instead of kept as torch tensors."""
+        dense_format (bf16 | int8 | int4 | fp8, CPU only): the DENSE weights and lm_head are packed for the
+        native kernels in that format instead of kept as torch tensors (fp8: an FP8 checkpoint's FP8 weights as
+        published, its others as bf16)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.W: dict[str, torch.Tensor] = {}
         packed_since_close = 0
@@ -90,18 +92,22 @@ class Model:
                 cfg.is_moe_layer(int(name.split(".")[2]))
             # an FP8 weight is dequantized straight to what it becomes (bf16 packing keeps bf16: the same
             # bits as rounding later; int formats quantize from fp32), never a whole fp32 copy beside it
-            want = ((torch.bfloat16 if dense_format == "bf16" else torch.float32) if fuse or pack
+            want = ((torch.bfloat16 if dense_format in ("bf16", "fp8") else torch.float32) if fuse or pack
                     else torch.float32 if _keep_fp32(cfg, name) else dtype)
-            t = ckpt.get(name, want)
+            # fp8: FP8 weights kept as published; the checkpoint's other weights packed as bf16 (never requantized)
+            published = ckpt.get_fp8(name) if dense_format == "fp8" and (fuse or pack) and ckpt.fp8_block == \
+                (FP8_BLOCK, FP8_BLOCK) else None
+            t = Fp8(*published) if published is not None else ckpt.get(name, want)
+            fmt = "fp8" if published is not None else "bf16" if dense_format == "fp8" else dense_format
             if fuse:
-                self._fuse(name, t, parts, dense_format)  # packed once every part is read
+                self._fuse(name, t, parts, fmt)  # packed once every part is read
             elif router:
                 self.W[name] = NativeLinear(t, "bf16")
             elif pack:
                 # packed straight from the checkpoint's tensor, a few thousand rows at a time: no
                 # second full copy of any weight while starting
-                self.W[name] = NativeLinear(t, dense_format)
-                packed_since_close += t.nbytes
+                self.W[name] = NativeLinear(t, fmt)
+                packed_since_close += self.W[name].nbytes
                 if packed_since_close > CLOSE_EVERY_BYTES:  # the source pages read so far leave the RSS
                     del t
                     ckpt.close()
@@ -111,7 +117,7 @@ class Model:
         ckpt.close()  # tensors still viewing the map keep their pages; the rest are let go
         self.lm_head = self.W.get("lm_head.weight", self.W["model.embed_tokens.weight"])
         if dense_format and isinstance(self.lm_head, torch.Tensor):  # tied to the embedding, which stays
-            self.lm_head = NativeLinear(self.lm_head, dense_format)
+            self.lm_head = NativeLinear(self.lm_head, "bf16" if dense_format == "fp8" else dense_format)
         self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
@@ -306,10 +312,12 @@ def compute_dtype(arg: str, cfg, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def dense_format(arg: str, device: torch.device, ckpt_dtype: torch.dtype, dtype_arg: str = "auto") -> str | None:
+def dense_format(arg: str, device: torch.device, ckpt_dtype: torch.dtype, dtype_arg: str = "auto",
+                 fp8_block: tuple | None = None) -> str | None:
     """--dense-format resolved: a native weight format, or None for torch's matmuls. auto: a bf16
-    checkpoint's weights packed as bf16 (the same bits) when --dtype is auto or bf16; an explicit
-    --dtype fp32/fp16 keeps torch's matmuls (the kernels round activations to bf16: not exact)."""
+    checkpoint's weights packed as bf16 (the same bits) when --dtype is auto or bf16, an FP8 checkpoint's
+    (128 x 128 blocks) as fp8 (its FP8 weights as published, the rest bf16); an explicit --dtype fp32/fp16
+    keeps torch's matmuls (the kernels round activations to bf16: not exact)."""
     if arg == "torch" or (arg == "auto" and (device.type != "cpu" or ckpt_dtype != torch.bfloat16
                                               or dtype_arg not in ("auto", "bf16"))):
         return None
@@ -322,5 +330,7 @@ def dense_format(arg: str, device: torch.device, ckpt_dtype: torch.dtype, dtype_
             return None
         raise ValueError(f"--dense-format {arg}: the native kernels are not built")
     if arg == "auto":
-        return "bf16" if isa != "portable" else None
+        if isa == "portable":
+            return None
+        return "fp8" if fp8_block == (FP8_BLOCK, FP8_BLOCK) else "bf16"
     return arg

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from moe_core.config import FP8_BLOCK
+
 from . import ISA, native
-from .packing import alloc, data_ptr, pack_expert, row_len
+from .packing import Fp8, alloc, data_ptr, pack_expert, row_len
 
 PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
 # bf16 weights on an AMX CPU: from this many tokens on, torch's matmul (oneDNN: tiles, with its own
@@ -17,12 +19,15 @@ TORCH_FROM_TOKENS = 64
 
 
 class NativeLinear:
-    def __init__(self, w: torch.Tensor | list[torch.Tensor], fmt: str, isa: str | None = None):
-        """w [out, in], or a list of them stacked along out (fused q/k/v, gate/up) without a copy of
-        the whole."""
-        blocks = [w] if isinstance(w, torch.Tensor) else list(w)
+    def __init__(self, w, fmt: str, isa: str | None = None):
+        """w [out, in] (a tensor, or packing.Fp8 as published for fmt fp8), or a list of them stacked along out
+        (fused q/k/v, gate/up) without a copy of the whole. fp8: parts must start on 128-row blocks to keep their
+        scales; otherwise the stacked matrix is requantized as one."""
+        blocks = [w] if isinstance(w, (torch.Tensor, Fp8)) else list(w)
+        if fmt == "fp8" and any(sum(b.shape[0] for b in blocks[:i]) % FP8_BLOCK for i in range(1, len(blocks))):
+            blocks = [torch.cat([b.dequantize() if isinstance(b, Fp8) else b.float() for b in blocks])]
         K = blocks[0].shape[1]
-        if any(b.dim() != 2 or b.shape[1] != K for b in blocks):
+        if any(len(b.shape) != 2 or b.shape[1] != K for b in blocks):
             raise ValueError(f"linear: blocks of shapes {[list(b.shape) for b in blocks]} do not stack")
         rows = sum(b.shape[0] for b in blocks)
         self.rows, self.K, self.fmt, self.path = rows, K, fmt, isa or ISA
@@ -30,11 +35,16 @@ class NativeLinear:
         self.parts = alloc(fmt, 1, rows, self.Kp)  # (data, scale, rowsum, rowcorr), each [1, rows, ...]
         at = 0
         for b in blocks:
-            for r in range(0, b.shape[0], PACK_ROWS):
-                chunk = b[r:r + PACK_ROWS]
-                for d, p in zip(self.parts, pack_expert(chunk, fmt, self.Kp)):
-                    if d is not None:
-                        d[0, at + r:at + r + chunk.shape[0]].copy_(p)
+            for r in range(0, b.shape[0], PACK_ROWS):  # (a multiple of FP8_BLOCK)
+                chunk = b.rows(r, r + PACK_ROWS) if isinstance(b, Fp8) else b[r:r + PACK_ROWS]
+                n = chunk.shape[0]
+                for i, (d, p) in enumerate(zip(self.parts, pack_expert(chunk, fmt, self.Kp))):
+                    if d is None:
+                        continue
+                    if fmt == "fp8" and i == 1:  # scales: one row per block of 128 rows
+                        d[0, (at + r) // FP8_BLOCK:(at + r) // FP8_BLOCK + p.shape[0]].copy_(p)
+                    else:
+                        d[0, at + r:at + r + n].copy_(p)
             at += b.shape[0]
         self.native = native.Linear(self.path, fmt, rows, K, self.Kp, tuple(map(data_ptr, self.parts)), owner=self.parts)
         # the packed bf16 rows themselves, as torch sees a weight (padding cut off; no copy when K = Kp)

@@ -71,6 +71,11 @@ class Fp8(NamedTuple):
         s = self.scale.float().repeat_interleave(FP8_BLOCK, 0)[:R].repeat_interleave(FP8_BLOCK, 1)[:, :K]
         return self.values.float() * s
 
+    def rows(self, r0: int, r1: int) -> "Fp8":
+        """Rows [r0, r1) (r0 on a block boundary) with their blocks' scales."""
+        assert r0 % FP8_BLOCK == 0, r0
+        return Fp8(self.values[r0:r1], self.scale[r0 // FP8_BLOCK: -(-min(r1, self.values.shape[0]) // FP8_BLOCK)])
+
     @staticmethod
     def cat(parts: list["Fp8"]) -> "Fp8":
         """Stacked along rows; every part but the last must fill whole 128-row blocks (a block never spans
