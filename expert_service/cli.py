@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from moe_core.checkpoint import Checkpoint
+from moe_core import gguf_model
 from moe_core.config import FP8_BLOCK, ModelConfig, ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
 from moe_core.int4_checkpoints import runs_as_published
@@ -28,7 +28,8 @@ log = logging.getLogger("expert_service")
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="expert-service", description=__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json + *.safetensors)")
+    ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json + *.safetensors), "
+                    "or a GGUF file (qwen3moe so far)")
     ap.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on")
     ap.add_argument("--threads", type=int, default=serving.physical_cores(),
                     help="CPU threads for the expert kernels (default: physical cores). Sharing a host with "
@@ -79,15 +80,17 @@ def weight_format(arg: str, cfg: ModelConfig) -> str:
         return "mxfp4"
     if keeps_fp8 and kernels.native("fp8"):
         return "fp8"
-    if cfg.int4 is not None and runs_as_published(cfg.int4) and kernels.native("int4g32"):
+    if ((cfg.int4 is not None and runs_as_published(cfg.int4)) or cfg.gguf_expert_types == ("Q4_0",)) and \
+            kernels.native("int4g32"):
         return "int4g32"
     return {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.torch_dtype, "fp32")
 
 
 async def serve(args, stop: asyncio.Event) -> None:
     try:
-        cfg = load_config(args.model)
-        ckpt = Checkpoint(args.model)
+        model_dir = gguf_model.resolve(args.model, packed_cache.default_dir())  # a GGUF file: its prepared folder
+        cfg = load_config(model_dir)
+        ckpt = gguf_model.open_checkpoint(model_dir)
     except ModelConfigError as e:
         serving.fail(str(e))
     try:
@@ -165,7 +168,8 @@ def convert_main(argv) -> None:
     a = ap.parse_args(argv)
     serving.setup_logging(a.log_level)
     try:
-        cfg, ckpt = load_config(a.model), Checkpoint(a.model)
+        model_dir = gguf_model.resolve(a.model, packed_cache.default_dir())
+        cfg, ckpt = load_config(model_dir), gguf_model.open_checkpoint(model_dir)
         fmt = weight_format(a.weight_format, cfg)
         fmt = fmt if fmt in kernels.NATIVE_FORMATS else "bf16"
         cache = open_cache(a.out, ckpt, fingerprint(ckpt), fmt)

@@ -12,7 +12,7 @@ import torch
 
 from moe_core import security, serving
 from moe_core.edge import MalformedRequestInterceptor
-from moe_core.checkpoint import Checkpoint
+from moe_core import gguf_model
 from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
 from protos import generate_pb2, generate_pb2_grpc
@@ -35,7 +35,8 @@ log = logging.getLogger("gpu_service")
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="gpu-service", description=__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), "
+                    "or a GGUF file (qwen3moe so far)")
     ap.add_argument("--experts", default="127.0.0.1:50061",
                     help="host:port of the expert service; or, for routed experts sharded over several expert "
                          "services (expert-service --shard I/N), all of them, comma-separated, in any order: at "
@@ -153,9 +154,11 @@ def prefix_cache(args, cfg, device: torch.device) -> PrefixCache | None:
 
 async def serve(args, stop: asyncio.Event) -> None:
     try:
-        cfg = load_config(args.model)
-        ckpt = Checkpoint(args.model)
-        text = TextCodec(args.model)
+        from expert_service.packed_cache import default_dir
+        model_dir = gguf_model.resolve(args.model, default_dir())  # a GGUF file: its prepared folder
+        cfg = load_config(model_dir)
+        ckpt = gguf_model.open_checkpoint(model_dir)
+        text = TextCodec(model_dir)
         fp = fingerprint(ckpt)
     except ModelConfigError as e:
         serving.fail(str(e))

@@ -54,6 +54,8 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
     method = str(q.get("quant_method", "?"))
     if method == "mxfp4" and raw.get("model_type") == "gpt_oss":
         return None
+    if method == "gguf":  # a GGUF file's prepared folder (gguf_model): its tensors say their own types
+        return None
     from .int4_checkpoints import int4_scheme  # (it imports this module)
     if int4_scheme(q) is not None:  # an int4 checkpoint (its unsupported variants are refused there)
         return None
@@ -163,6 +165,7 @@ class ModelConfig:
     mxfp4_experts: bool = False        # gpt-oss as published: expert weights as MXFP4 _blocks / _scales
     fp8_block: tuple[int, int] | None = None  # FP8 block-quantized as published: (rows, cols) of a scale's block
     int4: object | None = None         # an int4 checkpoint's scheme (int4_checkpoints.Int4Scheme)
+    gguf_expert_types: tuple[str, ...] = ()  # a GGUF file's routed experts' quant types (gguf_model)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -281,6 +284,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos(raw, model_dir),
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), mxfp4_experts=is_mxfp4(raw),
         fp8_block=fp8_block(raw), int4=_int4(raw),
+        gguf_expert_types=tuple((raw.get("quantization_config") or {}).get("expert_types") or ()),
     )
     if mt in ("deepseek_v3", "deepseek_v2"):
         n_exp = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts"))
