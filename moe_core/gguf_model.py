@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 
 import numpy as np
 import torch
@@ -48,10 +49,7 @@ def _reader(path: pathlib.Path):
 
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return default if f is None else f.contents()
 
 
 def config_of(reader, path: pathlib.Path) -> dict:
@@ -60,8 +58,9 @@ def config_of(reader, path: pathlib.Path) -> dict:
     if arch not in ARCHES:
         raise ModelConfigError(f"{path}: GGUF architecture {arch!r} is not supported yet (supported: "
                                f"{', '.join(ARCHES)})")
-    if any(t.name.startswith("blk.0.") and "split" in t.name for t in reader.tensors):
-        raise ModelConfigError(f"{path}: split GGUF tensors are not supported")
+    if int(_field(reader, "split.count", 1)) > 1:
+        raise ModelConfigError(f"{path}: split GGUF files (-0000N-of-0000M) are not supported yet; llama.cpp's "
+                               "gguf-split --merge joins them")
     a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
@@ -108,16 +107,21 @@ def prepare(path: str | os.PathLike, cache: pathlib.Path) -> pathlib.Path:
     out = cache / "gguf" / f"{path.stem}-{key}"
     if (out / MARKER).exists():
         return out
+    reader = _reader(path)
+    cfg = config_of(reader, path)  # (an unsupported file is refused before anything is written)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    reader = _reader(path)
-    (tmp / "config.json").write_text(json.dumps(config_of(reader, path), indent=1))
-    _tokenizer_files(path, tmp)
-    (tmp / MARKER).write_text(json.dumps({"file": str(path)}))
     try:
-        tmp.rename(out)
-    except OSError:  # another process made it meanwhile
-        pass
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        _tokenizer_files(path, tmp)
+        (tmp / MARKER).write_text(json.dumps({"file": str(path)}))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process made it meanwhile
+            if not (out / MARKER).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
