@@ -131,11 +131,11 @@ class Checkpoint:
         return name + SCALE_SUFFIX
 
     def get_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """An FP8 weight as published: (e4m3 values, float32 scale_inv per block); None for any other tensor."""
-        t = self._raw(name)
-        if t.dtype not in FP8_DTYPES:
+        """An FP8 weight as published: (e4m3 values, float32 scale_inv per block); None for any other tensor (told
+        from its header: callers read those with get(), once)."""
+        if name not in self.weight_map or self.meta(name)[1] != "F8_E4M3":
             return None
-        return t, self._raw(self._scale_of(name)).float()
+        return self._raw(name), self._raw(self._scale_of(name)).float()
 
     def get_int4(self, name: str):
         """A symmetric int4 weight as published (packing.Int4: values and a scale per group); None for any other

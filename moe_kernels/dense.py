@@ -9,7 +9,7 @@ import torch
 from moe_core.config import FP8_BLOCK
 
 from . import ISA, native
-from .packing import Fp8, alloc, data_ptr, pack_expert, row_len
+from .packing import Fp8, alloc, data_ptr, floats, pack_expert, row_len
 
 PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
 # bf16 weights on an AMX CPU: from this many tokens on, torch's matmul (oneDNN: tiles, with its own
@@ -25,7 +25,7 @@ class NativeLinear:
         scales; otherwise the stacked matrix is requantized as one."""
         blocks = [w] if isinstance(w, (torch.Tensor, Fp8)) else list(w)
         if fmt == "fp8" and any(sum(b.shape[0] for b in blocks[:i]) % FP8_BLOCK for i in range(1, len(blocks))):
-            blocks = [torch.cat([b.dequantize() if isinstance(b, Fp8) else b.float() for b in blocks])]
+            blocks = [torch.cat([floats(b).float() for b in blocks])]
         K = blocks[0].shape[1]
         if any(len(b.shape) != 2 or b.shape[1] != K for b in blocks):
             raise ValueError(f"linear: blocks of shapes {[list(b.shape) for b in blocks]} do not stack")

@@ -240,22 +240,23 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
     return Int4(q, scale, group)
 
 
+def floats(w) -> torch.Tensor:
+    """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
+    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4)) else w
+
+
 def pack_expert(w, fmt: str, Kp: int) -> tuple:
-    """One expert's w [rows, K] (any float dtype, Mx4 or Fp8) -> its (data, scale, rowsum, rowcorr) in the
+    """One expert's w [rows, K] (any float dtype, Mx4, Fp8 or Int4) -> its (data, scale, rowsum, rowcorr) in the
     kernels' layout."""
     if fmt == "mxfp4":
         if not isinstance(w, Mx4):
-            w = mx4_quantize(F.pad(w.dequantize() if isinstance(w, (Fp8, Int4)) else w.float(), (0, -w.shape[-1] % MX_BLOCK)))
+            w = mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
         return pack_mx4(w, Kp)
     if fmt == "fp8":
-        return pack_fp8(w if isinstance(w, Fp8) else fp8_quantize(w.dequantize() if isinstance(w, (Mx4, Int4)) else w),
-                        Kp)
+        return pack_fp8(w if isinstance(w, Fp8) else fp8_quantize(floats(w)), Kp)
     if fmt == "int4g32":
-        return pack_int4g32(w if isinstance(w, Int4) else int4_quantize(w.dequantize() if isinstance(w, (Mx4, Fp8)) else w),
-                            Kp)
-    if isinstance(w, (Mx4, Fp8, Int4)):
-        w = w.dequantize()
-    w = F.pad(w.float(), (0, Kp - w.shape[-1]))
+        return pack_int4g32(w if isinstance(w, Int4) else int4_quantize(floats(w)), Kp)
+    w = F.pad(floats(w).float(), (0, Kp - w.shape[-1]))
     if fmt == "bf16":
         return w.to(torch.bfloat16), None, None, None
     if fmt == "int8":
@@ -279,7 +280,7 @@ def stack_rows(parts: list, fmt: str):
         return Fp8.cat(parts)
     if fmt == "int4g32" and all(isinstance(p, Int4) for p in parts):
         return Int4.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, (Mx4, Fp8, Int4)) else p for p in parts])
+    return torch.cat([floats(p) for p in parts])
 
 
 def store_expert(dst: tuple, e: int, parts: tuple) -> None:

@@ -216,6 +216,25 @@ def test_gpt_oss_experts_bias_and_clamped_swiglu(fmt, isa):
     close(out, op.forward(xb, ids, w).float(), 1e-2)
 
 
+def published_layer(parts, I, H, fmt, isa):
+    """A layer packed from experts as a checkpoint publishes them (parts[e] = gate, up, down), on isa."""
+    if isa == "amx-emulated":
+        native.set_amx_emulation(True)
+    return NativeMoELayer.from_experts(len(parts), I, H, lambda e: parts[e], fmt=fmt, threads=2,
+                                       isa="amx" if isa == "amx-emulated" else isa)
+
+
+def assert_kept_and_multiplied(op, parts, T, k):
+    """The packed weights are the published ones exactly, and the kernels multiply exactly those."""
+    gate, up, down = dequantized(op)
+    for e, (pg, pu, pd) in enumerate(parts):
+        assert torch.equal(gate[e], pg.dequantize()) and torch.equal(up[e], pu.dequantize())
+        assert torch.equal(down[e], pd.dequantize())
+    ids, w = routing(T, k, len(parts))
+    x = torch.randn(T, op.hidden)
+    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt=op.fmt), TOL[op.fmt])
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_mxfp4_published_weights_are_kept_bit_for_bit(isa):
     """gpt-oss's experts as published (e2m1 codes, e8m0 exponents): packed exactly (rows padded from 96 and
@@ -226,17 +245,7 @@ def test_mxfp4_published_weights_are_kept_bit_for_bit(isa):
     mx = lambda r, c: Mx4(torch.randint(0, 16, (r, c), dtype=torch.uint8, generator=g),  # noqa: E731
                           torch.randint(120, 126, (r, c // 32), dtype=torch.uint8, generator=g))
     parts = [(mx(I, H), mx(I, H), mx(H, I)) for _ in range(E)]
-    if isa == "amx-emulated":
-        native.set_amx_emulation(True)
-    op = NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt="mxfp4", threads=2,
-                                     isa="amx" if isa == "amx-emulated" else isa)
-    gate, up, down = dequantized(op)
-    for e, (pg, pu, pd) in enumerate(parts):
-        assert torch.equal(gate[e], pg.dequantize()) and torch.equal(up[e], pu.dequantize())
-        assert torch.equal(down[e], pd.dequantize())
-    ids, w = routing(T, k, E)
-    x = torch.randn(T, H)
-    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="mxfp4"), TOL["mxfp4"])
+    assert_kept_and_multiplied(published_layer(parts, I, H, "mxfp4", isa), parts, T, k)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -250,17 +259,7 @@ def test_int4_published_groups_are_kept_bit_for_bit(isa, group):
     i4 = lambda r, c: Int4(torch.randint(-8, 8, (r, c), dtype=torch.int8, generator=g),  # noqa: E731
                            torch.rand(r, -(-c // group), generator=g) * 0.02 + 1e-3, group)
     parts = [(i4(I, H), i4(I, H), i4(H, I)) for _ in range(E)]
-    if isa == "amx-emulated":
-        native.set_amx_emulation(True)
-    op = NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt="int4g32", threads=2,
-                                     isa="amx" if isa == "amx-emulated" else isa)
-    gate, up, down = dequantized(op)
-    for e, (pg, pu, pd) in enumerate(parts):
-        assert torch.equal(gate[e], pg.dequantize()) and torch.equal(up[e], pu.dequantize())
-        assert torch.equal(down[e], pd.dequantize())
-    ids, w = routing(T, k, E)
-    x = torch.randn(T, H)
-    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="int4g32"), TOL["int4g32"])
+    assert_kept_and_multiplied(published_layer(parts, I, H, "int4g32", isa), parts, T, k)
 
 
 def published_fp8(rows, cols, gen):
@@ -280,10 +279,7 @@ def test_fp8_published_weights_are_kept_bit_for_bit(isa):
     E, I, H = 3, 128, 200
     g = torch.Generator().manual_seed(4)
     parts = [(published_fp8(I, H, g), published_fp8(I, H, g), published_fp8(H, I, g)) for _ in range(E)]
-    if isa == "amx-emulated":
-        native.set_amx_emulation(True)
-    op = NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt="fp8", threads=2,
-                                     isa="amx" if isa == "amx-emulated" else isa)
+    op = published_layer(parts, I, H, "fp8", isa)
     data, scale = op.gu[0], op.gu[1]
     for e, (pg, pu, pd) in enumerate(parts):
         assert torch.equal(data[e, :I, :H], pg.values.view(torch.uint8)) and torch.equal(data[e, I:, :H], pu.values.view(torch.uint8))
@@ -305,11 +301,8 @@ def test_fp8_prefill_with_many_tokens_an_expert_computes_the_bf16_formats_number
     E, I, H, T = 2, 128, 256, 300
     g = torch.Generator().manual_seed(6)
     parts = [(published_fp8(I, H, g), published_fp8(I, H, g), published_fp8(H, I, g)) for _ in range(E)]
-    ops = [layer(*(torch.stack([p[j].dequantize() for p in parts]) for j in range(3)), fmt="bf16", isa=isa)]
-    if isa == "amx-emulated":
-        native.set_amx_emulation(True)
-    ops.append(NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt="fp8", threads=2,
-                                           isa="amx" if isa == "amx-emulated" else isa))
+    ops = [layer(*(torch.stack([p[j].dequantize() for p in parts]) for j in range(3)), fmt="bf16", isa=isa),
+           published_layer(parts, I, H, "fp8", isa)]
     ids = torch.tensor([[0, 1]] * T, dtype=torch.int32)
     w = torch.rand(T, 2, generator=g)
     x = torch.randn(T, H, generator=g)
