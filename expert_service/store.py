@@ -62,13 +62,21 @@ def expert_tensor(ckpt: Checkpoint, name: str, fmt: str):
     return ckpt.get(name)
 
 
-def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int, shard: Shard = Shard()) -> tuple:
-    """gpt-oss: (gate/up bias [E, 2I] as the kernels take it, gate then up; down bias [E, H]), the shard's
-    experts only; else none."""
+def expert_weights(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int, fmt: str) -> tuple:
+    """Expert e of a layer as the operators take it: (gate [I, H], up [I, H], down [H, I]), floats or kept as
+    published where `fmt` keeps them (fused_expert, expert_tensor)."""
+    if cfg.fused_experts or cfg.stacked_expert_names(layer)[0] in ckpt:
+        return fused_expert(cfg, ckpt, layer, e)
+    return tuple(expert_tensor(ckpt, n, fmt) for n in cfg.expert_tensor_names(layer, e))
+
+
+def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int, experts) -> tuple:
+    """gpt-oss: (gate/up bias [E, 2I] as the kernels take it, gate then up; down bias [E, H]) of these
+    experts (a shard's, the GPU side's hot ones), in their order; else none."""
     if not cfg.expert_bias:
         return None, None
     gate_up_name, _, down_name = cfg.expert_tensor_names(layer, 0)
-    mine = list(shard.experts(cfg.n_routed_experts))
+    mine = list(experts)
     b = ckpt.get(gate_up_name + "_bias")[mine]  # [E, 2I], interleaved like the weight's columns
     return torch.cat([b[:, 0::2], b[:, 1::2]], dim=1), ckpt.get(down_name + "_bias")[mine]
 
@@ -96,17 +104,12 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
 
     with bar:
         for i, layer in enumerate(cfg.moe_layers):
-            stacked = cfg.fused_experts or cfg.stacked_expert_names(layer)[0] in ckpt
-
-            def load(local: int, layer=layer, stacked=stacked):
+            def load(local: int, layer=layer):
                 check_cancel()
                 if local % RELEASE_EVERY == 0:
                     ckpt.close()
                 bar.update(1)
-                e = mine[local]
-                if stacked:
-                    return fused_expert(cfg, ckpt, layer, e)
-                return tuple(expert_tensor(ckpt, n, fmt) for n in cfg.expert_tensor_names(layer, e))
+                return expert_weights(cfg, ckpt, layer, mine[local], fmt)
 
             check_cancel()
             op = cache.load(layer, E, I, H, threads) if cache is not None else None
@@ -120,7 +123,7 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
                     check_cancel()  # before a write of the whole layer
                     cache.save(layer, op)
             if cfg.expert_bias or cfg.expert_act != SILU:  # small: read each start, never cached
-                op.set_extras(cfg.expert_act, *expert_biases(cfg, ckpt, layer, shard))
+                op.set_extras(cfg.expert_act, *expert_biases(cfg, ckpt, layer, mine))
             layers[layer] = op
             log.info("loaded MoE layer %d (%d/%d), %d experts%s as %s%s, %.1fs", layer, i + 1, len(cfg.moe_layers), E,
                      f" (shard {shard})" if shard.count > 1 else "",

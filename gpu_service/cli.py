@@ -22,6 +22,7 @@ from .engine import Engine
 from .expert_connection import connect_remote, in_shard_order, load_local
 from .expert_health import ExpertHealth
 from .experts import LocalExperts
+from . import hot_experts
 from .model import DTYPES, Model, compute_dtype, dense_format, pick_device
 from .reasoning import PARSERS as REASONING_PARSERS
 from .prefix_cache import PrefixCache
@@ -109,6 +110,7 @@ def parse_args(argv=None):
                     help="the syntax the model writes tool calls in: hermes (Qwen2/Qwen3), deepseek_v3 (V3, R1), "
                          "deepseek_v31 (V3.1), glm45 (GLM-4.5/4.6), minimax_m2, harmony (gpt-oss); auto = the one "
                          "the checkpoint's chat template writes; none = chat requests with tools are refused")
+    hot_experts.add_args(ap)
     serving.add_server_args(ap)
     security.add_server_args(ap)
     security.add_client_args(ap, prefix="experts-", what="the expert service (the auth token is the same one)")
@@ -132,6 +134,9 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
     targets = [t.strip() for t in args.experts.split(",") if t.strip()]
     if not targets or len(set(targets)) != len(targets) or ("local" in targets and len(targets) > 1):
         serving.fail(f"--experts {args.experts!r}: 'local', or one or more distinct host:port, comma-separated")
+    bad = hot_experts.check_args(args, targets == ["local"])
+    if bad:
+        serving.fail(bad)
     try:
         device = pick_device(args.device)
         dtype = compute_dtype(args.dtype, cfg, device)
@@ -249,6 +254,11 @@ async def serve(args, stop: asyncio.Event) -> None:
         except ExpertServiceError as e:
             serving.fail(f"--transport {args.transport}: {e}")
         server_info.transport = transport
+        try:
+            experts = await asyncio.to_thread(hot_experts.from_args, args, experts, cfg, ckpt, fp,
+                                              infos[0].weight_format, device)
+        except ValueError as e:
+            serving.fail(str(e))
         step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
         health = ExpertHealth(remotes, on_change=svc.serving)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,

@@ -262,6 +262,9 @@ class RemoteExperts:
     def drain_waits(self) -> list[ShardWait]:
         return []
 
+    def drain_spans(self) -> list:
+        return []
+
     def reset(self):
         """Drop the stream and the shared-memory session (after an error): the next submit opens fresh ones."""
         if self.shm is not None:

@@ -424,12 +424,12 @@ def prefix_key(r: Request) -> tuple:
 
 def expert_spans(experts: Experts, step: int) -> list[Span]:
     """The expert services' compute spans of this step, as they reported them (sharded: one lane per
-    shard, "expert-I"), and the GPU side's wait on each shard."""
+    shard, "expert-I"), the GPU side's wait on each shard, and its own hot experts' compute."""
     out = [Span("experts_deferred" if t.deferred else "experts_immediate",
                 "expert" if t.shard is None else f"expert-{t.shard}", t.layer, step, t.timing.start_unix_ns,
                 t.timing.end_unix_ns) for t in experts.drain_timings()]
     out += [Span("shard_wait", f"expert-{w.shard}", w.layer, step, w.start_ns, w.end_ns) for w in experts.drain_waits()]
-    return out
+    return out + experts.drain_spans()
 
 
 def record_step_metrics(spans: list[Span], step_s: float) -> None:

@@ -4,7 +4,9 @@
       ├─ LocalExperts      (here)               in this process: tests, tools, `gpu-service --experts local`
       ├─ RemoteExperts     (dispatch.py)        one expert service: a gRPC Exchange stream, and a shared-memory
       │                                         ring (shm_channel.py) when both run on one host
-      └─ ShardedExperts    (sharded_experts.py) several expert services, one per shard
+      ├─ ShardedExperts    (sharded_experts.py) several expert services, one per shard
+      └─ HotExperts        (hot_experts.py)     around one of the two above: each layer's most-used experts
+                                                computed here (gpu-service --gpu-experts)
 
 submit() returns at once; result() blocks for the next result, which must be the one asked for (results
 come back in request order: a layer's IMMEDIATE part, then its DEFERRED one). What they measured comes
@@ -62,6 +64,9 @@ class Experts(Protocol):
     def drain_waits(self) -> list[ShardWait]:
         """The blocking waits on each shard since the last call (empty unless sharded)."""
 
+    def drain_spans(self) -> list[Span]:
+        """Expert compute done in this process since the last call, for the profile (hot experts)."""
+
     def reset(self) -> None:
         """Forget what is in flight (after an error): the next submit starts afresh."""
 
@@ -94,6 +99,9 @@ class LocalExperts:
         return []
 
     def drain_waits(self) -> list[ShardWait]:
+        return []
+
+    def drain_spans(self) -> list[Span]:
         return []
 
     def reset(self):

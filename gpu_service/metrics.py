@@ -28,6 +28,13 @@ PREFIX_QUERY_TOKENS = Counter("moe_prefix_cache_query_tokens_total", "Prompt tok
 PREFIX_HIT_TOKENS = Counter("moe_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache (not computed)")
 PREFIX_EVICTIONS = Counter("moe_prefix_cache_evictions_total", "Prefix cache entries dropped for room")
 PREFIX_BYTES = Gauge("moe_prefix_cache_bytes", "Bytes of KV cache the prefix cache holds")
+EXPERT_PAIRS = Counter("moe_expert_pairs_total", "Routed (token, expert) pairs by where they were computed: hot (this "
+                       "side's hot experts, --gpu-experts) or remote (the expert service)", ["where"])
+HOT_SHARE = Gauge("moe_hot_experts_usage_share", "Share of a MoE layer's recent (decayed) expert choices that its hot "
+                  "experts cover, at the last placement refresh", ["layer"])
+EXPERT_USAGE = Gauge("moe_expert_usage", "Decayed count of tokens routed to each expert (--gpu-experts-half-life), "
+                     "at the last placement refresh", ["layer", "expert"])
+HOT_SWAPS = Counter("moe_hot_experts_swaps_total", "Layers whose hot experts were replaced at a step boundary")
 EXPERT_UP = Gauge("moe_expert_service_up", "1 while the expert service (every shard) answers health checks")
 SHARD_UP = Gauge("moe_expert_shard_up", "1 while this expert service (one of --experts) answers health checks", ["target"])
 

@@ -97,6 +97,9 @@ class ShardedExperts:
         out, self.waits = self.waits, []
         return out
 
+    def drain_spans(self):
+        return []
+
     def start_transport(self) -> str:
         return ",".join(s.start_transport() for s in self.shards)
 

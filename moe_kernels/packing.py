@@ -242,33 +242,75 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
 
 def floats(w) -> torch.Tensor:
     """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
-    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4)) else w
+    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8)) else w
+
+
+class Int8(NamedTuple):
+    """The int8 format's numbers: values [rows, K] int8 in -127..127, scale [rows] fp32 (one per row)."""
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scale[:, None]
+
+
+def int8_quantize(w: torch.Tensor) -> Int8:
+    w = w.float()
+    scale = (w.abs().amax(-1) / 127).clamp_min(1e-12)
+    return Int8(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale)
+
+
+def quantize(w, fmt: str):
+    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 as published) in a format's numbers, before packing:
+    bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4 or Fp8; what a format keeps
+    as published stays bit for bit."""
+    if fmt == "mxfp4":
+        return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
+    if fmt == "fp8":
+        return w if isinstance(w, Fp8) else fp8_quantize(floats(w))
+    if fmt == "int4g32":
+        return w if isinstance(w, Int4) else int4_quantize(floats(w))
+    if fmt == "int4":
+        return int4_quantize(floats(w), INT4_GROUP)
+    if fmt == "int8":
+        return int8_quantize(floats(w))
+    if fmt == "bf16":
+        return floats(w).to(torch.bfloat16)
+    raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
+
+
+def format_values(w, fmt: str) -> torch.Tensor:
+    """The fp32 values the kernels multiply for weight w [rows, K] in format fmt (where the weights are computed
+    by other means, as torch on a GPU, in the same numbers)."""
+    q = quantize(w, fmt)
+    return (q if isinstance(q, torch.Tensor) else q.dequantize()).float()[:, :w.shape[-1]]
+
+
+def pack_int4(w: Int4, Kp: int) -> tuple:
+    """Symmetric int4 in groups of 64 -> (nibbles, a scale per 64, None, rowcorr)."""
+    R, K = w.values.shape
+    q = F.pad(w.values.to(torch.int16) + 8, (0, Kp - K), value=8).to(torch.uint8)  # 8 = zero
+    scale = F.pad(w.scale.float(), (0, Kp // INT4_GROUP - w.scale.shape[1]), value=1e-12)
+    rowcorr = 128 * (scale * (q.float() - 8).view(R, -1, INT4_GROUP).sum(-1)).sum(-1)  # the +128 of u8 x out
+    return _nibbles(q), scale, None, rowcorr
 
 
 def pack_expert(w, fmt: str, Kp: int) -> tuple:
     """One expert's w [rows, K] (any float dtype, Mx4, Fp8 or Int4) -> its (data, scale, rowsum, rowcorr) in the
     kernels' layout."""
+    q = quantize(w, fmt)
     if fmt == "mxfp4":
-        if not isinstance(w, Mx4):
-            w = mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
-        return pack_mx4(w, Kp)
+        return pack_mx4(q, Kp)
     if fmt == "fp8":
-        return pack_fp8(w if isinstance(w, Fp8) else fp8_quantize(floats(w)), Kp)
+        return pack_fp8(q, Kp)
     if fmt == "int4g32":
-        return pack_int4g32(w if isinstance(w, Int4) else int4_quantize(floats(w)), Kp)
-    w = F.pad(floats(w).float(), (0, Kp - w.shape[-1]))
+        return pack_int4g32(q, Kp)
+    if fmt == "int4":
+        return pack_int4(q, Kp)
     if fmt == "bf16":
-        return w.to(torch.bfloat16), None, None, None
-    if fmt == "int8":
-        scale = (w.abs().amax(-1) / 127).clamp_min(1e-12)
-        q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
-        return q, scale, q.sum(-1, dtype=torch.int32), None
-    R = w.shape[0]
-    g = w.view(R, Kp // INT4_GROUP, INT4_GROUP)
-    scale = (g.abs().amax(-1) / 7).clamp_min(1e-12)
-    q = (torch.round(g / scale[..., None]).clamp(-7, 7) + 8).to(torch.uint8)      # 1..15, 8 = zero
-    rowcorr = 128 * (scale * (q.float() - 8).sum(-1)).sum(-1)                      # takes the +128 of u8 x out
-    return _nibbles(q.view(R, Kp)), scale, None, rowcorr
+        return F.pad(q, (0, Kp - q.shape[-1])), None, None, None
+    data = F.pad(q.values, (0, Kp - q.values.shape[-1]))
+    return data, q.scale, data.sum(-1, dtype=torch.int32), None
 
 
 def stack_rows(parts: list, fmt: str):

@@ -36,6 +36,16 @@ class TorchMoELayer:
         self.fmt = fmt
         self.act, self.biases = SILU, (None, None)
 
+    @classmethod
+    def from_packed(cls, gate_up: torch.Tensor, down: torch.Tensor, fmt: str) -> "TorchMoELayer":
+        """Over weights laid out already (gate_up [E, 2I, H], down [E, H, I]) in the format's dtype, on any
+        device (the GPU side's hot experts): the operator computes where its weights are."""
+        self = cls.__new__(cls)
+        self.num_experts, self.intermediate, self.hidden = down.shape[0], down.shape[2], down.shape[1]
+        self.gate_up, self.down, self.fmt = gate_up, down, fmt
+        self.act, self.biases = SILU, (None, None)
+        return self
+
     def set_extras(self, act: ExpertAct = SILU, gate_up_bias: torch.Tensor | None = None,
                    down_bias: torch.Tensor | None = None) -> "TorchMoELayer":
         """gpt-oss's experts: their activation, and biases [E, 2I] (gate then up) and [E, H]."""
@@ -50,10 +60,10 @@ class TorchMoELayer:
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H]; topk_ids [T, k] int (-1: none); topk_weights [T, k] fp32 -> [T, H] in hidden.dtype."""
         T, k = topk_ids.shape
-        out = torch.zeros(T, self.hidden, dtype=torch.float32)
+        out = torch.zeros(T, self.hidden, dtype=torch.float32, device=self.down.device)
         if T == 0 or k == 0:
             return out.to(hidden.dtype)
-        x_all = hidden.to(self.gate_up.dtype)
+        x_all = hidden.to(self.down.device, self.gate_up.dtype)
         flat_ids = topk_ids.reshape(-1).long()
         order = torch.argsort(flat_ids, stable=True)
         start = int((flat_ids < 0).sum())  # id -1 (no expert: another shard's pair) sorts first and is skipped
@@ -68,5 +78,5 @@ class TorchMoELayer:
             bgu, bdn = (None if b is None else b[e] for b in self.biases)
             g, u = F.linear(x, self.gate_up[e], bgu).chunk(2, dim=-1)
             y = F.linear(activation(g, u, self.act), self.down[e], bdn).float()
-            out.index_add_(0, tok, y * topk_weights.reshape(-1)[sel, None].float())
+            out.index_add_(0, tok, y * topk_weights.reshape(-1)[sel, None].to(y.device, torch.float32))
         return out.to(hidden.dtype)
