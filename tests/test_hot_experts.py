@@ -318,3 +318,18 @@ def test_a_profile_of_another_model_is_refused(checkpoints, tmp_path):
         assert "was saved for the model with fingerprint another-model" in s.logs()
     finally:
         s.stop()
+
+
+def test_hot_part_computed_at_submit_agrees(checkpoints):
+    """On a GPU the hot part runs at submit (overlapping the expert service), on the CPU after the remote part:
+    the same tokens and logits either way."""
+    cfg, ckpt, model, layers = model_and_layers(checkpoints["glm4_moe"], "fp32")
+    placement = {L: [0, 5, 6, 11] for L in cfg.moe_layers}
+    runs = []
+    for overlap in (False, True):
+        hot = hot_experts(cfg, ckpt, layers, "fp32", placement)
+        hot.overlap = overlap
+        runs.append(generate(model, hot, 10, defer=1))
+        assert [s.name for s in hot.drain_spans()].count("hot_experts") > 0
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
