@@ -5,9 +5,8 @@ protocol (experts.py), wrapped around the remote one (one expert service or Shar
     submit(layer)   the usage counted; pairs split by a per-layer table (global id -> hot slot or -1):
                     the cold ones go to the expert service(s) (hot pairs as id -1, rows with none left
                     out), then, on a GPU, the hot ones run here while the expert service works
-    result(layer)   on the CPU, the hot ones run now, after the remote part came in (both sides' thread
-                    pools computing at once on the same cores measured 0.82-0.85x of all-remote decode;
-                    one after the other costs nothing: bench/bench_hot_experts.py);
+    result(layer)   on the CPU, the hot ones run now, after the remote part came in (two thread pools
+                    computing at once on the same cores slow both: docs/hot_experts.md);
                     hot part + remote part, added in fp32 in that order, rounded once to the hidden dtype
 
 Deferral: with `defer`, each token's pairs are put in descending weight order first (as ShardedExperts does),
