@@ -6,7 +6,8 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Q4_0 experts (a scale per
 32, q - 8) are kept bit for bit on the int4g32 kernels; the other quant types are dequantized exactly.
-Families: qwen3moe so far; others are refused by name.
+Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts) and llama files with experts (Mixtral); what the
+converter changed is undone (a llama file's q/k rows, MLA's split kv_b); others are refused by name.
 """
 from __future__ import annotations
 
@@ -22,14 +23,53 @@ import torch
 from .config import ModelConfigError
 
 MARKER = "gguf.json"
-ARCHES = {"qwen3moe": "qwen3_moe"}
-# transformers' names of one layer's weights -> llama.cpp's (qwen3moe); experts: the stacked tensors
-LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-         "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-         "mlp.gate.weight": "ffn_gate_inp.weight"}
-EXPERTS = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight", "down_proj": "ffn_down_exps.weight"}
+FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "llama")  # llama: Mixtral (a llama file with experts)
+
+
+def layer_names(cfg, L: int) -> list[tuple[str, str]]:
+    """(transformers' name, llama.cpp's) of one layer's weights, every family's; a file has some of them
+    (the routed experts, stacked in the file, are placed apart)."""
+    ffn, shared = cfg.ffn_prefix + ".", "shared_expert." if cfg.shared_expert_gate else "shared_experts."
+    pairs = [("input_layernorm.weight", "attn_norm.weight"), ("post_attention_layernorm.weight", "ffn_norm.weight"),
+             ("self_attn.q_norm.weight", "attn_q_norm.weight"), ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+             ("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
+             ("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
+             (ffn + cfg.router_name + ".weight", "ffn_gate_inp.weight"),
+             (ffn + cfg.router_name + ".e_score_correction_bias", "exp_probs_b.bias"),
+             ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight")]
+    for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"),
+                         ("q_a_proj", "attn_q_a"), ("q_b_proj", "attn_q_b"), ("kv_a_proj_with_mqa", "attn_kv_a_mqa"),
+                         ("kv_b_proj", "attn_kv_b")):
+        pairs += [(f"self_attn.{ours}.{k}", f"{theirs}.{k}") for k in ("weight", "bias")]
+    for proj, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+        pairs += [(f"mlp.{proj}.weight", f"{theirs}.weight"), (f"mlp.{shared}{proj}.weight", f"{theirs}_shexp.weight")]
+    return [(f"model.layers.{L}.{o}", f"blk.{L}.{t}") for o, t in pairs]
+
+
+EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")  # as expert_tensor_names' order
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders a llama file's q/k rows for its rope, which rotates adjacent pairs
+    (each head's rows i and i + d/2 made neighbours); back to transformers' halves."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """MLA's kv_b_proj [heads x (nope + v), kv_lora] from llama.cpp's split: k_b [heads, kv_lora, nope] (transposed
+    for the absorbed form) and v_b [heads, v, kv_lora]."""
+    kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+    return kv.reshape(-1, kv.shape[-1])
+
+
+def _transform(cfg, arch: str, ours: str):
+    """What turns the file's tensor into transformers' (None: as it is)."""
+    if arch == "llama" and ours.endswith((".q_proj.weight", ".k_proj.weight")):
+        heads = cfg.num_heads if ours.endswith(".q_proj.weight") else cfg.num_kv_heads
+        return lambda w: _unpermute(w, heads)
+    if ours.endswith(".shared_expert_gate.weight"):  # [H] or [1, H] in the file
+        return lambda w: w.reshape(1, -1)
+    return None
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -53,36 +93,93 @@ def _field(reader, key: str, default=None):
 
 
 def config_of(reader, path: pathlib.Path) -> dict:
-    """config.json fields from the GGUF's metadata."""
+    """config.json fields from the GGUF's metadata (transformers' names and meanings)."""
     arch = _field(reader, "general.architecture")
-    if arch not in ARCHES:
+    if arch not in FAMILIES:
         raise ModelConfigError(f"{path}: GGUF architecture {arch!r} is not supported yet (supported: "
-                               f"{', '.join(ARCHES)})")
+                               f"{', '.join(FAMILIES)})")
     if int(_field(reader, "split.count", 1)) > 1:
         raise ModelConfigError(f"{path}: split GGUF files (-0000N-of-0000M) are not supported yet; llama.cpp's "
                                "gguf-split --merge joins them")
     a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     names = {t.name for t in reader.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    cfg = {"model_type": ARCHES[arch], "architectures": ["Qwen3MoeForCausalLM"],
-           "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
-           "moe_intermediate_size": a("expert_feed_forward_length"), "num_hidden_layers": a("block_count"),
-           "num_attention_heads": a("attention.head_count"), "num_key_value_heads": a("attention.head_count_kv"),
-           "head_dim": a("attention.key_length"), "rms_norm_eps": a("attention.layer_norm_rms_epsilon"),
-           "rope_theta": a("rope.freq_base", 10000.0), "max_position_embeddings": a("context_length"),
-           "num_experts": a("expert_count"), "num_experts_per_tok": a("expert_used_count"),
-           "norm_topk_prob": True,  # llama.cpp's qwen3moe normalizes the top-k weights
+    heads = a("attention.head_count")
+    cfg = {"hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
+           "num_hidden_layers": a("block_count"), "num_attention_heads": heads,
+           "num_key_value_heads": a("attention.head_count_kv", heads),
+           "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
+           "max_position_embeddings": a("context_length"), "num_experts_per_tok": a("expert_used_count"),
            "vocab_size": len(tokens), "tie_word_embeddings": "output.weight" not in names,
            "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-           "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-           "torch_dtype": "bfloat16", "mlp_only_layers": [], "decoder_sparse_step": 1,
+           "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"), "torch_dtype": "bfloat16",
            # how the routed experts are stored: the expert service's format follows (Q4_0 -> int4g32)
            "quantization_config": {"quant_method": "gguf", "expert_types": sorted(
                {t.tensor_type.name for t in reader.tensors if t.name.endswith("_exps.weight")})}}
-    missing = [k for k, v in cfg.items() if v is None and k not in ("bos_token_id", "eos_token_id")]
+    cfg.update(_FAMILY_CONFIG[arch](a, cfg, path))
+    optional = ("bos_token_id", "eos_token_id", "q_lora_rank", "sliding_window")
+    missing = [k for k, v in cfg.items() if v is None and k not in optional]
     if missing:
         raise ModelConfigError(f"{path}: GGUF metadata lacks what {', '.join(missing)} come from")
     return cfg
+
+
+def _qwen3moe(a, cfg, path) -> dict:
+    return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "head_dim": a("attention.key_length"),
+            "moe_intermediate_size": a("expert_feed_forward_length"), "num_experts": a("expert_count"),
+            "norm_topk_prob": True,  # llama.cpp's qwen3moe normalizes the top-k weights
+            "mlp_only_layers": [], "decoder_sparse_step": 1}
+
+
+def _qwen2moe(a, cfg, path) -> dict:
+    return {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
+            "moe_intermediate_size": a("expert_feed_forward_length"), "num_experts": a("expert_count"),
+            "shared_expert_intermediate_size": a("expert_shared_feed_forward_length"),
+            "norm_topk_prob": bool(a("expert_weights_norm", False)), "mlp_only_layers": [], "decoder_sparse_step": 1}
+
+
+def _mixtral(a, cfg, path) -> dict:
+    if not a("expert_count"):
+        raise ModelConfigError(f"{path}: a llama GGUF without experts is a dense model, not an MoE")
+    return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": a("expert_count"),
+            "head_dim": a("attention.key_length", cfg["hidden_size"] // cfg["num_attention_heads"]),
+            "sliding_window": None}
+
+
+def _deepseek2(a, cfg, path) -> dict:
+    """Both MLA layouts llama.cpp has written: kv_b_proj whole (attn_kv_b; key_length = nope + rope) or split for
+    the absorbed form (attn_k_b / attn_v_b; key_length_mla); the key/value-head count there is MLA's 1, not
+    transformers' heads. Sigmoid gating (DeepSeek-V3, Kimi-K2) is deepseek_v3 with its choice bias, softmax V2."""
+    rope, heads = a("rope.dimension_count"), cfg["num_attention_heads"]
+    if a("attention.key_length_mla") is not None:
+        nope, v = a("attention.key_length_mla") - rope, a("attention.value_length_mla")
+    else:
+        nope, v = a("attention.key_length") - rope, a("attention.value_length")
+    sigmoid = a("expert_gating_func", 1) == 2  # llama.cpp: 1 softmax, 2 sigmoid
+    groups, used = a("expert_group_count", 1), a("expert_group_used_count", 1)
+    out = {"model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+           "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+           "num_key_value_heads": heads, "moe_intermediate_size": a("expert_feed_forward_length"),
+           "n_routed_experts": a("expert_count"), "n_shared_experts": a("expert_shared_count", 0),
+           "first_k_dense_replace": a("leading_dense_block_count", 0),
+           "routed_scaling_factor": a("expert_weights_scale", 1.0), "norm_topk_prob": bool(a("expert_weights_norm", False)),
+           "n_group": groups, "topk_group": used, "q_lora_rank": a("attention.q_lora_rank"),
+           "kv_lora_rank": a("attention.kv_lora_rank"), "qk_rope_head_dim": rope, "qk_nope_head_dim": nope,
+           "v_head_dim": v, "scoring_func": "sigmoid" if sigmoid else "softmax",
+           "topk_method": "noaux_tc" if sigmoid else ("group_limited_greedy" if groups > 1 else "greedy"),
+           "moe_layer_freq": 1, "rope_interleave": True}
+    if a("rope.scaling.type") == "yarn":
+        # llama.cpp keeps 0.1 x mscale_all_dim as the log multiplier and no separate mscale: DeepSeek's releases
+        # have mscale == mscale_all_dim, which makes transformers' cos/sin factor 1
+        m = round(a("rope.scaling.yarn_log_multiplier", 0.0) / 0.1, 6)  # (stored as float32)
+        out["rope_scaling"] = {"type": "yarn", "factor": a("rope.scaling.factor"),
+                               "original_max_position_embeddings": a("rope.scaling.original_context_length"),
+                               "beta_fast": a("rope.scaling.yarn_beta_fast", 32.0),
+                               "beta_slow": a("rope.scaling.yarn_beta_slow", 1.0), "mscale": m, "mscale_all_dim": m}
+    return out
+
+
+_FAMILY_CONFIG = {"qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2}
 
 
 def _tokenizer_files(path: pathlib.Path, out: pathlib.Path) -> None:
@@ -93,7 +190,9 @@ def _tokenizer_files(path: pathlib.Path, out: pathlib.Path) -> None:
     except ImportError as e:
         raise ModelConfigError(f"converting {path}'s tokenizer needs transformers (pip install transformers): {e}")
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        # the tokenizer class itself: AutoTokenizer would load the model config too, which transformers reads
+        # for fewer GGUF architectures than its tokenizer converter knows
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # noqa: BLE001
         raise ModelConfigError(f"{path}: its tokenizer cannot be converted: {e}") from None
     tok.save_pretrained(str(out))
@@ -138,22 +237,28 @@ class GGUFCheckpoint:
             raise ModelConfigError(f"{self.path} (named in {self.dir / MARKER}) is missing")
         self.reader = _reader(self.path)
         self.by_name = {t.name: t for t in self.reader.tensors}
-        cfg = json.loads((self.dir / "config.json").read_text())
-        E = cfg["num_experts"]
-        self.where: dict[str, tuple[str, int | None]] = {}  # transformers' name -> (GGUF tensor, expert)
-        for ours, theirs in (("model.embed_tokens.weight", "token_embd.weight"),
-                             ("model.norm.weight", "output_norm.weight"), ("lm_head.weight", "output.weight")):
+        from .config import load_config
+        cfg = load_config(self.dir)
+        arch = _field(self.reader, "general.architecture")
+        # transformers' name -> (the GGUF tensors it comes from, expert index or None, what makes it of them)
+        self.where: dict[str, tuple[tuple[str, ...], int | None, object]] = {}
+        pairs = [("model.embed_tokens.weight", "token_embd.weight"), ("model.norm.weight", "output_norm.weight"),
+                 ("lm_head.weight", "output.weight")]
+        for L in range(cfg.num_layers):
+            pairs += layer_names(cfg, L)
+        for ours, theirs in pairs:
             if theirs in self.by_name:
-                self.where[ours] = (theirs, None)
-        for L in range(cfg["num_hidden_layers"]):
-            for ours, theirs in LAYER.items():
-                if f"blk.{L}.{theirs}" in self.by_name:
-                    self.where[f"model.layers.{L}.{ours}"] = (f"blk.{L}.{theirs}", None)
-            for proj, theirs in EXPERTS.items():
-                if f"blk.{L}.{theirs}" in self.by_name:
-                    for e in range(E):
-                        self.where[f"model.layers.{L}.mlp.experts.{e}.{proj}.weight"] = (f"blk.{L}.{theirs}", e)
-        unknown = set(self.by_name) - {t for t, _ in self.where.values()}
+                self.where[ours] = ((theirs,), None, _transform(cfg, arch, ours))
+        for L in range(cfg.num_layers):
+            b = f"blk.{L}."
+            if b + "attn_k_b.weight" in self.by_name:  # MLA split for the absorbed form: kv_b_proj again
+                self.where[f"model.layers.{L}.self_attn.kv_b_proj.weight"] = (
+                    (b + "attn_k_b.weight", b + "attn_v_b.weight"), None, _kv_b)
+            for i, theirs in enumerate(EXPERTS):
+                if b + theirs in self.by_name:
+                    for e in range(cfg.n_routed_experts):
+                        self.where[cfg.expert_tensor_names(L, e)[i]] = ((b + theirs,), e, None)
+        unknown = set(self.by_name) - {t for ts, _, _ in self.where.values() for t in ts}
         if unknown:
             raise ModelConfigError(f"{self.path}: tensors this reader does not place: {sorted(unknown)[:5]}")
         self.weight_map = {n: str(self.path) for n in self.where}  # (the packed cache stamps the file)
@@ -172,21 +277,30 @@ class GGUFCheckpoint:
         return (n for n in sorted(self.where) if keep(n))
 
     def _data(self, name: str):
-        theirs, e = self.where.get(name, (None, None))
-        if theirs is None:
+        """-> (the GGUF tensor, its data: the whole, or one expert's of a stacked one), for names of one tensor."""
+        theirs, e, _ = self.where.get(name, ((None,), None, None))
+        if theirs[0] is None:
             raise ModelConfigError(f"tensor {name!r} is not in {self.path}")
-        t = self.by_name[theirs]
+        t = self.by_name[theirs[0]]
         return t, (t.data if e is None else t.data[e])
 
-    def get(self, name: str, fp8_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight dequantized exactly to float32 (gguf's dequantizers)."""
+    def _floats(self, theirs: str, e: int | None) -> torch.Tensor:
         from gguf import GGMLQuantizationType as Q, dequantize
-        t, data = self._data(name)
+        t = self.by_name[theirs]
+        data = t.data if e is None else t.data[e]
         if t.tensor_type in (Q.F32, Q.F16):
             return torch.from_numpy(np.array(data, dtype=np.float32))
         if t.tensor_type == Q.BF16:
             return torch.from_numpy(np.array(data)).view(torch.bfloat16).float()
         return torch.from_numpy(np.ascontiguousarray(dequantize(np.asarray(data), t.tensor_type)))
+
+    def get(self, name: str, fp8_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight dequantized exactly to float32 (gguf's dequantizers), in transformers' layout."""
+        theirs, e, fn = self.where.get(name, (None, None, None))
+        if theirs is None:
+            raise ModelConfigError(f"tensor {name!r} is not in {self.path}")
+        parts = [self._floats(t, e) for t in theirs]
+        return fn(*parts) if fn is not None else parts[0]
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
         return self.get(name)[i]

@@ -24,29 +24,96 @@ pytest.importorskip("moe_kernels._native", reason="native extension not built")
 # transformers' GGUF config mapping for qwen3_moe has no expert_feed_forward_length and keeps its default 768:
 # the reference needs that width
 MOE_I = 768
-LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
+        "deepseek_v2": "deepseek2"}
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                            "block_sparse_moe.experts.{e}.w2")}
 
 
-def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str = "qwen3moe") -> pathlib.Path:
-    cfg = json.loads((src / "config.json").read_text())
-    t = load_file(str(src / "model.safetensors"))
-    w = gguf.GGUFWriter(str(out), arch)
+def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to a llama file's q/k rows (its rope rotates adjacent pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def source_tensors(src: pathlib.Path) -> dict:
+    t = {}
+    for f in sorted(src.glob("*.safetensors")):
+        t.update(load_file(str(f)))
+    return t
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name and ".shared_expert" not in name
+
+
+def write_metadata(w, cfg: dict, family: str, mla_split: bool) -> None:
+    """The keys llama.cpp's converter writes for the family (convert_hf_to_gguf.py's set_gguf_parameters)."""
+    heads = cfg["num_attention_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    w.add_head_count(heads)
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    E = cfg["num_local_experts"]
-    w.add_expert_count(E)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if family.startswith("deepseek"):
+        r, n, v, kv = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+        w.add_head_count_kv(1)  # MLA as MQA
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        if cfg.get("q_lora_rank"):
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_kv_lora_rank(kv)
+        if mla_split:
+            w.add_key_length(kv + r)
+            w.add_value_length(kv)
+            w.add_key_length_mla(n + r)
+            w.add_value_length_mla(v)
+        else:  # the older layout: heads of nope + rope keys, v values
+            w.add_key_length(n + r)
+            w.add_value_length(v)
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg.get("routed_scaling_factor", 1.0))
+        if cfg.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if family == "deepseek_v3"
+                                 else gguf.ExpertGatingFuncType.SOFTMAX)
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_rope_dimension_count(r)
+        rp = cfg.get("rope_parameters") or {}
+        if rp.get("rope_type") == "yarn":  # as the converter writes DeepSeek-V3's
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rp["factor"])
+            w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
+        return
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    if family == "mixtral":
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        return
+    w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if family == "qwen3_moe":
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    else:
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | None = None,
+               mla_split: bool = False) -> pathlib.Path:
+    """src's checkpoint as llama.cpp's converter writes it: names from the gguf package's own map, experts
+    stacked (quantized to expert_type, None = F32), a llama file's q/k permuted, MLA's kv_b split when asked."""
+    cfg = json.loads((src / "config.json").read_text())
+    family = cfg["model_type"]
+    arch = arch or ARCH[family]
+    t = source_tensors(src)
+    w = gguf.GGUFWriter(str(out), arch)
+    write_metadata(w, cfg, family, mla_split)
     tok = json.loads((src / "tokenizer.json").read_text())
     added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
     vocab = {i: s for s, i in tok["model"]["vocab"].items()}
@@ -58,28 +125,60 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str = "q
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_eos_token_id(cfg.get("eos_token_id") or 1)
     w.add_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    tmap = gguf.get_tensor_name_map(next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch),
+                                    cfg["num_hidden_layers"])
 
     def add(name, x, qtype=None):
+        gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None or arch != ARCH[family], name
+        gname = gname or name  # (another architecture's file, to be refused)
         a = x.float().numpy()
         if qtype is None:
-            w.add_tensor(name, a)
+            w.add_tensor(gname, a)
         else:
-            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-    add("token_embd.weight", t["model.embed_tokens.weight"])
-    add("output_norm.weight", t["model.norm.weight"])
-    if "lm_head.weight" in t:
-        add("output.weight", t["lm_head.weight"])
+            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    for name, x in t.items():
+        if is_expert(name):
+            continue
+        if family == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            x = llama_permute(x, cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"])
+        if mla_split and name.endswith("kv_b_proj.weight"):
+            kv = x.view(cfg["num_attention_heads"], -1, x.shape[-1])
+            k_b, v_b = kv.split([cfg["qk_nope_head_dim"], cfg["v_head_dim"]], dim=1)
+            add(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2).contiguous())
+            add(name.replace("kv_b_proj", "v_b_proj"), v_b.contiguous())
+            continue
+        add(name.replace("e_score_correction_bias", "e_score_correction.bias"), x)
+    E = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    names = EXPERT_NAMES.get(family, ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"))
     for L in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{L}."
-        for ours, theirs in LAYER.items():
-            add(f"blk.{L}.{theirs}.weight", t[p + ours + ".weight"])
-        for ours, theirs in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-            add(f"blk.{L}.{theirs}.weight", torch.stack([t[p + f"mlp.experts.{e}.{ours}.weight"] for e in range(E)]),
-                expert_type)
+        if p + names[0].format(e=0) + ".weight" not in t:
+            continue  # a dense layer
+        for one in names:
+            stacked = torch.stack([t[p + one.format(e=e) + ".weight"] for e in range(E)])
+            add(p + one.replace(".{e}", "") + ".weight", stacked, expert_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def with_experts_as_stored(src: pathlib.Path, out: pathlib.Path, qtype) -> pathlib.Path:
+    """src with every routed expert weight replaced by what qtype stores (the gguf package's quantizer and
+    dequantizer): transformers on it is the reference for the file."""
+    import shutil
+    shutil.copytree(src, out)
+    for f in sorted(out.glob("*.safetensors")):
+        t = load_file(str(f))
+        for name, x in t.items():
+            if is_expert(name) and qtype is not None:
+                q = gguf.quants.quantize(x.float().numpy(), qtype)
+                t[name] = torch.from_numpy(gguf.quants.dequantize(q, qtype)).to(x.dtype)
+        from safetensors.torch import save_file
+        save_file(t, str(f), metadata={"format": "pt"})
     return out
 
 
@@ -129,9 +228,72 @@ def test_q4_0_experts_are_kept_bit_for_bit(source, tmp_path):
 
 def test_other_gguf_architectures_are_refused_by_name(source, tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
-    f = write_gguf(source, tmp_path / "other.gguf", None, arch="llama")
+    f = write_gguf(source, tmp_path / "other.gguf", None, arch="gemma3")
     log = tmp_path / "expert.log"
     p = start("expert_service", "--model", str(f), "--listen", f"127.0.0.1:{free_port()}", log=log)
     assert p.wait(120) == 2
     text = log.read_text()
-    assert "GGUF architecture 'llama' is not supported yet" in text and "Traceback" not in text, text
+    assert "GGUF architecture 'gemma3' is not supported yet" in text and "Traceback" not in text, text
+
+
+# -- the other families: Qwen2-MoE, Mixtral (a llama file with experts), DeepSeek V2 and V3 with both MLA layouts --
+FAMILY_FILES = [("qwen2_moe", False), ("mixtral", False), ("deepseek_v2", False), ("deepseek_v3", False),
+                ("deepseek_v3", True), ("deepseek_v3_yarn", True)]
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+
+
+@pytest.fixture(scope="module")
+def family_sources(tmp_path_factory, checkpoints):
+    """The tiny checkpoints, Qwen2-MoE's without its dense layer (llama.cpp's qwen2moe has none), Mixtral's
+    experts 64 wide (quantized blocks hold 32 values)."""
+    out = dict(checkpoints)
+    out["qwen2_moe"] = tiny_models.build("qwen2_moe", tmp_path_factory.mktemp("src") / "q2", mlp_only_layers=[])
+    out["mixtral"] = tiny_models.build("mixtral", tmp_path_factory.mktemp("src") / "mx", intermediate_size=64)
+    out["deepseek_v3_yarn"] = tiny_models.build("deepseek_v3", tmp_path_factory.mktemp("src") / "y",
+                                                rope_parameters=YARN)  # DeepSeek-V3's long-context rope
+    return out
+
+
+@pytest.mark.parametrize("family, mla_split", FAMILY_FILES)
+def test_every_tensor_reads_back_as_transformers_names_it(family, mla_split, family_sources, tmp_path):
+    """F32 file: each of the checkpoint's tensors, under transformers' name and layout (a llama file's q/k rows
+    permuted back, MLA's kv_b joined again, Qwen2's shared-expert gate reshaped), equals the source exactly; the
+    config read from the metadata is the source's."""
+    from moe_core import gguf_model
+    from moe_core.config import load_config
+    src = family_sources[family]
+    f = write_gguf(src, tmp_path / f"{family}.gguf", None, mla_split=mla_split)
+    d = gguf_model.prepare(f, tmp_path / "cache")
+    ck = gguf_model.open_checkpoint(d)
+    want = source_tensors(src)
+    assert sorted(ck.names()) == sorted(want)
+    for name, x in want.items():
+        assert torch.equal(ck.get(name), x.float()), name
+    got, ref = load_config(d), load_config(src)
+    for field in ("model_type", "hidden_size", "num_layers", "num_heads", "head_dim", "n_routed_experts", "top_k",
+                  "moe_intermediate_size", "shared_intermediate_size", "moe_layers", "scoring", "norm_topk_prob",
+                  "routed_scaling_factor", "rope_theta", "rope_interleave", "attention", "rope_type"):
+        assert getattr(got, field) == getattr(ref, field), field
+    if got.rope_type == "yarn":
+        from gpu_service.layers import rope_inv_freq, softmax_scale
+        assert torch.equal(rope_inv_freq(got)[0], rope_inv_freq(ref)[0]) and rope_inv_freq(got)[1] == rope_inv_freq(ref)[1]
+        assert softmax_scale(got, 24) == softmax_scale(ref, 24)
+
+
+@pytest.mark.parametrize("family, mla_split", FAMILY_FILES)
+def test_family_files_serve_transformers_greedy_tokens(family, mla_split, family_sources, tmp_path,
+                                                       services_factory, monkeypatch):
+    """Q8_0 experts: on the exact path the greedy tokens of transformers' own model on the weights the file
+    stores (the experts through the gguf package's quantizer and dequantizer), both services on the file."""
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    src, q = family_sources[family], gguf.GGMLQuantizationType.Q8_0
+    f = write_gguf(src, tmp_path / f"{family}.gguf", q, mla_split=mla_split)
+    ref_dir = with_experts_as_stored(src, tmp_path / "ref", q)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
+    prompt = [5, 17, 30, 41, 7, 99, 3, 250, 12, 64]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 12) == want, s.logs()
