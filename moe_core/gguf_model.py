@@ -6,8 +6,9 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Q4_0 experts (a scale per
 32, q - 8) are kept bit for bit on the int4g32 kernels; the other quant types are dequantized exactly.
-Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts) and llama files with experts (Mixtral); what the
-converter changed is undone (a llama file's q/k rows, MLA's split kv_b); others are refused by name.
+Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2 and llama files with experts
+(Mixtral); what the converter changed is undone (a llama file's q/k rows, MLA's split kv_b); others are refused
+by name.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from .config import ModelConfigError
 
 MARKER = "gguf.json"
-FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "llama")  # llama: Mixtral (a llama file with experts)
+FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "minimax-m2", "llama")  # llama: Mixtral (with experts)
 
 
 def layer_names(cfg, L: int) -> list[tuple[str, str]]:
@@ -31,11 +32,14 @@ def layer_names(cfg, L: int) -> list[tuple[str, str]]:
     (the routed experts, stacked in the file, are placed apart)."""
     ffn, shared = cfg.ffn_prefix + ".", "shared_expert." if cfg.shared_expert_gate else "shared_experts."
     pairs = [("input_layernorm.weight", "attn_norm.weight"), ("post_attention_layernorm.weight", "ffn_norm.weight"),
+             ("post_attention_layernorm.weight", "post_attention_norm.weight"),  # GLM's name for it
              ("self_attn.q_norm.weight", "attn_q_norm.weight"), ("self_attn.k_norm.weight", "attn_k_norm.weight"),
              ("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
              ("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
              (ffn + cfg.router_name + ".weight", "ffn_gate_inp.weight"),
-             (ffn + cfg.router_name + ".e_score_correction_bias", "exp_probs_b.bias"),
+             # the choice bias: under the router (DeepSeek, GLM), beside it (MiniMax-M2)
+             (ffn + ("" if cfg.model_type == "minimax_m2" else cfg.router_name + ".") + "e_score_correction_bias",
+              "exp_probs_b.bias"),
              ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight")]
     for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"),
                          ("q_a_proj", "attn_q_a"), ("q_b_proj", "attn_q_b"), ("kv_a_proj_with_mqa", "attn_kv_a_mqa"),
@@ -106,7 +110,8 @@ def config_of(reader, path: pathlib.Path) -> dict:
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     heads = a("attention.head_count")
     cfg = {"hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
-           "num_hidden_layers": a("block_count"), "num_attention_heads": heads,
+           # GLM's files add its multi-token-prediction layers as further blocks, which this server does not run
+           "num_hidden_layers": a("block_count") - a("nextn_predict_layers", 0), "num_attention_heads": heads,
            "num_key_value_heads": a("attention.head_count_kv", heads),
            "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
            "max_position_embeddings": a("context_length"), "num_experts_per_tok": a("expert_used_count"),
@@ -116,7 +121,7 @@ def config_of(reader, path: pathlib.Path) -> dict:
            # how the routed experts are stored: the expert service's format follows (Q4_0 -> int4g32)
            "quantization_config": {"quant_method": "gguf", "expert_types": sorted(
                {t.tensor_type.name for t in reader.tensors if t.name.endswith("_exps.weight")})}}
-    cfg.update(_FAMILY_CONFIG[arch](a, cfg, path))
+    cfg.update(_FAMILY_CONFIG[arch](a, cfg, path, names))
     optional = ("bos_token_id", "eos_token_id", "q_lora_rank", "sliding_window")
     missing = [k for k, v in cfg.items() if v is None and k not in optional]
     if missing:
@@ -124,21 +129,21 @@ def config_of(reader, path: pathlib.Path) -> dict:
     return cfg
 
 
-def _qwen3moe(a, cfg, path) -> dict:
+def _qwen3moe(a, cfg, path, names) -> dict:
     return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "head_dim": a("attention.key_length"),
             "moe_intermediate_size": a("expert_feed_forward_length"), "num_experts": a("expert_count"),
             "norm_topk_prob": True,  # llama.cpp's qwen3moe normalizes the top-k weights
             "mlp_only_layers": [], "decoder_sparse_step": 1}
 
 
-def _qwen2moe(a, cfg, path) -> dict:
+def _qwen2moe(a, cfg, path, names) -> dict:
     return {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
             "moe_intermediate_size": a("expert_feed_forward_length"), "num_experts": a("expert_count"),
             "shared_expert_intermediate_size": a("expert_shared_feed_forward_length"),
             "norm_topk_prob": bool(a("expert_weights_norm", False)), "mlp_only_layers": [], "decoder_sparse_step": 1}
 
 
-def _mixtral(a, cfg, path) -> dict:
+def _mixtral(a, cfg, path, names) -> dict:
     if not a("expert_count"):
         raise ModelConfigError(f"{path}: a llama GGUF without experts is a dense model, not an MoE")
     return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": a("expert_count"),
@@ -146,7 +151,7 @@ def _mixtral(a, cfg, path) -> dict:
             "sliding_window": None}
 
 
-def _deepseek2(a, cfg, path) -> dict:
+def _deepseek2(a, cfg, path, names) -> dict:
     """Both MLA layouts llama.cpp has written: kv_b_proj whole (attn_kv_b; key_length = nope + rope) or split for
     the absorbed form (attn_k_b / attn_v_b; key_length_mla); the key/value-head count there is MLA's 1, not
     transformers' heads. Sigmoid gating (DeepSeek-V3, Kimi-K2) is deepseek_v3 with its choice bias, softmax V2."""
@@ -179,7 +184,26 @@ def _deepseek2(a, cfg, path) -> dict:
     return out
 
 
-_FAMILY_CONFIG = {"qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2}
+def _glm4moe(a, cfg, path, names) -> dict:
+    head_dim = a("attention.key_length")
+    return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "head_dim": head_dim,
+            "partial_rotary_factor": a("rope.dimension_count", head_dim) / head_dim,
+            "moe_intermediate_size": a("expert_feed_forward_length"), "n_routed_experts": a("expert_count"),
+            "n_shared_experts": a("expert_shared_count", 0), "first_k_dense_replace": a("leading_dense_block_count", 0),
+            "routed_scaling_factor": a("expert_weights_scale", 1.0), "norm_topk_prob": bool(a("expert_weights_norm", False)),
+            "n_group": a("expert_group_count", 1), "topk_group": a("expert_group_used_count", 1),
+            "attention_bias": "blk.0.attn_q.bias" in names, "use_qk_norm": "blk.0.attn_q_norm.weight" in names}
+
+
+def _minimax_m2(a, cfg, path, names) -> dict:
+    head_dim = a("attention.key_length")
+    return {"model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "head_dim": head_dim,
+            "rotary_dim": a("rope.dimension_count", head_dim), "intermediate_size": a("expert_feed_forward_length"),
+            "num_local_experts": a("expert_count"), "scoring_func": "sigmoid"}
+
+
+_FAMILY_CONFIG = {"qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2,
+                  "glm4moe": _glm4moe, "minimax-m2": _minimax_m2}
 
 
 def _tokenizer_files(path: pathlib.Path, out: pathlib.Path) -> None:
@@ -258,7 +282,9 @@ class GGUFCheckpoint:
                 if b + theirs in self.by_name:
                     for e in range(cfg.n_routed_experts):
                         self.where[cfg.expert_tensor_names(L, e)[i]] = ((b + theirs,), e, None)
-        unknown = set(self.by_name) - {t for ts, _, _ in self.where.values() for t in ts}
+        # blocks past the model's layers: GLM's multi-token-prediction layers (config_of counts them out)
+        mtp = {t for t in self.by_name if t.startswith("blk.") and int(t.split(".")[1]) >= cfg.num_layers}
+        unknown = set(self.by_name) - mtp - {t for ts, _, _ in self.where.values() for t in ts}
         if unknown:
             raise ModelConfigError(f"{self.path}: tensors this reader does not place: {sorted(unknown)[:5]}")
         self.weight_map = {n: str(self.path) for n in self.where}  # (the packed cache stamps the file)

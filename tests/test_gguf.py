@@ -25,9 +25,9 @@ pytest.importorskip("moe_kernels._native", reason="native extension not built")
 # the reference needs that width
 MOE_I = 768
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
-        "deepseek_v2": "deepseek2"}
-EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
-                            "block_sparse_moe.experts.{e}.w2")}
+        "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}
+EXPERT_NAMES = {f: ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                    "block_sparse_moe.experts.{e}.w2") for f in ("mixtral", "minimax_m2")}
 
 
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -46,13 +46,18 @@ def is_expert(name: str) -> bool:
     return ".experts." in name and ".shared_expert" not in name
 
 
+def mtp_layers(cfg: dict) -> int:
+    """Multi-token-prediction layers the converter writes as further blocks: GLM's (DeepSeek's it skips)."""
+    return cfg.get("num_nextn_predict_layers", 0) if cfg["model_type"] == "glm4_moe" else 0
+
+
 def write_metadata(w, cfg: dict, family: str, mla_split: bool) -> None:
     """The keys llama.cpp's converter writes for the family (convert_hf_to_gguf.py's set_gguf_parameters)."""
     heads = cfg["num_attention_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_block_count(cfg["num_hidden_layers"] + mtp_layers(cfg))
     w.add_head_count(heads)
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -91,6 +96,28 @@ def write_metadata(w, cfg: dict, family: str, mla_split: bool) -> None:
             w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
         return
     w.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    if family in ("glm4_moe", "minimax_m2"):  # sigmoid routing with a choice bias; partial rope
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(int(head_dim * partial))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if family == "minimax_m2":
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        return
+    if family == "glm4_moe":
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_nextn_predict_layers(mtp_layers(cfg))
+        return
     if family == "mixtral":
         w.add_expert_count(cfg["num_local_experts"])
         w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
@@ -159,6 +186,10 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
         for one in names:
             stacked = torch.stack([t[p + one.format(e=e) + ".weight"] for e in range(E)])
             add(p + one.replace(".{e}", "") + ".weight", stacked, expert_type)
+    for L in range(cfg["num_hidden_layers"], cfg["num_hidden_layers"] + mtp_layers(cfg)):
+        # GLM's multi-token-prediction layer (transformers leaves it out of the model; llama.cpp keeps it)
+        w.add_tensor(f"blk.{L}.nextn.eh_proj.weight", np.ones((cfg["hidden_size"], 2 * cfg["hidden_size"]), np.float32))
+        w.add_tensor(f"blk.{L}.attn_norm.weight", np.ones(cfg["hidden_size"], np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -238,7 +269,7 @@ def test_other_gguf_architectures_are_refused_by_name(source, tmp_path, monkeypa
 
 # -- the other families: Qwen2-MoE, Mixtral (a llama file with experts), DeepSeek V2 and V3 with both MLA layouts --
 FAMILY_FILES = [("qwen2_moe", False), ("mixtral", False), ("deepseek_v2", False), ("deepseek_v3", False),
-                ("deepseek_v3", True), ("deepseek_v3_yarn", True)]
+                ("deepseek_v3", True), ("deepseek_v3_yarn", True), ("glm4_moe", False), ("minimax_m2", False)]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
