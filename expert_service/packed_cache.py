@@ -240,7 +240,9 @@ class PackedCache:
         finally:
             os.close(fd)
 
-    def _read(self, fd: int, path: pathlib.Path, E: int, I: int, H: int, threads: int):
+    def _spans(self, fd: int, path: pathlib.Path, E: int, I: int, H: int, then: str = "rebuilding it"):
+        """-> (file size, layout, name -> (offset, bytes), checksums) of a layer file made for this model and
+        format, None if stale (logged, with what happens `then`); ValueError if it is not one."""
         (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
         if not 2 <= n <= 1 << 24:
             raise ValueError(f"header length {n}")
@@ -248,7 +250,7 @@ class PackedCache:
         meta = header.pop("__metadata__", {})
         stale = [k for k, v in self._meta(E, I, H).items() if meta.get(k) != v]
         if stale:
-            log.warning("packed-weight cache %s is stale (%s differ): rebuilding it", path, ", ".join(stale))
+            log.warning("packed-weight cache %s is stale (%s differ): %s", path, ", ".join(stale), then)
             return None
         want, hashes = _layout(E, I, H, self.fmt), json.loads(meta["hashes"])
         if set(header) != set(want) or set(hashes) != set(want):
@@ -266,6 +268,40 @@ class PackedCache:
             if len(hashes[name]) != -(-nbytes // CHUNK):
                 raise ValueError(f"{name}: {len(hashes[name])} checksums for {nbytes} bytes")
             spans[name] = (8 + n + h["data_offsets"][0], nbytes)
+        return size, want, spans, hashes
+
+    def map_layer(self, layer: int, E: int, I: int, H: int, threads: int):
+        """Another process's view of a layer the expert service holds (the GPU side's prefill): the file mapped
+        read-only, unlocked and unchecked (its owner checked and locked it; the page cache holds one copy for
+        both) -> NativeMoELayer over it, or None (absent, stale or not a layer file: logged)."""
+        path = self._path(layer)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            found = self._spans(fd, path, E, I, H, then="not used")
+            if found is None:
+                return None
+            size, want, spans, _ = found
+            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as e:
+            log.warning("packed-weight cache %s cannot be mapped: %s", path, e)
+            return None
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # read-only memory: the kernels never write weights
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            t = {name: torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off).view(dtype).view(shape)
+                 for name, (off, nbytes) in spans.items() for shape, dtype in [want[name]]}
+        parts = {g: tuple(t.get(f"{g}.{p}") for p in PARTS) for g in ("gu", "dn")}
+        return native_moe.NativeMoELayer.wrap(E, I, H, self.fmt, parts["gu"], parts["dn"], threads)
+
+    def _read(self, fd: int, path: pathlib.Path, E: int, I: int, H: int, threads: int):
+        found = self._spans(fd, path, E, I, H)
+        if found is None:
+            return None
+        size, want, spans, hashes = found
         empty = lambda: _tensors(native_moe.NativeMoELayer.empty(E, I, H, self.fmt))  # noqa: E731
         tensors = _reader()(fd, size, want, spans, hashes, empty)
         if tensors is None:

@@ -22,7 +22,7 @@ from .engine import Engine
 from .expert_connection import connect_remote, in_shard_order, load_local
 from .expert_health import ExpertHealth
 from .experts import LocalExperts
-from . import hot_experts
+from . import hot_experts, prefill_experts
 from .model import DTYPES, Model, compute_dtype, dense_format, pick_device
 from .reasoning import PARSERS as REASONING_PARSERS
 from .prefix_cache import PrefixCache
@@ -111,6 +111,7 @@ def parse_args(argv=None):
                          "deepseek_v31 (V3.1), glm45 (GLM-4.5/4.6), minimax_m2, harmony (gpt-oss); auto = the one "
                          "the checkpoint's chat template writes; none = chat requests with tools are refused")
     hot_experts.add_args(ap)
+    prefill_experts.add_args(ap)
     serving.add_server_args(ap)
     security.add_server_args(ap)
     security.add_client_args(ap, prefix="experts-", what="the expert service (the auth token is the same one)")
@@ -134,7 +135,7 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
     targets = [t.strip() for t in args.experts.split(",") if t.strip()]
     if not targets or len(set(targets)) != len(targets) or ("local" in targets and len(targets) > 1):
         serving.fail(f"--experts {args.experts!r}: 'local', or one or more distinct host:port, comma-separated")
-    bad = hot_experts.check_args(args, targets == ["local"])
+    bad = hot_experts.check_args(args, targets == ["local"]) or prefill_experts.check_args(args, targets)
     if bad:
         serving.fail(bad)
     try:
@@ -256,6 +257,8 @@ async def serve(args, stop: asyncio.Event) -> None:
         server_info.transport = transport
         try:
             experts = await asyncio.to_thread(hot_experts.from_args, args, experts, cfg, ckpt, fp,
+                                              infos[0].weight_format, device)
+            experts = await asyncio.to_thread(prefill_experts.from_args, args, experts, cfg, ckpt, fp,
                                               infos[0].weight_format, device)
         except ValueError as e:
             serving.fail(str(e))

@@ -34,6 +34,8 @@ HOT_SHARE = Gauge("moe_hot_experts_usage_share", "Share of a MoE layer's recent 
                   "experts cover, at the last placement refresh", ["layer"])
 EXPERT_USAGE = Gauge("moe_expert_usage", "Decayed count of tokens routed to each expert (--gpu-experts-half-life), "
                      "at the last placement refresh", ["layer", "expert"])
+PREFILL_EXPERT_TOKENS = Counter("moe_gpu_prefill_expert_tokens_total", "Tokens whose routed experts this side computed "
+                                "itself from the mapped packed cache (--gpu-prefill-tokens), summed over MoE layers")
 HOT_SWAPS = Counter("moe_hot_experts_swaps_total", "Layers whose hot experts were replaced at a step boundary")
 EXPERT_UP = Gauge("moe_expert_service_up", "1 while the expert service (every shard) answers health checks")
 SHARD_UP = Gauge("moe_expert_shard_up", "1 while this expert service (one of --experts) answers health checks", ["target"])

@@ -313,6 +313,32 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
     return data, q.scale, data.sum(-1, dtype=torch.int32), None
 
 
+def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
+    """Packed experts (data, scale, rowsum, rowcorr) [E, rows, Kp...] -> the values the kernels multiply, fp32
+    [E, rows, K], on the packed tensors' device (where the kernels do not run, as a GPU computing from the
+    expert service's packed cache)."""
+    data, scale = packed[0], packed[1]
+    if fmt == "bf16":
+        w = data.float()
+    elif fmt == "int8":
+        w = data.float() * scale[..., None]
+    elif fmt == "fp8":
+        s = (scale / 256).repeat_interleave(FP8_BLOCK, 1)[:, :data.shape[1]].repeat_interleave(FP8_BLOCK, 2)
+        w = data.view(torch.float8_e4m3fn).float() * s[..., :data.shape[2]]
+    else:  # nibbles: byte i of each 64-group holds elements i (low) and i + 32 (high)
+        lo, hi = (data & 15).long(), (data >> 4).long()
+        if fmt == "mxfp4":
+            twice = MX4_TWICE.to(data.device)
+            lo, hi, scale = twice[lo], twice[hi], mx_scale(scale.cpu()).to(data.device)
+        else:
+            lo, hi = lo.float() - 8, hi.float() - 8
+        E, R, _ = data.shape
+        g = torch.cat([lo.view(E, R, -1, INT4_GROUP // 2), hi.view(E, R, -1, INT4_GROUP // 2)], -1).view(E, R, -1)
+        block = {"mxfp4": MX_BLOCK, "int4g32": G32}.get(fmt, INT4_GROUP)
+        w = (g.view(E, R, -1, block) * scale[..., None]).view(E, R, -1)
+    return w[..., :K]
+
+
 def stack_rows(parts: list, fmt: str):
     """Matrices of one K stacked along rows (gate and up) in what pack_expert takes: published MXFP4 and FP8
     stay as published where the format keeps them."""
