@@ -33,13 +33,18 @@ step "tests, GPU service on cuda"
 MOE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
   tests/test_e2e_families.py tests/test_deferral.py tests/test_generate.py tests/test_shm.py \
   tests/test_chunked_prefill.py tests/test_bad_requests.py tests/test_real_configs.py tests/test_hot_experts.py \
-  >"$OUT/pytest.log" 2>&1
+  tests/test_prefill_experts.py >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?"; tail -25 "$OUT/pytest.log"
 [ "${BENCH:-1}" = 0 ] && { step done; exit 0; }
 
-step "hot experts on cuda: decode with 0, 8, 32 a layer (Qwen3-30B-A3B width, 2 layers)"
-timeout 240 $PY bench/bench_hot_experts.py --device cuda --threads 8 --runs 1 --settle 6 2>&1 | tail -8 \
-  | tee "$OUT/hot_experts.log"
+step "Qwen3-30B-A3B width, 2 layers: hot experts (decode with 0, 8, 32 a layer), GPU prefill at 2k tokens"
+Q3=/tmp/q3-2layers
+timeout 120 $PY tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 2 --set vocab_size=32000 --out $Q3 \
+  >"$OUT/synth.log" 2>&1 || tail -3 "$OUT/synth.log"
+timeout 240 $PY bench/bench_hot_experts.py --model $Q3 --device cuda --threads 8 --runs 1 --settle 6 2>&1 \
+  | tail -8 | tee "$OUT/hot_experts.log"
+timeout 240 $PY bench/bench_gpu_prefill.py --model $Q3 --device cuda --threads 8 --runs 1 --prompt 2048 2>&1 \
+  | tail -6 | tee "$OUT/gpu_prefill.log"
 
 step "embedded model: cuda vs cpu vs transformers"
 timeout 180 $PY scripts/gpu_agree.py >"$OUT/agree.log" 2>&1; echo "exit $?"; tail -16 "$OUT/agree.log"
