@@ -6,9 +6,9 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Q4_0 experts (a scale per
 32, q - 8) are kept bit for bit on the int4g32 kernels; the other quant types are dequantized exactly.
-Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2 and llama files with experts
-(Mixtral); what the converter changed is undone (a llama file's q/k rows, MLA's split kv_b); others are refused
-by name.
+Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
+published) and llama files with experts (Mixtral); what the converter changed is undone (a llama file's q/k rows,
+MLA's split kv_b, gpt-oss's split gate/up and nibble order); others are refused by name.
 """
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ import torch
 from .config import ModelConfigError
 
 MARKER = "gguf.json"
-FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "minimax-m2", "llama")  # llama: Mixtral (with experts)
+FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss", "llama")  # llama: Mixtral
+# `where` entries whose name is every expert's tensor at once, built expert by expert (get_row) from the file's
+# tensors' slices: dequantized, or as stored (STACKED_RAW: gpt-oss's MXFP4 blocks)
+STACKED, STACKED_RAW = -1, -2
 
 
 def layer_names(cfg, L: int) -> list[tuple[str, str]]:
@@ -37,6 +40,8 @@ def layer_names(cfg, L: int) -> list[tuple[str, str]]:
              ("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"),
              ("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
              (ffn + cfg.router_name + ".weight", "ffn_gate_inp.weight"),
+             (ffn + cfg.router_name + ".bias", "ffn_gate_inp.bias"),  # gpt-oss's router bias
+             ("self_attn.sinks", "attn_sinks.weight"),
              # the choice bias: under the router (DeepSeek, GLM), beside it (MiniMax-M2)
              (ffn + ("" if cfg.model_type == "minimax_m2" else cfg.router_name + ".") + "e_score_correction_bias",
               "exp_probs_b.bias"),
@@ -64,6 +69,42 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     for the absorbed form) and v_b [heads, v, kv_lora]."""
     kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
     return kv.reshape(-1, kv.shape[-1])
+
+
+def _interleave(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """a at the even, b at the odd indices of `dim`: gpt-oss's gate and up, as transformers keeps them."""
+    dim %= a.dim()
+    return torch.stack([a, b], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def _mx_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml MXFP4 rows ([rows, blocks x 17]: a scale byte, then 16 bytes whose byte j holds elements j (low
+    nibble) and j + 16) -> the published layout, (blocks [rows, n, 16]: byte j holds elements 2j and 2j + 1,
+    scales [rows, n]); the codes and scale bytes themselves unchanged."""
+    b = torch.from_numpy(np.ascontiguousarray(raw)).view(raw.shape[0], -1, 17)
+    codes = torch.cat([b[..., 1:] & 15, b[..., 1:] >> 4], dim=-1)  # elements 0..31 of each block
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), b[..., 0].contiguous()
+
+
+def _fused_experts(cfg, L: int, by_name: dict) -> dict:
+    """gpt-oss: llama.cpp splits its experts into gate, up and down (and their biases); transformers' names
+    show them fused again (gate and up interleaved), as published MXFP4 blocks where the file has them."""
+    from gguf import GGMLQuantizationType as Q
+    b, (gate_up, down) = f"blk.{L}.", cfg.stacked_expert_names(L)
+    g, u, d = (b + f"ffn_{p}_exps.weight" for p in ("gate", "up", "down"))
+    if g not in by_name:
+        return {}
+    out = {gate_up + "_bias": ((g[:-6] + "bias", u[:-6] + "bias"), None, lambda x, y: _interleave(x, y, -1)),
+           down + "_bias": ((d[:-6] + "bias",), None, None)}
+    if by_name[g].tensor_type == Q.MXFP4:
+        out[gate_up + "_blocks"] = ((g, u), STACKED_RAW, lambda x, y: _interleave(_mx_blocks(x)[0], _mx_blocks(y)[0], 0))
+        out[gate_up + "_scales"] = ((g, u), STACKED_RAW, lambda x, y: _interleave(_mx_blocks(x)[1], _mx_blocks(y)[1], 0))
+        out[down + "_blocks"] = ((d,), STACKED_RAW, lambda x: _mx_blocks(x)[0])
+        out[down + "_scales"] = ((d,), STACKED_RAW, lambda x: _mx_blocks(x)[1])
+    else:  # gate_up_proj [H, 2I] (columns interleaved), down_proj [I, H]: the transposes of the file's
+        out[gate_up] = ((g, u), STACKED, lambda x, y: _interleave(x.T, y.T, -1))
+        out[down] = ((d,), STACKED, lambda x: x.T.contiguous())
+    return out
 
 
 def _transform(cfg, arch: str, ours: str):
@@ -202,7 +243,26 @@ def _minimax_m2(a, cfg, path, names) -> dict:
             "num_local_experts": a("expert_count"), "scoring_func": "sigmoid"}
 
 
-_FAMILY_CONFIG = {"qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2,
+def _gpt_oss(a, cfg, path, names) -> dict:
+    """gpt-oss as llama.cpp writes it: gate and up experts apart (their MXFP4 blocks as published, nibbles in
+    ggml's order), sliding windows on every other layer from the first, YaRN without truncation and the clamped
+    SwiGLU at 7 (llama.cpp's constants for the family, as the published config has them)."""
+    n = cfg["num_hidden_layers"]
+    out = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "head_dim": a("attention.key_length"),
+           "intermediate_size": a("expert_feed_forward_length"), "num_local_experts": a("expert_count"),
+           "sliding_window": a("attention.sliding_window"), "attention_bias": True, "swiglu_limit": 7.0,
+           "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]}
+    if a("rope.scaling.type") == "yarn":
+        out["rope_scaling"] = {"type": "yarn", "factor": a("rope.scaling.factor"), "truncate": False,
+                               "original_max_position_embeddings": a("rope.scaling.original_context_length"),
+                               "beta_fast": a("rope.scaling.yarn_beta_fast", 32.0),
+                               "beta_slow": a("rope.scaling.yarn_beta_slow", 1.0)}
+    if cfg["quantization_config"]["expert_types"] == ["MXFP4"]:  # kept as published: the mxfp4 kernels' format
+        out["quantization_config"] = {**cfg["quantization_config"], "quant_method": "mxfp4"}
+    return out
+
+
+_FAMILY_CONFIG = {"gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2,
                   "glm4moe": _glm4moe, "minimax-m2": _minimax_m2}
 
 
@@ -278,6 +338,9 @@ class GGUFCheckpoint:
             if b + "attn_k_b.weight" in self.by_name:  # MLA split for the absorbed form: kv_b_proj again
                 self.where[f"model.layers.{L}.self_attn.kv_b_proj.weight"] = (
                     (b + "attn_k_b.weight", b + "attn_v_b.weight"), None, _kv_b)
+            if cfg.fused_experts:
+                self.where.update(_fused_experts(cfg, L, self.by_name))
+                continue
             for i, theirs in enumerate(EXPERTS):
                 if b + theirs in self.by_name:
                     for e in range(cfg.n_routed_experts):
@@ -325,10 +388,17 @@ class GGUFCheckpoint:
         theirs, e, fn = self.where.get(name, (None, None, None))
         if theirs is None:
             raise ModelConfigError(f"tensor {name!r} is not in {self.path}")
+        if e in (STACKED, STACKED_RAW):
+            return torch.stack([self.get_row(name, i) for i in range(self.by_name[theirs[0]].data.shape[0])])
         parts = [self._floats(t, e) for t in theirs]
         return fn(*parts) if fn is not None else parts[0]
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
+        theirs, e, fn = self.where.get(name, (None, None, None))
+        if e == STACKED:
+            return fn(*[self._floats(t, i) for t in theirs])
+        if e == STACKED_RAW:
+            return fn(*[np.asarray(self.by_name[t].data[i]) for t in theirs])
         return self.get(name)[i]
 
     def get_fp8(self, name: str):

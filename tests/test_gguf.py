@@ -25,7 +25,7 @@ pytest.importorskip("moe_kernels._native", reason="native extension not built")
 # the reference needs that width
 MOE_I = 768
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
-        "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}
+        "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss"}
 EXPERT_NAMES = {f: ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
                     "block_sparse_moe.experts.{e}.w2") for f in ("mixtral", "minimax_m2")}
 
@@ -103,6 +103,17 @@ def write_metadata(w, cfg: dict, family: str, mla_split: bool) -> None:
         w.add_value_length(head_dim)
         w.add_rope_dimension_count(int(head_dim * partial))
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if family == "gpt_oss":
+        rp = cfg["rope_parameters"]
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        return
     if family == "minimax_m2":
         w.add_expert_count(cfg["num_local_experts"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
@@ -166,6 +177,12 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
             w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
 
     for name, x in t.items():
+        if family == "gpt_oss" and is_expert(name):  # stacked already: split gate and up, as the converter does
+            for part, y in gpt_oss_experts(name, x):
+                add(part, y, None if part.endswith(".bias") else expert_type)
+            continue
+        if name.endswith(".sinks"):
+            name += ".weight"
         if is_expert(name):
             continue
         if family == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -197,6 +214,27 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
     return out
 
 
+def gpt_oss_experts(name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """gpt-oss's fused expert tensors as llama.cpp's converter writes them: gate and up apart (their columns
+    interleaved in gate_up_proj [E, H, 2I]), every matrix [E, rows, K]."""
+    if name.endswith("gate_up_proj_bias"):
+        return [(name.replace("gate_up_proj_bias", "gate_proj.bias"), x[..., 0::2]),
+                (name.replace("gate_up_proj_bias", "up_proj.bias"), x[..., 1::2])]
+    if name.endswith("down_proj_bias"):
+        return [(name.replace("down_proj_bias", "down_proj.bias"), x)]
+    if name.endswith("gate_up_proj"):
+        return [(name.replace("gate_up_proj", "gate_proj.weight"), x[..., 0::2].transpose(1, 2).contiguous()),
+                (name.replace("gate_up_proj", "up_proj.weight"), x[..., 1::2].transpose(1, 2).contiguous())]
+    return [(name.replace("down_proj", "down_proj.weight"), x.transpose(1, 2).contiguous())]
+
+
+def stored(x: torch.Tensor, qtype) -> torch.Tensor:
+    """What qtype stores of x (rows of K along the last dimension): the gguf package's quantizer, then its
+    dequantizer."""
+    q = gguf.quants.quantize(x.float().numpy(), qtype)
+    return torch.from_numpy(gguf.quants.dequantize(q, qtype)).to(x.dtype)
+
+
 def with_experts_as_stored(src: pathlib.Path, out: pathlib.Path, qtype) -> pathlib.Path:
     """src with every routed expert weight replaced by what qtype stores (the gguf package's quantizer and
     dequantizer): transformers on it is the reference for the file."""
@@ -205,9 +243,17 @@ def with_experts_as_stored(src: pathlib.Path, out: pathlib.Path, qtype) -> pathl
     for f in sorted(out.glob("*.safetensors")):
         t = load_file(str(f))
         for name, x in t.items():
-            if is_expert(name) and qtype is not None:
-                q = gguf.quants.quantize(x.float().numpy(), qtype)
-                t[name] = torch.from_numpy(gguf.quants.dequantize(q, qtype)).to(x.dtype)
+            if not is_expert(name) or qtype is None or name.endswith("_bias"):
+                continue
+            if name.endswith("gate_up_proj"):  # gpt-oss: [E, H, 2I], each of gate and up quantized along H
+                y = x.clone()
+                y[..., 0::2] = stored(x[..., 0::2].transpose(1, 2), qtype).transpose(1, 2)
+                y[..., 1::2] = stored(x[..., 1::2].transpose(1, 2), qtype).transpose(1, 2)
+                t[name] = y
+            elif name.endswith("experts.down_proj"):  # gpt-oss: [E, I, H], quantized along I
+                t[name] = stored(x.transpose(1, 2), qtype).transpose(1, 2).contiguous()
+            else:
+                t[name] = stored(x, qtype)
         from safetensors.torch import save_file
         save_file(t, str(f), metadata={"format": "pt"})
     return out
@@ -233,6 +279,30 @@ def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, 
         exact = ref(torch.tensor([prompt])).logits[0].double()
     s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
     assert greedy(s.stub, prompt, 12) == want, s.logs()
+
+
+def test_gpt_oss_mxfp4_experts_are_kept_bit_for_bit(family_sources, tmp_path):
+    """A gpt-oss file's MXFP4 experts: shown as the published blocks and scales (nibbles back in transformers'
+    order), whose values are what the gguf package dequantizes; the mxfp4 format is the default."""
+    from expert_service.cli import weight_format
+    from moe_core import gguf_model
+    from moe_core.config import load_config
+    from moe_kernels.packing import Mx4
+    f = write_gguf(family_sources["gpt_oss"], tmp_path / "oss.gguf", gguf.GGMLQuantizationType.MXFP4)
+    d = gguf_model.prepare(f, tmp_path / "cache")
+    cfg, ck = load_config(d), gguf_model.open_checkpoint(d)
+    assert cfg.mxfp4_experts and weight_format("auto", cfg) == "mxfp4"
+    gate_up, down = cfg.stacked_expert_names(1)
+    from gguf import GGUFReader, dequantize
+    r = {t.name: t for t in GGUFReader(str(f)).tensors}
+    for e in (0, 5):
+        gu = Mx4.from_blocks(ck.get_row(gate_up + "_blocks", e), ck.get_row(gate_up + "_scales", e)).dequantize()
+        g, u = (torch.from_numpy(dequantize(np.asarray(r[f"blk.1.ffn_{p}_exps.weight"].data[e]), gguf.GGMLQuantizationType.MXFP4))
+                for p in ("gate", "up"))
+        assert torch.equal(gu[0::2], g) and torch.equal(gu[1::2], u)
+        dn = Mx4.from_blocks(ck.get_row(down + "_blocks", e), ck.get_row(down + "_scales", e)).dequantize()
+        assert torch.equal(dn, torch.from_numpy(dequantize(np.asarray(r["blk.1.ffn_down_exps.weight"].data[e]),
+                                                           gguf.GGMLQuantizationType.MXFP4)))
     s.stop()
     s = services_factory(f, gpu_args=("--dtype", "fp32"))  # default formats
     assert ("as int4g32" in s.logs()) == (qtype == "Q4_0"), s.logs()
@@ -269,7 +339,8 @@ def test_other_gguf_architectures_are_refused_by_name(source, tmp_path, monkeypa
 
 # -- the other families: Qwen2-MoE, Mixtral (a llama file with experts), DeepSeek V2 and V3 with both MLA layouts --
 FAMILY_FILES = [("qwen2_moe", False), ("mixtral", False), ("deepseek_v2", False), ("deepseek_v3", False),
-                ("deepseek_v3", True), ("deepseek_v3_yarn", True), ("glm4_moe", False), ("minimax_m2", False)]
+                ("deepseek_v3", True), ("deepseek_v3_yarn", True), ("glm4_moe", False), ("minimax_m2", False),
+                ("gpt_oss", False)]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
@@ -281,6 +352,8 @@ def family_sources(tmp_path_factory, checkpoints):
     out = dict(checkpoints)
     out["qwen2_moe"] = tiny_models.build("qwen2_moe", tmp_path_factory.mktemp("src") / "q2", mlp_only_layers=[])
     out["mixtral"] = tiny_models.build("mixtral", tmp_path_factory.mktemp("src") / "mx", intermediate_size=64)
+    out["gpt_oss"] = tiny_models.build("gpt_oss", tmp_path_factory.mktemp("src") / "oss",
+                                       swiglu_limit=7.0)  # llama.cpp's constant for the family
     out["deepseek_v3_yarn"] = tiny_models.build("deepseek_v3", tmp_path_factory.mktemp("src") / "y",
                                                 rope_parameters=YARN)  # DeepSeek-V3's long-context rope
     return out
@@ -318,7 +391,9 @@ def test_family_files_serve_transformers_greedy_tokens(family, mla_split, family
     """Q8_0 experts: on the exact path the greedy tokens of transformers' own model on the weights the file
     stores (the experts through the gguf package's quantizer and dequantizer), both services on the file."""
     monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
-    src, q = family_sources[family], gguf.GGMLQuantizationType.Q8_0
+    # gpt-oss's files keep its MXFP4 experts
+    q = gguf.GGMLQuantizationType.MXFP4 if family == "gpt_oss" else gguf.GGMLQuantizationType.Q8_0
+    src = family_sources[family]
     f = write_gguf(src, tmp_path / f"{family}.gguf", q, mla_split=mla_split)
     ref_dir = with_experts_as_stored(src, tmp_path / "ref", q)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
@@ -328,3 +403,27 @@ def test_family_files_serve_transformers_greedy_tokens(family, mla_split, family
                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
     assert greedy(s.stub, prompt, 12) == want, s.logs()
+
+
+def test_gpt_oss_mxfp4_experts_are_kept_bit_for_bit(family_sources, tmp_path):
+    """A gpt-oss file's MXFP4 experts: shown as the published blocks and scales (nibbles back in transformers'
+    order), whose values are what the gguf package dequantizes; the mxfp4 format is the default."""
+    from expert_service.cli import weight_format
+    from moe_core import gguf_model
+    from moe_core.config import load_config
+    from moe_kernels.packing import Mx4
+    f = write_gguf(family_sources["gpt_oss"], tmp_path / "oss.gguf", gguf.GGMLQuantizationType.MXFP4)
+    d = gguf_model.prepare(f, tmp_path / "cache")
+    cfg, ck = load_config(d), gguf_model.open_checkpoint(d)
+    assert cfg.mxfp4_experts and weight_format("auto", cfg) == "mxfp4"
+    gate_up, down = cfg.stacked_expert_names(1)
+    from gguf import GGUFReader, dequantize
+    r = {t.name: t for t in GGUFReader(str(f)).tensors}
+    for e in (0, 5):
+        gu = Mx4.from_blocks(ck.get_row(gate_up + "_blocks", e), ck.get_row(gate_up + "_scales", e)).dequantize()
+        g, u = (torch.from_numpy(dequantize(np.asarray(r[f"blk.1.ffn_{p}_exps.weight"].data[e]), gguf.GGMLQuantizationType.MXFP4))
+                for p in ("gate", "up"))
+        assert torch.equal(gu[0::2], g) and torch.equal(gu[1::2], u)
+        dn = Mx4.from_blocks(ck.get_row(down + "_blocks", e), ck.get_row(down + "_scales", e)).dequantize()
+        assert torch.equal(dn, torch.from_numpy(dequantize(np.asarray(r["blk.1.ffn_down_exps.weight"].data[e]),
+                                                           gguf.GGMLQuantizationType.MXFP4)))
