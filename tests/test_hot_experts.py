@@ -268,9 +268,9 @@ def test_services_hot_experts_profile_and_restarts(checkpoints, tmp_path):
         s.expert.wait()
         s.expert = s.start_expert()
         assert greedy(s.stub, PROMPT, 40) == want
+        assert "Traceback" not in s.logs()
     finally:
         s.stop()
-    assert "Traceback" not in s.logs()
     again = Services(d, tmp_path / "again", gpu_args=("--defer", "1", "--gpu-experts", "3", "--gpu-experts-refresh",
                                                       "0", "--gpu-experts-profile", str(profile)))
     try:

@@ -95,9 +95,9 @@ def test_services_prefill_on_the_gpu_side(checkpoints, tmp_path):
         assert greedy(s.stub, prompt, 16) == want
         tokens = scrape(port)["moe_gpu_prefill_expert_tokens"].samples[0].value
         assert tokens == 20 * len(load_config(d).moe_layers)  # the prompt's step, every MoE layer; no decode step
+        assert "Traceback" not in s.logs()
     finally:
         s.stop()
-    assert "Traceback" not in s.logs()
 
 
 @pytest.mark.parametrize("args, message", [
