@@ -29,7 +29,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="expert-service", description=__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json + *.safetensors), "
-                    "or a GGUF file (qwen3moe so far)")
+                    "or a GGUF file (the first of a split set; README: GGUF files)")
     ap.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on")
     ap.add_argument("--threads", type=int, default=serving.physical_cores(),
                     help="CPU threads for the expert kernels (default: physical cores). Sharing a host with "

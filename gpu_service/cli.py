@@ -37,7 +37,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="gpu-service", description=__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), "
-                    "or a GGUF file (qwen3moe so far)")
+                    "or a GGUF file (the first of a split set; README: GGUF files)")
     ap.add_argument("--experts", default="127.0.0.1:50061",
                     help="host:port of the expert service; or, for routed experts sharded over several expert "
                          "services (expert-service --shard I/N), all of them, comma-separated, in any order: at "

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 
 import numpy as np
@@ -121,6 +122,25 @@ def is_gguf(path: str | os.PathLike) -> bool:
     return str(path).endswith(".gguf") and pathlib.Path(path).is_file()
 
 
+SPLIT = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")  # llama.cpp's gguf-split names
+
+
+def split_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """A GGUF file, or every file of the split set whose first file it is (NAME-00001-of-0000N.gguf)."""
+    m = SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    i, n = int(m["i"]), int(m["n"])
+    if i != 1:
+        raise ModelConfigError(f"{path} is part {i} of a split GGUF set: pass its first file, "
+                               f"{m['stem']}-00001-of-{m['n']}.gguf")
+    files = [path.with_name(f"{m['stem']}-{k:05d}-of-{m['n']}.gguf") for k in range(1, n + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelConfigError(f"{path}: the split set lacks {', '.join(missing)}")
+    return files
+
+
 def _reader(path: pathlib.Path):
     try:
         from gguf import GGUFReader
@@ -137,17 +157,19 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def config_of(reader, path: pathlib.Path) -> dict:
-    """config.json fields from the GGUF's metadata (transformers' names and meanings)."""
+def config_of(readers: list, path: pathlib.Path) -> dict:
+    """config.json fields from the GGUF's metadata (transformers' names and meanings): the first file's, the
+    tensors of every file of a split set."""
+    reader = readers[0]
     arch = _field(reader, "general.architecture")
     if arch not in FAMILIES:
         raise ModelConfigError(f"{path}: GGUF architecture {arch!r} is not supported yet (supported: "
                                f"{', '.join(FAMILIES)})")
-    if int(_field(reader, "split.count", 1)) > 1:
-        raise ModelConfigError(f"{path}: split GGUF files (-0000N-of-0000M) are not supported yet; llama.cpp's "
-                               "gguf-split --merge joins them")
+    if int(_field(reader, "split.count", 1)) != len(readers):
+        raise ModelConfigError(f"{path} is one of a split set of {_field(reader, 'split.count')} files "
+                               "(-0000N-of-0000M.gguf): pass the first one, named so")
     a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
-    names = {t.name for t in reader.tensors}
+    names = {t.name for r in readers for t in r.tensors}
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     heads = a("attention.head_count")
     cfg = {"hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
@@ -161,7 +183,7 @@ def config_of(reader, path: pathlib.Path) -> dict:
            "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"), "torch_dtype": "bfloat16",
            # how the routed experts are stored: the expert service's format follows (Q4_0 -> int4g32)
            "quantization_config": {"quant_method": "gguf", "expert_types": sorted(
-               {t.tensor_type.name for t in reader.tensors if t.name.endswith("_exps.weight")})}}
+               {t.tensor_type.name for r in readers for t in r.tensors if t.name.endswith("_exps.weight")})}}
     cfg.update(_FAMILY_CONFIG[arch](a, cfg, path, names))
     optional = ("bos_token_id", "eos_token_id", "q_lora_rank", "sliding_window")
     missing = [k for k, v in cfg.items() if v is None and k not in optional]
@@ -283,21 +305,21 @@ def _tokenizer_files(path: pathlib.Path, out: pathlib.Path) -> None:
 
 
 def prepare(path: str | os.PathLike, cache: pathlib.Path) -> pathlib.Path:
-    """The folder that stands for the GGUF file (made once per file version, under cache/gguf)."""
+    """The folder that stands for the GGUF file or split set (made once per version of its files, under
+    cache/gguf)."""
     path = pathlib.Path(path).resolve()
-    st = path.stat()
-    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache / "gguf" / f"{path.stem}-{key}"
+    files = split_files(path)
+    key = hashlib.sha256("".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files).encode())
+    out = cache / "gguf" / f"{path.stem}-{key.hexdigest()[:16]}"
     if (out / MARKER).exists():
         return out
-    reader = _reader(path)
-    cfg = config_of(reader, path)  # (an unsupported file is refused before anything is written)
+    cfg = config_of([_reader(f) for f in files], path)  # (an unsupported file is refused before anything is written)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
         _tokenizer_files(path, tmp)
-        (tmp / MARKER).write_text(json.dumps({"file": str(path)}))
+        (tmp / MARKER).write_text(json.dumps({"file": str(path), "files": [str(f) for f in files]}))
         try:
             tmp.rename(out)
         except OSError:  # another process made it meanwhile
@@ -316,11 +338,16 @@ class GGUFCheckpoint:
 
     def __init__(self, model_dir: pathlib.Path):
         self.dir = pathlib.Path(model_dir)
-        self.path = pathlib.Path(json.loads((self.dir / MARKER).read_text())["file"])
-        if not self.path.exists():
-            raise ModelConfigError(f"{self.path} (named in {self.dir / MARKER}) is missing")
-        self.reader = _reader(self.path)
-        self.by_name = {t.name: t for t in self.reader.tensors}
+        marker = json.loads((self.dir / MARKER).read_text())
+        self.path = pathlib.Path(marker["file"])
+        files = [pathlib.Path(f) for f in marker.get("files", [marker["file"]])]
+        for f in files:
+            if not f.exists():
+                raise ModelConfigError(f"{f} (named in {self.dir / MARKER}) is missing")
+        readers = [_reader(f) for f in files]
+        self.reader = readers[0]  # the metadata
+        self.by_name = {t.name: t for r in readers for t in r.tensors}
+        file_of = {t.name: str(f) for f, r in zip(files, readers) for t in r.tensors}
         from .config import load_config
         cfg = load_config(self.dir)
         arch = _field(self.reader, "general.architecture")
@@ -350,7 +377,8 @@ class GGUFCheckpoint:
         unknown = set(self.by_name) - mtp - {t for ts, _, _ in self.where.values() for t in ts}
         if unknown:
             raise ModelConfigError(f"{self.path}: tensors this reader does not place: {sorted(unknown)[:5]}")
-        self.weight_map = {n: str(self.path) for n in self.where}  # (the packed cache stamps the file)
+        # the file each name is read from (the packed cache stamps them)
+        self.weight_map = {n: file_of[ts[0]] for n, (ts, _, _) in self.where.items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.where

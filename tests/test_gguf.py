@@ -143,14 +143,14 @@ def write_metadata(w, cfg: dict, family: str, mla_split: bool) -> None:
 
 
 def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | None = None,
-               mla_split: bool = False) -> pathlib.Path:
+               mla_split: bool = False, split_max_tensors: int = 0) -> pathlib.Path:
     """src's checkpoint as llama.cpp's converter writes it: names from the gguf package's own map, experts
     stacked (quantized to expert_type, None = F32), a llama file's q/k permuted, MLA's kv_b split when asked."""
     cfg = json.loads((src / "config.json").read_text())
     family = cfg["model_type"]
     arch = arch or ARCH[family]
     t = source_tensors(src)
-    w = gguf.GGUFWriter(str(out), arch)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     write_metadata(w, cfg, family, mla_split)
     tok = json.loads((src / "tokenizer.json").read_text())
     added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
@@ -211,7 +211,7 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
+    return out if not split_max_tensors else sorted(out.parent.glob(out.stem + "-0*-of-*.gguf"))[0]
 
 
 def gpt_oss_experts(name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -427,3 +427,34 @@ def test_gpt_oss_mxfp4_experts_are_kept_bit_for_bit(family_sources, tmp_path):
         dn = Mx4.from_blocks(ck.get_row(down + "_blocks", e), ck.get_row(down + "_scales", e)).dequantize()
         assert torch.equal(dn, torch.from_numpy(dequantize(np.asarray(r["blk.1.ffn_down_exps.weight"].data[e]),
                                                            gguf.GGMLQuantizationType.MXFP4)))
+
+
+def test_split_files_serve_as_one(family_sources, tmp_path, services_factory, monkeypatch):
+    """A split set (gguf-split's -0000N-of-0000M names, the gguf package's writer): given its first file, both
+    services read every part, with the tokens of the whole file; a later part or a set with one missing is refused,
+    naming the file."""
+    from moe_core import gguf_model
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    src, q = family_sources["deepseek_v3"], gguf.GGMLQuantizationType.Q8_0
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "split").mkdir()
+    whole = write_gguf(src, tmp_path / "whole" / "ds.gguf", q)
+    first = write_gguf(src, tmp_path / "split" / "ds.gguf", q, split_max_tensors=15)
+    parts = sorted(first.parent.glob("*.gguf"))
+    assert len(parts) >= 3 and first.name.endswith("-00001-of-%05d.gguf" % len(parts))
+    a, b = (gguf_model.open_checkpoint(gguf_model.prepare(f, tmp_path / "cache")) for f in (whole, first))
+    assert sorted(a.names()) == sorted(b.names()) and len(set(b.weight_map.values())) == len(parts)
+    for name in ("model.layers.2.mlp.experts.7.up_proj.weight", "model.norm.weight", "lm_head.weight"):
+        assert torch.equal(a.get(name), b.get(name))
+    prompt = [5, 17, 30, 41, 7, 99, 3, 250, 12, 64]
+    s = services_factory(whole, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    want = greedy(s.stub, prompt, 10)
+    s.stop()
+    s = services_factory(first, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 10) == want
+    s.stop()
+    with pytest.raises(gguf_model.ModelConfigError, match="is part 2 of a split GGUF set: pass its first file"):
+        gguf_model.prepare(parts[1], tmp_path / "cache2")
+    parts[-1].rename(parts[-1].with_suffix(".moved"))
+    with pytest.raises(gguf_model.ModelConfigError, match=f"the split set lacks {parts[-1].name}"):
+        gguf_model.prepare(first, tmp_path / "cache3")
