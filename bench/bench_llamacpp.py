@@ -29,45 +29,12 @@ import subprocess
 import sys
 import tempfile
 
-from common import cpu_name, free_port, generate, start, wait_healthy  # noqa: E402
+from common import ISAS, build_llama, cpu_name, free_port, generate, start, wait_healthy  # noqa: E402
 
 
 
-LLAMA_PY = "llama-cpp-python==0.3.36"
 PAIRS = {"bf16": ("bf16", "bf16", "bf16"), "int8": ("Q8_0", "int8", "int8"), "int4": ("Q4_0", "int4", "int8"),
          "int4-all": ("Q4_0", "int4", "int4")}
-AVX2_ONLY = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-             "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF"]
-# per --isa: llama.cpp's CMake flags, and our side's environment (kernel path, torch's ISA limits)
-ISAS = {"avx2": (AVX2_ONLY + ["-DGGML_AVX_VNNI=OFF"],
-                 {"MOE_KERNEL_PATH": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}),
-        "avxvnni": (AVX2_ONLY + ["-DGGML_AVX_VNNI=ON"],
-                    {"MOE_KERNEL_PATH": "avxvnni", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "ATEN_CPU_CAPABILITY": "avx2"}),
-        # llama.cpp with AVX-512 (VNNI, BF16) but not its AMX code: built by GCC 12 that dies in its first
-        # tile instruction (SIGILL at tilezero; it fills a stack tile config as we once did, see
-        # native/gemm_amx.cpp); ours on its default path (amx where the CPU has it)
-        "avx512": (["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-                    "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"], {}),
-        "native": (["-DGGML_NATIVE=ON"], {})}
-
-
-def build_llama(work: pathlib.Path, isa: str) -> pathlib.Path:
-    """-> the llama.cpp source tree, with build-<isa>/bin/llama-bench and llama-quantize."""
-    src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
-    if src is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_PY,
-                        "-d", str(work)], check=True)
-        tar = next(work.glob("llama_cpp_python-*.tar.gz"))
-        subprocess.run(["tar", "xzf", str(tar), "-C", str(work)], check=True)
-        src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    build = src / f"build-{isa}"
-    if not (build / "bin" / "llama-bench").exists():
-        flags = ISAS[isa][0]
-        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", *flags], check=True)
-        subprocess.run(["ninja", "-C", str(build), "llama-bench", "llama-quantize"], check=True)
-    return src
-
 
 def write_gguf(model: pathlib.Path, src: pathlib.Path, out: pathlib.Path) -> None:
     """The checkpoint as a bf16 GGUF for llama.cpp's qwen3moe (experts stacked per layer)."""

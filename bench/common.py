@@ -19,7 +19,7 @@ import grpc  # noqa: E402
 from harness import Services, Sharded, free_port, start, status_mib, terminate_all, wait_healthy  # noqa: E402,F401
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc  # noqa: E402
 
-__all__ = ["ROOT", "SHAPES", "Services", "Sharded", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
+__all__ = ["ISAS", "LLAMA_PY", "ROOT", "SHAPES", "build_llama", "Services", "Sharded", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
            "start", "status_mib", "synth_model", "terminate_all", "timed", "wait_healthy", "weights", "windows"]
 WARMUP = 50  # exchange round trips before the timed ones
 
@@ -136,3 +136,40 @@ def exchange_rtt(port: int, transport: str, layer: int, hidden: int, n_experts: 
     ids = torch.randperm(n_experts)[:top_k].to(torch.int32).view(1, -1)
     w = torch.rand(1, top_k)
     return client_rtt(port, transport, layer, x, ids, w, n)
+
+
+# -- llama.cpp, the peer: built from the llama-cpp-python sdist on PyPI (nothing of it is committed) ----------
+LLAMA_PY = "llama-cpp-python==0.3.36"
+AVX2_ONLY = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF"]
+# per --isa: llama.cpp's CMake flags, and our side's environment (kernel path, torch's ISA limits)
+ISAS = {"avx2": (AVX2_ONLY + ["-DGGML_AVX_VNNI=OFF"],
+                 {"MOE_KERNEL_PATH": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}),
+        "avxvnni": (AVX2_ONLY + ["-DGGML_AVX_VNNI=ON"],
+                    {"MOE_KERNEL_PATH": "avxvnni", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "ATEN_CPU_CAPABILITY": "avx2"}),
+        # llama.cpp with AVX-512 (VNNI, BF16) but not its AMX code: built by GCC 12 that dies in its first
+        # tile instruction (SIGILL at tilezero; it fills a stack tile config as we once did, see
+        # native/gemm_amx.cpp); ours on its default path (amx where the CPU has it)
+        "avx512": (["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                    "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"], {}),
+        "native": (["-DGGML_NATIVE=ON"], {})}
+
+
+def build_llama(work: pathlib.Path, isa: str, targets=("llama-bench", "llama-quantize")) -> pathlib.Path:
+    """-> the llama.cpp source tree (the llama-cpp-python sdist's vendored copy, unpacked in `work`), with
+    build-<isa>/bin/<targets>."""
+    import subprocess
+    src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
+    if src is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_PY,
+                        "-d", str(work)], check=True)
+        tar = next(work.glob("llama_cpp_python-*.tar.gz"))
+        subprocess.run(["tar", "xzf", str(tar), "-C", str(work)], check=True)
+        src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    build = src / f"build-{isa}"
+    if not all((build / "bin" / t).exists() for t in targets):
+        flags = ISAS[isa][0]
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", *flags], check=True)
+        subprocess.run(["ninja", "-C", str(build), *targets], check=True)
+    return src

@@ -82,7 +82,7 @@ def _mx_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml MXFP4 rows ([rows, blocks x 17]: a scale byte, then 16 bytes whose byte j holds elements j (low
     nibble) and j + 16) -> the published layout, (blocks [rows, n, 16]: byte j holds elements 2j and 2j + 1,
     scales [rows, n]); the codes and scale bytes themselves unchanged."""
-    b = torch.from_numpy(np.ascontiguousarray(raw)).view(raw.shape[0], -1, 17)
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8)).view(raw.shape[0], -1, 17)  # (a copy: the map is read-only)
     codes = torch.cat([b[..., 1:] & 15, b[..., 1:] >> 4], dim=-1)  # elements 0..31 of each block
     return codes[..., 0::2] | (codes[..., 1::2] << 4), b[..., 0].contiguous()
 
