@@ -279,30 +279,6 @@ def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, 
         exact = ref(torch.tensor([prompt])).logits[0].double()
     s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
     assert greedy(s.stub, prompt, 12) == want, s.logs()
-
-
-def test_gpt_oss_mxfp4_experts_are_kept_bit_for_bit(family_sources, tmp_path):
-    """A gpt-oss file's MXFP4 experts: shown as the published blocks and scales (nibbles back in transformers'
-    order), whose values are what the gguf package dequantizes; the mxfp4 format is the default."""
-    from expert_service.cli import weight_format
-    from moe_core import gguf_model
-    from moe_core.config import load_config
-    from moe_kernels.packing import Mx4
-    f = write_gguf(family_sources["gpt_oss"], tmp_path / "oss.gguf", gguf.GGMLQuantizationType.MXFP4)
-    d = gguf_model.prepare(f, tmp_path / "cache")
-    cfg, ck = load_config(d), gguf_model.open_checkpoint(d)
-    assert cfg.mxfp4_experts and weight_format("auto", cfg) == "mxfp4"
-    gate_up, down = cfg.stacked_expert_names(1)
-    from gguf import GGUFReader, dequantize
-    r = {t.name: t for t in GGUFReader(str(f)).tensors}
-    for e in (0, 5):
-        gu = Mx4.from_blocks(ck.get_row(gate_up + "_blocks", e), ck.get_row(gate_up + "_scales", e)).dequantize()
-        g, u = (torch.from_numpy(dequantize(np.asarray(r[f"blk.1.ffn_{p}_exps.weight"].data[e]), gguf.GGMLQuantizationType.MXFP4))
-                for p in ("gate", "up"))
-        assert torch.equal(gu[0::2], g) and torch.equal(gu[1::2], u)
-        dn = Mx4.from_blocks(ck.get_row(down + "_blocks", e), ck.get_row(down + "_scales", e)).dequantize()
-        assert torch.equal(dn, torch.from_numpy(dequantize(np.asarray(r["blk.1.ffn_down_exps.weight"].data[e]),
-                                                           gguf.GGMLQuantizationType.MXFP4)))
     s.stop()
     s = services_factory(f, gpu_args=("--dtype", "fp32"))  # default formats
     assert ("as int4g32" in s.logs()) == (qtype == "Q4_0"), s.logs()

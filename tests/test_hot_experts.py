@@ -14,7 +14,6 @@ import torch
 
 from harness import Services, free_port, greedy, wait_healthy
 from expert_service.kernels.native_moe import NativeMoELayer
-from expert_service.kernels.torch_moe import TorchMoELayer
 from expert_service.store import load_expert_layers
 from gpu_service.expert_usage import ExpertUsage, choose, load_profile, save_profile
 from gpu_service.experts import LocalExperts
