@@ -108,6 +108,15 @@ class Int4(NamedTuple):
         return Int4(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), parts[0].group)
 
 
+class Int8(NamedTuple):
+    """The int8 format's numbers: values [rows, K] int8 in -127..127, scale [rows] fp32 (one per row)."""
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scale[:, None]
+
+
 def fp8_quantize(w: torch.Tensor) -> Fp8:
     """Float w [rows, K] -> FP8 with 128 x 128 blocks, each block's largest magnitude mapped to e4m3's 448
     (DeepSeek's recipe, as tools/synth_checkpoint.py writes its checkpoints)."""
@@ -243,15 +252,6 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
 def floats(w) -> torch.Tensor:
     """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
     return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8)) else w
-
-
-class Int8(NamedTuple):
-    """The int8 format's numbers: values [rows, K] int8 in -127..127, scale [rows] fp32 (one per row)."""
-    values: torch.Tensor
-    scale: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        return self.values.float() * self.scale[:, None]
 
 
 def int8_quantize(w: torch.Tensor) -> Int8:
