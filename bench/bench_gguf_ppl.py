@@ -23,11 +23,10 @@ import pathlib
 import re
 import struct
 import subprocess
-import sys
 
 import numpy as np
 
-from common import ROOT, Services, build_llama, cpu_name, wait_healthy  # noqa: F401
+from common import ROOT, Services, build_llama, convert_to_gguf, cpu_name, wait_healthy
 from protos import generate_pb2
 
 
@@ -41,15 +40,6 @@ def held_out_text(limit_chars: int) -> str:
         if n > limit_chars:
             break
     return "\n".join(out)
-
-
-def convert(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path) -> None:
-    """llama.cpp's converter on the checkpoint, bf16 (its BPE pre-tokenizer hash check answered "default")."""
-    code = ("import sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0]); "
-            "import convert_hf_to_gguf as c; from conversion.base import TextModel; "
-            "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; c.main()")
-    subprocess.run([sys.executable, "-c", code, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", "bf16",
-                    "--outfile", str(out)], check=True, capture_output=True, text=True)
 
 
 def llama_ppl(src: pathlib.Path, isa: str, gguf_path: pathlib.Path, text: pathlib.Path, ctx: int, chunks: int,
@@ -103,7 +93,7 @@ def main() -> None:
     text.write_text(held_out_text(a.ctx * a.chunks * 8))
     bf16 = a.work / f"{a.model.name}-bf16.gguf"
     if not bf16.exists():
-        convert(src, a.model, bf16)
+        convert_to_gguf(src, a.model, bf16)
     from gguf import GGUFReader
     fields = GGUFReader(str(bf16)).fields
     bos = int(fields["tokenizer.ggml.bos_token_id"].contents()) \

@@ -19,7 +19,7 @@ import grpc  # noqa: E402
 from harness import Services, Sharded, free_port, start, status_mib, terminate_all, wait_healthy  # noqa: E402,F401
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc  # noqa: E402
 
-__all__ = ["ISAS", "LLAMA_PY", "ROOT", "SHAPES", "build_llama", "Services", "Sharded", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
+__all__ = ["ISAS", "LLAMA_PY", "ROOT", "SHAPES", "build_llama", "convert_to_gguf", "llama_source", "Services", "Sharded", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
            "start", "status_mib", "synth_model", "terminate_all", "timed", "wait_healthy", "weights", "windows"]
 WARMUP = 50  # exchange round trips before the timed ones
 
@@ -155,9 +155,9 @@ ISAS = {"avx2": (AVX2_ONLY + ["-DGGML_AVX_VNNI=OFF"],
         "native": (["-DGGML_NATIVE=ON"], {})}
 
 
-def build_llama(work: pathlib.Path, isa: str, targets=("llama-bench", "llama-quantize")) -> pathlib.Path:
-    """-> the llama.cpp source tree (the llama-cpp-python sdist's vendored copy, unpacked in `work`), with
-    build-<isa>/bin/<targets>."""
+def llama_source(work: pathlib.Path) -> pathlib.Path:
+    """-> the llama.cpp source tree: the llama-cpp-python sdist's vendored copy, downloaded and unpacked in
+    `work` once."""
     import subprocess
     src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
     if src is None:
@@ -166,6 +166,13 @@ def build_llama(work: pathlib.Path, isa: str, targets=("llama-bench", "llama-qua
         tar = next(work.glob("llama_cpp_python-*.tar.gz"))
         subprocess.run(["tar", "xzf", str(tar), "-C", str(work)], check=True)
         src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    return src
+
+
+def build_llama(work: pathlib.Path, isa: str, targets=("llama-bench", "llama-quantize")) -> pathlib.Path:
+    """-> llama_source(work), with build-<isa>/bin/<targets>."""
+    import subprocess
+    src = llama_source(work)
     build = src / f"build-{isa}"
     if not all((build / "bin" / t).exists() for t in targets):
         flags = ISAS[isa][0]
@@ -173,3 +180,32 @@ def build_llama(work: pathlib.Path, isa: str, targets=("llama-bench", "llama-qua
                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", *flags], check=True)
         subprocess.run(["ninja", "-C", str(build), *targets], check=True)
     return src
+
+
+def convert_to_gguf(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path, outtype: str = "bf16") -> None:
+    """llama.cpp's converter (src: llama_source()) on the checkpoint, as outtype (its BPE pre-tokenizer hash check
+    answered "default"), from a copy of the config as DeepSeek publishes it: MLA ignores num_key_value_heads,
+    which the default model's config leaves at transformers' default 128 but the converter splits kv_b_proj by;
+    and the converter writes V3's sigmoid gating only from DeepSeek's scoring_func, which transformers does not
+    save. CalledProcessError carries the converter's output."""
+    import json
+    import shutil
+    import subprocess
+    fixed = out.parent / f"{model.name}-for-convert"
+    shutil.rmtree(fixed, ignore_errors=True)
+    shutil.copytree(model, fixed)
+    cfg = json.loads((fixed / "config.json").read_text())
+    if cfg.get("model_type", "").startswith("deepseek"):
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    if cfg.get("model_type") == "deepseek_v3":  # as DeepSeek's own config.json says (transformers drops it)
+        cfg.setdefault("scoring_func", "sigmoid")
+    (fixed / "config.json").write_text(json.dumps(cfg, indent=1))
+    model = fixed
+    patch = "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
+    if cfg.get("model_type") == "glm4_moe" and "[gMASK]" not in (fixed / "tokenizer.json").read_text():
+        # a tokenizer that is not GLM's (the tests' tiny ones): the converter's GLM vocabulary wants its specials
+        patch += "import conversion.glm as g; g.Glm4MoeModel.set_vocab = TextModel._set_vocab_gpt2; "
+    code = ("import sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0]); "
+            "import convert_hf_to_gguf as c; from conversion.base import TextModel; " + patch + "c.main()")
+    subprocess.run([sys.executable, "-c", code, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype,
+                    "--outfile", str(out)], check=True, capture_output=True, text=True, cwd=str(src))

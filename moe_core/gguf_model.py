@@ -223,7 +223,12 @@ def _deepseek2(a, cfg, path, names) -> dict:
         nope, v = a("attention.key_length_mla") - rope, a("attention.value_length_mla")
     else:
         nope, v = a("attention.key_length") - rope, a("attention.value_length")
-    sigmoid = a("expert_gating_func", 1) == 2  # llama.cpp: 1 softmax, 2 sigmoid
+    sigmoid = a("expert_gating_func", 1) == 2  # llama.cpp: 1 softmax, 2 sigmoid (absent: V2's softmax)
+    if not sigmoid and any(n.endswith(".exp_probs_b.bias") for n in names):
+        # llama.cpp would run this softmax scores chosen with DeepSeek-V3's bias: neither V2 nor V3 (what its
+        # converter writes from a config.json without V3's scoring_func, as transformers saves one)
+        raise ModelConfigError(f"{path}: a deepseek2 file with a choice bias (exp_probs_b) but no sigmoid "
+                               "expert_gating_func; convert it from a config.json with \"scoring_func\": \"sigmoid\"")
     groups, used = a("expert_group_count", 1), a("expert_group_used_count", 1)
     out = {"model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
            "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],

@@ -1,0 +1,75 @@
+"""Our GGUF reader against llama.cpp's own converter (tests/test_gguf.py emulates the converter with the gguf
+package; this runs the real one): each family's tiny checkpoint (tests/tiny_models.py) through the
+convert_hf_to_gguf.py of the llama-cpp-python sdist (downloaded into --work once, no build needed), then every
+tensor read back under transformers' name must equal the checkpoint's, and the config read from the metadata
+must describe the same model.
+
+    python bench/check_gguf_converter.py [--families deepseek_v3,qwen3_moe,...] [--work /tmp/llama-work]
+
+(needs sentencepiece, which the converter imports for llama files)
+
+Checkpoint configs are first written as the model makers publish them where transformers' save drops what the
+converter reads (common.convert_to_gguf: DeepSeek's scoring_func and MLA's head count).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import tempfile
+
+import torch
+
+from common import convert_to_gguf, llama_source
+
+FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "n_routed_experts",
+          "top_k", "moe_intermediate_size", "shared_intermediate_size", "moe_layers", "scoring", "topk_method",
+          "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "rope_theta", "rope_type",
+          "rope_interleave", "rotary_dim", "attention", "qkv_bias", "qk_norm", "kv_lora_rank", "q_lora_rank",
+          "qk_nope_head_dim", "v_head_dim", "sliding_window", "layer_types", "tie_word_embeddings")
+# llama.cpp's files cannot hold these tiny checkpoints as transformers builds them (tests/test_gguf.py's reasons)
+# (Qwen's tokenizer class adds <|endoftext|> after the tiny vocabulary: room for it)
+OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [], "vocab_size": 384}, "mixtral": {"intermediate_size": 64},
+             "gpt_oss": {"swiglu_limit": 7.0}, "qwen3_moe": {"vocab_size": 384}, "deepseek_v3": {},
+             "deepseek_v2": {}, "glm4_moe": {}, "minimax_m2": {}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default=",".join(OVERRIDES))
+    ap.add_argument("--work", type=pathlib.Path, default=pathlib.Path("/tmp/llama-work"))
+    a = ap.parse_args()
+    import tiny_models
+    from moe_core import gguf_model
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+
+    a.work.mkdir(parents=True, exist_ok=True)
+    src, tmp, failed = llama_source(a.work), pathlib.Path(tempfile.mkdtemp()), []
+    for family in a.families.split(","):
+        ckpt = tiny_models.build(family, tmp / family, **OVERRIDES[family])
+        f = tmp / f"{family}.gguf"
+        try:
+            convert_to_gguf(src, ckpt, f, outtype="f32")
+            d = gguf_model.prepare(f, tmp / "cache")
+            ours, theirs = gguf_model.open_checkpoint(d), Checkpoint(ckpt)
+            mtp = {n for n in theirs.names() if n.startswith(f"model.layers.{load_config(ckpt).num_layers}.")}
+            want = sorted(set(theirs.names()) - mtp)
+            problems = [] if sorted(ours.names()) == want else \
+                [f"names differ: {sorted(set(ours.names()) ^ set(want))[:6]}"]
+            problems += [f"{n} differs" for n in want if n in set(ours.names())
+                         and not torch.equal(ours.get(n), theirs.get(n).float())]
+            got, ref = load_config(d), load_config(ckpt)
+            problems += [f"{k}: {getattr(got, k)!r} != {getattr(ref, k)!r}" for k in FIELDS
+                         if getattr(got, k, None) != getattr(ref, k, None)]
+        except Exception as e:  # noqa: BLE001  (one family's failure must not hide the others')
+            problems = [f"{type(e).__name__}: {(getattr(e, 'stderr', None) or str(e))[-600:]}"]
+        print(f"{family}: {'ok' if not problems else '; '.join(problems[:8])}", flush=True)
+        failed += [family] if problems else []
+    print(f"\n{len(a.families.split(',')) - len(failed)} of {len(a.families.split(','))} families read back exactly"
+          + (f"; not: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
