@@ -51,7 +51,7 @@ def mtp_layers(cfg: dict) -> int:
     return cfg.get("num_nextn_predict_layers", 0) if cfg["model_type"] == "glm4_moe" else 0
 
 
-def write_metadata(w, cfg: dict, family: str, mla_split: bool) -> None:
+def write_metadata(w, cfg: dict, family: str, mla_split: bool, gating: bool = True) -> None:
     """The keys llama.cpp's converter writes for the family (convert_hf_to_gguf.py's set_gguf_parameters)."""
     heads = cfg["num_attention_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
@@ -83,8 +83,9 @@ def write_metadata(w, cfg: dict, family: str, mla_split: bool) -> None:
         w.add_expert_weights_scale(cfg.get("routed_scaling_factor", 1.0))
         if cfg.get("norm_topk_prob"):
             w.add_expert_weights_norm(True)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if family == "deepseek_v3"
-                                 else gguf.ExpertGatingFuncType.SOFTMAX)
+        if gating:  # (the converter writes it only from DeepSeek's scoring_func, which transformers drops)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if family == "deepseek_v3"
+                                     else gguf.ExpertGatingFuncType.SOFTMAX)
         w.add_expert_group_count(cfg["n_group"])
         w.add_expert_group_used_count(cfg["topk_group"])
         w.add_rope_dimension_count(r)
@@ -143,7 +144,7 @@ def write_metadata(w, cfg: dict, family: str, mla_split: bool) -> None:
 
 
 def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | None = None,
-               mla_split: bool = False, split_max_tensors: int = 0) -> pathlib.Path:
+               mla_split: bool = False, split_max_tensors: int = 0, gating: bool = True) -> pathlib.Path:
     """src's checkpoint as llama.cpp's converter writes it: names from the gguf package's own map, experts
     stacked (quantized to expert_type, None = F32), a llama file's q/k permuted, MLA's kv_b split when asked."""
     cfg = json.loads((src / "config.json").read_text())
@@ -151,7 +152,7 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
     arch = arch or ARCH[family]
     t = source_tensors(src)
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
-    write_metadata(w, cfg, family, mla_split)
+    write_metadata(w, cfg, family, mla_split, gating)
     tok = json.loads((src / "tokenizer.json").read_text())
     added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
     vocab = {i: s for s, i in tok["model"]["vocab"].items()}
@@ -434,3 +435,12 @@ def test_split_files_serve_as_one(family_sources, tmp_path, services_factory, mo
     parts[-1].rename(parts[-1].with_suffix(".moved"))
     with pytest.raises(gguf_model.ModelConfigError, match=f"the split set lacks {parts[-1].name}"):
         gguf_model.prepare(first, tmp_path / "cache3")
+
+
+def test_a_deepseek_file_that_lost_v3s_gating_is_refused(family_sources, tmp_path):
+    """No expert_gating_func (llama.cpp reads softmax) but V3's choice bias: a model neither V2 nor V3, refused
+    with what to convert it from."""
+    from moe_core import gguf_model
+    f = write_gguf(family_sources["deepseek_v3"], tmp_path / "ds.gguf", None, gating=False)
+    with pytest.raises(gguf_model.ModelConfigError, match='no sigmoid expert_gating_func.*"scoring_func": "sigmoid"'):
+        gguf_model.prepare(f, tmp_path / "cache")
