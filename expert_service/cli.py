@@ -108,6 +108,9 @@ async def serve(args, stop: asyncio.Event) -> None:
         fmt = weight_format(args.weight_format, cfg)
     except ModelConfigError as e:
         serving.fail(str(e))
+    held = gguf_model.dequantized_experts(cfg, fmt)
+    if held:
+        log.warning("%s", held)
     max_msg = args.max_tokens * (cfg.hidden_size * 4 + cfg.n_routed_experts * 8) + (1 << 16)
     if not 1 <= args.max_tokens or max_msg > serving.GRPC_MAX_MESSAGE:
         serving.fail(f"--max-tokens {args.max_tokens}: must be >= 1, and a layer request of that many tokens of "

@@ -456,6 +456,30 @@ class GGUFCheckpoint:
         pass
 
 
+# bits a weight of the block types MoE GGUFs ship (ggml's block sizes: scales and mins included)
+BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_0": 5.5, "Q5_1": 6,
+        "Q4_K": 4.5, "Q4_0": 4.5, "Q4_1": 5, "IQ4_XS": 4.25, "IQ4_NL": 4.5, "Q3_K": 3.4375, "Q2_K": 2.625,
+        "MXFP4": 4.25}
+FORMAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8.25, "fp8": 8.25, "int4": 4.5, "int4g32": 5, "mxfp4": 4.25}
+
+
+def dequantized_experts(cfg, fmt: str) -> str | None:
+    """For a GGUF whose routed experts the chosen format does not keep as stored: what that costs, for the log
+    (None otherwise). Only Q4_0 (int4g32) and MXFP4 (mxfp4) run as stored; the other block types are
+    dequantized exactly, then held in `fmt`."""
+    types = [t for t in cfg.gguf_expert_types if not (t == "Q4_0" and fmt == "int4g32")
+             and not (t == "MXFP4" and fmt == "mxfp4")]
+    if not types:
+        return None
+    stored, held = max(BITS.get(t, 8.0) for t in types), FORMAT_BITS.get(fmt, 16)
+    what = f"the file's routed experts ({', '.join(types)}, {stored:g} bits a weight)"
+    if fmt in ("fp32", "bf16", "fp16"):
+        return (f"{what} have no native kernels yet: dequantized exactly and held as {fmt} ({held:g} bits, "
+                f"{held / stored:.1f}x the file's bytes for them and as slow to decode); --weight-format int8 or "
+                "int4g32 requantizes them (smaller, less exact: docs/accuracy.md)")
+    return f"{what} are requantized to {fmt} ({held:g} bits), not kept as stored"
+
+
 def resolve(model: str | os.PathLike, cache: pathlib.Path) -> pathlib.Path:
     """--model as a folder: itself, or for a GGUF file prepare()'s folder."""
     return prepare(model, cache) if is_gguf(model) else pathlib.Path(model)

@@ -444,3 +444,14 @@ def test_a_deepseek_file_that_lost_v3s_gating_is_refused(family_sources, tmp_pat
     f = write_gguf(family_sources["deepseek_v3"], tmp_path / "ds.gguf", None, gating=False)
     with pytest.raises(gguf_model.ModelConfigError, match='no sigmoid expert_gating_func.*"scoring_func": "sigmoid"'):
         gguf_model.prepare(f, tmp_path / "cache")
+
+
+def test_experts_the_kernels_cannot_keep_are_named_at_start():
+    from types import SimpleNamespace
+    from moe_core.gguf_model import dequantized_experts
+    cfg = lambda *types: SimpleNamespace(gguf_expert_types=types)  # noqa: E731
+    assert dequantized_experts(cfg("Q4_0"), "int4g32") is None and dequantized_experts(cfg("MXFP4"), "mxfp4") is None
+    assert dequantized_experts(cfg(), "bf16") is None  # not a GGUF
+    msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "bf16")
+    assert "Q4_K, Q6_K" in msg and "held as bf16" in msg and "2.4x the file's bytes" in msg  # 16 / 6.5625
+    assert "requantized to int8" in dequantized_experts(cfg("Q8_0"), "int8")
