@@ -11,8 +11,8 @@ one the converter knows by hash, so its pre-tokenizer is named "default"; the id
 llama.cpp's, whatever that changes). llama-perplexity --kl-divergence-base saves the tokens it scored; ours
 scores exactly those windows (the first token of each replaced by BOS where the file says so, the second half
 of each window counted), through Score(logprobs_only) on the services started with --model FILE.gguf in their
-default formats (and --weight-format fp32 --dtype fp32, the exact path). Prints each type's two perplexities
-and their ratio.
+default formats, --weight-format fp32 --dtype fp32 (the exact path) and each of --formats (requantized). Prints
+each type's perplexities and their ratios to llama.cpp's.
 """
 from __future__ import annotations
 
@@ -80,6 +80,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "default")
     ap.add_argument("--types", default="bf16,Q8_0,Q6_K,Q4_K_M,Q4_0")
+    ap.add_argument("--formats", default="", help="expert formats to run each file in besides the default and the "
+                    "exact path (requantized: int8, int4g32, ...)")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -106,11 +108,13 @@ def main() -> None:
                            check=True, capture_output=True)
         theirs, tokens = llama_ppl(src, a.isa, f, text, a.ctx, a.chunks, a.threads)
         ours = {}
-        for path, args in (("default", ((), ())), ("exact", (("--dtype", "fp32"), ("--weight-format", "fp32")))):
+        paths = [("default", (), ()), ("exact", ("--dtype", "fp32"), ("--weight-format", "fp32"))]
+        paths += [(fmt, (), ("--weight-format", fmt)) for fmt in a.formats.split(",") if fmt]
+        for path, gpu, expert in paths:
             tmp = a.work / f"svc-{qtype}-{path}"
             tmp.mkdir(exist_ok=True)
-            s = Services(f, tmp, gpu_args=("--threads", str(a.threads), *args[0]),
-                         expert_args=("--threads", str(a.threads), *args[1]))
+            s = Services(f, tmp, gpu_args=("--threads", str(a.threads), *gpu),
+                         expert_args=("--threads", str(a.threads), *expert))
             try:
                 wait_healthy(s.gpu_port, s.gpu)
                 ours[path] = our_ppl(s.stub, tokens, bos)
@@ -120,14 +124,17 @@ def main() -> None:
             if path == "default":
                 ours["formats"] = fmt.group(1) if fmt else "?"
         rows.append((qtype, theirs, ours))
-        print(f"{qtype}: llama-perplexity {theirs:.4f}, ours {ours['default']:.4f} (experts {ours['formats']}), "
-              f"exact path {ours['exact']:.4f}", flush=True)
-    print("\n| file | llama-perplexity | ours, default path | ratio | experts as | ours, exact path | ratio |"
-          "\n|---|---|---|---|---|---|---|")
+        print(f"{qtype}: llama-perplexity {theirs:.4f}, ours " +
+              ", ".join(f"{k} {v:.4f}" for k, v in ours.items() if k != "formats") +
+              f" (default experts {ours['formats']})", flush=True)
+    extra = [p for p, _, _ in paths[2:]]
+    print("\n| file | llama-perplexity | ours, default path | ratio | experts as | ours, exact path | ratio |" +
+          "".join(f" --weight-format {e} | ratio |" for e in extra) + "\n|---|---|---|---|---|---|---|" +
+          "---|---|" * len(extra))
     for qtype, theirs, ours in rows:
         print(f"| {qtype} | {theirs:.4f} | {ours['default']:.4f} | {ours['default'] / theirs:.4f} | {ours['formats']} | "
-              f"{ours['exact']:.4f} | {ours['exact'] / theirs:.4f} |")
-
+              f"{ours['exact']:.4f} | {ours['exact'] / theirs:.4f} |" +
+              "".join(f" {ours[e]:.4f} | {ours[e] / theirs:.4f} |" for e in extra))
 
 if __name__ == "__main__":
     main()
