@@ -186,10 +186,11 @@ def test_sigterm_drains_then_exits_zero(svc):
 
 
 def test_sigterm_cancels_after_grace(checkpoints, tmp_path):
-    # a grace well below the 450 tokens' decode (~0.5 s on 2 cores): the request is still running when it ends
-    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--grace", "0.1"))
+    # no grace at all: the 480 tokens' decode (0.2-0.5 s on 2 cores, the tiny model's context allows no longer) is
+    # still running when SIGTERM ends it (a grace of 0.1 s measured the decode finishing first now and then)
+    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--grace", "0"))
     try:
-        stream = s.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=450, ignore_eos=True), timeout=60)
+        stream = s.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=480, ignore_eos=True), timeout=60)
         next(stream)
         s.gpu.send_signal(signal.SIGTERM)
         with pytest.raises(grpc.RpcError) as e:
