@@ -61,7 +61,8 @@ def parse_args(argv=None):
 
 def weight_format(arg: str, cfg: ModelConfig) -> str:
     """auto: the checkpoint's own (published MXFP4 experts stay MXFP4, published FP8 stays FP8 where its blocks
-    are the kernels' 128 x 128, symmetric int4 stays int4g32). fp8 / int4g32 on a quantized checkpoint whose
+    are the kernels' 128 x 128, symmetric int4 stays int4g32; a GGUF's block types without kernels of their own
+    requantized to about their size, gguf_model.requantized_format). fp8 / int4g32 on a quantized checkpoint whose
     layout the kernels cannot keep is refused (ModelConfigError) rather than requantized."""
     keeps_fp8 = cfg.fp8_block == (FP8_BLOCK, FP8_BLOCK) and cfg.moe_intermediate_size % FP8_BLOCK == 0
     if arg == "fp8" and cfg.fp8_block is not None and not keeps_fp8:
@@ -83,6 +84,9 @@ def weight_format(arg: str, cfg: ModelConfig) -> str:
     if ((cfg.int4 is not None and runs_as_published(cfg.int4)) or cfg.gguf_expert_types == ("Q4_0",)) and \
             kernels.native("int4g32"):
         return "int4g32"
+    gguf_fmt = gguf_model.requantized_format(cfg.gguf_expert_types)
+    if gguf_fmt is not None and kernels.native(gguf_fmt):
+        return gguf_fmt
     return {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.torch_dtype, "fp32")
 
 

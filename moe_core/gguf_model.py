@@ -463,21 +463,33 @@ BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5
 FORMAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8.25, "fp8": 8.25, "int4": 4.5, "int4g32": 5, "mxfp4": 4.25}
 
 
+def requantized_format(types: tuple[str, ...]) -> str | None:
+    """The expert format a GGUF's routed experts default to when no kernel keeps their block types (None: floats,
+    or kept as stored): the file's size class, not a 2-4x larger exact copy (a 4-bit DeepSeek file must fit the
+    RAM its user has). Files with experts of 5 bits or fewer (Q4_K_M's Q4_K, Q3_K, Q2_K, IQ4_XS) -> int4g32; the
+    others (Q5_K, Q6_K, Q8_0) -> int8. Measured on the default model against llama-perplexity on the same files:
+    within 0.5% (docs/accuracy.md); --weight-format bf16 keeps them exact."""
+    quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
+    if not quantized or quantized == ["Q4_0"] or quantized == ["MXFP4"]:
+        return None
+    return "int4g32" if min(BITS.get(t, 8.0) for t in quantized) <= 5 else "int8"
+
+
 def dequantized_experts(cfg, fmt: str) -> str | None:
     """For a GGUF whose routed experts the chosen format does not keep as stored: what that costs, for the log
     (None otherwise). Only Q4_0 (int4g32) and MXFP4 (mxfp4) run as stored; the other block types are
     dequantized exactly, then held in `fmt`."""
-    types = [t for t in cfg.gguf_expert_types if not (t == "Q4_0" and fmt == "int4g32")
-             and not (t == "MXFP4" and fmt == "mxfp4")]
+    types = [t for t in cfg.gguf_expert_types if t not in ("F32", "F16", "BF16")
+             and not (t == "Q4_0" and fmt == "int4g32") and not (t == "MXFP4" and fmt == "mxfp4")]
     if not types:
         return None
     stored, held = max(BITS.get(t, 8.0) for t in types), FORMAT_BITS.get(fmt, 16)
-    what = f"the file's routed experts ({', '.join(types)}, {stored:g} bits a weight)"
+    what = f"the file's routed experts ({', '.join(types)}, up to {stored:g} bits a weight) have no kernels of their own yet"
     if fmt in ("fp32", "bf16", "fp16"):
-        return (f"{what} have no native kernels yet: dequantized exactly and held as {fmt} ({held:g} bits, "
-                f"{held / stored:.1f}x the file's bytes for them and as slow to decode); --weight-format int8 or "
-                "int4g32 requantizes them (smaller, less exact: docs/accuracy.md)")
-    return f"{what} are requantized to {fmt} ({held:g} bits), not kept as stored"
+        return (f"{what}: dequantized exactly and held as {fmt} ({held:g} bits, {held / stored:.1f}x the file's bytes "
+                "for them and as slow to decode)")
+    return (f"{what}: requantized to {fmt} ({held:g} bits; docs/accuracy.md measures the cost); --weight-format bf16 "
+            "holds them exactly, at 16 bits")
 
 
 def resolve(model: str | os.PathLike, cache: pathlib.Path) -> pathlib.Path:
