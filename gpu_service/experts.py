@@ -5,8 +5,10 @@
       ├─ RemoteExperts     (dispatch.py)        one expert service: a gRPC Exchange stream, and a shared-memory
       │                                         ring (shm_channel.py) when both run on one host
       ├─ ShardedExperts    (sharded_experts.py) several expert services, one per shard
-      └─ HotExperts        (hot_experts.py)     around one of the two above: each layer's most-used experts
-                                                computed here (gpu-service --gpu-experts)
+      ├─ HotExperts        (hot_experts.py)     around one of the two above: each layer's most-used experts
+      │                                         computed here (gpu-service --gpu-experts)
+      └─ PrefillExperts    (prefill_experts.py) around any of them: long steps' experts computed here from the
+                                                expert service's mapped packed cache (--gpu-prefill-tokens)
 
 submit() returns at once; result() blocks for the next result, which must be the one asked for (results
 come back in request order: a layer's IMMEDIATE part, then its DEFERRED one). What they measured comes
