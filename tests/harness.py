@@ -156,6 +156,13 @@ class Sharded:
 
 
 # -- generation ---------------------------------------------------------------------------------------------
+def refused_at_start(module: str, *args: str, timeout: float = 120) -> str:
+    """Start `python -m module args...`, expect it to stop with a failure before serving -> its stderr."""
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode != 0, f"{module} {' '.join(args)} started:\n{r.stderr[-2000:]}"
+    return r.stderr
+
+
 def greedy_request(prompt: str | list[int], n: int, **kw) -> generate_pb2.GenerateRequest:
     """n tokens at temperature 0, EOS ignored; prompt text or token ids."""
     kw.setdefault("sampling", generate_pb2.SamplingParams(temperature=0))

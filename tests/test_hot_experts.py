@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from harness import Services, free_port, greedy, wait_healthy
+from harness import Services, free_port, greedy, refused_at_start, wait_healthy
 from expert_service.kernels.native_moe import NativeMoELayer
 from expert_service.store import load_expert_layers
 from gpu_service.expert_usage import ExpertUsage, choose, load_profile, save_profile
@@ -298,11 +298,8 @@ def test_sharded_with_hot_experts(checkpoints, sharded):
     (("--gpu-experts", "2", "--experts", "local"), "--experts local computes every routed expert"),
 ])
 def test_bad_options_are_refused(args, message, checkpoints):
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-m", "gpu_service", "--model", str(checkpoints["qwen3_moe"]), *args],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+    err = refused_at_start("gpu_service", "--model", str(checkpoints["qwen3_moe"]), *args)
+    assert message in err, err[-2000:]
 
 
 def test_a_profile_of_another_model_is_refused(checkpoints, tmp_path):

@@ -4,9 +4,6 @@ format; the chunked torch path (CUDA's) agrees with the kernels; both services o
 tokens with and without it, with deferral; what cannot work is refused at start, naming why."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -15,7 +12,7 @@ from gpu_service.prefill_experts import MappedLayer, PrefillExperts
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 from moe_kernels.packing import unpack
-from harness import Services, free_port, greedy
+from harness import Services, free_port, greedy, refused_at_start
 from test_kernels import dequantized
 from test_operations import scrape
 
@@ -106,9 +103,8 @@ def test_services_prefill_on_the_gpu_side(checkpoints, tmp_path):
     (("--gpu-prefill-tokens", "64", "--experts", "127.0.0.1:1,127.0.0.1:2"), "not shards"),
 ])
 def test_bad_options_are_refused(args, message, checkpoints):
-    r = subprocess.run([sys.executable, "-m", "gpu_service", "--model", str(checkpoints["qwen3_moe"]), *args],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+    err = refused_at_start("gpu_service", "--model", str(checkpoints["qwen3_moe"]), *args)
+    assert message in err, err[-2000:]
 
 
 def test_without_the_expert_services_cache_it_is_refused(checkpoints, tmp_path):
