@@ -56,7 +56,7 @@ def choose(counts: torch.Tensor, current: list[int], n: int, margin: float) -> l
     expert's weights; noise between two near-equal experts must not cause one each refresh). Sorted."""
     E = counts.shape[0]
     n = min(n, E)
-    hot = set(current[:n]) if len(current) >= n else set(current)
+    hot = set(current[:n])
     order = sorted(range(E), key=lambda e: (-float(counts[e]), e))  # most used first; ties: lower id
     for e in order:  # fill up to n (a new run, or n grew)
         if len(hot) >= n:

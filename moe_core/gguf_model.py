@@ -456,11 +456,22 @@ class GGUFCheckpoint:
         pass
 
 
-# bits a weight of the block types MoE GGUFs ship (ggml's block sizes: scales and mins included)
-BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_0": 5.5, "Q5_1": 6,
-        "Q4_K": 4.5, "Q4_0": 4.5, "Q4_1": 5, "IQ4_XS": 4.25, "IQ4_NL": 4.5, "Q3_K": 3.4375, "Q2_K": 2.625,
-        "MXFP4": 4.25}
-FORMAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8.25, "fp8": 8.25, "int4": 4.5, "int4g32": 5, "mxfp4": 4.25}
+def type_bits(name: str) -> float:
+    """Bits a weight of a ggml tensor type, its block's scales and mins included (the gguf package's sizes)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    return 8 * nbytes / block
+
+
+def format_bits(fmt: str) -> float:
+    """Bits a weight of an expert format as the packed layout stores it (scales and sums included, the rows'
+    alignment padding not)."""
+    if fmt in ("fp32", "fp16"):
+        return 32.0 if fmt == "fp32" else 16.0
+    from moe_kernels.packing import layout
+    rows, Kp = 128, 4096
+    parts = [p for p in layout(fmt, 1, rows, Kp) if p is not None]
+    return 8 * sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in parts) / (rows * Kp)
 
 
 def requantized_format(types: tuple[str, ...]) -> str | None:
@@ -472,7 +483,7 @@ def requantized_format(types: tuple[str, ...]) -> str | None:
     quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
     if not quantized or quantized == ["Q4_0"] or quantized == ["MXFP4"]:
         return None
-    return "int4g32" if min(BITS.get(t, 8.0) for t in quantized) <= 5 else "int8"
+    return "int4g32" if min(type_bits(t) for t in quantized) <= 5 else "int8"
 
 
 def dequantized_experts(cfg, fmt: str) -> str | None:
@@ -483,12 +494,12 @@ def dequantized_experts(cfg, fmt: str) -> str | None:
              and not (t == "Q4_0" and fmt == "int4g32") and not (t == "MXFP4" and fmt == "mxfp4")]
     if not types:
         return None
-    stored, held = max(BITS.get(t, 8.0) for t in types), FORMAT_BITS.get(fmt, 16)
-    what = f"the file's routed experts ({', '.join(types)}, up to {stored:g} bits a weight) have no kernels of their own yet"
+    stored, held = max(type_bits(t) for t in types), format_bits(fmt)
+    what = f"the file's routed experts ({', '.join(types)}, up to {stored:.3g} bits a weight) have no kernels of their own yet"
     if fmt in ("fp32", "bf16", "fp16"):
-        return (f"{what}: dequantized exactly and held as {fmt} ({held:g} bits, {held / stored:.1f}x the file's bytes "
+        return (f"{what}: dequantized exactly and held as {fmt} ({held:.3g} bits, {held / stored:.1f}x the file's bytes "
                 "for them and as slow to decode)")
-    return (f"{what}: requantized to {fmt} ({held:g} bits; docs/accuracy.md measures the cost); --weight-format bf16 "
+    return (f"{what}: requantized to {fmt} ({held:.3g} bits; docs/accuracy.md measures the cost); --weight-format bf16 "
             "holds them exactly, at 16 bits")
 
 
