@@ -1,5 +1,6 @@
 // Decode attention on the CPU: one new query per head against a sequence's cached keys and values
-// (bf16 or fp32, [kv heads, positions, dim] with any head and position strides), grouped-query: the
+// (bf16 or fp32, [kv heads, positions, dim] with any head and position strides, or paged: positions in
+// blocks of a pool, found through the sequence's block table; gpu_service/kv_pool.py), grouped-query: the
 // query heads of a kv head share each pass over its keys and values. fp32 scores, softmax and sums;
 // tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax, casts) take several times what
 // its bytes need (docs/kernels.md, "Measured choices").
@@ -34,6 +35,20 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// Where position j's row of one kv head lies: base + j * row, or paged, block table[j >> shift] of the pool
+// (each `block` elements apart), row j & mask within it. One table read per row against d multiply-adds.
+template <class T>
+struct Rows {
+  const T* base;
+  size_t row, block;
+  const int32_t* table;  // null: contiguous
+  int shift;
+  const T* operator()(int j) const {
+    if (!table) return base + size_t(j) * row;
+    return base + size_t(table[j >> shift]) * block + size_t(j & ((1 << shift) - 1)) * row;
+  }
+};
 
 constexpr int QG = 8;     // query heads summed together in one pass over V (accumulators)
 // positions of V per tile: the sums walk a tile once per slice of dims, so it must stay in cache (untiled,
@@ -79,13 +94,12 @@ __attribute__((target("avx2,fma"))) float exp_row_avx2(float* r, int L, float mx
 // One kv head, d = 16 * DC: scores of the g queries (a key row's DC vectors kept in registers for all
 // of them), softmax, then per 16-dim slice of V the weighted sums of up to QG queries at once.
 template <int DC, class T>
-__attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int g, const T* K, size_t ks,
-                                                              const T* V, size_t vs, int L, float scale, float* s,
+__attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int g, Rows<T> K, Rows<T> V, int L, float scale, float* s,
                                                               float* out) {
   constexpr int d = 16 * DC;
   for (int j = 0; j < L; ++j) {
     __m512 k[DC];
-    MOE_UNROLL for (int c = 0; c < DC; ++c) k[c] = ld16(K + j * ks + 16 * c);
+    MOE_UNROLL for (int c = 0; c < DC; ++c) k[c] = ld16(K(j) + 16 * c);
     for (int i = 0; i < g; ++i) {
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + i * d), k[0]);
       MOE_UNROLL for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + 16 * c), k[c], acc);
@@ -103,7 +117,7 @@ __attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int
         MOE_UNROLL for (int b = 0; b < QG; ++b)
           acc[b] = b < nb ? _mm512_loadu_ps(out + size_t(i0 + b) * d + 16 * c) : _mm512_setzero_ps();
         for (int j = j0; j < j1; ++j) {
-          const __m512 v = ld16(V + j * vs + 16 * c);
+          const __m512 v = ld16(V(j) + 16 * c);
           MOE_UNROLL for (int b = 0; b < QG; ++b)
             if (b < nb) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(s[size_t(i0 + b) * L + j]), v, acc[b]);
         }
@@ -114,15 +128,14 @@ __attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int
 
 // The same on AVX2 (8 lanes; a key row is read from L1 for each query instead of kept in registers)
 template <int DC, class T>
-__attribute__((target("avx2,fma"))) void head_avx2(const float* q, int g, const T* K, size_t ks, const T* V, size_t vs,
-                                                   int L, float scale, float* s, float* out) {
+__attribute__((target("avx2,fma"))) void head_avx2(const float* q, int g, Rows<T> K, Rows<T> V, int L, float scale, float* s, float* out) {
   constexpr int d = 8 * DC;
   for (int j = 0; j < L; ++j)
     for (int i = 0; i < g; ++i) {
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();  // two chains: FMA latency
       MOE_UNROLL for (int c = 0; c < DC; c += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + 8 * c), ld8(K + j * ks + 8 * c), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + 8 * c + 8), ld8(K + j * ks + 8 * c + 8), a1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + 8 * c), ld8(K(j) + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + 8 * c + 8), ld8(K(j) + 8 * c + 8), a1);
       }
       s[size_t(i) * L + j] = hsum8(_mm256_add_ps(a0, a1)) * scale;
     }
@@ -137,7 +150,7 @@ __attribute__((target("avx2,fma"))) void head_avx2(const float* q, int g, const 
         MOE_UNROLL for (int b = 0; b < QG; ++b)
           acc[b] = b < nb ? _mm256_loadu_ps(out + size_t(i0 + b) * d + 8 * c) : _mm256_setzero_ps();
         for (int j = j0; j < j1; ++j) {
-          const __m256 v = ld8(V + j * vs + 8 * c);
+          const __m256 v = ld8(V(j) + 8 * c);
           MOE_UNROLL for (int b = 0; b < QG; ++b)
             if (b < nb) acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(s[size_t(i0 + b) * L + j]), v, acc[b]);
         }
@@ -148,12 +161,11 @@ __attribute__((target("avx2,fma"))) void head_avx2(const float* q, int g, const 
 
 // The plain loops: the portable path, any head dim, and the reference the vector versions are tested against.
 template <class T>
-void head_portable(const float* q, int g, int d, const T* K, size_t ks, const T* V, size_t vs, int L, float scale,
-                   float* s, float* out) {
+void head_portable(const float* q, int g, int d, Rows<T> K, Rows<T> V, int L, float scale, float* s, float* out) {
   for (int i = 0; i < g; ++i)
     for (int j = 0; j < L; ++j) {
       float acc = 0.f;
-      for (int c = 0; c < d; ++c) acc += q[i * d + c] * ld1(K + j * ks + c);
+      for (int c = 0; c < d; ++c) acc += q[i * d + c] * ld1(K(j) + c);
       s[size_t(i) * L + j] = acc * scale;
     }
   softmax_rows(s, g, L, [](float* r, int n, float mx) {
@@ -164,40 +176,44 @@ void head_portable(const float* q, int g, int d, const T* K, size_t ks, const T*
   for (int i = 0; i < g; ++i)
     for (int c = 0; c < d; ++c) {
       float acc = 0.f;
-      for (int j = 0; j < L; ++j) acc += s[size_t(i) * L + j] * ld1(V + j * vs + c);
+      for (int j = 0; j < L; ++j) acc += s[size_t(i) * L + j] * ld1(V(j) + c);
       out[i * d + c] = acc;
     }
 }
 
 template <class T>
-void one_head(Isa isa, const float* q, int g, int d, const T* K, size_t ks, const T* V, size_t vs, int L, float scale,
-              float* s, float* out) {
+void one_head(Isa isa, const float* q, int g, int d, Rows<T> K, Rows<T> V, int L, float scale, float* s, float* out) {
   const bool v512 = isa == Isa::Avx512 || isa == Isa::Amx, v256 = ymm_path(isa);
-  if (v512 && d == 64) return head_avx512<4>(q, g, K, ks, V, vs, L, scale, s, out);
-  if (v512 && d == 128) return head_avx512<8>(q, g, K, ks, V, vs, L, scale, s, out);
-  if (v512 && d == 256) return head_avx512<16>(q, g, K, ks, V, vs, L, scale, s, out);
-  if (v256 && d == 64) return head_avx2<8>(q, g, K, ks, V, vs, L, scale, s, out);
-  if (v256 && d == 128) return head_avx2<16>(q, g, K, ks, V, vs, L, scale, s, out);
-  if (v256 && d == 256) return head_avx2<32>(q, g, K, ks, V, vs, L, scale, s, out);
-  head_portable(q, g, d, K, ks, V, vs, L, scale, s, out);
+  if (v512 && d == 64) return head_avx512<4>(q, g, K, V, L, scale, s, out);
+  if (v512 && d == 128) return head_avx512<8>(q, g, K, V, L, scale, s, out);
+  if (v512 && d == 256) return head_avx512<16>(q, g, K, V, L, scale, s, out);
+  if (v256 && d == 64) return head_avx2<8>(q, g, K, V, L, scale, s, out);
+  if (v256 && d == 128) return head_avx2<16>(q, g, K, V, L, scale, s, out);
+  if (v256 && d == 256) return head_avx2<32>(q, g, K, V, L, scale, s, out);
+  head_portable(q, g, d, K, V, L, scale, s, out);
 }
 
 }  // namespace
 
 void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, bool bf16, size_t k_head,
-                      size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out) {
+                      size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
+                      const int32_t* table, int block_shift, size_t k_block, size_t v_block) {
   MOE_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && L > 0, "decode attention: bad shapes");
+  MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "decode attention: bad block size");
   const int g = nh / nkv;
   auto head = [&](int h) {
     std::vector<float> s(size_t(g) * L);
     const float* qh = q + size_t(h) * g * d;
     float* oh = out + size_t(h) * g * d;
-    if (bf16)
-      one_head(isa, qh, g, d, static_cast<const uint16_t*>(K) + h * k_head, k_row,
-               static_cast<const uint16_t*>(V) + h * v_head, v_row, L, scale, s.data(), oh);
-    else
-      one_head(isa, qh, g, d, static_cast<const float*>(K) + h * k_head, k_row, static_cast<const float*>(V) + h * v_head,
-               v_row, L, scale, s.data(), oh);
+    if (bf16) {
+      using T = uint16_t;
+      one_head(isa, qh, g, d, Rows<T>{static_cast<const T*>(K) + h * k_head, k_row, k_block, table, block_shift},
+               Rows<T>{static_cast<const T*>(V) + h * v_head, v_row, v_block, table, block_shift}, L, scale, s.data(), oh);
+    } else {
+      using T = float;
+      one_head(isa, qh, g, d, Rows<T>{static_cast<const T*>(K) + h * k_head, k_row, k_block, table, block_shift},
+               Rows<T>{static_cast<const T*>(V) + h * v_head, v_row, v_block, table, block_shift}, L, scale, s.data(), oh);
+    }
   };
   // a short context is a few microseconds of work: waking the pool's threads would cost more (they
   // sleep when the machine is busy), so it runs here

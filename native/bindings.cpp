@@ -313,17 +313,22 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "decode_attention",
       [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, uintptr_t K, bool bf16, size_t k_head,
-         size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out) {
+         size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out, uintptr_t table,
+         int block_shift, size_t k_block, size_t v_block) {
         Isa isa = kernel_isa(isa_arg);
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());
         decode_attention(isa, reinterpret_cast<const float*>(q), nh, nkv, d, reinterpret_cast<const void*>(K), bf16,
                          k_head, k_row, reinterpret_cast<const void*>(V), v_head, v_row, L, scale,
-                         reinterpret_cast<float*>(out));
+                         reinterpret_cast<float*>(out), reinterpret_cast<const int32_t*>(table), block_shift, k_block,
+                         v_block);
       },
       py::arg("isa"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("bf16"),
       py::arg("k_head"), py::arg("k_row"), py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("L"),
-      py::arg("scale"), py::arg("out"), "one decode query per head against bf16 or fp32 K/V (native/attention.cpp)");
+      py::arg("scale"), py::arg("out"), py::arg("table") = 0, py::arg("block_shift") = 0, py::arg("k_block") = 0,
+      py::arg("v_block") = 0,
+      "one decode query per head against bf16 or fp32 K/V, contiguous or paged through a block table "
+      "(native/attention.cpp)");
   // small enough to run with the GIL held: no pool, no lock
   m.def(
       "rms_norm",

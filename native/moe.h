@@ -97,7 +97,8 @@ void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, f
 // out [nh, d] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K and V bf16
 // (or fp32) [nkv, L, d] at the given head and position strides (elements); nh / nkv query heads per kv head.
 void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, bool bf16, size_t k_head,
-                      size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out);
+                      size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
+                      const int32_t* table = nullptr, int block_shift = 0, size_t k_block = 0, size_t v_block = 0);
 
 // RMSNorm of `rows` rows of n (x and out bf16 or fp32, weight w [n] bf16 or fp32) with torch's rounding: fp32
 // statistics, the normalized row rounded to x's dtype, times w in out's dtype (native/norm_rope.cpp).
