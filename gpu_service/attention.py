@@ -1,4 +1,6 @@
-"""Attention with a per-sequence KV cache: GQA (Qwen-MoE, Mixtral) and MLA (DeepSeek V2/V3).
+"""Attention over the paged KV cache (kv_pool.py): GQA (Qwen-MoE, Mixtral, gpt-oss's windows and sinks) and MLA
+(DeepSeek V2/V3). Decode on the native kernel reads the blocks where they are; the other paths gather the
+sequence's blocks into one tensor per layer first.
 
 MLA caches only the compressed latent (kv_lora_rank) and the shared rotary key per token, and
 attends in the latent space ("absorbed" kv_b_proj): the cache is ~(512+64) values per token
@@ -12,83 +14,11 @@ import torch.nn.functional as F
 from moe_core.config import ModelConfig
 from moe_kernels import attention as native_attention
 
+from .kv_pool import SeqCache
 from .layers import apply_rope, linear, rms_norm
 
 QKV = "qkv_proj.weight"  # GQA's q, k and v projections fused into one packed matrix (rows q, then k, then v)
 SCORE_BYTES = 256 << 20  # MLA: most bytes of attention scores held at once (heads are grouped to fit)
-
-
-class KVCache:
-    """One sequence's cache: per layer, a few buffers grown by doubling along their position dim; for
-    linear-attention layers (Qwen3-Next) a fixed-size state instead.
-
-    A state is replaced, not appended to, so a step stages its new states and `commit` installs them
-    once the whole forward pass is done: a step that fails half way (and is retried) leaves the
-    sequence as it was, as KV entries written at fixed positions do."""
-
-    def __init__(self, num_layers: int):
-        self.bufs: list[list[torch.Tensor] | None] = [None] * num_layers
-        self.states: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers  # as of `length`
-        self.staged: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.length = 0  # tokens stored (the same for every layer once a step completes)
-        self.dims: list[int] = [0] * num_layers  # each layer's position dim in its buffers
-
-    def snapshot(self, length: int) -> "KVCache":
-        """A cache of this one's first `length` positions that shares its buffers (positions below the length
-        are never written again) and states (replaced, never changed in place): prefix_cache.py. Taken when
-        the states are those at `length` (a step boundary)."""
-        snap = KVCache(len(self.bufs))
-        snap.bufs = [list(b) if b is not None else None for b in self.bufs]
-        snap.states, snap.dims, snap.length = list(self.states), list(self.dims), length
-        return snap
-
-    def fork(self, n: int, reserve: int) -> "KVCache":
-        """A new cache holding a copy of this one's first n positions, with room for `reserve` (its states:
-        this one's, valid when n is this one's length)."""
-        new = KVCache(len(self.bufs))
-        for layer, bufs in enumerate(self.bufs):
-            if bufs is None:
-                continue
-            dim = self.dims[layer]
-            cap = max(64, reserve)
-            new.bufs[layer] = [b.new_empty((*b.shape[:dim], cap, *b.shape[dim + 1:])) for b in bufs]
-            for dst, src in zip(new.bufs[layer], bufs):
-                dst.narrow(dim, 0, n).copy_(src.narrow(dim, 0, n))
-        new.states, new.dims, new.length = list(self.states), list(self.dims), n
-        return new
-
-    def stage(self, layer: int, *state: torch.Tensor) -> None:
-        self.staged[layer] = state
-
-    def commit(self, length: int) -> None:
-        for layer, state in self.staged.items():
-            self.states[layer] = state
-        self.staged.clear()
-        self.length = length
-
-    def append(self, layer: int, start: int, *xs: torch.Tensor, dim: int = 0) -> list[torch.Tensor]:
-        """Write xs (t positions along `dim` each) at positions start..start+t-1; return views of
-        positions [0, start+t). dim=1 keeps GQA's cache head-major ([kv heads, positions, head dim]):
-        each head's keys are then one strided matrix, which decode's matmuls read ~2x faster at 2k
-        positions than a [positions, heads, dim] layout (bf16, 2 cores)."""
-        t = xs[0].shape[dim]
-        end = start + t
-        self.dims[layer] = dim
-        bufs = self.bufs[layer]
-        if bufs is None or bufs[0].shape[dim] < end:
-            cap = max(64, end, 2 * (bufs[0].shape[dim] if bufs else 0))
-            new = [x.new_empty((*x.shape[:dim], cap, *x.shape[dim + 1:])) for x in xs]
-            if bufs is not None:
-                for n, b in zip(new, bufs):
-                    n.narrow(dim, 0, start).copy_(b.narrow(dim, 0, start))
-            self.bufs[layer] = bufs = new
-        for b, x in zip(bufs, xs):
-            b.narrow(dim, start, t).copy_(x)
-        return [b.narrow(dim, 0, end) for b in bufs]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for layer in self.bufs + self.states if layer for b in layer if b is not None)
 
 
 def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
@@ -100,10 +30,10 @@ def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
     return j[None, :] <= i[:, None]
 
 
-def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: KVCache, layer: int,
+def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
                   start: int, native: bool = False) -> torch.Tensor:
     """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]. native: decode on the native
-    kernel where it takes the cache (bf16 or fp32 on the CPU; moe_kernels.attention)."""
+    kernel where it takes the pool (bf16 or fp32 on the CPU; moe_kernels.attention)."""
     t = x.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nq = nh * d * (2 if cfg.attn_output_gate else 1)  # Qwen3-Next: each head's query, then its gate
@@ -127,21 +57,27 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, native)
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, native)
     q, k = apply_rope(q, cos, sin, False, native), apply_rope(k, cos, sin, False, native)
-    K, V = cache.append(layer, start, k.transpose(0, 1), v.transpose(0, 1), dim=1)  # [kv, L, d] each
+    cache.write(layer, start, k, v)
+    end = start + t
     window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks
-        o = windowed_attention(q, K, V, start, window, sinks, d ** -0.5)
-    elif t == 1 and native and native_attention.supported(K):
-        o = native_attention.decode_attention(q[0], K, V, d ** -0.5).to(q.dtype)  # [nh, d]
-    elif t == 1 and x.device.type == "cpu":
-        # decode on the CPU: torch's SDPA kernel is ~50x slower for one query than matmuls over each KV head's
-        # query group (docs/kernels.md, "Measured choices")
-        qg = q.view(nkv, nh // nkv, d)                                          # [kv, group, d]
-        s = torch.matmul(qg, K.transpose(1, 2)) * d ** -0.5                     # [kv, group, L]
-        o = torch.matmul(s.float().softmax(-1).to(q.dtype), V)                  # [kv, group, d]
+        first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
+        K, V = cache.gather(layer, end, first)
+        o = windowed_attention(q, K, V, start, window, sinks, d ** -0.5, first)
+    elif t == 1 and native and native_attention.supported(cache.pool.bufs[layer][0]):
+        Kp, Vp = cache.pool.bufs[layer]
+        o = native_attention.paged_decode_attention(q[0], Kp, Vp, cache.table(), end, d ** -0.5).to(q.dtype)
     else:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), K, V, attn_mask=_causal_mask(t, start, x.device),
-                                           enable_gqa=nkv != nh).transpose(0, 1)
+        K, V = cache.gather(layer, end)                                         # [kv, L, d] each
+        if t == 1 and x.device.type == "cpu":
+            # decode on the CPU: torch's SDPA kernel is ~50x slower for one query than matmuls over each KV head's
+            # query group (docs/kernels.md, "Measured choices")
+            qg = q.view(nkv, nh // nkv, d)                                      # [kv, group, d]
+            s = torch.matmul(qg, K.transpose(1, 2)) * d ** -0.5                 # [kv, group, L]
+            o = torch.matmul(s.float().softmax(-1).to(q.dtype), V)              # [kv, group, d]
+        else:
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), K, V, attn_mask=_causal_mask(t, start, x.device),
+                                               enable_gqa=nkv != nh).transpose(0, 1)
     o = o.reshape(t, nh * d)
     if gate is not None:
         o = o * torch.sigmoid(gate)
@@ -149,15 +85,16 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
 
 
 def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, window: int,
-                       sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [t, nh, d] at positions start.., K/V [kv, L, d] -> [t, nh, d]. Query i sees keys j with
+                       sinks: torch.Tensor | None, scale: float, first: int = 0) -> torch.Tensor:
+    """q [t, nh, d] at positions start.., K/V [kv, L, d] the keys and values of positions first.. -> [t, nh, d].
+    Query i sees keys j with
     i - window < j <= i (window 0: every j <= i); `sinks` [nh] is one more logit per head in each
     softmax, whose share is dropped (gpt-oss; transformers' eager attention with s_aux)."""
     t, nh, d = q.shape
     nkv = K.shape[0]
     g = nh // nkv
     lo = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before lo
-    K, V = K[:, lo:], V[:, lo:]
+    K, V = K[:, lo - first:], V[:, lo - first:]
     L = K.shape[1]
     j = torch.arange(lo, lo + L, device=q.device)
     i = torch.arange(start, start + t, device=q.device)[:, None]
@@ -176,7 +113,7 @@ def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start:
     return o.view(nh, t, d).transpose(0, 1)
 
 
-def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: KVCache, layer: int,
+def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
                   start: int, scale: float) -> torch.Tensor:
     """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]."""
     t = x.shape[0]
@@ -194,7 +131,8 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     k_pe = ckv[:, r:].view(t, 1, dr)
     q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)                     # [t, nh, dr]
     k_pe = apply_rope(k_pe, cos, sin, cfg.rope_interleave)[:, 0]               # [t, dr]
-    C, KPE = cache.append(layer, start, c, k_pe)                               # [L, r], [L, dr]
+    cache.write(layer, start, c, k_pe)
+    C, KPE = cache.gather(layer, start + t)                                    # [L, r], [L, dr]
     wkv = W[p + "kv_b_proj.weight"].view(nh, dn + dv, r)
     w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]                                      # [nh, dn, r], [nh, dv, r]
     q_lat = torch.einsum("thd,hdr->htr", q_nope, w_uk)                         # [nh, t, r]

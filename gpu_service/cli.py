@@ -25,7 +25,7 @@ from .experts import LocalExperts
 from . import hot_experts, prefill_experts
 from .model import DTYPES, Model, compute_dtype, dense_format, pick_device
 from .reasoning import PARSERS as REASONING_PARSERS
-from .prefix_cache import PrefixCache
+from .kv_pool import BLOCK, KVPool, block_bytes
 from .tool_formats import PARSERS as TOOL_PARSERS
 from .server import GenerateServicer, prompt_bytes_limit
 from .text import TextCodec
@@ -101,11 +101,17 @@ def parse_args(argv=None):
                          "(gRPC: GenerateChunk.reasoning), apart from the answer; harmony = gpt-oss's analysis "
                          "channel; none = all in the text; auto = harmony or think when the checkpoint's chat "
                          "template or vocabulary shows them")
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="GiB of the paged KV cache's pool (gpu_service/kv_pool.py), shared by every request; when it "
+                         "is full, requests wait or are set aside and resume later, never failed; default: room for "
+                         "--max-batch requests of --max-context tokens, at most 25%% of the host's available memory "
+                         "(the pool's untouched pages cost nothing there) or 80%% of the GPU's free memory after "
+                         "loading. --max-context is lowered to what the pool holds unless given")
     ap.add_argument("--prefix-cache-gb", type=float, default=None,
-                    help="GiB of KV cache kept from recent prompts and answers, so that a request starting with the "
-                         "same tokens (a chat's next turn, a shared system prompt) computes only the rest "
-                         "(gpu_service/prefix_cache.py); least recently used dropped first; 0 = off; default 2 on "
-                         "the CPU, 5%% of the GPU's memory (at most 2) on CUDA")
+                    help="most GiB of KV blocks that no request uses kept for reuse, so that a request starting with "
+                         "the same tokens (a chat's next turn, a shared system prompt) computes only the rest "
+                         "(gpu_service/prefix_cache.py); least recently used dropped first; 0 = off; default: all of "
+                         "the pool (a cached block is evicted as soon as a request needs the room)")
     ap.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSERS),
                     help="the syntax the model writes tool calls in: hermes (Qwen2/Qwen3), deepseek_v3 (V3, R1), "
                          "deepseek_v31 (V3.1), glm45 (GLM-4.5/4.6), minimax_m2, harmony (gpt-oss); auto = the one "
@@ -130,6 +136,8 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
         serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
     if args.prefix_cache_gb is not None and not 0 <= args.prefix_cache_gb < float("inf"):
         serving.fail(f"--prefix-cache-gb must be a number >= 0, got {args.prefix_cache_gb}")
+    if args.kv_cache_gb is not None and not 0 < args.kv_cache_gb < float("inf"):
+        serving.fail(f"--kv-cache-gb must be a number > 0, got {args.kv_cache_gb}")
     if not 0 <= args.expert_wait < float("inf"):
         serving.fail(f"--expert-wait must be a number of seconds >= 0, got {args.expert_wait}")
     targets = [t.strip() for t in args.experts.split(",") if t.strip()]
@@ -147,15 +155,36 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
     return device, dtype, dense, targets
 
 
-def prefix_cache(args, cfg, device: torch.device) -> PrefixCache | None:
-    """--prefix-cache-gb resolved: its GiB, or by default 2 GiB of host memory on the CPU path and 5% of the
-    device's memory on a GPU (capped at 2 GiB: it shares the device with the weights and the running caches)."""
-    gb = args.prefix_cache_gb
-    if gb is None:
-        gb = 2.0 if device.type != "cuda" else min(2.0, 0.05 * torch.cuda.get_device_properties(device).total_memory / 2**30)
-    if gb <= 0:
-        return None
-    return PrefixCache(int(gb * 2**30), any(cfg.is_linear_attention(L) for L in range(cfg.num_layers)))
+def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: int) -> tuple[KVPool, int]:
+    """--kv-cache-gb and --prefix-cache-gb resolved, after loading (CUDA's free memory is known then) -> (the pool,
+    the context limit it holds: --max-context, or without it what the pool holds if that is less)."""
+    per_block = block_bytes(cfg, dtype)
+    want = args.max_batch * -(-max_context // BLOCK) * per_block
+    if args.kv_cache_gb is not None:
+        budget = args.kv_cache_gb * 2**30
+    elif device.type == "cuda":
+        budget = min(want, 0.8 * torch.cuda.mem_get_info(device)[0])
+    else:
+        budget = min(want, 0.25 * serving.mem_available())
+    blocks = max(1, int(budget // per_block)) if per_block else -(-max_context // BLOCK)
+    if blocks * BLOCK < max_context:
+        if args.max_context:
+            serving.fail(f"--max-context {max_context} needs {-(-max_context // BLOCK) * per_block / 2**20:.1f} MiB of "
+                         f"KV cache; the pool has {blocks * per_block / 2**20:.1f} MiB: raise --kv-cache-gb or lower "
+                         "--max-context")
+        log.warning("the KV pool (%.2f GiB) holds %d tokens: the context limit is lowered to that from %d "
+                    "(--kv-cache-gb, --max-context)", blocks * per_block / 2**30, blocks * BLOCK, max_context)
+        max_context = blocks * BLOCK
+    prefix = blocks * per_block if args.prefix_cache_gb is None else min(int(args.prefix_cache_gb * 2**30),
+                                                                            blocks * per_block)
+    log.info("KV pool: %d blocks of %d tokens (%.2f GiB, %.1f requests of %d tokens), prefix cache up to %.2f GiB",
+             blocks, BLOCK, blocks * per_block / 2**30, blocks * BLOCK / max_context, max_context, prefix / 2**30)
+    return KVPool(cfg, dtype, device, blocks, prefix), max_context
+
+
+def namespace(fp: str, dtype: torch.dtype, dense: str | None, expert_desc: tuple) -> str:
+    """What the prefix chain's root names besides each request's settings: whatever changes the numbers."""
+    return f"{fp}|{dtype}|{dense or 'torch'}|{'|'.join(map(str, expert_desc))}"
 
 
 async def serve(args, stop: asyncio.Event) -> None:
@@ -234,8 +263,9 @@ async def serve(args, stop: asyncio.Event) -> None:
         step_tokens, experts_up, watchers = args.max_step_tokens, (lambda: True), []
         from expert_service.kernels import kernel_path
         expert_desc = (fmt, kernel_path(fmt))
+        pool, max_context = kv_pool(args, cfg, device, dtype, max_context)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
-                        prefix_cache=prefix_cache(args, cfg, device))
+                        kv_pool=pool, namespace=namespace(fp, dtype, dense, expert_desc))
         await svc.serving(True)
     else:
         remotes = [RemoteExperts(t, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20, args.expert_timeout)
@@ -264,10 +294,13 @@ async def serve(args, stop: asyncio.Event) -> None:
             serving.fail(str(e))
         step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
         health = ExpertHealth(remotes, on_change=svc.serving)
+        expert_desc = (infos[0].weight_format, infos[0].kernel_path)
+        pool, max_context = kv_pool(args, cfg, device, dtype, max_context)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
-                        expert_wait=args.expert_wait, experts_ready=health.up,
-                        prefix_cache=prefix_cache(args, cfg, device))
-        experts_up, watchers, expert_desc = health.up, health.watchers(), (infos[0].weight_format, infos[0].kernel_path)
+                        expert_wait=args.expert_wait, experts_ready=health.up, kv_pool=pool,
+                        namespace=namespace(fp, dtype, dense, expert_desc))
+        experts_up, watchers = health.up, health.watchers()
+    server_info.max_context = max_context
     engine.start()
     servicer.attach(engine, experts_up)
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "

@@ -3,9 +3,16 @@ steps over all active requests (continuous batching: new prompts are prefilled i
 as the running sequences decode). Each step carries at most `step_tokens` tokens: every running
 decode's one token first, then prompts in arrival order, cut into chunks of what is left (vLLM's
 chunked prefill), so a long prompt neither overflows the expert service's per-request limit nor
-stalls the running streams by more than one chunk. Talks to the gRPC layer only through Request.emit."""
+stalls the running streams by more than one chunk. Talks to the gRPC layer only through Request.emit.
+
+KV memory comes from one pool of blocks (kv_pool.py), reserved before each step for the tokens it carries. When
+the pool has no room, a prompt chunk shrinks to what fits; otherwise the most recently arrived request is set
+aside (preempted, vLLM's recompute policy): its blocks go back, full ones stay cached, and it waits at the head of
+the queue to resume, recomputing only what the prefix cache no longer holds. Requests are never failed for room."""
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 import itertools
 import logging
@@ -24,8 +31,9 @@ from .answer import AnswerParser
 from .constraints import mask_rows
 from .dispatch import ExpertServiceError
 from .experts import Experts, Span
+from . import prefix_cache
+from .kv_pool import BLOCK, KVPool, SeqCache
 from .model import Model, Segment
-from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample, token_logprobs
 from .text import DetokenizeStream, TextCodec
 
@@ -97,9 +105,12 @@ class Request:
 class Engine:
     def __init__(self, model: Model, experts: Experts, text: TextCodec, max_batch: int, max_context: int,
                  step_tokens: int = 0, expert_wait: float = 0.0, experts_ready: Callable[[], bool] = lambda: True,
-                 prefix_cache: PrefixCache | None = None):
+                 kv_pool: KVPool | None = None, namespace: str = ""):
+        """kv_pool: the KV cache's blocks (default: the model's own, without prefix caching); namespace: what
+        the prefix chain's root names besides each request's settings (prefix_cache.py)."""
         self.model, self.experts, self.text = model, experts, text
-        self.prefix = prefix_cache
+        self.pool = kv_pool or model.kv_pool()
+        self.namespace = namespace
         self.max_batch, self.max_context = max_batch, max_context
         # most tokens one step may carry (0 = no limit): prompts go in chunks of what decodes leave
         self.step_tokens = step_tokens
@@ -110,6 +121,7 @@ class Engine:
         self.eos = set(model.cfg.eos_token_ids)
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.running: list[Request] = []
+        self.waiting: collections.deque[Request] = collections.deque()  # admitted once, set aside for room
         self.steps = itertools.count()
         self._stop = threading.Event()
         self._closed: str | None = None   # close(): new requests fail with this
@@ -140,7 +152,7 @@ class Engine:
         self._aborted = reason
 
     def busy(self) -> bool:
-        return bool(self.running) or not self.inbox.empty()
+        return bool(self.running) or bool(self.waiting) or not self.inbox.empty()
 
     # -- the loop ---------------------------------------------------------------------------------
     def _admit(self) -> list[Request]:
@@ -148,29 +160,43 @@ class Engine:
         if self._closed:
             self._fail_waiting(self._closed)
             if self._aborted:
-                self._fail([r for r in self.running if not r.cancelled], Status.UNAVAILABLE, self._aborted)
+                self._fail([r for r in self.running + list(self.waiting) if not r.cancelled], Status.UNAVAILABLE,
+                           self._aborted)
                 self.running = []
-            if not self.running:
+                self.waiting.clear()
+            if not self.running and not self.waiting:
                 self._stop.wait(0.05)
-            return new
-        if not self.running:
+                return new
+        elif not self.running and not self.waiting:
             try:
                 new.append(self.inbox.get(timeout=0.2))
             except queue.Empty:
                 return new
         while len(self.running) + len(new) < self.max_batch:
+            if self.waiting:  # set aside for room: before anything new
+                new.append(self.waiting.popleft())
+                continue
+            if self._closed:
+                break
             try:
                 new.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
         for r in new:
-            if self.prefix is not None and not r.score_only:
-                r.cache, r.cached_tokens = self.prefix.lookup(r.prompt_ids, prefix_key(r), self.model.new_cache)
-            else:
-                r.cache = self.model.new_cache()
+            self._open(r)
+        return new
+
+    def _open(self, r: Request) -> None:
+        """r's cache: the longest cached prefix of what it must hold (its prompt, or after a preemption its prompt
+        and answer so far); a first admission also sets up its detokenizer and sampler."""
+        ids = context(r)
+        root = prefix_cache.root(self.namespace, prefix_key(r))
+        r.cache = prefix_cache.lookup(self.pool, ids, root) if not r.score_only else SeqCache(self.pool, root)
+        r.cache.keep_at = (len(ids) - 1) // BLOCK * BLOCK  # linear attention: a state kept there (prefix_cache.py)
+        if r.detok is None:
+            r.cached_tokens = r.cache.length
             r.detok = DetokenizeStream(self.text, r.prompt_ids, r.stop, r.parser.symbols if r.parser else None)
             r.gen = r.sampling.generator()
-        return new
 
     def _expired(self, r: Request, now: float) -> bool:
         if r.deadline is not None and now > r.deadline and not r.cancelled:
@@ -182,18 +208,24 @@ class Engine:
         while not self._stop.is_set():
             new = self._admit()
             now = time.perf_counter()
-            self.running = [r for r in self.running if not self._expired(r, now)]
-            new = [r for r in new if not self._expired(r, now)]
+            for r in self.running + new:
+                if self._expired(r, now):
+                    self._free(r)
+            self.running = [r for r in self.running if r.cache is not None]
+            new = [r for r in new if r.cache is not None]
             metrics.RUNNING.set(len(self.running) + len(new))
-            metrics.WAITING.set(self.inbox.qsize())
+            metrics.WAITING.set(self.inbox.qsize() + len(self.waiting))
             if not self.running and not new:
                 continue
             batch = self.running + new
-            plan = self._plan(batch)
+            plan = self._reserve(self._plan(batch), batch)
             # one forward per distinct deferral setting: a request's result never depends on its neighbours
             for defer, skip in sorted({(r.defer, r.skip_deferred) for r, _ in plan}):
                 self._step_or_fail([(r, n) for r, n in plan if (r.defer, r.skip_deferred) == (defer, skip)], defer, skip)
-            self.running = [r for r in batch if r.cache is not None and not r.cancelled]
+            for r in batch:
+                if r.cancelled:
+                    self._free(r)
+            self.running = [r for r in batch if r.cache is not None]
             alive = {id(r) for r in self.running}
             if any(len(r.prompt_ids) + len(r.output) >= TRIM_AFTER for r in batch if id(r) not in alive):
                 serving.trim_heap()  # a long context just ended: its KV cache and activations go back
@@ -205,19 +237,52 @@ class Engine:
         budget = self.step_tokens or float("inf")
         plan = []
         for r in batch:
-            if r.cache.length >= len(r.prompt_ids):  # decoding
+            if len(context(r)) - r.cache.length == 1:  # decoding
                 plan.append((r, 1))
                 budget -= 1
-        hold_last = self.prefix is not None and self.prefix.linear
+        keep = self.pool.linear and self.pool.caching
         for r in batch:
-            rest = len(r.prompt_ids) - r.cache.length
-            if rest > 0 and budget > 0:
+            rest = len(context(r)) - r.cache.length
+            if rest > 1 and budget > 0:
                 n = int(min(rest, budget))
-                if hold_last and n == rest > 1 and not r.score_only:
-                    n -= 1  # the last prompt token in a step of its own: prefix_cache.py, linear attention
+                if keep and r.cache.length < r.cache.keep_at:
+                    n = min(n, r.cache.keep_at - r.cache.length)  # end a step where the state is kept
                 plan.append((r, n))
                 budget -= n
         return plan
+
+    def _reserve(self, plan: list[tuple[Request, int]], batch: list[Request]) -> list[tuple[Request, int]]:
+        """The plan with each request's KV blocks reserved: a prompt chunk that does not fit shrinks to what does;
+        otherwise the latest-arrived request holding blocks (r itself last) is set aside until room returns."""
+        out: list[tuple[Request, int]] = []
+        for r, n in plan:
+            while r.cache is not None and not r.cache.reserve(r.cache.length + n):
+                room = r.cache.room() - r.cache.length
+                if n > 1 and room >= 1:
+                    n = room
+                    continue
+                later = [v for v in batch if v is not r and v.cache is not None and v.cache.blocks
+                         and v.arrival > r.arrival]
+                victim = max(later, key=lambda v: v.arrival) if later else r
+                self._preempt(victim)
+                out = [(v, k) for v, k in out if v is not victim]
+            if r.cache is not None:
+                out.append((r, n))
+        return out
+
+    def _preempt(self, r: Request) -> None:
+        """Set r aside: its blocks back to the pool (full ones cached), and r to the waiting queue in arrival order."""
+        log.info("KV pool full (%d blocks): request of %d tokens set aside, resumes when there is room",
+                 self.pool.num_blocks, len(context(r)))
+        metrics.PREEMPTIONS.inc()
+        self._free(r)
+        at = bisect.bisect([w.arrival for w in self.waiting], r.arrival)
+        self.waiting.insert(at, r)
+
+    def _free(self, r: Request) -> None:
+        if r.cache is not None:
+            r.cache.release()
+            r.cache = None
 
     def _fail_waiting(self, reason: str) -> None:
         """Fail what waits in the inbox (not started yet) with UNAVAILABLE."""
@@ -293,18 +358,16 @@ class Engine:
 
     def _fail(self, reqs: list[Request], status: Status, msg: str) -> None:
         for r in reqs:
-            r.cache = None
+            self._free(r)
             r.emit(Failure(status, msg))
 
     def _step(self, plan: list[tuple[Request, int]], defer: int, skip: bool) -> None:
         segs, reqs = [], [r for r, _ in plan]
         for r, n in plan:
             s0, P = r.cache.length, len(r.prompt_ids)
+            toks = torch.tensor(context(r)[s0:s0 + n], dtype=torch.long)
             if s0 < P:  # a prompt chunk
-                toks = torch.tensor(r.prompt_ids[s0:s0 + n], dtype=torch.long)
-                metrics.PROMPT_TOKENS.inc(n)
-            else:
-                toks = torch.tensor([r.output[-1]], dtype=torch.long)
+                metrics.PROMPT_TOKENS.inc(min(n, P - s0))
             targets = torch.tensor(r.prompt_ids[s0 + 1:s0 + n + 1], dtype=torch.long) if r.logprobs_only else None
             segs.append(Segment(r.cache, toks, s0, all_logits=r.score_only and not r.logprobs_only,
                                 logprobs=r.logprobs_only, targets=targets))
@@ -321,23 +384,19 @@ class Engine:
         masked = self._mask(reqs, rows, logits)
         for r, s, row, end in zip(reqs, segs, rows, rows[1:]):
             n = end - row
-            prefilled = r.cache.length >= len(r.prompt_ids)  # this step finished (or was past) the prompt
+            complete = r.cache.length >= len(context(r))  # this step computed all it must hold: a next token
             try:
                 if r.score_only:
                     r.score_parts.append(s.scored if r.logprobs_only else logits[row:row + n].cpu())
-                    if prefilled:
+                    if complete:
                         if r.logprobs_only:
                             r.emit(Scores(None, *(torch.cat(p) for p in zip(*r.score_parts))))
                         else:
                             r.emit(Scores(torch.cat(r.score_parts)))
-                        r.cache = None
-                elif prefilled:
-                    if not r.output and self.prefix is not None and not self.prefix.linear:
-                        self.prefix.remember(r.prompt_ids, r.cache, prefix_key(r))  # later requests may share it
+                        self._free(r)
+                elif complete:
                     self._advance(r, logits[row], masked.get(id(r)), now, spans, t_sample)
                 else:
-                    if self.prefix is not None and self.prefix.linear and r.cache.length == len(r.prompt_ids) - 1:
-                        self.prefix.remember(r.prompt_ids[:-1], r.cache, prefix_key(r))  # a repeat's state
                     if r.profile:
                         r.spans += spans
             except Exception as e:  # sampling or detokenizing this request: the others go on
@@ -351,7 +410,7 @@ class Engine:
         A constraint applies once the answer has begun (a reasoning model's <think> block is free text), or from
         the start where its grammar covers the reasoning too."""
         on = [(r, row) for r, row in zip(reqs, rows) if r.constraint is not None and not r.score_only
-              and r.cache.length >= len(r.prompt_ids)
+              and r.cache.length >= len(context(r))
               and (r.constrain_reasoning or r.parser is None or not r.parser.thinking)]
         if not on:
             return {}
@@ -408,13 +467,17 @@ class Engine:
         if r.profile:
             r.spans += spans
             r.spans.append(Span("sampling", "gpu", -1, spans[0].step if spans else 0, t_sample, time.time_ns()))
-        if finish is not None and self.prefix is not None:  # the answer too (the last token was never fed back)
-            self.prefix.remember((r.prompt_ids + r.output)[:r.cache.length], r.cache, prefix_key(r))
         r.emit(Chunk(text, [tok], finish, len(r.prompt_ids), len(r.output), r.first_token_at - r.arrival,
                      now - r.arrival, r.spans if (finish and r.profile) else None, lps, thought, calls,
                      r.cached_tokens))
         if finish is not None:
-            r.cache = None  # frees the KV cache, unless the prefix cache keeps it
+            self._free(r)  # its full blocks stay cached: the answer too (a chat's next turn resends it)
+
+
+def context(r: Request) -> list[int]:
+    """The ids r's cache must hold before its next token is sampled: the prompt, then the answer so far (its last
+    id is fed back by the next step)."""
+    return r.prompt_ids + r.output if r.output else r.prompt_ids
 
 
 def prefix_key(r: Request) -> tuple:

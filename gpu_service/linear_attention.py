@@ -14,15 +14,15 @@ import torch.nn.functional as F
 
 from moe_core.config import ModelConfig
 
-from .attention import KVCache
+from .kv_pool import SeqCache
 from .layers import linear
 
 CHUNK = 64  # tokens per block of the chunked form (transformers' and FLA's)
 
 
-def gated_deltanet(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+def gated_deltanet(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache: SeqCache, layer: int) -> torch.Tensor:
     """x [t, H]: one sequence's new tokens -> [t, H]. Reads the committed state of `layer` and stages
-    the new one (KVCache.commit installs it after the step)."""
+    the new one (SeqCache.commit installs it after the step)."""
     sh = cfg.linear_attn
     t, nk, nv, dk, dv = x.shape[0], sh.k_heads, sh.v_heads, sh.k_dim, sh.v_dim
     if p + "in_proj_qkvz.weight" in W:

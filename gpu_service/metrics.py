@@ -26,8 +26,14 @@ GPU_BUSY = Counter("moe_gpu_busy_seconds_total", "Engine time not spent waiting 
 EXPERT_BLOCKED = Counter("moe_expert_blocked_seconds_total", "Engine time spent waiting for the expert service")
 PREFIX_QUERY_TOKENS = Counter("moe_prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache")
 PREFIX_HIT_TOKENS = Counter("moe_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache (not computed)")
-PREFIX_EVICTIONS = Counter("moe_prefix_cache_evictions_total", "Prefix cache entries dropped for room")
-PREFIX_BYTES = Gauge("moe_prefix_cache_bytes", "Bytes of KV cache the prefix cache holds")
+PREFIX_EVICTIONS = Counter("moe_prefix_cache_evictions_total", "Cached KV blocks (and linear-attention snapshots) dropped "
+                           "for room or beyond --prefix-cache-gb")
+PREFIX_BYTES = Gauge("moe_prefix_cache_bytes", "Bytes of cached KV blocks no request uses, and of kept linear-attention "
+                     "states (--prefix-cache-gb)")
+KV_BLOCKS = Gauge("moe_kv_cache_blocks", "KV pool blocks (--kv-cache-gb) by state: used by a request, cached (a prefix "
+                  "kept for reuse, evicted when needed), free", ["state"])
+PREEMPTIONS = Counter("moe_kv_cache_preemptions_total", "Running requests set aside for KV blocks (they resume later, "
+                      "recomputing what the prefix cache no longer holds)")
 EXPERT_PAIRS = Counter("moe_expert_pairs_total", "Routed (token, expert) pairs by where they were computed: hot (this "
                        "side's hot experts, --gpu-experts) or remote (the expert service)", ["where"])
 HOT_SHARE = Gauge("moe_hot_experts_usage_share", "Share of a MoE layer's recent (decayed) expert choices that its hot "

@@ -22,8 +22,9 @@ from moe_core.routing import split_deferred
 from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel needs moe_kernels anyway
 from moe_kernels.packing import Fp8
 
-from .attention import QKV, KVCache, gqa_attention, mla_attention
+from .attention import QKV, gqa_attention, mla_attention
 from .experts import Experts, Span
+from .kv_pool import BLOCK, KVPool, SeqCache
 from .linear_attention import gated_deltanet
 from .layers import linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
 
@@ -36,7 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 @dataclasses.dataclass
 class Segment:
     """One sequence's share of a step: `tokens` [t] at positions start..start+t-1."""
-    cache: KVCache
+    cache: SeqCache
     tokens: torch.Tensor
     start: int
     all_logits: bool = False  # logits for every position (scoring), else only the last
@@ -58,6 +59,8 @@ FUSED = {QKV: ("q_proj", "k_proj", "v_proj"), GATE_UP: ("gate_proj", "up_proj")}
 FUSED_PART = re.compile(r"(self_attn\.[qkv]_proj|(gate|up)_proj)\.weight$")
 CLOSE_EVERY_BYTES = 256 << 20  # packing dense layers: reopen the checkpoint after this many source bytes
 
+
+DIRECT_TOKENS = 1 << 16  # positions of the pool new_cache() uses when no engine set one
 
 FP32_ROUTER = ("deepseek_v3", "deepseek_v2", "glm4_moe")
 
@@ -126,6 +129,7 @@ class Model:
         # decode attention on the native kernel too when the dense layers are (on the CPU, where torch's small
         # matmuls and softmax cost several times the bytes they read: docs/kernels.md, "Measured choices")
         self.native_attention = bool(dense_format) and device.type == "cpu"
+        self.kv: KVPool | None = None
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
 
@@ -161,8 +165,16 @@ class Model:
                 lps.append(logits[: j - i].log_softmax(-1).gather(1, nxt[i:j, None])[:, 0].cpu())
         return torch.cat(lps), torch.cat(ams)
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.cfg.num_layers)
+    def kv_pool(self) -> KVPool:
+        """The pool the sequences' caches take their blocks from: the service's (set by the engine's maker, sized
+        by --kv-cache-gb), else one of DIRECT_TOKENS positions without prefix caching for direct callers (tests,
+        benchmarks; on the CPU only its touched pages take memory)."""
+        if self.kv is None:
+            self.kv = KVPool(self.cfg, self.dtype, self.device, DIRECT_TOKENS // BLOCK)
+        return self.kv
+
+    def new_cache(self) -> SeqCache:
+        return SeqCache(self.kv_pool())
 
     @staticmethod
     def _per_segment(x, segments: list[Segment], fn) -> torch.Tensor:
@@ -273,7 +285,7 @@ class Model:
             off += n
         sel = torch.cat(rows).to(self.device)
         for s in segments:  # the step is complete: its linear-attention states replace the old ones
-            s.cache.commit(s.start + s.tokens.shape[0])
+            s.cache.commit(s.start + s.tokens.shape[0], s.tokens.tolist())
         logits = linear(h[sel], self.lm_head).float()
         mark("lm_head", -1, t)
         return logits

@@ -1,115 +1,73 @@
-"""Automatic prefix caching, per sequence: the KV caches of recent prompts and answers, kept so that a request
-that starts with the same tokens (a chat's next turn, an agent resending its history, the same system prompt)
-prefills only the rest.
+"""Automatic prefix caching over the paged KV pool (kv_pool.py): a request that starts with tokens some earlier or
+running request already computed (a chat's next turn, an agent resending its history, a shared system prompt)
+shares their blocks and computes only the rest.
 
-A request's cache is remembered twice: when its prompt is prefilled (so a concurrent or following request with
-the same prompt hits it) and when it ends (its answer too: a chat's next turn hits the previous answer). A
-remembered cache shares the request's buffers: positions below its length are never written again (a step
-writes at and past the cache's length), and linear-attention states are replaced, not changed in place
-(attention.KVCache). A hit copies the common prefix into the new request's own cache (a memory copy of the
-prefix, against recomputing it), so a remembered cache is never written by another request.
+A full block is named by a hash chain: blake2b of the previous block's name and this block's token ids, starting
+from a root that names everything else that changes the numbers (the model's fingerprint, compute dtype, dense
+and expert weight formats and kernel path: `namespace`; and per request the deferral settings: engine.prefix_key).
+Blocks join the chain when they fill, while prompts are prefilled and while answers are generated (a chat's next
+turn hits the previous answer); a lookup walks the new prompt's chain while the pool has the blocks and shares
+them (no copy). The prompt's last token is always computed (its logits are needed), so a hit covers at most the
+full blocks before it.
 
-Entries are keyed by what changes the numbers within one server (the model, its formats and kernel paths are
-fixed for the process; the expert service is held to the same ones by the health watch): the deferral setting
-and whether deferred experts are skipped. Unused entries are dropped least-recently-used beyond the byte budget
-(--prefix-cache-gb; an entry's bytes are its buffers', shared with a running request or not). An eviction never
-changes an answer: a miss recomputes the same positions.
-
-Not yet paged: the KV cache is one buffer per layer and sequence, so sharing is by copy at a hit, not by
-blocks (issue #30's paged pool comes next and replaces the copy)."""
+Linear-attention layers (Qwen3-Next) have a state instead of blocks, which exists only where it was kept: at the
+last block boundary before a prompt's final token (the engine ends a prefill step there) and at the last one an
+answer passed (kept when the sequence ends). A hit there needs both the blocks and a kept state, so it ends at the
+longest such boundary.
+"""
 from __future__ import annotations
 
-import collections
-import dataclasses
+import hashlib
 
 import numpy as np
 
 from . import metrics
-from .attention import KVCache
-
-MIN_TOKENS = 16  # a shorter common prefix is not worth a lookup's copy
-MAX_ENTRIES = 1024  # beyond the byte budget, a bound on the bookkeeping (short prompts of a small model)
+from .kv_pool import BLOCK, KVPool, SeqCache
 
 
-@dataclasses.dataclass(eq=False)  # entries are told apart by identity
-class Entry:
-    tokens: np.ndarray  # the ids whose keys and values the cache holds (positions 0 .. len - 1)
-    cache: KVCache      # shares buffers with the request that made it
-    key: tuple
-    nbytes: int
+def root(namespace: str, key: tuple) -> bytes:
+    return hashlib.blake2b(f"{namespace}|{key!r}".encode(), digest_size=16).digest()
 
 
-class PrefixCache:
-    def __init__(self, budget_bytes: int, linear_layers: bool):
-        """linear_layers: the model has linear-attention layers (Qwen3-Next), whose state exists only at an
-        entry's end: a hit must then reuse the entry whole. The engine then prefills a prompt's last token in a
-        step of its own and remembers the prompt without it (where a repeat of it resumes), and the entries
-        of one conversation are all kept (each is the only place its state exists)."""
-        self.budget, self.linear = budget_bytes, linear_layers
-        # entries by their key and first MIN_TOKENS ids (only those can give a hit: a lookup reads one group),
-        # and all of them from least to most recently used
-        self.groups: dict[tuple, list[Entry]] = {}
-        self.lru: collections.OrderedDict[int, tuple[tuple, Entry]] = collections.OrderedDict()
-        self.nbytes = 0
+def _next(prev: bytes, ids: list[int]) -> bytes:
+    return hashlib.blake2b(prev + np.asarray(ids, dtype=np.int64).tobytes(), digest_size=16).digest()
 
-    @property
-    def entries(self) -> list[Entry]:
-        return [e for _, e in self.lru.values()]
 
-    @staticmethod
-    def _group(key: tuple, ids: np.ndarray) -> tuple:
-        return key, ids[:MIN_TOKENS].tobytes()
+def extend(seq: SeqCache) -> None:
+    """Name seq's newly full blocks and offer them to the pool."""
+    while len(seq.hashes) < seq.length // BLOCK:
+        i = len(seq.hashes)
+        h = _next(seq.hashes[-1] if seq.hashes else seq.root, seq.tokens[i * BLOCK:(i + 1) * BLOCK])
+        seq.hashes.append(h)
+        seq.pool.register(seq.blocks[i], h)
 
-    def lookup(self, prompt: list[int], key: tuple, new_cache) -> tuple[KVCache, int]:
-        """A cache for a new request with this prompt: -> (the cache, the tokens it already holds). The prompt's
-        longest remembered prefix (never all of it: its last token is computed for the logits)."""
-        p = np.asarray(prompt, dtype=np.int64)
-        best, n = None, 0
-        for e in self.groups.get(self._group(key, p), ()) if len(p) > MIN_TOKENS else ():
-            m = min(len(e.tokens), len(p) - 1)
-            same = e.tokens[:m] == p[:m]
-            k = m if same.all() else int(np.argmin(same))  # the first difference
-            if self.linear and k != len(e.tokens):
-                continue  # its linear-attention state is at its end only
-            if k > n:
-                best, n = e, k
-        metrics.PREFIX_QUERY_TOKENS.inc(len(prompt))
-        if best is None or n < MIN_TOKENS:
-            return new_cache(), 0
-        self.lru.move_to_end(id(best))
+
+def lookup(pool: KVPool, ids: list[int], root_hash: bytes) -> SeqCache:
+    """A cache for a sequence of these ids, holding the longest cached prefix of them (whole blocks, never the
+    last id). Shared blocks are referenced, not copied."""
+    seq = SeqCache(pool, root_hash)
+    metrics.PREFIX_QUERY_TOKENS.inc(len(ids))
+    if not pool.caching:
+        return seq
+    blocks, hashes, best, states = [], [], 0, None
+    prev = root_hash
+    for i in range((len(ids) - 1) // BLOCK):
+        prev = _next(prev, ids[i * BLOCK:(i + 1) * BLOCK])
+        b = pool.lookup(prev)
+        if b is None:
+            break
+        blocks.append(b)
+        hashes.append(prev)
+        if not pool.linear:
+            best = i + 1
+        elif (s := pool.states(prev)) is not None:
+            best, states = i + 1, s
+    if best:
+        for b in blocks[:best]:
+            pool.share(b)
+        n = best * BLOCK
+        seq.blocks, seq.hashes, seq.tokens, seq.length = blocks[:best], hashes[:best], list(ids[:n]), n
+        if states is not None:
+            seq.states = list(states)
         metrics.PREFIX_HIT_TOKENS.inc(n)
-        return best.cache.fork(n, reserve=len(prompt)), n
-
-    def remember(self, tokens: list[int], cache: KVCache, key: tuple) -> None:
-        """Keep cache (its first len(tokens) positions, which hold tokens) for later requests."""
-        if self.budget <= 0 or len(tokens) < MIN_TOKENS or cache.length < len(tokens):
-            return
-        t = np.asarray(tokens, dtype=np.int64)
-        g = self._group(key, t)
-        # an entry this one extends (its prompt, now with the answer) is superseded; with linear attention only
-        # the same tokens are (a shorter entry's state is the only one at its length)
-        for e in [e for e in self.groups.get(g, ()) if len(e.tokens) <= len(t) and (
-                not self.linear or len(e.tokens) == len(t)) and (e.tokens == t[:len(e.tokens)]).all()]:
-            self._drop(g, e)
-        snap = cache.snapshot(len(tokens))
-        e = Entry(t, snap, key, snap.nbytes)
-        self.groups.setdefault(g, []).append(e)
-        self.lru[id(e)] = (g, e)
-        self.nbytes += e.nbytes
-        while self.lru and (self.nbytes > self.budget or len(self.lru) > MAX_ENTRIES):
-            self._drop(*next(iter(self.lru.values())))
-            metrics.PREFIX_EVICTIONS.inc()
-        metrics.PREFIX_BYTES.set(self.nbytes)
-
-    def _drop(self, g: tuple, e: Entry) -> None:
-        self.groups[g].remove(e)
-        if not self.groups[g]:
-            del self.groups[g]
-        del self.lru[id(e)]
-        self.nbytes -= e.nbytes
-
-    def clear(self) -> None:
-        self.groups.clear()
-        self.lru.clear()
-        self.nbytes = 0
-        metrics.PREFIX_BYTES.set(0)
+    return seq

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -190,6 +191,25 @@ def trim_heap() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def mem_available() -> int:
+    """Bytes of memory the kernel says new work can have (MemAvailable; a container's cgroup limit when lower)."""
+    avail = None
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(pathlib.Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            avail = min(avail or 1 << 62, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail if avail is not None else 8 << 30
 
 
 T = TypeVar("T")

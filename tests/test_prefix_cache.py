@@ -1,17 +1,19 @@
-"""Automatic prefix caching (gpu_service/prefix_cache.py): a request that starts with remembered tokens computes
-only the rest, and its greedy tokens are those of a run without the cache, on every family; deferral settings
-are separate keys; eviction under a small budget never changes an answer; the cached share is reported on both
-APIs."""
+"""The paged KV pool (gpu_service/kv_pool.py) and automatic prefix caching over it (gpu_service/prefix_cache.py): a
+request that starts with cached blocks shares them and computes only the rest, and its greedy tokens are those of a
+run without the cache, on every family; deferral settings are separate keys; eviction under a small budget and
+preemption when the pool is full never change an answer; the cached share is reported on both APIs."""
 from __future__ import annotations
 
 import queue
 
 import openai
 import pytest
+import torch
 
 import tiny_models
 from gpu_service.engine import Failure, Request
-from gpu_service.prefix_cache import MIN_TOKENS, PrefixCache
+from gpu_service import metrics
+from gpu_service.kv_pool import BLOCK, KVPool
 from gpu_service.sampling import SamplingParams
 from harness import ROOT, Services, free_port, local_engine
 from moe_core.config import load_config
@@ -38,9 +40,14 @@ def run(engine, ids, n: int = 8, defer: int = 0, wait_first=None) -> tuple[list[
             return toks, cached
 
 
-def cache_for(d, gb: float = 1.0) -> PrefixCache:
-    cfg = load_config(d)
-    return PrefixCache(int(gb * 2**30), any(cfg.is_linear_attention(L) for L in range(cfg.num_layers)))
+def cache_for(d, gb: float = 1.0, tokens: int = 1 << 14) -> KVPool:
+    """A pool of `tokens` positions keeping up to gb GiB of cached blocks (0: no prefix caching)."""
+    return KVPool(load_config(d), torch.float32, torch.device("cpu"), tokens // BLOCK, int(gb * 2**30))
+
+
+def hit(n: int) -> int:
+    """What a cached prompt of n tokens gives: its full blocks before the last token (whose logits are needed)."""
+    return (n - 1) // BLOCK * BLOCK
 
 
 @pytest.mark.parametrize("family", tiny_models.FAMILIES)
@@ -56,28 +63,29 @@ def test_hits_give_the_tokens_of_a_full_prefill(checkpoints, family):
     finally:
         plain.stop()
     pc = cache_for(d)
-    cached = local_engine(d, prefix_cache=pc)
+    cached = local_engine(d, kv_pool=pc)
     try:
         assert run(cached, PROMPT) == (a, 0)
-        assert run(cached, PROMPT) == (a, len(PROMPT) - 1)  # all but the last token, whose logits are needed
-        # the next turn hits the answer: prompt + all generated tokens but the last (never fed back)
-        assert run(cached, turn2) == (want2, len(PROMPT) + len(a) - 1)
-        toks, n = run(cached, fork)
+        assert run(cached, PROMPT) == (a, hit(len(PROMPT)))  # whole blocks before the last token
+        # the next turn hits the answer's blocks too: prompt + all generated tokens but the last (never fed back)
+        assert run(cached, turn2) == (want2, hit(len(PROMPT) + len(a)))
+        toks, n = run(cached, fork)  # diverges mid-block (40): the full blocks before it
         assert toks == want3
-        # linear attention (Qwen3-Next): its state exists at an entry's end only, so no partial hit
-        assert n == (0 if pc.linear else 40)
+        # linear attention (Qwen3-Next): a state is kept only at a prompt's and an answer's last block boundary
+        assert n == (0 if pc.linear else 40 // BLOCK * BLOCK)
+        assert pc.used() == 0  # every request gave its blocks back
     finally:
         cached.stop()
 
 
 def test_settings_that_change_the_numbers_are_separate_keys(checkpoints):
     d = checkpoints["deepseek_v3"]
-    e = local_engine(d, prefix_cache=cache_for(d))
+    e = local_engine(d, kv_pool=cache_for(d))
     try:
         run(e, PROMPT, defer=0)
         assert run(e, PROMPT, defer=1)[1] == 0  # deferral changes every layer's output: not a hit
-        assert run(e, PROMPT, defer=1)[1] == len(PROMPT) - 1
-        assert run(e, PROMPT, defer=0)[1] == len(PROMPT) - 1
+        assert run(e, PROMPT, defer=1)[1] == hit(len(PROMPT))
+        assert run(e, PROMPT, defer=0)[1] == hit(len(PROMPT))
     finally:
         e.stop()
 
@@ -90,18 +98,17 @@ def test_eviction_never_changes_an_answer(checkpoints):
         want = [run(plain, p)[0] for p in prompts]
     finally:
         plain.stop()
-    pc = cache_for(d)
-    e = local_engine(d, prefix_cache=pc)
+    blocks = (len(PROMPT) + 8 - 1) // BLOCK  # a finished request's full blocks: its prompt and answer but the last
+    pc = cache_for(d, gb=(3 * blocks * cache_for(d).block_bytes + 1) / 2**30)  # room for three requests' blocks
+    e = local_engine(d, kv_pool=pc)
+    evicted = metrics.PREFIX_EVICTIONS._value.get()
     try:
-        run(e, prompts[0])
-        size = max(x.nbytes for x in pc.entries)
-        pc.clear()
-        pc.budget = 3 * size + size // 2  # room for three
         got = [run(e, p) for p in prompts + prompts]
         assert [t for t, _ in got] == want + want
-        assert len(pc.entries) == 3 and pc.nbytes <= pc.budget
+        assert len(pc.cached) == 3 * blocks and pc.cached_bytes() <= pc.prefix_bytes
         assert not any(n for _, n in got)  # six prompts in turn through room for three: each was evicted
-        assert run(e, prompts[-1]) == (want[-1], len(PROMPT) - 1)  # the most recent ones stay
+        assert metrics.PREFIX_EVICTIONS._value.get() - evicted == (12 - 3) * blocks
+        assert run(e, prompts[-1]) == (want[-1], hit(len(PROMPT)))  # the most recent ones stay
     finally:
         e.stop()
 
@@ -119,7 +126,7 @@ def test_a_request_shares_a_running_ones_prompt_and_chunked_prefill_crosses_the_
         want_long, _ = run(plain, long_prompt)
     finally:
         plain.stop()
-    e = local_engine(d, prefix_cache=cache_for(d), step_tokens=8)
+    e = local_engine(d, kv_pool=cache_for(d), step_tokens=8)
     try:
         started = threading.Event()
         out = {}
@@ -128,7 +135,7 @@ def test_a_request_shares_a_running_ones_prompt_and_chunked_prefill_crosses_the_
         assert started.wait(300)
         b = run(e, PROMPT, n=48)
         t.join(300)
-        assert out["a"] == (want_a, 0) and b == (want_a, len(PROMPT) - 1)
+        assert out["a"] == (want_a, 0) and b == (want_a, hit(len(PROMPT)))
         assert run(e, long_prompt) == (want_long, len(PROMPT))  # the shared prompt, then 50 more in chunks of 8
     finally:
         e.stop()
@@ -136,9 +143,9 @@ def test_a_request_shares_a_running_ones_prompt_and_chunked_prefill_crosses_the_
 
 def test_a_short_prefix_is_not_looked_up(checkpoints):
     d = checkpoints["qwen3_moe"]
-    e = local_engine(d, prefix_cache=cache_for(d))
+    e = local_engine(d, kv_pool=cache_for(d))
     try:
-        short = PROMPT[:MIN_TOKENS - 2]
+        short = PROMPT[:BLOCK]  # its last token is computed: no whole block before it
         run(e, short)
         assert run(e, short)[1] == 0
     finally:
@@ -156,42 +163,117 @@ def test_the_cached_share_is_reported_on_both_apis(tmp_path):
         r1 = c.chat.completions.create(model="default", messages=msgs, max_tokens=8, temperature=0)
         r2 = c.chat.completions.create(model="default", messages=msgs, max_tokens=8, temperature=0)
         assert r1.usage.prompt_tokens_details.cached_tokens == 0
-        assert r2.usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens - 1
+        assert r2.usage.prompt_tokens_details.cached_tokens == hit(r2.usage.prompt_tokens) > 0
         assert r2.choices[0].message.content == r1.choices[0].message.content
         last = list(svc.stub.Generate(generate_pb2.GenerateRequest(
             chat=generate_pb2.Chat(messages=[generate_pb2.ChatMessage(**m) for m in msgs]), max_tokens=8,
             sampling=generate_pb2.SamplingParams(temperature=0)), timeout=60))[-1]
-        assert last.usage.cached_tokens == r2.usage.prompt_tokens - 1
+        assert last.usage.cached_tokens == hit(r2.usage.prompt_tokens)
         streamed = [ch for ch in c.chat.completions.create(model="default", messages=msgs, max_tokens=4, stream=True,
                                                            stream_options={"include_usage": True}) if ch.usage]
-        assert streamed[-1].usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens - 1
+        assert streamed[-1].usage.prompt_tokens_details.cached_tokens == hit(r2.usage.prompt_tokens)
     finally:
         svc.stop()
 
 
-def test_a_bad_budget_is_refused_at_start():
+@pytest.mark.parametrize("flag, value", [("--prefix-cache-gb", "-1"), ("--kv-cache-gb", "0"),
+                                         ("--kv-cache-gb", "nan")])
+def test_a_bad_budget_is_refused_at_start(flag, value):
     import subprocess
     import sys
 
     p = subprocess.run([sys.executable, "-m", "gpu_service", "--model", str(ROOT / "models" / "default"), "--experts",
-                        "local", "--prefix-cache-gb", "-1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert p.returncode != 0 and "--prefix-cache-gb" in p.stderr + p.stdout
+                        "local", flag, value], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode != 0 and flag in p.stderr + p.stdout
 
 
-def test_the_bookkeeping_is_bounded_and_lookups_read_one_group():
-    from gpu_service.attention import KVCache
-    from gpu_service.prefix_cache import MAX_ENTRIES
+def test_a_context_the_pool_cannot_hold_is_refused_at_start():
+    import subprocess
+    import sys
 
-    pc = PrefixCache(1 << 30, False)
+    p = subprocess.run([sys.executable, "-m", "gpu_service", "--model", str(ROOT / "models" / "default"), "--experts",
+                        "local", "--kv-cache-gb", "0.0001", "--max-context", "1024"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert p.returncode != 0 and "--kv-cache-gb" in p.stderr and "--max-context 1024 needs" in p.stderr
 
-    def cache(n):
-        c = KVCache(1)
-        c.length = n
-        return c
-    for i in range(MAX_ENTRIES + 10):
-        pc.remember([i] + PROMPT, cache(65), ())
-    assert len(pc.entries) == MAX_ENTRIES and len(pc.groups) == MAX_ENTRIES  # the oldest ten went
-    assert pc.lookup([3] + PROMPT, (), lambda: cache(0))[1] == 0             # evicted
-    c, n = pc.lookup([MAX_ENTRIES + 9] + PROMPT + [1, 2], (), lambda: cache(0))
-    assert n == 65 and c.length == 65
-    assert pc.lookup([MAX_ENTRIES + 9] + PROMPT + [1, 2], ("other key",), lambda: cache(0))[1] == 0
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_full_pool_sets_requests_aside_and_they_finish_with_the_same_tokens(checkpoints, caching):
+    """Three requests whose contexts need 7 blocks each share a pool of 12: the latest ones are preempted (their
+    blocks go back; with caching the full ones stay cached and are evicted as room is needed) and resume later;
+    every one ends with the tokens it gets alone, none fails."""
+    import threading
+
+    d = checkpoints["qwen3_moe"]
+    prompts = [[9 + i] + PROMPT[1:] for i in range(3)]
+    plain = local_engine(d)
+    try:
+        want = [run(plain, p, n=48)[0] for p in prompts]
+    finally:
+        plain.stop()
+    pc = cache_for(d, gb=1.0 if caching else 0, tokens=12 * BLOCK)
+    e = local_engine(d, kv_pool=pc, max_context=12 * BLOCK)
+    before = metrics.PREEMPTIONS._value.get()
+    try:
+        out = {}
+        threads = [threading.Thread(target=lambda i=i: out.setdefault(i, run(e, prompts[i], n=48))) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert [out[i][0] for i in range(3)] == want
+        assert metrics.PREEMPTIONS._value.get() > before
+        assert pc.used() == 0
+    finally:
+        e.stop()
+
+
+def test_blocks_are_shared_not_copied_and_the_pool_keeps_its_rules(checkpoints):
+    """Two sequences with a common prefix hold the same blocks; allocation takes the lowest free ids, then the least
+    recently cached; a block in use is never evicted; cached bytes stay within the prefix budget."""
+    from gpu_service import prefix_cache
+    from gpu_service.model import Model, Segment
+    from moe_core.checkpoint import Checkpoint
+
+    d = checkpoints["qwen3_moe"]
+    cfg = load_config(d)
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
+    pool = cache_for(d, tokens=8 * BLOCK, gb=(3 * cache_for(d).block_bytes + 1) / 2**30)  # 8 blocks, 3 cached at most
+    root = prefix_cache.root("", ())
+    a = prefix_cache.SeqCache(pool, root)
+    model.forward([Segment(a, torch.tensor(PROMPT[:40]), 0)], _no_experts(cfg))
+    assert a.blocks == [0, 1, 2] and len(a.hashes) == 2  # two full blocks named, the third partial
+    b = prefix_cache.lookup(pool, PROMPT[:40] + [1, 2], root)
+    assert b.blocks == [0, 1] and b.length == 32 and pool.ref[:3] == [2, 2, 1]
+    assert prefix_cache.lookup(pool, [3] + PROMPT[1:40], root).length == 0  # another first block: another chain
+    assert prefix_cache.lookup(pool, PROMPT[:40], prefix_cache.root("", (1, False))).length == 0  # another key
+    a.release()
+    assert pool.ref[:3] == [1, 1, 0] and not pool.cached and pool.free[0] == 2  # shared: still used; partial: free
+    b.release()
+    assert list(pool.cached) == [1, 0] or list(pool.cached) == [0, 1]
+    c = prefix_cache.SeqCache(pool, root)
+    assert c.reserve(6 * BLOCK) and sorted(c.blocks) == [2, 3, 4, 5, 6, 7]  # free ones first: the cached stay
+    assert c.reserve(7 * BLOCK) and len(pool.cached) == 1  # then the least recently cached one goes
+    assert not c.reserve(9 * BLOCK) and len(c.blocks) == 7  # not enough: nothing taken
+    c.release()
+    assert len(pool.cached) == 1  # c named none of its blocks (never computed): they went free
+    d = prefix_cache.SeqCache(pool, root)
+    ids = [3] + PROMPT + PROMPT[:16]  # another chain of five full blocks and one more id
+    model.forward([Segment(d, torch.tensor(ids), 0)], _no_experts(cfg))
+    d.release()  # five named blocks into room for three: the older entry and d's tail go first
+    assert pool.cached_bytes() <= pool.prefix_bytes
+    assert len(pool.cached) == 3 and prefix_cache.lookup(pool, ids, root).length == 3 * BLOCK
+
+
+def _no_experts(cfg):
+    """Routed experts that give zeros: the pool's bookkeeping does not need their numbers."""
+    class Zero:
+        def submit(self, step, layer, x, ids, w, defer):
+            self.shape = x.shape
+
+        def result(self, layer, deferred):
+            return torch.zeros(self.shape)
+
+        def drain_timings(self):
+            return []
+    return Zero()

@@ -1,0 +1,306 @@
+"""The paged KV cache: one pool of fixed-size blocks per attention layer, shared by every sequence through its
+block table, with the blocks of finished prefixes kept for reuse (prefix_cache.py).
+
+Layout (the native decode step reads it as it is; agree any change with native/attention.cpp):
+- a block holds BLOCK consecutive positions of one sequence, in every attention layer at once (one block id,
+  the same row of each layer's buffers);
+- GQA / MHA, windows and sinks included: K and V per layer [blocks, kv heads, BLOCK, head dim], head-major within
+  a block (a head's rows of a block are one contiguous matrix, as the contiguous cache was);
+- MLA: the latent [blocks, BLOCK, kv_lora_rank] and the rotary key [blocks, BLOCK, rope dim];
+- linear-attention layers (Qwen3-Next's DeltaNet) have no blocks: their fixed-size state lives with the sequence
+  (SeqCache.states) and is snapshotted at block boundaries for reuse;
+- a block table is int32 block ids, position p in block table[p // BLOCK] at row p % BLOCK.
+
+A block is free, used (referenced by one or more sequences: a shared prefix is referenced, never copied), or
+cached (unreferenced, holding a full block of a known token chain: prefix_cache.py's hash). Allocation takes a
+free block (the lowest id: the resident set stays compact on the CPU, where the pool is allocated but only
+touched pages are resident), else evicts the least recently used cached one. Cached blocks and linear-attention
+snapshots beyond the prefix budget are evicted at once. A block in use is never evicted, and positions below a
+sequence's length are never written again (writes go at and past it, into blocks no one else holds), so an
+eviction never changes an answer: a miss recomputes the same positions.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+
+import torch
+
+from moe_core.config import ModelConfig
+
+from . import metrics
+
+BLOCK = 16  # positions per block (vLLM's default); a power of two (the native kernel shifts)
+
+
+class KVPool:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
+                 prefix_bytes: int = 0):
+        """num_blocks: the pool's size (at least one block); prefix_bytes: most bytes of cached blocks and
+        linear-attention snapshots kept for reuse (0: no prefix caching)."""
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.cfg, self.dtype, self.device, self.num_blocks = cfg, dtype, device, num_blocks
+        self.mla = cfg.attention == "mla"
+        self.linear = any(cfg.is_linear_attention(L) for L in range(cfg.num_layers))
+        if self.mla:
+            shapes = [(BLOCK, cfg.kv_lora_rank), (BLOCK, cfg.qk_rope_head_dim)]
+        else:
+            shapes = [(cfg.num_kv_heads, BLOCK, cfg.head_dim)] * 2
+        # per layer its buffers, None for a linear-attention layer (untouched pages of these cost no memory on
+        # the CPU; on CUDA they are the pool's reservation)
+        self.bufs: list[list[torch.Tensor] | None] = [
+            None if cfg.is_linear_attention(L) else [torch.empty((num_blocks, *s), dtype=dtype, device=device)
+                                                     for s in shapes]
+            for L in range(cfg.num_layers)]
+        self.block_bytes = block_bytes(cfg, dtype)
+        self.prefix_bytes = prefix_bytes
+        self.ref = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self.free = list(range(num_blocks))  # a heap: lowest id first
+        # unreferenced blocks with a hash, and snapshots, least recently used first: key -> stamp
+        self.cached: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self.snaps: collections.OrderedDict[bytes, tuple[list, int, int]] = collections.OrderedDict()  # -> (states, bytes, stamp)
+        self.snap_bytes = 0
+        self.stamp = itertools.count()
+        self._report()
+
+    @property
+    def caching(self) -> bool:
+        return self.prefix_bytes > 0
+
+    def available(self) -> int:
+        """Blocks an allocation can have now (free, and cached ones it would evict)."""
+        return len(self.free) + len(self.cached)
+
+    def used(self) -> int:
+        return self.num_blocks - self.available()
+
+    def cached_bytes(self) -> int:
+        return len(self.cached) * self.block_bytes + self.snap_bytes
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int] | None:
+        """n blocks for one sequence's new positions (reference 1 each), or None if the pool has not that many."""
+        if n > self.available():
+            return None
+        out = []
+        for _ in range(n):
+            b = heapq.heappop(self.free) if self.free else self._evict_block()
+            self.ref[b] = 1
+            out.append(b)
+        self._report()
+        return out
+
+    def _evict_block(self) -> int:
+        b, _ = self.cached.popitem(last=False)
+        del self.by_hash[self.hash_of[b]]
+        self.hash_of[b] = None
+        metrics.PREFIX_EVICTIONS.inc()
+        return b
+
+    def share(self, b: int) -> None:
+        """One more sequence holds block b (a prefix hit)."""
+        if self.ref[b] == 0:
+            del self.cached[b]
+        self.ref[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """A sequence's blocks, in its order: the tail goes first in the eviction order (a chain's later blocks are
+        no use without its earlier ones; vLLM's order too)."""
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if self.hash_of[b] is not None and self.caching:
+                    self.cached[b] = next(self.stamp)
+                else:
+                    self._forget(b)
+                    heapq.heappush(self.free, b)
+        self._trim()
+        self._report()
+
+    def _forget(self, b: int) -> None:
+        h = self.hash_of[b]
+        if h is not None:
+            del self.by_hash[h]
+            self.hash_of[b] = None
+
+    def register(self, b: int, h: bytes) -> None:
+        """Block b (full, held by a sequence) holds the chain h: later requests may share it. Another block with
+        the same chain (computed at the same time by another sequence) keeps it; b stays private."""
+        if self.caching and h not in self.by_hash and self.hash_of[b] is None:
+            self.by_hash[h], self.hash_of[b] = b, h
+
+    def lookup(self, h: bytes) -> int | None:
+        return self.by_hash.get(h)
+
+    # -- linear-attention states ----------------------------------------------------------------
+    def keep_states(self, h: bytes, states: list) -> None:
+        """The linear-attention layers' states after the block whose chain is h (tensors replaced, never changed
+        in place, so holding them is the snapshot)."""
+        if not self.caching or h in self.snaps:
+            return
+        n = sum(t.nbytes for s in states if s is not None for t in s)
+        self.snaps[h] = (list(states), n, next(self.stamp))
+        self.snap_bytes += n
+        self._trim()
+        self._report()
+
+    def states(self, h: bytes) -> list | None:
+        got = self.snaps.get(h)
+        if got is None:
+            return None
+        self.snaps.move_to_end(h)
+        self.snaps[h] = (got[0], got[1], next(self.stamp))
+        return got[0]
+
+    def _trim(self) -> None:
+        """Evict the least recently used cached blocks and snapshots beyond the prefix budget."""
+        while self.cached_bytes() > self.prefix_bytes and (self.cached or self.snaps):
+            block_first = self.cached and (not self.snaps or next(iter(self.cached.values())) <
+                                           next(iter(self.snaps.values()))[2])
+            if block_first:
+                heapq.heappush(self.free, self._evict_block())
+            else:
+                _, (_, n, _) = self.snaps.popitem(last=False)
+                self.snap_bytes -= n
+                metrics.PREFIX_EVICTIONS.inc()
+
+    def clear(self) -> None:
+        """Drop every cached block and snapshot (blocks in use stay)."""
+        while self.cached:
+            heapq.heappush(self.free, self._evict_block())
+        self.snaps.clear()
+        self.snap_bytes = 0
+        self._report()
+
+    def _report(self) -> None:
+        metrics.KV_BLOCKS.labels("used").set(self.used())
+        metrics.KV_BLOCKS.labels("cached").set(len(self.cached))
+        metrics.KV_BLOCKS.labels("free").set(len(self.free))
+        metrics.PREFIX_BYTES.set(self.cached_bytes())
+
+
+def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one block over every attention layer."""
+    per_pos = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim)
+    layers = sum(not cfg.is_linear_attention(L) for L in range(cfg.num_layers))
+    return BLOCK * per_pos * layers * torch.empty(0, dtype=dtype).element_size()
+
+
+class SeqCache:
+    """One sequence's cache: its block table into the pool, the ids it holds (for the prefix chain), and the
+    linear-attention layers' states.
+
+    A state is replaced, not appended to, so a step stages its new states and `commit` installs them once the
+    whole forward pass is done: a step that fails half way (and is retried) leaves the sequence as it was, as KV
+    entries written at fixed positions do."""
+
+    def __init__(self, pool: KVPool, root: bytes = b""):
+        self.pool, self.root = pool, root
+        self.blocks: list[int] = []
+        self._table: torch.Tensor | None = None
+        self.length = 0  # positions held (the same in every layer once a step completes)
+        self.tokens: list[int] = []  # their ids
+        self.hashes: list[bytes] = []  # the chain of each full block (prefix_cache.py)
+        self.states: list[tuple[torch.Tensor, ...] | None] = [None] * pool.cfg.num_layers  # as of `length`
+        self.staged: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.aligned: tuple[bytes, list] | None = None  # linear attention: the states at the last full block
+        self.keep_at = 0  # linear attention: keep the states when the length reaches this block boundary
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def reserve(self, end: int) -> bool:
+        """Blocks for positions below `end` (False: the pool has not enough; nothing taken)."""
+        need = -(-end // BLOCK) - len(self.blocks)
+        if need <= 0:
+            return True
+        got = self.pool.allocate(need)
+        if got is None:
+            return False
+        self.blocks += got
+        self._table = None
+        return True
+
+    def room(self) -> int:
+        """The most positions this sequence could hold with the pool as it is."""
+        return (len(self.blocks) + self.pool.available()) * BLOCK
+
+    def release(self) -> None:
+        """Give the blocks back (full ones stay cached for reuse) and keep the last aligned states."""
+        if self.aligned is not None:
+            self.pool.keep_states(*self.aligned)
+            self.aligned = None
+        self.pool.release(self.blocks)
+        self.blocks, self._table = [], None
+
+    def __del__(self):  # a direct caller's dropped cache gives its blocks back (the engine releases explicitly)
+        if self.blocks:
+            self.release()
+
+    def table(self) -> torch.Tensor:
+        if self._table is None:
+            self._table = torch.tensor(self.blocks, dtype=torch.int32)
+        return self._table
+
+    def write(self, layer: int, start: int, *xs: torch.Tensor) -> None:
+        """Store xs ([t, ...] each, one per buffer of the layer) at positions start..start+t-1 (the engine reserved
+        the blocks for the step; a direct caller's come here)."""
+        bufs, t = self.pool.bufs[layer], xs[0].shape[0]
+        if not self.reserve(start + t):
+            raise MemoryError(f"the KV pool ({self.pool.num_blocks} blocks of {BLOCK}) is full")
+        if t == 1:
+            b, o = self.blocks[start // BLOCK], start % BLOCK
+            for buf, x in zip(bufs, xs):
+                (buf[b, :, o] if not self.pool.mla else buf[b, o]).copy_(x[0])
+            return
+        pos = torch.arange(start, start + t)
+        blk = torch.tensor(self.blocks, dtype=torch.long)[pos // BLOCK].to(self.pool.device)
+        off = (pos % BLOCK).to(self.pool.device)
+        for buf, x in zip(bufs, xs):
+            if self.pool.mla:
+                buf[blk, off] = x.to(buf.dtype)
+            else:
+                buf[blk, :, off] = x.to(buf.dtype)
+
+    def gather(self, layer: int, end: int, begin: int = 0) -> list[torch.Tensor]:
+        """Positions begin..end-1 of the layer as contiguous tensors (a copy): GQA [kv heads, positions, dim],
+        MLA [positions, dim]. For the paths that have no paged kernel."""
+        b0, b1 = begin // BLOCK, -(-end // BLOCK)
+        idx = torch.tensor(self.blocks[b0:b1], dtype=torch.long, device=self.pool.device)
+        lo, n = begin - b0 * BLOCK, end - begin
+        out = []
+        for buf in self.pool.bufs[layer]:
+            if self.pool.mla:
+                out.append(buf.index_select(0, idx).view(-1, buf.shape[-1])[lo:lo + n])
+            else:
+                kv = buf.transpose(0, 1).index_select(1, idx)  # [kv, blocks, BLOCK, dim], one copy
+                out.append(kv.view(kv.shape[0], -1, kv.shape[-1])[:, lo:lo + n])
+        return out
+
+    # -- linear-attention states and the step's end -----------------------------------------------
+    def stage(self, layer: int, *state: torch.Tensor) -> None:
+        self.staged[layer] = state
+
+    def commit(self, length: int, tokens: list[int]) -> None:
+        """The step is complete: tokens now sit below `length`; the new states replace the old ones; full blocks
+        join the prefix chain (prefix_cache.extend)."""
+        from .prefix_cache import extend  # the chain's hashing lives there
+
+        for layer, state in self.staged.items():
+            self.states[layer] = state
+        self.staged.clear()
+        self.tokens += tokens
+        self.length = length
+        extend(self)
+        if self.pool.linear and self.pool.caching and length % BLOCK == 0 and self.hashes:
+            if length == self.keep_at:
+                self.pool.keep_states(self.hashes[-1], self.states)
+            else:
+                self.aligned = (self.hashes[-1], list(self.states))
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.pool.block_bytes + sum(
+            t.nbytes for s in self.states if s is not None for t in s)
