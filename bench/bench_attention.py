@@ -1,7 +1,9 @@
 """GQA decode attention on the CPU (one query per head over L cached positions, Qwen3-30B-A3B's 32 query
-and 4 KV heads of 128, the head-major cache gpu_service keeps: [kv heads, positions, dim] views of a
-doubled-capacity buffer): torch's matmuls (what gpu_service runs with torch dense layers) against the
-native kernel (moe_kernels.attention, with native dense layers), interleaved in the same run.
+and 4 KV heads of 128): torch's matmuls over a contiguous head-major cache ([kv heads, positions, dim] views
+of a doubled-capacity buffer, the layout before the paged pool), the native kernel over that contiguous cache,
+and the native kernel over the paged pool (gpu_service/kv_pool.py: 16-position blocks found through a block
+table, scattered in the pool) -- the before and after of paging for the decode step -- interleaved in one run.
+Also what the paths without a paged kernel pay: gathering a sequence's blocks into one tensor per layer.
 
     python bench/bench_attention.py [--lengths 400 1500 6000] [--dtype bf16] [--isa avx2] [--threads 2]
 
@@ -19,9 +21,10 @@ from moe_core.openmp import passive_by_default  # noqa: E402
 passive_by_default()  # as both services run: torch's threads do not spin beside the native pool's
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from moe_kernels import ISA, native  # noqa: E402
-from moe_kernels.attention import decode_attention  # noqa: E402
+from moe_kernels.attention import decode_attention, paged_decode_attention  # noqa: E402
 
 NH, NKV, D = 32, 4, 128
 
@@ -55,20 +58,34 @@ def main() -> None:
     native.init_pool(a.threads)
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}; per layer, median of {a.reps}")
-    print("| positions | torch matmuls | native kernel | speed-up |\n|---|---|---|---|")
+    print("| positions | torch matmuls | native, contiguous | native, paged | paged / contiguous | gather (torch "
+          "paths) |\n|---|---|---|---|---|---|")
+    B = 16  # kv_pool.BLOCK
     for L in a.lengths:
         cap = 1 << (L - 1).bit_length()  # the cache's doubled capacity
         q = torch.randn(NH, D, dtype=dt)
         K, V = torch.randn(NKV, cap, D, dtype=dt)[:, :L], torch.randn(NKV, cap, D, dtype=dt)[:, :L]
+        nb = -(-L // B)
+        table = torch.randperm(4 * nb)[:nb].to(torch.int32)  # the sequence's blocks, scattered in a larger pool
+        pk, pv = torch.randn(4 * nb, NKV, B, D, dtype=dt), torch.randn(4 * nb, NKV, B, D, dtype=dt)
+        pk[table.long()] = F.pad(K, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D).transpose(0, 1)
+        pv[table.long()] = F.pad(V, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D).transpose(0, 1)
 
         def nat(q, K, V):
             return decode_attention(q, K, V, D ** -0.5, a.isa)
+
+        def paged(q, K, V):
+            return paged_decode_attention(q, pk, pv, table, L, D ** -0.5, a.isa)
+
+        def gather(q, K, V):  # SeqCache.gather
+            return [p.transpose(0, 1).index_select(1, table.long()) for p in (pk, pv)]
         assert torch.allclose(with_torch(q, K, V).float(), nat(q, K, V), atol=2e-2, rtol=2e-2)
+        assert torch.allclose(paged(q, K, V), nat(q, K, V), atol=1e-5, rtol=1e-5)
         rows = []
         for _ in range(3):  # interleaved
-            rows.append((timed(with_torch, q, K, V, reps=a.reps), timed(nat, q, K, V, reps=a.reps)))
-        before, now = statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
-        print(f"| {L} | {before:.0f} us | {now:.0f} us | {before / now:.2f}x |", flush=True)
+            rows.append([timed(f, q, K, V, reps=a.reps) for f in (with_torch, nat, paged, gather)])
+        t, c, p, g = (statistics.median(r[i] for r in rows) for i in range(4))
+        print(f"| {L} | {t:.0f} us | {c:.0f} us | {p:.0f} us | {p / c:.2f} | {g:.0f} us |", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,14 @@ as token ids (the chat template's rendering is not what is measured). "Cached" c
 lengths, the same server, the turns interleaved. Goal (issue #30): a turn that adds 50 tokens to a 3000-token
 history reaches its first token in <= 0.1x the uncached time; the cache's bytes (its Prometheus gauge) stay
 within --prefix-cache-gb.
+
+    python bench/bench_prefix.py --reasoning [--turns 6]
+
+Templates that drop earlier turns' reasoning (Qwen3's and DeepSeek-R1's do): on the embedded default model, a
+conversation whose answers are "<think>reasoning</think>answer", rendered by a ChatML template of ours that either
+drops or keeps earlier answers' reasoning, tokenized by the model's tokenizer. Each turn sends the rendered prompt
+and then the prompt with the answer appended (as if generated: the cache then holds both); the next turn's cached
+share is what the server reports.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ import urllib.request
 
 import numpy as np
 
-from common import Services, cpu_name, free_port, synth_model  # noqa: E402
+from common import ROOT, Services, cpu_name, free_port, synth_model  # noqa: E402
 from protos import generate_pb2  # noqa: E402
 
 
@@ -34,8 +42,54 @@ def turn(stub, ids: list[int], answer: int) -> tuple[float, list[int], int]:
 
 
 def gauge(port: int, name: str) -> float:
+    """A metric's value; name may carry its labels: 'moe_kv_cache_blocks{state="used"}'."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+# ChatML as Qwen3 writes it; `drop`: earlier answers lose their reasoning (Qwen3's and DeepSeek-R1's rule)
+CHATML = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.role == 'assistant' and m.reasoning and not drop %}<think>
+{{ m.reasoning }}
+</think>
+
+{% endif %}{{ m.content }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def reasoning(a) -> None:
+    import jinja2
+    from tokenizers import Tokenizer
+
+    model = ROOT / "models" / "default"
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    template = jinja2.Environment().from_string(CHATML)
+    rng = np.random.default_rng(0)
+    words = "the a list dict value key sort return function loop file path read write string number".split()
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words, n))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-prefix-"))
+    svc = Services(model, tmp, gpu_args=("--threads", str(a.threads)), expert_args=("--threads", str(a.threads)))
+    print(f"CPU: {cpu_name()}; model {model}; {a.turns} turns, answers of ~60 words of reasoning and ~40 of answer")
+    print("\n| template | turn | prompt tokens | cached tokens | cached share | recomputed |\n|---|---|---|---|---|---|")
+    try:
+        for drop in (True, False):
+            msgs = [{"role": "system", "content": text(200)}]
+            for i in range(a.turns):
+                msgs.append({"role": "user", "content": text(30)})
+                prompt = tok.encode(template.render(messages=msgs, add_generation_prompt=True, drop=drop)).ids
+                _, _, cached = turn(svc.stub, prompt, 1)
+                answer = {"role": "assistant", "reasoning": text(60), "content": text(40)}
+                full = tok.encode(template.render(messages=msgs + [answer], add_generation_prompt=False,
+                                                  drop=False)).ids
+                turn(svc.stub, full, 1)  # the answer as if generated: the cache holds prompt and answer
+                msgs.append(answer)
+                print(f"| {'drops' if drop else 'keeps'} reasoning | {i} | {len(prompt)} | {cached} | "
+                      f"{cached / len(prompt):.2f} | {len(prompt) - cached} |", flush=True)
+    finally:
+        svc.stop()
 
 
 def main() -> None:
@@ -54,7 +108,11 @@ def main() -> None:
     ap.add_argument("--dense-format", default="int4")
     ap.add_argument("--prefix-cache-gb", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reasoning", action="store_true", help="measure the hit rate of a template that drops earlier "
+                    "turns' reasoning (see above) instead")
     a = ap.parse_args()
+    if a.reasoning:
+        return reasoning(a)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     model = a.model or synth_model(a.synth, a.layers, tmp / "ckpt")
     vocab = json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"]

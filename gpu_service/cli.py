@@ -112,6 +112,10 @@ def parse_args(argv=None):
                          "the same tokens (a chat's next turn, a shared system prompt) computes only the rest "
                          "(gpu_service/prefix_cache.py); least recently used dropped first; 0 = off; default: all of "
                          "the pool (a cached block is evicted as soon as a request needs the room)")
+    ap.add_argument("--prefix-cache-host-gb", type=float, default=0,
+                    help="CUDA: GiB of pinned host memory that evicted cached KV blocks spill to and come back from "
+                         "by copy (gpu_service/kv_pool.py); 0 = none. On the CPU path the pool is host memory already: "
+                         "raise --kv-cache-gb instead")
     ap.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSERS),
                     help="the syntax the model writes tool calls in: hermes (Qwen2/Qwen3), deepseek_v3 (V3, R1), "
                          "deepseek_v31 (V3.1), glm45 (GLM-4.5/4.6), minimax_m2, harmony (gpt-oss); auto = the one "
@@ -138,6 +142,8 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
         serving.fail(f"--prefix-cache-gb must be a number >= 0, got {args.prefix_cache_gb}")
     if args.kv_cache_gb is not None and not 0 < args.kv_cache_gb < float("inf"):
         serving.fail(f"--kv-cache-gb must be a number > 0, got {args.kv_cache_gb}")
+    if not 0 <= args.prefix_cache_host_gb < float("inf"):
+        serving.fail(f"--prefix-cache-host-gb must be a number >= 0, got {args.prefix_cache_host_gb}")
     if not 0 <= args.expert_wait < float("inf"):
         serving.fail(f"--expert-wait must be a number of seconds >= 0, got {args.expert_wait}")
     targets = [t.strip() for t in args.experts.split(",") if t.strip()]
@@ -152,6 +158,9 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
         dense = dense_format(args.dense_format, device, DTYPES[cfg.torch_dtype], args.dtype, cfg.fp8_block)
     except ValueError as e:
         serving.fail(str(e))
+    if args.prefix_cache_host_gb and device.type != "cuda":
+        serving.fail(f"--prefix-cache-host-gb: a host tier is for a KV pool on CUDA; on {device} the pool is host memory "
+                     "already (raise --kv-cache-gb and --prefix-cache-gb instead)")
     return device, dtype, dense, targets
 
 
@@ -179,7 +188,7 @@ def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: in
                                                                             blocks * per_block)
     log.info("KV pool: %d blocks of %d tokens (%.2f GiB, %.1f requests of %d tokens), prefix cache up to %.2f GiB",
              blocks, BLOCK, blocks * per_block / 2**30, blocks * BLOCK / max_context, max_context, prefix / 2**30)
-    return KVPool(cfg, dtype, device, blocks, prefix), max_context
+    return KVPool(cfg, dtype, device, blocks, prefix, int(args.prefix_cache_host_gb * 2**30) if prefix else 0), max_context
 
 
 def namespace(fp: str, dtype: torch.dtype, dense: str | None, expert_desc: tuple) -> str:

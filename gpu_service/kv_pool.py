@@ -18,6 +18,11 @@ touched pages are resident), else evicts the least recently used cached one. Cac
 snapshots beyond the prefix budget are evicted at once. A block in use is never evicted, and positions below a
 sequence's length are never written again (writes go at and past it, into blocks no one else holds), so an
 eviction never changes an answer: a miss recomputes the same positions.
+
+With a host tier (CUDA: --prefix-cache-host-gb), an evicted cached block is copied to pinned host memory first
+(asynchronously, on the stream that later overwrites the block, so the copy reads it before); a lookup that misses
+on the device finds it there and copies it back into a newly allocated block. The host tier keeps least recently
+used blocks too; its copies run in stream order, so no synchronization is needed.
 """
 from __future__ import annotations
 
@@ -36,9 +41,10 @@ BLOCK = 16  # positions per block (vLLM's default); a power of two (the native k
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
-                 prefix_bytes: int = 0):
+                 prefix_bytes: int = 0, host_bytes: int = 0):
         """num_blocks: the pool's size (at least one block); prefix_bytes: most bytes of cached blocks and
-        linear-attention snapshots kept for reuse (0: no prefix caching)."""
+        linear-attention snapshots kept for reuse (0: no prefix caching); host_bytes: the host tier's size (pinned
+        when the pool is on CUDA)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.cfg, self.dtype, self.device, self.num_blocks = cfg, dtype, device, num_blocks
@@ -65,6 +71,12 @@ class KVPool:
         self.snaps: collections.OrderedDict[bytes, tuple[list, int, int]] = collections.OrderedDict()  # -> (states, bytes, stamp)
         self.snap_bytes = 0
         self.stamp = itertools.count()
+        self.host_blocks = host_bytes // self.block_bytes if self.caching and self.block_bytes else 0
+        pin = device.type == "cuda"
+        self.host = [None if bufs is None else [torch.empty((self.host_blocks, *b.shape[1:]), dtype=dtype, pin_memory=pin)
+                                                for b in bufs] for bufs in self.bufs] if self.host_blocks else []
+        self.host_free = list(range(self.host_blocks))
+        self.host_by_hash: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # least recently used first
         self._report()
 
     @property
@@ -96,9 +108,44 @@ class KVPool:
 
     def _evict_block(self) -> int:
         b, _ = self.cached.popitem(last=False)
-        del self.by_hash[self.hash_of[b]]
+        h = self.hash_of[b]
+        del self.by_hash[h]
         self.hash_of[b] = None
         metrics.PREFIX_EVICTIONS.inc()
+        if self.host_blocks:
+            self._spill(b, h)
+        return b
+
+    def _spill(self, b: int, h: bytes) -> None:
+        """Copy block b (chain h) to the host tier, the least recently used host block making room."""
+        if h in self.host_by_hash:
+            self.host_by_hash.move_to_end(h)
+            return
+        slot = self.host_free.pop() if self.host_free else self.host_by_hash.popitem(last=False)[1]
+        for host, bufs in zip(self.host, self.bufs):
+            if bufs is not None:
+                for hb, db in zip(host, bufs):
+                    hb[slot].copy_(db[b], non_blocking=True)
+        self.host_by_hash[h] = slot
+        metrics.PREFIX_HOST_SPILLS.inc()
+        metrics.PREFIX_HOST_BLOCKS.set(len(self.host_by_hash))
+
+    def restore(self, h: bytes) -> int | None:
+        """A block holding chain h copied back from the host tier (referenced once, named), or None."""
+        slot = self.host_by_hash.get(h)
+        if slot is None or h in self.by_hash:
+            return None
+        self.host_by_hash.move_to_end(h)  # the allocation's own spill must not take this slot
+        got = self.allocate(1)
+        if got is None:
+            return None
+        b = got[0]
+        for host, bufs in zip(self.host, self.bufs):
+            if bufs is not None:
+                for hb, db in zip(host, bufs):
+                    db[b].copy_(hb[slot], non_blocking=True)
+        self.register(b, h)
+        metrics.PREFIX_HOST_RESTORES.inc()
         return b
 
     def share(self, b: int) -> None:

@@ -32,6 +32,11 @@ PREFIX_BYTES = Gauge("moe_prefix_cache_bytes", "Bytes of cached KV blocks no req
                      "states (--prefix-cache-gb)")
 KV_BLOCKS = Gauge("moe_kv_cache_blocks", "KV pool blocks (--kv-cache-gb) by state: used by a request, cached (a prefix "
                   "kept for reuse, evicted when needed), free", ["state"])
+PREFIX_HOST_SPILLS = Counter("moe_prefix_cache_host_spills_total", "Evicted cached KV blocks copied to the host tier "
+                             "(--prefix-cache-host-gb)")
+PREFIX_HOST_RESTORES = Counter("moe_prefix_cache_host_restores_total", "Cached KV blocks copied back from the host tier "
+                               "for a hit")
+PREFIX_HOST_BLOCKS = Gauge("moe_prefix_cache_host_blocks", "KV blocks the host tier holds")
 PREEMPTIONS = Counter("moe_kv_cache_preemptions_total", "Running requests set aside for KV blocks (they resume later, "
                       "recomputing what the prefix cache no longer holds)")
 EXPERT_PAIRS = Counter("moe_expert_pairs_total", "Routed (token, expert) pairs by where they were computed: hot (this "

@@ -7,7 +7,7 @@ from a root that names everything else that changes the numbers (the model's fin
 and expert weight formats and kernel path: `namespace`; and per request the deferral settings: engine.prefix_key).
 Blocks join the chain when they fill, while prompts are prefilled and while answers are generated (a chat's next
 turn hits the previous answer); a lookup walks the new prompt's chain while the pool has the blocks and shares
-them (no copy). The prompt's last token is always computed (its logits are needed), so a hit covers at most the
+them (no copy; from the host tier, kv_pool.py, by a copy back). The prompt's last token is always computed (its logits are needed), so a hit covers at most the
 full blocks before it.
 
 Linear-attention layers (Qwen3-Next) have a state instead of blocks, which exists only where it was kept: at the
@@ -53,8 +53,11 @@ def lookup(pool: KVPool, ids: list[int], root_hash: bytes) -> SeqCache:
     prev = root_hash
     for i in range((len(ids) - 1) // BLOCK):
         prev = _next(prev, ids[i * BLOCK:(i + 1) * BLOCK])
+        # referenced at once: bringing a later block back from the host tier must not evict an earlier one
         b = pool.lookup(prev)
-        if b is None:
+        if b is not None:
+            pool.share(b)
+        elif (b := pool.restore(prev)) is None:
             break
         blocks.append(b)
         hashes.append(prev)
@@ -62,9 +65,8 @@ def lookup(pool: KVPool, ids: list[int], root_hash: bytes) -> SeqCache:
             best = i + 1
         elif (s := pool.states(prev)) is not None:
             best, states = i + 1, s
+    pool.release(blocks[best:])  # linear attention: past the last kept state
     if best:
-        for b in blocks[:best]:
-            pool.share(b)
         n = best * BLOCK
         seq.blocks, seq.hashes, seq.tokens, seq.length = blocks[:best], hashes[:best], list(ids[:n]), n
         if states is not None:

@@ -265,6 +265,61 @@ def test_blocks_are_shared_not_copied_and_the_pool_keeps_its_rules(checkpoints):
     assert len(pool.cached) == 3 and prefix_cache.lookup(pool, ids, root).length == 3 * BLOCK
 
 
+def test_evicted_blocks_spill_to_the_host_tier_and_come_back(checkpoints):
+    """A pool of 8 blocks with a host tier of 16: a prompt's blocks evicted by others' come back by copy, holding what
+    they held, and the engine's answer from them is the answer without the cache."""
+    from gpu_service import prefix_cache
+    from gpu_service.model import Model, Segment
+    from moe_core.checkpoint import Checkpoint
+
+    d = checkpoints["qwen3_moe"]
+    cfg = load_config(d)
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
+    bb = cache_for(d).block_bytes
+    pool = KVPool(cfg, torch.float32, torch.device("cpu"), 8, 8 * bb, 16 * bb)
+    root = prefix_cache.root("", ())
+    a = prefix_cache.SeqCache(pool, root)
+    model.forward([Segment(a, torch.tensor(PROMPT), 0)], _no_experts(cfg))
+    want = [t.clone() for t in a.gather(0, 64)]
+    a.release()
+    spills = metrics.PREFIX_HOST_SPILLS._value.get()
+    b = prefix_cache.SeqCache(pool, root)
+    model.forward([Segment(b, torch.tensor([4] + PROMPT[1:] + PROMPT[:48]), 0)], _no_experts(cfg))  # 7 blocks
+    assert metrics.PREFIX_HOST_SPILLS._value.get() - spills == 3  # a's blocks 1-3 went to make room (tail first)
+    b.release()
+    c = prefix_cache.lookup(pool, PROMPT + [1], root)
+    assert c.length == 64
+    for got, w in zip(c.gather(0, 64), want):
+        assert torch.equal(got, w)
+    c.release()
+
+    plain = local_engine(d)
+    try:
+        want_tokens = [run(plain, p)[0] for p in ([7] + PROMPT[1:], [8] + PROMPT[1:])]
+    finally:
+        plain.stop()
+    # 5 blocks: one request's 72 positions fill them, so the next one evicts all four of its named blocks
+    e = local_engine(d, kv_pool=KVPool(cfg, torch.float32, torch.device("cpu"), 5, 5 * bb, 16 * bb), max_context=80)
+    try:
+        assert run(e, [7] + PROMPT[1:]) == (want_tokens[0], 0)
+        assert run(e, [8] + PROMPT[1:]) == (want_tokens[1], 0)  # evicts the first prompt's blocks to the host
+        restores = metrics.PREFIX_HOST_RESTORES._value.get()
+        assert run(e, [7] + PROMPT[1:]) == (want_tokens[0], hit(len(PROMPT)))
+        assert metrics.PREFIX_HOST_RESTORES._value.get() - restores == hit(len(PROMPT)) // BLOCK
+    finally:
+        e.stop()
+
+
+def test_the_host_tier_is_refused_off_cuda():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "gpu_service", "--model", str(ROOT / "models" / "default"), "--experts",
+                        "local", "--device", "cpu", "--prefix-cache-host-gb", "1"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert p.returncode != 0 and "--prefix-cache-host-gb" in p.stderr
+
+
 def _no_experts(cfg):
     """Routed experts that give zeros: the pool's bookkeeping does not need their numbers."""
     class Zero:
