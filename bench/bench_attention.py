@@ -78,7 +78,7 @@ def main() -> None:
             return paged_decode_attention(q, pk, pv, table, L, D ** -0.5, a.isa)
 
         def gather(q, K, V):  # SeqCache.gather
-            return [p.transpose(0, 1).index_select(1, table.long()) for p in (pk, pv)]
+            return [p.index_select(0, table.long()).transpose(0, 1).reshape(NKV, -1, D) for p in (pk, pv)]
         assert torch.allclose(with_torch(q, K, V).float(), nat(q, K, V), atol=2e-2, rtol=2e-2)
         assert torch.allclose(paged(q, K, V), nat(q, K, V), atol=1e-5, rtol=1e-5)
         rows = []

@@ -248,7 +248,8 @@ class SeqCache:
     def __init__(self, pool: KVPool, root: bytes = b""):
         self.pool, self.root = pool, root
         self.blocks: list[int] = []
-        self._table: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None  # the block table as the native kernel takes it
+        self._index: tuple[torch.Tensor, bool] | None = None  # as gather takes it, and whether ids are consecutive
         self.length = 0  # positions held (the same in every layer once a step completes)
         self.tokens: list[int] = []  # their ids
         self.hashes: list[bytes] = []  # the chain of each full block (prefix_cache.py)
@@ -267,7 +268,7 @@ class SeqCache:
         if got is None:
             return False
         self.blocks += got
-        self._table = None
+        self._table = self._index = None
         return True
 
     def room(self) -> int:
@@ -280,7 +281,7 @@ class SeqCache:
             self.pool.keep_states(*self.aligned)
             self.aligned = None
         self.pool.release(self.blocks)
-        self.blocks, self._table = [], None
+        self.blocks, self._table, self._index = [], None, None
 
     def __del__(self):  # a direct caller's dropped cache gives its blocks back (the engine releases explicitly)
         if self.blocks:
@@ -312,18 +313,27 @@ class SeqCache:
                 buf[blk, :, off] = x.to(buf.dtype)
 
     def gather(self, layer: int, end: int, begin: int = 0) -> list[torch.Tensor]:
-        """Positions begin..end-1 of the layer as contiguous tensors (a copy): GQA [kv heads, positions, dim],
-        MLA [positions, dim]. For the paths that have no paged kernel."""
+        """Positions begin..end-1 of the layer as contiguous tensors: GQA [kv heads, positions, dim] (a copy), MLA
+        [positions, dim] (a view when the blocks are consecutive, as a lone sequence's are: the lowest free ids
+        first; else a copy). For the paths that have no paged kernel."""
         b0, b1 = begin // BLOCK, -(-end // BLOCK)
-        idx = torch.tensor(self.blocks[b0:b1], dtype=torch.long, device=self.pool.device)
+        if self._index is None:
+            ids = self.blocks
+            self._index = (torch.tensor(ids, dtype=torch.long, device=self.pool.device),
+                           all(b == a + 1 for a, b in zip(ids, ids[1:])))
+        idx, consecutive = self._index[0][b0:b1], self._index[1]
         lo, n = begin - b0 * BLOCK, end - begin
         out = []
         for buf in self.pool.bufs[layer]:
-            if self.pool.mla:
+            if self.pool.mla and consecutive:  # one row per position: consecutive blocks are one view, no copy
+                first = self.blocks[b0] * BLOCK + lo
+                out.append(buf.view(-1, buf.shape[-1])[first:first + n])
+            elif self.pool.mla:
                 out.append(buf.index_select(0, idx).view(-1, buf.shape[-1])[lo:lo + n])
             else:
-                kv = buf.transpose(0, 1).index_select(1, idx)  # [kv, blocks, BLOCK, dim], one copy
-                out.append(kv.view(kv.shape[0], -1, kv.shape[-1])[:, lo:lo + n])
+                # rows first (index_select along a strided dim is ~100x slower), then head-major
+                kv = buf.index_select(0, idx).transpose(0, 1)  # [kv, blocks, BLOCK, dim]
+                out.append(kv.reshape(kv.shape[0], -1, kv.shape[-1])[:, lo:lo + n])
         return out
 
     # -- linear-attention states and the step's end -----------------------------------------------
