@@ -2,8 +2,9 @@
 and 4 KV heads of 128): torch's matmuls over a contiguous head-major cache ([kv heads, positions, dim] views
 of a doubled-capacity buffer, the layout before the paged pool), the native kernel over that contiguous cache,
 and the native kernel over the paged pool (gpu_service/kv_pool.py: 16-position blocks found through a block
-table, scattered in the pool) -- the before and after of paging for the decode step -- interleaved in one run.
-Also what the paths without a paged kernel pay: gathering a sequence's blocks into one tensor per layer.
+table; consecutive, as a lone sequence's are, and scattered in the pool) -- the before and after of paging for
+the decode step -- interleaved in one run. Also what the paths without a paged kernel pay for scattered blocks:
+gathering them into one tensor per layer (consecutive ones are a view).
 
     python bench/bench_attention.py [--lengths 400 1500 6000] [--dtype bf16] [--isa avx2] [--threads 2]
 
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from moe_kernels import ISA, native  # noqa: E402
+from gpu_service.kv_pool import _empty  # noqa: E402
 from moe_kernels.attention import decode_attention, paged_decode_attention  # noqa: E402
 
 NH, NKV, D = 32, 4, 128
@@ -58,34 +60,43 @@ def main() -> None:
     native.init_pool(a.threads)
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}; per layer, median of {a.reps}")
-    print("| positions | torch matmuls | native, contiguous | native, paged | paged / contiguous | gather (torch "
-          "paths) |\n|---|---|---|---|---|---|")
+    print("| positions | torch matmuls | native, contiguous | native, paged consecutive (/ contiguous) | native, paged "
+          "scattered | gather scattered (torch paths) |\n|---|---|---|---|---|---|")
     B = 16  # kv_pool.BLOCK
     for L in a.lengths:
         cap = 1 << (L - 1).bit_length()  # the cache's doubled capacity
         q = torch.randn(NH, D, dtype=dt)
         K, V = torch.randn(NKV, cap, D, dtype=dt)[:, :L], torch.randn(NKV, cap, D, dtype=dt)[:, :L]
         nb = -(-L // B)
-        table = torch.randperm(4 * nb)[:nb].to(torch.int32)  # the sequence's blocks, scattered in a larger pool
-        pk, pv = torch.randn(4 * nb, NKV, B, D, dtype=dt), torch.randn(4 * nb, NKV, B, D, dtype=dt)
-        pk[table.long()] = F.pad(K, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D).transpose(0, 1)
-        pv[table.long()] = F.pad(V, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D).transpose(0, 1)
+        # the sequence's blocks in a pool 4x its size: consecutive (a lone sequence's, the lowest free ids), and
+        # scattered (after many requests came and went)
+        tables = {"consecutive": torch.arange(nb, 2 * nb, dtype=torch.int32),
+                  "scattered": torch.randperm(4 * nb)[:nb].to(torch.int32)}
+        pools = {}
+        for name, table in tables.items():
+            pk, pv = (_empty((NKV, 4 * nb, B, D), dt, torch.device("cpu")).normal_() for _ in range(2))  # kv_pool's
+            pk[:, table.long()] = F.pad(K, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D)
+            pv[:, table.long()] = F.pad(V, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D)
+            pools[name] = pk, pv
 
         def nat(q, K, V):
             return decode_attention(q, K, V, D ** -0.5, a.isa)
 
-        def paged(q, K, V):
-            return paged_decode_attention(q, pk, pv, table, L, D ** -0.5, a.isa)
+        def paged(name):
+            return lambda q, K, V: paged_decode_attention(q, *pools[name], tables[name], L, D ** -0.5, a.isa)
 
-        def gather(q, K, V):  # SeqCache.gather
-            return [p.index_select(0, table.long()).transpose(0, 1).reshape(NKV, -1, D) for p in (pk, pv)]
+        def gather(q, K, V):  # SeqCache.gather of scattered blocks (consecutive ones are a view)
+            return [p.index_select(1, tables["scattered"].long()).reshape(NKV, -1, D) for p in pools["scattered"]]
         assert torch.allclose(with_torch(q, K, V).float(), nat(q, K, V), atol=2e-2, rtol=2e-2)
-        assert torch.allclose(paged(q, K, V), nat(q, K, V), atol=1e-5, rtol=1e-5)
+        for name in tables:
+            assert torch.allclose(paged(name)(q, K, V), nat(q, K, V), atol=1e-5, rtol=1e-5)
         rows = []
         for _ in range(3):  # interleaved
-            rows.append([timed(f, q, K, V, reps=a.reps) for f in (with_torch, nat, paged, gather)])
-        t, c, p, g = (statistics.median(r[i] for r in rows) for i in range(4))
-        print(f"| {L} | {t:.0f} us | {c:.0f} us | {p:.0f} us | {p / c:.2f} | {g:.0f} us |", flush=True)
+            rows.append([timed(f, q, K, V, reps=a.reps) for f in (with_torch, nat, paged("consecutive"),
+                                                                    paged("scattered"), gather)])
+        t, c, pc, ps, g = (statistics.median(r[i] for r in rows) for i in range(5))
+        print(f"| {L} | {t:.0f} us | {c:.0f} us | {pc:.0f} us ({pc / c:.2f}) | {ps:.0f} us ({ps / c:.2f}) | {g:.0f} us |",
+              flush=True)
 
 
 if __name__ == "__main__":

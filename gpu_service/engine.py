@@ -228,7 +228,7 @@ class Engine:
             self.running = [r for r in batch if r.cache is not None]
             alive = {id(r) for r in self.running}
             if any(len(r.prompt_ids) + len(r.output) >= TRIM_AFTER for r in batch if id(r) not in alive):
-                serving.trim_heap()  # a long context just ended: its KV cache and activations go back
+                serving.trim_heap()  # a long context just ended: its activations go back (the KV pool keeps its pages)
         metrics.RUNNING.set(0)
 
     def _plan(self, batch: list[Request]) -> list[tuple[Request, int]]:

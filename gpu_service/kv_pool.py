@@ -4,8 +4,9 @@ block table, with the blocks of finished prefixes kept for reuse (prefix_cache.p
 Layout (the native decode step reads it as it is; agree any change with native/attention.cpp):
 - a block holds BLOCK consecutive positions of one sequence, in every attention layer at once (one block id,
   the same row of each layer's buffers);
-- GQA / MHA, windows and sinks included: K and V per layer [blocks, kv heads, BLOCK, head dim], head-major within
-  a block (a head's rows of a block are one contiguous matrix, as the contiguous cache was);
+- GQA / MHA, windows and sinks included: K and V per layer [kv heads, blocks, BLOCK, head dim]: head-major across
+  the pool, so a head's rows of consecutive blocks are one contiguous matrix (a lone sequence's blocks are
+  consecutive: allocation takes the lowest free ids), read as the contiguous cache was;
 - MLA: the latent [blocks, BLOCK, kv_lora_rank] and the rotary key [blocks, BLOCK, rope dim];
 - linear-attention layers (Qwen3-Next's DeltaNet) have no blocks: their fixed-size state lives with the sequence
   (SeqCache.states) and is snapshotted at block boundaries for reuse;
@@ -32,6 +33,7 @@ import itertools
 
 import torch
 
+from moe_core import serving
 from moe_core.config import ModelConfig
 
 from . import metrics
@@ -51,14 +53,14 @@ class KVPool:
         self.mla = cfg.attention == "mla"
         self.linear = any(cfg.is_linear_attention(L) for L in range(cfg.num_layers))
         if self.mla:
-            shapes = [(BLOCK, cfg.kv_lora_rank), (BLOCK, cfg.qk_rope_head_dim)]
+            shapes = [(num_blocks, BLOCK, cfg.kv_lora_rank), (num_blocks, BLOCK, cfg.qk_rope_head_dim)]
         else:
-            shapes = [(cfg.num_kv_heads, BLOCK, cfg.head_dim)] * 2
+            shapes = [(cfg.num_kv_heads, num_blocks, BLOCK, cfg.head_dim)] * 2
+        self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
         # per layer its buffers, None for a linear-attention layer (untouched pages of these cost no memory on
         # the CPU; on CUDA they are the pool's reservation)
         self.bufs: list[list[torch.Tensor] | None] = [
-            None if cfg.is_linear_attention(L) else [torch.empty((num_blocks, *s), dtype=dtype, device=device)
-                                                     for s in shapes]
+            None if cfg.is_linear_attention(L) else [_empty(s, dtype, device) for s in shapes]
             for L in range(cfg.num_layers)]
         self.block_bytes = block_bytes(cfg, dtype)
         self.prefix_bytes = prefix_bytes
@@ -73,8 +75,10 @@ class KVPool:
         self.stamp = itertools.count()
         self.host_blocks = host_bytes // self.block_bytes if self.caching and self.block_bytes else 0
         pin = device.type == "cuda"
-        self.host = [None if bufs is None else [torch.empty((self.host_blocks, *b.shape[1:]), dtype=dtype, pin_memory=pin)
-                                                for b in bufs] for bufs in self.bufs] if self.host_blocks else []
+        bd = self.block_dim
+        self.host = [None if bufs is None else [
+            torch.empty((*b.shape[:bd], self.host_blocks, *b.shape[bd + 1:]), dtype=dtype, pin_memory=pin) for b in bufs]
+            for bufs in self.bufs] if self.host_blocks else []
         self.host_free = list(range(self.host_blocks))
         self.host_by_hash: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # least recently used first
         self._report()
@@ -125,7 +129,7 @@ class KVPool:
         for host, bufs in zip(self.host, self.bufs):
             if bufs is not None:
                 for hb, db in zip(host, bufs):
-                    hb[slot].copy_(db[b], non_blocking=True)
+                    hb.select(self.block_dim, slot).copy_(db.select(self.block_dim, b), non_blocking=True)
         self.host_by_hash[h] = slot
         metrics.PREFIX_HOST_SPILLS.inc()
         metrics.PREFIX_HOST_BLOCKS.set(len(self.host_by_hash))
@@ -143,7 +147,7 @@ class KVPool:
         for host, bufs in zip(self.host, self.bufs):
             if bufs is not None:
                 for hb, db in zip(host, bufs):
-                    db[b].copy_(hb[slot], non_blocking=True)
+                    db.select(self.block_dim, b).copy_(hb.select(self.block_dim, slot), non_blocking=True)
         self.register(b, h)
         metrics.PREFIX_HOST_RESTORES.inc()
         return b
@@ -230,6 +234,15 @@ class KVPool:
         metrics.PREFIX_BYTES.set(self.cached_bytes())
 
 
+def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A pool buffer; on the CPU backed by huge pages where the kernel allows (a sequence's blocks can be anywhere in
+    it: with 4 KiB pages each block read was a TLB miss)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu":
+        serving.advise_huge_pages(t.data_ptr(), t.nbytes)
+    return t
+
+
 def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one block over every attention layer."""
     per_pos = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim)
@@ -301,7 +314,7 @@ class SeqCache:
         if t == 1:
             b, o = self.blocks[start // BLOCK], start % BLOCK
             for buf, x in zip(bufs, xs):
-                (buf[b, :, o] if not self.pool.mla else buf[b, o]).copy_(x[0])
+                (buf[:, b, o] if not self.pool.mla else buf[b, o]).copy_(x[0])
             return
         pos = torch.arange(start, start + t)
         blk = torch.tensor(self.blocks, dtype=torch.long)[pos // BLOCK].to(self.pool.device)
@@ -310,12 +323,12 @@ class SeqCache:
             if self.pool.mla:
                 buf[blk, off] = x.to(buf.dtype)
             else:
-                buf[blk, :, off] = x.to(buf.dtype)
+                buf[:, blk, off] = x.transpose(0, 1).to(buf.dtype)
 
     def gather(self, layer: int, end: int, begin: int = 0) -> list[torch.Tensor]:
-        """Positions begin..end-1 of the layer as contiguous tensors: GQA [kv heads, positions, dim] (a copy), MLA
-        [positions, dim] (a view when the blocks are consecutive, as a lone sequence's are: the lowest free ids
-        first; else a copy). For the paths that have no paged kernel."""
+        """Positions begin..end-1 of the layer: GQA [kv heads, positions, dim], MLA [positions, dim]; a view when
+        the blocks are consecutive (as a lone sequence's are: the lowest free ids first), else a copy. For the paths
+        that have no paged kernel."""
         b0, b1 = begin // BLOCK, -(-end // BLOCK)
         if self._index is None:
             ids = self.blocks
@@ -325,15 +338,14 @@ class SeqCache:
         lo, n = begin - b0 * BLOCK, end - begin
         out = []
         for buf in self.pool.bufs[layer]:
-            if self.pool.mla and consecutive:  # one row per position: consecutive blocks are one view, no copy
-                first = self.blocks[b0] * BLOCK + lo
-                out.append(buf.view(-1, buf.shape[-1])[first:first + n])
-            elif self.pool.mla:
-                out.append(buf.index_select(0, idx).view(-1, buf.shape[-1])[lo:lo + n])
+            if consecutive:  # one view, no copy
+                rows = buf.narrow(self.pool.block_dim, self.blocks[b0], b1 - b0)
             else:
-                # rows first (index_select along a strided dim is ~100x slower), then head-major
-                kv = buf.index_select(0, idx).transpose(0, 1)  # [kv, blocks, BLOCK, dim]
-                out.append(kv.reshape(kv.shape[0], -1, kv.shape[-1])[:, lo:lo + n])
+                rows = buf.index_select(self.pool.block_dim, idx)
+            if self.pool.mla:
+                out.append(rows.reshape(-1, buf.shape[-1])[lo:lo + n])
+            else:
+                out.append(rows.reshape(buf.shape[0], -1, buf.shape[-1])[:, lo:lo + n])
         return out
 
     # -- linear-attention states and the step's end -----------------------------------------------

@@ -186,6 +186,18 @@ def tune_malloc() -> None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (setting it also turns the dynamic adjustment off)
 
 
+def advise_huge_pages(addr: int, nbytes: int) -> None:
+    """Ask for transparent huge pages over the whole 2 MiB pages inside [addr, addr + nbytes) (THP in "madvise"
+    mode, the usual default): before they are touched, so the faults map huge pages. Best effort: no-op without
+    glibc or THP."""
+    huge = 2 << 20
+    start, end = -(-addr // huge) * huge, (addr + nbytes) // huge * huge
+    libc = _libc()
+    if libc is not None and end > start:
+        import ctypes
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
+
+
 def trim_heap() -> None:
     """Give the heap's free pages back to the OS (after a long context ended). No-op without glibc."""
     libc = _libc()

@@ -12,8 +12,8 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 
 def supported(K: torch.Tensor, isa: str = ISA) -> bool:
-    """Whether the native kernel takes this cache ([kv heads, positions, dim], or a paged pool layer [blocks, kv
-    heads, block, dim]) fast on this isa."""
+    """Whether the native kernel takes this cache ([kv heads, positions, dim], or a paged pool layer [kv heads,
+    blocks, block, dim]) fast on this isa."""
     return (isa in SIMD_ISAS and K.dtype in DTYPES and K.device.type == "cpu"
             and K.shape[-1] in VECTOR_DIMS and K.stride(-1) == 1)
 
@@ -36,10 +36,10 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: f
 
 def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, table: torch.Tensor, L: int,
                            scale: float, isa: str = ISA) -> torch.Tensor:
-    """The same over a paged cache: K/V one layer of the pool, [blocks, nkv, block, d] (gpu_service/kv_pool.py), the
+    """The same over a paged cache: K/V one layer of the pool, [nkv, blocks, block, d] (gpu_service/kv_pool.py), the
     sequence's positions 0..L-1 in blocks table[0], table[1], ... (int32, contiguous) -> [nh, d] fp32."""
     nh, d = q.shape
-    _, nkv, B, _ = K.shape
+    nkv, _, B, _ = K.shape
     if K.dtype not in DTYPES or V.dtype != K.dtype or not K.is_contiguous() or not V.is_contiguous():
         raise ValueError("paged_decode_attention: K and V must be both bf16 or both fp32 pools, contiguous")
     if V.shape != K.shape or nh % nkv or d != K.shape[3] or B & (B - 1):
@@ -48,7 +48,7 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
         raise ValueError(f"paged_decode_attention: {table.numel()} blocks of {B} do not hold {L} positions")
     qf = q.float().contiguous()
     out = torch.empty(nh, d)
-    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), K.dtype == torch.bfloat16, K.stride(1),
-                            K.stride(2), V.data_ptr(), V.stride(1), V.stride(2), L, scale, out.data_ptr(),
-                            table.data_ptr(), B.bit_length() - 1, K.stride(0), V.stride(0))
+    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), K.dtype == torch.bfloat16, K.stride(0),
+                            K.stride(2), V.data_ptr(), V.stride(0), V.stride(2), L, scale, out.data_ptr(),
+                            table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1))
     return out

@@ -48,7 +48,20 @@ struct Rows {
     if (!table) return base + size_t(j) * row;
     return base + size_t(table[j >> shift]) * block + size_t(j & ((1 << shift) - 1)) * row;
   }
+  // Paged: the rows of a block are contiguous but the blocks are anywhere, where the hardware prefetcher does not
+  // follow (measured 1.7x the contiguous time at 6000 scattered positions): fetch the row one block ahead.
+  void prefetch_ahead(int j, int L, int d) const {
+    if (!table || j + (1 << shift) >= L) return;
+    const char* p = reinterpret_cast<const char*>((*this)(j + (1 << shift)));
+    for (size_t o = 0; o < d * sizeof(T); o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  }
 };
+
+// The tile's row addresses, found once rather than once per slice of dims
+template <class T>
+inline void tile_rows(const Rows<T>& R, int j0, int j1, const T** out) {
+  for (int j = j0; j < j1; ++j) out[j - j0] = R(j);
+}
 
 constexpr int QG = 8;     // query heads summed together in one pass over V (accumulators)
 // positions of V per tile: the sums walk a tile once per slice of dims, so it must stay in cache (untiled,
@@ -98,6 +111,7 @@ __attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int
                                                               float* out) {
   constexpr int d = 16 * DC;
   for (int j = 0; j < L; ++j) {
+    K.prefetch_ahead(j, L, d);
     __m512 k[DC];
     MOE_UNROLL for (int c = 0; c < DC; ++c) k[c] = ld16(K(j) + 16 * c);
     for (int i = 0; i < g; ++i) {
@@ -108,8 +122,11 @@ __attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int
   }
   softmax_rows(s, g, L, exp_row_avx512);
   std::fill(out, out + size_t(g) * d, 0.f);
+  const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += TILE) {  // V a tile of positions at a time: read from memory once
     const int j1 = std::min(L, j0 + TILE);
+    tile_rows(V, j0, j1, vr);
+    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + TILE - (1 << V.shift), L, d);  // the next tile's
     for (int c = 0; c < DC; ++c)
       for (int i0 = 0; i0 < g; i0 += QG) {
         const int nb = std::min(QG, g - i0);
@@ -117,7 +134,7 @@ __attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int
         MOE_UNROLL for (int b = 0; b < QG; ++b)
           acc[b] = b < nb ? _mm512_loadu_ps(out + size_t(i0 + b) * d + 16 * c) : _mm512_setzero_ps();
         for (int j = j0; j < j1; ++j) {
-          const __m512 v = ld16(V(j) + 16 * c);
+          const __m512 v = ld16(vr[j - j0] + 16 * c);
           MOE_UNROLL for (int b = 0; b < QG; ++b)
             if (b < nb) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(s[size_t(i0 + b) * L + j]), v, acc[b]);
         }
@@ -130,7 +147,8 @@ __attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int
 template <int DC, class T>
 __attribute__((target("avx2,fma"))) void head_avx2(const float* q, int g, Rows<T> K, Rows<T> V, int L, float scale, float* s, float* out) {
   constexpr int d = 8 * DC;
-  for (int j = 0; j < L; ++j)
+  for (int j = 0; j < L; ++j) {
+    K.prefetch_ahead(j, L, d);
     for (int i = 0; i < g; ++i) {
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();  // two chains: FMA latency
       MOE_UNROLL for (int c = 0; c < DC; c += 2) {
@@ -139,10 +157,14 @@ __attribute__((target("avx2,fma"))) void head_avx2(const float* q, int g, Rows<T
       }
       s[size_t(i) * L + j] = hsum8(_mm256_add_ps(a0, a1)) * scale;
     }
+  }
   softmax_rows(s, g, L, exp_row_avx2);
   std::fill(out, out + size_t(g) * d, 0.f);
+  const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += TILE) {
     const int j1 = std::min(L, j0 + TILE);
+    tile_rows(V, j0, j1, vr);
+    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + TILE - (1 << V.shift), L, d);
     for (int c = 0; c < DC; ++c)
       for (int i0 = 0; i0 < g; i0 += QG) {
         const int nb = std::min(QG, g - i0);
@@ -150,7 +172,7 @@ __attribute__((target("avx2,fma"))) void head_avx2(const float* q, int g, Rows<T
         MOE_UNROLL for (int b = 0; b < QG; ++b)
           acc[b] = b < nb ? _mm256_loadu_ps(out + size_t(i0 + b) * d + 8 * c) : _mm256_setzero_ps();
         for (int j = j0; j < j1; ++j) {
-          const __m256 v = ld8(V(j) + 8 * c);
+          const __m256 v = ld8(vr[j - j0] + 8 * c);
           MOE_UNROLL for (int b = 0; b < QG; ++b)
             if (b < nb) acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(s[size_t(i0 + b) * L + j]), v, acc[b]);
         }

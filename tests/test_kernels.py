@@ -531,12 +531,12 @@ def test_paged_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L, B):
     from moe_kernels.attention import paged_decode_attention
 
     nblocks = -(-L // B)
-    pool_k = torch.randn(nblocks + 9, nkv, B, d).to(dtype)
-    pool_v = torch.randn(nblocks + 9, nkv, B, d).to(dtype)
+    pool_k = torch.randn(nkv, nblocks + 9, B, d).to(dtype)
+    pool_v = torch.randn(nkv, nblocks + 9, B, d).to(dtype)
     table = torch.randperm(nblocks + 9)[:nblocks].to(torch.int32)
     # the sequence as one buffer: its blocks in table order, [kv, positions, d]
-    K = pool_k[table.long()].transpose(0, 1).reshape(nkv, nblocks * B, d)[:, :L]
-    V = pool_v[table.long()].transpose(0, 1).reshape(nkv, nblocks * B, d)[:, :L]
+    K = pool_k[:, table.long()].reshape(nkv, nblocks * B, d)[:, :L]
+    V = pool_v[:, table.long()].reshape(nkv, nblocks * B, d)[:, :L]
     q = (torch.randn(nh, d) * 2).to(dtype)
     got = paged_decode_attention(q, pool_k, pool_v, table, L, d ** -0.5, isa)
     torch.testing.assert_close(got.double(), attention_reference(q, K, V, d ** -0.5), rtol=1e-4, atol=1e-5)
@@ -545,11 +545,11 @@ def test_paged_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L, B):
 def test_paged_decode_attention_refuses_a_short_table():
     from moe_kernels.attention import paged_decode_attention
 
-    pool = torch.randn(4, 2, 16, 64)
+    pool = torch.randn(2, 4, 16, 64)
     with pytest.raises(ValueError, match="do not hold"):
         paged_decode_attention(torch.randn(4, 64), pool, pool, torch.tensor([0, 1], dtype=torch.int32), 33, 0.125)
     with pytest.raises(ValueError, match="do not fit"):
-        odd = torch.randn(4, 2, 12, 64)  # blocks of 12: not a power of two
+        odd = torch.randn(2, 4, 12, 64)  # blocks of 12: not a power of two
         paged_decode_attention(torch.randn(4, 64), odd, odd, torch.tensor([0], dtype=torch.int32), 3, 0.125)
 
 

@@ -4,6 +4,7 @@ run without the cache, on every family; deferral settings are separate keys; evi
 preemption when the pool is full never change an answer; the cached share is reported on both APIs."""
 from __future__ import annotations
 
+import os
 import queue
 
 import openai
@@ -274,17 +275,18 @@ def test_evicted_blocks_spill_to_the_host_tier_and_come_back(checkpoints):
 
     d = checkpoints["qwen3_moe"]
     cfg = load_config(d)
-    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
+    dev = torch.device(os.environ.get("MOE_TEST_DEVICE", "cpu"))  # scripts/gpu_check.sh: cuda, the host tier pinned
+    model = Model(cfg, Checkpoint(d), dev, torch.float32)
     bb = cache_for(d).block_bytes
-    pool = KVPool(cfg, torch.float32, torch.device("cpu"), 8, 8 * bb, 16 * bb)
+    pool = KVPool(cfg, torch.float32, dev, 8, 8 * bb, 16 * bb)
     root = prefix_cache.root("", ())
     a = prefix_cache.SeqCache(pool, root)
-    model.forward([Segment(a, torch.tensor(PROMPT), 0)], _no_experts(cfg))
+    model.forward([Segment(a, torch.tensor(PROMPT), 0)], _no_experts(cfg, dev))
     want = [t.clone() for t in a.gather(0, 64)]
     a.release()
     spills = metrics.PREFIX_HOST_SPILLS._value.get()
     b = prefix_cache.SeqCache(pool, root)
-    model.forward([Segment(b, torch.tensor([4] + PROMPT[1:] + PROMPT[:48]), 0)], _no_experts(cfg))  # 7 blocks
+    model.forward([Segment(b, torch.tensor([4] + PROMPT[1:] + PROMPT[:48]), 0)], _no_experts(cfg, dev))  # 7 blocks
     assert metrics.PREFIX_HOST_SPILLS._value.get() - spills == 3  # a's blocks 1-3 went to make room (tail first)
     b.release()
     c = prefix_cache.lookup(pool, PROMPT + [1], root)
@@ -320,14 +322,14 @@ def test_the_host_tier_is_refused_off_cuda():
     assert p.returncode != 0 and "--prefix-cache-host-gb" in p.stderr
 
 
-def _no_experts(cfg):
+def _no_experts(cfg, device=torch.device("cpu")):
     """Routed experts that give zeros: the pool's bookkeeping does not need their numbers."""
     class Zero:
         def submit(self, step, layer, x, ids, w, defer):
             self.shape = x.shape
 
         def result(self, layer, deferred):
-            return torch.zeros(self.shape)
+            return torch.zeros(self.shape, device=device)
 
         def drain_timings(self):
             return []
