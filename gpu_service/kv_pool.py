@@ -325,16 +325,21 @@ class SeqCache:
             else:
                 buf[:, blk, off] = x.transpose(0, 1).to(buf.dtype)
 
+    def consecutive(self) -> bool:
+        """Whether the blocks are consecutive ids (then gather gives views, which the contiguous kernels read)."""
+        if self._index is None:
+            ids = self.blocks
+            self._index = (torch.tensor(ids, dtype=torch.long, device=self.pool.device),
+                           all(b == a + 1 for a, b in zip(ids, ids[1:])))
+        return self._index[1]
+
     def gather(self, layer: int, end: int, begin: int = 0) -> list[torch.Tensor]:
         """Positions begin..end-1 of the layer: GQA [kv heads, positions, dim], MLA [positions, dim]; a view when
         the blocks are consecutive (as a lone sequence's are: the lowest free ids first), else a copy. For the paths
         that have no paged kernel."""
         b0, b1 = begin // BLOCK, -(-end // BLOCK)
-        if self._index is None:
-            ids = self.blocks
-            self._index = (torch.tensor(ids, dtype=torch.long, device=self.pool.device),
-                           all(b == a + 1 for a, b in zip(ids, ids[1:])))
-        idx, consecutive = self._index[0][b0:b1], self._index[1]
+        consecutive = self.consecutive()
+        idx = self._index[0][b0:b1]
         lo, n = begin - b0 * BLOCK, end - begin
         out = []
         for buf in self.pool.bufs[layer]:

@@ -266,6 +266,33 @@ def test_blocks_are_shared_not_copied_and_the_pool_keeps_its_rules(checkpoints):
     assert len(pool.cached) == 3 and prefix_cache.lookup(pool, ids, root).length == 3 * BLOCK
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_scattered_blocks_give_the_numbers_of_consecutive_ones(checkpoints, family):
+    """A sequence whose blocks lie apart in the pool (after others came and went) decodes through the block table
+    (the native paged kernel for GQA; a gather for MLA, windows and sinks) to the same logits as one whose blocks
+    are consecutive (views, the contiguous kernel)."""
+    from gpu_service.model import Model, Segment
+    from moe_core.checkpoint import Checkpoint
+
+    d = checkpoints[family]
+    cfg = load_config(d)
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.bfloat16, dense_format="bf16")
+    ids = torch.tensor(PROMPT[:50])
+    out = []
+    for scatter in (False, True):
+        model.kv = KVPool(cfg, torch.bfloat16, torch.device("cpu"), 16)
+        seq, other = model.new_cache(), model.new_cache()
+        if scatter:  # every other block taken by another sequence as they grow
+            for n in range(1, 5):
+                assert other.reserve(n * BLOCK) and seq.reserve(n * BLOCK)
+        logits = [model.forward([Segment(seq, ids, 0)], _no_experts(cfg))]
+        for _ in range(3):
+            logits.append(model.forward([Segment(seq, logits[-1].argmax(-1), seq.length)], _no_experts(cfg)))
+        assert seq.consecutive() != scatter
+        out.append(torch.cat(logits))
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
+
+
 def test_evicted_blocks_spill_to_the_host_tier_and_come_back(checkpoints):
     """A pool of 8 blocks with a host tier of 16: a prompt's blocks evicted by others' come back by copy, holding what
     they held, and the engine's answer from them is the answer without the cache."""
