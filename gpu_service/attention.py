@@ -65,11 +65,9 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         K, V = cache.gather(layer, end, first)
         o = windowed_attention(q, K, V, start, window, sinks, d ** -0.5, first)
     elif t == 1 and native and native_attention.supported(cache.pool.bufs[layer][0]):
-        if cache.consecutive():  # a view: the contiguous kernel, no table (1.0-1.25x faster than through one)
-            o = native_attention.decode_attention(q[0], *cache.gather(layer, end), d ** -0.5).to(q.dtype)
-        else:
-            Kp, Vp = cache.pool.bufs[layer]
-            o = native_attention.paged_decode_attention(q[0], Kp, Vp, cache.table(), end, d ** -0.5).to(q.dtype)
+        # consecutive blocks (a lone sequence's) are read as one strided matrix a head, without the table
+        o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer], cache.table(), end, d ** -0.5,
+                                                    first=cache.blocks[0] if cache.consecutive() else -1).to(q.dtype)
     else:
         K, V = cache.gather(layer, end)                                         # [kv, L, d] each
         if t == 1 and x.device.type == "cpu":

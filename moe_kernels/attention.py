@@ -35,9 +35,10 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: f
 
 
 def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, table: torch.Tensor, L: int,
-                           scale: float, isa: str = ISA) -> torch.Tensor:
+                           scale: float, isa: str = ISA, first: int = -1) -> torch.Tensor:
     """The same over a paged cache: K/V one layer of the pool, [nkv, blocks, block, d] (gpu_service/kv_pool.py), the
-    sequence's positions 0..L-1 in blocks table[0], table[1], ... (int32, contiguous) -> [nh, d] fp32."""
+    sequence's positions 0..L-1 in blocks table[0], table[1], ... (int32, contiguous) -> [nh, d] fp32. first >= 0:
+    the blocks are first, first + 1, ... (a head's rows are then one strided matrix: read without the table)."""
     nh, d = q.shape
     nkv, _, B, _ = K.shape
     if K.dtype not in DTYPES or V.dtype != K.dtype or not K.is_contiguous() or not V.is_contiguous():
@@ -48,6 +49,15 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
         raise ValueError(f"paged_decode_attention: {table.numel()} blocks of {B} do not hold {L} positions")
     qf = q.float().contiguous()
     out = torch.empty(nh, d)
+    if first >= 0:
+        if first + -(-L // B) > K.shape[1]:
+            raise ValueError(f"paged_decode_attention: blocks {first}.. do not hold {L} positions")
+        size = K.element_size()
+        native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr() + first * K.stride(1) * size,
+                                K.dtype == torch.bfloat16, K.stride(0), K.stride(2),
+                                V.data_ptr() + first * V.stride(1) * size, V.stride(0), V.stride(2), L, scale,
+                                out.data_ptr())
+        return out
     native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), K.dtype == torch.bfloat16, K.stride(0),
                             K.stride(2), V.data_ptr(), V.stride(0), V.stride(2), L, scale, out.data_ptr(),
                             table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1))

@@ -540,6 +540,10 @@ def test_paged_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L, B):
     q = (torch.randn(nh, d) * 2).to(dtype)
     got = paged_decode_attention(q, pool_k, pool_v, table, L, d ** -0.5, isa)
     torch.testing.assert_close(got.double(), attention_reference(q, K, V, d ** -0.5), rtol=1e-4, atol=1e-5)
+    # consecutive blocks, read without the table
+    K, V = pool_k[:, 3:3 + nblocks].reshape(nkv, -1, d)[:, :L], pool_v[:, 3:3 + nblocks].reshape(nkv, -1, d)[:, :L]
+    got = paged_decode_attention(q, pool_k, pool_v, table, L, d ** -0.5, isa, first=3)
+    torch.testing.assert_close(got.double(), attention_reference(q, K, V, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
 def test_paged_decode_attention_refuses_a_short_table():
