@@ -82,11 +82,13 @@ def main() -> None:
         def nat(q, K, V):
             return decode_attention(q, K, V, D ** -0.5, a.isa)
 
-        def paged(name):
-            return lambda q, K, V: paged_decode_attention(q, *pools[name], tables[name], L, D ** -0.5, a.isa)
+        def paged(name):  # as gpu_service/attention.py calls it: consecutive blocks without the table
+            first = nb if name == "consecutive" else -1
+            return lambda q, K, V: paged_decode_attention(q, *pools[name], tables[name], L, D ** -0.5, a.isa, first)
 
         def gather(q, K, V):  # SeqCache.gather of scattered blocks (consecutive ones are a view)
-            return [p.index_select(1, tables["scattered"].long()).reshape(NKV, -1, D) for p in pools["scattered"]]
+            return [p.view(NKV, 4 * nb, -1).index_select(1, tables["scattered"].long()).reshape(NKV, -1, D)
+                    for p in pools["scattered"]]
         assert torch.allclose(with_torch(q, K, V).float(), nat(q, K, V), atol=2e-2, rtol=2e-2)
         for name in tables:
             assert torch.allclose(paged(name)(q, K, V), nat(q, K, V), atol=1e-5, rtol=1e-5)
