@@ -72,16 +72,16 @@ def reasoning(a) -> None:
         return " ".join(rng.choice(words, n))
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     svc = Services(model, tmp, gpu_args=("--threads", str(a.threads)), expert_args=("--threads", str(a.threads)))
-    print(f"CPU: {cpu_name()}; model {model}; {a.turns} turns, answers of ~60 words of reasoning and ~40 of answer")
+    print(f"CPU: {cpu_name()}; model {model}; {a.turns} turns of 15-word messages, answers of 40 words of reasoning and 20 of answer")
     print("\n| template | turn | prompt tokens | cached tokens | cached share | recomputed |\n|---|---|---|---|---|---|")
     try:
         for drop in (True, False):
-            msgs = [{"role": "system", "content": text(200)}]
+            msgs = [{"role": "system", "content": text(80)}]
             for i in range(a.turns):
-                msgs.append({"role": "user", "content": text(30)})
+                msgs.append({"role": "user", "content": text(15)})
                 prompt = tok.encode(template.render(messages=msgs, add_generation_prompt=True, drop=drop)).ids
                 _, _, cached = turn(svc.stub, prompt, 1)
-                answer = {"role": "assistant", "reasoning": text(60), "content": text(40)}
+                answer = {"role": "assistant", "reasoning": text(40), "content": text(20)}
                 full = tok.encode(template.render(messages=msgs + [answer], add_generation_prompt=False,
                                                   drop=False)).ids
                 turn(svc.stub, full, 1)  # the answer as if generated: the cache holds prompt and answer
