@@ -184,6 +184,9 @@ def profile(a) -> int:
         chunks = list(generate_pb2_grpc.GenerateServiceStub(ch).Generate(req, metadata=md(a)))
     spans = chunks[-1].profile.spans
     steps = len({sp.step for sp in spans})
+    u = chunks[-1].usage
+    print(f"prompt {u.prompt_tokens} tokens, {u.cached_tokens} of them from the prefix cache "
+          f"({u.cached_tokens / max(1, u.prompt_tokens):.0%}, not computed)")
     print(f"{len(chunks)} tokens in {chunks[-1].elapsed_s * 1e3:.1f} ms over {steps} steps; "
           f"milliseconds per layer (summed over steps):")
     print(profile_table(spans))

@@ -2,6 +2,7 @@
 cancellation, deadlines, metrics and traces."""
 import concurrent.futures
 import json
+import re
 import signal
 import subprocess
 import time
@@ -273,6 +274,12 @@ def test_profile_command_prints_a_table(svc, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "expert:experts_immediate" in p.stdout and "total" in p.stdout
     assert json.loads(out.read_text())["traceEvents"]
+    prompt = "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n"  # over a KV block: its second run hits
+    runs = [subprocess.run([sys.executable, "-m", "moe_client", "profile", prompt, "--server",
+                            f"127.0.0.1:{svc.gpu_port}", "--max-tokens", "2"], capture_output=True, text=True, timeout=60)
+            for _ in range(2)]
+    shares = [re.search(r"prompt (\d+) tokens, (\d+) of them from the prefix cache", r.stdout).groups() for r in runs]
+    assert int(shares[0][0]) > 16 and int(shares[1][1]) == (int(shares[1][0]) - 1) // 16 * 16 > 0, shares
 
 
 def test_reflection_lists_services(svc):
