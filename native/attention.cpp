@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -224,32 +225,25 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
   MOE_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && L > 0, "decode attention: bad shapes");
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "decode attention: bad block size");
   const int g = nh / nkv;
-  auto run = [&](auto K0, auto V0, int h, float* s, const float* qh, float* oh) {
-    K0.base += h * k_head;
-    V0.base += h * v_head;
-    one_head(isa, qh, g, d, K0, V0, L, scale, s, oh);
+  auto run = [&](auto* k, auto* v, int h, float* s, const float* qh, float* oh) {  // T: bf16 bits or float
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
+    k += h * k_head;
+    v += h * v_head;
+    if (table)
+      one_head(isa, qh, g, d, Rows<T, true>{k, k_row, k_block, table, block_shift},
+               Rows<T, true>{v, v_row, v_block, table, block_shift}, L, scale, s, oh);
+    else
+      one_head(isa, qh, g, d, Rows<T, false>{k, k_row, 0, nullptr, 0}, Rows<T, false>{v, v_row, 0, nullptr, 0}, L,
+               scale, s, oh);
   };
   auto head = [&](int h) {
     std::vector<float> s(size_t(g) * L);
     const float* qh = q + size_t(h) * g * d;
     float* oh = out + size_t(h) * g * d;
-    if (bf16) {
-      using T = uint16_t;
-      const T *k = static_cast<const T*>(K), *v = static_cast<const T*>(V);
-      if (table)
-        run(Rows<T, true>{k, k_row, k_block, table, block_shift}, Rows<T, true>{v, v_row, v_block, table, block_shift},
-            h, s.data(), qh, oh);
-      else
-        run(Rows<T, false>{k, k_row, 0, nullptr, 0}, Rows<T, false>{v, v_row, 0, nullptr, 0}, h, s.data(), qh, oh);
-    } else {
-      using T = float;
-      const T *k = static_cast<const T*>(K), *v = static_cast<const T*>(V);
-      if (table)
-        run(Rows<T, true>{k, k_row, k_block, table, block_shift}, Rows<T, true>{v, v_row, v_block, table, block_shift},
-            h, s.data(), qh, oh);
-      else
-        run(Rows<T, false>{k, k_row, 0, nullptr, 0}, Rows<T, false>{v, v_row, 0, nullptr, 0}, h, s.data(), qh, oh);
-    }
+    if (bf16)
+      run(static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), h, s.data(), qh, oh);
+    else
+      run(static_cast<const float*>(K), static_cast<const float*>(V), h, s.data(), qh, oh);
   };
   // a short context is a few microseconds of work: waking the pool's threads would cost more (they
   // sleep when the machine is busy), so it runs here
