@@ -61,7 +61,7 @@ def main() -> None:
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}; per layer, median of {a.reps}")
     print("| positions | torch matmuls | native, contiguous | native, paged consecutive (/ contiguous) | native, paged "
-          "scattered | gather scattered (torch paths) |\n|---|---|---|---|---|---|")
+          "scattered | native, paged in runs of 4 | gather scattered (torch paths) |\n|---|---|---|---|---|---|---|")
     B = 16  # kv_pool.BLOCK
     for L in a.lengths:
         cap = 1 << (L - 1).bit_length()  # the cache's doubled capacity
@@ -70,11 +70,14 @@ def main() -> None:
         nb = -(-L // B)
         # the sequence's blocks in a pool 4x its size: consecutive (a lone sequence's, the lowest free ids), and
         # scattered (after many requests came and went)
+        runs = -(-nb // 4)  # two sequences growing side by side, 4 blocks at a time (kv_pool.GROW)
         tables = {"consecutive": torch.arange(nb, 2 * nb, dtype=torch.int32),
-                  "scattered": torch.randperm(4 * nb)[:nb].to(torch.int32)}
+                  "scattered": torch.randperm(4 * nb)[:nb].to(torch.int32),
+                  "runs of 4": (torch.arange(runs)[:, None] * 8 + torch.arange(4)).flatten()[:nb].to(torch.int32)}
         pools = {}
         for name, table in tables.items():
-            pk, pv = (_empty((NKV, 4 * nb, B, D), dt, torch.device("cpu")).normal_() for _ in range(2))  # kv_pool's
+            size = max(4 * nb, int(table.max()) + 1)
+            pk, pv = (_empty((NKV, size, B, D), dt, torch.device("cpu")).normal_() for _ in range(2))  # kv_pool's
             pk[:, table.long()] = F.pad(K, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D)
             pv[:, table.long()] = F.pad(V, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D)
             pools[name] = pk, pv
@@ -87,7 +90,7 @@ def main() -> None:
             return lambda q, K, V: paged_decode_attention(q, *pools[name], tables[name], L, D ** -0.5, a.isa, first)
 
         def gather(q, K, V):  # SeqCache.gather of scattered blocks (consecutive ones are a view)
-            return [p.view(NKV, 4 * nb, -1).index_select(1, tables["scattered"].long()).reshape(NKV, -1, D)
+            return [p.view(NKV, p.shape[1], -1).index_select(1, tables["scattered"].long()).reshape(NKV, -1, D)
                     for p in pools["scattered"]]
         assert torch.allclose(with_torch(q, K, V).float(), nat(q, K, V), atol=2e-2, rtol=2e-2)
         for name in tables:
@@ -95,10 +98,10 @@ def main() -> None:
         rows = []
         for _ in range(3):  # interleaved
             rows.append([timed(f, q, K, V, reps=a.reps) for f in (with_torch, nat, paged("consecutive"),
-                                                                    paged("scattered"), gather)])
-        t, c, pc, ps, g = (statistics.median(r[i] for r in rows) for i in range(5))
-        print(f"| {L} | {t:.0f} us | {c:.0f} us | {pc:.0f} us ({pc / c:.2f}) | {ps:.0f} us ({ps / c:.2f}) | {g:.0f} us |",
-              flush=True)
+                                                                    paged("scattered"), paged("runs of 4"), gather)])
+        t, c, pc, ps, pr, g = (statistics.median(r[i] for r in rows) for i in range(6))
+        print(f"| {L} | {t:.0f} us | {c:.0f} us | {pc:.0f} us ({pc / c:.2f}) | {ps:.0f} us ({ps / c:.2f}) | "
+              f"{pr:.0f} us ({pr / c:.2f}) | {g:.0f} us |", flush=True)
 
 
 if __name__ == "__main__":
