@@ -39,7 +39,7 @@ from moe_core.config import ModelConfig
 from . import metrics
 
 BLOCK = 16  # positions per block (vLLM's default); a power of two (the native kernel shifts)
-GROW = 4  # blocks a growing sequence takes at once while the pool has SPARE x that many available
+GROW = 4  # blocks a growing sequence takes at once while the pool has SPARE x that many free
 SPARE = 4
 
 
@@ -283,7 +283,7 @@ class SeqCache:
         if need <= 0:
             return True
         got = None
-        if self.blocks and need < GROW and self.pool.available() >= SPARE * GROW:
+        if self.blocks and need < GROW and len(self.pool.free) >= SPARE * GROW:  # never evicting cached ones for it
             got = self.pool.allocate(GROW)
         got = got or self.pool.allocate(need)
         if got is None:
