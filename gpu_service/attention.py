@@ -62,8 +62,7 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks
         first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
-        K, V = cache.gather(layer, end, first)
-        o = windowed_attention(q, K, V, start, window, sinks, d ** -0.5, first)
+        o = windowed_attention(q, *cache.gather(layer, end, first), start, window, sinks, d ** -0.5, first)
     elif t == 1 and native and native_attention.supported(cache.pool.bufs[layer][0]):
         # consecutive blocks (a lone sequence's) are read as one strided matrix a head, without the table
         o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer], cache.table(), end, d ** -0.5,
@@ -86,16 +85,14 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
 
 
 def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, window: int,
-                       sinks: torch.Tensor | None, scale: float, first: int = 0) -> torch.Tensor:
-    """q [t, nh, d] at positions start.., K/V [kv, L, d] the keys and values of positions first.. -> [t, nh, d].
-    Query i sees keys j with
-    i - window < j <= i (window 0: every j <= i); `sinks` [nh] is one more logit per head in each
-    softmax, whose share is dropped (gpt-oss; transformers' eager attention with s_aux)."""
+                       sinks: torch.Tensor | None, scale: float, lo: int) -> torch.Tensor:
+    """q [t, nh, d] at positions start.., K/V [kv, L, d] the keys and values of positions lo.. (the first any
+    query sees) -> [t, nh, d]. Query i sees keys j with i - window < j <= i (window 0: every j <= i); `sinks`
+    [nh] is one more logit per head in each softmax, whose share is dropped (gpt-oss; transformers' eager
+    attention with s_aux)."""
     t, nh, d = q.shape
     nkv = K.shape[0]
     g = nh // nkv
-    lo = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before lo
-    K, V = K[:, lo - first:], V[:, lo - first:]
     L = K.shape[1]
     j = torch.arange(lo, lo + L, device=q.device)
     i = torch.arange(start, start + t, device=q.device)[:, None]

@@ -237,12 +237,12 @@ class Engine:
         budget = self.step_tokens or float("inf")
         plan = []
         for r in batch:
-            if len(context(r)) - r.cache.length == 1:  # decoding
+            if context_len(r) - r.cache.length == 1:  # decoding
                 plan.append((r, 1))
                 budget -= 1
         keep = self.pool.linear and self.pool.caching
         for r in batch:
-            rest = len(context(r)) - r.cache.length
+            rest = context_len(r) - r.cache.length
             if rest > 1 and budget > 0:
                 n = int(min(rest, budget))
                 if keep and r.cache.length < r.cache.keep_at:
@@ -273,7 +273,7 @@ class Engine:
     def _preempt(self, r: Request) -> None:
         """Set r aside: its blocks back to the pool (full ones cached), and r to the waiting queue in arrival order."""
         log.info("KV pool full (%d blocks): request of %d tokens set aside, resumes when there is room",
-                 self.pool.num_blocks, len(context(r)))
+                 self.pool.num_blocks, context_len(r))
         metrics.PREEMPTIONS.inc()
         self._free(r)
         at = bisect.bisect([w.arrival for w in self.waiting], r.arrival)
@@ -365,7 +365,8 @@ class Engine:
         segs, reqs = [], [r for r, _ in plan]
         for r, n in plan:
             s0, P = r.cache.length, len(r.prompt_ids)
-            toks = torch.tensor(context(r)[s0:s0 + n], dtype=torch.long)
+            ids = r.prompt_ids[s0:s0 + n] + r.output[max(0, s0 - P):max(0, s0 + n - P)]  # context(r)[s0:s0 + n]
+            toks = torch.tensor(ids, dtype=torch.long)
             if s0 < P:  # a prompt chunk
                 metrics.PROMPT_TOKENS.inc(min(n, P - s0))
             targets = torch.tensor(r.prompt_ids[s0 + 1:s0 + n + 1], dtype=torch.long) if r.logprobs_only else None
@@ -384,7 +385,7 @@ class Engine:
         masked = self._mask(reqs, rows, logits)
         for r, s, row, end in zip(reqs, segs, rows, rows[1:]):
             n = end - row
-            complete = r.cache.length >= len(context(r))  # this step computed all it must hold: a next token
+            complete = r.cache.length >= context_len(r)  # this step computed all it must hold: a next token
             try:
                 if r.score_only:
                     r.score_parts.append(s.scored if r.logprobs_only else logits[row:row + n].cpu())
@@ -410,7 +411,7 @@ class Engine:
         A constraint applies once the answer has begun (a reasoning model's <think> block is free text), or from
         the start where its grammar covers the reasoning too."""
         on = [(r, row) for r, row in zip(reqs, rows) if r.constraint is not None and not r.score_only
-              and r.cache.length >= len(context(r))
+              and r.cache.length >= context_len(r)
               and (r.constrain_reasoning or r.parser is None or not r.parser.thinking)]
         if not on:
             return {}
@@ -478,6 +479,11 @@ def context(r: Request) -> list[int]:
     """The ids r's cache must hold before its next token is sampled: the prompt, then the answer so far (its last
     id is fed back by the next step)."""
     return r.prompt_ids + r.output if r.output else r.prompt_ids
+
+
+def context_len(r: Request) -> int:
+    """len(context(r)), without building the list (the step asks it of every request)."""
+    return len(r.prompt_ids) + len(r.output)
 
 
 def prefix_key(r: Request) -> tuple:
