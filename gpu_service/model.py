@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import threading
 import time
@@ -22,6 +23,7 @@ from moe_core.routing import split_deferred
 from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel needs moe_kernels anyway
 from moe_kernels.packing import Fp8
 
+from . import decode_step
 from .attention import QKV, gqa_attention, mla_attention
 from .experts import Experts, Span
 from .kv_pool import BLOCK, KVPool, SeqCache
@@ -129,6 +131,9 @@ class Model:
         # decode attention on the native kernel too when the dense layers are (on the CPU, where torch's small
         # matmuls and softmax cost several times the bytes they read: docs/kernels.md, "Measured choices")
         self.native_attention = bool(dense_format) and device.type == "cpu"
+        # decode steps' attention blocks as one native call each where the layers allow (decode_step.py)
+        self.decode_blocks = decode_step.blocks(cfg, self.W, dtype, self.native_attention) \
+            if os.environ.get("MOE_DECODE_STEP") != "torch" else {}
         self.kv: KVPool | None = None
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
@@ -234,19 +239,27 @@ class Model:
         positions = torch.cat([torch.arange(s.start, s.start + s.tokens.shape[0]) for s in segments]).to(self.device)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, self.dtype)
         h = F.embedding(tokens, W["model.embed_tokens.weight"])
+        # every sequence adds one token: the attention blocks the native step takes run as one call each
+        native_seqs = decode_step.sequences([s.cache for s in segments], [s.start for s in segments]) \
+            if self.decode_blocks and tokens.shape[0] == len(segments) else None
         t = mark("embed", -1, t)
         pending = None  # the MoE layer whose deferred result is still outstanding
         for L in range(cfg.num_layers):
             p = f"model.layers.{L}."
-            x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset, self.native_attention)
-            if cfg.is_linear_attention(L):
-                h = h + self._linear_attention(p + "linear_attn.", x, segments, L)
-                t = mark("linear_attention", L, t)
-            else:
-                h = h + self._attention(p + "self_attn.", x, cos, sin, segments, L)
+            if native_seqs is not None and L in self.decode_blocks:
+                x = decode_step.run(self.decode_blocks[L], segments[0].cache.pool, L, h, cos, sin, native_seqs)
                 t = mark("attention", L, t)
-            x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset,
-                         self.native_attention)
+            else:
+                x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset,
+                             self.native_attention)
+                if cfg.is_linear_attention(L):
+                    h = h + self._linear_attention(p + "linear_attn.", x, segments, L)
+                    t = mark("linear_attention", L, t)
+                else:
+                    h = h + self._attention(p + "self_attn.", x, cos, sin, segments, L)
+                    t = mark("attention", L, t)
+                x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset,
+                             self.native_attention)
             fp = p + cfg.ffn_prefix + "."
             if not cfg.is_moe_layer(L):
                 h = h + self._mlp(fp, x)

@@ -95,6 +95,10 @@ struct BoundLinear {
   Matrix m;
   py::object owner;
 };
+struct BoundGqaBlock {
+  GqaBlock g;
+  py::object owner;
+};
 
 // What the native readers of the exchange's bytes return (named fields, not positions).
 struct ResultHead {
@@ -505,6 +509,51 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("request"), py::arg("part"), py::arg("received_unix_ns"),
           "one part of a serialized LayerRequest computed -> Exchanged");
+  // a GQA block's decode step (native/decode_step.cpp): the weights bound once, the pool layer and sequences per call
+  py::class_<BoundGqaBlock>(m, "GqaBlock", "one GQA attention block's weights for its native decode step")
+      .def(py::init([](const std::string& isa, bool bf16, const BoundLinear& qkv, const BoundLinear& o,
+                       uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t q_bias,
+                       uintptr_t k_bias, uintptr_t v_bias, uintptr_t o_bias, int H, int nh, int nkv, int d, float eps,
+                       float scale, py::object owner) {
+             GqaBlock g{};
+             g.isa = kernel_isa(isa);
+             g.bf16 = bf16;
+             g.qkv_k = qkv.k;
+             g.qkv = qkv.m;
+             g.o_k = o.k;
+             g.o = o.m;
+             auto ptr = [](uintptr_t p) { return reinterpret_cast<const void*>(p); };
+             g.in_norm = ptr(in_norm), g.post_norm = ptr(post_norm), g.q_norm = ptr(q_norm), g.k_norm = ptr(k_norm);
+             g.q_bias = ptr(q_bias), g.k_bias = ptr(k_bias), g.v_bias = ptr(v_bias), g.o_bias = ptr(o_bias);
+             g.H = H, g.nh = nh, g.nkv = nkv, g.d = d, g.eps = eps, g.scale = scale;
+             return BoundGqaBlock{g, std::move(owner)};
+           }),
+           py::arg("isa"), py::arg("bf16"), py::arg("qkv"), py::arg("o"), py::arg("in_norm"), py::arg("post_norm"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"),
+           py::arg("o_bias"), py::arg("H"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("eps"),
+           py::arg("scale"), py::arg("owner") = py::none())
+      .def(
+          "run",
+          [](const BoundGqaBlock& b, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t K, uintptr_t V,
+             size_t kv_head, size_t kv_block, int block_shift, uintptr_t seqs, uintptr_t x_out) {
+            GqaBlock g = b.g;
+            g.K = reinterpret_cast<void*>(K), g.V = reinterpret_cast<void*>(V);
+            g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
+            const int64_t* rows = reinterpret_cast<const int64_t*>(seqs);  // [B, 3]: table, position, first
+            std::vector<DecodeSeq> sq(B > 0 ? B : 0);
+            for (int t = 0; t < B; ++t)
+              sq[t] = DecodeSeq{reinterpret_cast<const int32_t*>(rows[3 * t]), int32_t(rows[3 * t + 1]),
+                                int32_t(rows[3 * t + 2])};
+            py::gil_scoped_release nogil;
+            std::lock_guard<std::mutex> lk(compute_mutex());
+            gqa_decode_block(g, B, reinterpret_cast<void*>(h), reinterpret_cast<const void*>(cos),
+                             reinterpret_cast<const void*>(sin), sq.data(), reinterpret_cast<void*>(x_out));
+            release_scratch();
+          },
+          py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("K"), py::arg("V"), py::arg("kv_head"),
+          py::arg("kv_block"), py::arg("block_shift"), py::arg("seqs"), py::arg("x_out"),
+          "B sequences' decode step of the block: h [B, H] updated in place, x_out [B, H] its post-attention norm; "
+          "seqs int64 [B, 3] (block table address, position, first consecutive block or -1)");
   py::class_<BoundLinear>(m, "Linear", "one packed dense [rows, Kp] matrix bound to the kernel path that runs it")
       .def(py::init([](const std::string& isa, const std::string& fmt, int rows, int K, int Kp, const MatrixParts& parts,
                        py::object owner) {

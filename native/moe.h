@@ -107,6 +107,35 @@ void rms_norm_rows(const void* x, bool x_bf16, const void* w, bool w_bf16, void*
 // Rotary embedding, halves rotated (Llama/Qwen): x, out [T, heads, dim], cos/sin [T, dim/2], all bf16 or all fp32.
 void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, const void* cos, const void* sin);
 
+// A GQA attention block's weights and its layer of the paged KV pool, for gqa_decode_block (native/decode_step.cpp).
+// Activations, norm weights and biases are all of the model dtype (bf16 bits or fp32); the pool's K and V are
+// [nkv, blocks, 1 << block_shift, d] of it (gpu_service/kv_pool.py).
+struct GqaBlock {
+  Isa isa;
+  bool bf16;
+  const Kernels* qkv_k;
+  Matrix qkv;  // q, k, v rows fused: [(nh + 2 nkv) d, H]
+  const Kernels* o_k;
+  Matrix o;    // [H, nh d]
+  const void *in_norm, *post_norm, *q_norm, *k_norm;  // QK-norm: both or neither
+  const void *q_bias, *k_bias, *v_bias, *o_bias;       // each optional
+  int H, nh, nkv, d;
+  float eps, scale;
+  void *K, *V;
+  size_t kv_head, kv_block;  // elements between heads, between blocks
+  int block_shift;
+};
+// One sequence's new token: its position, its block table (the pool's blocks holding positions 0..pos), and
+// first >= 0 when those are the consecutive blocks first, first + 1, ... (read without the table).
+struct DecodeSeq {
+  const int32_t* table;
+  int32_t pos, first;
+};
+// For B sequences of one new token each: h [B, H] (the residual stream, updated in place) -> x_out [B, H], the
+// post-attention norm of the new h; the new K/V rows written to the pool. cos/sin [B, d/2].
+void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
+                      void* x_out);
+
 // One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
 // part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and
 // finiteness (throws std::invalid_argument naming the field).

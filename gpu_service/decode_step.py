@@ -1,0 +1,74 @@
+"""The native decode step of GQA attention blocks on the CPU (native/decode_step.cpp): for a step whose every
+sequence adds one token, a layer's input norm, q/k/v, QK-norm, rope, KV append, paged attention, o_proj, residual
+and post-attention norm are one native call for all the step's sequences, instead of ~20 torch ops and 6 native
+calls a sequence (attention.gqa_attention, the reference it matches bit for bit for one sequence).
+
+Built per layer when the weights allow it (`blocks`); any other layer or step takes the torch path."""
+from __future__ import annotations
+
+import torch
+
+from moe_core.config import ModelConfig
+from moe_kernels import ISA, SIMD_ISAS, native
+from moe_kernels.attention import VECTOR_DIMS
+from moe_kernels.dense import NativeLinear
+
+from .attention import QKV
+from .kv_pool import BLOCK, KVPool, SeqCache
+
+
+def eligible(cfg: ModelConfig, dtype: torch.dtype, native_dense: bool) -> bool:
+    """Whether the model's attention layers fit the native step: plain GQA (with QK-norm and biases), every dim
+    rotated, no sinks, windows, output gate or zero-centred norms, bf16 or fp32, on a vector kernel path."""
+    return (native_dense and ISA in SIMD_ISAS and cfg.attention != "mla" and dtype in (torch.bfloat16, torch.float32)
+            and not (cfg.attn_sinks or cfg.attn_output_gate or cfg.qk_norm_full or cfg.norm_offset)
+            and cfg.rotary_dim in (0, cfg.head_dim) and cfg.head_dim in VECTOR_DIMS)
+
+
+def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) -> dict:
+    """layer -> native.GqaBlock for each attention layer the native step can run (none when `eligible` says no)."""
+    if not eligible(cfg, dtype, native_dense):
+        return {}
+    out = {}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        if cfg.is_linear_attention(layer) or cfg.window(layer):
+            continue
+        qkv, o = W.get(a + QKV), W.get(a + "o_proj.weight")
+        if not (isinstance(qkv, NativeLinear) and isinstance(o, NativeLinear)):
+            continue
+        held = [W[p + "input_layernorm.weight"], W[p + "post_attention_layernorm.weight"]]
+        held += [W.get(a + n) for n in ("q_norm.weight", "k_norm.weight", "q_proj.bias", "k_proj.bias",
+                                        "v_proj.bias", "o_proj.bias")]
+        if any(t is not None and (t.dtype != dtype or not t.is_contiguous()) for t in held):
+            continue
+        ptr = [t.data_ptr() if t is not None else 0 for t in held]
+        out[layer] = native.GqaBlock(
+            ISA, dtype == torch.bfloat16, qkv.native, o.native, *ptr[:2], *(ptr[2:4] if cfg.qk_norm else (0, 0)),
+            *ptr[4:], H=cfg.hidden_size, nh=cfg.num_heads, nkv=cfg.num_kv_heads, d=cfg.head_dim,
+            eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, owner=(qkv, o, held))
+    return out
+
+
+def sequences(caches: list[SeqCache], starts: list[int]) -> torch.Tensor:
+    """The step's sequences as the native step takes them: int64 [B, 3] (block table address, the new token's
+    position, the first of consecutive blocks or -1); each cache's block for the position reserved."""
+    rows = []
+    if any(c.pool is not caches[0].pool for c in caches):
+        raise ValueError("the step's sequences hold blocks of different KV pools")
+    for c, pos in zip(caches, starts):
+        if not c.reserve(pos + 1):
+            raise MemoryError(f"the KV pool ({c.pool.num_blocks} blocks of {BLOCK}) is full")
+        rows.append((c.table().data_ptr(), pos, c.blocks[0] if c.consecutive() else -1))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def run(block, pool: KVPool, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        seqs: torch.Tensor) -> torch.Tensor:
+    """h [B, H] (updated in place: h + attention) -> the post-attention norm of the new h [B, H]."""
+    K, V = pool.bufs[layer]
+    x = torch.empty_like(h)
+    block.run(h.shape[0], h.data_ptr(), cos.data_ptr(), sin.data_ptr(), K.data_ptr(), V.data_ptr(), K.stride(0),
+              K.stride(1), BLOCK.bit_length() - 1, seqs.data_ptr(), x.data_ptr())
+    return x

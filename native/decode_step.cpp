@@ -1,0 +1,142 @@
+// A GQA attention block's decode step in one call: input RMSNorm, the fused q/k/v projection (+ biases),
+// per-head QK-norm, rotary embedding, the new K/V rows into the paged pool, attention over each sequence's
+// blocks, o_proj (+ bias), the residual add and the post-attention RMSNorm, for B sequences of one new token
+// each. It replaces ~20 torch ops and 6 native calls a layer (gpu_service/attention.py gqa_attention, which
+// stays the reference) whose dispatch cost several times the arithmetic at decode (docs/decode_step.md), and
+// runs the projections once for all B rows instead of once a sequence.
+//
+// Rounding is torch's at every point the reference rounds (model dtype T: bf16 bits or fp32): the projections'
+// fp32 outputs, the bias adds, the norms, rope, the attention output and the residual add, so one sequence's
+// result is bit for bit the reference's (tests/test_decode_step.py).
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "moe.h"
+
+namespace moe {
+
+namespace {
+
+inline float get(const uint16_t* p, size_t i) { return bf16_to_f32(p[i]); }
+inline float get(const float* p, size_t i) { return p[i]; }
+inline void put(uint16_t* p, size_t i, float v) { p[i] = f32_to_bf16(v); }
+inline void put(float* p, size_t i, float v) { p[i] = v; }
+
+// v rounded to T and back: what torch holds after an op in T
+template <class T>
+inline float held(float v) {
+  return std::is_same<T, float>::value ? v : bf16_to_f32(f32_to_bf16(v));
+}
+
+struct Scratch {  // per calling thread, reused across calls (a decode step's few rows)
+  std::vector<float> xf, y, att, of;
+  std::vector<uint8_t> xn, qkv, rot;  // T elements
+};
+
+template <class T>
+T* as(std::vector<uint8_t>& v, size_t n) {
+  v.resize(n * sizeof(T));
+  return reinterpret_cast<T*>(v.data());
+}
+
+template <class T>
+void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const DecodeSeq* seqs, T* x_out) {
+  constexpr bool BF16 = std::is_same<T, uint16_t>::value;
+  static thread_local Scratch s;
+  const int H = g.H, nh = g.nh, nkv = g.nkv, d = g.d, nq = nh * d, nk = nkv * d, rows = nq + 2 * nk;
+  // input norm -> the projection's fp32 input (the reference's x.float() of the rounded norm)
+  T* xn = as<T>(s.xn, size_t(B) * H);
+  rms_norm_rows(h, BF16, g.in_norm, BF16, xn, BF16, B, H, g.eps);
+  s.xf.resize(size_t(B) * std::max(H, nq));
+  for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(xn, i);
+  s.y.resize(size_t(B) * std::max(rows, H));
+  linear_forward(*g.qkv_k, g.qkv, s.xf.data(), B, s.y.data());
+  // q, k, v rounded to T, biases added in T
+  T* qkv = as<T>(s.qkv, size_t(B) * rows);
+  const void* bias[3] = {g.q_bias, g.k_bias, g.v_bias};
+  const int off[3] = {0, nq, nq + nk}, len[3] = {nq, nk, nk};
+  for (int t = 0; t < B; ++t)
+    for (int p = 0; p < 3; ++p) {
+      const float* y = s.y.data() + size_t(t) * rows + off[p];
+      T* o = qkv + size_t(t) * rows + off[p];
+      const T* b = static_cast<const T*>(bias[p]);
+      for (int i = 0; i < len[p]; ++i) put(o, i, b ? held<T>(y[i]) + get(b, i) : y[i]);
+    }
+  // per token: q [nh, d] and k [nkv, d] normed and rotated into rot (q then k), v as is
+  T* rot = as<T>(s.rot, size_t(B) * (nq + nk));
+  std::vector<T> tmp(size_t(nq + nk));
+  for (int t = 0; t < B; ++t) {
+    T* src = qkv + size_t(t) * rows;
+    T* dst = rot + size_t(t) * (nq + nk);
+    const T* c = cos + size_t(t) * (d / 2);
+    const T* sn = sin + size_t(t) * (d / 2);
+    if (g.q_norm) {
+      rms_norm_rows(src, BF16, g.q_norm, BF16, tmp.data(), BF16, nh, d, g.eps);
+      rms_norm_rows(src + nq, BF16, g.k_norm, BF16, tmp.data() + nq, BF16, nkv, d, g.eps);
+    } else {
+      std::memcpy(tmp.data(), src, sizeof(T) * (nq + nk));
+    }
+    rope_rows(tmp.data(), dst, BF16, 1, nh, d, c, sn);
+    rope_rows(tmp.data() + nq, dst + nq, BF16, 1, nkv, d, c, sn);
+    // the new position's K and V rows into the pool: block table[pos / block], row pos % block
+    const DecodeSeq& q = seqs[t];
+    const size_t blk = size_t(q.table[q.pos >> g.block_shift]), row = size_t(q.pos & ((1 << g.block_shift) - 1));
+    for (int k = 0; k < nkv; ++k) {
+      const size_t at = k * g.kv_head + blk * g.kv_block + row * d;
+      std::memcpy(static_cast<T*>(g.K) + at, dst + nq + size_t(k) * d, sizeof(T) * d);
+      std::memcpy(static_cast<T*>(g.V) + at, src + nq + nk + size_t(k) * d, sizeof(T) * d);
+    }
+  }
+  // attention, a sequence at a time (each over its kv heads on the pool); the query as fp32, the output
+  // rounded to T, then the projection's fp32 input
+  s.att.resize(size_t(nq));
+  s.of.resize(size_t(B) * nq);
+  std::vector<float> qf(nq);
+  for (int t = 0; t < B; ++t) {
+    const T* qt = rot + size_t(t) * (nq + nk);
+    for (int i = 0; i < nq; ++i) qf[i] = get(qt, i);
+    const DecodeSeq& q = seqs[t];
+    const int L = q.pos + 1;
+    if (q.first >= 0) {  // consecutive blocks: each head's rows are one strided matrix
+      const size_t at = size_t(q.first) * g.kv_block;
+      decode_attention(g.isa, qf.data(), nh, nkv, d, static_cast<const T*>(g.K) + at, BF16, g.kv_head, d,
+                       static_cast<const T*>(g.V) + at, g.kv_head, d, L, g.scale, s.att.data());
+    } else {
+      decode_attention(g.isa, qf.data(), nh, nkv, d, g.K, BF16, g.kv_head, d, g.V, g.kv_head, d, L, g.scale,
+                       s.att.data(), q.table, g.block_shift, g.kv_block, g.kv_block);
+    }
+    for (int i = 0; i < nq; ++i) s.of[size_t(t) * nq + i] = held<T>(s.att[i]);
+  }
+  linear_forward(*g.o_k, g.o, s.of.data(), B, s.y.data());
+  // h += o (o rounded to T, its bias added in T), then the post-attention norm
+  const T* ob = static_cast<const T*>(g.o_bias);
+  for (int t = 0; t < B; ++t)
+    for (int i = 0; i < H; ++i) {
+      float o = held<T>(s.y[size_t(t) * H + i]);
+      if (ob) o = held<T>(o + get(ob, i));
+      const size_t at = size_t(t) * H + i;
+      put(h, at, get(h, at) + o);
+    }
+  rms_norm_rows(h, BF16, g.post_norm, BF16, x_out, BF16, B, H, g.eps);
+}
+
+}  // namespace
+
+void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
+                      void* x_out) {
+  MOE_CHECK(B > 0 && g.nh > 0 && g.nkv > 0 && g.nh % g.nkv == 0 && g.d % 2 == 0, "decode block: bad shapes");
+  MOE_CHECK(g.qkv.K == g.H && g.qkv.rows == (g.nh + 2 * g.nkv) * g.d && g.o.K == g.nh * g.d && g.o.rows == g.H,
+            "decode block: the projections do not fit the heads");
+  MOE_CHECK(!g.q_norm == !g.k_norm, "decode block: QK-norm needs both weights");
+  for (int t = 0; t < B; ++t)
+    MOE_CHECK(seqs[t].pos >= 0 && seqs[t].table, "decode block: a sequence without a position or block table");
+  if (g.bf16)
+    run(g, B, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin), seqs,
+        static_cast<uint16_t*>(x_out));
+  else
+    run(g, B, static_cast<float*>(h), static_cast<const float*>(cos), static_cast<const float*>(sin), seqs,
+        static_cast<float*>(x_out));
+}
+
+}  // namespace moe

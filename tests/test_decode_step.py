@@ -1,0 +1,130 @@
+"""The native decode step of GQA blocks (gpu_service/decode_step.py, native/decode_step.cpp) against the torch
+path it replaces (attention.gqa_attention and the model's norms, the reference): one sequence's logits and KV rows
+bit for bit, several sequences in one step (their projections batched) to the last bits, for the GQA families it
+takes, bf16 and fp32, packed bf16 and int8 dense layers; and the layers it must leave to torch."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import tiny_models
+from expert_service.store import load_expert_layers
+from gpu_service import decode_step
+from gpu_service.experts import LocalExperts
+from gpu_service.kv_pool import BLOCK
+from gpu_service.model import Model, Segment
+from moe_core.checkpoint import Checkpoint
+from moe_core.config import load_config
+from moe_kernels import ISA, SIMD_ISAS
+
+pytestmark = pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native step runs on the vector kernel paths")
+
+# the tiny families with heads of a vector kernel's width (64); qwen2_moe has q/k/v biases, qwen3_moe QK-norm
+SHAPES = {"qwen3_moe": dict(head_dim=64), "mixtral": dict(head_dim=64),
+          "qwen2_moe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)}
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    base = tmp_path_factory.mktemp("wide")
+    return {f: tiny_models.build(f, base / f, seed=3, **kw) for f, kw in SHAPES.items()}
+
+
+def load(d, dtype, fmt):
+    cfg = load_config(d)
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), dtype, dense_format=fmt)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # norms start at 1 and biases at 0: make them matter (in place: the blocks hold them)
+        for n, w in model.W.items():
+            if isinstance(w, torch.Tensor) and (n.endswith("norm.weight") or n.endswith(".bias")):
+                w.add_((torch.randn(w.shape, generator=g) * 0.3).to(w.dtype))
+    return cfg, model, LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
+
+
+def decode(model, experts, segments, native: bool):
+    """One step with the native blocks or without them (the torch reference)."""
+    blocks = model.decode_blocks
+    if not native:
+        model.decode_blocks = {}
+    try:
+        return model.forward(segments, experts)
+    finally:
+        model.decode_blocks = blocks
+
+
+def kv_rows(cache, layer, n):
+    return [b.clone() for b in cache.gather(layer, n)]
+
+
+@pytest.mark.parametrize("family", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt):
+    cfg, model, experts = load(wide[family], dtype, fmt)
+    assert set(model.decode_blocks) == set(range(cfg.num_layers))
+    prompt = torch.tensor([5, 17, 300, 41, 7, 99, 12, 3, 250])
+    feed = torch.randint(2, tiny_models.VOCAB, (24,), generator=torch.Generator().manual_seed(1))
+    mine, ref = model.new_cache(), model.new_cache()
+    for c in (mine, ref):
+        model.forward([Segment(c, prompt, 0)], experts)
+    pos = len(prompt)
+    for tok in feed:  # across a block boundary (16) and into a third block
+        got = decode(model, experts, [Segment(mine, tok[None], pos)], True)
+        want = decode(model, experts, [Segment(ref, tok[None], pos)], False)
+        assert torch.equal(got, want), f"position {pos}"
+        pos += 1
+    for layer in range(cfg.num_layers):
+        for a, b in zip(kv_rows(mine, layer, pos), kv_rows(ref, layer, pos)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_several_sequences_in_one_step(wide, family, dtype):
+    """Three sequences of different lengths, their blocks interleaved in the pool (read through the table), decode
+    together: each as the torch path decodes it alone, up to the batched projections' last bits."""
+    cfg, model, experts = load(wide[family], dtype, "bf16")
+    prompts = [torch.arange(3, 3 + n) % tiny_models.VOCAB for n in (5, 18, 33)]
+    mine = [model.new_cache() for _ in prompts]
+    ref = [model.new_cache() for _ in prompts]
+    for cs in (mine, ref):
+        for c, p in zip(cs, prompts):
+            model.forward([Segment(c, p, 0)], experts)
+    pos = [len(p) for p in prompts]
+    g = torch.Generator().manual_seed(2)
+    for step in range(20):
+        toks = torch.randint(2, tiny_models.VOCAB, (3,), generator=g)
+        got = decode(model, experts, [Segment(c, toks[i:i + 1], pos[i]) for i, c in enumerate(mine)], True)
+        want = torch.cat([decode(model, experts, [Segment(c, toks[i:i + 1], pos[i])], False)
+                          for i, c in enumerate(ref)])
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02 if dtype == torch.bfloat16 else 1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        pos = [p + 1 for p in pos]
+    assert any(not c.consecutive() for c in mine)  # the table path ran
+    assert max(pos) > 2 * BLOCK
+
+
+def test_sequences_of_different_pools_are_refused(wide):
+    _, model, _ = load(wide["qwen3_moe"], torch.float32, "bf16")
+    from gpu_service.kv_pool import KVPool, SeqCache
+    other = SeqCache(KVPool(model.cfg, model.dtype, model.device, 8))
+    with pytest.raises(ValueError, match="different KV pools"):
+        decode_step.sequences([model.new_cache(), other], [0, 0])
+
+
+def test_only_the_layers_it_can_run(checkpoints, wide):
+    """Sinks, windows, output gates, zero-centred norms, one norm over all heads, partial rotary, MLA, heads
+    without a vector kernel, fp16, torch's dense matmuls: the torch path."""
+    cfg = load_config(wide["qwen3_moe"])
+    assert decode_step.eligible(cfg, torch.bfloat16, True)
+    assert not decode_step.eligible(cfg, torch.bfloat16, False)
+    assert not decode_step.eligible(cfg, torch.float16, True)
+    for change in (dict(attn_sinks=True), dict(attn_output_gate=True), dict(norm_offset=True),
+                   dict(qk_norm_full=True), dict(rotary_dim=32), dict(head_dim=16), dict(attention="mla")):
+        assert not decode_step.eligible(dataclasses.replace(cfg, **change), torch.bfloat16, True), change
+    for family in ("gpt_oss", "minimax_m2", "qwen3_next", "glm4_moe", "deepseek_v3"):
+        d = checkpoints[family]
+        model = Model(load_config(d), Checkpoint(d), torch.device("cpu"), torch.float32, dense_format="bf16")
+        assert model.decode_blocks == {}, family
