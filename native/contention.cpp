@@ -32,11 +32,29 @@ static int procs_running() {  // -1: unknown
   return n;
 }
 
-bool cpu_contended() {
-  static const int forced = [] {
+static int spin_mode() {  // MOE_SPIN: 0 the sample decides, 1 always, 2 never, 3 yield
+  static const int mode = [] {
     const char* v = std::getenv("MOE_SPIN");
-    return !v ? 0 : std::strcmp(v, "always") == 0 ? 1 : std::strcmp(v, "never") == 0 ? 2 : 0;
+    return !v ? 0 : std::strcmp(v, "always") == 0 ? 1 : std::strcmp(v, "never") == 0 ? 2
+                  : std::strcmp(v, "yield") == 0 ? 3 : 0;
   }();
+  return mode;
+}
+
+bool spin_yields() { return spin_mode() == 3; }
+
+void spin_pause() {
+  if (spin_yields()) {
+    sched_yield();
+  } else {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
+bool cpu_contended() {
+  const int forced = spin_mode() == 3 ? 0 : spin_mode();
   if (forced) return forced == 2;
   static std::atomic<int64_t> next_ns{0};
   static std::atomic<bool> contended{false};

@@ -18,12 +18,6 @@
 
 namespace moe {
 
-static inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 uint32_t doorbell_wait(std::atomic<uint32_t>* word, uint32_t seen, int64_t timeout_us, int64_t spin_us) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
@@ -32,9 +26,9 @@ uint32_t doorbell_wait(std::atomic<uint32_t>* word, uint32_t seen, int64_t timeo
   uint32_t v;
   // Spin: check the clock only every 64 polls, it costs more than a load.
   for (;;) {
-    for (int i = 0; i < 64; ++i) {
+    for (int i = 0; i < (spin_yields() ? 1 : 64); ++i) {  // a yield costs more than the clock
       if ((v = word->load(std::memory_order_acquire)) != seen) return v;
-      cpu_relax();
+      spin_pause();
     }
     if (clock::now() >= spin_end) break;
   }

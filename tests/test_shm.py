@@ -95,6 +95,19 @@ def test_shm_and_grpc_give_identical_tokens(weight_format, checkpoints, services
         assert got["shm"][0] != got["shm"][1]  # deferral did change something, on both paths alike
 
 
+@pytest.mark.parametrize("spin", ["yield", "never"])
+def test_every_wait_policy_gives_the_same_tokens(spin, checkpoints, services_factory, monkeypatch):
+    """MOE_SPIN=yield (waits give the core away between polls) and never (they sleep at once): the hand-overs
+    through the ring and the kernel pool's phases lose nothing, as with the default policy."""
+    d = checkpoints["qwen3_moe"]
+    s = services_factory(d, gpu_args=("--transport", "shm"), expert_args=("--weight-format", "bf16", "--threads", "2"))
+    want = [generate(s.stub, defer=defer) for defer in (0, 1)]
+    s.stop()
+    monkeypatch.setenv("MOE_SPIN", spin)
+    s = services_factory(d, gpu_args=("--transport", "shm"), expert_args=("--weight-format", "bf16", "--threads", "2"))
+    assert [generate(s.stub, defer=defer) for defer in (0, 1)] == want
+
+
 def test_mixed_channels_and_oversize_requests_keep_order(checkpoints, tmp_path):
     """Requests that do not fit a slot go over gRPC while others use the ring; results still come back
     per layer and part, equal to the gRPC-only path."""
