@@ -20,7 +20,9 @@ all measured in this run.
    the same kernels alone (<= 1.15x), and everything outside the kernels per MoE layer, in microseconds
    (<= 30 us).
 
-One JSON line per figure, then tables; medians over the decode steps of --rounds requests.
+One JSON line per figure, then tables; medians over the decode steps of --rounds requests. The services inherit
+this process's environment: `MOE_DECODE_STEP=torch` (the torch decode step instead of the native one) and
+`MOE_SPIN=...` (the waits' policy) for A/B runs.
 """
 from __future__ import annotations
 
