@@ -1,7 +1,9 @@
 """The native decode step of GQA attention blocks on the CPU (native/decode_step.cpp): for a step whose every
 sequence adds one token, a layer's input norm, q/k/v, QK-norm, rope, KV append, paged attention, o_proj, residual
-and post-attention norm are one native call for all the step's sequences, instead of ~20 torch ops and 6 native
-calls a sequence (attention.gqa_attention, the reference it matches bit for bit for one sequence).
+and post-attention norm, and an MoE layer's softmax router, are one native call for all the step's sequences,
+instead of ~30 torch ops and 7 native calls a sequence (attention.gqa_attention and layers.route, the reference:
+bit for bit for one sequence up to the router; the router's softmax is not torch's vectorized exp, so its weights
+may differ in the last bit).
 
 Built per layer when the weights allow it (`blocks`); any other layer or step takes the torch path."""
 from __future__ import annotations
@@ -44,11 +46,26 @@ def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) ->
         if any(t is not None and (t.dtype != dtype or not t.is_contiguous()) for t in held):
             continue
         ptr = [t.data_ptr() if t is not None else 0 for t in held]
+        gate = _router(cfg, W, layer)
         out[layer] = native.GqaBlock(
             ISA, dtype == torch.bfloat16, qkv.native, o.native, *ptr[:2], *(ptr[2:4] if cfg.qk_norm else (0, 0)),
             *ptr[4:], H=cfg.hidden_size, nh=cfg.num_heads, nkv=cfg.num_kv_heads, d=cfg.head_dim,
-            eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, owner=(qkv, o, held))
+            eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, gate=gate.native if gate else None, top_k=cfg.top_k,
+            norm_topk=bool(cfg.norm_topk_prob), round_w=cfg.model_type != "mixtral", owner=(qkv, o, held, gate))
     return out
+
+
+def _router(cfg: ModelConfig, W: dict, layer: int) -> NativeLinear | None:
+    """An MoE layer's softmax router (Qwen-MoE, Mixtral: layers.route's last branch) packed for the native kernels,
+    which the step then runs too; None: route() runs it (other scorings, biases, dense layers)."""
+    if not cfg.is_moe_layer(layer) or cfg.scoring != "softmax" or cfg.model_type == "deepseek_v2":
+        return None
+    fp = f"model.layers.{layer}.{cfg.ffn_prefix}."
+    rp = fp + cfg.router_name + "."
+    if any(n in W for n in (rp + "bias", rp + "e_score_correction_bias", fp + "e_score_correction_bias")):
+        return None
+    gate = W.get(rp + "weight")
+    return gate if isinstance(gate, NativeLinear) else None
 
 
 def sequences(caches: list[SeqCache], starts: list[int]) -> torch.Tensor:
@@ -64,11 +81,15 @@ def sequences(caches: list[SeqCache], starts: list[int]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def run(block, pool: KVPool, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        seqs: torch.Tensor) -> torch.Tensor:
-    """h [B, H] (updated in place: h + attention) -> the post-attention norm of the new h [B, H]."""
+def run(block, pool: KVPool, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: torch.Tensor,
+        top_k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """h [B, H] (updated in place: h + attention) -> (the post-attention norm of the new h [B, H], the router's
+    (ids int32 [B, k], weights fp32 [B, k]) where the block routes, else None)."""
     K, V = pool.bufs[layer]
+    B = h.shape[0]
     x = torch.empty_like(h)
-    block.run(h.shape[0], h.data_ptr(), cos.data_ptr(), sin.data_ptr(), K.data_ptr(), V.data_ptr(), K.stride(0),
-              K.stride(1), BLOCK.bit_length() - 1, seqs.data_ptr(), x.data_ptr())
-    return x
+    routed = (torch.empty(B, top_k, dtype=torch.int32), torch.empty(B, top_k)) if block.routes else None
+    block.run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), K.data_ptr(), V.data_ptr(), K.stride(0), K.stride(1),
+              BLOCK.bit_length() - 1, seqs.data_ptr(), x.data_ptr(), *((routed[0].data_ptr(), routed[1].data_ptr())
+                                                                       if routed else (0, 0)))
+    return x, routed

@@ -246,8 +246,10 @@ class Model:
         pending = None  # the MoE layer whose deferred result is still outstanding
         for L in range(cfg.num_layers):
             p = f"model.layers.{L}."
+            routed = None  # the router's choice where the native step made it
             if native_seqs is not None and L in self.decode_blocks:
-                x = decode_step.run(self.decode_blocks[L], segments[0].cache.pool, L, h, cos, sin, native_seqs)
+                x, routed = decode_step.run(self.decode_blocks[L], segments[0].cache.pool, L, h, cos, sin, native_seqs,
+                                            cfg.top_k)
                 t = mark("attention", L, t)
             else:
                 x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset,
@@ -266,8 +268,8 @@ class Model:
                 t = mark("dense_mlp", L, t)
                 continue
             rp = fp + cfg.router_name + "."  # the bias: gpt-oss's router's own, or DeepSeek's choice-only one
-            ids, w = route(cfg, x, W[rp + "weight"],
-                           W.get(rp + "bias", W.get(rp + "e_score_correction_bias", W.get(fp + "e_score_correction_bias"))))
+            ids, w = routed or route(cfg, x, W[rp + "weight"], W.get(rp + "bias", W.get(
+                rp + "e_score_correction_bias", W.get(fp + "e_score_correction_bias"))))
             d = defer if L != self.last_moe_layer and (defer_layers is None or L in defer_layers) else 0
             if skip and d:
                 ids, w, _, _ = split_deferred(ids, w, d)

@@ -333,6 +333,14 @@ PYBIND11_MODULE(_native, m) {
       py::arg("v_block") = 0,
       "one decode query per head against bf16 or fp32 K/V, contiguous or paged through a block table "
       "(native/attention.cpp)");
+  m.def(
+      "softmax_topk",
+      [](uintptr_t logits, int B, int E, int k, bool norm_topk, bool round_bf16, uintptr_t ids, uintptr_t weights) {
+        softmax_topk(reinterpret_cast<const float*>(logits), B, E, k, norm_topk, round_bf16,
+                     reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(weights));
+      },
+      py::arg("logits"), py::arg("B"), py::arg("E"), py::arg("k"), py::arg("norm_topk"), py::arg("round_bf16"),
+      py::arg("ids"), py::arg("weights"), "the softmax router's top-k choice (native/decode_step.cpp)");
   // small enough to run with the GIL held: no pool, no lock
   m.def(
       "rms_norm",
@@ -514,8 +522,12 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init([](const std::string& isa, bool bf16, const BoundLinear& qkv, const BoundLinear& o,
                        uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t q_bias,
                        uintptr_t k_bias, uintptr_t v_bias, uintptr_t o_bias, int H, int nh, int nkv, int d, float eps,
-                       float scale, py::object owner) {
+                       float scale, py::object gate, int top_k, bool norm_topk, bool round_w, py::object owner) {
              GqaBlock g{};
+             if (!gate.is_none()) {
+               const BoundLinear& r = gate.cast<const BoundLinear&>();
+               g.gate_k = r.k, g.gate = r.m, g.top_k = top_k, g.norm_topk = norm_topk, g.round_w = round_w;
+             }
              g.isa = kernel_isa(isa);
              g.bf16 = bf16;
              g.qkv_k = qkv.k;
@@ -531,11 +543,14 @@ PYBIND11_MODULE(_native, m) {
            py::arg("isa"), py::arg("bf16"), py::arg("qkv"), py::arg("o"), py::arg("in_norm"), py::arg("post_norm"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"),
            py::arg("o_bias"), py::arg("H"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("eps"),
-           py::arg("scale"), py::arg("owner") = py::none())
+           py::arg("scale"), py::arg("gate") = py::none(), py::arg("top_k") = 0, py::arg("norm_topk") = false,
+           py::arg("round_w") = false, py::arg("owner") = py::none())
+      .def_property_readonly("routes", [](const BoundGqaBlock& b) { return b.g.gate_k != nullptr; })
       .def(
           "run",
           [](const BoundGqaBlock& b, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t K, uintptr_t V,
-             size_t kv_head, size_t kv_block, int block_shift, uintptr_t seqs, uintptr_t x_out) {
+             size_t kv_head, size_t kv_block, int block_shift, uintptr_t seqs, uintptr_t x_out, uintptr_t ids,
+             uintptr_t weights) {
             GqaBlock g = b.g;
             g.K = reinterpret_cast<void*>(K), g.V = reinterpret_cast<void*>(V);
             g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
@@ -547,11 +562,13 @@ PYBIND11_MODULE(_native, m) {
             py::gil_scoped_release nogil;
             std::lock_guard<std::mutex> lk(compute_mutex());
             gqa_decode_block(g, B, reinterpret_cast<void*>(h), reinterpret_cast<const void*>(cos),
-                             reinterpret_cast<const void*>(sin), sq.data(), reinterpret_cast<void*>(x_out));
+                             reinterpret_cast<const void*>(sin), sq.data(), reinterpret_cast<void*>(x_out),
+                             reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(weights));
             release_scratch();
           },
           py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("K"), py::arg("V"), py::arg("kv_head"),
-          py::arg("kv_block"), py::arg("block_shift"), py::arg("seqs"), py::arg("x_out"),
+          py::arg("kv_block"), py::arg("block_shift"), py::arg("seqs"), py::arg("x_out"), py::arg("ids") = 0,
+          py::arg("weights") = 0,
           "B sequences' decode step of the block: h [B, H] updated in place, x_out [B, H] its post-attention norm; "
           "seqs int64 [B, 3] (block table address, position, first consecutive block or -1)");
   py::class_<BoundLinear>(m, "Linear", "one packed dense [rows, Kp] matrix bound to the kernel path that runs it")

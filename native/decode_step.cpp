@@ -1,13 +1,16 @@
 // A GQA attention block's decode step in one call: input RMSNorm, the fused q/k/v projection (+ biases),
 // per-head QK-norm, rotary embedding, the new K/V rows into the paged pool, attention over each sequence's
 // blocks, o_proj (+ bias), the residual add and the post-attention RMSNorm, for B sequences of one new token
-// each. It replaces ~20 torch ops and 6 native calls a layer (gpu_service/attention.py gqa_attention, which
+// each, and for an MoE layer with a softmax router its top-k choice. It replaces ~30 torch ops and 7 native calls a
+// layer (gpu_service/attention.py gqa_attention, which
 // stays the reference) whose dispatch cost several times the arithmetic at decode (docs/decode_step.md), and
 // runs the projections once for all B rows instead of once a sequence.
 //
 // Rounding is torch's at every point the reference rounds (model dtype T: bf16 bits or fp32): the projections'
 // fp32 outputs, the bias adds, the norms, rope, the attention output and the residual add, so one sequence's
 // result is bit for bit the reference's (tests/test_decode_step.py).
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -41,7 +44,8 @@ T* as(std::vector<uint8_t>& v, size_t n) {
 }
 
 template <class T>
-void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const DecodeSeq* seqs, T* x_out) {
+void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const DecodeSeq* seqs, T* x_out, int32_t* ids,
+         float* weights) {
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
   static thread_local Scratch s;
   const int H = g.H, nh = g.nh, nkv = g.nkv, d = g.d, nq = nh * d, nk = nkv * d, rows = nq + 2 * nk;
@@ -119,24 +123,67 @@ void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const Decod
       put(h, at, get(h, at) + o);
     }
   rms_norm_rows(h, BF16, g.post_norm, BF16, x_out, BF16, B, H, g.eps);
+  if (!g.gate_k) return;
+  // the router on the normed rows: logits rounded to T, then the softmax's choice
+  const int E = g.gate.rows;
+  for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(x_out, i);
+  s.y.resize(size_t(B) * std::max({rows, H, E}));
+  linear_forward(*g.gate_k, g.gate, s.xf.data(), B, s.y.data());
+  for (size_t i = 0; i < size_t(B) * E; ++i) s.y[i] = held<T>(s.y[i]);
+  softmax_topk(s.y.data(), B, E, g.top_k, g.norm_topk, BF16 && g.round_w, ids, weights);
 }
 
 }  // namespace
 
+void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool round_bf16, int32_t* ids,
+                  float* weights) {
+  MOE_CHECK(k > 0 && k <= E && k <= MAX_K, "router: bad top-k");
+  using elem = std::pair<float, int64_t>;  // (probability, id), as torch's CPU topk queues them
+  std::vector<elem> q(E);
+  // torch's topk (largest, sorted): the same algorithms on the same queue, so that equal probabilities (logits
+  // equal in bf16 are common) come out in the same order and the same one of them makes the cut
+  const auto before = [](const elem& x, const elem& y) {
+    return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
+  };
+  for (int t = 0; t < B; ++t) {
+    const float* l = logits + size_t(t) * E;
+    const float mx = *std::max_element(l, l + E);
+    float sum = 0.f;
+    for (int e = 0; e < E; ++e) sum += (q[e] = elem(std::exp(l[e] - mx), e)).first;
+    const float inv = 1.f / sum;  // torch's softmax multiplies by the reciprocal
+    for (int e = 0; e < E; ++e) q[e].first *= inv;
+    if (int64_t(k) * 64 <= E) {
+      std::partial_sort(q.begin(), q.begin() + k, q.end(), before);
+    } else {
+      std::nth_element(q.begin(), q.begin() + k - 1, q.end(), before);
+      std::sort(q.begin(), q.begin() + k - 1, before);
+    }
+    float total = 0.f;
+    for (int j = 0; j < k; ++j) total += q[j].first;
+    for (int j = 0; j < k; ++j) {
+      float w = q[j].first;
+      if (norm_topk) w /= total;
+      ids[size_t(t) * k + j] = int32_t(q[j].second);
+      weights[size_t(t) * k + j] = round_bf16 ? bf16_to_f32(f32_to_bf16(w)) : w;
+    }
+  }
+}
+
 void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
-                      void* x_out) {
+                      void* x_out, int32_t* ids, float* weights) {
   MOE_CHECK(B > 0 && g.nh > 0 && g.nkv > 0 && g.nh % g.nkv == 0 && g.d % 2 == 0, "decode block: bad shapes");
   MOE_CHECK(g.qkv.K == g.H && g.qkv.rows == (g.nh + 2 * g.nkv) * g.d && g.o.K == g.nh * g.d && g.o.rows == g.H,
             "decode block: the projections do not fit the heads");
   MOE_CHECK(!g.q_norm == !g.k_norm, "decode block: QK-norm needs both weights");
+  MOE_CHECK(!g.gate_k || (g.gate.K == g.H && ids && weights), "decode block: the router does not fit");
   for (int t = 0; t < B; ++t)
     MOE_CHECK(seqs[t].pos >= 0 && seqs[t].table, "decode block: a sequence without a position or block table");
   if (g.bf16)
     run(g, B, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin), seqs,
-        static_cast<uint16_t*>(x_out));
+        static_cast<uint16_t*>(x_out), ids, weights);
   else
     run(g, B, static_cast<float*>(h), static_cast<const float*>(cos), static_cast<const float*>(sin), seqs,
-        static_cast<float*>(x_out));
+        static_cast<float*>(x_out), ids, weights);
 }
 
 }  // namespace moe

@@ -124,6 +124,12 @@ struct GqaBlock {
   void *K, *V;
   size_t kv_head, kv_block;  // elements between heads, between blocks
   int block_shift;
+  // the MoE layer's router on the post-attention norm, softmax scoring (Qwen-MoE, Mixtral), or none (gate_k null):
+  // logits in T, softmax in fp32, the top k (descending), renormalized (norm_topk), rounded to T (round_w)
+  const Kernels* gate_k;
+  Matrix gate;  // [E, H]
+  int top_k;
+  bool norm_topk, round_w;
 };
 // One sequence's new token: its position, its block table (the pool's blocks holding positions 0..pos), and
 // first >= 0 when those are the consecutive blocks first, first + 1, ... (read without the table).
@@ -132,9 +138,13 @@ struct DecodeSeq {
   int32_t pos, first;
 };
 // For B sequences of one new token each: h [B, H] (the residual stream, updated in place) -> x_out [B, H], the
-// post-attention norm of the new h; the new K/V rows written to the pool. cos/sin [B, d/2].
+// post-attention norm of the new h; the new K/V rows written to the pool. cos/sin [B, d/2]. With a router: ids
+// [B, top_k] int32 and weights [B, top_k] fp32 too.
 void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
-                      void* x_out);
+                      void* x_out, int32_t* ids = nullptr, float* weights = nullptr);
+// The softmax router's choice for B rows of fp32 logits [B, E] (already rounded as the model holds them).
+void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool round_bf16, int32_t* ids,
+                  float* weights);
 
 // One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
 // part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and

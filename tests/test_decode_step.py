@@ -32,15 +32,39 @@ def wide(tmp_path_factory):
     return {f: tiny_models.build(f, base / f, seed=3, **kw) for f, kw in SHAPES.items()}
 
 
-def load(d, dtype, fmt):
+def load(d, dtype, fmt, router=True):
+    """router=False: the native blocks without the router (route() chooses, as on the torch path)."""
     cfg = load_config(d)
     model = Model(cfg, Checkpoint(d), torch.device("cpu"), dtype, dense_format=fmt)
+    if not router:
+        model.decode_blocks = {L: _without_router(b, L, model) for L, b in model.decode_blocks.items()}
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # norms start at 1 and biases at 0: make them matter (in place: the blocks hold them)
         for n, w in model.W.items():
             if isinstance(w, torch.Tensor) and (n.endswith("norm.weight") or n.endswith(".bias")):
                 w.add_((torch.randn(w.shape, generator=g) * 0.3).to(w.dtype))
     return cfg, model, LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
+
+
+def _without_router(block, layer, model):
+    original = decode_step._router
+    decode_step._router = lambda *a: None
+    try:
+        return decode_step.blocks(model.cfg, model.W, model.dtype, True)[layer]
+    finally:
+        decode_step._router = original
+
+
+class Recording(LocalExperts):
+    """The experts, keeping each layer's routing as submitted."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.routes = []
+
+    def submit(self, step, layer, x, ids, w, defer):
+        self.routes.append((layer, ids.clone(), w.clone()))
+        super().submit(step, layer, x, ids, w, defer)
 
 
 def decode(model, experts, segments, native: bool):
@@ -62,8 +86,10 @@ def kv_rows(cache, layer, n):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt):
-    cfg, model, experts = load(wide[family], dtype, fmt)
+    """The attention blocks (route() choosing the experts on both sides): logits and KV rows bit for bit."""
+    cfg, model, experts = load(wide[family], dtype, fmt, router=False)
     assert set(model.decode_blocks) == set(range(cfg.num_layers))
+    assert not any(b.routes for b in model.decode_blocks.values())
     prompt = torch.tensor([5, 17, 300, 41, 7, 99, 12, 3, 250])
     feed = torch.randint(2, tiny_models.VOCAB, (24,), generator=torch.Generator().manual_seed(1))
     mine, ref = model.new_cache(), model.new_cache()
@@ -78,6 +104,56 @@ def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt):
     for layer in range(cfg.num_layers):
         for a, b in zip(kv_rows(mine, layer, pos), kv_rows(ref, layer, pos)):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_native_router_chooses_as_route_does(wide, family, dtype):
+    """With the router in the step: the same experts in the same order at every MoE layer and step, weights to
+    the last bits (softmax's exp is not torch's vectorized one), logits to match."""
+    cfg, model, _ = load(wide[family], dtype, "bf16")
+    moe = [L for L in range(cfg.num_layers) if cfg.is_moe_layer(L)]
+    assert moe and all(model.decode_blocks[L].routes for L in moe)
+    assert not any(model.decode_blocks[L].routes for L in range(cfg.num_layers) if L not in moe)
+    layers = load_expert_layers(cfg, Checkpoint(wide[family]), "fp32", 1)
+    mine, ref = Recording(layers), Recording(layers)
+    prompt = torch.tensor([5, 17, 300, 41, 7, 99, 12, 3, 250])
+    cm, cr = model.new_cache(), model.new_cache()
+    model.forward([Segment(cm, prompt, 0)], mine)
+    model.forward([Segment(cr, prompt, 0)], ref)
+    feed = torch.randint(2, tiny_models.VOCAB, (12,), generator=torch.Generator().manual_seed(4))
+    for i, tok in enumerate(feed):
+        got = decode(model, mine, [Segment(cm, tok[None], len(prompt) + i)], True)
+        want = decode(model, ref, [Segment(cr, tok[None], len(prompt) + i)], False)
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02 if dtype == torch.bfloat16 else 1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert len(mine.routes) == len(ref.routes) == len(moe) * (1 + len(feed))
+    for (la, ia, wa), (lb, ib, wb) in zip(mine.routes, ref.routes):
+        assert la == lb and torch.equal(ia, ib)
+        torch.testing.assert_close(wa, wb, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=0)
+
+
+@pytest.mark.parametrize("norm, round_bf16", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("E", [128, 512])  # torch's topk selects (nth_element) below 64 k experts, sorts above
+def test_softmax_topk_is_routes_softmax(norm, round_bf16, E):
+    """native softmax_topk against layers.route's softmax branch on the same logits: ids and their order equal
+    (ties of bf16 logits included), weights within one rounding step."""
+    from types import SimpleNamespace
+
+    from gpu_service.layers import route
+    from moe_kernels import native
+
+    k, B = 8, 256
+    logits = (torch.randn(B, E, generator=torch.Generator().manual_seed(5)) * 2).to(
+        torch.bfloat16 if round_bf16 else torch.float32)
+    cfg = SimpleNamespace(top_k=k, n_routed_experts=E, scoring="softmax", model_type="qwen3_moe" if round_bf16
+                          else "mixtral", norm_topk_prob=norm)
+    want_ids, want_w = route(cfg, logits, lambda x: x, None)  # the "weight" passes the logits through
+    lf = logits.float().contiguous()
+    ids, w = torch.empty(B, k, dtype=torch.int32), torch.empty(B, k)
+    native.softmax_topk(lf.data_ptr(), B, E, k, norm, round_bf16, ids.data_ptr(), w.data_ptr())
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=2 ** -7 if round_bf16 else 4e-6, atol=0)  # a few fp32 ulps: the sum
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
