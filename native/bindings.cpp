@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include "common.h"
+#include "contention.h"
 #include "doorbell.h"
 #include "huge_buffer.h"
 #include "kernels.h"
@@ -333,6 +334,10 @@ PYBIND11_MODULE(_native, m) {
       py::arg("v_block") = 0,
       "one decode query per head against bf16 or fp32 K/V, contiguous or paged through a block table "
       "(native/attention.cpp)");
+  m.def("machine_shared", [] {
+    py::gil_scoped_release nogil;
+    return machine_shared();
+  }, "whether waits now treat the machine as shared with other programs (native/contention.h)");
   m.def(
       "softmax_topk",
       [](uintptr_t logits, int B, int E, int k, bool norm_topk, bool round_bf16, uintptr_t ids, uintptr_t weights) {

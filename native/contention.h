@@ -1,27 +1,42 @@
-// Is this machine oversubscribed right now? Spin-waits are worth it only while a CPU is free for
-// the spinner; otherwise they take the core from a thread that has work (the other service, our
-// own worker that holds the last task, or another program), and waits here sleep after a short spin.
+// How a thread that waits for work should spin, and whether the machine is shared with other programs.
+//
+// A wait that spins with the pause hint keeps its core from every other thread; one that sleeps on a futex pays
+// a wake-up when its work comes (tens of microseconds on a virtual CPU that went idle: the exchange's hand-overs
+// at every layer, docs/decode_step.md). While only our services use the CPUs, waits spin giving the core away
+// between polls (sched_yield): a thread with work on that core (the other service's compute, our own worker)
+// runs at once, and the waiter sees its word within a scheduler pass. Beside busy programs a yielder competes as
+// any runnable thread and loses the wake-up boost a sleeper gets (decode at a fifth of the sleeping policy's
+// rate, measured), so there waits spin with the pause hint only while a CPU is free (procs_running), briefly
+// otherwise, and sleep.
+//
+// "Only our services": the CPU time the machine spent (/proc/stat) less what our processes on this host spent
+// (each publishes its CPU time on a board in shared memory, as the exchange ring is) stays under
+// FOREIGN_CPUS; measured over windows of SAMPLE_NS (QUIET_WINDOWS of them in a row to count as quiet again).
 #pragma once
 
 namespace moe {
-// More runnable threads machine-wide (/proc/stat procs_running) than CPUs this process may use;
-// sampled at most every 20 ms (a read of /proc/stat costs a few microseconds). MOE_SPIN=always
-// or MOE_SPIN=never overrides the sample (MOE_SPIN=yield: below).
+// Whether waits now treat the machine as shared: other programs' CPU use above FOREIGN_CPUS, or (MOE_SPIN=never)
+// always, or (MOE_SPIN=always|yield) never.
+bool machine_shared();
+// Whether waits now yield between polls (the machine not shared, or MOE_SPIN=yield).
+bool waits_yield();
+// More runnable threads machine-wide (/proc/stat procs_running) than CPUs this process may use; sampled at most
+// every 20 ms (a read of /proc/stat costs a few microseconds). MOE_SPIN=always|never|yield override it.
 bool cpu_contended();
+constexpr double FOREIGN_CPUS = 0.35;              // above /proc/stat's tick noise over one window
+constexpr long long SAMPLE_NS = 100'000'000;
+constexpr int QUIET_WINDOWS = 3;                   // shared at one window's word, quiet after this many
 // The spin a wait keeps while contended: hand-overs inside one forward (a few microseconds) still
 // skip the futex round trip, longer waits sleep.
 constexpr long long CONTENDED_SPIN_NS = 20'000;
-// MOE_SPIN=yield (hosts that run the services alone): waits spin giving the core away between polls
-// (sched_yield) for up to YIELDING_SPIN_NS whatever the sample says, so a thread with work on that core runs at
-// once and the waiter sees its word within a scheduler pass instead of a futex wake-up. Beside busy programs a
-// yielder competes as any runnable thread and loses a sleeper's wake-up boost: not the default (docs/decode_step.md).
-bool spin_yields();
-constexpr long long YIELDING_SPIN_NS = 2'000'000;  // the gap between two layers' hand-overs
-// How long a wait that would spin `ns` should spin now.
-inline long long spin_budget_ns(long long ns) {
-  if (spin_yields()) return ns > YIELDING_SPIN_NS ? ns : YIELDING_SPIN_NS;
-  return cpu_contended() && ns > CONTENDED_SPIN_NS ? CONTENDED_SPIN_NS : ns;
-}
-// One pause of a spin-wait: sched_yield (spin_yields) or the CPU's pause hint.
-void spin_pause();
+constexpr long long YIELDING_SPIN_NS = 2'000'000;  // a yielding wait: the gap between two layers' hand-overs
+
+struct SpinPolicy {
+  bool yields;          // sched_yield between polls (else the pause hint)
+  long long budget_ns;  // then sleep
+};
+// How a wait that would spin `ns` should spin: decided at its start (it also publishes this process's CPU time).
+SpinPolicy spin_policy(long long ns);
+// One pause of a spin-wait.
+void spin_pause(bool yields);
 }  // namespace moe

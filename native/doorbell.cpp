@@ -21,14 +21,15 @@ namespace moe {
 uint32_t doorbell_wait(std::atomic<uint32_t>* word, uint32_t seen, int64_t timeout_us, int64_t spin_us) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const auto spin_end = start + std::chrono::nanoseconds(spin_budget_ns(spin_us * 1000));
+  const SpinPolicy spin = spin_policy(spin_us * 1000);
+  const auto spin_end = start + std::chrono::nanoseconds(spin.budget_ns);
   const auto deadline = start + std::chrono::microseconds(timeout_us);
   uint32_t v;
   // Spin: check the clock only every 64 polls, it costs more than a load.
   for (;;) {
-    for (int i = 0; i < (spin_yields() ? 1 : 64); ++i) {  // a yield costs more than the clock
+    for (int i = 0; i < (spin.yields ? 1 : 64); ++i) {  // a yield costs more than the clock
       if ((v = word->load(std::memory_order_acquire)) != seen) return v;
-      spin_pause();
+      spin_pause(spin.yields);
     }
     if (clock::now() >= spin_end) break;
   }

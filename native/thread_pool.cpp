@@ -73,13 +73,14 @@ void ThreadPool::worker_loop(int index) {
   for (;;) {
     uint64_t g;
     // the phases of one forward follow within microseconds: worth a short spin even when contended
-    const int64_t until = now_ns() + spin_budget_ns(spin_ns_);
+    const SpinPolicy spin = spin_policy(spin_ns_);
+    const int64_t until = now_ns() + spin.budget_ns;
     for (int spins = 0; (g = generation_.load(std::memory_order_acquire)) == seen && !stop_.load(); ++spins) {
-      if ((spin_yields() || (spins & 63) == 63) && now_ns() > until) {
+      if ((spin.yields || (spins & 63) == 63) && now_ns() > until) {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return stop_.load() || generation_.load() != seen; });
       } else {
-        spin_pause();
+        spin_pause(spin.yields);
       }
     }
     if (stop_) return;
@@ -117,7 +118,7 @@ void ThreadPool::parallel_for_grouped(const int* group_start, int groups, const 
   run_tasks(groups > 1 ? numa_current_node() : 0);
   // the rest is at most one task per worker: spin, yielding if a worker was descheduled (at once
   // when the machine is oversubscribed: the straggler may be waiting for this very core)
-  const bool yield_now = spin_yields() || cpu_contended();
+  const bool yield_now = cpu_contended() || waits_yield();  // or a yielding waiter may hold the straggler's core
   for (int spins = 0; finished_.load(std::memory_order_acquire) < int(workers_.size()); ++spins) {
     if (yield_now || spins > 4096) std::this_thread::yield();
     else cpu_relax();
