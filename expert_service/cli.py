@@ -33,9 +33,9 @@ def parse_args(argv=None):
     ap.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on")
     ap.add_argument("--threads", type=int, default=serving.physical_cores(),
                     help="CPU threads for the expert kernels (default: physical cores). Sharing a host with "
-                         "gpu-service on the CPU or with other programs is fine with the defaults: waits spin only "
-                         "while a CPU is free (MOE_SPIN=always|never overrides; MOE_SPIN=yield: faster on a host the services "
-                         "have alone, docs/decode_step.md) and torch's OpenMP threads wait "
+                         "gpu-service on the CPU or with other programs is fine with the defaults: waits yield the core "
+                         "while the machine is ours and spin only while a CPU is free beside other programs "
+                         "(MOE_SPIN=yield|always|never overrides) and torch's OpenMP threads wait "
                          "passively (OMP_WAIT_POLICY)")
     ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4", "fp8", "int4g32"],
                     help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group "
