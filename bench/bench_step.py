@@ -22,7 +22,8 @@ all measured in this run.
 
 One JSON line per figure, then tables; medians over the decode steps of --rounds requests. The services inherit
 this process's environment: `MOE_DECODE_STEP=torch` (the torch decode step instead of the native one) and
-`MOE_SPIN=...` (the waits' policy) for A/B runs.
+`MOE_SPIN=...` (the waits' policy) for A/B runs. `--streams 1,2,4,8`: then N requests at once (a few users),
+their aggregate decode rate.
 """
 from __future__ import annotations
 
@@ -127,6 +128,34 @@ def decode_profile(port: int, prompt: list[int], tokens: int) -> list[tuple]:
     return [(s.name, s.service, s.layer, s.step, s.start_unix_ns, s.end_unix_ns) for s in chunks[-1].profile.spans]
 
 
+def aggregate_decode(port: int, prompts: list[list[int]], tokens: int) -> float:
+    """Requests started together, one stream each: their decode tokens per second together, from the last
+    stream's first token (every one decoding by then) to the last token."""
+    import threading
+
+    import grpc
+    firsts, ends, counts = [], [], []
+
+    def one(prompt):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=tokens,
+                                               ignore_eos=True, sampling=generate_pb2.SamplingParams(temperature=0))
+            stamps = []
+            for c in generate_pb2_grpc.GenerateServiceStub(ch).Generate(req, timeout=3600):
+                stamps += [time.perf_counter()] * len(c.token_ids)
+        firsts.append(stamps[0])
+        ends.append(stamps)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    start = max(firsts)
+    counts = [sum(1 for x in st if x > start) for st in ends]
+    return sum(counts) / (max(st[-1] for st in ends) - start)
+
+
 def split_steps(spans: list[tuple]) -> list[dict]:
     """Per decode step (the prompt's steps left out): its period, the sum of the GPU side's spans by name,
     the experts' compute and per-layer waits."""
@@ -181,6 +210,8 @@ def main() -> None:
     ap.add_argument("--local", action="store_true",
                     help="gpu-service --experts local: the experts in the GPU side's process (no expert service)")
     ap.add_argument("--work", type=pathlib.Path, help="keep the checkpoint and cache here (default: a temporary folder)")
+    ap.add_argument("--streams", default="", help="also: aggregate decode tok/s of N requests at once, N in this "
+                                                   "comma list (64-token prompts, --tokens each), medians of --rounds")
     a = ap.parse_args()
     work = a.work or pathlib.Path(tempfile.mkdtemp(prefix="bench-step-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -253,6 +284,19 @@ def main() -> None:
         print("| figure | value | unit | step / it |\n|---|---|---|---|")
         for name, v, unit, ratio in rows:
             print(f"| {name} | {v:.3f} | {unit} | {f'{ratio:.2f}x' if ratio else ''} |")
+        if a.streams:
+            rates = {}
+            for n in map(int, a.streams.split(",")):
+                prompts = [[(i * 7919 + 104729 * j) % min(4000, cfg.vocab_size - 2) + 2 for i in range(64)]
+                           for j in range(n)]
+                rates[n] = med([aggregate_decode(gp, prompts, a.tokens) for _ in range(a.rounds)])
+                print(json.dumps({"case": f"{n} streams: aggregate decode", "value": round(rates[n], 2),
+                                  "unit": "tok/s", "ratio": round(rates[n] / next(iter(rates.values())), 3)}),
+                      flush=True)
+            print("\n| streams | aggregate decode tok/s | vs the first |\n|---|---|---|")
+            first = next(iter(rates.values()))
+            for n, r in rates.items():
+                print(f"| {n} | {r:.1f} | {r / first:.2f}x |")
     finally:
         for p in procs:
             p.terminate()
