@@ -148,18 +148,19 @@ def main() -> None:
     print(f"CPU: {cpu_name()}; {a.model.name}; {a.threads} threads each; isa {a.isa} (llama.cpp built for it; "
           f"ours on {env.get('MOE_KERNEL_PATH', 'its default path')}); prompt {a.prompt}, "
           f"decode {a.gen} tokens; {a.rounds} alternating rounds", flush=True)
-    prompt = [(i * 7919) % 4000 + 2 for i in range(a.prompt)]
+    # a new prompt every round: the services' prefix cache would otherwise answer a repeated one without a prefill
+    prompts = [[(i * 7919 + r * 104729) % 4000 + 2 for i in range(a.prompt)] for r in range(a.rounds + 1)]
     rows = []
     for fmt in a.formats.split(","):
         qtype, expert_fmt, dense_fmt = PAIRS[fmt]
         gg = gguf(a.model, src, a.isa, a.work, qtype)
         port, procs = ours_up(a.model, expert_fmt, dense_fmt, a.threads, a.work, env)
         try:
-            generate(port, prompt[:16], 4)  # warm-up
+            generate(port, prompts[-1][:16], 4)  # warm-up
             ours, theirs = [], []
-            for _ in range(a.rounds):
-                ttft, _ = generate(port, prompt, 2)
-                _, dec = generate(port, prompt[:16], a.gen)
+            for r in range(a.rounds):
+                ttft, _ = generate(port, prompts[r], 2)
+                _, dec = generate(port, prompts[-1][:16], a.gen)
                 ours.append((a.prompt / ttft, dec))
                 theirs.append(llama_bench(src, a.isa, gg, a.threads, a.prompt, a.gen))
         finally:

@@ -1,14 +1,15 @@
 // A GQA attention block's decode step in one call: input RMSNorm, the fused q/k/v projection (+ biases),
 // per-head QK-norm, rotary embedding, the new K/V rows into the paged pool, attention over each sequence's
-// blocks, o_proj (+ bias), the residual add and the post-attention RMSNorm, for B sequences of one new token
-// each, and for an MoE layer with a softmax router its top-k choice. It replaces ~30 torch ops and 7 native calls a
-// layer (gpu_service/attention.py gqa_attention, which
-// stays the reference) whose dispatch cost several times the arithmetic at decode (docs/decode_step.md), and
-// runs the projections once for all B rows instead of once a sequence.
+// blocks, o_proj (+ bias), the residual add and the post-attention RMSNorm, and for an MoE layer with a softmax
+// router its top-k choice, for B sequences of one new token each. It replaces ~30 torch ops and 7 native calls a
+// layer and sequence (gpu_service/attention.py gqa_attention and layers.route stay the reference) whose dispatch
+// cost several times the arithmetic at decode (docs/decode_step.md), and runs the projections and the router
+// once for all B rows.
 //
 // Rounding is torch's at every point the reference rounds (model dtype T: bf16 bits or fp32): the projections'
 // fp32 outputs, the bias adds, the norms, rope, the attention output and the residual add, so one sequence's
-// result is bit for bit the reference's (tests/test_decode_step.py).
+// block is bit for bit the reference's; the router's softmax uses std::exp, not torch's vectorized one, so its
+// weights may differ in the last bits (its choice is torch's topk algorithm: tests/test_decode_step.py).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
