@@ -67,7 +67,8 @@ int spin_mode() {  // MOE_SPIN: 0 the samples decide, 1 always (pause hint), 2 n
 }
 
 // The board: a slot per process of ours on this host, its CPU time and when it last said so. POSIX shared
-// memory (the services share /dev/shm on one host, as the exchange ring does; compose: one IPC namespace); where
+// memory of this user (the services share /dev/shm on one host, as the exchange ring does; compose: one IPC
+// namespace); where
 // that fails, this process's own board, and the other service's CPU time then looks foreign (the safe side).
 // A slot silent for STALE_NS is free again; a dead process's CPU time stops moving, which adds nothing.
 constexpr int SLOTS = 64;
@@ -83,9 +84,10 @@ struct Board {
 Board* board() {
   static Board* b = [] {
     static Board local{};
-    const mode_t old = umask(0);
-    const int fd = shm_open("/moe-cpu-board", O_RDWR | O_CREAT, 0666);
-    umask(old);
+    // one board per user, owner-only as the exchange's regions are (another user's processes count as foreign)
+    char name[64];
+    std::snprintf(name, sizeof(name), "/moe-cpu-board-%u", unsigned(getuid()));
+    const int fd = shm_open(name, O_RDWR | O_CREAT, 0600);
     if (fd < 0) return &local;
     void* p = ftruncate(fd, sizeof(Board)) == 0
                   ? mmap(nullptr, sizeof(Board), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;

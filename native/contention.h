@@ -10,7 +10,7 @@
 // otherwise, and sleep.
 //
 // "Only our services": the CPU time the machine spent (/proc/stat) less what our processes on this host spent
-// (each publishes its CPU time on a board in shared memory, as the exchange ring is) stays under
+// (each publishes its CPU time on a board in this user's shared memory, as the exchange ring is) stays under
 // FOREIGN_CPUS; measured over windows of SAMPLE_NS (QUIET_WINDOWS of them in a row to count as quiet again).
 #pragma once
 
