@@ -20,11 +20,11 @@ from .kv_pool import BLOCK, KVPool, SeqCache
 
 
 def eligible(cfg: ModelConfig, dtype: torch.dtype, native_dense: bool) -> bool:
-    """Whether the model's attention layers fit the native step: plain GQA (with QK-norm and biases), every dim
-    rotated, no sinks, windows, output gate or zero-centred norms, bf16 or fp32, on a vector kernel path."""
+    """Whether the model's attention layers fit the native step: GQA (with QK-norm, biases, partial rotary by
+    halves), no sinks, windows, output gate or zero-centred norms, bf16 or fp32, on a vector kernel path."""
     return (native_dense and ISA in SIMD_ISAS and cfg.attention != "mla" and dtype in (torch.bfloat16, torch.float32)
             and not (cfg.attn_sinks or cfg.attn_output_gate or cfg.qk_norm_full or cfg.norm_offset)
-            and cfg.rotary_dim in (0, cfg.head_dim) and cfg.head_dim in VECTOR_DIMS)
+            and cfg.head_dim in VECTOR_DIMS)
 
 
 def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) -> dict:
@@ -50,7 +50,7 @@ def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) ->
         out[layer] = native.GqaBlock(
             ISA, dtype == torch.bfloat16, qkv.native, o.native, *ptr[:2], *(ptr[2:4] if cfg.qk_norm else (0, 0)),
             *ptr[4:], H=cfg.hidden_size, nh=cfg.num_heads, nkv=cfg.num_kv_heads, d=cfg.head_dim,
-            eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, gate=gate.native if gate else None, top_k=cfg.top_k,
+            rot=cfg.rotary_dim or cfg.head_dim, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, gate=gate.native if gate else None, top_k=cfg.top_k,
             norm_topk=bool(cfg.norm_topk_prob), round_w=cfg.model_type != "mixtral", owner=(qkv, o, held, gate))
     return out
 

@@ -526,8 +526,9 @@ PYBIND11_MODULE(_native, m) {
   py::class_<BoundGqaBlock>(m, "GqaBlock", "one GQA attention block's weights for its native decode step")
       .def(py::init([](const std::string& isa, bool bf16, const BoundLinear& qkv, const BoundLinear& o,
                        uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t q_bias,
-                       uintptr_t k_bias, uintptr_t v_bias, uintptr_t o_bias, int H, int nh, int nkv, int d, float eps,
-                       float scale, py::object gate, int top_k, bool norm_topk, bool round_w, py::object owner) {
+                       uintptr_t k_bias, uintptr_t v_bias, uintptr_t o_bias, int H, int nh, int nkv, int d, int rot,
+                       float eps, float scale, py::object gate, int top_k, bool norm_topk, bool round_w,
+                       py::object owner) {
              GqaBlock g{};
              if (!gate.is_none()) {
                const BoundLinear& r = gate.cast<const BoundLinear&>();
@@ -542,12 +543,12 @@ PYBIND11_MODULE(_native, m) {
              auto ptr = [](uintptr_t p) { return reinterpret_cast<const void*>(p); };
              g.in_norm = ptr(in_norm), g.post_norm = ptr(post_norm), g.q_norm = ptr(q_norm), g.k_norm = ptr(k_norm);
              g.q_bias = ptr(q_bias), g.k_bias = ptr(k_bias), g.v_bias = ptr(v_bias), g.o_bias = ptr(o_bias);
-             g.H = H, g.nh = nh, g.nkv = nkv, g.d = d, g.eps = eps, g.scale = scale;
+             g.H = H, g.nh = nh, g.nkv = nkv, g.d = d, g.rot = rot, g.eps = eps, g.scale = scale;
              return BoundGqaBlock{g, std::move(owner)};
            }),
            py::arg("isa"), py::arg("bf16"), py::arg("qkv"), py::arg("o"), py::arg("in_norm"), py::arg("post_norm"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"),
-           py::arg("o_bias"), py::arg("H"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("eps"),
+           py::arg("o_bias"), py::arg("H"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("rot"), py::arg("eps"),
            py::arg("scale"), py::arg("gate") = py::none(), py::arg("top_k") = 0, py::arg("norm_topk") = false,
            py::arg("round_w") = false, py::arg("owner") = py::none())
       .def_property_readonly("routes", [](const BoundGqaBlock& b) { return b.g.gate_k != nullptr; })

@@ -74,16 +74,22 @@ void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const Decod
   for (int t = 0; t < B; ++t) {
     T* src = qkv + size_t(t) * rows;
     T* dst = rot + size_t(t) * (nq + nk);
-    const T* c = cos + size_t(t) * (d / 2);
-    const T* sn = sin + size_t(t) * (d / 2);
+    const T* c = cos + size_t(t) * (g.rot / 2);
+    const T* sn = sin + size_t(t) * (g.rot / 2);
     if (g.q_norm) {
       rms_norm_rows(src, BF16, g.q_norm, BF16, tmp.data(), BF16, nh, d, g.eps);
       rms_norm_rows(src + nq, BF16, g.k_norm, BF16, tmp.data() + nq, BF16, nkv, d, g.eps);
     } else {
       std::memcpy(tmp.data(), src, sizeof(T) * (nq + nk));
     }
-    rope_rows(tmp.data(), dst, BF16, 1, nh, d, c, sn);
-    rope_rows(tmp.data() + nq, dst + nq, BF16, 1, nkv, d, c, sn);
+    if (g.rot == d) {
+      rope_rows(tmp.data(), dst, BF16, 1, nh, d, c, sn);
+      rope_rows(tmp.data() + nq, dst + nq, BF16, 1, nkv, d, c, sn);
+    } else {  // partial rotary: each head's first rot dims turn, the rest pass through
+      std::memcpy(dst, tmp.data(), sizeof(T) * (nq + nk));
+      for (int hd = 0; hd < nh + nkv; ++hd) rope_rows(tmp.data() + size_t(hd) * d, dst + size_t(hd) * d, BF16, 1, 1,
+                                                       g.rot, c, sn);
+    }
     // the new position's K and V rows into the pool: block table[pos / block], row pos % block
     const DecodeSeq& q = seqs[t];
     const size_t blk = size_t(q.table[q.pos >> g.block_shift]), row = size_t(q.pos & ((1 << g.block_shift) - 1));
@@ -172,7 +178,8 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
 
 void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
                       void* x_out, int32_t* ids, float* weights) {
-  MOE_CHECK(B > 0 && g.nh > 0 && g.nkv > 0 && g.nh % g.nkv == 0 && g.d % 2 == 0, "decode block: bad shapes");
+  MOE_CHECK(B > 0 && g.nh > 0 && g.nkv > 0 && g.nh % g.nkv == 0 && g.d % 2 == 0 && g.rot > 0 && g.rot % 2 == 0 &&
+                g.rot <= g.d, "decode block: bad shapes");
   MOE_CHECK(g.qkv.K == g.H && g.qkv.rows == (g.nh + 2 * g.nkv) * g.d && g.o.K == g.nh * g.d && g.o.rows == g.H,
             "decode block: the projections do not fit the heads");
   MOE_CHECK(!g.q_norm == !g.k_norm, "decode block: QK-norm needs both weights");

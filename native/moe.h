@@ -120,6 +120,7 @@ struct GqaBlock {
   const void *in_norm, *post_norm, *q_norm, *k_norm;  // QK-norm: both or neither
   const void *q_bias, *k_bias, *v_bias, *o_bias;       // each optional
   int H, nh, nkv, d;
+  int rot;  // the first rot dims of a head rotated (GLM's partial rotary), the rest passed through; rot = d: all
   float eps, scale;
   void *K, *V;
   size_t kv_head, kv_block;  // elements between heads, between blocks
@@ -138,7 +139,7 @@ struct DecodeSeq {
   int32_t pos, first;
 };
 // For B sequences of one new token each: h [B, H] (the residual stream, updated in place) -> x_out [B, H], the
-// post-attention norm of the new h; the new K/V rows written to the pool. cos/sin [B, d/2]. With a router: ids
+// post-attention norm of the new h; the new K/V rows written to the pool. cos/sin [B, rot/2]. With a router: ids
 // [B, top_k] int32 and weights [B, top_k] fp32 too.
 void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
                       void* x_out, int32_t* ids = nullptr, float* weights = nullptr);

@@ -21,9 +21,12 @@ from moe_kernels import ISA, SIMD_ISAS
 
 pytestmark = pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native step runs on the vector kernel paths")
 
-# the tiny families with heads of a vector kernel's width (64); qwen2_moe has q/k/v biases, qwen3_moe QK-norm
+# the tiny families with heads of a vector kernel's width (64); qwen2_moe has q/k/v biases, qwen3_moe QK-norm,
+# glm4_moe all three and partial rotary (half of each head) and a sigmoid router (left to route())
 SHAPES = {"qwen3_moe": dict(head_dim=64), "mixtral": dict(head_dim=64),
-          "qwen2_moe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)}
+          "qwen2_moe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
+          "glm4_moe": dict(head_dim=64)}
+SOFTMAX_ROUTED = ["qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,7 @@ def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", list(SHAPES))
+@pytest.mark.parametrize("family", SOFTMAX_ROUTED)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_native_router_chooses_as_route_does(wide, family, dtype):
     """With the router in the step: the same experts in the same order at every MoE layer and step, weights to
@@ -156,7 +159,7 @@ def test_softmax_topk_is_routes_softmax(norm, round_bf16, E):
     torch.testing.assert_close(w, want_w, rtol=2 ** -7 if round_bf16 else 4e-6, atol=0)  # a few fp32 ulps: the sum
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_several_sequences_in_one_step(wide, family, dtype):
     """Three sequences of different lengths, their blocks interleaved in the pool (read through the table), decode
@@ -191,16 +194,17 @@ def test_sequences_of_different_pools_are_refused(wide):
 
 
 def test_only_the_layers_it_can_run(checkpoints, wide):
-    """Sinks, windows, output gates, zero-centred norms, one norm over all heads, partial rotary, MLA, heads
-    without a vector kernel, fp16, torch's dense matmuls: the torch path."""
+    """Sinks, windows, output gates, zero-centred norms, one norm over all heads, MLA, heads without a vector
+    kernel, fp16, torch's dense matmuls: the torch path (partial rotary is taken: glm4_moe above)."""
     cfg = load_config(wide["qwen3_moe"])
     assert decode_step.eligible(cfg, torch.bfloat16, True)
     assert not decode_step.eligible(cfg, torch.bfloat16, False)
     assert not decode_step.eligible(cfg, torch.float16, True)
     for change in (dict(attn_sinks=True), dict(attn_output_gate=True), dict(norm_offset=True),
-                   dict(qk_norm_full=True), dict(rotary_dim=32), dict(head_dim=16), dict(attention="mla")):
+                   dict(qk_norm_full=True), dict(head_dim=16), dict(attention="mla")):
         assert not decode_step.eligible(dataclasses.replace(cfg, **change), torch.bfloat16, True), change
-    for family in ("gpt_oss", "minimax_m2", "qwen3_next", "glm4_moe", "deepseek_v3"):
+    assert decode_step.eligible(dataclasses.replace(cfg, rotary_dim=32), torch.bfloat16, True)
+    for family in ("gpt_oss", "minimax_m2", "qwen3_next", "glm4_moe", "deepseek_v3"):  # (glm4_moe: 16-dim heads)
         d = checkpoints[family]
         model = Model(load_config(d), Checkpoint(d), torch.device("cpu"), torch.float32, dense_format="bf16")
         assert model.decode_blocks == {}, family
