@@ -134,7 +134,7 @@ def aggregate_decode(port: int, prompts: list[list[int]], tokens: int) -> float:
     import threading
 
     import grpc
-    firsts, ends, counts = [], [], []
+    firsts, ends = [], []
 
     def one(prompt):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:

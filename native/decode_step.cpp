@@ -17,25 +17,17 @@
 
 #include "common.h"
 #include "moe.h"
+#include "torch_rounding.h"
 
 namespace moe {
 
 namespace {
 
-inline float get(const uint16_t* p, size_t i) { return bf16_to_f32(p[i]); }
-inline float get(const float* p, size_t i) { return p[i]; }
-inline void put(uint16_t* p, size_t i, float v) { p[i] = f32_to_bf16(v); }
-inline void put(float* p, size_t i, float v) { p[i] = v; }
-
-// v rounded to T and back: what torch holds after an op in T
-template <class T>
-inline float held(float v) {
-  return std::is_same<T, float>::value ? v : bf16_to_f32(f32_to_bf16(v));
-}
+using namespace rounding;
 
 struct Scratch {  // per calling thread, reused across calls (a decode step's few rows)
-  std::vector<float> xf, y, att, of;
-  std::vector<uint8_t> xn, qkv, rot;  // T elements
+  std::vector<float> xf, y, att, of, qf;
+  std::vector<uint8_t> xn, qkv, rot, tmp;  // T elements
 };
 
 template <class T>
@@ -70,24 +62,24 @@ void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const Decod
     }
   // per token: q [nh, d] and k [nkv, d] normed and rotated into rot (q then k), v as is
   T* rot = as<T>(s.rot, size_t(B) * (nq + nk));
-  std::vector<T> tmp(size_t(nq + nk));
+  T* tmp = as<T>(s.tmp, size_t(nq + nk));  // one token's q and k, normed
   for (int t = 0; t < B; ++t) {
     T* src = qkv + size_t(t) * rows;
     T* dst = rot + size_t(t) * (nq + nk);
     const T* c = cos + size_t(t) * (g.rot / 2);
     const T* sn = sin + size_t(t) * (g.rot / 2);
     if (g.q_norm) {
-      rms_norm_rows(src, BF16, g.q_norm, BF16, tmp.data(), BF16, nh, d, g.eps);
-      rms_norm_rows(src + nq, BF16, g.k_norm, BF16, tmp.data() + nq, BF16, nkv, d, g.eps);
+      rms_norm_rows(src, BF16, g.q_norm, BF16, tmp, BF16, nh, d, g.eps);
+      rms_norm_rows(src + nq, BF16, g.k_norm, BF16, tmp + nq, BF16, nkv, d, g.eps);
     } else {
-      std::memcpy(tmp.data(), src, sizeof(T) * (nq + nk));
+      std::memcpy(tmp, src, sizeof(T) * (nq + nk));
     }
     if (g.rot == d) {
-      rope_rows(tmp.data(), dst, BF16, 1, nh, d, c, sn);
-      rope_rows(tmp.data() + nq, dst + nq, BF16, 1, nkv, d, c, sn);
+      rope_rows(tmp, dst, BF16, 1, nh, d, c, sn);
+      rope_rows(tmp + nq, dst + nq, BF16, 1, nkv, d, c, sn);
     } else {  // partial rotary: each head's first rot dims turn, the rest pass through
-      std::memcpy(dst, tmp.data(), sizeof(T) * (nq + nk));
-      for (int hd = 0; hd < nh + nkv; ++hd) rope_rows(tmp.data() + size_t(hd) * d, dst + size_t(hd) * d, BF16, 1, 1,
+      std::memcpy(dst, tmp, sizeof(T) * (nq + nk));
+      for (int hd = 0; hd < nh + nkv; ++hd) rope_rows(tmp + size_t(hd) * d, dst + size_t(hd) * d, BF16, 1, 1,
                                                        g.rot, c, sn);
     }
     // the new position's K and V rows into the pool: block table[pos / block], row pos % block
@@ -103,7 +95,8 @@ void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const Decod
   // rounded to T, then the projection's fp32 input
   s.att.resize(size_t(nq));
   s.of.resize(size_t(B) * nq);
-  std::vector<float> qf(nq);
+  s.qf.resize(size_t(nq));
+  float* qf = s.qf.data();
   for (int t = 0; t < B; ++t) {
     const T* qt = rot + size_t(t) * (nq + nk);
     for (int i = 0; i < nq; ++i) qf[i] = get(qt, i);
@@ -111,10 +104,10 @@ void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const Decod
     const int L = q.pos + 1;
     if (q.first >= 0) {  // consecutive blocks: each head's rows are one strided matrix
       const size_t at = size_t(q.first) * g.kv_block;
-      decode_attention(g.isa, qf.data(), nh, nkv, d, static_cast<const T*>(g.K) + at, BF16, g.kv_head, d,
+      decode_attention(g.isa, qf, nh, nkv, d, static_cast<const T*>(g.K) + at, BF16, g.kv_head, d,
                        static_cast<const T*>(g.V) + at, g.kv_head, d, L, g.scale, s.att.data());
     } else {
-      decode_attention(g.isa, qf.data(), nh, nkv, d, g.K, BF16, g.kv_head, d, g.V, g.kv_head, d, L, g.scale,
+      decode_attention(g.isa, qf, nh, nkv, d, g.K, BF16, g.kv_head, d, g.V, g.kv_head, d, L, g.scale,
                        s.att.data(), q.table, g.block_shift, g.kv_block, g.kv_block);
     }
     for (int i = 0; i < nq; ++i) s.of[size_t(t) * nq + i] = held<T>(s.att[i]);
@@ -171,7 +164,7 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
       float w = q[j].first;
       if (norm_topk) w /= total;
       ids[size_t(t) * k + j] = int32_t(q[j].second);
-      weights[size_t(t) * k + j] = round_bf16 ? bf16_to_f32(f32_to_bf16(w)) : w;
+      weights[size_t(t) * k + j] = round_bf16 ? held<uint16_t>(w) : w;
     }
   }
 }
