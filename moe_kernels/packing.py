@@ -7,7 +7,11 @@
 - fp8: e4m3 values with one fp32 scale per 128 x 128 block (FP8_BLOCK): DeepSeek-V3-style FP8 releases as
   published (Fp8: taken bit for bit), or quantized here from float weights with DeepSeek's recipe;
 - int4g32: int4's nibbles with one fp32 scale per 32 weights: symmetric int4 checkpoints (Int4: groups of
-  32, 64, 128... as published, their scales repeated per 32), or quantized here from float weights.
+  32, 64, 128... as published, their scales repeated per 32), or quantized here from float weights;
+- iq4nl: codes of ggml's non-linear 4-bit grid (IQ4NL) with one fp32 scale per 32: GGUF's IQ4_NL and IQ4_XS
+  as stored (Iq4: exact), or quantized here;
+- uint4g32: unsigned nibbles with an fp32 scale and min per 32, w = scale x q - min: GGUF's Q4_K and Q4_1, AWQ
+  and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes.
 """
 from __future__ import annotations
@@ -21,13 +25,15 @@ from moe_core.config import FP8_BLOCK
 
 from . import native
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32")
+FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32")
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
+# ggml's kvalues_iq4nl: an IQ4_NL / IQ4_XS code -> its value (native/gemm_int4.cpp's IQ4NL_LUT)
+IQ4NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)
 
 
 class Mx4(NamedTuple):
@@ -108,6 +114,50 @@ class Int4(NamedTuple):
         return Int4(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), parts[0].group)
 
 
+class Iq4(NamedTuple):
+    """Weights on ggml's IQ4_NL grid: codes [rows, K] uint8 (0-15) and scale [rows, K/32] fp32 (w = IQ4NL[code] x
+    the scale of its 32; IQ4_XS's fp16 scale times its 6-bit sub-scale is exact in fp32)."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        R, K = self.codes.shape
+        return (IQ4NL[self.codes.long()].view(R, -1, G32) * self.scale[..., None]).view(R, K)
+
+    @staticmethod
+    def cat(parts: list["Iq4"]) -> "Iq4":
+        return Iq4(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+class UInt4(NamedTuple):
+    """Asymmetric 4-bit weights: values [rows, K] uint8 (0-15), scale and min [rows, K / group] fp32 (w = value x
+    scale - min of its group of `group` consecutive weights: Q4_K's d x sc and dmin x m, a zero point's scale x
+    zero, both exact in fp32)."""
+    values: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    group: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        K = self.values.shape[1]
+        rep = lambda t: t.float().repeat_interleave(self.group, 1)[:, :K]  # noqa: E731
+        return self.values.float() * rep(self.scale) - rep(self.min)
+
+    @staticmethod
+    def cat(parts: list["UInt4"]) -> "UInt4":
+        if len({p.group for p in parts}) != 1:
+            raise ValueError(f"uint4 matrices of different group sizes {[p.group for p in parts]} cannot be stacked")
+        return UInt4(*(torch.cat([getattr(p, f) for p in parts]) for f in ("values", "scale", "min")), parts[0].group)
+
+
 class Int8(NamedTuple):
     """The int8 format's numbers: values [rows, K] int8 in -127..127, scale [rows] fp32 (one per row)."""
     values: torch.Tensor
@@ -151,7 +201,7 @@ def row_len(n: int, fmt: str) -> int:
     the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
     fall in one L1 set."""
     n = (n + 63) // 64 * 64
-    nbytes = {"bf16": 2 * n, "int8": n, "int4": n // 2, "mxfp4": n // 2, "fp8": n, "int4g32": n // 2}[fmt]
+    nbytes = 2 * n if fmt == "bf16" else n if fmt in ("int8", "fp8") else n // 2
     return n + 64 if nbytes % 512 == 0 else n
 
 
@@ -177,7 +227,10 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         blocks = (E, -(-rows // FP8_BLOCK), -(-Kp // FP8_BLOCK))
         return ((E, rows, Kp), torch.uint8), (blocks, torch.float32), None, None
     scale = {"mxfp4": ((E, rows, Kp // MX_BLOCK), torch.uint8),
-             "int4g32": ((E, rows, Kp // G32), torch.float32)}.get(fmt, ((E, rows, Kp // INT4_GROUP), torch.float32))
+             "int4g32": ((E, rows, Kp // G32), torch.float32),
+             "iq4nl": ((E, rows, Kp // G32), torch.float32),
+             "uint4g32": ((E, rows, 2 * Kp // G32), torch.float32),  # per 64: scale low, high, min low, high
+             }.get(fmt, ((E, rows, Kp // INT4_GROUP), torch.float32))
     return ((E, rows, Kp // 2), torch.uint8), scale, None, ((E, rows), torch.float32)
 
 
@@ -240,6 +293,62 @@ def pack_int4g32(w: Int4, Kp: int) -> tuple:
     return _nibbles(q), scale, None, 128 * (scale * sums).sum(-1)  # rowcorr: the +128 of u8 x out
 
 
+def _per32(t: torch.Tensor, group: int, Kp: int, pad: float) -> torch.Tensor:
+    """[R, K / group] -> [R, Kp / 32]: each group's number repeated per 32, padding groups `pad`."""
+    t = t.float().repeat_interleave(group // G32, 1)
+    return F.pad(t, (0, Kp // G32 - t.shape[1]), value=pad)[:, :Kp // G32]
+
+
+def pack_iq4nl(w: Iq4, Kp: int) -> tuple:
+    """IQ4_NL-grid codes [rows, K] -> (nibbles, a scale per 32, None, rowcorr), bit-exact."""
+    R, K = w.codes.shape
+    if w.scale.shape != (R, -(-K // G32)):
+        raise ValueError(f"iq4nl weight [{R}, {K}] needs a scale per {G32}, got {list(w.scale.shape)}")
+    codes = F.pad(w.codes, (0, Kp - K), value=8)  # any code: the padding's activations are 0, rowcorr counts it
+    scale = _per32(w.scale, G32, Kp, 0.0)
+    sums = IQ4NL[codes.long()].view(R, -1, G32).sum(-1)
+    return _nibbles(codes), scale, None, 128 * (scale * sums).sum(-1)  # rowcorr: the +128 of u8 x out
+
+
+def pack_uint4g32(w: UInt4, Kp: int) -> tuple:
+    """Asymmetric 4-bit [rows, K] in groups of 32 x n -> (nibbles, per 64: scale low, high, min low, high; None,
+    rowcorr), bit-exact."""
+    R, K = w.values.shape
+    if w.group % G32 or w.scale.shape != (R, -(-K // w.group)) or w.min.shape != w.scale.shape:
+        raise ValueError(f"uint4 weight [{R}, {K}] in groups of {w.group}: the uint4g32 format keeps groups of a "
+                         f"multiple of {G32} with a scale and a min each, got {list(w.scale.shape)}, {list(w.min.shape)}")
+    if int(w.values.max()) > 15:
+        raise ValueError("uint4 values outside 0..15")
+    q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
+    scale, mins = _per32(w.scale, w.group, Kp, 0.0), _per32(w.min, w.group, Kp, 0.0)
+    both = torch.stack([scale.view(R, -1, 2), mins.view(R, -1, 2)], dim=2).reshape(R, -1)
+    sums = q.float().view(R, -1, G32).sum(-1)
+    # the +128 of u8 x times scale x q (the kernels take it out of the mins' activation sums themselves)
+    return _nibbles(q), both, None, 128 * (scale * sums).sum(-1)
+
+
+def iq4nl_quantize(w: torch.Tensor) -> Iq4:
+    """Float w [rows, K] -> the IQ4_NL grid per 32 (ggml's first guess: the group's largest magnitude on the grid's
+    end, -127, then the nearest code; no search)."""
+    R, K = w.shape
+    g = F.pad(w.float(), (0, -K % G32)).view(R, -1, G32)
+    peak = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0]
+    scale = peak / -127
+    scale = torch.where(scale == 0, torch.full_like(scale, 1e-12), scale)
+    codes = ((g / scale[..., None])[..., None] - IQ4NL).abs().argmin(-1).to(torch.uint8)
+    return Iq4(codes.view(R, -1)[:, :K], scale)
+
+
+def uint4_quantize(w: torch.Tensor, group: int = G32) -> UInt4:
+    """Float w [rows, K] -> asymmetric 4-bit in groups (each group's range on 0..15)."""
+    R, K = w.shape
+    g = F.pad(w.float(), (0, -K % group)).view(R, -1, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(R, -1)[:, :K]
+    return UInt4(q, scale, -lo, group)
+
+
 def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
     """Float w [rows, K] -> symmetric int4 in groups (each group's largest magnitude maps to 7)."""
     R, K = w.shape
@@ -251,7 +360,7 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
 
 def floats(w) -> torch.Tensor:
     """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
-    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8)) else w
+    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, UInt4)) else w
 
 
 def int8_quantize(w: torch.Tensor) -> Int8:
@@ -261,15 +370,19 @@ def int8_quantize(w: torch.Tensor) -> Int8:
 
 
 def quantize(w, fmt: str):
-    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 as published) in a format's numbers, before packing:
-    bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4 or Fp8; what a format keeps
-    as published stays bit for bit."""
+    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / UInt4 as published) in a format's numbers, before
+    packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4, Fp8, Iq4 or UInt4; what
+    a format keeps as published stays bit for bit."""
     if fmt == "mxfp4":
         return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
     if fmt == "fp8":
         return w if isinstance(w, Fp8) else fp8_quantize(floats(w))
     if fmt == "int4g32":
         return w if isinstance(w, Int4) else int4_quantize(floats(w))
+    if fmt == "iq4nl":
+        return w if isinstance(w, Iq4) else iq4nl_quantize(floats(w))
+    if fmt == "uint4g32":
+        return w if isinstance(w, UInt4) else uint4_quantize(floats(w))
     if fmt == "int4":
         return int4_quantize(floats(w), INT4_GROUP)
     if fmt == "int8":
@@ -305,6 +418,10 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
         return pack_fp8(q, Kp)
     if fmt == "int4g32":
         return pack_int4g32(q, Kp)
+    if fmt == "iq4nl":
+        return pack_iq4nl(q, Kp)
+    if fmt == "uint4g32":
+        return pack_uint4g32(q, Kp)
     if fmt == "int4":
         return pack_int4(q, Kp)
     if fmt == "bf16":
@@ -327,15 +444,24 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         w = data.view(torch.float8_e4m3fn).float() * s[..., :data.shape[2]]
     else:  # nibbles: byte i of each 64-group holds elements i (low) and i + 32 (high)
         lo, hi = (data & 15).long(), (data >> 4).long()
+        mins = None
         if fmt == "mxfp4":
             twice = MX4_TWICE.to(data.device)
             lo, hi, scale = twice[lo], twice[hi], mx_scale(scale.cpu()).to(data.device)
+        elif fmt == "iq4nl":
+            grid = IQ4NL.to(data.device)
+            lo, hi = grid[lo], grid[hi]
+        elif fmt == "uint4g32":  # per 64: scale low, high, min low, high
+            both = scale.view(*scale.shape[:2], -1, 2, 2)
+            scale, mins = both[..., 0, :].flatten(2), both[..., 1, :].flatten(2)
+            lo, hi = lo.float(), hi.float()
         else:
             lo, hi = lo.float() - 8, hi.float() - 8
         E, R, _ = data.shape
         g = torch.cat([lo.view(E, R, -1, INT4_GROUP // 2), hi.view(E, R, -1, INT4_GROUP // 2)], -1).view(E, R, -1)
-        block = {"mxfp4": MX_BLOCK, "int4g32": G32}.get(fmt, INT4_GROUP)
-        w = (g.view(E, R, -1, block) * scale[..., None]).view(E, R, -1)
+        block = INT4_GROUP if fmt == "int4" else G32
+        g = g.view(E, R, -1, block) * scale[..., None]
+        w = (g if mins is None else g - mins[..., None]).view(E, R, -1)
     return w[..., :K]
 
 
@@ -348,6 +474,10 @@ def stack_rows(parts: list, fmt: str):
         return Fp8.cat(parts)
     if fmt == "int4g32" and all(isinstance(p, Int4) for p in parts):
         return Int4.cat(parts)
+    if fmt == "iq4nl" and all(isinstance(p, Iq4) for p in parts):
+        return Iq4.cat(parts)
+    if fmt == "uint4g32" and all(isinstance(p, UInt4) for p in parts):
+        return UInt4.cat(parts)
     return torch.cat([floats(p) for p in parts])
 
 

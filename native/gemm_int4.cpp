@@ -5,7 +5,13 @@
 //   scales repeated: compressed-tensors, symmetric GPTQ), kept without requantizing;
 // - mxfp4: nibbles are e2m1 codes, looked up (vpshufb) as twice their value, {0, 1, 2, 3, 4, 6, 8, 12}
 //   with bit 3 the sign, exact in int8; one scale per 32 weights, kept as the published 1-byte exponent
-//   and turned into 2^(e - 127) / 2 in registers (4.25 bits a weight read, as published).
+//   and turned into 2^(e - 127) / 2 in registers (4.25 bits a weight read, as published);
+// - iq4nl: nibbles are codes of ggml's non-linear 4-bit grid (IQ4_NL, IQ4_XS), looked up as int8 values in
+//   -127..113; one fp32 scale per 32 (the file's fp16 scale times its 6-bit sub-scale: exact);
+// - uint4g32: nibbles q in 0..15 as they are, w = scale * q - min with an fp32 scale and min per 32 (ggml's
+//   Q4_K and Q4_1, AWQ and GPTQ zero points: scale * zero is exact in fp32). The mins need each group's
+//   activation sum: one more vpdpbusd (against ones) per token and group, shared by the tile's rows, its +128s
+//   taken out in int32 (exact) so that the min term stays at the size of the result.
 // Activations come as u8 = x + 128, so per group sum((x + 128) * w) is one vpdpbusd, the scale applies
 // in fp32, and the +128 comes back out through the per-row constant rowcorr. One 256-bit micro-kernel serves
 // AVX2 and AVX-VNNI, their dot products apart (ymm.h: Avx2Dot::small2 adds a group's two halves in int16
@@ -30,6 +36,8 @@ constexpr int G = INT4_GROUP;
 
 // e2m1 code -> twice its value, as int8 (mxfp4's lookup table)
 constexpr int8_t MX4_LUT[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// ggml's kvalues_iq4nl: the IQ4_NL / IQ4_XS code -> its value
+constexpr int8_t IQ4NL_LUT[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // mxfp4's scale of a published exponent e (e8m0): 2^(e - 127) / 2 (the kernels multiply twice the e2m1
 // value), the float whose exponent field is e - 1; 0 for e <= 1 (blocks below 2^-127)
@@ -45,9 +53,18 @@ __attribute__((target("avx512f,sse4.1"))) inline __m128 mx_scales4(const uint8_t
   const __m128i x = _mm_max_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(v)), _mm_set1_epi32(1));
   return _mm_castsi128_ps(_mm_slli_epi32(_mm_sub_epi32(x, _mm_set1_epi32(1)), 23));
 }
-// The three 4-bit formats: int4 (q - 8, a scale per 64), mxfp4 (e2m1, an exponent per 32), int4g32 (q - 8, an fp32
-// scale per 32: int4 checkpoints' groups, kept)
-enum Mode { INT4, MX, G32 };
+// The 4-bit formats: int4 (q - 8, a scale per 64), mxfp4 (e2m1, an exponent per 32), int4g32 (q - 8, an fp32
+// scale per 32: int4 checkpoints' groups, kept), iq4nl (the IQ4 grid, an fp32 scale per 32), uint4g32 (q, an fp32
+// scale and min per 32; per 64-group the row holds scale low, scale high, min low, min high)
+enum Mode { INT4, MX, G32, IQ, ASYM };
+// scales (and mins) a row holds per 64 weights
+template <int MODE>
+constexpr int per64 = MODE == INT4 ? 1 : MODE == ASYM ? 4 : 2;
+// whether a nibble's value exceeds what AVX2's vpmaddubsw pairs take with u8 activations (|w| <= 15)
+template <int MODE>
+constexpr bool wide_values = MODE == IQ;
+template <int MODE>
+inline const int8_t* lut_of() { return MODE == IQ ? IQ4NL_LUT : MX4_LUT; }
 template <int MODE>
 using ScaleT = std::conditional_t<MODE == MX, uint8_t, float>;  // what a row's scales are stored as
 // a row's 4 scales of two 64-groups (A low, A high, B low, B high), as floats
@@ -62,10 +79,13 @@ inline float scale_of(ScaleT<MODE> s) {
   else return s;
 }
 
-// a vector of nibbles -> its weights: q - 8 (int4, int4g32) or the looked-up e2m1 value (mxfp4; lut in every lane)
+// a vector of nibbles -> its weights: q - 8 (int4, int4g32), q (uint4g32) or the looked-up value (mxfp4, iq4nl; lut
+// in every lane)
 template <int MODE>
 __attribute__((target("avx512f,avx512bw"))) inline __m512i decode(__m512i q, __m512i lut) {
-  return MODE == MX ? _mm512_shuffle_epi8(lut, q) : _mm512_sub_epi8(q, _mm512_set1_epi8(8));
+  if constexpr (MODE == MX || MODE == IQ) return _mm512_shuffle_epi8(lut, q);
+  else if constexpr (MODE == ASYM) return q;
+  else return _mm512_sub_epi8(q, _mm512_set1_epi8(8));
 }
 template <int NT, int MODE>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S,
@@ -80,11 +100,16 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   row_streams(S, lds, nr, sc);
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
   const __m512i lo4x = _mm512_set1_epi8(0x0f);
+  const __m512i ones = _mm512_set1_epi8(1), off4 = _mm512_set1_epi32(4 * 128);  // a lane's 4 activations' +128s
   const __m512i scale_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  // mxfp4, int4g32: per 2 groups 4 scales (A low, A high, B low, B high); lanes 0-7 are group A's, 8-15 B's
-  const __m512i lo_lanes = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i hi_lanes = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MX4_LUT)));
+  // per 2 groups the row's scales, per64 each: lanes 0-7 are group A's, 8-15 B's. mxfp4, int4g32, iq4nl: A low,
+  // A high, B low, B high; uint4g32: A's scale low, high, min low, high, then B's
+  constexpr int P = per64<MODE>;
+  const __m512i lo_lanes = _mm512_set_epi32(P, P, P, P, P, P, P, P, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i hi_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(1));
+  const __m512i min_lo_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(2));
+  const __m512i min_hi_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(3));
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut_of<MODE>())));
   int i = 0, g = 0;
   // Two groups per step: one 512-bit load of 128 nibbles per row, the low nibbles of both groups
   // in one vector and the high ones in another; the activations are arranged to match (the low
@@ -94,17 +119,34 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   // compute-bound on Zen 4 with short rows.
   for (; i + 2 * G <= K; i += 2 * G, g += 2) {
     __m512i xl[NT], xh[NT];
+    __m512 xsl[NT], xsh[NT];  // uint4g32: the activations' sums per lane (4 of them), for the mins
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512i A = _mm512_loadu_si512(X[t] + i), B = _mm512_loadu_si512(X[t] + i + G);
       xl[t] = _mm512_shuffle_i64x2(A, B, 0x44);  // [A elems 0-31 | B elems 0-31]
       xh[t] = _mm512_shuffle_i64x2(A, B, 0xEE);  // [A elems 32-63 | B elems 32-63]
+      if constexpr (MODE == ASYM) {
+        xsl[t] = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), off4), xl[t], ones));
+        xsh[t] = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), off4), xh[t], ones));
+      }
     }
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m512i p = _mm512_loadu_si512(w[r] + i / 2);
       __m512i lo = decode<MODE>(_mm512_and_si512(p, lo4x), lut);
       __m512i hi = decode<MODE>(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), lut);
-      if constexpr (MODE != INT4) {
+      if constexpr (MODE == ASYM) {
+        const __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps(sc[r] + 4 * g));
+        const __m512 slo = _mm512_permutexvar_ps(lo_lanes, s8), shi = _mm512_permutexvar_ps(hi_lanes, s8);
+        const __m512 mlo = _mm512_permutexvar_ps(min_lo_lanes, s8), mhi = _mm512_permutexvar_ps(min_hi_lanes, s8);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl[t], lo)), slo,
+                                      acc[r][t]);
+          acc[r][t] = _mm512_fnmadd_ps(xsl[t], mlo, acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xh[t], hi)), shi,
+                                      acc[r][t]);
+          acc[r][t] = _mm512_fnmadd_ps(xsh[t], mhi, acc[r][t]);
+        }
+      } else if constexpr (MODE != INT4) {
         const __m512 s4 = _mm512_castps128_ps512(scales4<MODE>(sc[r] + 2 * g));
         const __m512 slo = _mm512_permutexvar_ps(lo_lanes, s4), shi = _mm512_permutexvar_ps(hi_lanes, s4);
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
@@ -125,25 +167,32 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   }
   for (; i < K; i += G, ++g) {  // an odd last group
     __m512i a[RB];
-    __m512 s[RB];
+    __m512 s[RB], m[RB];
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       // rows about tuning().pf_bytes further on, same offset: in L2 by the time they are read
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));  // 64 nibbles
       a[r] = decode<MODE>(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
                                              _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1), lut);
-      // lanes 0-7 hold elements 0-31 (low nibbles), 8-15 elements 32-63: mxfp4 and int4g32 scale them apart
-      if constexpr (MODE != INT4)
-        s[r] = _mm512_insertf32x8(_mm512_set1_ps(scale_of<MODE>(sc[r][2 * g])),
-                                  _mm256_set1_ps(scale_of<MODE>(sc[r][2 * g + 1])), 1);
-      else
+      // lanes 0-7 hold elements 0-31 (low nibbles), 8-15 elements 32-63: the formats with a scale per 32 scale
+      // them apart
+      if constexpr (MODE == INT4) {
         s[r] = _mm512_set1_ps(sc[r][g]);
+      } else {
+        const ScaleT<MODE>* q = sc[r] + P * g;
+        s[r] = _mm512_insertf32x8(_mm512_set1_ps(scale_of<MODE>(q[0])), _mm256_set1_ps(scale_of<MODE>(q[1])), 1);
+        if constexpr (MODE == ASYM) m[r] = _mm512_insertf32x8(_mm512_set1_ps(q[2]), _mm256_set1_ps(q[3]), 1);
+      }
     }
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512i xv = _mm512_loadu_si512(X[t] + i);
-      MOE_UNROLL for (int r = 0; r < RB; ++r)
+      __m512 xs = _mm512_setzero_ps();
+      if constexpr (MODE == ASYM) xs = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), off4), xv, ones));
+      MOE_UNROLL for (int r = 0; r < RB; ++r) {
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, a[r])),
                                     s[r], acc[r][t]);
+        if constexpr (MODE == ASYM) acc[r][t] = _mm512_fnmadd_ps(xs, m[r], acc[r][t]);
+      }
     }
   }
   reduce_tile16(acc, nr, C);
@@ -163,24 +212,42 @@ inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S
   const ScaleT<MODE>* sc[RB];
   row_streams(W, ldw, nr, w);
   row_streams(S, lds, nr, sc);
-  const __m256i lut = Ymm::bytes16(MX4_LUT);
+  const __m256i lut = Ymm::bytes16(lut_of<MODE>()), ones = Ymm::set1_epi8(1);
+  const __m256i off4 = Ymm::set1_epi32(4 * 128);  // a lane's 4 activations' +128s
+  constexpr int P = per64<MODE>;
   for (int i = 0, g = 0; i < K; i += G, ++g) {
     __m256i xl[NT], xh[NT];  // elements 0-31 and 32-63 of each token's group
+    __m256 xsl[NT], xsh[NT];  // uint4g32: their sums per lane, for the mins
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
       xl[t] = Ymm::load(X[t] + i);
       xh[t] = Ymm::load(X[t] + i + 32);
+      if constexpr (wide_values<MODE>) xl[t] = Dot::act(xl[t]), xh[t] = Dot::act(xh[t]);
+      if constexpr (MODE == ASYM) {
+        xsl[t] = Ymm::to_ps(Ymm::sub_epi32(Dot::small(xl[t], ones), off4));
+        xsh[t] = Ymm::to_ps(Ymm::sub_epi32(Dot::small(xh[t], ones), off4));
+      }
     }
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i lo, hi;
       Ymm::nibbles(w[r] + i / 2, lo, hi);
       if constexpr (MODE != INT4) {
-        if constexpr (MODE == MX) lo = Ymm::lookup(lut, lo), hi = Ymm::lookup(lut, hi);
-        else lo = Ymm::minus8(lo), hi = Ymm::minus8(hi);
-        const __m256 slo = Ymm::set1(scale_of<MODE>(sc[r][2 * g])), shi = Ymm::set1(scale_of<MODE>(sc[r][2 * g + 1]));
+        if constexpr (MODE == MX || MODE == IQ) lo = Ymm::lookup(lut, lo), hi = Ymm::lookup(lut, hi);
+        else if constexpr (MODE == G32) lo = Ymm::minus8(lo), hi = Ymm::minus8(hi);
+        const ScaleT<MODE>* q = sc[r] + P * g;
+        const __m256 slo = Ymm::set1(scale_of<MODE>(q[0])), shi = Ymm::set1(scale_of<MODE>(q[1]));
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
-          acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xl[t], lo)), slo, acc[r][t]);
-          acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xh[t], hi)), shi, acc[r][t]);
+          if constexpr (wide_values<MODE>) {  // the dot products of the int8 kernels: |w| up to 127
+            acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::dot(Ymm::zero_si(), xl[t], lo)), slo, acc[r][t]);
+            acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::dot(Ymm::zero_si(), xh[t], hi)), shi, acc[r][t]);
+          } else {
+            acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xl[t], lo)), slo, acc[r][t]);
+            acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xh[t], hi)), shi, acc[r][t]);
+          }
+          if constexpr (MODE == ASYM) {
+            acc[r][t] = Ymm::fnmadd(xsl[t], Ymm::set1(q[2]), acc[r][t]);
+            acc[r][t] = Ymm::fnmadd(xsh[t], Ymm::set1(q[3]), acc[r][t]);
+          }
         }
       } else {
         lo = Ymm::minus8(lo), hi = Ymm::minus8(hi);
@@ -209,15 +276,18 @@ void mk_avx512(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S, s
   with_tokens<TB>(nt, [&](auto NT) { mk<decltype(NT)::value, MODE>(W, ldw, pf, S, lds, nr, X, K, C); });
 }
 
-// rows [r0, r1) of expert e on one ISA's micro-kernel (the int8 driver's twin: gemm_int8.cpp)
-template <int MODE, int TBI, class MK>
+// rows [r0, r1) of expert e on one ISA's micro-kernel (the int8 driver's twin: gemm_int8.cpp). OFFSET: what the
+// micro-kernel's dot products of wide values (iq4nl) hold, (q + 128) * w (128) or q * w (0: AVX2's sign trick,
+// which needs no rowcorr)
+template <int MODE, int TBI, int OFFSET = 128, class MK>
 inline void drive_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
-  const int scales = MODE == INT4 ? m.Kp / G : m.Kp / (G / 2);  // per row
+  const int scales = m.Kp / G * per64<MODE>;  // per row
   const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
   const size_t pf = prefetch_rows(ldw, RB) * ldw;  // bytes ahead
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
   const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * m.rows * scales;
   const float* corr = m.rowcorr + size_t(e) * m.rows;
+  const float keep = wide_values<MODE> && OFFSET == 0 ? 0.f : 1.f;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
   drive_rows<RB, TBI, float>(
       r0, r1, ns, TBI,
@@ -226,16 +296,19 @@ inline void drive_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, in
       },
       [&](int r, int nr, int s, int nt, const float* C) {
         for (int t = 0; t < nt; ++t)
-          for (int j = 0; j < nr; ++j) Y[size_t(s + t) * ldy + r + j] = (C[t * RB + j] - corr[r + j]) * x.scale[s + t];
+          for (int j = 0; j < nr; ++j)
+            Y[size_t(s + t) * ldy + r + j] = (C[t * RB + j] - keep * corr[r + j]) * x.scale[s + t];
       });
 }
 
 template <int MODE>
 void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  const int groups = m.Kp / G, scales = MODE == INT4 ? groups : 2 * groups;
+  const int groups = m.Kp / G, scales = groups * per64<MODE>;
   const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
-  auto value = [](int q) { return MODE == MX ? int32_t(MX4_LUT[q]) : int32_t(q) - 8; };
+  auto value = [](int q) {
+    return MODE == MX || MODE == IQ ? int32_t(lut_of<MODE>()[q]) : MODE == ASYM ? int32_t(q) : int32_t(q) - 8;
+  };
   for (int r = r0; r < r1; ++r) {
     const size_t row = size_t(e) * m.rows + r;
     const uint8_t* wr = static_cast<const uint8_t*>(m.w) + row * ldw;
@@ -243,15 +316,20 @@ void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, i
     for (int s = 0; s < ns; ++s) {
       float acc = 0.f;
       for (int g = 0; g < groups; ++g) {
-        int32_t lo = 0, hi = 0;  // elements 0-31 and 32-63 of the group
+        // elements 0-31 and 32-63 of the group; their activations' sums (without the +128s)
+        int32_t lo = 0, hi = 0, xlo = -128 * G / 2, xhi = -128 * G / 2;
         for (int i = 0; i < G / 2; ++i) {
           lo += value(wr[g * G / 2 + i] & 15) * X[s][g * G + i];
           hi += value(wr[g * G / 2 + i] >> 4) * X[s][g * G + G / 2 + i];
+          xlo += X[s][g * G + i];
+          xhi += X[s][g * G + G / 2 + i];
         }
-        if constexpr (MODE != INT4)
-          acc += float(lo) * scale_of<MODE>(sr[2 * g]) + float(hi) * scale_of<MODE>(sr[2 * g + 1]);
+        const ScaleT<MODE>* q = sr + per64<MODE> * g;
+        if constexpr (MODE == INT4)
+          acc += float(lo + hi) * q[0];
         else
-          acc += float(lo + hi) * sr[g];
+          acc += float(lo) * scale_of<MODE>(q[0]) + float(hi) * scale_of<MODE>(q[1]);
+        if constexpr (MODE == ASYM) acc -= float(xlo) * q[2] + float(xhi) * q[3];
       }
       Y[size_t(s) * ldy + r] = (acc - m.rowcorr[row]) * x.scale[s];
     }
@@ -296,6 +374,32 @@ void gemm_rows_int4g32_avxvnni(const Matrix& m, int e, int r0, int r1, const Act
 }
 void gemm_rows_int4g32_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   drive_4bit<G32, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<G32>);
+}
+
+void ref_gemm_rows_iq4nl(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  ref_gemm_rows_4bit<IQ>(m, e, r0, r1, x, ns, Y, ldy);
+}
+void gemm_rows_iq4nl_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<IQ, TB256, Avx2Dot::offset>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<IQ>);
+}
+void gemm_rows_iq4nl_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<IQ, TB256, VnniDot::offset>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<IQ>);
+}
+void gemm_rows_iq4nl_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<IQ, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<IQ>);
+}
+
+void ref_gemm_rows_uint4g32(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  ref_gemm_rows_4bit<ASYM>(m, e, r0, r1, x, ns, Y, ldy);
+}
+void gemm_rows_uint4g32_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<ASYM, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<ASYM>);
+}
+void gemm_rows_uint4g32_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<ASYM, TB256>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<ASYM>);
+}
+void gemm_rows_uint4g32_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<ASYM, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<ASYM>);
 }
 
 }  // namespace moe

@@ -23,9 +23,13 @@ struct Ymm {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   MOE_YMM __m256 set1(float v) { return _mm256_set1_ps(v); }
+  MOE_YMM __m256i set1_epi8(char v) { return _mm256_set1_epi8(v); }
+  MOE_YMM __m256i set1_epi32(int v) { return _mm256_set1_epi32(v); }
+  MOE_YMM __m256i sub_epi32(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }
   MOE_YMM __m256 broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   MOE_YMM __m256 to_ps(__m256i v) { return _mm256_cvtepi32_ps(v); }
   MOE_YMM __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+  MOE_YMM __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
   // 32 packed nibbles (64 weights of a row) -> low nibbles (elements 0-31) and high ones (32-63), as bytes
   MOE_YMM void nibbles(const uint8_t* w, __m256i& lo, __m256i& hi) {
     const __m256i lo4 = _mm256_set1_epi8(0x0f), p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));

@@ -28,7 +28,7 @@ def layer(gate, up, down, fmt="bf16", isa=None, **kw):
 def no_amx_emulation_left_on():
     yield
     native.set_amx_emulation(False)
-FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8", "int4g32"]
+FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32"]
 
 
 class Fp8Rows:
@@ -86,27 +86,12 @@ def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
 
 def dequantized(op):
     """The weights exactly as the packed format stores them, back in fp32 [E, rows, K] (fp8: Fp8Rows)."""
-    from moe_kernels.packing import G32, INT4_GROUP, MX4_TWICE, MX_BLOCK, mx_scale
+    from moe_kernels.packing import unpack
 
     if op.fmt == "fp8":
         I, H = op.intermediate, op.hidden
         return Fp8Rows(op.gu, 0, I, H), Fp8Rows(op.gu, I, 2 * I, H), Fp8Rows(op.dn, 0, H, I)
-
-    def one(packed, K):
-        data, scale, _, _ = packed
-        if op.fmt == "bf16":
-            w = data.float()
-        elif op.fmt == "int8":
-            w = data.float() * scale[..., None]
-        else:
-            value = (lambda q: MX4_TWICE[q.long()]) if op.fmt == "mxfp4" else (lambda q: q.float() - 8)  # noqa: E731
-            lo, hi = value(data & 15), value(data >> 4)
-            E, R, half = data.shape
-            g = torch.cat([lo.view(E, R, -1, INT4_GROUP // 2), hi.view(E, R, -1, INT4_GROUP // 2)], -1)
-            block = {"mxfp4": MX_BLOCK, "int4g32": G32}.get(op.fmt, INT4_GROUP)
-            scale = mx_scale(scale) if op.fmt == "mxfp4" else scale
-            w = (g.view(E, R, -1, block) * scale[..., None]).view(E, R, -1)
-        return w[..., :K]
+    one = lambda packed, K: unpack(packed, op.fmt, K)  # noqa: E731
     gu = one(op.gu, op.hidden)
     I = op.intermediate
     return gu[:, :I], gu[:, I:], one(op.dn, I)
@@ -139,8 +124,10 @@ def close(got, want, tol):
 # Against the reference that rounds like the kernels: sum order differs, which now and then moves an
 # activation across an int8 rounding boundary (one quantum, 1/127 of the vector's max).
 # fp8: e4m3 keeps 3 mantissa bits (up to 6% error per weight against the original bf16 weights).
-TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3, "fp8": 2e-3, "int4g32": 6e-3}
-TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1, "fp8": 1.5e-1, "int4g32": 3.5e-1}
+TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3, "fp8": 2e-3, "int4g32": 6e-3, "iq4nl": 6e-3,
+       "uint4g32": 6e-3}
+TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1, "fp8": 1.5e-1, "int4g32": 3.5e-1,
+                "iq4nl": 3.5e-1, "uint4g32": 3.5e-1}
 
 
 @pytest.fixture(autouse=True)
