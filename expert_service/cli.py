@@ -12,7 +12,7 @@ import torch
 from moe_core import gguf_model
 from moe_core.config import FP8_BLOCK, ModelConfig, ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
-from moe_core.int4_checkpoints import runs_as_published
+from moe_core.int4_checkpoints import published_format
 from moe_core import security, serving
 from moe_core.edge import MalformedRequestInterceptor
 from moe_core.shards import Shard
@@ -37,13 +37,15 @@ def parse_args(argv=None):
                          "while the machine is ours and spin only while a CPU is free beside other programs "
                          "(MOE_SPIN=yield|always|never overrides) and torch's OpenMP threads wait "
                          "passively (OMP_WAIT_POLICY)")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4", "fp8", "int4g32"],
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", *kernels.NATIVE_FORMATS[1:]],
                     help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group "
                          "scales, quantized at load; mxfp4: e2m1 with a power-of-two scale per 32, gpt-oss's "
                          "published experts kept bit for bit, others quantized at load; fp8: e4m3 with a scale "
-                         "per 128 x 128 block, published FP8 experts kept bit for bit, others quantized at load); "
-                         "auto = the checkpoint's own (its dtype, mxfp4 for published gpt-oss, fp8 for FP8 "
-                         "releases)")
+                         "per 128 x 128 block, published FP8 experts kept bit for bit, others quantized at load; "
+                         "int4g32 / uint4g32: 4-bit with a scale (and a min) per 32, int4 checkpoints and GGUF's "
+                         "Q4_0 / Q4_1 / Q4_K kept; iq4nl: GGUF's IQ4_NL / IQ4_XS kept); auto = the checkpoint's own "
+                         "(its dtype, mxfp4 for published gpt-oss, fp8 for FP8 releases, the int4 and GGUF block "
+                         "formats above, other GGUF types requantized to about their size)")
     ap.add_argument("--shard", default="0/1", metavar="I/N",
                     help="hold only shard I of N of every MoE layer's routed experts (expert e on shard e %% N): "
                          "N expert services, one per shard, together serve the model; gpu-service --experts "
@@ -62,32 +64,35 @@ def parse_args(argv=None):
 
 def weight_format(arg: str, cfg: ModelConfig) -> str:
     """auto: the checkpoint's own (published MXFP4 experts stay MXFP4, published FP8 stays FP8 where its blocks
-    are the kernels' 128 x 128, symmetric int4 stays int4g32; a GGUF's block types without kernels of their own
-    requantized to about their size, gguf_model.requantized_format). fp8 / int4g32 on a quantized checkpoint whose
-    layout the kernels cannot keep is refused (ModelConfigError) rather than requantized."""
+    are the kernels' 128 x 128, int4 checkpoints stay int4g32 (symmetric) or uint4g32 (zero points); a GGUF's
+    experts on the format that keeps their block types, or requantized to about their size:
+    gguf_model.expert_format). fp8 / int4g32 / uint4g32 on a quantized checkpoint whose layout the kernels cannot
+    keep is refused (ModelConfigError) rather than requantized."""
     keeps_fp8 = cfg.fp8_block == (FP8_BLOCK, FP8_BLOCK) and cfg.moe_intermediate_size % FP8_BLOCK == 0
     if arg == "fp8" and cfg.fp8_block is not None and not keeps_fp8:
         raise ModelConfigError(
             f"--weight-format fp8 keeps published FP8 experts in {FP8_BLOCK} x {FP8_BLOCK} blocks with gate and up "
             f"stacked; this checkpoint has {list(cfg.fp8_block)} blocks and moe_intermediate_size "
             f"{cfg.moe_intermediate_size}: use --weight-format bf16 (exact) or int8")
-    if arg == "int4g32" and cfg.int4 is not None and not runs_as_published(cfg.int4):
+    int4_fmt = published_format(cfg.int4) if cfg.int4 is not None else None
+    keeps = {"int4g32": ("int4g32",), "uint4g32": ("int4g32", "uint4g32")}  # zero points of 8 are a symmetric scheme's
+    if arg in keeps and cfg.int4 is not None and int4_fmt not in keeps[arg]:
+        s = cfg.int4
         raise ModelConfigError(
-            f"--weight-format int4g32 keeps symmetric int4 groups as published; this {cfg.int4.method} checkpoint has "
-            f"{'zero points' if not cfg.int4.symmetric else 'act-order groups' if cfg.int4.act_order else 'groups of ' + str(cfg.int4.group)}"
-            ": use --weight-format bf16 (its weights dequantized exactly) or int4")
+            f"--weight-format {arg} keeps {'symmetric ' if arg == 'int4g32' else ''}int4 groups as published; this "
+            f"{s.method} checkpoint has "
+            f"{'act-order groups' if s.act_order else 'zero points' if not s.symmetric else 'groups of ' + str(s.group)}: "
+            f"use {'--weight-format uint4g32 (its zero points kept) or ' if int4_fmt == 'uint4g32' else ''}"
+            "--weight-format bf16 (its weights dequantized exactly) or int4")
     if arg != "auto":
         return arg
     if cfg.mxfp4_experts:
         return "mxfp4"
     if keeps_fp8 and kernels.native("fp8"):
         return "fp8"
-    if ((cfg.int4 is not None and runs_as_published(cfg.int4)) or cfg.gguf_expert_types == ("Q4_0",)) and \
-            kernels.native("int4g32"):
-        return "int4g32"
-    gguf_fmt = gguf_model.requantized_format(cfg.gguf_expert_types)
-    if gguf_fmt is not None and kernels.native(gguf_fmt):
-        return gguf_fmt
+    for fmt in (int4_fmt, gguf_model.expert_format(cfg.gguf_expert_types)):
+        if fmt is not None and kernels.native(fmt):
+            return fmt
     return {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.torch_dtype, "fp32")
 
 

@@ -15,6 +15,7 @@ from moe_core.edge import MalformedRequestInterceptor
 from moe_core import gguf_model
 from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
+from moe_kernels.packing import FORMATS as WEIGHT_FORMATS
 from protos import generate_pb2, generate_pb2_grpc
 
 from .dispatch import ExpertServiceError, RemoteExperts
@@ -44,7 +45,7 @@ def parse_args(argv=None):
                          "connect they must cover every shard exactly once and serve the same model; or 'local': "
                          "the routed experts in this process, on the same native thread pool (one CPU-only host, "
                          "no second service; --weight-format and --cache-dir as the expert service's)")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4", "fp8", "int4g32"],
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", *WEIGHT_FORMATS[1:]],
                     help="--experts local: the routed experts' format (as expert-service --weight-format)")
     ap.add_argument("--cache-dir", default=None,
                     help="--experts local: the packed-weight cache (as expert-service --cache-dir; default the same)")

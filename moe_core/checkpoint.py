@@ -137,12 +137,14 @@ class Checkpoint:
             return None
         return self._raw(name), self._raw(self._scale_of(name)).float()
 
-    def get_int4(self, name: str):
-        """A symmetric int4 weight as published (packing.Int4: values and a scale per group); None for any other
-        tensor, or where its zero points or act-order groups need the dequantized weight."""
-        if name not in self.packed:
+    def get_published(self, name: str, fmt: str):
+        """An int4 weight as published where expert format `fmt` keeps it: int4g32 symmetric groups (packing.Int4),
+        uint4g32 groups with zero points (packing.UInt4); None for any other tensor or format, or where act-order
+        groups need the dequantized weight."""
+        if name not in self.packed or fmt not in ("int4g32", "uint4g32"):
             return None
-        return self._unpacked(name).symmetric_int4(self.int4.group)
+        u = self._unpacked(name)
+        return u.symmetric_int4(self.int4.group) if fmt == "int4g32" else u.uint4(self.int4.group)
 
     def _unpacked(self, name: str):
         base = self.packed[name]

@@ -4,8 +4,10 @@ prepare(FILE.gguf) writes a small folder beside the cache (config.json from the 
 tokenizer.json and tokenizer_config.json from its tokenizer and chat template, gguf.json naming the file)
 that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckpoint reads the tensors in
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
-package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Q4_0 experts (a scale per
-32, q - 8) are kept bit for bit on the int4g32 kernels; the other quant types are dequantized exactly.
+package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
+a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_1 and Q4_K on uint4g32; IQ4_NL and
+IQ4_XS on iq4nl; MXFP4 on mxfp4); the other quant types are dequantized exactly (then requantized by default:
+expert_format).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
 published) and llama files with experts (Mixtral); what the converter changed is undone (a llama file's q/k rows,
 MLA's split kv_b, gpt-oss's split gate/up and nibble order); others are refused by name.
@@ -29,6 +31,73 @@ FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-o
 # `where` entries whose name is every expert's tensor at once, built expert by expert (get_row) from the file's
 # tensors' slices: dequantized, or as stored (STACKED_RAW: gpt-oss's MXFP4 blocks)
 STACKED, STACKED_RAW = -1, -2
+# the block types an expert format holds exactly (what the file stores, in the kernels' numbers)
+KEEPS = {"Q4_0": "int4g32", "Q4_1": "uint4g32", "Q4_K": "uint4g32", "IQ4_NL": "iq4nl", "IQ4_XS": "iq4nl",
+         "MXFP4": "mxfp4"}
+
+
+def _f16(b: np.ndarray) -> torch.Tensor:
+    """[..., 2] bytes -> their fp16 values as float32 [...]."""
+    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _halves(qs: np.ndarray) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n] nibbles: the n low ones, then the n high ones (ggml's order within a block)."""
+    q = torch.from_numpy(np.ascontiguousarray(qs))
+    return torch.cat([q & 15, q >> 4], dim=-1)
+
+
+def _q4_0(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes; w = d (q - 8)
+    from moe_kernels.packing import Int4
+    blocks = b.reshape(b.shape[0], -1, 18)
+    q = _halves(blocks[..., 2:]).reshape(b.shape[0], -1)
+    return Int4((q.to(torch.int16) - 8).to(torch.int8), _f16(blocks[..., :2]), 32)
+
+
+def _q4_1(b: np.ndarray):  # 20 bytes per 32: fp16 d, fp16 m, 16 bytes; w = d q + m
+    from moe_kernels.packing import UInt4
+    blocks = b.reshape(b.shape[0], -1, 20)
+    return UInt4(_halves(blocks[..., 4:]).reshape(b.shape[0], -1), _f16(blocks[..., :2]), -_f16(blocks[..., 2:4]), 32)
+
+
+def _q4_k(b: np.ndarray):
+    """144 bytes per 256: fp16 d and dmin, 12 bytes of 6-bit scales and mins for the 8 sub-blocks of 32, 128 bytes
+    (per 64 weights 32 bytes: the low nibbles the first sub-block, the high ones the second); w = d sc q - dmin m,
+    each product exact in fp32."""
+    from moe_kernels.packing import UInt4
+    R = b.shape[0]
+    blocks = b.reshape(R, -1, 144)
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sm = torch.from_numpy(np.ascontiguousarray(blocks[..., 4:16])).view(R, -1, 3, 4)
+    lo, hi, both = sm[..., 0, :], sm[..., 1, :], sm[..., 2, :]
+    sc = torch.cat([lo & 63, (both & 15) | ((lo >> 2) & 48)], dim=-1).float()  # [R, blocks, 8]
+    mn = torch.cat([hi & 63, (both >> 4) | ((hi >> 2) & 48)], dim=-1).float()
+    q = _halves(blocks[..., 16:].reshape(R, -1, 4, 32)).reshape(R, -1)
+    return UInt4(q, (d[..., None] * sc).reshape(R, -1), (dmin[..., None] * mn).reshape(R, -1), 32)
+
+
+def _iq4_nl(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes of codes; w = d IQ4NL[code]
+    from moe_kernels.packing import Iq4
+    blocks = b.reshape(b.shape[0], -1, 18)
+    return Iq4(_halves(blocks[..., 2:]).reshape(b.shape[0], -1), _f16(blocks[..., :2]))
+
+
+def _iq4_xs(b: np.ndarray):
+    """136 bytes per 256: fp16 d, the 8 sub-blocks' 6-bit scales (2 high bits each in a uint16, 4 low bits in 4
+    bytes), 128 bytes of codes (16 per sub-block of 32); w = d (ls - 32) IQ4NL[code], the scale exact in fp32."""
+    from moe_kernels.packing import Iq4
+    R = b.shape[0]
+    blocks = b.reshape(R, -1, 136)
+    d = _f16(blocks[..., 0:2])
+    high = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)[..., 0].astype(np.int32))
+    low = torch.from_numpy(np.ascontiguousarray(blocks[..., 4:8])).int()
+    j = torch.arange(8)
+    ls = ((low[..., j // 2] >> (4 * (j % 2))) & 15) | (((high[..., None] >> (2 * j)) & 3) << 4)
+    codes = _halves(blocks[..., 8:].reshape(R, -1, 8, 16)).reshape(R, -1)
+    return Iq4(codes, (d[..., None] * (ls - 32).float()).reshape(R, -1))
+
+
+_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
 
 
 def layer_names(cfg, L: int) -> list[tuple[str, str]]:
@@ -437,20 +506,14 @@ class GGUFCheckpoint:
     def get_fp8(self, name: str):
         return None
 
-    def get_int4(self, name: str):
-        """A Q4_0 weight as packing.Int4 (its fp16 scale per 32 and q - 8: bit for bit); None for other types."""
-        from gguf import GGMLQuantizationType as Q
-        from moe_kernels.packing import Int4
+    def get_published(self, name: str, fmt: str):
+        """The weight as stored where expert format `fmt` keeps its block type (KEEPS: packing.Int4, UInt4 or Iq4,
+        bit for bit what the gguf package dequantizes); None for other types and formats."""
         t, data = self._data(name)
-        if t.tensor_type != Q.Q4_0:
+        kind = t.tensor_type.name
+        if KEEPS.get(kind) != fmt or kind not in _DECODE:
             return None
-        b = np.asarray(data)                                  # [rows, blocks * 18]: fp16 scale, 16 bytes of nibbles
-        rows = b.shape[0]
-        blocks = b.reshape(rows, -1, 18)
-        scale = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32))
-        qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]))  # byte j: element j (low), j + 16 (high)
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(rows, -1)
-        return Int4((q.to(torch.int16) - 8).to(torch.int8), scale, 32)
+        return _DECODE[kind](np.asarray(data))
 
     def close(self) -> None:  # the map stays: a GGUF is read in place
         pass
@@ -474,28 +537,35 @@ def format_bits(fmt: str) -> float:
     return 8 * sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in parts) / (rows * Kp)
 
 
-def requantized_format(types: tuple[str, ...]) -> str | None:
-    """The expert format a GGUF's routed experts default to when no kernel keeps their block types (None: floats,
-    or kept as stored): the file's size class, not a 2-4x larger exact copy (a 4-bit DeepSeek file must fit the
-    RAM its user has). Files with experts of 5 bits or fewer (Q4_K_M's Q4_K, Q3_K, Q2_K, IQ4_XS) -> int4g32; the
-    others (Q5_K, Q6_K, Q8_0) -> int8. Measured on the default model against llama-perplexity on the same files:
-    within 0.5% (docs/accuracy.md); --weight-format bf16 keeps them exact."""
+def expert_format(types: tuple[str, ...]) -> str | None:
+    """The expert format a GGUF's routed experts default to (None: floats). A format that holds every quantized
+    type of the file exactly (KEEPS) where there is one; else the file's size class, not a 2-4x larger exact copy (a
+    4-bit DeepSeek file must fit the RAM its user has): with a type of 5 bits or fewer, the format keeping the
+    smallest such type (Q4_K_M's Q4_K: uint4g32, its Q6_K requantized into it), or int4g32 (Q3_K, Q2_K); the others
+    (Q5_K, Q6_K, Q8_0) -> int8. Measured on the default model against llama-perplexity on the same files
+    (docs/accuracy.md); --weight-format bf16 keeps them exact."""
     quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
-    if not quantized or quantized == ["Q4_0"] or quantized == ["MXFP4"]:
+    if not quantized:
         return None
-    return "int4g32" if min(type_bits(t) for t in quantized) <= 5 else "int8"
+    kept = {KEEPS.get(t) for t in quantized}
+    if len(kept) == 1 and None not in kept:
+        return kept.pop()
+    small = sorted((type_bits(t), t) for t in quantized if type_bits(t) <= 5)
+    if not small:
+        return "int8"
+    return next((KEEPS[t] for _, t in small if t in KEEPS and KEEPS[t] != "mxfp4"), "int4g32")
 
 
 def dequantized_experts(cfg, fmt: str) -> str | None:
     """For a GGUF whose routed experts the chosen format does not keep as stored: what that costs, for the log
-    (None otherwise). Only Q4_0 (int4g32) and MXFP4 (mxfp4) run as stored; the other block types are
-    dequantized exactly, then held in `fmt`."""
-    types = [t for t in cfg.gguf_expert_types if t not in ("F32", "F16", "BF16")
-             and not (t == "Q4_0" and fmt == "int4g32") and not (t == "MXFP4" and fmt == "mxfp4")]
+    (None otherwise). The types KEEPS maps to `fmt` run as stored; the others are dequantized exactly, then held in
+    `fmt`."""
+    types = [t for t in cfg.gguf_expert_types if t not in ("F32", "F16", "BF16") and KEEPS.get(t) != fmt]
     if not types:
         return None
     stored, held = max(type_bits(t) for t in types), format_bits(fmt)
-    what = f"the file's routed experts ({', '.join(types)}, up to {stored:.3g} bits a weight) have no kernels of their own yet"
+    what = (f"the file's routed experts ({', '.join(types)}, up to {stored:.3g} bits a weight) are not kept as stored by "
+            f"the {fmt} format")
     if fmt in ("fp32", "bf16", "fp16"):
         return (f"{what}: dequantized exactly and held as {fmt} ({held:.3g} bits, {held / stored:.1f}x the file's bytes "
                 "for them and as slow to decode)")

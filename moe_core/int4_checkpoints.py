@@ -5,8 +5,9 @@ experts: symmetric, groups of 32), GPTQ (groups, symmetric or not, `desc_act` wi
 
 Each is read into one form, Unpacked: the 4-bit codes q (0-15) [out, in], the zero point of each group
 [out, groups] (8 for symmetric schemes), the scale of each group [out, groups] and the group of each input
-column (g_idx; consecutive groups unless GPTQ's act-order). w = (q - zero) x scale. Symmetric schemes with
-consecutive groups run as published on the int4g32 kernels (packing.Int4); the others are dequantized exactly.
+column (g_idx; consecutive groups unless GPTQ's act-order). w = (q - zero) x scale. Consecutive groups run as
+published: symmetric schemes on the int4g32 kernels (packing.Int4), zero points on the uint4g32 kernels
+(packing.UInt4: w = scale x q - scale x zero); act-order groups are dequantized exactly.
 """
 from __future__ import annotations
 
@@ -76,10 +77,12 @@ def stored_parts(scheme: Int4Scheme) -> tuple[str, ...]:
     return PARTS[scheme.method]
 
 
-def runs_as_published(scheme: Int4Scheme) -> bool:
-    """Whether the scheme's weights can run on the int4g32 kernels as published (symmetric, consecutive groups
-    of a multiple of 32); the others are dequantized."""
-    return scheme.symmetric and not scheme.act_order and (scheme.group <= 0 or scheme.group % 32 == 0)
+def published_format(scheme: Int4Scheme) -> str | None:
+    """The expert format that runs the scheme's weights as published: int4g32 (symmetric) or uint4g32 (zero
+    points), for consecutive groups of a multiple of 32; None where they must be dequantized (act-order groups)."""
+    if scheme.act_order or not (scheme.group <= 0 or scheme.group % 32 == 0):
+        return None
+    return "int4g32" if scheme.symmetric else "uint4g32"
 
 
 @dataclasses.dataclass
@@ -103,6 +106,16 @@ class Unpacked:
                 not torch.equal(self.g_idx, torch.arange(n_in) // group):
             return None
         return Int4((self.q.to(torch.int16) - 8).to(torch.int8), self.scale, group)
+
+    def uint4(self, group: int):  # group <= 0: one a row
+        """As packing.UInt4 (q, a scale and min = scale x zero per group: exact in fp32) where groups are consecutive
+        and a multiple of 32 long; else None."""
+        from moe_kernels.packing import G32, UInt4
+        n_in = self.q.shape[1]
+        group = group if group > 0 else n_in
+        if group % G32 or not torch.equal(self.g_idx, torch.arange(n_in) // group):
+            return None
+        return UInt4(self.q, self.scale, self.scale * self.zero.float(), group)
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """int4 checkpoints as published: compressed-tensors pack-quantized (symmetric like Kimi-K2-Thinking, and with
 zero points), GPTQ (symmetric; asymmetric with act-order g_idx) and AWQ (GEMM packing, zero points), written
 here from the tiny Qwen3-MoE checkpoint's routed experts (compressed-tensors with that library's own packer).
-On the exact path (fp32) each generates transformers' greedy tokens on the dequantized weights; the symmetric
-ones start on the int4g32 kernels by default, their scales and values kept, and stay close to the exact logits."""
+On the exact path (fp32) each generates transformers' greedy tokens on the dequantized weights; by default the
+symmetric ones start on the int4g32 kernels and those with zero points (consecutive groups) on uint4g32, their
+codes, scales and zero points kept, and stay close to the exact logits; act-order ones are dequantized."""
 from __future__ import annotations
 
 import json
@@ -129,23 +130,28 @@ def test_int4_checkpoint_matches_transformers_on_its_dequantized_weights(method,
     s = services_factory(d, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
     assert greedy(s.stub, prompt, 12) == want, s.logs()
     s.stop()
-    published = sym and not act_order
-    s = services_factory(d, gpu_args=("--dtype", "fp32"))  # default format: int4g32 where it keeps them
-    assert ("as int4g32" in s.logs()) == published, s.logs()
-    if published:  # int8 activations on the exact int4 weights
+    # default format: int4g32 (symmetric), uint4g32 (zero points) where groups are consecutive, else dequantized
+    fmt = None if act_order else "int4g32" if sym else "uint4g32"
+    s = services_factory(d, gpu_args=("--dtype", "fp32"))
+    assert (f"as {fmt}" in s.logs()) == (fmt is not None), s.logs()
+    if fmt:  # int8 activations on the exact int4 weights
         r = s.stub.Score(generate_pb2.ScoreRequest(token_ids=generate_pb2.TokenIds(ids=prompt)), timeout=60)
         got = codec.decode(r.logits, "logits").double()
         err = float((got - exact_logits).norm() / exact_logits.norm())
         assert err < 0.02, err
-        assert ck.get_int4(name) is not None
+        kept = ck.get_published(name, fmt)  # the published numbers, which dequantize to the exact weights
+        torch.testing.assert_close(kept.dequantize(), ck.get(name), rtol=0, atol=1e-6)
 
 
-def test_int4g32_is_refused_where_it_would_requantize(checkpoints, tmp_path):
+@pytest.mark.parametrize("method,sym,act_order,fmt,hint", [("awq", False, False, "int4g32", "uint4g32"),
+                                                            ("gptq", False, True, "uint4g32", "bf16")])
+def test_a_4bit_format_is_refused_where_it_would_requantize(method, sym, act_order, fmt, hint, checkpoints, tmp_path):
     from harness import free_port, start
-    d, _ = write(pathlib.Path(checkpoints["qwen3_moe"]), tmp_path / "q", "awq", False)
+    d, _ = write(pathlib.Path(checkpoints["qwen3_moe"]), tmp_path / "q", method, sym, act_order)
     log = tmp_path / "expert.log"
     p = start("expert_service", "--model", str(d), "--listen", f"127.0.0.1:{free_port()}",
-              "--weight-format", "int4g32", log=log)
+              "--weight-format", fmt, log=log)
     assert p.wait(120) == 2
     text = log.read_text()
-    assert "zero points" in text and "--weight-format bf16" in text and "Traceback" not in text, text
+    assert ("zero points" if fmt == "int4g32" else "act-order") in text and f"--weight-format {hint}" in text and \
+        "Traceback" not in text, text
