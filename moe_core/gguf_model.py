@@ -31,9 +31,10 @@ FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-o
 # `where` entries whose name is every expert's tensor at once, built expert by expert (get_row) from the file's
 # tensors' slices: dequantized, or as stored (STACKED_RAW: gpt-oss's MXFP4 blocks)
 STACKED, STACKED_RAW = -1, -2
-# the block types an expert format holds exactly (what the file stores, in the kernels' numbers)
-KEEPS = {"Q4_0": "int4g32", "Q4_1": "uint4g32", "Q4_K": "uint4g32", "IQ4_NL": "iq4nl", "IQ4_XS": "iq4nl",
-         "MXFP4": "mxfp4"}
+# block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred
+# first (Q4_0's q - 8 is also a min of 8 scales)
+KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("uint4g32",), "IQ4_NL": ("iq4nl",),
+         "IQ4_XS": ("iq4nl",), "MXFP4": ("mxfp4",)}
 
 
 def _f16(b: np.ndarray) -> torch.Tensor:
@@ -509,11 +510,15 @@ class GGUFCheckpoint:
     def get_published(self, name: str, fmt: str):
         """The weight as stored where expert format `fmt` keeps its block type (KEEPS: packing.Int4, UInt4 or Iq4,
         bit for bit what the gguf package dequantizes); None for other types and formats."""
+        from moe_kernels.packing import Int4, UInt4
         t, data = self._data(name)
         kind = t.tensor_type.name
-        if KEEPS.get(kind) != fmt or kind not in _DECODE:
+        if fmt not in KEEPS.get(kind, ()) or kind not in _DECODE:
             return None
-        return _DECODE[kind](np.asarray(data))
+        w = _DECODE[kind](np.asarray(data))
+        if fmt == "uint4g32" and isinstance(w, Int4):  # Q4_0: d (q - 8) = d q - 8 d
+            return UInt4((w.values.to(torch.int16) + 8).to(torch.uint8), w.scale, 8 * w.scale, w.group)
+        return w
 
     def close(self) -> None:  # the map stays: a GGUF is read in place
         pass
@@ -547,20 +552,20 @@ def expert_format(types: tuple[str, ...]) -> str | None:
     quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
     if not quantized:
         return None
-    kept = {KEEPS.get(t) for t in quantized}
-    if len(kept) == 1 and None not in kept:
-        return kept.pop()
+    common = set.intersection(*(set(KEEPS.get(t, ())) for t in quantized))
+    if common:
+        return next(f for f in KEEPS[quantized[0]] if f in common)
     small = sorted((type_bits(t), t) for t in quantized if type_bits(t) <= 5)
     if not small:
         return "int8"
-    return next((KEEPS[t] for _, t in small if t in KEEPS and KEEPS[t] != "mxfp4"), "int4g32")
+    return next((KEEPS[t][0] for _, t in small if t in KEEPS and KEEPS[t][0] != "mxfp4"), "int4g32")
 
 
 def dequantized_experts(cfg, fmt: str) -> str | None:
     """For a GGUF whose routed experts the chosen format does not keep as stored: what that costs, for the log
     (None otherwise). The types KEEPS maps to `fmt` run as stored; the others are dequantized exactly, then held in
     `fmt`."""
-    types = [t for t in cfg.gguf_expert_types if t not in ("F32", "F16", "BF16") and KEEPS.get(t) != fmt]
+    types = [t for t in cfg.gguf_expert_types if t not in ("F32", "F16", "BF16") and fmt not in KEEPS.get(t, ())]
     if not types:
         return None
     stored, held = max(type_bits(t) for t in types), format_bits(fmt)

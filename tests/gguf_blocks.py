@@ -1,0 +1,95 @@
+"""Quantizers for the GGUF block types the gguf package can read but not write (Q4_K, IQ4_NL, IQ4_XS), so the tests
+can write files of them: float rows [R, K] -> the raw blocks [R, K / block * bytes], laid out as llama.cpp writes
+them. Simple first guesses of the scales (no search): the tests need the layout, not llama.cpp's error. Each
+is checked against the gguf package's dequantizer (tests/test_gguf.py), which is what makes the layout right."""
+from __future__ import annotations
+
+import numpy as np
+
+IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    """[...] -> [..., 2] bytes of fp16."""
+    return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8).reshape(*x.shape, 2)
+
+
+def _pack_halves(q: np.ndarray) -> np.ndarray:
+    """[..., 2n] codes -> [..., n] bytes: the first n in the low nibbles, the next n in the high ones."""
+    n = q.shape[-1] // 2
+    return (q[..., :n] | (q[..., n:] << 4)).astype(np.uint8)
+
+
+def _nearest_code(v: np.ndarray) -> np.ndarray:
+    return np.abs(v[..., None] - IQ4NL).argmin(-1).astype(np.uint8)
+
+
+def _grid_scale(x: np.ndarray) -> np.ndarray:
+    """Per row of x [..., 32]: the scale putting its largest magnitude on the grid's end (-127)."""
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    return peak / -127.0
+
+
+def q4_k(x: np.ndarray) -> np.ndarray:
+    """144 bytes per 256: fp16 d, dmin; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles."""
+    R, K = x.shape
+    sub = x.astype(np.float32).reshape(R, K // 256, 8, 32)
+    lo = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - lo) / 15, -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[..., None] > 0, np.round(scale / d.astype(np.float32)[..., None]), 0).clip(0, 63).astype(np.uint8)
+        mn = np.where(dmin[..., None] > 0, np.round(mins / dmin.astype(np.float32)[..., None]), 0).clip(0, 63).astype(np.uint8)
+        s = d.astype(np.float32)[..., None] * sc
+        m = dmin.astype(np.float32)[..., None] * mn
+        q = np.where(s[..., None] > 0, np.round((sub + m[..., None]) / s[..., None]), 0).clip(0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], axis=-1).astype(np.uint8)
+    qs = _pack_halves(q.reshape(R, K // 256, 4, 64)).reshape(R, K // 256, 128)
+    return np.concatenate([_f16(d), _f16(dmin), packed, qs], axis=-1).reshape(R, -1)
+
+
+def iq4_nl(x: np.ndarray) -> np.ndarray:
+    """18 bytes per 32: fp16 d, 16 bytes of grid codes."""
+    R, K = x.shape
+    blocks = x.astype(np.float32).reshape(R, K // 32, 32)
+    d = _grid_scale(blocks).astype(np.float16)
+    df = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = _nearest_code(np.where(df[..., None] != 0, blocks / df[..., None], 0))
+    return np.concatenate([_f16(d), _pack_halves(codes)], axis=-1).reshape(R, -1)
+
+
+def iq4_xs(x: np.ndarray) -> np.ndarray:
+    """136 bytes per 256: fp16 d, uint16 of the 8 sub-scales' high 2 bits, 4 bytes of their low 4 bits, 128 bytes of
+    grid codes (16 per sub-block of 32); sub-block j's scale is d (ls_j - 32)."""
+    R, K = x.shape
+    sub = x.astype(np.float32).reshape(R, K // 256, 8, 32)
+    want = _grid_scale(sub)                                     # [R, n, 8]
+    d = (np.abs(want).max(-1) / 32).astype(np.float16)
+    df = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = (np.where(df[..., None] > 0, np.round(want / df[..., None]), 0).clip(-32, 31) + 32).astype(np.uint16)
+        s = df[..., None] * (ls.astype(np.float32) - 32)
+        codes = _nearest_code(np.where(s[..., None] != 0, sub / s[..., None], 0))
+    high = np.zeros(ls.shape[:-1], dtype=np.uint16)
+    for j in range(8):
+        high |= (ls[..., j] >> 4) << (2 * j)
+    low = ((ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)).astype(np.uint8)
+    high_b = np.ascontiguousarray(high).view(np.uint8).reshape(*high.shape, 2)
+    qs = _pack_halves(codes).reshape(R, K // 256, 128)
+    return np.concatenate([_f16(d), high_b, low, qs], axis=-1).reshape(R, -1)
+
+
+ENCODERS = {"Q4_K": q4_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
+
+
+def quantize(x: np.ndarray, qtype) -> np.ndarray:
+    """gguf.quants.quantize for every type: ours where the package has no quantizer. x [..., K] -> raw bytes."""
+    import gguf
+    name = qtype.name if hasattr(qtype, "name") else str(qtype)
+    if name not in ENCODERS:
+        return gguf.quants.quantize(x, qtype)
+    lead = x.shape[:-1]
+    return ENCODERS[name](x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
