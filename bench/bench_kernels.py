@@ -30,6 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from common import SHAPES, cpu_name, timed, weights  # noqa: E402
 from moe_kernels import native as native  # noqa: E402
+from moe_kernels.packing import layout  # noqa: E402
 from expert_service.kernels import TorchMoELayer  # noqa: E402
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 
@@ -80,10 +81,9 @@ def main() -> None:
         ref = TorchMoELayer(gate, up, down, fmt="bf16")
         for fmt in a.formats.split(","):
             op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads, isa=isa)
-            # the weights' own bytes (and scales); the kernels' row padding is not counted
-            bytes_per_expert = 3 * H * I * {"bf16": 2, "int8": 1, "int4": 0.5, "mxfp4": 0.5, "fp8": 1, "int4g32": 0.5}[fmt] + \
-                {"bf16": 0, "int8": (2 * I + H) * 4, "int4": 3 * H * I // 64 * 4, "mxfp4": 3 * H * I // 32,
-                 "fp8": 3 * H * I // (128 * 128) * 4, "int4g32": 3 * H * I // 32 * 4}[fmt]
+            # the weights' own bytes (and scales, sums); the kernels' row padding is not counted
+            bytes_per_expert = sum(torch.Size(shape).numel() * dtype.itemsize for rows, K in ((2 * I, H), (H, I))
+                                   for part in layout(fmt, 1, rows, K) if part is not None for shape, dtype in [part])
             g = torch.Generator().manual_seed(1)
             # decode: fresh experts every call, so the weights come from DRAM, not the cache
             calls = [(torch.randn(1, H).bfloat16(), torch.randperm(E, generator=g)[:k].view(1, k).to(torch.int32),

@@ -229,7 +229,7 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
     scale = {"mxfp4": ((E, rows, Kp // MX_BLOCK), torch.uint8),
              "int4g32": ((E, rows, Kp // G32), torch.float32),
              "iq4nl": ((E, rows, Kp // G32), torch.float32),
-             "uint4g32": ((E, rows, 2 * Kp // G32), torch.float32),  # per 64: scale low, high, min low, high
+             "uint4g32": ((E, 2 * rows, Kp // G32), torch.float32),  # an expert's scales, then its mins
              }.get(fmt, ((E, rows, Kp // INT4_GROUP), torch.float32))
     return ((E, rows, Kp // 2), torch.uint8), scale, None, ((E, rows), torch.float32)
 
@@ -311,8 +311,8 @@ def pack_iq4nl(w: Iq4, Kp: int) -> tuple:
 
 
 def pack_uint4g32(w: UInt4, Kp: int) -> tuple:
-    """Asymmetric 4-bit [rows, K] in groups of 32 x n -> (nibbles, per 64: scale low, high, min low, high; None,
-    rowcorr), bit-exact."""
+    """Asymmetric 4-bit [rows, K] in groups of 32 x n -> (nibbles, [the rows' scales per 32; then their mins per 32],
+    None, rowcorr), bit-exact."""
     R, K = w.values.shape
     if w.group % G32 or w.scale.shape != (R, -(-K // w.group)) or w.min.shape != w.scale.shape:
         raise ValueError(f"uint4 weight [{R}, {K}] in groups of {w.group}: the uint4g32 format keeps groups of a "
@@ -321,10 +321,9 @@ def pack_uint4g32(w: UInt4, Kp: int) -> tuple:
         raise ValueError("uint4 values outside 0..15")
     q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
     scale, mins = _per32(w.scale, w.group, Kp, 0.0), _per32(w.min, w.group, Kp, 0.0)
-    both = torch.stack([scale.view(R, -1, 2), mins.view(R, -1, 2)], dim=2).reshape(R, -1)
     sums = q.float().view(R, -1, G32).sum(-1)
     # the +128 of u8 x times scale x q (the kernels take it out of the mins' activation sums themselves)
-    return _nibbles(q), both, None, 128 * (scale * sums).sum(-1)
+    return _nibbles(q), torch.cat([scale, mins]), None, 128 * (scale * sums).sum(-1)
 
 
 def iq4nl_quantize(w: torch.Tensor) -> Iq4:
@@ -451,9 +450,8 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         elif fmt == "iq4nl":
             grid = IQ4NL.to(data.device)
             lo, hi = grid[lo], grid[hi]
-        elif fmt == "uint4g32":  # per 64: scale low, high, min low, high
-            both = scale.view(*scale.shape[:2], -1, 2, 2)
-            scale, mins = both[..., 0, :].flatten(2), both[..., 1, :].flatten(2)
+        elif fmt == "uint4g32":  # an expert's scales, then its mins
+            scale, mins = scale.chunk(2, dim=-2)
             lo, hi = lo.float(), hi.float()
         else:
             lo, hi = lo.float() - 8, hi.float() - 8

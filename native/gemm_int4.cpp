@@ -9,9 +9,11 @@
 // - iq4nl: nibbles are codes of ggml's non-linear 4-bit grid (IQ4_NL, IQ4_XS), looked up as int8 values in
 //   -127..113; one fp32 scale per 32 (the file's fp16 scale times its 6-bit sub-scale: exact);
 // - uint4g32: nibbles q in 0..15 as they are, w = scale * q - min with an fp32 scale and min per 32 (ggml's
-//   Q4_K and Q4_1, AWQ and GPTQ zero points: scale * zero is exact in fp32). The mins need each group's
-//   activation sum: one more vpdpbusd (against ones) per token and group, shared by the tile's rows, its +128s
-//   taken out in int32 (exact) so that the min term stays at the size of the result.
+//   Q4_K and Q4_1, AWQ and GPTQ zero points: scale * zero is exact in fp32). The micro-kernels run it as int4g32
+//   without the - 8; the mins' share, sum_g min_g * (the activations' sum over group g), is a short dot product per
+//   row and token (K/32 terms) the driver adds, over group sums it takes once per call (their +128s taken out in
+//   int32, exactly, so that the term stays at the size of the result). A min term inside the micro-kernel cost
+//   1.6x int4g32's decode time (the extra permutes and FMAs per 64 weights: compute-bound on 2 cores).
 // Activations come as u8 = x + 128, so per group sum((x + 128) * w) is one vpdpbusd, the scale applies
 // in fp32, and the +128 comes back out through the per-row constant rowcorr. One 256-bit micro-kernel serves
 // AVX2 and AVX-VNNI, their dot products apart (ymm.h: Avx2Dot::small2 adds a group's two halves in int16
@@ -20,6 +22,7 @@
 
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
 #include "kernels.h"
@@ -55,11 +58,12 @@ __attribute__((target("avx512f,sse4.1"))) inline __m128 mx_scales4(const uint8_t
 }
 // The 4-bit formats: int4 (q - 8, a scale per 64), mxfp4 (e2m1, an exponent per 32), int4g32 (q - 8, an fp32
 // scale per 32: int4 checkpoints' groups, kept), iq4nl (the IQ4 grid, an fp32 scale per 32), uint4g32 (q, an fp32
-// scale and min per 32; per 64-group the row holds scale low, scale high, min low, min high)
+// scale per 32 as int4g32's; an expert's mins after all its scales, a row's Kp/32 at a time). The micro-kernels
+// read scale 2g and 2g + 1 of 64-group g (one per 64 for int4).
 enum Mode { INT4, MX, G32, IQ, ASYM };
-// scales (and mins) a row holds per 64 weights
+// scales a row has per 64 weights
 template <int MODE>
-constexpr int per64 = MODE == INT4 ? 1 : MODE == ASYM ? 4 : 2;
+constexpr int per64 = MODE == INT4 ? 1 : 2;
 // whether a nibble's value exceeds what AVX2's vpmaddubsw pairs take with u8 activations (|w| <= 15)
 template <int MODE>
 constexpr bool wide_values = MODE == IQ;
@@ -90,7 +94,7 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i decode(__m512i q, __m
 template <int NT, int MODE>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S,
                                                                        size_t lds, int nr, const uint8_t* const* X,
-                                                                       int K, float* C) {
+                                                                       const float* const* XS, size_t moff, int K, float* C) {
   __m512 acc[RB][NT];
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -100,15 +104,11 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   row_streams(S, lds, nr, sc);
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
   const __m512i lo4x = _mm512_set1_epi8(0x0f);
-  const __m512i ones = _mm512_set1_epi8(1), off4 = _mm512_set1_epi32(4 * 128);  // a lane's 4 activations' +128s
   const __m512i scale_lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  // per 2 groups the row's scales, per64 each: lanes 0-7 are group A's, 8-15 B's. mxfp4, int4g32, iq4nl: A low,
-  // A high, B low, B high; uint4g32: A's scale low, high, min low, high, then B's
-  constexpr int P = per64<MODE>;
-  const __m512i lo_lanes = _mm512_set_epi32(P, P, P, P, P, P, P, P, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i hi_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(1));
-  const __m512i min_lo_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(2));
-  const __m512i min_hi_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(3));
+  // mxfp4, int4g32, iq4nl, uint4g32: per 2 groups 4 scales (A low, A high, B low, B high); lanes 0-7 are group A's,
+  // 8-15 B's
+  const __m512i lo_lanes = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i hi_lanes = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut_of<MODE>())));
   int i = 0, g = 0;
   // Two groups per step: one 512-bit load of 128 nibbles per row, the low nibbles of both groups
@@ -119,34 +119,17 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   // compute-bound on Zen 4 with short rows.
   for (; i + 2 * G <= K; i += 2 * G, g += 2) {
     __m512i xl[NT], xh[NT];
-    __m512 xsl[NT], xsh[NT];  // uint4g32: the activations' sums per lane (4 of them), for the mins
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512i A = _mm512_loadu_si512(X[t] + i), B = _mm512_loadu_si512(X[t] + i + G);
       xl[t] = _mm512_shuffle_i64x2(A, B, 0x44);  // [A elems 0-31 | B elems 0-31]
       xh[t] = _mm512_shuffle_i64x2(A, B, 0xEE);  // [A elems 32-63 | B elems 32-63]
-      if constexpr (MODE == ASYM) {
-        xsl[t] = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), off4), xl[t], ones));
-        xsh[t] = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), off4), xh[t], ones));
-      }
     }
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m512i p = _mm512_loadu_si512(w[r] + i / 2);
       __m512i lo = decode<MODE>(_mm512_and_si512(p, lo4x), lut);
       __m512i hi = decode<MODE>(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), lut);
-      if constexpr (MODE == ASYM) {
-        const __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps(sc[r] + 4 * g));
-        const __m512 slo = _mm512_permutexvar_ps(lo_lanes, s8), shi = _mm512_permutexvar_ps(hi_lanes, s8);
-        const __m512 mlo = _mm512_permutexvar_ps(min_lo_lanes, s8), mhi = _mm512_permutexvar_ps(min_hi_lanes, s8);
-        MOE_UNROLL for (int t = 0; t < NT; ++t) {
-          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl[t], lo)), slo,
-                                      acc[r][t]);
-          acc[r][t] = _mm512_fnmadd_ps(xsl[t], mlo, acc[r][t]);
-          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xh[t], hi)), shi,
-                                      acc[r][t]);
-          acc[r][t] = _mm512_fnmadd_ps(xsh[t], mhi, acc[r][t]);
-        }
-      } else if constexpr (MODE != INT4) {
+      if constexpr (MODE != INT4) {
         const __m512 s4 = _mm512_castps128_ps512(scales4<MODE>(sc[r] + 2 * g));
         const __m512 slo = _mm512_permutexvar_ps(lo_lanes, s4), shi = _mm512_permutexvar_ps(hi_lanes, s4);
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
@@ -167,7 +150,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
   }
   for (; i < K; i += G, ++g) {  // an odd last group
     __m512i a[RB];
-    __m512 s[RB], m[RB];
+    __m512 s[RB];
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       // rows about tuning().pf_bytes further on, same offset: in L2 by the time they are read
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
@@ -179,19 +162,25 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
       if constexpr (MODE == INT4) {
         s[r] = _mm512_set1_ps(sc[r][g]);
       } else {
-        const ScaleT<MODE>* q = sc[r] + P * g;
-        s[r] = _mm512_insertf32x8(_mm512_set1_ps(scale_of<MODE>(q[0])), _mm256_set1_ps(scale_of<MODE>(q[1])), 1);
-        if constexpr (MODE == ASYM) m[r] = _mm512_insertf32x8(_mm512_set1_ps(q[2]), _mm256_set1_ps(q[3]), 1);
+        s[r] = _mm512_insertf32x8(_mm512_set1_ps(scale_of<MODE>(sc[r][2 * g])), _mm256_set1_ps(scale_of<MODE>(sc[r][2 * g + 1])), 1);
       }
     }
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
       __m512i xv = _mm512_loadu_si512(X[t] + i);
-      __m512 xs = _mm512_setzero_ps();
-      if constexpr (MODE == ASYM) xs = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), off4), xv, ones));
-      MOE_UNROLL for (int r = 0; r < RB; ++r) {
+      MOE_UNROLL for (int r = 0; r < RB; ++r)
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, a[r])),
                                     s[r], acc[r][t]);
-        if constexpr (MODE == ASYM) acc[r][t] = _mm512_fnmadd_ps(xs, m[r], acc[r][t]);
+    }
+  }
+  if constexpr (MODE == ASYM) {  // the mins: acc -= mins . the activations' group sums, 16 groups a step
+    const int ng = K / 32;
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
+      const float* mins = sc[r] + moff;  // the row's mins
+      for (int j = 0; j < ng; j += 16) {
+        const __mmask16 k = ng - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (ng - j)) - 1);
+        const __m512 mv = _mm512_maskz_loadu_ps(k, mins + j);
+        MOE_UNROLL for (int t = 0; t < NT; ++t)
+          acc[r][t] = _mm512_fnmadd_ps(mv, _mm512_maskz_loadu_ps(k, XS[t] + j), acc[r][t]);
       }
     }
   }
@@ -204,7 +193,7 @@ constexpr int TB256 = 4;
 
 template <class Dot, int NT, int MODE>
 inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S, size_t lds, int nr,
-                  const uint8_t* const* X, int K, float* C) {
+                  const uint8_t* const* X, const float* const* XS, size_t moff, int K, float* C) {
   __m256 acc[RB][NT];
   MOE_UNROLL for (int r = 0; r < RB; ++r)
     MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = Ymm::zero_ps();
@@ -212,20 +201,13 @@ inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S
   const ScaleT<MODE>* sc[RB];
   row_streams(W, ldw, nr, w);
   row_streams(S, lds, nr, sc);
-  const __m256i lut = Ymm::bytes16(lut_of<MODE>()), ones = Ymm::set1_epi8(1);
-  const __m256i off4 = Ymm::set1_epi32(4 * 128);  // a lane's 4 activations' +128s
-  constexpr int P = per64<MODE>;
+  const __m256i lut = Ymm::bytes16(lut_of<MODE>());
   for (int i = 0, g = 0; i < K; i += G, ++g) {
     __m256i xl[NT], xh[NT];  // elements 0-31 and 32-63 of each token's group
-    __m256 xsl[NT], xsh[NT];  // uint4g32: their sums per lane, for the mins
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
       xl[t] = Ymm::load(X[t] + i);
       xh[t] = Ymm::load(X[t] + i + 32);
       if constexpr (wide_values<MODE>) xl[t] = Dot::act(xl[t]), xh[t] = Dot::act(xh[t]);
-      if constexpr (MODE == ASYM) {
-        xsl[t] = Ymm::to_ps(Ymm::sub_epi32(Dot::small(xl[t], ones), off4));
-        xsh[t] = Ymm::to_ps(Ymm::sub_epi32(Dot::small(xh[t], ones), off4));
-      }
     }
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
@@ -234,8 +216,7 @@ inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S
       if constexpr (MODE != INT4) {
         if constexpr (MODE == MX || MODE == IQ) lo = Ymm::lookup(lut, lo), hi = Ymm::lookup(lut, hi);
         else if constexpr (MODE == G32) lo = Ymm::minus8(lo), hi = Ymm::minus8(hi);
-        const ScaleT<MODE>* q = sc[r] + P * g;
-        const __m256 slo = Ymm::set1(scale_of<MODE>(q[0])), shi = Ymm::set1(scale_of<MODE>(q[1]));
+        const __m256 slo = Ymm::set1(scale_of<MODE>(sc[r][2 * g])), shi = Ymm::set1(scale_of<MODE>(sc[r][2 * g + 1]));
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
           if constexpr (wide_values<MODE>) {  // the dot products of the int8 kernels: |w| up to 127
             acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::dot(Ymm::zero_si(), xl[t], lo)), slo, acc[r][t]);
@@ -243,10 +224,6 @@ inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S
           } else {
             acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xl[t], lo)), slo, acc[r][t]);
             acc[r][t] = Ymm::fmadd(Ymm::to_ps(Dot::small(xh[t], hi)), shi, acc[r][t]);
-          }
-          if constexpr (MODE == ASYM) {
-            acc[r][t] = Ymm::fnmadd(xsl[t], Ymm::set1(q[2]), acc[r][t]);
-            acc[r][t] = Ymm::fnmadd(xsh[t], Ymm::set1(q[3]), acc[r][t]);
           }
         }
       } else {
@@ -257,14 +234,31 @@ inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S
       }
     }
   }
+  if constexpr (MODE == ASYM) {  // the mins: acc -= mins . the activations' group sums (zero-padded to 8s)
+    const int ng = K / 32;
+    MOE_UNROLL for (int r = 0; r < RB; ++r) {
+      const float* mins = sc[r] + moff;  // the row's mins
+      int j = 0;
+      for (; j + 8 <= ng; j += 8) {
+        const __m256 mv = Ymm::loadu_ps(mins + j);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = Ymm::fnmadd(mv, Ymm::loadu_ps(XS[t] + j), acc[r][t]);
+      }
+      if (j < ng) {  // ng is even: a last 2, 4 or 6
+        const __m256 mv = Ymm::loadu_first_ps(mins + j, ng - j);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = Ymm::fnmadd(mv, Ymm::loadu_ps(XS[t] + j), acc[r][t]);
+      }
+    }
+  }
   Ymm::reduce(acc, nr, C);
 }
 
 #define MOE_4BIT_YMM(NAME, TARGET, DOT)                                                                              \
   template <int MODE>                                                                                                \
   MOE_YMM_ENTRY(TARGET) void NAME(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S, size_t lds, int nr, \
-                                  const uint8_t* const* X, int nt, int K, float* C) {                              \
-    with_tokens<TB256>(nt, [&](auto NT) { mk256<DOT, decltype(NT)::value, MODE>(W, ldw, pf, S, lds, nr, X, K, C); }); \
+                                  const uint8_t* const* X, const float* const* XS, size_t moff, int nt, int K,     \
+                                  float* C) {                                                                      \
+    with_tokens<TB256>(nt,                                                                                         \
+                       [&](auto NT) { mk256<DOT, decltype(NT)::value, MODE>(W, ldw, pf, S, lds, nr, X, XS, moff, K, C); }); \
   }
 MOE_4BIT_YMM(mk_avx2, "avx2,fma", Avx2Dot)
 MOE_4BIT_YMM(mk_avxvnni, "avx2,fma,avxvnni", VnniDot)
@@ -272,27 +266,54 @@ MOE_4BIT_YMM(mk_avxvnni, "avx2,fma,avxvnni", VnniDot)
 
 template <int MODE>
 void mk_avx512(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S, size_t lds, int nr, const uint8_t* const* X,
-               int nt, int K, float* C) {
-  with_tokens<TB>(nt, [&](auto NT) { mk<decltype(NT)::value, MODE>(W, ldw, pf, S, lds, nr, X, K, C); });
+               const float* const* XS, size_t moff, int nt, int K, float* C) {
+  with_tokens<TB>(nt, [&](auto NT) { mk<decltype(NT)::value, MODE>(W, ldw, pf, S, lds, nr, X, XS, moff, K, C); });
+}
+
+// uint4g32: each slot's activation sums per 32 (u8 - 128 summed: exact in int32), a row of Kp/32 zero-padded to a
+// multiple of 16 (the micro-kernels read whole vectors of them), and a pointer per slot
+inline void group_sums(const uint8_t* const* X, int ns, int Kp, std::vector<float>& xs, std::vector<const float*>& at) {
+  const int ng = Kp / 32, ld = (ng + 15) / 16 * 16;
+  xs.assign(size_t(ns) * ld, 0.f);
+  at.resize(ns);
+  for (int s = 0; s < ns; ++s) {
+    at[s] = &xs[size_t(s) * ld];
+    for (int g = 0; g < ng; ++g) {
+      int32_t sum = -128 * 32;
+      for (int i = 0; i < 32; ++i) sum += X[s][g * 32 + i];
+      xs[size_t(s) * ld + g] = float(sum);
+    }
+  }
 }
 
 // rows [r0, r1) of expert e on one ISA's micro-kernel (the int8 driver's twin: gemm_int8.cpp). OFFSET: what the
 // micro-kernel's dot products of wide values (iq4nl) hold, (q + 128) * w (128) or q * w (0: AVX2's sign trick,
-// which needs no rowcorr)
+// which needs no rowcorr). uint4g32: the micro-kernels take the mins' share against the slots' group sums.
 template <int MODE, int TBI, int OFFSET = 128, class MK>
 inline void drive_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
   const int scales = m.Kp / G * per64<MODE>;  // per row
   const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
   const size_t pf = prefetch_rows(ldw, RB) * ldw;  // bytes ahead
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * m.rows * scales;
+  // uint4g32: an expert's mins (a row's at a time) after its scales, moff numbers on from a row's scales
+  const size_t moff = MODE == ASYM ? size_t(m.rows) * scales : 0;
+  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (m.rows * size_t(scales) + moff);
   const float* corr = m.rowcorr + size_t(e) * m.rows;
   const float keep = wide_values<MODE> && OFFSET == 0 ? 0.f : 1.f;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
+  const int ng = m.Kp / 32;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<const float*> xs_at;
+  if constexpr (MODE == ASYM) group_sums(X, ns, m.Kp, xs, xs_at);
   drive_rows<RB, TBI, float>(
       r0, r1, ns, TBI,
       [&](int r, int nr, int s, int nt, float* C) {
-        mk(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, size_t(scales), nr, X + s, nt, m.Kp, C);
+        if constexpr (MODE == ASYM)  // the tile's mins, read after its weights: on their way meanwhile
+          for (int j = 0; j < nr; ++j)
+            for (int b = 0; b < ng * 4; b += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(Se + size_t(r + j) * scales + moff) + b, _MM_HINT_T0);
+        mk(We + size_t(r) * ldw, ldw, pf, Se + size_t(r) * scales, size_t(scales), nr, X + s,
+           MODE == ASYM ? xs_at.data() + s : nullptr, moff, nt, m.Kp, C);
       },
       [&](int r, int nr, int s, int nt, const float* C) {
         for (int t = 0; t < nt; ++t)
@@ -312,7 +333,10 @@ void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, i
   for (int r = r0; r < r1; ++r) {
     const size_t row = size_t(e) * m.rows + r;
     const uint8_t* wr = static_cast<const uint8_t*>(m.w) + row * ldw;
-    const ScaleT<MODE>* sr = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + row * scales;
+    // uint4g32: an expert's scales [rows, Kp/32], then its mins [rows, Kp/32]
+    const size_t expert = size_t(e) * m.rows * scales * (MODE == ASYM ? 2 : 1);
+    const ScaleT<MODE>* sr = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + expert + size_t(r) * scales;
+    const ScaleT<MODE>* mins = sr + size_t(m.rows) * scales;
     for (int s = 0; s < ns; ++s) {
       float acc = 0.f;
       for (int g = 0; g < groups; ++g) {
@@ -324,12 +348,11 @@ void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, i
           xlo += X[s][g * G + i];
           xhi += X[s][g * G + G / 2 + i];
         }
-        const ScaleT<MODE>* q = sr + per64<MODE> * g;
         if constexpr (MODE == INT4)
-          acc += float(lo + hi) * q[0];
+          acc += float(lo + hi) * sr[g];
         else
-          acc += float(lo) * scale_of<MODE>(q[0]) + float(hi) * scale_of<MODE>(q[1]);
-        if constexpr (MODE == ASYM) acc -= float(xlo) * q[2] + float(xhi) * q[3];
+          acc += float(lo) * scale_of<MODE>(sr[2 * g]) + float(hi) * scale_of<MODE>(sr[2 * g + 1]);
+        if constexpr (MODE == ASYM) acc -= float(xlo) * mins[2 * g] + float(xhi) * mins[2 * g + 1];
       }
       Y[size_t(s) * ldy + r] = (acc - m.rowcorr[row]) * x.scale[s];
     }

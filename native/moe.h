@@ -48,9 +48,9 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //         0-31 of a 64-group, then 32-63); rowcorr as int4's over those groups. int4 checkpoints' groups kept.
 //   iq4nl: w as int4's, nibble c the code of ggml's IQ4_NL grid (IQ4NL_LUT: -127..113); scale and rowcorr as
 //         int4g32's over those values. GGUF's IQ4_NL and IQ4_XS kept exactly (their fp16 x 6-bit scales in fp32).
-//   uint4g32: w as int4's, nibble q standing for itself: w = scale * q - min; scale = fp32 [E, rows, Kp/16]: per
-//         64-group its scale of elements 0-31, of 32-63, then the mins of both; rowcorr as int4g32's (the +128s
-//         of the mins' activation sums are taken out in the kernels). GGUF's Q4_K / Q4_1, AWQ / GPTQ zero points.
+//   uint4g32: w as int4's, nibble q standing for itself: w = scale * q - min; scale = fp32 [E, 2 rows, Kp/32]: an
+//         expert's scales (int4g32's), then its mins in the same layout; rowcorr as int4g32's (the +128s of the mins'
+//         activation sums are taken out in the kernels). GGUF's Q4_K / Q4_1, AWQ / GPTQ zero points.
 //   fp8:  w = uint8 [E, rows, Kp], e4m3 (float8_e4m3fn) bytes as published; scale = fp32
 //         [E, ceil(rows/128), ceil(Kp/128)]: the block's published scale_inv times 256 (the kernels widen a
 //         byte through fp16 bits that read as its value / 256). Activations: fp32 rows of Kp, each followed by

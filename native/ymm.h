@@ -23,6 +23,11 @@ struct Ymm {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   MOE_YMM __m256 set1(float v) { return _mm256_set1_ps(v); }
+  MOE_YMM __m256 loadu_ps(const float* p) { return _mm256_loadu_ps(p); }
+  MOE_YMM __m256 loadu_first_ps(const float* p, int n) {  // p[0..n), zeros after: no read past n
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+  }
   MOE_YMM __m256i set1_epi8(char v) { return _mm256_set1_epi8(v); }
   MOE_YMM __m256i set1_epi32(int v) { return _mm256_set1_epi32(v); }
   MOE_YMM __m256i sub_epi32(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }

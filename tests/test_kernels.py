@@ -166,6 +166,20 @@ def test_large_T_repeated_ids_and_zero_weights(fmt, isa):
     assert torch.all(got[::3] == 0)
 
 
+@pytest.mark.parametrize("fmt", ["int4g32", "iq4nl", "uint4g32"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T", [1, 5])
+def test_rows_of_many_groups(fmt, isa, T):
+    """Rows of 44 and 66 groups of 32 (K = 1408, 2112): the kernels' per-group vectors whole and in part (uint4g32's
+    mins go 16 and 8 groups a step)."""
+    E, I, H, k = 4, 1408, 2112, 2
+    gate, up, down = make(E, I, H)
+    ids, w = routing(T, k, E)
+    x = torch.randn(T, H)
+    op = layer(gate, up, down, fmt=fmt, threads=2, isa=isa)
+    close(op.forward(x, ids, w), reference(x, *dequantized(op), ids, w, fmt=fmt), TOL[fmt])
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_isas_agree(fmt):
     gate, up, down = make(8, 80, 96)
