@@ -50,12 +50,12 @@ def fused_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int) -> tupl
 
 def expert_tensor(ckpt: Checkpoint, name: str, fmt: str):
     """One expert matrix: FP8 kept as published (packing.Fp8) for the fp8 format; int4 checkpoints' and GGUF
-    blocks the format holds exactly (packing.Int4, UInt4, Iq4: the checkpoint's get_published); else floats."""
+    blocks the format holds exactly (packing.Int4, UInt4, Iq4, Q8: the checkpoint's get_published); else floats."""
     if fmt == "fp8" and ckpt.fp8_block == (FP8_BLOCK, FP8_BLOCK):
         published = ckpt.get_fp8(name)
         if published is not None:
             return Fp8(*published)
-    if fmt in ("int4g32", "uint4g32", "iq4nl"):
+    if fmt in ("int4g32", "uint4g32", "iq4nl", "int8g32"):
         published = ckpt.get_published(name, fmt)
         if published is not None:
             return published

@@ -6,8 +6,8 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
 a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_1 and Q4_K on uint4g32; IQ4_NL and
-IQ4_XS on iq4nl; MXFP4 on mxfp4); the other quant types are dequantized exactly (then requantized by default:
-expert_format).
+IQ4_XS on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are dequantized exactly (then requantized by
+default: expert_format).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
 published) and llama files with experts (Mixtral); what the converter changed is undone (a llama file's q/k rows,
 MLA's split kv_b, gpt-oss's split gate/up and nibble order); others are refused by name.
@@ -34,7 +34,7 @@ STACKED, STACKED_RAW = -1, -2
 # block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred
 # first (Q4_0's q - 8 is also a min of 8 scales)
 KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("uint4g32",), "IQ4_NL": ("iq4nl",),
-         "IQ4_XS": ("iq4nl",), "MXFP4": ("mxfp4",)}
+         "IQ4_XS": ("iq4nl",), "Q8_0": ("int8g32",), "MXFP4": ("mxfp4",)}
 
 
 def _f16(b: np.ndarray) -> torch.Tensor:
@@ -53,6 +53,13 @@ def _q4_0(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes; w = d (q - 8)
     blocks = b.reshape(b.shape[0], -1, 18)
     q = _halves(blocks[..., 2:]).reshape(b.shape[0], -1)
     return Int4((q.to(torch.int16) - 8).to(torch.int8), _f16(blocks[..., :2]), 32)
+
+
+def _q8_0(b: np.ndarray):  # 34 bytes per 32: fp16 d, 32 int8; w = d q
+    from moe_kernels.packing import Q8
+    blocks = b.reshape(b.shape[0], -1, 34)
+    q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).reshape(b.shape[0], -1)
+    return Q8(q, _f16(blocks[..., :2]))
 
 
 def _q4_1(b: np.ndarray):  # 20 bytes per 32: fp16 d, fp16 m, 16 bytes; w = d q + m
@@ -98,7 +105,7 @@ def _iq4_xs(b: np.ndarray):
     return Iq4(codes, (d[..., None] * (ls - 32).float()).reshape(R, -1))
 
 
-_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "Q8_0": _q8_0}
 
 
 def layer_names(cfg, L: int) -> list[tuple[str, str]]:
@@ -547,8 +554,8 @@ def expert_format(types: tuple[str, ...]) -> str | None:
     type of the file exactly (KEEPS) where there is one; else the file's size class, not a 2-4x larger exact copy (a
     4-bit DeepSeek file must fit the RAM its user has): with a type of 5 bits or fewer, the format keeping the
     smallest such type (Q4_K_M's Q4_K: uint4g32, its Q6_K requantized into it), or int4g32 (Q3_K, Q2_K); the others
-    (Q5_K, Q6_K, Q8_0) -> int8. Measured on the default model against llama-perplexity on the same files
-    (docs/accuracy.md); --weight-format bf16 keeps them exact."""
+    (Q5_K, Q6_K) -> int8g32 (a scale per 32: Q8_0 kept, the others requantized). Measured on the default model
+    against llama-perplexity on the same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
     quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
     if not quantized:
         return None
@@ -557,7 +564,7 @@ def expert_format(types: tuple[str, ...]) -> str | None:
         return next(f for f in KEEPS[quantized[0]] if f in common)
     small = sorted((type_bits(t), t) for t in quantized if type_bits(t) <= 5)
     if not small:
-        return "int8"
+        return "int8g32"
     return next((KEEPS[t][0] for _, t in small if t in KEEPS and KEEPS[t][0] != "mxfp4"), "int4g32")
 
 

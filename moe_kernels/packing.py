@@ -10,6 +10,7 @@
   32, 64, 128... as published, their scales repeated per 32), or quantized here from float weights;
 - iq4nl: codes of ggml's non-linear 4-bit grid (IQ4NL) with one fp32 scale per 32: GGUF's IQ4_NL and IQ4_XS
   as stored (Iq4: exact), or quantized here;
+- int8g32: int8 with one fp32 scale per 32: GGUF's Q8_0 as stored (Q8: exact), or quantized here;
 - uint4g32: unsigned nibbles with an fp32 scale and min per 32, w = scale x q - min: GGUF's Q4_K and Q4_1, AWQ
   and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes.
@@ -25,7 +26,7 @@ from moe_core.config import FP8_BLOCK
 
 from . import native
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32")
+FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32")
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
@@ -133,6 +134,25 @@ class Iq4(NamedTuple):
         return Iq4(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
 
 
+class Q8(NamedTuple):
+    """int8 weights with a scale per 32: values [rows, K] int8, scale [rows, K/32] fp32 (GGUF's Q8_0: w = value x its
+    block's fp16 scale)."""
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        R, K = self.values.shape
+        return (self.values.float().view(R, -1, G32) * self.scale[..., None]).view(R, K)
+
+    @staticmethod
+    def cat(parts: list["Q8"]) -> "Q8":
+        return Q8(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]))
+
+
 class UInt4(NamedTuple):
     """Asymmetric 4-bit weights: values [rows, K] uint8 (0-15), scale and min [rows, K / group] fp32 (w = value x
     scale - min of its group of `group` consecutive weights: Q4_K's d x sc and dmin x m, a zero point's scale x
@@ -201,7 +221,7 @@ def row_len(n: int, fmt: str) -> int:
     the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
     fall in one L1 set."""
     n = (n + 63) // 64 * 64
-    nbytes = 2 * n if fmt == "bf16" else n if fmt in ("int8", "fp8") else n // 2
+    nbytes = 2 * n if fmt == "bf16" else n if fmt in ("int8", "fp8", "int8g32") else n // 2
     return n + 64 if nbytes % 512 == 0 else n
 
 
@@ -226,6 +246,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
     if fmt == "fp8":
         blocks = (E, -(-rows // FP8_BLOCK), -(-Kp // FP8_BLOCK))
         return ((E, rows, Kp), torch.uint8), (blocks, torch.float32), None, None
+    if fmt == "int8g32":
+        return ((E, rows, Kp), torch.int8), ((E, rows, Kp // G32), torch.float32), None, ((E, rows), torch.float32)
     scale = {"mxfp4": ((E, rows, Kp // MX_BLOCK), torch.uint8),
              "int4g32": ((E, rows, Kp // G32), torch.float32),
              "iq4nl": ((E, rows, Kp // G32), torch.float32),
@@ -326,6 +348,25 @@ def pack_uint4g32(w: UInt4, Kp: int) -> tuple:
     return _nibbles(q), torch.cat([scale, mins]), None, 128 * (scale * sums).sum(-1)
 
 
+def pack_int8g32(w: Q8, Kp: int) -> tuple:
+    """int8 [rows, K] with a scale per 32 -> (bytes, a scale per 32, None, rowcorr), bit-exact."""
+    R, K = w.values.shape
+    if w.scale.shape != (R, -(-K // G32)):
+        raise ValueError(f"int8g32 weight [{R}, {K}] needs a scale per {G32}, got {list(w.scale.shape)}")
+    data = F.pad(w.values, (0, Kp - K))
+    scale = _per32(w.scale, G32, Kp, 0.0)
+    sums = data.float().view(R, -1, G32).sum(-1)
+    return data, scale, None, 128 * (scale * sums).sum(-1)  # rowcorr: the +128 of u8 x out
+
+
+def int8g32_quantize(w: torch.Tensor) -> Q8:
+    """Float w [rows, K] -> int8 per 32 (each group's largest magnitude on 127)."""
+    R, K = w.shape
+    g = F.pad(w.float(), (0, -K % G32)).view(R, -1, G32)
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
+    return Q8(torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).view(R, -1)[:, :K], scale)
+
+
 def iq4nl_quantize(w: torch.Tensor) -> Iq4:
     """Float w [rows, K] -> the IQ4_NL grid per 32 (ggml's first guess: the group's largest magnitude on the grid's
     end, -127, then the nearest code; no search)."""
@@ -359,7 +400,7 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
 
 def floats(w) -> torch.Tensor:
     """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
-    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, UInt4)) else w
+    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, UInt4, Q8)) else w
 
 
 def int8_quantize(w: torch.Tensor) -> Int8:
@@ -369,9 +410,9 @@ def int8_quantize(w: torch.Tensor) -> Int8:
 
 
 def quantize(w, fmt: str):
-    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / UInt4 as published) in a format's numbers, before
-    packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4, Fp8, Iq4 or UInt4; what
-    a format keeps as published stays bit for bit."""
+    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / UInt4 / Q8 as published) in a format's numbers, before
+    packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4, Fp8, Iq4, UInt4 or Q8;
+    what a format keeps as published stays bit for bit."""
     if fmt == "mxfp4":
         return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
     if fmt == "fp8":
@@ -382,6 +423,8 @@ def quantize(w, fmt: str):
         return w if isinstance(w, Iq4) else iq4nl_quantize(floats(w))
     if fmt == "uint4g32":
         return w if isinstance(w, UInt4) else uint4_quantize(floats(w))
+    if fmt == "int8g32":
+        return w if isinstance(w, Q8) else int8g32_quantize(floats(w))
     if fmt == "int4":
         return int4_quantize(floats(w), INT4_GROUP)
     if fmt == "int8":
@@ -421,6 +464,8 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
         return pack_iq4nl(q, Kp)
     if fmt == "uint4g32":
         return pack_uint4g32(q, Kp)
+    if fmt == "int8g32":
+        return pack_int8g32(q, Kp)
     if fmt == "int4":
         return pack_int4(q, Kp)
     if fmt == "bf16":
@@ -438,6 +483,8 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         w = data.float()
     elif fmt == "int8":
         w = data.float() * scale[..., None]
+    elif fmt == "int8g32":
+        w = (data.float().view(*data.shape[:2], -1, G32) * scale[..., None]).flatten(2)
     elif fmt == "fp8":
         s = (scale / 256).repeat_interleave(FP8_BLOCK, 1)[:, :data.shape[1]].repeat_interleave(FP8_BLOCK, 2)
         w = data.view(torch.float8_e4m3fn).float() * s[..., :data.shape[2]]
@@ -476,6 +523,8 @@ def stack_rows(parts: list, fmt: str):
         return Iq4.cat(parts)
     if fmt == "uint4g32" and all(isinstance(p, UInt4) for p in parts):
         return UInt4.cat(parts)
+    if fmt == "int8g32" and all(isinstance(p, Q8) for p in parts):
+        return Q8.cat(parts)
     return torch.cat([floats(p) for p in parts])
 
 

@@ -1,5 +1,6 @@
-// 4-bit weights x int8 activations: AVX-512 VNNI, AVX-VNNI, AVX2 and portable. Three formats share the kernels
-// (template argument MODE), which differ only in what a nibble means and how many scales a group has:
+// 4-bit (and int8g32's 8-bit) weights x int8 activations: AVX-512 VNNI, AVX-VNNI, AVX2 and portable. The formats
+// share the kernels (template argument MODE), which differ only in what a nibble means and how many scales a group
+// has:
 // - int4: nibbles q in 0..15 stand for q - 8; one scale per 64-weight group;
 // - int4g32: the same nibbles, one fp32 scale per 32 weights (int4 checkpoints' groups of 32, 64 or 128, their
 //   scales repeated: compressed-tensors, symmetric GPTQ), kept without requantizing;
@@ -8,6 +9,8 @@
 //   and turned into 2^(e - 127) / 2 in registers (4.25 bits a weight read, as published);
 // - iq4nl: nibbles are codes of ggml's non-linear 4-bit grid (IQ4_NL, IQ4_XS), looked up as int8 values in
 //   -127..113; one fp32 scale per 32 (the file's fp16 scale times its 6-bit sub-scale: exact);
+// - int8g32: not nibbles but int8 bytes, one fp32 scale per 32 (GGUF's Q8_0 kept: its fp16 scales); read per
+//   64-group as the nibble formats' low (elements 0-31) and high (32-63) halves;
 // - uint4g32: nibbles q in 0..15 as they are, w = scale * q - min with an fp32 scale and min per 32 (ggml's
 //   Q4_K and Q4_1, AWQ and GPTQ zero points: scale * zero is exact in fp32). The micro-kernels run it as int4g32
 //   without the - 8; the mins' share, sum_g min_g * (the activations' sum over group g), is a short dot product per
@@ -60,13 +63,16 @@ __attribute__((target("avx512f,sse4.1"))) inline __m128 mx_scales4(const uint8_t
 // scale per 32: int4 checkpoints' groups, kept), iq4nl (the IQ4 grid, an fp32 scale per 32), uint4g32 (q, an fp32
 // scale per 32 as int4g32's; an expert's mins after all its scales, a row's Kp/32 at a time). The micro-kernels
 // read scale 2g and 2g + 1 of 64-group g (one per 64 for int4).
-enum Mode { INT4, MX, G32, IQ, ASYM };
+enum Mode { INT4, MX, G32, IQ, ASYM, Q8 };
+// bytes of weights a 64-group takes
+template <int MODE>
+constexpr int group_bytes = MODE == Q8 ? 64 : 32;
 // scales a row has per 64 weights
 template <int MODE>
 constexpr int per64 = MODE == INT4 ? 1 : 2;
 // whether a nibble's value exceeds what AVX2's vpmaddubsw pairs take with u8 activations (|w| <= 15)
 template <int MODE>
-constexpr bool wide_values = MODE == IQ;
+constexpr bool wide_values = MODE == IQ || MODE == Q8;
 template <int MODE>
 inline const int8_t* lut_of() { return MODE == IQ ? IQ4NL_LUT : MX4_LUT; }
 template <int MODE>
@@ -125,10 +131,18 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
       xh[t] = _mm512_shuffle_i64x2(A, B, 0xEE);  // [A elems 32-63 | B elems 32-63]
     }
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
-      __m512i p = _mm512_loadu_si512(w[r] + i / 2);
-      __m512i lo = decode<MODE>(_mm512_and_si512(p, lo4x), lut);
-      __m512i hi = decode<MODE>(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), lut);
+      __m512i lo, hi;
+      if constexpr (MODE == Q8) {  // 128 bytes: group A's 64, B's 64, halves arranged as the activations'
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + 64 + pf), _MM_HINT_T1);
+        const __m512i A = _mm512_loadu_si512(w[r] + i), B = _mm512_loadu_si512(w[r] + i + G);
+        lo = _mm512_shuffle_i64x2(A, B, 0x44), hi = _mm512_shuffle_i64x2(A, B, 0xEE);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
+        __m512i p = _mm512_loadu_si512(w[r] + i / 2);
+        lo = decode<MODE>(_mm512_and_si512(p, lo4x), lut);
+        hi = decode<MODE>(_mm512_and_si512(_mm512_srli_epi16(p, 4), lo4x), lut);
+      }
       if constexpr (MODE != INT4) {
         const __m512 s4 = _mm512_castps128_ps512(scales4<MODE>(sc[r] + 2 * g));
         const __m512 slo = _mm512_permutexvar_ps(lo_lanes, s4), shi = _mm512_permutexvar_ps(hi_lanes, s4);
@@ -153,10 +167,15 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk(c
     __m512 s[RB];
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       // rows about tuning().pf_bytes further on, same offset: in L2 by the time they are read
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
-      __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));  // 64 nibbles
-      a[r] = decode<MODE>(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
-                                             _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1), lut);
+      if constexpr (MODE == Q8) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
+        a[r] = _mm512_loadu_si512(w[r] + i);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
+        __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i / 2));  // 64 nibbles
+        a[r] = decode<MODE>(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
+                                               _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1), lut);
+      }
       // lanes 0-7 hold elements 0-31 (low nibbles), 8-15 elements 32-63: the formats with a scale per 32 scale
       // them apart
       if constexpr (MODE == INT4) {
@@ -210,9 +229,14 @@ inline void mk256(const uint8_t* W, size_t ldw, size_t pf, const ScaleT<MODE>* S
       if constexpr (wide_values<MODE>) xl[t] = Dot::act(xl[t]), xh[t] = Dot::act(xh[t]);
     }
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
       __m256i lo, hi;
-      Ymm::nibbles(w[r] + i / 2, lo, hi);
+      if constexpr (MODE == Q8) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
+        lo = Ymm::load(w[r] + i), hi = Ymm::load(w[r] + i + 32);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + i / 2 + pf), _MM_HINT_T1);
+        Ymm::nibbles(w[r] + i / 2, lo, hi);
+      }
       if constexpr (MODE != INT4) {
         if constexpr (MODE == MX || MODE == IQ) lo = Ymm::lookup(lut, lo), hi = Ymm::lookup(lut, hi);
         else if constexpr (MODE == G32) lo = Ymm::minus8(lo), hi = Ymm::minus8(hi);
@@ -292,7 +316,7 @@ inline void group_sums(const uint8_t* const* X, int ns, int Kp, std::vector<floa
 template <int MODE, int TBI, int OFFSET = 128, class MK>
 inline void drive_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
   const int scales = m.Kp / G * per64<MODE>;  // per row
-  const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
+  const size_t ldw = size_t(m.Kp) / 64 * group_bytes<MODE>;
   const size_t pf = prefetch_rows(ldw, RB) * ldw;  // bytes ahead
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
   // uint4g32: an expert's mins (a row's at a time) after its scales, moff numbers on from a row's scales
@@ -325,7 +349,7 @@ inline void drive_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, in
 template <int MODE>
 void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const int groups = m.Kp / G, scales = groups * per64<MODE>;
-  const size_t ldw = weight_row_bytes(Fmt::Int4, m.Kp);
+  const size_t ldw = size_t(groups) * group_bytes<MODE>;
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
   auto value = [](int q) {
     return MODE == MX || MODE == IQ ? int32_t(lut_of<MODE>()[q]) : MODE == ASYM ? int32_t(q) : int32_t(q) - 8;
@@ -343,8 +367,13 @@ void ref_gemm_rows_4bit(const Matrix& m, int e, int r0, int r1, const Acts& x, i
         // elements 0-31 and 32-63 of the group; their activations' sums (without the +128s)
         int32_t lo = 0, hi = 0, xlo = -128 * G / 2, xhi = -128 * G / 2;
         for (int i = 0; i < G / 2; ++i) {
-          lo += value(wr[g * G / 2 + i] & 15) * X[s][g * G + i];
-          hi += value(wr[g * G / 2 + i] >> 4) * X[s][g * G + G / 2 + i];
+          if constexpr (MODE == Q8) {
+            lo += int8_t(wr[g * G + i]) * X[s][g * G + i];
+            hi += int8_t(wr[g * G + G / 2 + i]) * X[s][g * G + G / 2 + i];
+          } else {
+            lo += value(wr[g * G / 2 + i] & 15) * X[s][g * G + i];
+            hi += value(wr[g * G / 2 + i] >> 4) * X[s][g * G + G / 2 + i];
+          }
           xlo += X[s][g * G + i];
           xhi += X[s][g * G + G / 2 + i];
         }
@@ -410,6 +439,19 @@ void gemm_rows_iq4nl_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts&
 }
 void gemm_rows_iq4nl_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   drive_4bit<IQ, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<IQ>);
+}
+
+void ref_gemm_rows_int8g32(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  ref_gemm_rows_4bit<Q8>(m, e, r0, r1, x, ns, Y, ldy);
+}
+void gemm_rows_int8g32_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<Q8, TB256, Avx2Dot::offset>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2<Q8>);
+}
+void gemm_rows_int8g32_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<Q8, TB256, VnniDot::offset>(m, e, r0, r1, x, ns, Y, ldy, mk_avxvnni<Q8>);
+}
+void gemm_rows_int8g32_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_4bit<Q8, TB>(m, e, r0, r1, x, ns, Y, ldy, mk_avx512<Q8>);
 }
 
 void ref_gemm_rows_uint4g32(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {

@@ -12,11 +12,11 @@ namespace moe {
 enum class Isa { Portable, Avx2, AvxVnni, Avx512, Amx };
 // the 256-bit paths: AvxVnni runs Avx2's kernels except for the int8 x int8 dot products
 inline bool ymm_path(Isa isa) { return isa == Isa::Avx2 || isa == Isa::AvxVnni; }
-enum class Fmt { Bf16, Int8, Int4, Mxfp4, Fp8, Int4G32, Iq4Nl, UInt4G32 };
+enum class Fmt { Bf16, Int8, Int4, Mxfp4, Fp8, Int4G32, Iq4Nl, UInt4G32, Int8G32 };
 
 // Bytes of one packed weight row of Kp elements.
 inline size_t weight_row_bytes(Fmt f, int Kp) {
-  return f == Fmt::Bf16 ? size_t(Kp) * 2 : f == Fmt::Int8 || f == Fmt::Fp8 ? size_t(Kp) : size_t(Kp) / 2;
+  return f == Fmt::Bf16 ? size_t(Kp) * 2 : f == Fmt::Int8 || f == Fmt::Fp8 || f == Fmt::Int8G32 ? size_t(Kp) : size_t(Kp) / 2;
 }
 
 constexpr int INT4_GROUP = 64;  // int4: one scale per 64 consecutive weights of a row
@@ -51,6 +51,8 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //   uint4g32: w as int4's, nibble q standing for itself: w = scale * q - min; scale = fp32 [E, 2 rows, Kp/32]: an
 //         expert's scales (int4g32's), then its mins in the same layout; rowcorr as int4g32's (the +128s of the mins'
 //         activation sums are taken out in the kernels). GGUF's Q4_K / Q4_1, AWQ / GPTQ zero points.
+//   int8g32: w = int8 [E, rows, Kp]; scale = fp32 [E, rows, Kp/32], one per 32 weights; rowcorr as int4g32's. GGUF's
+//         Q8_0 kept exactly (its fp16 scales in fp32).
 //   fp8:  w = uint8 [E, rows, Kp], e4m3 (float8_e4m3fn) bytes as published; scale = fp32
 //         [E, ceil(rows/128), ceil(Kp/128)]: the block's published scale_inv times 256 (the kernels widen a
 //         byte through fp16 bits that read as its value / 256). Activations: fp32 rows of Kp, each followed by

@@ -4,7 +4,7 @@ implementation for one model layer; all share forward / submit / wait.
 Shapes: gate, up: [E, I, H]; down: [E, H, I]; hidden: [T, H]; topk_ids: [T, k] int32;
 topk_weights: [T, k] fp32; out: [T, H] in hidden's dtype.
 
-bf16, int8, int4, mxfp4, fp8, int4g32, iq4nl and uint4g32 weights run on the native kernels (native/; path in NATIVE_ISA, forced with
+bf16, int8, int4, mxfp4, fp8, int4g32, iq4nl, uint4g32 and int8g32 weights run on the native kernels (native/; path in NATIVE_ISA, forced with
 MOE_KERNEL_PATH=portable|avx2|avxvnni|avx512|amx, or MOE_KERNEL_PATH=torch for the torch reference); fp32/fp16
 weights use the torch operator. Where only the portable (plain C++) path runs and nothing forced it,
 bf16 weights use torch too: its vectorized bf16 code beats ours there (on a Zen 3 before the AVX2
@@ -28,7 +28,7 @@ except ImportError as e:  # extension not built: the torch path still serves
     NATIVE_ISA, NativeMoELayer = None, None
 
 
-NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32")
+NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32")
 
 
 def native(fmt: str) -> bool:
