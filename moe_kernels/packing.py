@@ -115,6 +115,12 @@ class Int4(NamedTuple):
         return Int4(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), parts[0].group)
 
 
+def _times_scale32(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Values [rows, K] (fp32) times the scale of their 32 [rows, K/32]."""
+    R, K = v.shape
+    return (v.view(R, -1, G32) * scale[..., None]).view(R, K)
+
+
 class Iq4(NamedTuple):
     """Weights on ggml's IQ4_NL grid: codes [rows, K] uint8 (0-15) and scale [rows, K/32] fp32 (w = IQ4NL[code] x
     the scale of its 32; IQ4_XS's fp16 scale times its 6-bit sub-scale is exact in fp32)."""
@@ -126,8 +132,7 @@ class Iq4(NamedTuple):
         return self.codes.shape
 
     def dequantize(self) -> torch.Tensor:
-        R, K = self.codes.shape
-        return (IQ4NL[self.codes.long()].view(R, -1, G32) * self.scale[..., None]).view(R, K)
+        return _times_scale32(IQ4NL[self.codes.long()], self.scale)
 
     @staticmethod
     def cat(parts: list["Iq4"]) -> "Iq4":
@@ -145,8 +150,7 @@ class Q8(NamedTuple):
         return self.values.shape
 
     def dequantize(self) -> torch.Tensor:
-        R, K = self.values.shape
-        return (self.values.float().view(R, -1, G32) * self.scale[..., None]).view(R, K)
+        return _times_scale32(self.values.float(), self.scale)
 
     @staticmethod
     def cat(parts: list["Q8"]) -> "Q8":
