@@ -28,9 +28,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from common import SHAPES, cpu_name, timed, weights  # noqa: E402
+from common import SHAPES, cpu_name, expert_bytes, timed, weights  # noqa: E402
 from moe_kernels import native as native  # noqa: E402
-from moe_kernels.packing import layout  # noqa: E402
 from expert_service.kernels import TorchMoELayer  # noqa: E402
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
 
@@ -82,8 +81,7 @@ def main() -> None:
         for fmt in a.formats.split(","):
             op = NativeMoELayer(gate, up, down, fmt=fmt, threads=a.threads, isa=isa)
             # the weights' own bytes (and scales, sums); the kernels' row padding is not counted
-            bytes_per_expert = sum(torch.Size(shape).numel() * dtype.itemsize for rows, K in ((2 * I, H), (H, I))
-                                   for part in layout(fmt, 1, rows, K) if part is not None for shape, dtype in [part])
+            bytes_per_expert = expert_bytes(fmt, H, I)
             g = torch.Generator().manual_seed(1)
             # decode: fresh experts every call, so the weights come from DRAM, not the cache
             calls = [(torch.randn(1, H).bfloat16(), torch.randperm(E, generator=g)[:k].view(1, k).to(torch.int32),

@@ -209,3 +209,12 @@ def convert_to_gguf(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path, o
             "import convert_hf_to_gguf as c; from conversion.base import TextModel; " + patch + "c.main()")
     subprocess.run([sys.executable, "-c", code, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype,
                     "--outfile", str(out)], check=True, capture_output=True, text=True, cwd=str(src))
+
+
+def expert_bytes(fmt: str, H: int, I: int) -> int:
+    """Bytes one expert's gate/up and down hold in a packed format: weights, scales, mins, sums (row padding not
+    counted): what a token reads per routed expert."""
+    import torch
+    from moe_kernels.packing import layout
+    return sum(torch.Size(shape).numel() * dtype.itemsize for rows, K in ((2 * I, H), (H, I))
+               for part in layout(fmt, 1, rows, K) if part is not None for shape, dtype in [part])
