@@ -55,11 +55,8 @@ def expert_tensor(ckpt: Checkpoint, name: str, fmt: str):
         published = ckpt.get_fp8(name)
         if published is not None:
             return Fp8(*published)
-    if fmt in ("int4g32", "uint4g32", "iq4nl", "int8g32"):
-        published = ckpt.get_published(name, fmt)
-        if published is not None:
-            return published
-    return ckpt.get(name)
+    published = ckpt.get_published(name, fmt)  # None where the checkpoint has nothing fmt keeps
+    return published if published is not None else ckpt.get(name)
 
 
 def expert_weights(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int, fmt: str) -> tuple:

@@ -33,6 +33,7 @@ FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-o
 STACKED, STACKED_RAW = -1, -2
 # block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred
 # first (Q4_0's q - 8 is also a min of 8 scales)
+FLOAT_TYPES = ("F32", "F16", "BF16")  # not block types: read as floats
 KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("uint4g32",), "IQ4_NL": ("iq4nl",),
          "IQ4_XS": ("iq4nl",), "Q8_0": ("int8g32",), "MXFP4": ("mxfp4",)}
 
@@ -556,7 +557,7 @@ def expert_format(types: tuple[str, ...]) -> str | None:
     smallest such type (Q4_K_M's Q4_K: uint4g32, its Q6_K requantized into it), or int4g32 (Q3_K, Q2_K); the others
     (Q5_K, Q6_K) -> int8g32 (a scale per 32: Q8_0 kept, the others requantized). Measured on the default model
     against llama-perplexity on the same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
-    quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
+    quantized = [t for t in types if t not in FLOAT_TYPES]
     if not quantized:
         return None
     common = set.intersection(*(set(KEEPS.get(t, ())) for t in quantized))
@@ -572,7 +573,7 @@ def dequantized_experts(cfg, fmt: str) -> str | None:
     """For a GGUF whose routed experts the chosen format does not keep as stored: what that costs, for the log
     (None otherwise). The types KEEPS maps to `fmt` run as stored; the others are dequantized exactly, then held in
     `fmt`."""
-    types = [t for t in cfg.gguf_expert_types if t not in ("F32", "F16", "BF16") and fmt not in KEEPS.get(t, ())]
+    types = [t for t in cfg.gguf_expert_types if t not in FLOAT_TYPES and fmt not in KEEPS.get(t, ())]
     if not types:
         return None
     stored, held = max(type_bits(t) for t in types), format_bits(fmt)
