@@ -39,7 +39,7 @@ log = logging.getLogger("expert_service.cache")
 
 # Bump whenever the packed layout changes (row padding, int4 nibble order, scales): old caches are
 # then stale by key, never misread.
-LAYOUT = 1
+LAYOUT = 2  # 2: the per-32 formats in 16-row blocks
 PARTS = ("data", "scale", "rowsum", "rowcorr")
 CHUNK = 64 << 20  # bytes per checksum, and per read task
 PIECE = 4 << 20   # bytes per pread, hashed while in the CPU's cache

@@ -13,7 +13,8 @@
 - int8g32: int8 with one fp32 scale per 32: GGUF's Q8_0 as stored (Q8: exact), or quantized here;
 - uint4g32: unsigned nibbles with an fp32 scale and min per 32, w = scale x q - min: GGUF's Q4_K and Q4_1, AWQ
   and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here.
-Rows are padded to row_len elements; the layouts are the ones native/moe.h describes.
+Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The four formats with a scale
+per 32 are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_g32.cpp): _interleave_rows.
 """
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
+BLOCK_ROWS = 16  # the per-32 formats' row blocks
+ROW_BLOCKED = ("int4g32", "iq4nl", "uint4g32", "int8g32")
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
-# ggml's kvalues_iq4nl: an IQ4_NL / IQ4_XS code -> its value (native/gemm_int4.cpp's IQ4NL_LUT)
+# ggml's kvalues_iq4nl: an IQ4_NL / IQ4_XS code -> its value (native/gemm_g32.cpp's IQ4NL_LUT)
 IQ4NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)
 
 
@@ -116,9 +119,9 @@ class Int4(NamedTuple):
 
 
 def _times_scale32(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Values [rows, K] (fp32) times the scale of their 32 [rows, K/32]."""
+    """Values [rows, K] (fp32) times the scale of their 32 [rows, ceil(K/32)]."""
     R, K = v.shape
-    return (v.view(R, -1, G32) * scale[..., None]).view(R, K)
+    return (F.pad(v, (0, -K % G32)).view(R, -1, G32) * scale[..., None]).view(R, -1)[:, :K]
 
 
 class Iq4(NamedTuple):
@@ -223,9 +226,11 @@ def _ptr_of(buf) -> int:
 def row_len(n: int, fmt: str) -> int:
     """Packed row length: a multiple of 64 elements (whole VNNI steps and int4 groups), bumped when
     the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
-    fall in one L1 set."""
+    fall in one L1 set (not for the row-blocked formats, whose block is one stream)."""
     n = (n + 63) // 64 * 64
-    nbytes = 2 * n if fmt == "bf16" else n if fmt in ("int8", "fp8", "int8g32") else n // 2
+    if fmt in ROW_BLOCKED:  # a block is one stream: no set conflicts between its rows
+        return n
+    nbytes = 2 * n if fmt == "bf16" else n if fmt in ("int8", "fp8") else n // 2
     return n + 64 if nbytes % 512 == 0 else n
 
 
@@ -251,12 +256,11 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         blocks = (E, -(-rows // FP8_BLOCK), -(-Kp // FP8_BLOCK))
         return ((E, rows, Kp), torch.uint8), (blocks, torch.float32), None, None
     if fmt == "int8g32":
-        return ((E, rows, Kp), torch.int8), ((E, rows, Kp // G32), torch.float32), None, ((E, rows), torch.float32)
-    scale = {"mxfp4": ((E, rows, Kp // MX_BLOCK), torch.uint8),
-             "int4g32": ((E, rows, Kp // G32), torch.float32),
-             "iq4nl": ((E, rows, Kp // G32), torch.float32),
-             "uint4g32": ((E, 2 * rows, Kp // G32), torch.float32),  # an expert's scales, then its mins
-             }.get(fmt, ((E, rows, Kp // INT4_GROUP), torch.float32))
+        return ((E, rows, Kp), torch.int8), ((E, rows, Kp // G32), torch.float32), None, None
+    if fmt in ROW_BLOCKED:  # the nibble ones; no rowcorr (their kernels take activations as s8)
+        scale_rows = 2 * rows if fmt == "uint4g32" else rows  # uint4g32: an expert's scales, then its mins
+        return ((E, rows, Kp // 2), torch.uint8), ((E, scale_rows, Kp // G32), torch.float32), None, None
+    scale = ((E, rows, Kp // MX_BLOCK), torch.uint8) if fmt == "mxfp4" else ((E, rows, Kp // INT4_GROUP), torch.float32)
     return ((E, rows, Kp // 2), torch.uint8), scale, None, ((E, rows), torch.float32)
 
 
@@ -264,6 +268,52 @@ def alloc(fmt: str, E: int, rows: int, Kp: int) -> tuple:
     """Empty packed storage (layout()): the weights on huge pages, their scales and sums beside."""
     data, *rest = layout(fmt, E, rows, Kp)
     return huge(*data), *(None if p is None else torch.empty(p[0], dtype=p[1]) for p in rest)
+
+
+def _interleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., R, G, C, B] -> [..., R, G * C * B]: rows in blocks of BLOCK_ROWS (the last may be shorter), each block
+    stored group by group, chunk by chunk, its rows' B bytes side by side (a chunk is one vector, a row a lane)."""
+    *lead, R, G, C, B = t.shape
+    full = R // BLOCK_ROWS * BLOCK_ROWS
+    parts = []
+    if full:
+        b = t[..., :full, :, :, :].reshape(*lead, full // BLOCK_ROWS, BLOCK_ROWS, G, C, B)
+        parts.append(b.movedim(-4, -2).reshape(*lead, full, G * C * B))
+    if R > full:
+        parts.append(t[..., full:, :, :, :].movedim(-4, -2).reshape(*lead, R - full, G * C * B))
+    return torch.cat(parts, -2) if len(parts) > 1 else parts[0]
+
+
+def _deinterleave_rows(t: torch.Tensor, G: int, C: int, B: int) -> torch.Tensor:
+    """_interleave_rows undone: [..., R, G * C * B] -> [..., R, G, C, B]."""
+    *lead, R, _ = t.shape
+    full = R // BLOCK_ROWS * BLOCK_ROWS
+    parts = []
+    if full:
+        b = t[..., :full, :].reshape(*lead, full // BLOCK_ROWS, G, C, BLOCK_ROWS, B)
+        parts.append(b.movedim(-2, -4).reshape(*lead, full, G, C, B))
+    if R > full:
+        parts.append(t[..., full:, :].reshape(*lead, G, C, R - full, B).movedim(-2, -4))
+    return torch.cat(parts, -4) if len(parts) > 1 else parts[0]
+
+
+def _blocked_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[R, Kp] values 0-15 -> [R, Kp/2] bytes in row blocks: per group of 32, chunk v (elements 4v..4v+3) in the
+    low nibbles and chunk v + 4 in the high ones of one 4-byte lane."""
+    R, Kp = q.shape
+    c = q.view(R, Kp // G32, 8, 4)
+    return _interleave_rows(c[:, :, :4] | (c[:, :, 4:] << 4))
+
+
+def _blocked_bytes(q: torch.Tensor) -> torch.Tensor:
+    """[R, Kp] int8 -> [R, Kp] in row blocks, chunks of 4 bytes as lanes."""
+    R, Kp = q.shape
+    return _interleave_rows(q.view(torch.uint8).view(R, Kp // G32, 8, 4)).view(torch.int8)
+
+
+def _blocked_scales(s: torch.Tensor) -> torch.Tensor:
+    """[R, Kp/32] -> the same in row blocks: per group, the block's rows side by side."""
+    return _interleave_rows(s[:, :, None, None])
 
 
 def _nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -315,8 +365,7 @@ def pack_int4g32(w: Int4, Kp: int) -> tuple:
     q = F.pad(w.values.to(torch.int16) + 8, (0, Kp - K), value=8).to(torch.uint8)  # 8 = zero
     scale = w.scale.float().repeat_interleave(w.group // G32, 1)
     scale = F.pad(scale, (0, Kp // G32 - scale.shape[1]), value=1.0)[:, :Kp // G32]
-    sums = (q.float() - 8).view(R, -1, G32).sum(-1)
-    return _nibbles(q), scale, None, 128 * (scale * sums).sum(-1)  # rowcorr: the +128 of u8 x out
+    return _blocked_nibbles(q), _blocked_scales(scale), None, None
 
 
 def _per32(t: torch.Tensor, group: int, Kp: int, pad: float) -> torch.Tensor:
@@ -332,8 +381,7 @@ def pack_iq4nl(w: Iq4, Kp: int) -> tuple:
         raise ValueError(f"iq4nl weight [{R}, {K}] needs a scale per {G32}, got {list(w.scale.shape)}")
     codes = F.pad(w.codes, (0, Kp - K), value=8)  # any code: the padding's activations are 0, rowcorr counts it
     scale = _per32(w.scale, G32, Kp, 0.0)
-    sums = IQ4NL[codes.long()].view(R, -1, G32).sum(-1)
-    return _nibbles(codes), scale, None, 128 * (scale * sums).sum(-1)  # rowcorr: the +128 of u8 x out
+    return _blocked_nibbles(codes), _blocked_scales(scale), None, None
 
 
 def pack_uint4g32(w: UInt4, Kp: int) -> tuple:
@@ -347,9 +395,7 @@ def pack_uint4g32(w: UInt4, Kp: int) -> tuple:
         raise ValueError("uint4 values outside 0..15")
     q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
     scale, mins = _per32(w.scale, w.group, Kp, 0.0), _per32(w.min, w.group, Kp, 0.0)
-    sums = q.float().view(R, -1, G32).sum(-1)
-    # the +128 of u8 x times scale x q (the kernels take it out of the mins' activation sums themselves)
-    return _nibbles(q), torch.cat([scale, mins]), None, 128 * (scale * sums).sum(-1)
+    return _blocked_nibbles(q), torch.cat([_blocked_scales(scale), _blocked_scales(mins)]), None, None
 
 
 def pack_int8g32(w: Q8, Kp: int) -> tuple:
@@ -359,8 +405,7 @@ def pack_int8g32(w: Q8, Kp: int) -> tuple:
         raise ValueError(f"int8g32 weight [{R}, {K}] needs a scale per {G32}, got {list(w.scale.shape)}")
     data = F.pad(w.values, (0, Kp - K))
     scale = _per32(w.scale, G32, Kp, 0.0)
-    sums = data.float().view(R, -1, G32).sum(-1)
-    return data, scale, None, 128 * (scale * sums).sum(-1)  # rowcorr: the +128 of u8 x out
+    return _blocked_bytes(data), _blocked_scales(scale), None, None
 
 
 def int8g32_quantize(w: torch.Tensor) -> Q8:
@@ -487,30 +532,33 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         w = data.float()
     elif fmt == "int8":
         w = data.float() * scale[..., None]
-    elif fmt == "int8g32":
-        w = (data.float().view(*data.shape[:2], -1, G32) * scale[..., None]).flatten(2)
+    elif fmt in ROW_BLOCKED:
+        E, R, _ = data.shape
+        ng = scale.shape[-1]
+        if fmt == "int8g32":
+            v = _deinterleave_rows(data, ng, 8, 4).float()
+        else:  # chunk v in the low nibbles, v + 4 in the high ones
+            b = _deinterleave_rows(data, ng, 4, 4).long()
+            v = torch.cat([b & 15, b >> 4], -2)
+            v = IQ4NL.to(data.device)[v] if fmt == "iq4nl" else v.float() - 8 if fmt == "int4g32" else v.float()
+        w = v.reshape(E, R, ng, G32) * _deinterleave_rows(scale[:, :R], ng, 1, 1).reshape(E, R, ng, 1)
+        if fmt == "uint4g32":  # an expert's scales, then its mins
+            w = w - _deinterleave_rows(scale[:, R:], ng, 1, 1).reshape(E, R, ng, 1)
+        w = w.reshape(E, R, -1)
     elif fmt == "fp8":
         s = (scale / 256).repeat_interleave(FP8_BLOCK, 1)[:, :data.shape[1]].repeat_interleave(FP8_BLOCK, 2)
         w = data.view(torch.float8_e4m3fn).float() * s[..., :data.shape[2]]
     else:  # nibbles: byte i of each 64-group holds elements i (low) and i + 32 (high)
         lo, hi = (data & 15).long(), (data >> 4).long()
-        mins = None
         if fmt == "mxfp4":
             twice = MX4_TWICE.to(data.device)
             lo, hi, scale = twice[lo], twice[hi], mx_scale(scale.cpu()).to(data.device)
-        elif fmt == "iq4nl":
-            grid = IQ4NL.to(data.device)
-            lo, hi = grid[lo], grid[hi]
-        elif fmt == "uint4g32":  # an expert's scales, then its mins
-            scale, mins = scale.chunk(2, dim=-2)
-            lo, hi = lo.float(), hi.float()
         else:
             lo, hi = lo.float() - 8, hi.float() - 8
         E, R, _ = data.shape
         g = torch.cat([lo.view(E, R, -1, INT4_GROUP // 2), hi.view(E, R, -1, INT4_GROUP // 2)], -1).view(E, R, -1)
         block = INT4_GROUP if fmt == "int4" else G32
-        g = g.view(E, R, -1, block) * scale[..., None]
-        w = (g if mins is None else g - mins[..., None]).view(E, R, -1)
+        w = (g.view(E, R, -1, block) * scale[..., None]).view(E, R, -1)
     return w[..., :K]
 
 

@@ -44,21 +44,25 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //         {0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign (MX4_LUT); scale = uint8 [E, rows, Kp/32]: the block's
 //         published exponent e (scale 2^(e - 127); the kernels use 2^(e - 128), 0 for e <= 1); rowcorr
 //         as int4's over those values. Bit-exact with the published weights, 4.25 bits a weight.
-//   int4g32: w as int4's (the same nibbles, q - 8); scale = fp32 [E, rows, Kp/32], one per 32 weights (elements
-//         0-31 of a 64-group, then 32-63); rowcorr as int4's over those groups. int4 checkpoints' groups kept.
-//   iq4nl: w as int4's, nibble c the code of ggml's IQ4_NL grid (IQ4NL_LUT: -127..113); scale and rowcorr as
-//         int4g32's over those values. GGUF's IQ4_NL and IQ4_XS kept exactly (their fp16 x 6-bit scales in fp32).
-//   uint4g32: w as int4's, nibble q standing for itself: w = scale * q - min; scale = fp32 [E, 2 rows, Kp/32]: an
-//         expert's scales (int4g32's), then its mins in the same layout; rowcorr as int4g32's (the +128s of the mins'
-//         activation sums are taken out in the kernels). GGUF's Q4_K / Q4_1, AWQ / GPTQ zero points.
-//   int8g32: w = int8 [E, rows, Kp]; scale = fp32 [E, rows, Kp/32], one per 32 weights; rowcorr as int4g32's. GGUF's
-//         Q8_0 kept exactly (its fp16 scales in fp32).
+//   int4g32, iq4nl, uint4g32, int8g32: the formats with an fp32 scale per 32 weights, in row-interleaved blocks
+//         (gemm_g32.cpp): rows in blocks of 16 (the last block of a matrix may have fewer, n), a block's bytes
+//         (n rows' worth, at row 16b's offset) group by group; a group's weights as chunk vectors, lane j (4 bytes)
+//         holding row j's 4 weights of a chunk (elements 4c..4c+3 of the group). Nibble formats: 4 vectors a
+//         group, chunk v in the low nibbles and chunk v + 4 in the high ones; int8g32: 8 vectors of int8 bytes.
+//         scale = fp32 [E, rows, Kp/32] in the same blocks: per block, group by group, its n rows' scales. No
+//         rowsum or rowcorr (their kernels take the activations as s8).
+//         - int4g32: nibble q stands for q - 8 (int4 checkpoints' groups of 32 x n, their scales repeated per 32);
+//         - iq4nl: nibble c is the code of ggml's IQ4_NL grid (-127..113): GGUF's IQ4_NL and IQ4_XS kept exactly
+//           (their fp16 x 6-bit scales in fp32);
+//         - uint4g32: nibble q stands for itself, w = scale * q - min; scale = fp32 [E, 2 rows, Kp/32]: an expert's
+//           scales, then its mins in the same blocks. GGUF's Q4_K / Q4_1, AWQ / GPTQ zero points;
+//         - int8g32: int8 bytes. GGUF's Q8_0 kept exactly (its fp16 scales in fp32).
 //   fp8:  w = uint8 [E, rows, Kp], e4m3 (float8_e4m3fn) bytes as published; scale = fp32
 //         [E, ceil(rows/128), ceil(Kp/128)]: the block's published scale_inv times 256 (the kernels widen a
 //         byte through fp16 bits that read as its value / 256). Activations: fp32 rows of Kp, each followed by
 //         its bf16 rounding (gemm_fp8.cpp).
-// Both int formats take activations as u8 = q + 128 (VNNI multiplies unsigned by signed); the
-// +128 is taken back out with rowsum (int8) or rowcorr (int4), which depend on the row only.
+// The int formats take activations as u8 = q + 128 (VNNI multiplies unsigned by signed); the
+// +128 is taken back out with rowsum (int8) or rowcorr (int4, mxfp4), which depend on the row only.
 struct Matrix {
   const void* w;
   const float* scale;  // mxfp4: uint8 exponents, cast back by its kernels

@@ -41,6 +41,19 @@ struct Ymm {
     lo = _mm256_and_si256(p, lo4);
     hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4);
   }
+  MOE_YMM void split_nibbles(__m256i p, __m256i& lo, __m256i& hi) {  // a vector's low nibbles, its high ones
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    lo = _mm256_and_si256(p, lo4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4);
+  }
+  MOE_YMM __m256i load_first_epi32(const void* p, int n) {  // int32 lanes p[0..n), zeros after: no read past n
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_epi32(static_cast<const int*>(p), _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+  }
+  MOE_YMM void storeu_ps(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  MOE_YMM __m256i add_epi32(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+  MOE_YMM __m256i add_epi16(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }
+  MOE_YMM __m256i xor80(__m256i q) { return _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))); }  // s8 <-> u8 + 128
   MOE_YMM __m256i minus8(__m256i q) { return _mm256_sub_epi8(q, _mm256_set1_epi8(8)); }
   MOE_YMM __m256i lookup(__m256i table, __m256i q) { return _mm256_shuffle_epi8(table, q); }
   // a 4-row x NT-token tile of partial sums -> C[t * 4 + r] (reduce4.h)
