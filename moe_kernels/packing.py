@@ -13,8 +13,9 @@
 - int8g32: int8 with one fp32 scale per 32: GGUF's Q8_0 as stored (Q8: exact), or quantized here;
 - uint4g32: unsigned nibbles with an fp32 scale and min per 32, w = scale x q - min: GGUF's Q4_K and Q4_1, AWQ
   and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here.
-Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The four formats with a scale
-per 32 are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_g32.cpp): _interleave_rows.
+Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The grouped int formats (all
+but bf16, int8 and fp8) are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_blocked.cpp):
+_interleave_rows.
 """
 from __future__ import annotations
 
@@ -31,12 +32,12 @@ FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
-BLOCK_ROWS = 16  # the per-32 formats' row blocks
-ROW_BLOCKED = ("int4g32", "iq4nl", "uint4g32", "int8g32")
+BLOCK_ROWS = 16  # the grouped int formats' row blocks
+ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32")
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
-# ggml's kvalues_iq4nl: an IQ4_NL / IQ4_XS code -> its value (native/gemm_g32.cpp's IQ4NL_LUT)
+# ggml's kvalues_iq4nl: an IQ4_NL / IQ4_XS code -> its value (native/gemm_blocked.cpp's IQ4NL_LUT)
 IQ4NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)
 
 
@@ -257,11 +258,12 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp), torch.uint8), (blocks, torch.float32), None, None
     if fmt == "int8g32":
         return ((E, rows, Kp), torch.int8), ((E, rows, Kp // G32), torch.float32), None, None
-    if fmt in ROW_BLOCKED:  # the nibble ones; no rowcorr (their kernels take activations as s8)
-        scale_rows = 2 * rows if fmt == "uint4g32" else rows  # uint4g32: an expert's scales, then its mins
-        return ((E, rows, Kp // 2), torch.uint8), ((E, scale_rows, Kp // G32), torch.float32), None, None
-    scale = ((E, rows, Kp // MX_BLOCK), torch.uint8) if fmt == "mxfp4" else ((E, rows, Kp // INT4_GROUP), torch.float32)
-    return ((E, rows, Kp // 2), torch.uint8), scale, None, ((E, rows), torch.float32)
+    # the nibble ones; no rowcorr (their kernels take activations as s8)
+    scale_rows = 2 * rows if fmt == "uint4g32" else rows  # uint4g32: an expert's scales, then its mins
+    scale = (((E, rows, Kp // MX_BLOCK), torch.uint8) if fmt == "mxfp4" else
+             ((E, rows, Kp // INT4_GROUP), torch.float32) if fmt == "int4" else
+             ((E, scale_rows, Kp // G32), torch.float32))
+    return ((E, rows, Kp // 2), torch.uint8), scale, None, None
 
 
 def alloc(fmt: str, E: int, rows: int, Kp: int) -> tuple:
@@ -316,27 +318,19 @@ def _blocked_scales(s: torch.Tensor) -> torch.Tensor:
     return _interleave_rows(s[:, :, None, None])
 
 
-def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[R, Kp] values 0-15 -> [R, Kp/2] bytes, byte i of each 64-group holding elements i and i + 32."""
-    R, Kp = q.shape
-    g = q.view(R, Kp // INT4_GROUP, INT4_GROUP)
-    return (g[..., :INT4_GROUP // 2] | (g[..., INT4_GROUP // 2:] << 4)).reshape(R, Kp // 2)
-
-
 def mx_scale(exps: torch.Tensor) -> torch.Tensor:
     """The kernels' fp32 scale of each published exponent: 2^(e - 127) / 2 (they multiply twice the e2m1
-    value, an integer), 0 for e <= 1 (as native/gemm_int4.cpp's mx_scale)."""
+    value, an integer), 0 for e <= 1 (as native/gemm_blocked.cpp's mx_scale)."""
     e = exps.to(torch.int32)
     return torch.where(e > 1, torch.ldexp(torch.ones(e.shape), e - 128), torch.zeros(e.shape))
 
 
 def pack_mx4(w: Mx4, Kp: int) -> tuple:
-    """MXFP4 [rows, K] -> (data, exponents, None, rowcorr), bit-exact: codes and 1-byte exponents kept."""
+    """MXFP4 [rows, K] -> (codes, exponents, None, None) in row blocks, bit-exact: codes and 1-byte exponents kept."""
     R, K = w.codes.shape
     codes = F.pad(w.codes, (0, Kp - K))                     # code 0 is +0
     exps = F.pad(w.exps, (0, (Kp - K) // MX_BLOCK), value=127)
-    sums = MX4_TWICE[codes.long()].view(R, -1, MX_BLOCK).sum(-1)
-    return _nibbles(codes), exps, None, 128 * (mx_scale(exps) * sums).sum(-1)  # rowcorr: the +128 of u8 x out
+    return _blocked_nibbles(codes), _blocked_scales(exps), None, None
 
 
 def pack_fp8(w: Fp8, Kp: int) -> tuple:
@@ -491,12 +485,11 @@ def format_values(w, fmt: str) -> torch.Tensor:
 
 
 def pack_int4(w: Int4, Kp: int) -> tuple:
-    """Symmetric int4 in groups of 64 -> (nibbles, a scale per 64, None, rowcorr)."""
+    """Symmetric int4 in groups of 64 -> (nibbles, a scale per 64, None, None) in row blocks."""
     R, K = w.values.shape
     q = F.pad(w.values.to(torch.int16) + 8, (0, Kp - K), value=8).to(torch.uint8)  # 8 = zero
     scale = F.pad(w.scale.float(), (0, Kp // INT4_GROUP - w.scale.shape[1]), value=1e-12)
-    rowcorr = 128 * (scale * (q.float() - 8).view(R, -1, INT4_GROUP).sum(-1)).sum(-1)  # the +128 of u8 x out
-    return _nibbles(q), scale, None, rowcorr
+    return _blocked_nibbles(q), _blocked_scales(scale), None, None
 
 
 def pack_expert(w, fmt: str, Kp: int) -> tuple:
@@ -537,28 +530,23 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         ng = scale.shape[-1]
         if fmt == "int8g32":
             v = _deinterleave_rows(data, ng, 8, 4).float()
-        else:  # chunk v in the low nibbles, v + 4 in the high ones
-            b = _deinterleave_rows(data, ng, 4, 4).long()
+        else:  # per 32, chunk v in the low nibbles, v + 4 in the high ones
+            b = _deinterleave_rows(data, data.shape[-1] // 16, 4, 4).long()
             v = torch.cat([b & 15, b >> 4], -2)
-            v = IQ4NL.to(data.device)[v] if fmt == "iq4nl" else v.float() - 8 if fmt == "int4g32" else v.float()
-        w = v.reshape(E, R, ng, G32) * _deinterleave_rows(scale[:, :R], ng, 1, 1).reshape(E, R, ng, 1)
+            v = (IQ4NL.to(data.device)[v] if fmt == "iq4nl" else MX4_TWICE.to(data.device)[v] if fmt == "mxfp4" else
+                 v.float() - 8 if fmt in ("int4", "int4g32") else v.float())
+        s = _deinterleave_rows(scale[:, :R], ng, 1, 1).reshape(E, R, ng, 1)
+        if fmt == "mxfp4":
+            s = mx_scale(s.cpu()).to(data.device)
+        w = v.reshape(E, R, ng, -1) * s
         if fmt == "uint4g32":  # an expert's scales, then its mins
             w = w - _deinterleave_rows(scale[:, R:], ng, 1, 1).reshape(E, R, ng, 1)
         w = w.reshape(E, R, -1)
     elif fmt == "fp8":
         s = (scale / 256).repeat_interleave(FP8_BLOCK, 1)[:, :data.shape[1]].repeat_interleave(FP8_BLOCK, 2)
         w = data.view(torch.float8_e4m3fn).float() * s[..., :data.shape[2]]
-    else:  # nibbles: byte i of each 64-group holds elements i (low) and i + 32 (high)
-        lo, hi = (data & 15).long(), (data >> 4).long()
-        if fmt == "mxfp4":
-            twice = MX4_TWICE.to(data.device)
-            lo, hi, scale = twice[lo], twice[hi], mx_scale(scale.cpu()).to(data.device)
-        else:
-            lo, hi = lo.float() - 8, hi.float() - 8
-        E, R, _ = data.shape
-        g = torch.cat([lo.view(E, R, -1, INT4_GROUP // 2), hi.view(E, R, -1, INT4_GROUP // 2)], -1).view(E, R, -1)
-        block = INT4_GROUP if fmt == "int4" else G32
-        w = (g.view(E, R, -1, block) * scale[..., None]).view(E, R, -1)
+    else:
+        raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
     return w[..., :K]
 
 

@@ -45,7 +45,7 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //         published exponent e (scale 2^(e - 127); the kernels use 2^(e - 128), 0 for e <= 1); rowcorr
 //         as int4's over those values. Bit-exact with the published weights, 4.25 bits a weight.
 //   int4g32, iq4nl, uint4g32, int8g32: the formats with an fp32 scale per 32 weights, in row-interleaved blocks
-//         (gemm_g32.cpp): rows in blocks of 16 (the last block of a matrix may have fewer, n), a block's bytes
+//         (gemm_blocked.cpp): rows in blocks of 16 (the last block of a matrix may have fewer, n), a block's bytes
 //         (n rows' worth, at row 16b's offset) group by group; a group's weights as chunk vectors, lane j (4 bytes)
 //         holding row j's 4 weights of a chunk (elements 4c..4c+3 of the group). Nibble formats: 4 vectors a
 //         group, chunk v in the low nibbles and chunk v + 4 in the high ones; int8g32: 8 vectors of int8 bytes.

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "reduce4.h"
 
@@ -51,6 +52,14 @@ struct Ymm {
     return _mm256_maskload_epi32(static_cast<const int*>(p), _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
   }
   MOE_YMM void storeu_ps(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  // m (<= 8) mxfp4 exponent bytes e -> their scales, the floats of exponent field e - 1 (0 for e <= 1); zeros after m
+  MOE_YMM __m256 mx_scales8(const uint8_t* p, int m) {
+    uint64_t v = 0;
+    std::memcpy(&v, p, size_t(m));
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v)));
+    const __m256i one = _mm256_set1_epi32(1);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_max_epi32(e, one), one), 23));
+  }
   MOE_YMM __m256i add_epi32(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
   MOE_YMM __m256i add_epi16(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }
   MOE_YMM __m256i xor80(__m256i q) { return _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))); }  // s8 <-> u8 + 128

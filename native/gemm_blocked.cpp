@@ -1,0 +1,456 @@
+// The grouped int formats in row-interleaved blocks: int4 (q - 8, a scale per 64), int4g32 (q - 8, a scale per 32),
+// uint4g32 (scale * q - min), iq4nl (ggml's IQ4_NL grid), mxfp4 (e2m1, a power-of-two scale per 32) and int8g32
+// (int8). Layout (moe.h): a matrix's rows in blocks of 16 (the last may be shorter), a block holding, 32 weights
+// at a time, chunk vectors whose lane j is row j's 4 weights of one chunk of 4 (the 32's 8 chunks: nibble formats
+// pack chunk v in the low nibbles and chunk v + 4 in the high ones of one vector), then the block's scales group
+// by group, 16 rows each. So one vpdpbusd multiplies 16 rows by one broadcast 4-byte chunk of the activations, a
+// group's chunks sum in int32 per row, and one FMA applies the 16 rows' scales (a vector load): about half the
+// instructions per weight byte of the row-major layout (per 64 weights: two dot products each widened and scaled
+// apart, the scales permuted into lanes), which on 2 cores was compute-bound (docs/kernels.md). Each row's result
+// ends in its own lane: no reduction.
+//
+// Weights enter the dot products as u8 and activations as s8 (the callers' u8 = x + 128, flipped once per
+// call): nibbles as they are, iq4nl's grid values and mxfp4's (twice e2m1) + 128, int8g32's bytes + 128. What
+// the u8 weights carry in excess (8 for q - 8, else 128) times the group's activation sum comes out in int32
+// before the scale. uint4g32's mins multiply that activation sum in fp32. AVX2 (no u8 x s8 dot product that
+// cannot saturate on 255 x 127) multiplies iq4nl, mxfp4 and int8g32 as signed bytes with the int8 kernels' sign
+// trick; nibbles (<= 15) go through vpmaddubsw directly, 32 weights' 8 chunks summed in int16
+// (<= 8 x 2 x 15 x 127) before one widening.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+#include "moe.h"
+#include "ymm.h"
+
+namespace moe {
+
+namespace {
+
+enum Mode { G32, IQ, ASYM, Q8, INT4, MX };
+constexpr int BLK = 16;  // rows a block
+constexpr int G = 32;    // weights a layout group (a scale's, or half of int4's)
+template <int MODE>
+constexpr int SPG = MODE == INT4 ? 2 : 1;  // layout groups a scale covers
+template <int MODE>
+using ScaleT = std::conditional_t<MODE == MX, uint8_t, float>;  // mxfp4: the published exponent byte
+template <int MODE>
+constexpr bool nibble = MODE != Q8;
+template <int MODE>
+constexpr int vectors = nibble<MODE> ? 4 : 8;  // chunk vectors a group loads
+// ggml's kvalues_iq4nl: the IQ4_NL / IQ4_XS code -> its value; and + 128 as u8
+constexpr int8_t IQ4NL_LUT[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr uint8_t IQ4NL_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+// e2m1 code -> twice its value (bit 3 the sign), and + 128 as u8
+constexpr int8_t MX4_LUT[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr uint8_t MX4_U8[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};
+template <int MODE>
+inline const int8_t* lut_s8() { return MODE == MX ? MX4_LUT : IQ4NL_LUT; }
+template <int MODE>
+inline const uint8_t* lut_u8() { return MODE == MX ? MX4_U8 : IQ4NL_U8; }
+constexpr bool looked_up(int mode) { return mode == IQ || mode == MX; }
+// what a group's dot product of u8 weights carries in excess, per unit of its activation sum (SIGNED: AVX2's sign
+// trick on the signed values)
+template <int MODE, bool SIGNED>
+constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == ASYM || SIGNED ? 0 : 128;
+// mxfp4's scale of a published exponent e (e8m0): 2^(e - 127) / 2 (the kernels multiply twice the e2m1 value),
+// the float whose exponent field is e - 1; 0 for e <= 1
+inline float mx_scale(uint8_t e) {
+  const uint32_t b = e > 1 ? uint32_t(e - 1) << 23 : 0;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+template <int MODE>
+inline float scale_of(ScaleT<MODE> s) {
+  if constexpr (MODE == MX) return mx_scale(s);
+  else return s;
+}
+
+// A slot's activations as the kernels take them: s8, and per scale group (gs weights) its sum times the mode's
+// excess (int32) and (uint4g32) the sum as a float. Per call of a driver (one task): the rows are K bytes, this is
+// cheap next to them.
+struct Prepared {
+  std::vector<int8_t> x;
+  std::vector<int32_t> corr;
+  std::vector<float> sum;
+  std::vector<const int8_t*> xp;
+  std::vector<const int32_t*> cp;
+  std::vector<const float*> sp;
+};
+inline void prepare(const uint8_t* const* X, int ns, int Kp, int gs, int exc, bool sums, Prepared& p) {
+  const int ng = Kp / gs;
+  p.x.resize(size_t(ns) * Kp);
+  p.corr.resize(size_t(ns) * ng);
+  p.sum.resize(sums ? size_t(ns) * ng : 0);
+  p.xp.resize(ns), p.cp.resize(ns), p.sp.resize(ns);
+  for (int s = 0; s < ns; ++s) {
+    int8_t* x = &p.x[size_t(s) * Kp];
+    for (int i = 0; i < Kp; ++i) x[i] = int8_t(X[s][i] ^ 0x80);
+    for (int g = 0; g < ng; ++g) {
+      int32_t t = 0;
+      for (int i = 0; i < gs; ++i) t += x[g * gs + i];
+      p.corr[size_t(s) * ng + g] = exc * t;
+      if (sums) p.sum[size_t(s) * ng + g] = float(t);
+    }
+    p.xp[s] = x, p.cp[s] = &p.corr[size_t(s) * ng], p.sp[s] = sums ? &p.sum[size_t(s) * ng] : nullptr;
+  }
+}
+
+// ---- AVX-512: NB units of 16 rows (whole blocks, or one shorter one: n lanes, FULL false) x NT tokens ----
+template <int MODE>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i decode512(__m512i q) {  // u8 weights
+  if constexpr (looked_up(MODE))
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut_u8<MODE>()))), q);
+  else if constexpr (MODE == Q8) return _mm512_xor_si512(q, _mm512_set1_epi8(char(0x80)));
+  else return q;
+}
+// a block's n scales of one group (lanes past n zero)
+template <int MODE>
+__attribute__((target("avx512f,avx512bw"))) inline __m512 scales512(const ScaleT<MODE>* p, __mmask16 lanes) {
+  if constexpr (MODE == MX) {  // exponent e -> the float of exponent field e - 1, 0 for e <= 1 (mx_scale)
+    const __m512i e = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), p)));
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_sub_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(1)), _mm512_set1_epi32(1)), 23));
+  } else {
+    return _mm512_maskz_loadu_ps(lanes, p);
+  }
+}
+template <int NT, int NB, int MODE, bool FULL>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk512(
+    const uint8_t* const* W, const ScaleT<MODE>* const* S, size_t moff, int n, const int8_t* const* X,
+    const int32_t* const* XC, const float* const* XS, int ng, size_t pf, float* C) {
+  const int vs = FULL ? 64 : 4 * n, gs = vectors<MODE> * vs;  // bytes of a chunk vector, of a layout group
+  const __mmask16 lanes = FULL ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[NB][NT];
+  MOE_UNROLL for (int b = 0; b < NB; ++b)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[b][t] = _mm512_setzero_ps();
+  for (int g = 0; g < ng; ++g) {  // scale groups
+    __m512i d[NB][NT][2];  // two chains a dot product: half the latency
+    MOE_UNROLL for (int b = 0; b < NB; ++b)
+      MOE_UNROLL for (int t = 0; t < NT; ++t) d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
+    MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
+      const int lg = g * SPG<MODE> + h;  // layout group
+      __m512i u[NB][8];
+      MOE_UNROLL for (int b = 0; b < NB; ++b) {
+        const uint8_t* p = W[b] + size_t(lg) * gs;
+        MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
+          __m512i q;
+          if constexpr (FULL) {
+            _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
+            q = _mm512_loadu_si512(p + 64 * v);
+          } else {
+            q = _mm512_maskz_loadu_epi32(lanes, p + vs * v);
+          }
+          if constexpr (nibble<MODE>) {
+            u[b][v] = decode512<MODE>(_mm512_and_si512(q, lo4));
+            u[b][v + 4] = decode512<MODE>(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4));
+          } else {
+            u[b][v] = decode512<MODE>(q);
+          }
+        }
+      }
+      MOE_UNROLL for (int t = 0; t < NT; ++t) {
+        const int32_t* xg = reinterpret_cast<const int32_t*>(X[t] + lg * G);
+        MOE_UNROLL for (int b = 0; b < NB; ++b)
+          MOE_UNROLL for (int c = 0; c < 4; ++c) {
+            d[b][t][0] = _mm512_dpbusd_epi32(d[b][t][0], u[b][c], _mm512_set1_epi32(xg[c]));
+            d[b][t][1] = _mm512_dpbusd_epi32(d[b][t][1], u[b][c + 4], _mm512_set1_epi32(xg[c + 4]));
+          }
+      }
+    }
+    MOE_UNROLL for (int b = 0; b < NB; ++b) {
+      const __m512 sv = scales512<MODE>(S[b] + size_t(g) * n, lanes);
+      __m512 mv = sv;
+      if constexpr (MODE == ASYM) mv = _mm512_maskz_loadu_ps(lanes, S[b] + moff + size_t(g) * n);
+      MOE_UNROLL for (int t = 0; t < NT; ++t) {
+        __m512i dd = _mm512_add_epi32(d[b][t][0], d[b][t][1]);
+        if constexpr (excess<MODE, false> != 0) dd = _mm512_sub_epi32(dd, _mm512_set1_epi32(XC[t][g]));
+        acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), sv, acc[b][t]);
+        if constexpr (MODE == ASYM) acc[b][t] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(XS[t][g]), acc[b][t]);
+      }
+    }
+  }
+  MOE_UNROLL for (int t = 0; t < NT; ++t)
+    MOE_UNROLL for (int b = 0; b < NB; ++b) _mm512_storeu_ps(C + (t * NB + b) * BLK, acc[b][t]);
+}
+
+// ---- 256-bit (AVX2, AVX-VNNI): a unit is half a block, 8 rows (its lanes of each chunk vector) ----
+template <class Dot>
+constexpr bool is_vnni = std::is_same_v<Dot, VnniDot>;
+template <class Dot, int MODE>
+constexpr bool signed_w = !is_vnni<Dot> && (MODE == IQ || MODE == Q8 || MODE == MX);  // AVX2: the sign trick
+
+// (void functions with out-parameters: these templates have no target of their own, and the entry's flatten
+// inlines them)
+template <class Dot, int MODE>
+inline void decode256(__m256i& q, __m256i lut) {
+  if constexpr (looked_up(MODE)) q = Ymm::lookup(lut, q);
+  else if constexpr (MODE == Q8 && !signed_w<Dot, MODE>) q = Ymm::xor80(q);
+}
+// 32 weights' dot product per lane, added to d: u[c] (weights) with chunk c of the activations broadcast
+template <class Dot, int MODE>
+inline void group_dot(const __m256i (&u)[8], const int32_t* xg, __m256i& d) {
+  if constexpr (is_vnni<Dot>) {
+    __m256i d1 = Ymm::zero_si();
+    MOE_UNROLL for (int c = 0; c < 4; ++c) {
+      d = Dot::dot(d, u[c], Ymm::set1_epi32(xg[c]));
+      d1 = Dot::dot(d1, u[c + 4], Ymm::set1_epi32(xg[c + 4]));
+    }
+    d = Ymm::add_epi32(d, d1);
+  } else if constexpr (signed_w<Dot, MODE>) {  // Avx2Dot::dot(acc, q, w): q the activations, w signed weights
+    __m256i d1 = Ymm::zero_si();
+    MOE_UNROLL for (int c = 0; c < 4; ++c) {
+      d = Dot::dot(d, Ymm::set1_epi32(xg[c]), u[c]);
+      d1 = Dot::dot(d1, Ymm::set1_epi32(xg[c + 4]), u[c + 4]);
+    }
+    d = Ymm::add_epi32(d, d1);
+  } else {  // nibbles: u8 weights x s8 activations in int16 pairs, 8 chunks summed before one widening
+    __m256i p = Dot::pairs(u[0], Ymm::set1_epi32(xg[0]));
+    MOE_UNROLL for (int c = 1; c < 8; ++c) p = Ymm::add_epi16(p, Dot::pairs(u[c], Ymm::set1_epi32(xg[c])));
+    d = Ymm::add_epi32(d, Dot::widen(p));
+  }
+}
+template <class Dot, int MODE, bool FULL>
+inline void scales256(const ScaleT<MODE>* p, int m, __m256& s) {  // a half block's m scales of one group
+  if constexpr (MODE == MX) {
+    s = Ymm::mx_scales8(p, FULL ? 8 : m);
+  } else {
+    s = FULL ? Ymm::loadu_ps(p) : Ymm::loadu_first_ps(p, m);
+  }
+}
+template <class Dot, int NT, int MODE, bool FULL>
+inline void mk256(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, int n, int m, const int8_t* const* X,
+                  const int32_t* const* XC, const float* const* XS, int ng, size_t pf, float* C) {
+  const int vs = FULL ? 64 : 4 * n, gs = vectors<MODE> * vs;
+  const __m256i lut = signed_w<Dot, MODE> ? Ymm::bytes16(lut_s8<MODE>())
+                                          : Ymm::bytes16(reinterpret_cast<const int8_t*>(lut_u8<MODE>()));
+  __m256 acc[NT];
+  MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::zero_ps();
+  for (int g = 0; g < ng; ++g) {
+    __m256i d[NT];
+    MOE_UNROLL for (int t = 0; t < NT; ++t) d[t] = Ymm::zero_si();
+    MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
+      const int lg = g * SPG<MODE> + h;
+      __m256i u[8];
+      const uint8_t* p = W + size_t(lg) * gs;
+      MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
+        __m256i q;
+        if constexpr (FULL) {
+          _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
+          q = Ymm::load(p + 64 * v);
+        } else {
+          q = Ymm::load_first_epi32(p + vs * v, m);
+        }
+        if constexpr (nibble<MODE>) {
+          Ymm::split_nibbles(q, u[v], u[v + 4]);
+          decode256<Dot, MODE>(u[v], lut), decode256<Dot, MODE>(u[v + 4], lut);
+        } else {
+          u[v] = q;
+          decode256<Dot, MODE>(u[v], lut);
+        }
+      }
+      MOE_UNROLL for (int t = 0; t < NT; ++t)
+        group_dot<Dot, MODE>(u, reinterpret_cast<const int32_t*>(X[t] + lg * G), d[t]);
+    }
+    __m256 sv, mv;
+    scales256<Dot, MODE, FULL>(S + size_t(g) * n, m, sv);
+    if constexpr (MODE == ASYM)
+      mv = FULL ? Ymm::loadu_ps(S + moff + size_t(g) * n) : Ymm::loadu_first_ps(S + moff + size_t(g) * n, m);
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
+      if constexpr (excess<MODE, signed_w<Dot, MODE>> != 0) d[t] = Ymm::sub_epi32(d[t], Ymm::set1_epi32(XC[t][g]));
+      acc[t] = Ymm::fmadd(Ymm::to_ps(d[t]), sv, acc[t]);
+      if constexpr (MODE == ASYM) acc[t] = Ymm::fnmadd(mv, Ymm::set1(XS[t][g]), acc[t]);
+    }
+  }
+  MOE_UNROLL for (int t = 0; t < NT; ++t) Ymm::storeu_ps(C + t * 8, acc[t]);
+}
+
+// rows [r0, r1) of expert e: r0 on a block start, r1 on one or the matrix's end. LANES: rows a micro-kernel
+// unit (16: AVX-512, a block; 8: the 256-bit paths, half a block). mk(block's pointers...) per token tile ->
+// the units it computed.
+template <int MODE>
+inline size_t row_bytes(int Kp) { return MODE == Q8 ? size_t(Kp) : size_t(Kp) / 2; }
+template <int MODE, bool SIGNED, int LANES, int TBI, class MK>
+inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
+  MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
+  const int ng = m.Kp / (G * SPG<MODE>);  // scales a row
+  const size_t ldw = row_bytes<MODE>(m.Kp);
+  const size_t pf = tuning().pf_bytes;
+  const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
+  const size_t moff = MODE == ASYM ? size_t(m.rows) * ng : 0;  // an expert's mins after its scales
+  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng + moff);
+  thread_local Prepared p;
+  prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, G * SPG<MODE>, excess<MODE, SIGNED>, MODE == ASYM,
+          p);
+  for (int r = r0; r < r1; r += BLK) {
+    const int n = std::min(BLK, m.rows - r);
+    const uint8_t* wb = We + size_t(r) * ldw;
+    const ScaleT<MODE>* sb = Se + size_t(r) * ng;
+    // AVX-512 decode (one token) takes two whole blocks at once, for more independent dot-product chains
+    const bool pair = LANES == BLK && n == BLK && r + 2 * BLK <= r1;
+    for (int s = 0; s < ns; s += TBI) {
+      const int nt = std::min(TBI, ns - s);
+      float C[TBI * 2 * BLK];
+      const int units = mk(wb, sb, moff, n, pair, p.xp.data() + s, p.cp.data() + s, p.sp.data() + s, ng, pf, nt, C);
+      const int rows = std::min(units * LANES, r1 - r);
+      for (int t = 0; t < nt; ++t)
+        for (int j = 0; j < rows; ++j) Y[size_t(s + t) * ldy + r + j] = C[t * units * LANES + j] * x.scale[s + t];
+    }
+    if (pair) r += BLK;  // the pair's second block
+  }
+}
+
+// AVX-512's units for one block (or a pair of whole blocks) -> units computed, C [nt, units * 16]
+template <int MODE>
+inline int units512(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, bool pair, const int8_t* const* X,
+                    const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C,
+                    size_t block_bytes, size_t block_scales) {
+  if (n < BLK) {
+    with_tokens<4>(nt, [&](auto NT) {
+      const uint8_t* W[1] = {wb};
+      const ScaleT<MODE>* S[1] = {sb};
+      mk512<decltype(NT)::value, 1, MODE, false>(W, S, moff, n, X, XC, XS, ng, pf, C);
+    });
+    return 1;
+  }
+  if (pair && nt == 1) {
+    const uint8_t* W[2] = {wb, wb + block_bytes};
+    const ScaleT<MODE>* S[2] = {sb, sb + block_scales};
+    mk512<1, 2, MODE, true>(W, S, moff, BLK, X, XC, XS, ng, pf, C);
+    return 2;
+  }
+  const int blocks = pair ? 2 : 1;
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* W[1] = {wb + b * block_bytes};
+    const ScaleT<MODE>* S[1] = {sb + b * block_scales};
+    float Cb[4 * BLK];
+    with_tokens<4>(nt, [&](auto NT) { mk512<decltype(NT)::value, 1, MODE, true>(W, S, moff, BLK, X, XC, XS, ng, pf, Cb); });
+    for (int t = 0; t < nt; ++t)
+      for (int j = 0; j < BLK; ++j) C[(t * blocks + b) * BLK + j] = Cb[t * BLK + j];
+  }
+  return blocks;
+}
+
+template <int MODE>
+void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  const size_t block_bytes = BLK * row_bytes<MODE>(m.Kp), block_scales = size_t(BLK) * (m.Kp / (G * SPG<MODE>));
+  drive_blocked<MODE, false, BLK, 4>(m, e, r0, r1, x, ns, Y, ldy,
+                                     [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, bool pair,
+                                         const int8_t* const* X, const int32_t* const* XC, const float* const* XS,
+                                         int ng, size_t pf, int nt, float* C) {
+                                       return units512<MODE>(wb, sb, moff, n, pair, X, XC, XS, ng, pf, nt, C,
+                                                             block_bytes, block_scales);
+                                     });
+}
+
+// the 256-bit paths: a block's halves (lanes 0-7, 8-15) in turn, each its 8 rows' column of C
+template <class Dot, int MODE>
+inline int units256(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,
+                    const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C) {
+  const int halves = (n + 7) / 8;
+  for (int h = 0; h < halves; ++h) {
+    const int m = std::min(8, n - 8 * h);
+    float Ch[4 * 8];
+    with_tokens<4>(nt, [&](auto NT) {
+      if (n == BLK)
+        mk256<Dot, decltype(NT)::value, MODE, true>(wb + 32 * h, sb + 8 * h, moff, n, m, X, XC, XS, ng, pf, Ch);
+      else
+        mk256<Dot, decltype(NT)::value, MODE, false>(wb + 32 * h, sb + 8 * h, moff, n, m, X, XC, XS, ng, pf, Ch);
+    });
+    for (int t = 0; t < nt; ++t)
+      for (int j = 0; j < 8; ++j) C[(t * halves + h) * 8 + j] = Ch[t * 8 + j];
+  }
+  return halves;
+}
+
+#define MOE_BLOCKED_YMM(NAME, TARGET, DOT)                                                                          \
+  template <int MODE>                                                                                               \
+  MOE_YMM_ENTRY(TARGET) void NAME(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,         \
+                                  size_t ldy) {                                                                     \
+    drive_blocked<MODE, signed_w<DOT, MODE>, 8, 4>(                                                                 \
+        m, e, r0, r1, x, ns, Y, ldy,                                                                                \
+        [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, bool, const int8_t* const* X,           \
+            const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C) {               \
+          return units256<DOT, MODE>(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C);                                   \
+        });                                                                                                         \
+  }
+MOE_BLOCKED_YMM(blocked_avx2, "avx2,fma", Avx2Dot)
+MOE_BLOCKED_YMM(blocked_avxvnni, "avx2,fma,avxvnni", VnniDot)
+#undef MOE_BLOCKED_YMM
+
+// The reference: each weight read from the layout one at a time, the same sums in the same numbers.
+template <int MODE>
+void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  const int ng = m.Kp / (G * SPG<MODE>), nlg = m.Kp / G;
+  const size_t ldw = row_bytes<MODE>(m.Kp);
+  const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
+  const size_t moff = MODE == ASYM ? size_t(m.rows) * ng : 0;
+  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng + moff);
+  auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
+  for (int r = r0; r < r1; ++r) {
+    const int b0 = r / BLK * BLK, n = std::min(BLK, m.rows - b0), j = r - b0;
+    const uint8_t* wb = We + size_t(b0) * ldw;
+    const ScaleT<MODE>* sb = Se + size_t(b0) * ng;
+    for (int s = 0; s < ns; ++s) {
+      float acc = 0.f;
+      int32_t dot = 0, xsum = 0;
+      for (int lg = 0; lg < nlg; ++lg) {
+        for (int i = 0; i < G; ++i) {
+          const int c = i / 4, k = i % 4;  // chunk, byte of the lane
+          int32_t w;
+          if constexpr (MODE == Q8) {
+            w = int8_t(wb[size_t(lg) * 32 * n + size_t(c) * 4 * n + 4 * j + k]);
+          } else {
+            const uint8_t byte = wb[size_t(lg) * 16 * n + size_t(c % 4) * 4 * n + 4 * j + k];
+            const int q = c < 4 ? byte & 15 : byte >> 4;
+            w = looked_up(MODE) ? lut_s8<MODE>()[q] : MODE == ASYM ? q : q - 8;
+          }
+          const int32_t xv = int32_t(X[s][lg * G + i]) - 128;
+          dot += w * xv;
+          xsum += xv;
+        }
+        if ((lg + 1) % SPG<MODE> == 0) {  // the end of a scale group
+          const int g = lg / SPG<MODE>;
+          acc += float(dot) * scale_of<MODE>(sb[size_t(g) * n + j]);
+          if constexpr (MODE == ASYM) acc -= sb[moff + size_t(g) * n + j] * float(xsum);
+          dot = xsum = 0;
+        }
+      }
+      Y[size_t(s) * ldy + r] = acc * x.scale[s];
+    }
+  }
+}
+
+}  // namespace
+
+#define MOE_BLOCKED_ENTRIES(NAME, MODE)                                                                            \
+  void ref_gemm_rows_##NAME(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {  \
+    ref_blocked<MODE>(m, e, r0, r1, x, ns, Y, ldy);                                                               \
+  }                                                                                                                \
+  void gemm_rows_##NAME##_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) { \
+    blocked_avx2<MODE>(m, e, r0, r1, x, ns, Y, ldy);                                                              \
+  }                                                                                                                \
+  void gemm_rows_##NAME##_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,         \
+                                  size_t ldy) {                                                                    \
+    blocked_avxvnni<MODE>(m, e, r0, r1, x, ns, Y, ldy);                                                           \
+  }                                                                                                                \
+  void gemm_rows_##NAME##_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,          \
+                                 size_t ldy) {                                                                     \
+    blocked_avx512<MODE>(m, e, r0, r1, x, ns, Y, ldy);                                                            \
+  }
+MOE_BLOCKED_ENTRIES(int4, INT4)
+MOE_BLOCKED_ENTRIES(mxfp4, MX)
+MOE_BLOCKED_ENTRIES(int4g32, G32)
+MOE_BLOCKED_ENTRIES(iq4nl, IQ)
+MOE_BLOCKED_ENTRIES(uint4g32, ASYM)
+MOE_BLOCKED_ENTRIES(int8g32, Q8)
+#undef MOE_BLOCKED_ENTRIES
+
+}  // namespace moe
