@@ -218,6 +218,7 @@ class Engine:
             if not self.running and not new:
                 continue
             batch = self.running + new
+            self.running = batch  # counted as running from their first step on (Info reads it meanwhile)
             plan = self._reserve(self._plan(batch), batch)
             # one forward per distinct deferral setting: a request's result never depends on its neighbours
             for defer, skip in sorted({(r.defer, r.skip_deferred) for r, _ in plan}):

@@ -9,7 +9,7 @@ import torch
 import moe_kernels
 from moe_kernels import native
 from moe_kernels.dense import NativeLinear
-from moe_kernels.packing import INT4_GROUP
+from moe_kernels.packing import unpack
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ISAS = [p for p in moe_kernels.ISAS if native.isa_supported(p)]
@@ -26,16 +26,7 @@ TOL = {"bf16": 1e-2, "int8": 3e-2, "int4": 3e-2}  # relative to the output's nor
 
 def dequantized(lin: NativeLinear) -> torch.Tensor:
     """The weight as the kernels see it, fp32 [rows, K]."""
-    data, scale, _, _ = (p[0] if p is not None else None for p in lin.parts)
-    if lin.fmt == "bf16":
-        w = data.float()
-    elif lin.fmt == "int8":
-        w = data.float() * scale[:, None]
-    else:
-        lo, hi = (data & 15).float() - 8, (data >> 4).float() - 8
-        g = torch.cat([lo.view(lin.rows, -1, INT4_GROUP // 2), hi.view(lin.rows, -1, INT4_GROUP // 2)], -1)
-        w = (g * scale[..., None]).reshape(lin.rows, -1)
-    return w[:, :lin.K]
+    return unpack(lin.parts, lin.fmt, lin.K)[0]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
