@@ -37,32 +37,30 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 // One projection for all experts, rows x K per expert, each row padded to Kp elements.
 //   bf16: w = uint16 [E, rows, Kp]
 //   int8: w = int8 [E, rows, Kp]; scale = fp32 [E, rows]; rowsum = int32 [E, rows] (sum of the row)
-//   int4: w = uint8 [E, rows, Kp/2], nibble q in 0..15 stands for q - 8; byte i of a 64-group holds
-//         element i (low nibble) and i + 32 (high); scale = fp32 [E, rows, Kp/64];
-//         rowcorr = fp32 [E, rows]: 128 * sum_g scale_g * sum_{i in g} (q_i - 8)
-//   mxfp4: w as int4's (the same nibble order), but nibble c is the e2m1 code of 2 * value, i.e.
-//         {0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign (MX4_LUT); scale = uint8 [E, rows, Kp/32]: the block's
-//         published exponent e (scale 2^(e - 127); the kernels use 2^(e - 128), 0 for e <= 1); rowcorr
-//         as int4's over those values. Bit-exact with the published weights, 4.25 bits a weight.
-//   int4g32, iq4nl, uint4g32, int8g32: the formats with an fp32 scale per 32 weights, in row-interleaved blocks
+//   int4, mxfp4, int4g32, iq4nl, uint4g32, int8g32: the grouped int formats, in row-interleaved blocks
 //         (gemm_blocked.cpp): rows in blocks of 16 (the last block of a matrix may have fewer, n), a block's bytes
-//         (n rows' worth, at row 16b's offset) group by group; a group's weights as chunk vectors, lane j (4 bytes)
-//         holding row j's 4 weights of a chunk (elements 4c..4c+3 of the group). Nibble formats: 4 vectors a
-//         group, chunk v in the low nibbles and chunk v + 4 in the high ones; int8g32: 8 vectors of int8 bytes.
-//         scale = fp32 [E, rows, Kp/32] in the same blocks: per block, group by group, its n rows' scales. No
-//         rowsum or rowcorr (their kernels take the activations as s8).
-//         - int4g32: nibble q stands for q - 8 (int4 checkpoints' groups of 32 x n, their scales repeated per 32);
-//         - iq4nl: nibble c is the code of ggml's IQ4_NL grid (-127..113): GGUF's IQ4_NL and IQ4_XS kept exactly
-//           (their fp16 x 6-bit scales in fp32);
+//         (n rows' worth, at row 16b's offset) 32 weights at a time; those as chunk vectors, lane j (4 bytes)
+//         holding row j's 4 weights of a chunk (elements 4c..4c+3 of the 32). Nibble formats: 4 vectors a 32,
+//         chunk v in the low nibbles and chunk v + 4 in the high ones; int8g32: 8 vectors of int8 bytes.
+//         scale [E, rows, Kp/group] in the same blocks: per block, group by group, its n rows' scales. No rowsum
+//         or rowcorr (their kernels take the activations as s8).
+//         - int4: nibble q stands for q - 8; an fp32 scale per 64 (two 32s);
+//         - mxfp4: nibble c is the e2m1 code of 2 * value, i.e. {0, 1, 2, 3, 4, 6, 8, 12}, bit 3 the sign
+//           (MX4_LUT); scale = uint8 per 32: the block's published exponent e (scale 2^(e - 127); the kernels use
+//           2^(e - 128), 0 for e <= 1). Bit-exact with the published weights, 4.25 bits a weight;
+//         - int4g32: nibble q stands for q - 8, an fp32 scale per 32 (int4 checkpoints' groups of 32 x n, their
+//           scales repeated per 32);
+//         - iq4nl: nibble c is the code of ggml's IQ4_NL grid (-127..113), an fp32 scale per 32: GGUF's IQ4_NL and
+//           IQ4_XS kept exactly (their fp16 x 6-bit scales in fp32);
 //         - uint4g32: nibble q stands for itself, w = scale * q - min; scale = fp32 [E, 2 rows, Kp/32]: an expert's
 //           scales, then its mins in the same blocks. GGUF's Q4_K / Q4_1, AWQ / GPTQ zero points;
-//         - int8g32: int8 bytes. GGUF's Q8_0 kept exactly (its fp16 scales in fp32).
+//         - int8g32: int8 bytes, an fp32 scale per 32. GGUF's Q8_0 kept exactly (its fp16 scales in fp32).
 //   fp8:  w = uint8 [E, rows, Kp], e4m3 (float8_e4m3fn) bytes as published; scale = fp32
 //         [E, ceil(rows/128), ceil(Kp/128)]: the block's published scale_inv times 256 (the kernels widen a
 //         byte through fp16 bits that read as its value / 256). Activations: fp32 rows of Kp, each followed by
 //         its bf16 rounding (gemm_fp8.cpp).
-// The int formats take activations as u8 = q + 128 (VNNI multiplies unsigned by signed); the
-// +128 is taken back out with rowsum (int8) or rowcorr (int4, mxfp4), which depend on the row only.
+// The callers give int formats' activations as u8 = q + 128 (VNNI multiplies unsigned by signed); int8 takes the
+// +128 back out with rowsum, which depends on the row only; the grouped formats flip them to s8.
 struct Matrix {
   const void* w;
   const float* scale;  // mxfp4: uint8 exponents, cast back by its kernels
