@@ -5,9 +5,9 @@ tokenizer.json and tokenizer_config.json from its tokenizer and chat template, g
 that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckpoint reads the tensors in
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
-a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_1 and Q4_K on uint4g32; IQ4_NL and
-IQ4_XS on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are dequantized exactly (then requantized by
-default: expert_format).
+a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
+uint4g32; Q4_1 on uint4g32; IQ4_NL and IQ4_XS on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
+dequantized exactly (then requantized by default: expert_format).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
 published) and llama files with experts (Mixtral); what the converter changed is undone (a llama file's q/k rows,
 MLA's split kv_b, gpt-oss's split gate/up and nibble order); others are refused by name.
@@ -34,7 +34,7 @@ STACKED, STACKED_RAW = -1, -2
 # block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred
 # first (Q4_0's q - 8 is also a min of 8 scales)
 FLOAT_TYPES = ("F32", "F16", "BF16")  # not block types: read as floats
-KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("uint4g32",), "IQ4_NL": ("iq4nl",),
+KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("q4k", "uint4g32"), "IQ4_NL": ("iq4nl",),
          "IQ4_XS": ("iq4nl",), "Q8_0": ("int8g32",), "MXFP4": ("mxfp4",)}
 
 
@@ -71,18 +71,17 @@ def _q4_1(b: np.ndarray):  # 20 bytes per 32: fp16 d, fp16 m, 16 bytes; w = d q 
 
 def _q4_k(b: np.ndarray):
     """144 bytes per 256: fp16 d and dmin, 12 bytes of 6-bit scales and mins for the 8 sub-blocks of 32, 128 bytes
-    (per 64 weights 32 bytes: the low nibbles the first sub-block, the high ones the second); w = d sc q - dmin m,
-    each product exact in fp32."""
-    from moe_kernels.packing import UInt4
+    (per 64 weights 32 bytes: the low nibbles the first sub-block, the high ones the second); w = d sc q - dmin m."""
+    from moe_kernels.packing import Q4K
     R = b.shape[0]
     blocks = b.reshape(R, -1, 144)
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     sm = torch.from_numpy(np.ascontiguousarray(blocks[..., 4:16])).view(R, -1, 3, 4)
     lo, hi, both = sm[..., 0, :], sm[..., 1, :], sm[..., 2, :]
-    sc = torch.cat([lo & 63, (both & 15) | ((lo >> 2) & 48)], dim=-1).float()  # [R, blocks, 8]
-    mn = torch.cat([hi & 63, (both >> 4) | ((hi >> 2) & 48)], dim=-1).float()
+    sc = torch.cat([lo & 63, (both & 15) | ((lo >> 2) & 48)], dim=-1)  # [R, blocks, 8]
+    mn = torch.cat([hi & 63, (both >> 4) | ((hi >> 2) & 48)], dim=-1)
     q = _halves(blocks[..., 16:].reshape(R, -1, 4, 32)).reshape(R, -1)
-    return UInt4(q, (d[..., None] * sc).reshape(R, -1), (dmin[..., None] * mn).reshape(R, -1), 32)
+    return Q4K(q, d, dmin, sc.reshape(R, -1), mn.reshape(R, -1))
 
 
 def _iq4_nl(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes of codes; w = d IQ4NL[code]
@@ -516,9 +515,9 @@ class GGUFCheckpoint:
         return None
 
     def get_published(self, name: str, fmt: str):
-        """The weight as stored where expert format `fmt` keeps its block type (KEEPS: packing.Int4, UInt4 or Iq4,
+        """The weight as stored where expert format `fmt` keeps its block type (KEEPS: packing.Int4, UInt4, Q4K or Iq4,
         bit for bit what the gguf package dequantizes); None for other types and formats."""
-        from moe_kernels.packing import Int4, UInt4
+        from moe_kernels.packing import Int4, Q4K, UInt4
         t, data = self._data(name)
         kind = t.tensor_type.name
         if fmt not in KEEPS.get(kind, ()) or kind not in _DECODE:
@@ -526,6 +525,8 @@ class GGUFCheckpoint:
         w = _DECODE[kind](np.asarray(data))
         if fmt == "uint4g32" and isinstance(w, Int4):  # Q4_0: d (q - 8) = d q - 8 d
             return UInt4((w.values.to(torch.int16) + 8).to(torch.uint8), w.scale, 8 * w.scale, w.group)
+        if fmt == "uint4g32" and isinstance(w, Q4K):  # its d sc and dmin m multiplied out per 32 (exact in fp32)
+            return w.to_uint4()
         return w
 
     def close(self) -> None:  # the map stays: a GGUF is read in place
@@ -554,7 +555,7 @@ def expert_format(types: tuple[str, ...]) -> str | None:
     """The expert format a GGUF's routed experts default to (None: floats). A format that holds every quantized
     type of the file exactly (KEEPS) where there is one; else the file's size class, not a 2-4x larger exact copy (a
     4-bit DeepSeek file must fit the RAM its user has): with a type of 5 bits or fewer, the format keeping the
-    smallest such type (Q4_K_M's Q4_K: uint4g32, its Q6_K requantized into it), or int4g32 (Q3_K, Q2_K); the others
+    smallest such type (Q4_K_M's Q4_K: q4k, its Q6_K requantized into it), or int4g32 (Q3_K, Q2_K); the others
     (Q5_K, Q6_K) -> int8g32 (a scale per 32: Q8_0 kept, the others requantized). Measured on the default model
     against llama-perplexity on the same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
     quantized = [t for t in types if t not in FLOAT_TYPES]

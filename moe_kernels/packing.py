@@ -11,8 +11,10 @@
 - iq4nl: codes of ggml's non-linear 4-bit grid (IQ4NL) with one fp32 scale per 32: GGUF's IQ4_NL and IQ4_XS
   as stored (Iq4: exact), or quantized here;
 - int8g32: int8 with one fp32 scale per 32: GGUF's Q8_0 as stored (Q8: exact), or quantized here;
-- uint4g32: unsigned nibbles with an fp32 scale and min per 32, w = scale x q - min: GGUF's Q4_K and Q4_1, AWQ
-  and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here.
+- uint4g32: unsigned nibbles with an fp32 scale and min per 32, w = scale x q - min: GGUF's Q4_1 (and Q4_K), AWQ
+  and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here;
+- q4k: GGUF's Q4_K as stored (Q4K: unsigned nibbles, w = d sc q - dmin m with an fp32 d and dmin per 256 and a 6-bit
+  sc and m per 32; 4.75 bits a weight against uint4g32's 6), or quantized here.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The grouped int formats (all
 but bf16, int8 and fp8) are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_blocked.cpp):
 _interleave_rows.
@@ -28,12 +30,13 @@ from moe_core.config import FP8_BLOCK
 
 from . import native
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32")
+FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k")
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
+QK = 256  # q4k's super-block (GGUF's QK_K): a d and dmin per 256, a 6-bit sc and m per 32
 BLOCK_ROWS = 16  # the grouped int formats' row blocks
-ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32")
+ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k")
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
@@ -186,6 +189,33 @@ class UInt4(NamedTuple):
         return UInt4(*(torch.cat([getattr(p, f) for p in parts]) for f in ("values", "scale", "min")), parts[0].group)
 
 
+class Q4K(NamedTuple):
+    """GGUF's Q4_K numbers: values [rows, K] uint8 (0-15), d and dmin [rows, ceil(K / 256)] fp32 (the file's fp16), sc
+    and m [rows, 8 per 256] uint8 (0-63); w = d sc value - dmin m."""
+    values: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def to_uint4(self) -> "UInt4":
+        """The same numbers with a scale and min per 32 (each product exact in fp32)."""
+        per32 = lambda t: t.float().repeat_interleave(QK // G32, 1)  # noqa: E731
+        n = -(-self.values.shape[1] // G32)
+        return UInt4(self.values, (per32(self.d) * self.sc.float())[:, :n], (per32(self.dmin) * self.m.float())[:, :n], G32)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.to_uint4().dequantize()
+
+    @staticmethod
+    def cat(parts: list["Q4K"]) -> "Q4K":
+        return Q4K(*(torch.cat([getattr(p, f) for p in parts]) for f in Q4K._fields))
+
+
 class Int8(NamedTuple):
     """The int8 format's numbers: values [rows, K] int8 in -127..127, scale [rows] fp32 (one per row)."""
     values: torch.Tensor
@@ -228,6 +258,8 @@ def row_len(n: int, fmt: str) -> int:
     """Packed row length: a multiple of 64 elements (whole VNNI steps and int4 groups), bumped when
     the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
     fall in one L1 set (not for the row-blocked formats, whose block is one stream)."""
+    if fmt == "q4k":  # whole super-blocks
+        return (n + QK - 1) // QK * QK
     n = (n + 63) // 64 * 64
     if fmt in ROW_BLOCKED:  # a block is one stream: no set conflicts between its rows
         return n
@@ -258,6 +290,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp), torch.uint8), (blocks, torch.float32), None, None
     if fmt == "int8g32":
         return ((E, rows, Kp), torch.int8), ((E, rows, Kp // G32), torch.float32), None, None
+    if fmt == "q4k":  # per 256 of a row: d, dmin (fp32), 8 sc, 8 m (bytes)
+        return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
     # the nibble ones; no rowcorr (their kernels take activations as s8)
     scale_rows = 2 * rows if fmt == "uint4g32" else rows  # uint4g32: an expert's scales, then its mins
     scale = (((E, rows, Kp // MX_BLOCK), torch.uint8) if fmt == "mxfp4" else
@@ -272,31 +306,37 @@ def alloc(fmt: str, E: int, rows: int, Kp: int) -> tuple:
     return huge(*data), *(None if p is None else torch.empty(p[0], dtype=p[1]) for p in rest)
 
 
-def _interleave_rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., R, G, C, B] -> [..., R, G * C * B]: rows in blocks of BLOCK_ROWS (the last may be shorter), each block
-    stored group by group, chunk by chunk, its rows' B bytes side by side (a chunk is one vector, a row a lane)."""
-    *lead, R, G, C, B = t.shape
+def _interleave_rows(*fields: torch.Tensor) -> torch.Tensor:
+    """Fields [..., R, G, C_i, B_i] -> [..., R, G * sum(C_i B_i)]: rows in blocks of BLOCK_ROWS (the last may be
+    shorter), each block stored group by group, and within a group field by field, chunk by chunk, its rows' B_i
+    elements side by side (a chunk is one vector, a row a lane)."""
+    *lead, R, G = fields[0].shape[:-2]
     full = R // BLOCK_ROWS * BLOCK_ROWS
     parts = []
-    if full:
-        b = t[..., :full, :, :, :].reshape(*lead, full // BLOCK_ROWS, BLOCK_ROWS, G, C, B)
-        parts.append(b.movedim(-4, -2).reshape(*lead, full, G * C * B))
-    if R > full:
-        parts.append(t[..., full:, :, :, :].movedim(-4, -2).reshape(*lead, R - full, G * C * B))
+    for r0, n, nb, rows in ((0, full, full // BLOCK_ROWS, BLOCK_ROWS), (full, R - full, 1, R - full)):
+        if n == 0:
+            continue
+        per = [f[..., r0:r0 + n, :, :, :].reshape(*lead, nb, rows, G, *f.shape[-2:]).movedim(-4, -2)
+               .reshape(*lead, nb, G, -1) for f in fields]
+        parts.append(torch.cat(per, -1).reshape(*lead, n, -1))
     return torch.cat(parts, -2) if len(parts) > 1 else parts[0]
 
 
-def _deinterleave_rows(t: torch.Tensor, G: int, C: int, B: int) -> torch.Tensor:
-    """_interleave_rows undone: [..., R, G * C * B] -> [..., R, G, C, B]."""
+def _deinterleave_rows(t: torch.Tensor, G: int, *shapes: tuple[int, int]) -> list[torch.Tensor]:
+    """_interleave_rows undone: [..., R, G * sum(C_i B_i)] -> the fields [..., R, G, C_i, B_i] of shapes (C_i, B_i)."""
     *lead, R, _ = t.shape
     full = R // BLOCK_ROWS * BLOCK_ROWS
-    parts = []
-    if full:
-        b = t[..., :full, :].reshape(*lead, full // BLOCK_ROWS, G, C, BLOCK_ROWS, B)
-        parts.append(b.movedim(-2, -4).reshape(*lead, full, G, C, B))
-    if R > full:
-        parts.append(t[..., full:, :].reshape(*lead, G, C, R - full, B).movedim(-2, -4))
-    return torch.cat(parts, -4) if len(parts) > 1 else parts[0]
+    out: list[list[torch.Tensor]] = [[] for _ in shapes]
+    for r0, n, nb, rows in ((0, full, full // BLOCK_ROWS, BLOCK_ROWS), (full, R - full, 1, R - full)):
+        if n == 0:
+            continue
+        b = t[..., r0:r0 + n, :].reshape(*lead, nb, G, -1)
+        at = 0
+        for i, (C, B) in enumerate(shapes):
+            f = b[..., at:at + C * rows * B].reshape(*lead, nb, G, C, rows, B).movedim(-2, -4)
+            out[i].append(f.reshape(*lead, n, G, C, B))
+            at += C * rows * B
+    return [torch.cat(o, -4) if len(o) > 1 else o[0] for o in out]
 
 
 def _blocked_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -402,6 +442,39 @@ def pack_int8g32(w: Q8, Kp: int) -> tuple:
     return _blocked_bytes(data), _blocked_scales(scale), None, None
 
 
+def pack_q4k(w: Q4K, Kp: int) -> tuple:
+    """Q4_K numbers [rows, K] -> (nibbles, [per 256: d, dmin, 8 sc, 8 m] bytes, None, None) in row blocks, bit-exact."""
+    R, K = w.values.shape
+    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // G32)):
+        raise ValueError(f"q4k weight [{R}, {K}] needs a d and dmin per {QK} and an sc and m per {G32} (rows padded to "
+                         f"{QK}), got {list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
+    if int(w.values.max()) > 15 or int(w.sc.max()) > 63 or int(w.m.max()) > 63:
+        raise ValueError("q4k values outside 0..15 or sub-scales outside 0..63")
+    nsg = Kp // QK
+    q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
+    pad = lambda t, n: F.pad(t, (0, n - t.shape[1]))  # noqa: E731  (padding: d = sc = 0, so zero weights)
+    f32 = lambda t: pad(t.float(), nsg).contiguous().view(torch.uint8).view(R, nsg, 1, 4)  # noqa: E731
+    u8 = lambda t: pad(t.to(torch.uint8), nsg * QK // G32).view(R, nsg, QK // G32, 1)  # noqa: E731
+    return _blocked_nibbles(q), _interleave_rows(f32(w.d), f32(w.dmin), u8(w.sc), u8(w.m)), None, None
+
+
+def q4k_quantize(w: torch.Tensor) -> Q4K:
+    """Float w [rows, K] -> Q4_K's numbers (each 32's range on 0..15 with a min <= 0, its scale and min on 6 bits under
+    the 256's d and dmin; no search, as uint4_quantize)."""
+    R, K = w.shape
+    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, G32)
+    lo, hi = g.amin(-1).clamp_max(0), g.amax(-1).clamp_min(0)
+    scale, mn = (hi - lo) / 15, -lo
+    d = (scale.view(R, -1, QK // G32).amax(-1) / 63).clamp_min(1e-12)
+    dmin = (mn.view(R, -1, QK // G32).amax(-1) / 63).clamp_min(1e-12)
+    per32 = lambda t: t.repeat_interleave(QK // G32, 1)  # noqa: E731
+    sc = torch.round(scale / per32(d)).clamp(0, 63)
+    m = torch.round(mn / per32(dmin)).clamp(0, 63)
+    step, off = (per32(d) * sc)[..., None], (per32(dmin) * m)[..., None]
+    q = torch.where(step > 0, torch.round((g + off) / step.clamp_min(1e-30)), torch.zeros_like(g)).clamp(0, 15)
+    return Q4K(q.to(torch.uint8).view(R, -1)[:, :K], d, dmin, sc.to(torch.uint8), m.to(torch.uint8))
+
+
 def int8g32_quantize(w: torch.Tensor) -> Q8:
     """Float w [rows, K] -> int8 per 32 (each group's largest magnitude on 127)."""
     R, K = w.shape
@@ -443,7 +516,7 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
 
 def floats(w) -> torch.Tensor:
     """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
-    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, UInt4, Q8)) else w
+    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, UInt4, Q8, Q4K)) else w
 
 
 def int8_quantize(w: torch.Tensor) -> Int8:
@@ -453,8 +526,8 @@ def int8_quantize(w: torch.Tensor) -> Int8:
 
 
 def quantize(w, fmt: str):
-    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / UInt4 / Q8 as published) in a format's numbers, before
-    packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4, Fp8, Iq4, UInt4 or Q8;
+    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / UInt4 / Q8 / Q4K as published) in a format's numbers, before
+    packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4, Fp8, Iq4, UInt4, Q8 or Q4K;
     what a format keeps as published stays bit for bit."""
     if fmt == "mxfp4":
         return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
@@ -465,7 +538,9 @@ def quantize(w, fmt: str):
     if fmt == "iq4nl":
         return w if isinstance(w, Iq4) else iq4nl_quantize(floats(w))
     if fmt == "uint4g32":
-        return w if isinstance(w, UInt4) else uint4_quantize(floats(w))
+        return w if isinstance(w, UInt4) else w.to_uint4() if isinstance(w, Q4K) else uint4_quantize(floats(w))
+    if fmt == "q4k":
+        return w if isinstance(w, Q4K) else q4k_quantize(floats(w))
     if fmt == "int8g32":
         return w if isinstance(w, Q8) else int8g32_quantize(floats(w))
     if fmt == "int4":
@@ -508,6 +583,8 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
         return pack_uint4g32(q, Kp)
     if fmt == "int8g32":
         return pack_int8g32(q, Kp)
+    if fmt == "q4k":
+        return pack_q4k(q, Kp)
     if fmt == "int4":
         return pack_int4(q, Kp)
     if fmt == "bf16":
@@ -529,18 +606,24 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         E, R, _ = data.shape
         ng = scale.shape[-1]
         if fmt == "int8g32":
-            v = _deinterleave_rows(data, ng, 8, 4).float()
+            v = _deinterleave_rows(data, ng, (8, 4))[0].float()
         else:  # per 32, chunk v in the low nibbles, v + 4 in the high ones
-            b = _deinterleave_rows(data, data.shape[-1] // 16, 4, 4).long()
+            b = _deinterleave_rows(data, data.shape[-1] // 16, (4, 4))[0].long()
             v = torch.cat([b & 15, b >> 4], -2)
             v = (IQ4NL.to(data.device)[v] if fmt == "iq4nl" else MX4_TWICE.to(data.device)[v] if fmt == "mxfp4" else
-                 v.float() - 8 if fmt in ("int4", "int4g32") else v.float())
-        s = _deinterleave_rows(scale[:, :R], ng, 1, 1).reshape(E, R, ng, 1)
+                 v.float() - 8 if fmt in ("int4", "int4g32") else v.float())  # uint4g32, q4k: q itself
+        if fmt == "q4k":  # per 256: d, dmin (fp32), then 8 sc and 8 m (bytes)
+            d, dmin, sc, m = _deinterleave_rows(scale, ng // 24, (1, 4), (1, 4), (8, 1), (8, 1))
+            f32 = lambda t: t.contiguous().view(torch.float32).reshape(E, R, -1)  # noqa: E731
+            s = (f32(d).repeat_interleave(QK // G32, -1) * sc.reshape(E, R, -1).float())[..., None]
+            mins = (f32(dmin).repeat_interleave(QK // G32, -1) * m.reshape(E, R, -1).float())[..., None]
+            return (v.reshape(E, R, -1, G32) * s - mins).reshape(E, R, -1)[..., :K]
+        s = _deinterleave_rows(scale[:, :R], ng, (1, 1))[0].reshape(E, R, ng, 1)
         if fmt == "mxfp4":
             s = mx_scale(s.cpu()).to(data.device)
         w = v.reshape(E, R, ng, -1) * s
         if fmt == "uint4g32":  # an expert's scales, then its mins
-            w = w - _deinterleave_rows(scale[:, R:], ng, 1, 1).reshape(E, R, ng, 1)
+            w = w - _deinterleave_rows(scale[:, R:], ng, (1, 1))[0].reshape(E, R, ng, 1)
         w = w.reshape(E, R, -1)
     elif fmt == "fp8":
         s = (scale / 256).repeat_interleave(FP8_BLOCK, 1)[:, :data.shape[1]].repeat_interleave(FP8_BLOCK, 2)
@@ -565,6 +648,8 @@ def stack_rows(parts: list, fmt: str):
         return UInt4.cat(parts)
     if fmt == "int8g32" and all(isinstance(p, Q8) for p in parts):
         return Q8.cat(parts)
+    if fmt == "q4k" and all(isinstance(p, Q4K) for p in parts):
+        return Q4K.cat(parts)
     return torch.cat([floats(p) for p in parts])
 
 

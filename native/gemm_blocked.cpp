@@ -32,13 +32,15 @@ namespace moe {
 
 namespace {
 
-enum Mode { G32, IQ, ASYM, Q8, INT4, MX };
+enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K };
 constexpr int BLK = 16;  // rows a block
 constexpr int G = 32;    // weights a layout group (a scale's, or half of int4's)
 template <int MODE>
-constexpr int SPG = MODE == INT4 ? 2 : 1;  // layout groups a scale covers
+constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K ? 8 : 1;  // layout groups a scale (q4k: a d and dmin) covers
 template <int MODE>
-using ScaleT = std::conditional_t<MODE == MX, uint8_t, float>;  // mxfp4: the published exponent byte
+using ScaleT = std::conditional_t<MODE == MX || MODE == Q4K, uint8_t, float>;  // mxfp4: the exponent byte; q4k: bytes
+template <int MODE>
+constexpr int SGE = MODE == Q4K ? 24 : 1;  // scale elements a row has per scale group (q4k: d, dmin, 8 sc, 8 m)
 template <int MODE>
 constexpr bool nibble = MODE != Q8;
 template <int MODE>
@@ -57,7 +59,10 @@ constexpr bool looked_up(int mode) { return mode == IQ || mode == MX; }
 // what a group's dot product of u8 weights carries in excess, per unit of its activation sum (SIGNED: AVX2's sign
 // trick on the signed values)
 template <int MODE, bool SIGNED>
-constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == ASYM || SIGNED ? 0 : 128;
+constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == ASYM || MODE == Q4K || SIGNED ? 0 : 128;
+// the formats with mins: the activations' float sum per 32 is needed
+template <int MODE>
+constexpr bool has_mins = MODE == ASYM || MODE == Q4K;
 // mxfp4's scale of a published exponent e (e8m0): 2^(e - 127) / 2 (the kernels multiply twice the e2m1 value),
 // the float whose exponent field is e - 1; 0 for e <= 1
 inline float mx_scale(uint8_t e) {
@@ -69,6 +74,7 @@ inline float mx_scale(uint8_t e) {
 template <int MODE>
 inline float scale_of(ScaleT<MODE> s) {
   if constexpr (MODE == MX) return mx_scale(s);
+  else if constexpr (MODE == Q4K) return 0.f;  // q4k's scales are read field by field
   else return s;
 }
 
@@ -117,6 +123,8 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512 scales512(const ScaleT
     const __m512i e = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), p)));
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_sub_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(1)), _mm512_set1_epi32(1)), 23));
+  } else if constexpr (MODE == Q4K) {  // read field by field instead
+    return _mm512_setzero_ps();
   } else {
     return _mm512_maskz_loadu_ps(lanes, p);
   }
@@ -135,6 +143,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
     __m512i d[NB][NT][2];  // two chains a dot product: half the latency
     MOE_UNROLL for (int b = 0; b < NB; ++b)
       MOE_UNROLL for (int t = 0; t < NT; ++t) d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
+    __m512 qs[NB][NT], qm[NB][NT];  // q4k: the 256's sums of sc x dot and of m x activation sum
+    if constexpr (MODE == Q4K)
+      MOE_UNROLL for (int b = 0; b < NB; ++b)
+        MOE_UNROLL for (int t = 0; t < NT; ++t) qs[b][t] = qm[b][t] = _mm512_setzero_ps();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
       const int lg = g * SPG<MODE> + h;  // layout group
       __m512i u[NB][8];
@@ -164,6 +176,31 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
             d[b][t][1] = _mm512_dpbusd_epi32(d[b][t][1], u[b][c + 4], _mm512_set1_epi32(xg[c + 4]));
           }
       }
+      if constexpr (MODE == Q4K) {  // this 32's 6-bit sc and m (a byte each, 16 rows side by side)
+        MOE_UNROLL for (int b = 0; b < NB; ++b) {
+          const uint8_t* sg = S[b] + size_t(g) * n * 24;
+          const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+              _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sg + 8 * n + h * n))));
+          const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+              _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sg + 16 * n + h * n))));
+          MOE_UNROLL for (int t = 0; t < NT; ++t) {
+            qs[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[b][t][0], d[b][t][1])), sc, qs[b][t]);
+            qm[b][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(XS[t][g * SPG<MODE> + h]), qm[b][t]);
+            d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
+          }
+        }
+      }
+    }
+    if constexpr (MODE == Q4K) {  // the 256's d and dmin
+      MOE_UNROLL for (int b = 0; b < NB; ++b) {
+        const uint8_t* sg = S[b] + size_t(g) * n * 24;
+        const __m512 dv = _mm512_maskz_loadu_ps(lanes, sg), dminv = _mm512_maskz_loadu_ps(lanes, sg + 4 * n);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          acc[b][t] = _mm512_fmadd_ps(qs[b][t], dv, acc[b][t]);
+          acc[b][t] = _mm512_fnmadd_ps(qm[b][t], dminv, acc[b][t]);
+        }
+      }
+      continue;
     }
     MOE_UNROLL for (int b = 0; b < NB; ++b) {
       const __m512 sv = scales512<MODE>(S[b] + size_t(g) * n, lanes);
@@ -221,13 +258,16 @@ template <class Dot, int MODE, bool FULL>
 inline void scales256(const ScaleT<MODE>* p, int m, __m256& s) {  // a half block's m scales of one group
   if constexpr (MODE == MX) {
     s = Ymm::mx_scales8(p, FULL ? 8 : m);
+  } else if constexpr (MODE == Q4K) {  // read field by field instead
+    s = Ymm::zero_ps();
   } else {
     s = FULL ? Ymm::loadu_ps(p) : Ymm::loadu_first_ps(p, m);
   }
 }
 template <class Dot, int NT, int MODE, bool FULL>
-inline void mk256(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, int n, int m, const int8_t* const* X,
-                  const int32_t* const* XC, const float* const* XS, int ng, size_t pf, float* C) {
+inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t moff, int n, int m,
+                  const int8_t* const* X, const int32_t* const* XC, const float* const* XS, int ng, size_t pf, float* C) {
+  const ScaleT<MODE>* S = Sb + lane0;  // the half's scales (q4k: its fields at their own offsets from Sb)
   const int vs = FULL ? 64 : 4 * n, gs = vectors<MODE> * vs;
   const __m256i lut = signed_w<Dot, MODE> ? Ymm::bytes16(lut_s8<MODE>())
                                           : Ymm::bytes16(reinterpret_cast<const int8_t*>(lut_u8<MODE>()));
@@ -236,6 +276,9 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, int n, i
   for (int g = 0; g < ng; ++g) {
     __m256i d[NT];
     MOE_UNROLL for (int t = 0; t < NT; ++t) d[t] = Ymm::zero_si();
+    __m256 qs[NT], qm[NT];  // q4k: as mk512's
+    if constexpr (MODE == Q4K)
+      MOE_UNROLL for (int t = 0; t < NT; ++t) qs[t] = qm[t] = Ymm::zero_ps();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
       const int lg = g * SPG<MODE> + h;
       __m256i u[8];
@@ -258,6 +301,24 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, int n, i
       }
       MOE_UNROLL for (int t = 0; t < NT; ++t)
         group_dot<Dot, MODE>(u, reinterpret_cast<const int32_t*>(X[t] + lg * G), d[t]);
+      if constexpr (MODE == Q4K) {
+        const uint8_t* sg = Sb + size_t(g) * n * 24;
+        const __m256 sc = Ymm::u8_to_ps(sg + 8 * n + h * n + lane0, m), mn = Ymm::u8_to_ps(sg + 16 * n + h * n + lane0, m);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          qs[t] = Ymm::fmadd(Ymm::to_ps(d[t]), sc, qs[t]);
+          qm[t] = Ymm::fmadd(mn, Ymm::set1(XS[t][lg]), qm[t]);
+          d[t] = Ymm::zero_si();
+        }
+      }
+    }
+    if constexpr (MODE == Q4K) {
+      const uint8_t* sg = Sb + size_t(g) * n * 24;
+      const float* dp = reinterpret_cast<const float*>(sg) + lane0;
+      const float* dminp = reinterpret_cast<const float*>(sg + 4 * n) + lane0;
+      const __m256 dv = FULL ? Ymm::loadu_ps(dp) : Ymm::loadu_first_ps(dp, m);
+      const __m256 dminv = FULL ? Ymm::loadu_ps(dminp) : Ymm::loadu_first_ps(dminp, m);
+      MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::fnmadd(qm[t], dminv, Ymm::fmadd(qs[t], dv, acc[t]));
+      continue;
     }
     __m256 sv, mv;
     scales256<Dot, MODE, FULL>(S + size_t(g) * n, m, sv);
@@ -280,19 +341,22 @@ inline size_t row_bytes(int Kp) { return MODE == Q8 ? size_t(Kp) : size_t(Kp) / 
 template <int MODE, bool SIGNED, int LANES, int TBI, class MK>
 inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
   MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
-  const int ng = m.Kp / (G * SPG<MODE>);  // scales a row
+  MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "q4k rows are padded to a multiple of 256");
+  const int ng = m.Kp / (G * SPG<MODE>);  // scale groups a row
   const size_t ldw = row_bytes<MODE>(m.Kp);
   const size_t pf = tuning().pf_bytes;
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
   const size_t moff = MODE == ASYM ? size_t(m.rows) * ng : 0;  // an expert's mins after its scales
-  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng + moff);
+  const ScaleT<MODE>* Se =
+      reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng * SGE<MODE> + moff);
   thread_local Prepared p;
-  prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, G * SPG<MODE>, excess<MODE, SIGNED>, MODE == ASYM,
-          p);
+  // the activations' sums per scale group times the excess; q4k's mins: their sums per 32
+  prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, MODE == Q4K ? G : G * SPG<MODE>,
+          excess<MODE, SIGNED>, has_mins<MODE>, p);
   for (int r = r0; r < r1; r += BLK) {
     const int n = std::min(BLK, m.rows - r);
     const uint8_t* wb = We + size_t(r) * ldw;
-    const ScaleT<MODE>* sb = Se + size_t(r) * ng;
+    const ScaleT<MODE>* sb = Se + size_t(r) * ng * SGE<MODE>;
     // AVX-512 decode (one token) takes two whole blocks at once, for more independent dot-product chains
     const bool pair = LANES == BLK && n == BLK && r + 2 * BLK <= r1;
     for (int s = 0; s < ns; s += TBI) {
@@ -340,7 +404,8 @@ inline int units512(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int 
 
 template <int MODE>
 void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  const size_t block_bytes = BLK * row_bytes<MODE>(m.Kp), block_scales = size_t(BLK) * (m.Kp / (G * SPG<MODE>));
+  const size_t block_bytes = BLK * row_bytes<MODE>(m.Kp);
+  const size_t block_scales = size_t(BLK) * (m.Kp / (G * SPG<MODE>)) * SGE<MODE>;
   drive_blocked<MODE, false, BLK, 4>(m, e, r0, r1, x, ns, Y, ldy,
                                      [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, bool pair,
                                          const int8_t* const* X, const int32_t* const* XC, const float* const* XS,
@@ -360,9 +425,9 @@ inline int units256(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int 
     float Ch[4 * 8];
     with_tokens<4>(nt, [&](auto NT) {
       if (n == BLK)
-        mk256<Dot, decltype(NT)::value, MODE, true>(wb + 32 * h, sb + 8 * h, moff, n, m, X, XC, XS, ng, pf, Ch);
+        mk256<Dot, decltype(NT)::value, MODE, true>(wb + 32 * h, sb, 8 * h, moff, n, m, X, XC, XS, ng, pf, Ch);
       else
-        mk256<Dot, decltype(NT)::value, MODE, false>(wb + 32 * h, sb + 8 * h, moff, n, m, X, XC, XS, ng, pf, Ch);
+        mk256<Dot, decltype(NT)::value, MODE, false>(wb + 32 * h, sb, 8 * h, moff, n, m, X, XC, XS, ng, pf, Ch);
     });
     for (int t = 0; t < nt; ++t)
       for (int j = 0; j < 8; ++j) C[(t * halves + h) * 8 + j] = Ch[t * 8 + j];
@@ -392,14 +457,15 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
   const size_t ldw = row_bytes<MODE>(m.Kp);
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
   const size_t moff = MODE == ASYM ? size_t(m.rows) * ng : 0;
-  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng + moff);
+  const ScaleT<MODE>* Se =
+      reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng * SGE<MODE> + moff);
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
   for (int r = r0; r < r1; ++r) {
     const int b0 = r / BLK * BLK, n = std::min(BLK, m.rows - b0), j = r - b0;
     const uint8_t* wb = We + size_t(b0) * ldw;
-    const ScaleT<MODE>* sb = Se + size_t(b0) * ng;
+    const ScaleT<MODE>* sb = Se + size_t(b0) * ng * SGE<MODE>;
     for (int s = 0; s < ns; ++s) {
-      float acc = 0.f;
+      float acc = 0.f, qs = 0.f, qm = 0.f;  // q4k: the 256's sums of sc x dot and m x activation sum
       int32_t dot = 0, xsum = 0;
       for (int lg = 0; lg < nlg; ++lg) {
         for (int i = 0; i < G; ++i) {
@@ -410,14 +476,27 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
           } else {
             const uint8_t byte = wb[size_t(lg) * 16 * n + size_t(c % 4) * 4 * n + 4 * j + k];
             const int q = c < 4 ? byte & 15 : byte >> 4;
-            w = looked_up(MODE) ? lut_s8<MODE>()[q] : MODE == ASYM ? q : q - 8;
+            w = looked_up(MODE) ? lut_s8<MODE>()[q] : has_mins<MODE> ? q : q - 8;
           }
           const int32_t xv = int32_t(X[s][lg * G + i]) - 128;
           dot += w * xv;
           xsum += xv;
         }
-        if ((lg + 1) % SPG<MODE> == 0) {  // the end of a scale group
-          const int g = lg / SPG<MODE>;
+        const int g = lg / SPG<MODE>;
+        if constexpr (MODE == Q4K) {  // per 32: sc and m; per 256: d and dmin
+          const uint8_t* sg = sb + size_t(g) * n * 24;
+          const int h = lg % SPG<MODE>;
+          qs += float(dot) * float(sg[8 * n + h * n + j]);
+          qm += float(sg[16 * n + h * n + j]) * float(xsum);
+          dot = xsum = 0;
+          if (h == SPG<MODE> - 1) {
+            float d, dmin;
+            std::memcpy(&d, sg + 4 * j, 4);
+            std::memcpy(&dmin, sg + 4 * n + 4 * j, 4);
+            acc = acc + qs * d - qm * dmin;
+            qs = qm = 0.f;
+          }
+        } else if ((lg + 1) % SPG<MODE> == 0) {  // the end of a scale group
           acc += float(dot) * scale_of<MODE>(sb[size_t(g) * n + j]);
           if constexpr (MODE == ASYM) acc -= sb[moff + size_t(g) * n + j] * float(xsum);
           dot = xsum = 0;
@@ -451,6 +530,7 @@ MOE_BLOCKED_ENTRIES(int4g32, G32)
 MOE_BLOCKED_ENTRIES(iq4nl, IQ)
 MOE_BLOCKED_ENTRIES(uint4g32, ASYM)
 MOE_BLOCKED_ENTRIES(int8g32, Q8)
+MOE_BLOCKED_ENTRIES(q4k, Q4K)
 #undef MOE_BLOCKED_ENTRIES
 
 }  // namespace moe

@@ -52,6 +52,11 @@ struct Ymm {
     return _mm256_maskload_epi32(static_cast<const int*>(p), _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
   }
   MOE_YMM void storeu_ps(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  MOE_YMM __m256 u8_to_ps(const uint8_t* p, int m) {  // m (<= 8) bytes as floats; zeros after m
+    uint64_t v = 0;
+    std::memcpy(&v, p, size_t(m));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v))));
+  }
   // m (<= 8) mxfp4 exponent bytes e -> their scales, the floats of exponent field e - 1 (0 for e <= 1); zeros after m
   MOE_YMM __m256 mx_scales8(const uint8_t* p, int m) {
     uint64_t v = 0;

@@ -274,7 +274,7 @@ def wide_source(tmp_path_factory):
 
 
 # the block type -> the expert format that starts by default; `kept`: whether it keeps the file's numbers
-DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("uint4g32", True), "IQ4_XS": ("iq4nl", True)}
+DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("q4k", True), "IQ4_XS": ("iq4nl", True)}
 
 
 @pytest.mark.parametrize("qtype", list(DEFAULTS))
@@ -488,18 +488,19 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     from types import SimpleNamespace
     from moe_core.gguf_model import dequantized_experts, expert_format
     cfg = lambda *types: SimpleNamespace(gguf_expert_types=types)  # noqa: E731
-    for kept, fmt in (("Q4_0", "int4g32"), ("MXFP4", "mxfp4"), ("Q4_K", "uint4g32"), ("IQ4_XS", "iq4nl")):
+    for kept, fmt in (("Q4_0", "int4g32"), ("MXFP4", "mxfp4"), ("Q4_K", "q4k"), ("Q4_K", "uint4g32"),
+                      ("IQ4_XS", "iq4nl")):
         assert dequantized_experts(cfg(kept), fmt) is None
     assert dequantized_experts(cfg(), "bf16") is None  # not a GGUF
     msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "bf16")
     assert "Q4_K, Q6_K" in msg and "held as bf16" in msg and "2.4x the file's bytes" in msg  # 16 / 6.5625
     assert "requantized to int8" in dequantized_experts(cfg("Q8_0"), "int8")
-    msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "uint4g32")  # Q4_K_M: its Q4_K kept, its Q6_K requantized
-    assert "(Q6_K," in msg and "requantized to uint4g32" in msg
+    msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "q4k")  # Q4_K_M: its Q4_K kept, its Q6_K requantized
+    assert "(Q6_K," in msg and "requantized to q4k" in msg
     # a format that keeps them all; else the smallest type's keeper, int4g32 for 2-3 bits, int8 above 5 bits
-    assert expert_format(("Q4_K", "Q6_K")) == "uint4g32" and expert_format(("Q6_K",)) == "int8g32"
+    assert expert_format(("Q4_K", "Q6_K")) == "q4k" and expert_format(("Q6_K",)) == "int8g32"
     assert expert_format(("Q4_0", "Q4_1")) == "uint4g32" and expert_format(("IQ4_NL", "IQ4_XS")) == "iq4nl"
-    assert expert_format(("IQ4_XS", "Q5_K")) == "iq4nl" and expert_format(("Q2_K", "Q4_K")) == "uint4g32"
+    assert expert_format(("IQ4_XS", "Q5_K")) == "iq4nl" and expert_format(("Q2_K", "Q4_K")) == "q4k"
     assert expert_format(("Q8_0",)) == "int8g32" and expert_format(("Q2_K",)) == "int4g32"
     assert expert_format(("Q8_0", "Q6_K")) == "int8g32"
     msg = dequantized_experts(cfg("Q8_0", "Q6_K"), "int8g32")  # the Q8_0 kept, the Q6_K requantized
