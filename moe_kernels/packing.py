@@ -306,16 +306,19 @@ def alloc(fmt: str, E: int, rows: int, Kp: int) -> tuple:
     return huge(*data), *(None if p is None else torch.empty(p[0], dtype=p[1]) for p in rest)
 
 
+def _row_blocks(R: int) -> list[tuple[int, int, int, int]]:
+    """(first row, rows, blocks, rows a block) of R rows' whole blocks of BLOCK_ROWS, then of the shorter last one."""
+    full = R // BLOCK_ROWS * BLOCK_ROWS
+    return [p for p in ((0, full, full // BLOCK_ROWS, BLOCK_ROWS), (full, R - full, 1, R - full)) if p[1]]
+
+
 def _interleave_rows(*fields: torch.Tensor) -> torch.Tensor:
     """Fields [..., R, G, C_i, B_i] -> [..., R, G * sum(C_i B_i)]: rows in blocks of BLOCK_ROWS (the last may be
     shorter), each block stored group by group, and within a group field by field, chunk by chunk, its rows' B_i
     elements side by side (a chunk is one vector, a row a lane)."""
     *lead, R, G = fields[0].shape[:-2]
-    full = R // BLOCK_ROWS * BLOCK_ROWS
     parts = []
-    for r0, n, nb, rows in ((0, full, full // BLOCK_ROWS, BLOCK_ROWS), (full, R - full, 1, R - full)):
-        if n == 0:
-            continue
+    for r0, n, nb, rows in _row_blocks(R):
         per = [f[..., r0:r0 + n, :, :, :].reshape(*lead, nb, rows, G, *f.shape[-2:]).movedim(-4, -2)
                .reshape(*lead, nb, G, -1) for f in fields]
         parts.append(torch.cat(per, -1).reshape(*lead, n, -1))
@@ -325,11 +328,8 @@ def _interleave_rows(*fields: torch.Tensor) -> torch.Tensor:
 def _deinterleave_rows(t: torch.Tensor, G: int, *shapes: tuple[int, int]) -> list[torch.Tensor]:
     """_interleave_rows undone: [..., R, G * sum(C_i B_i)] -> the fields [..., R, G, C_i, B_i] of shapes (C_i, B_i)."""
     *lead, R, _ = t.shape
-    full = R // BLOCK_ROWS * BLOCK_ROWS
     out: list[list[torch.Tensor]] = [[] for _ in shapes]
-    for r0, n, nb, rows in ((0, full, full // BLOCK_ROWS, BLOCK_ROWS), (full, R - full, 1, R - full)):
-        if n == 0:
-            continue
+    for r0, n, nb, rows in _row_blocks(R):
         b = t[..., r0:r0 + n, :].reshape(*lead, nb, G, -1)
         at = 0
         for i, (C, B) in enumerate(shapes):
@@ -538,7 +538,7 @@ def quantize(w, fmt: str):
     if fmt == "iq4nl":
         return w if isinstance(w, Iq4) else iq4nl_quantize(floats(w))
     if fmt == "uint4g32":
-        return w if isinstance(w, UInt4) else w.to_uint4() if isinstance(w, Q4K) else uint4_quantize(floats(w))
+        return w if isinstance(w, UInt4) else uint4_quantize(floats(w))
     if fmt == "q4k":
         return w if isinstance(w, Q4K) else q4k_quantize(floats(w))
     if fmt == "int8g32":

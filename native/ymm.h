@@ -29,19 +29,11 @@ struct Ymm {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
   }
-  MOE_YMM __m256i set1_epi8(char v) { return _mm256_set1_epi8(v); }
   MOE_YMM __m256i set1_epi32(int v) { return _mm256_set1_epi32(v); }
   MOE_YMM __m256i sub_epi32(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }
-  MOE_YMM __m256 broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   MOE_YMM __m256 to_ps(__m256i v) { return _mm256_cvtepi32_ps(v); }
   MOE_YMM __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
   MOE_YMM __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
-  // 32 packed nibbles (64 weights of a row) -> low nibbles (elements 0-31) and high ones (32-63), as bytes
-  MOE_YMM void nibbles(const uint8_t* w, __m256i& lo, __m256i& hi) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0f), p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    lo = _mm256_and_si256(p, lo4);
-    hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4);
-  }
   MOE_YMM void split_nibbles(__m256i p, __m256i& lo, __m256i& hi) {  // a vector's low nibbles, its high ones
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
     lo = _mm256_and_si256(p, lo4);
@@ -52,23 +44,21 @@ struct Ymm {
     return _mm256_maskload_epi32(static_cast<const int*>(p), _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
   }
   MOE_YMM void storeu_ps(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-  MOE_YMM __m256 u8_to_ps(const uint8_t* p, int m) {  // m (<= 8) bytes as floats; zeros after m
+  MOE_YMM __m256i u8_to_epi32(const uint8_t* p, int m) {  // m (<= 8) bytes widened; zeros after m, no read past
     uint64_t v = 0;
     std::memcpy(&v, p, size_t(m));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v))));
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v)));
   }
+  MOE_YMM __m256 u8_to_ps(const uint8_t* p, int m) { return _mm256_cvtepi32_ps(u8_to_epi32(p, m)); }
   // m (<= 8) mxfp4 exponent bytes e -> their scales, the floats of exponent field e - 1 (0 for e <= 1); zeros after m
   MOE_YMM __m256 mx_scales8(const uint8_t* p, int m) {
-    uint64_t v = 0;
-    std::memcpy(&v, p, size_t(m));
-    const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v)));
+    const __m256i e = u8_to_epi32(p, m);
     const __m256i one = _mm256_set1_epi32(1);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_max_epi32(e, one), one), 23));
   }
   MOE_YMM __m256i add_epi32(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
   MOE_YMM __m256i add_epi16(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }
   MOE_YMM __m256i xor80(__m256i q) { return _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))); }  // s8 <-> u8 + 128
-  MOE_YMM __m256i minus8(__m256i q) { return _mm256_sub_epi8(q, _mm256_set1_epi8(8)); }
   MOE_YMM __m256i lookup(__m256i table, __m256i q) { return _mm256_shuffle_epi8(table, q); }
   // a 4-row x NT-token tile of partial sums -> C[t * 4 + r] (reduce4.h)
   template <int NT, class V, class S>
@@ -88,14 +78,10 @@ struct Avx2Dot {
     return _mm256_add_epi32(
         acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w)), _mm256_set1_epi16(1)));
   }
-  // small weights (|w| <= 12: int4, mxfp4): vpmaddubsw cannot saturate on (q + 128) * w pairs, so u8 is used as is
-  __attribute__((target("avx2"))) static inline __m256i pairs(__m256i x, __m256i w) { return _mm256_maddubs_epi16(x, w); }
+  // small weights (nibbles, <= 15): vpmaddubsw (u8 weights x s8 activations) cannot saturate, pairs are summed in
+  // int16 (gemm_blocked.cpp: 8 of them) before one widening
+  __attribute__((target("avx2"))) static inline __m256i pairs(__m256i u, __m256i x) { return _mm256_maddubs_epi16(u, x); }
   __attribute__((target("avx2"))) static inline __m256i widen(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
-  __attribute__((target("avx2"))) static inline __m256i small(__m256i x, __m256i w) { return widen(pairs(x, w)); }
-  // two halves of a group: added in int16 (at most 2 x 2 x 255 x 12, no overflow) before one widening
-  __attribute__((target("avx2"))) static inline __m256i small2(__m256i xl, __m256i wl, __m256i xh, __m256i wh) {
-    return widen(_mm256_add_epi16(pairs(xl, wl), pairs(xh, wh)));
-  }
 };
 
 // AVX-VNNI: vpdpbusd on ymm, (q + 128) x w in one instruction.
@@ -104,12 +90,6 @@ struct VnniDot {
   __attribute__((target("avx2"))) static inline __m256i act(__m256i x) { return x; }
   __attribute__((target("avx2,avxvnni"))) static inline __m256i dot(__m256i acc, __m256i x, __m256i w) {
     return _mm256_dpbusd_avx_epi32(acc, x, w);
-  }
-  __attribute__((target("avx2,avxvnni"))) static inline __m256i small(__m256i x, __m256i w) {
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), x, w);
-  }
-  __attribute__((target("avx2,avxvnni"))) static inline __m256i small2(__m256i xl, __m256i wl, __m256i xh, __m256i wh) {
-    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), xl, wl), xh, wh);
   }
 };
 
