@@ -5,8 +5,12 @@ tests/test_isolation.py does that in a scratch folder (asan_native)."""
 import glob
 import os
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# the sources compile in parallel, one job per CPU (MOE_BUILD_JOBS=N to choose): setuptools compiles one
+# extension's files one after another (8 minutes for the ASan build on a 2-core Zen 1)
+ParallelCompile("MOE_BUILD_JOBS", default=0).install()
 
 ASAN = os.environ.get("MOE_ASAN") == "1"
 flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"] if ASAN else ["-O3"]
