@@ -4,10 +4,12 @@ taken in the same round. Made for the block formats that keep GGUF / int4 checkp
 int8, uint4g32 and iq4nl against int4g32), where the question is whether a format reads its bytes as fast as the
 kernels of its width do; bench_kernels.py has prefill, torch and the arithmetic rooflines.
 
-Each format's compute ceiling is measured beside it: the same call on 2 experts whose weights stay in the L3 cache
-(one token, both of them), as GB/s of weights. Where that ceiling is not well above the DRAM probe, decode cannot
-reach the probe: streaming and computing share the cores. The header gives the vpdpbusd peak on one thread and on
-all of them (on a VM whose vCPUs are SMT siblings of one core, they are equal).
+Each format's compute ceiling is measured beside it: the same call on 2 experts whose weights stay in the last-level
+cache (1 where 2 would not fit in 3/4 of it), one token, as GB/s of weights; a call's fixed cost (the activations'
+quantization, the pool's dispatch: ~20 us on a Zen 1) is part of it, as it is of a layer's. Where that ceiling is not well above the DRAM probe, decode cannot
+reach the probe: streaming and computing share the cores. The header gives the kernel path's int8 dot product's peak
+(vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) on one thread and on all of them (on a VM whose vCPUs are SMT siblings
+of one core, they are equal).
 
     python bench/bench_formats.py [--formats int8,int4,int4g32,uint4g32,iq4nl,int8g32] [--shape qwen3] [--rounds 8]
 """
@@ -22,7 +24,23 @@ import torch
 
 from common import SHAPES, cpu_name, expert_bytes, weights
 from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
-from moe_kernels import native  # noqa: E402
+from moe_kernels import ISA, native  # noqa: E402
+
+# the kernel path's int8 dot product, probed for the header
+INT8_PEAKS = {"amx": ("vpdpbusd", native.vnni_peak_ops), "avx512": ("vpdpbusd", native.vnni_peak_ops),
+              "avxvnni": ("vpdpbusd (ymm)", native.avxvnni_peak_ops),
+              "avx2": ("vpmaddubsw+vpmaddwd", native.avx2_int8_peak_ops),
+              "portable": ("none", lambda n: float("nan"))}
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size (sysfs), 8 MiB if unknown."""
+    import pathlib
+    sizes = [0]
+    for f in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        v = f.read_text().strip()
+        sizes.append(int(v[:-1]) * {"K": 1 << 10, "M": 1 << 20}[v[-1]] if v[-1] in "KM" else int(v))
+    return max(sizes) or 8 << 20
 
 
 def main() -> None:
@@ -39,10 +57,13 @@ def main() -> None:
     formats = a.formats.split(",")
     ops = {f: NativeMoELayer(gate, up, down, fmt=f, threads=a.threads) for f in formats}
     del gate, up, down
-    gate, up, down = weights(2, H, I)
+    # the ceiling's experts: 2 where they fit in 3/4 of the last-level cache, else 1 (int8: 2 x 4.7 MB against a
+    # Zen 1's 8 MB L3 would time DRAM, not the arithmetic)
+    n_c = 2 if 2 * max(expert_bytes(f, H, I) for f in formats) <= 0.75 * llc_bytes() else 1
+    gate, up, down = weights(n_c, H, I)
     cached = {f: NativeMoELayer(gate, up, down, fmt=f, threads=a.threads) for f in formats}
     del gate, up, down
-    two = (torch.randn(1, H).bfloat16(), torch.tensor([[0, 1]], dtype=torch.int32), torch.rand(1, 2))
+    two = (torch.randn(1, H).bfloat16(), torch.arange(n_c, dtype=torch.int32).view(1, n_c), torch.rand(1, n_c))
     g = torch.Generator().manual_seed(1)
     # 64 tokens of k distinct experts each: their weights far exceed the caches, so each pass reads DRAM
     calls = [(torch.randn(1, H).bfloat16(), torch.randperm(E, generator=g)[:k].view(1, k).to(torch.int32),
@@ -67,15 +88,16 @@ def main() -> None:
             t = time.perf_counter()
             for _ in range(64):
                 cached[f].forward(*two)
-            ceil[f].append(2 * expert_bytes(f, H, I) * 64 / (time.perf_counter() - t))
-    native.init_pool(1)
-    one = native.vnni_peak_ops(20_000_000) if native.isa_supported("avx512") else float("nan")
-    native.init_pool(a.threads)
-    peak = native.vnni_peak_ops(20_000_000) if native.isa_supported("avx512") else float("nan")
+            ceil[f].append(n_c * expert_bytes(f, H, I) * 64 / (time.perf_counter() - t))
+    what, probe_fn = INT8_PEAKS[ISA]
+    native.set_threads(1)  # (init_pool would keep the pool's size)
+    one = probe_fn(20_000_000)
+    native.set_threads(a.threads)
+    peak = probe_fn(20_000_000)
     base = formats[0]
     print(f"# {cpu_name()}, {a.threads} threads, shape {a.shape} (E {E}, H {H}, I {I}, top-{k}), {a.rounds} rounds; "
-          f"vpdpbusd peak {one / 1e9:.0f} G/s on 1 thread, {peak / 1e9:.0f} on {a.threads}; probe median "
-          f"{statistics.median(bws) / 1e9:.1f} GB/s")
+          f"{what} peak {one / 1e9:.0f} G int8 ops/s on 1 thread, {peak / 1e9:.0f} on {a.threads}; probe median "
+          f"{statistics.median(bws) / 1e9:.1f} GB/s; ceiling on {n_c} cache-resident expert(s)")
     print("| format | bytes a token | decode us | GB/s | share of the probe | time / " + base +
           " | cache-resident GB/s |\n|---|---|---|---|---|---|---|")
     for f in formats:
