@@ -13,9 +13,9 @@
 // call): nibbles as they are, iq4nl's grid values and mxfp4's (twice e2m1) + 128, int8g32's bytes + 128. What
 // the u8 weights carry in excess (8 for q - 8, else 128) times the group's activation sum comes out in int32
 // before the scale. uint4g32's mins multiply that activation sum in fp32. AVX2 (no u8 x s8 dot product that
-// cannot saturate on 255 x 127) multiplies iq4nl, mxfp4 and int8g32 as signed bytes with the int8 kernels' sign
-// trick; nibbles (<= 15) go through vpmaddubsw directly, 32 weights' 8 chunks summed in int16
-// (<= 8 x 2 x 15 x 127) before one widening.
+// cannot saturate on 255 x 127) multiplies iq4nl and int8g32 as signed bytes with the int8 kernels' sign trick;
+// nibbles (<= 15) go through vpmaddubsw directly, 32 weights' 8 chunks summed in int16 (<= 8 x 2 x 15 x 128)
+// before one widening, and mxfp4's values + 12 (<= 24) the same way 4 chunks at a time (excess 12).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -51,6 +51,9 @@ constexpr uint8_t IQ4NL_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153
 // e2m1 code -> twice its value (bit 3 the sign), and + 128 as u8
 constexpr int8_t MX4_LUT[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 constexpr uint8_t MX4_U8[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};
+// and + 12 (AVX2: small enough for vpmaddubsw's int16 pairs, 4 chunks summed before widening)
+constexpr int MX4_SMALL = 12;
+constexpr int8_t MX4_U12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 template <int MODE>
 inline const int8_t* lut_s8() { return MODE == MX ? MX4_LUT : IQ4NL_LUT; }
 template <int MODE>
@@ -222,7 +225,11 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
 template <class Dot>
 constexpr bool is_vnni = std::is_same_v<Dot, VnniDot>;
 template <class Dot, int MODE>
-constexpr bool signed_w = !is_vnni<Dot> && (MODE == IQ || MODE == Q8 || MODE == MX);  // AVX2: the sign trick
+constexpr bool signed_w = !is_vnni<Dot> && (MODE == IQ || MODE == Q8);  // AVX2: the sign trick
+template <class Dot, int MODE>
+constexpr bool mx_small = !is_vnni<Dot> && MODE == MX;  // AVX2: mxfp4's values + 12, as nibbles are
+template <class Dot, int MODE>
+constexpr int excess256 = mx_small<Dot, MODE> ? MX4_SMALL : excess<MODE, signed_w<Dot, MODE>>;
 
 // (void functions with out-parameters: these templates have no target of their own, and the entry's flatten
 // inlines them)
@@ -248,10 +255,14 @@ inline void group_dot(const __m256i (&u)[8], const int32_t* xg, __m256i& d) {
       d1 = Dot::dot(d1, Ymm::set1_epi32(xg[c + 4]), u[c + 4]);
     }
     d = Ymm::add_epi32(d, d1);
-  } else {  // nibbles: u8 weights x s8 activations in int16 pairs, 8 chunks summed before one widening
-    __m256i p = Dot::pairs(u[0], Ymm::set1_epi32(xg[0]));
-    MOE_UNROLL for (int c = 1; c < 8; ++c) p = Ymm::add_epi16(p, Dot::pairs(u[c], Ymm::set1_epi32(xg[c])));
-    d = Ymm::add_epi32(d, Dot::widen(p));
+  } else {  // u8 weights x s8 activations in int16 pairs, `run` chunks summed before a widening: nibbles (<= 15)
+    // 8 (8 x 2 x 15 x 128 fits int16), mxfp4's values + 12 (<= 24) 4
+    constexpr int run = MODE == MX ? 4 : 8;
+    MOE_UNROLL for (int c0 = 0; c0 < 8; c0 += run) {
+      __m256i p = Dot::pairs(u[c0], Ymm::set1_epi32(xg[c0]));
+      MOE_UNROLL for (int c = c0 + 1; c < c0 + run; ++c) p = Ymm::add_epi16(p, Dot::pairs(u[c], Ymm::set1_epi32(xg[c])));
+      d = Ymm::add_epi32(d, Dot::widen(p));
+    }
   }
 }
 template <class Dot, int MODE, bool FULL>
@@ -270,7 +281,8 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
   const ScaleT<MODE>* S = Sb + lane0;  // the half's scales (q4k: its fields at their own offsets from Sb)
   const int vs = FULL ? 64 : 4 * n, gs = vectors<MODE> * vs;
   const __m256i lut = signed_w<Dot, MODE> ? Ymm::bytes16(lut_s8<MODE>())
-                                          : Ymm::bytes16(reinterpret_cast<const int8_t*>(lut_u8<MODE>()));
+                      : mx_small<Dot, MODE> ? Ymm::bytes16(MX4_U12)
+                                            : Ymm::bytes16(reinterpret_cast<const int8_t*>(lut_u8<MODE>()));
   __m256 acc[NT];
   MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::zero_ps();
   for (int g = 0; g < ng; ++g) {
@@ -325,7 +337,7 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
     if constexpr (MODE == ASYM)
       mv = FULL ? Ymm::loadu_ps(S + moff + size_t(g) * n) : Ymm::loadu_first_ps(S + moff + size_t(g) * n, m);
     MOE_UNROLL for (int t = 0; t < NT; ++t) {
-      if constexpr (excess<MODE, signed_w<Dot, MODE>> != 0) d[t] = Ymm::sub_epi32(d[t], Ymm::set1_epi32(XC[t][g]));
+      if constexpr (excess256<Dot, MODE> != 0) d[t] = Ymm::sub_epi32(d[t], Ymm::set1_epi32(XC[t][g]));
       acc[t] = Ymm::fmadd(Ymm::to_ps(d[t]), sv, acc[t]);
       if constexpr (MODE == ASYM) acc[t] = Ymm::fnmadd(mv, Ymm::set1(XS[t][g]), acc[t]);
     }
@@ -338,7 +350,7 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
 // the units it computed.
 template <int MODE>
 inline size_t row_bytes(int Kp) { return MODE == Q8 ? size_t(Kp) : size_t(Kp) / 2; }
-template <int MODE, bool SIGNED, int LANES, int TBI, class MK>
+template <int MODE, int EXCESS, int LANES, int TBI, class MK>
 inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
   MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
   MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "q4k rows are padded to a multiple of 256");
@@ -352,7 +364,7 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
   thread_local Prepared p;
   // the activations' sums per scale group times the excess; q4k's mins: their sums per 32
   prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, MODE == Q4K ? G : G * SPG<MODE>,
-          excess<MODE, SIGNED>, has_mins<MODE>, p);
+          EXCESS, has_mins<MODE>, p);
   for (int r = r0; r < r1; r += BLK) {
     const int n = std::min(BLK, m.rows - r);
     const uint8_t* wb = We + size_t(r) * ldw;
@@ -406,7 +418,7 @@ template <int MODE>
 void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   const size_t block_bytes = BLK * row_bytes<MODE>(m.Kp);
   const size_t block_scales = size_t(BLK) * (m.Kp / (G * SPG<MODE>)) * SGE<MODE>;
-  drive_blocked<MODE, false, BLK, 4>(m, e, r0, r1, x, ns, Y, ldy,
+  drive_blocked<MODE, excess<MODE, false>, BLK, 4>(m, e, r0, r1, x, ns, Y, ldy,
                                      [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, bool pair,
                                          const int8_t* const* X, const int32_t* const* XC, const float* const* XS,
                                          int ng, size_t pf, int nt, float* C) {
@@ -439,7 +451,7 @@ inline int units256(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int 
   template <int MODE>                                                                                               \
   MOE_YMM_ENTRY(TARGET) void NAME(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y,         \
                                   size_t ldy) {                                                                     \
-    drive_blocked<MODE, signed_w<DOT, MODE>, 8, 4>(                                                                 \
+    drive_blocked<MODE, excess256<DOT, MODE>, 8, 4>(                                                                 \
         m, e, r0, r1, x, ns, Y, ldy,                                                                                \
         [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, bool, const int8_t* const* X,           \
             const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C) {               \
