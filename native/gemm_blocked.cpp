@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -345,6 +346,63 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
   MOE_UNROLL for (int t = 0; t < NT; ++t) Ymm::storeu_ps(C + t * 8, acc[t]);
 }
 
+// AVX2 decode (one token) of a whole block's two halves at once, for the nibble formats on vpmaddubsw (int4,
+// int4g32, uint4g32, mxfp4): each broadcast activation chunk serves both halves' 8 rows, half the broadcasts
+// of two mk256 calls (on a Zen 1 the 256-bit path is instruction-bound, docs/kernels.md). The same integer sums
+// as mk256's (reordered, exact), the same float steps: bit for bit its result. C [16].
+inline bool pair_off() {  // MOE_AVX2_PAIR=0: two mk256 calls instead (A/B runs)
+  static const bool off = [] {
+    const char* v = std::getenv("MOE_AVX2_PAIR");
+    return v && v[0] == '0';
+  }();
+  return off;
+}
+template <class Dot, int MODE>
+constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && MODE != Q4K;
+template <class Dot, int MODE>
+inline void mk256_pair(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, const int8_t* X, const int32_t* XC,
+                       const float* XS, int ng, size_t pf, float* C) {
+  constexpr int n = BLK, gs = 4 * 64;  // a full block: 4 chunk vectors of 64 bytes a layout group
+  const __m256i lut = Ymm::bytes16(mx_small<Dot, MODE> ? MX4_U12 : reinterpret_cast<const int8_t*>(lut_u8<MODE>()));
+  __m256 acc[2] = {Ymm::zero_ps(), Ymm::zero_ps()};
+  for (int g = 0; g < ng; ++g) {
+    __m256i d[2] = {Ymm::zero_si(), Ymm::zero_si()};
+    MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
+      const int lg = g * SPG<MODE> + h;
+      const uint8_t* p = W + size_t(lg) * gs;
+      const int32_t* xg = reinterpret_cast<const int32_t*>(X + lg * G);
+      __m256i plo[2], phi[2];  // per half: chunks 0-3 (low nibbles), 4-7 (high), int16 pairs
+      MOE_UNROLL for (int v = 0; v < 4; ++v) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
+        const __m256i xl = Ymm::set1_epi32(xg[v]), xh = Ymm::set1_epi32(xg[v + 4]);
+        MOE_UNROLL for (int b = 0; b < 2; ++b) {
+          __m256i lo, hi;
+          Ymm::split_nibbles(Ymm::load(p + 64 * v + 32 * b), lo, hi);
+          decode256<Dot, MODE>(lo, lut), decode256<Dot, MODE>(hi, lut);
+          const __m256i ql = Dot::pairs(lo, xl), qh = Dot::pairs(hi, xh);
+          plo[b] = v ? Ymm::add_epi16(plo[b], ql) : ql;
+          phi[b] = v ? Ymm::add_epi16(phi[b], qh) : qh;
+        }
+      }
+      MOE_UNROLL for (int b = 0; b < 2; ++b) {
+        if constexpr (MODE == MX)  // values + 12: 4 chunks' pairs a widening (as group_dot)
+          d[b] = Ymm::add_epi32(d[b], Ymm::add_epi32(Dot::widen(plo[b]), Dot::widen(phi[b])));
+        else  // nibbles: all 8 in int16
+          d[b] = Ymm::add_epi32(d[b], Dot::widen(Ymm::add_epi16(plo[b], phi[b])));
+      }
+    }
+    MOE_UNROLL for (int b = 0; b < 2; ++b) {
+      __m256 sv;
+      scales256<Dot, MODE, true>(S + size_t(g) * n + 8 * b, 8, sv);
+      if constexpr (excess256<Dot, MODE> != 0) d[b] = Ymm::sub_epi32(d[b], Ymm::set1_epi32(XC[g]));
+      acc[b] = Ymm::fmadd(Ymm::to_ps(d[b]), sv, acc[b]);
+      if constexpr (MODE == ASYM) acc[b] = Ymm::fnmadd(Ymm::loadu_ps(S + moff + size_t(g) * n + 8 * b), Ymm::set1(XS[g]), acc[b]);
+    }
+  }
+  Ymm::storeu_ps(C, acc[0]);
+  Ymm::storeu_ps(C + 8, acc[1]);
+}
+
 // rows [r0, r1) of expert e: r0 on a block start, r1 on one or the matrix's end. LANES: rows a micro-kernel
 // unit (16: AVX-512, a block; 8: the 256-bit paths, half a block). mk(block's pointers...) per token tile ->
 // the units it computed.
@@ -431,6 +489,12 @@ void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int n
 template <class Dot, int MODE>
 inline int units256(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,
                     const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C) {
+  if constexpr (paired256<Dot, MODE>) {
+    if (n == BLK && nt == 1 && !pair_off()) {
+      mk256_pair<Dot, MODE>(wb, sb, moff, X[0], XC[0], XS[0], ng, pf, C);
+      return 2;
+    }
+  }
   const int halves = (n + 7) / 8;
   for (int h = 0; h < halves; ++h) {
     const int m = std::min(8, n - 8 * h);

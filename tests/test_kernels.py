@@ -351,6 +351,34 @@ def test_paths_are_refused_where_the_cpu_lacks_them(isa, monkeypatch):
             moe_kernels.choose_isa()
 
 
+PAIRED = """
+import sys, torch
+from expert_service.kernels.native_moe import NativeMoELayer
+torch.manual_seed(0)
+gate, up, down = (torch.randn(3, 40, 256) * 0.1, torch.randn(3, 40, 256) * 0.1, torch.randn(3, 256, 40) * 0.1)
+op = NativeMoELayer(gate, up, down, fmt=sys.argv[1], threads=2, isa="avx2")
+x, ids, w = torch.randn(1, 256), torch.tensor([[0, 2]], dtype=torch.int32), torch.rand(1, 2)
+torch.save(op.forward(x, ids, w), sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not native.isa_supported("avx2"), reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4", "int4g32", "uint4g32"])
+def test_avx2_paired_halves_are_two_halves_bitwise(fmt, tmp_path):
+    """One token's whole blocks on AVX2 run both 8-row halves in one pass (each broadcast activation chunk serves
+    16 rows); MOE_AVX2_PAIR=0 runs them one half at a time: the same integer sums, so the same floats. 40 rows:
+    two whole blocks and a partial one (always by halves)."""
+    import os
+    import subprocess
+    import sys
+    out = {}
+    for v in ("1", "0"):
+        out[v] = tmp_path / f"{v}.pt"
+        subprocess.run([sys.executable, "-c", PAIRED, fmt, str(out[v])], check=True, cwd=os.getcwd(),
+                       env={**os.environ, "MOE_AVX2_PAIR": v})
+    assert torch.equal(torch.load(out["1"]), torch.load(out["0"]))
+
+
 @pytest.mark.skipif(not native.isa_supported("avxvnni"), reason="no AVX-VNNI on this CPU")
 @pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "int4g32"])
 def test_avxvnni_is_avx2_bitwise(fmt):
