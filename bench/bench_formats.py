@@ -6,10 +6,10 @@ kernels of its width do; bench_kernels.py has prefill, torch and the arithmetic 
 
 Each format's compute ceiling is measured beside it: the same call on 2 experts whose weights stay in the last-level
 cache (1 where 2 would not fit in 3/4 of it), one token, as GB/s of weights; a call's fixed cost (the activations'
-quantization, the pool's dispatch: ~20 us on a Zen 1) is part of it, as it is of a layer's. Where that ceiling is not well above the DRAM probe, decode cannot
-reach the probe: streaming and computing share the cores. The header gives the kernel path's int8 dot product's peak
-(vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) on one thread and on all of them (on a VM whose vCPUs are SMT siblings
-of one core, they are equal).
+quantization, the pool's dispatch: ~20 us on a Zen 1) is part of it, as it is of a layer's. Where that ceiling is
+not well above the DRAM probe, decode cannot reach the probe: streaming and computing share the cores. The header
+gives the kernel path's int8 dot product's peak (vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) on one thread and on
+all of them (equal where the vCPUs share one core's vector units).
 
     python bench/bench_formats.py [--formats int8,int4,int4g32,uint4g32,iq4nl,int8g32] [--shape qwen3] [--rounds 8]
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import time
 
@@ -35,7 +36,6 @@ INT8_PEAKS = {"amx": ("vpdpbusd", native.vnni_peak_ops), "avx512": ("vpdpbusd", 
 
 def llc_bytes() -> int:
     """The last-level cache's size (sysfs), 8 MiB if unknown."""
-    import pathlib
     sizes = [0]
     for f in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         v = f.read_text().strip()

@@ -231,6 +231,10 @@ template <class Dot, int MODE>
 constexpr bool mx_small = !is_vnni<Dot> && MODE == MX;  // AVX2: mxfp4's values + 12, as nibbles are
 template <class Dot, int MODE>
 constexpr int excess256 = mx_small<Dot, MODE> ? MX4_SMALL : excess<MODE, signed_w<Dot, MODE>>;
+// chunks of int16 pairs summed before a widening: nibbles (<= 15) 8 (8 x 2 x 15 x 128 fits int16), mxfp4's values
+// + 12 (<= 24) 4
+template <int MODE>
+constexpr int int16_run = MODE == MX ? 4 : 8;
 
 // (void functions with out-parameters: these templates have no target of their own, and the entry's flatten
 // inlines them)
@@ -256,9 +260,8 @@ inline void group_dot(const __m256i (&u)[8], const int32_t* xg, __m256i& d) {
       d1 = Dot::dot(d1, Ymm::set1_epi32(xg[c + 4]), u[c + 4]);
     }
     d = Ymm::add_epi32(d, d1);
-  } else {  // u8 weights x s8 activations in int16 pairs, `run` chunks summed before a widening: nibbles (<= 15)
-    // 8 (8 x 2 x 15 x 128 fits int16), mxfp4's values + 12 (<= 24) 4
-    constexpr int run = MODE == MX ? 4 : 8;
+  } else {  // u8 weights x s8 activations in int16 pairs, int16_run chunks summed before a widening
+    constexpr int run = int16_run<MODE>;
     MOE_UNROLL for (int c0 = 0; c0 < 8; c0 += run) {
       __m256i p = Dot::pairs(u[c0], Ymm::set1_epi32(xg[c0]));
       MOE_UNROLL for (int c = c0 + 1; c < c0 + run; ++c) p = Ymm::add_epi16(p, Dot::pairs(u[c], Ymm::set1_epi32(xg[c])));
@@ -346,11 +349,7 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
   MOE_UNROLL for (int t = 0; t < NT; ++t) Ymm::storeu_ps(C + t * 8, acc[t]);
 }
 
-// AVX2 decode (one token) of a whole block's two halves at once, for the nibble formats on vpmaddubsw (int4,
-// int4g32, uint4g32, mxfp4): each broadcast activation chunk serves both halves' 8 rows, half the broadcasts
-// of two mk256 calls (on a Zen 1 the 256-bit path is instruction-bound, docs/kernels.md). The same integer sums
-// as mk256's (reordered, exact), the same float steps: bit for bit its result. C [16].
-inline bool pair_off() {  // MOE_AVX2_PAIR=0: two mk256 calls instead (A/B runs)
+inline bool pair_off() {  // MOE_AVX2_PAIR=0: two mk256 calls instead of mk256_pair (A/B runs)
   static const bool off = [] {
     const char* v = std::getenv("MOE_AVX2_PAIR");
     return v && v[0] == '0';
@@ -359,6 +358,10 @@ inline bool pair_off() {  // MOE_AVX2_PAIR=0: two mk256 calls instead (A/B runs)
 }
 template <class Dot, int MODE>
 constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && MODE != Q4K;
+// AVX2 decode (one token) of a whole block's two halves at once, for the nibble formats on vpmaddubsw (int4,
+// int4g32, uint4g32, mxfp4): each broadcast activation chunk serves both halves' 8 rows, half the broadcasts
+// of two mk256 calls (on a Zen 1 the 256-bit path is instruction-bound, docs/kernels.md). The same integer sums
+// as mk256's (reordered, exact), the same float steps: bit for bit its result. C [16].
 template <class Dot, int MODE>
 inline void mk256_pair(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, const int8_t* X, const int32_t* XC,
                        const float* XS, int ng, size_t pf, float* C) {
@@ -385,9 +388,9 @@ inline void mk256_pair(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, con
         }
       }
       MOE_UNROLL for (int b = 0; b < 2; ++b) {
-        if constexpr (MODE == MX)  // values + 12: 4 chunks' pairs a widening (as group_dot)
+        if constexpr (int16_run<MODE> == 4)
           d[b] = Ymm::add_epi32(d[b], Ymm::add_epi32(Dot::widen(plo[b]), Dot::widen(phi[b])));
-        else  // nibbles: all 8 in int16
+        else  // all 8 in int16
           d[b] = Ymm::add_epi32(d[b], Dot::widen(Ymm::add_epi16(plo[b], phi[b])));
       }
     }

@@ -1,5 +1,9 @@
 """Routed-expert operators against a plain fp32 torch reference: every isa this machine can run,
 awkward sizes, repeated ids, zero weights, async submit/wait, thread counts."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -368,13 +372,10 @@ def test_avx2_paired_halves_are_two_halves_bitwise(fmt, tmp_path):
     """One token's whole blocks on AVX2 run both 8-row halves in one pass (each broadcast activation chunk serves
     16 rows); MOE_AVX2_PAIR=0 runs them one half at a time: the same integer sums, so the same floats. 40 rows:
     two whole blocks and a partial one (always by halves)."""
-    import os
-    import subprocess
-    import sys
     out = {}
     for v in ("1", "0"):
         out[v] = tmp_path / f"{v}.pt"
-        subprocess.run([sys.executable, "-c", PAIRED, fmt, str(out[v])], check=True, cwd=os.getcwd(),
+        subprocess.run([sys.executable, "-c", PAIRED, fmt, str(out[v])], check=True,
                        env={**os.environ, "MOE_AVX2_PAIR": v})
     assert torch.equal(torch.load(out["1"]), torch.load(out["0"]))
 
