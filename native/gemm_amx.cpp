@@ -208,6 +208,8 @@ std::atomic<bool> g_emulate{false};
 }  // namespace
 
 void set_amx_emulation(bool on) { g_emulate = on; }
+void amx_tiles_begin() { load_config(); }
+void amx_tiles_end() { release(); }
 bool amx_emulation() { return g_emulate; }
 
 void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {

@@ -22,8 +22,8 @@ struct Kernels {
   Isa isa;
   Fmt fmt;
   GemmRowsFn gemm_rows;  // every row on the vector units (on amx: the AVX-512 kernel, for what the tiles leave)
-  bool amx_tiles;        // prefill's whole 16-row tiles on AMX (bf16 and int8 on the amx ISA; fp8's kernel
-                         // packs its own tiles, per block row)
+  bool amx_tiles;        // prefill's whole 16-row tiles on AMX (bf16 and int8 on the amx ISA; fp8's and int4's
+                         // kernels keep their own tiles: fp8 per block row, int4 per 16-row block)
   QuantizeRowFn quantize_row;
   ActRowFn silu, clamped_swiglu;
 };
@@ -50,6 +50,7 @@ void ref_gemm_rows_int4(const Matrix& m, int e, int r0, int r1, const Acts& x, i
 void gemm_rows_int4_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_int4_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_int4_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int4_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void ref_gemm_rows_mxfp4(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_mxfp4_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_mxfp4_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);

@@ -175,7 +175,8 @@ struct Acts {
 
 // The row kernels, per format and ISA, are in kernels.h.
 
-// AMX (prefill, bf16 and int8 weights). amx_permitted() asks the OS for the tile state once.
+// AMX (prefill, bf16 and int8 weights here; fp8 and int4 tile their own). amx_permitted() asks the OS for the
+// tile state once.
 constexpr int AMX_MIN_SLOTS = 8;  // fewer tokens per expert: the AVX-512 kernels do as well
 bool amx_permitted();
 size_t amx_b_bytes(Fmt fmt, int ns, int Kp);
@@ -186,5 +187,9 @@ void set_amx_emulation(bool on);
 bool amx_emulation();
 void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 float amx_peak_loop(bool bf16, long iters);  // iters x 4 tile multiplies (probes.cpp times it)
+// The tile configuration every kernel here uses (each tile 16 rows x 64 bytes), loaded and released around a
+// call's tile work by the kernels that keep their own tile loops (gemm_blocked.cpp).
+void amx_tiles_begin();
+void amx_tiles_end();
 
 }  // namespace moe
