@@ -78,8 +78,17 @@ constexpr TileConfig make_config() {
 // LDTILECFG reads 8 bytes of its operand (an "m" of a pointer), so the stores that fill in the rows and
 // column widths of a local config are dropped as dead, and real AMX faults (#GP) on the garbage.
 constexpr TileConfig kTileConfig = make_config();
+// K = 32 a product (the 32-weight groups of gemm_blocked.cpp): A tiles (4, 5) 16 rows x 32 bytes, B tiles (6, 7)
+// 8 rows x 64 bytes
+constexpr TileConfig make_config_k32() {
+  TileConfig cfg = make_config();
+  cfg.colsb[4] = cfg.colsb[5] = 32;
+  cfg.rows[6] = cfg.rows[7] = 8;
+  return cfg;
+}
+constexpr TileConfig kTileConfigK32 = make_config_k32();
 
-__attribute__((target("amx-tile"))) void load_config() { _tile_loadconfig(&kTileConfig); }
+__attribute__((target("amx-tile"))) void load_config(const TileConfig* cfg = &kTileConfig) { _tile_loadconfig(cfg); }
 
 __attribute__((target("amx-tile"))) inline void zero_c() {
   _tile_zero(0);
@@ -208,7 +217,7 @@ std::atomic<bool> g_emulate{false};
 }  // namespace
 
 void set_amx_emulation(bool on) { g_emulate = on; }
-void amx_tiles_begin() { load_config(); }
+void amx_tiles_begin(int k_bytes) { load_config(k_bytes == 32 ? &kTileConfigK32 : &kTileConfig); }
 void amx_tiles_end() { release(); }
 bool amx_emulation() { return g_emulate; }
 

@@ -488,32 +488,43 @@ void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int n
                                      });
 }
 
-// ---- AMX (prefill): int4's whole blocks on tiles, the tokens the A operand ----
-// A block's 16 rows x one scale group (64 weights) are exactly one B tile of TDPBSSD: tile row c holds, for
-// each of the 16 rows, its 4 weights of chunk c, which is the layout's chunk vector, its nibbles unpacked. So a
-// block is unpacked once into s8 tiles (q - 8: no excess to take out) and serves every 16-token tile of the
-// call; the tokens' s8 rows are the A operand as they are (16 rows, Kp apart). Each group's 16 x 16 int32
-// product leaves the tile for its scale: the same cvt and FMA per group, in the same order, as the AVX-512
-// kernel, so the results are bit for bit its own.
-constexpr int AMX_TILE_BYTES = 1024;
+// ---- AMX (prefill): the signed nibble formats' whole blocks on tiles, the tokens the A operand ----
+// A block's 16 rows x one scale group (int4: 64 weights; int4g32, iq4nl, mxfp4: 32) are exactly one B tile of
+// TDPBSSD: tile row c holds, for each of the 16 rows, its 4 weights of chunk c, which is the layout's chunk
+// vector with its nibbles decoded. So a block is decoded once into s8 tiles (q - 8, or the grid's signed value:
+// no excess to take out) and serves every 16-token tile of the call; the tokens' s8 rows are the A operand as
+// they are (16 rows, Kp apart). Each group's 16 x 16 int32 product leaves its tile for the group's scale: the
+// same cvt and FMA per group, in the same order, as the AVX-512 kernel, so the results are its own bit for bit.
+template <int MODE>
+constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == MX;
+template <int MODE>
+constexpr int TK = G * SPG<MODE>;  // weights a scale group: the K of one tile product (64 or 32)
 
-// the block's group g as a B tile (16 rows of 64 s8)
-__attribute__((target("avx512f,avx512bw"))) inline void unpack_int4_tile(const uint8_t* wb, int g, int8_t* tile,
-                                                                         size_t pf) {
-  const __m512i lo4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
-  MOE_UNROLL for (int h = 0; h < 2; ++h)
+// nibbles -> their signed values: q - 8, or the grid's
+template <int MODE>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i nibble_value(__m512i q, __m512i lut) {
+  if constexpr (looked_up(MODE)) return _mm512_shuffle_epi8(lut, q);
+  else return _mm512_sub_epi8(q, _mm512_set1_epi8(8));
+}
+// the block's scale group g as a B tile (TK / 4 rows of 64 s8)
+template <int MODE>
+__attribute__((target("avx512f,avx512bw"))) inline void unpack_tile(const uint8_t* wb, int g, int8_t* tile, size_t pf) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut_s8<MODE>())));
+  MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h)
     MOE_UNROLL for (int v = 0; v < 4; ++v) {
-      const uint8_t* p = wb + size_t(2 * g + h) * 4 * 64 + 64 * v;
+      const uint8_t* p = wb + size_t(SPG<MODE> * g + h) * 4 * 64 + 64 * v;
       _mm_prefetch(reinterpret_cast<const char*>(p + pf), _MM_HINT_T0);
       const __m512i q = _mm512_loadu_si512(p);
-      _mm512_store_si512(tile + (8 * h + v) * 64, _mm512_sub_epi8(_mm512_and_si512(q, lo4), eight));
+      _mm512_store_si512(tile + (8 * h + v) * 64, nibble_value<MODE>(_mm512_and_si512(q, lo4), lut));
       _mm512_store_si512(tile + (8 * h + v + 4) * 64,
-                         _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), eight));
+                         nibble_value<MODE>(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), lut));
     }
 }
 
-// C tile c = A x B, TDPBSSD: C[t][j] = sum over k < 64 of A[t][k] * B[k / 4][4 j + k % 4] (tiles c, 4 + c, 6 + c;
-// GCC's tile intrinsics paste their tile numbers into the assembly: literals only)
+// C tile c = A x B, TDPBSSD: C[t][j] = sum over k < K of A[t][k] * B[k / 4][4 j + k % 4], K the configured
+// width of A (amx_tiles_begin; tiles c, 4 + c, 6 + c; GCC's tile intrinsics paste their tile numbers into the
+// assembly: literals only)
 #define MOE_TILE_ISSUE_S8(c, a, b, A, lda, B) \
   do {                                        \
     _tile_zero(c);                            \
@@ -531,29 +542,30 @@ __attribute__((target("amx-tile,amx-int8"), always_inline)) inline void tile_iss
 __attribute__((target("amx-tile"), always_inline)) inline void tile_store_0(int32_t* C) { _tile_stored(0, C, 64); }
 __attribute__((target("amx-tile"), always_inline)) inline void tile_store_1(int32_t* C) { _tile_stored(1, C, 64); }
 // the same by the instruction's definition (tests on machines without AMX)
-inline void tile_dot_s8_emulated(const int8_t* A, size_t lda, const int8_t* B, int32_t* C) {
+inline void tile_dot_s8_emulated(const int8_t* A, size_t lda, const int8_t* B, int K, int32_t* C) {
   for (int t = 0; t < 16; ++t)
     for (int j = 0; j < 16; ++j) {
       int32_t acc = 0;
-      for (int k = 0; k < 64; ++k) acc += int32_t(A[size_t(t) * lda + k]) * int32_t(B[(k / 4) * 64 + 4 * j + k % 4]);
+      for (int k = 0; k < K; ++k) acc += int32_t(A[size_t(t) * lda + k]) * int32_t(B[(k / 4) * 64 + 4 * j + k % 4]);
       C[t * 16 + j] = acc;
     }
 }
 
-template <bool EMULATE>
-__attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void int4_tiles(
-    const uint8_t* We, const float* Se, int r0, int r1, const int8_t* X, int ns, int Kp, const float* xscale,
+template <int MODE, bool EMULATE>
+__attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void blocked_tiles(
+    const uint8_t* We, const ScaleT<MODE>* Se, int r0, int r1, const int8_t* X, int ns, int Kp, const float* xscale,
     float* Y, size_t ldy) {
-  const int ng = Kp / INT4_GROUP;
+  constexpr int K = TK<MODE>, TILE = 16 * K;  // bytes of a group's B tile
+  const int ng = Kp / K;
   const size_t ldw = size_t(Kp) / 2;
   thread_local std::vector<int8_t> tiles_buf;
-  tiles_buf.resize(size_t(ng) * AMX_TILE_BYTES + 64);
+  tiles_buf.resize(size_t(ng) * TILE + 64);
   int8_t* tiles = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tiles_buf.data()) + 63) / 64 * 64);
   alignas(64) int32_t C[2][16 * 16];
   for (int r = r0; r < r1; r += BLK) {
     const uint8_t* wb = We + size_t(r) * ldw;
-    const float* sb = Se + size_t(r) * ng;
-    for (int g = 0; g < ng; ++g) unpack_int4_tile(wb, g, tiles + size_t(g) * AMX_TILE_BYTES, BLK * ldw);
+    const ScaleT<MODE>* sb = Se + size_t(r) * ng;
+    for (int g = 0; g < ng; ++g) unpack_tile<MODE>(wb, g, tiles + size_t(g) * TILE, BLK * ldw);
     for (int s = 0; s < ns; s += 16) {
       const int8_t* A = X + size_t(s) * Kp;
       __m512 acc[16];
@@ -561,9 +573,9 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void int4
 // group g's product into C tile g % 2
 #define MOE_ISSUE(g)                                                                           \
   do {                                                                                         \
-    const int8_t* a = A + (g) * INT4_GROUP;                                                    \
-    const int8_t* b = tiles + size_t(g) * AMX_TILE_BYTES;                                      \
-    if constexpr (EMULATE) tile_dot_s8_emulated(a, Kp, b, C[(g) & 1]);                         \
+    const int8_t* a = A + (g) * K;                                                             \
+    const int8_t* b = tiles + size_t(g) * TILE;                                                \
+    if constexpr (EMULATE) tile_dot_s8_emulated(a, Kp, b, K, C[(g) & 1]);                      \
     else if ((g) & 1) tile_issue_s8_1(a, Kp, b);                                               \
     else tile_issue_s8_0(a, Kp, b);                                                            \
   } while (0)
@@ -577,7 +589,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void int4
         }
         if (g + 1 < ng) MOE_ISSUE(g + 1);
         const int32_t* Cg = C[g & 1];
-        const __m512 sv = _mm512_loadu_ps(sb + size_t(g) * BLK);
+        const __m512 sv = scales512<MODE>(sb + size_t(g) * BLK, __mmask16(0xFFFF));
         MOE_UNROLL for (int t = 0; t < 16; ++t)
           acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(Cg + 16 * t)), sv, acc[t]);
       }
@@ -599,24 +611,27 @@ __attribute__((target("avx512f,avx512bw"))) void flip_rows(const Acts& x, int ns
   std::memset(dst + size_t(ns) * Kp, 0, size_t((ns + 15) / 16 * 16 - ns) * Kp);
 }
 
-void int4_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+// whole blocks of AMX_MIN_SLOTS tokens or more on tiles; the rest (decode, a shorter last block) on AVX-512
+template <int MODE>
+void blocked_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  static_assert(amx_tiled<MODE>);
   const int whole = std::min(r1, m.rows / BLK * BLK);  // rows of whole blocks
-  if (ns < AMX_MIN_SLOTS || whole <= r0) return blocked_avx512<INT4>(m, e, r0, r1, x, ns, Y, ldy);
-  const size_t ldw = row_bytes<INT4>(m.Kp);
+  if (ns < AMX_MIN_SLOTS || whole <= r0) return blocked_avx512<MODE>(m, e, r0, r1, x, ns, Y, ldy);
+  const size_t ldw = row_bytes<MODE>(m.Kp);
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const float* Se = m.scale + size_t(e) * m.rows * (m.Kp / INT4_GROUP);
+  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * m.rows * (m.Kp / TK<MODE>);
   // the tokens as s8 rows, padded to whole 16-token tiles with zeros
   thread_local std::vector<int8_t> xs;
   xs.resize(size_t((ns + 15) / 16 * 16) * m.Kp);
   flip_rows(x, ns, m.Kp, xs.data());
   if (amx_emulation()) {
-    int4_tiles<true>(We, Se, r0, whole, xs.data(), ns, m.Kp, x.scale, Y, ldy);
+    blocked_tiles<MODE, true>(We, Se, r0, whole, xs.data(), ns, m.Kp, x.scale, Y, ldy);
   } else {
-    amx_tiles_begin();
-    int4_tiles<false>(We, Se, r0, whole, xs.data(), ns, m.Kp, x.scale, Y, ldy);
+    amx_tiles_begin(TK<MODE>);
+    blocked_tiles<MODE, false>(We, Se, r0, whole, xs.data(), ns, m.Kp, x.scale, Y, ldy);
     amx_tiles_end();
   }
-  if (whole < r1) blocked_avx512<INT4>(m, e, whole, r1, x, ns, Y, ldy);
+  if (whole < r1) blocked_avx512<MODE>(m, e, whole, r1, x, ns, Y, ldy);
 }
 
 // the 256-bit paths: a block's halves (lanes 0-7, 8-15) in turn, each its 8 rows' column of C
@@ -735,9 +750,6 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
     blocked_avx512<MODE>(m, e, r0, r1, x, ns, Y, ldy);                                                            \
   }
 MOE_BLOCKED_ENTRIES(int4, INT4)
-void gemm_rows_int4_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  int4_amx(m, e, r0, r1, x, ns, Y, ldy);
-}
 MOE_BLOCKED_ENTRIES(mxfp4, MX)
 MOE_BLOCKED_ENTRIES(int4g32, G32)
 MOE_BLOCKED_ENTRIES(iq4nl, IQ)
@@ -745,5 +757,14 @@ MOE_BLOCKED_ENTRIES(uint4g32, ASYM)
 MOE_BLOCKED_ENTRIES(int8g32, Q8)
 MOE_BLOCKED_ENTRIES(q4k, Q4K)
 #undef MOE_BLOCKED_ENTRIES
+#define MOE_BLOCKED_AMX(NAME, MODE)                                                                               \
+  void gemm_rows_##NAME##_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) { \
+    blocked_amx<MODE>(m, e, r0, r1, x, ns, Y, ldy);                                                               \
+  }
+MOE_BLOCKED_AMX(int4, INT4)
+MOE_BLOCKED_AMX(mxfp4, MX)
+MOE_BLOCKED_AMX(int4g32, G32)
+MOE_BLOCKED_AMX(iq4nl, IQ)
+#undef MOE_BLOCKED_AMX
 
 }  // namespace moe

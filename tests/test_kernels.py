@@ -417,18 +417,19 @@ def test_one_and_two_threads_agree_bitwise(fmt, isa):
 
 
 @pytest.mark.skipif(not native.isa_supported("avx512"), reason="the AMX path (real or emulated) needs AVX-512")
+@pytest.mark.parametrize("fmt", ["int4", "int4g32", "iq4nl", "mxfp4"])
 @pytest.mark.parametrize("isa", [i for i in ISAS if i in ("amx", "amx-emulated")])
 @pytest.mark.parametrize("T", [40, 150])
-def test_amx_int4_tiles_are_the_avx512_kernel_bitwise(isa, T):
-    """int4 prefill on AMX (gemm_blocked.cpp's int4_tiles: a block's groups unpacked into s8 tiles, the tokens the
-    A operand) computes the AVX-512 kernel's integers and FMAs in its order: the same bits. 2I = 80 and H = 72 rows:
-    whole blocks and a shorter last one (left to AVX-512); token counts not a multiple of 16; K = 72 and 40 pad to
-    one and two groups' tiles."""
+def test_amx_nibble_tiles_are_the_avx512_kernel_bitwise(fmt, isa, T):
+    """Prefill of the signed nibble formats on AMX (gemm_blocked.cpp's blocked_tiles: a block's scale groups decoded
+    into s8 tiles, the tokens the A operand, K = 64 or 32 a product) computes the AVX-512 kernel's integers and FMAs
+    in its order: the same bits. 2I = 80 and H = 72 rows: whole blocks and a shorter last one (left to AVX-512);
+    token counts not a multiple of 16; K = 72 and 40 pad to several groups' tiles."""
     gate, up, down = make(4, 40, 72)
     ids, w = routing(T, 2, 4)
     x = torch.randn(T, 72)
-    got = layer(gate, up, down, fmt="int4", isa=isa, threads=2).forward(x, ids, w)
-    want = layer(gate, up, down, fmt="int4", isa="avx512", threads=2).forward(x, ids, w)
+    got = layer(gate, up, down, fmt=fmt, isa=isa, threads=2).forward(x, ids, w)
+    want = layer(gate, up, down, fmt=fmt, isa="avx512", threads=2).forward(x, ids, w)
     assert torch.equal(got, want)
 
 
