@@ -22,8 +22,8 @@ struct Kernels {
   Isa isa;
   Fmt fmt;
   GemmRowsFn gemm_rows;  // every row on the vector units (on amx: the AVX-512 kernel, for what the tiles leave)
-  bool amx_tiles;        // prefill's whole 16-row tiles on AMX (bf16 and int8 on the amx ISA; fp8's and int4's
-                         // kernels keep their own tiles: fp8 per block row, int4 per 16-row block)
+  bool amx_tiles;        // prefill's whole 16-row tiles on AMX (bf16 and int8 on the amx ISA; fp8's kernel and
+                         // the signed nibble formats' keep their own: fp8 per block row, those per 16-row block)
   QuantizeRowFn quantize_row;
   ActRowFn silu, clamped_swiglu;
 };
