@@ -6,6 +6,7 @@
 // Each call computes 2 x 2 tiles (32 weight rows x 32 slots) per K step from 2 A + 2 B loads.
 // Rows that do not fill a 16-row tile go to the AVX-512 kernels (the callers do that).
 #include <immintrin.h>
+#include <cstdlib>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -114,12 +115,25 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) inline void multiply_2x2()
 }
 
 // C[0..3] (each 16 x 16, row = weight row, column = slot) for rows A0 / A1 and slot groups B0 / B1.
+// The weights' 32 rows are 32 streams Kp apart, which the hardware prefetchers do not keep ahead of the tiles:
+// each K step prefetches its rows' 64 bytes `pf` steps on (past the rows' end: the next 32 rows' first steps).
+static const int kAmxPfSteps = [] {
+  const char* v = std::getenv("MOE_AMX_PF_STEPS");
+  return v ? std::atoi(v) : 8;
+}();
+
 template <bool BF16>
 __attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block_2x2(const uint8_t* A0, const uint8_t* A1,
                                                                        size_t lda, const uint8_t* B0,
                                                                        const uint8_t* B1, int steps, void* C) {
   zero_c();
+  const int pf = kAmxPfSteps;
   for (int c = 0; c < steps; ++c) {
+    if (pf) {
+      const int ahead = c + pf;
+      const uint8_t* p = ahead < steps ? A0 + size_t(ahead) * 64 : A0 + 32 * lda + size_t(ahead - steps) * 64;
+      for (int i = 0; i < 32; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + i * lda), _MM_HINT_T0);
+    }
     _tile_loadd(4, A0 + size_t(c) * 64, lda);
     _tile_loadd(5, A1 + size_t(c) * 64, lda);
     _tile_loadd(6, B0 + size_t(c) * 1024, 64);

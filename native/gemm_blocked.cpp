@@ -588,6 +588,9 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void bloc
           else tile_store_0(C[0]);
         }
         if (g + 1 < ng) MOE_ISSUE(g + 1);
+        if ((g + 3) * K % 64 == 0 && g + 3 < ng)  // the tokens' rows 3 groups on (from L2), a line each
+          MOE_UNROLL for (int t = 0; t < 16; ++t)
+            _mm_prefetch(reinterpret_cast<const char*>(A + size_t(t) * Kp + (g + 3) * K), _MM_HINT_T0);
         const int32_t* Cg = C[g & 1];
         const __m512 sv = scales512<MODE>(sb + size_t(g) * BLK, __mmask16(0xFFFF));
         MOE_UNROLL for (int t = 0; t < 16; ++t)
