@@ -488,15 +488,15 @@ void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int n
                                      });
 }
 
-// ---- AMX (prefill): the signed nibble formats' whole blocks on tiles, the tokens the A operand ----
-// A block's 16 rows x one scale group (int4: 64 weights; int4g32, iq4nl, mxfp4: 32) are exactly one B tile of
-// TDPBSSD: tile row c holds, for each of the 16 rows, its 4 weights of chunk c, which is the layout's chunk
-// vector with its nibbles decoded. So a block is decoded once into s8 tiles (q - 8, or the grid's signed value:
+// ---- AMX (prefill): the signed formats' whole blocks on tiles, the tokens the A operand ----
+// A block's 16 rows x one scale group (int4: 64 weights; int4g32, iq4nl, mxfp4, int8g32: 32) are exactly one B
+// tile of TDPBSSD: tile row c holds, for each of the 16 rows, its 4 weights of chunk c, which is the layout's
+// chunk vector with its nibbles decoded (int8g32: as stored). So a block is decoded once into s8 tiles (q - 8, or the grid's signed value:
 // no excess to take out) and serves every 16-token tile of the call; the tokens' s8 rows are the A operand as
 // they are (16 rows, Kp apart). Each group's 16 x 16 int32 product leaves its tile for the group's scale: the
 // same cvt and FMA per group, in the same order, as the AVX-512 kernel, so the results are its own bit for bit.
 template <int MODE>
-constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == MX;
+constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == MX || MODE == Q8;
 template <int MODE>
 constexpr int TK = G * SPG<MODE>;  // weights a scale group: the K of one tile product (64 or 32)
 
@@ -506,9 +506,17 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i nibble_value(__m512i 
   if constexpr (looked_up(MODE)) return _mm512_shuffle_epi8(lut, q);
   else return _mm512_sub_epi8(q, _mm512_set1_epi8(8));
 }
-// the block's scale group g as a B tile (TK / 4 rows of 64 s8)
+// the block's scale group g as a B tile (TK / 4 rows of 64 s8); int8g32's bytes already are one, copied
 template <int MODE>
 __attribute__((target("avx512f,avx512bw"))) inline void unpack_tile(const uint8_t* wb, int g, int8_t* tile, size_t pf) {
+  if constexpr (MODE == Q8) {
+    MOE_UNROLL for (int v = 0; v < 8; ++v) {
+      const uint8_t* p = wb + size_t(g) * 8 * 64 + 64 * v;
+      _mm_prefetch(reinterpret_cast<const char*>(p + pf), _MM_HINT_T0);
+      _mm512_store_si512(tile + v * 64, _mm512_loadu_si512(p));
+    }
+    return;
+  }
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
   const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut_s8<MODE>())));
   MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h)
@@ -557,7 +565,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void bloc
     float* Y, size_t ldy) {
   constexpr int K = TK<MODE>, TILE = 16 * K;  // bytes of a group's B tile
   const int ng = Kp / K;
-  const size_t ldw = size_t(Kp) / 2;
+  const size_t ldw = row_bytes<MODE>(Kp);
   thread_local std::vector<int8_t> tiles_buf;
   tiles_buf.resize(size_t(ng) * TILE + 64);
   int8_t* tiles = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tiles_buf.data()) + 63) / 64 * 64);
@@ -768,6 +776,7 @@ MOE_BLOCKED_AMX(int4, INT4)
 MOE_BLOCKED_AMX(mxfp4, MX)
 MOE_BLOCKED_AMX(int4g32, G32)
 MOE_BLOCKED_AMX(iq4nl, IQ)
+MOE_BLOCKED_AMX(int8g32, Q8)
 #undef MOE_BLOCKED_AMX
 
 }  // namespace moe

@@ -23,7 +23,7 @@ struct Kernels {
   Fmt fmt;
   GemmRowsFn gemm_rows;  // every row on the vector units (on amx: the AVX-512 kernel, for what the tiles leave)
   bool amx_tiles;        // prefill's whole 16-row tiles on AMX (bf16 and int8 on the amx ISA; fp8's kernel and
-                         // the signed nibble formats' keep their own: fp8 per block row, those per 16-row block)
+                         // the row-blocked signed formats' keep their own: fp8 per block row, those per block)
   QuantizeRowFn quantize_row;
   ActRowFn silu, clamped_swiglu;
 };
@@ -79,6 +79,7 @@ void ref_gemm_rows_int8g32(const Matrix& m, int e, int r0, int r1, const Acts& x
 void gemm_rows_int8g32_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_int8g32_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_int8g32_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
+void gemm_rows_int8g32_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void ref_gemm_rows_q4k(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_q4k_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 void gemm_rows_q4k_avxvnni(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);

@@ -175,7 +175,7 @@ struct Acts {
 
 // The row kernels, per format and ISA, are in kernels.h.
 
-// AMX (prefill, bf16 and int8 weights here; fp8, int4, int4g32, iq4nl and mxfp4 tile their own). amx_permitted() asks the OS for the
+// AMX (prefill, bf16 and int8 weights here; fp8, int4, int4g32, iq4nl, mxfp4 and int8g32 tile their own). amx_permitted() asks the OS for the
 // tile state once.
 constexpr int AMX_MIN_SLOTS = 8;  // fewer tokens per expert: the AVX-512 kernels do as well
 bool amx_permitted();
