@@ -114,14 +114,15 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) inline void multiply_2x2()
   }
 }
 
-// C[0..3] (each 16 x 16, row = weight row, column = slot) for rows A0 / A1 and slot groups B0 / B1.
-// The weights' 32 rows are 32 streams Kp apart, which the hardware prefetchers do not keep ahead of the tiles:
-// each K step prefetches its rows' 64 bytes `pf` steps on (past the rows' end: the next 32 rows' first steps).
+// The weights' 32 rows of a block_2x2 are 32 streams Kp apart, which the hardware prefetchers do not keep ahead of
+// the tiles: each K step prefetches its rows' 64 bytes this many steps on (past the rows' end: the next 32 rows'
+// first steps; a lone tile's rows 16-31 past the matrix are harmless, a prefetch never faults).
 static const int kAmxPfSteps = [] {
   const char* v = std::getenv("MOE_AMX_PF_STEPS");
   return v ? std::atoi(v) : 8;
 }();
 
+// C[0..3] (each 16 x 16, row = weight row, column = slot) for rows A0 / A1 = A0 + 16 rows and slot groups B0 / B1.
 template <bool BF16>
 __attribute__((target("amx-tile,amx-bf16,amx-int8"))) void block_2x2(const uint8_t* A0, const uint8_t* A1,
                                                                        size_t lda, const uint8_t* B0,
