@@ -105,6 +105,15 @@ struct ActBuf {
   }
 };
 
+// `bytes` of v (grown as needed, its capacity kept) from its first 64-byte line, as tile loads and aligned vector
+// stores want
+template <class T>
+inline T* line_aligned(std::vector<T>& v, size_t bytes) {
+  const size_t n = (bytes + 64 + sizeof(T) - 1) / sizeof(T);
+  if (v.size() < n) v.resize(n);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) / 64 * 64);
+}
+
 // The drivers' scratch memory: one arena, owned with the pool, used by one forward at a time
 // (every kernel call holds compute_mutex()). Buffers keep their capacity between calls (fresh
 // multi-MB buffers page-fault on every call), but release() after a call frees every buffer
@@ -116,10 +125,7 @@ struct Scratch {
   std::vector<uint8_t> amx;
   ActBuf xb, act;
   // `bytes` of the AMX buffer (activations in tile layout), starting on a 64-byte line as tile loads like
-  uint8_t* amx_space(size_t bytes) {
-    if (amx.size() < bytes + 64) amx.resize(bytes + 64);
-    return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(amx.data()) + 63) / 64 * 64);
-  }
+  uint8_t* amx_space(size_t bytes) { return line_aligned(amx, bytes); }
   // Frees every buffer above `keep` bytes; returns the bytes freed.
   size_t release(size_t keep);
   size_t bytes();  // held now

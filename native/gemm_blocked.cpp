@@ -491,9 +491,9 @@ void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int n
 // ---- AMX (prefill): the signed formats' whole blocks on tiles, the tokens the A operand ----
 // A block's 16 rows x one scale group (int4: 64 weights; int4g32, iq4nl, mxfp4, int8g32: 32) are exactly one B
 // tile of TDPBSSD: tile row c holds, for each of the 16 rows, its 4 weights of chunk c, which is the layout's
-// chunk vector with its nibbles decoded (int8g32: as stored). So a block is decoded once into s8 tiles (q - 8, or the grid's signed value:
-// no excess to take out) and serves every 16-token tile of the call; the tokens' s8 rows are the A operand as
-// they are (16 rows, Kp apart). Each group's 16 x 16 int32 product leaves its tile for the group's scale: the
+// chunk vector with its nibbles decoded (int8g32: as stored). So a block is decoded once into s8 tiles (q - 8, or
+// the grid's signed value: no excess to take out) and serves every 16-token tile of the call; the tokens' s8 rows
+// are the A operand as they are (16 rows, Kp apart). Each group's 16 x 16 int32 product leaves its tile for the group's scale: the
 // same cvt and FMA per group, in the same order, as the AVX-512 kernel, so the results are its own bit for bit.
 template <int MODE>
 constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == MX || MODE == Q8;
@@ -567,8 +567,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void bloc
   const int ng = Kp / K;
   const size_t ldw = row_bytes<MODE>(Kp);
   thread_local std::vector<int8_t> tiles_buf;
-  tiles_buf.resize(size_t(ng) * TILE + 64);
-  int8_t* tiles = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tiles_buf.data()) + 63) / 64 * 64);
+  int8_t* tiles = line_aligned(tiles_buf, size_t(ng) * TILE);
   alignas(64) int32_t C[2][16 * 16];
   for (int r = r0; r < r1; r += BLK) {
     const uint8_t* wb = We + size_t(r) * ldw;

@@ -301,8 +301,7 @@ void fp8_rows(const Path& p, const Matrix& m, int e, int r0, int r1, const Acts&
   // every slot's row for each block row would stream ns x Kp activations per 128 rows, out of L2 at this size
   const bool fold = ns >= FOLD_SLOTS;
   auto pack_tiles = [&](Acts& xa) {  // the activations in tile layout (bf16: the AVX-512 paths)
-    amx_b.resize(amx_b_bytes(Fmt::Bf16, ns, Kp) + 64);
-    xa.amx_b = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(amx_b.data()) + 63) / 64 * 64);
+    xa.amx_b = line_aligned(amx_b, amx_b_bytes(Fmt::Bf16, ns, Kp));
     pack_amx_b(Fmt::Bf16, xa, ns, Kp, const_cast<uint8_t*>(xa.amx_b));
   };
   Acts xa{xr.data(), nullptr, nullptr};
