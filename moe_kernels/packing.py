@@ -14,7 +14,9 @@
 - uint4g32: unsigned nibbles with an fp32 scale and min per 32, w = scale x q - min: GGUF's Q4_1 (and Q4_K), AWQ
   and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here;
 - q4k: GGUF's Q4_K as stored (Q4K: unsigned nibbles, w = d sc q - dmin m with an fp32 d and dmin per 256 and a 6-bit
-  sc and m per 32; 4.75 bits a weight against uint4g32's 6), or quantized here.
+  sc and m per 32; 4.75 bits a weight against uint4g32's 6), or quantized here;
+- q6k: GGUF's Q6_K as stored (Q6K: 6-bit values, w = d sc (u - 32) with an fp32 d per 256 and an int8 sc per 16;
+  6.625 bits a weight against the file's 6.5625), or quantized here.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The grouped int formats (all
 but bf16, int8 and fp8) are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_blocked.cpp):
 _interleave_rows.
@@ -30,13 +32,14 @@ from moe_core.config import FP8_BLOCK
 
 from . import native
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k")
+FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k")
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
-QK = 256  # q4k's super-block (GGUF's QK_K): a d and dmin per 256, a 6-bit sc and m per 32
+QK = 256  # q4k's and q6k's super-block (GGUF's QK_K): q4k a d and dmin per 256, a 6-bit sc and m per 32
+Q6_SUB = 16  # q6k: an int8 sc per 16
 BLOCK_ROWS = 16  # the grouped int formats' row blocks
-ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k")
+ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k")
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
@@ -216,6 +219,28 @@ class Q4K(NamedTuple):
         return Q4K(*(torch.cat([getattr(p, f) for p in parts]) for f in Q4K._fields))
 
 
+class Q6K(NamedTuple):
+    """GGUF's Q6_K numbers: values [rows, K] int8 (-32..31: the file's 6-bit u less 32), d [rows, ceil(K / 256)] fp32
+    (the file's fp16), sc [rows, 16 per 256] int8; w = d sc value (d sc exact in fp32: one rounding, as ggml's)."""
+    values: torch.Tensor
+    d: torch.Tensor
+    sc: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        R, K = self.values.shape
+        s = self.d.float().repeat_interleave(QK // Q6_SUB, 1) * self.sc.float()
+        v = F.pad(self.values.float(), (0, -K % Q6_SUB)).view(R, -1, Q6_SUB)
+        return (s[:, :v.shape[1], None] * v).view(R, -1)[:, :K]
+
+    @staticmethod
+    def cat(parts: list["Q6K"]) -> "Q6K":
+        return Q6K(*(torch.cat([getattr(p, f) for p in parts]) for f in Q6K._fields))
+
+
 class Int8(NamedTuple):
     """The int8 format's numbers: values [rows, K] int8 in -127..127, scale [rows] fp32 (one per row)."""
     values: torch.Tensor
@@ -258,7 +283,7 @@ def row_len(n: int, fmt: str) -> int:
     """Packed row length: a multiple of 64 elements (whole VNNI steps and int4 groups), bumped when
     the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
     fall in one L1 set (not for the row-blocked formats, whose block is one stream)."""
-    if fmt == "q4k":  # whole super-blocks
+    if fmt in ("q4k", "q6k"):  # whole super-blocks
         return (n + QK - 1) // QK * QK
     n = (n + 63) // 64 * 64
     if fmt in ROW_BLOCKED:  # a block is one stream: no set conflicts between its rows
@@ -292,6 +317,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp), torch.int8), ((E, rows, Kp // G32), torch.float32), None, None
     if fmt == "q4k":  # per 256 of a row: d, dmin (fp32), 8 sc, 8 m (bytes)
         return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
+    if fmt == "q6k":  # 6 bits a weight; per 256 of a row: d (fp32), 16 sc (bytes)
+        return ((E, rows, Kp // 4 * 3), torch.uint8), ((E, rows, Kp // QK * 20), torch.uint8), None, None
     # the nibble ones; no rowcorr (their kernels take activations as s8)
     scale_rows = 2 * rows if fmt == "uint4g32" else rows  # uint4g32: an expert's scales, then its mins
     scale = (((E, rows, Kp // MX_BLOCK), torch.uint8) if fmt == "mxfp4" else
@@ -458,6 +485,42 @@ def pack_q4k(w: Q4K, Kp: int) -> tuple:
     return _blocked_nibbles(q), _interleave_rows(f32(w.d), f32(w.dmin), u8(w.sc), u8(w.m)), None, None
 
 
+def pack_q6k(w: Q6K, Kp: int) -> tuple:
+    """Q6_K numbers [rows, K] -> (per 32: 4 vectors of low nibbles, 2 of high bit pairs; [per 256: d, 16 sc] bytes,
+    None, None) in row blocks, bit-exact."""
+    R, K = w.values.shape
+    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // Q6_SUB)):
+        raise ValueError(f"q6k weight [{R}, {K}] needs a d per {QK} and an sc per {Q6_SUB} (rows padded to {QK}), got "
+                         f"{list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
+    if int(w.values.min()) < -32 or int(w.values.max()) > 31:
+        raise ValueError("q6k values outside -32..31")
+    nsg = Kp // QK
+    u = F.pad(w.values.to(torch.int16) + 32, (0, Kp - K), value=32).to(torch.uint8)  # 32 = zero
+    c = u.view(R, Kp // G32, 8, 4)  # per 32: chunks of 4
+    nib = (c[:, :, :4] & 15) | ((c[:, :, 4:] & 15) << 4)
+    high = c >> 4  # 0..3; chunk c's at bits 2c, 2c + 1 of vector c // 4
+    hi = torch.stack([high[:, :, 4 * h] | (high[:, :, 4 * h + 1] << 2) | (high[:, :, 4 * h + 2] << 4) |
+                      (high[:, :, 4 * h + 3] << 6) for h in range(2)], dim=2)
+    pad = lambda t, n: F.pad(t, (0, n - t.shape[1]))  # noqa: E731  (padding: d = sc = 0, so zero weights)
+    d = pad(w.d.float(), nsg).contiguous().view(torch.uint8).view(R, nsg, 1, 4)
+    sc = pad(w.sc.to(torch.int8), nsg * QK // Q6_SUB).view(torch.uint8).view(R, nsg, QK // Q6_SUB, 1)
+    return _interleave_rows(nib, hi), _interleave_rows(d, sc), None, None
+
+
+def q6k_quantize(w: torch.Tensor) -> Q6K:
+    """Float w [rows, K] -> Q6_K's numbers (each 16's largest magnitude on -32, its scale on an int8 under the 256's
+    d; no search, as ggml's first guess)."""
+    R, K = w.shape
+    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, Q6_SUB)
+    want = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0] / -32
+    d = (want.abs().view(R, -1, QK // Q6_SUB).amax(-1) / 127).clamp_min(1e-30)
+    sc = torch.round(want / d.repeat_interleave(QK // Q6_SUB, 1)).clamp(-128, 127)
+    step = (d.repeat_interleave(QK // Q6_SUB, 1) * sc)[..., None]
+    q = torch.where(step != 0, torch.round(g / torch.where(step != 0, step, torch.ones_like(step))),
+                    torch.zeros_like(g)).clamp(-32, 31)
+    return Q6K(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
+
+
 def q4k_quantize(w: torch.Tensor) -> Q4K:
     """Float w [rows, K] -> Q4_K's numbers (each 32's range on 0..15 with a min <= 0, its scale and min on 6 bits under
     the 256's d and dmin; no search, as uint4_quantize)."""
@@ -516,7 +579,7 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
 
 def floats(w) -> torch.Tensor:
     """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
-    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, UInt4, Q8, Q4K)) else w
+    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, UInt4, Q8, Q4K, Q6K)) else w
 
 
 def int8_quantize(w: torch.Tensor) -> Int8:
@@ -526,8 +589,9 @@ def int8_quantize(w: torch.Tensor) -> Int8:
 
 
 def quantize(w, fmt: str):
-    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / UInt4 / Q8 / Q4K as published) in a format's numbers, before
-    packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4, Fp8, Iq4, UInt4, Q8 or Q4K;
+    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / UInt4 / Q8 / Q4K / Q6K as published) in a format's numbers,
+    before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4, Fp8, Iq4, UInt4, Q8,
+    Q4K or Q6K;
     what a format keeps as published stays bit for bit."""
     if fmt == "mxfp4":
         return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
@@ -541,6 +605,8 @@ def quantize(w, fmt: str):
         return w if isinstance(w, UInt4) else uint4_quantize(floats(w))
     if fmt == "q4k":
         return w if isinstance(w, Q4K) else q4k_quantize(floats(w))
+    if fmt == "q6k":
+        return w if isinstance(w, Q6K) else q6k_quantize(floats(w))
     if fmt == "int8g32":
         return w if isinstance(w, Q8) else int8g32_quantize(floats(w))
     if fmt == "int4":
@@ -585,6 +651,8 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
         return pack_int8g32(q, Kp)
     if fmt == "q4k":
         return pack_q4k(q, Kp)
+    if fmt == "q6k":
+        return pack_q6k(q, Kp)
     if fmt == "int4":
         return pack_int4(q, Kp)
     if fmt == "bf16":
@@ -607,6 +675,15 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         ng = scale.shape[-1]
         if fmt == "int8g32":
             v = _deinterleave_rows(data, ng, (8, 4))[0].float()
+        elif fmt == "q6k":  # per 32: 4 vectors of nibbles, 2 of high bit pairs (chunk c's at bits 2c of vector c // 4)
+            nib, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 24, (4, 4), (2, 4)))
+            shift = (2 * torch.arange(4, device=data.device)).view(4, 1)
+            high = torch.cat([(hi[..., 0:1, :] >> shift) & 3, (hi[..., 1:2, :] >> shift) & 3], -2)
+            v = torch.cat([nib & 15, nib >> 4], -2) | (high << 4)
+            d, sc = _deinterleave_rows(scale, ng // 20, (1, 4), (16, 1))
+            s = d.contiguous().view(torch.float32).reshape(E, R, -1).repeat_interleave(QK // Q6_SUB, -1) * \
+                sc.contiguous().view(torch.int8).reshape(E, R, -1).float()
+            return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 32).float()).reshape(E, R, -1)[..., :K]
         else:  # per 32, chunk v in the low nibbles, v + 4 in the high ones
             b = _deinterleave_rows(data, data.shape[-1] // 16, (4, 4))[0].long()
             v = torch.cat([b & 15, b >> 4], -2)
@@ -650,6 +727,8 @@ def stack_rows(parts: list, fmt: str):
         return Q8.cat(parts)
     if fmt == "q4k" and all(isinstance(p, Q4K) for p in parts):
         return Q4K.cat(parts)
+    if fmt == "q6k" and all(isinstance(p, Q6K) for p in parts):
+        return Q6K.cat(parts)
     return torch.cat([floats(p) for p in parts])
 
 

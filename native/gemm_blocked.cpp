@@ -16,9 +16,15 @@
 // cannot saturate on 255 x 127) multiplies iq4nl and int8g32 as signed bytes with the int8 kernels' sign trick;
 // nibbles (<= 15) go through vpmaddubsw directly, 32 weights' 8 chunks summed in int16 (<= 8 x 2 x 15 x 128)
 // before one widening, and mxfp4's values + 12 (<= 24) the same way 4 chunks at a time (excess 12).
+//
+// q6k (GGUF's Q6_K as stored): 6-bit u (w = d sc (u - 32)), its low nibbles laid out as the nibble formats' and its
+// high 2 bits in 2 more vectors a 32. A 32's two chains of dot products are its two 16s (chunks 0-3, 4-7), each
+// with its own int8 sc: the 16's int32 dot product, less 32 x its activation sum, times sc, summed in int32 over
+// the 256 (exact, as ggml's; |sum| < 16 x 16 x 32 x 128 x 128 = 2^27), then one FMA with the 256's d.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -33,19 +39,23 @@ namespace moe {
 
 namespace {
 
-enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K };
+enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K };
 constexpr int BLK = 16;  // rows a block
 constexpr int G = 32;    // weights a layout group (a scale's, or half of int4's)
 template <int MODE>
-constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K ? 8 : 1;  // layout groups a scale (q4k: a d and dmin) covers
+constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q6K ? 8 : 1;  // layout groups a scale (q4k, q6k: a d) covers
 template <int MODE>
-using ScaleT = std::conditional_t<MODE == MX || MODE == Q4K, uint8_t, float>;  // mxfp4: the exponent byte; q4k: bytes
+using ScaleT = std::conditional_t<MODE == MX || MODE == Q4K || MODE == Q6K, uint8_t, float>;  // mxfp4: the exponent byte; q4k, q6k: bytes
 template <int MODE>
-constexpr int SGE = MODE == Q4K ? 24 : 1;  // scale elements a row has per scale group (q4k: d, dmin, 8 sc, 8 m)
+constexpr int SGE = MODE == Q4K ? 24 : MODE == Q6K ? 20 : 1;  // scale bytes or floats a row has per scale group (q4k: d, dmin,
+                                                          // 8 sc, 8 m; q6k: d, 16 sc)
 template <int MODE>
 constexpr bool nibble = MODE != Q8;
 template <int MODE>
-constexpr int vectors = nibble<MODE> ? 4 : 8;  // chunk vectors a group loads
+constexpr int vectors = nibble<MODE> ? 4 : 8;  // chunk vectors a group loads (q6k: and its 2 of high bits)
+template <int MODE>
+constexpr int stride_vectors = MODE == Q6K ? 6 : vectors<MODE>;  // vectors' worth of bytes a layout group stores
+constexpr int Q6_SUB = 16;  // q6k: weights an sc covers
 // ggml's kvalues_iq4nl: the IQ4_NL / IQ4_XS code -> its value; and + 128 as u8
 constexpr int8_t IQ4NL_LUT[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr uint8_t IQ4NL_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -63,7 +73,7 @@ constexpr bool looked_up(int mode) { return mode == IQ || mode == MX; }
 // what a group's dot product of u8 weights carries in excess, per unit of its activation sum (SIGNED: AVX2's sign
 // trick on the signed values)
 template <int MODE, bool SIGNED>
-constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == ASYM || MODE == Q4K || SIGNED ? 0 : 128;
+constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == Q6K ? 32 : MODE == ASYM || MODE == Q4K || SIGNED ? 0 : 128;
 // the formats with mins: the activations' float sum per 32 is needed
 template <int MODE>
 constexpr bool has_mins = MODE == ASYM || MODE == Q4K;
@@ -78,7 +88,7 @@ inline float mx_scale(uint8_t e) {
 template <int MODE>
 inline float scale_of(ScaleT<MODE> s) {
   if constexpr (MODE == MX) return mx_scale(s);
-  else if constexpr (MODE == Q4K) return 0.f;  // q4k's scales are read field by field
+  else if constexpr (MODE == Q4K || MODE == Q6K) return 0.f;  // q4k's and q6k's scales are read field by field
   else return s;
 }
 
@@ -127,17 +137,24 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512 scales512(const ScaleT
     const __m512i e = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), p)));
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_sub_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(1)), _mm512_set1_epi32(1)), 23));
-  } else if constexpr (MODE == Q4K) {  // read field by field instead
+  } else if constexpr (MODE == Q4K || MODE == Q6K) {  // read field by field instead
     return _mm512_setzero_ps();
   } else {
     return _mm512_maskz_loadu_ps(lanes, p);
   }
 }
+// q6k: chunk c's (c < 4) high 2 bits, bits 2c and 2c + 1 of each byte of hv, put above its nibble (16-bit shifts:
+// what crosses into the next byte lands outside bits 4-5 and is masked away)
+__attribute__((target("avx512f,avx512bw"))) inline __m512i q6_value512(__m512i nib, __m512i hv, int c) {
+  const __m512i h = c == 0 ? _mm512_slli_epi16(hv, 4) : c == 1 ? _mm512_slli_epi16(hv, 2) : c == 2 ? hv
+                                                                               : _mm512_srli_epi16(hv, 2);
+  return _mm512_ternarylogic_epi32(nib, h, _mm512_set1_epi8(0x30), 0xF8);  // nib | (h & 0x30)
+}
 template <int NT, int NB, int MODE, bool FULL>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk512(
     const uint8_t* const* W, const ScaleT<MODE>* const* S, size_t moff, int n, const int8_t* const* X,
     const int32_t* const* XC, const float* const* XS, int ng, size_t pf, float* C) {
-  const int vs = FULL ? 64 : 4 * n, gs = vectors<MODE> * vs;  // bytes of a chunk vector, of a layout group
+  const int vs = FULL ? 64 : 4 * n, gs = stride_vectors<MODE> * vs;  // bytes of a chunk vector, of a layout group
   const __mmask16 lanes = FULL ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
   __m512 acc[NB][NT];
@@ -151,11 +168,25 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
     if constexpr (MODE == Q4K)
       MOE_UNROLL for (int b = 0; b < NB; ++b)
         MOE_UNROLL for (int t = 0; t < NT; ++t) qs[b][t] = qm[b][t] = _mm512_setzero_ps();
+    __m512i qi[NB][NT];  // q6k: the 256's int32 sum of sc x dot
+    if constexpr (MODE == Q6K)
+      MOE_UNROLL for (int b = 0; b < NB; ++b)
+        MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = _mm512_setzero_si512();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
       const int lg = g * SPG<MODE> + h;  // layout group
       __m512i u[NB][8];
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
         const uint8_t* p = W[b] + size_t(lg) * gs;
+        __m512i hv[2];  // q6k: the high bits of chunks 0-3, 4-7
+        if constexpr (MODE == Q6K)
+          MOE_UNROLL for (int k = 0; k < 2; ++k) {
+            if constexpr (FULL) {
+              _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
+              hv[k] = _mm512_loadu_si512(p + 64 * (4 + k));
+            } else {
+              hv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * (4 + k));
+            }
+          }
         MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
           __m512i q;
           if constexpr (FULL) {
@@ -164,7 +195,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
           } else {
             q = _mm512_maskz_loadu_epi32(lanes, p + vs * v);
           }
-          if constexpr (nibble<MODE>) {
+          if constexpr (MODE == Q6K) {
+            u[b][v] = q6_value512(_mm512_and_si512(q, lo4), hv[0], v);
+            u[b][v + 4] = q6_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[1], v);
+          } else if constexpr (nibble<MODE>) {
             u[b][v] = decode512<MODE>(_mm512_and_si512(q, lo4));
             u[b][v + 4] = decode512<MODE>(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4));
           } else {
@@ -194,6 +228,26 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
           }
         }
       }
+      if constexpr (MODE == Q6K) {  // this 32's two 16s: less 32 x their activation sums, times their sc
+        MOE_UNROLL for (int b = 0; b < NB; ++b) {
+          const uint8_t* sc = S[b] + size_t(g) * n * 20 + 4 * n + 2 * h * n;
+          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
+          const __m512i sc1 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n)));
+          MOE_UNROLL for (int t = 0; t < NT; ++t) {
+            const int32_t* xc = XC[t] + 2 * lg;
+            qi[b][t] = _mm512_add_epi32(qi[b][t], _mm512_mullo_epi32(_mm512_sub_epi32(d[b][t][0], _mm512_set1_epi32(xc[0])), sc0));
+            qi[b][t] = _mm512_add_epi32(qi[b][t], _mm512_mullo_epi32(_mm512_sub_epi32(d[b][t][1], _mm512_set1_epi32(xc[1])), sc1));
+            d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
+          }
+        }
+      }
+    }
+    if constexpr (MODE == Q6K) {  // the 256's d
+      MOE_UNROLL for (int b = 0; b < NB; ++b) {
+        const __m512 dv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * 20);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[b][t]), dv, acc[b][t]);
+      }
+      continue;
     }
     if constexpr (MODE == Q4K) {  // the 256's d and dmin
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
@@ -269,11 +323,29 @@ inline void group_dot(const __m256i (&u)[8], const int32_t* xg, __m256i& d) {
     }
   }
 }
+// q6k: a 32's two 16s' dot products apart, d0 (chunks 0-3) and d1 (4-7); on vpmaddubsw two chunks' int16 pairs
+// summed before a widening (2 x 2 x 63 x 128 fits int16)
+template <class Dot>
+inline void q6_dots(const __m256i (&u)[8], const int32_t* xg, __m256i& d0, __m256i& d1) {
+  if constexpr (is_vnni<Dot>) {
+    MOE_UNROLL for (int c = 0; c < 4; ++c) {
+      d0 = Dot::dot(d0, u[c], Ymm::set1_epi32(xg[c]));
+      d1 = Dot::dot(d1, u[c + 4], Ymm::set1_epi32(xg[c + 4]));
+    }
+  } else {
+    MOE_UNROLL for (int c = 0; c < 4; c += 2) {
+      d0 = Ymm::add_epi32(d0, Dot::widen(Ymm::add_epi16(Dot::pairs(u[c], Ymm::set1_epi32(xg[c])),
+                                                        Dot::pairs(u[c + 1], Ymm::set1_epi32(xg[c + 1])))));
+      d1 = Ymm::add_epi32(d1, Dot::widen(Ymm::add_epi16(Dot::pairs(u[c + 4], Ymm::set1_epi32(xg[c + 4])),
+                                                        Dot::pairs(u[c + 5], Ymm::set1_epi32(xg[c + 5])))));
+    }
+  }
+}
 template <class Dot, int MODE, bool FULL>
 inline void scales256(const ScaleT<MODE>* p, int m, __m256& s) {  // a half block's m scales of one group
   if constexpr (MODE == MX) {
     s = Ymm::mx_scales8(p, FULL ? 8 : m);
-  } else if constexpr (MODE == Q4K) {  // read field by field instead
+  } else if constexpr (MODE == Q4K || MODE == Q6K) {  // read field by field instead
     s = Ymm::zero_ps();
   } else {
     s = FULL ? Ymm::loadu_ps(p) : Ymm::loadu_first_ps(p, m);
@@ -283,7 +355,7 @@ template <class Dot, int NT, int MODE, bool FULL>
 inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t moff, int n, int m,
                   const int8_t* const* X, const int32_t* const* XC, const float* const* XS, int ng, size_t pf, float* C) {
   const ScaleT<MODE>* S = Sb + lane0;  // the half's scales (q4k: its fields at their own offsets from Sb)
-  const int vs = FULL ? 64 : 4 * n, gs = vectors<MODE> * vs;
+  const int vs = FULL ? 64 : 4 * n, gs = stride_vectors<MODE> * vs;
   const __m256i lut = signed_w<Dot, MODE> ? Ymm::bytes16(lut_s8<MODE>())
                       : mx_small<Dot, MODE> ? Ymm::bytes16(MX4_U12)
                                             : Ymm::bytes16(reinterpret_cast<const int8_t*>(lut_u8<MODE>()));
@@ -295,10 +367,23 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
     __m256 qs[NT], qm[NT];  // q4k: as mk512's
     if constexpr (MODE == Q4K)
       MOE_UNROLL for (int t = 0; t < NT; ++t) qs[t] = qm[t] = Ymm::zero_ps();
+    __m256i qi[NT];  // q6k: as mk512's
+    if constexpr (MODE == Q6K)
+      MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = Ymm::zero_si();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
       const int lg = g * SPG<MODE> + h;
       __m256i u[8];
       const uint8_t* p = W + size_t(lg) * gs;
+      __m256i hv[2];  // q6k: the high bits of chunks 0-3, 4-7
+      if constexpr (MODE == Q6K)
+        MOE_UNROLL for (int k = 0; k < 2; ++k) {
+          if constexpr (FULL) {
+            _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
+            hv[k] = Ymm::load(p + 64 * (4 + k));
+          } else {
+            hv[k] = Ymm::load_first_epi32(p + vs * (4 + k), m);
+          }
+        }
       MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
         __m256i q;
         if constexpr (FULL) {
@@ -307,13 +392,28 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
         } else {
           q = Ymm::load_first_epi32(p + vs * v, m);
         }
-        if constexpr (nibble<MODE>) {
+        if constexpr (MODE == Q6K) {
+          Ymm::split_nibbles(q, u[v], u[v + 4]);
+          u[v] = Ymm::q6_value(u[v], hv[0], v), u[v + 4] = Ymm::q6_value(u[v + 4], hv[1], v);
+        } else if constexpr (nibble<MODE>) {
           Ymm::split_nibbles(q, u[v], u[v + 4]);
           decode256<Dot, MODE>(u[v], lut), decode256<Dot, MODE>(u[v + 4], lut);
         } else {
           u[v] = q;
           decode256<Dot, MODE>(u[v], lut);
         }
+      }
+      if constexpr (MODE == Q6K) {  // as mk512's
+        const uint8_t* sc = Sb + size_t(g) * n * 20 + 4 * n + 2 * h * n + lane0;
+        const __m256i sc0 = Ymm::s8_to_epi32(sc, m), sc1 = Ymm::s8_to_epi32(sc + n, m);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          __m256i d0 = Ymm::zero_si(), d1 = Ymm::zero_si();
+          q6_dots<Dot>(u, reinterpret_cast<const int32_t*>(X[t] + lg * G), d0, d1);
+          const int32_t* xc = XC[t] + 2 * lg;
+          qi[t] = Ymm::add_epi32(qi[t], Ymm::mullo_epi32(Ymm::sub_epi32(d0, Ymm::set1_epi32(xc[0])), sc0));
+          qi[t] = Ymm::add_epi32(qi[t], Ymm::mullo_epi32(Ymm::sub_epi32(d1, Ymm::set1_epi32(xc[1])), sc1));
+        }
+        continue;
       }
       MOE_UNROLL for (int t = 0; t < NT; ++t)
         group_dot<Dot, MODE>(u, reinterpret_cast<const int32_t*>(X[t] + lg * G), d[t]);
@@ -326,6 +426,12 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
           d[t] = Ymm::zero_si();
         }
       }
+    }
+    if constexpr (MODE == Q6K) {
+      const float* dp = reinterpret_cast<const float*>(Sb + size_t(g) * n * 20) + lane0;
+      const __m256 dv = FULL ? Ymm::loadu_ps(dp) : Ymm::loadu_first_ps(dp, m);
+      MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::fmadd(Ymm::to_ps(qi[t]), dv, acc[t]);
+      continue;
     }
     if constexpr (MODE == Q4K) {
       const uint8_t* sg = Sb + size_t(g) * n * 24;
@@ -357,7 +463,7 @@ inline bool pair_off() {  // MOE_AVX2_PAIR=0: two mk256 calls instead of mk256_p
   return off;
 }
 template <class Dot, int MODE>
-constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && MODE != Q4K;
+constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && MODE != Q4K && MODE != Q6K;
 // AVX2 decode (one token) of a whole block's two halves at once, for the nibble formats on vpmaddubsw (int4,
 // int4g32, uint4g32, mxfp4): each broadcast activation chunk serves both halves' 8 rows, half the broadcasts
 // of two mk256 calls (on a Zen 1 the 256-bit path is instruction-bound, docs/kernels.md). The same integer sums
@@ -410,11 +516,11 @@ inline void mk256_pair(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, con
 // unit (16: AVX-512, a block; 8: the 256-bit paths, half a block). mk(block's pointers...) per token tile ->
 // the units it computed.
 template <int MODE>
-inline size_t row_bytes(int Kp) { return MODE == Q8 ? size_t(Kp) : size_t(Kp) / 2; }
+inline size_t row_bytes(int Kp) { return MODE == Q8 ? size_t(Kp) : MODE == Q6K ? size_t(Kp) / 4 * 3 : size_t(Kp) / 2; }
 template <int MODE, int EXCESS, int LANES, int TBI, class MK>
 inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
   MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
-  MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "q4k rows are padded to a multiple of 256");
+  MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "q4k and q6k rows are padded to a multiple of 256");
   const int ng = m.Kp / (G * SPG<MODE>);  // scale groups a row
   const size_t ldw = row_bytes<MODE>(m.Kp);
   const size_t pf = tuning().pf_bytes;
@@ -423,8 +529,8 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
   const ScaleT<MODE>* Se =
       reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng * SGE<MODE> + moff);
   thread_local Prepared p;
-  // the activations' sums per scale group times the excess; q4k's mins: their sums per 32
-  prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, MODE == Q4K ? G : G * SPG<MODE>,
+  // the activations' sums per scale group times the excess; q4k's mins: their sums per 32; q6k's excess per 16
+  prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, MODE == Q4K ? G : MODE == Q6K ? Q6_SUB : G * SPG<MODE>,
           EXCESS, has_mins<MODE>, p);
   for (int r = r0; r < r1; r += BLK) {
     const int n = std::min(BLK, m.rows - r);
@@ -701,13 +807,17 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
     const ScaleT<MODE>* sb = Se + size_t(b0) * ng * SGE<MODE>;
     for (int s = 0; s < ns; ++s) {
       float acc = 0.f, qs = 0.f, qm = 0.f;  // q4k: the 256's sums of sc x dot and m x activation sum
-      int32_t dot = 0, xsum = 0;
+      int32_t dot = 0, xsum = 0, qi = 0;  // q6k: the 256's sum of sc x dot
       for (int lg = 0; lg < nlg; ++lg) {
         for (int i = 0; i < G; ++i) {
           const int c = i / 4, k = i % 4;  // chunk, byte of the lane
           int32_t w;
           if constexpr (MODE == Q8) {
             w = int8_t(wb[size_t(lg) * 32 * n + size_t(c) * 4 * n + 4 * j + k]);
+          } else if constexpr (MODE == Q6K) {  // the nibble, and the high 2 bits from the 32's last two vectors
+            const uint8_t* gb = wb + size_t(lg) * 24 * n;
+            const uint8_t byte = gb[size_t(c % 4) * 4 * n + 4 * j + k], hb = gb[size_t(4 + c / 4) * 4 * n + 4 * j + k];
+            w = ((c < 4 ? byte & 15 : byte >> 4) | (((hb >> (2 * (c % 4))) & 3) << 4)) - 32;
           } else {
             const uint8_t byte = wb[size_t(lg) * 16 * n + size_t(c % 4) * 4 * n + 4 * j + k];
             const int q = c < 4 ? byte & 15 : byte >> 4;
@@ -716,9 +826,21 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
           const int32_t xv = int32_t(X[s][lg * G + i]) - 128;
           dot += w * xv;
           xsum += xv;
+          if constexpr (MODE == Q6K)
+            if (i % Q6_SUB == Q6_SUB - 1) {  // the 16's sc
+              qi += dot * int8_t(sb[size_t(lg / SPG<MODE>) * n * 20 + 4 * n + size_t((lg % SPG<MODE>) * 2 + i / Q6_SUB) * n + j]);
+              dot = 0;
+            }
         }
         const int g = lg / SPG<MODE>;
-        if constexpr (MODE == Q4K) {  // per 32: sc and m; per 256: d and dmin
+        if constexpr (MODE == Q6K) {  // per 256: d
+          if ((lg + 1) % SPG<MODE> == 0) {
+            float d;
+            std::memcpy(&d, sb + size_t(g) * n * 20 + 4 * j, 4);
+            acc = std::fma(float(qi), d, acc);
+            qi = xsum = 0;
+          }
+        } else if constexpr (MODE == Q4K) {  // per 32: sc and m; per 256: d and dmin
           const uint8_t* sg = sb + size_t(g) * n * 24;
           const int h = lg % SPG<MODE>;
           qs += float(dot) * float(sg[8 * n + h * n + j]);
@@ -766,6 +888,7 @@ MOE_BLOCKED_ENTRIES(iq4nl, IQ)
 MOE_BLOCKED_ENTRIES(uint4g32, ASYM)
 MOE_BLOCKED_ENTRIES(int8g32, Q8)
 MOE_BLOCKED_ENTRIES(q4k, Q4K)
+MOE_BLOCKED_ENTRIES(q6k, Q6K)
 #undef MOE_BLOCKED_ENTRIES
 #define MOE_BLOCKED_AMX(NAME, MODE)                                                                               \
   void gemm_rows_##NAME##_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) { \

@@ -50,6 +50,18 @@ struct Ymm {
     return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v)));
   }
   MOE_YMM __m256 u8_to_ps(const uint8_t* p, int m) { return _mm256_cvtepi32_ps(u8_to_epi32(p, m)); }
+  MOE_YMM __m256i s8_to_epi32(const uint8_t* p, int m) {  // m (<= 8) int8 bytes sign-widened; zeros after m
+    uint64_t v = 0;
+    std::memcpy(&v, p, size_t(m));
+    return _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(int64_t(v)));
+  }
+  MOE_YMM __m256i mullo_epi32(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
+  // q6k: chunk c's (c < 4) high 2 bits, bits 2c and 2c + 1 of each byte of hv, above its nibble (gemm_blocked.cpp)
+  MOE_YMM __m256i q6_value(__m256i nib, __m256i hv, int c) {
+    const __m256i h = c == 0 ? _mm256_slli_epi16(hv, 4) : c == 1 ? _mm256_slli_epi16(hv, 2) : c == 2 ? hv
+                                                                                 : _mm256_srli_epi16(hv, 2);
+    return _mm256_or_si256(nib, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+  }
   // m (<= 8) mxfp4 exponent bytes e -> their scales, the floats of exponent field e - 1 (0 for e <= 1); zeros after m
   MOE_YMM __m256 mx_scales8(const uint8_t* p, int m) {
     const __m256i e = u8_to_epi32(p, m);
