@@ -6,7 +6,7 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
 a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
-uint4g32; Q4_1 on uint4g32; IQ4_NL and IQ4_XS on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
+uint4g32; Q6_K on q6k; Q4_1 on uint4g32; IQ4_NL and IQ4_XS on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
 dequantized exactly (then requantized by default: expert_format).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
 published) and llama files with experts (Mixtral); what the converter changed is undone (a llama file's q/k rows,
@@ -34,8 +34,8 @@ STACKED, STACKED_RAW = -1, -2
 # block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred
 # first (Q4_0's q - 8 is also a min of 8 scales)
 FLOAT_TYPES = ("F32", "F16", "BF16")  # not block types: read as floats
-KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("q4k", "uint4g32"), "IQ4_NL": ("iq4nl",),
-         "IQ4_XS": ("iq4nl",), "Q8_0": ("int8g32",), "MXFP4": ("mxfp4",)}
+KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("q4k", "uint4g32"), "Q6_K": ("q6k",),
+         "IQ4_NL": ("iq4nl",), "IQ4_XS": ("iq4nl",), "Q8_0": ("int8g32",), "MXFP4": ("mxfp4",)}
 
 
 def _f16(b: np.ndarray) -> torch.Tensor:
@@ -84,6 +84,23 @@ def _q4_k(b: np.ndarray):
     return Q4K(q, d, dmin, sc.reshape(R, -1), mn.reshape(R, -1))
 
 
+def _q6_k(b: np.ndarray):
+    """210 bytes per 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16), fp16 d. Per
+    128 weights: 64 bytes of nibbles (the low ones weights 0-63, the high ones 64-127) and 32 bytes of pairs (bits 2k,
+    2k + 1 of byte l: weight 32k + l); w = d sc (q - 32)."""
+    from moe_kernels.packing import Q6K
+    R = b.shape[0]
+    blocks = np.ascontiguousarray(b.reshape(R, -1, 210))
+    n = blocks.shape[1]
+    ql = torch.from_numpy(blocks[..., :128].copy()).view(R, n, 2, 1, 64)
+    qh = torch.from_numpy(blocks[..., 128:192].copy()).view(R, n, 2, 1, 32)
+    lo = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 15        # [R, n, 2, 2, 64]
+    hi = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3   # [R, n, 2, 4, 32]
+    q = (lo.reshape(R, n, 2, 4, 32) | (hi << 4)).to(torch.int8) - 32
+    sc = torch.from_numpy(blocks[..., 192:208].copy().view(np.int8)).reshape(R, -1)
+    return Q6K(q.reshape(R, -1), _f16(blocks[..., 208:210]), sc)
+
+
 def _iq4_nl(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes of codes; w = d IQ4NL[code]
     from moe_kernels.packing import Iq4
     blocks = b.reshape(b.shape[0], -1, 18)
@@ -105,7 +122,8 @@ def _iq4_xs(b: np.ndarray):
     return Iq4(codes, (d[..., None] * (ls - 32).float()).reshape(R, -1))
 
 
-_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "Q8_0": _q8_0}
+_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+           "Q8_0": _q8_0}
 
 
 def layer_names(cfg, L: int) -> list[tuple[str, str]]:
@@ -556,7 +574,7 @@ def expert_format(types: tuple[str, ...]) -> str | None:
     type of the file exactly (KEEPS) where there is one; else the file's size class, not a 2-4x larger exact copy (a
     4-bit DeepSeek file must fit the RAM its user has): with a type of 5 bits or fewer, the format keeping the
     smallest such type (Q4_K_M's Q4_K: q4k, its Q6_K requantized into it), or int4g32 (Q3_K, Q2_K); the others
-    (Q5_K, Q6_K) -> int8g32 (a scale per 32: Q8_0 kept, the others requantized). Measured on the default model
+    (Q5_K; Q6_K beside Q8_0 or Q5_K) -> int8g32 (a scale per 32: Q8_0 kept, the others requantized). Measured on the default model
     against llama-perplexity on the same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
     quantized = [t for t in types if t not in FLOAT_TYPES]
     if not quantized:

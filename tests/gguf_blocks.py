@@ -1,4 +1,4 @@
-"""Quantizers for the GGUF block types the gguf package can read but not write (Q4_K, IQ4_NL, IQ4_XS), so the tests
+"""Quantizers for the GGUF block types the gguf package can read but not write (Q4_K, Q6_K, IQ4_NL, IQ4_XS), so the tests
 can write files of them: float rows [R, K] -> the raw blocks [R, K / block * bytes], laid out as llama.cpp writes
 them. Simple first guesses of the scales (no search): the tests need the layout, not llama.cpp's error. Each
 is checked against the gguf package's dequantizer (tests/test_gguf.py), which is what makes the layout right."""
@@ -82,7 +82,26 @@ def iq4_xs(x: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16(d), high_b, low, qs], axis=-1).reshape(R, -1)
 
 
-ENCODERS = {"Q4_K": q4_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
+def q6_k(x: np.ndarray) -> np.ndarray:
+    """210 bytes per 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 sub-scales, fp16 d. Per 128 weights
+    (32k + l: k < 4, l < 32): nibble byte l (k = 0, 2) or 32 + l (k = 1, 3), low (k < 2) or high; pair k of byte l."""
+    R, K = x.shape
+    sub = x.astype(np.float32).reshape(R, K // 256, 16, 16)
+    want = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0] / -32.0  # each 16's peak on -32
+    d = (np.abs(want).max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df[..., None] > 0, np.round(want / df[..., None]), 0).clip(-128, 127).astype(np.int8)
+        s = df[..., None] * sc.astype(np.float32)
+        q = np.where(s[..., None] != 0, np.round(sub / s[..., None]), 0).clip(-32, 31)
+    u = (q + 32).astype(np.uint8).reshape(R, K // 256, 2, 4, 32)  # [.., half, k, l]
+    ql = np.concatenate([u[..., 0, :] & 15 | (u[..., 2, :] & 15) << 4, u[..., 1, :] & 15 | (u[..., 3, :] & 15) << 4], -1)
+    qh = sum((u[..., k, :] >> 4) << (2 * k) for k in range(4)).astype(np.uint8)
+    return np.concatenate([ql.reshape(R, K // 256, 128), qh.reshape(R, K // 256, 64), sc.view(np.uint8), _f16(d)],
+                          axis=-1).reshape(R, -1)
+
+
+ENCODERS = {"Q4_K": q4_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:

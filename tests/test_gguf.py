@@ -274,14 +274,15 @@ def wide_source(tmp_path_factory):
 
 
 # the block type -> the expert format that starts by default; `kept`: whether it keeps the file's numbers
-DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("q4k", True), "IQ4_XS": ("iq4nl", True)}
+DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("q4k", True), "Q6_K": ("q6k", True),
+            "IQ4_XS": ("iq4nl", True)}
 
 
 @pytest.mark.parametrize("qtype", list(DEFAULTS))
 def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, wide_source, tmp_path, services_factory,
                                                                   monkeypatch):
     monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
-    src = wide_source if qtype in ("Q4_K", "IQ4_XS") else source
+    src = wide_source if qtype in ("Q4_K", "Q6_K", "IQ4_XS") else source
     f = write_gguf(src, tmp_path / f"tiny-{qtype}.gguf", getattr(gguf.GGMLQuantizationType, qtype))
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f.name,
                                                             dtype=torch.float32).eval()
@@ -308,7 +309,7 @@ def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, 
     assert float(err.median()) < (0.08 if kept else 0.15), err
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_our_block_quantizers_write_what_the_gguf_package_reads(qtype):
     """tests/gguf_blocks.py's layouts: the gguf package's dequantizer gives back the quantized rows (within a 4-bit
     grid's error; a misplaced scale or nibble would be off by the weights' own size)."""
@@ -320,7 +321,7 @@ def test_our_block_quantizers_write_what_the_gguf_package_reads(qtype):
     assert np.linalg.norm(back - x) / np.linalg.norm(x) < 0.12
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q8_0"])
 def test_kept_block_types_are_bit_for_bit(qtype, wide_source, tmp_path):
     from moe_core import gguf_model
     from moe_kernels.packing import pack_expert, row_len, unpack
@@ -489,7 +490,7 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     from moe_core.gguf_model import dequantized_experts, expert_format
     cfg = lambda *types: SimpleNamespace(gguf_expert_types=types)  # noqa: E731
     for kept, fmt in (("Q4_0", "int4g32"), ("MXFP4", "mxfp4"), ("Q4_K", "q4k"), ("Q4_K", "uint4g32"),
-                      ("IQ4_XS", "iq4nl")):
+                      ("IQ4_XS", "iq4nl"), ("Q6_K", "q6k")):
         assert dequantized_experts(cfg(kept), fmt) is None
     assert dequantized_experts(cfg(), "bf16") is None  # not a GGUF
     msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "bf16")
@@ -498,7 +499,7 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "q4k")  # Q4_K_M: its Q4_K kept, its Q6_K requantized
     assert "(Q6_K," in msg and "requantized to q4k" in msg
     # a format that keeps them all; else the smallest type's keeper, int4g32 for 2-3 bits, int8 above 5 bits
-    assert expert_format(("Q4_K", "Q6_K")) == "q4k" and expert_format(("Q6_K",)) == "int8g32"
+    assert expert_format(("Q4_K", "Q6_K")) == "q4k" and expert_format(("Q6_K",)) == "q6k"
     assert expert_format(("Q4_0", "Q4_1")) == "uint4g32" and expert_format(("IQ4_NL", "IQ4_XS")) == "iq4nl"
     assert expert_format(("IQ4_XS", "Q5_K")) == "iq4nl" and expert_format(("Q2_K", "Q4_K")) == "q4k"
     assert expert_format(("Q8_0",)) == "int8g32" and expert_format(("Q2_K",)) == "int4g32"
