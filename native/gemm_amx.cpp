@@ -79,15 +79,16 @@ constexpr TileConfig make_config() {
 // LDTILECFG reads 8 bytes of its operand (an "m" of a pointer), so the stores that fill in the rows and
 // column widths of a local config are dropped as dead, and real AMX faults (#GP) on the garbage.
 constexpr TileConfig kTileConfig = make_config();
-// K = 32 a product (the 32-weight groups of gemm_blocked.cpp): A tiles (4, 5) 16 rows x 32 bytes, B tiles (6, 7)
-// 8 rows x 64 bytes
-constexpr TileConfig make_config_k32() {
+// K = 32 or 16 a product (the 32-weight groups of gemm_blocked.cpp, q6k's 16s): A tiles (4, 5) 16 rows x K bytes,
+// B tiles (6, 7) K / 4 rows x 64 bytes
+constexpr TileConfig make_config_k(int k) {
   TileConfig cfg = make_config();
-  cfg.colsb[4] = cfg.colsb[5] = 32;
-  cfg.rows[6] = cfg.rows[7] = 8;
+  cfg.colsb[4] = cfg.colsb[5] = uint16_t(k);
+  cfg.rows[6] = cfg.rows[7] = uint8_t(k / 4);
   return cfg;
 }
-constexpr TileConfig kTileConfigK32 = make_config_k32();
+constexpr TileConfig kTileConfigK32 = make_config_k(32);
+constexpr TileConfig kTileConfigK16 = make_config_k(16);
 
 __attribute__((target("amx-tile"))) void load_config(const TileConfig* cfg = &kTileConfig) { _tile_loadconfig(cfg); }
 
@@ -232,7 +233,9 @@ std::atomic<bool> g_emulate{false};
 }  // namespace
 
 void set_amx_emulation(bool on) { g_emulate = on; }
-void amx_tiles_begin(int k_bytes) { load_config(k_bytes == 32 ? &kTileConfigK32 : &kTileConfig); }
+void amx_tiles_begin(int k_bytes) {
+  load_config(k_bytes == 32 ? &kTileConfigK32 : k_bytes == 16 ? &kTileConfigK16 : &kTileConfig);
+}
 void amx_tiles_end() { release(); }
 bool amx_emulation() { return g_emulate; }
 

@@ -601,10 +601,15 @@ void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int n
 // the grid's signed value: no excess to take out) and serves every 16-token tile of the call; the tokens' s8 rows
 // are the A operand as they are (16 rows, Kp apart). Each group's 16 x 16 int32 product leaves its tile for the group's scale: the
 // same cvt and FMA per group, in the same order, as the AVX-512 kernel, so the results are its own bit for bit.
+// q6k: its 16s (each with its sc) are the products, K = 16: a 32's decoded chunks 0-3 are one B tile, 4-7 the next;
+// each 16 x 16 int32 product times its sc is summed in int32 over the 256 and applied with d: the AVX-512 kernel's
+// integers (its dot products less the excess are these exact signed sums) and its one FMA per 256.
 template <int MODE>
-constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == MX || MODE == Q8;
+constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == MX || MODE == Q8 || MODE == Q6K;
 template <int MODE>
-constexpr int TK = G * SPG<MODE>;  // weights a scale group: the K of one tile product (64 or 32)
+constexpr int TK = MODE == Q6K ? Q6_SUB : G * SPG<MODE>;  // the K of one tile product: a scale group's (64 or 32), q6k's 16
+template <int MODE>
+constexpr size_t row_scales(int Kp) { return size_t(Kp) / (G * SPG<MODE>) * SGE<MODE>; }  // scale elements a row
 
 // nibbles -> their signed values: q - 8, or the grid's
 template <int MODE>
@@ -612,9 +617,22 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i nibble_value(__m512i 
   if constexpr (looked_up(MODE)) return _mm512_shuffle_epi8(lut, q);
   else return _mm512_sub_epi8(q, _mm512_set1_epi8(8));
 }
-// the block's scale group g as a B tile (TK / 4 rows of 64 s8); int8g32's bytes already are one, copied
+// the block's scale group g as a B tile (TK / 4 rows of 64 s8); int8g32's bytes already are one, copied; q6k: g is a
+// layout group, its two tiles (u - 32)
 template <int MODE>
 __attribute__((target("avx512f,avx512bw"))) inline void unpack_tile(const uint8_t* wb, int g, int8_t* tile, size_t pf) {
+  if constexpr (MODE == Q6K) {
+    const uint8_t* p = wb + size_t(g) * 6 * 64;
+    MOE_UNROLL for (int v = 0; v < 6; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T0);
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), h0 = _mm512_loadu_si512(p + 256), h1 = _mm512_loadu_si512(p + 320);
+    MOE_UNROLL for (int v = 0; v < 4; ++v) {
+      const __m512i q = _mm512_loadu_si512(p + 64 * v);
+      _mm512_store_si512(tile + v * 64, _mm512_sub_epi8(q6_value512(_mm512_and_si512(q, lo4), h0, v), _mm512_set1_epi8(32)));
+      _mm512_store_si512(tile + (v + 4) * 64,
+                         _mm512_sub_epi8(q6_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), h1, v), _mm512_set1_epi8(32)));
+    }
+    return;
+  }
   if constexpr (MODE == Q8) {
     MOE_UNROLL for (int v = 0; v < 8; ++v) {
       const uint8_t* p = wb + size_t(g) * 8 * 64 + 64 * v;
@@ -671,18 +689,24 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void bloc
     float* Y, size_t ldy) {
   constexpr int K = TK<MODE>, TILE = 16 * K;  // bytes of a group's B tile
   const int ng = Kp / K;
-  const size_t ldw = row_bytes<MODE>(Kp);
+  const size_t ldw = row_bytes<MODE>(Kp), lds = row_scales<MODE>(Kp);
   thread_local std::vector<int8_t> tiles_buf;
   int8_t* tiles = line_aligned(tiles_buf, size_t(ng) * TILE);
   alignas(64) int32_t C[2][16 * 16];
   for (int r = r0; r < r1; r += BLK) {
     const uint8_t* wb = We + size_t(r) * ldw;
-    const ScaleT<MODE>* sb = Se + size_t(r) * ng;
-    for (int g = 0; g < ng; ++g) unpack_tile<MODE>(wb, g, tiles + size_t(g) * TILE, BLK * ldw);
+    const ScaleT<MODE>* sb = Se + size_t(r) * lds;
+    if constexpr (MODE == Q6K)  // a layout group's two tiles at once
+      for (int lg = 0; lg < Kp / G; ++lg) unpack_tile<MODE>(wb, lg, tiles + size_t(2 * lg) * TILE, BLK * ldw);
+    else
+      for (int g = 0; g < ng; ++g) unpack_tile<MODE>(wb, g, tiles + size_t(g) * TILE, BLK * ldw);
     for (int s = 0; s < ns; s += 16) {
       const int8_t* A = X + size_t(s) * Kp;
       __m512 acc[16];
       MOE_UNROLL for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+      __m512i qi[16];  // q6k: the 256's int32 sums of sc x dot
+      if constexpr (MODE == Q6K)
+        MOE_UNROLL for (int t = 0; t < 16; ++t) qi[t] = _mm512_setzero_si512();
 // group g's product into C tile g % 2
 #define MOE_ISSUE(g)                                                                           \
   do {                                                                                         \
@@ -705,6 +729,20 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void bloc
           MOE_UNROLL for (int t = 0; t < 16; ++t)
             _mm_prefetch(reinterpret_cast<const char*>(A + size_t(t) * Kp + (g + 3) * K), _MM_HINT_T0);
         const int32_t* Cg = C[g & 1];
+        if constexpr (MODE == Q6K) {
+          const uint8_t* sg = sb + size_t(g / 16) * BLK * 20;  // this 256's d, then its 16 sc
+          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 4 * BLK + (g % 16) * BLK)));
+          MOE_UNROLL for (int t = 0; t < 16; ++t)
+            qi[t] = _mm512_add_epi32(qi[t], _mm512_mullo_epi32(_mm512_load_si512(Cg + 16 * t), sc));
+          if (g % 16 == 15) {
+            const __m512 dv = _mm512_loadu_ps(sg);
+            MOE_UNROLL for (int t = 0; t < 16; ++t) {
+              acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[t]), dv, acc[t]);
+              qi[t] = _mm512_setzero_si512();
+            }
+          }
+          continue;
+        }
         const __m512 sv = scales512<MODE>(sb + size_t(g) * BLK, __mmask16(0xFFFF));
         MOE_UNROLL for (int t = 0; t < 16; ++t)
           acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(Cg + 16 * t)), sv, acc[t]);
@@ -735,7 +773,7 @@ void blocked_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
   if (ns < AMX_MIN_SLOTS || whole <= r0) return blocked_avx512<MODE>(m, e, r0, r1, x, ns, Y, ldy);
   const size_t ldw = row_bytes<MODE>(m.Kp);
   const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * m.rows * (m.Kp / TK<MODE>);
+  const ScaleT<MODE>* Se = reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * m.rows * row_scales<MODE>(m.Kp);
   // the tokens as s8 rows, padded to whole 16-token tiles with zeros
   thread_local std::vector<int8_t> xs;
   xs.resize(size_t((ns + 15) / 16 * 16) * m.Kp);
@@ -899,6 +937,7 @@ MOE_BLOCKED_AMX(mxfp4, MX)
 MOE_BLOCKED_AMX(int4g32, G32)
 MOE_BLOCKED_AMX(iq4nl, IQ)
 MOE_BLOCKED_AMX(int8g32, Q8)
+MOE_BLOCKED_AMX(q6k, Q6K)
 #undef MOE_BLOCKED_AMX
 
 }  // namespace moe

@@ -21,7 +21,7 @@ constexpr GemmRowsFn GEMM[N_ISA][N_FMT] = {
     {gemm_rows_bf16_avx512, gemm_rows_int8_avx512, gemm_rows_int4_avx512, gemm_rows_mxfp4_avx512, gemm_rows_fp8_avx512, gemm_rows_int4g32_avx512,
      gemm_rows_iq4nl_avx512, gemm_rows_uint4g32_avx512, gemm_rows_int8g32_avx512, gemm_rows_q4k_avx512, gemm_rows_q6k_avx512},  // avx512
     {gemm_rows_bf16_avx512, gemm_rows_int8_avx512, gemm_rows_int4_amx, gemm_rows_mxfp4_amx, gemm_rows_fp8_amx, gemm_rows_int4g32_amx,
-     gemm_rows_iq4nl_amx, gemm_rows_uint4g32_avx512, gemm_rows_int8g32_amx, gemm_rows_q4k_avx512, gemm_rows_q6k_avx512},  // amx
+     gemm_rows_iq4nl_amx, gemm_rows_uint4g32_avx512, gemm_rows_int8g32_amx, gemm_rows_q4k_avx512, gemm_rows_q6k_amx},  // amx
 };
 
 Kernels entry(Isa isa, Fmt fmt) {

@@ -195,7 +195,7 @@ void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& 
 float amx_peak_loop(bool bf16, long iters);  // iters x 4 tile multiplies (probes.cpp times it)
 // The tile configuration (every tile 16 rows x 64 bytes, or K = 32's), loaded and released around a call's tile
 // work by the kernels that keep their own tile loops (gemm_blocked.cpp).
-void amx_tiles_begin(int k_bytes = 64);  // 32: A tiles of 16 x 32 bytes, B tiles of 8 rows (K = 32 a product)
+void amx_tiles_begin(int k_bytes = 64);  // 32 (16): A tiles of 16 x 32 (16) bytes, B tiles of 8 (4) rows: K = 32 (16) a product
 void amx_tiles_end();
 
 }  // namespace moe
