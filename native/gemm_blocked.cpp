@@ -43,12 +43,13 @@ enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K };
 constexpr int BLK = 16;  // rows a block
 constexpr int G = 32;    // weights a layout group (a scale's, or half of int4's)
 template <int MODE>
-constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q6K ? 8 : 1;  // layout groups a scale (q4k, q6k: a d) covers
+constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q6K ? 8 : 1;  // layout groups a scale (q4k, q6k: d) covers
 template <int MODE>
-using ScaleT = std::conditional_t<MODE == MX || MODE == Q4K || MODE == Q6K, uint8_t, float>;  // mxfp4: the exponent byte; q4k, q6k: bytes
+// mxfp4: the exponent byte; q4k, q6k: bytes (read field by field)
+using ScaleT = std::conditional_t<MODE == MX || MODE == Q4K || MODE == Q6K, uint8_t, float>;
 template <int MODE>
-constexpr int SGE = MODE == Q4K ? 24 : MODE == Q6K ? 20 : 1;  // scale bytes or floats a row has per scale group (q4k: d, dmin,
-                                                          // 8 sc, 8 m; q6k: d, 16 sc)
+// scale elements a row has per scale group (q4k: d, dmin, 8 sc, 8 m; q6k: d, 16 sc: bytes)
+constexpr int SGE = MODE == Q4K ? 24 : MODE == Q6K ? 20 : 1;
 template <int MODE>
 constexpr bool nibble = MODE != Q8;
 template <int MODE>
@@ -230,13 +231,15 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
       }
       if constexpr (MODE == Q6K) {  // this 32's two 16s: less 32 x their activation sums, times their sc
         MOE_UNROLL for (int b = 0; b < NB; ++b) {
-          const uint8_t* sc = S[b] + size_t(g) * n * 20 + 4 * n + 2 * h * n;
+          const uint8_t* sc = S[b] + size_t(g) * n * SGE<MODE> + 4 * n + 2 * h * n;
           const __m512i sc0 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
           const __m512i sc1 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n)));
           MOE_UNROLL for (int t = 0; t < NT; ++t) {
             const int32_t* xc = XC[t] + 2 * lg;
-            qi[b][t] = _mm512_add_epi32(qi[b][t], _mm512_mullo_epi32(_mm512_sub_epi32(d[b][t][0], _mm512_set1_epi32(xc[0])), sc0));
-            qi[b][t] = _mm512_add_epi32(qi[b][t], _mm512_mullo_epi32(_mm512_sub_epi32(d[b][t][1], _mm512_set1_epi32(xc[1])), sc1));
+            const __m512i s0 = _mm512_sub_epi32(d[b][t][0], _mm512_set1_epi32(xc[0]));
+            const __m512i s1 = _mm512_sub_epi32(d[b][t][1], _mm512_set1_epi32(xc[1]));
+            qi[b][t] = _mm512_add_epi32(qi[b][t],
+                                        _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
             d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
           }
         }
@@ -244,8 +247,9 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
     }
     if constexpr (MODE == Q6K) {  // the 256's d
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
-        const __m512 dv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * 20);
-        MOE_UNROLL for (int t = 0; t < NT; ++t) acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[b][t]), dv, acc[b][t]);
+        const __m512 dv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * SGE<MODE>);
+        MOE_UNROLL for (int t = 0; t < NT; ++t)
+          acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[b][t]), dv, acc[b][t]);
       }
       continue;
     }
@@ -404,7 +408,7 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
         }
       }
       if constexpr (MODE == Q6K) {  // as mk512's
-        const uint8_t* sc = Sb + size_t(g) * n * 20 + 4 * n + 2 * h * n + lane0;
+        const uint8_t* sc = Sb + size_t(g) * n * SGE<MODE> + 4 * n + 2 * h * n + lane0;
         const __m256i sc0 = Ymm::s8_to_epi32(sc, m), sc1 = Ymm::s8_to_epi32(sc + n, m);
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
           __m256i d0 = Ymm::zero_si(), d1 = Ymm::zero_si();
@@ -428,7 +432,7 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
       }
     }
     if constexpr (MODE == Q6K) {
-      const float* dp = reinterpret_cast<const float*>(Sb + size_t(g) * n * 20) + lane0;
+      const float* dp = reinterpret_cast<const float*>(Sb + size_t(g) * n * SGE<MODE>) + lane0;
       const __m256 dv = FULL ? Ymm::loadu_ps(dp) : Ymm::loadu_first_ps(dp, m);
       MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::fmadd(Ymm::to_ps(qi[t]), dv, acc[t]);
       continue;
@@ -530,8 +534,8 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
       reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng * SGE<MODE> + moff);
   thread_local Prepared p;
   // the activations' sums per scale group times the excess; q4k's mins: their sums per 32; q6k's excess per 16
-  prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, MODE == Q4K ? G : MODE == Q6K ? Q6_SUB : G * SPG<MODE>,
-          EXCESS, has_mins<MODE>, p);
+  const int per = MODE == Q4K ? G : MODE == Q6K ? Q6_SUB : G * SPG<MODE>;
+  prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, per, EXCESS, has_mins<MODE>, p);
   for (int r = r0; r < r1; r += BLK) {
     const int n = std::min(BLK, m.rows - r);
     const uint8_t* wb = We + size_t(r) * ldw;
@@ -607,7 +611,7 @@ void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int n
 template <int MODE>
 constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == MX || MODE == Q8 || MODE == Q6K;
 template <int MODE>
-constexpr int TK = MODE == Q6K ? Q6_SUB : G * SPG<MODE>;  // the K of one tile product: a scale group's (64 or 32), q6k's 16
+constexpr int TK = MODE == Q6K ? Q6_SUB : G * SPG<MODE>;  // the K of one tile product: a scale group's, q6k's 16
 template <int MODE>
 constexpr size_t row_scales(int Kp) { return size_t(Kp) / (G * SPG<MODE>) * SGE<MODE>; }  // scale elements a row
 
@@ -627,9 +631,9 @@ __attribute__((target("avx512f,avx512bw"))) inline void unpack_tile(const uint8_
     const __m512i lo4 = _mm512_set1_epi8(0x0f), h0 = _mm512_loadu_si512(p + 256), h1 = _mm512_loadu_si512(p + 320);
     MOE_UNROLL for (int v = 0; v < 4; ++v) {
       const __m512i q = _mm512_loadu_si512(p + 64 * v);
-      _mm512_store_si512(tile + v * 64, _mm512_sub_epi8(q6_value512(_mm512_and_si512(q, lo4), h0, v), _mm512_set1_epi8(32)));
-      _mm512_store_si512(tile + (v + 4) * 64,
-                         _mm512_sub_epi8(q6_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), h1, v), _mm512_set1_epi8(32)));
+      const __m512i lo = _mm512_and_si512(q, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo4);
+      _mm512_store_si512(tile + v * 64, _mm512_sub_epi8(q6_value512(lo, h0, v), _mm512_set1_epi8(32)));
+      _mm512_store_si512(tile + (v + 4) * 64, _mm512_sub_epi8(q6_value512(hi, h1, v), _mm512_set1_epi8(32)));
     }
     return;
   }
@@ -730,8 +734,9 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void bloc
             _mm_prefetch(reinterpret_cast<const char*>(A + size_t(t) * Kp + (g + 3) * K), _MM_HINT_T0);
         const int32_t* Cg = C[g & 1];
         if constexpr (MODE == Q6K) {
-          const uint8_t* sg = sb + size_t(g / 16) * BLK * 20;  // this 256's d, then its 16 sc
-          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 4 * BLK + (g % 16) * BLK)));
+          const uint8_t* sg = sb + size_t(g / 16) * BLK * SGE<MODE>;  // this 256's d, then its 16 sc
+          const __m512i sc =
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 4 * BLK + (g % 16) * BLK)));
           MOE_UNROLL for (int t = 0; t < 16; ++t)
             qi[t] = _mm512_add_epi32(qi[t], _mm512_mullo_epi32(_mm512_load_si512(Cg + 16 * t), sc));
           if (g % 16 == 15) {
@@ -866,7 +871,8 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
           xsum += xv;
           if constexpr (MODE == Q6K)
             if (i % Q6_SUB == Q6_SUB - 1) {  // the 16's sc
-              qi += dot * int8_t(sb[size_t(lg / SPG<MODE>) * n * 20 + 4 * n + size_t((lg % SPG<MODE>) * 2 + i / Q6_SUB) * n + j]);
+              const size_t sub = size_t(lg % SPG<MODE>) * 2 + i / Q6_SUB;
+              qi += dot * int8_t(sb[size_t(lg / SPG<MODE>) * n * SGE<MODE> + 4 * n + sub * n + j]);
               dot = 0;
             }
         }
@@ -874,7 +880,7 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
         if constexpr (MODE == Q6K) {  // per 256: d
           if ((lg + 1) % SPG<MODE> == 0) {
             float d;
-            std::memcpy(&d, sb + size_t(g) * n * 20 + 4 * j, 4);
+            std::memcpy(&d, sb + size_t(g) * n * SGE<MODE> + 4 * j, 4);
             acc = std::fma(float(qi), d, acc);
             qi = xsum = 0;
           }
