@@ -45,7 +45,8 @@ def parse_args(argv=None):
                          "int4g32 / uint4g32: 4-bit with a scale (and a min) per 32, int4 checkpoints and GGUF's "
                          "Q4_0 / Q4_1 / Q4_K kept; q4k: GGUF's Q4_K as stored, a 6-bit scale and min per 32 under "
                          "an fp32 one per 256; q6k: GGUF's Q6_K as stored, 6 bits with an int8 scale per 16 under an "
-                         "fp32 one per 256; iq4nl: GGUF's IQ4_NL / IQ4_XS kept); auto = the checkpoint's own "
+                         "fp32 one per 256; iq4nl: GGUF's IQ4_NL / IQ4_XS kept; iq4xs: GGUF's IQ4_XS as stored, an "
+                         "int8 scale per 32 under an fp32 one per 256); auto = the checkpoint's own "
                          "(its dtype, mxfp4 for published gpt-oss, fp8 for FP8 releases, the int4 and GGUF block "
                          "formats above, other GGUF types requantized to about their size)")
     ap.add_argument("--shard", default="0/1", metavar="I/N",

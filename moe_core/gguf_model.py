@@ -6,7 +6,8 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
 a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
-uint4g32; Q6_K on q6k; Q4_1 on uint4g32; IQ4_NL and IQ4_XS on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
+uint4g32; Q6_K on q6k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on
+int8g32; MXFP4 on mxfp4); the other quant types are
 dequantized exactly (then requantized by default: expert_format).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
 published) and llama files with experts (Mixtral); what the converter changed is undone (a llama file's q/k rows,
@@ -35,7 +36,7 @@ STACKED, STACKED_RAW = -1, -2
 # first (Q4_0's q - 8 is also a min of 8 scales)
 FLOAT_TYPES = ("F32", "F16", "BF16")  # not block types: read as floats
 KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("q4k", "uint4g32"), "Q6_K": ("q6k",),
-         "IQ4_NL": ("iq4nl",), "IQ4_XS": ("iq4nl",), "Q8_0": ("int8g32",), "MXFP4": ("mxfp4",)}
+         "IQ4_NL": ("iq4nl",), "IQ4_XS": ("iq4xs", "iq4nl"), "Q8_0": ("int8g32",), "MXFP4": ("mxfp4",)}
 
 
 def _f16(b: np.ndarray) -> torch.Tensor:
@@ -110,7 +111,7 @@ def _iq4_nl(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes of codes; w = d
 def _iq4_xs(b: np.ndarray):
     """136 bytes per 256: fp16 d, the 8 sub-blocks' 6-bit scales (2 high bits each in a uint16, 4 low bits in 4
     bytes), 128 bytes of codes (16 per sub-block of 32); w = d (ls - 32) IQ4NL[code], the scale exact in fp32."""
-    from moe_kernels.packing import Iq4
+    from moe_kernels.packing import Iq4Xs
     R = b.shape[0]
     blocks = b.reshape(R, -1, 136)
     d = _f16(blocks[..., 0:2])
@@ -119,7 +120,7 @@ def _iq4_xs(b: np.ndarray):
     j = torch.arange(8)
     ls = ((low[..., j // 2] >> (4 * (j % 2))) & 15) | (((high[..., None] >> (2 * j)) & 3) << 4)
     codes = _halves(blocks[..., 8:].reshape(R, -1, 8, 16)).reshape(R, -1)
-    return Iq4(codes, (d[..., None] * (ls - 32).float()).reshape(R, -1))
+    return Iq4Xs(codes, d, (ls - 32).to(torch.int8).reshape(R, -1))
 
 
 _DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
@@ -535,7 +536,7 @@ class GGUFCheckpoint:
     def get_published(self, name: str, fmt: str):
         """The weight as stored where expert format `fmt` keeps its block type (KEEPS: packing.Int4, UInt4, Q4K or Iq4,
         bit for bit what the gguf package dequantizes); None for other types and formats."""
-        from moe_kernels.packing import Int4, Q4K, UInt4
+        from moe_kernels.packing import Int4, Iq4Xs, Q4K, UInt4
         t, data = self._data(name)
         kind = t.tensor_type.name
         if fmt not in KEEPS.get(kind, ()) or kind not in _DECODE:
@@ -545,6 +546,8 @@ class GGUFCheckpoint:
             return UInt4((w.values.to(torch.int16) + 8).to(torch.uint8), w.scale, 8 * w.scale, w.group)
         if fmt == "uint4g32" and isinstance(w, Q4K):  # its d sc and dmin m multiplied out per 32 (exact in fp32)
             return w.to_uint4()
+        if fmt == "iq4nl" and isinstance(w, Iq4Xs):  # its d sc multiplied out per 32 (exact in fp32)
+            return w.to_iq4()
         return w
 
     def close(self) -> None:  # the map stays: a GGUF is read in place

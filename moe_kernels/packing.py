@@ -15,6 +15,8 @@
   and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here;
 - q4k: GGUF's Q4_K as stored (Q4K: unsigned nibbles, w = d sc q - dmin m with an fp32 d and dmin per 256 and a 6-bit
   sc and m per 32; 4.75 bits a weight against uint4g32's 6), or quantized here;
+- iq4xs: GGUF's IQ4_XS as stored (Iq4Xs: iq4nl's codes, w = d sc IQ4NL[code] with an fp32 d per 256 and an int8 sc per
+  32; 4.375 bits a weight against iq4nl's 5), or quantized here;
 - q6k: GGUF's Q6_K as stored (Q6K: 6-bit values, w = d sc (u - 32) with an fp32 d per 256 and an int8 sc per 16;
   6.625 bits a weight against the file's 6.5625), or quantized here.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The grouped int formats (all
@@ -32,14 +34,15 @@ from moe_core.config import FP8_BLOCK
 
 from . import native
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k")
+FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs")
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
 QK = 256  # q4k's and q6k's super-block (GGUF's QK_K): q4k a d and dmin per 256, a 6-bit sc and m per 32
 Q6_SUB = 16  # q6k: an int8 sc per 16
 BLOCK_ROWS = 16  # the grouped int formats' row blocks
-ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k")
+ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs")
+SUPER_BLOCKED = ("q4k", "q6k", "iq4xs")  # rows in whole super-blocks of 256 (QK)
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
@@ -147,6 +150,30 @@ class Iq4(NamedTuple):
     @staticmethod
     def cat(parts: list["Iq4"]) -> "Iq4":
         return Iq4(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+class Iq4Xs(NamedTuple):
+    """GGUF's IQ4_XS numbers: codes [rows, K] uint8 (0-15, ggml's IQ4_NL grid), d [rows, ceil(K / 256)] fp32 (the file's
+    fp16), sc [rows, 8 per 256] int8 (its 6-bit ls - 32); w = d sc IQ4NL[code] (d sc exact in fp32, as ggml's)."""
+    codes: torch.Tensor
+    d: torch.Tensor
+    sc: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def to_iq4(self) -> "Iq4":
+        """The same numbers with a scale per 32 (exact in fp32): what iq4nl holds."""
+        n = -(-self.codes.shape[1] // G32)
+        return Iq4(self.codes, (self.d.float().repeat_interleave(QK // G32, 1) * self.sc.float())[:, :n])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.to_iq4().dequantize()
+
+    @staticmethod
+    def cat(parts: list["Iq4Xs"]) -> "Iq4Xs":
+        return Iq4Xs(*(torch.cat([getattr(p, f) for p in parts]) for f in Iq4Xs._fields))
 
 
 class Q8(NamedTuple):
@@ -283,7 +310,7 @@ def row_len(n: int, fmt: str) -> int:
     """Packed row length: a multiple of 64 elements (whole VNNI steps and int4 groups), bumped when
     the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
     fall in one L1 set (not for the row-blocked formats, whose block is one stream)."""
-    if fmt in ("q4k", "q6k"):  # whole super-blocks
+    if fmt in SUPER_BLOCKED:
         return (n + QK - 1) // QK * QK
     n = (n + 63) // 64 * 64
     if fmt in ROW_BLOCKED:  # a block is one stream: no set conflicts between its rows
@@ -317,6 +344,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp), torch.int8), ((E, rows, Kp // G32), torch.float32), None, None
     if fmt == "q4k":  # per 256 of a row: d, dmin (fp32), 8 sc, 8 m (bytes)
         return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
+    if fmt == "iq4xs":  # per 256 of a row: d (fp32), 8 sc (bytes)
+        return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 12), torch.uint8), None, None
     if fmt == "q6k":  # 6 bits a weight; per 256 of a row: d (fp32), 16 sc (bytes)
         return ((E, rows, Kp // 4 * 3), torch.uint8), ((E, rows, Kp // QK * 20), torch.uint8), None, None
     # the nibble ones; no rowcorr (their kernels take activations as s8)
@@ -501,10 +530,40 @@ def pack_q6k(w: Q6K, Kp: int) -> tuple:
     high = c >> 4  # 0..3; chunk c's at bits 2c, 2c + 1 of vector c // 4
     hi = torch.stack([high[:, :, 4 * h] | (high[:, :, 4 * h + 1] << 2) | (high[:, :, 4 * h + 2] << 4) |
                       (high[:, :, 4 * h + 3] << 6) for h in range(2)], dim=2)
-    pad = lambda t, n: F.pad(t, (0, n - t.shape[1]))  # noqa: E731  (padding: d = sc = 0, so zero weights)
-    d = pad(w.d.float(), nsg).contiguous().view(torch.uint8).view(R, nsg, 1, 4)
-    sc = pad(w.sc.to(torch.int8), nsg * QK // Q6_SUB).view(torch.uint8).view(R, nsg, QK // Q6_SUB, 1)
-    return _interleave_rows(nib, hi), _interleave_rows(d, sc), None, None
+    return _interleave_rows(nib, hi), _interleave_rows(*_d_and_bytes(w.d, w.sc, nsg)), None, None
+
+
+def _d_and_bytes(d: torch.Tensor, sc: torch.Tensor, nsg: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A super-blocked format's d [R, <= nsg] and int8 sub-scales [R, <= nsg x n] as _interleave_rows fields, padded
+    with zeros (zero weights)."""
+    R, per = d.shape[0], sc.shape[1] // max(d.shape[1], 1)
+    d = F.pad(d.float(), (0, nsg - d.shape[1])).contiguous().view(torch.uint8).view(R, nsg, 1, 4)
+    sc = F.pad(sc.to(torch.int8), (0, nsg * per - sc.shape[1])).view(torch.uint8).view(R, nsg, per, 1)
+    return d, sc
+
+
+def pack_iq4xs(w: Iq4Xs, Kp: int) -> tuple:
+    """IQ4_XS numbers [rows, K] -> (nibbles as iq4nl's, [per 256: d, 8 sc] bytes, None, None) in row blocks, bit-exact."""
+    R, K = w.codes.shape
+    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // G32)):
+        raise ValueError(f"iq4xs weight [{R}, {K}] needs a d per {QK} and an sc per {G32} (rows padded to {QK}), got "
+                         f"{list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
+    codes = F.pad(w.codes, (0, Kp - K), value=8)  # any code: the padding's scales are 0
+    return _blocked_nibbles(codes), _interleave_rows(*_d_and_bytes(w.d, w.sc, Kp // QK)), None, None
+
+
+def iq4xs_quantize(w: torch.Tensor) -> Iq4Xs:
+    """Float w [rows, K] -> IQ4_XS's numbers (each 32's iq4nl scale on an int8 sc under the 256's d, -32..31 as the
+    file's 6 bits; then the nearest codes; no search)."""
+    R, K = w.shape
+    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, G32)
+    want = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0] / -127
+    d = (want.abs().view(R, -1, QK // G32).amax(-1) / 32).clamp_min(1e-30)
+    sc = torch.round(want / d.repeat_interleave(QK // G32, 1)).clamp(-32, 31)
+    step = (d.repeat_interleave(QK // G32, 1) * sc)[..., None]
+    v = torch.where(step != 0, g / torch.where(step != 0, step, torch.ones_like(step)), torch.zeros_like(g))
+    codes = (v[..., None] - IQ4NL).abs().argmin(-1).to(torch.uint8)
+    return Iq4Xs(codes.view(R, -1)[:, :K], d, sc.to(torch.int8))
 
 
 def q6k_quantize(w: torch.Tensor) -> Q6K:
@@ -579,7 +638,7 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
 
 def floats(w) -> torch.Tensor:
     """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
-    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, UInt4, Q8, Q4K, Q6K)) else w
+    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q6K)) else w
 
 
 def int8_quantize(w: torch.Tensor) -> Int8:
@@ -589,9 +648,9 @@ def int8_quantize(w: torch.Tensor) -> Int8:
 
 
 def quantize(w, fmt: str):
-    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / UInt4 / Q8 / Q4K / Q6K as published) in a format's numbers,
-    before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4, Fp8, Iq4, UInt4, Q8,
-    Q4K or Q6K;
+    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / Iq4Xs / UInt4 / Q8 / Q4K / Q6K as published) in a
+    format's numbers, before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4,
+    Fp8, Iq4, Iq4Xs, UInt4, Q8, Q4K or Q6K;
     what a format keeps as published stays bit for bit."""
     if fmt == "mxfp4":
         return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
@@ -607,6 +666,8 @@ def quantize(w, fmt: str):
         return w if isinstance(w, Q4K) else q4k_quantize(floats(w))
     if fmt == "q6k":
         return w if isinstance(w, Q6K) else q6k_quantize(floats(w))
+    if fmt == "iq4xs":
+        return w if isinstance(w, Iq4Xs) else iq4xs_quantize(floats(w))
     if fmt == "int8g32":
         return w if isinstance(w, Q8) else int8g32_quantize(floats(w))
     if fmt == "int4":
@@ -653,6 +714,8 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
         return pack_q4k(q, Kp)
     if fmt == "q6k":
         return pack_q6k(q, Kp)
+    if fmt == "iq4xs":
+        return pack_iq4xs(q, Kp)
     if fmt == "int4":
         return pack_int4(q, Kp)
     if fmt == "bf16":
@@ -687,8 +750,13 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         else:  # per 32, chunk v in the low nibbles, v + 4 in the high ones
             b = _deinterleave_rows(data, data.shape[-1] // 16, (4, 4))[0].long()
             v = torch.cat([b & 15, b >> 4], -2)
-            v = (IQ4NL.to(data.device)[v] if fmt == "iq4nl" else MX4_TWICE.to(data.device)[v] if fmt == "mxfp4" else
+            v = (IQ4NL.to(data.device)[v] if fmt in ("iq4nl", "iq4xs") else MX4_TWICE.to(data.device)[v] if fmt == "mxfp4" else
                  v.float() - 8 if fmt in ("int4", "int4g32") else v.float())  # uint4g32, q4k: q itself
+        if fmt == "iq4xs":  # per 256: d (fp32), then 8 sc (bytes)
+            d, sc = _deinterleave_rows(scale, ng // 12, (1, 4), (8, 1))
+            s = d.contiguous().view(torch.float32).reshape(E, R, -1).repeat_interleave(QK // G32, -1) * \
+                sc.contiguous().view(torch.int8).reshape(E, R, -1).float()
+            return (s[..., None] * v.reshape(E, R, -1, G32)).reshape(E, R, -1)[..., :K]
         if fmt == "q4k":  # per 256: d, dmin (fp32), then 8 sc and 8 m (bytes)
             d, dmin, sc, m = _deinterleave_rows(scale, ng // 24, (1, 4), (1, 4), (8, 1), (8, 1))
             f32 = lambda t: t.contiguous().view(torch.float32).reshape(E, R, -1)  # noqa: E731
@@ -729,6 +797,8 @@ def stack_rows(parts: list, fmt: str):
         return Q4K.cat(parts)
     if fmt == "q6k" and all(isinstance(p, Q6K) for p in parts):
         return Q6K.cat(parts)
+    if fmt == "iq4xs" and all(isinstance(p, Iq4Xs) for p in parts):
+        return Iq4Xs.cat(parts)
     return torch.cat([floats(p) for p in parts])
 
 

@@ -17,6 +17,10 @@
 // nibbles (<= 15) go through vpmaddubsw directly, 32 weights' 8 chunks summed in int16 (<= 8 x 2 x 15 x 128)
 // before one widening, and mxfp4's values + 12 (<= 24) the same way 4 chunks at a time (excess 12).
 //
+// iq4xs (GGUF's IQ4_XS as stored): iq4nl's codes, w = d sc IQ4NL[code] with an int8 sc (the file's 6-bit ls - 32)
+// per 32 and an fp32 d per 256: each 32's integer dot product times sc summed in int32 over the 256 (|sum| < 8 x 32 x
+// 32 x 127 x 128 < 2^27), then one FMA with d, as q6k's below.
+//
 // q6k (GGUF's Q6_K as stored): 6-bit u (w = d sc (u - 32)), its low nibbles laid out as the nibble formats' and its
 // high 2 bits in 2 more vectors a 32. A 32's two chains of dot products are its two 16s (chunks 0-3, 4-7), each
 // with its own int8 sc: the 16's int32 dot product, less 32 x its activation sum, times sc, summed in int32 over
@@ -39,17 +43,18 @@ namespace moe {
 
 namespace {
 
-enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K };
+enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K, IQXS };
 constexpr int BLK = 16;  // rows a block
 constexpr int G = 32;    // weights a layout group (a scale's, or half of int4's)
 template <int MODE>
-constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q6K ? 8 : 1;  // layout groups a scale (q4k, q6k: d) covers
+constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q6K || MODE == IQXS ? 8 : 1;  // layout groups a scale (d) covers
+// the formats whose scales are bytes read field by field: d (fp32) per 256, then sub-scales (and mins)
+constexpr bool fielded(int mode) { return mode == Q4K || mode == Q6K || mode == IQXS; }
 template <int MODE>
-// mxfp4: the exponent byte; q4k, q6k: bytes (read field by field)
-using ScaleT = std::conditional_t<MODE == MX || MODE == Q4K || MODE == Q6K, uint8_t, float>;
+using ScaleT = std::conditional_t<MODE == MX || fielded(MODE), uint8_t, float>;  // mxfp4: the exponent byte
 template <int MODE>
-// scale elements a row has per scale group (q4k: d, dmin, 8 sc, 8 m; q6k: d, 16 sc: bytes)
-constexpr int SGE = MODE == Q4K ? 24 : MODE == Q6K ? 20 : 1;
+// scale elements a row has per scale group (q4k: d, dmin, 8 sc, 8 m; q6k: d, 16 sc; iq4xs: d, 8 sc: bytes)
+constexpr int SGE = MODE == Q4K ? 24 : MODE == Q6K ? 20 : MODE == IQXS ? 12 : 1;
 template <int MODE>
 constexpr bool nibble = MODE != Q8;
 template <int MODE>
@@ -70,7 +75,7 @@ template <int MODE>
 inline const int8_t* lut_s8() { return MODE == MX ? MX4_LUT : IQ4NL_LUT; }
 template <int MODE>
 inline const uint8_t* lut_u8() { return MODE == MX ? MX4_U8 : IQ4NL_U8; }
-constexpr bool looked_up(int mode) { return mode == IQ || mode == MX; }
+constexpr bool looked_up(int mode) { return mode == IQ || mode == MX || mode == IQXS; }
 // what a group's dot product of u8 weights carries in excess, per unit of its activation sum (SIGNED: AVX2's sign
 // trick on the signed values)
 template <int MODE, bool SIGNED>
@@ -89,7 +94,7 @@ inline float mx_scale(uint8_t e) {
 template <int MODE>
 inline float scale_of(ScaleT<MODE> s) {
   if constexpr (MODE == MX) return mx_scale(s);
-  else if constexpr (MODE == Q4K || MODE == Q6K) return 0.f;  // q4k's and q6k's scales are read field by field
+  else if constexpr (fielded(MODE)) return 0.f;  // read field by field
   else return s;
 }
 
@@ -138,7 +143,7 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512 scales512(const ScaleT
     const __m512i e = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), p)));
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_sub_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(1)), _mm512_set1_epi32(1)), 23));
-  } else if constexpr (MODE == Q4K || MODE == Q6K) {  // read field by field instead
+  } else if constexpr (fielded(MODE)) {  // read field by field instead
     return _mm512_setzero_ps();
   } else {
     return _mm512_maskz_loadu_ps(lanes, p);
@@ -169,8 +174,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
     if constexpr (MODE == Q4K)
       MOE_UNROLL for (int b = 0; b < NB; ++b)
         MOE_UNROLL for (int t = 0; t < NT; ++t) qs[b][t] = qm[b][t] = _mm512_setzero_ps();
-    __m512i qi[NB][NT];  // q6k: the 256's int32 sum of sc x dot
-    if constexpr (MODE == Q6K)
+    __m512i qi[NB][NT];  // q6k, iq4xs: the 256's int32 sum of sc x dot
+    if constexpr (MODE == Q6K || MODE == IQXS)
       MOE_UNROLL for (int b = 0; b < NB; ++b)
         MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = _mm512_setzero_si512();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
@@ -229,6 +234,17 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
           }
         }
       }
+      if constexpr (MODE == IQXS) {  // this 32's dot product less its excess, times its sc
+        MOE_UNROLL for (int b = 0; b < NB; ++b) {
+          const uint8_t* sc = S[b] + size_t(g) * n * SGE<MODE> + 4 * n + h * n;
+          const __m512i scv = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
+          MOE_UNROLL for (int t = 0; t < NT; ++t) {
+            const __m512i dd = _mm512_sub_epi32(_mm512_add_epi32(d[b][t][0], d[b][t][1]), _mm512_set1_epi32(XC[t][lg]));
+            qi[b][t] = _mm512_add_epi32(qi[b][t], _mm512_mullo_epi32(dd, scv));
+            d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
+          }
+        }
+      }
       if constexpr (MODE == Q6K) {  // this 32's two 16s: less 32 x their activation sums, times their sc
         MOE_UNROLL for (int b = 0; b < NB; ++b) {
           const uint8_t* sc = S[b] + size_t(g) * n * SGE<MODE> + 4 * n + 2 * h * n;
@@ -245,7 +261,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
         }
       }
     }
-    if constexpr (MODE == Q6K) {  // the 256's d
+    if constexpr (MODE == Q6K || MODE == IQXS) {  // the 256's d
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
         const __m512 dv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * SGE<MODE>);
         MOE_UNROLL for (int t = 0; t < NT; ++t)
@@ -284,7 +300,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
 template <class Dot>
 constexpr bool is_vnni = std::is_same_v<Dot, VnniDot>;
 template <class Dot, int MODE>
-constexpr bool signed_w = !is_vnni<Dot> && (MODE == IQ || MODE == Q8);  // AVX2: the sign trick
+constexpr bool signed_w = !is_vnni<Dot> && (MODE == IQ || MODE == IQXS || MODE == Q8);  // AVX2: the sign trick
 template <class Dot, int MODE>
 constexpr bool mx_small = !is_vnni<Dot> && MODE == MX;  // AVX2: mxfp4's values + 12, as nibbles are
 template <class Dot, int MODE>
@@ -349,7 +365,7 @@ template <class Dot, int MODE, bool FULL>
 inline void scales256(const ScaleT<MODE>* p, int m, __m256& s) {  // a half block's m scales of one group
   if constexpr (MODE == MX) {
     s = Ymm::mx_scales8(p, FULL ? 8 : m);
-  } else if constexpr (MODE == Q4K || MODE == Q6K) {  // read field by field instead
+  } else if constexpr (fielded(MODE)) {  // read field by field instead
     s = Ymm::zero_ps();
   } else {
     s = FULL ? Ymm::loadu_ps(p) : Ymm::loadu_first_ps(p, m);
@@ -371,8 +387,8 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
     __m256 qs[NT], qm[NT];  // q4k: as mk512's
     if constexpr (MODE == Q4K)
       MOE_UNROLL for (int t = 0; t < NT; ++t) qs[t] = qm[t] = Ymm::zero_ps();
-    __m256i qi[NT];  // q6k: as mk512's
-    if constexpr (MODE == Q6K)
+    __m256i qi[NT];  // q6k, iq4xs: as mk512's
+    if constexpr (MODE == Q6K || MODE == IQXS)
       MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = Ymm::zero_si();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
       const int lg = g * SPG<MODE> + h;
@@ -421,6 +437,14 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
       }
       MOE_UNROLL for (int t = 0; t < NT; ++t)
         group_dot<Dot, MODE>(u, reinterpret_cast<const int32_t*>(X[t] + lg * G), d[t]);
+      if constexpr (MODE == IQXS) {  // as mk512's
+        const __m256i sc = Ymm::s8_to_epi32(Sb + size_t(g) * n * SGE<MODE> + 4 * n + h * n + lane0, m);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          qi[t] = Ymm::add_epi32(qi[t], Ymm::mullo_epi32(Ymm::sub_epi32(d[t], Ymm::set1_epi32(XC[t][lg])), sc));
+          d[t] = Ymm::zero_si();
+        }
+        continue;
+      }
       if constexpr (MODE == Q4K) {
         const uint8_t* sg = Sb + size_t(g) * n * 24;
         const __m256 sc = Ymm::u8_to_ps(sg + 8 * n + h * n + lane0, m), mn = Ymm::u8_to_ps(sg + 16 * n + h * n + lane0, m);
@@ -431,7 +455,7 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
         }
       }
     }
-    if constexpr (MODE == Q6K) {
+    if constexpr (MODE == Q6K || MODE == IQXS) {
       const float* dp = reinterpret_cast<const float*>(Sb + size_t(g) * n * SGE<MODE>) + lane0;
       const __m256 dv = FULL ? Ymm::loadu_ps(dp) : Ymm::loadu_first_ps(dp, m);
       MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::fmadd(Ymm::to_ps(qi[t]), dv, acc[t]);
@@ -524,7 +548,7 @@ inline size_t row_bytes(int Kp) { return MODE == Q8 ? size_t(Kp) : MODE == Q6K ?
 template <int MODE, int EXCESS, int LANES, int TBI, class MK>
 inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
   MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
-  MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "q4k and q6k rows are padded to a multiple of 256");
+  MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "q4k, q6k and iq4xs rows are padded to a multiple of 256");
   const int ng = m.Kp / (G * SPG<MODE>);  // scale groups a row
   const size_t ldw = row_bytes<MODE>(m.Kp);
   const size_t pf = tuning().pf_bytes;
@@ -534,7 +558,7 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
       reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng * SGE<MODE> + moff);
   thread_local Prepared p;
   // the activations' sums per scale group times the excess; q4k's mins: their sums per 32; q6k's excess per 16
-  const int per = MODE == Q4K ? G : MODE == Q6K ? Q6_SUB : G * SPG<MODE>;
+  const int per = MODE == Q4K || MODE == IQXS ? G : MODE == Q6K ? Q6_SUB : G * SPG<MODE>;
   prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, per, EXCESS, has_mins<MODE>, p);
   for (int r = r0; r < r1; r += BLK) {
     const int n = std::min(BLK, m.rows - r);
@@ -609,9 +633,13 @@ void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int n
 // each 16 x 16 int32 product times its sc is summed in int32 over the 256 and applied with d: the AVX-512 kernel's
 // integers (its dot products less the excess are these exact signed sums) and its one FMA per 256.
 template <int MODE>
-constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == MX || MODE == Q8 || MODE == Q6K;
+constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == MX || MODE == Q8 || MODE == Q6K ||
+                          MODE == IQXS;
 template <int MODE>
-constexpr int TK = MODE == Q6K ? Q6_SUB : G * SPG<MODE>;  // the K of one tile product: a scale group's, q6k's 16
+constexpr int TK = MODE == Q6K ? Q6_SUB : MODE == IQXS ? G : G * SPG<MODE>;  // the K of one tile product: a scale
+                                                                               // group's; q6k's 16, iq4xs's 32
+template <int MODE>
+constexpr bool int_scaled = MODE == Q6K || MODE == IQXS;  // products times an int8 sc, summed in int32 per 256
 template <int MODE>
 constexpr size_t row_scales(int Kp) { return size_t(Kp) / (G * SPG<MODE>) * SGE<MODE>; }  // scale elements a row
 
@@ -647,9 +675,10 @@ __attribute__((target("avx512f,avx512bw"))) inline void unpack_tile(const uint8_
   }
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
   const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut_s8<MODE>())));
-  MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h)
+  constexpr int lgs = TK<MODE> / G;  // layout groups a tile
+  MOE_UNROLL for (int h = 0; h < lgs; ++h)
     MOE_UNROLL for (int v = 0; v < 4; ++v) {
-      const uint8_t* p = wb + size_t(SPG<MODE> * g + h) * 4 * 64 + 64 * v;
+      const uint8_t* p = wb + size_t(lgs * g + h) * 4 * 64 + 64 * v;
       _mm_prefetch(reinterpret_cast<const char*>(p + pf), _MM_HINT_T0);
       const __m512i q = _mm512_loadu_si512(p);
       _mm512_store_si512(tile + (8 * h + v) * 64, nibble_value<MODE>(_mm512_and_si512(q, lo4), lut));
@@ -708,8 +737,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void bloc
       const int8_t* A = X + size_t(s) * Kp;
       __m512 acc[16];
       MOE_UNROLL for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-      __m512i qi[16];  // q6k: the 256's int32 sums of sc x dot
-      if constexpr (MODE == Q6K)
+      __m512i qi[16];  // q6k, iq4xs: the 256's int32 sums of sc x dot
+      if constexpr (int_scaled<MODE>)
         MOE_UNROLL for (int t = 0; t < 16; ++t) qi[t] = _mm512_setzero_si512();
 // group g's product into C tile g % 2
 #define MOE_ISSUE(g)                                                                           \
@@ -733,13 +762,14 @@ __attribute__((target("avx512f,avx512bw,avx512dq,amx-tile,amx-int8"))) void bloc
           MOE_UNROLL for (int t = 0; t < 16; ++t)
             _mm_prefetch(reinterpret_cast<const char*>(A + size_t(t) * Kp + (g + 3) * K), _MM_HINT_T0);
         const int32_t* Cg = C[g & 1];
-        if constexpr (MODE == Q6K) {
-          const uint8_t* sg = sb + size_t(g / 16) * BLK * SGE<MODE>;  // this 256's d, then its 16 sc
+        if constexpr (int_scaled<MODE>) {
+          constexpr int subs = G * SPG<MODE> / K;  // products a 256
+          const uint8_t* sg = sb + size_t(g / subs) * BLK * SGE<MODE>;  // this 256's d, then its sc
           const __m512i sc =
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 4 * BLK + (g % 16) * BLK)));
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 4 * BLK + (g % subs) * BLK)));
           MOE_UNROLL for (int t = 0; t < 16; ++t)
             qi[t] = _mm512_add_epi32(qi[t], _mm512_mullo_epi32(_mm512_load_si512(Cg + 16 * t), sc));
-          if (g % 16 == 15) {
+          if (g % subs == subs - 1) {
             const __m512 dv = _mm512_loadu_ps(sg);
             MOE_UNROLL for (int t = 0; t < 16; ++t) {
               acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[t]), dv, acc[t]);
@@ -877,7 +907,11 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
             }
         }
         const int g = lg / SPG<MODE>;
-        if constexpr (MODE == Q6K) {  // per 256: d
+        if constexpr (MODE == IQXS) {
+          qi += dot * int8_t(sb[size_t(g) * n * SGE<MODE> + 4 * n + size_t(lg % SPG<MODE>) * n + j]);
+          dot = 0;
+        }
+        if constexpr (int_scaled<MODE>) {  // per 256: d
           if ((lg + 1) % SPG<MODE> == 0) {
             float d;
             std::memcpy(&d, sb + size_t(g) * n * SGE<MODE> + 4 * j, 4);
@@ -933,6 +967,7 @@ MOE_BLOCKED_ENTRIES(uint4g32, ASYM)
 MOE_BLOCKED_ENTRIES(int8g32, Q8)
 MOE_BLOCKED_ENTRIES(q4k, Q4K)
 MOE_BLOCKED_ENTRIES(q6k, Q6K)
+MOE_BLOCKED_ENTRIES(iq4xs, IQXS)
 #undef MOE_BLOCKED_ENTRIES
 #define MOE_BLOCKED_AMX(NAME, MODE)                                                                               \
   void gemm_rows_##NAME##_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) { \
@@ -944,6 +979,7 @@ MOE_BLOCKED_AMX(int4g32, G32)
 MOE_BLOCKED_AMX(iq4nl, IQ)
 MOE_BLOCKED_AMX(int8g32, Q8)
 MOE_BLOCKED_AMX(q6k, Q6K)
+MOE_BLOCKED_AMX(iq4xs, IQXS)
 #undef MOE_BLOCKED_AMX
 
 }  // namespace moe

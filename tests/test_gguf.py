@@ -275,7 +275,7 @@ def wide_source(tmp_path_factory):
 
 # the block type -> the expert format that starts by default; `kept`: whether it keeps the file's numbers
 DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("q4k", True), "Q6_K": ("q6k", True),
-            "IQ4_XS": ("iq4nl", True)}
+            "IQ4_XS": ("iq4xs", True)}
 
 
 @pytest.mark.parametrize("qtype", list(DEFAULTS))
@@ -490,7 +490,7 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     from moe_core.gguf_model import dequantized_experts, expert_format
     cfg = lambda *types: SimpleNamespace(gguf_expert_types=types)  # noqa: E731
     for kept, fmt in (("Q4_0", "int4g32"), ("MXFP4", "mxfp4"), ("Q4_K", "q4k"), ("Q4_K", "uint4g32"),
-                      ("IQ4_XS", "iq4nl"), ("Q6_K", "q6k")):
+                      ("IQ4_XS", "iq4nl"), ("IQ4_XS", "iq4xs"), ("Q6_K", "q6k")):
         assert dequantized_experts(cfg(kept), fmt) is None
     assert dequantized_experts(cfg(), "bf16") is None  # not a GGUF
     msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "bf16")
@@ -501,7 +501,7 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     # a format that keeps them all; else the smallest type's keeper, int4g32 for 2-3 bits, int8 above 5 bits
     assert expert_format(("Q4_K", "Q6_K")) == "q4k" and expert_format(("Q6_K",)) == "q6k"
     assert expert_format(("Q4_0", "Q4_1")) == "uint4g32" and expert_format(("IQ4_NL", "IQ4_XS")) == "iq4nl"
-    assert expert_format(("IQ4_XS", "Q5_K")) == "iq4nl" and expert_format(("Q2_K", "Q4_K")) == "q4k"
+    assert expert_format(("IQ4_XS", "Q5_K")) == "iq4xs" and expert_format(("Q2_K", "Q4_K")) == "q4k"
     assert expert_format(("Q8_0",)) == "int8g32" and expert_format(("Q2_K",)) == "int4g32"
     assert expert_format(("Q8_0", "Q6_K")) == "int8g32"
     msg = dequantized_experts(cfg("Q8_0", "Q6_K"), "int8g32")  # the Q8_0 kept, the Q6_K requantized

@@ -32,7 +32,7 @@ def layer(gate, up, down, fmt="bf16", isa=None, **kw):
 def no_amx_emulation_left_on():
     yield
     native.set_amx_emulation(False)
-FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k"]
+FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs"]
 
 
 class Fp8Rows:
@@ -129,9 +129,9 @@ def close(got, want, tol):
 # activation across an int8 rounding boundary (one quantum, 1/127 of the vector's max).
 # fp8: e4m3 keeps 3 mantissa bits (up to 6% error per weight against the original bf16 weights).
 TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3, "fp8": 2e-3, "int4g32": 6e-3, "iq4nl": 6e-3,
-       "uint4g32": 6e-3, "int8g32": 6e-3, "q4k": 6e-3, "q6k": 6e-3}
+       "uint4g32": 6e-3, "int8g32": 6e-3, "q4k": 6e-3, "q6k": 6e-3, "iq4xs": 6e-3}
 TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1, "fp8": 1.5e-1, "int4g32": 3.5e-1,
-                "iq4nl": 3.5e-1, "uint4g32": 3.5e-1, "int8g32": 4e-2, "q4k": 3.5e-1, "q6k": 8e-2}
+                "iq4nl": 3.5e-1, "uint4g32": 3.5e-1, "int8g32": 4e-2, "q4k": 3.5e-1, "q6k": 8e-2, "iq4xs": 3.5e-1}
 
 
 @pytest.fixture(autouse=True)
@@ -170,7 +170,7 @@ def test_large_T_repeated_ids_and_zero_weights(fmt, isa):
     assert torch.all(got[::3] == 0)
 
 
-@pytest.mark.parametrize("fmt", ["int4g32", "iq4nl", "uint4g32", "int8g32", "q6k"])
+@pytest.mark.parametrize("fmt", ["int4g32", "iq4nl", "uint4g32", "int8g32", "q6k", "iq4xs"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T", [1, 5])
 def test_rows_of_many_groups(fmt, isa, T):
@@ -381,7 +381,7 @@ def test_avx2_paired_halves_are_two_halves_bitwise(fmt, tmp_path):
 
 
 @pytest.mark.skipif(not native.isa_supported("avxvnni"), reason="no AVX-VNNI on this CPU")
-@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "int4g32", "q6k"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "int4g32", "q6k", "iq4xs"])
 def test_avxvnni_is_avx2_bitwise(fmt):
     """vpdpbusd on (q + 128) minus 128 x the row sums and AVX2's signed pairs give the same integers, so
     the same floats after the same scaling: any difference is a bug in one of them."""
@@ -392,23 +392,24 @@ def test_avxvnni_is_avx2_bitwise(fmt):
     assert torch.equal(ops["avx2"].forward(x, ids, w), ops["avxvnni"].forward(x, ids, w))
 
 
+@pytest.mark.parametrize("fmt", ["q6k", "iq4xs"])
 @pytest.mark.parametrize("T", [1, 5, 40])
-def test_q6k_is_the_reference_on_every_path_bitwise(T):
-    """q6k sums each 256's sc x dot products in int32 (exact) and applies its d with one FMA on every path, as the
+def test_int_scaled_formats_are_the_reference_on_every_path_bitwise(fmt, T):
+    """q6k and iq4xs sum each 256's sc x dot products in int32 (exact) and apply its d with one FMA on every path, as the
     portable reference does: the paths agree to the bit (rows of 5 super-blocks, the last one padded; 65 row blocks,
     pairs and a lone one), and against the dequantized weights only the activations' int8 rounding is left."""
     from moe_kernels.dense import NativeLinear
     from moe_kernels.packing import unpack
     torch.manual_seed(0)
     w, x = torch.randn(1040, 1100) * 0.05, torch.randn(T, 1100)
-    ref = NativeLinear(w, "q6k", isa="portable")
+    ref = NativeLinear(w, fmt, isa="portable")
     want = ref(x)
     for isa in ISAS:
         if isa == "amx-emulated":
             native.set_amx_emulation(True)
             isa = "amx"
-        assert torch.equal(NativeLinear(w, "q6k", isa=isa)(x), want), isa
-    exact = x @ unpack(ref.parts, "q6k", 1100)[0].T
+        assert torch.equal(NativeLinear(w, fmt, isa=isa)(x), want), isa
+    exact = x @ unpack(ref.parts, fmt, 1100)[0].T
     assert ((want - exact).norm() / exact.norm()).item() < 1.5e-2
 
 
@@ -437,7 +438,7 @@ def test_one_and_two_threads_agree_bitwise(fmt, isa):
 
 
 @pytest.mark.skipif(not native.isa_supported("avx512"), reason="the AMX path (real or emulated) needs AVX-512")
-@pytest.mark.parametrize("fmt", ["int4", "int4g32", "iq4nl", "mxfp4", "int8g32", "q6k"])
+@pytest.mark.parametrize("fmt", ["int4", "int4g32", "iq4nl", "mxfp4", "int8g32", "q6k", "iq4xs"])
 @pytest.mark.parametrize("isa", [i for i in ISAS if i in ("amx", "amx-emulated")])
 @pytest.mark.parametrize("T", [40, 150])
 def test_amx_signed_tiles_are_the_avx512_kernel_bitwise(fmt, isa, T):

@@ -28,7 +28,7 @@ except ImportError as e:  # extension not built: the torch path still serves
     NATIVE_ISA, NativeMoELayer = None, None
 
 
-NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k")
+NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs")
 
 
 def native(fmt: str) -> bool:
