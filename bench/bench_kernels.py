@@ -11,7 +11,7 @@ time, as a share of the DRAM read bandwidth probed right before (the median over
 each probe once and then time 64 calls). Prefill efficiency = 2*T*k*3*H*I FLOP / time, as a share
 of the peak of the instructions the isa computes with: avx512: vdpbf16ps (bf16) and vpdpbusd
 (int8, int4, mxfp4); fp8 widens to bf16 and is measured against bf16's peak on every isa;
-amx: TDPBF16PS (bf16), TDPBSUD (int8; the row-blocked signed formats' and q6k's TDPBSSD runs at its rate), vpdpbusd (uint4g32, q4k); avx2: 256-bit fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); avxvnni: 256-bit fp32 FMA (bf16) and
+amx: TDPBF16PS (bf16), TDPBSUD (int8; the row-blocked signed formats', q6k's and iq4xs's TDPBSSD runs at its rate), vpdpbusd (uint4g32, q4k); avx2: 256-bit fp32 FMA (bf16) and vpmaddubsw+vpmaddwd+vpaddd (int formats); avxvnni: 256-bit fp32 FMA (bf16) and
 vpdpbusd on ymm (int formats); portable: none (only the comparison with torch). Prefill also reads every routed expert once, so it is reported against the roofline
 model too: the longer of FLOP / peak and weight bytes / DRAM bandwidth, as a share of our time
 (with 128 experts and 512 tokens an expert sees about 32 tokens, and AMX is bound by DRAM).
@@ -48,7 +48,7 @@ def main() -> None:
     probe = torch.ones(1 << 28)
     # the instructions each isa computes with: (name, probe, iterations) for bf16 weights, for int8,
     # for the other int formats. AMX tiles run bf16, int8 and the row-blocked signed formats (int4, int4g32, iq4nl,
-    # mxfp4, int8g32, q6k); uint4g32 and q4k run on AVX-512 there.
+    # mxfp4, int8g32, q6k, iq4xs); uint4g32 and q4k run on AVX-512 there.
     vdp = ("vdpbf16ps peak", native.bf16_peak_flops, 10_000_000)
     vnni = ("vpdpbusd peak", native.vnni_peak_ops, 10_000_000)
     fma = ("fp32 FMA peak", native.fma_peak_flops, 10_000_000)
@@ -57,7 +57,7 @@ def main() -> None:
             "avxvnni": (fma,) + (("vpdpbusd ymm peak", native.avxvnni_peak_ops, 10_000_000),) * 2,
             "amx": (("TDPBF16PS peak", native.amx_bf16_peak_flops, 500_000),
                     ("TDPBSUD peak", native.amx_int8_peak_ops, 500_000), vnni)}
-    tiles = {f: 1 for f in ("int8", "int4", "int4g32", "iq4nl", "mxfp4", "int8g32", "q6k")} if isa == "amx" else {"int8": 1}
+    tiles = {f: 1 for f in ("int8", "int4", "int4g32", "iq4nl", "mxfp4", "int8g32", "q6k", "iq4xs")} if isa == "amx" else {"int8": 1}
     slot = lambda fmt: {"bf16": 0, "fp8": 0, **tiles}.get(fmt, 2)  # noqa: E731  (fp8 computes in bf16)
 
     def dram_bw() -> float:
