@@ -506,12 +506,9 @@ def pack_q4k(w: Q4K, Kp: int) -> tuple:
                          f"{QK}), got {list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
     if int(w.values.max()) > 15 or int(w.sc.max()) > 63 or int(w.m.max()) > 63:
         raise ValueError("q4k values outside 0..15 or sub-scales outside 0..63")
-    nsg = Kp // QK
     q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
-    pad = lambda t, n: F.pad(t, (0, n - t.shape[1]))  # noqa: E731  (padding: d = sc = 0, so zero weights)
-    f32 = lambda t: pad(t.float(), nsg).contiguous().view(torch.uint8).view(R, nsg, 1, 4)  # noqa: E731
-    u8 = lambda t: pad(t.to(torch.uint8), nsg * QK // G32).view(R, nsg, QK // G32, 1)  # noqa: E731
-    return _blocked_nibbles(q), _interleave_rows(f32(w.d), f32(w.dmin), u8(w.sc), u8(w.m)), None, None
+    (d, sc), (dmin, m) = _d_and_bytes(w.d, w.sc, Kp // QK), _d_and_bytes(w.dmin, w.m, Kp // QK)
+    return _blocked_nibbles(q), _interleave_rows(d, dmin, sc, m), None, None
 
 
 def pack_q6k(w: Q6K, Kp: int) -> tuple:
@@ -534,8 +531,8 @@ def pack_q6k(w: Q6K, Kp: int) -> tuple:
 
 
 def _d_and_bytes(d: torch.Tensor, sc: torch.Tensor, nsg: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A super-blocked format's d [R, <= nsg] and int8 sub-scales [R, <= nsg x n] as _interleave_rows fields, padded
-    with zeros (zero weights)."""
+    """A super-blocked format's d [R, <= nsg] and sub-scales [R, <= nsg x n] (int8, or q4k's 0..63) as _interleave_rows
+    fields, padded with zeros (zero weights)."""
     R, per = d.shape[0], sc.shape[1] // max(d.shape[1], 1)
     d = F.pad(d.float(), (0, nsg - d.shape[1])).contiguous().view(torch.uint8).view(R, nsg, 1, 4)
     sc = F.pad(sc.to(torch.int8), (0, nsg * per - sc.shape[1])).view(torch.uint8).view(R, nsg, per, 1)
@@ -724,6 +721,14 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
     return data, q.scale, data.sum(-1, dtype=torch.int32), None
 
 
+def _d_times_sc(scale: torch.Tensor, E: int, R: int, per: int) -> torch.Tensor:
+    """q6k's and iq4xs's packed scales ([d, `per` int8 sc] a 256, in row blocks) -> d x sc per sub-block, fp32
+    [E, R, Kp / 256 x per] (exact: an fp16 value times an int8)."""
+    d, sc = _deinterleave_rows(scale, scale.shape[-1] // (4 + per), (1, 4), (per, 1))
+    return (d.contiguous().view(torch.float32).reshape(E, R, -1).repeat_interleave(per, -1) *
+            sc.contiguous().view(torch.int8).reshape(E, R, -1).float())
+
+
 def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
     """Packed experts (data, scale, rowsum, rowcorr) [E, rows, Kp...] -> the values the kernels multiply, fp32
     [E, rows, K], on the packed tensors' device (where the kernels do not run, as a GPU computing from the
@@ -743,9 +748,7 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
             shift = (2 * torch.arange(4, device=data.device)).view(4, 1)
             high = torch.cat([(hi[..., 0:1, :] >> shift) & 3, (hi[..., 1:2, :] >> shift) & 3], -2)
             v = torch.cat([nib & 15, nib >> 4], -2) | (high << 4)
-            d, sc = _deinterleave_rows(scale, ng // 20, (1, 4), (16, 1))
-            s = d.contiguous().view(torch.float32).reshape(E, R, -1).repeat_interleave(QK // Q6_SUB, -1) * \
-                sc.contiguous().view(torch.int8).reshape(E, R, -1).float()
+            s = _d_times_sc(scale, E, R, QK // Q6_SUB)
             return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 32).float()).reshape(E, R, -1)[..., :K]
         else:  # per 32, chunk v in the low nibbles, v + 4 in the high ones
             b = _deinterleave_rows(data, data.shape[-1] // 16, (4, 4))[0].long()
@@ -753,9 +756,7 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
             v = (IQ4NL.to(data.device)[v] if fmt in ("iq4nl", "iq4xs") else MX4_TWICE.to(data.device)[v] if fmt == "mxfp4" else
                  v.float() - 8 if fmt in ("int4", "int4g32") else v.float())  # uint4g32, q4k: q itself
         if fmt == "iq4xs":  # per 256: d (fp32), then 8 sc (bytes)
-            d, sc = _deinterleave_rows(scale, ng // 12, (1, 4), (8, 1))
-            s = d.contiguous().view(torch.float32).reshape(E, R, -1).repeat_interleave(QK // G32, -1) * \
-                sc.contiguous().view(torch.int8).reshape(E, R, -1).float()
+            s = _d_times_sc(scale, E, R, QK // G32)
             return (s[..., None] * v.reshape(E, R, -1, G32)).reshape(E, R, -1)[..., :K]
         if fmt == "q4k":  # per 256: d, dmin (fp32), then 8 sc and 8 m (bytes)
             d, dmin, sc, m = _deinterleave_rows(scale, ng // 24, (1, 4), (1, 4), (8, 1), (8, 1))
