@@ -20,7 +20,7 @@
 - q6k: GGUF's Q6_K as stored (Q6K: 6-bit values, w = d sc (u - 32) with an fp32 d per 256 and an int8 sc per 16;
   6.625 bits a weight against the file's 6.5625), or quantized here.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The grouped int formats (all
-but bf16, int8 and fp8) are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_blocked.cpp):
+but bf16, int8 and fp8) are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_blocked.h):
 _interleave_rows.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ SUPER_BLOCKED = ("q4k", "q6k", "iq4xs")  # rows in whole super-blocks of 256 (QK
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
-# ggml's kvalues_iq4nl: an IQ4_NL / IQ4_XS code -> its value (native/gemm_blocked.cpp's IQ4NL_LUT)
+# ggml's kvalues_iq4nl: an IQ4_NL / IQ4_XS code -> its value (native/gemm_blocked.h's IQ4NL_LUT)
 IQ4NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)
 
 
@@ -416,7 +416,7 @@ def _blocked_scales(s: torch.Tensor) -> torch.Tensor:
 
 def mx_scale(exps: torch.Tensor) -> torch.Tensor:
     """The kernels' fp32 scale of each published exponent: 2^(e - 127) / 2 (they multiply twice the e2m1
-    value, an integer), 0 for e <= 1 (as native/gemm_blocked.cpp's mx_scale)."""
+    value, an integer), 0 for e <= 1 (as native/gemm_blocked.h's mx_scale)."""
     e = exps.to(torch.int32)
     return torch.where(e > 1, torch.ldexp(torch.ones(e.shape), e - 128), torch.zeros(e.shape))
 

@@ -39,7 +39,7 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //   bf16: w = uint16 [E, rows, Kp]
 //   int8: w = int8 [E, rows, Kp]; scale = fp32 [E, rows]; rowsum = int32 [E, rows] (sum of the row)
 //   int4, mxfp4, int4g32, iq4nl, uint4g32, int8g32, q4k, q6k, iq4xs: the grouped int formats, in row-interleaved blocks
-//         (gemm_blocked.cpp): rows in blocks of 16 (the last block of a matrix may have fewer, n), a block's bytes
+//         (gemm_blocked.h): rows in blocks of 16 (the last block of a matrix may have fewer, n), a block's bytes
 //         (n rows' worth, at row 16b's offset) 32 weights at a time; those as chunk vectors, lane j (4 bytes)
 //         holding row j's 4 weights of a chunk (elements 4c..4c+3 of the 32). Nibble formats: 4 vectors a 32,
 //         chunk v in the low nibbles and chunk v + 4 in the high ones; int8g32: 8 vectors of int8 bytes.
@@ -197,7 +197,7 @@ bool amx_emulation();
 void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 float amx_peak_loop(bool bf16, long iters);  // iters x 4 tile multiplies (probes.cpp times it)
 // The tile configuration (every tile 16 rows x 64 bytes, or K = 32's), loaded and released around a call's tile
-// work by the kernels that keep their own tile loops (gemm_blocked.cpp).
+// work by the kernels that keep their own tile loops (gemm_blocked.h).
 void amx_tiles_begin(int k_bytes = 64);  // 32 (16): A tiles of 16 x 32 (16) bytes, B tiles of 8 (4) rows: K = 32 (16) a product
 void amx_tiles_end();
 

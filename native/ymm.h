@@ -56,7 +56,7 @@ struct Ymm {
     return _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(int64_t(v)));
   }
   MOE_YMM __m256i mullo_epi32(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
-  // q6k: chunk c's (c < 4) high 2 bits, bits 2c and 2c + 1 of each byte of hv, above its nibble (gemm_blocked.cpp)
+  // q6k: chunk c's (c < 4) high 2 bits, bits 2c and 2c + 1 of each byte of hv, above its nibble (gemm_blocked.h)
   MOE_YMM __m256i q6_value(__m256i nib, __m256i hv, int c) {
     const __m256i h = c == 0 ? _mm256_slli_epi16(hv, 4) : c == 1 ? _mm256_slli_epi16(hv, 2) : c == 2 ? hv
                                                                                  : _mm256_srli_epi16(hv, 2);
@@ -91,7 +91,7 @@ struct Avx2Dot {
         acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w)), _mm256_set1_epi16(1)));
   }
   // small weights (nibbles, <= 15): vpmaddubsw (u8 weights x s8 activations) cannot saturate, pairs are summed in
-  // int16 (gemm_blocked.cpp: 8 of them) before one widening
+  // int16 (gemm_blocked.h: 8 of them) before one widening
   __attribute__((target("avx2"))) static inline __m256i pairs(__m256i u, __m256i x) { return _mm256_maddubs_epi16(u, x); }
   __attribute__((target("avx2"))) static inline __m256i widen(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 };

@@ -121,8 +121,8 @@ def asan_env() -> dict:
     return {"LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1"}
 
 
-# the ASan build (its fixture) is part of the first test's time: 7 minutes on a 2-core Zen 1 before q6k and iq4xs; 12
-# minutes on the AMX Xeon with them (native/gemm_blocked.cpp alone, every format's templates in one file)
+# the ASan build (its fixture) is part of the first test's time: 3 minutes on the 2-core AMX Xeon (was 12 with every
+# row-blocked format in one file and GCC's variable tracking on; setup.py)
 @pytest.mark.timeout(3000)
 def test_hostile_ring_peer_under_address_sanitizer(asan_native):
     run_peer(6, asan_native, asan_env())

@@ -442,7 +442,7 @@ def test_one_and_two_threads_agree_bitwise(fmt, isa):
 @pytest.mark.parametrize("isa", [i for i in ISAS if i in ("amx", "amx-emulated")])
 @pytest.mark.parametrize("T", [40, 150])
 def test_amx_signed_tiles_are_the_avx512_kernel_bitwise(fmt, isa, T):
-    """Prefill of the row-blocked signed formats on AMX (gemm_blocked.cpp's blocked_tiles: a block's scale groups decoded
+    """Prefill of the row-blocked signed formats on AMX (gemm_blocked.h's blocked_tiles: a block's scale groups decoded
     into s8 tiles, the tokens the A operand, K = 64, 32 or q6k's 16 a product) computes the AVX-512 kernel's integers and FMAs
     in its order: the same bits. 2I = 80 and H = 72 rows: whole blocks and a shorter last one (left to AVX-512);
     token counts not a multiple of 16; K = 72 and 40 pad to several groups' tiles."""

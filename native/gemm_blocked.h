@@ -25,6 +25,13 @@
 // high 2 bits in 2 more vectors a 32. A 32's two chains of dot products are its two 16s (chunks 0-3, 4-7), each
 // with its own int8 sc: the 16's int32 dot product, less 32 x its activation sum, times sc, summed in int32 over
 // the 256 (exact, as ggml's; |sum| < 16 x 16 x 32 x 128 x 128 = 2^27), then one FMA with the 256's d.
+//
+// The templates of every format, private to the two files that instantiate them (gemm_blocked_g32.cpp: the
+// formats of 32-weight groups; gemm_blocked_k.cpp: GGUF's super-blocked ones): one file took as long to compile as
+// all the others together, and the build compiles one file per CPU. An unnamed namespace keeps each file's
+// instantiations its own.
+#pragma once
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -944,6 +951,7 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
 
 }  // namespace
 
+// a format's entry points (kernels.h), one line each in the two files
 #define MOE_BLOCKED_ENTRIES(NAME, MODE)                                                                            \
   void ref_gemm_rows_##NAME(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {  \
     ref_blocked<MODE>(m, e, r0, r1, x, ns, Y, ldy);                                                               \
@@ -959,27 +967,9 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
                                  size_t ldy) {                                                                     \
     blocked_avx512<MODE>(m, e, r0, r1, x, ns, Y, ldy);                                                            \
   }
-MOE_BLOCKED_ENTRIES(int4, INT4)
-MOE_BLOCKED_ENTRIES(mxfp4, MX)
-MOE_BLOCKED_ENTRIES(int4g32, G32)
-MOE_BLOCKED_ENTRIES(iq4nl, IQ)
-MOE_BLOCKED_ENTRIES(uint4g32, ASYM)
-MOE_BLOCKED_ENTRIES(int8g32, Q8)
-MOE_BLOCKED_ENTRIES(q4k, Q4K)
-MOE_BLOCKED_ENTRIES(q6k, Q6K)
-MOE_BLOCKED_ENTRIES(iq4xs, IQXS)
-#undef MOE_BLOCKED_ENTRIES
 #define MOE_BLOCKED_AMX(NAME, MODE)                                                                               \
   void gemm_rows_##NAME##_amx(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) { \
     blocked_amx<MODE>(m, e, r0, r1, x, ns, Y, ldy);                                                               \
   }
-MOE_BLOCKED_AMX(int4, INT4)
-MOE_BLOCKED_AMX(mxfp4, MX)
-MOE_BLOCKED_AMX(int4g32, G32)
-MOE_BLOCKED_AMX(iq4nl, IQ)
-MOE_BLOCKED_AMX(int8g32, Q8)
-MOE_BLOCKED_AMX(q6k, Q6K)
-MOE_BLOCKED_AMX(iq4xs, IQXS)
-#undef MOE_BLOCKED_AMX
 
 }  // namespace moe
