@@ -37,7 +37,8 @@ def parse_args(argv=None):
                          "while the machine is ours and spin only while a CPU is free beside other programs "
                          "(MOE_SPIN=yield|always|never overrides) and torch's OpenMP threads wait "
                          "passively (OMP_WAIT_POLICY)")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", *kernels.NATIVE_FORMATS[1:]],
+    ap.add_argument("--weight-format", default="auto",
+                    choices=["auto", "bf16", "fp16", "fp32", *kernels.NATIVE_FORMATS[1:], gguf_model.PER_MATRIX],
                     help="format the expert weights are held in (int8: per-channel scales, int4: per-64 group "
                          "scales, quantized at load; mxfp4: e2m1 with a power-of-two scale per 32, gpt-oss's "
                          "published experts kept bit for bit, others quantized at load; fp8: e4m3 with a scale "
@@ -46,7 +47,8 @@ def parse_args(argv=None):
                          "Q4_0 / Q4_1 / Q4_K kept; q4k: GGUF's Q4_K as stored, a 6-bit scale and min per 32 under "
                          "an fp32 one per 256; q6k: GGUF's Q6_K as stored, 6 bits with an int8 scale per 16 under an "
                          "fp32 one per 256; iq4nl: GGUF's IQ4_NL / IQ4_XS kept; iq4xs: GGUF's IQ4_XS as stored, an "
-                         "int8 scale per 32 under an fp32 one per 256); auto = the checkpoint's own "
+                         "int8 scale per 32 under an fp32 one per 256; gguf: each matrix of a GGUF in the format that keeps its "
+                         "block type, the default for mixes such as Q4_K_M); auto = the checkpoint's own "
                          "(its dtype, mxfp4 for published gpt-oss, fp8 for FP8 releases, the int4 and GGUF block "
                          "formats above, other GGUF types requantized to about their size)")
     ap.add_argument("--shard", default="0/1", metavar="I/N",
@@ -72,6 +74,9 @@ def weight_format(arg: str, cfg: ModelConfig) -> str:
     gguf_model.expert_format). fp8 / int4g32 / uint4g32 on a quantized checkpoint whose layout the kernels cannot
     keep is refused (ModelConfigError) rather than requantized."""
     keeps_fp8 = cfg.fp8_block == (FP8_BLOCK, FP8_BLOCK) and cfg.moe_intermediate_size % FP8_BLOCK == 0
+    if arg == gguf_model.PER_MATRIX and not gguf_model.expert_format(cfg.gguf_expert_types):
+        raise ModelConfigError(f"--weight-format {arg} keeps each routed-expert matrix of a GGUF file in the format of "
+                               "its block type; this model has no quantized GGUF experts")
     if arg == "fp8" and cfg.fp8_block is not None and not keeps_fp8:
         raise ModelConfigError(
             f"--weight-format fp8 keeps published FP8 experts in {FP8_BLOCK} x {FP8_BLOCK} blocks with gate and up "
@@ -176,7 +181,7 @@ def convert_main(argv) -> None:
         description="Pack a checkpoint's routed experts into a packed-weight cache directory, offline; then "
                     "`expert-service --model MODEL --cache-dir OUT` starts from it without re-quantizing.")
     ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", *kernels.NATIVE_FORMATS],
+    ap.add_argument("--weight-format", default="auto", choices=["auto", *kernels.NATIVE_FORMATS, gguf_model.PER_MATRIX],
                     help="auto = the checkpoint's dtype, bf16 for fp32/fp16 ones")
     ap.add_argument("--out", required=True, help="the cache directory to write (created if needed)")
     ap.add_argument("--threads", type=int, default=serving.physical_cores())

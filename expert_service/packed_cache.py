@@ -100,9 +100,9 @@ def _tensors(op) -> dict[str, torch.Tensor]:
             if t is not None}
 
 
-def _layout(E: int, I: int, H: int, fmt: str) -> dict[str, tuple]:
+def _layout(E: int, I: int, H: int, fmts: tuple[str, str]) -> dict[str, tuple]:
     """name -> (shape, dtype) of every tensor a layer file holds."""
-    return {f"{m}.{p}": spec for m, parts in native_moe.NativeMoELayer.packed_layout(E, I, H, fmt).items()
+    return {f"{m}.{p}": spec for m, parts in native_moe.NativeMoELayer.packed_layout(E, I, H, *fmts).items()
             for p, spec in zip(PARTS, parts) if spec is not None}
 
 
@@ -201,16 +201,20 @@ class PackedCache:
     def _path(self, layer: int) -> pathlib.Path:
         return self.dir / f"layer-{layer:04d}.safetensors"
 
-    def _meta(self, E: int, I: int, H: int) -> dict[str, str]:
+    def _formats(self, fmts: tuple[str, str] | None) -> tuple[str, str]:
+        """A layer's (gate/up, down) formats: the cache's format for both unless told (gguf_model.layer_formats)."""
+        return fmts or (self.fmt, self.fmt)
+
+    def _meta(self, E: int, I: int, H: int, fmts: tuple[str, str]) -> dict[str, str]:
         """What a layer file must have been made from to be used (its metadata, less the checksums)."""
-        Kp_h, Kp_i = native_moe.row_len(H, self.fmt), native_moe.row_len(I, self.fmt)
-        return {"fingerprint": self.fingerprint, "source": self.stamp, "format": self.fmt, "layout": str(LAYOUT),
-                "checksum": CHECKSUM, "shape": json.dumps([E, I, H, Kp_h, Kp_i])}
+        Kp_h, Kp_i = native_moe.row_len(H, fmts[0]), native_moe.row_len(I, fmts[1])
+        return {"fingerprint": self.fingerprint, "source": self.stamp, "format": "+".join(dict.fromkeys(fmts)),
+                "layout": str(LAYOUT), "checksum": CHECKSUM, "shape": json.dumps([E, I, H, Kp_h, Kp_i])}
 
     def save(self, layer: int, op) -> None:
         """Write one layer's packed experts (atomically: temporary name, fsync, rename)."""
         tensors = dict(sorted(_tensors(op).items(), key=lambda kv: not kv[0].endswith(".data")))
-        meta = {**self._meta(op.num_experts, op.intermediate, op.hidden),
+        meta = {**self._meta(op.num_experts, op.intermediate, op.hidden, (op.fmt, op.down_fmt)),
                 "hashes": json.dumps({k: chunk_hashes(t) for k, t in tensors.items()})}
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self._path(layer)
@@ -222,8 +226,9 @@ class PackedCache:
             log.warning("could not write the packed-weight cache %s: %s", final, e)
             tmp.unlink(missing_ok=True)
 
-    def load(self, layer: int, E: int, I: int, H: int, threads: int):
-        """-> the layer's NativeMoELayer from the cache, or None (absent, stale, truncated or corrupt: logged)."""
+    def load(self, layer: int, E: int, I: int, H: int, threads: int, fmts: tuple[str, str] | None = None):
+        """-> the layer's NativeMoELayer from the cache, or None (absent, stale, truncated or corrupt: logged).
+        fmts: its (gate/up, down) formats where they are not both the cache's."""
         path = self._path(layer)
         if not path.exists():
             return None
@@ -233,14 +238,15 @@ class PackedCache:
             log.warning("packed-weight cache %s is unreadable (%s): rebuilding it", path, e)
             return None
         try:
-            return self._read(fd, path, E, I, H, threads)
+            return self._read(fd, path, E, I, H, threads, self._formats(fmts))
         except Exception as e:  # not safetensors, wrong names or shapes...: never trusted
             log.warning("packed-weight cache %s is unreadable (%s): rebuilding it", path, e)
             return None
         finally:
             os.close(fd)
 
-    def _spans(self, fd: int, path: pathlib.Path, E: int, I: int, H: int, then: str = "rebuilding it"):
+    def _spans(self, fd: int, path: pathlib.Path, E: int, I: int, H: int, fmts: tuple[str, str],
+               then: str = "rebuilding it"):
         """-> (file size, layout, name -> (offset, bytes), checksums) of a layer file made for this model and
         format, None if stale (logged, with what happens `then`); ValueError if it is not one."""
         (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
@@ -248,11 +254,11 @@ class PackedCache:
             raise ValueError(f"header length {n}")
         header = json.loads(os.pread(fd, n, 8))
         meta = header.pop("__metadata__", {})
-        stale = [k for k, v in self._meta(E, I, H).items() if meta.get(k) != v]
+        stale = [k for k, v in self._meta(E, I, H, fmts).items() if meta.get(k) != v]
         if stale:
             log.warning("packed-weight cache %s is stale (%s differ): %s", path, ", ".join(stale), then)
             return None
-        want, hashes = _layout(E, I, H, self.fmt), json.loads(meta["hashes"])
+        want, hashes = _layout(E, I, H, fmts), json.loads(meta["hashes"])
         if set(header) != set(want) or set(hashes) != set(want):
             raise ValueError(f"tensors {sorted(header)}, this layout has {sorted(want)}")
         size = os.fstat(fd).st_size
@@ -270,7 +276,7 @@ class PackedCache:
             spans[name] = (8 + n + h["data_offsets"][0], nbytes)
         return size, want, spans, hashes
 
-    def map_layer(self, layer: int, E: int, I: int, H: int, threads: int):
+    def map_layer(self, layer: int, E: int, I: int, H: int, threads: int, fmts: tuple[str, str] | None = None):
         """Another process's view of a layer the expert service holds (the GPU side's prefill): the file mapped
         read-only, unlocked and unchecked (its owner checked and locked it; the page cache holds one copy for
         both) -> NativeMoELayer over it, or None (absent, stale or not a layer file: logged)."""
@@ -280,7 +286,8 @@ class PackedCache:
         except OSError:
             return None
         try:
-            found = self._spans(fd, path, E, I, H, then="not used")
+            fmts = self._formats(fmts)
+            found = self._spans(fd, path, E, I, H, fmts, then="not used")
             if found is None:
                 return None
             size, want, spans, _ = found
@@ -295,20 +302,20 @@ class PackedCache:
             t = {name: torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off).view(dtype).view(shape)
                  for name, (off, nbytes) in spans.items() for shape, dtype in [want[name]]}
         parts = {g: tuple(t.get(f"{g}.{p}") for p in PARTS) for g in ("gu", "dn")}
-        return native_moe.NativeMoELayer.wrap(E, I, H, self.fmt, parts["gu"], parts["dn"], threads)
+        return native_moe.NativeMoELayer.wrap(E, I, H, fmts[0], parts["gu"], parts["dn"], threads, down_fmt=fmts[1])
 
-    def _read(self, fd: int, path: pathlib.Path, E: int, I: int, H: int, threads: int):
-        found = self._spans(fd, path, E, I, H)
+    def _read(self, fd: int, path: pathlib.Path, E: int, I: int, H: int, threads: int, fmts: tuple[str, str]):
+        found = self._spans(fd, path, E, I, H, fmts)
         if found is None:
             return None
         size, want, spans, hashes = found
-        empty = lambda: _tensors(native_moe.NativeMoELayer.empty(E, I, H, self.fmt))  # noqa: E731
+        empty = lambda: _tensors(native_moe.NativeMoELayer.empty(E, I, H, fmts[0], down_fmt=fmts[1]))  # noqa: E731
         tensors = _reader()(fd, size, want, spans, hashes, empty)
         if tensors is None:
             log.warning("packed-weight cache %s is corrupt (checksum mismatch): rebuilding it", path)
             return None
         parts = {m: tuple(tensors.get(f"{m}.{p}") for p in PARTS) for m in ("gu", "dn")}
-        return native_moe.NativeMoELayer.wrap(E, I, H, self.fmt, parts["gu"], parts["dn"], threads)
+        return native_moe.NativeMoELayer.wrap(E, I, H, fmts[0], parts["gu"], parts["dn"], threads, down_fmt=fmts[1])
 
     def sweep(self) -> None:
         """Remove temporary files of writers that died (their pid is gone)."""

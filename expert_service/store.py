@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import FP8_BLOCK, SILU, ModelConfig
+from moe_core.gguf_model import layer_formats
 from moe_core.shards import Shard
 from moe_kernels.packing import Fp8, Mx4
 
@@ -59,12 +60,13 @@ def expert_tensor(ckpt: Checkpoint, name: str, fmt: str):
     return published if published is not None else ckpt.get(name)
 
 
-def expert_weights(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int, fmt: str) -> tuple:
+def expert_weights(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int, fmts: tuple[str, str]) -> tuple:
     """Expert e of a layer as the operators take it: (gate [I, H], up [I, H], down [H, I]), floats or kept as
-    published where `fmt` keeps them (fused_expert, expert_tensor)."""
+    published where the layer's formats (gate/up's, down's: gguf_model.layer_formats) keep them (fused_expert,
+    expert_tensor)."""
     if cfg.fused_experts or cfg.stacked_expert_names(layer)[0] in ckpt:
         return fused_expert(cfg, ckpt, layer, e)
-    return tuple(expert_tensor(ckpt, n, fmt) for n in cfg.expert_tensor_names(layer, e))
+    return tuple(expert_tensor(ckpt, n, f) for n, f in zip(cfg.expert_tensor_names(layer, e), (fmts[0], *fmts)))
 
 
 def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int, experts) -> tuple:
@@ -106,16 +108,17 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
                 if local % RELEASE_EVERY == 0:
                     ckpt.close()
                 bar.update(1)
-                return expert_weights(cfg, ckpt, layer, mine[local], fmt)
+                return expert_weights(cfg, ckpt, layer, mine[local], fmts)
 
             check_cancel()
-            op = cache.load(layer, E, I, H, threads) if cache is not None else None
+            fmts = layer_formats(cfg, ckpt, layer, fmt)
+            op = cache.load(layer, E, I, H, threads, fmts) if cache is not None else None
             cached = op is not None
             if cached:
                 hits += 1
                 bar.update(E)
             else:
-                op = kernels.MoELayerFromExperts(E, I, H, load, fmt=fmt, threads=threads)
+                op = kernels.MoELayerFromExperts(E, I, H, load, fmt=fmts[0], threads=threads, down_fmt=fmts[1])
                 if cache is not None:
                     check_cancel()  # before a write of the whole layer
                     cache.save(layer, op)
@@ -124,7 +127,7 @@ def load_expert_layers(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, threads: in
             layers[layer] = op
             log.info("loaded MoE layer %d (%d/%d), %d experts%s as %s%s, %.1fs", layer, i + 1, len(cfg.moe_layers), E,
                      f" (shard {shard})" if shard.count > 1 else "",
-                     fmt, " from the packed-weight cache" if cached else "",
+                     "/".join(dict.fromkeys(fmts)), " from the packed-weight cache" if cached else "",
                      time.perf_counter() - t0)
     ckpt.close()
     log.info("loaded %d MoE layers in %.1fs (%d from the packed-weight cache%s)", len(layers),

@@ -45,7 +45,8 @@ def parse_args(argv=None):
                          "connect they must cover every shard exactly once and serve the same model; or 'local': "
                          "the routed experts in this process, on the same native thread pool (one CPU-only host, "
                          "no second service; --weight-format and --cache-dir as the expert service's)")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "bf16", "fp16", "fp32", *WEIGHT_FORMATS[1:]],
+    ap.add_argument("--weight-format", default="auto",
+                    choices=["auto", "bf16", "fp16", "fp32", *WEIGHT_FORMATS[1:], gguf_model.PER_MATRIX],
                     help="--experts local: the routed experts' format (as expert-service --weight-format)")
     ap.add_argument("--cache-dir", default=None,
                     help="--experts local: the packed-weight cache (as expert-service --cache-dir; default the same)")

@@ -268,13 +268,13 @@ def check_args(args, local: bool) -> str | None:
     return None
 
 
-def experts_per_layer(args, cfg, fmt: str, device: torch.device) -> int:
+def experts_per_layer(args, cfg, ckpt, fmt: str, device: torch.device) -> int:
     """--gpu-experts, or how many a layer --gpu-experts-gb holds (at most every expert)."""
     from .hot_layers import expert_bytes
 
     if args.gpu_experts_gb is None:
         return min(args.gpu_experts, cfg.n_routed_experts)
-    per_layer = expert_bytes(cfg, fmt, device) * len(cfg.moe_layers)
+    per_layer = expert_bytes(cfg, ckpt, fmt, device) * len(cfg.moe_layers)
     return min(int(args.gpu_experts_gb * 2**30 // per_layer), cfg.n_routed_experts)
 
 
@@ -285,7 +285,7 @@ def from_args(args, remote: Experts, cfg, ckpt, fp: str, fmt: str, device: torch
     from .expert_usage import load_profile, save_profile
     from .hot_layers import hot_layer
 
-    n = experts_per_layer(args, cfg, fmt, device)
+    n = experts_per_layer(args, cfg, ckpt, fmt, device)
     if n == 0:
         return remote
     layers, E = list(cfg.moe_layers), cfg.n_routed_experts

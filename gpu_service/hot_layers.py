@@ -16,6 +16,7 @@ from expert_service.kernels.torch_moe import FORMATS as TORCH_FORMATS, TorchMoEL
 from expert_service.store import expert_biases, expert_weights
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import SILU, ModelConfig
+from moe_core.gguf_model import layer_formats
 from moe_kernels.packing import floats, format_values, layout, pack_expert, row_len, stack_rows, store_expert
 
 
@@ -26,14 +27,17 @@ def torch_dtype(fmt: str, device: torch.device) -> torch.dtype | None:
     return TORCH_FORMATS.get(fmt, torch.bfloat16)
 
 
-def expert_bytes(cfg: ModelConfig, fmt: str, device: torch.device) -> int:
-    """Bytes one routed expert takes in the hot operator (for --gpu-experts-gb)."""
+def expert_bytes(cfg: ModelConfig, ckpt: Checkpoint, fmt: str, device: torch.device) -> int:
+    """Bytes one routed expert takes in the hot operator (for --gpu-experts-gb), in its largest layer."""
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
     dt = torch_dtype(fmt, device)
     if dt is not None:
         return 3 * I * H * dt.itemsize
-    parts = [*layout(fmt, 1, 2 * I, row_len(H, fmt)), *layout(fmt, 1, H, row_len(I, fmt))]
-    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in filter(None, parts))
+
+    def one(gu: str, dn: str) -> int:
+        parts = [*layout(gu, 1, 2 * I, row_len(H, gu)), *layout(dn, 1, H, row_len(I, dn))]
+        return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in filter(None, parts))
+    return max(one(*layer_formats(cfg, ckpt, L, fmt)) for L in cfg.moe_layers)
 
 
 def hot_layer(cfg: ModelConfig, ckpt: Checkpoint, layer: int, experts: list[int], fmt: str, device: torch.device,
@@ -43,30 +47,32 @@ def hot_layer(cfg: ModelConfig, ckpt: Checkpoint, layer: int, experts: list[int]
     I, H, n = cfg.moe_intermediate_size, cfg.hidden_size, len(experts)
     kept = {e: j for j, e in enumerate(old[0])} if old is not None else {}
     dt = torch_dtype(fmt, device)
+    fmts = gu_fmt, dn_fmt = layer_formats(cfg, ckpt, layer, fmt)
     if dt is None:
-        op = NativeMoELayer.empty(n, I, H, fmt)
+        op = NativeMoELayer.empty(n, I, H, gu_fmt, down_fmt=dn_fmt)
         for i, e in enumerate(experts):
             if e in kept:
                 j = kept[e]
                 store_expert(op.gu, i, tuple(t[j] if t is not None else None for t in old[1].gu))
                 store_expert(op.dn, i, tuple(t[j] if t is not None else None for t in old[1].dn))
                 continue
-            g, u, d = expert_weights(cfg, ckpt, layer, e, fmt)
-            store_expert(op.gu, i, pack_expert(stack_rows([g, u], fmt), fmt, op.Kp_h))
-            store_expert(op.dn, i, pack_expert(d, fmt, op.Kp_i))
+            g, u, d = expert_weights(cfg, ckpt, layer, e, fmts)
+            store_expert(op.gu, i, pack_expert(stack_rows([g, u], gu_fmt), gu_fmt, op.Kp_h))
+            store_expert(op.dn, i, pack_expert(d, dn_fmt, op.Kp_i))
         op.ready(threads)
     else:
         gate_up = torch.empty(n, 2 * I, H, dtype=dt, device=device)
         down = torch.empty(n, H, I, dtype=dt, device=device)
-        values = floats if fmt in TORCH_FORMATS else lambda t: format_values(t, fmt)
+        values = lambda t, f: floats(t) if f in TORCH_FORMATS else format_values(t, f)  # noqa: E731
         for i, e in enumerate(experts):
             if e in kept:
                 gate_up[i].copy_(old[1].gate_up[kept[e]])
                 down[i].copy_(old[1].down[kept[e]])
                 continue
-            g, u, d = expert_weights(cfg, ckpt, layer, e, fmt)
-            gate_up[i].copy_(values(stack_rows([g, u], fmt)))  # quantized as one, as the kernels pack it (fp8 blocks)
-            down[i].copy_(values(d))
+            g, u, d = expert_weights(cfg, ckpt, layer, e, fmts)
+            # quantized as one, as the kernels pack it (fp8 blocks)
+            gate_up[i].copy_(values(stack_rows([g, u], gu_fmt), gu_fmt))
+            down[i].copy_(values(d, dn_fmt))
         op = TorchMoELayer.from_packed(gate_up, down, fmt if fmt in TORCH_FORMATS else "bf16")
     ckpt.close()  # the mapped pages read for this layer leave the process's RSS
     if cfg.expert_bias or cfg.expert_act != SILU:

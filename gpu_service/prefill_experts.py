@@ -18,6 +18,7 @@ import torch
 
 from expert_service.kernels.native_moe import NativeMoELayer
 from expert_service.kernels.torch_moe import TorchMoELayer
+from moe_core.gguf_model import layer_formats
 from moe_core.routing import split_deferred
 
 from . import metrics
@@ -53,7 +54,7 @@ class MappedLayer:
             if not bool(used[e0:e1].any()):
                 continue
             gu = unpack(tuple(None if p is None else p[e0:e1].to(dev) for p in op.gu), op.fmt, H)
-            dn = unpack(tuple(None if p is None else p[e0:e1].to(dev) for p in op.dn), op.fmt, I)
+            dn = unpack(tuple(None if p is None else p[e0:e1].to(dev) for p in op.dn), op.down_fmt, I)
             chunk = TorchMoELayer.from_packed(gu.to(torch.bfloat16), dn.to(torch.bfloat16), "bf16")
             if op.biases != (None, None):
                 chunk.set_extras(op.act, *(None if b is None else b[e0:e1].to(dev) for b in op.biases))
@@ -148,7 +149,8 @@ def from_args(args, inner: Experts, cfg, ckpt, fp: str, fmt: str, device: torch.
                          "(native formats only)")
     layers = {}
     for L in cfg.moe_layers:
-        op = cache.map_layer(L, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, args.threads)
+        op = cache.map_layer(L, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, args.threads,
+                             layer_formats(cfg, ckpt, L, fmt))
         if op is None:
             raise ValueError(f"--gpu-prefill-tokens: no packed-weight cache of MoE layer {L} for this model in "
                              f"{cache.dir}: run it on the expert service's host, with its --cache-dir "

@@ -533,6 +533,10 @@ class GGUFCheckpoint:
     def get_fp8(self, name: str):
         return None
 
+    def block_type(self, name: str) -> str:
+        """The ggml type a tensor is stored in (Q4_K, F16...)."""
+        return self._data(name)[0].tensor_type.name
+
     def get_published(self, name: str, fmt: str):
         """The weight as stored where expert format `fmt` keeps its block type (KEEPS: packing.Int4, UInt4, Q4K or Iq4,
         bit for bit what the gguf package dequantizes); None for other types and formats."""
@@ -572,30 +576,66 @@ def format_bits(fmt: str) -> float:
     return 8 * sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in parts) / (rows * Kp)
 
 
+# the expert "format" that holds each matrix of a GGUF in the format keeping its block type (layer_formats): a
+# mix (Q4_K_M's Q4_K gate/up beside Q6_K down in some layers) kept as stored, as llama.cpp reads it
+PER_MATRIX = "gguf"
+
+
 def expert_format(types: tuple[str, ...]) -> str | None:
     """The expert format a GGUF's routed experts default to (None: floats). A format that holds every quantized
-    type of the file exactly (KEEPS) where there is one; else the file's size class, not a 2-4x larger exact copy (a
-    4-bit DeepSeek file must fit the RAM its user has): with a type of 5 bits or fewer, the format keeping the
-    smallest such type (Q4_K_M's Q4_K: q4k, its Q6_K requantized into it), or int4g32 (Q3_K, Q2_K); the others
-    (Q5_K; Q6_K beside Q8_0 or Q5_K) -> int8g32 (a scale per 32: Q8_0 kept, the others requantized). Measured on the default model
-    against llama-perplexity on the same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
+    type of the file exactly (KEEPS) where there is one; else, where a format keeps some of them, PER_MATRIX (each
+    matrix in its own type's: a Q4_K_M or Q6_K/Q8_0 mix read as stored); else the size class (size_class)."""
     quantized = [t for t in types if t not in FLOAT_TYPES]
     if not quantized:
         return None
     common = set.intersection(*(set(KEEPS.get(t, ())) for t in quantized))
     if common:
         return next(f for f in KEEPS[quantized[0]] if f in common)
+    if any(t in KEEPS for t in quantized):
+        return PER_MATRIX
+    return size_class(quantized)
+
+
+def size_class(quantized: list[str]) -> str:
+    """For quantized types no one format keeps: the file's size class, not a 2-4x larger exact copy (a 4-bit DeepSeek
+    file must fit the RAM its user has): with a type of 5 bits or fewer, the format keeping the smallest such type
+    (Q3_K_M's Q4_K: q4k, its Q3_K and Q5_K requantized into it), or int4g32 (Q3_K, Q2_K); the others (Q5_K) ->
+    int8g32. Measured on the default model against llama-perplexity on the same files (docs/accuracy.md);
+    --weight-format bf16 keeps them exact."""
     small = sorted((type_bits(t), t) for t in quantized if type_bits(t) <= 5)
     if not small:
         return "int8g32"
     return next((KEEPS[t][0] for _, t in small if t in KEEPS and KEEPS[t][0] != "mxfp4"), "int4g32")
 
 
+def layer_formats(cfg, ckpt, layer: int, fmt: str) -> tuple[str, str]:
+    """(gate/up's, down's) expert format of a MoE layer: fmt for both, except PER_MATRIX on a GGUF: each matrix in the
+    format keeping its block type (gate and up share one), the types none keeps in the file's size class."""
+    if fmt != PER_MATRIX:
+        return fmt, fmt
+    quantized = [t for t in cfg.gguf_expert_types if t not in FLOAT_TYPES]
+    if not isinstance(ckpt, GGUFCheckpoint) or not quantized:
+        raise ModelConfigError(f"--weight-format {PER_MATRIX} keeps a GGUF file's quantized experts as stored; this "
+                               "model is not one")
+    fallback = size_class(quantized)
+    if cfg.fused_experts:  # gpt-oss: its gate and up fused in one tensor, one format for the layer
+        one = expert_format(tuple(quantized))
+        return (fallback, fallback) if one == PER_MATRIX else (one, one)
+    gate, up, down = (ckpt.block_type(n) for n in cfg.expert_tensor_names(layer, 0))
+    both = [f for f in KEEPS.get(gate, ()) if f in KEEPS.get(up, ())]
+    return (both[0] if both else fallback), KEEPS.get(down, (fallback,))[0]
+
+
 def dequantized_experts(cfg, fmt: str) -> str | None:
     """For a GGUF whose routed experts the chosen format does not keep as stored: what that costs, for the log
     (None otherwise). The types KEEPS maps to `fmt` run as stored; the others are dequantized exactly, then held in
     `fmt`."""
-    types = [t for t in cfg.gguf_expert_types if t not in FLOAT_TYPES and fmt not in KEEPS.get(t, ())]
+    if fmt == PER_MATRIX:  # each type its own format; the ones none keeps: the size class (size_class)
+        quantized = [t for t in cfg.gguf_expert_types if t not in FLOAT_TYPES]
+        fmt = size_class(quantized)
+        types = [t for t in quantized if t not in KEEPS]
+    else:
+        types = [t for t in cfg.gguf_expert_types if t not in FLOAT_TYPES and fmt not in KEEPS.get(t, ())]
     if not types:
         return None
     stored, held = max(type_bits(t) for t in types), format_bits(fmt)

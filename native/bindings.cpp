@@ -436,27 +436,31 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("end_unix_ns", &Exchanged::end_unix_ns);
   py::class_<BoundMoELayer>(m, "MoELayer",
                             "one layer's packed routed experts bound to the kernel path that runs them (native/moe.h)")
-      .def(py::init([](const std::string& isa, const std::string& fmt, int E, int I, int H, int Kp_h, int Kp_i,
-                       const MatrixParts& gate_up, const MatrixParts& down, uintptr_t gate_up_bias, uintptr_t down_bias,
-                       const std::string& act, float alpha, float limit, py::object owner) {
+      .def(py::init([](const std::string& isa, const std::string& fmt, const std::string& down_fmt, int E, int I,
+                       int H, int Kp_h, int Kp_i, const MatrixParts& gate_up, const MatrixParts& down,
+                       uintptr_t gate_up_bias, uintptr_t down_bias, const std::string& act, float alpha, float limit,
+                       py::object owner) {
              MOE_CHECK(E > 0 && I > 0 && H > 0, "bad expert shape");
-             MoEWeights w{parse_fmt(fmt), E, H, I, matrix_of(gate_up, 2 * I, H, Kp_h), matrix_of(down, H, I, Kp_i),
+             MoEWeights w{E, H, I, matrix_of(gate_up, 2 * I, H, Kp_h), matrix_of(down, H, I, Kp_i),
                           reinterpret_cast<const float*>(gate_up_bias), reinterpret_cast<const float*>(down_bias),
                           parse_act(act), alpha, limit};
-             return BoundMoELayer{MoELayer{&kernels_for(kernel_isa(isa), w.fmt), w}, std::move(owner)};
+             const Isa k = kernel_isa(isa);
+             return BoundMoELayer{MoELayer{&kernels_for(k, parse_fmt(fmt)), &kernels_for(k, parse_fmt(down_fmt)), w},
+                                  std::move(owner)};
            }),
-           py::arg("isa"), py::arg("fmt"), py::arg("E"), py::arg("I"), py::arg("H"), py::arg("Kp_h"), py::arg("Kp_i"),
-           py::arg("gate_up"), py::arg("down"), py::arg("gate_up_bias") = 0, py::arg("down_bias") = 0,
-           py::arg("act") = "silu", py::arg("alpha") = 0.f, py::arg("limit") = 0.f, py::arg("owner") = py::none(),
+           py::arg("isa"), py::arg("fmt"), py::arg("down_fmt"), py::arg("E"), py::arg("I"), py::arg("H"),
+           py::arg("Kp_h"), py::arg("Kp_i"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_bias") = 0,
+           py::arg("down_bias") = 0, py::arg("act") = "silu", py::arg("alpha") = 0.f, py::arg("limit") = 0.f,
+           py::arg("owner") = py::none(),
            "gate_up / down: (data, scale, rowsum, rowcorr) addresses of [E, 2I, Kp_h] / [E, H, Kp_i] packed "
-           "matrices; biases fp32 [E, 2I] / [E, H] or 0; owner: kept alive with the layer")
-      .def_property_readonly("isa", [](const BoundMoELayer& l) { return std::string(isa_name(l.layer.k->isa)); })
+           "matrices, in formats fmt / down_fmt; biases fp32 [E, 2I] / [E, H] or 0; owner: kept alive with the layer")
+      .def_property_readonly("isa", [](const BoundMoELayer& l) { return std::string(isa_name(l.layer.gate_up_k->isa)); })
       .def(
           "forward",
           [](const BoundMoELayer& l, uintptr_t hidden, uintptr_t ids, uintptr_t weights, uintptr_t out, int T, int k) {
             py::gil_scoped_release nogil;
             std::lock_guard<std::mutex> g(compute_mutex());
-            moe_forward(*l.layer.k, l.layer.w, reinterpret_cast<const float*>(hidden),
+            moe_forward(l.layer, reinterpret_cast<const float*>(hidden),
                         reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
                         reinterpret_cast<float*>(out), T, k);
             release_scratch();
@@ -469,7 +473,7 @@ PYBIND11_MODULE(_native, m) {
              uintptr_t out, bool out_bf16, int T, int k, int defer, int part) {
             py::gil_scoped_release nogil;
             std::lock_guard<std::mutex> g(compute_mutex());
-            moe_forward_part(*l.layer.k, l.layer.w, reinterpret_cast<const void*>(hidden), hidden_bf16,
+            moe_forward_part(l.layer, reinterpret_cast<const void*>(hidden), hidden_bf16,
                              reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights),
                              reinterpret_cast<void*>(out), out_bf16, T, k, defer, part);
             release_scratch();
@@ -505,7 +509,7 @@ PYBIND11_MODULE(_native, m) {
               py::gil_scoped_release nogil;
               std::lock_guard<std::mutex> g(compute_mutex());
               t0 = unix_ns();
-              moe_forward_part(*l.layer.k, m, x, h.bf16, ids, w, out.data(), h.bf16, int(h.T), int(h.k),
+              moe_forward_part(l.layer, x, h.bf16, ids, w, out.data(), h.bf16, int(h.T), int(h.k),
                                int(h.defer), part);
               t1 = unix_ns();
               release_scratch();

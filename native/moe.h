@@ -86,7 +86,6 @@ struct Matrix {
 enum class Act { Silu = 0, ClampedSwiglu = 1 };
 
 struct MoEWeights {
-  Fmt fmt;
   int E, H, I;
   Matrix gate_up;  // rows 2I (gate then up), K = H
   Matrix down;     // rows H, K = I
@@ -103,15 +102,18 @@ constexpr int MAX_K = 256;
 struct Kernels;  // kernels.h: one (ISA, format) pair's functions
 
 // A layer's routed experts bound to the kernels that run them: built once, when the layer loads (the ISA
-// checked against the CPU then), used by every call and by the shared-memory ring.
+// checked against the CPU then), used by every call and by the shared-memory ring. gate/up and down may be held
+// in different formats (a GGUF Q4_K_M file's Q4_K gate/up beside its Q6_K down, each kept as stored): each
+// matrix has its own kernels, and each phase quantizes its activations for its own.
 struct MoELayer {
-  const Kernels* k;
+  const Kernels* gate_up_k;
+  const Kernels* down_k;
   MoEWeights w;
 };
 
 // hidden [T, H] fp32, ids [T, k] int32, weights [T, k] fp32 -> out [T, H] fp32.
-void moe_forward(const Kernels& kn, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
-                 float* out, int T, int k);
+void moe_forward(const MoELayer& l, const float* hidden, const int32_t* ids, const float* weights, float* out, int T,
+                 int k);
 
 // Dense layer: y [T, m.rows] fp32 = x [T, m.K] fp32 times matrix 0 of m, transposed (native/linear.cpp).
 void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, float* y);
@@ -171,7 +173,7 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
 // One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
 // part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and
 // finiteness (throws std::invalid_argument naming the field).
-void moe_forward_part(const Kernels& kn, const MoEWeights& m, const void* hidden, bool hidden_bf16, const int32_t* ids,
+void moe_forward_part(const MoELayer& l, const void* hidden, bool hidden_bf16, const int32_t* ids,
                       const float* weights, void* out, bool out_bf16, int T, int k, int defer, int part);
 
 // Activations as the kernels take them: bf16 rows, (int formats) uint8 rows q + 128 with one

@@ -19,8 +19,10 @@
 
 namespace moe {
 
-void moe_forward(const Kernels& kn, const MoEWeights& m, const float* hidden, const int32_t* ids, const float* weights,
-                 float* out, int T, int k) {
+void moe_forward(const MoELayer& l, const float* hidden, const int32_t* ids, const float* weights, float* out, int T,
+                 int k) {
+  const MoEWeights& m = l.w;
+  const Kernels &kg = *l.gate_up_k, &kd = *l.down_k;
   MOE_CHECK(T >= 0 && k >= 1, "bad token count or k");
   const int E = m.E, H = m.H, I = m.I, S = T * k;
   MOE_CHECK(m.gate_up.rows == 2 * I && m.gate_up.K == H && m.down.rows == H && m.down.K == I, "bad weight shapes");
@@ -50,12 +52,12 @@ void moe_forward(const Kernels& kn, const MoEWeights& m, const float* hidden, co
   ActBuf& ab = sc.act;
   std::vector<float>& gu = sc.gu;
   std::vector<float>& y = sc.y;
-  xb.resize(m.fmt, T, m.gate_up.Kp);
-  ab.resize(m.fmt, n_slots, m.down.Kp);
+  xb.resize(kg.fmt, T, m.gate_up.Kp);
+  ab.resize(kd.fmt, n_slots, m.down.Kp);
   if (gu.size() < size_t(n_slots) * 2 * I) gu.resize(size_t(n_slots) * 2 * I);
   if (y.size() < size_t(n_slots) * H) y.resize(size_t(n_slots) * H);
 
-  tp.parallel_for(T, [&](int t) { kn.quantize_row(m.fmt, hidden + size_t(t) * H, H, xb, t); });
+  tp.parallel_for(T, [&](int t) { kg.quantize_row(kg.fmt, hidden + size_t(t) * H, H, xb, t); });
   const Acts xs = xb.view(tok_of.data(), n_slots);
 
   // tasks grouped by the NUMA node holding their expert (numa.h), each node's threads start on theirs
@@ -71,36 +73,36 @@ void moe_forward(const Kernels& kn, const MoEWeights& m, const float* hidden, co
     }
     return tasks;
   };
-  // AMX: each expert's activations in tile layout, packed once per phase (not once per task)
-  const bool amx = kn.amx_tiles;
+  // AMX: each expert's activations in tile layout, packed once per phase (not once per task); none (amx_off all
+  // 0) where the phase's kernels do not tile
   std::vector<size_t> amx_off(E + 1, 0);
   uint8_t* amx_base = nullptr;
   auto amx_ptr = [&](int e) { return amx_base + amx_off[e]; };
-  auto pack_amx = [&](const Acts& a, int Kp) {
-    if (!amx) return;
+  auto pack_amx = [&](const Kernels& kn, const Acts& a, int Kp) {
     for (int e = 0; e < E; ++e) {
       const int n = start[e + 1] - start[e];
-      amx_off[e + 1] = amx_off[e] + (n >= AMX_MIN_SLOTS ? amx_b_bytes(m.fmt, n, Kp) : 0);
+      amx_off[e + 1] = amx_off[e] + (kn.amx_tiles && n >= AMX_MIN_SLOTS ? amx_b_bytes(kn.fmt, n, Kp) : 0);
     }
+    if (!amx_off[E]) return;
     amx_base = sc.amx_space(amx_off[E]);
     tp.parallel_for(E, [&](int e) {
       if (amx_off[e + 1] > amx_off[e])
-        pack_amx_b(m.fmt, Acts{a.rows + start[e], a.scale + start[e]}, start[e + 1] - start[e], Kp, amx_ptr(e));
+        pack_amx_b(kn.fmt, Acts{a.rows + start[e], a.scale + start[e]}, start[e + 1] - start[e], Kp, amx_ptr(e));
     });
   };
   auto sub = [&](const Acts& a, int e) {
     const int s0 = start[e];
-    return Acts{a.rows + s0, a.scale + s0, amx && amx_off[e + 1] > amx_off[e] ? amx_ptr(e) : nullptr};
+    return Acts{a.rows + s0, a.scale + s0, amx_off[e + 1] > amx_off[e] ? amx_ptr(e) : nullptr};
   };
   // rows per task: about tuning().task_bytes of weights
-  const int b1 = task_rows(weight_row_bytes(m.fmt, m.gate_up.Kp));
-  const int b2 = task_rows(weight_row_bytes(m.fmt, m.down.Kp));
+  const int b1 = task_rows(weight_row_bytes(kg.fmt, m.gate_up.Kp));
+  const int b2 = task_rows(weight_row_bytes(kd.fmt, m.down.Kp));
   auto t1 = make_tasks(2 * I, b1);
-  pack_amx(xs, m.gate_up.Kp);
+  pack_amx(kg, xs, m.gate_up.Kp);
   tp.parallel_for_grouped(group_start.data(), nodes, [&](int i) {
     auto [e, r0] = t1[i];
     int s0 = start[e];
-    gemm_rows(kn, m.gate_up, e, r0, std::min(2 * I, r0 + b1), sub(xs, e), start[e + 1] - s0,
+    gemm_rows(kg, m.gate_up, e, r0, std::min(2 * I, r0 + b1), sub(xs, e), start[e + 1] - s0,
               gu.data() + size_t(s0) * 2 * I, 2 * I);
   });
   // the expert of each slot (slots are grouped by expert): only biased experts (gpt-oss) need it
@@ -115,16 +117,16 @@ void moe_forward(const Kernels& kn, const MoEWeights& m, const float* hidden, co
     }
     thread_local std::vector<float> a;
     a.resize(I);
-    (m.act == Act::ClampedSwiglu ? kn.clamped_swiglu : kn.silu)(g, g + I, a.data(), I, m.alpha, m.limit);
-    kn.quantize_row(m.fmt, a.data(), I, ab, s);
+    (m.act == Act::ClampedSwiglu ? kd.clamped_swiglu : kd.silu)(g, g + I, a.data(), I, m.alpha, m.limit);
+    kd.quantize_row(kd.fmt, a.data(), I, ab, s);
   });
   const Acts as = ab.view(nullptr, n_slots);
   auto t2 = make_tasks(H, b2);
-  pack_amx(as, m.down.Kp);
+  pack_amx(kd, as, m.down.Kp);
   tp.parallel_for_grouped(group_start.data(), nodes, [&](int i) {
     auto [e, r0] = t2[i];
     int s0 = start[e];
-    gemm_rows(kn, m.down, e, r0, std::min(H, r0 + b2), sub(as, e), start[e + 1] - s0,
+    gemm_rows(kd, m.down, e, r0, std::min(H, r0 + b2), sub(as, e), start[e + 1] - s0,
               y.data() + size_t(s0) * H, H);
   });
   tp.parallel_for(T, [&](int t) {

@@ -13,8 +13,9 @@
 
 namespace moe {
 
-void moe_forward_part(const Kernels& kn, const MoEWeights& m, const void* hidden, bool hidden_bf16, const int32_t* ids,
+void moe_forward_part(const MoELayer& l, const void* hidden, bool hidden_bf16, const int32_t* ids,
                       const float* weights, void* out, bool out_bf16, int T, int k, int defer, int part) {
+  const MoEWeights& m = l.w;
   MOE_CHECK(T >= 0 && k >= 1 && defer >= 0 && defer < k && (part == 0 || part == 1), "bad T, k, defer or part");
   MOE_CHECK(part == 0 || defer > 0, "no deferred part when defer = 0");
   const int H = m.H;
@@ -76,7 +77,7 @@ void moe_forward_part(const Kernels& kn, const MoEWeights& m, const void* hidden
   std::vector<float>& y32 = sc.y32;
   float* y = out_bf16 ? (y32.resize(n), y32.data()) : static_cast<float*>(out);
   if (T)
-    moe_forward(kn, m, x, pid, pw, y, T, kp);
+    moe_forward(l, x, pid, pw, y, T, kp);
   if (out_bf16) {
     auto* o = static_cast<uint16_t*>(out);
     for (size_t i = 0; i < n; ++i) o[i] = f32_to_bf16(y[i]);

@@ -74,8 +74,8 @@ bool RingServer::run_native(uint64_t seq, int64_t t_recv, std::vector<PartLog>* 
   if (!span_ok(d.span[0], xb, size_) || !span_ok(d.span[1], ib, size_) || !span_ok(d.span[2], ib, size_) ||
       !span_ok(d.span[3], xb, size_) || (d.defer && !span_ok(d.span[4], xb, size_)))
     return false;
-  const Kernels& kn = *it->second.k;
-  const MoEWeights& m = it->second.w;
+  const MoELayer& l = it->second;
+  const MoEWeights& m = l.w;
   if (m.E <= 0 || m.H != hidden_) return false;
   int64_t queued = 0;
   for (uint32_t part = 0; part < (d.defer ? 2u : 1u); ++part) {
@@ -86,7 +86,7 @@ bool RingServer::run_native(uint64_t seq, int64_t t_recv, std::vector<PartLog>* 
       std::lock_guard<std::mutex> g(compute_mutex());
       t0 = wall_ns();
       try {
-        moe_forward_part(kn, m, base_ + d.span[0].off, bf16, reinterpret_cast<const int32_t*>(base_ + d.span[1].off),
+        moe_forward_part(l, base_ + d.span[0].off, bf16, reinterpret_cast<const int32_t*>(base_ + d.span[1].off),
                          reinterpret_cast<const float*>(base_ + d.span[2].off), base_ + d.span[3 + part].off, bf16,
                          int(d.T), int(d.k), int(d.defer), int(part));
       } catch (const std::invalid_argument& e) {

@@ -205,7 +205,7 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
             continue  # a dense layer
         for one in names:
             stacked = torch.stack([t[p + one.format(e=e) + ".weight"] for e in range(E)])
-            add(p + one.replace(".{e}", "") + ".weight", stacked, expert_type)
+            add(p + one.replace(".{e}", "") + ".weight", stacked, expert_type(L, one) if callable(expert_type) else expert_type)
     for L in range(cfg["num_hidden_layers"], cfg["num_hidden_layers"] + mtp_layers(cfg)):
         # GLM's multi-token-prediction layer (transformers leaves it out of the model; llama.cpp keeps it)
         w.add_tensor(f"blk.{L}.nextn.eh_proj.weight", np.ones((cfg["hidden_size"], 2 * cfg["hidden_size"]), np.float32))
@@ -273,17 +273,25 @@ def wide_source(tmp_path_factory):
     return tiny_models.build("qwen3_moe", tmp_path_factory.mktemp("wide") / "q", hidden_size=256, moe_intermediate_size=MOE_I)
 
 
-# the block type -> the expert format that starts by default; `kept`: whether it keeps the file's numbers
+def q4_k_m(L: int, name: str):
+    """A Q4_K_M-like mix, as llama-quantize writes one: Q4_K, except down in Q6_K in some layers (here layer 0)."""
+    Q = gguf.GGMLQuantizationType
+    return Q.Q6_K if L == 0 and "down" in name else Q.Q4_K
+
+
+MIXES = {"Q4_K_M": q4_k_m}
+# the block type -> the expert format that starts by default (a mix: its layer 0's); `kept`: whether it keeps the
+# file's numbers
 DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("q4k", True), "Q6_K": ("q6k", True),
-            "IQ4_XS": ("iq4xs", True)}
+            "IQ4_XS": ("iq4xs", True), "Q4_K_M": ("q4k/q6k", True)}
 
 
 @pytest.mark.parametrize("qtype", list(DEFAULTS))
 def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, wide_source, tmp_path, services_factory,
                                                                   monkeypatch):
     monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
-    src = wide_source if qtype in ("Q4_K", "Q6_K", "IQ4_XS") else source
-    f = write_gguf(src, tmp_path / f"tiny-{qtype}.gguf", getattr(gguf.GGMLQuantizationType, qtype))
+    src = wide_source if qtype in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_K_M") else source
+    f = write_gguf(src, tmp_path / f"tiny-{qtype}.gguf", MIXES.get(qtype) or getattr(gguf.GGMLQuantizationType, qtype))
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f.name,
                                                             dtype=torch.float32).eval()
     torch.manual_seed(1)
@@ -307,6 +315,41 @@ def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, 
     # position's logits move by 30-60% (seen for Q4_K and IQ4_XS)
     err = (got - exact).norm(dim=-1) / exact.norm(dim=-1)
     assert float(err.median()) < (0.08 if kept else 0.15), err
+
+
+def test_a_mix_runs_each_matrix_in_its_own_block_format_bit_for_bit(wide_source, tmp_path):
+    """Q4_K_M: the default (gguf) holds layer 0's Q4_K gate/up as q4k beside its Q6_K down as q6k, layer 1 all q4k; the
+    packed experts, unpacked, are the gguf package's dequantized weights bit for bit; the packed-weight cache keeps
+    each layer's formats."""
+    from expert_service.packed_cache import PackedCache
+    from expert_service.store import load_expert_layers
+    from moe_core import gguf_model
+    from moe_core.config import load_config
+    from moe_kernels.packing import unpack
+    d = gguf_model.prepare(write_gguf(wide_source, tmp_path / "mix.gguf", q4_k_m), tmp_path / "prep")
+    cfg, ck = load_config(d), gguf_model.open_checkpoint(d)
+    assert gguf_model.expert_format(cfg.gguf_expert_types) == gguf_model.PER_MATRIX == "gguf"
+    assert [gguf_model.layer_formats(cfg, ck, L, "gguf") for L in (0, 1)] == [("q4k", "q6k"), ("q4k", "q4k")]
+    assert gguf_model.layer_formats(cfg, ck, 0, "int8g32") == ("int8g32", "int8g32")
+    assert gguf_model.dequantized_experts(cfg, "gguf") is None  # nothing requantized
+    cache = PackedCache(tmp_path / "cache", "fp", "stamp", "gguf")
+    for attempt in range(2):  # packed from the file, then read back from the cache
+        layers = load_expert_layers(cfg, ck, "gguf", 1, cache=cache)
+        for L, op in layers.items():
+            assert (op.fmt, op.down_fmt) == gguf_model.layer_formats(cfg, ck, L, "gguf")
+            for e in (0, cfg.n_routed_experts - 1):
+                g, u, dn = (ck.get(n) for n in cfg.expert_tensor_names(L, e))
+                gu = unpack(tuple(None if p is None else p[e:e + 1] for p in op.gu), op.fmt, cfg.hidden_size)[0]
+                assert torch.equal(gu, torch.cat([g, u])) and torch.equal(
+                    unpack(tuple(None if p is None else p[e:e + 1] for p in op.dn), op.down_fmt, MOE_I)[0], dn)
+    assert len(list(cache.dir.glob("layer-*.safetensors"))) == len(layers)
+
+
+def test_the_gguf_format_needs_a_gguf_with_quantized_experts(source):
+    from expert_service.cli import weight_format
+    from moe_core.config import ModelConfigError, load_config
+    with pytest.raises(ModelConfigError, match="--weight-format gguf keeps .* no quantized GGUF experts"):
+        weight_format("gguf", load_config(source))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
@@ -498,12 +541,16 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     assert "requantized to int8" in dequantized_experts(cfg("Q8_0"), "int8")
     msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "q4k")  # Q4_K_M: its Q4_K kept, its Q6_K requantized
     assert "(Q6_K," in msg and "requantized to q4k" in msg
-    # a format that keeps them all; else the smallest type's keeper, int4g32 for 2-3 bits, int8 above 5 bits
-    assert expert_format(("Q4_K", "Q6_K")) == "q4k" and expert_format(("Q6_K",)) == "q6k"
+    # a format that keeps them all; else each matrix in its own type's where a format keeps some (gguf); else the
+    # smallest type's keeper, int4g32 for 2-3 bits, int8 above 5 bits
+    assert expert_format(("Q4_K", "Q6_K")) == "gguf" and expert_format(("Q6_K",)) == "q6k"
     assert expert_format(("Q4_0", "Q4_1")) == "uint4g32" and expert_format(("IQ4_NL", "IQ4_XS")) == "iq4nl"
-    assert expert_format(("IQ4_XS", "Q5_K")) == "iq4xs" and expert_format(("Q2_K", "Q4_K")) == "q4k"
+    assert expert_format(("IQ4_XS", "Q5_K")) == "gguf" and expert_format(("Q2_K", "Q4_K")) == "gguf"
     assert expert_format(("Q8_0",)) == "int8g32" and expert_format(("Q2_K",)) == "int4g32"
-    assert expert_format(("Q8_0", "Q6_K")) == "int8g32"
+    assert expert_format(("Q8_0", "Q6_K")) == "gguf" and expert_format(("Q5_K", "Q3_K")) == "int4g32"
     msg = dequantized_experts(cfg("Q8_0", "Q6_K"), "int8g32")  # the Q8_0 kept, the Q6_K requantized
     assert "(Q6_K," in msg and "Q8_0" not in msg
+    assert dequantized_experts(cfg("Q8_0", "Q6_K"), "gguf") is None  # each kept in its own
+    msg = dequantized_experts(cfg("IQ4_XS", "Q5_K"), "gguf")  # the Q5_K in the file's size class
+    assert "(Q5_K," in msg and "requantized to iq4xs" in msg
     assert expert_format(("Q4_0",)) == "int4g32" and expert_format(("BF16",)) is None

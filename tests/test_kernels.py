@@ -55,13 +55,14 @@ class Fp8Rows:
         return mv
 
 
-def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
+def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None), down_fmt=None):
     """fp32, one token and one expert at a time. With fmt, the activations go through the same
     rounding as the kernels' (bf16, or symmetric int8 per vector; fp8: Fp8Rows) so only summation order
-    differs. act / bias: gpt-oss's clamped SwiGLU (ExpertAct) and expert biases ([E, 2I] gate then up, [E, H])."""
+    differs; down_fmt: down's, where it differs. act / bias: gpt-oss's clamped SwiGLU (ExpertAct) and expert
+    biases ([E, 2I] gate then up, [E, H])."""
     mv = lambda m, v: m(v) if callable(m) else m.float() @ v  # noqa: E731
 
-    def act_q(v):
+    def act_q(v, fmt=fmt):
         if fmt is None or fmt == "fp8":
             return v
         if fmt == "bf16":
@@ -79,10 +80,10 @@ def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None)):
                 g, u = g + bias[0][e, :g.shape[0]], u + bias[0][e, g.shape[0]:]
             g, u = bf(g), bf(u)
             if act is None:
-                a = act_q(bf(bf(F.silu(g)) * u))
+                a = act_q(bf(bf(F.silu(g)) * u), down_fmt or fmt)
             else:  # each step rounded as the kernels (and a bf16 model) do
                 g, u = g.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
-                a = act_q(bf(bf(u + 1) * bf(g * bf(torch.sigmoid(bf(g * act.alpha))))))
+                a = act_q(bf(bf(u + 1) * bf(g * bf(torch.sigmoid(bf(g * act.alpha))))), down_fmt or fmt)
             y = mv(down[e], a)
             out[t] += w[t, j].float() * (y if bias[1] is None else y + bias[1][e])
     return out
@@ -95,10 +96,9 @@ def dequantized(op):
     if op.fmt == "fp8":
         I, H = op.intermediate, op.hidden
         return Fp8Rows(op.gu, 0, I, H), Fp8Rows(op.gu, I, 2 * I, H), Fp8Rows(op.dn, 0, H, I)
-    one = lambda packed, K: unpack(packed, op.fmt, K)  # noqa: E731
-    gu = one(op.gu, op.hidden)
+    gu = unpack(op.gu, op.fmt, op.hidden)
     I = op.intermediate
-    return gu[:, :I], gu[:, I:], one(op.dn, I)
+    return gu[:, :I], gu[:, I:], unpack(op.dn, op.down_fmt, I)
 
 
 def make(E, I, H, seed=0):
@@ -152,6 +152,31 @@ def test_native_matches_reference(fmt, isa, T, k, E, I, H):
     got = op.forward(x, ids, w)
     close(got, reference(x, *dequantized(op), ids, w, fmt=fmt), TOL[fmt])
     close(got, reference(x, gate, up, down, ids, w), TOL_ORIGINAL[fmt])
+
+
+# gate/up and down in different formats (a GGUF Q4_K_M layer's Q4_K gate/up beside its Q6_K down): each phase on its
+# own kernels and activations; tiles on AMX in one phase and not the other, either way round
+@pytest.mark.parametrize("fmt, down_fmt", [("q4k", "q6k"), ("q6k", "q4k"), ("iq4xs", "int8g32"), ("int4g32", "bf16"),
+                                           ("bf16", "int4")])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T", [1, 7, 64])
+def test_mixed_formats_match_reference(fmt, down_fmt, isa, T):
+    E, I, H, k = 8, 256, 512, 4  # rows of 256: the super-blocked formats' K
+    gate, up, down = make(E, I, H)
+    ids, w = routing(T, k, E)
+    x = torch.randn(T, H)
+    op = layer(gate, up, down, fmt=fmt, threads=2, isa=isa, down_fmt=down_fmt)
+    assert (op.fmt, op.down_fmt) == (fmt, down_fmt)
+    got = op.forward(x, ids, w)
+    close(got, reference(x, *dequantized(op), ids, w, fmt=fmt, down_fmt=down_fmt), max(TOL[fmt], TOL[down_fmt]))
+    # each phase's numbers are its own format's: down unpacked as fmt would not be the same weights
+    same = layer(gate, up, down, fmt=fmt, threads=2, isa=isa)
+    assert not torch.equal(unpack_down(same), unpack_down(op))
+
+
+def unpack_down(op):
+    from moe_kernels.packing import unpack
+    return unpack(op.dn, op.down_fmt, op.intermediate)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from moe_core.gguf_model import PER_MATRIX
+
 from .torch_moe import FORMATS as TORCH_DTYPES, TorchMoELayer
 
 log = logging.getLogger("expert_service.kernels")
@@ -32,7 +34,9 @@ NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "u
 
 
 def native(fmt: str) -> bool:
-    """Whether weights of this format run on the native kernels."""
+    """Whether weights of this format run on the native kernels (PER_MATRIX: each matrix in a native format)."""
+    if fmt == PER_MATRIX:
+        return NativeMoELayer is not None
     if NativeMoELayer is None or fmt not in NATIVE_FORMATS:
         return False
     return not (fmt == "bf16" and NATIVE_ISA == "portable" and not os.environ.get("MOE_KERNEL_PATH"))
@@ -47,9 +51,14 @@ def MoELayer(gate, up, down, fmt: str = "bf16", threads: int | None = None):
                                fmt, threads)
 
 
-def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None):
+def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None,
+                        down_fmt: str | None = None):
     """The same operator, built expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]), floats or
     published MXFP4, FP8 or int4 (packing.Mx4, packing.Fp8, packing.Int4). gpt-oss's activation and biases: the operator's set_extras."""
+    if down_fmt not in (None, fmt):  # gate/up and down in two formats: the native kernels only
+        if not (native(fmt) and native(down_fmt)):
+            raise ValueError(f"experts in {fmt} (gate/up) and {down_fmt} (down) need the native kernels for both")
+        return NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads, down_fmt=down_fmt)
     if native(fmt):
         return NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads)
     if fmt in NATIVE_FORMATS and fmt != "bf16":

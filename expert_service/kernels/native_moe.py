@@ -21,58 +21,62 @@ ACTS = ("silu", "clamped_swiglu")  # native/moe.h's Act
 
 class NativeMoELayer:
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str = "bf16",
-                 threads: int | None = None, isa: str | None = None):
+                 threads: int | None = None, isa: str | None = None, down_fmt: str | None = None):
         E, I, H = gate.shape
         if up.shape != (E, I, H) or down.shape != (E, H, I):
             raise ValueError(f"expert shapes disagree: gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}")
-        self._build(E, I, H, lambda e: (gate[e], up[e], down[e]), fmt, threads, isa)
+        self._build(E, I, H, lambda e: (gate[e], up[e], down[e]), (fmt, down_fmt or fmt), threads, isa)
 
     @classmethod
     def from_experts(cls, E: int, I: int, H: int, load, fmt: str = "bf16", threads: int | None = None,
-                     isa: str | None = None) -> "NativeMoELayer":
+                     isa: str | None = None, down_fmt: str | None = None) -> "NativeMoELayer":
         """Pack expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]) in any float dtype or as
         published (packing.Mx4, packing.Fp8), so at most one expert's source tensors exist beside the packed
-        layer."""
+        layer. down_fmt: down's format where it is not fmt."""
         self = cls.__new__(cls)
-        self._build(E, I, H, load, fmt, threads, isa)
+        self._build(E, I, H, load, (fmt, down_fmt or fmt), threads, isa)
         return self
 
     @classmethod
-    def empty(cls, E: int, I: int, H: int, fmt: str, isa: str | None = None) -> "NativeMoELayer":
+    def empty(cls, E: int, I: int, H: int, fmt: str, isa: str | None = None, down_fmt: str | None = None
+              ) -> "NativeMoELayer":
         """A layer whose packed buffers (self.gu, self.dn) are allocated, not filled: the packed-weight
         cache reads straight into them, then calls ready()."""
         self = cls.__new__(cls)
-        self._alloc(E, I, H, fmt, isa)
+        self._alloc(E, I, H, (fmt, down_fmt or fmt), isa)
         return self
 
     @classmethod
     def wrap(cls, E: int, I: int, H: int, fmt: str, gu: tuple, dn: tuple, threads: int | None = None,
-             isa: str | None = None) -> "NativeMoELayer":
+             isa: str | None = None, down_fmt: str | None = None) -> "NativeMoELayer":
         """A layer over packed tensors that exist already (the packed-weight cache's mapped file), laid
         out as packed_layout() says; they are read, never written."""
         self = cls.__new__(cls)
-        self._shape(E, I, H, fmt, isa)
+        self._shape(E, I, H, (fmt, down_fmt or fmt), isa)
         self.gu, self.dn = tuple(gu), tuple(dn)
         self.ready(threads)
         return self
 
     @staticmethod
-    def packed_layout(E: int, I: int, H: int, fmt: str) -> dict[str, tuple]:
+    def packed_layout(E: int, I: int, H: int, fmt: str, down_fmt: str | None = None) -> dict[str, tuple]:
         """{"gu": gate and up fused, "dn": down} -> packing.layout()'s (data, scale, rowsum, rowcorr)."""
-        return {"gu": layout(fmt, E, 2 * I, row_len(H, fmt)), "dn": layout(fmt, E, H, row_len(I, fmt))}
+        dfmt = down_fmt or fmt
+        return {"gu": layout(fmt, E, 2 * I, row_len(H, fmt)), "dn": layout(dfmt, E, H, row_len(I, dfmt))}
 
-    def _shape(self, E, I, H, fmt, isa) -> None:
-        if fmt not in FORMATS:
-            raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
-        self.num_experts, self.intermediate, self.hidden, self.fmt = E, I, H, fmt
+    def _shape(self, E, I, H, fmts: tuple[str, str], isa) -> None:
+        for f in fmts:
+            if f not in FORMATS:
+                raise ValueError(f"the native kernels support {FORMATS}, not {f!r}")
+        self.num_experts, self.intermediate, self.hidden = E, I, H
+        self.fmt, self.down_fmt = fmts  # gate/up's, down's
         self.path = isa or ISA
         self.act, self.biases = SILU, (None, None)
-        self.Kp_h, self.Kp_i = row_len(H, fmt), row_len(I, fmt)
+        self.Kp_h, self.Kp_i = row_len(H, self.fmt), row_len(I, self.down_fmt)
 
-    def _alloc(self, E, I, H, fmt, isa) -> None:
-        self._shape(E, I, H, fmt, isa)
-        self.gu = alloc(fmt, E, 2 * I, self.Kp_h)   # [E, 2I, Kp_h]: gate rows, then up rows
-        self.dn = alloc(fmt, E, H, self.Kp_i)       # [E, H, Kp_i]
+    def _alloc(self, E, I, H, fmts, isa) -> None:
+        self._shape(E, I, H, fmts, isa)
+        self.gu = alloc(self.fmt, E, 2 * I, self.Kp_h)       # [E, 2I, Kp_h]: gate rows, then up rows
+        self.dn = alloc(self.down_fmt, E, H, self.Kp_i)      # [E, H, Kp_i]
 
     def ready(self, threads: int | None = None) -> None:
         self._bind()
@@ -82,19 +86,20 @@ class NativeMoELayer:
         """The native layer over the packed buffers: the kernel isa and format resolved once; it keeps the
         buffers alive (owner) for as long as anyone holds it (the shared-memory ring does)."""
         self.native = _n.MoELayer(
-            self.path, self.fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
+            self.path, self.fmt, self.down_fmt, self.num_experts, self.intermediate, self.hidden, self.Kp_h, self.Kp_i,
             tuple(map(data_ptr, self.gu)), tuple(map(data_ptr, self.dn)), *map(data_ptr, self.biases),
             self.act.kind, self.act.alpha, self.act.limit, owner=(self.gu, self.dn, self.biases))
 
-    def _build(self, E, I, H, load, fmt, threads, isa) -> None:
-        self._alloc(E, I, H, fmt, isa)
+    def _build(self, E, I, H, load, fmts, threads, isa) -> None:
+        self._alloc(E, I, H, fmts, isa)
+        fmt, dfmt = fmts
         for e in range(E):
             g, u, d = load(e)
             if g.shape != (I, H) or u.shape != (I, H) or d.shape != (H, I):
                 raise ValueError(f"expert {e}: shapes gate {tuple(g.shape)}, up {tuple(u.shape)}, down "
                                  f"{tuple(d.shape)}; expected [{I}, {H}], [{I}, {H}], [{H}, {I}]")
             store_expert(self.gu, e, pack_expert(stack_rows([g, u], fmt), fmt, self.Kp_h))
-            store_expert(self.dn, e, pack_expert(d, fmt, self.Kp_i))
+            store_expert(self.dn, e, pack_expert(d, dfmt, self.Kp_i))
         self.ready(threads)
 
     def set_extras(self, act: ExpertAct = SILU, gate_up_bias: torch.Tensor | None = None,
