@@ -343,6 +343,13 @@ def test_a_mix_runs_each_matrix_in_its_own_block_format_bit_for_bit(wide_source,
                 assert torch.equal(gu, torch.cat([g, u])) and torch.equal(
                     unpack(tuple(None if p is None else p[e:e + 1] for p in op.dn), op.down_fmt, MOE_I)[0], dn)
     assert len(list(cache.dir.glob("layer-*.safetensors"))) == len(layers)
+    # the GPU side's hot experts of that layer: the same formats, the same numbers as the expert service's
+    from gpu_service.hot_layers import hot_layer
+    hot = hot_layer(cfg, ck, 0, [1, 3], "gguf", torch.device("cpu"), 1)
+    assert (hot.fmt, hot.down_fmt) == ("q4k", "q6k")
+    x, w = torch.randn(3, cfg.hidden_size), torch.rand(3, 2)
+    ids = torch.tensor([[1, 3]] * 3, dtype=torch.int32)
+    assert torch.equal(hot.forward(x, ids - torch.tensor([1, 2], dtype=torch.int32), w), layers[0].forward(x, ids, w))
 
 
 def test_the_gguf_format_needs_a_gguf_with_quantized_experts(source):
