@@ -582,18 +582,17 @@ PER_MATRIX = "gguf"
 
 
 def expert_format(types: tuple[str, ...]) -> str | None:
-    """The expert format a GGUF's routed experts default to (None: floats). A format that holds every quantized
-    type of the file exactly (KEEPS) where there is one; else, where a format keeps some of them, PER_MATRIX (each
-    matrix in its own type's: a Q4_K_M or Q6_K/Q8_0 mix read as stored); else the size class (size_class)."""
+    """The expert format a GGUF's routed experts default to (None: floats): the format of the file's quantized types
+    where they share one (KEEPS' first choice); else, where a format keeps some of them, PER_MATRIX (each matrix in its
+    own type's: a Q4_K_M or Q6_K/Q8_0 mix read as stored, IQ4_XS beside IQ4_NL at their own sizes); else the size
+    class (size_class)."""
     quantized = [t for t in types if t not in FLOAT_TYPES]
     if not quantized:
         return None
-    common = set.intersection(*(set(KEEPS.get(t, ())) for t in quantized))
-    if common:
-        return next(f for f in KEEPS[quantized[0]] if f in common)
-    if any(t in KEEPS for t in quantized):
-        return PER_MATRIX
-    return size_class(quantized)
+    firsts = {KEEPS[t][0] for t in quantized if t in KEEPS}
+    if not firsts:
+        return size_class(quantized)
+    return firsts.pop() if len(firsts) == 1 and all(t in KEEPS for t in quantized) else PER_MATRIX
 
 
 def size_class(quantized: list[str]) -> str:

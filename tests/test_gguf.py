@@ -548,10 +548,10 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     assert "requantized to int8" in dequantized_experts(cfg("Q8_0"), "int8")
     msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "q4k")  # Q4_K_M: its Q4_K kept, its Q6_K requantized
     assert "(Q6_K," in msg and "requantized to q4k" in msg
-    # a format that keeps them all; else each matrix in its own type's where a format keeps some (gguf); else the
-    # smallest type's keeper, int4g32 for 2-3 bits, int8 above 5 bits
+    # the types' own format where they share one; else each matrix in its own type's where a format keeps some
+    # (gguf); else the smallest type's keeper, int4g32 for 2-3 bits, int8 above 5 bits
     assert expert_format(("Q4_K", "Q6_K")) == "gguf" and expert_format(("Q6_K",)) == "q6k"
-    assert expert_format(("Q4_0", "Q4_1")) == "uint4g32" and expert_format(("IQ4_NL", "IQ4_XS")) == "iq4nl"
+    assert expert_format(("Q4_0", "Q4_1")) == "gguf" and expert_format(("IQ4_NL", "IQ4_XS")) == "gguf"
     assert expert_format(("IQ4_XS", "Q5_K")) == "gguf" and expert_format(("Q2_K", "Q4_K")) == "gguf"
     assert expert_format(("Q8_0",)) == "int8g32" and expert_format(("Q2_K",)) == "int4g32"
     assert expert_format(("Q8_0", "Q6_K")) == "gguf" and expert_format(("Q5_K", "Q3_K")) == "int4g32"
