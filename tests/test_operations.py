@@ -138,10 +138,11 @@ def test_once_a_request_succeeds_after_a_restart_the_next_ones_do_too(checkpoint
 def test_a_restarted_expert_service_in_another_weight_format_is_not_used(checkpoints, tmp_path):
     """It would give other tokens silently: the held request fails at the end of the wait instead, naming
     why, and the GPU side stays NOT_SERVING until the right service is back."""
-    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--expert-wait", "20"))
+    # the wait must outlast the restart (a fresh process packing int8 experts): 20 s did not, once, on a busy 2-core CI
+    s = Services(checkpoints["qwen3_moe"], tmp_path, gpu_args=("--expert-wait", "45"))
     try:
         solo = fib(s.stub)
-        stream = s.stub.Generate(gen_req(400), timeout=60)
+        stream = s.stub.Generate(gen_req(400), timeout=120)
         next(stream)
         restart_expert(s, ("--weight-format", "int8"))
         wait_healthy(s.expert_port, s.expert)  # serving, in the wrong format, well before the wait ends
