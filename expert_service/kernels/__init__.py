@@ -55,12 +55,10 @@ def MoELayerFromExperts(E: int, I: int, H: int, load, fmt: str = "bf16", threads
                         down_fmt: str | None = None):
     """The same operator, built expert by expert: load(e) -> (gate [I, H], up [I, H], down [H, I]), floats or
     published MXFP4, FP8 or int4 (packing.Mx4, packing.Fp8, packing.Int4). gpt-oss's activation and biases: the operator's set_extras."""
-    if down_fmt not in (None, fmt):  # gate/up and down in two formats: the native kernels only
-        if not (native(fmt) and native(down_fmt)):
-            raise ValueError(f"experts in {fmt} (gate/up) and {down_fmt} (down) need the native kernels for both")
+    if native(fmt) and native(down_fmt or fmt):
         return NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads, down_fmt=down_fmt)
-    if native(fmt):
-        return NativeMoELayer.from_experts(E, I, H, load, fmt=fmt, threads=threads)
+    if down_fmt not in (None, fmt):  # gate/up and down in two formats: the native kernels only
+        raise ValueError(f"experts in {fmt} (gate/up) and {down_fmt} (down) need the native kernels for both")
     if fmt in NATIVE_FORMATS and fmt != "bf16":
         raise ValueError(f"weight format {fmt} needs the native kernels, which are not built")
     if fmt not in TORCH_DTYPES:
