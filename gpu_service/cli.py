@@ -308,8 +308,8 @@ async def serve(args, stop: asyncio.Event) -> None:
         expert_desc = (infos[0].weight_format, infos[0].kernel_path)
         pool, max_context = kv_pool(args, cfg, device, dtype, max_context)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
-                        expert_wait=args.expert_wait, experts_ready=health.up, kv_pool=pool,
-                        namespace=namespace(fp, dtype, dense, expert_desc))
+                        expert_wait=args.expert_wait, experts_ready=health.up, experts_why=health.why_down,
+                        kv_pool=pool, namespace=namespace(fp, dtype, dense, expert_desc))
         experts_up, watchers = health.up, health.watchers()
     server_info.max_context = max_context
     engine.start()

@@ -105,8 +105,10 @@ class Request:
 class Engine:
     def __init__(self, model: Model, experts: Experts, text: TextCodec, max_batch: int, max_context: int,
                  step_tokens: int = 0, expert_wait: float = 0.0, experts_ready: Callable[[], bool] = lambda: True,
-                 kv_pool: KVPool | None = None, namespace: str = ""):
-        """kv_pool: the KV cache's blocks (default: the model's own, without prefix caching); namespace: what
+                 experts_why: Callable[[], str | None] = lambda: None, kv_pool: KVPool | None = None,
+                 namespace: str = ""):
+        """experts_why: what the health watchers found wrong with a service that answers (ExpertHealth.why_down);
+        kv_pool: the KV cache's blocks (default: the model's own, without prefix caching); namespace: what
         the prefix chain's root names besides each request's settings (prefix_cache.py)."""
         self.model, self.experts, self.text = model, experts, text
         self.pool = kv_pool or model.kv_pool()
@@ -116,7 +118,7 @@ class Engine:
         self.step_tokens = step_tokens
         # an unreachable expert service: hold the steps this long (seconds), retrying once experts_ready()
         # (the health watchers' view: up, and serving the same model, shard, format and kernel path)
-        self.expert_wait, self.experts_ready = expert_wait, experts_ready
+        self.expert_wait, self.experts_ready, self.experts_why = expert_wait, experts_ready, experts_why
         self.holding: str | None = None  # why steps are held now (for /health), or None
         self.eos = set(model.cfg.eos_token_ids)
         self.inbox: queue.Queue[Request] = queue.Queue()
@@ -344,8 +346,10 @@ class Engine:
                 if not group:
                     return []
                 if time.monotonic() - since > self.expert_wait:
-                    msg = (f"{err}; still unavailable after {self.expert_wait:g}s (--expert-wait)"
-                           if self.expert_wait else str(err))
+                    # a service back in the wrong format is never retried, so err can date from its absence
+                    why = self.experts_why() or err
+                    msg = (f"{why}; still unavailable after {self.expert_wait:g}s (--expert-wait)"
+                           if self.expert_wait else str(why))
                     log.warning("step failed: %s", msg)
                     self._fail([r for r, _ in group], Status.UNAVAILABLE, msg)
                     return []

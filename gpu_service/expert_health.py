@@ -40,6 +40,14 @@ class ExpertHealth:
     def up(self) -> bool:
         return all(self.up_one(r) for r in self.remotes)
 
+    def why_down(self) -> str | None:
+        """What the probes found wrong with services that are down but answering (another model, shard,
+        format or kernel path), or None: a held request's failure says this rather than the exchange's
+        last error, which dates from when the service was gone."""
+        why = [f"expert service at {r.target} came back serving {self.mismatch[r.target]}: not using it"
+               for r in self.remotes if self.mismatch.get(r.target) and not self.up_one(r)]
+        return "; ".join(why) or None
+
     def watchers(self) -> list[asyncio.Task]:
         return [asyncio.create_task(self._watch(r)) for r in self.remotes]
 

@@ -144,7 +144,15 @@ def test_a_restarted_expert_service_in_another_weight_format_is_not_used(checkpo
         solo = fib(s.stub)
         stream = s.stub.Generate(gen_req(400), timeout=120)
         next(stream)
-        restart_expert(s, ("--weight-format", "int8"))
+        s.expert.kill()
+        s.expert.wait()
+        # the engine retries only while the watcher has not yet seen the service go, each retry waiting up to
+        # dispatch.CONNECT_WAIT_S: once past that, only the watcher sees the wrong format (a slow restart in CI
+        # failed the request with the exchange's stale "connection refused" instead)
+        wait_for(lambda: health(s.gpu_port) == NOT_SERVING, 10, "gpu NOT_SERVING")
+        time.sleep(4)
+        s.expert_args = ("--weight-format", "int8")
+        s.expert = s.start_expert()
         wait_healthy(s.expert_port, s.expert)  # serving, in the wrong format, well before the wait ends
         with pytest.raises(grpc.RpcError) as e:
             list(stream)
