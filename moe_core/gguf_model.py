@@ -6,7 +6,7 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
 a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
-uint4g32; Q6_K on q6k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on
+uint4g32; Q5_K on q5k; Q6_K on q6k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on
 int8g32; MXFP4 on mxfp4); the other quant types are
 dequantized exactly (then requantized by default: expert_format).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
@@ -35,7 +35,7 @@ STACKED, STACKED_RAW = -1, -2
 # block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred
 # first (Q4_0's q - 8 is also a min of 8 scales)
 FLOAT_TYPES = ("F32", "F16", "BF16")  # not block types: read as floats
-KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("q4k", "uint4g32"), "Q6_K": ("q6k",),
+KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("q4k", "uint4g32"), "Q5_K": ("q5k",), "Q6_K": ("q6k",),
          "IQ4_NL": ("iq4nl",), "IQ4_XS": ("iq4xs", "iq4nl"), "Q8_0": ("int8g32",), "MXFP4": ("mxfp4",)}
 
 
@@ -70,19 +70,38 @@ def _q4_1(b: np.ndarray):  # 20 bytes per 32: fp16 d, fp16 m, 16 bytes; w = d q 
     return UInt4(_halves(blocks[..., 4:]).reshape(b.shape[0], -1), _f16(blocks[..., :2]), -_f16(blocks[..., 2:4]), 32)
 
 
+def _k_scales(blocks: np.ndarray) -> tuple:
+    """Q4_K's and Q5_K's first 16 bytes per 256 -> d, dmin [R, n] and the 8 sub-blocks' 6-bit sc, m [R, 8 n]."""
+    R = blocks.shape[0]
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sm = torch.from_numpy(np.ascontiguousarray(blocks[..., 4:16])).view(R, -1, 3, 4)
+    lo, hi, both = sm[..., 0, :], sm[..., 1, :], sm[..., 2, :]
+    sc = torch.cat([lo & 63, (both & 15) | ((lo >> 2) & 48)], dim=-1)  # [R, blocks, 8]
+    mn = torch.cat([hi & 63, (both >> 4) | ((hi >> 2) & 48)], dim=-1)
+    return d, dmin, sc.reshape(R, -1), mn.reshape(R, -1)
+
+
 def _q4_k(b: np.ndarray):
     """144 bytes per 256: fp16 d and dmin, 12 bytes of 6-bit scales and mins for the 8 sub-blocks of 32, 128 bytes
     (per 64 weights 32 bytes: the low nibbles the first sub-block, the high ones the second); w = d sc q - dmin m."""
     from moe_kernels.packing import Q4K
     R = b.shape[0]
     blocks = b.reshape(R, -1, 144)
-    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-    sm = torch.from_numpy(np.ascontiguousarray(blocks[..., 4:16])).view(R, -1, 3, 4)
-    lo, hi, both = sm[..., 0, :], sm[..., 1, :], sm[..., 2, :]
-    sc = torch.cat([lo & 63, (both & 15) | ((lo >> 2) & 48)], dim=-1)  # [R, blocks, 8]
-    mn = torch.cat([hi & 63, (both >> 4) | ((hi >> 2) & 48)], dim=-1)
     q = _halves(blocks[..., 16:].reshape(R, -1, 4, 32)).reshape(R, -1)
-    return Q4K(q, d, dmin, sc.reshape(R, -1), mn.reshape(R, -1))
+    return Q4K(q, *_k_scales(blocks))
+
+
+def _q5_k(b: np.ndarray):
+    """176 bytes per 256: Q4_K's 16 bytes of d, dmin, scales and mins, 32 bytes of high bits (bit s of byte l: weight
+    32 s + l), then Q4_K's 128 bytes of nibbles; w = d sc q - dmin m, q = nibble + 16 high bit."""
+    from moe_kernels.packing import Q5K
+    R = b.shape[0]
+    blocks = np.ascontiguousarray(b.reshape(R, -1, 176))
+    n = blocks.shape[1]
+    qh = torch.from_numpy(blocks[..., 16:48].copy()).view(R, n, 1, 32)
+    high = (qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # [R, n, 8, 32]
+    q = _halves(blocks[..., 48:].reshape(R, n, 4, 32)).reshape(R, n, 8, 32) | (high << 4)
+    return Q5K(q.reshape(R, -1), *_k_scales(blocks))
 
 
 def _q6_k(b: np.ndarray):
@@ -123,7 +142,7 @@ def _iq4_xs(b: np.ndarray):
     return Iq4Xs(codes, d, (ls - 32).to(torch.int8).reshape(R, -1))
 
 
-_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
            "Q8_0": _q8_0}
 
 
@@ -598,7 +617,7 @@ def expert_format(types: tuple[str, ...]) -> str | None:
 def size_class(quantized: list[str]) -> str:
     """For quantized types no one format keeps: the file's size class, not a 2-4x larger exact copy (a 4-bit DeepSeek
     file must fit the RAM its user has): with a type of 5 bits or fewer, the format keeping the smallest such type
-    (Q3_K_M's Q4_K: q4k, its Q3_K and Q5_K requantized into it), or int4g32 (Q3_K, Q2_K); the others (Q5_K) ->
+    (Q3_K_M's Q4_K: q4k, its Q3_K requantized into it), or int4g32 (Q3_K, Q2_K); the others (Q5_0, Q5_1) ->
     int8g32. Measured on the default model against llama-perplexity on the same files (docs/accuracy.md);
     --weight-format bf16 keeps them exact."""
     small = sorted((type_bits(t), t) for t in quantized if type_bits(t) <= 5)

@@ -15,6 +15,8 @@
   and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here;
 - q4k: GGUF's Q4_K as stored (Q4K: unsigned nibbles, w = d sc q - dmin m with an fp32 d and dmin per 256 and a 6-bit
   sc and m per 32; 4.75 bits a weight against uint4g32's 6), or quantized here;
+- q5k: GGUF's Q5_K as stored (Q5K: q4k's numbers with 5-bit q; 5.75 bits a weight against the file's 5.5), or
+  quantized here;
 - iq4xs: GGUF's IQ4_XS as stored (Iq4Xs: iq4nl's codes, w = d sc IQ4NL[code] with an fp32 d per 256 and an int8 sc per
   32; 4.375 bits a weight against iq4nl's 5), or quantized here;
 - q6k: GGUF's Q6_K as stored (Q6K: 6-bit values, w = d sc (u - 32) with an fp32 d per 256 and an int8 sc per 16;
@@ -34,15 +36,16 @@ from moe_core.config import FP8_BLOCK
 
 from . import native
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs")
+FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs",
+           "q5k")
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
-QK = 256  # the super-block of q4k, q6k and iq4xs (GGUF's QK_K): a d (q4k: and a dmin) per 256, sub-scales below
+QK = 256  # the super-block of q4k, q5k, q6k and iq4xs (GGUF's QK_K): a d (q4k: and a dmin) per 256, sub-scales below
 Q6_SUB = 16  # q6k: an int8 sc per 16
 BLOCK_ROWS = 16  # the grouped int formats' row blocks
-ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs")
-SUPER_BLOCKED = ("q4k", "q6k", "iq4xs")  # rows in whole super-blocks of 256 (QK)
+ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q5k", "q6k", "iq4xs")
+SUPER_BLOCKED = ("q4k", "q5k", "q6k", "iq4xs")  # rows in whole super-blocks of 256 (QK)
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
@@ -221,7 +224,7 @@ class UInt4(NamedTuple):
 
 class Q4K(NamedTuple):
     """GGUF's Q4_K numbers: values [rows, K] uint8 (0-15), d and dmin [rows, ceil(K / 256)] fp32 (the file's fp16), sc
-    and m [rows, 8 per 256] uint8 (0-63); w = d sc value - dmin m."""
+    and m [rows, 8 per 256] uint8 (0-63); w = d sc value - dmin m. (Q5K: the same with values 0-31.)"""
     values: torch.Tensor
     d: torch.Tensor
     dmin: torch.Tensor
@@ -243,7 +246,12 @@ class Q4K(NamedTuple):
 
     @staticmethod
     def cat(parts: list["Q4K"]) -> "Q4K":
-        return Q4K(*(torch.cat([getattr(p, f) for p in parts]) for f in Q4K._fields))
+        return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in Q4K._fields))
+
+
+class Q5K(Q4K):
+    """GGUF's Q5_K numbers: Q4K's with values 0-31 (a type of its own: the q4k and uint4g32 formats cannot hold them)."""
+    __slots__ = ()
 
 
 class Q6K(NamedTuple):
@@ -344,6 +352,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp), torch.int8), ((E, rows, Kp // G32), torch.float32), None, None
     if fmt == "q4k":  # per 256 of a row: d, dmin (fp32), 8 sc, 8 m (bytes)
         return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
+    if fmt == "q5k":  # 5 bits a weight; q4k's scales
+        return ((E, rows, Kp // 8 * 5), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
     if fmt == "iq4xs":  # per 256 of a row: d (fp32), 8 sc (bytes)
         return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 12), torch.uint8), None, None
     if fmt == "q6k":  # 6 bits a weight; per 256 of a row: d (fp32), 16 sc (bytes)
@@ -498,17 +508,25 @@ def pack_int8g32(w: Q8, Kp: int) -> tuple:
     return _blocked_bytes(data), _blocked_scales(scale), None, None
 
 
-def pack_q4k(w: Q4K, Kp: int) -> tuple:
-    """Q4_K numbers [rows, K] -> (nibbles, [per 256: d, dmin, 8 sc, 8 m] bytes, None, None) in row blocks, bit-exact."""
+def pack_q4k(w: Q4K, Kp: int, bits: int = 4) -> tuple:
+    """Q4_K numbers [rows, K] -> (nibbles, [per 256: d, dmin, 8 sc, 8 m] bytes, None, None) in row blocks, bit-exact.
+    bits 5 (Q5_K): per 32 the nibble vectors, then one vector of the high bits (chunk c's at bit c)."""
     R, K = w.values.shape
+    fmt = f"q{bits}k"
     if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // G32)):
-        raise ValueError(f"q4k weight [{R}, {K}] needs a d and dmin per {QK} and an sc and m per {G32} (rows padded to "
-                         f"{QK}), got {list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
-    if int(w.values.max()) > 15 or int(w.sc.max()) > 63 or int(w.m.max()) > 63:
-        raise ValueError("q4k values outside 0..15 or sub-scales outside 0..63")
+        raise ValueError(f"{fmt} weight [{R}, {K}] needs a d and dmin per {QK} and an sc and m per {G32} (rows padded "
+                         f"to {QK}), got {list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
+    if int(w.values.max()) >= 1 << bits or int(w.sc.max()) > 63 or int(w.m.max()) > 63:
+        raise ValueError(f"{fmt} values outside 0..{(1 << bits) - 1} or sub-scales outside 0..63")
     q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
     (d, sc), (dmin, m) = _d_and_bytes(w.d, w.sc, Kp // QK), _d_and_bytes(w.dmin, w.m, Kp // QK)
-    return _blocked_nibbles(q), _interleave_rows(d, dmin, sc, m), None, None
+    scales = _interleave_rows(d, dmin, sc, m)
+    if bits == 4:
+        return _blocked_nibbles(q), scales, None, None
+    c = q.view(R, Kp // G32, 8, 4)  # per 32: chunks of 4
+    nib = (c[:, :, :4] & 15) | ((c[:, :, 4:] & 15) << 4)
+    high = ((c >> 4) << torch.arange(8, dtype=torch.uint8).view(8, 1)).sum(2, keepdim=True, dtype=torch.uint8)
+    return _interleave_rows(nib, high), scales, None, None
 
 
 def pack_q6k(w: Q6K, Kp: int) -> tuple:
@@ -577,21 +595,22 @@ def q6k_quantize(w: torch.Tensor) -> Q6K:
     return Q6K(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
 
 
-def q4k_quantize(w: torch.Tensor) -> Q4K:
+def q4k_quantize(w: torch.Tensor, bits: int = 4) -> Q4K:
     """Float w [rows, K] -> Q4_K's numbers (each 32's range on 0..15 with a min <= 0, its scale and min on 6 bits under
-    the 256's d and dmin; no search, as uint4_quantize)."""
+    the 256's d and dmin; no search, as uint4_quantize); bits 5: Q5_K's (0..31)."""
+    top = (1 << bits) - 1
     R, K = w.shape
     g = F.pad(w.float(), (0, -K % QK)).view(R, -1, G32)
     lo, hi = g.amin(-1).clamp_max(0), g.amax(-1).clamp_min(0)
-    scale, mn = (hi - lo) / 15, -lo
+    scale, mn = (hi - lo) / top, -lo
     d = (scale.view(R, -1, QK // G32).amax(-1) / 63).clamp_min(1e-12)
     dmin = (mn.view(R, -1, QK // G32).amax(-1) / 63).clamp_min(1e-12)
     per32 = lambda t: t.repeat_interleave(QK // G32, 1)  # noqa: E731
     sc = torch.round(scale / per32(d)).clamp(0, 63)
     m = torch.round(mn / per32(dmin)).clamp(0, 63)
     step, off = (per32(d) * sc)[..., None], (per32(dmin) * m)[..., None]
-    q = torch.where(step > 0, torch.round((g + off) / step.clamp_min(1e-30)), torch.zeros_like(g)).clamp(0, 15)
-    return Q4K(q.to(torch.uint8).view(R, -1)[:, :K], d, dmin, sc.to(torch.uint8), m.to(torch.uint8))
+    q = torch.where(step > 0, torch.round((g + off) / step.clamp_min(1e-30)), torch.zeros_like(g)).clamp(0, top)
+    return (Q4K if bits == 4 else Q5K)(q.to(torch.uint8).view(R, -1)[:, :K], d, dmin, sc.to(torch.uint8), m.to(torch.uint8))
 
 
 def int8g32_quantize(w: torch.Tensor) -> Q8:
@@ -645,9 +664,9 @@ def int8_quantize(w: torch.Tensor) -> Int8:
 
 
 def quantize(w, fmt: str):
-    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / Iq4Xs / UInt4 / Q8 / Q4K / Q6K as published) in a
-    format's numbers, before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4,
-    Fp8, Iq4, Iq4Xs, UInt4, Q8, Q4K or Q6K;
+    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / Iq4Xs / UInt4 / Q8 / Q4K / Q5K / Q6K as published) in
+    a format's numbers, before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4,
+    Fp8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q5K or Q6K;
     what a format keeps as published stays bit for bit."""
     if fmt == "mxfp4":
         return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
@@ -660,7 +679,9 @@ def quantize(w, fmt: str):
     if fmt == "uint4g32":
         return w if isinstance(w, UInt4) else uint4_quantize(floats(w))
     if fmt == "q4k":
-        return w if isinstance(w, Q4K) else q4k_quantize(floats(w))
+        return w if type(w) is Q4K else q4k_quantize(floats(w))
+    if fmt == "q5k":
+        return w if isinstance(w, Q5K) else q4k_quantize(floats(w), bits=5)
     if fmt == "q6k":
         return w if isinstance(w, Q6K) else q6k_quantize(floats(w))
     if fmt == "iq4xs":
@@ -709,6 +730,8 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
         return pack_int8g32(q, Kp)
     if fmt == "q4k":
         return pack_q4k(q, Kp)
+    if fmt == "q5k":
+        return pack_q4k(q, Kp, bits=5)
     if fmt == "q6k":
         return pack_q6k(q, Kp)
     if fmt == "iq4xs":
@@ -743,6 +766,10 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         ng = scale.shape[-1]
         if fmt == "int8g32":
             v = _deinterleave_rows(data, ng, (8, 4))[0].float()
+        elif fmt == "q5k":  # per 32: 4 vectors of nibbles, 1 of high bits (chunk c's at bit c)
+            nib, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 20, (4, 4), (1, 4)))
+            high = (hi >> torch.arange(8, device=data.device).view(8, 1)) & 1
+            v = (torch.cat([nib & 15, nib >> 4], -2) | (high << 4)).float()
         elif fmt == "q6k":  # per 32: 4 vectors of nibbles, 2 of high bit pairs (chunk c's at bits 2c of vector c // 4)
             nib, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 24, (4, 4), (2, 4)))
             shift = (2 * torch.arange(4, device=data.device)).view(4, 1)
@@ -758,7 +785,7 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
         if fmt == "iq4xs":  # per 256: d (fp32), then 8 sc (bytes)
             s = _d_times_sc(scale, E, R, QK // G32)
             return (s[..., None] * v.reshape(E, R, -1, G32)).reshape(E, R, -1)[..., :K]
-        if fmt == "q4k":  # per 256: d, dmin (fp32), then 8 sc and 8 m (bytes)
+        if fmt in ("q4k", "q5k"):  # per 256: d, dmin (fp32), then 8 sc and 8 m (bytes)
             d, dmin, sc, m = _deinterleave_rows(scale, ng // 24, (1, 4), (1, 4), (8, 1), (8, 1))
             f32 = lambda t: t.contiguous().view(torch.float32).reshape(E, R, -1)  # noqa: E731
             s = (f32(d).repeat_interleave(QK // G32, -1) * sc.reshape(E, R, -1).float())[..., None]
@@ -794,8 +821,10 @@ def stack_rows(parts: list, fmt: str):
         return UInt4.cat(parts)
     if fmt == "int8g32" and all(isinstance(p, Q8) for p in parts):
         return Q8.cat(parts)
-    if fmt == "q4k" and all(isinstance(p, Q4K) for p in parts):
+    if fmt == "q4k" and all(type(p) is Q4K for p in parts):
         return Q4K.cat(parts)
+    if fmt == "q5k" and all(isinstance(p, Q5K) for p in parts):
+        return Q5K.cat(parts)
     if fmt == "q6k" and all(isinstance(p, Q6K) for p in parts):
         return Q6K.cat(parts)
     if fmt == "iq4xs" and all(isinstance(p, Iq4Xs) for p in parts):

@@ -21,6 +21,10 @@
 // per 32 and an fp32 d per 256: each 32's integer dot product times sc summed in int32 over the 256 (|sum| < 8 x 32 x
 // 32 x 127 x 128 < 2^27), then one FMA with d, as q6k's below.
 //
+// q5k (GGUF's Q5_K as stored): q4k's numbers (w = d sc q - dmin m) with 5-bit q, its low nibbles laid out as the
+// nibble formats' and its fifth bits in 1 more vector a 32 (chunk c's at bit c); AVX2 sums 4 chunks' int16 pairs
+// before widening, not 8 (4 x 2 x 31 x 128 < 2^15).
+//
 // q6k (GGUF's Q6_K as stored): 6-bit u (w = d sc (u - 32)), its low nibbles laid out as the nibble formats' and its
 // high 2 bits in 2 more vectors a 32. A 32's two chains of dot products are its two 16s (chunks 0-3, 4-7), each
 // with its own int8 sc: the 16's int32 dot product, less 32 x its activation sum, times sc, summed in int32 over
@@ -50,24 +54,26 @@ namespace moe {
 
 namespace {
 
-enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K, IQXS };
+enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K, IQXS, Q5K };
 constexpr int BLK = 16;  // rows a block
 constexpr int G = 32;    // weights a layout group (a scale's, or half of int4's)
 template <int MODE>
-constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q6K || MODE == IQXS ? 8 : 1;  // layout groups a scale (d) covers
+constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q5K || MODE == Q6K || MODE == IQXS ? 8 : 1;  // layout groups a d covers
 // the formats whose scales are bytes read field by field: d (fp32) per 256, then sub-scales (and mins)
-constexpr bool fielded(int mode) { return mode == Q4K || mode == Q6K || mode == IQXS; }
+constexpr bool fielded(int mode) { return mode == Q4K || mode == Q5K || mode == Q6K || mode == IQXS; }
+// q4k and q5k: w = d sc q - dmin m, a 6-bit sc and m per 32 under an fp32 d and dmin per 256 (the same scales)
+constexpr bool k_mins(int mode) { return mode == Q4K || mode == Q5K; }
 template <int MODE>
 using ScaleT = std::conditional_t<MODE == MX || fielded(MODE), uint8_t, float>;  // mxfp4: the exponent byte
 template <int MODE>
-// scale elements a row has per scale group (q4k: d, dmin, 8 sc, 8 m; q6k: d, 16 sc; iq4xs: d, 8 sc: bytes)
-constexpr int SGE = MODE == Q4K ? 24 : MODE == Q6K ? 20 : MODE == IQXS ? 12 : 1;
+// scale elements a row has per scale group (q4k, q5k: d, dmin, 8 sc, 8 m; q6k: d, 16 sc; iq4xs: d, 8 sc: bytes)
+constexpr int SGE = k_mins(MODE) ? 24 : MODE == Q6K ? 20 : MODE == IQXS ? 12 : 1;
 template <int MODE>
 constexpr bool nibble = MODE != Q8;
 template <int MODE>
-constexpr int vectors = nibble<MODE> ? 4 : 8;  // chunk vectors a group loads (q6k: and its 2 of high bits)
+constexpr int vectors = nibble<MODE> ? 4 : 8;  // chunk vectors a group loads (q6k: and its 2 of high bits, q5k its 1)
 template <int MODE>
-constexpr int stride_vectors = MODE == Q6K ? 6 : vectors<MODE>;  // vectors' worth of bytes a layout group stores
+constexpr int stride_vectors = MODE == Q6K ? 6 : MODE == Q5K ? 5 : vectors<MODE>;  // vectors' worth of bytes a layout group stores
 constexpr int Q6_SUB = 16;  // q6k: weights an sc covers
 // ggml's kvalues_iq4nl: the IQ4_NL / IQ4_XS code -> its value; and + 128 as u8
 constexpr int8_t IQ4NL_LUT[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -86,10 +92,10 @@ constexpr bool looked_up(int mode) { return mode == IQ || mode == MX || mode == 
 // what a group's dot product of u8 weights carries in excess, per unit of its activation sum (SIGNED: AVX2's sign
 // trick on the signed values)
 template <int MODE, bool SIGNED>
-constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == Q6K ? 32 : MODE == ASYM || MODE == Q4K || SIGNED ? 0 : 128;
+constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == Q6K ? 32 : MODE == ASYM || k_mins(MODE) || SIGNED ? 0 : 128;
 // the formats with mins: the activations' float sum per 32 is needed
 template <int MODE>
-constexpr bool has_mins = MODE == ASYM || MODE == Q4K;
+constexpr bool has_mins = MODE == ASYM || k_mins(MODE);
 // mxfp4's scale of a published exponent e (e8m0): 2^(e - 127) / 2 (the kernels multiply twice the e2m1 value),
 // the float whose exponent field is e - 1; 0 for e <= 1
 inline float mx_scale(uint8_t e) {
@@ -163,6 +169,12 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i q6_value512(__m512i n
                                                                                : _mm512_srli_epi16(hv, 2);
   return _mm512_ternarylogic_epi32(nib, h, _mm512_set1_epi8(0x30), 0xF8);  // nib | (h & 0x30)
 }
+// q5k: chunk c's (c < 8) high bit, bit c of each byte of hv, put above its nibble (16-bit shifts by at most 4: what
+// crosses into the next byte lands in bits 0-3 or 5-7, masked away)
+__attribute__((target("avx512f,avx512bw"))) inline __m512i q5_value512(__m512i nib, __m512i hv, int c) {
+  const __m512i h = c < 4 ? _mm512_slli_epi16(hv, 4 - c) : c == 4 ? hv : _mm512_srli_epi16(hv, c - 4);
+  return _mm512_ternarylogic_epi32(nib, h, _mm512_set1_epi8(0x10), 0xF8);  // nib | (h & 0x10)
+}
 template <int NT, int NB, int MODE, bool FULL>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk512(
     const uint8_t* const* W, const ScaleT<MODE>* const* S, size_t moff, int n, const int8_t* const* X,
@@ -177,8 +189,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
     __m512i d[NB][NT][2];  // two chains a dot product: half the latency
     MOE_UNROLL for (int b = 0; b < NB; ++b)
       MOE_UNROLL for (int t = 0; t < NT; ++t) d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
-    __m512 qs[NB][NT], qm[NB][NT];  // q4k: the 256's sums of sc x dot and of m x activation sum
-    if constexpr (MODE == Q4K)
+    __m512 qs[NB][NT], qm[NB][NT];  // q4k, q5k: the 256's sums of sc x dot and of m x activation sum
+    if constexpr (k_mins(MODE))
       MOE_UNROLL for (int b = 0; b < NB; ++b)
         MOE_UNROLL for (int t = 0; t < NT; ++t) qs[b][t] = qm[b][t] = _mm512_setzero_ps();
     __m512i qi[NB][NT];  // q6k, iq4xs: the 256's int32 sum of sc x dot
@@ -190,9 +202,9 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
       __m512i u[NB][8];
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
         const uint8_t* p = W[b] + size_t(lg) * gs;
-        __m512i hv[2];  // q6k: the high bits of chunks 0-3, 4-7
-        if constexpr (MODE == Q6K)
-          MOE_UNROLL for (int k = 0; k < 2; ++k) {
+        __m512i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
+        if constexpr (MODE == Q6K || MODE == Q5K)
+          MOE_UNROLL for (int k = 0; k < stride_vectors<MODE> - 4; ++k) {
             if constexpr (FULL) {
               _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
               hv[k] = _mm512_loadu_si512(p + 64 * (4 + k));
@@ -211,6 +223,9 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
           if constexpr (MODE == Q6K) {
             u[b][v] = q6_value512(_mm512_and_si512(q, lo4), hv[0], v);
             u[b][v + 4] = q6_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[1], v);
+          } else if constexpr (MODE == Q5K) {
+            u[b][v] = q5_value512(_mm512_and_si512(q, lo4), hv[0], v);
+            u[b][v + 4] = q5_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[0], v + 4);
           } else if constexpr (nibble<MODE>) {
             u[b][v] = decode512<MODE>(_mm512_and_si512(q, lo4));
             u[b][v + 4] = decode512<MODE>(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4));
@@ -227,7 +242,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
             d[b][t][1] = _mm512_dpbusd_epi32(d[b][t][1], u[b][c + 4], _mm512_set1_epi32(xg[c + 4]));
           }
       }
-      if constexpr (MODE == Q4K) {  // this 32's 6-bit sc and m (a byte each, 16 rows side by side)
+      if constexpr (k_mins(MODE)) {  // this 32's 6-bit sc and m (a byte each, 16 rows side by side)
         MOE_UNROLL for (int b = 0; b < NB; ++b) {
           const uint8_t* sg = S[b] + size_t(g) * n * 24;
           const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -276,7 +291,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
       }
       continue;
     }
-    if constexpr (MODE == Q4K) {  // the 256's d and dmin
+    if constexpr (k_mins(MODE)) {  // the 256's d and dmin
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
         const uint8_t* sg = S[b] + size_t(g) * n * 24;
         const __m512 dv = _mm512_maskz_loadu_ps(lanes, sg), dminv = _mm512_maskz_loadu_ps(lanes, sg + 4 * n);
@@ -313,9 +328,9 @@ constexpr bool mx_small = !is_vnni<Dot> && MODE == MX;  // AVX2: mxfp4's values 
 template <class Dot, int MODE>
 constexpr int excess256 = mx_small<Dot, MODE> ? MX4_SMALL : excess<MODE, signed_w<Dot, MODE>>;
 // chunks of int16 pairs summed before a widening: nibbles (<= 15) 8 (8 x 2 x 15 x 128 fits int16), mxfp4's values
-// + 12 (<= 24) 4
+// + 12 (<= 24) and q5k's 5 bits (<= 31: 4 x 2 x 31 x 128 < 2^15) 4
 template <int MODE>
-constexpr int int16_run = MODE == MX ? 4 : 8;
+constexpr int int16_run = MODE == MX || MODE == Q5K ? 4 : 8;
 
 // (void functions with out-parameters: these templates have no target of their own, and the entry's flatten
 // inlines them)
@@ -391,8 +406,8 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
   for (int g = 0; g < ng; ++g) {
     __m256i d[NT];
     MOE_UNROLL for (int t = 0; t < NT; ++t) d[t] = Ymm::zero_si();
-    __m256 qs[NT], qm[NT];  // q4k: as mk512's
-    if constexpr (MODE == Q4K)
+    __m256 qs[NT], qm[NT];  // q4k, q5k: as mk512's
+    if constexpr (k_mins(MODE))
       MOE_UNROLL for (int t = 0; t < NT; ++t) qs[t] = qm[t] = Ymm::zero_ps();
     __m256i qi[NT];  // q6k, iq4xs: as mk512's
     if constexpr (MODE == Q6K || MODE == IQXS)
@@ -401,9 +416,9 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
       const int lg = g * SPG<MODE> + h;
       __m256i u[8];
       const uint8_t* p = W + size_t(lg) * gs;
-      __m256i hv[2];  // q6k: the high bits of chunks 0-3, 4-7
-      if constexpr (MODE == Q6K)
-        MOE_UNROLL for (int k = 0; k < 2; ++k) {
+      __m256i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
+      if constexpr (MODE == Q6K || MODE == Q5K)
+        MOE_UNROLL for (int k = 0; k < stride_vectors<MODE> - 4; ++k) {
           if constexpr (FULL) {
             _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
             hv[k] = Ymm::load(p + 64 * (4 + k));
@@ -422,6 +437,9 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
         if constexpr (MODE == Q6K) {
           Ymm::split_nibbles(q, u[v], u[v + 4]);
           u[v] = Ymm::q6_value(u[v], hv[0], v), u[v + 4] = Ymm::q6_value(u[v + 4], hv[1], v);
+        } else if constexpr (MODE == Q5K) {
+          Ymm::split_nibbles(q, u[v], u[v + 4]);
+          u[v] = Ymm::q5_value(u[v], hv[0], v), u[v + 4] = Ymm::q5_value(u[v + 4], hv[0], v + 4);
         } else if constexpr (nibble<MODE>) {
           Ymm::split_nibbles(q, u[v], u[v + 4]);
           decode256<Dot, MODE>(u[v], lut), decode256<Dot, MODE>(u[v + 4], lut);
@@ -452,7 +470,7 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
         }
         continue;
       }
-      if constexpr (MODE == Q4K) {
+      if constexpr (k_mins(MODE)) {
         const uint8_t* sg = Sb + size_t(g) * n * 24;
         const __m256 sc = Ymm::u8_to_ps(sg + 8 * n + h * n + lane0, m), mn = Ymm::u8_to_ps(sg + 16 * n + h * n + lane0, m);
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
@@ -468,7 +486,7 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
       MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::fmadd(Ymm::to_ps(qi[t]), dv, acc[t]);
       continue;
     }
-    if constexpr (MODE == Q4K) {
+    if constexpr (k_mins(MODE)) {
       const uint8_t* sg = Sb + size_t(g) * n * 24;
       const float* dp = reinterpret_cast<const float*>(sg) + lane0;
       const float* dminp = reinterpret_cast<const float*>(sg + 4 * n) + lane0;
@@ -498,7 +516,7 @@ inline bool pair_off() {  // MOE_AVX2_PAIR=0: two mk256 calls instead of mk256_p
   return off;
 }
 template <class Dot, int MODE>
-constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && MODE != Q4K && MODE != Q6K;
+constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && !k_mins(MODE) && MODE != Q6K;
 // AVX2 decode (one token) of a whole block's two halves at once, for the nibble formats on vpmaddubsw (int4,
 // int4g32, uint4g32, mxfp4): each broadcast activation chunk serves both halves' 8 rows, half the broadcasts
 // of two mk256 calls (on a Zen 1 the 256-bit path is instruction-bound, docs/kernels.md). The same integer sums
@@ -551,11 +569,13 @@ inline void mk256_pair(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, con
 // unit (16: AVX-512, a block; 8: the 256-bit paths, half a block). mk(block's pointers...) per token tile ->
 // the units it computed.
 template <int MODE>
-inline size_t row_bytes(int Kp) { return MODE == Q8 ? size_t(Kp) : MODE == Q6K ? size_t(Kp) / 4 * 3 : size_t(Kp) / 2; }
+inline size_t row_bytes(int Kp) {
+  return MODE == Q8 ? size_t(Kp) : MODE == Q6K ? size_t(Kp) / 4 * 3 : MODE == Q5K ? size_t(Kp) / 8 * 5 : size_t(Kp) / 2;
+}
 template <int MODE, int EXCESS, int LANES, int TBI, class MK>
 inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
   MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
-  MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "q4k, q6k and iq4xs rows are padded to a multiple of 256");
+  MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "q4k, q5k, q6k and iq4xs rows are padded to a multiple of 256");
   const int ng = m.Kp / (G * SPG<MODE>);  // scale groups a row
   const size_t ldw = row_bytes<MODE>(m.Kp);
   const size_t pf = tuning().pf_bytes;
@@ -564,8 +584,8 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
   const ScaleT<MODE>* Se =
       reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng * SGE<MODE> + moff);
   thread_local Prepared p;
-  // the activations' sums per scale group times the excess; q4k's mins: their sums per 32; q6k's excess per 16
-  const int per = MODE == Q4K || MODE == IQXS ? G : MODE == Q6K ? Q6_SUB : G * SPG<MODE>;
+  // the activations' sums per scale group times the excess; q4k's and q5k's mins: their sums per 32; q6k's excess per 16
+  const int per = k_mins(MODE) || MODE == IQXS ? G : MODE == Q6K ? Q6_SUB : G * SPG<MODE>;
   prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, per, EXCESS, has_mins<MODE>, p);
   for (int r = r0; r < r1; r += BLK) {
     const int n = std::min(BLK, m.rows - r);
@@ -886,7 +906,7 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
     const uint8_t* wb = We + size_t(b0) * ldw;
     const ScaleT<MODE>* sb = Se + size_t(b0) * ng * SGE<MODE>;
     for (int s = 0; s < ns; ++s) {
-      float acc = 0.f, qs = 0.f, qm = 0.f;  // q4k: the 256's sums of sc x dot and m x activation sum
+      float acc = 0.f, qs = 0.f, qm = 0.f;  // q4k, q5k: the 256's sums of sc x dot and m x activation sum
       int32_t dot = 0, xsum = 0, qi = 0;  // q6k: the 256's sum of sc x dot
       for (int lg = 0; lg < nlg; ++lg) {
         for (int i = 0; i < G; ++i) {
@@ -898,6 +918,10 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
             const uint8_t* gb = wb + size_t(lg) * 24 * n;
             const uint8_t byte = gb[size_t(c % 4) * 4 * n + 4 * j + k], hb = gb[size_t(4 + c / 4) * 4 * n + 4 * j + k];
             w = ((c < 4 ? byte & 15 : byte >> 4) | (((hb >> (2 * (c % 4))) & 3) << 4)) - 32;
+          } else if constexpr (MODE == Q5K) {  // the nibble, and the high bit from the 32's last vector
+            const uint8_t* gb = wb + size_t(lg) * 20 * n;
+            const uint8_t byte = gb[size_t(c % 4) * 4 * n + 4 * j + k], hb = gb[size_t(4) * 4 * n + 4 * j + k];
+            w = (c < 4 ? byte & 15 : byte >> 4) | (((hb >> c) & 1) << 4);
           } else {
             const uint8_t byte = wb[size_t(lg) * 16 * n + size_t(c % 4) * 4 * n + 4 * j + k];
             const int q = c < 4 ? byte & 15 : byte >> 4;
@@ -925,7 +949,7 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
             acc = std::fma(float(qi), d, acc);
             qi = xsum = 0;
           }
-        } else if constexpr (MODE == Q4K) {  // per 32: sc and m; per 256: d and dmin
+        } else if constexpr (k_mins(MODE)) {  // per 32: sc and m; per 256: d and dmin
           const uint8_t* sg = sb + size_t(g) * n * 24;
           const int h = lg % SPG<MODE>;
           qs += float(dot) * float(sg[8 * n + h * n + j]);

@@ -62,6 +62,11 @@ struct Ymm {
                                                                                  : _mm256_srli_epi16(hv, 2);
     return _mm256_or_si256(nib, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
   }
+  // q5k: chunk c's (c < 8) high bit, bit c of each byte of hv, above its nibble (gemm_blocked.h)
+  MOE_YMM __m256i q5_value(__m256i nib, __m256i hv, int c) {
+    const __m256i h = c < 4 ? _mm256_slli_epi16(hv, 4 - c) : c == 4 ? hv : _mm256_srli_epi16(hv, c - 4);
+    return _mm256_or_si256(nib, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+  }
   // m (<= 8) mxfp4 exponent bytes e -> their scales, the floats of exponent field e - 1 (0 for e <= 1); zeros after m
   MOE_YMM __m256 mx_scales8(const uint8_t* p, int m) {
     const __m256i e = u8_to_epi32(p, m);

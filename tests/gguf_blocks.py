@@ -1,4 +1,4 @@
-"""Quantizers for the GGUF block types the gguf package can read but not write (Q4_K, Q6_K, IQ4_NL, IQ4_XS), so the tests
+"""Quantizers for the GGUF block types the gguf package can read but not write (Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), so the tests
 can write files of them: float rows [R, K] -> the raw blocks [R, K / block * bytes], laid out as llama.cpp writes
 them. Simple first guesses of the scales (no search): the tests need the layout, not llama.cpp's error. Each
 is checked against the gguf package's dequantizer (tests/test_gguf.py), which is what makes the layout right."""
@@ -30,12 +30,13 @@ def _grid_scale(x: np.ndarray) -> np.ndarray:
     return peak / -127.0
 
 
-def q4_k(x: np.ndarray) -> np.ndarray:
-    """144 bytes per 256: fp16 d, dmin; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles."""
+def _k_quant(x: np.ndarray, top: int) -> tuple:
+    """Q4_K's and Q5_K's numbers: per 256 fp16 d, dmin and their 12 bytes of 6-bit scales and mins (16 bytes), and q
+    [R, n, 8, 32] in 0..top."""
     R, K = x.shape
     sub = x.astype(np.float32).reshape(R, K // 256, 8, 32)
     lo = np.minimum(sub.min(-1), 0)
-    scale, mins = (sub.max(-1) - lo) / 15, -lo
+    scale, mins = (sub.max(-1) - lo) / top, -lo
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (mins.max(-1) / 63).astype(np.float16)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -43,11 +44,28 @@ def q4_k(x: np.ndarray) -> np.ndarray:
         mn = np.where(dmin[..., None] > 0, np.round(mins / dmin.astype(np.float32)[..., None]), 0).clip(0, 63).astype(np.uint8)
         s = d.astype(np.float32)[..., None] * sc
         m = dmin.astype(np.float32)[..., None] * mn
-        q = np.where(s[..., None] > 0, np.round((sub + m[..., None]) / s[..., None]), 0).clip(0, 15).astype(np.uint8)
+        q = np.where(s[..., None] > 0, np.round((sub + m[..., None]) / s[..., None]), 0).clip(0, top).astype(np.uint8)
     packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
                              (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], axis=-1).astype(np.uint8)
+    return np.concatenate([_f16(d), _f16(dmin), packed], axis=-1), q
+
+
+def q4_k(x: np.ndarray) -> np.ndarray:
+    """144 bytes per 256: fp16 d, dmin; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles."""
+    R, K = x.shape
+    head, q = _k_quant(x, 15)
     qs = _pack_halves(q.reshape(R, K // 256, 4, 64)).reshape(R, K // 256, 128)
-    return np.concatenate([_f16(d), _f16(dmin), packed, qs], axis=-1).reshape(R, -1)
+    return np.concatenate([head, qs], axis=-1).reshape(R, -1)
+
+
+def q5_k(x: np.ndarray) -> np.ndarray:
+    """176 bytes per 256: Q4_K's 16 bytes of d, dmin, scales and mins; 32 bytes of high bits (bit s of byte l: the 5th
+    bit of sub-block s's weight l); Q4_K's 128 bytes of low nibbles."""
+    R, K = x.shape
+    head, q = _k_quant(x, 31)
+    qh = sum(((q[..., s, :] >> 4) & 1) << s for s in range(8)).astype(np.uint8)  # [R, n, 32]
+    qs = _pack_halves((q & 15).reshape(R, K // 256, 4, 64)).reshape(R, K // 256, 128)
+    return np.concatenate([head, qh, qs], axis=-1).reshape(R, -1)
 
 
 def iq4_nl(x: np.ndarray) -> np.ndarray:
@@ -101,7 +119,7 @@ def q6_k(x: np.ndarray) -> np.ndarray:
                           axis=-1).reshape(R, -1)
 
 
-ENCODERS = {"Q4_K": q4_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
+ENCODERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:

@@ -32,7 +32,8 @@ def layer(gate, up, down, fmt="bf16", isa=None, **kw):
 def no_amx_emulation_left_on():
     yield
     native.set_amx_emulation(False)
-FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs"]
+FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q5k", "q6k",
+           "iq4xs"]
 
 
 class Fp8Rows:
@@ -129,9 +130,10 @@ def close(got, want, tol):
 # activation across an int8 rounding boundary (one quantum, 1/127 of the vector's max).
 # fp8: e4m3 keeps 3 mantissa bits (up to 6% error per weight against the original bf16 weights).
 TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3, "fp8": 2e-3, "int4g32": 6e-3, "iq4nl": 6e-3,
-       "uint4g32": 6e-3, "int8g32": 6e-3, "q4k": 6e-3, "q6k": 6e-3, "iq4xs": 6e-3}
+       "uint4g32": 6e-3, "int8g32": 6e-3, "q4k": 6e-3, "q5k": 6e-3, "q6k": 6e-3, "iq4xs": 6e-3}
 TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1, "fp8": 1.5e-1, "int4g32": 3.5e-1,
-                "iq4nl": 3.5e-1, "uint4g32": 3.5e-1, "int8g32": 4e-2, "q4k": 3.5e-1, "q6k": 8e-2, "iq4xs": 3.5e-1}
+                "iq4nl": 3.5e-1, "uint4g32": 3.5e-1, "int8g32": 4e-2, "q4k": 3.5e-1, "q5k": 1.5e-1, "q6k": 8e-2,
+                "iq4xs": 3.5e-1}
 
 
 @pytest.fixture(autouse=True)
@@ -156,8 +158,8 @@ def test_native_matches_reference(fmt, isa, T, k, E, I, H):
 
 # gate/up and down in different formats (a GGUF Q4_K_M layer's Q4_K gate/up beside its Q6_K down): each phase on its
 # own kernels and activations; tiles on AMX in one phase and not the other, either way round
-@pytest.mark.parametrize("fmt, down_fmt", [("q4k", "q6k"), ("q6k", "q4k"), ("iq4xs", "int8g32"), ("int4g32", "bf16"),
-                                           ("bf16", "int4")])
+@pytest.mark.parametrize("fmt, down_fmt", [("q4k", "q6k"), ("q6k", "q4k"), ("q5k", "q6k"), ("iq4xs", "int8g32"),
+                                           ("int4g32", "bf16"), ("bf16", "int4")])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T", [1, 7, 64])
 def test_mixed_formats_match_reference(fmt, down_fmt, isa, T):
@@ -195,7 +197,7 @@ def test_large_T_repeated_ids_and_zero_weights(fmt, isa):
     assert torch.all(got[::3] == 0)
 
 
-@pytest.mark.parametrize("fmt", ["int4g32", "iq4nl", "uint4g32", "int8g32", "q6k", "iq4xs"])
+@pytest.mark.parametrize("fmt", ["int4g32", "iq4nl", "uint4g32", "int8g32", "q5k", "q6k", "iq4xs"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T", [1, 5])
 def test_rows_of_many_groups(fmt, isa, T):
@@ -290,6 +292,34 @@ def test_int4_published_groups_are_kept_bit_for_bit(isa, group):
                            torch.rand(r, -(-c // group), generator=g) * 0.02 + 1e-3, group)
     parts = [(i4(I, H), i4(I, H), i4(H, I)) for _ in range(E)]
     assert_kept_and_multiplied(published_layer(parts, I, H, "int4g32", isa), parts, T, k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q5k_published_weights_are_kept_bit_for_bit(isa):
+    """GGUF's Q5_K numbers as stored (5-bit q, 6-bit sc and m, d and dmin per 256; rows of 320 padded to 512): packed
+    exactly, and multiplied exactly on every path. Expert 0 is all q = 31 with sc = 63 and no min, against activations
+    of one sign: the largest sums a 32's products make, which AVX2's int16 pairs must not saturate (summing 8 chunks
+    before widening, as the 4-bit formats do, would: 8 x 2 x 31 x 127 > 2^15)."""
+    from moe_kernels.packing import Q5K
+    E, I, H, T, k = 3, 256, 320, 5, 2
+    g = torch.Generator().manual_seed(11)
+
+    def q5(r, c, extreme=False):
+        n = -(-c // 256)
+        rnd = lambda hi, *s: torch.randint(0, hi, s, dtype=torch.uint8, generator=g)  # noqa: E731
+        d = (torch.rand(r, n, generator=g) * 1e-3 + 1e-4).half().float()
+        dmin = (torch.rand(r, n, generator=g) * 1e-3).half().float()
+        if extreme:
+            return Q5K(torch.full((r, c), 31, dtype=torch.uint8), d, dmin, torch.full((r, 8 * n), 63, dtype=torch.uint8),
+                       torch.zeros(r, 8 * n, dtype=torch.uint8))
+        return Q5K(rnd(32, r, c), d, dmin, rnd(64, r, 8 * n), rnd(64, r, 8 * n))
+    parts = [(q5(I, H, e == 0), q5(I, H), q5(H, I)) for e in range(E)]
+    op = published_layer(parts, I, H, "q5k", isa)
+    assert_kept_and_multiplied(op, parts, T, k)
+    gate, up, down = dequantized(op)
+    x = torch.rand(T, H) + 0.5  # one sign: every product of expert 0's gate and up at its largest
+    ids, w = torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, 1)
+    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="q5k"), TOL["q5k"])
 
 
 def published_fp8(rows, cols, gen):
@@ -406,7 +436,7 @@ def test_avx2_paired_halves_are_two_halves_bitwise(fmt, tmp_path):
 
 
 @pytest.mark.skipif(not native.isa_supported("avxvnni"), reason="no AVX-VNNI on this CPU")
-@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "int4g32", "q6k", "iq4xs"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "int4g32", "q5k", "q6k", "iq4xs"])
 def test_avxvnni_is_avx2_bitwise(fmt):
     """vpdpbusd on (q + 128) minus 128 x the row sums and AVX2's signed pairs give the same integers, so
     the same floats after the same scaling: any difference is a bug in one of them."""

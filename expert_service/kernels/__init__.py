@@ -30,7 +30,8 @@ except ImportError as e:  # extension not built: the torch path still serves
     NATIVE_ISA, NativeMoELayer = None, None
 
 
-NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs")
+NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs",
+                  "q5k")
 
 
 def native(fmt: str) -> bool:
