@@ -6,7 +6,7 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
 a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
-uint4g32; Q5_K on q5k; Q6_K on q6k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on
+uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on
 int8g32; MXFP4 on mxfp4); the other quant types are
 dequantized exactly (then requantized by default: expert_format).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
@@ -35,8 +35,11 @@ STACKED, STACKED_RAW = -1, -2
 # block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred
 # first (Q4_0's q - 8 is also a min of 8 scales)
 FLOAT_TYPES = ("F32", "F16", "BF16")  # not block types: read as floats
-KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q4_K": ("q4k", "uint4g32"), "Q5_K": ("q5k",), "Q6_K": ("q6k",),
-         "IQ4_NL": ("iq4nl",), "IQ4_XS": ("iq4xs", "iq4nl"), "Q8_0": ("int8g32",), "MXFP4": ("mxfp4",)}
+KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q3_K": ("q3k", "q6k"), "Q4_K": ("q4k", "uint4g32"),
+         "Q5_K": ("q5k",), "Q6_K": ("q6k",), "IQ4_NL": ("iq4nl",), "IQ4_XS": ("iq4xs", "iq4nl"), "Q8_0": ("int8g32",),
+         "MXFP4": ("mxfp4",)}
+# bits a value of the formats a type no format keeps is requantized into (covering), smallest first
+VALUE_BITS = {"q3k": 3, "iq4xs": 4, "q5k": 5, "q6k": 6, "int8g32": 8}
 
 
 def _f16(b: np.ndarray) -> torch.Tensor:
@@ -121,6 +124,28 @@ def _q6_k(b: np.ndarray):
     return Q6K(q.reshape(R, -1), _f16(blocks[..., 208:210]), sc)
 
 
+def _q3_k(b: np.ndarray):
+    """110 bytes per 256: 32 bytes of high bits (bit 4h + j of byte l: weight 128 h + 32 j + l), 64 of low bit pairs
+    (bits 2j of byte 32 h + l: the same weight), 12 of the 16 6-bit scales (ggml's kmask shuffle), fp16 d;
+    w = d (sc - 32) (u - 4) with u = pair + 4 high bit."""
+    from moe_kernels.packing import Q3K
+    R = b.shape[0]
+    blocks = np.ascontiguousarray(b.reshape(R, -1, 110))
+    n = blocks.shape[1]
+    hm = torch.from_numpy(blocks[..., :32].copy()).view(R, n, 1, 32)
+    qs = torch.from_numpy(blocks[..., 32:96].copy()).view(R, n, 2, 1, 32)
+    low = (qs >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3        # [R, n, 2, 4, 32]
+    high = (hm >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1            # [R, n, 8, 32]
+    q = (low.reshape(R, n, 8, 32) | (high << 2)).to(torch.int8) - 4
+    a = blocks[..., 96:108].copy().view(np.uint32)                              # [R, n, 3]
+    m1, m2 = np.uint32(0x03030303), np.uint32(0x0F0F0F0F)
+    a0, a1, t = a[..., 0], a[..., 1], a[..., 2]
+    sc = np.stack([(a0 & m2) | ((t & m1) << 4), (a1 & m2) | (((t >> 2) & m1) << 4),
+                   ((a0 >> 4) & m2) | (((t >> 4) & m1) << 4), ((a1 >> 4) & m2) | (((t >> 6) & m1) << 4)], -1)
+    sc = torch.from_numpy(np.ascontiguousarray(sc).view(np.uint8).astype(np.int16) - 32).to(torch.int8)
+    return Q3K(q.reshape(R, -1), _f16(blocks[..., 108:110]), sc.reshape(R, -1))
+
+
 def _iq4_nl(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes of codes; w = d IQ4NL[code]
     from moe_kernels.packing import Iq4
     blocks = b.reshape(b.shape[0], -1, 18)
@@ -142,7 +167,7 @@ def _iq4_xs(b: np.ndarray):
     return Iq4Xs(codes, d, (ls - 32).to(torch.int8).reshape(R, -1))
 
 
-_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
            "Q8_0": _q8_0}
 
 
@@ -601,69 +626,68 @@ PER_MATRIX = "gguf"
 
 
 def expert_format(types: tuple[str, ...]) -> str | None:
-    """The expert format a GGUF's routed experts default to (None: floats): the format of the file's quantized types
-    where they share one (KEEPS' first choice); else, where a format keeps some of them, PER_MATRIX (each matrix in its
-    own type's: a Q4_K_M or Q6_K/Q8_0 mix read as stored, IQ4_XS beside IQ4_NL at their own sizes); else the size
-    class (size_class)."""
+    """The expert format a GGUF's routed experts default to (None: floats): each quantized type's own (own_format);
+    where they differ, PER_MATRIX (each matrix in its own type's: a Q4_K_M or Q6_K/Q8_0 mix read as stored, IQ4_XS
+    beside IQ4_NL at their own sizes)."""
     quantized = [t for t in types if t not in FLOAT_TYPES]
     if not quantized:
         return None
-    firsts = {KEEPS[t][0] for t in quantized if t in KEEPS}
-    if not firsts:
-        return size_class(quantized)
-    return firsts.pop() if len(firsts) == 1 and all(t in KEEPS for t in quantized) else PER_MATRIX
+    own = {own_format(t) for t in quantized}
+    return own.pop() if len(own) == 1 else PER_MATRIX
 
 
-def size_class(quantized: list[str]) -> str:
-    """For quantized types no one format keeps: the file's size class, not a 2-4x larger exact copy (a 4-bit DeepSeek
-    file must fit the RAM its user has): with a type of 5 bits or fewer, the format keeping the smallest such type
-    (Q3_K_M's Q4_K: q4k, its Q3_K requantized into it), or int4g32 (Q3_K, Q2_K); the others (Q5_0, Q5_1) ->
-    int8g32. Measured on the default model against llama-perplexity on the same files (docs/accuracy.md);
-    --weight-format bf16 keeps them exact."""
-    small = sorted((type_bits(t), t) for t in quantized if type_bits(t) <= 5)
-    if not small:
-        return "int8g32"
-    return next((KEEPS[t][0] for _, t in small if t in KEEPS and KEEPS[t][0] != "mxfp4"), "int4g32")
+def own_format(t: str) -> str:
+    """The format a matrix of ggml type t runs in by default: the first that keeps it as stored (KEEPS), else covering."""
+    return KEEPS[t][0] if t in KEEPS else covering(t)
+
+
+def covering(t: str) -> str:
+    """For a type no format keeps (Q2_K, Q5_0, Q5_1, the IQ2/IQ3 types; floats): the smallest format whose values have
+    at least the type's bits (its bits a weight less about half a bit of scales), so it is requantized onto a grid no
+    coarser than the file's and stays about the file's size (Q2_K: q3k, Q5_0: q5k), not a 2-4x larger exact copy (a
+    2-bit DeepSeek file must fit the RAM its user has). Measured on the default model against llama-perplexity on the
+    same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
+    need = max(int(type_bits(t) - 0.5), 1) if t not in FLOAT_TYPES else 16
+    return next((f for f, bits in VALUE_BITS.items() if bits >= need), "int8g32")
 
 
 def layer_formats(cfg, ckpt, layer: int, fmt: str) -> tuple[str, str]:
     """(gate/up's, down's) expert format of a MoE layer: fmt for both, except PER_MATRIX on a GGUF: each matrix in the
-    format keeping its block type (gate and up share one), the types none keeps in the file's size class."""
+    format keeping its block type (gate and up share one: a format keeping both, else the larger type's own), the
+    types none keeps in the covering format."""
     if fmt != PER_MATRIX:
         return fmt, fmt
     quantized = [t for t in cfg.gguf_expert_types if t not in FLOAT_TYPES]
     if not isinstance(ckpt, GGUFCheckpoint) or not quantized:
         raise ModelConfigError(f"--weight-format {PER_MATRIX} keeps a GGUF file's quantized experts as stored; this "
                                "model is not one")
-    fallback = size_class(quantized)
     if cfg.fused_experts:  # gpt-oss: its gate and up fused in one tensor, one format for the layer
-        one = expert_format(tuple(quantized))
-        return (fallback, fallback) if one == PER_MATRIX else (one, one)
+        one = own_format(max(quantized, key=type_bits))
+        return one, one
     gate, up, down = (ckpt.block_type(n) for n in cfg.expert_tensor_names(layer, 0))
     both = [f for f in KEEPS.get(gate, ()) if f in KEEPS.get(up, ())]
-    return (both[0] if both else fallback), KEEPS.get(down, (fallback,))[0]
+    return (both[0] if both else own_format(max(gate, up, key=type_bits))), own_format(down)
 
 
 def dequantized_experts(cfg, fmt: str) -> str | None:
     """For a GGUF whose routed experts the chosen format does not keep as stored: what that costs, for the log
     (None otherwise). The types KEEPS maps to `fmt` run as stored; the others are dequantized exactly, then held in
-    `fmt`."""
-    if fmt == PER_MATRIX:  # each type its own format; the ones none keeps: the size class (size_class)
-        quantized = [t for t in cfg.gguf_expert_types if t not in FLOAT_TYPES]
-        fmt = size_class(quantized)
-        types = [t for t in quantized if t not in KEEPS]
+    `fmt` (PER_MATRIX: each in its covering format)."""
+    quantized = [t for t in cfg.gguf_expert_types if t not in FLOAT_TYPES]
+    if fmt == PER_MATRIX:
+        held = {t: covering(t) for t in quantized if t not in KEEPS}
     else:
-        types = [t for t in cfg.gguf_expert_types if t not in FLOAT_TYPES and fmt not in KEEPS.get(t, ())]
-    if not types:
+        held = {t: fmt for t in quantized if fmt not in KEEPS.get(t, ())}
+    if not held:
         return None
-    stored, held = max(type_bits(t) for t in types), format_bits(fmt)
-    what = (f"the file's routed experts ({', '.join(types)}, up to {stored:.3g} bits a weight) are not kept as stored by "
-            f"the {fmt} format")
+    what = f"the file's routed experts ({', '.join(held)}) are not kept as stored by the {fmt} format"
     if fmt in ("fp32", "bf16", "fp16"):
-        return (f"{what}: dequantized exactly and held as {fmt} ({held:.3g} bits, {held / stored:.1f}x the file's bytes "
+        stored, bits = max(type_bits(t) for t in held), format_bits(fmt)
+        return (f"{what}: dequantized exactly and held as {fmt} ({bits:.3g} bits, {bits / stored:.1f}x the file's bytes "
                 "for them and as slow to decode)")
-    return (f"{what}: requantized to {fmt} ({held:.3g} bits; docs/accuracy.md measures the cost); --weight-format bf16 "
-            "holds them exactly, at 16 bits")
+    into = ", ".join(f"{f} ({t}: {type_bits(t):.3g} -> {format_bits(f):.3g} bits a weight)" for t, f in held.items())
+    return (f"{what}: requantized to {into}; docs/accuracy.md measures the cost; --weight-format bf16 holds them "
+            "exactly, at 16 bits")
 
 
 def resolve(model: str | os.PathLike, cache: pathlib.Path) -> pathlib.Path:

@@ -20,7 +20,9 @@
 - iq4xs: GGUF's IQ4_XS as stored (Iq4Xs: iq4nl's codes, w = d sc IQ4NL[code] with an fp32 d per 256 and an int8 sc per
   32; 4.375 bits a weight against iq4nl's 5), or quantized here;
 - q6k: GGUF's Q6_K as stored (Q6K: 6-bit values, w = d sc (u - 32) with an fp32 d per 256 and an int8 sc per 16;
-  6.625 bits a weight against the file's 6.5625), or quantized here.
+  6.625 bits a weight against the file's 6.5625), or quantized here;
+- q3k: GGUF's Q3_K as stored (Q3K: q6k's numbers with 3-bit values, w = d sc (u - 4); 3.625 bits a weight against the
+  file's 3.4375), or quantized here.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The grouped int formats (all
 but bf16, int8 and fp8) are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_blocked.h):
 _interleave_rows.
@@ -32,20 +34,19 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from moe_core.config import FP8_BLOCK
+from moe_core.config import FP8_BLOCK, KERNEL_FORMATS
 
 from . import native
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs",
-           "q5k")
+FORMATS = KERNEL_FORMATS
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
-QK = 256  # the super-block of q4k, q5k, q6k and iq4xs (GGUF's QK_K): a d (q4k: and a dmin) per 256, sub-scales below
-Q6_SUB = 16  # q6k: an int8 sc per 16
+QK = 256  # the super-block of q4k, q5k, q6k, q3k and iq4xs (GGUF's QK_K): a d (q4k: and a dmin) per 256, sub-scales below
+Q6_SUB = 16  # q6k, q3k: an int8 sc per 16
 BLOCK_ROWS = 16  # the grouped int formats' row blocks
-ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q5k", "q6k", "iq4xs")
-SUPER_BLOCKED = ("q4k", "q5k", "q6k", "iq4xs")  # rows in whole super-blocks of 256 (QK)
+ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q5k", "q6k", "q3k", "iq4xs")
+SUPER_BLOCKED = ("q4k", "q5k", "q6k", "q3k", "iq4xs")  # rows in whole super-blocks of 256 (QK)
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
@@ -273,7 +274,13 @@ class Q6K(NamedTuple):
 
     @staticmethod
     def cat(parts: list["Q6K"]) -> "Q6K":
-        return Q6K(*(torch.cat([getattr(p, f) for p in parts]) for f in Q6K._fields))
+        return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in Q6K._fields))
+
+
+class Q3K(Q6K):
+    """GGUF's Q3_K numbers: Q6K's with values -4..3 (the file's 3-bit u less 4) and sc -32..31 (its 6-bit scale less
+    32); the q6k format holds them too, at 6.625 bits."""
+    __slots__ = ()
 
 
 class Int8(NamedTuple):
@@ -356,6 +363,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp // 8 * 5), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
     if fmt == "iq4xs":  # per 256 of a row: d (fp32), 8 sc (bytes)
         return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 12), torch.uint8), None, None
+    if fmt == "q3k":  # 3 bits a weight; q6k's scales
+        return ((E, rows, Kp // 8 * 3), torch.uint8), ((E, rows, Kp // QK * 20), torch.uint8), None, None
     if fmt == "q6k":  # 6 bits a weight; per 256 of a row: d (fp32), 16 sc (bytes)
         return ((E, rows, Kp // 4 * 3), torch.uint8), ((E, rows, Kp // QK * 20), torch.uint8), None, None
     # the nibble ones; no rowcorr (their kernels take activations as s8)
@@ -548,6 +557,23 @@ def pack_q6k(w: Q6K, Kp: int) -> tuple:
     return _interleave_rows(nib, hi), _interleave_rows(*_d_and_bytes(w.d, w.sc, nsg)), None, None
 
 
+def pack_q3k(w: Q3K, Kp: int) -> tuple:
+    """Q3_K numbers [rows, K] -> (per 32: 2 vectors of low bit pairs (chunk c's at bits 2c of vector c // 4), 1 of high
+    bits (chunk c's at bit c); [per 256: d, 16 sc] bytes, None, None) in row blocks, bit-exact."""
+    R, K = w.values.shape
+    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // Q6_SUB)):
+        raise ValueError(f"q3k weight [{R}, {K}] needs a d per {QK} and an sc per {Q6_SUB} (rows padded to {QK}), got "
+                         f"{list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
+    if int(w.values.min()) < -4 or int(w.values.max()) > 3:
+        raise ValueError("q3k values outside -4..3")
+    u = F.pad(w.values.to(torch.int16) + 4, (0, Kp - K), value=4).to(torch.uint8)  # 4 = zero
+    c = u.view(R, Kp // G32, 8, 4)  # per 32: chunks of 4
+    low = (c & 3).view(R, Kp // G32, 2, 4, 4) << (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)
+    high = ((c >> 2) << torch.arange(8, dtype=torch.uint8).view(8, 1)).sum(2, keepdim=True, dtype=torch.uint8)
+    return (_interleave_rows(low.sum(3, dtype=torch.uint8), high),
+            _interleave_rows(*_d_and_bytes(w.d, w.sc, Kp // QK)), None, None)
+
+
 def _d_and_bytes(d: torch.Tensor, sc: torch.Tensor, nsg: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A super-blocked format's d [R, <= nsg] and sub-scales [R, <= nsg x n] (int8, or q4k's 0..63) as _interleave_rows
     fields, padded with zeros (zero weights)."""
@@ -593,6 +619,20 @@ def q6k_quantize(w: torch.Tensor) -> Q6K:
     q = torch.where(step != 0, torch.round(g / torch.where(step != 0, step, torch.ones_like(step))),
                     torch.zeros_like(g)).clamp(-32, 31)
     return Q6K(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
+
+
+def q3k_quantize(w: torch.Tensor) -> Q3K:
+    """Float w [rows, K] -> Q3_K's numbers (each 16's largest magnitude on -4, its scale on an sc in -32..31 under the
+    256's d; no search)."""
+    R, K = w.shape
+    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, Q6_SUB)
+    want = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0] / -4
+    d = (want.abs().view(R, -1, QK // Q6_SUB).amax(-1) / 32).clamp_min(1e-30)
+    sc = torch.round(want / d.repeat_interleave(QK // Q6_SUB, 1)).clamp(-32, 31)
+    step = (d.repeat_interleave(QK // Q6_SUB, 1) * sc)[..., None]
+    q = torch.where(step != 0, torch.round(g / torch.where(step != 0, step, torch.ones_like(step))),
+                    torch.zeros_like(g)).clamp(-4, 3)
+    return Q3K(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
 
 
 def q4k_quantize(w: torch.Tensor, bits: int = 4) -> Q4K:
@@ -664,9 +704,9 @@ def int8_quantize(w: torch.Tensor) -> Int8:
 
 
 def quantize(w, fmt: str):
-    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / Iq4Xs / UInt4 / Q8 / Q4K / Q5K / Q6K as published) in
-    a format's numbers, before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32), Mx4,
-    Fp8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q5K or Q6K;
+    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / Iq4Xs / UInt4 / Q8 / Q4K / Q5K / Q6K / Q3K as published)
+    in a format's numbers, before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32),
+    Mx4, Fp8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q5K, Q6K or Q3K;
     what a format keeps as published stays bit for bit."""
     if fmt == "mxfp4":
         return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
@@ -684,6 +724,8 @@ def quantize(w, fmt: str):
         return w if isinstance(w, Q5K) else q4k_quantize(floats(w), bits=5)
     if fmt == "q6k":
         return w if isinstance(w, Q6K) else q6k_quantize(floats(w))
+    if fmt == "q3k":
+        return w if isinstance(w, Q3K) else q3k_quantize(floats(w))
     if fmt == "iq4xs":
         return w if isinstance(w, Iq4Xs) else iq4xs_quantize(floats(w))
     if fmt == "int8g32":
@@ -734,6 +776,8 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
         return pack_q4k(q, Kp, bits=5)
     if fmt == "q6k":
         return pack_q6k(q, Kp)
+    if fmt == "q3k":
+        return pack_q3k(q, Kp)
     if fmt == "iq4xs":
         return pack_iq4xs(q, Kp)
     if fmt == "int4":
@@ -777,6 +821,13 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
             v = torch.cat([nib & 15, nib >> 4], -2) | (high << 4)
             s = _d_times_sc(scale, E, R, QK // Q6_SUB)
             return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 32).float()).reshape(E, R, -1)[..., :K]
+        elif fmt == "q3k":  # per 32: 2 vectors of low bit pairs (chunk c's at bits 2c of vector c // 4), 1 of high bits
+            low, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 12, (2, 4), (1, 4)))
+            shift = (2 * torch.arange(4, device=data.device)).view(4, 1)
+            v = torch.cat([(low[..., 0:1, :] >> shift) & 3, (low[..., 1:2, :] >> shift) & 3], -2)
+            v = v | (((hi >> torch.arange(8, device=data.device).view(8, 1)) & 1) << 2)
+            s = _d_times_sc(scale, E, R, QK // Q6_SUB)
+            return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 4).float()).reshape(E, R, -1)[..., :K]
         else:  # per 32, chunk v in the low nibbles, v + 4 in the high ones
             b = _deinterleave_rows(data, data.shape[-1] // 16, (4, 4))[0].long()
             v = torch.cat([b & 15, b >> 4], -2)
@@ -827,6 +878,8 @@ def stack_rows(parts: list, fmt: str):
         return Q5K.cat(parts)
     if fmt == "q6k" and all(isinstance(p, Q6K) for p in parts):
         return Q6K.cat(parts)
+    if fmt == "q3k" and all(isinstance(p, Q3K) for p in parts):
+        return Q3K.cat(parts)
     if fmt == "iq4xs" and all(isinstance(p, Iq4Xs) for p in parts):
         return Iq4Xs.cat(parts)
     return torch.cat([floats(p) for p in parts])

@@ -25,6 +25,9 @@
 // nibble formats' and its fifth bits in 1 more vector a 32 (chunk c's at bit c); AVX2 sums 4 chunks' int16 pairs
 // before widening, not 8 (4 x 2 x 31 x 128 < 2^15).
 //
+// q3k (GGUF's Q3_K as stored): q6k's numbers with 3-bit u (w = d sc (u - 4)): a 32's low bit pairs in 2 vectors (as
+// q6k's high pairs) and its high bits in 1 (as q5k's), decoded to u, then q6k's sums with an excess of 4.
+//
 // q6k (GGUF's Q6_K as stored): 6-bit u (w = d sc (u - 32)), its low nibbles laid out as the nibble formats' and its
 // high 2 bits in 2 more vectors a 32. A 32's two chains of dot products are its two 16s (chunks 0-3, 4-7), each
 // with its own int8 sc: the 16's int32 dot product, less 32 x its activation sum, times sc, summed in int32 over
@@ -54,27 +57,32 @@ namespace moe {
 
 namespace {
 
-enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K, IQXS, Q5K };
+enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K, IQXS, Q5K, Q3K };
 constexpr int BLK = 16;  // rows a block
 constexpr int G = 32;    // weights a layout group (a scale's, or half of int4's)
 template <int MODE>
-constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q5K || MODE == Q6K || MODE == IQXS ? 8 : 1;  // layout groups a d covers
+constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q5K || MODE == Q6K || MODE == Q3K || MODE == IQXS ? 8 : 1;  // layout groups a d covers
 // the formats whose scales are bytes read field by field: d (fp32) per 256, then sub-scales (and mins)
-constexpr bool fielded(int mode) { return mode == Q4K || mode == Q5K || mode == Q6K || mode == IQXS; }
+constexpr bool fielded(int mode) { return mode == Q4K || mode == Q5K || mode == Q6K || mode == Q3K || mode == IQXS; }
+// q6k and q3k: w = d sc (u - excess), an int8 sc per 16 under an fp32 d per 256 (the same scales)
+constexpr bool sub16(int mode) { return mode == Q6K || mode == Q3K; }
+// products times an int8 sc, summed in int32 per 256, then d
+template <int MODE>
+constexpr bool int_scaled = sub16(MODE) || MODE == IQXS;
 // q4k and q5k: w = d sc q - dmin m, a 6-bit sc and m per 32 under an fp32 d and dmin per 256 (the same scales)
 constexpr bool k_mins(int mode) { return mode == Q4K || mode == Q5K; }
 template <int MODE>
 using ScaleT = std::conditional_t<MODE == MX || fielded(MODE), uint8_t, float>;  // mxfp4: the exponent byte
 template <int MODE>
 // scale elements a row has per scale group (q4k, q5k: d, dmin, 8 sc, 8 m; q6k: d, 16 sc; iq4xs: d, 8 sc: bytes)
-constexpr int SGE = k_mins(MODE) ? 24 : MODE == Q6K ? 20 : MODE == IQXS ? 12 : 1;
+constexpr int SGE = k_mins(MODE) ? 24 : sub16(MODE) ? 20 : MODE == IQXS ? 12 : 1;
 template <int MODE>
 constexpr bool nibble = MODE != Q8;
 template <int MODE>
 constexpr int vectors = nibble<MODE> ? 4 : 8;  // chunk vectors a group loads (q6k: and its 2 of high bits, q5k its 1)
 template <int MODE>
-constexpr int stride_vectors = MODE == Q6K ? 6 : MODE == Q5K ? 5 : vectors<MODE>;  // vectors' worth of bytes a layout group stores
-constexpr int Q6_SUB = 16;  // q6k: weights an sc covers
+constexpr int stride_vectors = MODE == Q6K ? 6 : MODE == Q5K ? 5 : MODE == Q3K ? 3 : vectors<MODE>;  // vectors' worth of bytes a layout group stores
+constexpr int Q6_SUB = 16;  // q6k, q3k: weights an sc covers
 // ggml's kvalues_iq4nl: the IQ4_NL / IQ4_XS code -> its value; and + 128 as u8
 constexpr int8_t IQ4NL_LUT[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr uint8_t IQ4NL_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -92,7 +100,7 @@ constexpr bool looked_up(int mode) { return mode == IQ || mode == MX || mode == 
 // what a group's dot product of u8 weights carries in excess, per unit of its activation sum (SIGNED: AVX2's sign
 // trick on the signed values)
 template <int MODE, bool SIGNED>
-constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == Q6K ? 32 : MODE == ASYM || k_mins(MODE) || SIGNED ? 0 : 128;
+constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == Q6K ? 32 : MODE == Q3K ? 4 : MODE == ASYM || k_mins(MODE) || SIGNED ? 0 : 128;
 // the formats with mins: the activations' float sum per 32 is needed
 template <int MODE>
 constexpr bool has_mins = MODE == ASYM || k_mins(MODE);
@@ -169,6 +177,14 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i q6_value512(__m512i n
                                                                                : _mm512_srli_epi16(hv, 2);
   return _mm512_ternarylogic_epi32(nib, h, _mm512_set1_epi8(0x30), 0xF8);  // nib | (h & 0x30)
 }
+// q3k: chunk c's value from its 2 low bits (bits 2c, 2c + 1 of lv's bytes, c < 4) and its high bit (bit c of hb's,
+// c < 8) (16-bit shifts by at most 6 and 5: what crosses bytes lands outside bits 0-2, masked away)
+__attribute__((target("avx512f,avx512bw"))) inline __m512i q3_value512(__m512i lv, __m512i hb, int c) {
+  const int k = c % 4;
+  const __m512i l = k ? _mm512_srli_epi16(lv, 2 * k) : lv;
+  const __m512i h = c < 2 ? _mm512_slli_epi16(hb, 2 - c) : c == 2 ? hb : _mm512_srli_epi16(hb, c - 2);
+  return _mm512_or_si512(_mm512_and_si512(l, _mm512_set1_epi8(0x03)), _mm512_and_si512(h, _mm512_set1_epi8(0x04)));
+}
 // q5k: chunk c's (c < 8) high bit, bit c of each byte of hv, put above its nibble (16-bit shifts by at most 4: what
 // crosses into the next byte lands in bits 0-3 or 5-7, masked away)
 __attribute__((target("avx512f,avx512bw"))) inline __m512i q5_value512(__m512i nib, __m512i hv, int c) {
@@ -193,8 +209,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
     if constexpr (k_mins(MODE))
       MOE_UNROLL for (int b = 0; b < NB; ++b)
         MOE_UNROLL for (int t = 0; t < NT; ++t) qs[b][t] = qm[b][t] = _mm512_setzero_ps();
-    __m512i qi[NB][NT];  // q6k, iq4xs: the 256's int32 sum of sc x dot
-    if constexpr (MODE == Q6K || MODE == IQXS)
+    __m512i qi[NB][NT];  // q6k, q3k, iq4xs: the 256's int32 sum of sc x dot
+    if constexpr (int_scaled<MODE>)
       MOE_UNROLL for (int b = 0; b < NB; ++b)
         MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = _mm512_setzero_si512();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
@@ -202,35 +218,48 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
       __m512i u[NB][8];
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
         const uint8_t* p = W[b] + size_t(lg) * gs;
-        __m512i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
-        if constexpr (MODE == Q6K || MODE == Q5K)
-          MOE_UNROLL for (int k = 0; k < stride_vectors<MODE> - 4; ++k) {
+        if constexpr (MODE == Q3K) {  // 2 vectors of low bit pairs (chunks 0-3, 4-7), 1 of high bits
+          __m512i lv[3];
+          MOE_UNROLL for (int k = 0; k < 3; ++k) {
             if constexpr (FULL) {
-              _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
-              hv[k] = _mm512_loadu_si512(p + 64 * (4 + k));
+              _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * k), _MM_HINT_T1);
+              lv[k] = _mm512_loadu_si512(p + 64 * k);
             } else {
-              hv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * (4 + k));
+              lv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * k);
             }
           }
-        MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
-          __m512i q;
-          if constexpr (FULL) {
-            _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
-            q = _mm512_loadu_si512(p + 64 * v);
-          } else {
-            q = _mm512_maskz_loadu_epi32(lanes, p + vs * v);
-          }
-          if constexpr (MODE == Q6K) {
-            u[b][v] = q6_value512(_mm512_and_si512(q, lo4), hv[0], v);
-            u[b][v + 4] = q6_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[1], v);
-          } else if constexpr (MODE == Q5K) {
-            u[b][v] = q5_value512(_mm512_and_si512(q, lo4), hv[0], v);
-            u[b][v + 4] = q5_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[0], v + 4);
-          } else if constexpr (nibble<MODE>) {
-            u[b][v] = decode512<MODE>(_mm512_and_si512(q, lo4));
-            u[b][v + 4] = decode512<MODE>(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4));
-          } else {
-            u[b][v] = decode512<MODE>(q);
+          MOE_UNROLL for (int c = 0; c < 8; ++c) u[b][c] = q3_value512(lv[c / 4], lv[2], c);
+        } else {
+          __m512i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
+          if constexpr (MODE == Q6K || MODE == Q5K)
+            MOE_UNROLL for (int k = 0; k < stride_vectors<MODE> - 4; ++k) {
+              if constexpr (FULL) {
+                _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
+                hv[k] = _mm512_loadu_si512(p + 64 * (4 + k));
+              } else {
+                hv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * (4 + k));
+              }
+            }
+          MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
+            __m512i q;
+            if constexpr (FULL) {
+              _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
+              q = _mm512_loadu_si512(p + 64 * v);
+            } else {
+              q = _mm512_maskz_loadu_epi32(lanes, p + vs * v);
+            }
+            if constexpr (MODE == Q6K) {
+              u[b][v] = q6_value512(_mm512_and_si512(q, lo4), hv[0], v);
+              u[b][v + 4] = q6_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[1], v);
+            } else if constexpr (MODE == Q5K) {
+              u[b][v] = q5_value512(_mm512_and_si512(q, lo4), hv[0], v);
+              u[b][v + 4] = q5_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[0], v + 4);
+            } else if constexpr (nibble<MODE>) {
+              u[b][v] = decode512<MODE>(_mm512_and_si512(q, lo4));
+              u[b][v + 4] = decode512<MODE>(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4));
+            } else {
+              u[b][v] = decode512<MODE>(q);
+            }
           }
         }
       }
@@ -267,7 +296,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
           }
         }
       }
-      if constexpr (MODE == Q6K) {  // this 32's two 16s: less 32 x their activation sums, times their sc
+      if constexpr (sub16(MODE)) {  // this 32's two 16s: less the excess x their activation sums, times their sc
         MOE_UNROLL for (int b = 0; b < NB; ++b) {
           const uint8_t* sc = S[b] + size_t(g) * n * SGE<MODE> + 4 * n + 2 * h * n;
           const __m512i sc0 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
@@ -283,7 +312,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
         }
       }
     }
-    if constexpr (MODE == Q6K || MODE == IQXS) {  // the 256's d
+    if constexpr (int_scaled<MODE>) {  // the 256's d
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
         const __m512 dv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * SGE<MODE>);
         MOE_UNROLL for (int t = 0; t < NT; ++t)
@@ -409,46 +438,59 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
     __m256 qs[NT], qm[NT];  // q4k, q5k: as mk512's
     if constexpr (k_mins(MODE))
       MOE_UNROLL for (int t = 0; t < NT; ++t) qs[t] = qm[t] = Ymm::zero_ps();
-    __m256i qi[NT];  // q6k, iq4xs: as mk512's
-    if constexpr (MODE == Q6K || MODE == IQXS)
+    __m256i qi[NT];  // q6k, q3k, iq4xs: as mk512's
+    if constexpr (int_scaled<MODE>)
       MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = Ymm::zero_si();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
       const int lg = g * SPG<MODE> + h;
       __m256i u[8];
       const uint8_t* p = W + size_t(lg) * gs;
-      __m256i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
-      if constexpr (MODE == Q6K || MODE == Q5K)
-        MOE_UNROLL for (int k = 0; k < stride_vectors<MODE> - 4; ++k) {
+      if constexpr (MODE == Q3K) {  // as mk512's
+        __m256i lv[3];
+        MOE_UNROLL for (int k = 0; k < 3; ++k) {
           if constexpr (FULL) {
-            _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
-            hv[k] = Ymm::load(p + 64 * (4 + k));
+            _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * k), _MM_HINT_T1);
+            lv[k] = Ymm::load(p + 64 * k);
           } else {
-            hv[k] = Ymm::load_first_epi32(p + vs * (4 + k), m);
+            lv[k] = Ymm::load_first_epi32(p + vs * k, m);
           }
         }
-      MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
-        __m256i q;
-        if constexpr (FULL) {
-          _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
-          q = Ymm::load(p + 64 * v);
-        } else {
-          q = Ymm::load_first_epi32(p + vs * v, m);
-        }
-        if constexpr (MODE == Q6K) {
-          Ymm::split_nibbles(q, u[v], u[v + 4]);
-          u[v] = Ymm::q6_value(u[v], hv[0], v), u[v + 4] = Ymm::q6_value(u[v + 4], hv[1], v);
-        } else if constexpr (MODE == Q5K) {
-          Ymm::split_nibbles(q, u[v], u[v + 4]);
-          u[v] = Ymm::q5_value(u[v], hv[0], v), u[v + 4] = Ymm::q5_value(u[v + 4], hv[0], v + 4);
-        } else if constexpr (nibble<MODE>) {
-          Ymm::split_nibbles(q, u[v], u[v + 4]);
-          decode256<Dot, MODE>(u[v], lut), decode256<Dot, MODE>(u[v + 4], lut);
-        } else {
-          u[v] = q;
-          decode256<Dot, MODE>(u[v], lut);
+        MOE_UNROLL for (int c = 0; c < 8; ++c) u[c] = Ymm::q3_value(lv[c / 4], lv[2], c);
+      } else {
+        __m256i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
+        if constexpr (MODE == Q6K || MODE == Q5K)
+          MOE_UNROLL for (int k = 0; k < stride_vectors<MODE> - 4; ++k) {
+            if constexpr (FULL) {
+              _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
+              hv[k] = Ymm::load(p + 64 * (4 + k));
+            } else {
+              hv[k] = Ymm::load_first_epi32(p + vs * (4 + k), m);
+            }
+          }
+        MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
+          __m256i q;
+          if constexpr (FULL) {
+            _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
+            q = Ymm::load(p + 64 * v);
+          } else {
+            q = Ymm::load_first_epi32(p + vs * v, m);
+          }
+          if constexpr (MODE == Q6K) {
+            Ymm::split_nibbles(q, u[v], u[v + 4]);
+            u[v] = Ymm::q6_value(u[v], hv[0], v), u[v + 4] = Ymm::q6_value(u[v + 4], hv[1], v);
+          } else if constexpr (MODE == Q5K) {
+            Ymm::split_nibbles(q, u[v], u[v + 4]);
+            u[v] = Ymm::q5_value(u[v], hv[0], v), u[v + 4] = Ymm::q5_value(u[v + 4], hv[0], v + 4);
+          } else if constexpr (nibble<MODE>) {
+            Ymm::split_nibbles(q, u[v], u[v + 4]);
+            decode256<Dot, MODE>(u[v], lut), decode256<Dot, MODE>(u[v + 4], lut);
+          } else {
+            u[v] = q;
+            decode256<Dot, MODE>(u[v], lut);
+          }
         }
       }
-      if constexpr (MODE == Q6K) {  // as mk512's
+      if constexpr (sub16(MODE)) {  // as mk512's
         const uint8_t* sc = Sb + size_t(g) * n * SGE<MODE> + 4 * n + 2 * h * n + lane0;
         const __m256i sc0 = Ymm::s8_to_epi32(sc, m), sc1 = Ymm::s8_to_epi32(sc + n, m);
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
@@ -480,7 +522,7 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
         }
       }
     }
-    if constexpr (MODE == Q6K || MODE == IQXS) {
+    if constexpr (int_scaled<MODE>) {
       const float* dp = reinterpret_cast<const float*>(Sb + size_t(g) * n * SGE<MODE>) + lane0;
       const __m256 dv = FULL ? Ymm::loadu_ps(dp) : Ymm::loadu_first_ps(dp, m);
       MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::fmadd(Ymm::to_ps(qi[t]), dv, acc[t]);
@@ -516,7 +558,7 @@ inline bool pair_off() {  // MOE_AVX2_PAIR=0: two mk256 calls instead of mk256_p
   return off;
 }
 template <class Dot, int MODE>
-constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && !k_mins(MODE) && MODE != Q6K;
+constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && !k_mins(MODE) && !sub16(MODE);
 // AVX2 decode (one token) of a whole block's two halves at once, for the nibble formats on vpmaddubsw (int4,
 // int4g32, uint4g32, mxfp4): each broadcast activation chunk serves both halves' 8 rows, half the broadcasts
 // of two mk256 calls (on a Zen 1 the 256-bit path is instruction-bound, docs/kernels.md). The same integer sums
@@ -570,12 +612,13 @@ inline void mk256_pair(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, con
 // the units it computed.
 template <int MODE>
 inline size_t row_bytes(int Kp) {
-  return MODE == Q8 ? size_t(Kp) : MODE == Q6K ? size_t(Kp) / 4 * 3 : MODE == Q5K ? size_t(Kp) / 8 * 5 : size_t(Kp) / 2;
+  return MODE == Q8 ? size_t(Kp) : MODE == Q6K ? size_t(Kp) / 4 * 3 : MODE == Q5K ? size_t(Kp) / 8 * 5
+       : MODE == Q3K ? size_t(Kp) / 8 * 3 : size_t(Kp) / 2;
 }
 template <int MODE, int EXCESS, int LANES, int TBI, class MK>
 inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
   MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
-  MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "q4k, q5k, q6k and iq4xs rows are padded to a multiple of 256");
+  MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "the super-blocked formats' rows are padded to a multiple of 256");
   const int ng = m.Kp / (G * SPG<MODE>);  // scale groups a row
   const size_t ldw = row_bytes<MODE>(m.Kp);
   const size_t pf = tuning().pf_bytes;
@@ -585,7 +628,7 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
       reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng * SGE<MODE> + moff);
   thread_local Prepared p;
   // the activations' sums per scale group times the excess; q4k's and q5k's mins: their sums per 32; q6k's excess per 16
-  const int per = k_mins(MODE) || MODE == IQXS ? G : MODE == Q6K ? Q6_SUB : G * SPG<MODE>;
+  const int per = k_mins(MODE) || MODE == IQXS ? G : sub16(MODE) ? Q6_SUB : G * SPG<MODE>;
   prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, per, EXCESS, has_mins<MODE>, p);
   for (int r = r0; r < r1; r += BLK) {
     const int n = std::min(BLK, m.rows - r);
@@ -665,8 +708,6 @@ constexpr bool amx_tiled = MODE == INT4 || MODE == G32 || MODE == IQ || MODE == 
 template <int MODE>
 constexpr int TK = MODE == Q6K ? Q6_SUB : MODE == IQXS ? G : G * SPG<MODE>;  // the K of one tile product: a scale
                                                                                // group's; q6k's 16, iq4xs's 32
-template <int MODE>
-constexpr bool int_scaled = MODE == Q6K || MODE == IQXS;  // products times an int8 sc, summed in int32 per 256
 template <int MODE>
 constexpr size_t row_scales(int Kp) { return size_t(Kp) / (G * SPG<MODE>) * SGE<MODE>; }  // scale elements a row
 
@@ -918,6 +959,10 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
             const uint8_t* gb = wb + size_t(lg) * 24 * n;
             const uint8_t byte = gb[size_t(c % 4) * 4 * n + 4 * j + k], hb = gb[size_t(4 + c / 4) * 4 * n + 4 * j + k];
             w = ((c < 4 ? byte & 15 : byte >> 4) | (((hb >> (2 * (c % 4))) & 3) << 4)) - 32;
+          } else if constexpr (MODE == Q3K) {  // the low bit pair from vector c / 4, the high bit from the last
+            const uint8_t* gb = wb + size_t(lg) * 12 * n;
+            const uint8_t lb = gb[size_t(c / 4) * 4 * n + 4 * j + k], hb = gb[size_t(2) * 4 * n + 4 * j + k];
+            w = (((lb >> (2 * (c % 4))) & 3) | (((hb >> c) & 1) << 2)) - 4;
           } else if constexpr (MODE == Q5K) {  // the nibble, and the high bit from the 32's last vector
             const uint8_t* gb = wb + size_t(lg) * 20 * n;
             const uint8_t byte = gb[size_t(c % 4) * 4 * n + 4 * j + k], hb = gb[size_t(4) * 4 * n + 4 * j + k];
@@ -930,7 +975,7 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
           const int32_t xv = int32_t(X[s][lg * G + i]) - 128;
           dot += w * xv;
           xsum += xv;
-          if constexpr (MODE == Q6K)
+          if constexpr (sub16(MODE))
             if (i % Q6_SUB == Q6_SUB - 1) {  // the 16's sc
               const size_t sub = size_t(lg % SPG<MODE>) * 2 + i / Q6_SUB;
               qi += dot * int8_t(sb[size_t(lg / SPG<MODE>) * n * SGE<MODE> + 4 * n + sub * n + j]);

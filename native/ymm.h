@@ -62,6 +62,13 @@ struct Ymm {
                                                                                  : _mm256_srli_epi16(hv, 2);
     return _mm256_or_si256(nib, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
   }
+  // q3k: chunk c's 2 low bits from lv, its high bit (bit c) from hb (gemm_blocked.h)
+  MOE_YMM __m256i q3_value(__m256i lv, __m256i hb, int c) {
+    const int k = c % 4;
+    const __m256i l = k ? _mm256_srli_epi16(lv, 2 * k) : lv;
+    const __m256i h = c < 2 ? _mm256_slli_epi16(hb, 2 - c) : c == 2 ? hb : _mm256_srli_epi16(hb, c - 2);
+    return _mm256_or_si256(_mm256_and_si256(l, _mm256_set1_epi8(0x03)), _mm256_and_si256(h, _mm256_set1_epi8(0x04)));
+  }
   // q5k: chunk c's (c < 8) high bit, bit c of each byte of hv, above its nibble (gemm_blocked.h)
   MOE_YMM __m256i q5_value(__m256i nib, __m256i hv, int c) {
     const __m256i h = c < 4 ? _mm256_slli_epi16(hv, 4 - c) : c == 4 ? hv : _mm256_srli_epi16(hv, c - 4);

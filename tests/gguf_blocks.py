@@ -1,4 +1,4 @@
-"""Quantizers for the GGUF block types the gguf package can read but not write (Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), so the tests
+"""Quantizers for the GGUF block types the gguf package can read but not write (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), so the tests
 can write files of them: float rows [R, K] -> the raw blocks [R, K / block * bytes], laid out as llama.cpp writes
 them. Simple first guesses of the scales (no search): the tests need the layout, not llama.cpp's error. Each
 is checked against the gguf package's dequantizer (tests/test_gguf.py), which is what makes the layout right."""
@@ -119,7 +119,29 @@ def q6_k(x: np.ndarray) -> np.ndarray:
                           axis=-1).reshape(R, -1)
 
 
-ENCODERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
+def q3_k(x: np.ndarray) -> np.ndarray:
+    """110 bytes per 256: 32 bytes of high bits, 64 of low bit pairs, 12 of the 16 6-bit scales, fp16 d. Weight
+    128 h + 32 j + l (h < 2, j < 4, l < 32): pair j of byte 32 h + l, high bit 4 h + j of byte l; its 16's scale
+    d (sc - 32); sc j < 8 in byte j's low nibble, j >= 8 in byte j - 8's high one, its top 2 bits in byte 8 + j % 4."""
+    R, K = x.shape
+    sub = x.astype(np.float32).reshape(R, K // 256, 16, 16)
+    want = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0] / -4.0  # each 16's peak on -4
+    d = (np.abs(want).max(-1) / 32).astype(np.float16)
+    df = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df[..., None] > 0, np.round(want / df[..., None]), 0).clip(-32, 31)
+        s = df[..., None] * sc
+        q = np.where(s[..., None] != 0, np.round(sub / s[..., None]), 0).clip(-4, 3)
+    u = (q + 4).astype(np.uint8).reshape(R, K // 256, 2, 4, 32)  # [.., h, j, l]
+    qs = sum((u[..., j, :] & 3) << (2 * j) for j in range(4)).astype(np.uint8).reshape(R, K // 256, 64)
+    hm = sum(((u[:, :, h, j, :] >> 2) & 1) << (4 * h + j) for h in range(2) for j in range(4)).astype(np.uint8)
+    sv = (sc + 32).astype(np.uint8)  # [R, n, 16]
+    packed = np.concatenate([(sv[..., 0:8] & 15) | ((sv[..., 8:16] & 15) << 4),
+                             sum((sv[..., 4 * k:4 * k + 4] >> 4) << (2 * k) for k in range(4)).astype(np.uint8)], -1)
+    return np.concatenate([hm, qs, packed.astype(np.uint8), _f16(d)], axis=-1).reshape(R, -1)
+
+
+ENCODERS = {"Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:

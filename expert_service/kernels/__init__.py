@@ -4,7 +4,8 @@ implementation for one model layer; all share forward / submit / wait.
 Shapes: gate, up: [E, I, H]; down: [E, H, I]; hidden: [T, H]; topk_ids: [T, k] int32;
 topk_weights: [T, k] fp32; out: [T, H] in hidden's dtype.
 
-bf16, int8, int4, mxfp4, fp8, int4g32, iq4nl, uint4g32 and int8g32 weights run on the native kernels (native/; path in NATIVE_ISA, forced with
+The KERNEL_FORMATS (bf16, int8, int4, mxfp4, fp8, the grouped int formats and GGUF's block formats) run on the native
+kernels (native/; path in NATIVE_ISA, forced with
 MOE_KERNEL_PATH=portable|avx2|avxvnni|avx512|amx, or MOE_KERNEL_PATH=torch for the torch reference); fp32/fp16
 weights use the torch operator. Where only the portable (plain C++) path runs and nothing forced it,
 bf16 weights use torch too: its vectorized bf16 code beats ours there (on a Zen 3 before the AVX2
@@ -15,6 +16,7 @@ import os
 
 import torch
 
+from moe_core.config import KERNEL_FORMATS
 from moe_core.gguf_model import PER_MATRIX
 
 from .torch_moe import FORMATS as TORCH_DTYPES, TorchMoELayer
@@ -30,8 +32,7 @@ except ImportError as e:  # extension not built: the torch path still serves
     NATIVE_ISA, NativeMoELayer = None, None
 
 
-NATIVE_FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs",
-                  "q5k")
+NATIVE_FORMATS = KERNEL_FORMATS
 
 
 def native(fmt: str) -> bool:
