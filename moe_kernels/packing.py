@@ -607,32 +607,19 @@ def iq4xs_quantize(w: torch.Tensor) -> Iq4Xs:
     return Iq4Xs(codes.view(R, -1)[:, :K], d, sc.to(torch.int8))
 
 
-def q6k_quantize(w: torch.Tensor) -> Q6K:
+def q6k_quantize(w: torch.Tensor, bits: int = 6) -> Q6K:
     """Float w [rows, K] -> Q6_K's numbers (each 16's largest magnitude on -32, its scale on an int8 under the 256's
-    d; no search, as ggml's first guess)."""
+    d; no search, as ggml's first guess); bits 3: Q3_K's (on -4, an sc of -32..31, as the file's 6 bits less 32)."""
+    half, sc_max = 1 << (bits - 1), 127 if bits == 6 else 31
     R, K = w.shape
     g = F.pad(w.float(), (0, -K % QK)).view(R, -1, Q6_SUB)
-    want = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0] / -32
-    d = (want.abs().view(R, -1, QK // Q6_SUB).amax(-1) / 127).clamp_min(1e-30)
-    sc = torch.round(want / d.repeat_interleave(QK // Q6_SUB, 1)).clamp(-128, 127)
+    want = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0] / -half
+    d = (want.abs().view(R, -1, QK // Q6_SUB).amax(-1) / (sc_max + 1 if bits == 3 else sc_max)).clamp_min(1e-30)
+    sc = torch.round(want / d.repeat_interleave(QK // Q6_SUB, 1)).clamp(-sc_max - 1, sc_max)
     step = (d.repeat_interleave(QK // Q6_SUB, 1) * sc)[..., None]
     q = torch.where(step != 0, torch.round(g / torch.where(step != 0, step, torch.ones_like(step))),
-                    torch.zeros_like(g)).clamp(-32, 31)
-    return Q6K(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
-
-
-def q3k_quantize(w: torch.Tensor) -> Q3K:
-    """Float w [rows, K] -> Q3_K's numbers (each 16's largest magnitude on -4, its scale on an sc in -32..31 under the
-    256's d; no search)."""
-    R, K = w.shape
-    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, Q6_SUB)
-    want = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0] / -4
-    d = (want.abs().view(R, -1, QK // Q6_SUB).amax(-1) / 32).clamp_min(1e-30)
-    sc = torch.round(want / d.repeat_interleave(QK // Q6_SUB, 1)).clamp(-32, 31)
-    step = (d.repeat_interleave(QK // Q6_SUB, 1) * sc)[..., None]
-    q = torch.where(step != 0, torch.round(g / torch.where(step != 0, step, torch.ones_like(step))),
-                    torch.zeros_like(g)).clamp(-4, 3)
-    return Q3K(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
+                    torch.zeros_like(g)).clamp(-half, half - 1)
+    return (Q6K if bits == 6 else Q3K)(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
 
 
 def q4k_quantize(w: torch.Tensor, bits: int = 4) -> Q4K:
@@ -725,7 +712,7 @@ def quantize(w, fmt: str):
     if fmt == "q6k":
         return w if isinstance(w, Q6K) else q6k_quantize(floats(w))
     if fmt == "q3k":
-        return w if isinstance(w, Q3K) else q3k_quantize(floats(w))
+        return w if isinstance(w, Q3K) else q6k_quantize(floats(w), bits=3)
     if fmt == "iq4xs":
         return w if isinstance(w, Iq4Xs) else iq4xs_quantize(floats(w))
     if fmt == "int8g32":
