@@ -422,6 +422,28 @@ def _blocked_nibbles(q: torch.Tensor) -> torch.Tensor:
     return _interleave_rows(c[:, :, :4] | (c[:, :, 4:] << 4))
 
 
+def _pairs(v: torch.Tensor) -> torch.Tensor:
+    """Per 32 [R, G, 8 chunks, 4] values 0..3 -> [R, G, 2, 4] bytes: chunk c's at bits 2 (c % 4) of vector c // 4."""
+    R, G = v.shape[:2]
+    return (v.view(R, G, 2, 4, 4) << (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)).sum(3, dtype=torch.uint8)
+
+
+def _bits(v: torch.Tensor) -> torch.Tensor:
+    """Per 32 [R, G, 8 chunks, 4] values 0..1 -> [R, G, 1, 4] bytes: chunk c's at bit c."""
+    return (v << torch.arange(8, dtype=torch.uint8).view(8, 1)).sum(2, keepdim=True, dtype=torch.uint8)
+
+
+def _unpairs(t: torch.Tensor) -> torch.Tensor:
+    """_pairs undone: [..., 2, 4] -> [..., 8, 4] values 0..3."""
+    shift = (2 * torch.arange(4, device=t.device)).view(4, 1)
+    return ((t.unsqueeze(-2) >> shift) & 3).flatten(-3, -2)
+
+
+def _unbits(t: torch.Tensor) -> torch.Tensor:
+    """_bits undone: [..., 1, 4] -> [..., 8, 4] values 0..1."""
+    return (t >> torch.arange(8, device=t.device).view(8, 1)) & 1
+
+
 def _blocked_bytes(q: torch.Tensor) -> torch.Tensor:
     """[R, Kp] int8 -> [R, Kp] in row blocks, chunks of 4 bytes as lanes."""
     R, Kp = q.shape
@@ -534,44 +556,26 @@ def pack_q4k(w: Q4K, Kp: int, bits: int = 4) -> tuple:
         return _blocked_nibbles(q), scales, None, None
     c = q.view(R, Kp // G32, 8, 4)  # per 32: chunks of 4
     nib = (c[:, :, :4] & 15) | ((c[:, :, 4:] & 15) << 4)
-    high = ((c >> 4) << torch.arange(8, dtype=torch.uint8).view(8, 1)).sum(2, keepdim=True, dtype=torch.uint8)
-    return _interleave_rows(nib, high), scales, None, None
+    return _interleave_rows(nib, _bits(c >> 4)), scales, None, None
 
 
-def pack_q6k(w: Q6K, Kp: int) -> tuple:
+def pack_q6k(w: Q6K, Kp: int, bits: int = 6) -> tuple:
     """Q6_K numbers [rows, K] -> (per 32: 4 vectors of low nibbles, 2 of high bit pairs; [per 256: d, 16 sc] bytes,
-    None, None) in row blocks, bit-exact."""
+    None, None) in row blocks, bit-exact. bits 3 (Q3_K): per 32 2 vectors of low bit pairs, 1 of high bits."""
     R, K = w.values.shape
+    fmt, half = f"q{bits}k", 1 << (bits - 1)
     if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // Q6_SUB)):
-        raise ValueError(f"q6k weight [{R}, {K}] needs a d per {QK} and an sc per {Q6_SUB} (rows padded to {QK}), got "
-                         f"{list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
-    if int(w.values.min()) < -32 or int(w.values.max()) > 31:
-        raise ValueError("q6k values outside -32..31")
-    nsg = Kp // QK
-    u = F.pad(w.values.to(torch.int16) + 32, (0, Kp - K), value=32).to(torch.uint8)  # 32 = zero
+        raise ValueError(f"{fmt} weight [{R}, {K}] needs a d per {QK} and an sc per {Q6_SUB} (rows padded to {QK}), "
+                         f"got {list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
+    if int(w.values.min()) < -half or int(w.values.max()) >= half:
+        raise ValueError(f"{fmt} values outside {-half}..{half - 1}")
+    u = F.pad(w.values.to(torch.int16) + half, (0, Kp - K), value=half).to(torch.uint8)  # half = zero
     c = u.view(R, Kp // G32, 8, 4)  # per 32: chunks of 4
-    nib = (c[:, :, :4] & 15) | ((c[:, :, 4:] & 15) << 4)
-    high = c >> 4  # 0..3; chunk c's at bits 2c, 2c + 1 of vector c // 4
-    hi = torch.stack([high[:, :, 4 * h] | (high[:, :, 4 * h + 1] << 2) | (high[:, :, 4 * h + 2] << 4) |
-                      (high[:, :, 4 * h + 3] << 6) for h in range(2)], dim=2)
-    return _interleave_rows(nib, hi), _interleave_rows(*_d_and_bytes(w.d, w.sc, nsg)), None, None
-
-
-def pack_q3k(w: Q3K, Kp: int) -> tuple:
-    """Q3_K numbers [rows, K] -> (per 32: 2 vectors of low bit pairs (chunk c's at bits 2c of vector c // 4), 1 of high
-    bits (chunk c's at bit c); [per 256: d, 16 sc] bytes, None, None) in row blocks, bit-exact."""
-    R, K = w.values.shape
-    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // Q6_SUB)):
-        raise ValueError(f"q3k weight [{R}, {K}] needs a d per {QK} and an sc per {Q6_SUB} (rows padded to {QK}), got "
-                         f"{list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
-    if int(w.values.min()) < -4 or int(w.values.max()) > 3:
-        raise ValueError("q3k values outside -4..3")
-    u = F.pad(w.values.to(torch.int16) + 4, (0, Kp - K), value=4).to(torch.uint8)  # 4 = zero
-    c = u.view(R, Kp // G32, 8, 4)  # per 32: chunks of 4
-    low = (c & 3).view(R, Kp // G32, 2, 4, 4) << (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)
-    high = ((c >> 2) << torch.arange(8, dtype=torch.uint8).view(8, 1)).sum(2, keepdim=True, dtype=torch.uint8)
-    return (_interleave_rows(low.sum(3, dtype=torch.uint8), high),
-            _interleave_rows(*_d_and_bytes(w.d, w.sc, Kp // QK)), None, None)
+    if bits == 6:
+        data = _interleave_rows((c[:, :, :4] & 15) | ((c[:, :, 4:] & 15) << 4), _pairs(c >> 4))
+    else:
+        data = _interleave_rows(_pairs(c & 3), _bits(c >> 2))
+    return data, _interleave_rows(*_d_and_bytes(w.d, w.sc, Kp // QK)), None, None
 
 
 def _d_and_bytes(d: torch.Tensor, sc: torch.Tensor, nsg: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -764,7 +768,7 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
     if fmt == "q6k":
         return pack_q6k(q, Kp)
     if fmt == "q3k":
-        return pack_q3k(q, Kp)
+        return pack_q6k(q, Kp, bits=3)
     if fmt == "iq4xs":
         return pack_iq4xs(q, Kp)
     if fmt == "int4":
@@ -799,20 +803,15 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
             v = _deinterleave_rows(data, ng, (8, 4))[0].float()
         elif fmt == "q5k":  # per 32: 4 vectors of nibbles, 1 of high bits (chunk c's at bit c)
             nib, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 20, (4, 4), (1, 4)))
-            high = (hi >> torch.arange(8, device=data.device).view(8, 1)) & 1
-            v = (torch.cat([nib & 15, nib >> 4], -2) | (high << 4)).float()
+            v = (torch.cat([nib & 15, nib >> 4], -2) | (_unbits(hi) << 4)).float()
         elif fmt == "q6k":  # per 32: 4 vectors of nibbles, 2 of high bit pairs (chunk c's at bits 2c of vector c // 4)
             nib, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 24, (4, 4), (2, 4)))
-            shift = (2 * torch.arange(4, device=data.device)).view(4, 1)
-            high = torch.cat([(hi[..., 0:1, :] >> shift) & 3, (hi[..., 1:2, :] >> shift) & 3], -2)
-            v = torch.cat([nib & 15, nib >> 4], -2) | (high << 4)
+            v = torch.cat([nib & 15, nib >> 4], -2) | (_unpairs(hi) << 4)
             s = _d_times_sc(scale, E, R, QK // Q6_SUB)
             return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 32).float()).reshape(E, R, -1)[..., :K]
         elif fmt == "q3k":  # per 32: 2 vectors of low bit pairs (chunk c's at bits 2c of vector c // 4), 1 of high bits
             low, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 12, (2, 4), (1, 4)))
-            shift = (2 * torch.arange(4, device=data.device)).view(4, 1)
-            v = torch.cat([(low[..., 0:1, :] >> shift) & 3, (low[..., 1:2, :] >> shift) & 3], -2)
-            v = v | (((hi >> torch.arange(8, device=data.device).view(8, 1)) & 1) << 2)
+            v = _unpairs(low) | (_unbits(hi) << 2)
             s = _d_times_sc(scale, E, R, QK // Q6_SUB)
             return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 4).float()).reshape(E, R, -1)[..., :K]
         else:  # per 32, chunk v in the low nibbles, v + 4 in the high ones
