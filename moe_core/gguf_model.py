@@ -6,9 +6,9 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
 a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
-uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on
-int8g32; MXFP4 on mxfp4); the other quant types are
-dequantized exactly (then requantized by default: expert_format).
+uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its
+own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are dequantized
+exactly (then requantized by default: covering).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
 published) and llama files with experts (Mixtral); what the converter changed is undone (a llama file's q/k rows,
 MLA's split kv_b, gpt-oss's split gate/up and nibble order); others are refused by name.
@@ -167,8 +167,8 @@ def _iq4_xs(b: np.ndarray):
     return Iq4Xs(codes, d, (ls - 32).to(torch.int8).reshape(R, -1))
 
 
-_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
-           "Q8_0": _q8_0}
+_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
+           "IQ4_XS": _iq4_xs, "Q8_0": _q8_0}
 
 
 def layer_names(cfg, L: int) -> list[tuple[str, str]]:
