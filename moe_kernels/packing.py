@@ -22,7 +22,9 @@
 - q6k: GGUF's Q6_K as stored (Q6K: 6-bit values, w = d sc (u - 32) with an fp32 d per 256 and an int8 sc per 16;
   6.625 bits a weight against the file's 6.5625), or quantized here;
 - q3k: GGUF's Q3_K as stored (Q3K: q6k's numbers with 3-bit values, w = d sc (u - 4); 3.625 bits a weight against the
-  file's 3.4375), or quantized here.
+  file's 3.4375), or quantized here;
+- q2k: GGUF's Q2_K as stored (Q2K: 2-bit q, w = d sc q - dmin m with an fp32 d and dmin per 256 and a 4-bit sc and m per
+  16; 2.75 bits a weight against the file's 2.625), or quantized here.
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The grouped int formats (all
 but bf16, int8 and fp8) are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_blocked.h):
 _interleave_rows.
@@ -42,11 +44,12 @@ FORMATS = KERNEL_FORMATS
 INT4_GROUP = 64
 MX_BLOCK = 32
 G32 = 32  # int4g32's group
-QK = 256  # the super-block of q4k, q5k, q6k, q3k and iq4xs (GGUF's QK_K): a d (q4k: and a dmin) per 256, sub-scales below
-Q6_SUB = 16  # q6k, q3k: an int8 sc per 16
+QK = 256  # the super-block of q4k, q5k, q6k, q3k, q2k and iq4xs (GGUF's QK_K): a d (q4k, q5k, q2k: and a dmin) per 256,
+# sub-scales below
+Q6_SUB = 16  # q6k, q3k: an int8 sc per 16; q2k: an sc and m
 BLOCK_ROWS = 16  # the grouped int formats' row blocks
-ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q5k", "q6k", "q3k", "iq4xs")
-SUPER_BLOCKED = ("q4k", "q5k", "q6k", "q3k", "iq4xs")  # rows in whole super-blocks of 256 (QK)
+ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q5k", "q6k", "q3k", "q2k", "iq4xs")
+SUPER_BLOCKED = ("q4k", "q5k", "q6k", "q3k", "q2k", "iq4xs")  # rows in whole super-blocks of 256 (QK)
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
 MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
@@ -255,6 +258,33 @@ class Q5K(Q4K):
     __slots__ = ()
 
 
+class Q2K(NamedTuple):
+    """GGUF's Q2_K numbers: values [rows, K] uint8 (0-3), d and dmin [rows, ceil(K / 256)] fp32 (the file's fp16), sc
+    and m [rows, 16 per 256] uint8 (0-15); w = d sc value - dmin m per 16 (d sc value and dmin m exact in fp32: one
+    rounding, as ggml's)."""
+    values: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self) -> torch.Tensor:
+        R, K = self.values.shape
+        per16 = lambda t: t.float().repeat_interleave(QK // Q6_SUB, 1)  # noqa: E731
+        s, mins = per16(self.d) * self.sc.float(), per16(self.dmin) * self.m.float()
+        v = F.pad(self.values.float(), (0, -K % Q6_SUB)).view(R, -1, Q6_SUB)
+        n = v.shape[1]
+        return (s[:, :n, None] * v - mins[:, :n, None]).view(R, -1)[:, :K]
+
+    @staticmethod
+    def cat(parts: list["Q2K"]) -> "Q2K":
+        return Q2K(*(torch.cat([getattr(p, f) for p in parts]) for f in Q2K._fields))
+
+
 class Q6K(NamedTuple):
     """GGUF's Q6_K numbers: values [rows, K] int8 (-32..31: the file's 6-bit u less 32), d [rows, ceil(K / 256)] fp32
     (the file's fp16), sc [rows, 16 per 256] int8; w = d sc value (d sc exact in fp32: one rounding, as ggml's)."""
@@ -365,6 +395,8 @@ def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
         return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 12), torch.uint8), None, None
     if fmt == "q3k":  # 3 bits a weight; q6k's scales
         return ((E, rows, Kp // 8 * 3), torch.uint8), ((E, rows, Kp // QK * 20), torch.uint8), None, None
+    if fmt == "q2k":  # 2 bits a weight; per 256 of a row: d, dmin (fp32), 16 sc | m << 4 (bytes)
+        return ((E, rows, Kp // 4), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
     if fmt == "q6k":  # 6 bits a weight; per 256 of a row: d (fp32), 16 sc (bytes)
         return ((E, rows, Kp // 4 * 3), torch.uint8), ((E, rows, Kp // QK * 20), torch.uint8), None, None
     # the nibble ones; no rowcorr (their kernels take activations as s8)
@@ -578,6 +610,21 @@ def pack_q6k(w: Q6K, Kp: int, bits: int = 6) -> tuple:
     return data, _interleave_rows(*_d_and_bytes(w.d, w.sc, Kp // QK)), None, None
 
 
+def pack_q2k(w: Q2K, Kp: int) -> tuple:
+    """Q2_K numbers [rows, K] -> (per 32: 2 vectors of bit pairs; [per 256: d, dmin, 16 sc | m << 4] bytes, None,
+    None) in row blocks, bit-exact."""
+    R, K = w.values.shape
+    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // Q6_SUB)):
+        raise ValueError(f"q2k weight [{R}, {K}] needs a d and dmin per {QK} and an sc and m per {Q6_SUB} (rows padded "
+                         f"to {QK}), got {list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
+    if int(w.values.max()) > 3 or int(w.sc.max()) > 15 or int(w.m.max()) > 15:
+        raise ValueError("q2k values outside 0..3 or sub-scales outside 0..15")
+    q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
+    both = (w.sc.to(torch.uint8) | (w.m.to(torch.uint8) << 4)).view(torch.int8)  # sc in the low nibble, as the file's
+    (d, both), dmin = _d_and_bytes(w.d, both, Kp // QK), _d_and_bytes(w.dmin, w.m, Kp // QK)[0]
+    return _interleave_rows(_pairs(q.view(R, Kp // G32, 8, 4))), _interleave_rows(d, dmin, both), None, None
+
+
 def _d_and_bytes(d: torch.Tensor, sc: torch.Tensor, nsg: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A super-blocked format's d [R, <= nsg] and sub-scales [R, <= nsg x n] (int8, or q4k's 0..63) as _interleave_rows
     fields, padded with zeros (zero weights)."""
@@ -626,22 +673,24 @@ def q6k_quantize(w: torch.Tensor, bits: int = 6) -> Q6K:
     return (Q6K if bits == 6 else Q3K)(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
 
 
-def q4k_quantize(w: torch.Tensor, bits: int = 4) -> Q4K:
+def q4k_quantize(w: torch.Tensor, bits: int = 4) -> Q4K | Q2K:
     """Float w [rows, K] -> Q4_K's numbers (each 32's range on 0..15 with a min <= 0, its scale and min on 6 bits under
-    the 256's d and dmin; no search, as uint4_quantize); bits 5: Q5_K's (0..31)."""
-    top = (1 << bits) - 1
+    the 256's d and dmin; no search, as uint4_quantize); bits 5: Q5_K's (0..31); bits 2: Q2_K's (each 16's on 0..3,
+    scale and min on 4 bits)."""
+    top, (per, smax) = (1 << bits) - 1, (Q6_SUB, 15) if bits == 2 else (G32, 63)
     R, K = w.shape
-    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, G32)
+    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, per)
     lo, hi = g.amin(-1).clamp_max(0), g.amax(-1).clamp_min(0)
     scale, mn = (hi - lo) / top, -lo
-    d = (scale.view(R, -1, QK // G32).amax(-1) / 63).clamp_min(1e-12)
-    dmin = (mn.view(R, -1, QK // G32).amax(-1) / 63).clamp_min(1e-12)
-    per32 = lambda t: t.repeat_interleave(QK // G32, 1)  # noqa: E731
-    sc = torch.round(scale / per32(d)).clamp(0, 63)
-    m = torch.round(mn / per32(dmin)).clamp(0, 63)
-    step, off = (per32(d) * sc)[..., None], (per32(dmin) * m)[..., None]
+    d = (scale.view(R, -1, QK // per).amax(-1) / smax).clamp_min(1e-12)
+    dmin = (mn.view(R, -1, QK // per).amax(-1) / smax).clamp_min(1e-12)
+    rep = lambda t: t.repeat_interleave(QK // per, 1)  # noqa: E731
+    sc = torch.round(scale / rep(d)).clamp(0, smax)
+    m = torch.round(mn / rep(dmin)).clamp(0, smax)
+    step, off = (rep(d) * sc)[..., None], (rep(dmin) * m)[..., None]
     q = torch.where(step > 0, torch.round((g + off) / step.clamp_min(1e-30)), torch.zeros_like(g)).clamp(0, top)
-    return (Q4K if bits == 4 else Q5K)(q.to(torch.uint8).view(R, -1)[:, :K], d, dmin, sc.to(torch.uint8), m.to(torch.uint8))
+    kind = {4: Q4K, 5: Q5K, 2: Q2K}[bits]
+    return kind(q.to(torch.uint8).view(R, -1)[:, :K], d, dmin, sc.to(torch.uint8), m.to(torch.uint8))
 
 
 def int8g32_quantize(w: torch.Tensor) -> Q8:
@@ -685,7 +734,7 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
 
 def floats(w) -> torch.Tensor:
     """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
-    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q6K)) else w
+    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q6K, Q2K)) else w
 
 
 def int8_quantize(w: torch.Tensor) -> Int8:
@@ -695,9 +744,9 @@ def int8_quantize(w: torch.Tensor) -> Int8:
 
 
 def quantize(w, fmt: str):
-    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / Iq4Xs / UInt4 / Q8 / Q4K / Q5K / Q6K / Q3K as published)
-    in a format's numbers, before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published or 32),
-    Mx4, Fp8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q5K, Q6K or Q3K;
+    """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / Iq4Xs / UInt4 / Q8 / Q4K / Q5K / Q6K / Q3K / Q2K as
+    published) in a format's numbers, before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published
+    or 32), Mx4, Fp8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q5K, Q6K, Q3K or Q2K;
     what a format keeps as published stays bit for bit."""
     if fmt == "mxfp4":
         return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
@@ -717,6 +766,8 @@ def quantize(w, fmt: str):
         return w if isinstance(w, Q6K) else q6k_quantize(floats(w))
     if fmt == "q3k":
         return w if isinstance(w, Q3K) else q6k_quantize(floats(w), bits=3)
+    if fmt == "q2k":
+        return w if isinstance(w, Q2K) else q4k_quantize(floats(w), bits=2)
     if fmt == "iq4xs":
         return w if isinstance(w, Iq4Xs) else iq4xs_quantize(floats(w))
     if fmt == "int8g32":
@@ -769,6 +820,8 @@ def pack_expert(w, fmt: str, Kp: int) -> tuple:
         return pack_q6k(q, Kp)
     if fmt == "q3k":
         return pack_q6k(q, Kp, bits=3)
+    if fmt == "q2k":
+        return pack_q2k(q, Kp)
     if fmt == "iq4xs":
         return pack_iq4xs(q, Kp)
     if fmt == "int4":
@@ -809,6 +862,14 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
             v = torch.cat([nib & 15, nib >> 4], -2) | (_unpairs(hi) << 4)
             s = _d_times_sc(scale, E, R, QK // Q6_SUB)
             return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 32).float()).reshape(E, R, -1)[..., :K]
+        elif fmt == "q2k":  # per 32: 2 vectors of bit pairs (chunk c's at bits 2c of vector c // 4)
+            v = _unpairs(_deinterleave_rows(data, data.shape[-1] // 8, (2, 4))[0].long()).float()
+            d, dmin, b = _deinterleave_rows(scale, ng // 24, (1, 4), (1, 4), (QK // Q6_SUB, 1))
+            f32 = lambda t: t.contiguous().view(torch.float32).reshape(E, R, -1)  # noqa: E731
+            b = b.reshape(E, R, -1).long()
+            s = f32(d).repeat_interleave(QK // Q6_SUB, -1) * (b & 15).float()
+            mins = f32(dmin).repeat_interleave(QK // Q6_SUB, -1) * (b >> 4).float()
+            return (s[..., None] * v.reshape(E, R, -1, Q6_SUB) - mins[..., None]).reshape(E, R, -1)[..., :K]
         elif fmt == "q3k":  # per 32: 2 vectors of low bit pairs (chunk c's at bits 2c of vector c // 4), 1 of high bits
             low, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 12, (2, 4), (1, 4)))
             v = _unpairs(low) | (_unbits(hi) << 2)
@@ -866,6 +927,8 @@ def stack_rows(parts: list, fmt: str):
         return Q6K.cat(parts)
     if fmt == "q3k" and all(isinstance(p, Q3K) for p in parts):
         return Q3K.cat(parts)
+    if fmt == "q2k" and all(isinstance(p, Q2K) for p in parts):
+        return Q2K.cat(parts)
     if fmt == "iq4xs" and all(isinstance(p, Iq4Xs) for p in parts):
         return Iq4Xs.cat(parts)
     return torch.cat([floats(p) for p in parts])

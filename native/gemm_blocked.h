@@ -28,15 +28,20 @@
 // q3k (GGUF's Q3_K as stored): q6k's numbers with 3-bit u (w = d sc (u - 4)): a 32's low bit pairs in 2 vectors (as
 // q6k's high pairs) and its high bits in 1 (as q5k's), decoded to u, then q6k's sums with an excess of 4.
 //
+// q2k (GGUF's Q2_K as stored): w = d sc q - dmin m with 2-bit q and a 4-bit sc and m per 16 (a byte, as the file's:
+// sc in the low nibble) under an fp32 d and dmin per 256; q3k's low bit pairs alone (2 vectors a 32), q6k's sums per
+// 16 (sc x dot in int32) and, for the mins, m x the 16's activation sum in a second int32 sum: per 256 two FMAs, d
+// and -dmin (ggml's integers and order).
+//
 // q6k (GGUF's Q6_K as stored): 6-bit u (w = d sc (u - 32)), its low nibbles laid out as the nibble formats' and its
 // high 2 bits in 2 more vectors a 32. A 32's two chains of dot products are its two 16s (chunks 0-3, 4-7), each
 // with its own int8 sc: the 16's int32 dot product, less 32 x its activation sum, times sc, summed in int32 over
 // the 256 (exact, as ggml's; |sum| < 16 x 16 x 32 x 128 x 128 = 2^27), then one FMA with the 256's d.
 //
-// The templates of every format, private to the two files that instantiate them (gemm_blocked_g32.cpp: the
-// formats of 32-weight groups; gemm_blocked_k.cpp: GGUF's super-blocked ones): one file took as long to compile as
-// all the others together, and the build compiles one file per CPU. An unnamed namespace keeps each file's
-// instantiations its own.
+// The templates of every format, private to the files that instantiate them (gemm_blocked_g32.cpp: the formats of
+// 32-weight groups; gemm_blocked_k.cpp: GGUF's super-blocked ones with mins; gemm_blocked_s.cpp: those with signed
+// sub-scales): one file took as long to compile as all the others together, and the build compiles one file per
+// CPU. An unnamed namespace keeps each file's instantiations its own.
 #pragma once
 
 #include <immintrin.h>
@@ -57,32 +62,39 @@ namespace moe {
 
 namespace {
 
-enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K, IQXS, Q5K, Q3K };
+enum Mode { G32, IQ, ASYM, Q8, INT4, MX, Q4K, Q6K, IQXS, Q5K, Q3K, Q2K };
 constexpr int BLK = 16;  // rows a block
 constexpr int G = 32;    // weights a layout group (a scale's, or half of int4's)
+// the formats whose scales are bytes read field by field: d (fp32) per 256 (q2k: and dmin), then sub-scales (and mins)
+constexpr bool fielded(int mode) {
+  return mode == Q4K || mode == Q5K || mode == Q6K || mode == Q3K || mode == Q2K || mode == IQXS;
+}
 template <int MODE>
-constexpr int SPG = MODE == INT4 ? 2 : MODE == Q4K || MODE == Q5K || MODE == Q6K || MODE == Q3K || MODE == IQXS ? 8 : 1;  // layout groups a d covers
-// the formats whose scales are bytes read field by field: d (fp32) per 256, then sub-scales (and mins)
-constexpr bool fielded(int mode) { return mode == Q4K || mode == Q5K || mode == Q6K || mode == Q3K || mode == IQXS; }
-// q6k and q3k: w = d sc (u - excess), an int8 sc per 16 under an fp32 d per 256 (the same scales)
-constexpr bool sub16(int mode) { return mode == Q6K || mode == Q3K; }
-// products times an int8 sc, summed in int32 per 256, then d
+constexpr int SPG = MODE == INT4 ? 2 : fielded(MODE) ? 8 : 1;  // layout groups a d covers
+// q6k and q3k: w = d sc (u - excess), an int8 sc per 16 under an fp32 d per 256 (the same scales); q2k: w = d sc q -
+// dmin m, a byte of 4-bit sc and m per 16 under an fp32 d and dmin per 256
+constexpr bool sub16(int mode) { return mode == Q6K || mode == Q3K || mode == Q2K; }
+// products times an integer sc, summed in int32 per 256, then d (q2k: less dmin x its mins' int32 sum)
 template <int MODE>
 constexpr bool int_scaled = sub16(MODE) || MODE == IQXS;
+// q2k: its bytes of sc and m after d and dmin; the others' sc after d (4 bytes a row)
+template <int MODE>
+constexpr int sc_at = MODE == Q2K ? 8 : 4;
 // q4k and q5k: w = d sc q - dmin m, a 6-bit sc and m per 32 under an fp32 d and dmin per 256 (the same scales)
 constexpr bool k_mins(int mode) { return mode == Q4K || mode == Q5K; }
 template <int MODE>
 using ScaleT = std::conditional_t<MODE == MX || fielded(MODE), uint8_t, float>;  // mxfp4: the exponent byte
 template <int MODE>
-// scale elements a row has per scale group (q4k, q5k: d, dmin, 8 sc, 8 m; q6k: d, 16 sc; iq4xs: d, 8 sc: bytes)
-constexpr int SGE = k_mins(MODE) ? 24 : sub16(MODE) ? 20 : MODE == IQXS ? 12 : 1;
+// scale elements a row has per scale group (q4k, q5k: d, dmin, 8 sc, 8 m; q2k: d, dmin, 16 sc | m << 4; q6k, q3k: d,
+// 16 sc; iq4xs: d, 8 sc: bytes)
+constexpr int SGE = k_mins(MODE) || MODE == Q2K ? 24 : sub16(MODE) ? 20 : MODE == IQXS ? 12 : 1;
 template <int MODE>
 constexpr bool nibble = MODE != Q8;
 template <int MODE>
 constexpr int vectors = nibble<MODE> ? 4 : 8;  // chunk vectors a group loads (q6k: and its 2 of high bits, q5k its 1)
 template <int MODE>
-constexpr int stride_vectors = MODE == Q6K ? 6 : MODE == Q5K ? 5 : MODE == Q3K ? 3 : vectors<MODE>;  // vectors' worth of bytes a layout group stores
-constexpr int Q6_SUB = 16;  // q6k, q3k: weights an sc covers
+constexpr int stride_vectors = MODE == Q6K ? 6 : MODE == Q5K ? 5 : MODE == Q3K ? 3 : MODE == Q2K ? 2 : vectors<MODE>;  // vectors' worth of bytes a layout group stores
+constexpr int Q6_SUB = 16;  // q6k, q3k, q2k: weights an sc covers
 // ggml's kvalues_iq4nl: the IQ4_NL / IQ4_XS code -> its value; and + 128 as u8
 constexpr int8_t IQ4NL_LUT[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr uint8_t IQ4NL_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -98,9 +110,10 @@ template <int MODE>
 inline const uint8_t* lut_u8() { return MODE == MX ? MX4_U8 : IQ4NL_U8; }
 constexpr bool looked_up(int mode) { return mode == IQ || mode == MX || mode == IQXS; }
 // what a group's dot product of u8 weights carries in excess, per unit of its activation sum (SIGNED: AVX2's sign
-// trick on the signed values)
+// trick on the signed values); q2k: none, but its mins take the activations' sums per 16 (prepared times 1)
 template <int MODE, bool SIGNED>
-constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == Q6K ? 32 : MODE == Q3K ? 4 : MODE == ASYM || k_mins(MODE) || SIGNED ? 0 : 128;
+constexpr int excess = MODE == G32 || MODE == INT4 ? 8 : MODE == Q6K ? 32 : MODE == Q3K ? 4 : MODE == Q2K ? 1
+                     : MODE == ASYM || k_mins(MODE) || SIGNED ? 0 : 128;
 // the formats with mins: the activations' float sum per 32 is needed
 template <int MODE>
 constexpr bool has_mins = MODE == ASYM || k_mins(MODE);
@@ -185,6 +198,11 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i q3_value512(__m512i l
   const __m512i h = c < 2 ? _mm512_slli_epi16(hb, 2 - c) : c == 2 ? hb : _mm512_srli_epi16(hb, c - 2);
   return _mm512_or_si512(_mm512_and_si512(l, _mm512_set1_epi8(0x03)), _mm512_and_si512(h, _mm512_set1_epi8(0x04)));
 }
+// q2k: chunk c's value, its 2 bits at 2 (c % 4) of lv's bytes
+__attribute__((target("avx512f,avx512bw"))) inline __m512i q2_value512(__m512i lv, int c) {
+  const int k = c % 4;
+  return _mm512_and_si512(k ? _mm512_srli_epi16(lv, 2 * k) : lv, _mm512_set1_epi8(0x03));
+}
 // q5k: chunk c's (c < 8) high bit, bit c of each byte of hv, put above its nibble (16-bit shifts by at most 4: what
 // crosses into the next byte lands in bits 0-3 or 5-7, masked away)
 __attribute__((target("avx512f,avx512bw"))) inline __m512i q5_value512(__m512i nib, __m512i hv, int c) {
@@ -209,18 +227,18 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
     if constexpr (k_mins(MODE))
       MOE_UNROLL for (int b = 0; b < NB; ++b)
         MOE_UNROLL for (int t = 0; t < NT; ++t) qs[b][t] = qm[b][t] = _mm512_setzero_ps();
-    __m512i qi[NB][NT];  // q6k, q3k, iq4xs: the 256's int32 sum of sc x dot
+    __m512i qi[NB][NT], qn[NB][NT];  // q6k, q3k, q2k, iq4xs: the 256's int32 sum of sc x dot; q2k: and of m x sum
     if constexpr (int_scaled<MODE>)
       MOE_UNROLL for (int b = 0; b < NB; ++b)
-        MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = _mm512_setzero_si512();
+        MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = qn[b][t] = _mm512_setzero_si512();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
       const int lg = g * SPG<MODE> + h;  // layout group
       __m512i u[NB][8];
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
         const uint8_t* p = W[b] + size_t(lg) * gs;
-        if constexpr (MODE == Q3K) {  // 2 vectors of low bit pairs (chunks 0-3, 4-7), 1 of high bits
+        if constexpr (MODE == Q3K || MODE == Q2K) {  // 2 vectors of low bit pairs (chunks 0-3, 4-7), q3k: 1 of high bits
           __m512i lv[3];
-          MOE_UNROLL for (int k = 0; k < 3; ++k) {
+          MOE_UNROLL for (int k = 0; k < stride_vectors<MODE>; ++k) {
             if constexpr (FULL) {
               _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * k), _MM_HINT_T1);
               lv[k] = _mm512_loadu_si512(p + 64 * k);
@@ -228,7 +246,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
               lv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * k);
             }
           }
-          MOE_UNROLL for (int c = 0; c < 8; ++c) u[b][c] = q3_value512(lv[c / 4], lv[2], c);
+          MOE_UNROLL for (int c = 0; c < 8; ++c) {
+            if constexpr (MODE == Q2K) u[b][c] = q2_value512(lv[c / 4], c);
+            else u[b][c] = q3_value512(lv[c / 4], lv[2], c);
+          }
         } else {
           __m512i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
           if constexpr (MODE == Q6K || MODE == Q5K)
@@ -298,13 +319,25 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
       }
       if constexpr (sub16(MODE)) {  // this 32's two 16s: less the excess x their activation sums, times their sc
         MOE_UNROLL for (int b = 0; b < NB; ++b) {
-          const uint8_t* sc = S[b] + size_t(g) * n * SGE<MODE> + 4 * n + 2 * h * n;
-          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
-          const __m512i sc1 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n)));
+          const uint8_t* sc = S[b] + size_t(g) * n * SGE<MODE> + sc_at<MODE> * n + 2 * h * n;
+          const __m128i b0 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc));
+          const __m128i b1 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n));
+          __m512i sc0, sc1, m0, m1;
+          if constexpr (MODE == Q2K) {  // sc in the low nibble, m in the high one
+            const __m512i w0 = _mm512_cvtepu8_epi32(b0), w1 = _mm512_cvtepu8_epi32(b1), lo = _mm512_set1_epi32(15);
+            sc0 = _mm512_and_si512(w0, lo), sc1 = _mm512_and_si512(w1, lo);
+            m0 = _mm512_srli_epi32(w0, 4), m1 = _mm512_srli_epi32(w1, 4);
+          } else {
+            sc0 = _mm512_cvtepi8_epi32(b0), sc1 = _mm512_cvtepi8_epi32(b1);
+          }
           MOE_UNROLL for (int t = 0; t < NT; ++t) {
             const int32_t* xc = XC[t] + 2 * lg;
-            const __m512i s0 = _mm512_sub_epi32(d[b][t][0], _mm512_set1_epi32(xc[0]));
-            const __m512i s1 = _mm512_sub_epi32(d[b][t][1], _mm512_set1_epi32(xc[1]));
+            __m512i s0 = d[b][t][0], s1 = d[b][t][1];
+            if constexpr (MODE == Q2K)  // the mins: m x the 16's activation sum
+              qn[b][t] = _mm512_add_epi32(qn[b][t], _mm512_add_epi32(_mm512_mullo_epi32(m0, _mm512_set1_epi32(xc[0])),
+                                                                     _mm512_mullo_epi32(m1, _mm512_set1_epi32(xc[1]))));
+            else
+              s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(xc[0])), s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(xc[1]));
             qi[b][t] = _mm512_add_epi32(qi[b][t],
                                         _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
             d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
@@ -312,11 +345,16 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
         }
       }
     }
-    if constexpr (int_scaled<MODE>) {  // the 256's d
+    if constexpr (int_scaled<MODE>) {  // the 256's d (q2k: and dmin)
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
         const __m512 dv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * SGE<MODE>);
         MOE_UNROLL for (int t = 0; t < NT; ++t)
           acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[b][t]), dv, acc[b][t]);
+        if constexpr (MODE == Q2K) {
+          const __m512 dminv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * SGE<MODE> + 4 * n);
+          MOE_UNROLL for (int t = 0; t < NT; ++t)
+            acc[b][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qn[b][t]), dminv, acc[b][t]);
+        }
       }
       continue;
     }
@@ -394,21 +432,24 @@ inline void group_dot(const __m256i (&u)[8], const int32_t* xg, __m256i& d) {
     }
   }
 }
-// q6k: a 32's two 16s' dot products apart, d0 (chunks 0-3) and d1 (4-7); on vpmaddubsw two chunks' int16 pairs
-// summed before a widening (2 x 2 x 63 x 128 fits int16)
-template <class Dot>
-inline void q6_dots(const __m256i (&u)[8], const int32_t* xg, __m256i& d0, __m256i& d1) {
+// q6k, q3k, q2k: a 32's two 16s' dot products apart, d0 (chunks 0-3) and d1 (4-7); on vpmaddubsw a run of chunks'
+// int16 pairs summed before a widening: q6k's 2 (2 x 2 x 63 x 128 fits int16), q3k's and q2k's 4 (4 x 2 x 7 x 128)
+template <class Dot, int MODE>
+inline void sub16_dots(const __m256i (&u)[8], const int32_t* xg, __m256i& d0, __m256i& d1) {
   if constexpr (is_vnni<Dot>) {
     MOE_UNROLL for (int c = 0; c < 4; ++c) {
       d0 = Dot::dot(d0, u[c], Ymm::set1_epi32(xg[c]));
       d1 = Dot::dot(d1, u[c + 4], Ymm::set1_epi32(xg[c + 4]));
     }
   } else {
-    MOE_UNROLL for (int c = 0; c < 4; c += 2) {
-      d0 = Ymm::add_epi32(d0, Dot::widen(Ymm::add_epi16(Dot::pairs(u[c], Ymm::set1_epi32(xg[c])),
-                                                        Dot::pairs(u[c + 1], Ymm::set1_epi32(xg[c + 1])))));
-      d1 = Ymm::add_epi32(d1, Dot::widen(Ymm::add_epi16(Dot::pairs(u[c + 4], Ymm::set1_epi32(xg[c + 4])),
-                                                        Dot::pairs(u[c + 5], Ymm::set1_epi32(xg[c + 5])))));
+    constexpr int run = MODE == Q6K ? 2 : 4;
+    MOE_UNROLL for (int c0 = 0; c0 < 4; c0 += run) {
+      __m256i p0 = Dot::pairs(u[c0], Ymm::set1_epi32(xg[c0])), p1 = Dot::pairs(u[c0 + 4], Ymm::set1_epi32(xg[c0 + 4]));
+      MOE_UNROLL for (int c = c0 + 1; c < c0 + run; ++c) {
+        p0 = Ymm::add_epi16(p0, Dot::pairs(u[c], Ymm::set1_epi32(xg[c])));
+        p1 = Ymm::add_epi16(p1, Dot::pairs(u[c + 4], Ymm::set1_epi32(xg[c + 4])));
+      }
+      d0 = Ymm::add_epi32(d0, Dot::widen(p0)), d1 = Ymm::add_epi32(d1, Dot::widen(p1));
     }
   }
 }
@@ -438,16 +479,16 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
     __m256 qs[NT], qm[NT];  // q4k, q5k: as mk512's
     if constexpr (k_mins(MODE))
       MOE_UNROLL for (int t = 0; t < NT; ++t) qs[t] = qm[t] = Ymm::zero_ps();
-    __m256i qi[NT];  // q6k, q3k, iq4xs: as mk512's
+    __m256i qi[NT], qn[NT];  // q6k, q3k, q2k, iq4xs: as mk512's
     if constexpr (int_scaled<MODE>)
-      MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = Ymm::zero_si();
+      MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = qn[t] = Ymm::zero_si();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
       const int lg = g * SPG<MODE> + h;
       __m256i u[8];
       const uint8_t* p = W + size_t(lg) * gs;
-      if constexpr (MODE == Q3K) {  // as mk512's
+      if constexpr (MODE == Q3K || MODE == Q2K) {  // as mk512's
         __m256i lv[3];
-        MOE_UNROLL for (int k = 0; k < 3; ++k) {
+        MOE_UNROLL for (int k = 0; k < stride_vectors<MODE>; ++k) {
           if constexpr (FULL) {
             _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * k), _MM_HINT_T1);
             lv[k] = Ymm::load(p + 64 * k);
@@ -455,7 +496,10 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
             lv[k] = Ymm::load_first_epi32(p + vs * k, m);
           }
         }
-        MOE_UNROLL for (int c = 0; c < 8; ++c) u[c] = Ymm::q3_value(lv[c / 4], lv[2], c);
+        MOE_UNROLL for (int c = 0; c < 8; ++c) {
+          if constexpr (MODE == Q2K) u[c] = Ymm::q2_value(lv[c / 4], c);
+          else u[c] = Ymm::q3_value(lv[c / 4], lv[2], c);
+        }
       } else {
         __m256i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
         if constexpr (MODE == Q6K || MODE == Q5K)
@@ -491,14 +535,25 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
         }
       }
       if constexpr (sub16(MODE)) {  // as mk512's
-        const uint8_t* sc = Sb + size_t(g) * n * SGE<MODE> + 4 * n + 2 * h * n + lane0;
-        const __m256i sc0 = Ymm::s8_to_epi32(sc, m), sc1 = Ymm::s8_to_epi32(sc + n, m);
+        const uint8_t* sc = Sb + size_t(g) * n * SGE<MODE> + sc_at<MODE> * n + 2 * h * n + lane0;
+        __m256i sc0, sc1, m0, m1;
+        if constexpr (MODE == Q2K) {  // sc in the low nibble, m in the high one
+          Ymm::split_nibbles(Ymm::u8_to_epi32(sc, m), sc0, m0);
+          Ymm::split_nibbles(Ymm::u8_to_epi32(sc + n, m), sc1, m1);
+        } else {
+          sc0 = Ymm::s8_to_epi32(sc, m), sc1 = Ymm::s8_to_epi32(sc + n, m);
+        }
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
           __m256i d0 = Ymm::zero_si(), d1 = Ymm::zero_si();
-          q6_dots<Dot>(u, reinterpret_cast<const int32_t*>(X[t] + lg * G), d0, d1);
+          sub16_dots<Dot, MODE>(u, reinterpret_cast<const int32_t*>(X[t] + lg * G), d0, d1);
           const int32_t* xc = XC[t] + 2 * lg;
-          qi[t] = Ymm::add_epi32(qi[t], Ymm::mullo_epi32(Ymm::sub_epi32(d0, Ymm::set1_epi32(xc[0])), sc0));
-          qi[t] = Ymm::add_epi32(qi[t], Ymm::mullo_epi32(Ymm::sub_epi32(d1, Ymm::set1_epi32(xc[1])), sc1));
+          if constexpr (MODE == Q2K) {
+            qn[t] = Ymm::add_epi32(qn[t], Ymm::add_epi32(Ymm::mullo_epi32(m0, Ymm::set1_epi32(xc[0])),
+                                                         Ymm::mullo_epi32(m1, Ymm::set1_epi32(xc[1]))));
+          } else {
+            d0 = Ymm::sub_epi32(d0, Ymm::set1_epi32(xc[0])), d1 = Ymm::sub_epi32(d1, Ymm::set1_epi32(xc[1]));
+          }
+          qi[t] = Ymm::add_epi32(qi[t], Ymm::add_epi32(Ymm::mullo_epi32(d0, sc0), Ymm::mullo_epi32(d1, sc1)));
         }
         continue;
       }
@@ -526,6 +581,11 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
       const float* dp = reinterpret_cast<const float*>(Sb + size_t(g) * n * SGE<MODE>) + lane0;
       const __m256 dv = FULL ? Ymm::loadu_ps(dp) : Ymm::loadu_first_ps(dp, m);
       MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::fmadd(Ymm::to_ps(qi[t]), dv, acc[t]);
+      if constexpr (MODE == Q2K) {
+        const float* dminp = reinterpret_cast<const float*>(Sb + size_t(g) * n * SGE<MODE> + 4 * n) + lane0;
+        const __m256 dminv = FULL ? Ymm::loadu_ps(dminp) : Ymm::loadu_first_ps(dminp, m);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::fnmadd(Ymm::to_ps(qn[t]), dminv, acc[t]);
+      }
       continue;
     }
     if constexpr (k_mins(MODE)) {
@@ -613,7 +673,7 @@ inline void mk256_pair(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, con
 template <int MODE>
 inline size_t row_bytes(int Kp) {
   return MODE == Q8 ? size_t(Kp) : MODE == Q6K ? size_t(Kp) / 4 * 3 : MODE == Q5K ? size_t(Kp) / 8 * 5
-       : MODE == Q3K ? size_t(Kp) / 8 * 3 : size_t(Kp) / 2;
+       : MODE == Q3K ? size_t(Kp) / 8 * 3 : MODE == Q2K ? size_t(Kp) / 4 : size_t(Kp) / 2;
 }
 template <int MODE, int EXCESS, int LANES, int TBI, class MK>
 inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
@@ -948,7 +1008,7 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
     const ScaleT<MODE>* sb = Se + size_t(b0) * ng * SGE<MODE>;
     for (int s = 0; s < ns; ++s) {
       float acc = 0.f, qs = 0.f, qm = 0.f;  // q4k, q5k: the 256's sums of sc x dot and m x activation sum
-      int32_t dot = 0, xsum = 0, qi = 0;  // q6k: the 256's sum of sc x dot
+      int32_t dot = 0, xsum = 0, qi = 0, qn = 0, x16 = 0;  // q6k: the 256's sum of sc x dot; q2k: and of m x x16
       for (int lg = 0; lg < nlg; ++lg) {
         for (int i = 0; i < G; ++i) {
           const int c = i / 4, k = i % 4;  // chunk, byte of the lane
@@ -963,6 +1023,8 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
             const uint8_t* gb = wb + size_t(lg) * 12 * n;
             const uint8_t lb = gb[size_t(c / 4) * 4 * n + 4 * j + k], hb = gb[size_t(2) * 4 * n + 4 * j + k];
             w = (((lb >> (2 * (c % 4))) & 3) | (((hb >> c) & 1) << 2)) - 4;
+          } else if constexpr (MODE == Q2K) {  // the bit pair from vector c / 4
+            w = (wb[size_t(lg) * 8 * n + size_t(c / 4) * 4 * n + 4 * j + k] >> (2 * (c % 4))) & 3;
           } else if constexpr (MODE == Q5K) {  // the nibble, and the high bit from the 32's last vector
             const uint8_t* gb = wb + size_t(lg) * 20 * n;
             const uint8_t byte = gb[size_t(c % 4) * 4 * n + 4 * j + k], hb = gb[size_t(4) * 4 * n + 4 * j + k];
@@ -975,11 +1037,18 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
           const int32_t xv = int32_t(X[s][lg * G + i]) - 128;
           dot += w * xv;
           xsum += xv;
+          x16 += xv;
           if constexpr (sub16(MODE))
-            if (i % Q6_SUB == Q6_SUB - 1) {  // the 16's sc
+            if (i % Q6_SUB == Q6_SUB - 1) {  // the 16's sc (q2k: and m)
               const size_t sub = size_t(lg % SPG<MODE>) * 2 + i / Q6_SUB;
-              qi += dot * int8_t(sb[size_t(lg / SPG<MODE>) * n * SGE<MODE> + 4 * n + sub * n + j]);
-              dot = 0;
+              const uint8_t byte = sb[size_t(lg / SPG<MODE>) * n * SGE<MODE> + sc_at<MODE> * n + sub * n + j];
+              if constexpr (MODE == Q2K) {
+                qi += dot * (byte & 15);
+                qn += x16 * (byte >> 4);
+              } else {
+                qi += dot * int8_t(byte);
+              }
+              dot = x16 = 0;
             }
         }
         const int g = lg / SPG<MODE>;
@@ -987,12 +1056,17 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
           qi += dot * int8_t(sb[size_t(g) * n * SGE<MODE> + 4 * n + size_t(lg % SPG<MODE>) * n + j]);
           dot = 0;
         }
-        if constexpr (int_scaled<MODE>) {  // per 256: d
+        if constexpr (int_scaled<MODE>) {  // per 256: d (q2k: and dmin)
           if ((lg + 1) % SPG<MODE> == 0) {
             float d;
             std::memcpy(&d, sb + size_t(g) * n * SGE<MODE> + 4 * j, 4);
             acc = std::fma(float(qi), d, acc);
-            qi = xsum = 0;
+            if constexpr (MODE == Q2K) {
+              float dmin;
+              std::memcpy(&dmin, sb + size_t(g) * n * SGE<MODE> + 4 * n + 4 * j, 4);
+              acc = std::fma(-float(qn), dmin, acc);
+            }
+            qi = qn = xsum = 0;
           }
         } else if constexpr (k_mins(MODE)) {  // per 32: sc and m; per 256: d and dmin
           const uint8_t* sg = sb + size_t(g) * n * 24;

@@ -1,14 +1,11 @@
-// The entry points of GGUF's super-blocked formats, kept as stored (their kernels: gemm_blocked.h).
+// The entry points of GGUF's K-quants with mins (w = d sc q - dmin m), kept as stored (their kernels:
+// gemm_blocked.h).
 #include "gemm_blocked.h"
 
 namespace moe {
 
 MOE_BLOCKED_ENTRIES(q4k, Q4K)
 MOE_BLOCKED_ENTRIES(q5k, Q5K)
-MOE_BLOCKED_ENTRIES(q3k, Q3K)
-MOE_BLOCKED_ENTRIES(q6k, Q6K)
-MOE_BLOCKED_ENTRIES(iq4xs, IQXS)
-MOE_BLOCKED_AMX(q6k, Q6K)
-MOE_BLOCKED_AMX(iq4xs, IQXS)
+MOE_BLOCKED_ENTRIES(q2k, Q2K)
 
 }  // namespace moe

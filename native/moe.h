@@ -12,12 +12,12 @@ namespace moe {
 enum class Isa { Portable, Avx2, AvxVnni, Avx512, Amx };
 // the 256-bit paths: AvxVnni runs Avx2's kernels except for the int8 x int8 dot products
 inline bool ymm_path(Isa isa) { return isa == Isa::Avx2 || isa == Isa::AvxVnni; }
-enum class Fmt { Bf16, Int8, Int4, Mxfp4, Fp8, Int4G32, Iq4Nl, UInt4G32, Int8G32, Q4K, Q6K, Iq4Xs, Q5K, Q3K };
+enum class Fmt { Bf16, Int8, Int4, Mxfp4, Fp8, Int4G32, Iq4Nl, UInt4G32, Int8G32, Q4K, Q6K, Iq4Xs, Q5K, Q3K, Q2K };
 
 // Bytes of one packed weight row of Kp elements.
 inline size_t weight_row_bytes(Fmt f, int Kp) {
   return f == Fmt::Bf16 ? size_t(Kp) * 2 : f == Fmt::Int8 || f == Fmt::Fp8 || f == Fmt::Int8G32 ? size_t(Kp)
-       : f == Fmt::Q6K ? size_t(Kp) / 4 * 3 : f == Fmt::Q5K ? size_t(Kp) / 8 * 5 : f == Fmt::Q3K ? size_t(Kp) / 8 * 3
+       : f == Fmt::Q6K ? size_t(Kp) / 4 * 3 : f == Fmt::Q5K ? size_t(Kp) / 8 * 5 : f == Fmt::Q3K ? size_t(Kp) / 8 * 3 : f == Fmt::Q2K ? size_t(Kp) / 4
        : size_t(Kp) / 2;
 }
 
@@ -39,7 +39,7 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 // One projection for all experts, rows x K per expert, each row padded to Kp elements.
 //   bf16: w = uint16 [E, rows, Kp]
 //   int8: w = int8 [E, rows, Kp]; scale = fp32 [E, rows]; rowsum = int32 [E, rows] (sum of the row)
-//   int4, mxfp4, int4g32, iq4nl, uint4g32, int8g32, q4k, q5k, q6k, q3k, iq4xs: the grouped int formats, in row-interleaved blocks
+//   int4, mxfp4, int4g32, iq4nl, uint4g32, int8g32, q4k, q5k, q6k, q3k, q2k, iq4xs: the grouped int formats, in row-interleaved blocks
 //         (gemm_blocked.h): rows in blocks of 16 (the last block of a matrix may have fewer, n), a block's bytes
 //         (n rows' worth, at row 16b's offset) 32 weights at a time; those as chunk vectors, lane j (4 bytes)
 //         holding row j's 4 weights of a chunk (elements 4c..4c+3 of the 32). Nibble formats: 4 vectors a 32,
@@ -72,6 +72,10 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //           int8): q6k's scales; a 32's bytes: 2 vectors of u's low 2 bits (vector 0: chunk c's at bits 2c, 2c + 1 of
 //           the lane's byte, c < 4; vector 1: chunks 4-7), then 1 vector of its high bits (chunk c's at bit c).
 //           3.625 bits a weight.
+//         - q2k: 2-bit q stands for itself, w = d sc q - dmin m, GGUF's Q2_K as stored: per 256 weights an fp32 d and
+//           dmin, per 16 a 4-bit sc and m (one byte, sc in the low nibble, as the file's). A 32's bytes: q3k's 2
+//           vectors of low bit pairs alone. scale = uint8 [E, rows, Kp/256 x 24]: per block and 256, its n rows' d
+//           (fp32), then their dmin, then the 16 sc | m << 4 bytes (16 by 16, n each). 2.75 bits a weight.
 //         - iq4xs: iq4nl's codes, w = d sc IQ4NL[code], GGUF's IQ4_XS as stored: per 256 weights an fp32 d, per 32 an
 //           int8 sc (the file's 6-bit ls - 32). scale = uint8 [E, rows, Kp/256 x 12]: per block and 256, its n rows' d
 //           (fp32), then the 8 sc bytes (32 by 32, n each). 4.375 bits a weight (iq4nl: 5).

@@ -69,6 +69,11 @@ struct Ymm {
     const __m256i h = c < 2 ? _mm256_slli_epi16(hb, 2 - c) : c == 2 ? hb : _mm256_srli_epi16(hb, c - 2);
     return _mm256_or_si256(_mm256_and_si256(l, _mm256_set1_epi8(0x03)), _mm256_and_si256(h, _mm256_set1_epi8(0x04)));
   }
+  // q2k: chunk c's 2 bits from lv (gemm_blocked.h)
+  MOE_YMM __m256i q2_value(__m256i lv, int c) {
+    const int k = c % 4;
+    return _mm256_and_si256(k ? _mm256_srli_epi16(lv, 2 * k) : lv, _mm256_set1_epi8(0x03));
+  }
   // q5k: chunk c's (c < 8) high bit, bit c of each byte of hv, above its nibble (gemm_blocked.h)
   MOE_YMM __m256i q5_value(__m256i nib, __m256i hv, int c) {
     const __m256i h = c < 4 ? _mm256_slli_epi16(hv, 4 - c) : c == 4 ? hv : _mm256_srli_epi16(hv, c - 4);

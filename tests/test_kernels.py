@@ -33,7 +33,7 @@ def no_amx_emulation_left_on():
     yield
     native.set_amx_emulation(False)
 FORMATS = ["bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q5k", "q6k",
-           "q3k", "iq4xs"]
+           "q3k", "q2k", "iq4xs"]
 
 
 class Fp8Rows:
@@ -129,11 +129,13 @@ def close(got, want, tol):
 # Against the reference that rounds like the kernels: sum order differs, which now and then moves an
 # activation across an int8 rounding boundary (one quantum, 1/127 of the vector's max).
 # fp8: e4m3 keeps 3 mantissa bits (up to 6% error per weight against the original bf16 weights).
+# q2k: 4 levels per 16 weights (~33% error per weight): against the original weights only the output's magnitude is
+# checked; the dequantized weights are the kernels' test.
 TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3, "fp8": 2e-3, "int4g32": 6e-3, "iq4nl": 6e-3,
-       "uint4g32": 6e-3, "int8g32": 6e-3, "q4k": 6e-3, "q5k": 6e-3, "q6k": 6e-3, "q3k": 6e-3, "iq4xs": 6e-3}
+       "uint4g32": 6e-3, "int8g32": 6e-3, "q4k": 6e-3, "q5k": 6e-3, "q6k": 6e-3, "q3k": 6e-3, "q2k": 6e-3, "iq4xs": 6e-3}
 TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1, "fp8": 1.5e-1, "int4g32": 3.5e-1,
                 "iq4nl": 3.5e-1, "uint4g32": 3.5e-1, "int8g32": 4e-2, "q4k": 3.5e-1, "q5k": 1.5e-1, "q6k": 8e-2,
-                "q3k": 6e-1, "iq4xs": 3.5e-1}
+                "q3k": 6e-1, "q2k": 1.5, "iq4xs": 3.5e-1}
 
 
 @pytest.fixture(autouse=True)
@@ -159,7 +161,7 @@ def test_native_matches_reference(fmt, isa, T, k, E, I, H):
 # gate/up and down in different formats (a GGUF Q4_K_M layer's Q4_K gate/up beside its Q6_K down): each phase on its
 # own kernels and activations; tiles on AMX in one phase and not the other, either way round
 @pytest.mark.parametrize("fmt, down_fmt", [("q4k", "q6k"), ("q6k", "q4k"), ("q5k", "q6k"), ("q3k", "q5k"),
-                                           ("iq4xs", "int8g32"),
+                                           ("q2k", "q3k"), ("iq4xs", "int8g32"),
                                            ("int4g32", "bf16"), ("bf16", "int4")])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T", [1, 7, 64])
@@ -198,7 +200,7 @@ def test_large_T_repeated_ids_and_zero_weights(fmt, isa):
     assert torch.all(got[::3] == 0)
 
 
-@pytest.mark.parametrize("fmt", ["int4g32", "iq4nl", "uint4g32", "int8g32", "q5k", "q6k", "q3k", "iq4xs"])
+@pytest.mark.parametrize("fmt", ["int4g32", "iq4nl", "uint4g32", "int8g32", "q5k", "q6k", "q3k", "q2k", "iq4xs"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T", [1, 5])
 def test_rows_of_many_groups(fmt, isa, T):
@@ -341,6 +343,33 @@ def test_q3k_published_weights_are_kept_bit_for_bit_and_by_q6k_too(isa):
         assert_kept_and_multiplied(published_layer(parts, I, H, fmt, isa), parts, T, k)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_q2k_published_weights_are_kept_bit_for_bit(isa):
+    """GGUF's Q2_K numbers as stored (2-bit q, a 4-bit sc and m per 16, d and dmin per 256; rows of 320 padded to 512):
+    packed exactly, and multiplied exactly on every path. Expert 0 is all q = 3 with sc = m = 15, against activations
+    of one sign: the largest sums a 16's products and mins make."""
+    from moe_kernels.packing import Q2K
+    E, I, H, T, k = 3, 256, 320, 5, 2
+    g = torch.Generator().manual_seed(13)
+
+    def q2(r, c, extreme=False):
+        n = -(-c // 256)
+        rnd = lambda hi, *s: torch.randint(0, hi, s, dtype=torch.uint8, generator=g)  # noqa: E731
+        d = (torch.rand(r, n, generator=g) * 1e-3 + 1e-4).half().float()
+        dmin = (torch.rand(r, n, generator=g) * 1e-3).half().float()
+        if extreme:
+            full = lambda v, *s: torch.full(s, v, dtype=torch.uint8)  # noqa: E731
+            return Q2K(full(3, r, c), d, dmin, full(15, r, 16 * n), full(15, r, 16 * n))
+        return Q2K(rnd(4, r, c), d, dmin, rnd(16, r, 16 * n), rnd(16, r, 16 * n))
+    parts = [(q2(I, H, e == 0), q2(I, H), q2(H, I)) for e in range(E)]
+    op = published_layer(parts, I, H, "q2k", isa)
+    assert_kept_and_multiplied(op, parts, T, k)
+    gate, up, down = dequantized(op)
+    x = torch.rand(T, H) + 0.5
+    ids, w = torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, 1)
+    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="q2k"), TOL["q2k"])
+
+
 def published_fp8(rows, cols, gen):
     """A random FP8 weight as a checkpoint publishes it: any finite e4m3 byte, a scale per 128 x 128 block."""
     from moe_kernels.packing import Fp8
@@ -455,7 +484,7 @@ def test_avx2_paired_halves_are_two_halves_bitwise(fmt, tmp_path):
 
 
 @pytest.mark.skipif(not native.isa_supported("avxvnni"), reason="no AVX-VNNI on this CPU")
-@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "int4g32", "q5k", "q6k", "q3k", "iq4xs"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "int4g32", "q5k", "q6k", "q3k", "q2k", "iq4xs"])
 def test_avxvnni_is_avx2_bitwise(fmt):
     """vpdpbusd on (q + 128) minus 128 x the row sums and AVX2's signed pairs give the same integers, so
     the same floats after the same scaling: any difference is a bug in one of them."""
@@ -466,11 +495,11 @@ def test_avxvnni_is_avx2_bitwise(fmt):
     assert torch.equal(ops["avx2"].forward(x, ids, w), ops["avxvnni"].forward(x, ids, w))
 
 
-@pytest.mark.parametrize("fmt", ["q6k", "q3k", "iq4xs"])
+@pytest.mark.parametrize("fmt", ["q6k", "q3k", "q2k", "iq4xs"])
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_int_scaled_formats_are_the_reference_on_every_path_bitwise(fmt, T):
-    """q6k, q3k and iq4xs sum each 256's sc x dot products in int32 (exact) and apply its d with one FMA on every path, as the
-    portable reference does: the paths agree to the bit (rows of 5 super-blocks, the last one padded; 65 row blocks,
+    """q6k, q3k, q2k and iq4xs sum each 256's sc x dot products (q2k: and m x activation sums) in int32 (exact) and apply
+    its d (and dmin) with one FMA each on every path, as the portable reference does: the paths agree to the bit (rows of 5 super-blocks, the last one padded; 65 row blocks,
     pairs and a lone one), and against the dequantized weights only the activations' int8 rounding is left."""
     from moe_kernels.dense import NativeLinear
     from moe_kernels.packing import unpack
