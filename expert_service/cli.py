@@ -46,7 +46,7 @@ def parse_args(argv=None):
                          "int4g32 / uint4g32: 4-bit with a scale (and a min) per 32, int4 checkpoints and GGUF's "
                          "Q4_0 / Q4_1 / Q4_K kept; q4k: GGUF's Q4_K as stored, a 6-bit scale and min per 32 under "
                          "an fp32 one per 256; q5k: GGUF's Q5_K as stored, q4k's with 5 bits; q3k: GGUF's Q3_K as stored, q6k's "
-                         "with 3 bits; q6k: GGUF's Q6_K as stored, 6 bits with an int8 scale per 16 under an "
+                         "with 3 bits; q2k: GGUF's Q2_K as stored, a 4-bit scale and min per 16 under fp32 ones per 256; q6k: GGUF's Q6_K as stored, 6 bits with an int8 scale per 16 under an "
                          "fp32 one per 256; iq4nl: GGUF's IQ4_NL / IQ4_XS kept; iq4xs: GGUF's IQ4_XS as stored, an "
                          "int8 scale per 32 under an fp32 one per 256; gguf: each matrix of a GGUF in the format that keeps its "
                          "block type, the default for mixes such as Q4_K_M); auto = the checkpoint's own "

@@ -6,7 +6,7 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
 a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
-uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its
+uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q2_K on q2k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its
 own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are dequantized
 exactly (then requantized by default: covering).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
@@ -35,10 +35,12 @@ STACKED, STACKED_RAW = -1, -2
 # block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred
 # first (Q4_0's q - 8 is also a min of 8 scales)
 FLOAT_TYPES = ("F32", "F16", "BF16")  # not block types: read as floats
-KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q3_K": ("q3k", "q6k"), "Q4_K": ("q4k", "uint4g32"),
+KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q2_K": ("q2k",), "Q3_K": ("q3k", "q6k"),
+         "Q4_K": ("q4k", "uint4g32"),
          "Q5_K": ("q5k",), "Q6_K": ("q6k",), "IQ4_NL": ("iq4nl",), "IQ4_XS": ("iq4xs", "iq4nl"), "Q8_0": ("int8g32",),
          "MXFP4": ("mxfp4",)}
-# bits a value of the formats a type no format keeps is requantized into (covering), smallest first
+# bits a value of the formats a type no format keeps is requantized into (covering), smallest first (not q2k: its 4
+# levels per 16 are coarser than the IQ2 types' grids; it keeps Q2_K alone)
 VALUE_BITS = {"q3k": 3, "iq4xs": 4, "q5k": 5, "q6k": 6, "int8g32": 8}
 
 
@@ -124,6 +126,25 @@ def _q6_k(b: np.ndarray):
     return Q6K(q.reshape(R, -1), _f16(blocks[..., 208:210]), sc)
 
 
+def _bit_pairs(qs: np.ndarray) -> torch.Tensor:
+    """Q2_K's and Q3_K's 64 bytes of bit pairs per 256 ([R, n, 64]) -> [R, n, 256] values 0..3: pair j of byte 32 h + l
+    is weight 128 h + 32 j + l."""
+    R, n = qs.shape[:2]
+    q = torch.from_numpy(np.ascontiguousarray(qs)).view(R, n, 2, 1, 32)
+    return ((q >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3).reshape(R, n, 256)
+
+
+def _q2_k(b: np.ndarray):
+    """84 bytes per 256: 16 bytes of 4-bit scales and mins (sc | m << 4, one per 16), 64 of bit pairs, fp16 d, fp16
+    dmin; w = d sc q - dmin m."""
+    from moe_kernels.packing import Q2K
+    R = b.shape[0]
+    blocks = np.ascontiguousarray(b.reshape(R, -1, 84))
+    sm = torch.from_numpy(blocks[..., :16].copy()).reshape(R, -1)
+    return Q2K(_bit_pairs(blocks[..., 16:80]).reshape(R, -1), _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84]),
+               sm & 15, sm >> 4)
+
+
 def _q3_k(b: np.ndarray):
     """110 bytes per 256: 32 bytes of high bits (bit 4h + j of byte l: weight 128 h + 32 j + l), 64 of low bit pairs
     (bits 2j of byte 32 h + l: the same weight), 12 of the 16 6-bit scales (ggml's kmask shuffle), fp16 d;
@@ -133,10 +154,8 @@ def _q3_k(b: np.ndarray):
     blocks = np.ascontiguousarray(b.reshape(R, -1, 110))
     n = blocks.shape[1]
     hm = torch.from_numpy(blocks[..., :32].copy()).view(R, n, 1, 32)
-    qs = torch.from_numpy(blocks[..., 32:96].copy()).view(R, n, 2, 1, 32)
-    low = (qs >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3        # [R, n, 2, 4, 32]
     high = (hm >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1            # [R, n, 8, 32]
-    q = (low.reshape(R, n, 8, 32) | (high << 2)).to(torch.int8) - 4
+    q = (_bit_pairs(blocks[..., 32:96]).view(R, n, 8, 32) | (high << 2)).to(torch.int8) - 4
     a = blocks[..., 96:108].copy().view(np.uint32)                              # [R, n, 3]
     m1, m2 = np.uint32(0x03030303), np.uint32(0x0F0F0F0F)
     a0, a1, t = a[..., 0], a[..., 1], a[..., 2]
@@ -167,7 +186,7 @@ def _iq4_xs(b: np.ndarray):
     return Iq4Xs(codes, d, (ls - 32).to(torch.int8).reshape(R, -1))
 
 
-_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
+_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
            "IQ4_XS": _iq4_xs, "Q8_0": _q8_0}
 
 
@@ -642,10 +661,10 @@ def own_format(t: str) -> str:
 
 
 def covering(t: str) -> str:
-    """For a type no format keeps (Q2_K, Q5_0, Q5_1, the IQ2/IQ3 types; floats): the smallest format whose values have
-    at least the type's bits (its bits a weight less about half a bit of scales), so it is requantized onto a grid no
-    coarser than the file's and stays about the file's size (Q2_K: q3k, Q5_0: q5k), not a 2-4x larger exact copy (a
-    2-bit DeepSeek file must fit the RAM its user has). Measured on the default model against llama-perplexity on the
+    """For a type no format keeps (Q5_0, Q5_1, the IQ1/IQ2/IQ3 types; floats): the smallest format whose values have
+    at least the type's bits (its bits a weight less about half a bit of scales; at least q3k's 3), so it is requantized
+    onto a grid no coarser than the file's and stays about the file's size (IQ2_XS: q3k, Q5_0: q5k), not a 2-4x larger
+    exact copy (a 2-bit DeepSeek file must fit the RAM its user has). Measured on the default model against llama-perplexity on the
     same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
     need = max(int(type_bits(t) - 0.5), 1) if t not in FLOAT_TYPES else 16
     return next((f for f, bits in VALUE_BITS.items() if bits >= need), "int8g32")

@@ -611,8 +611,8 @@ def pack_q6k(w: Q6K, Kp: int, bits: int = 6) -> tuple:
 
 
 def pack_q2k(w: Q2K, Kp: int) -> tuple:
-    """Q2_K numbers [rows, K] -> (per 32: 2 vectors of bit pairs; [per 256: d, dmin, 16 sc | m << 4] bytes, None,
-    None) in row blocks, bit-exact."""
+    """Q2_K numbers [rows, K] -> (per 32: 2 vectors of bit pairs; [per 256: d, dmin, 16 sc | m << 4 (a 32's two side
+    by side)] bytes, None, None) in row blocks, bit-exact."""
     R, K = w.values.shape
     if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // Q6_SUB)):
         raise ValueError(f"q2k weight [{R}, {K}] needs a d and dmin per {QK} and an sc and m per {Q6_SUB} (rows padded "
@@ -622,6 +622,7 @@ def pack_q2k(w: Q2K, Kp: int) -> tuple:
     q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
     both = (w.sc.to(torch.uint8) | (w.m.to(torch.uint8) << 4)).view(torch.int8)  # sc in the low nibble, as the file's
     (d, both), dmin = _d_and_bytes(w.d, both, Kp // QK), _d_and_bytes(w.dmin, w.m, Kp // QK)[0]
+    both = both.reshape(R, Kp // QK, QK // G32, 2)  # a 32's two bytes of a row side by side (the kernels' int16 pairs)
     return _interleave_rows(_pairs(q.view(R, Kp // G32, 8, 4))), _interleave_rows(d, dmin, both), None, None
 
 
@@ -864,7 +865,7 @@ def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
             return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 32).float()).reshape(E, R, -1)[..., :K]
         elif fmt == "q2k":  # per 32: 2 vectors of bit pairs (chunk c's at bits 2c of vector c // 4)
             v = _unpairs(_deinterleave_rows(data, data.shape[-1] // 8, (2, 4))[0].long()).float()
-            d, dmin, b = _deinterleave_rows(scale, ng // 24, (1, 4), (1, 4), (QK // Q6_SUB, 1))
+            d, dmin, b = _deinterleave_rows(scale, ng // 24, (1, 4), (1, 4), (QK // G32, 2))
             f32 = lambda t: t.contiguous().view(torch.float32).reshape(E, R, -1)  # noqa: E731
             b = b.reshape(E, R, -1).long()
             s = f32(d).repeat_interleave(QK // Q6_SUB, -1) * (b & 15).float()

@@ -26,12 +26,16 @@
 // before widening, not 8 (4 x 2 x 31 x 128 < 2^15).
 //
 // q3k (GGUF's Q3_K as stored): q6k's numbers with 3-bit u (w = d sc (u - 4)): a 32's low bit pairs in 2 vectors (as
-// q6k's high pairs) and its high bits in 1 (as q5k's), decoded to u, then q6k's sums with an excess of 4.
+// q6k's high pairs) and its high bits in 1 (as q5k's), decoded to u, then q6k's sums with an excess of 4, through
+// vpdpwssd (paired16, below).
 //
 // q2k (GGUF's Q2_K as stored): w = d sc q - dmin m with 2-bit q and a 4-bit sc and m per 16 (a byte, as the file's:
-// sc in the low nibble) under an fp32 d and dmin per 256; q3k's low bit pairs alone (2 vectors a 32), q6k's sums per
-// 16 (sc x dot in int32) and, for the mins, m x the 16's activation sum in a second int32 sum: per 256 two FMAs, d
-// and -dmin (ggml's integers and order).
+// sc in the low nibble) under an fp32 d and dmin per 256; q3k's low bit pairs alone (2 vectors a 32), a row's two
+// bytes of a 32 side by side. Per 32 its two 16s' dot products (each within int16: 16 x 3 x 128) as int16 pairs times
+// the (sc, sc') pair, and (m, m') times the 16s' activation sums (within int16: 16 x 128), one vpdpwssd (AVX2:
+// vpmaddwd) each, in two int32 sums: per 256 two FMAs, d and -dmin (ggml's integers and order). q3k's sums go the same
+// way (its int8 sc pairs interleaved at load): with q6k's vpmulld per 16 instead, both were compute-bound further
+// below the DRAM probe (docs/kernels.md).
 //
 // q6k (GGUF's Q6_K as stored): 6-bit u (w = d sc (u - 32)), its low nibbles laid out as the nibble formats' and its
 // high 2 bits in 2 more vectors a 32. A 32's two chains of dot products are its two 16s (chunks 0-3, 4-7), each
@@ -80,6 +84,12 @@ constexpr bool int_scaled = sub16(MODE) || MODE == IQXS;
 // q2k: its bytes of sc and m after d and dmin; the others' sc after d (4 bytes a row)
 template <int MODE>
 constexpr int sc_at = MODE == Q2K ? 8 : 4;
+// q3k, q2k: a 32's two 16s' dot products fit int16 (16 x 7 x 128), and so do the 16s' activation sums times the
+// excess (4 x 16 x 128): both go as int16 pairs through vpdpwssd (AVX2: vpmaddwd) with the pair of sub-scales
+// (q2k: sc, and m for the sums), no vpmulld; the same integers as sc x (dot - excess x sum) summed per 256
+constexpr bool paired16(int mode) { return mode == Q3K || mode == Q2K; }
+// an int16 pair (lo, hi) of int32 sums x, y: the broadcast operand of vpdpwssd
+inline int32_t pair_of(int32_t x, int32_t y) { return int32_t((uint32_t(y) << 16) | (uint32_t(x) & 0xFFFF)); }
 // q4k and q5k: w = d sc q - dmin m, a 6-bit sc and m per 32 under an fp32 d and dmin per 256 (the same scales)
 constexpr bool k_mins(int mode) { return mode == Q4K || mode == Q5K; }
 template <int MODE>
@@ -320,24 +330,33 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
       if constexpr (sub16(MODE)) {  // this 32's two 16s: less the excess x their activation sums, times their sc
         MOE_UNROLL for (int b = 0; b < NB; ++b) {
           const uint8_t* sc = S[b] + size_t(g) * n * SGE<MODE> + sc_at<MODE> * n + 2 * h * n;
-          const __m128i b0 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc));
-          const __m128i b1 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n));
-          __m512i sc0, sc1, m0, m1;
-          if constexpr (MODE == Q2K) {  // sc in the low nibble, m in the high one
-            const __m512i w0 = _mm512_cvtepu8_epi32(b0), w1 = _mm512_cvtepu8_epi32(b1), lo = _mm512_set1_epi32(15);
-            sc0 = _mm512_and_si512(w0, lo), sc1 = _mm512_and_si512(w1, lo);
-            m0 = _mm512_srli_epi32(w0, 4), m1 = _mm512_srli_epi32(w1, 4);
-          } else {
-            sc0 = _mm512_cvtepi8_epi32(b0), sc1 = _mm512_cvtepi8_epi32(b1);
+          if constexpr (paired16(MODE)) {  // the rows' sub-scale pairs as int16 pairs: scp with the dots, mp the sums
+            __m512i scp, mp;
+            if constexpr (MODE == Q2K) {  // stored as pairs of (sc | m << 4) bytes
+              const __m512i w = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(
+                  _mm512_maskz_loadu_epi8(FULL ? ~__mmask64(0) : (__mmask64(1) << 2 * n) - 1, sc)));
+              scp = _mm512_and_si512(w, _mm512_set1_epi16(15)), mp = _mm512_srli_epi16(w, 4);
+            } else {  // q3k: the two 16s' int8 sc, n rows each, interleaved
+              const __m128i b0 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc));
+              const __m128i b1 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n));
+              scp = mp = _mm512_cvtepi8_epi16(
+                  _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(b0, b1)), _mm_unpackhi_epi8(b0, b1), 1));
+            }
+            MOE_UNROLL for (int t = 0; t < NT; ++t) {
+              const int32_t* xc = XC[t] + 2 * lg;
+              const __m512i dp = _mm512_mask_blend_epi16(0xAAAAAAAA, d[b][t][0], _mm512_slli_epi32(d[b][t][1], 16));
+              qi[b][t] = _mm512_dpwssd_epi32(qi[b][t], dp, scp);
+              qn[b][t] = _mm512_dpwssd_epi32(qn[b][t], mp, _mm512_set1_epi32(pair_of(xc[0], xc[1])));
+              d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
+            }
+            continue;
           }
+          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
+          const __m512i sc1 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n)));
           MOE_UNROLL for (int t = 0; t < NT; ++t) {
             const int32_t* xc = XC[t] + 2 * lg;
-            __m512i s0 = d[b][t][0], s1 = d[b][t][1];
-            if constexpr (MODE == Q2K)  // the mins: m x the 16's activation sum
-              qn[b][t] = _mm512_add_epi32(qn[b][t], _mm512_add_epi32(_mm512_mullo_epi32(m0, _mm512_set1_epi32(xc[0])),
-                                                                     _mm512_mullo_epi32(m1, _mm512_set1_epi32(xc[1]))));
-            else
-              s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(xc[0])), s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(xc[1]));
+            const __m512i s0 = _mm512_sub_epi32(d[b][t][0], _mm512_set1_epi32(xc[0]));
+            const __m512i s1 = _mm512_sub_epi32(d[b][t][1], _mm512_set1_epi32(xc[1]));
             qi[b][t] = _mm512_add_epi32(qi[b][t],
                                         _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
             d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
@@ -348,6 +367,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
     if constexpr (int_scaled<MODE>) {  // the 256's d (q2k: and dmin)
       MOE_UNROLL for (int b = 0; b < NB; ++b) {
         const __m512 dv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * SGE<MODE>);
+        if constexpr (MODE == Q3K)  // less the excess x the activation sums
+          MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = _mm512_sub_epi32(qi[b][t], qn[b][t]);
         MOE_UNROLL for (int t = 0; t < NT; ++t)
           acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[b][t]), dv, acc[b][t]);
         if constexpr (MODE == Q2K) {
@@ -535,24 +556,26 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
         }
       }
       if constexpr (sub16(MODE)) {  // as mk512's
-        const uint8_t* sc = Sb + size_t(g) * n * SGE<MODE> + sc_at<MODE> * n + 2 * h * n + lane0;
-        __m256i sc0, sc1, m0, m1;
-        if constexpr (MODE == Q2K) {  // sc in the low nibble, m in the high one
-          Ymm::split_nibbles(Ymm::u8_to_epi32(sc, m), sc0, m0);
-          Ymm::split_nibbles(Ymm::u8_to_epi32(sc + n, m), sc1, m1);
-        } else {
-          sc0 = Ymm::s8_to_epi32(sc, m), sc1 = Ymm::s8_to_epi32(sc + n, m);
+        const uint8_t* sc = Sb + size_t(g) * n * SGE<MODE> + sc_at<MODE> * n + 2 * h * n;
+        if constexpr (paired16(MODE)) {  // as mk512's, on vpmaddwd
+          __m256i scp, mp;
+          if constexpr (MODE == Q2K) Ymm::q2_scales(sc + 2 * lane0, m, scp, mp);
+          else scp = mp = Ymm::s8_pairs(sc + lane0, sc + n + lane0, m);
+          MOE_UNROLL for (int t = 0; t < NT; ++t) {
+            __m256i d0 = Ymm::zero_si(), d1 = Ymm::zero_si();
+            sub16_dots<Dot, MODE>(u, reinterpret_cast<const int32_t*>(X[t] + lg * G), d0, d1);
+            const int32_t* xc = XC[t] + 2 * lg;
+            qi[t] = Ymm::add_epi32(qi[t], Ymm::madd_epi16(Ymm::pair16(d0, d1), scp));
+            qn[t] = Ymm::add_epi32(qn[t], Ymm::madd_epi16(mp, Ymm::set1_epi32(pair_of(xc[0], xc[1]))));
+          }
+          continue;
         }
+        const __m256i sc0 = Ymm::s8_to_epi32(sc + lane0, m), sc1 = Ymm::s8_to_epi32(sc + n + lane0, m);
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
           __m256i d0 = Ymm::zero_si(), d1 = Ymm::zero_si();
           sub16_dots<Dot, MODE>(u, reinterpret_cast<const int32_t*>(X[t] + lg * G), d0, d1);
           const int32_t* xc = XC[t] + 2 * lg;
-          if constexpr (MODE == Q2K) {
-            qn[t] = Ymm::add_epi32(qn[t], Ymm::add_epi32(Ymm::mullo_epi32(m0, Ymm::set1_epi32(xc[0])),
-                                                         Ymm::mullo_epi32(m1, Ymm::set1_epi32(xc[1]))));
-          } else {
-            d0 = Ymm::sub_epi32(d0, Ymm::set1_epi32(xc[0])), d1 = Ymm::sub_epi32(d1, Ymm::set1_epi32(xc[1]));
-          }
+          d0 = Ymm::sub_epi32(d0, Ymm::set1_epi32(xc[0])), d1 = Ymm::sub_epi32(d1, Ymm::set1_epi32(xc[1]));
           qi[t] = Ymm::add_epi32(qi[t], Ymm::add_epi32(Ymm::mullo_epi32(d0, sc0), Ymm::mullo_epi32(d1, sc1)));
         }
         continue;
@@ -580,6 +603,8 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
     if constexpr (int_scaled<MODE>) {
       const float* dp = reinterpret_cast<const float*>(Sb + size_t(g) * n * SGE<MODE>) + lane0;
       const __m256 dv = FULL ? Ymm::loadu_ps(dp) : Ymm::loadu_first_ps(dp, m);
+      if constexpr (MODE == Q3K)
+        MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = Ymm::sub_epi32(qi[t], qn[t]);
       MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = Ymm::fmadd(Ymm::to_ps(qi[t]), dv, acc[t]);
       if constexpr (MODE == Q2K) {
         const float* dminp = reinterpret_cast<const float*>(Sb + size_t(g) * n * SGE<MODE> + 4 * n) + lane0;
@@ -1040,13 +1065,14 @@ void ref_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, 
           x16 += xv;
           if constexpr (sub16(MODE))
             if (i % Q6_SUB == Q6_SUB - 1) {  // the 16's sc (q2k: and m)
-              const size_t sub = size_t(lg % SPG<MODE>) * 2 + i / Q6_SUB;
-              const uint8_t byte = sb[size_t(lg / SPG<MODE>) * n * SGE<MODE> + sc_at<MODE> * n + sub * n + j];
-              if constexpr (MODE == Q2K) {
+              const size_t h = lg % SPG<MODE>, half = i / Q6_SUB;
+              const uint8_t* sg = sb + size_t(lg / SPG<MODE>) * n * SGE<MODE> + sc_at<MODE> * n;
+              if constexpr (MODE == Q2K) {  // a 32's byte pairs, row by row
+                const uint8_t byte = sg[2 * h * n + 2 * j + half];
                 qi += dot * (byte & 15);
                 qn += x16 * (byte >> 4);
               } else {
-                qi += dot * int8_t(byte);
+                qi += dot * int8_t(sg[(2 * h + half) * n + j]);
               }
               dot = x16 = 0;
             }

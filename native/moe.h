@@ -75,7 +75,8 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //         - q2k: 2-bit q stands for itself, w = d sc q - dmin m, GGUF's Q2_K as stored: per 256 weights an fp32 d and
 //           dmin, per 16 a 4-bit sc and m (one byte, sc in the low nibble, as the file's). A 32's bytes: q3k's 2
 //           vectors of low bit pairs alone. scale = uint8 [E, rows, Kp/256 x 24]: per block and 256, its n rows' d
-//           (fp32), then their dmin, then the 16 sc | m << 4 bytes (16 by 16, n each). 2.75 bits a weight.
+//           (fp32), then their dmin, then the 16 sc | m << 4 bytes 32 by 32:
+//           a 32's two bytes of each row side by side (2n each). 2.75 bits a weight.
 //         - iq4xs: iq4nl's codes, w = d sc IQ4NL[code], GGUF's IQ4_XS as stored: per 256 weights an fp32 d, per 32 an
 //           int8 sc (the file's 6-bit ls - 32). scale = uint8 [E, rows, Kp/256 x 12]: per block and 256, its n rows' d
 //           (fp32), then the 8 sc bytes (32 by 32, n each). 4.375 bits a weight (iq4nl: 5).

@@ -56,6 +56,23 @@ struct Ymm {
     return _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(int64_t(v)));
   }
   MOE_YMM __m256i mullo_epi32(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
+  // q2k: a half block's pairs of sc | m << 4 bytes (2m bytes, m <= 8; zeros after, no read past) as int16 pairs, sc
+  // and m apart
+  MOE_YMM void q2_scales(const uint8_t* p, int m, __m256i& sc, __m256i& mn) {
+    alignas(16) uint8_t b[16] = {};
+    std::memcpy(b, p, size_t(2 * m));
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(b)));
+    sc = _mm256_and_si256(w, _mm256_set1_epi16(15)), mn = _mm256_srli_epi16(w, 4);
+  }
+  // q3k: a half block's two 16s' int8 sc (m <= 8 rows each; zeros after, no read past) as int16 pairs
+  MOE_YMM __m256i s8_pairs(const uint8_t* p0, const uint8_t* p1, int m) {
+    uint64_t a = 0, b = 0;
+    std::memcpy(&a, p0, size_t(m)), std::memcpy(&b, p1, size_t(m));
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128(int64_t(a)), _mm_cvtsi64_si128(int64_t(b))));
+  }
+  // int32 lanes lo, hi (each within int16) as int16 pairs (lo, hi), for vpmaddwd
+  MOE_YMM __m256i pair16(__m256i lo, __m256i hi) { return _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA); }
+  MOE_YMM __m256i madd_epi16(__m256i a, __m256i b) { return _mm256_madd_epi16(a, b); }
   // q6k: chunk c's (c < 4) high 2 bits, bits 2c and 2c + 1 of each byte of hv, above its nibble (gemm_blocked.h)
   MOE_YMM __m256i q6_value(__m256i nib, __m256i hv, int c) {
     const __m256i h = c == 0 ? _mm256_slli_epi16(hv, 4) : c == 1 ? _mm256_slli_epi16(hv, 2) : c == 2 ? hv

@@ -1,4 +1,4 @@
-"""Quantizers for the GGUF block types the gguf package can read but not write (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), so the tests
+"""Quantizers for the GGUF block types the gguf package can read but not write (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), so the tests
 can write files of them: float rows [R, K] -> the raw blocks [R, K / block * bytes], laid out as llama.cpp writes
 them. Simple first guesses of the scales (no search): the tests need the layout, not llama.cpp's error. Each
 is checked against the gguf package's dequantizer (tests/test_gguf.py), which is what makes the layout right."""
@@ -119,6 +119,26 @@ def q6_k(x: np.ndarray) -> np.ndarray:
                           axis=-1).reshape(R, -1)
 
 
+def q2_k(x: np.ndarray) -> np.ndarray:
+    """84 bytes per 256: 16 bytes of sc | m << 4 (4 bits each, one per 16), 64 of bit pairs, fp16 d, fp16 dmin. Weight
+    128 h + 32 j + l (h < 2, j < 4, l < 32): pair j of byte 32 h + l; w = d sc q - dmin m with its 16's sc and m."""
+    R, K = x.shape
+    sub = x.astype(np.float32).reshape(R, K // 256, 16, 16)
+    lo = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - lo) / 3, -lo
+    d = (scale.max(-1) / 15).astype(np.float16)
+    dmin = (mins.max(-1) / 15).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[..., None] > 0, np.round(scale / d.astype(np.float32)[..., None]), 0).clip(0, 15).astype(np.uint8)
+        mn = np.where(dmin[..., None] > 0, np.round(mins / dmin.astype(np.float32)[..., None]), 0).clip(0, 15).astype(np.uint8)
+        s = d.astype(np.float32)[..., None] * sc
+        m = dmin.astype(np.float32)[..., None] * mn
+        q = np.where(s[..., None] > 0, np.round((sub + m[..., None]) / s[..., None]), 0).clip(0, 3).astype(np.uint8)
+    u = q.reshape(R, K // 256, 2, 4, 32)  # [.., h, j, l]
+    qs = sum(u[..., j, :] << (2 * j) for j in range(4)).astype(np.uint8).reshape(R, K // 256, 64)
+    return np.concatenate([sc | (mn << 4), qs, _f16(d), _f16(dmin)], axis=-1).reshape(R, -1)
+
+
 def q3_k(x: np.ndarray) -> np.ndarray:
     """110 bytes per 256: 32 bytes of high bits, 64 of low bit pairs, 12 of the 16 6-bit scales, fp16 d. Weight
     128 h + 32 j + l (h < 2, j < 4, l < 32): pair j of byte 32 h + l, high bit 4 h + j of byte l; its 16's scale
@@ -141,7 +161,7 @@ def q3_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([hm, qs, packed.astype(np.uint8), _f16(d)], axis=-1).reshape(R, -1)
 
 
-ENCODERS = {"Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
+ENCODERS = {"Q2_K": q2_k, "Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:

@@ -291,19 +291,25 @@ def q3_k_m(L: int, name: str):
     return Q.Q4_K if L == 0 and "down" in name else Q.Q3_K
 
 
-MIXES = {"Q4_K_M": q4_k_m, "Q5_K_M": q5_k_m, "Q3_K_M": q3_k_m}
+def q2_k_mix(L: int, name: str):
+    """A Q2_K-like mix: Q2_K, down in Q3_K in layer 0."""
+    Q = gguf.GGMLQuantizationType
+    return Q.Q3_K if L == 0 and "down" in name else Q.Q2_K
+
+
+MIXES = {"Q4_K_M": q4_k_m, "Q5_K_M": q5_k_m, "Q3_K_M": q3_k_m, "Q2_K_mix": q2_k_mix}
 # the block type -> the expert format that starts by default (a mix: its layer 0's); `kept`: whether it keeps the
 # file's numbers
 DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("q4k", True), "Q6_K": ("q6k", True),
             "IQ4_XS": ("iq4xs", True), "Q4_K_M": ("q4k/q6k", True), "Q5_K_M": ("q5k/q6k", True),
-            "Q3_K_M": ("q3k/q4k", True)}
+            "Q3_K_M": ("q3k/q4k", True), "Q2_K": ("q2k", True), "Q2_K_mix": ("q2k/q3k", True)}
 
 
 @pytest.mark.parametrize("qtype", list(DEFAULTS))
 def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, wide_source, tmp_path, services_factory,
                                                                   monkeypatch):
     monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
-    src = wide_source if qtype in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q3_K_M") else source
+    src = wide_source if qtype in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "Q2_K_mix") else source
     f = write_gguf(src, tmp_path / f"tiny-{qtype}.gguf", MIXES.get(qtype) or getattr(gguf.GGMLQuantizationType, qtype))
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f.name,
                                                             dtype=torch.float32).eval()
@@ -372,7 +378,7 @@ def test_the_gguf_format_needs_a_gguf_with_quantized_experts(source):
         weight_format("gguf", load_config(source))
 
 
-@pytest.mark.parametrize("qtype", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_our_block_quantizers_write_what_the_gguf_package_reads(qtype):
     """tests/gguf_blocks.py's layouts: the gguf package's dequantizer gives back the quantized rows (within a 4-bit
     grid's error; a misplaced scale or nibble would be off by the weights' own size)."""
@@ -381,10 +387,11 @@ def test_our_block_quantizers_write_what_the_gguf_package_reads(qtype):
     raw = gguf_blocks.quantize(x, t)
     assert raw.shape == (16, 512 // gguf.GGML_QUANT_SIZES[t][0] * gguf.GGML_QUANT_SIZES[t][1])
     back = gguf.quants.dequantize(raw, t)
-    assert np.linalg.norm(back - x) / np.linalg.norm(x) < (0.25 if qtype == "Q3_K" else 0.12)  # Q3_K: 8 levels
+    # Q3_K: 8 levels, Q2_K: 4
+    assert np.linalg.norm(back - x) / np.linalg.norm(x) < {"Q3_K": 0.25, "Q2_K": 0.45}.get(qtype, 0.12)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q8_0"])
 def test_kept_block_types_are_bit_for_bit(qtype, wide_source, tmp_path):
     from moe_core import gguf_model
     from moe_kernels.packing import pack_expert, row_len, unpack
@@ -554,7 +561,7 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     cfg = lambda *types: SimpleNamespace(gguf_expert_types=types)  # noqa: E731
     for kept, fmt in (("Q4_0", "int4g32"), ("MXFP4", "mxfp4"), ("Q4_K", "q4k"), ("Q4_K", "uint4g32"),
                       ("IQ4_XS", "iq4nl"), ("IQ4_XS", "iq4xs"), ("Q5_K", "q5k"), ("Q6_K", "q6k"), ("Q3_K", "q3k"),
-                      ("Q3_K", "q6k")):
+                      ("Q3_K", "q6k"), ("Q2_K", "q2k")):
         assert dequantized_experts(cfg(kept), fmt) is None
     assert dequantized_experts(cfg(), "bf16") is None  # not a GGUF
     msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "bf16")
@@ -563,19 +570,21 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "q4k")  # Q4_K_M: its Q4_K kept, its Q6_K requantized
     assert "(Q6_K)" in msg and "requantized to q4k (Q6_K: 6.56 -> 4.75 bits a weight)" in msg
     # the types' own format where they share one; else each matrix in its own type's (gguf); the types no format
-    # keeps: the smallest format with at least their value bits (Q2_K: 3, Q5_0: 5, Q5_1: 5, floats: int8)
+    # keeps: the smallest format with at least their value bits, q3k's 3 at least (IQ2_XS: 3, Q5_0: 5, Q5_1: 5, floats: int8)
     assert expert_format(("Q4_K", "Q6_K")) == "gguf" and expert_format(("Q6_K",)) == "q6k"
     assert expert_format(("Q4_0", "Q4_1")) == "gguf" and expert_format(("IQ4_NL", "IQ4_XS")) == "gguf"
     assert expert_format(("IQ4_XS", "Q5_K")) == "gguf" and expert_format(("Q2_K", "Q4_K")) == "gguf"
-    assert expert_format(("Q8_0",)) == "int8g32" and expert_format(("Q2_K",)) == "q3k"
+    assert expert_format(("Q8_0",)) == "int8g32" and expert_format(("Q2_K",)) == "q2k"
     assert expert_format(("Q8_0", "Q6_K")) == "gguf" and expert_format(("Q5_K", "Q3_K")) == "gguf"
-    assert expert_format(("Q5_K",)) == "q5k" and expert_format(("Q3_K", "Q2_K")) == "q3k"
+    assert expert_format(("Q5_K",)) == "q5k" and expert_format(("Q3_K", "Q2_K")) == "gguf"
+    assert expert_format(("IQ2_XS",)) == "q3k" and expert_format(("IQ3_XXS", "Q3_K")) == "q3k"
     assert expert_format(("Q5_0",)) == "q5k" and expert_format(("Q5_1",)) == "q5k" and expert_format(("Q3_K",)) == "q3k"
     msg = dequantized_experts(cfg("Q8_0", "Q6_K"), "int8g32")  # the Q8_0 kept, the Q6_K requantized
     assert "(Q6_K)" in msg and "Q8_0" not in msg
     assert dequantized_experts(cfg("Q8_0", "Q6_K"), "gguf") is None  # each kept in its own
     msg = dequantized_experts(cfg("Q3_K", "Q5_0"), "gguf")  # Q3_K_M on rows not of 256: its Q5_0 down in q5k
     assert "(Q5_0)" in msg and "Q3_K" not in msg and "requantized to q5k (Q5_0: 5.5 -> 5.75 bits a weight)" in msg
-    msg = dequantized_experts(cfg("Q2_K", "Q4_0"), "gguf")
-    assert "(Q2_K)" in msg and "requantized to q3k (Q2_K: 2.62 -> 3.62 bits a weight)" in msg
+    assert dequantized_experts(cfg("Q2_K", "Q4_0"), "gguf") is None
+    msg = dequantized_experts(cfg("IQ2_XS", "Q4_0"), "gguf")
+    assert "(IQ2_XS)" in msg and "requantized to q3k (IQ2_XS: 2.31 -> 3.62 bits a weight)" in msg
     assert expert_format(("Q4_0",)) == "int4g32" and expert_format(("BF16",)) is None
