@@ -228,7 +228,7 @@ class UInt4(NamedTuple):
 
 class Q4K(NamedTuple):
     """GGUF's Q4_K numbers: values [rows, K] uint8 (0-15), d and dmin [rows, ceil(K / 256)] fp32 (the file's fp16), sc
-    and m [rows, 8 per 256] uint8 (0-63); w = d sc value - dmin m. (Q5K: the same with values 0-31.)"""
+    and m [rows, 8 per 256] uint8 (0-63); w = d sc value - dmin m. (Q5K: the same with values 0-31; Q2K: its own.)"""
     values: torch.Tensor
     d: torch.Tensor
     dmin: torch.Tensor
@@ -258,19 +258,13 @@ class Q5K(Q4K):
     __slots__ = ()
 
 
-class Q2K(NamedTuple):
-    """GGUF's Q2_K numbers: values [rows, K] uint8 (0-3), d and dmin [rows, ceil(K / 256)] fp32 (the file's fp16), sc
-    and m [rows, 16 per 256] uint8 (0-15); w = d sc value - dmin m per 16 (d sc value and dmin m exact in fp32: one
-    rounding, as ggml's)."""
-    values: torch.Tensor
-    d: torch.Tensor
-    dmin: torch.Tensor
-    sc: torch.Tensor
-    m: torch.Tensor
+class Q2K(Q4K):
+    """GGUF's Q2_K numbers: Q4K's fields with values 0-3 and a 4-bit sc and m per 16 (16 per 256); w = d sc value -
+    dmin m (d sc value and dmin m exact in fp32: one rounding, as ggml's)."""
+    __slots__ = ()
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
+    def to_uint4(self) -> "UInt4":
+        raise TypeError("Q2_K's scales and mins are per 16: uint4g32's per 32 cannot hold them")
 
     def dequantize(self) -> torch.Tensor:
         R, K = self.values.shape
@@ -279,10 +273,6 @@ class Q2K(NamedTuple):
         v = F.pad(self.values.float(), (0, -K % Q6_SUB)).view(R, -1, Q6_SUB)
         n = v.shape[1]
         return (s[:, :n, None] * v - mins[:, :n, None]).view(R, -1)[:, :K]
-
-    @staticmethod
-    def cat(parts: list["Q2K"]) -> "Q2K":
-        return Q2K(*(torch.cat([getattr(p, f) for p in parts]) for f in Q2K._fields))
 
 
 class Q6K(NamedTuple):
@@ -674,7 +664,7 @@ def q6k_quantize(w: torch.Tensor, bits: int = 6) -> Q6K:
     return (Q6K if bits == 6 else Q3K)(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
 
 
-def q4k_quantize(w: torch.Tensor, bits: int = 4) -> Q4K | Q2K:
+def q4k_quantize(w: torch.Tensor, bits: int = 4) -> Q4K:
     """Float w [rows, K] -> Q4_K's numbers (each 32's range on 0..15 with a min <= 0, its scale and min on 6 bits under
     the 256's d and dmin; no search, as uint4_quantize); bits 5: Q5_K's (0..31); bits 2: Q2_K's (each 16's on 0..3,
     scale and min on 4 bits)."""
@@ -735,7 +725,7 @@ def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
 
 def floats(w) -> torch.Tensor:
     """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
-    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q6K, Q2K)) else w
+    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q6K)) else w
 
 
 def int8_quantize(w: torch.Tensor) -> Int8:
