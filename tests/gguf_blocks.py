@@ -30,21 +30,27 @@ def _grid_scale(x: np.ndarray) -> np.ndarray:
     return peak / -127.0
 
 
+def _min_quant(sub: np.ndarray, top: int, smax: int) -> tuple:
+    """Sub-blocks [R, n, subs, size] on 0..top with a min <= 0, their scales and mins on 0..smax under each super-block's
+    fp16 d and dmin -> d, dmin [R, n] (fp16), sc, mn [R, n, subs] and q [R, n, subs, size] (uint8)."""
+    lo = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - lo) / top, -lo
+    d = (scale.max(-1) / smax).astype(np.float16)
+    dmin = (mins.max(-1) / smax).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[..., None] > 0, np.round(scale / d.astype(np.float32)[..., None]), 0).clip(0, smax).astype(np.uint8)
+        mn = np.where(dmin[..., None] > 0, np.round(mins / dmin.astype(np.float32)[..., None]), 0).clip(0, smax).astype(np.uint8)
+        s = d.astype(np.float32)[..., None] * sc
+        m = dmin.astype(np.float32)[..., None] * mn
+        q = np.where(s[..., None] > 0, np.round((sub + m[..., None]) / s[..., None]), 0).clip(0, top).astype(np.uint8)
+    return d, dmin, sc, mn, q
+
+
 def _k_quant(x: np.ndarray, top: int) -> tuple:
     """Q4_K's and Q5_K's numbers: per 256 fp16 d, dmin and their 12 bytes of 6-bit scales and mins (16 bytes), and q
     [R, n, 8, 32] in 0..top."""
     R, K = x.shape
-    sub = x.astype(np.float32).reshape(R, K // 256, 8, 32)
-    lo = np.minimum(sub.min(-1), 0)
-    scale, mins = (sub.max(-1) - lo) / top, -lo
-    d = (scale.max(-1) / 63).astype(np.float16)
-    dmin = (mins.max(-1) / 63).astype(np.float16)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d[..., None] > 0, np.round(scale / d.astype(np.float32)[..., None]), 0).clip(0, 63).astype(np.uint8)
-        mn = np.where(dmin[..., None] > 0, np.round(mins / dmin.astype(np.float32)[..., None]), 0).clip(0, 63).astype(np.uint8)
-        s = d.astype(np.float32)[..., None] * sc
-        m = dmin.astype(np.float32)[..., None] * mn
-        q = np.where(s[..., None] > 0, np.round((sub + m[..., None]) / s[..., None]), 0).clip(0, top).astype(np.uint8)
+    d, dmin, sc, mn, q = _min_quant(x.astype(np.float32).reshape(R, K // 256, 8, 32), top, 63)
     packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
                              (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], axis=-1).astype(np.uint8)
     return np.concatenate([_f16(d), _f16(dmin), packed], axis=-1), q
@@ -123,17 +129,7 @@ def q2_k(x: np.ndarray) -> np.ndarray:
     """84 bytes per 256: 16 bytes of sc | m << 4 (4 bits each, one per 16), 64 of bit pairs, fp16 d, fp16 dmin. Weight
     128 h + 32 j + l (h < 2, j < 4, l < 32): pair j of byte 32 h + l; w = d sc q - dmin m with its 16's sc and m."""
     R, K = x.shape
-    sub = x.astype(np.float32).reshape(R, K // 256, 16, 16)
-    lo = np.minimum(sub.min(-1), 0)
-    scale, mins = (sub.max(-1) - lo) / 3, -lo
-    d = (scale.max(-1) / 15).astype(np.float16)
-    dmin = (mins.max(-1) / 15).astype(np.float16)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d[..., None] > 0, np.round(scale / d.astype(np.float32)[..., None]), 0).clip(0, 15).astype(np.uint8)
-        mn = np.where(dmin[..., None] > 0, np.round(mins / dmin.astype(np.float32)[..., None]), 0).clip(0, 15).astype(np.uint8)
-        s = d.astype(np.float32)[..., None] * sc
-        m = dmin.astype(np.float32)[..., None] * mn
-        q = np.where(s[..., None] > 0, np.round((sub + m[..., None]) / s[..., None]), 0).clip(0, 3).astype(np.uint8)
+    d, dmin, sc, mn, q = _min_quant(x.astype(np.float32).reshape(R, K // 256, 16, 16), 3, 15)
     u = q.reshape(R, K // 256, 2, 4, 32)  # [.., h, j, l]
     qs = sum(u[..., j, :] << (2 * j) for j in range(4)).astype(np.uint8).reshape(R, K // 256, 64)
     return np.concatenate([sc | (mn << 4), qs, _f16(d), _f16(dmin)], axis=-1).reshape(R, -1)
