@@ -6,9 +6,9 @@ that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckp
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
 a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
-uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q2_K on q2k; Q4_1 on uint4g32; IQ4_XS on iq4xs (its
-own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are dequantized
-exactly (then requantized by default: covering).
+uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q2_K on q2k; Q4_1 on uint4g32; IQ4_XS
+on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
+dequantized exactly (then requantized by default: covering).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
 published) and llama files with experts (Mixtral); what the converter changed is undone (a llama file's q/k rows,
 MLA's split kv_b, gpt-oss's split gate/up and nibble order); others are refused by name.
@@ -186,8 +186,8 @@ def _iq4_xs(b: np.ndarray):
     return Iq4Xs(codes, d, (ls - 32).to(torch.int8).reshape(R, -1))
 
 
-_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
-           "IQ4_XS": _iq4_xs, "Q8_0": _q8_0}
+_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+           "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "Q8_0": _q8_0}
 
 
 def layer_names(cfg, L: int) -> list[tuple[str, str]]:
@@ -664,8 +664,8 @@ def covering(t: str) -> str:
     """For a type no format keeps (Q5_0, Q5_1, the IQ1/IQ2/IQ3 types; floats): the smallest format whose values have
     at least the type's bits (its bits a weight less about half a bit of scales; at least q3k's 3), so it is requantized
     onto a grid no coarser than the file's and stays about the file's size (IQ2_XS: q3k, Q5_0: q5k), not a 2-4x larger
-    exact copy (a 2-bit DeepSeek file must fit the RAM its user has). Measured on the default model against llama-perplexity on the
-    same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
+    exact copy (a 2-bit DeepSeek file must fit the RAM its user has). Measured on the default model against
+    llama-perplexity on the same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
     need = max(int(type_bits(t) - 0.5), 1) if t not in FLOAT_TYPES else 16
     return next((f for f, bits in VALUE_BITS.items() if bits >= need), "int8g32")
 

@@ -67,9 +67,11 @@ static Isa kernel_isa(const std::string& name) { return usable_isa(parse_isa(nam
 static Fmt parse_fmt(const std::string& fmt) {
   return fmt == "bf16" ? Fmt::Bf16 : fmt == "int8" ? Fmt::Int8 : fmt == "int4" ? Fmt::Int4
        : fmt == "mxfp4" ? Fmt::Mxfp4 : fmt == "fp8" ? Fmt::Fp8 : fmt == "int4g32" ? Fmt::Int4G32
-       : fmt == "iq4nl" ? Fmt::Iq4Nl : fmt == "uint4g32" ? Fmt::UInt4G32 : fmt == "int8g32" ? Fmt::Int8G32 : fmt == "q4k" ? Fmt::Q4K : fmt == "q6k" ? Fmt::Q6K : fmt == "iq4xs" ? Fmt::Iq4Xs : fmt == "q5k" ? Fmt::Q5K : fmt == "q3k" ? Fmt::Q3K : fmt == "q2k" ? Fmt::Q2K
-       : throw std::invalid_argument("unknown weight format '" + fmt +
-                                     "' (bf16, int8, int4, mxfp4, fp8, int4g32, iq4nl, uint4g32, int8g32, q4k, q5k, q6k, q3k, q2k, iq4xs)");
+       : fmt == "iq4nl" ? Fmt::Iq4Nl : fmt == "uint4g32" ? Fmt::UInt4G32 : fmt == "int8g32" ? Fmt::Int8G32
+       : fmt == "q4k" ? Fmt::Q4K : fmt == "q6k" ? Fmt::Q6K : fmt == "iq4xs" ? Fmt::Iq4Xs : fmt == "q5k" ? Fmt::Q5K
+       : fmt == "q3k" ? Fmt::Q3K : fmt == "q2k" ? Fmt::Q2K
+       : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4, mxfp4, fp8, int4g32, "
+                                     "iq4nl, uint4g32, int8g32, q4k, q5k, q6k, q3k, q2k, iq4xs)");
 }
 
 // A packed matrix as Python hands it over: the addresses of (data, scale, rowsum, rowcorr), 0 for a part

@@ -102,8 +102,8 @@ template <int MODE>
 constexpr bool nibble = MODE != Q8;
 template <int MODE>
 constexpr int vectors = nibble<MODE> ? 4 : 8;  // chunk vectors a group loads (q6k: and its 2 of high bits, q5k its 1)
-template <int MODE>
-constexpr int stride_vectors = MODE == Q6K ? 6 : MODE == Q5K ? 5 : MODE == Q3K ? 3 : MODE == Q2K ? 2 : vectors<MODE>;  // vectors' worth of bytes a layout group stores
+template <int MODE>  // vectors' worth of bytes a layout group stores
+constexpr int stride_vectors = MODE == Q6K ? 6 : MODE == Q5K ? 5 : MODE == Q3K ? 3 : MODE == Q2K ? 2 : vectors<MODE>;
 constexpr int Q6_SUB = 16;  // q6k, q3k, q2k: weights an sc covers
 // ggml's kvalues_iq4nl: the IQ4_NL / IQ4_XS code -> its value; and + 128 as u8
 constexpr int8_t IQ4NL_LUT[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
