@@ -297,6 +297,27 @@ def test_int4_published_groups_are_kept_bit_for_bit(isa, group):
     assert_kept_and_multiplied(published_layer(parts, I, H, "int4g32", isa), parts, T, k)
 
 
+def published_with_mins(kind, r, c, g, top, smax, subs, extreme_m=None):
+    """A published Q5_K / Q2_K weight [r, c] (kind: packing.Q5K or Q2K): fp16 d and dmin per 256, `subs` sc and m per
+    256 in 0..smax, values in 0..top; with extreme_m every value top, every sc smax and every m extreme_m."""
+    n = -(-c // 256)
+    rnd = lambda hi, *s: torch.randint(0, hi, s, dtype=torch.uint8, generator=g)  # noqa: E731
+    full = lambda v, *s: torch.full(s, v, dtype=torch.uint8)  # noqa: E731
+    d = (torch.rand(r, n, generator=g) * 1e-3 + 1e-4).half().float()
+    dmin = (torch.rand(r, n, generator=g) * 1e-3).half().float()
+    if extreme_m is not None:
+        return kind(full(top, r, c), d, dmin, full(smax, r, subs * n), full(extreme_m, r, subs * n))
+    return kind(rnd(top + 1, r, c), d, dmin, rnd(smax + 1, r, subs * n), rnd(smax + 1, r, subs * n))
+
+
+def assert_expert_0_exact_on_one_signed_activations(op, T):
+    """Expert 0 alone against activations of one sign: every product of its gate and up at its largest."""
+    gate, up, down = dequantized(op)
+    x = torch.rand(T, op.hidden) + 0.5
+    ids, w = torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, 1)
+    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt=op.fmt), TOL[op.fmt])
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_q5k_published_weights_are_kept_bit_for_bit(isa):
     """GGUF's Q5_K numbers as stored (5-bit q, 6-bit sc and m, d and dmin per 256; rows of 320 padded to 512): packed
@@ -306,23 +327,11 @@ def test_q5k_published_weights_are_kept_bit_for_bit(isa):
     from moe_kernels.packing import Q5K
     E, I, H, T, k = 3, 256, 320, 5, 2
     g = torch.Generator().manual_seed(11)
-
-    def q5(r, c, extreme=False):
-        n = -(-c // 256)
-        rnd = lambda hi, *s: torch.randint(0, hi, s, dtype=torch.uint8, generator=g)  # noqa: E731
-        d = (torch.rand(r, n, generator=g) * 1e-3 + 1e-4).half().float()
-        dmin = (torch.rand(r, n, generator=g) * 1e-3).half().float()
-        if extreme:
-            return Q5K(torch.full((r, c), 31, dtype=torch.uint8), d, dmin, torch.full((r, 8 * n), 63, dtype=torch.uint8),
-                       torch.zeros(r, 8 * n, dtype=torch.uint8))
-        return Q5K(rnd(32, r, c), d, dmin, rnd(64, r, 8 * n), rnd(64, r, 8 * n))
+    q5 = lambda r, c, extreme=False: published_with_mins(Q5K, r, c, g, 31, 63, 8, 0 if extreme else None)  # noqa: E731
     parts = [(q5(I, H, e == 0), q5(I, H), q5(H, I)) for e in range(E)]
     op = published_layer(parts, I, H, "q5k", isa)
     assert_kept_and_multiplied(op, parts, T, k)
-    gate, up, down = dequantized(op)
-    x = torch.rand(T, H) + 0.5  # one sign: every product of expert 0's gate and up at its largest
-    ids, w = torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, 1)
-    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="q5k"), TOL["q5k"])
+    assert_expert_0_exact_on_one_signed_activations(op, T)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -351,23 +360,11 @@ def test_q2k_published_weights_are_kept_bit_for_bit(isa):
     from moe_kernels.packing import Q2K
     E, I, H, T, k = 3, 256, 320, 5, 2
     g = torch.Generator().manual_seed(13)
-
-    def q2(r, c, extreme=False):
-        n = -(-c // 256)
-        rnd = lambda hi, *s: torch.randint(0, hi, s, dtype=torch.uint8, generator=g)  # noqa: E731
-        d = (torch.rand(r, n, generator=g) * 1e-3 + 1e-4).half().float()
-        dmin = (torch.rand(r, n, generator=g) * 1e-3).half().float()
-        if extreme:
-            full = lambda v, *s: torch.full(s, v, dtype=torch.uint8)  # noqa: E731
-            return Q2K(full(3, r, c), d, dmin, full(15, r, 16 * n), full(15, r, 16 * n))
-        return Q2K(rnd(4, r, c), d, dmin, rnd(16, r, 16 * n), rnd(16, r, 16 * n))
+    q2 = lambda r, c, extreme=False: published_with_mins(Q2K, r, c, g, 3, 15, 16, 15 if extreme else None)  # noqa: E731
     parts = [(q2(I, H, e == 0), q2(I, H), q2(H, I)) for e in range(E)]
     op = published_layer(parts, I, H, "q2k", isa)
     assert_kept_and_multiplied(op, parts, T, k)
-    gate, up, down = dequantized(op)
-    x = torch.rand(T, H) + 0.5
-    ids, w = torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, 1)
-    close(op.forward(x, ids, w), reference(x, gate, up, down, ids, w, fmt="q2k"), TOL["q2k"])
+    assert_expert_0_exact_on_one_signed_activations(op, T)
 
 
 def published_fp8(rows, cols, gen):
