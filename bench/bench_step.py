@@ -50,25 +50,14 @@ GPU_SPANS = ("embed", "attention", "linear_attention", "dense_mlp", "router", "e
              "expert_wait", "lm_head", "sampling")
 
 
-def median_time(fns, reps: int) -> float:
-    """Median seconds of one pass over fns, called in order (a token's sequence of kernels: their weights
-    together are far larger than the caches, so each pass reads them from DRAM as a token does; timing
-    one small weight again and again would time the last-level cache)."""
-    for f in fns:  # warm
-        f()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for f in fns:
-            f()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache: pathlib.Path, reps: int) -> dict:
-    """Seconds per token of the routed experts' kernels and of the dense kernels at T=1, each timed as a
-    token's whole sequence of them; bytes per token; the DRAM read probe (GB/s, median of probes taken
-    between the timings)."""
+    """Seconds per token of the kernels at T=1, run as a token runs them: layer by layer the attention block's
+    dense kernels (fused q/k/v, o_proj, router, shared experts, dense MLPs) then the layer's routed experts (k
+    distinct random ones, new each pass), then the lm_head; each call timed, summed by group (experts, blocks,
+    lm_head), medians over the passes. Together their weights are far larger than the caches, so each pass
+    reads them from DRAM as a token does (timing one small weight again and again would time the last-level
+    cache; a pass of the dense kernels alone may fit it). Also bytes per token and the DRAM read probe (GB/s,
+    median of probes taken before and after)."""
     from expert_service.packed_cache import PackedCache, source_stamp
     from expert_service.store import load_expert_layers
     from gpu_service.model import Model
@@ -84,38 +73,51 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
     def dram() -> None:
         bw.append(native.read_bandwidth(probe.data_ptr(), probe.numel()))
 
-    out = {"dense_s": 0.0, "dense_bytes": 0, "path": ISA}
     layers = load_expert_layers(cfg, ckpt, fmt, threads, progress=False,
                                 cache=PackedCache(cache, fingerprint(ckpt), source_stamp(ckpt), fmt))
+    m = None if dense == "torch" else Model(
+        cfg, ckpt, torch.device("cpu"), torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float32,
+        dense_format=dense)
+    head = m.lm_head if m is not None and isinstance(m.lm_head, NativeLinear) else None
+    linears = {} if m is None else {n: w for n, w in m.W.items() if isinstance(w, NativeLinear) and w is not head}
+    seq = []  # (group, kernel) in a token's order
+    for L in range(cfg.num_layers):
+        seq += [("blocks", lin) for n, lin in linears.items() if n.startswith(f"model.layers.{L}.")]
+        if L in layers:
+            seq.append(("experts", layers[L]))
+    seq += [("blocks", lin) for n, lin in linears.items() if not n.startswith("model.layers.")]
+    seq += [("lm_head", head)] if head is not None else []
     gen = torch.Generator().manual_seed(0)
-    H, k = cfg.hidden_size, cfg.top_k
-    x = torch.randn(1, H, generator=gen).to(torch.bfloat16)
+    k = cfg.top_k
+    xs = {id(op): torch.randn(1, cfg.hidden_size if g == "experts" else op.K, generator=gen).to(torch.bfloat16)
+          for g, op in seq}
     w = torch.rand(1, k, generator=gen)
 
-    def experts(op):
-        ids = torch.randperm(op.num_experts, generator=gen)[:k].view(1, k).to(torch.int32)  # k distinct, as routed
-        return lambda: op.forward(x, ids, w)
+    def one_pass() -> collections.Counter:
+        t = collections.Counter()
+        for group, op in seq:
+            x = xs[id(op)]
+            if group == "experts":
+                ids = torch.randperm(op.num_experts, generator=gen)[:k].view(1, k).to(torch.int32)  # k distinct
+                t0 = time.perf_counter()
+                op.forward(x, ids, w)
+            else:
+                t0 = time.perf_counter()
+                op(x)
+            t[group] += time.perf_counter() - t0
+        return t
 
     dram()
-    out["experts_s"] = statistics.median(median_time([experts(op) for op in layers.values()], 1)
-                                         for _ in range(reps))  # new experts each pass
-    out["experts_bytes"] = sum(op.weight_bytes_per_expert * k for op in layers.values())
-    del layers
-    gc.collect()
+    one_pass()  # warm
+    passes = [one_pass() for _ in range(reps)]
     dram()
-    if dense != "torch":
-        m = Model(cfg, ckpt, torch.device("cpu"), torch.bfloat16 if cfg.torch_dtype == "bfloat16" else torch.float32,
-                  dense_format=dense)
-        linears = [w for w in m.W.values() if isinstance(w, NativeLinear)]
-        if isinstance(m.lm_head, NativeLinear) and all(m.lm_head is not lin for lin in linears):
-            linears.append(m.lm_head)
-        xs = [torch.randn(1, lin.K, generator=gen).to(torch.bfloat16) for lin in linears]
-        out["dense_s"] = median_time([lambda lin=lin, x=x: lin(x) for lin, x in zip(linears, xs)], reps)
-        out["dense_bytes"] = sum(lin.nbytes for lin in linears)
-        del m, linears
-        dram()
+    out = {f"{g}_s": statistics.median(p[g] for p in passes) for g in ("experts", "blocks", "lm_head")}
+    out["dense_s"] = out["blocks_s"] + out["lm_head_s"]
+    out["experts_bytes"] = sum(op.weight_bytes_per_expert * k for op in layers.values())
+    out["dense_bytes"] = sum(lin.nbytes for lin in [*linears.values(), *([head] if head is not None else [])])
     out["dram_gbps"] = statistics.median(bw) / 1e9  # read_bandwidth gives bytes/s
-    return out
+    out["path"] = ISA
+    return out  # the weights go with this frame, before the services start
 
 
 def decode_profile(port: int, prompt: list[int], tokens: int) -> list[tuple]:
@@ -154,6 +156,17 @@ def aggregate_decode(port: int, prompts: list[list[int]], tokens: int) -> float:
     start = max(firsts)
     counts = [sum(1 for x in st if x > start) for st in ends]
     return sum(counts) / (max(st[-1] for st in ends) - start)
+
+
+def split_outside(period: float, spans: dict, expert_compute: float, k: dict) -> dict:
+    """Where the time outside the kernels goes, seconds a token: each GPU-side span less the kernels it runs
+    (medians of different steps: the parts need not add up to the whole exactly)."""
+    blocks = sum(spans[n] for n in ("attention", "linear_attention", "dense_mlp", "router", "shared_experts"))
+    return {"attention blocks and router over their kernels": blocks - k["blocks_s"],
+            "lm_head span over its kernel": spans["lm_head"] - k["lm_head_s"],
+            "embed, submit, sampling": spans["embed"] + spans["expert_submit"] + spans["sampling"],
+            "the wait over the experts' compute": spans["expert_wait"] - expert_compute,
+            "between the steps (no span)": period - sum(spans.values())}
 
 
 def split_steps(spans: list[tuple]) -> list[dict]:
@@ -228,6 +241,7 @@ def main() -> None:
         cfg = load_config(model)
         cache = work / "cache"
         k = kernels_alone(model, a.weight_format, a.dense_format, a.threads, cache, a.reps)
+        gc.collect()  # the weights it loaded, before the services load theirs
         n_moe = len(cfg.moe_layers)
         alone = k["experts_s"] + k["dense_s"]
         nbytes = k["experts_bytes"] + k["dense_bytes"]
@@ -271,6 +285,8 @@ def main() -> None:
             ("experts: kernels alone", k["experts_s"] * 1e3, "ms/token", None),
             ("dense + lm_head: kernels alone", k["dense_s"] * 1e3, "ms/token", None),
             ("outside the kernels, per MoE layer", outside / n_moe * 1e6, "us", None),
+        ] + [(f"outside the kernels: {n}", v * 1e3, "ms/token", None) for n, v in split_outside(
+            period, spans, expert_compute, k).items()] + [
             ("spans' sum / period (coverage)", coverage * 100, "%", None),
         ] + ([
             ("handoff to the experts (submit end -> compute start)", med(there) * 1e6, "us median", None),
