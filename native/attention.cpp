@@ -1,8 +1,8 @@
 // Decode attention on the CPU: one new query per head against a sequence's cached keys and values
 // (bf16 or fp32, [kv heads, positions, dim] with any head and position strides, or paged: positions in
-// blocks of a pool, found through the sequence's block table; gpu_service/kv_pool.py), grouped-query: the
-// query heads of a kv head share each pass over its keys and values. fp32 scores, softmax and sums;
-// tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax, casts) take several times what
+// blocks of a pool, found through the sequence's block table; gpu_service/kv_pool.py), grouped-query: up to 8
+// query heads of a kv head share each pass over its keys and values, their 8 scores of a position one vector.
+// fp32 scores, softmax and sums; tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax, casts) take several times what
 // its bytes need (docs/kernels.md, "Measured choices").
 #include <immintrin.h>
 
@@ -30,12 +30,6 @@ __attribute__((target("avx2"))) inline __m256 ld8(const uint16_t* p) {
 __attribute__((target("avx2"))) inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
 inline float ld1(const uint16_t* p) { return bf16_to_f32(*p); }
 inline float ld1(const float* p) { return *p; }
-
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // Where position j's row of one kv head lies: base + j * row, or paged, block table[j >> shift] of the pool
 // (each `block` elements apart), row j & mask within it. One table read per row against d multiply-adds.
@@ -65,7 +59,6 @@ inline void tile_rows(const Rows<T, P>& R, int j0, int j1, const T** out) {
   for (int j = j0; j < j1; ++j) out[j - j0] = R(j);
 }
 
-constexpr int QG = 8;     // query heads summed together in one pass over V (accumulators)
 // positions of V per tile: the sums walk a tile once per slice of dims, so it must stay in cache (untiled,
 // each of d/8 slices streams all of V from memory again)
 constexpr int TILE = 64;
@@ -82,105 +75,180 @@ void softmax_rows(float* s, int g, int L, ExpRow exp_row) {
   }
 }
 
-// r[j] = e^(r[j] - mx); returns their sum
-__attribute__((target("avx512f"))) float exp_row_avx512(float* r, int L, float mx) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int j = 0; j < L; j += 16) {
-    const __mmask16 k = L - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (L - j)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + j), _mm512_set1_ps(mx))));
-    _mm512_mask_storeu_ps(r + j, k, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-__attribute__((target("avx2,fma"))) float exp_row_avx2(float* r, int L, float mx) {
-  __m256 sum = _mm256_setzero_ps();
-  int j = 0;
-  for (; j + 8 <= L; j += 8) {
-    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(r + j), _mm256_set1_ps(mx)));
-    _mm256_storeu_ps(r + j, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  float tail = 0.f;
-  for (; j < L; ++j) tail += (r[j] = std::exp(r[j] - mx));
-  return hsum8(sum) + tail;
+// The 8 sums of a[0..7]'s lanes, as lanes 0..7: halves, then quarters added pairwise across accumulators
+// (3 shuffle-adds of 512 bits), then the 4 partials within each 128 bits. ~3 operations a sum where a
+// reduce_add per accumulator takes ~8 (and stalls on its chain).
+__attribute__((target("avx512f"))) inline __m256 sums8(const __m512* a) {
+  __m512 u[4], w[2];
+  MOE_UNROLL for (int p = 0; p < 4; ++p)  // [a_2p's 8 | a_2p+1's 8]
+    u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44), _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xee));
+  MOE_UNROLL for (int p = 0; p < 2; ++p)  // four 128-bit lanes: a_4p, a_4p+1, a_4p+2, a_4p+3's 4 partials each
+    w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], 0x88), _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], 0xdd));
+  // 128-bit lane l: [x0 x1 x2 x3] of a_l (from w[0]) and [y0..y3] of a_l+4 (w[1]) -> [X Y X Y]
+  __m512 z = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));  // x0+x2 y0+y2 x1+x3 y1+y3
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4e));
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), z));
 }
 
-// One kv head, d = 16 * DC: scores of the g queries (a key row's DC vectors kept in registers for all
-// of them), softmax, then per 16-dim slice of V the weighted sums of up to QG queries at once.
-template <int DC, class T, bool P>
-__attribute__((target("avx512f,avx512bw"))) void head_avx512(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s,
-                                                              float* out) {
+// G (<= 8) queries of one kv head, d = 16 * DC, the scores position-major (s[8 j + b]: query b at position j, as
+// the 8 sums of a position come out): per position a key row's DC vectors stay in registers for all G queries;
+// the softmax runs on 8 queries' lanes at once; then per 16-dim slice of V, a tile of positions at a time, the
+// weighted sums (the 1 / sum of the softmax applied to the sums at the end). Lanes of queries >= G compute
+// nothing; no run-time test inside a loop.
+template <int G, int DC, class T, bool P>
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) void group_avx512(const float* q, Rows<T, P> K, Rows<T, P> V, int L, float scale,
+                                                                      float* s, float* out) {
   constexpr int d = 16 * DC;
+  const __m256 sc = _mm256_set1_ps(scale);
+  __m256 mx = _mm256_set1_ps(-INFINITY);
   for (int j = 0; j < L; ++j) {
     K.prefetch_ahead(j, L, d);
-    __m512 k[DC];
+    __m512 k[DC], acc[8];
     MOE_UNROLL for (int c = 0; c < DC; ++c) k[c] = ld16(K(j) + 16 * c);
-    for (int i = 0; i < g; ++i) {
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + i * d), k[0]);
-      MOE_UNROLL for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + 16 * c), k[c], acc);
-      s[size_t(i) * L + j] = _mm512_reduce_add_ps(acc) * scale;
+    MOE_UNROLL for (int b = 0; b < 8; ++b) {
+      if (b >= G) {
+        acc[b] = _mm512_setzero_ps();
+        continue;
+      }
+      acc[b] = _mm512_mul_ps(_mm512_loadu_ps(q + b * d), k[0]);
+      MOE_UNROLL for (int c = 1; c < DC; ++c) acc[b] = _mm512_fmadd_ps(_mm512_loadu_ps(q + b * d + 16 * c), k[c], acc[b]);
     }
+    const __m256 r = _mm256_mul_ps(sums8(acc), sc);
+    _mm256_storeu_ps(s + 8 * size_t(j), r);
+    mx = _mm256_max_ps(mx, r);
   }
-  softmax_rows(s, g, L, exp_row_avx512);
-  std::fill(out, out + size_t(g) * d, 0.f);
+  // e^(s - max) in place, two positions a vector; their sums per query
+  const __m512 m2 = _mm512_shuffle_f32x4(_mm512_zextps256_ps512(mx), _mm512_zextps256_ps512(mx), 0x44);
+  __m512 sum2 = _mm512_setzero_ps();
+  for (int j = 0; j < L; j += 2) {
+    const __mmask16 m = L - j >= 2 ? __mmask16(0xffff) : __mmask16(0x00ff);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + 8 * size_t(j)), m2)));
+    _mm512_mask_storeu_ps(s + 8 * size_t(j), m, e);
+    sum2 = _mm512_add_ps(sum2, e);
+  }
+  alignas(32) float inv[8];
+  _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm512_castps512_ps256(sum2),
+                                                                         _mm512_castps512_ps256(_mm512_shuffle_f32x4(sum2, sum2, 0xee)))));
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += TILE) {  // V a tile of positions at a time: read from memory once
     const int j1 = std::min(L, j0 + TILE);
     tile_rows(V, j0, j1, vr);
     for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + TILE - (1 << V.shift), L, d);  // the next tile's
-    for (int c = 0; c < DC; ++c)
-      for (int i0 = 0; i0 < g; i0 += QG) {
-        const int nb = std::min(QG, g - i0);
-        __m512 acc[QG];
-        MOE_UNROLL for (int b = 0; b < QG; ++b)
-          acc[b] = b < nb ? _mm512_loadu_ps(out + size_t(i0 + b) * d + 16 * c) : _mm512_setzero_ps();
-        for (int j = j0; j < j1; ++j) {
-          const __m512 v = ld16(vr[j - j0] + 16 * c);
-          MOE_UNROLL for (int b = 0; b < QG; ++b)
-            if (b < nb) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(s[size_t(i0 + b) * L + j]), v, acc[b]);
+    for (int c = 0; c < DC; c += 2) {  // two slices a pass (DC is even): half the passes over the tile
+      __m512 acc[2][G];
+      MOE_UNROLL for (int h = 0; h < 2; ++h)
+        MOE_UNROLL for (int b = 0; b < G; ++b)
+          acc[h][b] = j0 ? _mm512_loadu_ps(out + size_t(b) * d + 16 * (c + h)) : _mm512_setzero_ps();
+      for (int j = j0; j < j1; ++j) {
+        const __m512 v0 = ld16(vr[j - j0] + 16 * c), v1 = ld16(vr[j - j0] + 16 * c + 16);
+        const float* sj = s + 8 * size_t(j);
+        MOE_UNROLL for (int b = 0; b < G; ++b) {
+          const __m512 p = _mm512_set1_ps(sj[b]);
+          acc[0][b] = _mm512_fmadd_ps(p, v0, acc[0][b]);
+          acc[1][b] = _mm512_fmadd_ps(p, v1, acc[1][b]);
         }
-        for (int b = 0; b < nb; ++b) _mm512_storeu_ps(out + size_t(i0 + b) * d + 16 * c, acc[b]);
       }
+      MOE_UNROLL for (int h = 0; h < 2; ++h)
+        MOE_UNROLL for (int b = 0; b < G; ++b)
+          _mm512_storeu_ps(out + size_t(b) * d + 16 * (c + h),
+                           j1 == L ? _mm512_mul_ps(acc[h][b], _mm512_set1_ps(inv[b])) : acc[h][b]);
+    }
   }
 }
 
-// The same on AVX2 (8 lanes; a key row is read from L1 for each query instead of kept in registers)
-template <int DC, class T, bool P>
-__attribute__((target("avx2,fma"))) void head_avx2(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out) {
+// The 8 sums of a[0..7]'s lanes, as lanes 0..7 (hadd pairs, then the two 128-bit halves)
+__attribute__((target("avx2,fma"))) inline __m256 sums8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0 a1 a2 a3 | a0 a1 a2 a3] partials
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The same on AVX2 (8 lanes, 16 registers): a key row is widened to fp32 once into kf (L1) and read from there by
+// each query; one 8-dim slice of V a pass.
+template <int G, int DC, class T, bool P>
+__attribute__((target("avx2,fma"))) void group_avx2(const float* q, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s,
+                                                   float* out) {
   constexpr int d = 8 * DC;
+  alignas(32) float kf[d];
+  const __m256 sc = _mm256_set1_ps(scale);
+  __m256 mx = _mm256_set1_ps(-INFINITY);
   for (int j = 0; j < L; ++j) {
     K.prefetch_ahead(j, L, d);
-    for (int i = 0; i < g; ++i) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();  // two chains: FMA latency
-      MOE_UNROLL for (int c = 0; c < DC; c += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + 8 * c), ld8(K(j) + 8 * c), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + 8 * c + 8), ld8(K(j) + 8 * c + 8), a1);
+    MOE_UNROLL for (int c = 0; c < DC; ++c) _mm256_store_ps(kf + 8 * c, ld8(K(j) + 8 * c));
+    __m256 acc[8];
+    MOE_UNROLL for (int b = 0; b < 8; ++b) {
+      if (b >= G) {
+        acc[b] = _mm256_setzero_ps();
+        continue;
       }
-      s[size_t(i) * L + j] = hsum8(_mm256_add_ps(a0, a1)) * scale;
+      acc[b] = _mm256_mul_ps(_mm256_loadu_ps(q + b * d), _mm256_load_ps(kf));
+      MOE_UNROLL for (int c = 1; c < DC; ++c)
+        acc[b] = _mm256_fmadd_ps(_mm256_loadu_ps(q + b * d + 8 * c), _mm256_load_ps(kf + 8 * c), acc[b]);
     }
+    const __m256 r = _mm256_mul_ps(sums8(acc), sc);
+    _mm256_storeu_ps(s + 8 * size_t(j), r);
+    mx = _mm256_max_ps(mx, r);
   }
-  softmax_rows(s, g, L, exp_row_avx2);
-  std::fill(out, out + size_t(g) * d, 0.f);
+  __m256 sum = _mm256_setzero_ps();
+  for (int j = 0; j < L; ++j) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * size_t(j)), mx));
+    _mm256_storeu_ps(s + 8 * size_t(j), e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float inv[8];
+  _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += TILE) {
     const int j1 = std::min(L, j0 + TILE);
     tile_rows(V, j0, j1, vr);
     for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + TILE - (1 << V.shift), L, d);
-    for (int c = 0; c < DC; ++c)
-      for (int i0 = 0; i0 < g; i0 += QG) {
-        const int nb = std::min(QG, g - i0);
-        __m256 acc[QG];
-        MOE_UNROLL for (int b = 0; b < QG; ++b)
-          acc[b] = b < nb ? _mm256_loadu_ps(out + size_t(i0 + b) * d + 8 * c) : _mm256_setzero_ps();
-        for (int j = j0; j < j1; ++j) {
-          const __m256 v = ld8(vr[j - j0] + 8 * c);
-          MOE_UNROLL for (int b = 0; b < QG; ++b)
-            if (b < nb) acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(s[size_t(i0 + b) * L + j]), v, acc[b]);
-        }
-        for (int b = 0; b < nb; ++b) _mm256_storeu_ps(out + size_t(i0 + b) * d + 8 * c, acc[b]);
+    for (int c = 0; c < DC; ++c) {
+      __m256 acc[G];
+      MOE_UNROLL for (int b = 0; b < G; ++b)
+        acc[b] = j0 ? _mm256_loadu_ps(out + size_t(b) * d + 8 * c) : _mm256_setzero_ps();
+      for (int j = j0; j < j1; ++j) {
+        const __m256 v = ld8(vr[j - j0] + 8 * c);
+        const float* sj = s + 8 * size_t(j);
+        MOE_UNROLL for (int b = 0; b < G; ++b) acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(sj[b]), v, acc[b]);
       }
+      MOE_UNROLL for (int b = 0; b < G; ++b)
+        _mm256_storeu_ps(out + size_t(b) * d + 8 * c, j1 == L ? _mm256_mul_ps(acc[b], _mm256_set1_ps(inv[b])) : acc[b]);
+    }
   }
+}
+
+// One kv head's g queries, 8 at a time (then the rest), each group through group(G, its q, its out); s: 8 L floats
+template <class Group>
+void by_groups(const float* q, int g, int d, float* out, Group group) {
+  for (int i = 0; i < g; i += 8) {
+    const float* qi = q + size_t(i) * d;
+    float* oi = out + size_t(i) * d;
+    switch (std::min(8, g - i)) {
+      case 8: group(std::integral_constant<int, 8>(), qi, oi); break;
+      case 7: group(std::integral_constant<int, 7>(), qi, oi); break;
+      case 6: group(std::integral_constant<int, 6>(), qi, oi); break;
+      case 5: group(std::integral_constant<int, 5>(), qi, oi); break;
+      case 4: group(std::integral_constant<int, 4>(), qi, oi); break;
+      case 3: group(std::integral_constant<int, 3>(), qi, oi); break;
+      case 2: group(std::integral_constant<int, 2>(), qi, oi); break;
+      default: group(std::integral_constant<int, 1>(), qi, oi); break;
+    }
+  }
+}
+
+template <int DC, class T, bool P>
+void head_avx512(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out) {
+  by_groups(q, g, 16 * DC, out, [&](auto G, const float* qi, float* oi) {
+    group_avx512<decltype(G)::value, DC>(qi, K, V, L, scale, s, oi);
+  });
+}
+
+template <int DC, class T, bool P>
+void head_avx2(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out) {
+  by_groups(q, g, 8 * DC, out, [&](auto G, const float* qi, float* oi) {
+    group_avx2<decltype(G)::value, DC>(qi, K, V, L, scale, s, oi);
+  });
 }
 
 // The plain loops: the portable path, any head dim, and the reference the vector versions are tested against.
@@ -237,7 +305,8 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
                scale, s, oh);
   };
   auto head = [&](int h) {
-    std::vector<float> s(size_t(g) * L);
+    thread_local std::vector<float> s;  // the scores (kept: a fresh one a call is a 128 KB memset at 4k positions)
+    if (s.size() < size_t(std::max(g, 8)) * L) s.resize(size_t(std::max(g, 8)) * L);
     const float* qh = q + size_t(h) * g * d;
     float* oh = out + size_t(h) * g * d;
     if (bf16)

@@ -68,3 +68,26 @@ def test_token_logprobs_are_the_raw_distribution():
     assert tok == 11 and lp == pytest.approx(float(ref[11]), abs=1e-5)
     assert [i for i, _ in top] == ref.topk(4).indices.tolist()
     assert [v for _, v in top] == pytest.approx(ref.topk(4).values.tolist(), abs=1e-5)
+
+
+def test_greedy_choice_is_torch_argmax_with_ties_nans_and_infinities():
+    """The CPU greedy path (numpy's argmax) picks what torch.argmax picks: the first of equal maxima, a NaN over
+    everything, -inf rows (a constraint masking all but one id), rows of a batch (views)."""
+    from gpu_service.sampling import argmax
+    g = torch.Generator().manual_seed(0)
+    rows = [logits(s) for s in range(20)]
+    x = torch.full((V,), float("-inf"))
+    x[[3, 700]] = 1.5  # a tie: the first wins
+    rows.append(x)
+    y = logits(1)
+    y[[5, 9]] = float("nan")
+    rows.append(y)
+    z = torch.full((V,), float("-inf"))
+    z[998] = float("inf")
+    rows.append(z)
+    rows.append(torch.randint(-3, 3, (V,), generator=g).float())  # many ties
+    batch = torch.stack(rows)
+    for i, r in enumerate(rows):
+        assert argmax(r) == int(torch.argmax(r)) == argmax(batch[i]), i
+    assert argmax(x) == 3 and argmax(y) == 5 and argmax(z) == 998
+    assert sample(batch[20], SamplingParams(temperature=0), None) == 3
