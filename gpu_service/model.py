@@ -125,6 +125,7 @@ class Model:
             self.lm_head = NativeLinear(self.lm_head, "bf16" if dense_format == "fp8" else dense_format)
         self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of positions 0..n-1 (_rope)
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
         self.scale = softmax_scale(cfg, qk_dim)
         self.last_moe_layer = cfg.moe_layers[-1] if cfg.moe_layers else -1
@@ -211,6 +212,16 @@ class Model:
             return F.sigmoid(F.linear(x, W[p + "shared_expert_gate.weight"])) * s
         return self._mlp(p + "shared_experts.", x)
 
+    def _rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary dim / 2] of positions [T] (all below end): rows of tables of every position so far,
+        grown by doubling. rope_cos_sin's numbers (elementwise: a position's row is the same computed alone or
+        among others), in two index ops where it takes ~10."""
+        if self._rope_table is None or self._rope_table[0].shape[0] < end:
+            n = max(end, 1024, 2 * (self._rope_table[0].shape[0] if self._rope_table else 0))
+            self._rope_table = rope_cos_sin(self.inv_freq, self.rope_scaling, torch.arange(n, device=self.device),
+                                            self.dtype)
+        return self._rope_table[0][positions], self._rope_table[1][positions]
+
     @torch.inference_mode()
     def forward(self, segments: list[Segment], experts: Experts, step: int = 0, defer: int = 0,
                 spans: list | None = None, skip: bool = False, exact_spans: bool = False,
@@ -235,13 +246,17 @@ class Model:
             return t1
 
         t = clock()
-        tokens = torch.cat([s.tokens for s in segments]).to(self.device)
-        positions = torch.cat([torch.arange(s.start, s.start + s.tokens.shape[0]) for s in segments]).to(self.device)
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scaling, positions, self.dtype)
+        decoding = all(s.tokens.shape[0] == 1 for s in segments)  # every sequence adds one token
+        tokens = (segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])).to(self.device)
+        if decoding:  # one op where the aranges take B + 2: each costs ~10 us between the kernels
+            positions = torch.tensor([s.start for s in segments], device=self.device)
+        else:
+            positions = torch.cat([torch.arange(s.start, s.start + s.tokens.shape[0]) for s in segments]).to(self.device)
+        cos, sin = self._rope(positions, max(s.start + s.tokens.shape[0] for s in segments))
         h = F.embedding(tokens, W["model.embed_tokens.weight"])
-        # every sequence adds one token: the attention blocks the native step takes run as one call each
+        # the attention blocks the native step takes run as one call each for all the sequences
         native_seqs = decode_step.sequences([s.cache for s in segments], [s.start for s in segments]) \
-            if self.decode_blocks and tokens.shape[0] == len(segments) else None
+            if self.decode_blocks and decoding else None
         t = mark("embed", -1, t)
         pending = None  # the MoE layer whose deferred result is still outstanding
         for L in range(cfg.num_layers):
@@ -284,24 +299,26 @@ class Model:
             y = experts.result(L, deferred=False)
             t = mark("expert_wait", L, t)
             # from pinned memory (shared-memory exchange) these copies to the GPU are asynchronous
-            y = y.to(device=self.device, dtype=h.dtype, non_blocking=True)
+            if y.dtype != h.dtype or y.device != h.device:  # (the parse of a no-op .to() costs more than these tests)
+                y = y.to(device=self.device, dtype=h.dtype, non_blocking=True)
             if late is not None:
                 y = y + late.to(device=self.device, dtype=h.dtype, non_blocking=True)
             pending = L if d else None
             h = h + (y + shared if shared is not None else y)
         h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, self.native_attention)
-        rows, off = [torch.zeros(0, dtype=torch.long)], 0
-        for s in segments:
-            n = s.tokens.shape[0]
-            if s.logprobs:
-                s.scored = self._token_logprobs(h[off:off + n], s.targets)
-            else:
-                rows.append(torch.arange(off, off + n) if s.all_logits else torch.tensor([off + n - 1]))
-            off += n
-        sel = torch.cat(rows).to(self.device)
+        if not decoding or any(s.logprobs for s in segments):  # else every row is a segment's last: all of h
+            rows, off = [torch.zeros(0, dtype=torch.long)], 0
+            for s in segments:
+                n = s.tokens.shape[0]
+                if s.logprobs:
+                    s.scored = self._token_logprobs(h[off:off + n], s.targets)
+                else:
+                    rows.append(torch.arange(off, off + n) if s.all_logits else torch.tensor([off + n - 1]))
+                off += n
+            h = h[torch.cat(rows).to(self.device)]
         for s in segments:  # the step is complete: its linear-attention states replace the old ones
             s.cache.commit(s.start + s.tokens.shape[0], s.tokens.tolist())
-        logits = linear(h[sel], self.lm_head).float()
+        logits = linear(h, self.lm_head).float()
         mark("lm_head", -1, t)
         return logits
 
