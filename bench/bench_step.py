@@ -7,10 +7,10 @@ all measured in this run.
     python bench/bench_step.py --model DIR --weight-format int8 --dense-format int8
 
 1. Kernels alone, in this process before the services start (and writing the packed-weight cache the
-   expert service then starts from): every MoE layer's experts at T=1 with k distinct random experts,
-   every packed dense weight of the GPU side (fused q/k/v, o_proj, shared experts, dense MLPs, router,
-   lm_head) at T=1; the DRAM read probe between them. Their sum is what a token costs at the kernels'
-   own speed; bytes per token / the probe is the roofline.
+   expert service then starts from), in a token's order: layer by layer every packed dense weight of the
+   GPU side (fused q/k/v, o_proj, shared experts, dense MLPs, router) at T=1, then the layer's experts at
+   T=1 with k distinct random experts; then the lm_head. The DRAM read probe before and after. Their sum
+   is what a token costs at the kernels' own speed; bytes per token / the probe is the roofline.
 2. Both services, each on --threads (the CPU-only deployment: they share the cores), decode with
    profile=True. Per decode step: the period (one step's start to the next's: what a token costs), the
    GPU side's spans (embed, attention, router, shared experts, the wait for the experts, lm_head,
@@ -18,7 +18,8 @@ all measured in this run.
    the split is trusted (coverage).
 3. Ratios: period / kernels alone (the issue #28 bar: <= 1.15x), the experts' compute in the service /
    the same kernels alone (<= 1.15x), and everything outside the kernels per MoE layer, in microseconds
-   (<= 30 us).
+   (<= 30 us), then split: each GPU-side span less the kernels it runs, and the time between steps that no
+   span covers.
 
 One JSON line per figure, then tables; medians over the decode steps of --rounds requests. The services inherit
 this process's environment: `MOE_DECODE_STEP=torch` (the torch decode step instead of the native one) and

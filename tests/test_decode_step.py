@@ -212,3 +212,16 @@ def test_only_the_layers_it_can_run(checkpoints, wide):
         d = checkpoints[family]
         model = Model(load_config(d), Checkpoint(d), torch.device("cpu"), torch.float32, dense_format="bf16")
         assert model.decode_blocks == {}, family
+
+
+def test_cos_sin_rows_from_the_models_table_are_rope_cos_sins(wide):
+    """The step's cos/sin come from a table of every position so far (Model._rope), grown on demand: the same
+    numbers as rope_cos_sin of the step's positions, before and after the table grows."""
+    from gpu_service.layers import rope_cos_sin
+    _, model, _ = load(wide["qwen3_moe"], torch.bfloat16, "bf16")
+    for positions in ([0], [3, 900], [1023, 1024], [1500], [5000, 7, 5000]):
+        p = torch.tensor(positions)
+        got = model._rope(p, max(positions) + 1)
+        want = rope_cos_sin(model.inv_freq, model.rope_scaling, p, model.dtype)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), positions
+    assert model._rope_table[0].shape[0] >= 5001
