@@ -2,8 +2,8 @@
 // (bf16 or fp32, [kv heads, positions, dim] with any head and position strides, or paged: positions in
 // blocks of a pool, found through the sequence's block table; gpu_service/kv_pool.py), grouped-query: up to 8
 // query heads of a kv head share each pass over its keys and values, their 8 scores of a position one vector.
-// fp32 scores, softmax and sums; tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax, casts) take several times what
-// its bytes need (docs/kernels.md, "Measured choices").
+// fp32 scores, softmax and sums; tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax,
+// casts) take several times what its bytes need (docs/kernels.md, "Measured choices").
 #include <immintrin.h>
 
 #include <algorithm>
