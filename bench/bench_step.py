@@ -57,8 +57,7 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
     distinct random ones, new each pass), then the lm_head; each call timed, summed by group (experts, blocks,
     lm_head), medians over the passes. Together their weights are far larger than the caches, so each pass
     reads them from DRAM as a token does (timing one small weight again and again would time the last-level
-    cache; a pass of the dense kernels alone may fit it). Also bytes per token and the DRAM read probe (GB/s,
-    median of probes taken before and after)."""
+    cache). Also bytes per token and the DRAM read probe (GB/s, median of probes taken before and after)."""
     from expert_service.packed_cache import PackedCache, source_stamp
     from expert_service.store import load_expert_layers
     from gpu_service.model import Model
