@@ -64,17 +64,6 @@ inline void tile_rows(const Rows<T, P>& R, int j0, int j1, const T** out) {
 constexpr int TILE = 64;
 constexpr size_t SERIAL_MACS = size_t(1) << 19;  // below this many multiply-adds per call: no threads
 
-// In place: each of the g rows of s (L scores) -> its softmax. Plain loops around the vector exp.
-template <class ExpRow>
-void softmax_rows(float* s, int g, int L, ExpRow exp_row) {
-  for (int i = 0; i < g; ++i) {
-    float* r = s + size_t(i) * L;
-    const float mx = *std::max_element(r, r + L);
-    const float inv = 1.f / exp_row(r, L, mx);
-    for (int j = 0; j < L; ++j) r[j] *= inv;
-  }
-}
-
 // The 8 sums of a[0..7]'s lanes, as lanes 0..7: halves, then quarters added pairwise across accumulators
 // (3 shuffle-adds of 512 bits), then the 4 partials within each 128 bits. ~3 operations a sum where a
 // reduce_add per accumulator takes ~8 (and stalls on its chain).
@@ -260,11 +249,14 @@ void head_portable(const float* q, int g, int d, Rows<T, P> K, Rows<T, P> V, int
       for (int c = 0; c < d; ++c) acc += q[i * d + c] * ld1(K(j) + c);
       s[size_t(i) * L + j] = acc * scale;
     }
-  softmax_rows(s, g, L, [](float* r, int n, float mx) {
+  for (int i = 0; i < g; ++i) {  // each row of scores -> its softmax
+    float* r = s + size_t(i) * L;
+    const float mx = *std::max_element(r, r + L);
     float sum = 0.f;
-    for (int j = 0; j < n; ++j) sum += (r[j] = std::exp(r[j] - mx));
-    return sum;
-  });
+    for (int j = 0; j < L; ++j) sum += (r[j] = std::exp(r[j] - mx));
+    const float inv = 1.f / sum;
+    for (int j = 0; j < L; ++j) r[j] *= inv;
+  }
   for (int i = 0; i < g; ++i)
     for (int c = 0; c < d; ++c) {
       float acc = 0.f;
