@@ -200,6 +200,25 @@ class RemoteExperts:
             self._open()
         self._requests.put(wire.request(step, layer, x, ids, w, defer))
 
+    def decode_layers(self, run, step, times, T, H, dtype, k) -> bool:
+        """The decode loop on the shared-memory ring (not over gRPC: False)."""
+        self._tokens = T
+        if self.transport != "grpc" and self.shm is None:
+            self._reopen_shm()
+        if self.shm is None or not self.shm.fits(T, H, dtype.itemsize, k):
+            return False
+        try:
+            self.shm.decode_layers(run, step, T, H, dtype, k, self._limit())
+        except TimeoutError as e:
+            self.reset()
+            raise self._stuck(e.args[0]) from None
+        except ShmError as e:
+            self.reset()
+            raise ExpertServiceError(e.code, f"expert service at {self.target}: {e}") from None
+        self._timings += [PartTiming(L, False, wire.Timing(*row[3:7])) for L, row in enumerate(times.tolist())]
+        self.last_ok = time.monotonic()
+        return True
+
     def result(self, layer, deferred):
         if layer in self._shm_out:
             shape, dtype, pin = self._shm_out[layer]

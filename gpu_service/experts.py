@@ -74,6 +74,9 @@ class Experts(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional: experts that can run a decode step's layers in one native call (decode_loop.py) offer
+    # decode_layers(run, step, times, T, H, dtype, k) -> bool (False: not this step; the layer loop runs it).
+
 
 class LocalExperts:
     """The experts' operators in this process, called in submit(): results are ready at once."""
@@ -81,6 +84,7 @@ class LocalExperts:
     def __init__(self, layers: dict):
         self.layers = layers
         self.out: collections.deque = collections.deque()
+        self._native = None  # the decode loop's native.LocalExperts, False when a layer has no native kernels
 
     def submit(self, step, layer, x, ids, w, defer):
         op = self.layers[layer]
@@ -91,6 +95,23 @@ class LocalExperts:
         i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
         self.out.append((layer, False, op.forward(x, i_ids, i_w)))
         self.out.append((layer, True, op.forward(x, d_ids, d_w)))
+
+    def decode_layers(self, run, step, times, T, H, dtype, k) -> bool:
+        """The decode loop's experts here: every layer's native kernels (bf16 or fp32 rows in and out, as the
+        expert service's ring computes them)."""
+        if self._native is None:
+            ops = [self.layers.get(L) for L in range(times.shape[0])]
+            if all(hasattr(op, "native") for op in ops):
+                from moe_kernels import native
+                self._native = native.LocalExperts([op.native for op in ops], owner=ops)
+            else:
+                self._native = False
+        if not self._native:
+            return False
+        _, status, msg = run(self._native, 0, False)
+        if status:  # the kernels' check of their inputs (non-finite hidden rows)
+            raise ValueError(msg.decode(errors="replace"))
+        return True
 
     def result(self, layer, deferred):
         got = self.out.popleft()

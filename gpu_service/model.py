@@ -23,7 +23,7 @@ from moe_core.routing import split_deferred
 from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel needs moe_kernels anyway
 from moe_kernels.packing import Fp8
 
-from . import decode_step
+from . import decode_loop, decode_step
 from .attention import QKV, gqa_attention, mla_attention
 from .experts import Experts, Span
 from .kv_pool import BLOCK, KVPool, SeqCache
@@ -135,6 +135,7 @@ class Model:
         # decode steps' attention blocks as one native call each where the layers allow (decode_step.py)
         self.decode_blocks = decode_step.blocks(cfg, self.W, dtype, self.native_attention) \
             if os.environ.get("MOE_DECODE_STEP") != "torch" else {}
+        self._loop: tuple | None = None  # (pool, its native decode loop or None): decode_loop.build
         self.kv: KVPool | None = None
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
@@ -212,6 +213,14 @@ class Model:
             return F.sigmoid(F.linear(x, W[p + "shared_expert_gate.weight"])) * s
         return self._mlp(p + "shared_experts.", x)
 
+    def _decode_loop(self, pool: KVPool):
+        """The native loop over every layer (decode_loop.py) on `pool`'s layers, None where the model does not fit
+        it; built once per pool."""
+        if self._loop is None or self._loop[0] is not pool:
+            self._loop = (pool, decode_loop.build(self.cfg, self.decode_blocks, pool)
+                          if os.environ.get("MOE_DECODE_LOOP") != "off" else None)
+        return self._loop[1]
+
     def _rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rotary dim / 2] of positions [T] (all below end): rows of tables of every position so far,
         grown by doubling. rope_cos_sin's numbers (elementwise: a position's row is the same computed alone or
@@ -258,8 +267,13 @@ class Model:
         native_seqs = decode_step.sequences([s.cache for s in segments], [s.start for s in segments]) \
             if self.decode_blocks and decoding else None
         t = mark("embed", -1, t)
+        layers = range(cfg.num_layers)
+        # no deferral: every layer in one native call where the model and the experts allow (else the loop below)
+        loop = self._decode_loop(segments[0].cache.pool) if native_seqs is not None and not defer else None
+        if loop is not None and decode_loop.run(loop, experts, step, h, cos, sin, native_seqs, cfg.top_k, spans, t):
+            layers, t = range(0), clock()
         pending = None  # the MoE layer whose deferred result is still outstanding
-        for L in range(cfg.num_layers):
+        for L in layers:
             p = f"model.layers.{L}."
             routed = None  # the router's choice where the native step made it
             if native_seqs is not None and L in self.decode_blocks:

@@ -83,6 +83,10 @@ class PrefillExperts:
         self.spans.append(Span("prefill_experts", "gpu", layer, step, t0, time.time_ns()))
         metrics.PREFILL_EXPERT_TOKENS.inc(x.shape[0])
 
+    def decode_layers(self, run, step, times, T, H, dtype, k) -> bool:
+        inner = getattr(self.inner, "decode_layers", None)  # decode steps are short: the inner experts' own
+        return T < self.threshold and inner is not None and inner(run, step, times, T, H, dtype, k)
+
     def result(self, layer, deferred):
         got = self.local.get(layer)
         if got is None:

@@ -94,17 +94,21 @@ class ShmChannel:
         except Exception as e:  # works without, only slower
             log.warning("could not pin the shared region for CUDA copies: %s", e)
 
+    def _spans(self, seq: int, T: int, H: int, itemsize: int, k: int) -> tuple[int, int, int, int, int]:
+        """Where request seq's tensors go in its slot's data block: hidden, ids, weights, the immediate output,
+        the deferred output."""
+        base = self.layout.block(seq)
+        hid, kb = _aligned(T * H * itemsize), _aligned(T * k * 4)
+        return base, base + hid, base + hid + kb, base + hid + 2 * kb, base + 2 * hid + 2 * kb
+
     def submit(self, step: int, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, defer: int) -> None:
         if self.dead:
             raise ShmError(grpc.StatusCode.UNAVAILABLE, self.dead)
         T, H = x.shape
         k = ids.shape[1]
         seq = self.posted
-        base = self.layout.block(seq)
-        xn = T * H * x.element_size()
-        hid, kn = _aligned(xn), T * k * 4
-        out = base + hid + 2 * _aligned(kn)
-        spans = (base, base + hid, base + hid + _aligned(kn))  # x, ids, weights
+        xn, kn = T * H * x.element_size(), T * k * 4
+        *spans, out, deferred_out = self._spans(seq, T, H, x.element_size(), k)  # spans: x, ids, weights
         if x.is_cuda:
             # device -> the pinned region straight (DMA), converting ids/weights on the way; then wait for
             # this stream only (the copies are its last work), never the whole device
@@ -121,7 +125,7 @@ class ShmChannel:
             ptrs = (x.data_ptr(), ids.data_ptr(), w.data_ptr())
         # one native call: copies, descriptor, doorbell
         native.ring_submit(self.mm, seq, step, layer, T, k, defer, codec.TO_WIRE[x.dtype], spans[0], xn, spans[1],
-                           kn, spans[2], kn, out, xn, *((out + hid, xn) if defer else (0, 0)),
+                           kn, spans[2], kn, out, xn, *((deferred_out, xn) if defer else (0, 0)),
                            *ptrs, (seq + 1) & MASK)
         self.posted = seq + 1
         self.expect.append((seq, layer, False))
@@ -153,6 +157,43 @@ class ShmChannel:
         self.expect.popleft()
         self.consumed += 1
         return y, Timing(got.queued_us, got.compute_us, got.start_unix_ns, got.end_unix_ns)
+
+    def decode_layers(self, run, step: int, T: int, H: int, dtype: torch.dtype, k: int, timeout_s: float) -> None:
+        """A decode step's layers through the native loop (gpu_service/decode_loop.py), its requests and answers
+        on this ring: run(client, first layer, waiting) -> (layer reached, status, message) is called again
+        after each wait's slice that ended without an answer, once the lifeline and the layer's deadline
+        (timeout_s) are checked. Raises as result() does (TimeoutError(layer) past the deadline);
+        posted / consumed / expect stay true whatever happens."""
+        if self.dead:
+            raise ShmError(grpc.StatusCode.UNAVAILABLE, self.dead)
+        if self.expect:  # the loop posts a layer's request only once the previous answer is read
+            raise ShmError(grpc.StatusCode.INTERNAL, "decode loop started with results still outstanding")
+        slots = [self._spans(i, T, H, dtype.itemsize, k) for i in range(shm.REQ_SLOTS)]
+        x, ids, w, out, _ = slots[0]
+        client = native.RingClient(self.mm, step, self.posted, self.consumed, codec.TO_WIRE[dtype],
+                                   [s[0] for s in slots], ids - x, w - x, out - x, WAIT_US, SPIN_US)
+        layer, waiting, until = 0, False, 0.0
+        try:
+            while True:
+                got, status, msg = run(client, layer, waiting)
+                if status == 0:
+                    return
+                first_slice = got != layer or not waiting
+                layer = got
+                if status > 0:
+                    raise ShmError(STATUS.get(status, grpc.StatusCode.UNKNOWN), msg.decode(errors="replace"))
+                if first_slice:  # of this layer's wait
+                    until = time.monotonic() + timeout_s
+                if self.dead or U32.unpack_from(self.mm, shm.CLOSED)[0]:
+                    raise ShmError(grpc.StatusCode.UNAVAILABLE, self.dead or "the expert service closed the "
+                                   "shared-memory ring")
+                if time.monotonic() > until:
+                    raise TimeoutError(layer)
+                waiting = True
+        finally:
+            self.posted, self.consumed = client.posted, client.consumed
+            if self.posted > self.consumed:  # at most the last layer's request: the loop waits for each
+                self.expect.append((self.posted - 1, layer, False))
 
     def close(self) -> None:
         if self.mm.closed:

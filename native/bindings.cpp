@@ -10,6 +10,7 @@
 
 #include "common.h"
 #include "contention.h"
+#include "decode_loop.h"
 #include "doorbell.h"
 #include "huge_buffer.h"
 #include "kernels.h"
@@ -103,6 +104,18 @@ struct BoundLinear {
 struct BoundGqaBlock {
   GqaBlock g;
   py::object owner;
+};
+struct BoundDecodeLoop {  // the blocks with their layers of the KV pool bound
+  std::vector<GqaBlock> blocks;
+  py::object owner;
+};
+struct BoundLocalExperts {  // per layer, the experts the decode loop runs in this process
+  std::vector<const MoELayer*> layers;
+  py::object owner;
+};
+struct BoundRingClient {
+  RingClient c;
+  py::object region;
 };
 
 // What the native readers of the exchange's bytes return (named fields, not positions).
@@ -585,6 +598,79 @@ PYBIND11_MODULE(_native, m) {
           py::arg("weights") = 0,
           "B sequences' decode step of the block: h [B, H] updated in place, x_out [B, H] its post-attention norm; "
           "seqs int64 [B, 3] (block table address, position, first consecutive block or -1)");
+  py::class_<BoundLocalExperts>(m, "LocalExperts", "the decode loop's experts run in this process, one MoELayer a layer")
+      .def(py::init([](const std::vector<const BoundMoELayer*>& layers, py::object owner) {
+             BoundLocalExperts e{{}, std::move(owner)};
+             for (const BoundMoELayer* l : layers) e.layers.push_back(&l->layer);
+             return e;
+           }),
+           py::arg("layers"), py::arg("owner"), "owner: keeps the layers alive");
+  py::class_<BoundRingClient>(m, "RingClient", "the GPU side's end of a ring session as the decode loop drives it")
+      .def(py::init([](py::buffer region, uint64_t step, uint64_t posted, uint64_t consumed, uint32_t dtype,
+                       const std::vector<uint64_t>& slots, uint64_t ids_at, uint64_t w_at, uint64_t out_at,
+                       int64_t wait_us, int64_t spin_us) {
+             auto [p, n] = writable(region);
+             MOE_CHECK(slots.size() == size_t(ring::REQ_SLOTS), "ring client: one data block per request slot");
+             RingClient c{p, n, step, posted, consumed, dtype, {}, ids_at, w_at, out_at, wait_us, spin_us};
+             for (int i = 0; i < ring::REQ_SLOTS; ++i) {
+               MOE_CHECK(slots[i] >= ring::DATA_START && slots[i] % ring::SPAN_ALIGN == 0 && slots[i] <= n,
+                         "ring client: a data block outside the region");
+               c.slot[i] = slots[i];
+             }
+             return BoundRingClient{c, region};
+           }),
+           py::arg("region"), py::arg("step"), py::arg("posted"), py::arg("consumed"), py::arg("dtype"),
+           py::arg("slots"), py::arg("ids_at"), py::arg("w_at"), py::arg("out_at"), py::arg("wait_us"),
+           py::arg("spin_us"))
+      .def_property_readonly("posted", [](const BoundRingClient& r) { return r.c.posted; })
+      .def_property_readonly("consumed", [](const BoundRingClient& r) { return r.c.consumed; });
+  py::class_<BoundDecodeLoop>(m, "DecodeLoop", "a decode step's layers in one call (native/decode_loop.h)")
+      .def(py::init([](const std::vector<const BoundGqaBlock*>& blocks, const std::vector<uintptr_t>& K,
+                       const std::vector<uintptr_t>& V, size_t kv_head, size_t kv_block, int block_shift,
+                       py::object owner) {
+             MOE_CHECK(K.size() == blocks.size() && V.size() == blocks.size(), "decode loop: one K and V a layer");
+             BoundDecodeLoop l{{}, std::move(owner)};
+             for (size_t i = 0; i < blocks.size(); ++i) {
+               GqaBlock g = blocks[i]->g;
+               g.K = reinterpret_cast<void*>(K[i]), g.V = reinterpret_cast<void*>(V[i]);
+               g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
+               l.blocks.push_back(g);
+             }
+             return l;
+           }),
+           py::arg("blocks"), py::arg("K"), py::arg("V"), py::arg("kv_head"), py::arg("kv_block"),
+           py::arg("block_shift"), py::arg("owner"), "owner: keeps the blocks and the pool alive")
+      .def(
+          "run",
+          [](const BoundDecodeLoop& l, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t seqs,
+             uintptr_t times, int first, bool waiting, py::object experts) {
+            const std::vector<const MoELayer*>* local = nullptr;
+            RingClient* ring = nullptr;
+            if (py::isinstance<BoundLocalExperts>(experts))
+              local = &experts.cast<const BoundLocalExperts&>().layers;
+            else
+              ring = &experts.cast<BoundRingClient&>().c;
+            const int64_t* rows = reinterpret_cast<const int64_t*>(seqs);  // [B, 3]: table, position, first
+            std::vector<DecodeSeq> sq(B > 0 ? B : 0);
+            for (int t = 0; t < B; ++t)
+              sq[t] = DecodeSeq{reinterpret_cast<const int32_t*>(rows[3 * t]), int32_t(rows[3 * t + 1]),
+                                int32_t(rows[3 * t + 2])};
+            LoopEnd end;
+            {
+              py::gil_scoped_release nogil;
+              end = decode_layers(l.blocks, local, ring, first, waiting, B, reinterpret_cast<void*>(h),
+                                  reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin), sq.data(),
+                                  reinterpret_cast<int64_t*>(times));
+            }
+            return std::make_tuple(end.layer, end.status, py::bytes(end.msg));
+          },
+          py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("seqs"), py::arg("times"),
+          py::arg("first"), py::arg("waiting"), py::arg("experts"),
+          "B sequences' new tokens through the layers from `first`: h [B, H] updated in place; seqs int64 [B, 3] "
+          "as GqaBlock.run takes them; times int64 [layers, DecodeLoop.times] (decode_loop.h LoopTime); experts: LocalExperts or "
+          "RingClient -> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
+      .def_property_readonly("layers", [](const BoundDecodeLoop& l) { return l.blocks.size(); })
+      .def_property_readonly_static("times", [](py::object) { return int(LOOP_TIMES); }, "int64s a layer in times");
   py::class_<BoundLinear>(m, "Linear", "one packed dense [rows, Kp] matrix bound to the kernel path that runs it")
       .def(py::init([](const std::string& isa, const std::string& fmt, int rows, int K, int Kp, const MatrixParts& parts,
                        py::object owner) {

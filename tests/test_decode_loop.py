@@ -1,0 +1,254 @@
+"""The native decode loop (gpu_service/decode_loop.py, native/decode_loop.cpp): a decode step's every layer in one
+call, against the layer loop it replaces (Model.forward with the native attention blocks, the reference, itself
+checked against the torch path in test_decode_step.py): the same logits and KV rows bit for bit, one sequence
+and several, experts in this process or behind the shared-memory ring of a real expert service; its errors,
+timeouts and spans; and the steps and models it leaves to the layer loop."""
+from __future__ import annotations
+
+import os
+import signal
+
+import grpc
+import pytest
+import torch
+
+import tiny_models
+from expert_service.store import load_expert_layers
+from gpu_service import decode_loop
+from gpu_service.dispatch import ExpertServiceError, RemoteExperts
+from gpu_service.experts import LocalExperts
+from gpu_service.kv_pool import BLOCK
+from gpu_service.model import Model, Segment
+from harness import Services
+from moe_core import shm
+from moe_core.checkpoint import Checkpoint
+from moe_core.config import load_config
+from moe_kernels import ISA, SIMD_ISAS
+from protos import expert_pb2, expert_pb2_grpc
+
+pytestmark = pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native step runs on the vector kernel paths")
+
+# every layer MoE with a softmax router and no shared experts, heads of a vector kernel's width
+LOOPED = {"qwen3_moe": dict(head_dim=64), "mixtral": dict(head_dim=64)}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("loop")
+    made = {f: tiny_models.build(f, base / f, seed=5, **kw) for f, kw in LOOPED.items()}
+    made["qwen2_moe"] = tiny_models.build("qwen2_moe", base / "qwen2_moe", seed=5, hidden_size=128,
+                                          num_attention_heads=2, num_key_value_heads=1)
+    return made
+
+
+def load(d, dtype=torch.bfloat16, fmt="bf16", experts="bf16"):
+    cfg = load_config(d)
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), dtype, dense_format=fmt)
+    return cfg, model, load_expert_layers(cfg, Checkpoint(d), experts, 1)
+
+
+class Counting(LocalExperts):
+    """Local experts that count the layer loop's submits and the decode loop's calls."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.submits = self.loops = 0
+
+    def submit(self, step, layer, x, ids, w, defer):
+        self.submits += 1
+        super().submit(step, layer, x, ids, w, defer)
+
+    def decode_layers(self, *a):
+        done = super().decode_layers(*a)
+        self.loops += done
+        return done
+
+
+def step(model, experts, segments, looped: bool, **kw):
+    """One forward with the decode loop where it applies, or the layer loop (the reference)."""
+    if looped:
+        return model.forward(segments, experts, **kw)
+    keep = model._decode_loop
+    model._decode_loop = lambda pool: None
+    try:
+        return model.forward(segments, experts, **kw)
+    finally:
+        model._decode_loop = keep
+
+
+def kv_rows(cache, layer, n):
+    return [b.clone() for b in cache.gather(layer, n)]
+
+
+def decode_both(model, cfg, experts_mine, experts_ref, n=24, prompt=(5, 17, 300, 41, 7, 99, 12, 3, 250)):
+    """Prompt, then n fed tokens through the loop (mine) and the layer loop (ref): logits and KV rows equal."""
+    prompt = torch.tensor(prompt)
+    feed = torch.randint(2, tiny_models.VOCAB, (n,), generator=torch.Generator().manual_seed(1))
+    mine, ref = model.new_cache(), model.new_cache()
+    model.forward([Segment(mine, prompt, 0)], experts_mine)
+    model.forward([Segment(ref, prompt, 0)], experts_ref)
+    pos = len(prompt)
+    for tok in feed:  # across block boundaries (16 positions a block)
+        got = step(model, experts_mine, [Segment(mine, tok[None], pos)], True)
+        want = step(model, experts_ref, [Segment(ref, tok[None], pos)], False)
+        assert torch.equal(got, want), f"position {pos}"
+        pos += 1
+    for layer in range(cfg.num_layers):
+        for a, b in zip(kv_rows(mine, layer, pos), kv_rows(ref, layer, pos)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", list(LOOPED))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fmt, experts", [("bf16", "bf16"), ("int8", "int4")])
+def test_local_experts_the_layer_loop_bit_for_bit(ckpts, family, dtype, fmt, experts):
+    cfg, model, layers = load(ckpts[family], dtype, fmt, experts)
+    assert model._decode_loop(model.kv_pool()) is not None
+    mine, ref = Counting(layers), Counting(layers)
+    decode_both(model, cfg, mine, ref)
+    assert mine.loops == 24 and mine.submits == cfg.num_layers  # the prompt only
+    assert ref.loops == 0 and ref.submits == 25 * cfg.num_layers
+
+
+def test_several_sequences_in_one_step(ckpts):
+    """Three sequences, blocks interleaved in the pool: the loop's batched step equals the layer loop's."""
+    cfg, model, layers = load(ckpts["qwen3_moe"])
+    experts = Counting(layers)
+    prompts = [torch.arange(3, 3 + n) % tiny_models.VOCAB for n in (5, 18, 33)]
+    mine = [model.new_cache() for _ in prompts]
+    ref = [model.new_cache() for _ in prompts]
+    for cs in (mine, ref):
+        for c, p in zip(cs, prompts):
+            model.forward([Segment(c, p, 0)], experts)
+    pos = [len(p) for p in prompts]
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        toks = torch.randint(2, tiny_models.VOCAB, (3,), generator=g)
+        got = step(model, experts, [Segment(c, toks[i:i + 1], pos[i]) for i, c in enumerate(mine)], True)
+        want = step(model, experts, [Segment(c, toks[i:i + 1], pos[i]) for i, c in enumerate(ref)], False)
+        assert torch.equal(got, want)
+        pos = [p + 1 for p in pos]
+    assert experts.loops == 20 and any(not c.consecutive() for c in mine) and max(pos) > 2 * BLOCK
+
+
+def test_spans_cover_every_layer_in_order(ckpts):
+    cfg, model, layers = load(ckpts["mixtral"])
+    experts = Counting(layers)
+    c = model.new_cache()
+    model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], experts)
+    spans: list = []
+    model.forward([Segment(c, torch.tensor([7]), 3)], experts, step=9, spans=spans)
+    assert experts.loops == 1
+    per_layer = [s for s in spans if s.layer >= 0]
+    assert [(s.name, s.layer) for s in per_layer] == [
+        (n, L) for L in range(cfg.num_layers) for n in ("attention", "router", "expert_submit", "expert_wait")]
+    assert all(s.step == 9 and s.start_ns <= s.end_ns for s in spans)
+    assert all(a.end_ns == b.start_ns for a, b in zip(per_layer, per_layer[1:]))  # one after another, no gap
+    assert spans[0].name == "embed" and spans[-1].name == "lm_head" and spans[0].end_ns == per_layer[0].start_ns
+
+
+def test_what_it_leaves_to_the_layer_loop(ckpts):
+    """Deferral, a prompt, experts without native kernels (torch's fp32 operator) and a model with shared
+    experts take the layer loop; their tokens are unchanged (the other tests compare them)."""
+    cfg, model, layers = load(ckpts["qwen3_moe"])
+    experts = Counting(layers)
+    c = model.new_cache()
+    model.forward([Segment(c, torch.tensor([4, 5, 6, 7]), 0)], experts)  # a prompt
+    model.forward([Segment(c, torch.tensor([8]), 4)], experts, defer=1)   # deferral
+    assert experts.loops == 0 and experts.submits == 2 * cfg.num_layers
+    torch_ops = Counting(load_expert_layers(cfg, Checkpoint(ckpts["qwen3_moe"]), "fp32", 1))
+    model.forward([Segment(c, torch.tensor([9]), 5)], torch_ops)
+    assert torch_ops.loops == 0 and torch_ops.submits == cfg.num_layers
+    model.forward([Segment(c, torch.tensor([9]), 6)], experts)
+    assert experts.loops == 1
+    shared_cfg, shared, _ = load(ckpts["qwen2_moe"])
+    assert shared_cfg.shared_intermediate_size and shared.decode_blocks
+    assert shared._decode_loop(shared.kv_pool()) is None
+
+
+def test_non_finite_rows_are_refused_and_the_next_step_runs(ckpts):
+    cfg, model, layers = load(ckpts["qwen3_moe"], torch.float32)
+    experts = Counting(layers)
+    c = model.new_cache()
+    model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], experts)
+    emb = model.W["model.embed_tokens.weight"]
+    keep = emb[7].clone()
+    emb[7] = float("nan")
+    try:
+        with pytest.raises(ValueError, match="non-finite"):
+            model.forward([Segment(c, torch.tensor([7]), 3)], experts)
+    finally:
+        emb[7] = keep
+    assert torch.isfinite(model.forward([Segment(c, torch.tensor([7]), 3)], experts)).all()
+
+
+# -- behind the ring of a real expert service ---------------------------------------------------------
+needs_shm = pytest.mark.skipif(not shm.shm_available(), reason="needs /dev/shm")
+
+
+@pytest.fixture
+def service(ckpts, tmp_path):
+    s = Services(ckpts["qwen3_moe"], tmp_path, gpu=False, expert_args=("--weight-format", "bf16"))
+    with grpc.insecure_channel(f"127.0.0.1:{s.expert_port}") as ch:
+        fp = expert_pb2_grpc.ExpertServiceStub(ch).Info(expert_pb2.ExpertInfoRequest(), timeout=10).model_fingerprint
+    remotes = []
+
+    def connect(**kw):
+        r = RemoteExperts(f"127.0.0.1:{s.expert_port}", fp, 64 << 20, transport="shm", **kw)
+        assert r.start_transport() == "shm"
+        remotes.append(r)
+        return r
+    yield s, connect
+    for r in remotes:
+        r.close()
+    s.stop()
+
+
+@needs_shm
+def test_through_the_ring_as_the_layer_loop_and_local_kernels(ckpts, service):
+    """The loop over the ring: the layer loop's logits over the same ring, and the local kernels' (the expert
+    service runs the same bf16 kernels); the ring's counters stay true and every layer's timing comes back."""
+    s, connect = service
+    cfg, model, layers = load(ckpts["qwen3_moe"])
+    remote = connect()
+    ran, through = [], remote.decode_layers
+    remote.decode_layers = lambda *a: ran.append(through(*a)) or ran[-1]
+    decode_both(model, cfg, remote, remote, n=20)
+    assert ran == [True] * 20
+    assert remote.shm.posted == remote.shm.consumed == (2 + 2 * 20) * cfg.num_layers and not remote.shm.expect
+    timings = remote.drain_timings()
+    assert len(timings) == remote.shm.posted and all(t.timing.end_unix_ns >= t.timing.start_unix_ns for t in timings)
+    decode_both(model, cfg, remote, Counting(layers), n=8)
+
+
+@needs_shm
+def test_a_stopped_service_times_out_and_a_dead_one_fails_fast(ckpts, service):
+    s, connect = service
+    cfg, model, _ = load(ckpts["qwen3_moe"])
+    remote = connect(timeout_s=1.0)
+    c = model.new_cache()
+    model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], remote)
+    os.kill(s.expert.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ExpertServiceError, match="did not answer layer 0 within") as e:
+            model.forward([Segment(c, torch.tensor([7]), 3)], remote)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and not e.value.retry
+    finally:
+        os.kill(s.expert.pid, signal.SIGCONT)
+    assert remote.shm is None  # reset: the next step opens a fresh session
+    model.forward([Segment(c, torch.tensor([7]), 3)], remote)
+    assert remote.shm is not None and remote.shm.posted == cfg.num_layers
+    s.expert.kill()
+    s.expert.wait()
+    with pytest.raises(ExpertServiceError) as e:
+        model.forward([Segment(c, torch.tensor([8]), 4)], remote)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_build_needs_every_layer_routed(ckpts):
+    cfg, model, _ = load(ckpts["qwen3_moe"])
+    pool = model.kv_pool()
+    blocks = dict(model.decode_blocks)
+    assert decode_loop.build(cfg, blocks, pool).layers == cfg.num_layers
+    del blocks[cfg.num_layers - 1]
+    assert decode_loop.build(cfg, blocks, pool) is None
