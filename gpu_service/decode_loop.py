@@ -4,14 +4,17 @@ torch op between the layers. Where the torch path (Model.forward's layer loop, t
 for bit) costs ~15 ops and their Python a layer, this is one call a token.
 
 It applies to a model whose every layer is an MoE layer with a native routing block and no shared experts
-(Qwen3-MoE, Mixtral, Qwen2-MoE without its shared expert), to steps without deferral, and to experts that can
-run it: the shared-memory ring to one expert service (RemoteExperts) and in-process native kernels
+(Qwen3-MoE, Mixtral), to decode steps with or without deferral (not the accuracy harness's skipping), and to
+experts that can run it: the shared-memory ring to one expert service (RemoteExperts) and in-process native kernels
 (LocalExperts); anything else takes the layer loop.
 
 The experts drive it (`decode_layers(run, step, times, T, H, dtype, k)` on the Experts object): they supply the
 exchange (a native RingClient or LocalExperts) and the policy while waiting, the loop supplies `run`."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from moe_core.config import ModelConfig
@@ -21,7 +24,24 @@ from .experts import Span
 from .kv_pool import BLOCK, KVPool
 
 TIMES = native.DecodeLoop.times  # int64s a layer in the times array (native/decode_loop.h LoopTime)
-ATTENTION_END, SUBMIT_END, WAIT_END = 0, 1, 2
+ATTENTION_END, SUBMIT_END, WAIT_END, QUEUED_US, COMPUTE_US, EXPERT_START, EXPERT_END, LATE_START, LATE_END = range(9)
+
+
+class Record(NamedTuple):
+    """What one run of the loop measured, kept as its array: the metrics read it with numpy, and Spans (a dozen
+    Python objects a layer, ~10 us) are made of it only for a profile."""
+    step: int
+    start_ns: int        # the first layer's start (the end of the span before)
+    times: torch.Tensor  # int64 [layers, TIMES]: the expert columns 0 where the experts ran here
+
+
+class Figures(NamedTuple):
+    """What the metrics take of records, ns (numpy int64)."""
+    layers: np.ndarray    # the layer of each wait
+    waits: np.ndarray     # the GPU side's wait for each layer's answers
+    immediate: np.ndarray  # the expert service's compute of each layer's immediate part it reported
+    deferred: np.ndarray   # ... and of each deferred part
+    overhead: np.ndarray   # each reported layer's round trip (submit to answer) less its immediate compute
 
 
 def build(cfg: ModelConfig, blocks: dict, pool: KVPool) -> native.DecodeLoop | None:
@@ -37,10 +57,11 @@ def build(cfg: ModelConfig, blocks: dict, pool: KVPool) -> native.DecodeLoop | N
 
 
 def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        seqs: torch.Tensor, top_k: int, spans: list | None, t0: int) -> bool:
+        seqs: torch.Tensor, top_k: int, defer: int, t0: int, spans: list | None, records: list | None) -> bool:
     """h [B, H] through every layer (updated in place) when `experts` can run the loop; False: they cannot (the
-    caller takes the layer loop), nothing done. Raises what the experts' submit/result would. spans: the
-    layers' attention, router, expert_submit and expert_wait spans appended (the layer loop's names), from t0."""
+    caller takes the layer loop), nothing done. defer: the layer loop's (every layer but the last). Raises what
+    the experts' submit/result would. What it measured (from t0): a Record appended to `records` when given, else
+    its spans to `spans` (the layer loop's names, and the expert service's compute)."""
     decode_layers = getattr(experts, "decode_layers", None)
     if decode_layers is None:
         return False
@@ -49,15 +70,43 @@ def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, cos: torch
     ptrs = (B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), seqs.data_ptr(), times.data_ptr())
 
     def call(exchange, first: int, waiting: bool):
-        return loop.run(*ptrs, first, waiting, exchange)
+        return loop.run(*ptrs, first, waiting, defer, exchange)
 
     if not decode_layers(call, step, times, B, H, h.dtype, top_k):
         return False
-    if spans is not None:
-        t = t0
-        for L, row in enumerate(times.tolist()):
-            a, s, w = row[ATTENTION_END], row[SUBMIT_END], row[WAIT_END]
-            spans += (Span("attention", "gpu", L, step, t, a), Span("router", "gpu", L, step, a, a),
-                      Span("expert_submit", "gpu", L, step, a, s), Span("expert_wait", "gpu", L, step, s, w))
-            t = w
+    rec = Record(step, t0, times)
+    if records is not None:
+        records.append(rec)
+    elif spans is not None:
+        spans += spans_of(rec)
     return True
+
+
+def spans_of(rec: Record) -> list[Span]:
+    """A run's spans for the profile: per layer the GPU side's attention (the block), router (in the block: empty),
+    expert_submit and expert_wait, one after the other; and the expert service's compute where it reported one."""
+    out, t, step = [], rec.start_ns, rec.step
+    for L, row in enumerate(rec.times.tolist()):
+        a, s, w = row[ATTENTION_END], row[SUBMIT_END], row[WAIT_END]
+        out += (Span("attention", "gpu", L, step, t, a), Span("router", "gpu", L, step, a, a),
+                Span("expert_submit", "gpu", L, step, a, s), Span("expert_wait", "gpu", L, step, s, w))
+        if row[EXPERT_END]:
+            out.append(Span("experts_immediate", "expert", L, step, row[EXPERT_START], row[EXPERT_END]))
+        if row[LATE_END]:  # the previous layer's deferred part, read in this layer's wait
+            out.append(Span("experts_deferred", "expert", L - 1, step, row[LATE_START], row[LATE_END]))
+        t = w
+    return out
+
+
+def figures(recs: list[Record]) -> Figures:
+    """The metrics' figures of the runs."""
+    if not recs:
+        z = np.zeros(0, np.int64)
+        return Figures(z, z, z, z, z)
+    t = np.concatenate([r.times.numpy() for r in recs])
+    layers = np.concatenate([np.arange(r.times.shape[0]) for r in recs])
+    waits = t[:, WAIT_END] - t[:, SUBMIT_END]
+    remote, late = t[:, EXPERT_END] != 0, t[:, LATE_END] != 0
+    immediate = t[remote, EXPERT_END] - t[remote, EXPERT_START]
+    return Figures(layers, waits, immediate, t[late, LATE_END] - t[late, LATE_START],
+                   np.maximum(0, waits[remote] - immediate))

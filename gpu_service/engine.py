@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from moe_core import serving
@@ -31,7 +32,7 @@ from .answer import AnswerParser
 from .constraints import mask_rows
 from .dispatch import ExpertServiceError
 from .experts import Experts, Span
-from . import prefix_cache
+from . import decode_loop, prefix_cache
 from .kv_pool import BLOCK, KVPool, SeqCache
 from .model import Model, Segment
 from .sampling import SamplingParams, sample, token_logprobs
@@ -379,9 +380,11 @@ class Engine:
                                 logprobs=r.logprobs_only, targets=targets))
         step = next(self.steps)
         spans: list = []
+        profiled = any(r.profile for r in reqs)
+        records = None if profiled else []  # the decode loop's figures, as arrays unless a profile wants its spans
         t0 = time.perf_counter()
         logits = self.model.forward(segs, self.experts, step=step, defer=defer, spans=spans, skip=skip,
-                                    exact_spans=any(r.profile for r in reqs))
+                                    exact_spans=profiled, records=records)
         spans += expert_spans(self.experts, step)
         now = time.perf_counter()
         t_sample = time.time_ns()
@@ -408,7 +411,7 @@ class Engine:
             except Exception as e:  # sampling or detokenizing this request: the others go on
                 log.exception("request failed after the forward pass")
                 self._fail([r], Status.INTERNAL, f"internal error: {e}")
-        record_step_metrics(spans, time.perf_counter() - t0)
+        record_step_metrics(spans, time.perf_counter() - t0, records)
 
     @staticmethod
     def _mask(reqs: list[Request], rows: list[int], logits: torch.Tensor) -> dict[int, torch.Tensor | Exception]:
@@ -506,24 +509,35 @@ def expert_spans(experts: Experts, step: int) -> list[Span]:
     return out + experts.drain_spans()
 
 
-def record_step_metrics(spans: list[Span], step_s: float) -> None:
+def record_step_metrics(spans: list[Span], step_s: float, records: list | None = None) -> None:
+    """The step's metrics from its spans and the decode loop's records (decode_loop.figures)."""
     metrics.STEP.observe(step_s)
-    blocked = 0.0
-    submitted = {}
-    compute = {}
+    submitted = {}       # layer -> its request handed over
+    wait_layer, waits = [], []  # the GPU side's waits (ns)
+    parts, compute = [], {}  # (part, service) and ns of each expert part; (name, layer) -> the slowest shard's
+    rtt = {}
     for name, service, layer, _, t0, t1 in spans:
         if name == "expert_submit":
             submitted[layer] = t1
         elif name == "expert_wait":
-            blocked += (t1 - t0) / 1e9
-            metrics.EXPERT_WAIT.labels(str(layer)).observe((t1 - t0) / 1e9)
+            wait_layer.append(layer)
+            waits.append(t1 - t0)
             if layer in submitted:
-                compute.setdefault(("rtt", layer), (t1 - submitted[layer]) / 1e9)
+                rtt.setdefault(layer, t1 - submitted[layer])
         elif service.startswith("expert") and name != "shard_wait":
-            metrics.EXPERT_COMPUTE.labels(name.removeprefix("experts_"), service).observe((t1 - t0) / 1e9)
-            compute[(name, layer)] = max(compute.get((name, layer), 0.0), (t1 - t0) / 1e9)  # shards: the slowest
-    for (kind, layer), rtt in list(compute.items()):
-        if kind == "rtt" and ("experts_immediate", layer) in compute:
-            metrics.EXCHANGE.observe(max(0.0, rtt - compute[("experts_immediate", layer)]))
+            parts.append(((name.removeprefix("experts_"), service), t1 - t0))
+            compute[(name, layer)] = max(compute.get((name, layer), 0), t1 - t0)
+    over = [max(0, t - compute[("experts_immediate", L)]) for L, t in rtt.items() if ("experts_immediate", L) in compute]
+    loop = decode_loop.figures(records or [])
+    all_waits = np.concatenate([np.array(waits, np.int64), loop.waits]) / 1e9
+    if all_waits.size:
+        metrics.EXPERT_WAIT.observe_each(all_waits, [(L,) for L in wait_layer] + [(L,) for L in loop.layers.tolist()])
+    if parts:
+        labels, ns = zip(*parts)
+        metrics.EXPERT_COMPUTE.observe_each(np.array(ns) / 1e9, labels)
+    metrics.EXPERT_COMPUTE.observe_many(loop.immediate / 1e9, ("immediate", "expert"))
+    metrics.EXPERT_COMPUTE.observe_many(loop.deferred / 1e9, ("deferred", "expert"))
+    metrics.EXCHANGE.observe_many(np.concatenate([np.array(over, np.int64), loop.overhead]) / 1e9)
+    blocked = float(all_waits.sum())
     metrics.EXPERT_BLOCKED.inc(blocked)
     metrics.GPU_BUSY.inc(max(0.0, step_s - blocked))

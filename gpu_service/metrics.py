@@ -1,7 +1,7 @@
 """Prometheus metrics of the GPU service (served over HTTP by --metrics-port)."""
 from prometheus_client import Counter, Gauge, Histogram
 
-from moe_core.metrics import busy_fraction_gauge
+from moe_core.metrics import BatchHistogram, busy_fraction_gauge
 
 LAT = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 FAST = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, .1, .25, 1)
@@ -16,12 +16,14 @@ WAITING = Gauge("moe_waiting_requests", "Requests queued for the engine")
 TTFT = Histogram("moe_time_to_first_token_seconds", "Request arrival to first token", buckets=LAT)
 ITL = Histogram("moe_inter_token_latency_seconds", "Time between consecutive tokens of a request", buckets=LAT)
 STEP = Histogram("moe_step_seconds", "One engine step (all layers, all running sequences)", buckets=LAT)
-EXPERT_WAIT = Histogram("moe_expert_wait_seconds", "Time the GPU side blocked on the expert service, per MoE layer",
-                        ["layer"], buckets=FAST)
-EXCHANGE = Histogram("moe_exchange_overhead_seconds",
-                     "Expert round trip minus the expert compute it contained (wire, codec, scheduling)", buckets=FAST)
-EXPERT_COMPUTE = Histogram("moe_remote_expert_compute_seconds", "Expert compute per layer part, as the expert service reports it "
-                           "(service: expert, or expert-I for shard I)", ["part", "service"], buckets=FAST)
+# per layer, a few a step: fed a step at a time (BatchHistogram)
+EXPERT_WAIT = BatchHistogram("moe_expert_wait_seconds", "Time the GPU side blocked on the expert service, per MoE "
+                             "layer", ("layer",), buckets=FAST)
+EXCHANGE = BatchHistogram("moe_exchange_overhead_seconds",
+                          "Expert round trip minus the expert compute it contained (wire, codec, scheduling)", buckets=FAST)
+EXPERT_COMPUTE = BatchHistogram("moe_remote_expert_compute_seconds", "Expert compute per layer part, as the expert "
+                                "service reports it (service: expert, or expert-I for shard I)", ("part", "service"),
+                                buckets=FAST)
 GPU_BUSY = Counter("moe_gpu_busy_seconds_total", "Engine time not spent waiting for the expert service")
 EXPERT_BLOCKED = Counter("moe_expert_blocked_seconds_total", "Engine time spent waiting for the expert service")
 PREFIX_QUERY_TOKENS = Counter("moe_prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache")

@@ -234,13 +234,14 @@ class Model:
     @torch.inference_mode()
     def forward(self, segments: list[Segment], experts: Experts, step: int = 0, defer: int = 0,
                 spans: list | None = None, skip: bool = False, exact_spans: bool = False,
-                defer_layers: range | None = None) -> torch.Tensor:
+                defer_layers: range | None = None, records: list | None = None) -> torch.Tensor:
         """-> logits [n, vocab] fp32: one row per segment (its last token), or every row of a
         segment with all_logits. `experts`: the Experts protocol (submit / result). With `skip`, the
         `defer` lowest-weighted experts are dropped instead of deferred; `defer_layers`: only in these
         layers (the accuracy harness's depth study; default every MoE layer but the last). `spans`, when given,
         collects (name, service, layer, step, start_ns, end_ns) for the profile and metrics
-        (`exact_spans`: synchronize the device at each span, for a profile)."""
+        (`exact_spans`: synchronize the device at each span, for a profile); `records`, when given, takes the native
+        decode loop's measurements as its decode_loop.Record instead of its spans."""
         cfg, W = self.cfg, self.W
         # on CUDA a span is only exact if the kernels finished: synchronize for profiles only
         sync = self.device.type == "cuda" and spans is not None and exact_spans
@@ -268,9 +269,11 @@ class Model:
             if self.decode_blocks and decoding else None
         t = mark("embed", -1, t)
         layers = range(cfg.num_layers)
-        # no deferral: every layer in one native call where the model and the experts allow (else the loop below)
-        loop = self._decode_loop(segments[0].cache.pool) if native_seqs is not None and not defer else None
-        if loop is not None and decode_loop.run(loop, experts, step, h, cos, sin, native_seqs, cfg.top_k, spans, t):
+        # every layer in one native call where the model and the experts allow (else the loop below)
+        loop = self._decode_loop(segments[0].cache.pool) if native_seqs is not None and not (skip and defer) and \
+            defer_layers is None else None
+        if loop is not None and decode_loop.run(loop, experts, step, h, cos, sin, native_seqs, cfg.top_k, defer, t,
+                                                spans, records):
             layers, t = range(0), clock()
         pending = None  # the MoE layer whose deferred result is still outstanding
         for L in layers:

@@ -166,12 +166,12 @@ class ShmChannel:
         posted / consumed / expect stay true whatever happens."""
         if self.dead:
             raise ShmError(grpc.StatusCode.UNAVAILABLE, self.dead)
-        if self.expect:  # the loop posts a layer's request only once the previous answer is read
+        if self.expect:  # a step's requests are all answered by its end (its last layer defers nothing)
             raise ShmError(grpc.StatusCode.INTERNAL, "decode loop started with results still outstanding")
         slots = [self._spans(i, T, H, dtype.itemsize, k) for i in range(shm.REQ_SLOTS)]
-        x, ids, w, out, _ = slots[0]
+        x, ids, w, out, deferred = slots[0]
         client = native.RingClient(self.mm, step, self.posted, self.consumed, codec.TO_WIRE[dtype],
-                                   [s[0] for s in slots], ids - x, w - x, out - x, WAIT_US, SPIN_US)
+                                   [s[0] for s in slots], ids - x, w - x, out - x, deferred - x, WAIT_US, SPIN_US)
         layer, waiting, until = 0, False, 0.0
         try:
             while True:
@@ -192,8 +192,7 @@ class ShmChannel:
                 waiting = True
         finally:
             self.posted, self.consumed = client.posted, client.consumed
-            if self.posted > self.consumed:  # at most the last layer's request: the loop waits for each
-                self.expect.append((self.posted - 1, layer, False))
+            self.expect.extend(client.outstanding)
 
     def close(self) -> None:
         if self.mm.closed:

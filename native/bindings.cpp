@@ -608,10 +608,10 @@ PYBIND11_MODULE(_native, m) {
   py::class_<BoundRingClient>(m, "RingClient", "the GPU side's end of a ring session as the decode loop drives it")
       .def(py::init([](py::buffer region, uint64_t step, uint64_t posted, uint64_t consumed, uint32_t dtype,
                        const std::vector<uint64_t>& slots, uint64_t ids_at, uint64_t w_at, uint64_t out_at,
-                       int64_t wait_us, int64_t spin_us) {
+                       uint64_t def_at, int64_t wait_us, int64_t spin_us) {
              auto [p, n] = writable(region);
              MOE_CHECK(slots.size() == size_t(ring::REQ_SLOTS), "ring client: one data block per request slot");
-             RingClient c{p, n, step, posted, consumed, dtype, {}, ids_at, w_at, out_at, wait_us, spin_us};
+             RingClient c{p, n, step, posted, consumed, dtype, {}, ids_at, w_at, out_at, def_at, wait_us, spin_us, {}, {}};
              for (int i = 0; i < ring::REQ_SLOTS; ++i) {
                MOE_CHECK(slots[i] >= ring::DATA_START && slots[i] % ring::SPAN_ALIGN == 0 && slots[i] <= n,
                          "ring client: a data block outside the region");
@@ -620,8 +620,15 @@ PYBIND11_MODULE(_native, m) {
              return BoundRingClient{c, region};
            }),
            py::arg("region"), py::arg("step"), py::arg("posted"), py::arg("consumed"), py::arg("dtype"),
-           py::arg("slots"), py::arg("ids_at"), py::arg("w_at"), py::arg("out_at"), py::arg("wait_us"),
-           py::arg("spin_us"))
+           py::arg("slots"), py::arg("ids_at"), py::arg("w_at"), py::arg("out_at"), py::arg("def_at"),
+           py::arg("wait_us"), py::arg("spin_us"))
+      .def_property_readonly("outstanding",
+                             [](const BoundRingClient& r) {
+                               std::vector<std::tuple<uint64_t, int, bool>> out;
+                               for (const Expected& e : r.c.outstanding) out.emplace_back(e.seq, e.layer, e.part != 0);
+                               return out;
+                             },
+                             "the responses still to read, in order: (request seq, layer, deferred)")
       .def_property_readonly("posted", [](const BoundRingClient& r) { return r.c.posted; })
       .def_property_readonly("consumed", [](const BoundRingClient& r) { return r.c.consumed; });
   py::class_<BoundDecodeLoop>(m, "DecodeLoop", "a decode step's layers in one call (native/decode_loop.h)")
@@ -643,7 +650,7 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "run",
           [](const BoundDecodeLoop& l, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t seqs,
-             uintptr_t times, int first, bool waiting, py::object experts) {
+             uintptr_t times, int first, bool waiting, int defer, py::object experts) {
             const std::vector<const MoELayer*>* local = nullptr;
             RingClient* ring = nullptr;
             if (py::isinstance<BoundLocalExperts>(experts))
@@ -658,15 +665,16 @@ PYBIND11_MODULE(_native, m) {
             LoopEnd end;
             {
               py::gil_scoped_release nogil;
-              end = decode_layers(l.blocks, local, ring, first, waiting, B, reinterpret_cast<void*>(h),
+              end = decode_layers(l.blocks, local, ring, first, waiting, defer, B, reinterpret_cast<void*>(h),
                                   reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin), sq.data(),
                                   reinterpret_cast<int64_t*>(times));
             }
             return std::make_tuple(end.layer, end.status, py::bytes(end.msg));
           },
           py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("seqs"), py::arg("times"),
-          py::arg("first"), py::arg("waiting"), py::arg("experts"),
-          "B sequences' new tokens through the layers from `first`: h [B, H] updated in place; seqs int64 [B, 3] "
+          py::arg("first"), py::arg("waiting"), py::arg("defer"), py::arg("experts"),
+          "B sequences' new tokens through the layers from `first`, `defer` experts a token deferred one layer: h "
+          "[B, H] updated in place; seqs int64 [B, 3] "
           "as GqaBlock.run takes them; times int64 [layers, DecodeLoop.times] (decode_loop.h LoopTime); experts: LocalExperts or "
           "RingClient -> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
       .def_property_readonly("layers", [](const BoundDecodeLoop& l) { return l.blocks.size(); })

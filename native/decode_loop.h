@@ -3,6 +3,7 @@
 // process's own kernels) and the residual add, with no Python between the layers.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <vector>
 
@@ -11,22 +12,34 @@
 
 namespace moe {
 
-// The GPU side's end of one ring session as the loop drives it. Requests go into the data block of their slot
-// (the layout is the Python side's, moe_core/shm.py: x at the block's start, then ids, weights, the output);
-// posted / consumed move as the loop posts requests and reads responses.
+// The GPU side's end of one ring session as the loop drives it, for one step. Requests go into the data block of
+// their slot (the layout is the Python side's, moe_core/shm.py: x at the block's start, then ids, weights, the
+// immediate output, the deferred output); posted / consumed move as the loop posts requests and reads responses,
+// and `outstanding` lists the responses still to read, in order, which is also where a wait resumes.
+struct Expected {
+  uint64_t seq;
+  int layer;
+  uint32_t part;  // 0 immediate, 1 deferred
+};
 struct RingClient {
   uint8_t* base;
   size_t size;
   uint64_t step, posted, consumed;
-  uint32_t dtype;                   // the wire code of the hidden rows' dtype
-  uint64_t slot[ring::REQ_SLOTS];   // each request slot's data block
-  uint64_t ids_at, w_at, out_at;    // offsets in a block
-  int64_t wait_us, spin_us;         // one wait's slice (then back to the caller), and how long it spins first
+  uint32_t dtype;                        // the wire code of the hidden rows' dtype
+  uint64_t slot[ring::REQ_SLOTS];        // each request slot's data block
+  uint64_t ids_at, w_at, out_at, def_at; // offsets in a block
+  int64_t wait_us, spin_us;              // one wait's slice (then back to the caller), and how long it spins first
+  std::deque<Expected> outstanding;
+  std::vector<uint8_t> late;             // the previous layer's deferred answer, once read
 };
 
 // Per layer, what the loop measured (wall clock ns, the clock of time.time_ns()): the attention block's end,
-// the request handed over (local experts: computed), the answer added; then the ring's own Timing of it.
-enum LoopTime { ATTENTION_END, SUBMIT_END, WAIT_END, QUEUED_US, COMPUTE_US, EXPERT_START, EXPERT_END, LOOP_TIMES };
+// the request handed over (local experts: computed), the answer added; the ring's own Timing of the immediate part
+// and the start and end of the previous layer's deferred part, read in this layer's wait (0: none, or local).
+enum LoopTime {
+  ATTENTION_END, SUBMIT_END, WAIT_END, QUEUED_US, COMPUTE_US, EXPERT_START, EXPERT_END, LATE_START, LATE_END,
+  LOOP_TIMES
+};
 
 struct LoopEnd {
   int layer;        // where it stopped (the number of layers when done)
@@ -36,9 +49,11 @@ struct LoopEnd {
 
 // B sequences' new tokens through layers first.. of `blocks` (each an MoE layer whose block routes): h [B, H]
 // updated in place. local: per layer the experts to run here (then ring is unused); else the ring's client.
-// waiting: layer `first`'s request is already posted, only its answer is awaited. times [layers][LOOP_TIMES].
+// waiting: layer `first`'s request is already posted, only its answers are awaited. defer: per token, this many
+// lowest-weighted experts of each layer but the last come back apart and are added one layer later (the layer
+// loop's rule). times [layers][LOOP_TIMES].
 LoopEnd decode_layers(const std::vector<GqaBlock>& blocks, const std::vector<const MoELayer*>* local, RingClient* ring,
-                      int first, bool waiting, int B, void* h, const void* cos, const void* sin,
+                      int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
                       const DecodeSeq* seqs, int64_t* times);
 
 }  // namespace moe

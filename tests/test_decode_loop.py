@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import grpc
 import pytest
@@ -29,7 +30,7 @@ from protos import expert_pb2, expert_pb2_grpc
 pytestmark = pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native step runs on the vector kernel paths")
 
 # every layer MoE with a softmax router and no shared experts, heads of a vector kernel's width
-LOOPED = {"qwen3_moe": dict(head_dim=64), "mixtral": dict(head_dim=64)}
+LOOPED = {"qwen3_moe": dict(head_dim=64, num_experts_per_tok=4), "mixtral": dict(head_dim=64)}
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +81,9 @@ def kv_rows(cache, layer, n):
     return [b.clone() for b in cache.gather(layer, n)]
 
 
-def decode_both(model, cfg, experts_mine, experts_ref, n=24, prompt=(5, 17, 300, 41, 7, 99, 12, 3, 250)):
-    """Prompt, then n fed tokens through the loop (mine) and the layer loop (ref): logits and KV rows equal."""
+def decode_both(model, cfg, experts_mine, experts_ref, n=24, prompt=(5, 17, 300, 41, 7, 99, 12, 3, 250), defer=0):
+    """Prompt, then n fed tokens through the loop (mine) and the layer loop (ref), `defer` experts a token
+    deferred: logits and KV rows equal."""
     prompt = torch.tensor(prompt)
     feed = torch.randint(2, tiny_models.VOCAB, (n,), generator=torch.Generator().manual_seed(1))
     mine, ref = model.new_cache(), model.new_cache()
@@ -89,8 +91,8 @@ def decode_both(model, cfg, experts_mine, experts_ref, n=24, prompt=(5, 17, 300,
     model.forward([Segment(ref, prompt, 0)], experts_ref)
     pos = len(prompt)
     for tok in feed:  # across block boundaries (16 positions a block)
-        got = step(model, experts_mine, [Segment(mine, tok[None], pos)], True)
-        want = step(model, experts_ref, [Segment(ref, tok[None], pos)], False)
+        got = step(model, experts_mine, [Segment(mine, tok[None], pos)], True, defer=defer)
+        want = step(model, experts_ref, [Segment(ref, tok[None], pos)], False, defer=defer)
         assert torch.equal(got, want), f"position {pos}"
         pos += 1
     for layer in range(cfg.num_layers):
@@ -108,6 +110,25 @@ def test_local_experts_the_layer_loop_bit_for_bit(ckpts, family, dtype, fmt, exp
     decode_both(model, cfg, mine, ref)
     assert mine.loops == 24 and mine.submits == cfg.num_layers  # the prompt only
     assert ref.loops == 0 and ref.submits == 25 * cfg.num_layers
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("most", [False, True], ids=["one", "all-but-one"])
+def test_deferral_as_the_layer_loop_defers(ckpts, dtype, most):
+    """Each layer's `defer` lowest-weighted experts added one layer later (the last layer's at once): the layer
+    loop's logits bit for bit, and deferral did change them."""
+    cfg, model, layers = load(ckpts["qwen3_moe"], dtype)
+    defer = cfg.top_k - 1 if most else 1
+    mine, ref = Counting(layers), Counting(layers)
+    decode_both(model, cfg, mine, ref, n=12, defer=defer)
+    assert mine.loops == 12 and ref.loops == 0
+    c0, c1 = model.new_cache(), model.new_cache()
+    prompt = torch.tensor([5, 17, 300, 41])
+    model.forward([Segment(c0, prompt, 0)], mine)
+    model.forward([Segment(c1, prompt, 0)], mine)
+    tok = torch.tensor([9])
+    assert not torch.equal(model.forward([Segment(c0, tok, 4)], mine, defer=defer),
+                           model.forward([Segment(c1, tok, 4)], mine))
 
 
 def test_several_sequences_in_one_step(ckpts):
@@ -148,14 +169,15 @@ def test_spans_cover_every_layer_in_order(ckpts):
 
 
 def test_what_it_leaves_to_the_layer_loop(ckpts):
-    """Deferral, a prompt, experts without native kernels (torch's fp32 operator) and a model with shared
-    experts take the layer loop; their tokens are unchanged (the other tests compare them)."""
+    """Skipped (not deferred) experts, deferral in some layers only (the accuracy harness's), a prompt, experts
+    without native kernels (torch's fp32 operator) and a model with shared experts take the layer loop."""
     cfg, model, layers = load(ckpts["qwen3_moe"])
     experts = Counting(layers)
     c = model.new_cache()
     model.forward([Segment(c, torch.tensor([4, 5, 6, 7]), 0)], experts)  # a prompt
-    model.forward([Segment(c, torch.tensor([8]), 4)], experts, defer=1)   # deferral
-    assert experts.loops == 0 and experts.submits == 2 * cfg.num_layers
+    model.forward([Segment(c, torch.tensor([8]), 4)], experts, defer=1, skip=True)
+    model.forward([Segment(c, torch.tensor([8]), 4)], experts, defer=1, defer_layers=range(1))
+    assert experts.loops == 0 and experts.submits == 3 * cfg.num_layers
     torch_ops = Counting(load_expert_layers(cfg, Checkpoint(ckpts["qwen3_moe"]), "fp32", 1))
     model.forward([Segment(c, torch.tensor([9]), 5)], torch_ops)
     assert torch_ops.loops == 0 and torch_ops.submits == cfg.num_layers
@@ -180,6 +202,11 @@ def test_non_finite_rows_are_refused_and_the_next_step_runs(ckpts):
     finally:
         emb[7] = keep
     assert torch.isfinite(model.forward([Segment(c, torch.tensor([7]), 3)], experts)).all()
+
+
+def layers_of(ckpts, family="qwen3_moe", fmt="bf16"):
+    d = ckpts[family]
+    return load_expert_layers(load_config(d), Checkpoint(d), fmt, 1)
 
 
 # -- behind the ring of a real expert service ---------------------------------------------------------
@@ -209,16 +236,39 @@ def test_through_the_ring_as_the_layer_loop_and_local_kernels(ckpts, service):
     """The loop over the ring: the layer loop's logits over the same ring, and the local kernels' (the expert
     service runs the same bf16 kernels); the ring's counters stay true and every layer's timing comes back."""
     s, connect = service
-    cfg, model, layers = load(ckpts["qwen3_moe"])
+    cfg, model, _ = load(ckpts["qwen3_moe"])
     remote = connect()
     ran, through = [], remote.decode_layers
     remote.decode_layers = lambda *a: ran.append(through(*a)) or ran[-1]
     decode_both(model, cfg, remote, remote, n=20)
     assert ran == [True] * 20
     assert remote.shm.posted == remote.shm.consumed == (2 + 2 * 20) * cfg.num_layers and not remote.shm.expect
-    timings = remote.drain_timings()
-    assert len(timings) == remote.shm.posted and all(t.timing.end_unix_ns >= t.timing.start_unix_ns for t in timings)
-    decode_both(model, cfg, remote, Counting(layers), n=8)
+    assert len(remote.drain_timings()) == (2 + 20) * cfg.num_layers  # the layer loop's; the loop's are in its record
+    c = model.new_cache()
+    model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], remote)
+    records, spans = [], []
+    model.forward([Segment(c, torch.tensor([7]), 3)], remote, spans=spans, records=records)
+    t = records[0].times
+    assert t.shape == (cfg.num_layers, decode_loop.TIMES) and not [s for s in spans if s.layer >= 0]
+    assert (t[:, decode_loop.EXPERT_START] > t[:, decode_loop.SUBMIT_END] - 10**9).all()  # the expert side's clock
+    assert (t[:, decode_loop.EXPERT_END] >= t[:, decode_loop.EXPERT_START]).all()
+    assert (t[:, decode_loop.WAIT_END] >= t[:, decode_loop.EXPERT_END] - 10**6).all()
+    fig = decode_loop.figures(records)
+    assert fig.layers.tolist() == list(range(cfg.num_layers)) and (fig.waits >= 0).all()
+    assert len(fig.immediate) == len(fig.overhead) == cfg.num_layers and (fig.overhead >= 0).all()
+    assert len(fig.deferred) == 0
+    profiled = decode_loop.spans_of(records[0])
+    assert [s.name for s in profiled if s.layer == 0] == ["attention", "router", "expert_submit", "expert_wait",
+                                                          "experts_immediate"]
+    decode_both(model, cfg, remote, Counting(layers_of(ckpts)), n=8)
+    decode_both(model, cfg, remote, remote, n=8, defer=2)  # the previous layer's deferred part read first
+    assert remote.shm.consumed - remote.shm.posted == 2 * 8 * (cfg.num_layers - 1) and not remote.shm.expect
+    c = model.new_cache()
+    model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], remote)
+    spans = []
+    model.forward([Segment(c, torch.tensor([7]), 3)], remote, spans=spans, defer=2)
+    deferred = [s.layer for s in spans if s.name == "experts_deferred"]
+    assert deferred == list(range(cfg.num_layers - 1))
 
 
 @needs_shm
@@ -229,6 +279,7 @@ def test_a_stopped_service_times_out_and_a_dead_one_fails_fast(ckpts, service):
     c = model.new_cache()
     model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], remote)
     os.kill(s.expert.pid, signal.SIGSTOP)
+    stopped(s.expert.pid)
     try:
         with pytest.raises(ExpertServiceError, match="did not answer layer 0 within") as e:
             model.forward([Segment(c, torch.tensor([7]), 3)], remote)
@@ -243,6 +294,20 @@ def test_a_stopped_service_times_out_and_a_dead_one_fails_fast(ckpts, service):
     with pytest.raises(ExpertServiceError) as e:
         model.forward([Segment(c, torch.tensor([8]), 4)], remote)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def stopped(pid: int, within_s: float = 10.0) -> None:
+    """Wait until a SIGSTOP has taken: the signal is delivered asynchronously, and the service may answer a few
+    requests meanwhile."""
+    def states():
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                yield f.read().rsplit(")", 1)[1].split()[0]
+
+    until = time.monotonic() + within_s
+    while any(st != "T" for st in states()):  # every thread of it
+        assert time.monotonic() < until, "the process did not stop"
+        time.sleep(0.01)
 
 
 def test_build_needs_every_layer_routed(ckpts):
