@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import time
 
-from common import cpu_name
+from common import cpu_name, synth_model
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,11 +64,9 @@ def main() -> None:
     work = a.work or pathlib.Path(tempfile.mkdtemp(prefix="bench-loop-"))
     model_dir = a.model
     if a.synth:
-        import synth_checkpoint
         model_dir = work / "model"
         if not (model_dir / "config.json").exists():
-            synth_checkpoint.write(synth_checkpoint.config_of(a.synth, a.layers, {"vocab_size": a.vocab} if a.vocab
-                                                              else {}), model_dir, std=0.02, seed=0, shard_mb=4096)
+            synth_model(a.synth, a.layers, model_dir, {"vocab_size": a.vocab} if a.vocab else {}, shard_mb=4096)
     native.init_pool(a.threads)
     torch.set_num_threads(a.threads)
     cfg, ckpt = load_config(model_dir), Checkpoint(model_dir)

@@ -7,7 +7,6 @@
 // (the ring client's `outstanding` says where to resume): nothing here blocks longer than a slice.
 #include "decode_loop.h"
 
-#include <chrono>
 #include <mutex>
 #include <stdexcept>
 #include <utility>
@@ -20,11 +19,6 @@ namespace moe {
 namespace {
 
 using namespace rounding;
-
-int64_t wall_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 struct LoopScratch {  // per calling thread: the local path's request, its answers, the answer read back
   std::vector<uint8_t> x, y, late, late_next;

@@ -2,7 +2,6 @@
 // this loop does not handle goes back to Python, which answers it (errors included) the same way.
 #include "ring.h"
 
-#include <chrono>
 #include <cstring>
 
 #include "common.h"
@@ -11,11 +10,6 @@
 namespace moe {
 
 using namespace ring;
-
-static int64_t wall_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 static std::atomic<uint32_t>* word(uint8_t* base, size_t off) {
   return reinterpret_cast<std::atomic<uint32_t>*>(base + off);

@@ -2,6 +2,7 @@
 // ring_layout() by the tests): the expert side's serving loop and the GPU side's submit / result.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -46,6 +47,12 @@ inline size_t resp_desc(uint64_t j) {
   return DESC_START + REQ_SLOTS * REQ_DESC_SIZE + (j % RESP_SLOTS) * RESP_DESC_SIZE;
 }
 }  // namespace ring
+
+// Wall-clock ns, the clock of Python's time.time_ns(): the timings both ends of the ring report.
+inline int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 // What one serve() call ends with (the Python side's ServeKind).
 enum class Served { Idle = 0, Closed = 1, ForPython = 2 };
