@@ -3,9 +3,10 @@
 torch op between the layers. Where the torch path (Model.forward's layer loop, the reference: the same tokens bit
 for bit) costs ~15 ops and their Python a layer, this is one call a token.
 
-It applies to a model whose every layer is an MoE layer with a native routing block and no shared experts
-(Qwen3-MoE, Mixtral), to decode steps with or without deferral (not the accuracy harness's skipping), and to
-experts that can run it: the shared-memory ring to one expert service (RemoteExperts) and in-process native kernels
+It applies to a model whose every layer's attention block is native, dense layers first (their MLP native) and MoE
+layers after them routing natively (softmax routers: Qwen3-MoE, Mixtral, Qwen2-MoE; sigmoid ones: GLM-4.5), with
+their shared experts native where the model has them (run while the expert service computes), to decode steps
+with or without deferral (not the accuracy harness's skipping), and to experts that can run it: the shared-memory ring to one expert service (RemoteExperts) and in-process native kernels
 (LocalExperts); anything else takes the layer loop.
 
 The experts drive it (`decode_layers(run, step, times, T, H, dtype, k)` on the Experts object): they supply the
@@ -24,7 +25,8 @@ from .experts import Span
 from .kv_pool import BLOCK, KVPool
 
 TIMES = native.DecodeLoop.times  # int64s a layer in the times array (native/decode_loop.h LoopTime)
-ATTENTION_END, SUBMIT_END, WAIT_END, QUEUED_US, COMPUTE_US, EXPERT_START, EXPERT_END, LATE_START, LATE_END = range(9)
+(ATTENTION_END, SUBMIT_END, WAIT_END, QUEUED_US, COMPUTE_US, EXPERT_START, EXPERT_END, LATE_START, LATE_END,
+ MLP_END) = range(10)
 
 
 class Record(NamedTuple):
@@ -44,16 +46,22 @@ class Figures(NamedTuple):
     overhead: np.ndarray   # each reported layer's round trip (submit to answer) less its immediate compute
 
 
-def build(cfg: ModelConfig, blocks: dict, pool: KVPool) -> native.DecodeLoop | None:
-    """The loop over every layer's block bound to its layer of `pool`; None when the model does not fit it."""
-    if cfg.shared_intermediate_size or len(blocks) != cfg.num_layers or \
-            not all(cfg.is_moe_layer(L) and blocks[L].routes for L in range(cfg.num_layers)):
+def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool) -> native.DecodeLoop | None:
+    """The loop over every layer's block (and MLP) bound to its layer of `pool`; None when the model does not fit
+    it: every layer's block native, the dense layers (each with its native MLP) before the MoE layers (each
+    routing natively, with its native shared experts where the model has them)."""
+    n = cfg.num_layers
+    moe = [cfg.is_moe_layer(L) for L in range(n)]
+    if len(blocks) != n or not moe[-1] or any(a and not b for a, b in zip(moe, moe[1:])):
         return None
-    K = [pool.bufs[L][0] for L in range(cfg.num_layers)]
-    V = [pool.bufs[L][1] for L in range(cfg.num_layers)]
-    return native.DecodeLoop([blocks[L] for L in range(cfg.num_layers)], [t.data_ptr() for t in K],
-                             [t.data_ptr() for t in V], K[0].stride(0), K[0].stride(1), BLOCK.bit_length() - 1,
-                             owner=(blocks, pool))
+    for L in range(n):
+        if (blocks[L].routes != moe[L]) or ((not moe[L] or cfg.shared_intermediate_size) and L not in mlps):
+            return None
+    K = [pool.bufs[L][0] for L in range(n)]
+    V = [pool.bufs[L][1] for L in range(n)]
+    return native.DecodeLoop([blocks[L] for L in range(n)], [mlps.get(L) for L in range(n)],
+                             [t.data_ptr() for t in K], [t.data_ptr() for t in V], K[0].stride(0), K[0].stride(1),
+                             BLOCK.bit_length() - 1, owner=(blocks, mlps, pool))
 
 
 def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -83,13 +91,21 @@ def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, cos: torch
 
 
 def spans_of(rec: Record) -> list[Span]:
-    """A run's spans for the profile: per layer the GPU side's attention (the block), router (in the block: empty),
-    expert_submit and expert_wait, one after the other; and the expert service's compute where it reported one."""
+    """A run's spans for the profile: per MoE layer the GPU side's attention (the block), router (in the block:
+    empty), expert_submit, shared_experts (where the model has them) and expert_wait, one after the other, and
+    the expert service's compute where it reported one; per dense layer its attention and dense_mlp."""
     out, t, step = [], rec.start_ns, rec.step
     for L, row in enumerate(rec.times.tolist()):
-        a, s, w = row[ATTENTION_END], row[SUBMIT_END], row[WAIT_END]
-        out += (Span("attention", "gpu", L, step, t, a), Span("router", "gpu", L, step, a, a),
-                Span("expert_submit", "gpu", L, step, a, s), Span("expert_wait", "gpu", L, step, s, w))
+        a, s, w, m = row[ATTENTION_END], row[SUBMIT_END], row[WAIT_END], row[MLP_END]
+        out.append(Span("attention", "gpu", L, step, t, a))
+        if not s:  # a dense layer
+            out.append(Span("dense_mlp", "gpu", L, step, a, m))
+            t = m
+            continue
+        out += (Span("router", "gpu", L, step, a, a), Span("expert_submit", "gpu", L, step, a, s))
+        if m:
+            out.append(Span("shared_experts", "gpu", L, step, s, m))
+        out.append(Span("expert_wait", "gpu", L, step, m or s, w))
         if row[EXPERT_END]:
             out.append(Span("experts_immediate", "expert", L, step, row[EXPERT_START], row[EXPERT_END]))
         if row[LATE_END]:  # the previous layer's deferred part, read in this layer's wait
@@ -105,7 +121,9 @@ def figures(recs: list[Record]) -> Figures:
         return Figures(z, z, z, z, z)
     t = np.concatenate([r.times.numpy() for r in recs])
     layers = np.concatenate([np.arange(r.times.shape[0]) for r in recs])
-    waits = t[:, WAIT_END] - t[:, SUBMIT_END]
+    moe = t[:, SUBMIT_END] != 0  # (a dense layer waits for nothing)
+    t, layers = t[moe], layers[moe]
+    waits = t[:, WAIT_END] - np.maximum(t[:, SUBMIT_END], t[:, MLP_END])  # from the shared experts' end
     remote, late = t[:, EXPERT_END] != 0, t[:, LATE_END] != 0
     immediate = t[remote, EXPERT_END] - t[remote, EXPERT_START]
     return Figures(layers, waits, immediate, t[late, LATE_END] - t[late, LATE_START],

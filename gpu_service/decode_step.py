@@ -17,6 +17,7 @@ from moe_kernels.dense import NativeLinear
 
 from .attention import QKV
 from .kv_pool import BLOCK, KVPool, SeqCache
+from .layers import GATE_UP
 
 
 def eligible(cfg: ModelConfig, dtype: torch.dtype, native_dense: bool) -> bool:
@@ -46,26 +47,70 @@ def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) ->
         if any(t is not None and (t.dtype != dtype or not t.is_contiguous()) for t in held):
             continue
         ptr = [t.data_ptr() if t is not None else 0 for t in held]
-        gate = _router(cfg, W, layer)
+        router = _router(cfg, W, layer)
         out[layer] = native.GqaBlock(
             ISA, dtype == torch.bfloat16, qkv.native, o.native, *ptr[:2], *(ptr[2:4] if cfg.qk_norm else (0, 0)),
             *ptr[4:], H=cfg.hidden_size, nh=cfg.num_heads, nkv=cfg.num_kv_heads, d=cfg.head_dim,
-            rot=cfg.rotary_dim or cfg.head_dim, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, gate=gate.native if gate else None, top_k=cfg.top_k,
-            norm_topk=bool(cfg.norm_topk_prob), round_w=cfg.model_type != "mixtral", owner=(qkv, o, held, gate))
+            rot=cfg.rotary_dim or cfg.head_dim, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, top_k=cfg.top_k,
+            norm_topk=bool(cfg.norm_topk_prob), round_w=cfg.model_type != "mixtral",
+            owner=(qkv, o, held, router), **router)
     return out
 
 
-def _router(cfg: ModelConfig, W: dict, layer: int) -> NativeLinear | None:
-    """An MoE layer's softmax router (Qwen-MoE, Mixtral: layers.route's last branch) packed for the native kernels,
-    which the step then runs too; None: route() runs it (other scorings, biases, dense layers)."""
-    if not cfg.is_moe_layer(layer) or cfg.scoring != "softmax" or cfg.model_type == "deepseek_v2":
-        return None
+def _router(cfg: ModelConfig, W: dict, layer: int) -> dict:
+    """An MoE layer's router as the native step runs it (GqaBlock's keywords), {} where route() runs it (other
+    scorings, biases, dense layers): a softmax router (Qwen-MoE, Mixtral: layers.route's last branch) packed for the
+    native kernels, or a sigmoid one (GLM-4.5: its fp32 weight and correction bias as loaded, group-limited)."""
+    if not cfg.is_moe_layer(layer):
+        return {}
     fp = f"model.layers.{layer}.{cfg.ffn_prefix}."
     rp = fp + cfg.router_name + "."
-    if any(n in W for n in (rp + "bias", rp + "e_score_correction_bias", fp + "e_score_correction_bias")):
-        return None
     gate = W.get(rp + "weight")
-    return gate if isinstance(gate, NativeLinear) else None
+    bias = W.get(rp + "e_score_correction_bias", W.get(fp + "e_score_correction_bias"))
+    if cfg.scoring == "sigmoid":  # fp32 weights only (MiniMax-M2's router is in the model dtype: route() runs it)
+        E = cfg.n_routed_experts
+        if not (_fp32(gate, (E, cfg.hidden_size)) and (bias is None or _fp32(bias, (E,)))) or rp + "bias" in W:
+            return {}
+        return dict(sig_w=gate.data_ptr(), sig_bias=bias.data_ptr() if bias is not None else 0, E=E,
+                    n_group=cfg.n_group, topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor)
+    if cfg.scoring != "softmax" or cfg.model_type == "deepseek_v2" or bias is not None or rp + "bias" in W:
+        return {}
+    return dict(gate=gate.native) if isinstance(gate, NativeLinear) else {}
+
+
+def _fp32(t, shape: tuple) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == shape and t.is_contiguous() \
+        and t.device.type == "cpu"
+
+
+def mlps(cfg: ModelConfig, W: dict, dtype: torch.dtype, blocks: dict) -> dict:
+    """layer -> native.Mlp for each layer whose block the native step runs and whose dense MLP (a dense layer) or
+    shared experts (an MoE layer) are packed for the native kernels (gate and up fused); the decode steps run them
+    natively (decode_mlp.cpp) in the layer loop and the decode loop alike."""
+    out = {}
+    for layer in blocks:
+        ffn = fp = f"model.layers.{layer}.{cfg.ffn_prefix}."
+        gated = cfg.is_moe_layer(layer) and cfg.shared_expert_gate  # Qwen2-MoE's gate on its shared expert
+        if cfg.is_moe_layer(layer):
+            if not cfg.shared_intermediate_size:
+                continue
+            fp += "shared_expert." if cfg.shared_expert_gate else "shared_experts."
+        gate_up, down = W.get(fp + GATE_UP), W.get(fp + "down_proj.weight")
+        if not (isinstance(gate_up, NativeLinear) and isinstance(down, NativeLinear)):
+            continue
+        gate = W.get(ffn + "shared_expert_gate.weight") if gated else None
+        if gated and not isinstance(gate, NativeLinear):
+            continue
+        out[layer] = native.Mlp(dtype == torch.bfloat16, gate_up.native, down.native, gate.native if gated else None,
+                                owner=(gate_up, down, gate))
+    return out
+
+
+def mlp(m, x: torch.Tensor) -> torch.Tensor:
+    """A native MLP of decode rows x [B, H] (the model dtype) -> [B, H]."""
+    y = torch.empty_like(x)
+    m.forward(x.shape[0], x.data_ptr(), y.data_ptr())
+    return y
 
 
 def sequences(caches: list[SeqCache], starts: list[int]) -> torch.Tensor:

@@ -100,10 +100,10 @@ class LocalExperts:
         """The decode loop's experts here: every layer's native kernels (bf16 or fp32 rows in and out, as the
         expert service's ring computes them)."""
         if self._native is None:
-            ops = [self.layers.get(L) for L in range(times.shape[0])]
-            if all(hasattr(op, "native") for op in ops):
+            ops = [self.layers.get(L) for L in range(times.shape[0])]  # None: a dense layer
+            if all(op is None or hasattr(op, "native") for op in ops):
                 from moe_kernels import native
-                self._native = native.LocalExperts([op.native for op in ops], owner=ops)
+                self._native = native.LocalExperts([op and op.native for op in ops], owner=ops)
             else:
                 self._native = False
         if not self._native:

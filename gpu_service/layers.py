@@ -38,6 +38,9 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     return y if b is None else y + b
 
 
+GATE_UP = "gate_up_proj.weight"  # an MLP's gate and up projections fused into one packed matrix (gate rows first)
+
+
 def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 

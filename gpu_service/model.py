@@ -28,7 +28,8 @@ from .attention import QKV, gqa_attention, mla_attention
 from .experts import Experts, Span
 from .kv_pool import BLOCK, KVPool, SeqCache
 from .linear_attention import gated_deltanet
-from .layers import linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale, swiglu
+from .layers import (GATE_UP, linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale,
+                     swiglu)
 
 log = logging.getLogger("gpu_service.model")
 
@@ -54,7 +55,6 @@ DENSE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_
                    r"|in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.weight$")
 
 
-GATE_UP = "gate_up_proj.weight"
 # weights that share their input, packed as one matrix for the native kernels (one call instead of
 # several): GQA's q/k/v, and gate/up of dense MLPs and shared experts; rows in this order
 FUSED = {QKV: ("q_proj", "k_proj", "v_proj"), GATE_UP: ("gate_proj", "up_proj")}
@@ -91,10 +91,11 @@ class Model:
                 continue  # multi-token-prediction layers (DeepSeek-V3's, Qwen3-Next's mtp.*): not used to decode
             fuse = dense_format and FUSED_PART.search(name) and not (cfg.attention == "mla" and "self_attn" in name)
             pack = dense_format and (DENSE.search(name) or name == "lm_head.weight")
-            # the router in bf16 whatever dense_format says: its logits round to bf16 as torch's bf16
-            # matmul's do (sums in fp32 both), where torch's bf16 matrix-vector product is slow on a CPU
+            # the router (and Qwen2-MoE's shared expert gate) in bf16 whatever dense_format says: its logits round
+            # to bf16 as torch's bf16 matmul's do (sums in fp32 both), where torch's bf16 matrix-vector product is
+            # slow on a CPU
             router = dense_format and packs_router(cfg) and name.endswith(f".{cfg.router_name}.weight") and \
-                cfg.is_moe_layer(int(name.split(".")[2]))
+                cfg.is_moe_layer(int(name.split(".")[2])) or dense_format and name.endswith(".shared_expert_gate.weight")
             # an FP8 weight is dequantized straight to what it becomes (bf16 packing keeps bf16: the same
             # bits as rounding later; int formats quantize from fp32), never a whole fp32 copy beside it
             want = ((torch.bfloat16 if dense_format in ("bf16", "fp8") else torch.float32) if fuse or pack
@@ -135,6 +136,8 @@ class Model:
         # decode steps' attention blocks as one native call each where the layers allow (decode_step.py)
         self.decode_blocks = decode_step.blocks(cfg, self.W, dtype, self.native_attention) \
             if os.environ.get("MOE_DECODE_STEP") != "torch" else {}
+        # and their dense MLPs / shared experts (the same numbers in the layer loop and the decode loop)
+        self.decode_mlps = decode_step.mlps(cfg, self.W, dtype, self.decode_blocks)
         self._loop: tuple | None = None  # (pool, its native decode loop or None): decode_loop.build
         self.kv: KVPool | None = None
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
@@ -210,14 +213,14 @@ class Model:
             return None
         if cfg.shared_expert_gate:  # Qwen2-MoE
             s = self._mlp(p + "shared_expert.", x)
-            return F.sigmoid(F.linear(x, W[p + "shared_expert_gate.weight"])) * s
+            return F.sigmoid(linear(x, W[p + "shared_expert_gate.weight"])) * s
         return self._mlp(p + "shared_experts.", x)
 
     def _decode_loop(self, pool: KVPool):
         """The native loop over every layer (decode_loop.py) on `pool`'s layers, None where the model does not fit
         it; built once per pool."""
         if self._loop is None or self._loop[0] is not pool:
-            self._loop = (pool, decode_loop.build(self.cfg, self.decode_blocks, pool)
+            self._loop = (pool, decode_loop.build(self.cfg, self.decode_blocks, self.decode_mlps, pool)
                           if os.environ.get("MOE_DECODE_LOOP") != "off" else None)
         return self._loop[1]
 
@@ -295,8 +298,9 @@ class Model:
                 x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset,
                              self.native_attention)
             fp = p + cfg.ffn_prefix + "."
+            mlp = self.decode_mlps.get(L) if native_seqs is not None else None  # a decode step's native MLP
             if not cfg.is_moe_layer(L):
-                h = h + self._mlp(fp, x)
+                h = h + (decode_step.mlp(mlp, x) if mlp else self._mlp(fp, x))
                 t = mark("dense_mlp", L, t)
                 continue
             rp = fp + cfg.router_name + "."  # the bias: gpt-oss's router's own, or DeepSeek's choice-only one
@@ -309,7 +313,7 @@ class Model:
             t = mark("router", L, t)  # the post-attention norm and the routing
             experts.submit(step, L, x, ids, w, d)
             t = mark("expert_submit", L, t)  # the request handed over (wire bytes or the ring, its doorbell)
-            shared = self._shared(fp, x)                 # overlaps the expert service's work
+            shared = decode_step.mlp(mlp, x) if mlp else self._shared(fp, x)  # overlaps the expert service's work
             t = mark("shared_experts", L, t)
             # results arrive in request order: the previous layer's DEFERRED before this IMMEDIATE
             late = experts.result(pending, deferred=True) if pending is not None else None

@@ -105,8 +105,12 @@ struct BoundGqaBlock {
   GqaBlock g;
   py::object owner;
 };
-struct BoundDecodeLoop {  // the blocks with their layers of the KV pool bound
-  std::vector<GqaBlock> blocks;
+struct BoundMlp {
+  Mlp m;
+  py::object owner;
+};
+struct BoundDecodeLoop {  // the blocks with their layers of the KV pool bound, and the MLPs
+  std::vector<LoopLayer> layers;
   py::object owner;
 };
 struct BoundLocalExperts {  // per layer, the experts the decode loop runs in this process
@@ -363,6 +367,16 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("logits"), py::arg("B"), py::arg("E"), py::arg("k"), py::arg("norm_topk"), py::arg("round_bf16"),
       py::arg("ids"), py::arg("weights"), "the softmax router's top-k choice (native/decode_step.cpp)");
+  m.def(
+      "sigmoid_topk",
+      [](uintptr_t logits, uintptr_t bias, int B, int E, int k, int n_group, int topk_group, bool norm_topk,
+         float scaling, uintptr_t ids, uintptr_t weights) {
+        sigmoid_topk(reinterpret_cast<const float*>(logits), reinterpret_cast<const float*>(bias), B, E, k, n_group,
+                     topk_group, norm_topk, scaling, reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(weights));
+      },
+      py::arg("logits"), py::arg("bias"), py::arg("B"), py::arg("E"), py::arg("k"), py::arg("n_group"),
+      py::arg("topk_group"), py::arg("norm_topk"), py::arg("scaling"), py::arg("ids"), py::arg("weights"),
+      "the sigmoid router's top-k choice (bias 0: none; native/decode_step.cpp)");
   // small enough to run with the GIL held: no pool, no lock
   m.def(
       "rms_norm",
@@ -549,12 +563,19 @@ PYBIND11_MODULE(_native, m) {
                        uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t q_bias,
                        uintptr_t k_bias, uintptr_t v_bias, uintptr_t o_bias, int H, int nh, int nkv, int d, int rot,
                        float eps, float scale, py::object gate, int top_k, bool norm_topk, bool round_w,
+                       uintptr_t sig_w, uintptr_t sig_bias, int E, int n_group, int topk_group, float scaling,
                        py::object owner) {
              GqaBlock g{};
+             MOE_CHECK(gate.is_none() || !sig_w, "decode block: one router, softmax (gate) or sigmoid (sig_w)");
              if (!gate.is_none()) {
                const BoundLinear& r = gate.cast<const BoundLinear&>();
-               g.gate_k = r.k, g.gate = r.m, g.top_k = top_k, g.norm_topk = norm_topk, g.round_w = round_w;
+               g.gate_k = r.k, g.gate = r.m;
              }
+             if (sig_w) {
+               g.sig_w = reinterpret_cast<const float*>(sig_w), g.sig_bias = reinterpret_cast<const float*>(sig_bias);
+               g.E = E, g.n_group = n_group, g.topk_group = topk_group, g.scaling = scaling;
+             }
+             g.top_k = top_k, g.norm_topk = norm_topk, g.round_w = round_w;
              g.isa = kernel_isa(isa);
              g.bf16 = bf16;
              g.qkv_k = qkv.k;
@@ -571,8 +592,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("q_norm"), py::arg("k_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"),
            py::arg("o_bias"), py::arg("H"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("rot"), py::arg("eps"),
            py::arg("scale"), py::arg("gate") = py::none(), py::arg("top_k") = 0, py::arg("norm_topk") = false,
-           py::arg("round_w") = false, py::arg("owner") = py::none())
-      .def_property_readonly("routes", [](const BoundGqaBlock& b) { return b.g.gate_k != nullptr; })
+           py::arg("round_w") = false, py::arg("sig_w") = 0, py::arg("sig_bias") = 0, py::arg("E") = 0,
+           py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.f, py::arg("owner") = py::none())
+      .def_property_readonly("routes", [](const BoundGqaBlock& b) { return b.g.routes(); })
       .def(
           "run",
           [](const BoundGqaBlock& b, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t K, uintptr_t V,
@@ -598,13 +620,39 @@ PYBIND11_MODULE(_native, m) {
           py::arg("weights") = 0,
           "B sequences' decode step of the block: h [B, H] updated in place, x_out [B, H] its post-attention norm; "
           "seqs int64 [B, 3] (block table address, position, first consecutive block or -1)");
+  py::class_<BoundMlp>(m, "Mlp", "a SwiGLU MLP's decode rows (a dense layer, shared experts; native/decode_mlp.cpp)")
+      .def(py::init([](bool bf16, const BoundLinear& gate_up, const BoundLinear& down, py::object gate,
+                       py::object owner) {
+             Mlp m{bf16, gate_up.k, gate_up.m, down.k, down.m, nullptr, {}};
+             if (!gate.is_none()) {
+               const BoundLinear& g = gate.cast<const BoundLinear&>();
+               m.gate_k = g.k, m.gate = g.m;
+             }
+             MOE_CHECK(m.gate_up.rows == 2 * m.down.K && m.down.rows == m.gate_up.K &&
+                           (!m.gate_k || (m.gate.rows == 1 && m.gate.K == m.gate_up.K)),
+                       "mlp: gate/up, down and the gate do not fit each other");
+             return BoundMlp{m, std::move(owner)};
+           }),
+           py::arg("bf16"), py::arg("gate_up"), py::arg("down"), py::arg("gate") = py::none(),
+           py::arg("owner") = py::none())
+      .def(
+          "forward",
+          [](const BoundMlp& b, int B, uintptr_t x, uintptr_t y) {
+            py::gil_scoped_release nogil;
+            std::lock_guard<std::mutex> lk(compute_mutex());
+            mlp_forward(b.m, B, reinterpret_cast<const void*>(x), reinterpret_cast<void*>(y));
+            release_scratch();
+          },
+          py::arg("B"), py::arg("x"), py::arg("y"), "x [B, H] -> y [B, H], both in the model dtype");
   py::class_<BoundLocalExperts>(m, "LocalExperts", "the decode loop's experts run in this process, one MoELayer a layer")
-      .def(py::init([](const std::vector<const BoundMoELayer*>& layers, py::object owner) {
+      .def(py::init([](const std::vector<py::object>& layers, py::object owner) {
              BoundLocalExperts e{{}, std::move(owner)};
-             for (const BoundMoELayer* l : layers) e.layers.push_back(&l->layer);
+             for (const py::object& l : layers)
+               e.layers.push_back(l.is_none() ? nullptr : &l.cast<const BoundMoELayer&>().layer);
              return e;
            }),
-           py::arg("layers"), py::arg("owner"), "owner: keeps the layers alive");
+           py::arg("layers"), py::arg("owner"), "layers: a MoELayer a layer, None for a dense one; owner: keeps them "
+           "alive");
   py::class_<BoundRingClient>(m, "RingClient", "the GPU side's end of a ring session as the decode loop drives it")
       .def(py::init([](py::buffer region, uint64_t step, uint64_t posted, uint64_t consumed, uint32_t dtype,
                        const std::vector<uint64_t>& slots, uint64_t ids_at, uint64_t w_at, uint64_t out_at,
@@ -632,21 +680,24 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("posted", [](const BoundRingClient& r) { return r.c.posted; })
       .def_property_readonly("consumed", [](const BoundRingClient& r) { return r.c.consumed; });
   py::class_<BoundDecodeLoop>(m, "DecodeLoop", "a decode step's layers in one call (native/decode_loop.h)")
-      .def(py::init([](const std::vector<const BoundGqaBlock*>& blocks, const std::vector<uintptr_t>& K,
-                       const std::vector<uintptr_t>& V, size_t kv_head, size_t kv_block, int block_shift,
-                       py::object owner) {
-             MOE_CHECK(K.size() == blocks.size() && V.size() == blocks.size(), "decode loop: one K and V a layer");
+      .def(py::init([](const std::vector<const BoundGqaBlock*>& blocks, const std::vector<py::object>& mlps,
+                       const std::vector<uintptr_t>& K, const std::vector<uintptr_t>& V, size_t kv_head,
+                       size_t kv_block, int block_shift, py::object owner) {
+             MOE_CHECK(K.size() == blocks.size() && V.size() == blocks.size() && mlps.size() == blocks.size(),
+                       "decode loop: one K, V and MLP (or None) a layer");
              BoundDecodeLoop l{{}, std::move(owner)};
              for (size_t i = 0; i < blocks.size(); ++i) {
                GqaBlock g = blocks[i]->g;
                g.K = reinterpret_cast<void*>(K[i]), g.V = reinterpret_cast<void*>(V[i]);
                g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
-               l.blocks.push_back(g);
+               l.layers.push_back({g, mlps[i].is_none() ? nullptr : &mlps[i].cast<const BoundMlp&>().m});
              }
              return l;
            }),
-           py::arg("blocks"), py::arg("K"), py::arg("V"), py::arg("kv_head"), py::arg("kv_block"),
-           py::arg("block_shift"), py::arg("owner"), "owner: keeps the blocks and the pool alive")
+           py::arg("blocks"), py::arg("mlps"), py::arg("K"), py::arg("V"), py::arg("kv_head"), py::arg("kv_block"),
+           py::arg("block_shift"), py::arg("owner"),
+           "mlps: per layer a dense layer's MLP or the shared experts (Mlp), or None; owner: keeps the blocks, the "
+           "MLPs and the pool alive")
       .def(
           "run",
           [](const BoundDecodeLoop& l, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t seqs,
@@ -665,7 +716,7 @@ PYBIND11_MODULE(_native, m) {
             LoopEnd end;
             {
               py::gil_scoped_release nogil;
-              end = decode_layers(l.blocks, local, ring, first, waiting, defer, B, reinterpret_cast<void*>(h),
+              end = decode_layers(l.layers, local, ring, first, waiting, defer, B, reinterpret_cast<void*>(h),
                                   reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin), sq.data(),
                                   reinterpret_cast<int64_t*>(times));
             }
@@ -677,7 +728,7 @@ PYBIND11_MODULE(_native, m) {
           "[B, H] updated in place; seqs int64 [B, 3] "
           "as GqaBlock.run takes them; times int64 [layers, DecodeLoop.times] (decode_loop.h LoopTime); experts: LocalExperts or "
           "RingClient -> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
-      .def_property_readonly("layers", [](const BoundDecodeLoop& l) { return l.blocks.size(); })
+      .def_property_readonly("layers", [](const BoundDecodeLoop& l) { return l.layers.size(); })
       .def_property_readonly_static("times", [](py::object) { return int(LOOP_TIMES); }, "int64s a layer in times");
   py::class_<BoundLinear>(m, "Linear", "one packed dense [rows, Kp] matrix bound to the kernel path that runs it")
       .def(py::init([](const std::string& isa, const std::string& fmt, int rows, int K, int Kp, const MatrixParts& parts,

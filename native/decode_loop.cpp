@@ -1,7 +1,8 @@
 // See decode_loop.h. Per layer: the attention block (which also routes), the routed experts' request written
 // straight into its ring slot and the doorbell rung (or the local kernels run), the wait for the answers with the
 // ring's spin-then-sleep policy (the previous layer's deferred part first, as they arrive), and h += y (+ the
-// deferred part) rounded as torch's adds in the model dtype. The same operations as the layer loop's
+// deferred part, + the shared experts, run while the expert service computes) rounded as torch's adds in the model
+// dtype; a dense layer adds its MLP. The same operations as the layer loop's
 // (Model.forward) in the same order, so its tokens are that loop's bit for bit (tests/test_decode_loop.py). A wait
 // that outlasts its slice returns to the caller, which checks the session's lifeline and deadline and calls again
 // (the ring client's `outstanding` says where to resume): nothing here blocks longer than a slice.
@@ -21,7 +22,7 @@ namespace {
 using namespace rounding;
 
 struct LoopScratch {  // per calling thread: the local path's request, its answers, the answer read back
-  std::vector<uint8_t> x, y, late, late_next;
+  std::vector<uint8_t> x, y, late, late_next, sh;
   std::vector<int32_t> ids;
   std::vector<float> w;
 };
@@ -31,39 +32,62 @@ void add_rows(T* h, const T* y, size_t n) {
   for (size_t i = 0; i < n; ++i) put(h, i, get(h, i) + get(y, i));
 }
 
-// the layer loop's y = y + late (if any), then h = h + y, each rounded to the model dtype
-void add_answer(bool bf16, void* h, void* y, const void* late, size_t n) {
-  if (bf16) {
-    if (late) add_rows(static_cast<uint16_t*>(y), static_cast<const uint16_t*>(late), n);
-    add_rows(static_cast<uint16_t*>(h), static_cast<const uint16_t*>(y), n);
-  } else {
-    if (late) add_rows(static_cast<float*>(y), static_cast<const float*>(late), n);
-    add_rows(static_cast<float*>(h), static_cast<const float*>(y), n);
-  }
+template <class T>
+void add_answer(T* h, T* y, const T* late, const T* shared, size_t n) {
+  if (late) add_rows(y, late, n);
+  if (shared) add_rows(y, shared, n);
+  add_rows(h, y, n);
+}
+
+// the layer loop's y = y + late (if any), then h = h + (y + shared) (if any), each rounded to the model dtype
+void add_answer(bool bf16, void* h, void* y, const void* late, const void* shared, size_t n) {
+  if (bf16)
+    add_answer(static_cast<uint16_t*>(h), static_cast<uint16_t*>(y), static_cast<const uint16_t*>(late),
+               static_cast<const uint16_t*>(shared), n);
+  else
+    add_answer(static_cast<float*>(h), static_cast<float*>(y), static_cast<const float*>(late),
+               static_cast<const float*>(shared), n);
 }
 
 }  // namespace
 
-LoopEnd decode_layers(const std::vector<GqaBlock>& blocks, const std::vector<const MoELayer*>* local, RingClient* ring,
+LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<const MoELayer*>* local, RingClient* ring,
                       int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
                       const DecodeSeq* seqs, int64_t* times) {
-  const int layers = int(blocks.size());
-  MOE_CHECK(first >= 0 && first <= layers && B > 0 && defer >= 0, "decode loop: bad first layer, batch or defer");
-  MOE_CHECK(local ? local->size() == blocks.size() : ring != nullptr, "decode loop: no experts to run");
+  const int n_layers = int(layers.size());
+  MOE_CHECK(first >= 0 && first <= n_layers && B > 0 && defer >= 0, "decode loop: bad first layer, batch or defer");
+  MOE_CHECK(local ? local->size() == layers.size() : ring != nullptr, "decode loop: no experts to run");
   static thread_local LoopScratch s;
-  for (int L = first; L < layers; ++L) {
-    const GqaBlock& g = blocks[L];
-    MOE_CHECK(g.gate_k != nullptr && g.top_k > 0 && defer < g.top_k, "decode loop: a layer without its router, or "
-              "defer not below its top-k");
-    const int k = g.top_k, d = L + 1 < layers ? defer : 0;
-    const size_t elem = g.bf16 ? 2 : 4, n = size_t(B) * g.H, xn = n * elem, kn = size_t(B) * k * 4;
+  for (int L = first; L < n_layers; ++L) {
+    const GqaBlock& g = layers[L].block;
+    const Mlp* mlp = layers[L].mlp;
+    const size_t elem = g.bf16 ? 2 : 4, n = size_t(B) * g.H, xn = n * elem;
     int64_t* tm = times + size_t(L) * LOOP_TIMES;
-    const void* late = nullptr;  // the previous layer's deferred answer: every layer but the last defers
+    if (!g.routes()) {  // a dense layer: h += its MLP of the block's output
+      MOE_CHECK(mlp && (L == 0 || !layers[L - 1].block.routes()), "decode loop: a dense layer without its MLP, or "
+                "after an MoE layer");
+      s.x.resize(xn), s.sh.resize(xn);
+      std::lock_guard<std::mutex> lk(compute_mutex());
+      gqa_decode_block(g, B, h, cos, sin, seqs, s.x.data());
+      tm[ATTENTION_END] = wall_ns();
+      mlp_forward(*mlp, B, s.x.data(), s.sh.data());
+      tm[MLP_END] = wall_ns();
+      for (int c = SUBMIT_END; c < MLP_END; ++c) tm[c] = 0;
+      add_answer(g.bf16, h, s.sh.data(), nullptr, nullptr, n);
+      continue;
+    }
+    MOE_CHECK(g.top_k > 0 && defer < g.top_k, "decode loop: defer not below a layer's top-k");
+    const int k = g.top_k, d = L + 1 < n_layers ? defer : 0;
+    const size_t kn = size_t(B) * k * 4;
+    // the previous layer's deferred answer: every MoE layer but the last defers
+    const bool late_due = defer && L > 0 && layers[L - 1].block.routes();
+    const void* late = nullptr;
     if (local) {
       s.x.resize(xn), s.y.resize(xn), s.late_next.resize(xn), s.ids.resize(size_t(B) * k), s.w.resize(size_t(B) * k);
       std::lock_guard<std::mutex> lk(compute_mutex());
       gqa_decode_block(g, B, h, cos, sin, seqs, s.x.data(), s.ids.data(), s.w.data());
       tm[ATTENTION_END] = wall_ns();
+      MOE_CHECK((*local)[L] != nullptr, "decode loop: an MoE layer without its local experts");
       try {
         const MoELayer& m = *(*local)[L];
         moe_forward_part(m, s.x.data(), g.bf16, s.ids.data(), s.w.data(), s.y.data(), g.bf16, B, k, d, 0);
@@ -72,10 +96,17 @@ LoopEnd decode_layers(const std::vector<GqaBlock>& blocks, const std::vector<con
         release_scratch();
         return {L, ring::INVALID_ARGUMENT, e.what()};
       }
-      tm[SUBMIT_END] = tm[WAIT_END] = wall_ns();
-      for (int c = QUEUED_US; c < LOOP_TIMES; ++c) tm[c] = 0;
-      if (defer && L > 0) late = s.late.data();
-      add_answer(g.bf16, h, s.y.data(), late, n);
+      tm[SUBMIT_END] = wall_ns();
+      tm[MLP_END] = 0;
+      if (mlp) {
+        s.sh.resize(xn);
+        mlp_forward(*mlp, B, s.x.data(), s.sh.data());
+        tm[MLP_END] = wall_ns();
+      }
+      tm[WAIT_END] = wall_ns();
+      for (int c = QUEUED_US; c < MLP_END; ++c) tm[c] = 0;
+      if (late_due) late = s.late.data();
+      add_answer(g.bf16, h, s.y.data(), late, mlp ? s.sh.data() : nullptr, n);
       std::swap(s.late, s.late_next);
       continue;
     }
@@ -99,7 +130,13 @@ LoopEnd decode_layers(const std::vector<GqaBlock>& blocks, const std::vector<con
       r.outstanding.push_back({seq, L, 0});
       if (d) r.outstanding.push_back({seq, L, 1});
       tm[SUBMIT_END] = wall_ns();
-      tm[LATE_START] = tm[LATE_END] = 0;
+      tm[LATE_START] = tm[LATE_END] = tm[MLP_END] = 0;
+      if (mlp) {  // the shared experts, while the expert service computes (the request's x is read, not written)
+        s.sh.resize(xn);
+        std::lock_guard<std::mutex> lk(compute_mutex());
+        mlp_forward(*mlp, B, r.base + at, s.sh.data());
+        tm[MLP_END] = wall_ns();
+      }
     }
     // the answers this layer adds, in the order they come: the previous layer's deferred part, then its own
     s.y.resize(xn);
@@ -123,14 +160,14 @@ LoopEnd decode_layers(const std::vector<GqaBlock>& blocks, const std::vector<con
       break;
     }
     tm[WAIT_END] = wall_ns();
-    if (defer && L > 0) late = r.late.data();
-    add_answer(g.bf16, h, s.y.data(), late, n);
+    if (late_due) late = r.late.data();
+    add_answer(g.bf16, h, s.y.data(), late, mlp ? s.sh.data() : nullptr, n);
   }
   {
     std::lock_guard<std::mutex> lk(compute_mutex());
     release_scratch();
   }
-  return {layers, 0, ""};
+  return {n_layers, 0, ""};
 }
 
 }  // namespace moe

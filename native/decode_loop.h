@@ -35,10 +35,20 @@ struct RingClient {
 
 // Per layer, what the loop measured (wall clock ns, the clock of time.time_ns()): the attention block's end,
 // the request handed over (local experts: computed), the answer added; the ring's own Timing of the immediate part
-// and the start and end of the previous layer's deferred part, read in this layer's wait (0: none, or local).
+// and the start and end of the previous layer's deferred part, read in this layer's wait (0: none, or local); the
+// end of the layer's MLP (a dense layer's, SUBMIT_END and WAIT_END 0; or the shared experts', run between the
+// submit and the wait; 0: none).
 enum LoopTime {
-  ATTENTION_END, SUBMIT_END, WAIT_END, QUEUED_US, COMPUTE_US, EXPERT_START, EXPERT_END, LATE_START, LATE_END,
+  ATTENTION_END, SUBMIT_END, WAIT_END, QUEUED_US, COMPUTE_US, EXPERT_START, EXPERT_END, LATE_START, LATE_END, MLP_END,
   LOOP_TIMES
+};
+
+// One layer of the loop: its attention block, which routes on an MoE layer, and its MLP: a dense layer's (the
+// block does not route), or the MoE layer's shared experts (null: none). The dense layers come first (DeepSeek's
+// and GLM's first_k_dense_replace), the MoE layers after them, to the last.
+struct LoopLayer {
+  GqaBlock block;
+  const Mlp* mlp;
 };
 
 struct LoopEnd {
@@ -47,12 +57,12 @@ struct LoopEnd {
   std::string msg;  // status > 0: why
 };
 
-// B sequences' new tokens through layers first.. of `blocks` (each an MoE layer whose block routes): h [B, H]
-// updated in place. local: per layer the experts to run here (then ring is unused); else the ring's client.
-// waiting: layer `first`'s request is already posted, only its answers are awaited. defer: per token, this many
-// lowest-weighted experts of each layer but the last come back apart and are added one layer later (the layer
-// loop's rule). times [layers][LOOP_TIMES].
-LoopEnd decode_layers(const std::vector<GqaBlock>& blocks, const std::vector<const MoELayer*>* local, RingClient* ring,
+// B sequences' new tokens through layers first.. of `layers`: h [B, H] updated in place. local: per layer the
+// experts to run here (null for a dense layer; then ring is unused); else the ring's client. waiting: layer
+// `first`'s request is already posted, only its answers are awaited. defer: per token, this many lowest-weighted
+// experts of each MoE layer but the last come back apart and are added one layer later (the layer loop's rule).
+// times [layers][LOOP_TIMES].
+LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<const MoELayer*>* local, RingClient* ring,
                       int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
                       const DecodeSeq* seqs, int64_t* times);
 

@@ -30,6 +30,8 @@ struct Scratch {  // per calling thread, reused across calls (a decode step's fe
   std::vector<uint8_t> xn, qkv, rot, tmp;  // T elements
 };
 
+void matvec_f32(const float* W, const float* x, int B, int E, int H, float* y);
+
 template <class T>
 T* as(std::vector<uint8_t>& v, size_t n) {
   v.resize(n * sizeof(T));
@@ -123,14 +125,42 @@ void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const Decod
       put(h, at, get(h, at) + o);
     }
   rms_norm_rows(h, BF16, g.post_norm, BF16, x_out, BF16, B, H, g.eps);
-  if (!g.gate_k) return;
-  // the router on the normed rows: logits rounded to T, then the softmax's choice
-  const int E = g.gate.rows;
+  if (!g.routes()) return;
   for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(x_out, i);
+  if (g.sig_w) {  // fp32 logits (torch: F.linear(x.float(), the fp32 weight)), then the sigmoid's choice
+    s.y.resize(size_t(B) * std::max({rows, H, g.E}));
+    matvec_f32(g.sig_w, s.xf.data(), B, g.E, H, s.y.data());
+    sigmoid_topk(s.y.data(), g.sig_bias, B, g.E, g.top_k, g.n_group, g.topk_group, g.norm_topk, g.scaling, ids,
+                 weights);
+    return;
+  }
+  // the softmax router on the normed rows: logits rounded to T, then the softmax's choice
+  const int E = g.gate.rows;
   s.y.resize(size_t(B) * std::max({rows, H, E}));
   linear_forward(*g.gate_k, g.gate, s.xf.data(), B, s.y.data());
   for (size_t i = 0; i < size_t(B) * E; ++i) s.y[i] = held<T>(s.y[i]);
   softmax_topk(s.y.data(), B, E, g.top_k, g.norm_topk, BF16 && g.round_w, ids, weights);
+}
+
+// y [B, E] = x [B, H] W^T, W [E, H] fp32: each row of W read once for the B rows. Sixteen partial sums a row
+// (lanes the compiler vectorizes without reassociating), added pairwise at the end; the router's few MB per token
+// are read at DRAM speed either way.
+void matvec_f32(const float* W, const float* x, int B, int E, int H, float* y) {
+  constexpr int LANES = 16;
+  const int body = H - H % LANES;
+  for (int e = 0; e < E; ++e) {
+    const float* w = W + size_t(e) * H;
+    for (int t = 0; t < B; ++t) {
+      const float* xt = x + size_t(t) * H;
+      float acc[LANES] = {};
+      for (int j = 0; j < body; j += LANES)
+        for (int l = 0; l < LANES; ++l) acc[l] += w[j + l] * xt[j + l];
+      for (int j = body; j < H; ++j) acc[j - body] += w[j] * xt[j];
+      for (int n = LANES / 2; n > 0; n /= 2)
+        for (int l = 0; l < n; ++l) acc[l] += acc[l + n];
+      y[size_t(t) * E + e] = acc[0];
+    }
+  }
 }
 
 }  // namespace
@@ -169,6 +199,51 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
   }
 }
 
+void sigmoid_topk(const float* logits, const float* bias, int B, int E, int k, int n_group, int topk_group,
+                  bool norm_topk, float scaling, int32_t* ids, float* weights) {
+  MOE_CHECK(k > 0 && k <= E && k <= MAX_K && n_group > 0 && E % n_group == 0 && topk_group > 0 &&
+                topk_group <= n_group && k <= topk_group * (E / n_group), "router: bad top-k or groups");
+  const int per = E / n_group;
+  std::vector<float> score(E), choice(E);
+  std::vector<std::pair<float, int>> q(std::max(E, n_group));
+  const auto before = [](const std::pair<float, int>& x, const std::pair<float, int>& y) {
+    return x.first > y.first || (x.first == y.first && x.second < y.second);
+  };
+  for (int t = 0; t < B; ++t) {
+    const float* l = logits + size_t(t) * E;
+    for (int e = 0; e < E; ++e) {
+      score[e] = torch_sigmoid(l[e]);
+      choice[e] = bias ? score[e] + bias[e] : score[e];
+    }
+    if (topk_group < n_group) {  // each group scored by its two best choices; the other groups' experts out
+      for (int gi = 0; gi < n_group; ++gi) {
+        const float* c = choice.data() + size_t(gi) * per;
+        float a = -INFINITY, b = -INFINITY;
+        for (int e = 0; e < per; ++e) {
+          if (c[e] > a) b = a, a = c[e];
+          else if (c[e] > b) b = c[e];
+        }
+        q[gi] = {per > 1 ? a + b : a, gi};
+      }
+      std::partial_sort(q.begin(), q.begin() + topk_group, q.begin() + n_group, before);
+      std::vector<char> keep(n_group, 0);
+      for (int j = 0; j < topk_group; ++j) keep[q[j].second] = 1;
+      for (int e = 0; e < E; ++e)
+        if (!keep[e / per]) choice[e] = -INFINITY;
+    }
+    for (int e = 0; e < E; ++e) q[e] = {choice[e], e};
+    std::partial_sort(q.begin(), q.begin() + k, q.begin() + E, before);
+    float total = 0.f;
+    for (int j = 0; j < k; ++j) total += score[q[j].second];
+    for (int j = 0; j < k; ++j) {
+      float w = score[q[j].second];
+      if (norm_topk) w = w / (total + 1e-20f);
+      ids[size_t(t) * k + j] = q[j].second;
+      weights[size_t(t) * k + j] = w * scaling;
+    }
+  }
+}
+
 void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
                       void* x_out, int32_t* ids, float* weights) {
   MOE_CHECK(B > 0 && g.nh > 0 && g.nkv > 0 && g.nh % g.nkv == 0 && g.d % 2 == 0 && g.rot > 0 && g.rot % 2 == 0 &&
@@ -177,6 +252,7 @@ void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const 
             "decode block: the projections do not fit the heads");
   MOE_CHECK(!g.q_norm == !g.k_norm, "decode block: QK-norm needs both weights");
   MOE_CHECK(!g.gate_k || (g.gate.K == g.H && ids && weights), "decode block: the router does not fit");
+  MOE_CHECK(!g.sig_w || (g.E > 0 && ids && weights), "decode block: the sigmoid router does not fit");
   for (int t = 0; t < B; ++t)
     MOE_CHECK(seqs[t].pos >= 0 && seqs[t].table, "decode block: a sequence without a position or block table");
   if (g.bf16)

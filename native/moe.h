@@ -161,12 +161,20 @@ struct GqaBlock {
   void *K, *V;
   size_t kv_head, kv_block;  // elements between heads, between blocks
   int block_shift;
-  // the MoE layer's router on the post-attention norm, softmax scoring (Qwen-MoE, Mixtral), or none (gate_k null):
-  // logits in T, softmax in fp32, the top k (descending), renormalized (norm_topk), rounded to T (round_w)
+  // the MoE layer's router on the post-attention norm, one of: softmax scoring (Qwen-MoE, Mixtral; gate_k): logits
+  // in T, softmax in fp32, the top k (descending), renormalized (norm_topk), rounded to T (round_w); sigmoid scoring
+  // (GLM-4.5, DeepSeek-V3's noaux_tc; sig_w): fp32 logits of an fp32 weight, the choice by sigmoid + correction
+  // bias within the top topk_group of n_group groups, weights the sigmoids renormalized (norm_topk) times scaling;
+  // or none (both null)
   const Kernels* gate_k;
   Matrix gate;  // [E, H]
+  const float* sig_w;     // [E, H] fp32
+  const float* sig_bias;  // [E] fp32, or null
+  int E, n_group, topk_group;
+  float scaling;
   int top_k;
   bool norm_topk, round_w;
+  bool routes() const { return gate_k != nullptr || sig_w != nullptr; }
 };
 // One sequence's new token: its position, its block table (the pool's blocks holding positions 0..pos), and
 // first >= 0 when those are the consecutive blocks first, first + 1, ... (read without the table).
@@ -182,6 +190,26 @@ void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const 
 // The softmax router's choice for B rows of fp32 logits [B, E] (already rounded as the model holds them).
 void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool round_bf16, int32_t* ids,
                   float* weights);
+
+// The sigmoid router's choice for B rows of fp32 logits [B, E] (layers.route's sigmoid branch; ids in descending
+// order of choice).
+void sigmoid_topk(const float* logits, const float* bias, int B, int E, int k, int n_group, int topk_group,
+                  bool norm_topk, float scaling, int32_t* ids, float* weights);
+
+// A SwiGLU MLP at decode (a dense layer, or an MoE layer's shared experts), rounded where the torch path
+// (Model._mlp / _shared) rounds: gate and up in T, silu(gate) in T, their product in T, down in T; with Qwen2-MoE's
+// gate, sigmoid(x . gate) in T times that (native/decode_mlp.cpp).
+struct Mlp {
+  bool bf16;
+  const Kernels* gate_up_k;
+  Matrix gate_up;  // [2I, H]: the gate's rows, then the up's
+  const Kernels* down_k;
+  Matrix down;     // [H, I]
+  const Kernels* gate_k;
+  Matrix gate;     // [1, H], or gate_k null: none
+};
+// x [B, H] -> y [B, H], both in T (bf16 bits or fp32). Holds no lock: the caller holds compute_mutex().
+void mlp_forward(const Mlp& m, int B, const void* x, void* y);
 
 // One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
 // part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and

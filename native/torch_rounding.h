@@ -2,6 +2,7 @@
 // kernels that must give torch's results bit for bit (norm_rope.cpp, decode_step.cpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -29,6 +30,35 @@ template <class T>
 inline float held(float v) {
   return held(v, static_cast<const T*>(nullptr));
 }
+
+// torch's vectorized expf on x86 (Sleef's expf_u10, which its CPU silu and sigmoid kernels use; not torch.exp's
+// own), bit for bit (tests/test_decode_loop.py): a silu or sigmoid computed with it is torch's. std::fma is one
+// instruction where the caller is compiled for FMA (decode_mlp.cpp dispatches on that), a libm call otherwise.
+__attribute__((always_inline)) inline float torch_expf(float d) {
+  const auto pow2 = [](int q) {
+    const uint32_t u = uint32_t(q + 0x7f) << 23;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  const int q = int(std::nearbyint(d * 1.442695040888963407359924681001892137426645954152985934135449406931f));
+  float s = std::fma(float(q), -0.693145751953125f, d);
+  s = std::fma(float(q), -1.428606765330187045e-06f, s);
+  float u = 0.000198527617612853646278381f;
+  u = std::fma(u, s, 0.00139304355252534151077271f);
+  u = std::fma(u, s, 0.00833336077630519866943359f);
+  u = std::fma(u, s, 0.0416664853692054748535156f);
+  u = std::fma(u, s, 0.166666671633720397949219f);
+  u = std::fma(u, s, 0.5f);
+  u = 1.0f + std::fma(s * s, u, s);
+  u = u * pow2(q >> 1) * pow2(q - (q >> 1));
+  if (d < -104.f) u = 0.f;
+  if (d > 100.f) u = INFINITY;
+  return std::isnan(d) ? d : u;
+}
+// F.silu and torch.sigmoid of fp32 values as torch's vector kernels compute them (before rounding to T)
+__attribute__((always_inline)) inline float torch_silu(float x) { return x / (1.f + torch_expf(-x)); }
+__attribute__((always_inline)) inline float torch_sigmoid(float x) { return 1.f / (1.f + torch_expf(-x)); }
 
 }  // namespace rounding
 }  // namespace moe

@@ -29,14 +29,22 @@ from protos import expert_pb2, expert_pb2_grpc
 
 pytestmark = pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native step runs on the vector kernel paths")
 
-# every layer MoE with a softmax router and no shared experts, heads of a vector kernel's width
-LOOPED = {"qwen3_moe": dict(head_dim=64, num_experts_per_tok=4), "mixtral": dict(head_dim=64)}
+# heads of a vector kernel's width. Every layer MoE with a softmax router (qwen3_moe, mixtral); with Qwen2-MoE's
+# gated shared expert (qwen2_moe_all: no dense layer); GLM-4.5's shape (glm4_moe: a dense first layer, a shared
+# expert, a sigmoid router with a correction bias choosing within 2 of 4 groups, scaled weights, partial rotary,
+# QK-norm and biases)
+LOOPED = {"qwen3_moe": ("qwen3_moe", dict(head_dim=64, num_experts_per_tok=4)),
+          "mixtral": ("mixtral", dict(head_dim=64)),
+          "qwen2_moe_all": ("qwen2_moe", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                              mlp_only_layers=[])),
+          "glm4_moe": ("glm4_moe", dict(head_dim=64))}
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     base = tmp_path_factory.mktemp("loop")
-    made = {f: tiny_models.build(f, base / f, seed=5, **kw) for f, kw in LOOPED.items()}
+    made = {name: tiny_models.build(f, base / name, seed=5, **kw) for name, (f, kw) in LOOPED.items()}
+    # a dense layer between MoE layers (mlp_only_layers=[1])
     made["qwen2_moe"] = tiny_models.build("qwen2_moe", base / "qwen2_moe", seed=5, hidden_size=128,
                                           num_attention_heads=2, num_key_value_heads=1)
     return made
@@ -106,18 +114,22 @@ def decode_both(model, cfg, experts_mine, experts_ref, n=24, prompt=(5, 17, 300,
 def test_local_experts_the_layer_loop_bit_for_bit(ckpts, family, dtype, fmt, experts):
     cfg, model, layers = load(ckpts[family], dtype, fmt, experts)
     assert model._decode_loop(model.kv_pool()) is not None
+    dense = [L for L in range(cfg.num_layers) if not cfg.is_moe_layer(L)]
+    assert sorted(model.decode_mlps) == (list(range(cfg.num_layers)) if cfg.shared_intermediate_size else dense)
+    moe = cfg.num_layers - len(dense)
     mine, ref = Counting(layers), Counting(layers)
     decode_both(model, cfg, mine, ref)
-    assert mine.loops == 24 and mine.submits == cfg.num_layers  # the prompt only
-    assert ref.loops == 0 and ref.submits == 25 * cfg.num_layers
+    assert mine.loops == 24 and mine.submits == moe  # the prompt only
+    assert ref.loops == 0 and ref.submits == 25 * moe
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("most", [False, True], ids=["one", "all-but-one"])
-def test_deferral_as_the_layer_loop_defers(ckpts, dtype, most):
-    """Each layer's `defer` lowest-weighted experts added one layer later (the last layer's at once): the layer
-    loop's logits bit for bit, and deferral did change them."""
-    cfg, model, layers = load(ckpts["qwen3_moe"], dtype)
+def test_deferral_as_the_layer_loop_defers(ckpts, family, dtype, most):
+    """Each MoE layer's `defer` lowest-weighted experts added one layer later (the last layer's at once; none into
+    a dense layer): the layer loop's logits bit for bit, and deferral did change them."""
+    cfg, model, layers = load(ckpts[family], dtype)
     defer = cfg.top_k - 1 if most else 1
     mine, ref = Counting(layers), Counting(layers)
     decode_both(model, cfg, mine, ref, n=12, defer=defer)
@@ -152,8 +164,9 @@ def test_several_sequences_in_one_step(ckpts):
     assert experts.loops == 20 and any(not c.consecutive() for c in mine) and max(pos) > 2 * BLOCK
 
 
-def test_spans_cover_every_layer_in_order(ckpts):
-    cfg, model, layers = load(ckpts["mixtral"])
+@pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
+def test_spans_cover_every_layer_in_order(ckpts, family):
+    cfg, model, layers = load(ckpts[family])
     experts = Counting(layers)
     c = model.new_cache()
     model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], experts)
@@ -161,8 +174,10 @@ def test_spans_cover_every_layer_in_order(ckpts):
     model.forward([Segment(c, torch.tensor([7]), 3)], experts, step=9, spans=spans)
     assert experts.loops == 1
     per_layer = [s for s in spans if s.layer >= 0]
+    moe = ("attention", "router", "expert_submit") + (("shared_experts",) if cfg.shared_intermediate_size else ()) \
+        + ("expert_wait",)
     assert [(s.name, s.layer) for s in per_layer] == [
-        (n, L) for L in range(cfg.num_layers) for n in ("attention", "router", "expert_submit", "expert_wait")]
+        (n, L) for L in range(cfg.num_layers) for n in (moe if cfg.is_moe_layer(L) else ("attention", "dense_mlp"))]
     assert all(s.step == 9 and s.start_ns <= s.end_ns for s in spans)
     assert all(a.end_ns == b.start_ns for a, b in zip(per_layer, per_layer[1:]))  # one after another, no gap
     assert spans[0].name == "embed" and spans[-1].name == "lm_head" and spans[0].end_ns == per_layer[0].start_ns
@@ -170,7 +185,8 @@ def test_spans_cover_every_layer_in_order(ckpts):
 
 def test_what_it_leaves_to_the_layer_loop(ckpts):
     """Skipped (not deferred) experts, deferral in some layers only (the accuracy harness's), a prompt, experts
-    without native kernels (torch's fp32 operator) and a model with shared experts take the layer loop."""
+    without native kernels (torch's fp32 operator) and a model with a dense layer between MoE layers take the layer
+    loop."""
     cfg, model, layers = load(ckpts["qwen3_moe"])
     experts = Counting(layers)
     c = model.new_cache()
@@ -183,9 +199,9 @@ def test_what_it_leaves_to_the_layer_loop(ckpts):
     assert torch_ops.loops == 0 and torch_ops.submits == cfg.num_layers
     model.forward([Segment(c, torch.tensor([9]), 6)], experts)
     assert experts.loops == 1
-    shared_cfg, shared, _ = load(ckpts["qwen2_moe"])
-    assert shared_cfg.shared_intermediate_size and shared.decode_blocks
-    assert shared._decode_loop(shared.kv_pool()) is None
+    between_cfg, between, _ = load(ckpts["qwen2_moe"])
+    assert between_cfg.moe_layers == (0, 2) and len(between.decode_blocks) == 3 and len(between.decode_mlps) == 3
+    assert between._decode_loop(between.kv_pool()) is None
 
 
 def test_non_finite_rows_are_refused_and_the_next_step_runs(ckpts):
@@ -214,8 +230,9 @@ needs_shm = pytest.mark.skipif(not shm.shm_available(), reason="needs /dev/shm")
 
 
 @pytest.fixture
-def service(ckpts, tmp_path):
-    s = Services(ckpts["qwen3_moe"], tmp_path, gpu=False, expert_args=("--weight-format", "bf16"))
+def service(ckpts, tmp_path, request):
+    s = Services(ckpts[getattr(request, "param", "qwen3_moe")], tmp_path, gpu=False,
+                 expert_args=("--weight-format", "bf16"))
     with grpc.insecure_channel(f"127.0.0.1:{s.expert_port}") as ch:
         fp = expert_pb2_grpc.ExpertServiceStub(ch).Info(expert_pb2.ExpertInfoRequest(), timeout=10).model_fingerprint
     remotes = []
@@ -272,6 +289,33 @@ def test_through_the_ring_as_the_layer_loop_and_local_kernels(ckpts, service):
 
 
 @needs_shm
+@pytest.mark.parametrize("service", ["glm4_moe"], indirect=True)
+def test_dense_layers_and_shared_experts_through_the_ring(ckpts, service):
+    """GLM-4.5's shape over the ring: the dense first layer stays here, the shared expert runs while the expert
+    service computes; the layer loop's logits over the same ring and the local kernels', deferral included."""
+    s, connect = service
+    cfg, model, _ = load(ckpts["glm4_moe"])
+    remote = connect()
+    ran, through = [], remote.decode_layers
+    remote.decode_layers = lambda *a: ran.append(through(*a)) or ran[-1]
+    decode_both(model, cfg, remote, remote, n=12)
+    decode_both(model, cfg, remote, Counting(layers_of(ckpts, "glm4_moe")), n=6)
+    decode_both(model, cfg, remote, remote, n=6, defer=2)
+    assert ran == [True] * 24 and not remote.shm.expect
+    c = model.new_cache()
+    model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], remote)
+    records, spans = [], []
+    model.forward([Segment(c, torch.tensor([7]), 3)], remote, records=records, defer=2)
+    fig = decode_loop.figures(records)
+    assert fig.layers.tolist() == list(cfg.moe_layers) and (fig.waits >= 0).all()
+    assert len(fig.immediate) == len(cfg.moe_layers) and len(fig.deferred) == len(cfg.moe_layers) - 1
+    profiled = decode_loop.spans_of(records[0])
+    assert [s.name for s in profiled if s.layer == 0] == ["attention", "dense_mlp"]
+    assert [s.name for s in profiled if s.layer == 1] == ["attention", "router", "expert_submit", "shared_experts",
+                                                          "expert_wait", "experts_immediate", "experts_deferred"]
+
+
+@needs_shm
 def test_a_stopped_service_times_out_and_a_dead_one_fails_fast(ckpts, service):
     s, connect = service
     cfg, model, _ = load(ckpts["qwen3_moe"])
@@ -310,10 +354,17 @@ def stopped(pid: int, within_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_build_needs_every_layer_routed(ckpts):
+def test_build_needs_every_layer_native(ckpts):
+    """Every layer's block, every MoE layer routing natively, every dense MLP and shared expert native."""
     cfg, model, _ = load(ckpts["qwen3_moe"])
     pool = model.kv_pool()
     blocks = dict(model.decode_blocks)
-    assert decode_loop.build(cfg, blocks, pool).layers == cfg.num_layers
+    assert decode_loop.build(cfg, blocks, {}, pool).layers == cfg.num_layers
     del blocks[cfg.num_layers - 1]
-    assert decode_loop.build(cfg, blocks, pool) is None
+    assert decode_loop.build(cfg, blocks, {}, pool) is None
+    cfg, model, _ = load(ckpts["glm4_moe"])
+    pool = model.kv_pool()
+    assert decode_loop.build(cfg, model.decode_blocks, model.decode_mlps, pool).layers == cfg.num_layers
+    for L in (0, cfg.num_layers - 1):  # the dense layer's MLP, a shared expert
+        assert decode_loop.build(cfg, model.decode_blocks, {k: m for k, m in model.decode_mlps.items() if k != L},
+                                 pool) is None

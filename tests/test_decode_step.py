@@ -22,11 +22,12 @@ from moe_kernels import ISA, SIMD_ISAS
 pytestmark = pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native step runs on the vector kernel paths")
 
 # the tiny families with heads of a vector kernel's width (64); qwen2_moe has q/k/v biases, qwen3_moe QK-norm,
-# glm4_moe all three and partial rotary (half of each head) and a sigmoid router (left to route())
+# glm4_moe all three and partial rotary (half of each head) and a sigmoid router; qwen2_moe and glm4_moe dense MLP
+# layers and shared experts (which the decode steps run natively too: decode_step.mlps)
 SHAPES = {"qwen3_moe": dict(head_dim=64), "mixtral": dict(head_dim=64),
           "qwen2_moe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
           "glm4_moe": dict(head_dim=64)}
-SOFTMAX_ROUTED = ["qwen3_moe", "mixtral", "qwen2_moe"]
+ROUTED = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def load(d, dtype, fmt, router=True, experts="fp32"):
 
 def _without_router(block, layer, model):
     original = decode_step._router
-    decode_step._router = lambda *a: None
+    decode_step._router = lambda *a: {}
     try:
         return decode_step.blocks(model.cfg, model.W, model.dtype, True)[layer]
     finally:
@@ -95,6 +96,8 @@ def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt):
     cfg, model, experts = load(wide[family], dtype, fmt, router=False)
     assert set(model.decode_blocks) == set(range(cfg.num_layers))
     assert not any(b.routes for b in model.decode_blocks.values())
+    dense = [L for L in range(cfg.num_layers) if not cfg.is_moe_layer(L)]
+    assert sorted(model.decode_mlps) == (list(range(cfg.num_layers)) if cfg.shared_intermediate_size else dense)
     prompt = torch.tensor([5, 17, 300, 41, 7, 99, 12, 3, 250])
     feed = torch.randint(2, tiny_models.VOCAB, (24,), generator=torch.Generator().manual_seed(1))
     mine, ref = model.new_cache(), model.new_cache()
@@ -111,11 +114,12 @@ def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", SOFTMAX_ROUTED)
+@pytest.mark.parametrize("family", ROUTED)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_native_router_chooses_as_route_does(wide, family, dtype):
-    """With the router in the step: the same experts in the same order at every MoE layer and step, weights to
-    the last bits (softmax's exp is not torch's vectorized one), logits to match."""
+    """With the router in the step: the same experts at every MoE layer and step (softmax: in the same order;
+    sigmoid: torch's unsorted topk has no order to keep), weights to the last bits (softmax's exp is not torch's
+    vectorized one; the sigmoid router's fp32 logits are summed in another order), logits to match."""
     cfg, model, _ = load(wide[family], dtype, "bf16")
     moe = [L for L in range(cfg.num_layers) if cfg.is_moe_layer(L)]
     assert moe and all(model.decode_blocks[L].routes for L in moe)
@@ -134,6 +138,11 @@ def test_the_native_router_chooses_as_route_does(wide, family, dtype):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert len(mine.routes) == len(ref.routes) == len(moe) * (1 + len(feed))
     for (la, ia, wa), (lb, ib, wb) in zip(mine.routes, ref.routes):
+        if cfg.scoring == "sigmoid":  # each row by id
+            ia, order = ia.sort(dim=-1)
+            wa = wa.gather(1, order)
+            ib, order = ib.sort(dim=-1)
+            wb = wb.gather(1, order)
         assert la == lb and torch.equal(ia, ib)
         torch.testing.assert_close(wa, wb, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=0)
 
@@ -159,6 +168,35 @@ def test_softmax_topk_is_routes_softmax(norm, round_bf16, E):
     native.softmax_topk(lf.data_ptr(), B, E, k, norm, round_bf16, ids.data_ptr(), w.data_ptr())
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, rtol=2 ** -7 if round_bf16 else 4e-6, atol=0)  # a few fp32 ulps: the sum
+
+
+@pytest.mark.parametrize("groups, topk_group, bias", [(1, 1, False), (8, 3, True), (4, 4, True)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_sigmoid_topk_is_routes_sigmoid(groups, topk_group, bias, norm):
+    """native sigmoid_topk against layers.route's sigmoid branch (DeepSeek-V3 / GLM-4.5 noaux_tc) on the same
+    logits: the same experts (by id: torch's topk leaves them unsorted), the same weights bit for bit (torch's
+    sigmoid, its sum in another order: to an ulp)."""
+    from types import SimpleNamespace
+
+    from gpu_service.layers import route
+    from moe_kernels import native
+
+    E, k, B = 128, 8, 256
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(B, E, generator=g) * 2
+    b = torch.rand(E, generator=g) * 0.1 if bias else None
+    cfg = SimpleNamespace(top_k=k, n_routed_experts=E, scoring="sigmoid", n_group=groups, topk_group=topk_group,
+                          norm_topk_prob=norm, routed_scaling_factor=2.5)
+    want_ids, want_w = route(cfg, logits, torch.eye(E), b)  # F.linear(logits, I) is logits
+    ids, w = torch.empty(B, k, dtype=torch.int32), torch.empty(B, k)
+    native.sigmoid_topk(logits.data_ptr(), b.data_ptr() if bias else 0, B, E, k, groups, topk_group, norm, 2.5,
+                        ids.data_ptr(), w.data_ptr())
+    choice = logits.sigmoid() + (b if bias else 0)
+    assert (choice.gather(1, ids.long())[:, :-1] >= choice.gather(1, ids.long())[:, 1:]).all()  # descending
+    ids, order = ids.sort(dim=-1)
+    want_ids, want_order = want_ids.sort(dim=-1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w.gather(1, order), want_w.gather(1, want_order), rtol=4e-7 if norm else 0, atol=0)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
