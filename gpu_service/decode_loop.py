@@ -6,8 +6,9 @@ for bit) costs ~15 ops and their Python a layer, this is one call a token.
 It applies to a model whose every layer's attention block is native, dense layers first (their MLP native) and MoE
 layers after them routing natively (softmax routers: Qwen3-MoE, Mixtral, Qwen2-MoE; sigmoid ones: GLM-4.5), with
 their shared experts native where the model has them (run while the expert service computes), to decode steps
-with or without deferral (not the accuracy harness's skipping), and to experts that can run it: the shared-memory ring to one expert service (RemoteExperts) and in-process native kernels
-(LocalExperts); anything else takes the layer loop.
+with or without deferral (not the accuracy harness's skipping), and to experts that can run it: the shared-memory
+ring to one expert service (RemoteExperts) and in-process native kernels (LocalExperts); anything else takes the
+layer loop.
 
 The experts drive it (`decode_layers(run, step, times, T, H, dtype, k)` on the Experts object): they supply the
 exchange (a native RingClient or LocalExperts) and the policy while waiting, the loop supplies `run`."""

@@ -94,8 +94,9 @@ class Model:
             # the router (and Qwen2-MoE's shared expert gate) in bf16 whatever dense_format says: its logits round
             # to bf16 as torch's bf16 matmul's do (sums in fp32 both), where torch's bf16 matrix-vector product is
             # slow on a CPU
-            router = dense_format and packs_router(cfg) and name.endswith(f".{cfg.router_name}.weight") and \
-                cfg.is_moe_layer(int(name.split(".")[2])) or dense_format and name.endswith(".shared_expert_gate.weight")
+            router = dense_format and (packs_router(cfg) and name.endswith(f".{cfg.router_name}.weight") and
+                                       cfg.is_moe_layer(int(name.split(".")[2]))
+                                       or name.endswith(".shared_expert_gate.weight"))
             # an FP8 weight is dequantized straight to what it becomes (bf16 packing keeps bf16: the same
             # bits as rounding later; int formats quantize from fp32), never a whole fp32 copy beside it
             want = ((torch.bfloat16 if dense_format in ("bf16", "fp8") else torch.float32) if fuse or pack

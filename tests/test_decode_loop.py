@@ -304,7 +304,7 @@ def test_dense_layers_and_shared_experts_through_the_ring(ckpts, service):
     assert ran == [True] * 24 and not remote.shm.expect
     c = model.new_cache()
     model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], remote)
-    records, spans = [], []
+    records = []
     model.forward([Segment(c, torch.tensor([7]), 3)], remote, records=records, defer=2)
     fig = decode_loop.figures(records)
     assert fig.layers.tolist() == list(cfg.moe_layers) and (fig.waits >= 0).all()
