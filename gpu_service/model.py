@@ -340,7 +340,8 @@ class Model:
             h = h[torch.cat(rows).to(self.device)]
         for s in segments:  # the step is complete: its linear-attention states replace the old ones
             s.cache.commit(s.start + s.tokens.shape[0], s.tokens.tolist())
-        logits = linear(h, self.lm_head).float()
+        logits = self.lm_head(h, as_float=True) if isinstance(self.lm_head, NativeLinear) else \
+            linear(h, self.lm_head).float()
         mark("lm_head", -1, t)
         return logits
 

@@ -58,14 +58,19 @@ class NativeLinear:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts if p is not None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] (any float dtype) -> [..., rows] in x's dtype."""
+    def __call__(self, x: torch.Tensor, as_float: bool = False) -> torch.Tensor:
+        """x [..., K] (any float dtype) -> [..., rows] in x's dtype; as_float: in fp32, the same values (the
+        lm_head's logits: one pass where .to(dtype).float() takes two over a vocabulary's floats)."""
         if x.shape[-1] != self.K:
             raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {self.K}")
         if self._torch_weight is not None and x.dtype == torch.bfloat16 and x.numel() >= TORCH_FROM_TOKENS * self.K:
-            return torch.nn.functional.linear(x, self._torch_weight)
+            y = torch.nn.functional.linear(x, self._torch_weight)
+            return y.float() if as_float else y
         xf = x.reshape(-1, self.K).float().contiguous()
         y = torch.empty(xf.shape[0], self.rows)
         if xf.shape[0]:
-            self.native.forward(xf.data_ptr(), y.data_ptr(), xf.shape[0])
-        return y.to(x.dtype).view(*x.shape[:-1], self.rows)
+            self.native.forward(xf.data_ptr(), y.data_ptr(), xf.shape[0], as_float and x.dtype == torch.bfloat16)
+        if as_float and x.dtype in (torch.bfloat16, torch.float32):
+            return y.view(*x.shape[:-1], self.rows)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.rows)
+        return y.float() if as_float else y

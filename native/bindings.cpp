@@ -18,6 +18,7 @@
 #include "numa.h"
 #include "ring.h"
 #include "probes.h"
+#include "torch_rounding.h"
 #include "wire.h"
 
 namespace py = pybind11;
@@ -740,12 +741,16 @@ PYBIND11_MODULE(_native, m) {
            py::arg("owner") = py::none())
       .def(
           "forward",
-          [](const BoundLinear& l, uintptr_t x, uintptr_t y, int T) {
+          [](const BoundLinear& l, uintptr_t x, uintptr_t y, int T, bool round_bf16) {
             py::gil_scoped_release nogil;
             std::lock_guard<std::mutex> g(compute_mutex());
-            linear_forward(*l.k, l.m, reinterpret_cast<const float*>(x), T, reinterpret_cast<float*>(y));
+            float* out = reinterpret_cast<float*>(y);
+            linear_forward(*l.k, l.m, reinterpret_cast<const float*>(x), T, out);
             release_scratch();
+            if (round_bf16)  // torch's y.to(bfloat16).float() in place: a bf16 model's logits, one pass
+              for (size_t i = 0, n = size_t(T) * l.m.rows; i < n; ++i) out[i] = rounding::held<uint16_t>(out[i]);
           },
-          py::arg("x"), py::arg("y"), py::arg("T"),
-          "y [T, rows] fp32 = x [T, K] fp32 times the matrix, transposed (native/linear.cpp)");
+          py::arg("x"), py::arg("y"), py::arg("T"), py::arg("round_bf16") = false,
+          "y [T, rows] fp32 = x [T, K] fp32 times the matrix, transposed (native/linear.cpp); round_bf16: each "
+          "output rounded to bf16 (kept as fp32)");
 }

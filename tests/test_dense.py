@@ -86,6 +86,17 @@ def test_linear_keeps_leading_dims_and_checks_width():
         lin(torch.randn(1, 65))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_float_output_is_the_rounded_output_as_float(dtype):
+    """as_float (the lm_head's logits): the values of y.to(dtype).float(), bit for bit, in one pass."""
+    lin = NativeLinear(torch.randn(1000, 64), "int8")
+    x = torch.randn(3, 64).to(dtype)
+    got = lin(x, as_float=True)
+    assert got.dtype == torch.float32 and torch.equal(got, lin(x).float())
+    # rounded to bf16 for a bf16 input only
+    assert torch.equal(got, got.to(torch.bfloat16).float()) == (dtype == torch.bfloat16)
+
+
 def test_packing_goes_in_chunks_with_the_same_result(monkeypatch):
     import moe_kernels.dense as dense
     w = torch.randn(300, 128)
