@@ -127,5 +127,5 @@ def figures(recs: list[Record]) -> Figures:
     waits = t[:, WAIT_END] - np.maximum(t[:, SUBMIT_END], t[:, MLP_END])  # from the shared experts' end
     remote, late = t[:, EXPERT_END] != 0, t[:, LATE_END] != 0
     immediate = t[remote, EXPERT_END] - t[remote, EXPERT_START]
-    return Figures(layers, waits, immediate, t[late, LATE_END] - t[late, LATE_START],
-                   np.maximum(0, waits[remote] - immediate))
+    trip = t[remote, WAIT_END] - t[remote, SUBMIT_END]  # the round trip, shared experts or not
+    return Figures(layers, waits, immediate, t[late, LATE_END] - t[late, LATE_START], np.maximum(0, trip - immediate))

@@ -60,14 +60,19 @@ def test_step_metrics_from_a_record_equal_those_from_its_spans():
     g = torch.Generator().manual_seed(0)
     L, t = 5, 1_000_000_000_000
     rows = []
-    for _ in range(L):  # attention end, submit end, wait end, queued, compute us, expert start, expert end
+    # a dense first layer (attention end, its MLP's end), then MoE layers: attention end, submit end, wait end,
+    # queued, compute us, expert start, expert end, the previous layer's deferred part, the shared experts' end
+    a = t + 500_000
+    rows.append([a, 0, 0, 0, 0, 0, 0, 0, 0, a + 300_000])
+    t = a + 300_000
+    for i in range(L):
         a = t + int(torch.randint(10_000, 900_000, (1,), generator=g))
         s = a + int(torch.randint(1_000, 9_000, (1,), generator=g))
         start = s + int(torch.randint(1_000, 50_000, (1,), generator=g))
         end = start + int(torch.randint(10_000, 4_000_000, (1,), generator=g))
         w = end + int(torch.randint(1_000, 80_000, (1,), generator=g))
-        late = (start - 900_000, start - 100_000) if rows else (0, 0)  # the previous layer's deferred part
-        rows.append([a, s, w, 3, (end - start) // 1000, start, end, *late])
+        late = (start - 900_000, start - 100_000) if i else (0, 0)  # the previous layer's deferred part
+        rows.append([a, s, w, 3, (end - start) // 1000, start, end, *late, s + 5_000 if i % 2 else 0])
         t = w
     rec = decode_loop.Record(7, 1_000_000_000_000, torch.tensor(rows, dtype=torch.int64))
     deltas = []
