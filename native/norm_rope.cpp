@@ -20,8 +20,7 @@ using namespace rounding;
 constexpr int LANES = 16;  // partial sums of squares (as torch's vectorized reduction keeps several)
 
 template <class X, class W, class O>
-__attribute__((optimize("fp-contract=off")))
-void rms_norm_t(const X* x, const W* w, O* out, int rows, int n, float eps) {
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void rms_norm_t(const X* x, const W* w, O* out, int rows, int n, float eps) {
   for (int r = 0; r < rows; ++r) {
     const X* xr = x + size_t(r) * n;
     O* orow = out + size_t(r) * n;
@@ -44,8 +43,8 @@ void rms_norm_t(const X* x, const W* w, O* out, int rows, int n, float eps) {
 }
 
 template <class X>
-__attribute__((optimize("fp-contract=off")))
-void rope_t(const X* x, X* out, int T, int heads, int dim, const X* cos, const X* sin) {
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void rope_t(const X* x, X* out, int T, int heads,
+                                                                              int dim, const X* cos, const X* sin) {
   const int half = dim / 2;
   for (int t = 0; t < T; ++t) {
     const X* c = cos + size_t(t) * half;
@@ -63,12 +62,76 @@ void rope_t(const X* x, X* out, int T, int heads, int dim, const X* cos, const X
   }
 }
 
+// The loops above compiled three times: for AVX-512, for AVX2 and for the baseline, chosen at run time. They are
+// lane-wise (no sum reassociated, no contraction), so every build gives the same bits; the baseline's SSE2 loses
+// to scalar bf16 conversions (perf: ~4 ns an element, ~50 us a 48-layer model's layer in norms and rope).
+// The loops above built for AVX-512, AVX2 and the baseline, chosen at run time: lane-wise (no sum reassociated,
+// no contraction), so every build gives the same bits; at the baseline (SSE2) the bf16 conversions stay scalar
+// (perf at 48 layers: norms and rope ~50 us a layer).
+enum class Vec { Base, V256, V512 };
+Vec vec_level() {
+  static const Vec v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+                           ? Vec::V512
+                       : __builtin_cpu_supports("avx2") ? Vec::V256
+                                                         : Vec::Base;
+  return v;
+}
+
+template <class X, class W, class O>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), optimize("fp-contract=off"))) void rms_norm_512(
+    const X* x, const W* w, O* out, int rows, int n, float eps) {
+  rms_norm_t(x, w, out, rows, n, eps);
+}
+template <class X, class W, class O>
+__attribute__((target("avx2"), optimize("fp-contract=off"))) void rms_norm_256(const X* x, const W* w, O* out,
+                                                                               int rows, int n, float eps) {
+  rms_norm_t(x, w, out, rows, n, eps);
+}
+template <class X, class W, class O>
+__attribute__((optimize("fp-contract=off"))) void rms_norm_base(const X* x, const W* w, O* out, int rows, int n,
+                                                                float eps) {
+  rms_norm_t(x, w, out, rows, n, eps);
+}
+template <class X, class W, class O>
+void rms_norm_any(const X* x, const W* w, O* out, int rows, int n, float eps) {
+  switch (vec_level()) {
+    case Vec::V512: return rms_norm_512(x, w, out, rows, n, eps);
+    case Vec::V256: return rms_norm_256(x, w, out, rows, n, eps);
+    default: return rms_norm_base(x, w, out, rows, n, eps);
+  }
+}
+
+template <class X>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), optimize("fp-contract=off"))) void rope_512(
+    const X* x, X* out, int T, int heads, int dim, const X* cos, const X* sin) {
+  rope_t(x, out, T, heads, dim, cos, sin);
+}
+template <class X>
+__attribute__((target("avx2"), optimize("fp-contract=off"))) void rope_256(const X* x, X* out, int T, int heads,
+                                                                           int dim, const X* cos, const X* sin) {
+  rope_t(x, out, T, heads, dim, cos, sin);
+}
+template <class X>
+__attribute__((optimize("fp-contract=off"))) void rope_base(const X* x, X* out, int T, int heads, int dim,
+                                                            const X* cos, const X* sin) {
+  rope_t(x, out, T, heads, dim, cos, sin);
+}
+template <class X>
+void rope_any(const X* x, X* out, int T, int heads, int dim, const X* cos, const X* sin) {
+  switch (vec_level()) {
+    case Vec::V512: return rope_512(x, out, T, heads, dim, cos, sin);
+    case Vec::V256: return rope_256(x, out, T, heads, dim, cos, sin);
+    default: return rope_base(x, out, T, heads, dim, cos, sin);
+  }
+}
+
 template <class X, class W>
 void rms_norm_out(const X* x, const W* w, void* out, bool out_bf16, int rows, int n, float eps) {
   if (out_bf16)
-    rms_norm_t(x, w, static_cast<uint16_t*>(out), rows, n, eps);
+    rms_norm_any(x, w, static_cast<uint16_t*>(out), rows, n, eps);
   else
-    rms_norm_t(x, w, static_cast<float*>(out), rows, n, eps);
+    rms_norm_any(x, w, static_cast<float*>(out), rows, n, eps);
 }
 
 template <class X>
@@ -91,10 +154,10 @@ void rms_norm_rows(const void* x, bool x_bf16, const void* w, bool w_bf16, void*
 
 void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, const void* cos, const void* sin) {
   if (bf16)
-    rope_t(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), T, heads, dim,
+    rope_any(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), T, heads, dim,
            static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin));
   else
-    rope_t(static_cast<const float*>(x), static_cast<float*>(out), T, heads, dim, static_cast<const float*>(cos),
+    rope_any(static_cast<const float*>(x), static_cast<float*>(out), T, heads, dim, static_cast<const float*>(cos),
            static_cast<const float*>(sin));
 }
 
