@@ -60,7 +60,7 @@ def test_amx_bf16_prefill_goes_to_torch_on_the_packed_rows(monkeypatch):
         def __init__(self, *a, **kw):
             pass
 
-        def forward(self, x, y, T):
+        def forward(self, x, y, T, round_bf16=False):
             calls.append(T)
 
     monkeypatch.setattr(dense.native, "Linear", Recorder)
