@@ -48,7 +48,8 @@ void run(const Mlp& m, int B, const T* x, T* out) {
   s.xf.resize(size_t(B) * H), s.gu.resize(size_t(B) * 2 * I), s.act.resize(size_t(B) * I), s.y.resize(size_t(B) * H);
   for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(x, i);
   linear_forward(*m.gate_up_k, m.gate_up, s.xf.data(), B, s.gu.data());
-  static const bool fma = __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2");
+  const CpuFeatures& f = detect_cpu();
+  const bool fma = f.fma && f.avx2 && f.os_avx;
   for (int t = 0; t < B; ++t)
     (fma ? swiglu_row_fma<T> : swiglu_row_plain<T>)(s.gu.data() + size_t(t) * 2 * I, I, s.act.data() + size_t(t) * I);
   linear_forward(*m.down_k, m.down, s.act.data(), B, s.y.data());

@@ -20,7 +20,8 @@ using namespace rounding;
 constexpr int LANES = 16;  // partial sums of squares (as torch's vectorized reduction keeps several)
 
 template <class X, class W, class O>
-__attribute__((always_inline, optimize("fp-contract=off"))) inline void rms_norm_t(const X* x, const W* w, O* out, int rows, int n, float eps) {
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void rms_norm_t(const X* x, const W* w, O* out,
+                                                                                  int rows, int n, float eps) {
   for (int r = 0; r < rows; ++r) {
     const X* xr = x + size_t(r) * n;
     O* orow = out + size_t(r) * n;
@@ -62,24 +63,17 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void rope_t(c
   }
 }
 
-// The loops above compiled three times: for AVX-512, for AVX2 and for the baseline, chosen at run time. They are
-// lane-wise (no sum reassociated, no contraction), so every build gives the same bits; the baseline's SSE2 loses
-// to scalar bf16 conversions (perf: ~4 ns an element, ~50 us a 48-layer model's layer in norms and rope).
 // The loops above built for AVX-512, AVX2 and the baseline, chosen at run time: lane-wise (no sum reassociated,
 // no contraction), so every build gives the same bits; at the baseline (SSE2) the bf16 conversions stay scalar
 // (perf at 48 layers: norms and rope ~50 us a layer).
 enum class Vec { Base, V256, V512 };
 Vec vec_level() {
-  static const Vec v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
-                           ? Vec::V512
-                       : __builtin_cpu_supports("avx2") ? Vec::V256
-                                                         : Vec::Base;
-  return v;
+  const CpuFeatures& f = detect_cpu();
+  return f.avx512f && f.avx512bw && f.os_avx512 ? Vec::V512 : f.avx2 && f.os_avx ? Vec::V256 : Vec::Base;
 }
 
 template <class X, class W, class O>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), optimize("fp-contract=off"))) void rms_norm_512(
+__attribute__((target("avx512f,avx512bw"), optimize("fp-contract=off"))) void rms_norm_512(
     const X* x, const W* w, O* out, int rows, int n, float eps) {
   rms_norm_t(x, w, out, rows, n, eps);
 }
@@ -103,7 +97,7 @@ void rms_norm_any(const X* x, const W* w, O* out, int rows, int n, float eps) {
 }
 
 template <class X>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), optimize("fp-contract=off"))) void rope_512(
+__attribute__((target("avx512f,avx512bw"), optimize("fp-contract=off"))) void rope_512(
     const X* x, X* out, int T, int heads, int dim, const X* cos, const X* sin) {
   rope_t(x, out, T, heads, dim, cos, sin);
 }
