@@ -629,9 +629,7 @@ PYBIND11_MODULE(_native, m) {
                const BoundLinear& g = gate.cast<const BoundLinear&>();
                m.gate_k = g.k, m.gate = g.m;
              }
-             MOE_CHECK(m.gate_up.rows == 2 * m.down.K && m.down.rows == m.gate_up.K &&
-                           (!m.gate_k || (m.gate.rows == 1 && m.gate.K == m.gate_up.K)),
-                       "mlp: gate/up, down and the gate do not fit each other");
+             check_mlp(m);
              return BoundMlp{m, std::move(owner)};
            }),
            py::arg("bf16"), py::arg("gate_up"), py::arg("down"), py::arg("gate") = py::none(),

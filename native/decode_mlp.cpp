@@ -67,10 +67,15 @@ void run(const Mlp& m, int B, const T* x, T* out) {
 
 }  // namespace
 
-void mlp_forward(const Mlp& m, int B, const void* x, void* y) {
-  MOE_CHECK(B > 0 && m.gate_up.rows == 2 * m.down.K && m.down.rows == m.gate_up.K &&
+void check_mlp(const Mlp& m) {
+  MOE_CHECK(m.gate_up.rows == 2 * m.down.K && m.down.rows == m.gate_up.K &&
                 (!m.gate_k || (m.gate.rows == 1 && m.gate.K == m.gate_up.K)),
             "mlp: gate/up, down and the gate do not fit each other");
+}
+
+void mlp_forward(const Mlp& m, int B, const void* x, void* y) {
+  MOE_CHECK(B > 0, "mlp: no rows");
+  check_mlp(m);
   if (m.bf16)
     run(m, B, static_cast<const uint16_t*>(x), static_cast<uint16_t*>(y));
   else

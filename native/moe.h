@@ -210,6 +210,8 @@ struct Mlp {
 };
 // x [B, H] -> y [B, H], both in T (bf16 bits or fp32). Holds no lock: the caller holds compute_mutex().
 void mlp_forward(const Mlp& m, int B, const void* x, void* y);
+// Throws unless m's matrices fit each other (what mlp_forward checks, at once where one is bound).
+void check_mlp(const Mlp& m);
 
 // One part of a deferral split (part 0: the k - defer highest-weighted experts of each token,
 // part 1: the defer lowest; defer = 0: all), hidden and out each bf16 or fp32; checks ids and
