@@ -19,6 +19,10 @@ from .attention import QKV
 from .kv_pool import BLOCK, KVPool, SeqCache
 from .layers import GATE_UP
 
+# torch's vector width decides which elements of its silu/sigmoid take Sleef's exp and which libm's (a loop's tail):
+# the native MLP and sigmoid router compute each element as torch does (native/torch_rounding.h)
+native.set_torch_vector_bytes({"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability(), 0))
+
 
 def eligible(cfg: ModelConfig, dtype: torch.dtype, native_dense: bool) -> bool:
     """Whether the model's attention layers fit the native step: GQA (with QK-norm, biases, partial rotary by

@@ -183,6 +183,10 @@ PYBIND11_MODULE(_native, m) {
   }, py::arg("pf_bytes"), py::arg("task_kb"));
   m.def("get_tuning", [] { return py::make_tuple(tuning().pf_bytes, tuning().task_bytes / 1024); });
   m.def("best_isa", [] { return std::string(isa_name(best_isa(detect_cpu()))); });
+  m.def("set_torch_vector_bytes", &rounding::set_torch_vector_bytes, py::arg("bytes"),
+        "torch's CPU vector width (64 AVX512, 32 AVX2, 0 DEFAULT): where its silu and sigmoid switch from Sleef's "
+        "exp to libm's (native/torch_rounding.h)");
+  m.def("torch_vector_bytes", &rounding::torch_vector_bytes);
   m.def("isa_supported", [](const std::string& p) { return isa_supported(parse_isa(p), detect_cpu()); });
   m.def("read_bandwidth", [](uintptr_t buf, size_t n, const std::string& variant) {
     py::gil_scoped_release nogil;

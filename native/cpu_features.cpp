@@ -3,7 +3,10 @@
 // grant this process the tile data state. All must agree.
 #include <cpuid.h>
 
+#include <atomic>
+
 #include "moe.h"
+#include "torch_rounding.h"
 
 namespace moe {
 
@@ -46,6 +49,22 @@ CpuFeatures detect_cpu() {
   static const CpuFeatures f = probe_cpu();
   return f;
 }
+
+namespace rounding {
+namespace {
+std::atomic<int> vector_bytes{-1};  // -1: not set
+}
+int torch_vector_bytes() {
+  const int b = vector_bytes.load(std::memory_order_relaxed);
+  if (b >= 0) return b;
+  const CpuFeatures f = detect_cpu();  // torch's own default choice on x86
+  return f.avx512f && f.avx512bw && f.os_avx512 ? 64 : f.avx2 && f.fma && f.os_avx ? 32 : 0;
+}
+void set_torch_vector_bytes(int bytes) {
+  MOE_CHECK(bytes == 0 || bytes == 32 || bytes == 64, "torch's vector width: 0, 32 or 64 bytes");
+  vector_bytes.store(bytes, std::memory_order_relaxed);
+}
+}  // namespace rounding
 
 bool isa_supported(Isa isa, const CpuFeatures& f) {
   switch (isa) {

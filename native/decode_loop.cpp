@@ -14,6 +14,7 @@
 
 #include "common.h"
 #include "torch_rounding.h"
+#include "vec_builds.h"
 
 namespace moe {
 
@@ -28,25 +29,27 @@ struct LoopScratch {  // per calling thread: the local path's request, its answe
 };
 
 template <class T>
-void add_rows(T* h, const T* y, size_t n) {
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void add_rows(T* h, const T* y, size_t n) {
   for (size_t i = 0; i < n; ++i) put(h, i, get(h, i) + get(y, i));
 }
 
 template <class T>
-void add_answer(T* h, T* y, const T* late, const T* shared, size_t n) {
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void add_answer_t(T* h, T* y, const T* late,
+                                                                                     const T* shared, size_t n) {
   if (late) add_rows(y, late, n);
   if (shared) add_rows(y, shared, n);
   add_rows(h, y, n);
 }
+MOE_VEC_BUILDS(add_answer_any, add_answer_t)
 
 // the layer loop's y = y + late (if any), then h = h + (y + shared) (if any), each rounded to the model dtype
-void add_answer(bool bf16, void* h, void* y, const void* late, const void* shared, size_t n) {
-  if (bf16)
-    add_answer(static_cast<uint16_t*>(h), static_cast<uint16_t*>(y), static_cast<const uint16_t*>(late),
-               static_cast<const uint16_t*>(shared), n);
+void add_answer(const GqaBlock& g, void* h, void* y, const void* late, const void* shared, size_t n) {
+  if (g.bf16)
+    add_answer_any(vec_of(g.isa), static_cast<uint16_t*>(h), static_cast<uint16_t*>(y),
+                   static_cast<const uint16_t*>(late), static_cast<const uint16_t*>(shared), n);
   else
-    add_answer(static_cast<float*>(h), static_cast<float*>(y), static_cast<const float*>(late),
-               static_cast<const float*>(shared), n);
+    add_answer_any(vec_of(g.isa), static_cast<float*>(h), static_cast<float*>(y), static_cast<const float*>(late),
+                   static_cast<const float*>(shared), n);
 }
 
 }  // namespace
@@ -73,7 +76,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
       mlp_forward(*mlp, B, s.x.data(), s.sh.data());
       tm[MLP_END] = wall_ns();
       for (int c = SUBMIT_END; c < MLP_END; ++c) tm[c] = 0;
-      add_answer(g.bf16, h, s.sh.data(), nullptr, nullptr, n);
+      add_answer(g, h, s.sh.data(), nullptr, nullptr, n);
       continue;
     }
     MOE_CHECK(g.top_k > 0 && defer < g.top_k, "decode loop: defer not below a layer's top-k");
@@ -106,7 +109,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
       tm[WAIT_END] = wall_ns();
       for (int c = QUEUED_US; c < MLP_END; ++c) tm[c] = 0;
       if (late_due) late = s.late.data();
-      add_answer(g.bf16, h, s.y.data(), late, mlp ? s.sh.data() : nullptr, n);
+      add_answer(g, h, s.y.data(), late, mlp ? s.sh.data() : nullptr, n);
       std::swap(s.late, s.late_next);
       continue;
     }
@@ -161,7 +164,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
     }
     tm[WAIT_END] = wall_ns();
     if (late_due) late = r.late.data();
-    add_answer(g.bf16, h, s.y.data(), late, mlp ? s.sh.data() : nullptr, n);
+    add_answer(g, h, s.y.data(), late, mlp ? s.sh.data() : nullptr, n);
   }
   {
     std::lock_guard<std::mutex> lk(compute_mutex());

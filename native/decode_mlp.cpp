@@ -2,9 +2,9 @@
 // loop runs between handing the routed experts over and waiting for them. The kernel calls and the elementwise
 // work between them, rounded where the torch path rounds (Model._mlp / _shared on the same packed matrices:
 // NativeLinear's outputs in T, F.silu in T, the product in T; Qwen2-MoE's sigmoid of its gate's logit in T times
-// the MLP's output), silu and sigmoid with the exp of torch's vector kernels: the torch path's numbers bit for
-// bit, but for a row's tail past torch's vector width, which torch computes with std::exp (the intermediate sizes
-// published are multiples of 16). The layer loop and the decode loop both call this: they agree bit for bit.
+// the MLP's output), silu and sigmoid with the exp torch uses for each element (Sleef's in its vector loop, libm's
+// in the loop's tail: torch_rounding.h): the torch path's numbers bit for bit. The layer loop and the decode loop
+// both call this: they agree bit for bit.
 #include <cmath>
 #include <vector>
 
@@ -22,23 +22,24 @@ struct MlpScratch {  // per calling thread
   std::vector<float> xf, gu, act, y, z;
 };
 
-// a row's silu(gate) * up as torch rounds it: gate, up, silu and the product each held in T
+// a row's silu(gate) * up as torch rounds it: gate, up, silu and the product each held in T; silu with Sleef's exp
+// up to `from`, libm's after it (torch's vector loop and its scalar tail)
 template <class T>
-__attribute__((always_inline)) inline void swiglu_row(const float* gu, int I, float* a) {
-  for (int i = 0; i < I; ++i) {
+__attribute__((always_inline)) inline void swiglu_row(const float* gu, int I, size_t from, float* a) {
+  for (size_t i = 0; i < size_t(I); ++i) {
     const float g = held<T>(gu[i]), u = held<T>(gu[I + i]);
-    a[i] = held<T>(held<T>(torch_silu(g)) * u);
+    a[i] = held<T>(held<T>(i < from ? torch_silu(g) : libm_silu(g)) * u);
   }
 }
 // compiled for FMA too: torch_expf's fmas one instruction each, not libm calls
 template <class T>
 __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void swiglu_row_fma(const float* gu, int I,
-                                                                                        float* a) {
-  swiglu_row<T>(gu, I, a);
+                                                                                        size_t from, float* a) {
+  swiglu_row<T>(gu, I, from, a);
 }
 template <class T>
-__attribute__((optimize("fp-contract=off"))) void swiglu_row_plain(const float* gu, int I, float* a) {
-  swiglu_row<T>(gu, I, a);
+__attribute__((optimize("fp-contract=off"))) void swiglu_row_plain(const float* gu, int I, size_t from, float* a) {
+  swiglu_row<T>(gu, I, from, a);
 }
 
 template <class T>
@@ -50,14 +51,19 @@ void run(const Mlp& m, int B, const T* x, T* out) {
   linear_forward(*m.gate_up_k, m.gate_up, s.xf.data(), B, s.gu.data());
   const CpuFeatures& f = detect_cpu();
   const bool fma = f.fma && f.avx2 && f.os_avx;
+  const int vb = torch_vector_bytes();
+  const size_t from = torch_scalar_from<T>(size_t(I), vb);  // the gate: a strided view, a run per row
   for (int t = 0; t < B; ++t)
-    (fma ? swiglu_row_fma<T> : swiglu_row_plain<T>)(s.gu.data() + size_t(t) * 2 * I, I, s.act.data() + size_t(t) * I);
+    (fma ? swiglu_row_fma<T> : swiglu_row_plain<T>)(s.gu.data() + size_t(t) * 2 * I, I, from,
+                                                    s.act.data() + size_t(t) * I);
   linear_forward(*m.down_k, m.down, s.act.data(), B, s.y.data());
   const bool gated = m.gate_k != nullptr;
   s.z.resize(size_t(B));
   if (gated) linear_forward(*m.gate_k, m.gate, s.xf.data(), B, s.z.data());  // the gate's logit, a row
+  const size_t z_from = torch_scalar_from<T>(size_t(B), vb);  // the logits: one run of B
   for (int t = 0; t < B; ++t) {
-    const float scale = gated ? held<T>(torch_sigmoid(held<T>(s.z[t]))) : 1.f;  // in T, its sigmoid in T
+    const float z = held<T>(s.z[t]);  // in T, its sigmoid in T
+    const float scale = gated ? held<T>(size_t(t) < z_from ? torch_sigmoid(z) : libm_sigmoid(z)) : 1.f;
     for (int i = 0; i < H; ++i) {
       const float y = held<T>(s.y[size_t(t) * H + i]);
       put(out, size_t(t) * H + i, gated ? scale * y : y);

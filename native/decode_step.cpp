@@ -18,6 +18,7 @@
 #include "common.h"
 #include "moe.h"
 #include "torch_rounding.h"
+#include "vec_builds.h"
 
 namespace moe {
 
@@ -30,16 +31,36 @@ struct Scratch {  // per calling thread, reused across calls (a decode step's fe
   std::vector<uint8_t> xn, qkv, rot, tmp;  // T elements
 };
 
-void matvec_f32(const float* W, const float* x, int B, int E, int H, float* y);
-
 template <class T>
 T* as(std::vector<uint8_t>& v, size_t n) {
   v.resize(n * sizeof(T));
   return reinterpret_cast<T*>(v.data());
 }
 
+// y [B, E] = x [B, H] W^T, W [E, H] fp32: each row of W read once for the B rows. Sixteen partial sums a row
+// (lanes the compiler vectorizes without reassociating), added pairwise at the end; the router's few MB per token
+// are read at DRAM speed either way.
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void matvec_f32(
+    const float* W, const float* x, int B, int E, int H, float* y) {
+  constexpr int LANES = 16;
+  const int body = H - H % LANES;
+  for (int e = 0; e < E; ++e) {
+    const float* w = W + size_t(e) * H;
+    for (int t = 0; t < B; ++t) {
+      const float* xt = x + size_t(t) * H;
+      float acc[LANES] = {};
+      for (int j = 0; j < body; j += LANES)
+        for (int l = 0; l < LANES; ++l) acc[l] += w[j + l] * xt[j + l];
+      for (int j = body; j < H; ++j) acc[j - body] += w[j] * xt[j];
+      for (int n = LANES / 2; n > 0; n /= 2)
+        for (int l = 0; l < n; ++l) acc[l] += acc[l + n];
+      y[size_t(t) * E + e] = acc[0];
+    }
+  }
+}
+
 template <class T>
-void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const DecodeSeq* seqs, T* x_out, int32_t* ids,
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const DecodeSeq* seqs, T* x_out, int32_t* ids,
          float* weights) {
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
   static thread_local Scratch s;
@@ -142,26 +163,9 @@ void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const Decod
   softmax_topk(s.y.data(), B, E, g.top_k, g.norm_topk, BF16 && g.round_w, ids, weights);
 }
 
-// y [B, E] = x [B, H] W^T, W [E, H] fp32: each row of W read once for the B rows. Sixteen partial sums a row
-// (lanes the compiler vectorizes without reassociating), added pairwise at the end; the router's few MB per token
-// are read at DRAM speed either way.
-void matvec_f32(const float* W, const float* x, int B, int E, int H, float* y) {
-  constexpr int LANES = 16;
-  const int body = H - H % LANES;
-  for (int e = 0; e < E; ++e) {
-    const float* w = W + size_t(e) * H;
-    for (int t = 0; t < B; ++t) {
-      const float* xt = x + size_t(t) * H;
-      float acc[LANES] = {};
-      for (int j = 0; j < body; j += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += w[j + l] * xt[j + l];
-      for (int j = body; j < H; ++j) acc[j - body] += w[j] * xt[j];
-      for (int n = LANES / 2; n > 0; n /= 2)
-        for (int l = 0; l < n; ++l) acc[l] += acc[l + n];
-      y[size_t(t) * E + e] = acc[0];
-    }
-  }
-}
+// the block's own loops (conversions, roundings, bias and residual adds, the fp32 router's mat-vec) built for the
+// kernel path's vector width
+MOE_VEC_BUILDS(run_any, run)
 
 }  // namespace
 
@@ -209,10 +213,11 @@ void sigmoid_topk(const float* logits, const float* bias, int B, int E, int k, i
   const auto before = [](const std::pair<float, int>& x, const std::pair<float, int>& y) {
     return x.first > y.first || (x.first == y.first && x.second < y.second);
   };
+  const size_t from = torch_scalar_from<float>(size_t(B) * E, torch_vector_bytes());  // the logits: one run
   for (int t = 0; t < B; ++t) {
     const float* l = logits + size_t(t) * E;
     for (int e = 0; e < E; ++e) {
-      score[e] = torch_sigmoid(l[e]);
+      score[e] = size_t(t) * E + e < from ? torch_sigmoid(l[e]) : libm_sigmoid(l[e]);
       choice[e] = bias ? score[e] + bias[e] : score[e];
     }
     if (topk_group < n_group) {  // each group scored by its two best choices; the other groups' experts out
@@ -255,11 +260,12 @@ void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const 
   MOE_CHECK(!g.sig_w || (g.E > 0 && ids && weights), "decode block: the sigmoid router does not fit");
   for (int t = 0; t < B; ++t)
     MOE_CHECK(seqs[t].pos >= 0 && seqs[t].table, "decode block: a sequence without a position or block table");
+  const Vec v = vec_of(g.isa);
   if (g.bf16)
-    run(g, B, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin), seqs,
+    run_any(v, g, B, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin), seqs,
         static_cast<uint16_t*>(x_out), ids, weights);
   else
-    run(g, B, static_cast<float*>(h), static_cast<const float*>(cos), static_cast<const float*>(sin), seqs,
+    run_any(v, g, B, static_cast<float*>(h), static_cast<const float*>(cos), static_cast<const float*>(sin), seqs,
         static_cast<float*>(x_out), ids, weights);
 }
 

@@ -1,8 +1,8 @@
 // RMSNorm and rotary embeddings for a decode step's few rows, with torch's rounding: what the GPU
 // service's layers do in torch (gpu_service/layers.py rms_norm, apply_rope) in one call each instead
 // of 7-8 torch ops, whose dispatch costs far more than the arithmetic (docs/decode_step.md). Plain
-// loops the compiler vectorizes: a few thousand elements a call; no threads. fp-contract off: torch
-// rounds each product before the sum.
+// loops the compiler vectorizes, built per vector width (vec_builds.h): a few thousand elements a call; no
+// threads. fp-contract off: torch rounds each product before the sum.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -10,6 +10,7 @@
 #include "common.h"
 #include "moe.h"
 #include "torch_rounding.h"
+#include "vec_builds.h"
 
 namespace moe {
 
@@ -63,69 +64,15 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void rope_t(c
   }
 }
 
-// The loops above built for AVX-512, AVX2 and the baseline, chosen at run time: lane-wise (no sum reassociated,
-// no contraction), so every build gives the same bits; at the baseline (SSE2) the bf16 conversions stay scalar
-// (perf at 48 layers: norms and rope ~50 us a layer).
-enum class Vec { Base, V256, V512 };
-Vec vec_level() {
-  const CpuFeatures& f = detect_cpu();
-  return f.avx512f && f.avx512bw && f.os_avx512 ? Vec::V512 : f.avx2 && f.os_avx ? Vec::V256 : Vec::Base;
-}
-
-template <class X, class W, class O>
-__attribute__((target("avx512f,avx512bw"), optimize("fp-contract=off"))) void rms_norm_512(
-    const X* x, const W* w, O* out, int rows, int n, float eps) {
-  rms_norm_t(x, w, out, rows, n, eps);
-}
-template <class X, class W, class O>
-__attribute__((target("avx2"), optimize("fp-contract=off"))) void rms_norm_256(const X* x, const W* w, O* out,
-                                                                               int rows, int n, float eps) {
-  rms_norm_t(x, w, out, rows, n, eps);
-}
-template <class X, class W, class O>
-__attribute__((optimize("fp-contract=off"))) void rms_norm_base(const X* x, const W* w, O* out, int rows, int n,
-                                                                float eps) {
-  rms_norm_t(x, w, out, rows, n, eps);
-}
-template <class X, class W, class O>
-void rms_norm_any(const X* x, const W* w, O* out, int rows, int n, float eps) {
-  switch (vec_level()) {
-    case Vec::V512: return rms_norm_512(x, w, out, rows, n, eps);
-    case Vec::V256: return rms_norm_256(x, w, out, rows, n, eps);
-    default: return rms_norm_base(x, w, out, rows, n, eps);
-  }
-}
-
-template <class X>
-__attribute__((target("avx512f,avx512bw"), optimize("fp-contract=off"))) void rope_512(
-    const X* x, X* out, int T, int heads, int dim, const X* cos, const X* sin) {
-  rope_t(x, out, T, heads, dim, cos, sin);
-}
-template <class X>
-__attribute__((target("avx2"), optimize("fp-contract=off"))) void rope_256(const X* x, X* out, int T, int heads,
-                                                                           int dim, const X* cos, const X* sin) {
-  rope_t(x, out, T, heads, dim, cos, sin);
-}
-template <class X>
-__attribute__((optimize("fp-contract=off"))) void rope_base(const X* x, X* out, int T, int heads, int dim,
-                                                            const X* cos, const X* sin) {
-  rope_t(x, out, T, heads, dim, cos, sin);
-}
-template <class X>
-void rope_any(const X* x, X* out, int T, int heads, int dim, const X* cos, const X* sin) {
-  switch (vec_level()) {
-    case Vec::V512: return rope_512(x, out, T, heads, dim, cos, sin);
-    case Vec::V256: return rope_256(x, out, T, heads, dim, cos, sin);
-    default: return rope_base(x, out, T, heads, dim, cos, sin);
-  }
-}
+MOE_VEC_BUILDS(rms_norm_any, rms_norm_t)
+MOE_VEC_BUILDS(rope_any, rope_t)
 
 template <class X, class W>
 void rms_norm_out(const X* x, const W* w, void* out, bool out_bf16, int rows, int n, float eps) {
   if (out_bf16)
-    rms_norm_any(x, w, static_cast<uint16_t*>(out), rows, n, eps);
+    rms_norm_any(vec_level(), x, w, static_cast<uint16_t*>(out), rows, n, eps);
   else
-    rms_norm_any(x, w, static_cast<float*>(out), rows, n, eps);
+    rms_norm_any(vec_level(), x, w, static_cast<float*>(out), rows, n, eps);
 }
 
 template <class X>
@@ -148,10 +95,10 @@ void rms_norm_rows(const void* x, bool x_bf16, const void* w, bool w_bf16, void*
 
 void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, const void* cos, const void* sin) {
   if (bf16)
-    rope_any(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), T, heads, dim,
+    rope_any(vec_level(), static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), T, heads, dim,
            static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin));
   else
-    rope_any(static_cast<const float*>(x), static_cast<float*>(out), T, heads, dim, static_cast<const float*>(cos),
+    rope_any(vec_level(), static_cast<const float*>(x), static_cast<float*>(out), T, heads, dim, static_cast<const float*>(cos),
            static_cast<const float*>(sin));
 }
 

@@ -60,5 +60,22 @@ __attribute__((always_inline)) inline float torch_expf(float d) {
 __attribute__((always_inline)) inline float torch_silu(float x) { return x / (1.f + torch_expf(-x)); }
 __attribute__((always_inline)) inline float torch_sigmoid(float x) { return 1.f / (1.f + torch_expf(-x)); }
 
+// torch's elementwise CPU loops (ATen/native/cpu/Loops.h vectorized_loop) take two vectors at a time and leave a
+// contiguous run's last n % (2 * lanes) elements to the scalar function, whose exp is libm's expf; at its DEFAULT
+// capability the vector exp is libm's too. torch_vector_bytes: 64 (AVX512), 32 (AVX2) or 0 (DEFAULT), from
+// torch's own capability (gpu_service/decode_step.py sets it; this CPU's widest until then).
+int torch_vector_bytes();
+void set_torch_vector_bytes(int bytes);
+// the first of a run of n elements of T that torch computes with the scalar function
+template <class T>
+inline size_t torch_scalar_from(size_t n, int vector_bytes) {
+  if (vector_bytes <= 0) return 0;
+  const size_t pair = 2 * size_t(vector_bytes) / sizeof(T);
+  return n - n % pair;
+}
+// silu and sigmoid as torch's scalar functions compute them (a run's tail, or every element at DEFAULT)
+inline float libm_silu(float x) { return x / (1.f + std::exp(-x)); }
+inline float libm_sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
 }  // namespace rounding
 }  // namespace moe
