@@ -11,6 +11,7 @@
 #include "common.h"
 #include "moe.h"
 #include "torch_rounding.h"
+#include "vec_builds.h"
 
 namespace moe {
 
@@ -23,24 +24,17 @@ struct MlpScratch {  // per calling thread
 };
 
 // a row's silu(gate) * up as torch rounds it: gate, up, silu and the product each held in T; silu with Sleef's exp
-// up to `from`, libm's after it (torch's vector loop and its scalar tail)
+// up to `from`, libm's after it (torch's vector loop and its scalar tail); the first argument only names T
 template <class T>
-__attribute__((always_inline)) inline void swiglu_row(const float* gu, int I, size_t from, float* a) {
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void swiglu_row(const T*, const float* gu, int I,
+                                                                                   size_t from, float* a) {
   for (size_t i = 0; i < size_t(I); ++i) {
     const float g = held<T>(gu[i]), u = held<T>(gu[I + i]);
     a[i] = held<T>(held<T>(i < from ? torch_silu(g) : libm_silu(g)) * u);
   }
 }
 // compiled for FMA too: torch_expf's fmas one instruction each, not libm calls
-template <class T>
-__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void swiglu_row_fma(const float* gu, int I,
-                                                                                        size_t from, float* a) {
-  swiglu_row<T>(gu, I, from, a);
-}
-template <class T>
-__attribute__((optimize("fp-contract=off"))) void swiglu_row_plain(const float* gu, int I, size_t from, float* a) {
-  swiglu_row<T>(gu, I, from, a);
-}
+MOE_FMA_BUILDS(swiglu_row_any, swiglu_row)
 
 template <class T>
 void run(const Mlp& m, int B, const T* x, T* out) {
@@ -49,13 +43,11 @@ void run(const Mlp& m, int B, const T* x, T* out) {
   s.xf.resize(size_t(B) * H), s.gu.resize(size_t(B) * 2 * I), s.act.resize(size_t(B) * I), s.y.resize(size_t(B) * H);
   for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(x, i);
   linear_forward(*m.gate_up_k, m.gate_up, s.xf.data(), B, s.gu.data());
-  const CpuFeatures& f = detect_cpu();
-  const bool fma = f.fma && f.avx2 && f.os_avx;
+  const bool fma = has_fma();
   const int vb = torch_vector_bytes();
   const size_t from = torch_scalar_from<T>(size_t(I), vb);  // the gate: a strided view, a run per row
   for (int t = 0; t < B; ++t)
-    (fma ? swiglu_row_fma<T> : swiglu_row_plain<T>)(s.gu.data() + size_t(t) * 2 * I, I, from,
-                                                    s.act.data() + size_t(t) * I);
+    swiglu_row_any(fma, x, s.gu.data() + size_t(t) * 2 * I, I, from, s.act.data() + size_t(t) * I);
   linear_forward(*m.down_k, m.down, s.act.data(), B, s.y.data());
   const bool gated = m.gate_k != nullptr;
   s.z.resize(size_t(B));

@@ -8,8 +8,8 @@
 //
 // Rounding is torch's at every point the reference rounds (model dtype T: bf16 bits or fp32): the projections'
 // fp32 outputs, the bias adds, the norms, rope, the attention output and the residual add, so one sequence's
-// block is bit for bit the reference's; the router's softmax uses std::exp, not torch's vectorized one, so its
-// weights may differ in the last bits (its choice is torch's topk algorithm: tests/test_decode_step.py).
+// block is bit for bit the reference's; the routers' softmax and sigmoid are torch's kernels' arithmetic in
+// their order (torch_rounding.h), their choice torch's topk algorithm (tests/test_decode_step.py).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -167,6 +167,16 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void run(cons
 // kernel path's vector width
 MOE_VEC_BUILDS(run_any, run)
 
+// out[e] = exp(l[e] - mx): torch's vector exp (Sleef's: torch_expf) or libm's
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void exp_shifted(const float* l, int E, float mx,
+                                                                                    bool sleef, float* out) {
+  if (sleef)
+    for (int e = 0; e < E; ++e) out[e] = torch_expf(l[e] - mx);
+  else
+    for (int e = 0; e < E; ++e) out[e] = std::exp(l[e] - mx);
+}
+MOE_FMA_BUILDS(exp_shifted_any, exp_shifted)
+
 }  // namespace
 
 void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool round_bf16, int32_t* ids,
@@ -179,13 +189,17 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
   const auto before = [](const elem& x, const elem& y) {
     return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
   };
+  // torch's softmax over the last dim (SoftMaxKernel.cpp _vec_softmax_lastdim): the max, exp(x - max) with its
+  // vector exp (libm's at DEFAULT), their sum in vec::reduce_all's order, each times 1 / sum: its bits
+  const int vb = torch_vector_bytes(), V = (vb > 0 ? vb : 32) / 4;
+  const bool fma = has_fma();
+  std::vector<float> ex(E);
   for (int t = 0; t < B; ++t) {
     const float* l = logits + size_t(t) * E;
     const float mx = *std::max_element(l, l + E);
-    float sum = 0.f;
-    for (int e = 0; e < E; ++e) sum += (q[e] = elem(std::exp(l[e] - mx), e)).first;
-    const float inv = 1.f / sum;  // torch's softmax multiplies by the reciprocal
-    for (int e = 0; e < E; ++e) q[e].first *= inv;
+    exp_shifted_any(fma, l, E, mx, vb > 0, ex.data());
+    const float inv = 1.f / torch_sum(ex.data(), size_t(E), V, vb > 0);
+    for (int e = 0; e < E; ++e) q[e] = elem(ex[e] * inv, e);
     if (int64_t(k) * 64 <= E) {
       std::partial_sort(q.begin(), q.begin() + k, q.end(), before);
     } else {

@@ -73,6 +73,31 @@ inline size_t torch_scalar_from(size_t n, int vector_bytes) {
   const size_t pair = 2 * size_t(vector_bytes) / sizeof(T);
   return n - n % pair;
 }
+// torch's vec::reduce_all of a sum of n fp32 values (ATen/cpu/vec/functional_base.h; its softmax's sum): V lanes
+// summed lane-wise, a short tail into the first lanes, then the lanes pairwise (its AVX2 / AVX-512 shuffles: tree)
+// or one after another (DEFAULT); fewer than V values one after another
+inline float torch_sum(const float* x, size_t n, int V, bool tree) {
+  if (n < size_t(V)) {
+    float s = n ? x[0] : 0.f;
+    for (size_t i = 1; i < n; ++i) s += x[i];
+    return s;
+  }
+  float acc[16];
+  for (int l = 0; l < V; ++l) acc[l] = x[l];
+  size_t d = V;
+  for (; d < n - n % V; d += V)
+    for (int l = 0; l < V; ++l) acc[l] += x[d + l];
+  for (size_t l = 0; d + l < n; ++l) acc[l] += x[d + l];
+  if (!tree) {
+    float s = acc[0];
+    for (int l = 1; l < V; ++l) s += acc[l];
+    return s;
+  }
+  for (int w = V / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
 // silu and sigmoid as torch's scalar functions compute them (a run's tail, or every element at DEFAULT)
 inline float libm_silu(float x) { return x / (1.f + std::exp(-x)); }
 inline float libm_sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }

@@ -22,6 +22,12 @@ inline Vec vec_of(Isa isa) {
   return isa == Isa::Avx512 || isa == Isa::Amx ? Vec::V512 : ymm_path(isa) ? Vec::V256 : Vec::Base;
 }
 
+// whether this CPU runs AVX2 + FMA (torch_rounding.h's torch_expf: its fmas one instruction each)
+inline bool has_fma() {
+  const CpuFeatures& f = detect_cpu();
+  return f.fma && f.avx2 && f.os_avx;
+}
+
 }  // namespace moe
 
 // NAME(Vec, args...) calls FN(args...) built for that width (FN's template arguments deduced from args)
@@ -43,4 +49,21 @@ inline Vec vec_of(Isa isa) {
     if (v == ::moe::Vec::V512) return NAME##_512(static_cast<A&&>(a)...);                                    \
     if (v == ::moe::Vec::V256) return NAME##_256(static_cast<A&&>(a)...);                                    \
     NAME##_base(static_cast<A&&>(a)...);                                                                                       \
+  }
+
+// NAME(fma, args...) calls FN(args...) built for AVX2 + FMA (fma true: std::fma one instruction, not a libm call;
+// the caller checks the CPU) or the baseline; FN as above
+#define MOE_FMA_BUILDS(NAME, FN)                                                                             \
+  template <class... A>                                                                                      \
+  __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void NAME##_fma(A&&... a) {               \
+    FN(static_cast<A&&>(a)...);                                                                              \
+  }                                                                                                          \
+  template <class... A>                                                                                      \
+  __attribute__((optimize("fp-contract=off"))) void NAME##_plain(A&&... a) {                                 \
+    FN(static_cast<A&&>(a)...);                                                                              \
+  }                                                                                                          \
+  template <class... A>                                                                                      \
+  void NAME(bool fma, A&&... a) {                                                                            \
+    if (fma) return NAME##_fma(static_cast<A&&>(a)...);                                                      \
+    NAME##_plain(static_cast<A&&>(a)...);                                                                    \
   }
