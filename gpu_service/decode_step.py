@@ -2,8 +2,7 @@
 sequence adds one token, a layer's input norm, q/k/v, QK-norm, rope, KV append, paged attention, o_proj, residual
 and post-attention norm, and an MoE layer's softmax router, are one native call for all the step's sequences,
 instead of ~30 torch ops and 7 native calls a sequence (attention.gqa_attention and layers.route, the reference:
-bit for bit for one sequence up to the router; the router's softmax is not torch's vectorized exp, so its weights
-may differ in the last bit).
+bit for bit for one sequence, the softmax router included; the sigmoid router's fp32 logits to the last bits).
 
 Built per layer when the weights allow it (`blocks`); any other layer or step takes the torch path."""
 from __future__ import annotations
