@@ -60,8 +60,10 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void matvec_f
 }
 
 template <class T>
-__attribute__((always_inline, optimize("fp-contract=off"))) inline void run(const GqaBlock& g, int B, T* h, const T* cos, const T* sin, const DecodeSeq* seqs, T* x_out, int32_t* ids,
-         float* weights) {
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void run(const GqaBlock& g, int B, T* h,
+                                                                           const T* cos, const T* sin,
+                                                                           const DecodeSeq* seqs, T* x_out,
+                                                                           int32_t* ids, float* weights) {
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
   static thread_local Scratch s;
   const int H = g.H, nh = g.nh, nkv = g.nkv, d = g.d, nq = nh * d, nk = nkv * d, rows = nq + 2 * nk;
@@ -276,11 +278,11 @@ void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const 
     MOE_CHECK(seqs[t].pos >= 0 && seqs[t].table, "decode block: a sequence without a position or block table");
   const Vec v = vec_of(g.isa);
   if (g.bf16)
-    run_any(v, g, B, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin), seqs,
-        static_cast<uint16_t*>(x_out), ids, weights);
+    run_any(v, g, B, static_cast<uint16_t*>(h), static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin),
+            seqs, static_cast<uint16_t*>(x_out), ids, weights);
   else
     run_any(v, g, B, static_cast<float*>(h), static_cast<const float*>(cos), static_cast<const float*>(sin), seqs,
-        static_cast<float*>(x_out), ids, weights);
+            static_cast<float*>(x_out), ids, weights);
 }
 
 }  // namespace moe

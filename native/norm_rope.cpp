@@ -96,10 +96,10 @@ void rms_norm_rows(const void* x, bool x_bf16, const void* w, bool w_bf16, void*
 void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, const void* cos, const void* sin) {
   if (bf16)
     rope_any(vec_level(), static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), T, heads, dim,
-           static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin));
+             static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin));
   else
-    rope_any(vec_level(), static_cast<const float*>(x), static_cast<float*>(out), T, heads, dim, static_cast<const float*>(cos),
-           static_cast<const float*>(sin));
+    rope_any(vec_level(), static_cast<const float*>(x), static_cast<float*>(out), T, heads, dim,
+             static_cast<const float*>(cos), static_cast<const float*>(sin));
 }
 
 }  // namespace moe

@@ -31,39 +31,39 @@ inline bool has_fma() {
 }  // namespace moe
 
 // NAME(Vec, args...) calls FN(args...) built for that width (FN's template arguments deduced from args)
-#define MOE_VEC_BUILDS(NAME, FN)                                                                             \
-  template <class... A>                                                                                      \
-  __attribute__((target("avx512f,avx512bw"), optimize("fp-contract=off"))) void NAME##_512(A&&... a) {       \
-    FN(static_cast<A&&>(a)...);                                                                                                \
-  }                                                                                                          \
-  template <class... A>                                                                                      \
-  __attribute__((target("avx2"), optimize("fp-contract=off"))) void NAME##_256(A&&... a) {                   \
-    FN(static_cast<A&&>(a)...);                                                                                                \
-  }                                                                                                          \
-  template <class... A>                                                                                      \
-  __attribute__((optimize("fp-contract=off"))) void NAME##_base(A&&... a) {                                  \
-    FN(static_cast<A&&>(a)...);                                                                                                \
-  }                                                                                                          \
-  template <class... A>                                                                                      \
-  void NAME(::moe::Vec v, A&&... a) {                                                                        \
-    if (v == ::moe::Vec::V512) return NAME##_512(static_cast<A&&>(a)...);                                    \
-    if (v == ::moe::Vec::V256) return NAME##_256(static_cast<A&&>(a)...);                                    \
-    NAME##_base(static_cast<A&&>(a)...);                                                                                       \
+#define MOE_VEC_BUILDS(NAME, FN)                                                                                      \
+  template <class... A>                                                                                               \
+  __attribute__((target("avx512f,avx512bw"), optimize("fp-contract=off"))) void NAME##_512(A&&... a) {                \
+    FN(static_cast<A&&>(a)...);                                                                                       \
+  }                                                                                                                   \
+  template <class... A>                                                                                               \
+  __attribute__((target("avx2"), optimize("fp-contract=off"))) void NAME##_256(A&&... a) {                            \
+    FN(static_cast<A&&>(a)...);                                                                                       \
+  }                                                                                                                   \
+  template <class... A>                                                                                               \
+  __attribute__((optimize("fp-contract=off"))) void NAME##_base(A&&... a) {                                           \
+    FN(static_cast<A&&>(a)...);                                                                                       \
+  }                                                                                                                   \
+  template <class... A>                                                                                               \
+  void NAME(::moe::Vec v, A&&... a) {                                                                                 \
+    if (v == ::moe::Vec::V512) return NAME##_512(static_cast<A&&>(a)...);                                             \
+    if (v == ::moe::Vec::V256) return NAME##_256(static_cast<A&&>(a)...);                                             \
+    NAME##_base(static_cast<A&&>(a)...);                                                                              \
   }
 
 // NAME(fma, args...) calls FN(args...) built for AVX2 + FMA (fma true: std::fma one instruction, not a libm call;
 // the caller checks the CPU) or the baseline; FN as above
-#define MOE_FMA_BUILDS(NAME, FN)                                                                             \
-  template <class... A>                                                                                      \
-  __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void NAME##_fma(A&&... a) {               \
-    FN(static_cast<A&&>(a)...);                                                                              \
-  }                                                                                                          \
-  template <class... A>                                                                                      \
-  __attribute__((optimize("fp-contract=off"))) void NAME##_plain(A&&... a) {                                 \
-    FN(static_cast<A&&>(a)...);                                                                              \
-  }                                                                                                          \
-  template <class... A>                                                                                      \
-  void NAME(bool fma, A&&... a) {                                                                            \
-    if (fma) return NAME##_fma(static_cast<A&&>(a)...);                                                      \
-    NAME##_plain(static_cast<A&&>(a)...);                                                                    \
+#define MOE_FMA_BUILDS(NAME, FN)                                                                                      \
+  template <class... A>                                                                                               \
+  __attribute__((target("avx2,fma"), optimize("fp-contract=off"))) void NAME##_fma(A&&... a) {                        \
+    FN(static_cast<A&&>(a)...);                                                                                       \
+  }                                                                                                                   \
+  template <class... A>                                                                                               \
+  __attribute__((optimize("fp-contract=off"))) void NAME##_plain(A&&... a) {                                          \
+    FN(static_cast<A&&>(a)...);                                                                                       \
+  }                                                                                                                   \
+  template <class... A>                                                                                               \
+  void NAME(bool fma, A&&... a) {                                                                                     \
+    if (fma) return NAME##_fma(static_cast<A&&>(a)...);                                                               \
+    NAME##_plain(static_cast<A&&>(a)...);                                                                             \
   }
