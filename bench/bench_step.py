@@ -122,7 +122,9 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
 
 def decode_profile(port: int, prompt: list[int], tokens: int) -> list[tuple]:
     import grpc
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    # the profile's spans (~200 bytes each, ~5 a layer and token: 4.4 MB at 48 layers and 400 tokens) exceed
+    # grpc's default 4 MB a message
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 1 << 30)]) as ch:
         req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=tokens,
                                            ignore_eos=True, profile=True,
                                            sampling=generate_pb2.SamplingParams(temperature=0))
