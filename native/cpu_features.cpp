@@ -7,6 +7,7 @@
 
 #include "moe.h"
 #include "torch_rounding.h"
+#include "vec_builds.h"
 
 namespace moe {
 
@@ -57,8 +58,7 @@ std::atomic<int> vector_bytes{-1};  // -1: not set
 int torch_vector_bytes() {
   const int b = vector_bytes.load(std::memory_order_relaxed);
   if (b >= 0) return b;
-  const CpuFeatures f = detect_cpu();  // torch's own default choice on x86
-  return f.avx512f && f.avx512bw && f.os_avx512 ? 64 : f.avx2 && f.fma && f.os_avx ? 32 : 0;
+  return vec_level() == Vec::V512 ? 64 : has_fma() ? 32 : 0;  // torch's own default choice on x86
 }
 void set_torch_vector_bytes(int bytes) {
   MOE_CHECK(bytes == 0 || bytes == 32 || bytes == 64, "torch's vector width: 0, 32 or 64 bytes");
