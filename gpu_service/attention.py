@@ -76,8 +76,12 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
             s = torch.matmul(qg, K.transpose(1, 2)) * d ** -0.5                 # [kv, group, L]
             o = torch.matmul(s.float().softmax(-1).to(q.dtype), V)              # [kv, group, d]
         else:
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), K, V, attn_mask=_causal_mask(t, start, x.device),
-                                               enable_gqa=nkv != nh).transpose(0, 1)
+            # 4-D inputs: torch's fused (flash) CPU kernel; 3-D ones fall back to its math path, which builds the
+            # [heads, t, L] scores and masks in fp32 (2.5x slower at 512 tokens, docs/kernels.md)
+            causal = start == 0  # a first chunk: torch's own causal mask (top-left aligned) is ours
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], is_causal=causal,
+                                               attn_mask=None if causal else _causal_mask(t, start, x.device),
+                                               enable_gqa=nkv != nh)[0].transpose(0, 1)
     o = o.reshape(t, nh * d)
     if gate is not None:
         o = o * torch.sigmoid(gate)
