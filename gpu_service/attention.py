@@ -18,6 +18,8 @@ from .kv_pool import SeqCache
 from .layers import apply_rope, linear, rms_norm
 
 QKV = "qkv_proj.weight"  # GQA's q, k and v projections fused into one packed matrix (rows q, then k, then v)
+NATIVE_ABSORB_TOKENS = 8  # MLA: tokens a segment up to which its absorbed products run natively (decode; above, torch's
+                          # batched matmuls reuse each weight across the tokens)
 SCORE_BYTES = 256 << 20  # MLA: most bytes of attention scores held at once (heads are grouped to fit)
 
 
@@ -116,8 +118,9 @@ def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start:
 
 
 def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
-                  start: int, scale: float) -> torch.Tensor:
-    """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]."""
+                  start: int, scale: float, native: bool = False) -> torch.Tensor:
+    """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]. native: a decode step's (up to
+    NATIVE_ABSORB_TOKENS tokens) absorbed products on the native kernels (moe_kernels.attention.mla_absorb_*)."""
     t = x.shape[0]
     nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
@@ -134,10 +137,15 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)                     # [t, nh, dr]
     k_pe = apply_rope(k_pe, cos, sin, cfg.rope_interleave)[:, 0]               # [t, dr]
     cache.write(layer, start, c, k_pe)
+    kv_b = W[p + "kv_b_proj.weight"]                                           # [nh * (dn + dv), r]
+    absorb = native and t <= NATIVE_ABSORB_TOKENS and native_attention.supports_kv_b(kv_b)
+    # the latent math in the model dtype; kv_b_proj may be kept narrower (model.py: bf16 for an fp32 model)
+    wkv = None if absorb else kv_b.to(x.dtype).view(nh, dn + dv, r)
+    if absorb:
+        q_lat = native_attention.mla_absorb_q(q_nope, kv_b, nh, dn, dv).to(x.dtype)
+    else:
+        q_lat = torch.einsum("thd,hdr->htr", q_nope, wkv[:, :dn])              # [nh, t, r]
     C, KPE = cache.gather(layer, start + t)                                    # [L, r], [L, dr]
-    wkv = W[p + "kv_b_proj.weight"].view(nh, dn + dv, r)
-    w_uk, w_uv = wkv[:, :dn], wkv[:, dn:]                                      # [nh, dn, r], [nh, dv, r]
-    q_lat = torch.einsum("thd,hdr->htr", q_nope, w_uk)                         # [nh, t, r]
     q_pe = q_pe.transpose(0, 1)                                                # [nh, t, dr]
     mask = _causal_mask(t, start, x.device)
     L = C.shape[0]
@@ -150,5 +158,8 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         o_lat[h:h + group] = torch.matmul(scores.float().softmax(dim=-1).to(x.dtype), C)  # [group, t, r]
-    o = torch.einsum("htr,hvr->thv", o_lat, w_uv).reshape(t, nh * dv)
+    if absorb:
+        o = native_attention.mla_absorb_o(o_lat, kv_b, nh, dn, dv).to(x.dtype)
+    else:
+        o = torch.einsum("htr,hvr->thv", o_lat, wkv[:, dn:]).reshape(t, nh * dv)
     return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))

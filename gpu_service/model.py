@@ -72,6 +72,17 @@ def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
     return cfg.model_type in FP32_ROUTER and (name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias"))
 
 
+def _stored_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype, device: torch.device, dense_format) -> torch.dtype:
+    """The dtype a torch-tensor weight is kept in. MLA's kv_b_proj, read whole at every decode step by the native
+    absorbed products, stays the checkpoint's bf16 (the same values, half the bytes) under an fp32 model on the CPU."""
+    if _keep_fp32(cfg, name):
+        return torch.float32
+    if (cfg.attention == "mla" and name.endswith("kv_b_proj.weight") and dense_format and device.type == "cpu"
+            and dtype == torch.float32 and DTYPES.get(cfg.torch_dtype) == torch.bfloat16):
+        return torch.bfloat16
+    return dtype
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
                  cancel: threading.Event | None = None, dense_format: str | None = None):
@@ -100,7 +111,7 @@ class Model:
             # an FP8 weight is dequantized straight to what it becomes (bf16 packing keeps bf16: the same
             # bits as rounding later; int formats quantize from fp32), never a whole fp32 copy beside it
             want = ((torch.bfloat16 if dense_format in ("bf16", "fp8") else torch.float32) if fuse or pack
-                    else torch.float32 if _keep_fp32(cfg, name) else dtype)
+                    else _stored_dtype(cfg, name, dtype, device, dense_format))
             # fp8: FP8 weights kept as published; the checkpoint's other weights packed as bf16 (never requantized)
             published = ckpt.get_fp8(name) if dense_format == "fp8" and (fuse or pack) and ckpt.fp8_block == \
                 (FP8_BLOCK, FP8_BLOCK) else None
@@ -120,7 +131,7 @@ class Model:
                     ckpt.close()
                     packed_since_close = 0
             else:
-                self.W[name] = t.to(device=device, dtype=torch.float32 if _keep_fp32(cfg, name) else dtype)
+                self.W[name] = t.to(device=device, dtype=_stored_dtype(cfg, name, dtype, device, dense_format))
         ckpt.close()  # tensors still viewing the map keep their pages; the rest are let go
         self.lm_head = self.W.get("lm_head.weight", self.W["model.embed_tokens.weight"])
         if dense_format and isinstance(self.lm_head, torch.Tensor):  # tied to the embedding, which stays
@@ -201,7 +212,7 @@ class Model:
         cfg, W = self.cfg, self.W
         if cfg.attention == "mla":
             return self._per_segment(x, segments, lambda s, sl: mla_attention(
-                cfg, W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start, self.scale))
+                cfg, W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start, self.scale, self.native_attention))
         return self._per_segment(x, segments, lambda s, sl: gqa_attention(
             cfg, W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start, self.native_attention))
 

@@ -62,3 +62,46 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
                             K.stride(2), V.data_ptr(), V.stride(0), V.stride(2), L, scale, out.data_ptr(),
                             table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1))
     return out
+
+
+def mla_absorb_q(q_nope: torch.Tensor, wkv: torch.Tensor, nh: int, dn: int, dv: int, isa: str = ISA) -> torch.Tensor:
+    """MLA's latent query: q_nope [t, nh, dn] (any float dtype) times each head's W_uk, the first dn of its dn + dv
+    rows of kv_b_proj's weight wkv [nh * (dn + dv), r] (bf16 or fp32, contiguous) -> q_lat [nh, t, r] fp32."""
+    t = q_nope.shape[0]
+    r = wkv.shape[1]
+    _check_kv_b(wkv, nh, dn, dv)
+    if tuple(q_nope.shape) != (t, nh, dn):
+        raise ValueError(f"mla_absorb_q: q_nope {list(q_nope.shape)} is not [t, {nh}, {dn}]")
+    qf = q_nope.float().contiguous()
+    out = torch.empty(nh, t, r)
+    native.mla_absorb_q(isa, wkv.data_ptr(), wkv.dtype == torch.bfloat16, nh, dn, dv, r, qf.data_ptr(), nh * dn, t,
+                        out.data_ptr())
+    return out
+
+
+def mla_absorb_o(o_lat: torch.Tensor, wkv: torch.Tensor, nh: int, dn: int, dv: int, isa: str = ISA) -> torch.Tensor:
+    """MLA's heads' output: o_lat [nh, t, r] (any float dtype) times each head's W_uv (the last dv of its rows of
+    wkv), transposed -> [t, nh * dv] fp32."""
+    r = wkv.shape[1]
+    _check_kv_b(wkv, nh, dn, dv)
+    if o_lat.dim() != 3 or o_lat.shape[0] != nh or o_lat.shape[2] != r:
+        raise ValueError(f"mla_absorb_o: o_lat {list(o_lat.shape)} is not [{nh}, t, {r}]")
+    t = o_lat.shape[1]
+    of = o_lat.float().contiguous()
+    out = torch.empty(t, nh * dv)
+    native.mla_absorb_o(isa, wkv.data_ptr(), wkv.dtype == torch.bfloat16, nh, dn, dv, r, of.data_ptr(), t,
+                        out.data_ptr())
+    return out
+
+
+def supports_kv_b(wkv, isa: str = ISA) -> bool:
+    """Whether mla_absorb_* take this kv_b_proj weight (a plain bf16 or fp32 CPU tensor, contiguous)."""
+    return (isa in SIMD_ISAS and isinstance(wkv, torch.Tensor) and wkv.dtype in DTYPES and wkv.device.type == "cpu"
+            and wkv.is_contiguous() and wkv.dim() == 2)
+
+
+def _check_kv_b(wkv: torch.Tensor, nh: int, dn: int, dv: int) -> None:
+    if wkv.dtype not in DTYPES or wkv.device.type != "cpu" or not wkv.is_contiguous() or wkv.dim() != 2 \
+            or wkv.shape[0] != nh * (dn + dv):
+        raise ValueError(f"MLA's kv_b_proj weight must be a contiguous bf16 or fp32 [{nh * (dn + dv)}, r] CPU tensor, "
+                         f"not {wkv.dtype} {list(wkv.shape)}")

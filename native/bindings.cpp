@@ -342,6 +342,32 @@ PYBIND11_MODULE(_native, m) {
     return pool().scratch.bytes();
   }, "bytes the kernels' scratch arena holds between calls");
   m.def(
+      "mla_absorb_q",
+      [](const std::string& isa, uintptr_t w, bool w_bf16, int nh, int dn, int dv, int r, uintptr_t q_nope,
+         size_t q_tok, int t, uintptr_t q_lat) {
+        const Isa k = kernel_isa(isa);
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        mla_absorb_q(k, reinterpret_cast<const void*>(w), w_bf16, nh, dn, dv, r,
+                     reinterpret_cast<const float*>(q_nope), q_tok, t, reinterpret_cast<float*>(q_lat));
+      },
+      py::arg("isa"), py::arg("w"), py::arg("w_bf16"), py::arg("nh"), py::arg("dn"), py::arg("dv"), py::arg("r"),
+      py::arg("q_nope"), py::arg("q_tok"), py::arg("t"), py::arg("q_lat"),
+      "MLA's latent query: q_lat [nh, t, r] fp32 = q_nope (fp32, tokens q_tok apart) x kv_b_proj's W_uk (native/mla.cpp)");
+  m.def(
+      "mla_absorb_o",
+      [](const std::string& isa, uintptr_t w, bool w_bf16, int nh, int dn, int dv, int r, uintptr_t o_lat, int t,
+         uintptr_t o) {
+        const Isa k = kernel_isa(isa);
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        mla_absorb_o(k, reinterpret_cast<const void*>(w), w_bf16, nh, dn, dv, r, reinterpret_cast<const float*>(o_lat),
+                     t, reinterpret_cast<float*>(o));
+      },
+      py::arg("isa"), py::arg("w"), py::arg("w_bf16"), py::arg("nh"), py::arg("dn"), py::arg("dv"), py::arg("r"),
+      py::arg("o_lat"), py::arg("t"), py::arg("o"),
+      "MLA's heads' output: o [t, nh, dv] fp32 = o_lat [nh, t, r] fp32 x kv_b_proj's W_uv^T (native/mla.cpp)");
+  m.def(
       "decode_attention",
       [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, uintptr_t K, bool bf16, size_t k_head,
          size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out, uintptr_t table,

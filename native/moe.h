@@ -136,6 +136,14 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
                       const int32_t* table = nullptr, int block_shift = 0, size_t k_block = 0, size_t v_block = 0);
 
+// MLA's absorbed kv_b_proj (w: [nh * (dn + dv), r], bf16 or fp32; native/mla.cpp), t tokens, fp32 activations:
+// q_lat [nh, t, r] = each head's q_nope (token s, head h at q_nope + s * q_tok + h * dn) times its first dn rows;
+// o [t, nh, dv] = each head's o_lat [nh, t, r] times its last dv rows, transposed.
+void mla_absorb_q(Isa isa, const void* w, bool w_bf16, int nh, int dn, int dv, int r, const float* q_nope, size_t q_tok,
+                  int t, float* q_lat);
+void mla_absorb_o(Isa isa, const void* w, bool w_bf16, int nh, int dn, int dv, int r, const float* o_lat, int t,
+                  float* o);
+
 // RMSNorm of `rows` rows of n (x and out bf16 or fp32, weight w [n] bf16 or fp32) with torch's rounding: fp32
 // statistics, the normalized row rounded to x's dtype, times w in out's dtype (native/norm_rope.cpp).
 void rms_norm_rows(const void* x, bool x_bf16, const void* w, bool w_bf16, void* out, bool out_bf16, int rows, int n,

@@ -191,3 +191,45 @@ def test_every_family_runs_with_native_dense_layers(family, checkpoints):
         assert not any(isinstance(w, torch.Tensor) for w in packed)
     # bf16 weights and activations against fp32: measured 0.4-1.6% (qwen3_next the most)
     assert ((got - ref).norm() / ref.norm()).item() < 0.03
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("kv_b_dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_runs_its_absorbed_products_natively(family, kv_b_dtype, checkpoints, monkeypatch):
+    """MLA's decode steps with the native dense layers take kv_b_proj's absorbed products to the native kernels
+    (moe_kernels.attention.mla_absorb_*), prefill keeps torch's batched matmuls; the logits match the same model
+    with torch's einsums (fp32 sums both, in another order), for kv_b_proj kept in fp32 and in bf16 (what an fp32
+    model keeps of a bf16 checkpoint: model._stored_dtype)."""
+    from expert_service.store import load_expert_layers
+    from gpu_service import model as load
+    from gpu_service.experts import LocalExperts
+    from gpu_service.model import Model, Segment
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+    from moe_kernels import attention as native_attention
+
+    d = checkpoints[family]
+    cfg = load_config(d)
+    experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 2))
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32, dense_format="bf16")
+    for k in [k for k in model.W if k.endswith("kv_b_proj.weight")]:
+        model.W[k] = model.W[k].to(kv_b_dtype)
+    calls = []
+    real, supports = native_attention.mla_absorb_q, native_attention.supports_kv_b
+    monkeypatch.setattr(native_attention, "mla_absorb_q", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+
+    def decode(native: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(native_attention, "supports_kv_b", supports if native else lambda w: False)
+        cache, out = model.new_cache(), []
+        prompt = torch.tensor([200, 17, 3, 41, 77, 9, 12, 300, 5, 61])  # 10 tokens: above NATIVE_ABSORB_TOKENS
+        out.append(model.forward([Segment(cache, prompt, 0)], experts))
+        for i, tok in enumerate([8, 90, 33]):
+            out.append(model.forward([Segment(cache, torch.tensor([tok]), len(prompt) + i)], experts))
+        return out
+
+    want, got = decode(False), decode(True)
+    assert calls == [1] * (3 * cfg.num_layers)  # the decode steps' layers, not the prefill's 10 tokens
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert load._stored_dtype(cfg, "model.layers.0.self_attn.kv_b_proj.weight", torch.float32, torch.device("cpu"),
+                              "bf16") == (torch.bfloat16 if cfg.torch_dtype in ("bfloat16", "bf16") else torch.float32)

@@ -737,6 +737,45 @@ def test_decode_attention_refuses_mixed_or_strided_caches():
         decode_attention(torch.randn(3, 64), K, K, 0.125)
 
 
+# -- MLA's absorbed kv_b_proj (native/mla.cpp) ------------------------------------------------------
+@pytest.mark.parametrize("isa", ATTN_PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nh, dn, dv, r, t", [(4, 16, 24, 40, 1), (16, 32, 32, 64, 3), (128, 8, 8, 512, 1)])
+def test_mla_absorb_matches_torch_einsum(isa, dtype, nh, dn, dv, r, t):
+    """q_lat = q_nope W_uk and o = o_lat W_uv^T per head, against torch's einsums in float64 on the same weight;
+    r = 40 leaves a tail after the 16-lane body, 128 heads x 512 take the pool's threads."""
+    from moe_kernels.attention import mla_absorb_o, mla_absorb_q
+
+    wkv = (torch.randn(nh * (dn + dv), r) * 0.1).to(dtype)
+    w = wkv.double().view(nh, dn + dv, r)
+    q_nope = torch.randn(t, nh, dn + 5)[..., :dn]  # strided, as the query's view is
+    o_lat = torch.randn(nh, t, r)
+    got_q = mla_absorb_q(q_nope, wkv, nh, dn, dv, isa)
+    got_o = mla_absorb_o(o_lat, wkv, nh, dn, dv, isa)
+    assert got_q.dtype == got_o.dtype == torch.float32 and got_q.shape == (nh, t, r) and got_o.shape == (t, nh * dv)
+    torch.testing.assert_close(got_q.double(), torch.einsum("thd,hdr->htr", q_nope.double(), w[:, :dn]),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_o.double(), torch.einsum("htr,hvr->thv", o_lat.double(), w[:, dn:]).reshape(t, -1),
+                               rtol=1e-5, atol=1e-5)
+    # every build of the loops gives the same bits (lane-wise sums): the portable path's
+    if isa != "portable":
+        assert torch.equal(got_q, mla_absorb_q(q_nope, wkv, nh, dn, dv, "portable"))
+        assert torch.equal(got_o, mla_absorb_o(o_lat, wkv, nh, dn, dv, "portable"))
+
+
+def test_mla_absorb_refuses_a_weight_that_does_not_fit():
+    from moe_kernels.attention import mla_absorb_o, mla_absorb_q
+
+    with pytest.raises(ValueError, match="kv_b_proj weight"):
+        mla_absorb_q(torch.randn(1, 4, 8), torch.randn(4 * 15, 32), 4, 8, 8)  # 15 rows a head, not 16
+    with pytest.raises(ValueError, match="kv_b_proj weight"):
+        mla_absorb_o(torch.randn(4, 1, 32), torch.randn(32, 4 * 16).t(), 4, 8, 8)  # not contiguous
+    with pytest.raises(ValueError, match="is not"):
+        mla_absorb_q(torch.randn(1, 4, 9), torch.randn(4 * 16, 32), 4, 8, 8)
+    with pytest.raises(ValueError, match="is not"):
+        mla_absorb_o(torch.randn(4, 1, 31), torch.randn(4 * 16, 32), 4, 8, 8)
+
+
 @pytest.mark.parametrize("isa", ISAS + ["torch"])
 def test_id_minus_one_is_no_expert(isa):
     """A sharded expert service gets -1 for the pairs other shards hold: the same output as leaving
