@@ -156,6 +156,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         await svc.stop(grace=0)
         return
     servicer.attach(layers, fp)
+    serving.freeze_startup_objects()
     await svc.serving(True)
     log.info("ready: %s fingerprint %s, %d MoE layers, %d experts%s, format %s, kernel %s, %d threads",
              cfg.model_type, fp, len(layers), len(shard.experts(cfg.n_routed_experts)),

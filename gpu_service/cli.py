@@ -312,6 +312,7 @@ async def serve(args, stop: asyncio.Event) -> None:
                         kv_pool=pool, namespace=namespace(fp, dtype, dense, expert_desc))
         experts_up, watchers = health.up, health.watchers()
     server_info.max_context = max_context
+    serving.freeze_startup_objects()
     engine.start()
     servicer.attach(engine, experts_up)
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "
