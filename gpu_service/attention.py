@@ -119,23 +119,24 @@ def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start:
 
 def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
                   start: int, scale: float, native: bool = False) -> torch.Tensor:
-    """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]. native: a decode step's (up to
-    NATIVE_ABSORB_TOKENS tokens) absorbed products on the native kernels (moe_kernels.attention.mla_absorb_*)."""
+    """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]. native: a decode step's norms and rope (as
+    layers.rms_norm's) and its (up to NATIVE_ABSORB_TOKENS tokens) absorbed products on the native kernels
+    (moe_kernels.attention.mla_absorb_*)."""
     t = x.shape[0]
     nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
         q = linear(x, W[p + "q_proj.weight"])
     else:
         qa = rms_norm(linear(x, W[p + "q_a_proj.weight"], W.get(p + "q_a_proj.bias")),
-                      W[p + "q_a_layernorm.weight"], 1e-6)
+                      W[p + "q_a_layernorm.weight"], 1e-6, native=native)
         q = linear(qa, W[p + "q_b_proj.weight"])
     q = q.view(t, nh, dn + dr)
     q_nope, q_pe = q[..., :dn], q[..., dn:]
     ckv = linear(x, W[p + "kv_a_proj_with_mqa.weight"], W.get(p + "kv_a_proj_with_mqa.bias"))
-    c = rms_norm(ckv[:, :r], W[p + "kv_a_layernorm.weight"], 1e-6)              # [t, r]
+    c = rms_norm(ckv[:, :r], W[p + "kv_a_layernorm.weight"], 1e-6, native=native)  # [t, r]
     k_pe = ckv[:, r:].view(t, 1, dr)
-    q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)                     # [t, nh, dr]
-    k_pe = apply_rope(k_pe, cos, sin, cfg.rope_interleave)[:, 0]               # [t, dr]
+    q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave, native)             # [t, nh, dr]
+    k_pe = apply_rope(k_pe, cos, sin, cfg.rope_interleave, native)[:, 0]       # [t, dr]
     cache.write(layer, start, c, k_pe)
     kv_b = W[p + "kv_b_proj.weight"]                                           # [nh * (dn + dv), r]
     absorb = native and t <= NATIVE_ABSORB_TOKENS and native_attention.supports_kv_b(kv_b)

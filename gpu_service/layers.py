@@ -103,7 +103,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     interleave=False: rotate halves (Llama/Qwen/Mixtral). interleave=True: rotate (x0,x1),(x2,x3)...
     pairs and return them de-interleaved (evens then odds), as transformers' DeepSeek does; q and k
     get the same permutation, so their dot products are unchanged. native: as rms_norm's."""
-    if native and norm_rope and not interleave and x.shape[0] <= NATIVE_ROWS and norm_rope.rope_supported(x, cos):
+    if native and norm_rope and x.shape[0] <= NATIVE_ROWS and norm_rope.rope_supported(x, cos):
+        if interleave:  # the pairs' evens then odds, rotated as halves: the same products and sums
+            T, heads, dim = x.shape
+            x = x.reshape(T, heads, dim // 2, 2).transpose(-1, -2).reshape(T, heads, dim)
         return norm_rope.rope(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]
     rot = 2 * cos.shape[-1]

@@ -39,14 +39,15 @@ def test_rms_norm_falls_back_where_the_native_one_does_not_apply():
 
 
 @pytest.mark.parametrize("dt", DT)
-@pytest.mark.parametrize("T, heads, dim", [(1, 32, 128), (1, 4, 128), (3, 2, 64), (2, 3, 6)])
-def test_rope_is_torch_bit_for_bit(dt, T, heads, dim):
+@pytest.mark.parametrize("T, heads, dim", [(1, 32, 128), (1, 4, 128), (3, 2, 64), (2, 3, 6), (1, 128, 64)])
+@pytest.mark.parametrize("interleave", [False, True])  # True: DeepSeek's pairs, returned evens then odds
+def test_rope_is_torch_bit_for_bit(dt, T, heads, dim, interleave):
     g = torch.Generator().manual_seed(T * heads * dim)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     cos, sin = rope_cos_sin(inv_freq, 1.0, torch.arange(300, 300 + T), dt)
     x = torch.randn(T, heads, 2 * dim, generator=g).to(dt)[:, :, :dim]  # a non-contiguous view, as q is
-    want = apply_rope(x, cos, sin, False)
-    got = apply_rope(x, cos, sin, False, native=True)
+    want = apply_rope(x, cos, sin, interleave)
+    got = apply_rope(x, cos, sin, interleave, native=True)
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
@@ -68,3 +69,15 @@ def test_cos_sin_of_a_position_do_not_depend_on_its_neighbours(dt, half):
     for start, n in [(0, 1), (5, 1), (1023, 2), (2047, 3), (4095, 5), (777, 64), (10, 7)]:
         cos, sin = rope_cos_sin(inv_freq, 0.7, torch.arange(start, start + n), dt)
         assert torch.equal(cos, table[0][start:start + n]) and torch.equal(sin, table[1][start:start + n])
+
+
+def test_interleaved_rope_of_a_decode_step_goes_native(monkeypatch):
+    """DeepSeek's interleaved rope takes the native halves kernel too (on the de-interleaved pairs)."""
+    calls = []
+    real = norm_rope.rope
+    monkeypatch.setattr(norm_rope, "rope", lambda x, c, s: calls.append(x.shape) or real(x, c, s))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    cos, sin = rope_cos_sin(inv_freq, 1.0, torch.arange(7, 8), torch.float32)
+    x = torch.randn(1, 128, 64)
+    assert torch.equal(apply_rope(x, cos, sin, True, native=True), apply_rope(x, cos, sin, True))
+    assert calls == [(1, 128, 64)]
