@@ -190,8 +190,8 @@ def tune_malloc() -> None:
 def freeze_startup_objects() -> None:
     """Move what starting left on the Python heap (modules, the model's tensors and tables: a few hundred thousand
     objects) out of the garbage collector's view: its full collections, which the per-token allocations of a
-    decode trigger every so often, walk only what serving allocates since (perf: ~1% of a decode step's CPU in
-    gc_collect_main before; docs/decode_step.md). Called once, when a service is ready."""
+    decode trigger every so often, walk only what serving allocates since (docs/decode_step.md, "The garbage
+    collector at decode"). Called once, when a service is ready."""
     gc.collect()
     gc.freeze()
 
