@@ -96,12 +96,15 @@ def mla_absorb_o(o_lat: torch.Tensor, wkv: torch.Tensor, nh: int, dn: int, dv: i
 
 def supports_kv_b(wkv, isa: str = ISA) -> bool:
     """Whether mla_absorb_* take this kv_b_proj weight (a plain bf16 or fp32 CPU tensor, contiguous)."""
-    return (isa in SIMD_ISAS and isinstance(wkv, torch.Tensor) and wkv.dtype in DTYPES and wkv.device.type == "cpu"
-            and wkv.is_contiguous() and wkv.dim() == 2)
+    return isa in SIMD_ISAS and _plain_matrix(wkv)
+
+
+def _plain_matrix(w) -> bool:
+    return (isinstance(w, torch.Tensor) and w.dtype in DTYPES and w.device.type == "cpu" and w.is_contiguous()
+            and w.dim() == 2)
 
 
 def _check_kv_b(wkv: torch.Tensor, nh: int, dn: int, dv: int) -> None:
-    if wkv.dtype not in DTYPES or wkv.device.type != "cpu" or not wkv.is_contiguous() or wkv.dim() != 2 \
-            or wkv.shape[0] != nh * (dn + dv):
+    if not _plain_matrix(wkv) or wkv.shape[0] != nh * (dn + dv):
         raise ValueError(f"MLA's kv_b_proj weight must be a contiguous bf16 or fp32 [{nh * (dn + dv)}, r] CPU tensor, "
                          f"not {wkv.dtype} {list(wkv.shape)}")
