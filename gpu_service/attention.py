@@ -1,6 +1,7 @@
 """Attention over the paged KV cache (kv_pool.py): GQA (Qwen-MoE, Mixtral, gpt-oss's windows and sinks) and MLA
 (DeepSeek V2/V3). Decode on the native kernel reads the blocks where they are; the other paths gather the
-sequence's blocks into one tensor per layer first.
+sequence's blocks into one tensor per layer first, in the model dtype (the pool's may be narrower:
+--kv-cache-dtype).
 
 MLA caches only the compressed latent (kv_lora_rank) and the shared rotary key per token, and
 attends in the latent space ("absorbed" kv_b_proj): the cache is ~(512+64) values per token
@@ -32,10 +33,15 @@ def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
     return j[None, :] <= i[:, None]
 
 
+def _as(dtype: torch.dtype, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The cache's tensors in the model dtype (a copy only where the pool holds another: --kv-cache-dtype)."""
+    return [x if x.dtype == dtype else x.to(dtype) for x in xs]
+
+
 def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
                   start: int, native: bool = False) -> torch.Tensor:
     """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]. native: decode on the native
-    kernel where it takes the pool (bf16 or fp32 on the CPU; moe_kernels.attention)."""
+    kernel where it takes the pool (fp32, bf16 or fp16 on the CPU; moe_kernels.attention)."""
     t = x.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nq = nh * d * (2 if cfg.attn_output_gate else 1)  # Qwen3-Next: each head's query, then its gate
@@ -64,13 +70,14 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks
         first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
-        o = windowed_attention(q, *cache.gather(layer, end, first), start, window, sinks, d ** -0.5, first)
+        o = windowed_attention(q, *_as(q.dtype, cache.gather(layer, end, first)), start, window, sinks, d ** -0.5,
+                               first)
     elif t == 1 and native and native_attention.supported(cache.pool.bufs[layer][0]):
         # consecutive blocks (a lone sequence's) are read as one strided matrix a head, without the table
         o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer], cache.table(), end, d ** -0.5,
                                                     first=cache.blocks[0] if cache.consecutive() else -1).to(q.dtype)
     else:
-        K, V = cache.gather(layer, end)                                         # [kv, L, d] each
+        K, V = _as(q.dtype, cache.gather(layer, end))                           # [kv, L, d] each
         if t == 1 and x.device.type == "cpu":
             # decode on the CPU: torch's SDPA kernel is ~50x slower for one query than matmuls over each KV head's
             # query group (docs/kernels.md, "Measured choices")
@@ -146,7 +153,7 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         q_lat = native_attention.mla_absorb_q(q_nope, kv_b, nh, dn, dv).to(x.dtype)
     else:
         q_lat = torch.einsum("thd,hdr->htr", q_nope, wkv[:, :dn])              # [nh, t, r]
-    C, KPE = cache.gather(layer, start + t)                                    # [L, r], [L, dr]
+    C, KPE = _as(x.dtype, cache.gather(layer, start + t))                      # [L, r], [L, dr]
     q_pe = q_pe.transpose(0, 1)                                                # [nh, t, dr]
     mask = _causal_mask(t, start, x.device)
     L = C.shape[0]

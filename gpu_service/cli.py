@@ -109,6 +109,11 @@ def parse_args(argv=None):
                          "--max-batch requests of --max-context tokens, at most 25%% of the host's available memory "
                          "(the pool's untouched pages cost nothing there) or 80%% of the GPU's free memory after "
                          "loading. --max-context is lowered to what the pool holds unless given")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                    help="the KV cache's element type; auto = the compute dtype (--dtype). fp16 halves an fp32 "
+                         "model's cache (--dtype auto on a CPU without bf16 arithmetic), and with it the bytes decode "
+                         "attention reads a token, as llama.cpp's default f16 cache does; not bit-exact to an fp32 "
+                         "reference (docs/decode_step.md, 'The KV cache in fp16')")
     ap.add_argument("--prefix-cache-gb", type=float, default=None,
                     help="most GiB of KV blocks that no request uses kept for reuse, so that a request starting with "
                          "the same tokens (a chat's next turn, a shared system prompt) computes only the rest "
@@ -163,12 +168,13 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[s
     if args.prefix_cache_host_gb and device.type != "cuda":
         serving.fail(f"--prefix-cache-host-gb: a host tier is for a KV pool on CUDA; on {device} the pool is host memory "
                      "already (raise --kv-cache-gb and --prefix-cache-gb instead)")
-    return device, dtype, dense, targets
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPES[args.kv_cache_dtype]
+    return device, dtype, kv_dtype, dense, targets
 
 
 def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: int) -> tuple[KVPool, int]:
-    """--kv-cache-gb and --prefix-cache-gb resolved, after loading (CUDA's free memory is known then) -> (the pool,
-    the context limit it holds: --max-context, or without it what the pool holds if that is less)."""
+    """--kv-cache-gb and --prefix-cache-gb resolved, after loading (CUDA's free memory is known then) -> (the pool
+    of `dtype` elements, the context limit it holds: --max-context, or without it what the pool holds if less)."""
     per_block = block_bytes(cfg, dtype)
     want = args.max_batch * -(-max_context // BLOCK) * per_block
     if args.kv_cache_gb is not None:
@@ -188,14 +194,15 @@ def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: in
         max_context = blocks * BLOCK
     prefix = blocks * per_block if args.prefix_cache_gb is None else min(int(args.prefix_cache_gb * 2**30),
                                                                             blocks * per_block)
-    log.info("KV pool: %d blocks of %d tokens (%.2f GiB, %.1f requests of %d tokens), prefix cache up to %.2f GiB",
-             blocks, BLOCK, blocks * per_block / 2**30, blocks * BLOCK / max_context, max_context, prefix / 2**30)
+    log.info("KV pool: %d blocks of %d tokens (%s, %.2f GiB, %.1f requests of %d tokens), prefix cache up to %.2f GiB",
+             blocks, BLOCK, str(dtype).replace("torch.", ""), blocks * per_block / 2**30, blocks * BLOCK / max_context,
+             max_context, prefix / 2**30)
     return KVPool(cfg, dtype, device, blocks, prefix, int(args.prefix_cache_host_gb * 2**30) if prefix else 0), max_context
 
 
-def namespace(fp: str, dtype: torch.dtype, dense: str | None, expert_desc: tuple) -> str:
+def namespace(fp: str, dtype: torch.dtype, kv_dtype: torch.dtype, dense: str | None, expert_desc: tuple) -> str:
     """What the prefix chain's root names besides each request's settings: whatever changes the numbers."""
-    return f"{fp}|{dtype}|{dense or 'torch'}|{'|'.join(map(str, expert_desc))}"
+    return f"{fp}|{dtype}|kv {kv_dtype}|{dense or 'torch'}|{'|'.join(map(str, expert_desc))}"
 
 
 async def serve(args, stop: asyncio.Event) -> None:
@@ -213,7 +220,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         expert_sec = security.ClientSecurity.from_args(args, prefix="experts-")
     except (OSError, ValueError) as e:
         serving.fail(f"security settings: {e}")
-    device, dtype, dense, targets = check_args(args, cfg)
+    device, dtype, kv_dtype, dense, targets = check_args(args, cfg)
     torch.set_num_threads(args.threads)
     max_context = min(args.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
     max_msg = max(max_context, 8192) * (cfg.hidden_size * 4 + cfg.top_k * 8) + (1 << 16)
@@ -251,7 +258,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     log.info("dense layers: %s", f"native kernels, {dense} weights" if dense else "torch")
 
     def load_model(cancel):
-        return Model(cfg, ckpt, device, dtype, cancel=cancel, dense_format=dense)
+        return Model(cfg, ckpt, device, dtype, cancel=cancel, dense_format=dense, kv_dtype=kv_dtype)
 
     async def stopped_while_starting(remotes=()) -> None:
         log.info("stopped while starting")
@@ -274,9 +281,9 @@ async def serve(args, stop: asyncio.Event) -> None:
         step_tokens, experts_up, watchers = args.max_step_tokens, (lambda: True), []
         from expert_service.kernels import kernel_path
         expert_desc = (fmt, kernel_path(fmt))
-        pool, max_context = kv_pool(args, cfg, device, dtype, max_context)
+        pool, max_context = kv_pool(args, cfg, device, kv_dtype, max_context)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
-                        kv_pool=pool, namespace=namespace(fp, dtype, dense, expert_desc))
+                        kv_pool=pool, namespace=namespace(fp, dtype, kv_dtype, dense, expert_desc))
         await svc.serving(True)
     else:
         remotes = [RemoteExperts(t, fp, max_msg, expert_sec, args.transport, args.shm_mb << 20, args.expert_timeout)
@@ -306,10 +313,10 @@ async def serve(args, stop: asyncio.Event) -> None:
         step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
         health = ExpertHealth(remotes, on_change=svc.serving)
         expert_desc = (infos[0].weight_format, infos[0].kernel_path)
-        pool, max_context = kv_pool(args, cfg, device, dtype, max_context)
+        pool, max_context = kv_pool(args, cfg, device, kv_dtype, max_context)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
                         expert_wait=args.expert_wait, experts_ready=health.up, experts_why=health.why_down,
-                        kv_pool=pool, namespace=namespace(fp, dtype, dense, expert_desc))
+                        kv_pool=pool, namespace=namespace(fp, dtype, kv_dtype, dense, expert_desc))
         experts_up, watchers = health.up, health.watchers()
     server_info.max_context = max_context
     serving.freeze_startup_objects()

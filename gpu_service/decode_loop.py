@@ -21,6 +21,7 @@ import torch
 
 from moe_core.config import ModelConfig
 from moe_kernels import native
+from moe_kernels.attention import KV_CODES
 
 from .experts import Span
 from .kv_pool import BLOCK, KVPool
@@ -61,7 +62,8 @@ def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool) -> native.De
     K = [pool.bufs[L][0] for L in range(n)]
     V = [pool.bufs[L][1] for L in range(n)]
     return native.DecodeLoop([blocks[L] for L in range(n)], [mlps.get(L) for L in range(n)],
-                             [t.data_ptr() for t in K], [t.data_ptr() for t in V], K[0].stride(0), K[0].stride(1),
+                             [t.data_ptr() for t in K], [t.data_ptr() for t in V], KV_CODES[pool.dtype],
+                             K[0].stride(0), K[0].stride(1),
                              BLOCK.bit_length() - 1, owner=(blocks, mlps, pool))
 
 

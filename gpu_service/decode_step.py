@@ -11,7 +11,7 @@ import torch
 
 from moe_core.config import ModelConfig
 from moe_kernels import ISA, SIMD_ISAS, native
-from moe_kernels.attention import VECTOR_DIMS
+from moe_kernels.attention import KV_CODES, VECTOR_DIMS
 from moe_kernels.dense import NativeLinear
 
 from .attention import QKV
@@ -137,7 +137,8 @@ def run(block, pool: KVPool, layer: int, h: torch.Tensor, cos: torch.Tensor, sin
     B = h.shape[0]
     x = torch.empty_like(h)
     routed = (torch.empty(B, top_k, dtype=torch.int32), torch.empty(B, top_k)) if block.routes else None
-    block.run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), K.data_ptr(), V.data_ptr(), K.stride(0), K.stride(1),
+    block.run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), K.data_ptr(), V.data_ptr(), KV_CODES[K.dtype],
+              K.stride(0), K.stride(1),
               BLOCK.bit_length() - 1, seqs.data_ptr(), x.data_ptr(), *((routed[0].data_ptr(), routed[1].data_ptr())
                                                                        if routed else (0, 0)))
     return x, routed

@@ -85,13 +85,15 @@ def _stored_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype, device: torch
 
 class Model:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
-                 cancel: threading.Event | None = None, dense_format: str | None = None):
+                 cancel: threading.Event | None = None, dense_format: str | None = None,
+                 kv_dtype: torch.dtype | None = None):
         """Loads every non-expert weight (FP8 ones dequantized, then cast to `dtype`); `cancel` stops it
         between two tensors (InterruptedError). The checkpoint's mapped pages are let go afterwards.
         dense_format (bf16 | int8 | int4 | fp8, CPU only): the DENSE weights and lm_head are packed for the
         native kernels in that format instead of kept as torch tensors (fp8: an FP8 checkpoint's FP8 weights as
-        published, its others as bf16)."""
+        published, its others as bf16). kv_dtype: the KV cache's (default `dtype`; --kv-cache-dtype)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.kv_dtype = kv_dtype or dtype
         self.W: dict[str, torch.Tensor] = {}
         packed_since_close = 0
         parts: dict[str, dict[str, torch.Tensor]] = {}  # fused name -> its parts read so far
@@ -192,7 +194,7 @@ class Model:
         by --kv-cache-gb), else one of DIRECT_TOKENS positions without prefix caching for direct callers (tests,
         benchmarks; on the CPU only its touched pages take memory)."""
         if self.kv is None:
-            self.kv = KVPool(self.cfg, self.dtype, self.device, DIRECT_TOKENS // BLOCK)
+            self.kv = KVPool(self.cfg, self.kv_dtype, self.device, DIRECT_TOKENS // BLOCK)
         return self.kv
 
     def new_cache(self) -> SeqCache:

@@ -1,5 +1,5 @@
 """Decode attention on the native kernels (native/attention.cpp): one new query per head against a
-sequence's KV cache (bf16 or fp32), fp32 scores and sums. For the GPU service's layers when it computes
+sequence's KV cache (bf16, fp16 or fp32), fp32 scores and sums. For the GPU service's layers when it computes
 on the CPU, where torch's small matmuls and softmax make this a large part of a decode step."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from . import ISA, SIMD_ISAS, native
 
 VECTOR_DIMS = (64, 128, 256)  # head dims with a vector kernel; others run its plain loops
-DTYPES = (torch.bfloat16, torch.float32)
+KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # native/moe.h KvType
+DTYPES = tuple(KV_CODES)
 
 
 def supported(K: torch.Tensor, isa: str = ISA) -> bool:
@@ -20,16 +21,16 @@ def supported(K: torch.Tensor, isa: str = ISA) -> bool:
 
 def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: float,
                      isa: str = ISA) -> torch.Tensor:
-    """q [nh, d] (any float dtype), K/V [nkv, L, d] bf16 or fp32 (unit stride along d) -> [nh, d] fp32."""
+    """q [nh, d] (any float dtype), K/V [nkv, L, d] fp32, bf16 or fp16 (unit stride along d) -> [nh, d] fp32."""
     nh, d = q.shape
     nkv, L, _ = K.shape
     if K.dtype not in DTYPES or V.dtype != K.dtype or K.stride(-1) != 1 or V.stride(-1) != 1:
-        raise ValueError("decode_attention: K and V must be both bf16 or both fp32, unit stride along the head dim")
+        raise ValueError("decode_attention: K and V must be of one of fp32, bf16, fp16, unit stride along the head dim")
     if V.shape != K.shape or nh % nkv or q.shape[1] != K.shape[2]:
         raise ValueError(f"decode_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} do not fit")
     qf = q.float().contiguous()
     out = torch.empty(nh, d)
-    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), K.dtype == torch.bfloat16, K.stride(0),
+    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
                             K.stride(1), V.data_ptr(), V.stride(0), V.stride(1), L, scale, out.data_ptr())
     return out
 
@@ -42,7 +43,7 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
     nh, d = q.shape
     nkv, _, B, _ = K.shape
     if K.dtype not in DTYPES or V.dtype != K.dtype or not K.is_contiguous() or not V.is_contiguous():
-        raise ValueError("paged_decode_attention: K and V must be both bf16 or both fp32 pools, contiguous")
+        raise ValueError("paged_decode_attention: K and V must be pools of one of fp32, bf16, fp16, contiguous")
     if V.shape != K.shape or nh % nkv or d != K.shape[3] or B & (B - 1):
         raise ValueError(f"paged_decode_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} do not fit")
     if table.dtype != torch.int32 or not table.is_contiguous() or table.numel() * B < L or L < 1:
@@ -54,14 +55,23 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
             raise ValueError(f"paged_decode_attention: blocks {first}.. do not hold {L} positions")
         size = K.element_size()
         native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr() + first * K.stride(1) * size,
-                                K.dtype == torch.bfloat16, K.stride(0), K.stride(2),
+                                KV_CODES[K.dtype], K.stride(0), K.stride(2),
                                 V.data_ptr() + first * V.stride(1) * size, V.stride(0), V.stride(2), L, scale,
                                 out.data_ptr())
         return out
-    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), K.dtype == torch.bfloat16, K.stride(0),
+    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
                             K.stride(2), V.data_ptr(), V.stride(0), V.stride(2), L, scale, out.data_ptr(),
                             table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1))
     return out
+
+
+def store_kv(x: torch.Tensor, out: torch.Tensor) -> None:
+    """x (bf16 or fp32, contiguous) into out (fp32, bf16 or fp16, contiguous, as many values) as the native decode
+    step stores a new K/V row: rounded as torch's .to(out.dtype)."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or out.dtype not in KV_CODES or x.numel() != out.numel() \
+            or not x.is_contiguous() or not out.is_contiguous():
+        raise ValueError(f"store_kv: {x.dtype} {list(x.shape)} into {out.dtype} {list(out.shape)}")
+    native.store_kv(KV_CODES[out.dtype], x.data_ptr(), x.dtype == torch.bfloat16, out.data_ptr(), x.numel())
 
 
 def mla_absorb_q(q_nope: torch.Tensor, wkv: torch.Tensor, nh: int, dn: int, dv: int, isa: str = ISA) -> torch.Tensor:

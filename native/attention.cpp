@@ -1,5 +1,5 @@
 // Decode attention on the CPU: one new query per head against a sequence's cached keys and values
-// (bf16 or fp32, [kv heads, positions, dim] with any head and position strides, or paged: positions in
+// (bf16, fp16 or fp32, [kv heads, positions, dim] with any head and position strides, or paged: positions in
 // blocks of a pool, found through the sequence's block table; gpu_service/kv_pool.py), grouped-query: up to 8
 // query heads of a kv head share each pass over its keys and values, their 8 scores of a position one vector.
 // fp32 scores, softmax and sums; tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax,
@@ -19,7 +19,20 @@ namespace moe {
 
 namespace {
 
-// 16 / 8 elements -> fp32 lanes (bf16 is the high half of an fp32)
+// An IEEE half of the cache (a tag type: bf16 is uint16_t here)
+struct Half {
+  uint16_t bits;
+};
+
+// 16 / 8 elements -> fp32 lanes (bf16 is the high half of an fp32; a half widens exactly by F16C, which every
+// vector path's CPU has: isa_supported)
+__attribute__((target("avx512f"))) inline __m512 ld16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+__attribute__((target("avx2,f16c"))) inline __m256 ld8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float ld1(const Half* p) { return f16_to_f32(p->bits); }
 __attribute__((target("avx512f"))) inline __m512 ld16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
@@ -156,7 +169,7 @@ __attribute__((target("avx2,fma"))) inline __m256 sums8(const __m256* a) {
 // The same on AVX2 (8 lanes, 16 registers): a key row is widened to fp32 once into kf (L1) and read from there by
 // each query; one 8-dim slice of V a pass.
 template <int G, int DC, class T, bool P>
-__attribute__((target("avx2,fma"))) void group_avx2(const float* q, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s,
+__attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s,
                                                    float* out) {
   constexpr int d = 8 * DC;
   alignas(32) float kf[d];
@@ -279,13 +292,13 @@ void one_head(Isa isa, const float* q, int g, int d, Rows<T, P> K, Rows<T, P> V,
 
 }  // namespace
 
-void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, bool bf16, size_t k_head,
+void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, KvType kv, size_t k_head,
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
                       const int32_t* table, int block_shift, size_t k_block, size_t v_block) {
   MOE_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && L > 0, "decode attention: bad shapes");
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "decode attention: bad block size");
   const int g = nh / nkv;
-  auto run = [&](auto* k, auto* v, int h, float* s, const float* qh, float* oh) {  // T: bf16 bits or float
+  auto run = [&](auto* k, auto* v, int h, float* s, const float* qh, float* oh) {  // T: bf16 bits, Half or float
     using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
     k += h * k_head;
     v += h * v_head;
@@ -301,8 +314,10 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
     if (s.size() < size_t(std::max(g, 8)) * L) s.resize(size_t(std::max(g, 8)) * L);
     const float* qh = q + size_t(h) * g * d;
     float* oh = out + size_t(h) * g * d;
-    if (bf16)
+    if (kv == KvType::BF16)
       run(static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), h, s.data(), qh, oh);
+    else if (kv == KvType::F16)
+      run(static_cast<const Half*>(K), static_cast<const Half*>(V), h, s.data(), qh, oh);
     else
       run(static_cast<const float*>(K), static_cast<const float*>(V), h, s.data(), qh, oh);
   };
@@ -312,6 +327,45 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
     for (int h = 0; h < nkv; ++h) head(h);
   } else {
     pool().parallel_for(nkv, head);
+  }
+}
+
+namespace {
+
+__attribute__((target("avx2,f16c"))) void f32_to_f16_f16c(const float* x, uint16_t* y, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) y[i] = f32_to_f16(x[i]);
+}
+
+}  // namespace
+
+void store_kv(KvType kv, const void* src, bool src_bf16, void* dst, int n) {
+  if (kv == (src_bf16 ? KvType::BF16 : KvType::F32)) {
+    std::memcpy(dst, src, size_t(n) * (src_bf16 ? 2 : 4));
+    return;
+  }
+  // through fp32, as torch's conversions between them go (a bf16 value is exact in fp32); 64 values at a time
+  const bool f16c = detect_cpu().f16c && detect_cpu().os_avx;  // the instruction rounds as f32_to_f16 (NaN aside)
+  float wide[64];
+  for (int i0 = 0; i0 < n; i0 += 64) {
+    const int m = std::min(64, n - i0);
+    const float* x = static_cast<const float*>(src) + i0;
+    if (src_bf16) {
+      for (int i = 0; i < m; ++i) wide[i] = bf16_to_f32(static_cast<const uint16_t*>(src)[i0 + i]);
+      x = wide;
+    }
+    uint16_t* y = static_cast<uint16_t*>(dst) + i0;
+    if (kv == KvType::F32)
+      std::memcpy(static_cast<float*>(dst) + i0, x, size_t(m) * 4);
+    else if (kv == KvType::BF16)
+      for (int i = 0; i < m; ++i) y[i] = f32_to_bf16(x[i]);
+    else if (f16c)
+      f32_to_f16_f16c(x, y, m);
+    else
+      for (int i = 0; i < m; ++i) y[i] = f32_to_f16(x[i]);
   }
 }
 

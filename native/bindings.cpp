@@ -150,6 +150,11 @@ static std::pair<uint8_t*, size_t> writable(py::buffer& buf) {
   return {static_cast<uint8_t*>(info.ptr), size_t(info.size) * size_t(info.itemsize)};
 }
 
+static KvType kv_type(int code) {  // moe_kernels/attention.py KV_CODES
+  if (code < 0 || code > 2) throw std::invalid_argument("unknown KV cache type code " + std::to_string(code));
+  return KvType(code);
+}
+
 static Isa parse_isa(const std::string& name) {
   if (name == "portable") return Isa::Portable;
   if (name == "avx2") return Isa::Avx2;
@@ -369,23 +374,31 @@ PYBIND11_MODULE(_native, m) {
       "MLA's heads' output: o [t, nh, dv] fp32 = o_lat [nh, t, r] fp32 x kv_b_proj's W_uv^T (native/mla.cpp)");
   m.def(
       "decode_attention",
-      [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, uintptr_t K, bool bf16, size_t k_head,
+      [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, uintptr_t K, int kv, size_t k_head,
          size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out, uintptr_t table,
          int block_shift, size_t k_block, size_t v_block) {
         Isa isa = kernel_isa(isa_arg);
+        const KvType t = kv_type(kv);
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());
-        decode_attention(isa, reinterpret_cast<const float*>(q), nh, nkv, d, reinterpret_cast<const void*>(K), bf16,
+        decode_attention(isa, reinterpret_cast<const float*>(q), nh, nkv, d, reinterpret_cast<const void*>(K), t,
                          k_head, k_row, reinterpret_cast<const void*>(V), v_head, v_row, L, scale,
                          reinterpret_cast<float*>(out), reinterpret_cast<const int32_t*>(table), block_shift, k_block,
                          v_block);
       },
-      py::arg("isa"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("bf16"),
+      py::arg("isa"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("kv"),
       py::arg("k_head"), py::arg("k_row"), py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("L"),
       py::arg("scale"), py::arg("out"), py::arg("table") = 0, py::arg("block_shift") = 0, py::arg("k_block") = 0,
       py::arg("v_block") = 0,
-      "one decode query per head against bf16 or fp32 K/V, contiguous or paged through a block table "
+      "one decode query per head against K/V of type kv (fp32, bf16 or fp16: KV_CODES), contiguous or paged through a block table "
       "(native/attention.cpp)");
+  m.def(
+      "store_kv",
+      [](int kv, uintptr_t src, bool src_bf16, uintptr_t dst, int n) {
+        store_kv(kv_type(kv), reinterpret_cast<const void*>(src), src_bf16, reinterpret_cast<void*>(dst), n);
+      },
+      py::arg("kv"), py::arg("src"), py::arg("src_bf16"), py::arg("dst"), py::arg("n"),
+      "n values (bf16 or fp32) into the KV cache's type, rounded as torch's .to() (the decode step's KV store)");
   m.def("machine_shared", [] {
     py::gil_scoped_release nogil;
     return machine_shared();
@@ -629,10 +642,10 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "run",
           [](const BoundGqaBlock& b, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t K, uintptr_t V,
-             size_t kv_head, size_t kv_block, int block_shift, uintptr_t seqs, uintptr_t x_out, uintptr_t ids,
+             int kv, size_t kv_head, size_t kv_block, int block_shift, uintptr_t seqs, uintptr_t x_out, uintptr_t ids,
              uintptr_t weights) {
             GqaBlock g = b.g;
-            g.K = reinterpret_cast<void*>(K), g.V = reinterpret_cast<void*>(V);
+            g.K = reinterpret_cast<void*>(K), g.V = reinterpret_cast<void*>(V), g.kv = kv_type(kv);
             g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
             const int64_t* rows = reinterpret_cast<const int64_t*>(seqs);  // [B, 3]: table, position, first
             std::vector<DecodeSeq> sq(B > 0 ? B : 0);
@@ -646,11 +659,11 @@ PYBIND11_MODULE(_native, m) {
                              reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(weights));
             release_scratch();
           },
-          py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("K"), py::arg("V"), py::arg("kv_head"),
-          py::arg("kv_block"), py::arg("block_shift"), py::arg("seqs"), py::arg("x_out"), py::arg("ids") = 0,
+          py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("K"), py::arg("V"), py::arg("kv"),
+          py::arg("kv_head"), py::arg("kv_block"), py::arg("block_shift"), py::arg("seqs"), py::arg("x_out"), py::arg("ids") = 0,
           py::arg("weights") = 0,
           "B sequences' decode step of the block: h [B, H] updated in place, x_out [B, H] its post-attention norm; "
-          "seqs int64 [B, 3] (block table address, position, first consecutive block or -1)");
+          "kv: the pool's element type (moe_kernels.attention.KV_CODES); seqs int64 [B, 3] (block table address, position, first consecutive block or -1)");
   py::class_<BoundMlp>(m, "Mlp", "a SwiGLU MLP's decode rows (a dense layer, shared experts; native/decode_mlp.cpp)")
       .def(py::init([](bool bf16, const BoundLinear& gate_up, const BoundLinear& down, py::object gate,
                        py::object owner) {
@@ -710,20 +723,20 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("consumed", [](const BoundRingClient& r) { return r.c.consumed; });
   py::class_<BoundDecodeLoop>(m, "DecodeLoop", "a decode step's layers in one call (native/decode_loop.h)")
       .def(py::init([](const std::vector<const BoundGqaBlock*>& blocks, const std::vector<py::object>& mlps,
-                       const std::vector<uintptr_t>& K, const std::vector<uintptr_t>& V, size_t kv_head,
+                       const std::vector<uintptr_t>& K, const std::vector<uintptr_t>& V, int kv, size_t kv_head,
                        size_t kv_block, int block_shift, py::object owner) {
              MOE_CHECK(K.size() == blocks.size() && V.size() == blocks.size() && mlps.size() == blocks.size(),
                        "decode loop: one K, V and MLP (or None) a layer");
              BoundDecodeLoop l{{}, std::move(owner)};
              for (size_t i = 0; i < blocks.size(); ++i) {
                GqaBlock g = blocks[i]->g;
-               g.K = reinterpret_cast<void*>(K[i]), g.V = reinterpret_cast<void*>(V[i]);
+               g.K = reinterpret_cast<void*>(K[i]), g.V = reinterpret_cast<void*>(V[i]), g.kv = kv_type(kv);
                g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
                l.layers.push_back({g, mlps[i].is_none() ? nullptr : &mlps[i].cast<const BoundMlp&>().m});
              }
              return l;
            }),
-           py::arg("blocks"), py::arg("mlps"), py::arg("K"), py::arg("V"), py::arg("kv_head"), py::arg("kv_block"),
+           py::arg("blocks"), py::arg("mlps"), py::arg("K"), py::arg("V"), py::arg("kv"), py::arg("kv_head"), py::arg("kv_block"),
            py::arg("block_shift"), py::arg("owner"),
            "mlps: per layer a dense layer's MLP or the shared experts (Mlp), or None; owner: keeps the blocks, the "
            "MLPs and the pool alive")

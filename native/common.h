@@ -80,6 +80,44 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
   return uint16_t(u >> 16);
 }
 
+// IEEE half <-> fp32 with torch's results (c10::Half: round to nearest even, overflow to inf, subnormals kept; a NaN
+// becomes the quiet 0x7e00 with its sign). Integer arithmetic only, so no build or fp-contract setting changes a bit.
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+  if (e == 0x1f) {
+    u = sign | 0x7f800000 | (m << 13);
+  } else if (e) {
+    u = sign | ((e + 112) << 23) | (m << 13);
+  } else if (!m) {
+    u = sign;
+  } else {  // subnormal: normalize its leading bit into the exponent
+    const int s = __builtin_clz(m) - 21;
+    u = sign | ((113 - s) << 23) | (((m << s) & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+  if (ax > 0x7f800000) return uint16_t(sign | 0x7e00);
+  if (ax >= 0x477ff000) return uint16_t(sign | 0x7c00);  // 65520 and above round to inf
+  if (ax >= 0x38800000) {                                // a normal half: rebias the exponent, round 13 bits off
+    uint32_t m = ax - 0x38000000;
+    m += 0xfff + ((m >> 13) & 1);
+    return uint16_t(sign | (m >> 13));
+  }
+  if (ax <= 0x33000000) return uint16_t(sign);  // up to 2^-25 (a tie with 0): zero
+  const uint32_t e = ax >> 23, mant = (ax & 0x7fffff) | 0x800000, shift = 126 - e;  // a subnormal half: 2^-24 units
+  const uint32_t half = 1u << (shift - 1), rem = mant & ((1u << shift) - 1);
+  uint32_t r = mant >> shift;
+  if (rem > half || (rem == half && (r & 1))) ++r;
+  return uint16_t(sign | r);
+}
+
 // Activations of several rows in one format (bf16 rows, u8 rows q + 128 with a scale each, or fp8's fp32 rows
 // each followed by its bf16 rounding).
 struct ActBuf {

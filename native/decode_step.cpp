@@ -67,6 +67,7 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void run(cons
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
   static thread_local Scratch s;
   const int H = g.H, nh = g.nh, nkv = g.nkv, d = g.d, nq = nh * d, nk = nkv * d, rows = nq + 2 * nk;
+  const size_t kv_size = g.kv == KvType::F32 ? 4 : 2;  // the pool's element size (--kv-cache-dtype)
   // input norm -> the projection's fp32 input (the reference's x.float() of the rounded norm)
   T* xn = as<T>(s.xn, size_t(B) * H);
   rms_norm_rows(h, BF16, g.in_norm, BF16, xn, BF16, B, H, g.eps);
@@ -112,8 +113,8 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void run(cons
     const size_t blk = size_t(q.table[q.pos >> g.block_shift]), row = size_t(q.pos & ((1 << g.block_shift) - 1));
     for (int k = 0; k < nkv; ++k) {
       const size_t at = k * g.kv_head + blk * g.kv_block + row * d;
-      std::memcpy(static_cast<T*>(g.K) + at, dst + nq + size_t(k) * d, sizeof(T) * d);
-      std::memcpy(static_cast<T*>(g.V) + at, src + nq + nk + size_t(k) * d, sizeof(T) * d);
+      store_kv(g.kv, dst + nq + size_t(k) * d, BF16, static_cast<char*>(g.K) + at * kv_size, d);
+      store_kv(g.kv, src + nq + nk + size_t(k) * d, BF16, static_cast<char*>(g.V) + at * kv_size, d);
     }
   }
   // attention, a sequence at a time (each over its kv heads on the pool); the query as fp32, the output
@@ -129,10 +130,10 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void run(cons
     const int L = q.pos + 1;
     if (q.first >= 0) {  // consecutive blocks: each head's rows are one strided matrix
       const size_t at = size_t(q.first) * g.kv_block;
-      decode_attention(g.isa, qf, nh, nkv, d, static_cast<const T*>(g.K) + at, BF16, g.kv_head, d,
-                       static_cast<const T*>(g.V) + at, g.kv_head, d, L, g.scale, s.att.data());
+      decode_attention(g.isa, qf, nh, nkv, d, static_cast<const char*>(g.K) + at * kv_size, g.kv, g.kv_head, d,
+                       static_cast<const char*>(g.V) + at * kv_size, g.kv_head, d, L, g.scale, s.att.data());
     } else {
-      decode_attention(g.isa, qf, nh, nkv, d, g.K, BF16, g.kv_head, d, g.V, g.kv_head, d, L, g.scale,
+      decode_attention(g.isa, qf, nh, nkv, d, g.K, g.kv, g.kv_head, d, g.V, g.kv_head, d, L, g.scale,
                        s.att.data(), q.table, g.block_shift, g.kv_block, g.kv_block);
     }
     for (int i = 0; i < nq; ++i) s.of[size_t(t) * nq + i] = held<T>(s.att[i]);

@@ -130,9 +130,14 @@ void moe_forward(const MoELayer& l, const float* hidden, const int32_t* ids, con
 
 // Dense layer: y [T, m.rows] fp32 = x [T, m.K] fp32 times matrix 0 of m, transposed (native/linear.cpp).
 void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, float* y);
-// out [nh, d] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K and V bf16
-// (or fp32) [nkv, L, d] at the given head and position strides (elements); nh / nkv query heads per kv head.
-void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, bool bf16, size_t k_head,
+// The KV cache's element type, which may differ from the model's (--kv-cache-dtype: fp16 halves an fp32 model's
+// cache and the bytes decode attention reads). The values are the Python side's codes (moe_kernels/attention.py).
+enum class KvType : int { F32 = 0, BF16 = 1, F16 = 2 };
+// n values of src (bf16 bits or fp32) into dst as kv, rounded to nearest even as torch's .to() does.
+void store_kv(KvType kv, const void* src, bool src_bf16, void* dst, int n);
+// out [nh, d] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K and V of type kv
+// [nkv, L, d] at the given head and position strides (elements); nh / nkv query heads per kv head.
+void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, KvType kv, size_t k_head,
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
                       const int32_t* table = nullptr, int block_shift = 0, size_t k_block = 0, size_t v_block = 0);
 
@@ -153,10 +158,11 @@ void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, c
 
 // A GQA attention block's weights and its layer of the paged KV pool, for gqa_decode_block (native/decode_step.cpp).
 // Activations, norm weights and biases are all of the model dtype (bf16 bits or fp32); the pool's K and V are
-// [nkv, blocks, 1 << block_shift, d] of it (gpu_service/kv_pool.py).
+// [nkv, blocks, 1 << block_shift, d] of kv (gpu_service/kv_pool.py).
 struct GqaBlock {
   Isa isa;
   bool bf16;
+  KvType kv;
   const Kernels* qkv_k;
   Matrix qkv;  // q, k, v rows fused: [(nh + 2 nkv) d, H]
   const Kernels* o_k;

@@ -50,9 +50,9 @@ def ckpts(tmp_path_factory):
     return made
 
 
-def load(d, dtype=torch.bfloat16, fmt="bf16", experts="bf16"):
+def load(d, dtype=torch.bfloat16, fmt="bf16", experts="bf16", kv_dtype=None):
     cfg = load_config(d)
-    model = Model(cfg, Checkpoint(d), torch.device("cpu"), dtype, dense_format=fmt)
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), dtype, dense_format=fmt, kv_dtype=kv_dtype)
     return cfg, model, load_expert_layers(cfg, Checkpoint(d), experts, 1)
 
 
@@ -121,6 +121,17 @@ def test_local_experts_the_layer_loop_bit_for_bit(ckpts, family, dtype, fmt, exp
     decode_both(model, cfg, mine, ref)
     assert mine.loops == 24 and mine.submits == moe  # the prompt only
     assert ref.loops == 0 and ref.submits == 25 * moe
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_an_fp16_cache_the_layer_loop_bit_for_bit(ckpts, family, dtype):
+    """--kv-cache-dtype fp16: the loop stores each new K/V row as torch's .to() does and reads the fp16 pool."""
+    cfg, model, layers = load(ckpts[family], dtype, kv_dtype=torch.float16)
+    assert model.kv_pool().bufs[0][0].dtype == torch.float16
+    mine, ref = Counting(layers), Counting(layers)
+    decode_both(model, cfg, mine, ref)
+    assert mine.loops == 24 and ref.loops == 0
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])

@@ -36,12 +36,12 @@ def wide(tmp_path_factory):
     return {f: tiny_models.build(f, base / f, seed=3, **kw) for f, kw in SHAPES.items()}
 
 
-def load(d, dtype, fmt, router=True, experts="fp32"):
+def load(d, dtype, fmt, router=True, experts="fp32", kv_dtype=None):
     """router=False: the native blocks without the router (route() chooses, as on the torch path). experts: the
     routed experts' format (fp32 runs torch, whose GEMM rounds a row differently with the batch's size on some
-    CPUs; the native formats give a token the same bits whatever else the batch holds)."""
+    CPUs; the native formats give a token the same bits whatever else the batch holds). kv_dtype: the pool's."""
     cfg = load_config(d)
-    model = Model(cfg, Checkpoint(d), torch.device("cpu"), dtype, dense_format=fmt)
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), dtype, dense_format=fmt, kv_dtype=kv_dtype)
     if not router:
         model.decode_blocks = {L: _without_router(b, L, model) for L, b in model.decode_blocks.items()}
     g = torch.Generator().manual_seed(7)
@@ -90,10 +90,12 @@ def kv_rows(cache, layer, n):
 
 @pytest.mark.parametrize("family", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt):
-    """The attention blocks (route() choosing the experts on both sides): logits and KV rows bit for bit."""
-    cfg, model, experts = load(wide[family], dtype, fmt, router=False)
+@pytest.mark.parametrize("fmt, kv", [("bf16", None), ("int8", None), ("bf16", torch.float16)], ids=["bf16", "int8", "bf16-kv16"])
+def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt, kv):
+    """The attention blocks (route() choosing the experts on both sides): logits and KV rows bit for bit; with an
+    fp16 pool (--kv-cache-dtype) its rows stored as torch's .to() stores them."""
+    cfg, model, experts = load(wide[family], dtype, fmt, router=False, kv_dtype=kv)
+    assert model.kv_pool().bufs[0][0].dtype == (kv or dtype)
     assert set(model.decode_blocks) == set(range(cfg.num_layers))
     assert not any(b.routes for b in model.decode_blocks.values())
     dense = [L for L in range(cfg.num_layers) if not cfg.is_moe_layer(L)]
@@ -255,14 +257,15 @@ def test_native_mlp_and_softmax_follow_torch_limited_to_its_default_capability()
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_several_sequences_in_one_step(wide, family, dtype):
+@pytest.mark.parametrize("dtype, kv", [(torch.bfloat16, None), (torch.float32, None), (torch.float32, torch.float16)],
+                         ids=["bf16", "fp32", "fp32-kv16"])
+def test_several_sequences_in_one_step(wide, family, dtype, kv):
     """Three sequences of different lengths, their blocks interleaved in the pool (read through the table), decode
     together: each as the torch path decodes it alone, up to the batched projections' last bits."""
     # native experts: torch's fp32 ones round a token's rows differently at 3 tokens than at 1 (MKL on AVX2), and
     # the dense layers' bf16 activations can turn such a last bit into a visible one (as the native router's
     # softmax did while its exp was libm's: 0.011 in an fp32 qwen2_moe logit on a Zen 3)
-    cfg, model, experts = load(wide[family], dtype, "bf16", experts="bf16")
+    cfg, model, experts = load(wide[family], dtype, "bf16", experts="bf16", kv_dtype=kv)
     prompts = [torch.arange(3, 3 + n) % tiny_models.VOCAB for n in (5, 18, 33)]
     mine = [model.new_cache() for _ in prompts]
     ref = [model.new_cache() for _ in prompts]

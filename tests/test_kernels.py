@@ -673,7 +673,7 @@ def attention_reference(q, K, V, scale):
 
 
 @pytest.mark.parametrize("isa", ATTN_PATHS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128, 256, 80])  # 80: no vector kernel, the plain loops on every isa
 @pytest.mark.parametrize("nh, nkv", [(4, 4), (24, 4), (12, 1), (20, 2)])  # groups of 1, 6, 12, 10 query heads
 @pytest.mark.parametrize("L", [1, 17, 301])
@@ -691,7 +691,7 @@ def test_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L):
 
 
 @pytest.mark.parametrize("isa", ATTN_PATHS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("d, nh, nkv", [(64, 24, 4), (128, 12, 1), (80, 4, 2)])
 @pytest.mark.parametrize("L, B", [(1, 16), (16, 16), (301, 16), (77, 4)])
 def test_paged_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L, B):
@@ -729,12 +729,63 @@ def test_decode_attention_refuses_mixed_or_strided_caches():
     from moe_kernels.attention import decode_attention
 
     K = torch.randn(2, 8, 64).bfloat16()
-    with pytest.raises(ValueError, match="both bf16 or both fp32"):
+    with pytest.raises(ValueError, match="of one of fp32, bf16, fp16"):
         decode_attention(torch.randn(4, 64), K, K.float(), 0.125)
+    with pytest.raises(ValueError, match="of one of fp32, bf16, fp16"):
+        decode_attention(torch.randn(4, 64), K.double(), K.double(), 0.125)
     with pytest.raises(ValueError, match="unit stride"):
         decode_attention(torch.randn(4, 64), K.transpose(1, 2)[:, :8, :8], K[:, :8, :8], 0.125)
     with pytest.raises(ValueError, match="do not fit"):
         decode_attention(torch.randn(3, 64), K, K, 0.125)
+
+
+def _awkward_floats() -> torch.Tensor:
+    """fp32 values where a half's rounding is easy to get wrong: ties at both ends of the normal range, the
+    subnormals and their ties, the overflow edge (65504, 65519.99, 65520), signed zeros, inf; then random ones."""
+    u = torch.tensor([0x33000000, 0x33000001, 0x337fffff, 0x33800000, 0x33c00000, 0x34000000, 0x38000000,
+                      0x387fc000, 0x387fe000, 0x387ff000, 0x38800000, 0x3f801000, 0x3f803000, 0x3f800fff,
+                      0x477fe000, 0x477fefff, 0x477ff000, 0x7f7fffff, 0x7f800000, 0x00000001, 0], dtype=torch.int64)
+    special = torch.cat([u, u | 0x80000000]).to(torch.int32).view(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    rand = torch.cat([torch.randn(999, generator=g) * s for s in (1e-6, 1e-3, 1.0, 300.0, 3e4)])
+    return torch.cat([special, rand])
+
+
+@pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+def test_store_kv_rounds_as_torch(kv, src):
+    """The decode step's K/V store (native/attention.cpp store_kv) gives torch's .to() bits: the F16C instruction
+    on whole vectors of 8, the integer rounding for a tail and alone (n = 1)."""
+    from moe_kernels.attention import store_kv
+
+    x = _awkward_floats().to(src)
+    want = x.to(kv)
+    got = torch.empty(x.numel(), dtype=kv)
+    store_kv(x, got)
+    bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}[kv]
+    assert torch.equal(got.view(bits), want.view(bits))
+    for i in range(0, 42):  # the awkward ones one at a time: the scalar rounding
+        one = torch.empty(1, dtype=kv)
+        store_kv(x[i:i + 1].clone(), one)
+        assert torch.equal(one.view(bits), want[i:i + 1].view(bits)), (i, x[i].item())
+    with pytest.raises(ValueError, match="store_kv"):
+        store_kv(x.double(), torch.empty(x.numel(), dtype=kv))
+
+
+def test_half_widens_exactly_on_every_path():
+    """Every finite half (all 65536 bit patterns but infs and NaNs) through the decode kernel's loads: one position
+    (its softmax weight 1) gives its V row back, on the plain loops (the integer widening) and the vector paths
+    (F16C). Within 3e-7 (the softmax's 1 / sum): a wrong exponent or subnormal would be off by far more."""
+    from moe_kernels.attention import decode_attention
+
+    h = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    h = h[torch.isfinite(h)]
+    rows = torch.nn.functional.pad(h, (0, -h.numel() % 128)).view(-1, 128)  # rows of 128 halves
+    for isa in ATTN_PATHS:
+        for d in (128, 80):  # 80: no vector kernel on any path
+            got = torch.stack([decode_attention(torch.zeros(1, d), r[:d].view(1, 1, d), r[:d].view(1, 1, d), 1.0, isa)[0]
+                               for r in rows])
+            torch.testing.assert_close(got, rows[:, :d].float(), rtol=3e-7, atol=0, msg=isa)
 
 
 # -- MLA's absorbed kv_b_proj (native/mla.cpp) ------------------------------------------------------
