@@ -3,6 +3,11 @@ decode tokens/s, our two services (sharing the cores) against llama.cpp's llama-
 rounds within one run.
 
     python bench/bench_llamacpp.py --model DIR [--formats bf16,int8,int4] [--rounds 3] [--isa native|avx2|avxvnni|avx512]
+    python bench/bench_llamacpp.py --model DIR --formats int4-all --depth 4096 [--kv-cache-dtype fp16]
+
+--depth N: decode after N tokens of context instead (llama-bench -d N; ours after an N-token prompt, a new one
+each round), no prefill figure: where decode attention's KV reads count. llama.cpp's cache is f16 (its default);
+ours is --kv-cache-dtype (auto: the compute dtype, fp32 on a CPU without bf16 arithmetic).
 
 DIR: a Qwen3-MoE checkpoint (tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out DIR).
 llama.cpp is built here from the llama-cpp-python sdist on PyPI (its vendored tree; nothing of it is
@@ -106,23 +111,25 @@ def gguf(model: pathlib.Path, src: pathlib.Path, isa: str, work: pathlib.Path, q
     return out
 
 
-def llama_bench(src: pathlib.Path, isa: str, gguf_path: pathlib.Path, threads: int, prompt: int, gen: int):
-    """-> (prefill tok/s, decode tok/s) from one llama-bench run of each test."""
+def llama_bench(src: pathlib.Path, isa: str, gguf_path: pathlib.Path, threads: int, prompt: int, gen: int,
+                depth: int = 0):
+    """-> (prefill tok/s, nan when prompt is 0; decode tok/s) from one llama-bench run of each test, after
+    `depth` tokens of context."""
     out = subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-bench"), "-m", str(gguf_path), "-t", str(threads),
-                          "-p", str(prompt), "-n", str(gen), "-r", "1", "-o", "json"],
+                          "-p", str(prompt), "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json"],
                          capture_output=True, text=True, check=True).stdout
     rows = json.loads(out)
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0) if prompt else float("nan")
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
     return pp, tg
 
 
-def ours_up(model, expert_fmt, dense_fmt, threads, work, env):
+def ours_up(model, expert_fmt, dense_fmt, threads, work, env, kv_dtype="auto"):
     ep, gp = free_port(), free_port()
     e = start("expert_service", "--model", str(model), "--listen", f"127.0.0.1:{ep}", "--threads", str(threads),
               "--weight-format", expert_fmt, log=work / f"expert-{expert_fmt}.log", env=env)
     g = start("gpu_service", "--model", str(model), "--experts", f"127.0.0.1:{ep}", "--listen", f"127.0.0.1:{gp}",
-              "--threads", str(threads), "--device", "cpu", "--dense-format", dense_fmt,
+              "--threads", str(threads), "--device", "cpu", "--dense-format", dense_fmt, "--kv-cache-dtype", kv_dtype,
               log=work / f"gpu-{expert_fmt}.log", env=env)
     wait_healthy(ep, e, timeout=3600)
     wait_healthy(gp, g, timeout=3600)
@@ -140,6 +147,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--depth", type=int, default=0, help="decode after this many tokens of context (no prefill figure)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="our gpu-service's --kv-cache-dtype")
     ap.add_argument("--work", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir()) / "moe-llamacpp")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
@@ -147,18 +156,26 @@ def main() -> None:
     env = {"MOE_CACHE_DIR": str(a.work / "cache")} | ISAS[a.isa][1]
     print(f"CPU: {cpu_name()}; {a.model.name}; {a.threads} threads each; isa {a.isa} (llama.cpp built for it; "
           f"ours on {env.get('MOE_KERNEL_PATH', 'its default path')}); prompt {a.prompt}, "
-          f"decode {a.gen} tokens; {a.rounds} alternating rounds", flush=True)
+          f"decode {a.gen} tokens; {a.rounds} alternating rounds"
+          + (f"; decode after {a.depth} tokens, our KV cache {a.kv_cache_dtype}, llama.cpp's f16" if a.depth else ""),
+          flush=True)
     # a new prompt every round: the services' prefix cache would otherwise answer a repeated one without a prefill
-    prompts = [[(i * 7919 + r * 104729) % 4000 + 2 for i in range(a.prompt)] for r in range(a.rounds + 1)]
+    n = a.depth or a.prompt
+    prompts = [[(i * 7919 + r * 104729) % 4000 + 2 for i in range(n)] for r in range(a.rounds + 1)]
     rows = []
     for fmt in a.formats.split(","):
         qtype, expert_fmt, dense_fmt = PAIRS[fmt]
         gg = gguf(a.model, src, a.isa, a.work, qtype)
-        port, procs = ours_up(a.model, expert_fmt, dense_fmt, a.threads, a.work, env)
+        port, procs = ours_up(a.model, expert_fmt, dense_fmt, a.threads, a.work, env, a.kv_cache_dtype)
         try:
             generate(port, prompts[-1][:16], 4)  # warm-up
             ours, theirs = [], []
             for r in range(a.rounds):
+                if a.depth:  # the decode after a long prompt; nothing cached of it (a new prompt each round)
+                    _, dec = generate(port, prompts[r], a.gen)
+                    ours.append((float("nan"), dec))
+                    theirs.append(llama_bench(src, a.isa, gg, a.threads, 0, a.gen, a.depth))
+                    continue
                 ttft, _ = generate(port, prompts[r], 2)
                 _, dec = generate(port, prompts[-1][:16], a.gen)
                 ours.append((a.prompt / ttft, dec))
