@@ -6,7 +6,10 @@ table; consecutive, as a lone sequence's are, and scattered in the pool) -- the 
 the decode step -- interleaved in one run. Also what the paths without a paged kernel pay for scattered blocks:
 gathering them into one tensor per layer (consecutive ones are a view).
 
-    python bench/bench_attention.py [--lengths 400 1500 6000] [--dtype bf16] [--isa avx2] [--threads 2]
+    python bench/bench_attention.py [--lengths 400 1500 6000] [--dtype bf16] [--kv fp16] [--isa avx2] [--threads 2]
+
+--kv: the cache's element type when it is not the model's (--kv-cache-dtype; the torch path widens the blocks
+it gathers, as gpu_service/attention.py does).
 
 With --isa avx2, run torch limited to AVX2 too (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2).
 """
@@ -32,6 +35,7 @@ NH, NKV, D = 32, 4, 128
 
 
 def with_torch(q, K, V):  # gpu_service/attention.py's CPU decode without the native kernel
+    K, V = K.to(q.dtype), V.to(q.dtype)
     qg = q.view(NKV, NH // NKV, D)
     s = torch.matmul(qg, K.transpose(1, 2)) * D ** -0.5
     return torch.matmul(s.float().softmax(-1).to(q.dtype), V).view(NH, D)
@@ -52,21 +56,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[400, 1500, 6000])
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--kv", choices=["bf16", "fp32", "fp16"], default=None, help="the cache's type (default: --dtype)")
     ap.add_argument("--isa", default=ISA, help="native kernel isa (default: this CPU's)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
-    dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}; per layer, median of {a.reps}")
+    types = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    dt, kt = types[a.dtype], types[a.kv or a.dtype]
+    print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}, cache {a.kv or a.dtype}; per layer, "
+          f"median of {a.reps}")
     print("| positions | torch matmuls | native, contiguous | native, paged consecutive (/ contiguous) | native, paged "
           "scattered | native, paged in runs of 4 | gather scattered (torch paths) |\n|---|---|---|---|---|---|---|")
     B = 16  # kv_pool.BLOCK
     for L in a.lengths:
         cap = 1 << (L - 1).bit_length()  # the cache's doubled capacity
         q = torch.randn(NH, D, dtype=dt)
-        K, V = torch.randn(NKV, cap, D, dtype=dt)[:, :L], torch.randn(NKV, cap, D, dtype=dt)[:, :L]
+        K, V = torch.randn(NKV, cap, D, dtype=kt)[:, :L], torch.randn(NKV, cap, D, dtype=kt)[:, :L]
         nb = -(-L // B)
         # the sequence's blocks in a pool 4x its size: consecutive (a lone sequence's, the lowest free ids), and
         # scattered (after many requests came and went)
@@ -77,7 +84,7 @@ def main() -> None:
         pools = {}
         for name, table in tables.items():
             size = max(4 * nb, int(table.max()) + 1)
-            pk, pv = (_empty((NKV, size, B, D), dt, torch.device("cpu")).normal_() for _ in range(2))  # kv_pool's
+            pk, pv = (_empty((NKV, size, B, D), kt, torch.device("cpu")).normal_() for _ in range(2))  # kv_pool's
             pk[:, table.long()] = F.pad(K, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D)
             pv[:, table.long()] = F.pad(V, (0, 0, 0, nb * B - L)).view(NKV, nb, B, D)
             pools[name] = pk, pv
