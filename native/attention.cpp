@@ -72,9 +72,14 @@ inline void tile_rows(const Rows<T, P>& R, int j0, int j1, const T** out) {
   for (int j = j0; j < j1; ++j) out[j - j0] = R(j);
 }
 
-// positions of V per tile: the sums walk a tile once per slice of dims, so it must stay in cache (untiled,
-// each of d/8 slices streams all of V from memory again)
-constexpr int TILE = 64;
+// Positions of V per tile: the sums walk a tile once per slice of dims, so it must stay in L1 (untiled, each of
+// d/8 slices streams all of V from memory again): 16 KB of rows, half of a 32 KB L1 beside the scores, the
+// output and the query (64 fp32 rows of 128, 32 KB, missed L1 on every slice's pass: docs/decode_step.md).
+constexpr int TILE = 64;  // the most
+template <class T>
+constexpr int tile_rows_for(int d) {
+  return std::max(8, std::min(TILE, int(16384 / (d * sizeof(T)))));
+}
 constexpr size_t SERIAL_MACS = size_t(1) << 19;  // below this many multiply-adds per call: no threads
 
 // The 8 sums of a[0..7]'s lanes, as lanes 0..7: halves, then quarters added pairwise across accumulators
@@ -131,11 +136,12 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void group_avx512(const flo
   alignas(32) float inv[8];
   _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm512_castps512_ps256(sum2),
                                                                          _mm512_castps512_ps256(_mm512_shuffle_f32x4(sum2, sum2, 0xee)))));
+  constexpr int tile = tile_rows_for<T>(d);
   const T* vr[TILE];
-  for (int j0 = 0; j0 < L; j0 += TILE) {  // V a tile of positions at a time: read from memory once
-    const int j1 = std::min(L, j0 + TILE);
+  for (int j0 = 0; j0 < L; j0 += tile) {  // V a tile of positions at a time: read from memory once
+    const int j1 = std::min(L, j0 + tile);
     tile_rows(V, j0, j1, vr);
-    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + TILE - (1 << V.shift), L, d);  // the next tile's
+    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + tile - (1 << V.shift), L, d);  // the next tile's
     for (int c = 0; c < DC; c += 2) {  // two slices a pass (DC is even): half the passes over the tile
       __m512 acc[2][G];
       MOE_UNROLL for (int h = 0; h < 2; ++h)
@@ -166,31 +172,50 @@ __attribute__((target("avx2,fma"))) inline __m256 sums8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// The same on AVX2 (8 lanes, 16 registers): a key row is widened to fp32 once into kf (L1) and read from there by
-// each query; one 8-dim slice of V a pass.
+// The scores of two positions j, j + 1 for 4 queries (q0 = the first of them, up to Q of them real) as one vector
+// [j's 4 | j + 1's 4]: eight accumulators, each chunk of 8 dims loaded once per pair of rows and per query (6 loads
+// for 8 multiply-adds; one position at a time took 2 loads a multiply-add, and was bound by them).
+template <int Q, int DC, class T>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 pair_scores(const float* q0, const T* k0, const T* k1) {
+  constexpr int d = 8 * DC;
+  __m256 acc[8];
+  MOE_UNROLL for (int b = 0; b < 8; ++b) acc[b] = _mm256_setzero_ps();
+#pragma GCC unroll 2  // unrolled fully, GCC hoists loads of later chunks and spills the accumulators
+  for (int c = 0; c < DC; ++c) {
+    const __m256 x0 = ld8(k0 + 8 * c), x1 = ld8(k1 + 8 * c);
+    MOE_UNROLL for (int b = 0; b < Q; ++b) {
+      const __m256 qv = _mm256_loadu_ps(q0 + b * d + 8 * c);
+      acc[b] = _mm256_fmadd_ps(qv, x0, acc[b]);
+      acc[4 + b] = _mm256_fmadd_ps(qv, x1, acc[4 + b]);
+    }
+  }
+  return sums8(acc);
+}
+
+// The same on AVX2 (8 lanes, 16 registers): the scores two positions at a time (pair_scores, for queries 0-3 then
+// 4-7), each row of 8 scores one vector as on AVX-512; one 8-dim slice of V a pass.
 template <int G, int DC, class T, bool P>
 __attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s,
-                                                   float* out) {
+                                                        float* out) {
   constexpr int d = 8 * DC;
-  alignas(32) float kf[d];
   const __m256 sc = _mm256_set1_ps(scale);
   __m256 mx = _mm256_set1_ps(-INFINITY);
-  for (int j = 0; j < L; ++j) {
+  for (int j = 0; j < L; j += 2) {
+    const bool two = j + 1 < L;  // an odd last position pairs with itself; its copy is dropped
     K.prefetch_ahead(j, L, d);
-    MOE_UNROLL for (int c = 0; c < DC; ++c) _mm256_store_ps(kf + 8 * c, ld8(K(j) + 8 * c));
-    __m256 acc[8];
-    MOE_UNROLL for (int b = 0; b < 8; ++b) {
-      if (b >= G) {
-        acc[b] = _mm256_setzero_ps();
-        continue;
-      }
-      acc[b] = _mm256_mul_ps(_mm256_loadu_ps(q + b * d), _mm256_load_ps(kf));
-      MOE_UNROLL for (int c = 1; c < DC; ++c)
-        acc[b] = _mm256_fmadd_ps(_mm256_loadu_ps(q + b * d + 8 * c), _mm256_load_ps(kf + 8 * c), acc[b]);
+    if (two) K.prefetch_ahead(j + 1, L, d);
+    const T* k0 = K(j);
+    const T* k1 = two ? K(j + 1) : k0;
+    const __m256 lo = pair_scores<(G < 4 ? G : 4), DC>(q, k0, k1);
+    const __m256 hi = G > 4 ? pair_scores<(G > 4 ? G - 4 : 1), DC>(q + 4 * d, k0, k1) : _mm256_setzero_ps();
+    const __m256 r0 = _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), sc);  // j: queries 0-3 | 4-7
+    _mm256_storeu_ps(s + 8 * size_t(j), r0);
+    mx = _mm256_max_ps(mx, r0);
+    if (two) {
+      const __m256 r1 = _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), sc);
+      _mm256_storeu_ps(s + 8 * size_t(j + 1), r1);
+      mx = _mm256_max_ps(mx, r1);
     }
-    const __m256 r = _mm256_mul_ps(sums8(acc), sc);
-    _mm256_storeu_ps(s + 8 * size_t(j), r);
-    mx = _mm256_max_ps(mx, r);
   }
   __m256 sum = _mm256_setzero_ps();
   for (int j = 0; j < L; ++j) {
@@ -200,11 +225,12 @@ __attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T,
   }
   alignas(32) float inv[8];
   _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
+  constexpr int tile = tile_rows_for<T>(d);
   const T* vr[TILE];
-  for (int j0 = 0; j0 < L; j0 += TILE) {
-    const int j1 = std::min(L, j0 + TILE);
+  for (int j0 = 0; j0 < L; j0 += tile) {
+    const int j1 = std::min(L, j0 + tile);
     tile_rows(V, j0, j1, vr);
-    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + TILE - (1 << V.shift), L, d);
+    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + tile - (1 << V.shift), L, d);
     for (int c = 0; c < DC; ++c) {
       __m256 acc[G];
       MOE_UNROLL for (int b = 0; b < G; ++b)
