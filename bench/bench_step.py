@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--weight-format", default="int4")
     ap.add_argument("--dense-format", default="int4", help="gpu-service --dense-format (torch: no native dense kernels)")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens before the decode")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="gpu-service --kv-cache-dtype")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20, help="timings per kernel (median)")
@@ -262,7 +263,7 @@ def main() -> None:
         procs.append(start("gpu_service", "--model", str(model), "--experts", "local" if a.local else f"127.0.0.1:{ep}",
                            "--listen", f"127.0.0.1:{gp}", "--threads", str(a.threads), "--device", "cpu",
                            "--dense-format", a.dense_format, "--weight-format", a.weight_format,
-                           log=work / "gpu.log", env=env))
+                           "--kv-cache-dtype", a.kv_cache_dtype, log=work / "gpu.log", env=env))
         for port, p in zip(([] if a.local else [ep]) + [gp], procs):
             wait_healthy(port, p, timeout=3600)
         prompt = [(i * 7919) % min(4000, cfg.vocab_size - 2) + 2 for i in range(a.context)]

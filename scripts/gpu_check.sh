@@ -33,7 +33,7 @@ step "tests, GPU service on cuda"
 MOE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
   tests/test_e2e_families.py tests/test_deferral.py tests/test_generate.py tests/test_shm.py \
   tests/test_chunked_prefill.py tests/test_bad_requests.py tests/test_real_configs.py tests/test_hot_experts.py \
-  tests/test_prefill_experts.py tests/test_prefix_cache.py >"$OUT/pytest.log" 2>&1
+  tests/test_prefill_experts.py tests/test_prefix_cache.py tests/test_kv_dtype.py >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?"; tail -25 "$OUT/pytest.log"
 [ "${BENCH:-1}" = 0 ] && { step done; exit 0; }
 

@@ -6,6 +6,8 @@ pool's size and the prefix cache's keys follow the type. The native decode step 
 tested bit for bit against the torch path in test_decode_step.py and test_decode_loop.py."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -25,7 +27,8 @@ def logits_of(d, kv_dtype, prompt, n: int = 12):
     """A prompt in two chunks (the second attends to the first through the cache), then n greedy decode steps:
     every step's logits [2 + n, vocab], and the pool's element type."""
     cfg, ckpt = load_config(d), Checkpoint(d)
-    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32, kv_dtype=kv_dtype)
+    dev = torch.device(os.environ.get("MOE_TEST_DEVICE", "cpu"))  # scripts/gpu_check.sh: cuda (torch's paths)
+    model = Model(cfg, ckpt, dev, torch.float32, kv_dtype=kv_dtype)
     experts = LocalExperts(load_expert_layers(cfg, ckpt, "fp32", 1))
     c = model.new_cache()
     h = len(prompt) // 2
@@ -35,7 +38,7 @@ def logits_of(d, kv_dtype, prompt, n: int = 12):
         out.append(model.forward([Segment(c, out[-1].argmax(-1).view(1), pos)], experts))
         pos += 1
     bufs = next(b for b in model.kv_pool().bufs if b is not None)
-    return torch.cat(out), {b.dtype for b in bufs}
+    return torch.cat(out).cpu(), {b.dtype for b in bufs}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
