@@ -135,9 +135,9 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def check_args(args, cfg) -> tuple[torch.device, torch.dtype, str | None, list[str]]:
-    """Every setting checked before a server starts (serving.fail names the bad one) -> (device, compute dtype,
-    dense weight format or None, expert service targets (["local"] for --experts local))."""
+def check_args(args, cfg) -> tuple[torch.device, torch.dtype, torch.dtype, str | None, list[str]]:
+    """Every setting checked before a server starts (serving.fail names the bad one) -> (device, compute dtype, KV
+    cache dtype, dense weight format or None, expert service targets (["local"] for --experts local))."""
     if not 0 <= args.defer < cfg.top_k:
         serving.fail(f"--defer must be in [0, top_k - 1 = {cfg.top_k - 1}]")
     if args.max_step_tokens < args.max_batch:
