@@ -374,7 +374,8 @@ void store_kv(KvType kv, const void* src, bool src_bf16, void* dst, int n) {
     return;
   }
   // through fp32, as torch's conversions between them go (a bf16 value is exact in fp32); 64 values at a time
-  const bool f16c = detect_cpu().f16c && detect_cpu().os_avx;  // the instruction rounds as f32_to_f16 (NaN aside)
+  const CpuFeatures cpu = detect_cpu();
+  const bool f16c = cpu.f16c && cpu.os_avx;  // the instruction rounds as f32_to_f16 (NaN aside)
   float wide[64];
   for (int i0 = 0; i0 < n; i0 += 64) {
     const int m = std::min(64, n - i0);

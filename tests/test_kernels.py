@@ -739,12 +739,16 @@ def test_decode_attention_refuses_mixed_or_strided_caches():
         decode_attention(torch.randn(3, 64), K, K, 0.125)
 
 
+# fp32 bit patterns where a half's rounding is easy to get wrong: ties at both ends of the normal range, the
+# subnormals and their ties, the overflow edge (65504, 65519.99, 65520), zero, inf; each also negated
+AWKWARD_BITS = [0x33000000, 0x33000001, 0x337fffff, 0x33800000, 0x33c00000, 0x34000000, 0x38000000, 0x387fc000,
+                0x387fe000, 0x387ff000, 0x38800000, 0x3f801000, 0x3f803000, 0x3f800fff, 0x477fe000, 0x477fefff,
+                0x477ff000, 0x7f7fffff, 0x7f800000, 0x00000001, 0]
+
+
 def _awkward_floats() -> torch.Tensor:
-    """fp32 values where a half's rounding is easy to get wrong: ties at both ends of the normal range, the
-    subnormals and their ties, the overflow edge (65504, 65519.99, 65520), signed zeros, inf; then random ones."""
-    u = torch.tensor([0x33000000, 0x33000001, 0x337fffff, 0x33800000, 0x33c00000, 0x34000000, 0x38000000,
-                      0x387fc000, 0x387fe000, 0x387ff000, 0x38800000, 0x3f801000, 0x3f803000, 0x3f800fff,
-                      0x477fe000, 0x477fefff, 0x477ff000, 0x7f7fffff, 0x7f800000, 0x00000001, 0], dtype=torch.int64)
+    """The AWKWARD_BITS values, then their negatives, then random ones."""
+    u = torch.tensor(AWKWARD_BITS, dtype=torch.int64)
     special = torch.cat([u, u | 0x80000000]).to(torch.int32).view(torch.float32)
     g = torch.Generator().manual_seed(3)
     rand = torch.cat([torch.randn(999, generator=g) * s for s in (1e-6, 1e-3, 1.0, 300.0, 3e4)])
@@ -764,7 +768,7 @@ def test_store_kv_rounds_as_torch(kv, src):
     store_kv(x, got)
     bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}[kv]
     assert torch.equal(got.view(bits), want.view(bits))
-    for i in range(0, 42):  # the awkward ones one at a time: the scalar rounding
+    for i in range(2 * len(AWKWARD_BITS)):  # the awkward ones one at a time: the scalar rounding
         one = torch.empty(1, dtype=kv)
         store_kv(x[i:i + 1].clone(), one)
         assert torch.equal(one.view(bits), want[i:i + 1].view(bits)), (i, x[i].item())
