@@ -40,6 +40,9 @@ from .text import DetokenizeStream, TextCodec
 
 log = logging.getLogger("gpu_service.engine")
 TRIM_AFTER = 1024  # tokens of context: a request this long returns freed memory to the OS when it ends
+# Steps' metrics are recorded a batch at a time: at least this often, when a request ends and when the engine goes
+# idle. Between the layers' weight streams every numpy call runs from cold caches: a step's take ~0.3 ms alone.
+METRICS_EVERY_S = 0.25
 
 
 @dataclasses.dataclass
@@ -129,6 +132,8 @@ class Engine:
         self._stop = threading.Event()
         self._closed: str | None = None   # close(): new requests fail with this
         self._aborted: str | None = None  # abort(): every request fails with this at the next step
+        self._unrecorded: list[tuple[list[Span], float, list | None]] = []  # steps whose metrics wait
+        self._recorded_at = time.perf_counter()
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -219,6 +224,7 @@ class Engine:
             metrics.RUNNING.set(len(self.running) + len(new))
             metrics.WAITING.set(self.inbox.qsize() + len(self.waiting))
             if not self.running and not new:
+                self._record_metrics()
                 continue
             batch = self.running + new
             self.running = batch  # counted as running from their first step on (Info reads it meanwhile)
@@ -233,7 +239,14 @@ class Engine:
             alive = {id(r) for r in self.running}
             if any(len(r.prompt_ids) + len(r.output) >= TRIM_AFTER for r in batch if id(r) not in alive):
                 serving.trim_heap()  # a long context just ended: its activations go back (the KV pool keeps its pages)
+        self._record_metrics()
         metrics.RUNNING.set(0)
+
+    def _record_metrics(self) -> None:
+        if self._unrecorded:
+            steps, self._unrecorded = self._unrecorded, []
+            record_step_metrics(steps)
+        self._recorded_at = time.perf_counter()
 
     def _plan(self, batch: list[Request]) -> list[tuple[Request, int]]:
         """This step's tokens of each request: every decode's one, then prompt chunks in arrival order
@@ -391,6 +404,7 @@ class Engine:
         rows = list(itertools.accumulate((0 if r.logprobs_only else s.tokens.shape[0] if r.score_only else 1
                                           for r, s in zip(reqs, segs)), initial=0))
         masked = self._mask(reqs, rows, logits)
+        ended = False  # a request had its last event
         for r, s, row, end in zip(reqs, segs, rows, rows[1:]):
             n = end - row
             complete = r.cache.length >= context_len(r)  # this step computed all it must hold: a next token
@@ -403,15 +417,18 @@ class Engine:
                         else:
                             r.emit(Scores(torch.cat(r.score_parts)))
                         self._free(r)
+                        ended = True
                 elif complete:
-                    self._advance(r, logits[row], masked.get(id(r)), now, spans, t_sample)
+                    ended |= self._advance(r, logits[row], masked.get(id(r)), now, spans, t_sample)
                 else:
                     if r.profile:
                         r.spans += spans
             except Exception as e:  # sampling or detokenizing this request: the others go on
                 log.exception("request failed after the forward pass")
                 self._fail([r], Status.INTERNAL, f"internal error: {e}")
-        record_step_metrics(spans, time.perf_counter() - t0, records)
+        self._unrecorded.append((spans, time.perf_counter() - t0, records))
+        if ended or time.perf_counter() - self._recorded_at >= METRICS_EVERY_S:
+            self._record_metrics()
 
     @staticmethod
     def _mask(reqs: list[Request], rows: list[int], logits: torch.Tensor) -> dict[int, torch.Tensor | Exception]:
@@ -437,7 +454,8 @@ class Engine:
             return masked
 
     def _advance(self, r: Request, logits: torch.Tensor, masked: torch.Tensor | Exception | None, now: float,
-                 spans: list, t_sample: int) -> None:
+                 spans: list, t_sample: int) -> bool:
+        """r's next token sampled and emitted: -> whether it was r's last."""
         # logprobs stay the model's own distribution; the sample is drawn from what the constraint allows
         if isinstance(masked, Exception):
             raise masked
@@ -481,6 +499,7 @@ class Engine:
                      r.cached_tokens))
         if finish is not None:
             self._free(r)  # its full blocks stay cached: the answer too (a chat's next turn resends it)
+        return finish is not None
 
 
 def context(r: Request) -> list[int]:
@@ -509,26 +528,31 @@ def expert_spans(experts: Experts, step: int) -> list[Span]:
     return out + experts.drain_spans()
 
 
-def record_step_metrics(spans: list[Span], step_s: float, records: list | None = None) -> None:
-    """The step's metrics from its spans and the decode loop's records (decode_loop.figures)."""
-    metrics.STEP.observe(step_s)
-    submitted = {}       # layer -> its request handed over
+def record_step_metrics(steps: list[tuple[list[Span], float, list | None]]) -> None:
+    """The metrics of steps, each (its spans, its seconds, the decode loop's records or None: decode_loop.figures),
+    a batch at a time (Engine._record_metrics, METRICS_EVERY_S)."""
     wait_layer, waits = [], []  # the GPU side's waits (ns)
-    parts, compute = [], {}  # (part, service) and ns of each expert part; (name, layer) -> the slowest shard's
-    rtt = {}
-    for name, service, layer, _, t0, t1 in spans:
-        if name == "expert_submit":
-            submitted[layer] = t1
-        elif name == "expert_wait":
-            wait_layer.append(layer)
-            waits.append(t1 - t0)
-            if layer in submitted:
-                rtt.setdefault(layer, t1 - submitted[layer])
-        elif service.startswith("expert") and name != "shard_wait":
-            parts.append(((name.removeprefix("experts_"), service), t1 - t0))
-            compute[(name, layer)] = max(compute.get((name, layer), 0), t1 - t0)
-    over = [max(0, t - compute[("experts_immediate", L)]) for L, t in rtt.items() if ("experts_immediate", L) in compute]
-    loop = decode_loop.figures(records or [])
+    parts, over, records = [], [], []  # (part, service) and ns of each expert part; each round trip over its compute
+    total = 0.0
+    for spans, step_s, recs in steps:
+        metrics.STEP.observe(step_s)
+        total += step_s
+        records += recs or ()
+        submitted, compute, rtt = {}, {}, {}  # layer -> its request handed over; (name, layer) -> the slowest shard's
+        for name, service, layer, _, t0, t1 in spans:
+            if name == "expert_submit":
+                submitted[layer] = t1
+            elif name == "expert_wait":
+                wait_layer.append(layer)
+                waits.append(t1 - t0)
+                if layer in submitted:
+                    rtt.setdefault(layer, t1 - submitted[layer])
+            elif service.startswith("expert") and name != "shard_wait":
+                parts.append(((name.removeprefix("experts_"), service), t1 - t0))
+                compute[(name, layer)] = max(compute.get((name, layer), 0), t1 - t0)
+        over += [max(0, t - compute[("experts_immediate", L)]) for L, t in rtt.items()
+                 if ("experts_immediate", L) in compute]
+    loop = decode_loop.figures(records)
     all_waits = np.concatenate([np.array(waits, np.int64), loop.waits]) / 1e9
     if all_waits.size:
         metrics.EXPERT_WAIT.observe_each(all_waits, [(L,) for L in wait_layer] + [(L,) for L in loop.layers.tolist()])
@@ -540,4 +564,4 @@ def record_step_metrics(spans: list[Span], step_s: float, records: list | None =
     metrics.EXCHANGE.observe_many(np.concatenate([np.array(over, np.int64), loop.overhead]) / 1e9)
     blocked = float(all_waits.sum())
     metrics.EXPERT_BLOCKED.inc(blocked)
-    metrics.GPU_BUSY.inc(max(0.0, step_s - blocked))
+    metrics.GPU_BUSY.inc(max(0.0, total - blocked))  # (each step's waits lie within it)

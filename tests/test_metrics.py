@@ -1,8 +1,11 @@
 """Metrics fed in batches against prometheus_client's own: BatchHistogram's exposition equals a Histogram's fed the
-same values one by one, and the step metrics from a decode-loop record equal those from the same run's spans."""
+same values one by one, and the step metrics from a decode-loop record equal those from the same run's spans; the
+engine records its steps' metrics a batch at a time, and every step of a request once it ends."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest
@@ -10,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_service import decode_loop
 from gpu_service.engine import record_step_metrics
+from harness import local_engine
 from moe_core.metrics import BatchHistogram
 
 BUCKETS = (25e-6, 50e-6, 1e-3, 2.5e-3, .1)
@@ -79,12 +83,39 @@ def test_step_metrics_from_a_record_equal_those_from_its_spans():
     for how in ("spans", "record"):
         before = samples()
         if how == "spans":
-            record_step_metrics(decode_loop.spans_of(rec), 0.02)
+            record_step_metrics([(decode_loop.spans_of(rec), 0.02, None)])
         else:
-            record_step_metrics([], 0.02, [rec])
+            record_step_metrics([([], 0.02, [rec])])
         after = samples()
         deltas.append({k: round(v - before.get(k, 0.0), 12) for k, v in after.items() if v != before.get(k, 0.0)})
     assert deltas[0] == deltas[1]
     assert deltas[0][("moe_exchange_overhead_seconds_count", ())] == L
     assert sum(v for (n, lab), v in deltas[0].items() if n == "moe_expert_wait_seconds_count") == L
     assert deltas[0][("moe_remote_expert_compute_seconds_count", (("part", "deferred"), ("service", "expert")))] == L - 1
+
+
+def test_the_engine_records_its_steps_a_batch_at_a_time(checkpoints, monkeypatch):
+    from gpu_service import engine as engine_mod
+    from gpu_service.engine import Request
+    from gpu_service.sampling import SamplingParams
+
+    monkeypatch.setattr(engine_mod, "METRICS_EVERY_S", 1e9)  # only when a request ends, or idle
+    steps = lambda: REGISTRY.get_sample_value("moe_step_seconds_count") or 0.0  # noqa: E731
+    e = local_engine(checkpoints["qwen3_moe"])
+    try:
+        before, seen, done = steps(), [], threading.Event()
+
+        def emit(ev):
+            seen.append(steps())
+            if ev.finish_reason:
+                done.set()
+        e.submit(Request(prompt_ids=[5, 9, 17], emit=emit, max_tokens=6, sampling=SamplingParams(temperature=0),
+                         ignore_eos=True))
+        assert done.wait(60)
+        assert seen == [before] * 6  # none of its steps recorded one by one while it ran
+        deadline = time.monotonic() + 10
+        while steps() < before + 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert steps() == before + 6  # the prompt's step and five decodes, once it ended
+    finally:
+        e.stop()
