@@ -10,10 +10,15 @@ with or without deferral (not the accuracy harness's skipping), and to experts t
 ring to one expert service (RemoteExperts) and in-process native kernels (LocalExperts); anything else takes the
 layer loop.
 
+Where the lm_head is a packed native one, the loop also ends the step (set_head): the final norm and the lm_head in
+the same call, the logits written where the caller asks (`run(..., logits=)`), as Model.forward's own end computes
+them.
+
 The experts drive it (`decode_layers(run, step, times, T, H, dtype, k)` on the Experts object): they supply the
 exchange (a native RingClient or LocalExperts) and the policy while waiting, the loop supplies `run`."""
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -37,6 +42,7 @@ class Record(NamedTuple):
     step: int
     start_ns: int        # the first layer's start (the end of the span before)
     times: torch.Tensor  # int64 [layers, TIMES]: the expert columns 0 where the experts ran here
+    head_end: int = 0    # the head's end (the call's return) where it ran, else 0
 
 
 class Figures(NamedTuple):
@@ -48,10 +54,11 @@ class Figures(NamedTuple):
     overhead: np.ndarray   # each reported layer's round trip (submit to answer) less its immediate compute
 
 
-def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool) -> native.DecodeLoop | None:
+def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool, head: tuple | None = None) -> native.DecodeLoop | None:
     """The loop over every layer's block (and MLP) bound to its layer of `pool`; None when the model does not fit
     it: every layer's block native, the dense layers (each with its native MLP) before the MoE layers (each
-    routing natively, with its native shared experts where the model has them)."""
+    routing natively, with its native shared experts where the model has them). head: (the final norm's weight,
+    its eps, the lm_head as a NativeLinear) for the step's end in the same call, or None."""
     n = cfg.num_layers
     moe = [cfg.is_moe_layer(L) for L in range(n)]
     if len(blocks) != n or not moe[-1] or any(a and not b for a, b in zip(moe, moe[1:])):
@@ -61,31 +68,38 @@ def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool) -> native.De
             return None
     K = [pool.bufs[L][0] for L in range(n)]
     V = [pool.bufs[L][1] for L in range(n)]
-    return native.DecodeLoop([blocks[L] for L in range(n)], [mlps.get(L) for L in range(n)],
+    loop = native.DecodeLoop([blocks[L] for L in range(n)], [mlps.get(L) for L in range(n)],
                              [t.data_ptr() for t in K], [t.data_ptr() for t in V], KV_CODES[pool.dtype],
                              K[0].stride(0), K[0].stride(1),
                              BLOCK.bit_length() - 1, owner=(blocks, mlps, pool))
+    if head is not None:
+        norm, eps, lm_head = head
+        loop.set_head(norm.data_ptr(), norm.dtype == torch.bfloat16, eps, lm_head.native, owner=(norm, lm_head))
+    return loop
 
 
 def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        seqs: torch.Tensor, top_k: int, defer: int, t0: int, spans: list | None, records: list | None) -> bool:
+        seqs: torch.Tensor, top_k: int, defer: int, t0: int, spans: list | None, records: list | None,
+        logits: torch.Tensor | None = None) -> bool:
     """h [B, H] through every layer (updated in place) when `experts` can run the loop; False: they cannot (the
-    caller takes the layer loop), nothing done. defer: the layer loop's (every layer but the last). Raises what
-    the experts' submit/result would. What it measured (from t0): a Record appended to `records` when given, else
-    its spans to `spans` (the layer loop's names, and the expert service's compute)."""
+    caller takes the layer loop), nothing done. defer: the layer loop's (every layer but the last). logits: fp32
+    [B, vocab] for the loop's head to fill (the loop has one), or None. Raises what the experts' submit/result
+    would. What it measured (from t0): a Record appended to `records` when given, else its spans to `spans` (the
+    layer loop's names, and the expert service's compute; the head's as lm_head)."""
     decode_layers = getattr(experts, "decode_layers", None)
     if decode_layers is None:
         return False
     B, H = h.shape
     times = torch.empty(loop.layers, TIMES, dtype=torch.int64)
     ptrs = (B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), seqs.data_ptr(), times.data_ptr())
+    out = 0 if logits is None else logits.data_ptr()
 
     def call(exchange, first: int, waiting: bool):
-        return loop.run(*ptrs, first, waiting, defer, exchange)
+        return loop.run(*ptrs, first, waiting, defer, exchange, out)
 
     if not decode_layers(call, step, times, B, H, h.dtype, top_k):
         return False
-    rec = Record(step, t0, times)
+    rec = Record(step, t0, times, 0 if logits is None else time.time_ns())
     if records is not None:
         records.append(rec)
     elif spans is not None:
@@ -114,6 +128,8 @@ def spans_of(rec: Record) -> list[Span]:
         if row[LATE_END]:  # the previous layer's deferred part, read in this layer's wait
             out.append(Span("experts_deferred", "expert", L - 1, step, row[LATE_START], row[LATE_END]))
         t = w
+    if rec.head_end:
+        out.append(Span("lm_head", "gpu", -1, step, t, rec.head_end))  # with the final norm
     return out
 
 

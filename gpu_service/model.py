@@ -28,7 +28,7 @@ from .attention import QKV, gqa_attention, mla_attention
 from .experts import Experts, Span
 from .kv_pool import BLOCK, KVPool, SeqCache
 from .linear_attention import gated_deltanet
-from .layers import (GATE_UP, linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale,
+from .layers import (GATE_UP, NATIVE_ROWS, linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale,
                      swiglu)
 
 log = logging.getLogger("gpu_service.model")
@@ -234,7 +234,12 @@ class Model:
         """The native loop over every layer (decode_loop.py) on `pool`'s layers, None where the model does not fit
         it; built once per pool."""
         if self._loop is None or self._loop[0] is not pool:
-            self._loop = (pool, decode_loop.build(self.cfg, self.decode_blocks, self.decode_mlps, pool)
+            norm = self.W["model.norm.weight"]
+            # the step's end too where Model.forward's own would be the same native calls
+            head = (norm, self.cfg.rms_norm_eps, self.lm_head) if isinstance(self.lm_head, NativeLinear) and \
+                self.native_attention and not self.cfg.norm_offset and norm.dtype in (torch.float32, torch.bfloat16) \
+                and norm.is_contiguous() else None
+            self._loop = (pool, decode_loop.build(self.cfg, self.decode_blocks, self.decode_mlps, pool, head)
                           if os.environ.get("MOE_DECODE_LOOP") != "off" else None)
         return self._loop[1]
 
@@ -289,9 +294,14 @@ class Model:
         # every layer in one native call where the model and the experts allow (else the loop below)
         loop = self._decode_loop(segments[0].cache.pool) if native_seqs is not None and not (skip and defer) and \
             defer_layers is None else None
+        # and the step's end in it, where every row is a segment's last and the layer loop's end would be native too
+        logits = torch.empty(len(segments), cfg.vocab_size) if loop is not None and loop.has_head and \
+            len(segments) <= NATIVE_ROWS and not any(s.logprobs for s in segments) else None
         if loop is not None and decode_loop.run(loop, experts, step, h, cos, sin, native_seqs, cfg.top_k, defer, t,
-                                                spans, records):
+                                                spans, records, logits):
             layers, t = range(0), clock()
+        else:
+            logits = None
         pending = None  # the MoE layer whose deferred result is still outstanding
         for L in layers:
             p = f"model.layers.{L}."
@@ -340,7 +350,21 @@ class Model:
                 y = y + late.to(device=self.device, dtype=h.dtype, non_blocking=True)
             pending = L if d else None
             h = h + (y + shared if shared is not None else y)
-        h = rms_norm(h, W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, self.native_attention)
+        if logits is None:  # (else the loop ended the step: the final norm, the lm_head and its span)
+            h = self._final_rows(h, segments, decoding)
+        for s in segments:  # the step is complete: its linear-attention states replace the old ones
+            s.cache.commit(s.start + s.tokens.shape[0], s.tokens.tolist())
+        if logits is None:
+            logits = self.lm_head(h, as_float=True) if isinstance(self.lm_head, NativeLinear) else \
+                linear(h, self.lm_head).float()
+            mark("lm_head", -1, t)
+        return logits
+
+    def _final_rows(self, h: torch.Tensor, segments: list[Segment], decoding: bool) -> torch.Tensor:
+        """The final norm of the rows the lm_head takes (each segment's last, or all of it with all_logits); a
+        logprobs segment is scored here instead (Segment.scored)."""
+        cfg = self.cfg
+        h = rms_norm(h, self.W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, self.native_attention)
         if not decoding or any(s.logprobs for s in segments):  # else every row is a segment's last: all of h
             rows, off = [torch.zeros(0, dtype=torch.long)], 0
             for s in segments:
@@ -351,12 +375,7 @@ class Model:
                     rows.append(torch.arange(off, off + n) if s.all_logits else torch.tensor([off + n - 1]))
                 off += n
             h = h[torch.cat(rows).to(self.device)]
-        for s in segments:  # the step is complete: its linear-attention states replace the old ones
-            s.cache.commit(s.start + s.tokens.shape[0], s.tokens.tolist())
-        logits = self.lm_head(h, as_float=True) if isinstance(self.lm_head, NativeLinear) else \
-            linear(h, self.lm_head).float()
-        mark("lm_head", -1, t)
-        return logits
+        return h
 
 
 # -- what to load the model as: the --device / --dtype / --dense-format policy (ValueError: the message for the

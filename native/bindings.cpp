@@ -110,9 +110,12 @@ struct BoundMlp {
   Mlp m;
   py::object owner;
 };
-struct BoundDecodeLoop {  // the blocks with their layers of the KV pool bound, and the MLPs
+struct BoundDecodeLoop {  // the blocks with their layers of the KV pool bound, and the MLPs; the head, once set
   std::vector<LoopLayer> layers;
   py::object owner;
+  bool has_head = false;
+  LoopHead head{};
+  py::object head_owner;
 };
 struct BoundLocalExperts {  // per layer, the experts the decode loop runs in this process
   std::vector<const MoELayer*> layers;
@@ -743,7 +746,8 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "run",
           [](const BoundDecodeLoop& l, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t seqs,
-             uintptr_t times, int first, bool waiting, int defer, py::object experts) {
+             uintptr_t times, int first, bool waiting, int defer, py::object experts, uintptr_t logits) {
+            MOE_CHECK(!logits || l.has_head, "decode loop: logits asked for, but no head set");
             const std::vector<const MoELayer*>* local = nullptr;
             RingClient* ring = nullptr;
             if (py::isinstance<BoundLocalExperts>(experts))
@@ -760,16 +764,31 @@ PYBIND11_MODULE(_native, m) {
               py::gil_scoped_release nogil;
               end = decode_layers(l.layers, local, ring, first, waiting, defer, B, reinterpret_cast<void*>(h),
                                   reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin), sq.data(),
-                                  reinterpret_cast<int64_t*>(times));
+                                  reinterpret_cast<int64_t*>(times), logits ? &l.head : nullptr,
+                                  reinterpret_cast<float*>(logits));
             }
             return std::make_tuple(end.layer, end.status, py::bytes(end.msg));
           },
           py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("seqs"), py::arg("times"),
-          py::arg("first"), py::arg("waiting"), py::arg("defer"), py::arg("experts"),
+          py::arg("first"), py::arg("waiting"), py::arg("defer"), py::arg("experts"), py::arg("logits") = 0,
           "B sequences' new tokens through the layers from `first`, `defer` experts a token deferred one layer: h "
           "[B, H] updated in place; seqs int64 [B, 3] "
           "as GqaBlock.run takes them; times int64 [layers, DecodeLoop.times] (decode_loop.h LoopTime); experts: LocalExperts or "
-          "RingClient -> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
+          "RingClient; logits: fp32 [B, vocab] the head writes once the last layer is done (set_head), or 0 "
+          "-> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
+      .def(
+          "set_head",
+          [](BoundDecodeLoop& l, uintptr_t norm, bool norm_bf16, float eps, const BoundLinear& lm_head, py::object owner) {
+            MOE_CHECK(!l.layers.empty() && lm_head.m.K == l.layers.back().block.H,
+                      "decode loop: the lm_head's inputs are not the hidden size");
+            l.head = LoopHead{reinterpret_cast<const void*>(norm), norm_bf16, eps, lm_head.k, lm_head.m};
+            l.head_owner = std::move(owner);
+            l.has_head = true;
+          },
+          py::arg("norm"), py::arg("norm_bf16"), py::arg("eps"), py::arg("lm_head"), py::arg("owner"),
+          "the step's end in the same call (decode_loop.h LoopHead): the final norm's weight [H], its eps, the packed "
+          "lm_head (Linear); owner keeps them alive")
+      .def_property_readonly("has_head", [](const BoundDecodeLoop& l) { return l.has_head; })
       .def_property_readonly("layers", [](const BoundDecodeLoop& l) { return l.layers.size(); })
       .def_property_readonly_static("times", [](py::object) { return int(LOOP_TIMES); }, "int64s a layer in times");
   py::class_<BoundLinear>(m, "Linear", "one packed dense [rows, Kp] matrix bound to the kernel path that runs it")

@@ -25,7 +25,7 @@ using namespace rounding;
 struct LoopScratch {  // per calling thread: the local path's request, its answers, the answer read back
   std::vector<uint8_t> x, y, late, late_next, sh;
   std::vector<int32_t> ids;
-  std::vector<float> w;
+  std::vector<float> w, wide;
 };
 
 template <class T>
@@ -52,13 +52,32 @@ void add_answer(const GqaBlock& g, void* h, void* y, const void* late, const voi
                    static_cast<const float*>(shared), n);
 }
 
+// Model.forward's end: h's final norm (its dtype promote_types(h, norm)), as fp32, times the lm_head
+void run_head(const LoopHead& hd, bool bf16, int B, int H, const void* h, float* logits, LoopScratch& s) {
+  const bool out_bf16 = bf16 && hd.norm_bf16;
+  const size_t n = size_t(B) * H;
+  s.x.resize(n * (out_bf16 ? 2 : 4));
+  rms_norm_rows(h, bf16, hd.norm, hd.norm_bf16, s.x.data(), out_bf16, B, H, hd.eps);
+  const float* xf = reinterpret_cast<const float*>(s.x.data());
+  if (out_bf16) {  // x.float(): exact
+    s.wide.resize(n);
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(s.x.data());
+    for (size_t i = 0; i < n; ++i) s.wide[i] = get(x, i);
+    xf = s.wide.data();
+  }
+  linear_forward(*hd.k, hd.m, xf, B, logits);
+  if (out_bf16)  // torch's y.to(bfloat16).float()
+    for (size_t i = 0, m = size_t(B) * hd.m.rows; i < m; ++i) logits[i] = held<uint16_t>(logits[i]);
+}
+
 }  // namespace
 
 LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<const MoELayer*>* local, RingClient* ring,
                       int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
-                      const DecodeSeq* seqs, int64_t* times) {
+                      const DecodeSeq* seqs, int64_t* times, const LoopHead* head, float* logits) {
   const int n_layers = int(layers.size());
   MOE_CHECK(first >= 0 && first <= n_layers && B > 0 && defer >= 0, "decode loop: bad first layer, batch or defer");
+  MOE_CHECK(!head == !logits && n_layers > 0, "decode loop: a head needs its logits and the logits a head");
   MOE_CHECK(local ? local->size() == layers.size() : ring != nullptr, "decode loop: no experts to run");
   static thread_local LoopScratch s;
   for (int L = first; L < n_layers; ++L) {
@@ -168,6 +187,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
   }
   {
     std::lock_guard<std::mutex> lk(compute_mutex());
+    if (head) run_head(*head, layers.back().block.bf16, B, layers.back().block.H, h, logits, s);
     release_scratch();
   }
   return {n_layers, 0, ""};

@@ -51,6 +51,18 @@ struct LoopLayer {
   const Mlp* mlp;
 };
 
+// The step's end after the last layer, where the model allows: the final RMSNorm of h (torch's rounding, in
+// promote_types(h, norm) as the layer loop's native norm gives it), widened to fp32, times the packed lm_head:
+// logits [B, vocab] fp32, rounded to bf16 where the norm's output is bf16 (NativeLinear's as_float). What
+// Model.forward does after the layer loop, in the same calls.
+struct LoopHead {
+  const void* norm;  // [H]
+  bool norm_bf16;
+  float eps;
+  const Kernels* k;  // the lm_head's kernels and matrix
+  Matrix m;
+};
+
 struct LoopEnd {
   int layer;        // where it stopped (the number of layers when done)
   int status;       // 0 done; -1 a wait's slice ended with no answer (call again with waiting); else a gRPC code
@@ -61,9 +73,10 @@ struct LoopEnd {
 // experts to run here (null for a dense layer; then ring is unused); else the ring's client. waiting: layer
 // `first`'s request is already posted, only its answers are awaited. defer: per token, this many lowest-weighted
 // experts of each MoE layer but the last come back apart and are added one layer later (the layer loop's rule).
-// times [layers][LOOP_TIMES].
+// times [layers][LOOP_TIMES]. head and logits (both or neither): once the last layer is done, logits [B, vocab] of h
+// (see LoopHead).
 LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<const MoELayer*>* local, RingClient* ring,
                       int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
-                      const DecodeSeq* seqs, int64_t* times);
+                      const DecodeSeq* seqs, int64_t* times, const LoopHead* head = nullptr, float* logits = nullptr);
 
 }  // namespace moe

@@ -1,8 +1,9 @@
 """The native decode loop (gpu_service/decode_loop.py, native/decode_loop.cpp): a decode step's every layer in one
 call, against the layer loop it replaces (Model.forward with the native attention blocks, the reference, itself
 checked against the torch path in test_decode_step.py): the same logits and KV rows bit for bit, one sequence
-and several, experts in this process or behind the shared-memory ring of a real expert service; its errors,
-timeouts and spans; and the steps and models it leaves to the layer loop."""
+and several, experts in this process or behind the shared-memory ring of a real expert service, the step's end
+(final norm and lm_head) in the same call; its errors, timeouts and spans; and the steps and models it leaves to
+the layer loop."""
 from __future__ import annotations
 
 import os
@@ -113,7 +114,7 @@ def decode_both(model, cfg, experts_mine, experts_ref, n=24, prompt=(5, 17, 300,
 @pytest.mark.parametrize("fmt, experts", [("bf16", "bf16"), ("int8", "int4")])
 def test_local_experts_the_layer_loop_bit_for_bit(ckpts, family, dtype, fmt, experts):
     cfg, model, layers = load(ckpts[family], dtype, fmt, experts)
-    assert model._decode_loop(model.kv_pool()) is not None
+    assert model._decode_loop(model.kv_pool()).has_head  # the lm_head packed: the loop ends the step too
     dense = [L for L in range(cfg.num_layers) if not cfg.is_moe_layer(L)]
     assert sorted(model.decode_mlps) == (list(range(cfg.num_layers)) if cfg.shared_intermediate_size else dense)
     moe = cfg.num_layers - len(dense)
@@ -192,6 +193,29 @@ def test_spans_cover_every_layer_in_order(ckpts, family):
     assert all(s.step == 9 and s.start_ns <= s.end_ns for s in spans)
     assert all(a.end_ns == b.start_ns for a, b in zip(per_layer, per_layer[1:]))  # one after another, no gap
     assert spans[0].name == "embed" and spans[-1].name == "lm_head" and spans[0].end_ns == per_layer[0].start_ns
+    assert spans[-1].start_ns == per_layer[-1].end_ns and spans[-1].end_ns > spans[-1].start_ns  # the loop's head
+
+
+def test_the_head_where_the_layer_loop_ends_natively_only(ckpts):
+    """The loop's head ends a decode step (its record says so); a logprobs segment's step ends in the layer loop's
+    code (it scores every row); logits asked of a loop without a head are refused."""
+    cfg, model, layers = load(ckpts["qwen3_moe"], torch.float32)
+    experts = Counting(layers)
+    c, ref = model.new_cache(), model.new_cache()
+    prompt = torch.tensor([4, 5, 6, 7])
+    for cache in (c, ref):
+        model.forward([Segment(cache, prompt, 0)], experts)
+    recs: list = []
+    got = model.forward([Segment(c, torch.tensor([8]), 4)], experts, records=recs)
+    assert recs[-1].head_end and torch.equal(got, step(model, experts, [Segment(ref, torch.tensor([8]), 4)], False))
+    scored = Segment(c, torch.tensor([9]), 5, logprobs=True, targets=torch.tensor([], dtype=torch.long))
+    model.forward([scored], experts, records=recs)
+    assert experts.loops == 2 and not recs[-1].head_end and scored.scored is not None
+    bare = decode_loop.build(cfg, model.decode_blocks, model.decode_mlps, model.kv_pool())
+    assert not bare.has_head
+    h = torch.zeros(1, cfg.hidden_size)
+    with pytest.raises(ValueError, match="no head set"):
+        bare.run(1, h.data_ptr(), 0, 0, 0, 0, 0, False, 0, None, torch.empty(1, 8).data_ptr())
 
 
 def test_what_it_leaves_to_the_layer_loop(ckpts):
