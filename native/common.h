@@ -44,6 +44,15 @@ struct Tuning {
   size_t pf_bytes = 8192;
   size_t task_bytes = size_t(1) << 20;
 };
+// The calling thread's T, through a call. A thread_local named in place costs a __tls_get_addr call at each use
+// in this shared object (GCC's PIC code does not keep its address, not even through a reference bound to it): 29
+// call sites in each blocked kernel's loop over 16-row blocks, 33 in the decode loop. Here: one call a use site.
+template <class T>
+__attribute__((noinline)) T& thread_scratch() {
+  static thread_local T t;
+  return t;
+}
+
 inline Tuning& tuning() {
   static Tuning t = [] {
     Tuning d;

@@ -79,7 +79,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
   MOE_CHECK(first >= 0 && first <= n_layers && B > 0 && defer >= 0, "decode loop: bad first layer, batch or defer");
   MOE_CHECK(!head == !logits && n_layers > 0, "decode loop: a head needs its logits and the logits a head");
   MOE_CHECK(local ? local->size() == layers.size() : ring != nullptr, "decode loop: no experts to run");
-  static thread_local LoopScratch s;
+  LoopScratch& s = thread_scratch<LoopScratch>();
   for (int L = first; L < n_layers; ++L) {
     const GqaBlock& g = layers[L].block;
     const Mlp* mlp = layers[L].mlp;

@@ -38,7 +38,7 @@ MOE_FMA_BUILDS(swiglu_row_any, swiglu_row)
 
 template <class T>
 void run(const Mlp& m, int B, const T* x, T* out) {
-  static thread_local MlpScratch s;
+  MlpScratch& s = thread_scratch<MlpScratch>();
   const int H = m.gate_up.K, I = m.down.K;
   s.xf.resize(size_t(B) * H), s.gu.resize(size_t(B) * 2 * I), s.act.resize(size_t(B) * I), s.y.resize(size_t(B) * H);
   for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(x, i);

@@ -65,7 +65,7 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void run(cons
                                                                            const DecodeSeq* seqs, T* x_out,
                                                                            int32_t* ids, float* weights) {
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
-  static thread_local Scratch s;
+  Scratch& s = thread_scratch<Scratch>();
   const int H = g.H, nh = g.nh, nkv = g.nkv, d = g.d, nq = nh * d, nk = nkv * d, rows = nq + 2 * nk;
   const size_t kv_size = g.kv == KvType::F32 ? 4 : 2;  // the pool's element size (--kv-cache-dtype)
   // input norm -> the projection's fp32 input (the reference's x.float() of the rounded norm)

@@ -711,7 +711,7 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
   const size_t moff = MODE == ASYM ? size_t(m.rows) * ng : 0;  // an expert's mins after its scales
   const ScaleT<MODE>* Se =
       reinterpret_cast<const ScaleT<MODE>*>(m.scale) + size_t(e) * (size_t(m.rows) * ng * SGE<MODE> + moff);
-  thread_local Prepared p;
+  Prepared& p = thread_scratch<Prepared>();
   // the activations' sums per scale group times the excess; q4k's and q5k's mins: their sums per 32; q6k's excess per 16
   const int per = k_mins(MODE) || MODE == IQXS ? G : sub16(MODE) ? Q6_SUB : G * SPG<MODE>;
   prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, per, EXCESS, has_mins<MODE>, p);
