@@ -54,7 +54,8 @@ class Figures(NamedTuple):
     overhead: np.ndarray   # each reported layer's round trip (submit to answer) less its immediate compute
 
 
-def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool, head: tuple | None = None) -> native.DecodeLoop | None:
+def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool,
+          head: tuple | None = None) -> native.DecodeLoop | None:
     """The loop over every layer's block (and MLP) bound to its layer of `pool`; None when the model does not fit
     it: every layer's block native, the dense layers (each with its native MLP) before the MoE layers (each
     routing natively, with its native shared experts where the model has them). head: (the final norm's weight,

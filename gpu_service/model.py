@@ -28,8 +28,8 @@ from .attention import QKV, gqa_attention, mla_attention
 from .experts import Experts, Span
 from .kv_pool import BLOCK, KVPool, SeqCache
 from .linear_attention import gated_deltanet
-from .layers import (GATE_UP, NATIVE_ROWS, linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route, softmax_scale,
-                     swiglu)
+from .layers import (GATE_UP, NATIVE_ROWS, linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route,
+                     softmax_scale, swiglu)
 
 log = logging.getLogger("gpu_service.model")
 
@@ -295,7 +295,7 @@ class Model:
         loop = self._decode_loop(segments[0].cache.pool) if native_seqs is not None and not (skip and defer) and \
             defer_layers is None else None
         # and the step's end in it, where every row is a segment's last and the layer loop's end would be native too
-        logits = torch.empty(len(segments), cfg.vocab_size) if loop is not None and loop.has_head and \
+        logits = torch.empty(len(segments), self.lm_head.rows) if loop is not None and loop.has_head and \
             len(segments) <= NATIVE_ROWS and not any(s.logprobs for s in segments) else None
         if loop is not None and decode_loop.run(loop, experts, step, h, cos, sin, native_seqs, cfg.top_k, defer, t,
                                                 spans, records, logits):

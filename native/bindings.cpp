@@ -778,7 +778,8 @@ PYBIND11_MODULE(_native, m) {
           "-> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
       .def(
           "set_head",
-          [](BoundDecodeLoop& l, uintptr_t norm, bool norm_bf16, float eps, const BoundLinear& lm_head, py::object owner) {
+          [](BoundDecodeLoop& l, uintptr_t norm, bool norm_bf16, float eps, const BoundLinear& lm_head,
+             py::object owner) {
             MOE_CHECK(!l.layers.empty() && lm_head.m.K == l.layers.back().block.H,
                       "decode loop: the lm_head's inputs are not the hidden size");
             l.head = LoopHead{reinterpret_cast<const void*>(norm), norm_bf16, eps, lm_head.k, lm_head.m};

@@ -100,7 +100,9 @@ def test_the_engine_records_its_steps_a_batch_at_a_time(checkpoints, monkeypatch
     from gpu_service.sampling import SamplingParams
 
     monkeypatch.setattr(engine_mod, "METRICS_EVERY_S", 1e9)  # only when a request ends, or idle
-    steps = lambda: REGISTRY.get_sample_value("moe_step_seconds_count") or 0.0  # noqa: E731
+    def steps():
+        return REGISTRY.get_sample_value("moe_step_seconds_count") or 0.0
+
     e = local_engine(checkpoints["qwen3_moe"])
     try:
         before, seen, done = steps(), [], threading.Event()
