@@ -6,11 +6,13 @@ all measured in this run.
         --dense-format int4 [--context 256] [--tokens 32] [--rounds 3] [--threads 2]
     python bench/bench_step.py --model DIR --weight-format int8 --dense-format int8
 
-1. Kernels alone, in this process before the services start (and writing the packed-weight cache the
+1. Kernels alone, in this process (loaded before the services start, writing the packed-weight cache the
    expert service then starts from), in a token's order: layer by layer every packed dense weight of the
    GPU side (fused q/k/v, o_proj, shared experts, dense MLPs, router) at T=1, then the layer's experts at
    T=1 with k distinct random experts; then the lm_head. The DRAM read probe before and after. Their sum
-   is what a token costs at the kernels' own speed; bytes per token / the probe is the roofline.
+   is what a token costs at the kernels' own speed; bytes per token / the probe is the roofline. Measured
+   before the first decode round and again after each (the services idle meanwhile): this machine's speed
+   moves by tens of percent within minutes, so each round is set against the kernels measured beside it.
 2. Both services, each on --threads (the CPU-only deployment: they share the cores), decode with
    profile=True. Per decode step: the period (one step's start to the next's: what a token costs), the
    GPU side's spans (embed, attention, router, shared experts, the wait for the experts, lm_head,
@@ -19,7 +21,8 @@ all measured in this run.
 3. Ratios: period / kernels alone (the issue #28 bar: <= 1.15x), the experts' compute in the service /
    the same kernels alone (<= 1.15x), and everything outside the kernels per MoE layer, in microseconds
    (<= 30 us), then split: each GPU-side span less the kernels it runs, and the time between steps that no
-   span covers.
+   span covers. The kernels alone are the median of all their measurements; "per round" rows set each
+   round's median period against the mean of the kernels measured just before and just after it.
 
 One JSON line per figure, then tables; medians over the decode steps of --rounds requests. The services inherit
 this process's environment: `MOE_DECODE_STEP=torch` (the torch decode step instead of the native one) and
@@ -51,8 +54,8 @@ GPU_SPANS = ("embed", "attention", "linear_attention", "dense_mlp", "router", "e
              "expert_wait", "lm_head", "sampling")
 
 
-def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache: pathlib.Path, reps: int) -> dict:
-    """Seconds per token of the kernels at T=1, run as a token runs them: layer by layer the attention block's
+def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache: pathlib.Path, reps: int):
+    """-> measure(): seconds per token of the kernels at T=1, run as a token runs them: layer by layer the attention block's
     dense kernels (fused q/k/v, o_proj, router, shared experts, dense MLPs) then the layer's routed experts (k
     distinct random ones, new each pass), then the lm_head; each call timed, summed by group (experts, blocks,
     lm_head), medians over the passes. Together their weights are far larger than the caches, so each pass
@@ -107,17 +110,21 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
             t[group] += time.perf_counter() - t0
         return t
 
-    dram()
-    one_pass()  # warm
-    passes = [one_pass() for _ in range(reps)]
-    dram()
-    out = {f"{g}_s": statistics.median(p[g] for p in passes) for g in ("experts", "blocks", "lm_head")}
-    out["dense_s"] = out["blocks_s"] + out["lm_head_s"]
-    out["experts_bytes"] = sum(op.weight_bytes_per_expert * k for op in layers.values())
-    out["dense_bytes"] = sum(lin.nbytes for lin in [*linears.values(), *([head] if head is not None else [])])
-    out["dram_gbps"] = statistics.median(bw) / 1e9  # read_bandwidth gives bytes/s
-    out["path"] = ISA
-    return out  # the weights go with this frame, before the services start
+    def measure() -> dict:
+        bw.clear()
+        dram()
+        one_pass()  # warm
+        passes = [one_pass() for _ in range(reps)]
+        dram()
+        out = {f"{g}_s": statistics.median(p[g] for p in passes) for g in ("experts", "blocks", "lm_head")}
+        out["dense_s"] = out["blocks_s"] + out["lm_head_s"]
+        out["experts_bytes"] = sum(op.weight_bytes_per_expert * k for op in layers.values())
+        out["dense_bytes"] = sum(lin.nbytes for lin in [*linears.values(), *([head] if head is not None else [])])
+        out["dram_gbps"] = statistics.median(bw) / 1e9  # read_bandwidth gives bytes/s
+        out["path"] = ISA
+        return out
+
+    return measure  # (it keeps the weights: measured again between the decode rounds)
 
 
 def decode_profile(port: int, prompt: list[int], tokens: int) -> list[tuple]:
@@ -243,8 +250,10 @@ def main() -> None:
                                        shard_mb=4096)
         cfg = load_config(model)
         cache = work / "cache"
-        k = kernels_alone(model, a.weight_format, a.dense_format, a.threads, cache, a.reps)
-        gc.collect()  # the weights it loaded, before the services load theirs
+        measure = kernels_alone(model, a.weight_format, a.dense_format, a.threads, cache, a.reps)
+        ks = [measure()]
+        k = ks[0]
+        gc.collect()
         n_moe = len(cfg.moe_layers)
         alone = k["experts_s"] + k["dense_s"]
         nbytes = k["experts_bytes"] + k["dense_bytes"]
@@ -268,10 +277,18 @@ def main() -> None:
             wait_healthy(port, p, timeout=3600)
         prompt = [(i * 7919) % min(4000, cfg.vocab_size - 2) + 2 for i in range(a.context)]
         decode_profile(gp, prompt[:16], 4)  # warm-up
-        steps = []
+        steps, rounds = [], []  # rounds: (median period, kernels alone before it and after it)
         for _ in range(a.rounds):
-            steps += split_steps(decode_profile(gp, prompt, a.tokens))
+            got = split_steps(decode_profile(gp, prompt, a.tokens))
+            steps += got
+            ks.append(measure())
+            before, after = (x["experts_s"] + x["dense_s"] for x in ks[-2:])
+            rounds.append((statistics.median(s["period"] for s in got), (before + after) / 2))
         med = lambda xs: statistics.median(xs)  # noqa: E731
+        k = {name: med([x[name] for x in ks]) if name.endswith(("_s", "_gbps")) else v for name, v in ks[0].items()}
+        alone = k["experts_s"] + k["dense_s"]
+        roofline = nbytes / (k["dram_gbps"] * 1e9)
+        totals = [x["experts_s"] + x["dense_s"] for x in ks]
         period = med([s["period"] for s in steps])
         spans = {n: med([s["gpu"].get(n, 0.0) for s in steps]) for n in GPU_SPANS}
         coverage = med([sum(s["gpu"].values()) / s["period"] for s in steps])
@@ -288,6 +305,10 @@ def main() -> None:
             ("experts: kernels alone", k["experts_s"] * 1e3, "ms/token", None),
             ("dense + lm_head: kernels alone", k["dense_s"] * 1e3, "ms/token", None),
             ("outside the kernels, per MoE layer", outside / n_moe * 1e6, "us", None),
+            ("per round: step over the kernels beside it (median)", med([p / q for p, q in rounds]), "x", None),
+            ("per round: outside the kernels, per MoE layer (median)", med([p - q for p, q in rounds]) / n_moe * 1e6,
+             "us", None),
+            ("kernels alone, highest of the run over its lowest", max(totals) / min(totals), "x", None),
         ] + [(f"outside the kernels: {n}", v * 1e3, "ms/token", None) for n, v in split_outside(
             period, spans, expert_compute, k).items()] + [
             ("spans' sum / period (coverage)", coverage * 100, "%", None),
