@@ -55,12 +55,13 @@ GPU_SPANS = ("embed", "attention", "linear_attention", "dense_mlp", "router", "e
 
 
 def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache: pathlib.Path, reps: int):
-    """-> measure(): seconds per token of the kernels at T=1, run as a token runs them: layer by layer the attention block's
-    dense kernels (fused q/k/v, o_proj, router, shared experts, dense MLPs) then the layer's routed experts (k
-    distinct random ones, new each pass), then the lm_head; each call timed, summed by group (experts, blocks,
-    lm_head), medians over the passes. Together their weights are far larger than the caches, so each pass
-    reads them from DRAM as a token does (timing one small weight again and again would time the last-level
-    cache). Also bytes per token and the DRAM read probe (GB/s, median of probes taken before and after)."""
+    """-> measure(): seconds per token of the kernels at T=1, run as a token runs them: layer by layer the
+    attention block's dense kernels (fused q/k/v, o_proj, router, shared experts, dense MLPs) then the layer's
+    routed experts (k distinct random ones, new each pass), then the lm_head; each call timed, summed by group
+    (experts, blocks, lm_head), medians over the passes. Together their weights are far larger than the caches, so
+    each pass reads them from DRAM as a token does (timing one small weight again and again would time the
+    last-level cache). Also bytes per token and the DRAM read probe (GB/s, median of probes taken before and
+    after). measure() keeps the weights loaded: it runs again between the decode rounds."""
     from expert_service.packed_cache import PackedCache, source_stamp
     from expert_service.store import load_expert_layers
     from gpu_service.model import Model
@@ -253,7 +254,7 @@ def main() -> None:
         measure = kernels_alone(model, a.weight_format, a.dense_format, a.threads, cache, a.reps)
         ks = [measure()]
         k = ks[0]
-        gc.collect()
+        gc.collect()  # the loading's temporaries, before the services load their weights
         n_moe = len(cfg.moe_layers)
         alone = k["experts_s"] + k["dense_s"]
         nbytes = k["experts_bytes"] + k["dense_bytes"]
