@@ -253,17 +253,14 @@ def main() -> None:
         cache = work / "cache"
         measure = kernels_alone(model, a.weight_format, a.dense_format, a.threads, cache, a.reps)
         ks = [measure()]
-        k = ks[0]
         gc.collect()  # the loading's temporaries, before the services load their weights
         n_moe = len(cfg.moe_layers)
-        alone = k["experts_s"] + k["dense_s"]
-        nbytes = k["experts_bytes"] + k["dense_bytes"]
-        roofline = nbytes / (k["dram_gbps"] * 1e9)
+        nbytes = ks[0]["experts_bytes"] + ks[0]["dense_bytes"]
         print(f"CPU: {cpu_name()}; {a.threads} threads per service (shared cores); "
               f"{'experts in the GPU side (--experts local); ' if a.local else ''}"
               f"{model.name if a.model else a.synth} {cfg.num_layers} layers ({n_moe} MoE), vocab {cfg.vocab_size}; "
               f"experts {a.weight_format}, dense {a.dense_format}; context {a.context}; DRAM probe "
-              f"{k['dram_gbps']:.1f} GB/s", flush=True)
+              f"{ks[0]['dram_gbps']:.1f} GB/s", flush=True)
 
         ep, gp = free_port(), free_port()
         env = {"MOE_CACHE_DIR": str(cache)}
@@ -278,18 +275,20 @@ def main() -> None:
             wait_healthy(port, p, timeout=3600)
         prompt = [(i * 7919) % min(4000, cfg.vocab_size - 2) + 2 for i in range(a.context)]
         decode_profile(gp, prompt[:16], 4)  # warm-up
+        def total(x: dict) -> float:  # a measurement's kernels alone, seconds a token
+            return x["experts_s"] + x["dense_s"]
+
         steps, rounds = [], []  # rounds: (median period, kernels alone before it and after it)
         for _ in range(a.rounds):
             got = split_steps(decode_profile(gp, prompt, a.tokens))
             steps += got
             ks.append(measure())
-            before, after = (x["experts_s"] + x["dense_s"] for x in ks[-2:])
-            rounds.append((statistics.median(s["period"] for s in got), (before + after) / 2))
+            rounds.append((statistics.median(s["period"] for s in got), (total(ks[-2]) + total(ks[-1])) / 2))
         med = lambda xs: statistics.median(xs)  # noqa: E731
         k = {name: med([x[name] for x in ks]) if name.endswith(("_s", "_gbps")) else v for name, v in ks[0].items()}
-        alone = k["experts_s"] + k["dense_s"]
+        alone = total(k)
         roofline = nbytes / (k["dram_gbps"] * 1e9)
-        totals = [x["experts_s"] + x["dense_s"] for x in ks]
+        totals = [total(x) for x in ks]
         period = med([s["period"] for s in steps])
         spans = {n: med([s["gpu"].get(n, 0.0) for s in steps]) for n in GPU_SPANS}
         coverage = med([sum(s["gpu"].values()) / s["period"] for s in steps])
