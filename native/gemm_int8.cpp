@@ -94,6 +94,30 @@ MOE_INT8_YMM(mk_avx2, "avx2,fma", Avx2Dot)
 MOE_INT8_YMM(mk_avxvnni, "avx2,fma,avxvnni", VnniDot)
 #undef MOE_INT8_YMM
 
+// One token (decode): a row at a time, so that a task's rows are one sequential stream (the 4-row tile reads
+// four streams 2 KB apart, which the hardware prefetcher follows less well: 87% of the DRAM probe against 97% for
+// the row-interleaved int8g32 on a Zen 3). Four accumulators over K; the row's sum is the tile's q * w sum.
+MOE_YMM_ENTRY("avx2,fma") void rows1_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, float* Y) {
+  const int8_t* We = static_cast<const int8_t*>(m.w) + size_t(e) * m.rows * m.Kp;
+  const float* sw = m.scale + size_t(e) * m.rows;
+  const uint8_t* X = static_cast<const uint8_t*>(x.rows[0]);
+  const int K = m.Kp;
+  for (int r = r0; r < r1; ++r) {
+    const int8_t* w = We + size_t(r) * K;
+    __m256i acc[4] = {Ymm::zero_si(), Ymm::zero_si(), Ymm::zero_si(), Ymm::zero_si()};
+    int i = 0;
+    for (; i + 128 <= K; i += 128)
+      MOE_UNROLL for (int u = 0; u < 4; ++u)
+        acc[u] = Avx2Dot::dot(acc[u], Avx2Dot::act(Ymm::load(X + i + 32 * u)), Ymm::load(w + i + 32 * u));
+    for (; i < K; i += 32) acc[0] = Avx2Dot::dot(acc[0], Avx2Dot::act(Ymm::load(X + i)), Ymm::load(w + i));
+    const __m256i a = _mm256_add_epi32(_mm256_add_epi32(acc[0], acc[1]), _mm256_add_epi32(acc[2], acc[3]));
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    const int32_t dot = _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xb1)));
+    Y[r] = float(dot) * sw[r] * x.scale[0];
+  }
+}
+
 void mk_avx512(const int8_t* W, size_t ldw, size_t pf, int nr, const uint8_t* const* X, int nt, int K, int32_t* C) {
   with_tokens<TB>(nt, [&](auto NT) { mk512<decltype(NT)::value>(W, ldw, pf, nr, X, K, C); });
 }
@@ -114,6 +138,7 @@ void ref_gemm_rows_int8(const Matrix& m, int e, int r0, int r1, const Acts& x, i
 }
 
 void gemm_rows_int8_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  if (ns == 1) return rows1_avx2(m, e, r0, r1, x, Y);
   drive_int8<tb256<Avx2Dot>(), Avx2Dot::offset>(m, e, r0, r1, x, ns, Y, ldy, mk_avx2);
 }
 
