@@ -87,6 +87,25 @@ __attribute__((target("avx2,fma"))) void scale_rows_avx2(const float* const* X, 
     }
 }
 
+// The same activations times 2^112 (exact), for the AVX2 decode kernel whose weights are value x 2^-120: false,
+// with nothing promised about xs, where one reaches 2^16 (the product would overflow: that block row then takes
+// the scale_rows_avx2 activations and the fp16 widening)
+__attribute__((target("avx2,fma"))) bool scale_rows_e112_avx2(const float* const* X, int ns, int Kp, const float* S,
+                                                              void* out) {
+  auto* xs = static_cast<float*>(out);
+  const __m256 up = _mm256_set1_ps(0x1p112f);
+  __m256i top = _mm256_setzero_si256();  // the largest |rounded value|'s bits, lane-wise
+  for (int s = 0; s < ns; ++s)
+    for (int k = 0; k < Kp; k += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(X[s] + k), _mm256_set1_ps(S[k / FP8_BLOCK]));
+      const __m256i r = round_bf16_avx2(v);
+      top = _mm256_max_epu32(top, _mm256_and_si256(r, _mm256_set1_epi32(0x7fffffff)));
+      _mm256_storeu_ps(xs + size_t(s) * Kp + k, _mm256_mul_ps(_mm256_castsi256_ps(r), up));
+    }
+  const __m256i big = _mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x477fffff));  // >= 2^16 (or NaN, inf)
+  return _mm256_testz_si256(big, big);
+}
+
 // ---- widening e4m3 -> bf16 (value / 256) ----
 // The table: low and high bytes of the bf16 of each magnitude code 0-127, as two pairs of 64-byte vectors.
 struct Lut {
@@ -154,6 +173,15 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void widen16_avx2
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
+// 8 e4m3 bytes -> 8 fp32 of value x 2^-120, exactly, subnormal codes too: sign-extended, << 20 puts the sign at
+// bit 31 (the extension's copies above the byte's own sign bit masked off) and the exponent and mantissa bits at
+// the top of fp32's, whose exponent 2^(e - 127) is e4m3's 2^(e - 7) times 2^-120. Three integer ops and no
+// conversion: half the work of widen16_avx2's fp16 route, whose vcvtph2ps bound the decode kernel
+__attribute__((target("avx2"), always_inline)) inline __m256 widen8_e120_avx2(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(int(0x87F00000u))));
+}
+
 // AVX2's scratch, exact: per 16 weights, 32-bit lane j holds the bf16 of element j (low half) and of j + 8 (high),
 // so the bf16 kernel's split of a load into even and odd halves gives elements 0-7 and 8-15: natural order for
 // the fp32 activations. Scaled (S): natural order, as the bf16 format holds its rows.
@@ -203,7 +231,9 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx512bf16"))) inlin
   reduce_tile16(acc, nr, C);
 }
 
-template <int NT>
+// E120: weights widened to value x 2^-120 against activations x 2^112 (scale_rows_e112_avx2), else to value / 256
+// against the activations as they are: the same products exactly, so the same sums in the same order
+template <bool E120, int NT>
 __attribute__((target("avx2,fma,f16c"))) inline void mk256(const uint8_t* W, size_t ldw, size_t pf, int nr,
                                                            const float* const* X, int Kp, float* C) {
   constexpr int CH = NT == 1 ? 2 : 1;  // one token: two FMA chains a row, or the FMA latency sets the pace
@@ -216,8 +246,12 @@ __attribute__((target("avx2,fma,f16c"))) inline void mk256(const uint8_t* W, siz
     MOE_UNROLL for (int r = 0; r < RB; ++r) {
       if ((i & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i + pf), _MM_HINT_T1);
       __m256 v[4];
-      widen16_avx2(w[r] + i, v[0], v[1]);
-      widen16_avx2(w[r] + i + 16, v[2], v[3]);
+      if constexpr (E120) {
+        MOE_UNROLL for (int j = 0; j < 4; ++j) v[j] = widen8_e120_avx2(w[r] + i + 8 * j);
+      } else {
+        widen16_avx2(w[r] + i, v[0], v[1]);
+        widen16_avx2(w[r] + i + 16, v[2], v[3]);
+      }
       MOE_UNROLL for (int t = 0; t < NT; ++t)
         MOE_UNROLL for (int j = 0; j < 4; ++j) {
           __m256& a = acc[r][t * CH + (j % CH)];
@@ -238,13 +272,14 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx512bf16"))) void 
   auto X = reinterpret_cast<const uint16_t* const*>(Xv);
   with_tokens<INLINE_SLOTS>(nt, [&](auto NT) { mk512<decltype(NT)::value>(W, ldw, pf, nr, X, Kp, C); });
 }
+template <bool E120>
 __attribute__((target("avx2,fma,f16c"))) void inline_avx2(const uint8_t* W, size_t ldw, size_t pf, int nr,
                                                           const void* const* Xv, int nt, int Kp, float* C) {
   auto X = reinterpret_cast<const float* const*>(Xv);
   // 4 x 2 tiles: 8 accumulators + 4 activation vectors + the widened pair fill the 16 ymm
   for (int s = 0; s < nt; s += 2) {
-    if (nt - s >= 2) mk256<2>(W, ldw, pf, nr, X + s, Kp, C + s * RB);
-    else mk256<1>(W, ldw, pf, nr, X + s, Kp, C + s * RB);
+    if (nt - s >= 2) mk256<E120, 2>(W, ldw, pf, nr, X + s, Kp, C + s * RB);
+    else mk256<E120, 1>(W, ldw, pf, nr, X + s, Kp, C + s * RB);
   }
 }
 
@@ -280,6 +315,11 @@ struct Path {
   void (*natural_rows)(const uint16_t* We, int Kp, int r0, int r1, const void* const* X, int ns, float* Y, size_t ldy);
   int act_bytes;
   bool amx;
+  // decode's faster pair where the path has one (AVX2): activations x 2^112 (false: out of its range) and the
+  // kernel for them; the same results as scale_rows + inline_rows
+  bool (*scale_rows_wide)(const float* const* X, int ns, int Kp, const float* S, void* xs) = nullptr;
+  void (*inline_wide)(const uint8_t* W, size_t ldw, size_t pf, int nr, const void* const* X, int nt, int Kp,
+                      float* C) = nullptr;
 };
 
 void fp8_rows(const Path& p, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
@@ -315,13 +355,15 @@ void fp8_rows(const Path& p, const Matrix& m, int e, int r0, int r1, const Acts&
   for (int r = r0; r < r1;) {
     const int rb = r / FP8_BLOCK, rz = std::min(r1, (rb + 1) * FP8_BLOCK);
     const float* S = Se + size_t(rb) * nkb;
-    if (!fold) p.scale_rows(X, ns, Kp, S, xs.data());
+    const bool wide = ns <= INLINE_SLOTS && p.scale_rows_wide && p.scale_rows_wide(X, ns, Kp, S, xs.data());
+    if (!fold && !wide) p.scale_rows(X, ns, Kp, S, xs.data());
     const void* const* xp = xr.data();
     if (ns <= INLINE_SLOTS) {
+      const auto kernel = wide ? p.inline_wide : p.inline_rows;
       for (int q = r; q < rz; q += RB) {
         float C[INLINE_SLOTS * RB];
         const int nr = std::min(RB, rz - q);
-        p.inline_rows(We + size_t(q) * Kp, Kp, pf, nr, xp, ns, Kp, C);
+        kernel(We + size_t(q) * Kp, Kp, pf, nr, xp, ns, Kp, C);
         for (int t = 0; t < ns; ++t)
           for (int j = 0; j < nr; ++j) Y[size_t(t) * ldy + q + j] = C[t * RB + j];
       }
@@ -375,7 +417,8 @@ void natural_rows_avx2(const uint16_t* We, int Kp, int r0, int r1, const void* c
 }
 
 constexpr Path REF{scale_rows_ref, inline_ref, widen_rows_ref, bf16_rows_ref, bf16_rows_ref, 2, false};
-constexpr Path AVX2{scale_rows_avx2, inline_avx2, widen_rows_avx2, widened_rows_avx2, natural_rows_avx2, 4, false};
+constexpr Path AVX2{scale_rows_avx2, inline_avx2<false>, widen_rows_avx2, widened_rows_avx2, natural_rows_avx2, 4,
+                    false, scale_rows_e112_avx2, inline_avx2<true>};
 constexpr Path AVX512{scale_rows_avx512, inline_avx512, widen_rows_avx512, bf16_rows_zmm, bf16_rows_zmm, 2, false};
 constexpr Path AMX{scale_rows_avx512, inline_avx512, widen_rows_avx512, bf16_rows_zmm, bf16_rows_zmm, 2, true};
 

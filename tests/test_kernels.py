@@ -398,6 +398,26 @@ def test_fp8_published_weights_are_kept_bit_for_bit(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_fp8_decode_scales_by_powers_of_two_exactly(isa):
+    """Decode's activations times 2^k give the outputs times 2^k, bit for bit, on every path. On AVX2 an activation
+    past 2^16 after its block scale sends the block row from the x 2^-120 widening (scale_rows_e112_avx2) back to
+    the fp16 one, so the two routes are checked against each other too; e4m3's subnormal codes included."""
+    from moe_kernels.dense import NativeLinear
+    torch.manual_seed(0)
+    w = torch.randn(300, 1000) * 0.05
+    w[:, :7] *= 1e-4
+    if isa == "amx-emulated":
+        native.set_amx_emulation(True)
+        isa = "amx"
+    lin = NativeLinear(w, "fp8", isa=isa)
+    for T in (1, 2, 4):
+        x = torch.randn(T, 1000)
+        base = lin(x)
+        for k in (24, -24):
+            assert torch.equal(lin(x * 2.0 ** k), base * 2.0 ** k), (T, k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_fp8_prefill_with_many_tokens_an_expert_computes_the_bf16_formats_numbers(isa):
     """From 128 tokens an expert (FOLD_SLOTS) the block scales go onto the widened weights: bf16(value x scale)
     is what the bf16 format holds for the same published weights, and the activations are rounded alike, so the
