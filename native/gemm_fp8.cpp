@@ -272,6 +272,31 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx512bf16"))) void 
   auto X = reinterpret_cast<const uint16_t* const*>(Xv);
   with_tokens<INLINE_SLOTS>(nt, [&](auto NT) { mk512<decltype(NT)::value>(W, ldw, pf, nr, X, Kp, C); });
 }
+// One token: a row at a time (one sequential stream a task, as int8's one-token rows: the 4-row tiles' four
+// streams 2 KB and more apart read the experts' short matrices below the DRAM's speed), four multiply-add chains
+// a row; E120 as mk256's (both widenings give the same products, so the same bits)
+template <bool E120>
+__attribute__((target("avx2,fma,f16c"))) void rows1_avx2(const uint8_t* W, int Kp, int n, const float* x, float* y) {
+  for (int r = 0; r < n; ++r) {
+    const uint8_t* w = W + size_t(r) * Kp;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int i = 0; i < Kp; i += 32) {
+      __m256 v[4];
+      if constexpr (E120) {
+        MOE_UNROLL for (int j = 0; j < 4; ++j) v[j] = widen8_e120_avx2(w + i + 8 * j);
+      } else {
+        widen16_avx2(w + i, v[0], v[1]);
+        widen16_avx2(w + i + 16, v[2], v[3]);
+      }
+      MOE_UNROLL for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(x + i + 8 * j), acc[j]);
+    }
+    const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    y[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+}
+
 template <bool E120>
 __attribute__((target("avx2,fma,f16c"))) void inline_avx2(const uint8_t* W, size_t ldw, size_t pf, int nr,
                                                           const void* const* Xv, int nt, int Kp, float* C) {
@@ -320,6 +345,9 @@ struct Path {
   bool (*scale_rows_wide)(const float* const* X, int ns, int Kp, const float* S, void* xs) = nullptr;
   void (*inline_wide)(const uint8_t* W, size_t ldw, size_t pf, int nr, const void* const* X, int nt, int Kp,
                       float* C) = nullptr;
+  // one token, n rows: on the activations as scale_rows or scale_rows_wide left them
+  void (*rows1)(const uint8_t* W, int Kp, int n, const float* x, float* y) = nullptr;
+  void (*rows1_wide)(const uint8_t* W, int Kp, int n, const float* x, float* y) = nullptr;
 };
 
 void fp8_rows(const Path& p, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
@@ -358,7 +386,10 @@ void fp8_rows(const Path& p, const Matrix& m, int e, int r0, int r1, const Acts&
     const bool wide = ns <= INLINE_SLOTS && p.scale_rows_wide && p.scale_rows_wide(X, ns, Kp, S, xs.data());
     if (!fold && !wide) p.scale_rows(X, ns, Kp, S, xs.data());
     const void* const* xp = xr.data();
-    if (ns <= INLINE_SLOTS) {
+    if (ns == 1 && p.rows1) {
+      (wide ? p.rows1_wide : p.rows1)(We + size_t(r) * Kp, Kp, rz - r, reinterpret_cast<const float*>(xs.data()),
+                                      Y + r);
+    } else if (ns <= INLINE_SLOTS) {
       const auto kernel = wide ? p.inline_wide : p.inline_rows;
       for (int q = r; q < rz; q += RB) {
         float C[INLINE_SLOTS * RB];
@@ -418,7 +449,7 @@ void natural_rows_avx2(const uint16_t* We, int Kp, int r0, int r1, const void* c
 
 constexpr Path REF{scale_rows_ref, inline_ref, widen_rows_ref, bf16_rows_ref, bf16_rows_ref, 2, false};
 constexpr Path AVX2{scale_rows_avx2, inline_avx2<false>, widen_rows_avx2, widened_rows_avx2, natural_rows_avx2, 4,
-                    false, scale_rows_e112_avx2, inline_avx2<true>};
+                    false, scale_rows_e112_avx2, inline_avx2<true>, rows1_avx2<false>, rows1_avx2<true>};
 constexpr Path AVX512{scale_rows_avx512, inline_avx512, widen_rows_avx512, bf16_rows_zmm, bf16_rows_zmm, 2, false};
 constexpr Path AMX{scale_rows_avx512, inline_avx512, widen_rows_avx512, bf16_rows_zmm, bf16_rows_zmm, 2, true};
 
