@@ -5,7 +5,8 @@
 //   permutes' in-lane unpacking leaves the 64 weights as [0-7, 16-23, 32-39, 48-55 | 8-15, 24-31, ...], and
 //   the scaled activations are written in that order too (the sum does not care). AVX2 (and AVX-512 CPUs
 //   without VBMI, which run the AVX2 kernels): sign-extend to 16 bits, << 7, & 0xBF80 gives the fp16 bits
-//   of value / 256 (subnormals included), widened by vcvtph2ps. All exact: e4m3 has 4 significant bits;
+//   of value / 256 (subnormals included), widened by vcvtph2ps; decode instead makes value x 2^-120 by integer
+//   ops against activations x 2^112 (widen8_e120_avx2). All exact: e4m3 has 4 significant bits;
 // - the block scale goes onto the activations, not the weights: for the 128 rows of one block row, each
 //   slot's row x becomes bf16(x * scale[k / 128]) once (1/128 of the work), so the dot products are plain
 //   bf16 x bf16 -> fp32 with no per-block partial sums. The only rounding is that of x * scale to bf16,
@@ -176,7 +177,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void widen16_avx2
 // 8 e4m3 bytes -> 8 fp32 of value x 2^-120, exactly, subnormal codes too: sign-extended, << 20 puts the sign at
 // bit 31 (the extension's copies above the byte's own sign bit masked off) and the exponent and mantissa bits at
 // the top of fp32's, whose exponent 2^(e - 127) is e4m3's 2^(e - 7) times 2^-120. Three integer ops and no
-// conversion: half the work of widen16_avx2's fp16 route, whose vcvtph2ps bound the decode kernel
+// conversion, where widen16_avx2's fp16 route takes four and two vcvtph2ps a 16
 __attribute__((target("avx2"), always_inline)) inline __m256 widen8_e120_avx2(const uint8_t* p) {
   const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(int(0x87F00000u))));
