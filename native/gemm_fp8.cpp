@@ -77,34 +77,32 @@ __attribute__((target("avx2"), always_inline)) inline __m256i round_bf16_avx2(__
 }
 
 // AVX2: fp32, natural order, each value rounded through bf16 (round to nearest even, as f32_to_bf16) so every
-// path multiplies the same activations
-__attribute__((target("avx2,fma"))) void scale_rows_avx2(const float* const* X, int ns, int Kp, const float* S,
-                                                         void* out) {
+// path multiplies the same activations. E112: times 2^112 too (exact), for the decode kernels whose weights are
+// value x 2^-120; false, with nothing promised about xs, where one reaches 2^16 (times 2^112 it would overflow:
+// that block row then takes the plain activations and the fp16 widening)
+template <bool E112>
+__attribute__((target("avx2,fma"))) bool scale_rows_avx2_t(const float* const* X, int ns, int Kp, const float* S,
+                                                           void* out) {
   auto* xs = static_cast<float*>(out);
+  __m256i top = _mm256_setzero_si256();  // E112: the largest |rounded value|'s bits, lane-wise
   for (int s = 0; s < ns; ++s)
     for (int k = 0; k < Kp; k += 8) {
       const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(X[s] + k), _mm256_set1_ps(S[k / FP8_BLOCK]));
-      _mm256_storeu_ps(xs + size_t(s) * Kp + k, _mm256_castsi256_ps(round_bf16_avx2(v)));
-    }
-}
-
-// The same activations times 2^112 (exact), for the AVX2 decode kernel whose weights are value x 2^-120: false,
-// with nothing promised about xs, where one reaches 2^16 (the product would overflow: that block row then takes
-// the scale_rows_avx2 activations and the fp16 widening)
-__attribute__((target("avx2,fma"))) bool scale_rows_e112_avx2(const float* const* X, int ns, int Kp, const float* S,
-                                                              void* out) {
-  auto* xs = static_cast<float*>(out);
-  const __m256 up = _mm256_set1_ps(0x1p112f);
-  __m256i top = _mm256_setzero_si256();  // the largest |rounded value|'s bits, lane-wise
-  for (int s = 0; s < ns; ++s)
-    for (int k = 0; k < Kp; k += 8) {
-      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(X[s] + k), _mm256_set1_ps(S[k / FP8_BLOCK]));
-      const __m256i r = round_bf16_avx2(v);
-      top = _mm256_max_epu32(top, _mm256_and_si256(r, _mm256_set1_epi32(0x7fffffff)));
-      _mm256_storeu_ps(xs + size_t(s) * Kp + k, _mm256_mul_ps(_mm256_castsi256_ps(r), up));
+      __m256 r = _mm256_castsi256_ps(round_bf16_avx2(v));
+      if constexpr (E112) {
+        top = _mm256_max_epu32(top, _mm256_and_si256(_mm256_castps_si256(r), _mm256_set1_epi32(0x7fffffff)));
+        r = _mm256_mul_ps(r, _mm256_set1_ps(0x1p112f));
+      }
+      _mm256_storeu_ps(xs + size_t(s) * Kp + k, r);
     }
   const __m256i big = _mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x477fffff));  // >= 2^16 (or NaN, inf)
   return _mm256_testz_si256(big, big);
+}
+void scale_rows_avx2(const float* const* X, int ns, int Kp, const float* S, void* out) {
+  scale_rows_avx2_t<false>(X, ns, Kp, S, out);
+}
+bool scale_rows_e112_avx2(const float* const* X, int ns, int Kp, const float* S, void* out) {
+  return scale_rows_avx2_t<true>(X, ns, Kp, S, out);
 }
 
 // ---- widening e4m3 -> bf16 (value / 256) ----
@@ -291,10 +289,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows1_avx2(const uint8_t* W, int K
       }
       MOE_UNROLL for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(x + i + 8 * j), acc[j]);
     }
-    const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    y[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    y[r] = sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
   }
 }
 

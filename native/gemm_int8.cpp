@@ -110,10 +110,7 @@ MOE_YMM_ENTRY("avx2,fma") void rows1_avx2(const Matrix& m, int e, int r0, int r1
       MOE_UNROLL for (int u = 0; u < 4; ++u)
         acc[u] = Avx2Dot::dot(acc[u], Avx2Dot::act(Ymm::load(X + i + 32 * u)), Ymm::load(w + i + 32 * u));
     for (; i < K; i += 32) acc[0] = Avx2Dot::dot(acc[0], Avx2Dot::act(Ymm::load(X + i)), Ymm::load(w + i));
-    const __m256i a = _mm256_add_epi32(_mm256_add_epi32(acc[0], acc[1]), _mm256_add_epi32(acc[2], acc[3]));
-    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    const int32_t dot = _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xb1)));
+    const int32_t dot = sum8(_mm256_add_epi32(_mm256_add_epi32(acc[0], acc[1]), _mm256_add_epi32(acc[2], acc[3])));
     Y[r] = float(dot) * sw[r] * x.scale[0];
   }
 }

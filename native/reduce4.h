@@ -79,6 +79,18 @@ MOE_AVX2_INLINE __m256 load8(const float* p) { return _mm256_load_ps(p); }
 MOE_AVX2_INLINE void store4(int32_t* p, __m128i v) { _mm_store_si128(reinterpret_cast<__m128i*>(p), v); }
 MOE_AVX2_INLINE void store4(float* p, __m128 v) { _mm_store_ps(p, v); }
 MOE_AVX2_INLINE __m128i reduce4(__m256i a, __m256i b, __m256i c, __m256i d) { return reduce4_epi32(a, b, c, d); }
+
+// One vector's 8 lanes summed (the row-at-a-time kernels': one row's partial sums): halves, then pairs
+MOE_AVX2_INLINE float sum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+MOE_AVX2_INLINE int32_t sum8(__m256i v) {
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xb1)));
+}
 MOE_AVX2_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) { return reduce4_ps(a, b, c, d); }
 
 // A 256-bit kernel's 4-row x NT-token tile of partial sums -> C[t * 4 + r] for its nr valid rows.
