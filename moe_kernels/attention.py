@@ -65,6 +65,43 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
     return out
 
 
+def mla_supported(C: torch.Tensor, KPE: torch.Tensor, isa: str = ISA) -> bool:
+    """Whether mla_paged_attention takes this layer of an MLA pool on this isa: a vector kernel for DeepSeek's dims
+    (latent 512, rotary 64: V2, V3, Kimi K2), the plain loops for others (the small test and default models)."""
+    return (isa in SIMD_ISAS and C.dtype in DTYPES and KPE.dtype == C.dtype and C.device.type == "cpu"
+            and C.is_contiguous() and KPE.is_contiguous())
+
+
+def mla_paged_attention(q: torch.Tensor, C: torch.Tensor, KPE: torch.Tensor, table: torch.Tensor, L: int, scale: float,
+                        isa: str = ISA, first: int = -1) -> torch.Tensor:
+    """MLA's decode attention in the latent space: q [nh, r + dr] (each head's absorbed latent query, then its rotary
+    query; any float dtype) against one layer of an MLA pool, the latents C [blocks, block, r] and rotary keys KPE
+    [blocks, block, dr] (fp32, bf16 or fp16, contiguous; gpu_service/kv_pool.py), the sequence's positions 0..L-1 in
+    blocks table[0], table[1], ... -> the heads' latent outputs [nh, r] fp32. first >= 0: the blocks are first,
+    first + 1, ... (read without the table)."""
+    nh = q.shape[0]
+    _, B, r = C.shape
+    dr = KPE.shape[-1]
+    if C.dtype not in DTYPES or KPE.dtype != C.dtype or not C.is_contiguous() or not KPE.is_contiguous():
+        raise ValueError("mla_paged_attention: C and KPE must be pools of one of fp32, bf16, fp16, contiguous")
+    if q.dim() != 2 or q.shape[1] != r + dr or KPE.shape[:2] != C.shape[:2] or B & (B - 1):
+        raise ValueError(f"mla_paged_attention: q {list(q.shape)}, C {list(C.shape)}, KPE {list(KPE.shape)} do not fit")
+    if table.dtype != torch.int32 or not table.is_contiguous() or table.numel() * B < L or L < 1:
+        raise ValueError(f"mla_paged_attention: {table.numel()} blocks of {B} do not hold {L} positions")
+    qf = q.float().contiguous()
+    out = torch.empty(nh, r)
+    if first >= 0:
+        if first + -(-L // B) > C.shape[0]:
+            raise ValueError(f"mla_paged_attention: blocks {first}.. do not hold {L} positions")
+        native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C[first].data_ptr(), KPE[first].data_ptr(),
+                                    KV_CODES[C.dtype], r, dr, L, scale, out.data_ptr())
+        return out
+    native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C.data_ptr(), KPE.data_ptr(), KV_CODES[C.dtype], r, dr,
+                                L, scale, out.data_ptr(), table.data_ptr(), B.bit_length() - 1, C.stride(0),
+                                KPE.stride(0))
+    return out
+
+
 def store_kv(x: torch.Tensor, out: torch.Tensor) -> None:
     """x (bf16 or fp32, contiguous) into out (fp32, bf16 or fp16, contiguous, as many values) as the native decode
     step stores a new K/V row: rounded as torch's .to(out.dtype)."""

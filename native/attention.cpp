@@ -174,10 +174,13 @@ __attribute__((target("avx2,fma"))) inline __m256 sums8(const __m256* a) {
 
 // The scores of two positions j, j + 1 for 4 queries (q0 = the first of them, up to Q of them real) as one vector
 // [j's 4 | j + 1's 4]: eight accumulators, each chunk of 8 dims loaded once per pair of rows and per query (6 loads
-// for 8 multiply-adds; one position at a time took 2 loads a multiply-add, and was bound by them).
-template <int Q, int DC, class T>
-__attribute__((target("avx2,fma,f16c"))) inline __m256 pair_scores(const float* q0, const T* k0, const T* k1) {
-  constexpr int d = 8 * DC;
+// for 8 multiply-adds; one position at a time took 2 loads a multiply-add, and was bound by them). A key may lie in
+// two rows (MLA: the latent's DC chunks in k0/k1, the rotary key's DC2 in k0b/k1b; a query is both, DC + DC2
+// chunks); their chunks go into the same accumulators, the second row's after the first's.
+template <int Q, int DC, int DC2 = 0, class T>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 pair_scores(const float* q0, const T* k0, const T* k1,
+                                                                   const T* k0b = nullptr, const T* k1b = nullptr) {
+  constexpr int d = 8 * (DC + DC2);
   __m256 acc[8];
   MOE_UNROLL for (int b = 0; b < 8; ++b) acc[b] = _mm256_setzero_ps();
 #pragma GCC unroll 2  // unrolled fully, GCC hoists loads of later chunks and spills the accumulators
@@ -189,25 +192,68 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 pair_scores(const float* 
       acc[4 + b] = _mm256_fmadd_ps(qv, x1, acc[4 + b]);
     }
   }
+#pragma GCC unroll 2
+  for (int c = 0; c < DC2; ++c) {
+    const __m256 x0 = ld8(k0b + 8 * c), x1 = ld8(k1b + 8 * c);
+    MOE_UNROLL for (int b = 0; b < Q; ++b) {
+      const __m256 qv = _mm256_loadu_ps(q0 + b * d + 8 * (DC + c));
+      acc[b] = _mm256_fmadd_ps(qv, x0, acc[b]);
+      acc[4 + b] = _mm256_fmadd_ps(qv, x1, acc[4 + b]);
+    }
+  }
   return sums8(acc);
 }
 
+// Q (<= 4) queries' sums over n positions of two 8-dim slices of V, from their rows' element `at` on: per position
+// two loads of V and Q broadcasts of its scores (sj[8 j + b]) for 2 Q multiply-adds (one slice of 8 queries a pass
+// took 9 loads for 8 and was bound by them). out: query b's sums at out + b * dv, added to (more) or, with inv,
+// the last tile's, scaled by the softmax's 1 / sum.
+template <int Q, class T>
+__attribute__((target("avx2,fma,f16c"))) inline void weighted_sums(const T* const* vr, int n, int at, const float* s,
+                                                                  float* out, int dv, bool more, const float* inv) {
+  __m256 acc[Q][2];
+  MOE_UNROLL for (int b = 0; b < Q; ++b)
+    MOE_UNROLL for (int h = 0; h < 2; ++h)
+      acc[b][h] = more ? _mm256_loadu_ps(out + size_t(b) * dv + 8 * h) : _mm256_setzero_ps();
+  for (int j = 0; j < n; ++j) {
+    const __m256 v0 = ld8(vr[j] + at), v1 = ld8(vr[j] + at + 8);
+    MOE_UNROLL for (int b = 0; b < Q; ++b) {
+      const __m256 p = _mm256_broadcast_ss(s + 8 * size_t(j) + b);
+      acc[b][0] = _mm256_fmadd_ps(p, v0, acc[b][0]);
+      acc[b][1] = _mm256_fmadd_ps(p, v1, acc[b][1]);
+    }
+  }
+  MOE_UNROLL for (int b = 0; b < Q; ++b)
+    MOE_UNROLL for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(out + size_t(b) * dv + 8 * h, inv ? _mm256_mul_ps(acc[b][h], _mm256_set1_ps(inv[b])) : acc[b][h]);
+}
+
 // The same on AVX2 (8 lanes, 16 registers): the scores two positions at a time (pair_scores, for queries 0-3 then
-// 4-7), each row of 8 scores one vector as on AVX-512; one 8-dim slice of V a pass.
-template <int G, int DC, class T, bool P>
-__attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s,
-                                                        float* out) {
-  constexpr int d = 8 * DC;
+// 4-7), each row of 8 scores one vector as on AVX-512; two 8-dim slices of V a pass (weighted_sums). A query is DC + DC2 chunks
+// against a key in K's row and (DC2 > 0, MLA) K2's; V's rows and the outputs are DCV chunks.
+template <int G, int DC, int DC2, int DCV, class T, bool P>
+__attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T, P> K, Rows<T, P> K2, Rows<T, P> V,
+                                                        int L, float scale, float* s, float* out) {
+  constexpr int d = 8 * (DC + DC2), dv = 8 * DCV;
+  static_assert(DCV % 2 == 0, "V's slices go two a pass");
   const __m256 sc = _mm256_set1_ps(scale);
   __m256 mx = _mm256_set1_ps(-INFINITY);
   for (int j = 0; j < L; j += 2) {
     const bool two = j + 1 < L;  // an odd last position pairs with itself; its copy is dropped
-    K.prefetch_ahead(j, L, d);
-    if (two) K.prefetch_ahead(j + 1, L, d);
+    K.prefetch_ahead(j, L, 8 * DC);
+    if (two) K.prefetch_ahead(j + 1, L, 8 * DC);
     const T* k0 = K(j);
     const T* k1 = two ? K(j + 1) : k0;
-    const __m256 lo = pair_scores<(G < 4 ? G : 4), DC>(q, k0, k1);
-    const __m256 hi = G > 4 ? pair_scores<(G > 4 ? G - 4 : 1), DC>(q + 4 * d, k0, k1) : _mm256_setzero_ps();
+    const T *k0b = nullptr, *k1b = nullptr;
+    if (DC2) {
+      K2.prefetch_ahead(j, L, 8 * DC2);
+      if (two) K2.prefetch_ahead(j + 1, L, 8 * DC2);
+      k0b = K2(j);
+      k1b = two ? K2(j + 1) : k0b;
+    }
+    const __m256 lo = pair_scores<(G < 4 ? G : 4), DC, DC2>(q, k0, k1, k0b, k1b);
+    const __m256 hi = G > 4 ? pair_scores<(G > 4 ? G - 4 : 1), DC, DC2>(q + 4 * d, k0, k1, k0b, k1b)
+                            : _mm256_setzero_ps();
     const __m256 r0 = _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), sc);  // j: queries 0-3 | 4-7
     _mm256_storeu_ps(s + 8 * size_t(j), r0);
     mx = _mm256_max_ps(mx, r0);
@@ -225,33 +271,29 @@ __attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T,
   }
   alignas(32) float inv[8];
   _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
-  constexpr int tile = tile_rows_for<T>(d);
+  constexpr int tile = tile_rows_for<T>(dv);
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += tile) {
     const int j1 = std::min(L, j0 + tile);
     tile_rows(V, j0, j1, vr);
-    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + tile - (1 << V.shift), L, d);
-    for (int c = 0; c < DC; ++c) {
-      __m256 acc[G];
-      MOE_UNROLL for (int b = 0; b < G; ++b)
-        acc[b] = j0 ? _mm256_loadu_ps(out + size_t(b) * d + 8 * c) : _mm256_setzero_ps();
-      for (int j = j0; j < j1; ++j) {
-        const __m256 v = ld8(vr[j - j0] + 8 * c);
-        const float* sj = s + 8 * size_t(j);
-        MOE_UNROLL for (int b = 0; b < G; ++b) acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(sj[b]), v, acc[b]);
-      }
-      MOE_UNROLL for (int b = 0; b < G; ++b)
-        _mm256_storeu_ps(out + size_t(b) * d + 8 * c, j1 == L ? _mm256_mul_ps(acc[b], _mm256_set1_ps(inv[b])) : acc[b]);
+    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + tile - (1 << V.shift), L, dv);
+    for (int c = 0; c < DCV; c += 2) {  // two slices a pass (DCV is even), queries 0-3 then 4-7
+      weighted_sums<(G < 4 ? G : 4)>(vr, j1 - j0, 8 * c, s + 8 * size_t(j0), out + 8 * c, dv, j0 > 0,
+                                     j1 == L ? inv : nullptr);
+      if (G > 4)
+        weighted_sums<(G > 4 ? G - 4 : 1)>(vr, j1 - j0, 8 * c, s + 8 * size_t(j0) + 4, out + 4 * size_t(dv) + 8 * c,
+                                           dv, j0 > 0, j1 == L ? inv + 4 : nullptr);
     }
   }
 }
 
-// One kv head's g queries, 8 at a time (then the rest), each group through group(G, its q, its out); s: 8 L floats
+// One kv head's g queries, 8 at a time (then the rest), each group through group(G, its q, its out); queries dq
+// floats apart, outputs dout; s: 8 L floats
 template <class Group>
-void by_groups(const float* q, int g, int d, float* out, Group group) {
+void by_groups(const float* q, int g, int dq, float* out, int dout, Group group) {
   for (int i = 0; i < g; i += 8) {
-    const float* qi = q + size_t(i) * d;
-    float* oi = out + size_t(i) * d;
+    const float* qi = q + size_t(i) * dq;
+    float* oi = out + size_t(i) * dout;
     switch (std::min(8, g - i)) {
       case 8: group(std::integral_constant<int, 8>(), qi, oi); break;
       case 7: group(std::integral_constant<int, 7>(), qi, oi); break;
@@ -267,25 +309,29 @@ void by_groups(const float* q, int g, int d, float* out, Group group) {
 
 template <int DC, class T, bool P>
 void head_avx512(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out) {
-  by_groups(q, g, 16 * DC, out, [&](auto G, const float* qi, float* oi) {
+  by_groups(q, g, 16 * DC, out, 16 * DC, [&](auto G, const float* qi, float* oi) {
     group_avx512<decltype(G)::value, DC>(qi, K, V, L, scale, s, oi);
   });
 }
 
 template <int DC, class T, bool P>
 void head_avx2(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out) {
-  by_groups(q, g, 8 * DC, out, [&](auto G, const float* qi, float* oi) {
-    group_avx2<decltype(G)::value, DC>(qi, K, V, L, scale, s, oi);
+  by_groups(q, g, 8 * DC, out, 8 * DC, [&](auto G, const float* qi, float* oi) {
+    group_avx2<decltype(G)::value, DC, 0, DC>(qi, K, K, V, L, scale, s, oi);
   });
 }
 
-// The plain loops: the portable path, any head dim, and the reference the vector versions are tested against.
+// The plain loops: the portable path, any head dims, and the reference the vector versions are tested against.
+// A query is d + d2 floats against a key in K's row (d) and K2's (d2 > 0: MLA's rotary key); V's rows are dv.
 template <class T, bool P>
-void head_portable(const float* q, int g, int d, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out) {
+void head_portable(const float* q, int g, int d, int d2, int dv, Rows<T, P> K, Rows<T, P> K2, Rows<T, P> V, int L,
+                   float scale, float* s, float* out) {
+  const int dq = d + d2;
   for (int i = 0; i < g; ++i)
     for (int j = 0; j < L; ++j) {
       float acc = 0.f;
-      for (int c = 0; c < d; ++c) acc += q[i * d + c] * ld1(K(j) + c);
+      for (int c = 0; c < d; ++c) acc += q[i * dq + c] * ld1(K(j) + c);
+      for (int c = 0; c < d2; ++c) acc += q[i * dq + d + c] * ld1(K2(j) + c);
       s[size_t(i) * L + j] = acc * scale;
     }
   for (int i = 0; i < g; ++i) {  // each row of scores -> its softmax
@@ -297,10 +343,10 @@ void head_portable(const float* q, int g, int d, Rows<T, P> K, Rows<T, P> V, int
     for (int j = 0; j < L; ++j) r[j] *= inv;
   }
   for (int i = 0; i < g; ++i)
-    for (int c = 0; c < d; ++c) {
+    for (int c = 0; c < dv; ++c) {
       float acc = 0.f;
       for (int j = 0; j < L; ++j) acc += s[size_t(i) * L + j] * ld1(V(j) + c);
-      out[i * d + c] = acc;
+      out[i * dv + c] = acc;
     }
 }
 
@@ -313,7 +359,20 @@ void one_head(Isa isa, const float* q, int g, int d, Rows<T, P> K, Rows<T, P> V,
   if (v256 && d == 64) return head_avx2<8, T, P>(q, g, K, V, L, scale, s, out);
   if (v256 && d == 128) return head_avx2<16, T, P>(q, g, K, V, L, scale, s, out);
   if (v256 && d == 256) return head_avx2<32, T, P>(q, g, K, V, L, scale, s, out);
-  head_portable(q, g, d, K, V, L, scale, s, out);
+  head_portable(q, g, d, 0, d, K, K, V, L, scale, s, out);
+}
+
+// MLA's G (<= 8) heads: DeepSeek's latent 512 and rotary 64 on the AVX2 kernel on every vector path (an AVX-512
+// one would differ only in its order of sums: the latent attention is a few percent of a token, the weights the
+// rest), any other dims on the plain loops.
+template <class T, bool P>
+void mla_group(Isa isa, const float* q, int g, int r, int dr, Rows<T, P> C, Rows<T, P> KPE, int L, float scale,
+               float* s, float* out) {
+  if ((isa == Isa::Avx512 || isa == Isa::Amx || ymm_path(isa)) && r == 512 && dr == 64)
+    return by_groups(q, g, r + dr, out, r, [&](auto G, const float* qi, float* oi) {
+      group_avx2<decltype(G)::value, 64, 8, 64>(qi, C, KPE, C, L, scale, s, oi);
+    });
+  head_portable(q, g, r, dr, r, C, KPE, C, L, scale, s, out);
 }
 
 }  // namespace
@@ -353,6 +412,42 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
     for (int h = 0; h < nkv; ++h) head(h);
   } else {
     pool().parallel_for(nkv, head);
+  }
+}
+
+void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const void* C, const void* KPE, KvType kv,
+                          size_t c_row, size_t kpe_row, int L, float scale, float* out, const int32_t* table,
+                          int block_shift, size_t c_block, size_t kpe_block) {
+  MOE_CHECK(nh > 0 && r > 0 && dr > 0 && L > 0, "MLA decode attention: bad shapes");
+  MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "MLA decode attention: bad block size");
+  constexpr int G = 8;  // heads a task: every head reads every position's latent, so tasks split the heads
+  const int groups = (nh + G - 1) / G;
+  auto run = [&](auto* c, auto* kpe, int i, float* s) {  // T: bf16 bits, Half or float
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(c)>>;
+    const int g = std::min(G, nh - i * G);
+    const float* qi = q + size_t(i) * G * (r + dr);
+    float* oi = out + size_t(i) * G * r;
+    if (table)
+      mla_group(isa, qi, g, r, dr, Rows<T, true>{c, c_row, c_block, table, block_shift},
+                Rows<T, true>{kpe, kpe_row, kpe_block, table, block_shift}, L, scale, s, oi);
+    else
+      mla_group(isa, qi, g, r, dr, Rows<T, false>{c, c_row, 0, nullptr, 0}, Rows<T, false>{kpe, kpe_row, 0, nullptr, 0},
+                L, scale, s, oi);
+  };
+  auto group = [&](int i) {
+    thread_local std::vector<float> s;
+    if (s.size() < size_t(G) * L) s.resize(size_t(G) * L);
+    if (kv == KvType::BF16)
+      run(static_cast<const uint16_t*>(C), static_cast<const uint16_t*>(KPE), i, s.data());
+    else if (kv == KvType::F16)
+      run(static_cast<const Half*>(C), static_cast<const Half*>(KPE), i, s.data());
+    else
+      run(static_cast<const float*>(C), static_cast<const float*>(KPE), i, s.data());
+  };
+  if (size_t(L) * nh * (2 * r + dr) < SERIAL_MACS) {
+    for (int i = 0; i < groups; ++i) group(i);
+  } else {
+    pool().parallel_for(groups, group);
   }
 }
 

@@ -396,6 +396,25 @@ PYBIND11_MODULE(_native, m) {
       "one decode query per head against K/V of type kv (fp32, bf16 or fp16: KV_CODES), contiguous or paged through a block table "
       "(native/attention.cpp)");
   m.def(
+      "mla_decode_attention",
+      [](const std::string& isa_arg, uintptr_t q, int nh, int r, int dr, uintptr_t C, uintptr_t KPE, int kv,
+         size_t c_row, size_t kpe_row, int L, float scale, uintptr_t out, uintptr_t table, int block_shift,
+         size_t c_block, size_t kpe_block) {
+        Isa isa = kernel_isa(isa_arg);
+        const KvType t = kv_type(kv);
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        mla_decode_attention(isa, reinterpret_cast<const float*>(q), nh, r, dr, reinterpret_cast<const void*>(C),
+                             reinterpret_cast<const void*>(KPE), t, c_row, kpe_row, L, scale,
+                             reinterpret_cast<float*>(out), reinterpret_cast<const int32_t*>(table), block_shift,
+                             c_block, kpe_block);
+      },
+      py::arg("isa"), py::arg("q"), py::arg("nh"), py::arg("r"), py::arg("dr"), py::arg("C"), py::arg("KPE"),
+      py::arg("kv"), py::arg("c_row"), py::arg("kpe_row"), py::arg("L"), py::arg("scale"), py::arg("out"),
+      py::arg("table") = 0, py::arg("block_shift") = 0, py::arg("c_block") = 0, py::arg("kpe_block") = 0,
+      "MLA's decode attention in the latent space: one query per head (latent then rotary) against the cached latents "
+      "and rotary keys, contiguous or paged (native/attention.cpp)");
+  m.def(
       "store_kv",
       [](int kv, uintptr_t src, bool src_bf16, uintptr_t dst, int n) {
         store_kv(kv_type(kv), reinterpret_cast<const void*>(src), src_bf16, reinterpret_cast<void*>(dst), n);

@@ -141,6 +141,14 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
                       const int32_t* table = nullptr, int block_shift = 0, size_t k_block = 0, size_t v_block = 0);
 
+// MLA's decode attention in the latent space (DeepSeek V2/V3, absorbed): out [nh, r] fp32 = softmax(scores) C, where
+// scores[h, j] = (q[h, :r] . C_j + q[h, r:] . KPE_j) * scale, q [nh, r + dr] fp32 (each head's latent query, then its
+// rotary query), C the cached latents (rows of r) and KPE the rotary keys (rows of dr), both of type kv, at the given
+// row strides, or paged as decode_attention's (block strides c_block, kpe_block).
+void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const void* C, const void* KPE, KvType kv,
+                          size_t c_row, size_t kpe_row, int L, float scale, float* out, const int32_t* table = nullptr,
+                          int block_shift = 0, size_t c_block = 0, size_t kpe_block = 0);
+
 // MLA's absorbed kv_b_proj (w: [nh * (dn + dv), r], bf16 or fp32; native/mla.cpp), t tokens, fp32 activations:
 // q_lat [nh, t, r] = each head's q_nope (token s, head h at q_nope + s * q_tok + h * dn) times its first dn rows;
 // o [t, nh, dv] = each head's o_lat [nh, t, r] times its last dv rows, transposed.

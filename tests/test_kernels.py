@@ -750,6 +750,50 @@ def test_paged_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L, B):
     torch.testing.assert_close(got.double(), attention_reference(q, K, V, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
+
+def mla_reference(q, C, KPE, scale):
+    """float64: MLA's absorbed attention, q [nh, r + dr] against keys [C | KPE] [L, r + dr] and values C."""
+    keys = torch.cat([C, KPE], dim=-1).double()
+    return torch.softmax(q.double() @ keys.T * scale, dim=-1) @ C.double()
+
+
+@pytest.mark.parametrize("isa", ATTN_PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("nh, r, dr", [(16, 512, 64), (13, 512, 64), (4, 64, 16)])  # 13: a short last group of heads;
+@pytest.mark.parametrize("L", [1, 2, 37, 300])                                     # 64/16: no vector kernel
+def test_mla_paged_attention_matches_reference(isa, dtype, nh, r, dr, L):
+    """DeepSeek's latent attention over an MLA pool (gpu_service/kv_pool.py's layout: latents [blocks, 16, r], rotary
+    keys [blocks, 16, dr]), through a scattered block table and over consecutive blocks without it; odd lengths
+    pair the last position with itself."""
+    from moe_kernels.attention import mla_paged_attention
+
+    B = 16
+    nblocks = -(-L // B)
+    C = torch.randn(nblocks + 5, B, r).to(dtype)
+    KPE = torch.randn(nblocks + 5, B, dr).to(dtype)
+    table = torch.randperm(nblocks + 5)[:nblocks].to(torch.int32)
+    q = (torch.randn(nh, r + dr) * 0.1).to(dtype)  # sharp enough that the softmax is not flat
+    scale = (128 + dr) ** -0.5
+    got = mla_paged_attention(q, C, KPE, table, L, scale, isa)
+    assert got.dtype == torch.float32 and got.shape == (nh, r)
+    want = mla_reference(q, C[table.long()].reshape(-1, r)[:L], KPE[table.long()].reshape(-1, dr)[:L], scale)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    got = mla_paged_attention(q, C, KPE, table, L, scale, isa, first=2)
+    want = mla_reference(q, C[2:].reshape(-1, r)[:L], KPE[2:].reshape(-1, dr)[:L], scale)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_mla_paged_attention_refuses_what_does_not_fit():
+    from moe_kernels.attention import mla_paged_attention
+
+    C, KPE, table = torch.randn(4, 16, 512), torch.randn(4, 16, 64), torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="do not hold"):
+        mla_paged_attention(torch.randn(8, 576), C, KPE, table, 33, 0.1)
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_paged_attention(torch.randn(8, 512), C, KPE, table, 3, 0.1)  # no rotary part
+    with pytest.raises(ValueError, match="of one of fp32, bf16, fp16"):
+        mla_paged_attention(torch.randn(8, 576), C, KPE.bfloat16(), table, 3, 0.1)
+
 def test_paged_decode_attention_refuses_a_short_table():
     from moe_kernels.attention import paged_decode_attention
 
