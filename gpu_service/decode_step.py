@@ -1,8 +1,10 @@
-"""The native decode step of GQA attention blocks on the CPU (native/decode_step.cpp): for a step whose every
-sequence adds one token, a layer's input norm, q/k/v, QK-norm, rope, KV append, paged attention, o_proj, residual
-and post-attention norm, and an MoE layer's softmax router, are one native call for all the step's sequences,
-instead of ~30 torch ops and 7 native calls a sequence (attention.gqa_attention and layers.route, the reference:
-bit for bit for one sequence, the softmax router included; the sigmoid router's fp32 logits to the last bits).
+"""The native decode step of attention blocks on the CPU (native/decode_step.cpp): for a step whose every sequence
+adds one token, a layer's input norm, its attention (GQA: q/k/v, QK-norm, rope, KV append, paged attention; MLA: q
+through its low-rank pair, the latent and rotary key, rope, both into the pool, the absorbed latent attention),
+o_proj, residual and post-attention norm, and an MoE layer's router, are one native call for all the step's
+sequences, instead of ~30 torch ops and 7 native calls a sequence (attention.gqa_attention / mla_attention and
+layers.route, the reference: bit for bit for one sequence, the softmax router included; the sigmoid router's fp32
+logits to the last bits).
 
 Built per layer when the weights allow it (`blocks`); any other layer or step takes the torch path."""
 from __future__ import annotations
@@ -11,12 +13,13 @@ import torch
 
 from moe_core.config import ModelConfig
 from moe_kernels import ISA, SIMD_ISAS, native
+from moe_kernels import attention as native_attention
 from moe_kernels.attention import KV_CODES, VECTOR_DIMS
 from moe_kernels.dense import NativeLinear
 
 from .attention import QKV
 from .kv_pool import BLOCK, KVPool, SeqCache
-from .layers import GATE_UP
+from .layers import GATE_UP, softmax_scale
 
 # torch's vector width decides which elements of its silu/sigmoid take Sleef's exp and which libm's (a loop's tail):
 # the native MLP and sigmoid router compute each element as torch does (native/torch_rounding.h)
@@ -25,20 +28,25 @@ native.set_torch_vector_bytes({"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.
 
 def eligible(cfg: ModelConfig, dtype: torch.dtype, native_dense: bool) -> bool:
     """Whether the model's attention layers fit the native step: GQA (with QK-norm, biases, partial rotary by
-    halves), no sinks, windows, output gate or zero-centred norms, bf16 or fp32, on a vector kernel path."""
-    return (native_dense and ISA in SIMD_ISAS and cfg.attention != "mla" and dtype in (torch.bfloat16, torch.float32)
+    halves) or MLA, no sinks, windows, output gate or zero-centred norms, bf16 or fp32, on a vector kernel path."""
+    return (native_dense and ISA in SIMD_ISAS and dtype in (torch.bfloat16, torch.float32)
             and not (cfg.attn_sinks or cfg.attn_output_gate or cfg.qk_norm_full or cfg.norm_offset)
-            and cfg.head_dim in VECTOR_DIMS)
+            and (cfg.attention == "mla" or cfg.head_dim in VECTOR_DIMS))
 
 
 def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) -> dict:
-    """layer -> native.GqaBlock for each attention layer the native step can run (none when `eligible` says no)."""
+    """layer -> native.DecodeBlock for each attention layer the native step can run (none when `eligible` says no)."""
     if not eligible(cfg, dtype, native_dense):
         return {}
     out = {}
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
         a = p + "self_attn."
+        if cfg.attention == "mla":
+            block = _mla_block(cfg, W, layer, dtype)
+            if block is not None:
+                out[layer] = block
+            continue
         if cfg.is_linear_attention(layer) or cfg.window(layer):
             continue
         qkv, o = W.get(a + QKV), W.get(a + "o_proj.weight")
@@ -51,7 +59,7 @@ def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) ->
             continue
         ptr = [t.data_ptr() if t is not None else 0 for t in held]
         router = _router(cfg, W, layer)
-        out[layer] = native.GqaBlock(
+        out[layer] = native.DecodeBlock(
             ISA, dtype == torch.bfloat16, qkv.native, o.native, *ptr[:2], *(ptr[2:4] if cfg.qk_norm else (0, 0)),
             *ptr[4:], H=cfg.hidden_size, nh=cfg.num_heads, nkv=cfg.num_kv_heads, d=cfg.head_dim,
             rot=cfg.rotary_dim or cfg.head_dim, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, top_k=cfg.top_k,
@@ -60,8 +68,35 @@ def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) ->
     return out
 
 
+def _mla_block(cfg: ModelConfig, W: dict, layer: int, dtype: torch.dtype):
+    """An MLA layer's native.DecodeBlock where its projections are packed (q_a and q_b, or q_proj; kv_a; o_proj),
+    kv_b_proj is a plain matrix the absorbed products read (attention.mla_attention's decode branch) and the norms
+    and biases are of the model dtype; else None."""
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    lora = cfg.q_lora_rank is not None
+    q_a, q_b = (W.get(a + "q_a_proj.weight"), W.get(a + "q_b_proj.weight")) if lora else (None, W.get(a + "q_proj.weight"))
+    kv_a, o, kv_b = W.get(a + "kv_a_proj_with_mqa.weight"), W.get(a + "o_proj.weight"), W.get(a + "kv_b_proj.weight")
+    if not all(isinstance(w, NativeLinear) for w in (q_b, kv_a, o) + ((q_a,) if lora else ())) \
+            or not native_attention.supports_kv_b(kv_b) or a + "q_proj.bias" in W or a + "q_b_proj.bias" in W:
+        return None
+    held = [W[p + "input_layernorm.weight"], W[p + "post_attention_layernorm.weight"], W[a + "kv_a_layernorm.weight"]]
+    held += [W.get(a + n) for n in ("q_a_layernorm.weight", "q_a_proj.bias", "kv_a_proj_with_mqa.bias", "o_proj.bias")]
+    if any(t is not None and (t.dtype != dtype or not t.is_contiguous()) for t in held):
+        return None
+    ptr = [t.data_ptr() if t is not None else 0 for t in held]
+    router = _router(cfg, W, layer)
+    return native.DecodeBlock.mla(
+        ISA, dtype == torch.bfloat16, q_a.native if lora else None, q_b.native, kv_a.native, o.native, kv_b.data_ptr(),
+        kv_b.dtype == torch.bfloat16, *ptr[:2], ptr[3], ptr[2], *ptr[4:], H=cfg.hidden_size, nh=cfg.num_heads,
+        r=cfg.kv_lora_rank, dn=cfg.qk_nope_head_dim, dr=cfg.qk_rope_head_dim, dv=cfg.v_head_dim,
+        interleave=cfg.rope_interleave, eps=cfg.rms_norm_eps,
+        scale=softmax_scale(cfg, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), top_k=cfg.top_k,
+        norm_topk=bool(cfg.norm_topk_prob), round_w=True, owner=(q_a, q_b, kv_a, o, kv_b, held, router), **router)
+
+
 def _router(cfg: ModelConfig, W: dict, layer: int) -> dict:
-    """An MoE layer's router as the native step runs it (GqaBlock's keywords), {} where route() runs it (other
+    """An MoE layer's router as the native step runs it (DecodeBlock's keywords), {} where route() runs it (other
     scorings, biases, dense layers): a softmax router (Qwen-MoE, Mixtral: layers.route's last branch) packed for the
     native kernels, or a sigmoid one (GLM-4.5: its fp32 weight and correction bias as loaded, group-limited)."""
     if not cfg.is_moe_layer(layer):

@@ -102,10 +102,24 @@ struct BoundLinear {
   Matrix m;
   py::object owner;
 };
-struct BoundGqaBlock {
-  GqaBlock g;
+struct BoundDecodeBlock {
+  DecodeBlock g;
   py::object owner;
 };
+// A block's router (DecodeBlock's fields): softmax over a packed gate, sigmoid over an fp32 weight, or none
+void bind_router(DecodeBlock& g, const py::object& gate, int top_k, bool norm_topk, bool round_w, uintptr_t sig_w,
+                 uintptr_t sig_bias, int E, int n_group, int topk_group, float scaling) {
+  MOE_CHECK(gate.is_none() || !sig_w, "decode block: one router, softmax (gate) or sigmoid (sig_w)");
+  if (!gate.is_none()) {
+    const BoundLinear& r = gate.cast<const BoundLinear&>();
+    g.gate_k = r.k, g.gate = r.m;
+  }
+  if (sig_w) {
+    g.sig_w = reinterpret_cast<const float*>(sig_w), g.sig_bias = reinterpret_cast<const float*>(sig_bias);
+    g.E = E, g.n_group = n_group, g.topk_group = topk_group, g.scaling = scaling;
+  }
+  g.top_k = top_k, g.norm_topk = norm_topk, g.round_w = round_w;
+}
 struct BoundMlp {
   Mlp m;
   py::object owner;
@@ -624,24 +638,15 @@ PYBIND11_MODULE(_native, m) {
           py::arg("request"), py::arg("part"), py::arg("received_unix_ns"),
           "one part of a serialized LayerRequest computed -> Exchanged");
   // a GQA block's decode step (native/decode_step.cpp): the weights bound once, the pool layer and sequences per call
-  py::class_<BoundGqaBlock>(m, "GqaBlock", "one GQA attention block's weights for its native decode step")
+  py::class_<BoundDecodeBlock>(m, "DecodeBlock", "one attention block's weights for its native decode step")
       .def(py::init([](const std::string& isa, bool bf16, const BoundLinear& qkv, const BoundLinear& o,
                        uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t q_bias,
                        uintptr_t k_bias, uintptr_t v_bias, uintptr_t o_bias, int H, int nh, int nkv, int d, int rot,
                        float eps, float scale, py::object gate, int top_k, bool norm_topk, bool round_w,
                        uintptr_t sig_w, uintptr_t sig_bias, int E, int n_group, int topk_group, float scaling,
                        py::object owner) {
-             GqaBlock g{};
-             MOE_CHECK(gate.is_none() || !sig_w, "decode block: one router, softmax (gate) or sigmoid (sig_w)");
-             if (!gate.is_none()) {
-               const BoundLinear& r = gate.cast<const BoundLinear&>();
-               g.gate_k = r.k, g.gate = r.m;
-             }
-             if (sig_w) {
-               g.sig_w = reinterpret_cast<const float*>(sig_w), g.sig_bias = reinterpret_cast<const float*>(sig_bias);
-               g.E = E, g.n_group = n_group, g.topk_group = topk_group, g.scaling = scaling;
-             }
-             g.top_k = top_k, g.norm_topk = norm_topk, g.round_w = round_w;
+             DecodeBlock g{};
+             bind_router(g, gate, top_k, norm_topk, round_w, sig_w, sig_bias, E, n_group, topk_group, scaling);
              g.isa = kernel_isa(isa);
              g.bf16 = bf16;
              g.qkv_k = qkv.k;
@@ -652,7 +657,7 @@ PYBIND11_MODULE(_native, m) {
              g.in_norm = ptr(in_norm), g.post_norm = ptr(post_norm), g.q_norm = ptr(q_norm), g.k_norm = ptr(k_norm);
              g.q_bias = ptr(q_bias), g.k_bias = ptr(k_bias), g.v_bias = ptr(v_bias), g.o_bias = ptr(o_bias);
              g.H = H, g.nh = nh, g.nkv = nkv, g.d = d, g.rot = rot, g.eps = eps, g.scale = scale;
-             return BoundGqaBlock{g, std::move(owner)};
+             return BoundDecodeBlock{g, std::move(owner)};
            }),
            py::arg("isa"), py::arg("bf16"), py::arg("qkv"), py::arg("o"), py::arg("in_norm"), py::arg("post_norm"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"),
@@ -660,13 +665,53 @@ PYBIND11_MODULE(_native, m) {
            py::arg("scale"), py::arg("gate") = py::none(), py::arg("top_k") = 0, py::arg("norm_topk") = false,
            py::arg("round_w") = false, py::arg("sig_w") = 0, py::arg("sig_bias") = 0, py::arg("E") = 0,
            py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.f, py::arg("owner") = py::none())
-      .def_property_readonly("routes", [](const BoundGqaBlock& b) { return b.g.routes(); })
+      .def_static(
+          "mla",
+          [](const std::string& isa, bool bf16, py::object q_a, const BoundLinear& q_b, const BoundLinear& kv_a,
+             const BoundLinear& o, uintptr_t kv_b, bool kv_b_bf16, uintptr_t in_norm, uintptr_t post_norm,
+             uintptr_t q_a_norm, uintptr_t kv_a_norm, uintptr_t q_a_bias, uintptr_t kv_a_bias, uintptr_t o_bias, int H,
+             int nh, int r, int dn, int dr, int dv, bool interleave, float eps, float scale, py::object gate, int top_k,
+             bool norm_topk, bool round_w, uintptr_t sig_w, uintptr_t sig_bias, int E, int n_group, int topk_group,
+             float scaling, py::object owner) {
+            DecodeBlock g{};
+            bind_router(g, gate, top_k, norm_topk, round_w, sig_w, sig_bias, E, n_group, topk_group, scaling);
+            g.isa = kernel_isa(isa);
+            g.bf16 = bf16;
+            g.mla = true;
+            MlaPart& m = g.m;
+            if (!q_a.is_none()) {
+              const BoundLinear& a = q_a.cast<const BoundLinear&>();
+              m.q_a_k = a.k, m.q_a = a.m;
+            }
+            m.q_b_k = q_b.k, m.q_b = q_b.m, m.kv_a_k = kv_a.k, m.kv_a = kv_a.m;
+            g.o_k = o.k, g.o = o.m;
+            auto ptr = [](uintptr_t p) { return reinterpret_cast<const void*>(p); };
+            m.kv_b = ptr(kv_b), m.kv_b_bf16 = kv_b_bf16, m.interleave = interleave;
+            m.q_a_norm = ptr(q_a_norm), m.kv_a_norm = ptr(kv_a_norm), m.q_a_bias = ptr(q_a_bias);
+            m.kv_a_bias = ptr(kv_a_bias);
+            m.r = r, m.dn = dn, m.dr = dr, m.dv = dv;
+            g.in_norm = ptr(in_norm), g.post_norm = ptr(post_norm), g.o_bias = ptr(o_bias);
+            g.H = H, g.nh = nh, g.nkv = 1, g.d = dn + dr, g.rot = dr, g.eps = eps, g.scale = scale;
+            return BoundDecodeBlock{g, std::move(owner)};
+          },
+          py::arg("isa"), py::arg("bf16"), py::arg("q_a"), py::arg("q_b"), py::arg("kv_a"), py::arg("o"),
+          py::arg("kv_b"), py::arg("kv_b_bf16"), py::arg("in_norm"), py::arg("post_norm"), py::arg("q_a_norm"),
+          py::arg("kv_a_norm"), py::arg("q_a_bias"), py::arg("kv_a_bias"), py::arg("o_bias"), py::arg("H"),
+          py::arg("nh"), py::arg("r"), py::arg("dn"), py::arg("dr"), py::arg("dv"), py::arg("interleave"),
+          py::arg("eps"), py::arg("scale"), py::arg("gate") = py::none(), py::arg("top_k") = 0,
+          py::arg("norm_topk") = false, py::arg("round_w") = false, py::arg("sig_w") = 0, py::arg("sig_bias") = 0,
+          py::arg("E") = 0, py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.f,
+          py::arg("owner") = py::none(),
+          "one MLA attention block's weights (DeepSeek V2/V3) for its native decode step: q_a None where the model "
+          "has q_proj alone (q_b then); kv_b: kv_b_proj's plain weight; the pool's K and V its latents and rotary "
+          "keys")
+      .def_property_readonly("routes", [](const BoundDecodeBlock& b) { return b.g.routes(); })
       .def(
           "run",
-          [](const BoundGqaBlock& b, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t K, uintptr_t V,
+          [](const BoundDecodeBlock& b, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t K, uintptr_t V,
              int kv, size_t kv_head, size_t kv_block, int block_shift, uintptr_t seqs, uintptr_t x_out, uintptr_t ids,
              uintptr_t weights) {
-            GqaBlock g = b.g;
+            DecodeBlock g = b.g;
             g.K = reinterpret_cast<void*>(K), g.V = reinterpret_cast<void*>(V), g.kv = kv_type(kv);
             g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
             const int64_t* rows = reinterpret_cast<const int64_t*>(seqs);  // [B, 3]: table, position, first
@@ -676,7 +721,7 @@ PYBIND11_MODULE(_native, m) {
                                 int32_t(rows[3 * t + 2])};
             py::gil_scoped_release nogil;
             std::lock_guard<std::mutex> lk(compute_mutex());
-            gqa_decode_block(g, B, reinterpret_cast<void*>(h), reinterpret_cast<const void*>(cos),
+            decode_block(g, B, reinterpret_cast<void*>(h), reinterpret_cast<const void*>(cos),
                              reinterpret_cast<const void*>(sin), sq.data(), reinterpret_cast<void*>(x_out),
                              reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(weights));
             release_scratch();
@@ -744,14 +789,14 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("posted", [](const BoundRingClient& r) { return r.c.posted; })
       .def_property_readonly("consumed", [](const BoundRingClient& r) { return r.c.consumed; });
   py::class_<BoundDecodeLoop>(m, "DecodeLoop", "a decode step's layers in one call (native/decode_loop.h)")
-      .def(py::init([](const std::vector<const BoundGqaBlock*>& blocks, const std::vector<py::object>& mlps,
+      .def(py::init([](const std::vector<const BoundDecodeBlock*>& blocks, const std::vector<py::object>& mlps,
                        const std::vector<uintptr_t>& K, const std::vector<uintptr_t>& V, int kv, size_t kv_head,
                        size_t kv_block, int block_shift, py::object owner) {
              MOE_CHECK(K.size() == blocks.size() && V.size() == blocks.size() && mlps.size() == blocks.size(),
                        "decode loop: one K, V and MLP (or None) a layer");
              BoundDecodeLoop l{{}, std::move(owner)};
              for (size_t i = 0; i < blocks.size(); ++i) {
-               GqaBlock g = blocks[i]->g;
+               DecodeBlock g = blocks[i]->g;
                g.K = reinterpret_cast<void*>(K[i]), g.V = reinterpret_cast<void*>(V[i]), g.kv = kv_type(kv);
                g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
                l.layers.push_back({g, mlps[i].is_none() ? nullptr : &mlps[i].cast<const BoundMlp&>().m});
@@ -792,7 +837,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("first"), py::arg("waiting"), py::arg("defer"), py::arg("experts"), py::arg("logits") = 0,
           "B sequences' new tokens through the layers from `first`, `defer` experts a token deferred one layer: h "
           "[B, H] updated in place; seqs int64 [B, 3] "
-          "as GqaBlock.run takes them; times int64 [layers, DecodeLoop.times] (decode_loop.h LoopTime); experts: LocalExperts or "
+          "as DecodeBlock.run takes them; times int64 [layers, DecodeLoop.times] (decode_loop.h LoopTime); experts: LocalExperts or "
           "RingClient; logits: fp32 [B, vocab] the head writes once the last layer is done (set_head), or 0 "
           "-> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
       .def(

@@ -43,7 +43,7 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void add_answ
 MOE_VEC_BUILDS(add_answer_any, add_answer_t)
 
 // the layer loop's y = y + late (if any), then h = h + (y + shared) (if any), each rounded to the model dtype
-void add_answer(const GqaBlock& g, void* h, void* y, const void* late, const void* shared, size_t n) {
+void add_answer(const DecodeBlock& g, void* h, void* y, const void* late, const void* shared, size_t n) {
   if (g.bf16)
     add_answer_any(vec_of(g.isa), static_cast<uint16_t*>(h), static_cast<uint16_t*>(y),
                    static_cast<const uint16_t*>(late), static_cast<const uint16_t*>(shared), n);
@@ -81,7 +81,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
   MOE_CHECK(local ? local->size() == layers.size() : ring != nullptr, "decode loop: no experts to run");
   LoopScratch& s = thread_scratch<LoopScratch>();
   for (int L = first; L < n_layers; ++L) {
-    const GqaBlock& g = layers[L].block;
+    const DecodeBlock& g = layers[L].block;
     const Mlp* mlp = layers[L].mlp;
     const size_t elem = g.bf16 ? 2 : 4, n = size_t(B) * g.H, xn = n * elem;
     int64_t* tm = times + size_t(L) * LOOP_TIMES;
@@ -90,7 +90,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
                 "after an MoE layer");
       s.x.resize(xn), s.sh.resize(xn);
       std::lock_guard<std::mutex> lk(compute_mutex());
-      gqa_decode_block(g, B, h, cos, sin, seqs, s.x.data());
+      decode_block(g, B, h, cos, sin, seqs, s.x.data());
       tm[ATTENTION_END] = wall_ns();
       mlp_forward(*mlp, B, s.x.data(), s.sh.data());
       tm[MLP_END] = wall_ns();
@@ -107,7 +107,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
     if (local) {
       s.x.resize(xn), s.y.resize(xn), s.late_next.resize(xn), s.ids.resize(size_t(B) * k), s.w.resize(size_t(B) * k);
       std::lock_guard<std::mutex> lk(compute_mutex());
-      gqa_decode_block(g, B, h, cos, sin, seqs, s.x.data(), s.ids.data(), s.w.data());
+      decode_block(g, B, h, cos, sin, seqs, s.x.data(), s.ids.data(), s.w.data());
       tm[ATTENTION_END] = wall_ns();
       MOE_CHECK((*local)[L] != nullptr, "decode loop: an MoE layer without its local experts");
       try {
@@ -140,8 +140,8 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
                 "decode loop: the request does not fit its ring slot");
       {
         std::lock_guard<std::mutex> lk(compute_mutex());
-        gqa_decode_block(g, B, h, cos, sin, seqs, r.base + at, reinterpret_cast<int32_t*>(r.base + at + r.ids_at),
-                         reinterpret_cast<float*>(r.base + at + r.w_at));
+        decode_block(g, B, h, cos, sin, seqs, r.base + at, reinterpret_cast<int32_t*>(r.base + at + r.ids_at),
+                     reinterpret_cast<float*>(r.base + at + r.w_at));
       }
       tm[ATTENTION_END] = wall_ns();
       const ring::ReqDesc q{seq, r.step, uint32_t(L), uint32_t(B), uint32_t(k), uint32_t(d), r.dtype, 0,

@@ -1,5 +1,5 @@
 // A decode step's layers in one native call (native/decode_loop.cpp): each layer's attention block
-// (gqa_decode_block), its routed experts (through the shared-memory ring to the expert service, or on this
+// (decode_block), its routed experts (through the shared-memory ring to the expert service, or on this
 // process's own kernels) and the residual add, with no Python between the layers.
 #pragma once
 #include <cstdint>
@@ -47,7 +47,7 @@ enum LoopTime {
 // block does not route), or the MoE layer's shared experts (null: none). The dense layers come first (DeepSeek's
 // and GLM's first_k_dense_replace), the MoE layers after them, to the last.
 struct LoopLayer {
-  GqaBlock block;
+  DecodeBlock block;
   const Mlp* mlp;
 };
 

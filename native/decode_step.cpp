@@ -27,8 +27,8 @@ namespace {
 using namespace rounding;
 
 struct Scratch {  // per calling thread, reused across calls (a decode step's few rows)
-  std::vector<float> xf, y, att, of, qf;
-  std::vector<uint8_t> xn, qkv, rot, tmp;  // T elements
+  std::vector<float> xf, y, att, of, qf, lat, lo;
+  std::vector<uint8_t> xn, qkv, rot, tmp, ckv;  // T elements
 };
 
 template <class T>
@@ -59,20 +59,16 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void matvec_f
   }
 }
 
+#define MOE_BLOCK_INLINE __attribute__((always_inline, optimize("fp-contract=off"))) inline
+
+// GQA: the fused q/k/v of the input norm (s.xf), biases, QK-norm, rope, the new K/V rows into the pool and the
+// attention -> s.of [B, nh d], the o_proj's fp32 input
 template <class T>
-__attribute__((always_inline, optimize("fp-contract=off"))) inline void run(const GqaBlock& g, int B, T* h,
-                                                                           const T* cos, const T* sin,
-                                                                           const DecodeSeq* seqs, T* x_out,
-                                                                           int32_t* ids, float* weights) {
+MOE_BLOCK_INLINE void gqa_attend(const DecodeBlock& g, int B, Scratch& s, const T* cos, const T* sin,
+                                 const DecodeSeq* seqs) {
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
-  Scratch& s = thread_scratch<Scratch>();
   const int H = g.H, nh = g.nh, nkv = g.nkv, d = g.d, nq = nh * d, nk = nkv * d, rows = nq + 2 * nk;
   const size_t kv_size = g.kv == KvType::F32 ? 4 : 2;  // the pool's element size (--kv-cache-dtype)
-  // input norm -> the projection's fp32 input (the reference's x.float() of the rounded norm)
-  T* xn = as<T>(s.xn, size_t(B) * H);
-  rms_norm_rows(h, BF16, g.in_norm, BF16, xn, BF16, B, H, g.eps);
-  s.xf.resize(size_t(B) * std::max(H, nq));
-  for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(xn, i);
   s.y.resize(size_t(B) * std::max(rows, H));
   linear_forward(*g.qkv_k, g.qkv, s.xf.data(), B, s.y.data());
   // q, k, v rounded to T, biases added in T
@@ -138,6 +134,131 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void run(cons
     }
     for (int i = 0; i < nq; ++i) s.of[size_t(t) * nq + i] = held<T>(s.att[i]);
   }
+}
+
+// y [B, n] fp32 of a projection -> out [B, n] in T, the bias (optional) added in T: torch's linear(x, w) + b
+template <class T>
+MOE_BLOCK_INLINE void round_rows(const float* y, const void* bias, int B, int n, T* out) {
+  const T* b = static_cast<const T*>(bias);
+  for (int t = 0; t < B; ++t)
+    for (int i = 0; i < n; ++i) {
+      const size_t at = size_t(t) * n + i;
+      put(out, at, b ? held<T>(y[at]) + get(b, i) : y[at]);
+    }
+}
+
+// MLA, absorbed (gpu_service/attention.py mla_attention's decode branch, with its roundings): q through q_a, its
+// norm and q_b; the latent and rotary key through kv_a; rope; both into the pool; the latent query (kv_b's W_uk),
+// the latent attention, the heads' output (W_uv) -> s.of [B, nh dv], the o_proj's fp32 input
+template <class T>
+MOE_BLOCK_INLINE void mla_attend(const DecodeBlock& g, int B, Scratch& s, const T* cos, const T* sin,
+                                 const DecodeSeq* seqs) {
+  constexpr bool BF16 = std::is_same<T, uint16_t>::value;
+  const MlaPart& m = g.m;
+  const int H = g.H, nh = g.nh, r = m.r, dn = m.dn, dr = m.dr, dv = m.dv, dq = dn + dr, nq = nh * dq;
+  const size_t kv_size = g.kv == KvType::F32 ? 4 : 2;
+  const int ql = m.q_a_k ? m.q_a.rows : 0;
+  s.y.resize(size_t(B) * std::max({nq, r + dr, ql, H}));
+  T* q = as<T>(s.qkv, size_t(B) * nq);
+  if (m.q_a_k) {  // q_a, rounded (+ bias), its norm, then q_b
+    linear_forward(*m.q_a_k, m.q_a, s.xf.data(), B, s.y.data());
+    T* qa = as<T>(s.tmp, size_t(B) * ql * 2);
+    round_rows(s.y.data(), m.q_a_bias, B, ql, qa);
+    rms_norm_rows(qa, BF16, m.q_a_norm, BF16, qa + size_t(B) * ql, BF16, B, ql, 1e-6f);
+    s.qf.resize(size_t(B) * ql);
+    for (size_t i = 0; i < size_t(B) * ql; ++i) s.qf[i] = get(qa + size_t(B) * ql, i);
+    linear_forward(*m.q_b_k, m.q_b, s.qf.data(), B, s.y.data());
+  } else {
+    linear_forward(*m.q_b_k, m.q_b, s.xf.data(), B, s.y.data());
+  }
+  round_rows(s.y.data(), nullptr, B, nq, q);
+  // the latent (normed) and the rotary key
+  T* ckv = as<T>(s.ckv, size_t(B) * (r + dr) + size_t(B) * r);
+  T* c = ckv + size_t(B) * (r + dr);
+  linear_forward(*m.kv_a_k, m.kv_a, s.xf.data(), B, s.y.data());
+  round_rows(s.y.data(), m.kv_a_bias, B, r + dr, ckv);
+  for (int t = 0; t < B; ++t)
+    rms_norm_rows(ckv + size_t(t) * (r + dr), BF16, m.kv_a_norm, BF16, c + size_t(t) * r, BF16, 1, r, 1e-6f);
+  // per token: the rotary parts (q's nh heads, then k) rotated into rot; the new latent and key into the pool; q
+  // as fp32: each head's latent query after its absorption, then its rotated part
+  T* rot = as<T>(s.rot, size_t(B) * (nh + 1) * dr);
+  T* pe = as<T>(s.tmp, size_t(nh + 1) * dr);  // one token's rotary parts, de-interleaved
+  const int half = dr / 2;
+  for (int t = 0; t < B; ++t) {
+    const T* qt = q + size_t(t) * nq;
+    for (int hd = 0; hd <= nh; ++hd) {
+      const T* x = hd < nh ? qt + size_t(hd) * dq + dn : ckv + size_t(t) * (r + dr) + r;
+      T* o = pe + size_t(hd) * dr;
+      if (m.interleave)  // pairs (x0, x1), (x2, x3), ...: evens then odds, rotated as halves
+        for (int i = 0; i < half; ++i) o[i] = x[2 * i], o[half + i] = x[2 * i + 1];
+      else
+        std::memcpy(o, x, sizeof(T) * dr);
+    }
+    T* rt = rot + size_t(t) * (nh + 1) * dr;
+    rope_rows(pe, rt, BF16, 1, nh + 1, dr, cos + size_t(t) * half, sin + size_t(t) * half);
+    const DecodeSeq& sq = seqs[t];
+    const size_t blk = size_t(sq.table[sq.pos >> g.block_shift]), row = size_t(sq.pos & ((1 << g.block_shift) - 1));
+    const size_t at = (blk << g.block_shift) + row;
+    store_kv(g.kv, c + size_t(t) * r, BF16, static_cast<char*>(g.K) + at * r * kv_size, r);
+    store_kv(g.kv, rt + size_t(nh) * dr, BF16, static_cast<char*>(g.V) + at * dr * kv_size, dr);
+  }
+  // the latent queries of all B tokens: q_nope fp32 [B, nh, dn] -> [nh, B, r]
+  s.qf.resize(size_t(B) * nh * dn);
+  for (int t = 0; t < B; ++t)
+    for (int hd = 0; hd < nh; ++hd)
+      for (int i = 0; i < dn; ++i)
+        s.qf[(size_t(t) * nh + hd) * dn + i] = get(q, size_t(t) * nq + size_t(hd) * dq + i);
+  s.lat.resize(size_t(nh) * B * r);
+  mla_absorb_q(g.isa, m.kv_b, m.kv_b_bf16, nh, dn, dv, r, s.qf.data(), size_t(nh) * dn, B, s.lat.data());
+  // per token its attention over its blocks: the query [nh, r + dr] (the latent rounded to T), the heads' latent
+  // outputs rounded to T into lo [nh, B, r]
+  s.att.resize(size_t(nh) * (r + dr) + size_t(nh) * r);
+  float* qc = s.att.data();
+  float* ol = qc + size_t(nh) * (r + dr);
+  s.lo.resize(size_t(nh) * B * r);
+  for (int t = 0; t < B; ++t) {
+    const T* rt = rot + size_t(t) * (nh + 1) * dr;
+    for (int hd = 0; hd < nh; ++hd) {
+      const float* l = s.lat.data() + (size_t(hd) * B + t) * r;
+      float* o = qc + size_t(hd) * (r + dr);
+      for (int i = 0; i < r; ++i) o[i] = held<T>(l[i]);
+      for (int i = 0; i < dr; ++i) o[r + i] = get(rt, size_t(hd) * dr + i);
+    }
+    const DecodeSeq& sq = seqs[t];
+    const int L = sq.pos + 1;
+    if (sq.first >= 0) {  // consecutive blocks: the rows of one matrix each
+      const size_t at = size_t(sq.first) << g.block_shift;
+      mla_decode_attention(g.isa, qc, nh, r, dr, static_cast<const char*>(g.K) + at * r * kv_size,
+                           static_cast<const char*>(g.V) + at * dr * kv_size, g.kv, r, dr, L, g.scale, ol);
+    } else {
+      mla_decode_attention(g.isa, qc, nh, r, dr, g.K, g.V, g.kv, r, dr, L, g.scale, ol, sq.table, g.block_shift,
+                           size_t(r) << g.block_shift, size_t(dr) << g.block_shift);
+    }
+    for (int hd = 0; hd < nh; ++hd)
+      for (int i = 0; i < r; ++i) s.lo[(size_t(hd) * B + t) * r + i] = held<T>(ol[size_t(hd) * r + i]);
+  }
+  // the heads' outputs [B, nh dv], rounded to T: the o_proj's input
+  s.of.resize(size_t(B) * nh * dv);
+  mla_absorb_o(g.isa, m.kv_b, m.kv_b_bf16, nh, dn, dv, r, s.lo.data(), B, s.of.data());
+  for (float& v : s.of) v = held<T>(v);
+}
+
+template <class T>
+MOE_BLOCK_INLINE void run(const DecodeBlock& g, int B, T* h, const T* cos, const T* sin, const DecodeSeq* seqs,
+                          T* x_out, int32_t* ids, float* weights) {
+  constexpr bool BF16 = std::is_same<T, uint16_t>::value;
+  Scratch& s = thread_scratch<Scratch>();
+  const int H = g.H;
+  // input norm -> the projections' fp32 input (the reference's x.float() of the rounded norm)
+  T* xn = as<T>(s.xn, size_t(B) * H);
+  rms_norm_rows(h, BF16, g.in_norm, BF16, xn, BF16, B, H, g.eps);
+  s.xf.resize(size_t(B) * H);
+  for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(xn, i);
+  if (g.mla)
+    mla_attend(g, B, s, cos, sin, seqs);
+  else
+    gqa_attend(g, B, s, cos, sin, seqs);
+  s.y.resize(std::max(s.y.size(), size_t(B) * H));
   linear_forward(*g.o_k, g.o, s.of.data(), B, s.y.data());
   // h += o (o rounded to T, its bias added in T), then the post-attention norm
   const T* ob = static_cast<const T*>(g.o_bias);
@@ -152,7 +273,7 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void run(cons
   if (!g.routes()) return;
   for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(x_out, i);
   if (g.sig_w) {  // fp32 logits (torch: F.linear(x.float(), the fp32 weight)), then the sigmoid's choice
-    s.y.resize(size_t(B) * std::max({rows, H, g.E}));
+    s.y.resize(size_t(B) * std::max(H, g.E));
     matvec_f32(g.sig_w, s.xf.data(), B, g.E, H, s.y.data());
     sigmoid_topk(s.y.data(), g.sig_bias, B, g.E, g.top_k, g.n_group, g.topk_group, g.norm_topk, g.scaling, ids,
                  weights);
@@ -160,7 +281,7 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void run(cons
   }
   // the softmax router on the normed rows: logits rounded to T, then the softmax's choice
   const int E = g.gate.rows;
-  s.y.resize(size_t(B) * std::max({rows, H, E}));
+  s.y.resize(size_t(B) * std::max(H, E));
   linear_forward(*g.gate_k, g.gate, s.xf.data(), B, s.y.data());
   for (size_t i = 0; i < size_t(B) * E; ++i) s.y[i] = held<T>(s.y[i]);
   softmax_topk(s.y.data(), B, E, g.top_k, g.norm_topk, BF16 && g.round_w, ids, weights);
@@ -266,13 +387,22 @@ void sigmoid_topk(const float* logits, const float* bias, int B, int E, int k, i
   }
 }
 
-void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
-                      void* x_out, int32_t* ids, float* weights) {
-  MOE_CHECK(B > 0 && g.nh > 0 && g.nkv > 0 && g.nh % g.nkv == 0 && g.d % 2 == 0 && g.rot > 0 && g.rot % 2 == 0 &&
-                g.rot <= g.d, "decode block: bad shapes");
-  MOE_CHECK(g.qkv.K == g.H && g.qkv.rows == (g.nh + 2 * g.nkv) * g.d && g.o.K == g.nh * g.d && g.o.rows == g.H,
-            "decode block: the projections do not fit the heads");
-  MOE_CHECK(!g.q_norm == !g.k_norm, "decode block: QK-norm needs both weights");
+void decode_block(const DecodeBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
+                  void* x_out, int32_t* ids, float* weights) {
+  if (g.mla) {
+    const MlaPart& m = g.m;
+    MOE_CHECK(B > 0 && g.nh > 0 && m.r > 0 && m.dn > 0 && m.dv > 0 && m.dr > 0 && m.dr % 2 == 0 && m.kv_b &&
+                  m.kv_a_norm && (!m.q_a_k || m.q_a_norm), "MLA decode block: bad shapes or a missing weight");
+    MOE_CHECK(m.q_b.rows == g.nh * (m.dn + m.dr) && m.q_b.K == (m.q_a_k ? m.q_a.rows : g.H) &&
+                  (!m.q_a_k || m.q_a.K == g.H) && m.kv_a.K == g.H && m.kv_a.rows == m.r + m.dr &&
+                  g.o.K == g.nh * m.dv && g.o.rows == g.H, "MLA decode block: the projections do not fit the heads");
+  } else {
+    MOE_CHECK(B > 0 && g.nh > 0 && g.nkv > 0 && g.nh % g.nkv == 0 && g.d % 2 == 0 && g.rot > 0 && g.rot % 2 == 0 &&
+                  g.rot <= g.d, "decode block: bad shapes");
+    MOE_CHECK(g.qkv.K == g.H && g.qkv.rows == (g.nh + 2 * g.nkv) * g.d && g.o.K == g.nh * g.d && g.o.rows == g.H,
+              "decode block: the projections do not fit the heads");
+    MOE_CHECK(!g.q_norm == !g.k_norm, "decode block: QK-norm needs both weights");
+  }
   MOE_CHECK(!g.gate_k || (g.gate.K == g.H && ids && weights), "decode block: the router does not fit");
   MOE_CHECK(!g.sig_w || (g.E > 0 && ids && weights), "decode block: the sigmoid router does not fit");
   for (int t = 0; t < B; ++t)

@@ -164,10 +164,28 @@ void rms_norm_rows(const void* x, bool x_bf16, const void* w, bool w_bf16, void*
 // Rotary embedding, halves rotated (Llama/Qwen): x, out [T, heads, dim], cos/sin [T, dim/2], all bf16 or all fp32.
 void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, const void* cos, const void* sin);
 
-// A GQA attention block's weights and its layer of the paged KV pool, for gqa_decode_block (native/decode_step.cpp).
-// Activations, norm weights and biases are all of the model dtype (bf16 bits or fp32); the pool's K and V are
-// [nkv, blocks, 1 << block_shift, d] of kv (gpu_service/kv_pool.py).
-struct GqaBlock {
+// MLA's projections (DeepSeek V2/V3), absorbed at decode (gpu_service/attention.py mla_attention): q from the input
+// norm through q_a, its norm (eps 1e-6) and q_b (or q_proj alone: q_a_k null), [nh, dn + dr] a token; the latent
+// and rotary key from kv_a (its first r normed); kv_b [nh (dn + dv), r] (bf16 or fp32) absorbed into the query and
+// the output. Rotary: interleaved pairs taken evens then odds (DeepSeek), or halves.
+struct MlaPart {
+  const Kernels* q_a_k;
+  Matrix q_a;         // [q_lora, H], or null with q_b the full q_proj [nh (dn + dr), H]
+  const Kernels* q_b_k;
+  Matrix q_b;         // [nh (dn + dr), q_lora]
+  const Kernels* kv_a_k;
+  Matrix kv_a;        // [r + dr, H]
+  const void *q_a_norm, *kv_a_norm, *q_a_bias, *kv_a_bias;  // the biases optional
+  const void* kv_b;
+  bool kv_b_bf16, interleave;
+  int r, dn, dr, dv;
+};
+
+// An attention block's weights and its layer of the paged KV pool, for decode_block (native/decode_step.cpp): GQA,
+// or MLA (mla set: qkv, QK-norm and the q/k/v biases unused; d = dn + dr, rot = dr). Activations, norm weights and
+// biases are all of the model dtype (bf16 bits or fp32); the pool's K and V are [nkv, blocks, 1 << block_shift, d]
+// of kv, or MLA's latents and rotary keys [blocks, 1 << block_shift, r or dr] (gpu_service/kv_pool.py).
+struct DecodeBlock {
   Isa isa;
   bool bf16;
   KvType kv;
@@ -196,6 +214,8 @@ struct GqaBlock {
   float scaling;
   int top_k;
   bool norm_topk, round_w;
+  bool mla;
+  MlaPart m;
   bool routes() const { return gate_k != nullptr || sig_w != nullptr; }
 };
 // One sequence's new token: its position, its block table (the pool's blocks holding positions 0..pos), and
@@ -207,8 +227,8 @@ struct DecodeSeq {
 // For B sequences of one new token each: h [B, H] (the residual stream, updated in place) -> x_out [B, H], the
 // post-attention norm of the new h; the new K/V rows written to the pool. cos/sin [B, rot/2]. With a router: ids
 // [B, top_k] int32 and weights [B, top_k] fp32 too.
-void gqa_decode_block(const GqaBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
-                      void* x_out, int32_t* ids = nullptr, float* weights = nullptr);
+void decode_block(const DecodeBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
+                  void* x_out, int32_t* ids = nullptr, float* weights = nullptr);
 // The softmax router's choice for B rows of fp32 logits [B, E] (already rounded as the model holds them).
 void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool round_bf16, int32_t* ids,
                   float* weights);

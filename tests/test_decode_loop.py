@@ -38,7 +38,10 @@ LOOPED = {"qwen3_moe": ("qwen3_moe", dict(head_dim=64, num_experts_per_tok=4)),
           "mixtral": ("mixtral", dict(head_dim=64)),
           "qwen2_moe_all": ("qwen2_moe", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                               mlp_only_layers=[])),
-          "glm4_moe": ("glm4_moe", dict(head_dim=64))}
+          "glm4_moe": ("glm4_moe", dict(head_dim=64)),
+          # DeepSeek-V3's MLA (its latent and rotary widths) with its sigmoid router, a dense first layer and a
+          # shared expert
+          "deepseek_v3": ("deepseek_v3", dict(kv_lora_rank=512, qk_rope_head_dim=64))}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +127,7 @@ def test_local_experts_the_layer_loop_bit_for_bit(ckpts, family, dtype, fmt, exp
     assert ref.loops == 0 and ref.submits == 25 * moe
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_an_fp16_cache_the_layer_loop_bit_for_bit(ckpts, family, dtype):
     """--kv-cache-dtype fp16: the loop stores each new K/V row as torch's .to() does and reads the fp16 pool."""

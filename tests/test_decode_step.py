@@ -1,7 +1,8 @@
-"""The native decode step of GQA blocks (gpu_service/decode_step.py, native/decode_step.cpp) against the torch
-path it replaces (attention.gqa_attention and the model's norms, the reference): one sequence's logits and KV rows
-bit for bit, several sequences in one step (their projections batched) to the last bits, for the GQA families it
-takes, bf16 and fp32, packed bf16 and int8 dense layers; and the layers it must leave to torch."""
+"""The native decode step of attention blocks (gpu_service/decode_step.py, native/decode_step.cpp) against the torch
+path it replaces (attention.gqa_attention / mla_attention and the model's norms, the reference): one sequence's
+logits and KV rows bit for bit, several sequences in one step (their projections batched) to the last bits, for the
+GQA and MLA families it takes, bf16 and fp32, packed bf16 and int8 dense layers; and the layers it must leave to
+torch."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,11 @@ pytestmark = pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native step ru
 # layers and shared experts (which the decode steps run natively too: decode_step.mlps)
 SHAPES = {"qwen3_moe": dict(head_dim=64), "mixtral": dict(head_dim=64),
           "qwen2_moe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
-          "glm4_moe": dict(head_dim=64)}
-ROUTED = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"]
+          "glm4_moe": dict(head_dim=64),
+          # MLA: DeepSeek's latent and rotary widths (the latent attention's vector kernel), q through q_a/q_b and a
+          # sigmoid router; V2's q_proj alone, small widths (its plain loops), its softmax router left to route()
+          "deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64), "deepseek_v2": {}}
+ROUTED = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +260,7 @@ def test_native_mlp_and_softmax_follow_torch_limited_to_its_default_capability()
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"])
 @pytest.mark.parametrize("dtype, kv", [(torch.bfloat16, None), (torch.float32, None), (torch.float32, torch.float16)],
                          ids=["bf16", "fp32", "fp32-kv16"])
 def test_several_sequences_in_one_step(wide, family, dtype, kv):
@@ -295,17 +299,19 @@ def test_sequences_of_different_pools_are_refused(wide):
 
 
 def test_only_the_layers_it_can_run(checkpoints, wide):
-    """Sinks, windows, output gates, zero-centred norms, one norm over all heads, MLA, heads without a vector
-    kernel, fp16, torch's dense matmuls: the torch path (partial rotary is taken: glm4_moe above)."""
+    """Sinks, windows, output gates, zero-centred norms, one norm over all heads, GQA heads without a vector
+    kernel, fp16, torch's dense matmuls: the torch path (partial rotary and MLA are taken: glm4_moe and deepseek
+    above)."""
     cfg = load_config(wide["qwen3_moe"])
     assert decode_step.eligible(cfg, torch.bfloat16, True)
     assert not decode_step.eligible(cfg, torch.bfloat16, False)
     assert not decode_step.eligible(cfg, torch.float16, True)
     for change in (dict(attn_sinks=True), dict(attn_output_gate=True), dict(norm_offset=True),
-                   dict(qk_norm_full=True), dict(head_dim=16), dict(attention="mla")):
+                   dict(qk_norm_full=True), dict(head_dim=16)):
         assert not decode_step.eligible(dataclasses.replace(cfg, **change), torch.bfloat16, True), change
     assert decode_step.eligible(dataclasses.replace(cfg, rotary_dim=32), torch.bfloat16, True)
-    for family in ("gpt_oss", "minimax_m2", "qwen3_next", "glm4_moe", "deepseek_v3"):  # (glm4_moe: 16-dim heads)
+    assert decode_step.eligible(dataclasses.replace(cfg, attention="mla", head_dim=16), torch.bfloat16, True)
+    for family in ("gpt_oss", "minimax_m2", "qwen3_next", "glm4_moe"):  # (glm4_moe: 16-dim heads)
         d = checkpoints[family]
         model = Model(load_config(d), Checkpoint(d), torch.device("cpu"), torch.float32, dense_format="bf16")
         assert model.decode_blocks == {}, family
