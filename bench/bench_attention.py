@@ -12,6 +12,11 @@ gathering them into one tensor per layer (consecutive ones are a view).
 it gathers, as gpu_service/attention.py does).
 
 With --isa avx2, run torch limited to AVX2 too (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2).
+
+--mla: DeepSeek-V3's latent attention instead (128 query heads over one shared latent of 512 and rotary key of 64 a
+position; gpu_service/attention.py mla_attention): torch's matmuls in the model dtype over the gathered cache (the
+decode path before the native kernel) against the native kernel over the pool (consecutive and scattered blocks),
+each also as a share of this CPU's fp32 FMA peak measured in the same run (the attention is compute-bound).
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from moe_kernels import ISA, native  # noqa: E402
 from gpu_service.kv_pool import _empty  # noqa: E402
-from moe_kernels.attention import decode_attention, paged_decode_attention  # noqa: E402
+from moe_kernels.attention import decode_attention, mla_paged_attention, paged_decode_attention  # noqa: E402
 
 NH, NKV, D = 32, 4, 128
 
@@ -52,6 +57,44 @@ def timed(f, *a, reps: int) -> float:
     return statistics.median(ts) * 1e6
 
 
+def mla(a, dt, kt) -> None:
+    """DeepSeek-V3's latent attention: torch (the model dtype) vs the native kernel over the MLA pool."""
+    nh, r, dr, B = 128, 512, 64, 16
+    scale = 192 ** -0.5
+    peak = max(native.fma_peak_flops(10_000_000) for _ in range(5))
+    print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}, cache {a.kv or a.dtype}; MLA "
+          f"{nh} heads x ({r} + {dr}); fp32 FMA peak {peak / 1e9:.0f} GFLOP/s; per layer, median of {a.reps}")
+    print("| positions | torch matmuls | native, paged consecutive | native, paged scattered | native GFLOP/s (% of "
+          "peak) | torch / native |\n|---|---|---|---|---|---|")
+    for L in a.lengths:
+        nb = -(-L // B)
+        tables = {"consecutive": torch.arange(nb, 2 * nb, dtype=torch.int32),
+                  "scattered": torch.randperm(4 * nb)[:nb].to(torch.int32)}
+        C, KPE = (_empty((4 * nb, B, n), kt, torch.device("cpu")).normal_() for n in (r, dr))
+        q = (torch.randn(nh, r + dr) * 0.05).to(dt)
+
+        def with_torch(name="consecutive"):  # mla_attention's decode before the native kernel: SeqCache.gather's
+            # rows (consecutive blocks a view, scattered ones a copy) in the model dtype, then torch's matmuls
+            rows = (x[nb:2 * nb] if name == "consecutive" else x.index_select(0, tables[name].long()) for x in (C, KPE))
+            c, k = (x.reshape(-1, x.shape[-1])[:L].to(dt) for x in rows)
+            s = (torch.matmul(q[:, None, :r], c.T) + torch.matmul(q[:, None, r:], k.T)) * scale
+            return torch.matmul(s.float().softmax(dim=-1).to(dt), c)[:, 0]
+
+        def paged(name):
+            first = nb if name == "consecutive" else -1
+            return lambda: mla_paged_attention(q, C, KPE, tables[name], L, scale, a.isa, first)
+
+        for name in tables:
+            assert torch.allclose(with_torch(name).float(), paged(name)(), atol=3e-2, rtol=3e-2)
+        reps = max(3, a.reps // (1 if dt == torch.float32 else 20))  # torch's bf16 bmm is slow where bf16 is emulated
+        rows = [[timed(f, reps=n) for f, n in ((with_torch, reps), (paged("consecutive"), a.reps),
+                                               (paged("scattered"), a.reps))] for _ in range(3)]  # interleaved
+        t, pc, ps = (statistics.median(row[i] for row in rows) for i in range(3))
+        flops = 2 * nh * L * (2 * r + dr)
+        print(f"| {L} | {t:.0f} us | {pc:.0f} us | {ps:.0f} us | {flops / pc / 1e3:.0f} ({flops / pc / 1e3 / (peak / 1e9) * 100:.0f}%) "
+              f"| {t / pc:.2f}x |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[400, 1500, 6000])
@@ -60,11 +103,14 @@ def main() -> None:
     ap.add_argument("--isa", default=ISA, help="native kernel isa (default: this CPU's)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--mla", action="store_true", help="DeepSeek-V3's latent attention (see above)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
     types = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
     dt, kt = types[a.dtype], types[a.kv or a.dtype]
+    if a.mla:
+        return mla(a, dt, kt)
     print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}, cache {a.kv or a.dtype}; per layer, "
           f"median of {a.reps}")
     print("| positions | torch matmuls | native, contiguous | native, paged consecutive (/ contiguous) | native, paged "
