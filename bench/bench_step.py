@@ -8,8 +8,11 @@ all measured in this run.
 
 1. Kernels alone, in this process (loaded before the services start, writing the packed-weight cache the
    expert service then starts from), in a token's order: layer by layer every packed dense weight of the
-   GPU side (fused q/k/v, o_proj, shared experts, dense MLPs, router) at T=1, then the layer's experts at
-   T=1 with k distinct random experts; then the lm_head. The DRAM read probe before and after. Their sum
+   GPU side (fused q/k/v, o_proj, shared experts, dense MLPs, router) at T=1 -- for MLA also kv_b_proj's two
+   absorbed products (its bytes counted with the dense layers') and the latent attention over the decode's mean
+   context in a pool layer of its own (compute, no weight bytes; GQA's attention over its cache is left out, as
+   the issue's yardstick leaves it) -- then the layer's experts at T=1 with k distinct random experts; then the
+   lm_head. The DRAM read probe before and after. Their sum
    is what a token costs at the kernels' own speed; bytes per token / the probe is the roofline. Measured
    before the first decode round and again after each (the services idle meanwhile): this machine's speed
    moves by tens of percent within minutes, so each round is set against the kernels measured beside it.
@@ -42,9 +45,13 @@ import statistics
 import tempfile
 import time
 
-import torch
+from common import cpu_name, free_port, start, wait_healthy  # noqa: E402  (the repository on sys.path)
+from moe_core.openmp import passive_by_default  # noqa: E402
 
-from common import cpu_name, free_port, start, wait_healthy  # noqa: E402
+passive_by_default()  # as in the services: torch's threads do not spin beside the native pool's (the MLA kernels'
+                      # inputs are large enough for torch's conversions to go parallel)
+import torch  # noqa: E402
+
 from moe_core.checkpoint import Checkpoint  # noqa: E402
 from moe_core.config import load_config  # noqa: E402
 from moe_core.fingerprint import fingerprint  # noqa: E402
@@ -54,14 +61,47 @@ GPU_SPANS = ("embed", "attention", "linear_attention", "dense_mlp", "router", "e
              "expert_wait", "lm_head", "sampling")
 
 
-def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache: pathlib.Path, reps: int):
+class MlaAbsorbed:
+    """MLA's kv_b_proj products at one token, as mla_attention's decode runs them: the latent query (W_uk), then the
+    heads' output (W_uv) of a latent of the same shape."""
+
+    def __init__(self, cfg, kv_b: torch.Tensor):
+        self.kv_b, self.dims = kv_b, (cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim)
+        self.K, self.nbytes = cfg.num_heads * cfg.qk_nope_head_dim, kv_b.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from moe_kernels.attention import mla_absorb_o, mla_absorb_q
+        nh, dn, dv = self.dims
+        return mla_absorb_o(mla_absorb_q(x.view(1, nh, dn), self.kv_b, *self.dims), self.kv_b, *self.dims)
+
+
+class MlaLatent:
+    """One token's latent attention over L positions of an MLA pool layer of its own (consecutive blocks, as a lone
+    sequence's), its cache of `dtype`."""
+
+    def __init__(self, cfg, L: int, dtype: torch.dtype, scale: float):
+        from gpu_service.kv_pool import BLOCK
+        nb = -(-L // BLOCK)
+        self.C = torch.randn(nb, BLOCK, cfg.kv_lora_rank).to(dtype)
+        self.KPE = torch.randn(nb, BLOCK, cfg.qk_rope_head_dim).to(dtype)
+        self.table, self.L, self.scale = torch.arange(nb, dtype=torch.int32), L, scale
+        self.nh, self.K = cfg.num_heads, cfg.num_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from moe_kernels.attention import mla_paged_attention
+        return mla_paged_attention(x.view(self.nh, -1), self.C, self.KPE, self.table, self.L, self.scale, first=0)
+
+
+def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache: pathlib.Path, reps: int,
+                  positions: int, kv_dtype: str):
     """-> measure(): seconds per token of the kernels at T=1, run as a token runs them: layer by layer the
     attention block's dense kernels (fused q/k/v, o_proj, router, shared experts, dense MLPs) then the layer's
     routed experts (k distinct random ones, new each pass), then the lm_head; each call timed, summed by group
     (experts, blocks, lm_head), medians over the passes. Together their weights are far larger than the caches, so
     each pass reads them from DRAM as a token does (timing one small weight again and again would time the
     last-level cache). Also bytes per token and the DRAM read probe (GB/s, median of probes taken before and
-    after). measure() keeps the weights loaded: it runs again between the decode rounds."""
+    after). measure() keeps the weights loaded: it runs again between the decode rounds. positions: MLA's latent
+    attention's context; kv_dtype: its cache's type (gpu-service --kv-cache-dtype)."""
     from expert_service.packed_cache import PackedCache, source_stamp
     from expert_service.store import load_expert_layers
     from gpu_service.model import Model
@@ -85,8 +125,20 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
     head = m.lm_head if m is not None and isinstance(m.lm_head, NativeLinear) else None
     linears = {} if m is None else {n: w for n, w in m.W.items() if isinstance(w, NativeLinear) and w is not head}
     seq = []  # (group, kernel) in a token's order
+    mla = m is not None and cfg.attention == "mla"
+    if mla:
+        from gpu_service.layers import softmax_scale
+        from moe_kernels.attention import mla_supported, supports_kv_b
+        kv = m.dtype if kv_dtype == "auto" else {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                                  "fp16": torch.float16}[kv_dtype]
+        scale = softmax_scale(cfg, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     for L in range(cfg.num_layers):
         seq += [("blocks", lin) for n, lin in linears.items() if n.startswith(f"model.layers.{L}.")]
+        kv_b = m.W.get(f"model.layers.{L}.self_attn.kv_b_proj.weight") if mla else None
+        if kv_b is not None and supports_kv_b(kv_b):  # what the native decode step runs
+            latent = MlaLatent(cfg, positions, kv, scale)
+            if mla_supported(latent.C, latent.KPE):
+                seq += [("blocks", MlaAbsorbed(cfg, kv_b)), ("attention", latent)]
         if L in layers:
             seq.append(("experts", layers[L]))
     seq += [("blocks", lin) for n, lin in linears.items() if not n.startswith("model.layers.")]
@@ -117,10 +169,10 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
         one_pass()  # warm
         passes = [one_pass() for _ in range(reps)]
         dram()
-        out = {f"{g}_s": statistics.median(p[g] for p in passes) for g in ("experts", "blocks", "lm_head")}
-        out["dense_s"] = out["blocks_s"] + out["lm_head_s"]
+        out = {f"{g}_s": statistics.median(p[g] for p in passes) for g in ("experts", "blocks", "lm_head", "attention")}
+        out["dense_s"] = out["blocks_s"] + out["lm_head_s"] + out["attention_s"]
         out["experts_bytes"] = sum(op.weight_bytes_per_expert * k for op in layers.values())
-        out["dense_bytes"] = sum(lin.nbytes for lin in [*linears.values(), *([head] if head is not None else [])])
+        out["dense_bytes"] = sum(op.nbytes for g, op in seq if g in ("blocks", "lm_head"))
         out["dram_gbps"] = statistics.median(bw) / 1e9  # read_bandwidth gives bytes/s
         out["path"] = ISA
         return out
@@ -172,7 +224,7 @@ def split_outside(period: float, spans: dict, expert_compute: float, k: dict) ->
     """Where the time outside the kernels goes, seconds a token: each GPU-side span less the kernels it runs
     (medians of different steps: the parts need not add up to the whole exactly)."""
     blocks = sum(spans[n] for n in ("attention", "linear_attention", "dense_mlp", "router", "shared_experts"))
-    return {"attention blocks and router over their kernels": blocks - k["blocks_s"],
+    return {"attention blocks and router over their kernels": blocks - k["blocks_s"] - k["attention_s"],
             "lm_head span over its kernel": spans["lm_head"] - k["lm_head_s"],
             "embed, submit, sampling": spans["embed"] + spans["expert_submit"] + spans["sampling"],
             "the wait over the experts' compute": spans["expert_wait"] - expert_compute,
@@ -251,7 +303,8 @@ def main() -> None:
                                        shard_mb=4096)
         cfg = load_config(model)
         cache = work / "cache"
-        measure = kernels_alone(model, a.weight_format, a.dense_format, a.threads, cache, a.reps)
+        measure = kernels_alone(model, a.weight_format, a.dense_format, a.threads, cache, a.reps,
+                                a.context + a.tokens // 2, a.kv_cache_dtype)
         ks = [measure()]
         gc.collect()  # the loading's temporaries, before the services load their weights
         n_moe = len(cfg.moe_layers)
@@ -304,6 +357,8 @@ def main() -> None:
             ("experts: compute in the service", expert_compute * 1e3, "ms/token", expert_compute / k["experts_s"]),
             ("experts: kernels alone", k["experts_s"] * 1e3, "ms/token", None),
             ("dense + lm_head: kernels alone", k["dense_s"] * 1e3, "ms/token", None),
+            *([("of which MLA's latent attention (compute)", k["attention_s"] * 1e3, "ms/token", None)]
+              if k["attention_s"] else []),
             ("outside the kernels, per MoE layer", outside / n_moe * 1e6, "us", None),
             ("per round: step over the kernels beside it (median)", med([p / q for p, q in rounds]), "x", None),
             ("per round: outside the kernels, per MoE layer (median)", med([p - q for p, q in rounds]) / n_moe * 1e6,
