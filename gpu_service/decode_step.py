@@ -85,20 +85,21 @@ def _mla_block(cfg: ModelConfig, W: dict, layer: int, dtype: torch.dtype):
     if any(t is not None and (t.dtype != dtype or not t.is_contiguous()) for t in held):
         return None
     ptr = [t.data_ptr() if t is not None else 0 for t in held]
-    router = _router(cfg, W, layer)
+    router = {"norm_topk": bool(cfg.norm_topk_prob), **_router(cfg, W, layer)}  # (V2's router: no renormalizing)
     return native.DecodeBlock.mla(
         ISA, dtype == torch.bfloat16, q_a.native if lora else None, q_b.native, kv_a.native, o.native, kv_b.data_ptr(),
         kv_b.dtype == torch.bfloat16, *ptr[:2], ptr[3], ptr[2], *ptr[4:], H=cfg.hidden_size, nh=cfg.num_heads,
         r=cfg.kv_lora_rank, dn=cfg.qk_nope_head_dim, dr=cfg.qk_rope_head_dim, dv=cfg.v_head_dim,
         interleave=cfg.rope_interleave, eps=cfg.rms_norm_eps,
         scale=softmax_scale(cfg, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), top_k=cfg.top_k,
-        norm_topk=bool(cfg.norm_topk_prob), round_w=True, owner=(q_a, q_b, kv_a, o, kv_b, held, router), **router)
+        round_w=True, owner=(q_a, q_b, kv_a, o, kv_b, held, router), **router)
 
 
 def _router(cfg: ModelConfig, W: dict, layer: int) -> dict:
     """An MoE layer's router as the native step runs it (DecodeBlock's keywords), {} where route() runs it (other
     scorings, biases, dense layers): a softmax router (Qwen-MoE, Mixtral: layers.route's last branch) packed for the
-    native kernels, or a sigmoid one (GLM-4.5: its fp32 weight and correction bias as loaded, group-limited)."""
+    native kernels, a sigmoid one (GLM-4.5, DeepSeek-V3: its fp32 weight and correction bias as loaded,
+    group-limited), or DeepSeek-V2's softmax on fp32 logits (its fp32 weight; greedy or group_limited_greedy)."""
     if not cfg.is_moe_layer(layer):
         return {}
     fp = f"model.layers.{layer}.{cfg.ffn_prefix}."
@@ -109,10 +110,17 @@ def _router(cfg: ModelConfig, W: dict, layer: int) -> dict:
         E = cfg.n_routed_experts
         if not (_fp32(gate, (E, cfg.hidden_size)) and (bias is None or _fp32(bias, (E,)))) or rp + "bias" in W:
             return {}
-        return dict(sig_w=gate.data_ptr(), sig_bias=bias.data_ptr() if bias is not None else 0, E=E,
+        return dict(w32=gate.data_ptr(), bias32=bias.data_ptr() if bias is not None else 0, E=E,
                     n_group=cfg.n_group, topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor)
-    if cfg.scoring != "softmax" or cfg.model_type == "deepseek_v2" or bias is not None or rp + "bias" in W:
+    if cfg.scoring != "softmax" or bias is not None or rp + "bias" in W:
         return {}
+    if cfg.model_type == "deepseek_v2":  # route()'s deepseek_v2 branch: no renormalization, scaled
+        E = cfg.n_routed_experts
+        if not _fp32(gate, (E, cfg.hidden_size)):
+            return {}
+        grouped = cfg.topk_method == "group_limited_greedy"
+        return dict(w32=gate.data_ptr(), softmax32=True, E=E, n_group=cfg.n_group if grouped else 1,
+                    topk_group=cfg.topk_group if grouped else 1, scaling=cfg.routed_scaling_factor, norm_topk=False)
     return dict(gate=gate.native) if isinstance(gate, NativeLinear) else {}
 
 

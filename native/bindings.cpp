@@ -107,15 +107,17 @@ struct BoundDecodeBlock {
   py::object owner;
 };
 // A block's router (DecodeBlock's fields): softmax over a packed gate, sigmoid over an fp32 weight, or none
-void bind_router(DecodeBlock& g, const py::object& gate, int top_k, bool norm_topk, bool round_w, uintptr_t sig_w,
-                 uintptr_t sig_bias, int E, int n_group, int topk_group, float scaling) {
-  MOE_CHECK(gate.is_none() || !sig_w, "decode block: one router, softmax (gate) or sigmoid (sig_w)");
+void bind_router(DecodeBlock& g, const py::object& gate, int top_k, bool norm_topk, bool round_w, uintptr_t w32,
+                 uintptr_t bias32, bool softmax32, int E, int n_group, int topk_group, float scaling) {
+  MOE_CHECK(gate.is_none() || !w32, "decode block: one router, softmax in T (gate) or on fp32 logits (w32)");
+  MOE_CHECK(!softmax32 || !bias32, "decode block: the fp32 softmax router takes no correction bias");
+  g.softmax32 = softmax32;
   if (!gate.is_none()) {
     const BoundLinear& r = gate.cast<const BoundLinear&>();
     g.gate_k = r.k, g.gate = r.m;
   }
-  if (sig_w) {
-    g.sig_w = reinterpret_cast<const float*>(sig_w), g.sig_bias = reinterpret_cast<const float*>(sig_bias);
+  if (w32) {
+    g.w32 = reinterpret_cast<const float*>(w32), g.bias32 = reinterpret_cast<const float*>(bias32);
     g.E = E, g.n_group = n_group, g.topk_group = topk_group, g.scaling = scaling;
   }
   g.top_k = top_k, g.norm_topk = norm_topk, g.round_w = round_w;
@@ -441,12 +443,14 @@ PYBIND11_MODULE(_native, m) {
   }, "whether waits now treat the machine as shared with other programs (native/contention.h)");
   m.def(
       "softmax_topk",
-      [](uintptr_t logits, int B, int E, int k, bool norm_topk, bool round_bf16, uintptr_t ids, uintptr_t weights) {
+      [](uintptr_t logits, int B, int E, int k, bool norm_topk, bool round_bf16, uintptr_t ids, uintptr_t weights,
+         int n_group, int topk_group, float scaling) {
         softmax_topk(reinterpret_cast<const float*>(logits), B, E, k, norm_topk, round_bf16,
-                     reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(weights));
+                     reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(weights), n_group, topk_group, scaling);
       },
       py::arg("logits"), py::arg("B"), py::arg("E"), py::arg("k"), py::arg("norm_topk"), py::arg("round_bf16"),
-      py::arg("ids"), py::arg("weights"), "the softmax router's top-k choice (native/decode_step.cpp)");
+      py::arg("ids"), py::arg("weights"), py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.f,
+      "the softmax router's top-k choice, optionally within the best groups (native/decode_step.cpp)");
   m.def(
       "sigmoid_topk",
       [](uintptr_t logits, uintptr_t bias, int B, int E, int k, int n_group, int topk_group, bool norm_topk,
@@ -643,10 +647,10 @@ PYBIND11_MODULE(_native, m) {
                        uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t q_bias,
                        uintptr_t k_bias, uintptr_t v_bias, uintptr_t o_bias, int H, int nh, int nkv, int d, int rot,
                        float eps, float scale, py::object gate, int top_k, bool norm_topk, bool round_w,
-                       uintptr_t sig_w, uintptr_t sig_bias, int E, int n_group, int topk_group, float scaling,
+                       uintptr_t w32, uintptr_t bias32, bool softmax32, int E, int n_group, int topk_group, float scaling,
                        py::object owner) {
              DecodeBlock g{};
-             bind_router(g, gate, top_k, norm_topk, round_w, sig_w, sig_bias, E, n_group, topk_group, scaling);
+             bind_router(g, gate, top_k, norm_topk, round_w, w32, bias32, softmax32, E, n_group, topk_group, scaling);
              g.isa = kernel_isa(isa);
              g.bf16 = bf16;
              g.qkv_k = qkv.k;
@@ -663,7 +667,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("q_norm"), py::arg("k_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"),
            py::arg("o_bias"), py::arg("H"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("rot"), py::arg("eps"),
            py::arg("scale"), py::arg("gate") = py::none(), py::arg("top_k") = 0, py::arg("norm_topk") = false,
-           py::arg("round_w") = false, py::arg("sig_w") = 0, py::arg("sig_bias") = 0, py::arg("E") = 0,
+           py::arg("round_w") = false, py::arg("w32") = 0, py::arg("bias32") = 0, py::arg("softmax32") = false, py::arg("E") = 0,
            py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.f, py::arg("owner") = py::none())
       .def_static(
           "mla",
@@ -671,10 +675,10 @@ PYBIND11_MODULE(_native, m) {
              const BoundLinear& o, uintptr_t kv_b, bool kv_b_bf16, uintptr_t in_norm, uintptr_t post_norm,
              uintptr_t q_a_norm, uintptr_t kv_a_norm, uintptr_t q_a_bias, uintptr_t kv_a_bias, uintptr_t o_bias, int H,
              int nh, int r, int dn, int dr, int dv, bool interleave, float eps, float scale, py::object gate, int top_k,
-             bool norm_topk, bool round_w, uintptr_t sig_w, uintptr_t sig_bias, int E, int n_group, int topk_group,
+             bool norm_topk, bool round_w, uintptr_t w32, uintptr_t bias32, bool softmax32, int E, int n_group, int topk_group,
              float scaling, py::object owner) {
             DecodeBlock g{};
-            bind_router(g, gate, top_k, norm_topk, round_w, sig_w, sig_bias, E, n_group, topk_group, scaling);
+            bind_router(g, gate, top_k, norm_topk, round_w, w32, bias32, softmax32, E, n_group, topk_group, scaling);
             g.isa = kernel_isa(isa);
             g.bf16 = bf16;
             g.mla = true;
@@ -699,9 +703,9 @@ PYBIND11_MODULE(_native, m) {
           py::arg("kv_a_norm"), py::arg("q_a_bias"), py::arg("kv_a_bias"), py::arg("o_bias"), py::arg("H"),
           py::arg("nh"), py::arg("r"), py::arg("dn"), py::arg("dr"), py::arg("dv"), py::arg("interleave"),
           py::arg("eps"), py::arg("scale"), py::arg("gate") = py::none(), py::arg("top_k") = 0,
-          py::arg("norm_topk") = false, py::arg("round_w") = false, py::arg("sig_w") = 0, py::arg("sig_bias") = 0,
-          py::arg("E") = 0, py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.f,
-          py::arg("owner") = py::none(),
+          py::arg("norm_topk") = false, py::arg("round_w") = false, py::arg("w32") = 0, py::arg("bias32") = 0,
+          py::arg("softmax32") = false, py::arg("E") = 0, py::arg("n_group") = 1, py::arg("topk_group") = 1,
+          py::arg("scaling") = 1.f, py::arg("owner") = py::none(),
           "one MLA attention block's weights (DeepSeek V2/V3) for its native decode step: q_a None where the model "
           "has q_proj alone (q_b then); kv_b: kv_b_proj's plain weight; the pool's K and V its latents and rotary "
           "keys")

@@ -272,10 +272,14 @@ MOE_BLOCK_INLINE void run(const DecodeBlock& g, int B, T* h, const T* cos, const
   rms_norm_rows(h, BF16, g.post_norm, BF16, x_out, BF16, B, H, g.eps);
   if (!g.routes()) return;
   for (size_t i = 0; i < size_t(B) * H; ++i) s.xf[i] = get(x_out, i);
-  if (g.sig_w) {  // fp32 logits (torch: F.linear(x.float(), the fp32 weight)), then the sigmoid's choice
+  if (g.w32) {  // fp32 logits (torch: F.linear(x.float(), the fp32 weight)), then the sigmoid's or softmax's choice
     s.y.resize(size_t(B) * std::max(H, g.E));
-    matvec_f32(g.sig_w, s.xf.data(), B, g.E, H, s.y.data());
-    sigmoid_topk(s.y.data(), g.sig_bias, B, g.E, g.top_k, g.n_group, g.topk_group, g.norm_topk, g.scaling, ids,
+    matvec_f32(g.w32, s.xf.data(), B, g.E, H, s.y.data());
+    if (g.softmax32) {
+      softmax_topk(s.y.data(), B, g.E, g.top_k, g.norm_topk, false, ids, weights, g.n_group, g.topk_group, g.scaling);
+      return;
+    }
+    sigmoid_topk(s.y.data(), g.bias32, B, g.E, g.top_k, g.n_group, g.topk_group, g.norm_topk, g.scaling, ids,
                  weights);
     return;
   }
@@ -304,8 +308,11 @@ MOE_FMA_BUILDS(exp_shifted_any, exp_shifted)
 }  // namespace
 
 void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool round_bf16, int32_t* ids,
-                  float* weights) {
-  MOE_CHECK(k > 0 && k <= E && k <= MAX_K, "router: bad top-k");
+                  float* weights, int n_group, int topk_group, float scaling) {
+  MOE_CHECK(k > 0 && k <= E && k <= MAX_K && n_group > 0 && E % n_group == 0 && topk_group > 0 &&
+                topk_group <= n_group && k <= topk_group * (E / n_group), "router: bad top-k or groups");
+  const int per = E / n_group;
+  std::vector<std::pair<float, int>> best(n_group);
   using elem = std::pair<float, int64_t>;  // (probability, id), as torch's CPU topk queues them
   std::vector<elem> q(E);
   // torch's topk (largest, sorted): the same algorithms on the same queue, so that equal probabilities (logits
@@ -324,6 +331,20 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
     exp_shifted_any(fma, l, E, mx, vb > 0, ex.data());
     const float inv = 1.f / torch_sum(ex.data(), size_t(E), V, vb > 0);
     for (int e = 0; e < E; ++e) q[e] = elem(ex[e] * inv, e);
+    if (topk_group < n_group) {  // the groups of the topk_group highest maxima; the others' experts at 0
+      for (int gi = 0; gi < n_group; ++gi) {
+        float m = q[size_t(gi) * per].first;
+        for (int e = 1; e < per; ++e) m = std::max(m, q[size_t(gi) * per + e].first);
+        best[gi] = {m, gi};
+      }
+      std::partial_sort(best.begin(), best.begin() + topk_group, best.end(), [](const auto& x, const auto& y) {
+        return x.first > y.first || (x.first == y.first && x.second < y.second);
+      });
+      std::vector<char> keep(n_group, 0);
+      for (int j = 0; j < topk_group; ++j) keep[best[j].second] = 1;
+      for (int e = 0; e < E; ++e)
+        if (!keep[e / per]) q[e].first = 0.f;
+    }
     if (int64_t(k) * 64 <= E) {
       std::partial_sort(q.begin(), q.begin() + k, q.end(), before);
     } else {
@@ -335,6 +356,7 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
     for (int j = 0; j < k; ++j) {
       float w = q[j].first;
       if (norm_topk) w /= total;
+      if (scaling != 1.f) w *= scaling;
       ids[size_t(t) * k + j] = int32_t(q[j].second);
       weights[size_t(t) * k + j] = round_bf16 ? held<uint16_t>(w) : w;
     }
@@ -404,7 +426,7 @@ void decode_block(const DecodeBlock& g, int B, void* h, const void* cos, const v
     MOE_CHECK(!g.q_norm == !g.k_norm, "decode block: QK-norm needs both weights");
   }
   MOE_CHECK(!g.gate_k || (g.gate.K == g.H && ids && weights), "decode block: the router does not fit");
-  MOE_CHECK(!g.sig_w || (g.E > 0 && ids && weights), "decode block: the sigmoid router does not fit");
+  MOE_CHECK(!g.w32 || (g.E > 0 && ids && weights), "decode block: the fp32 router does not fit");
   for (int t = 0; t < B; ++t)
     MOE_CHECK(seqs[t].pos >= 0 && seqs[t].table, "decode block: a sequence without a position or block table");
   const Vec v = vec_of(g.isa);

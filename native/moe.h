@@ -202,21 +202,24 @@ struct DecodeBlock {
   size_t kv_head, kv_block;  // elements between heads, between blocks
   int block_shift;
   // the MoE layer's router on the post-attention norm, one of: softmax scoring (Qwen-MoE, Mixtral; gate_k): logits
-  // in T, softmax in fp32, the top k (descending), renormalized (norm_topk), rounded to T (round_w); sigmoid scoring
-  // (GLM-4.5, DeepSeek-V3's noaux_tc; sig_w): fp32 logits of an fp32 weight, the choice by sigmoid + correction
-  // bias within the top topk_group of n_group groups, weights the sigmoids renormalized (norm_topk) times scaling;
-  // or none (both null)
+  // in T, softmax in fp32, the top k (descending), renormalized (norm_topk), rounded to T (round_w); on fp32 logits
+  // of an fp32 weight (w32), sigmoid scoring (GLM-4.5, DeepSeek-V3's noaux_tc): the choice by sigmoid + correction
+  // bias within the top topk_group of n_group groups (groups scored by their two best), weights the sigmoids
+  // renormalized (norm_topk) times scaling; or softmax scoring (softmax32: DeepSeek-V2's greedy and
+  // group_limited_greedy): the top k of the softmax within the topk_group groups of the highest maxima, times
+  // scaling; or none (gate_k and w32 null)
   const Kernels* gate_k;
   Matrix gate;  // [E, H]
-  const float* sig_w;     // [E, H] fp32
-  const float* sig_bias;  // [E] fp32, or null
+  const float* w32;     // [E, H] fp32
+  const float* bias32;  // [E] fp32, or null
+  bool softmax32;
   int E, n_group, topk_group;
   float scaling;
   int top_k;
   bool norm_topk, round_w;
   bool mla;
   MlaPart m;
-  bool routes() const { return gate_k != nullptr || sig_w != nullptr; }
+  bool routes() const { return gate_k != nullptr || w32 != nullptr; }
 };
 // One sequence's new token: its position, its block table (the pool's blocks holding positions 0..pos), and
 // first >= 0 when those are the consecutive blocks first, first + 1, ... (read without the table).
@@ -229,9 +232,11 @@ struct DecodeSeq {
 // [B, top_k] int32 and weights [B, top_k] fp32 too.
 void decode_block(const DecodeBlock& g, int B, void* h, const void* cos, const void* sin, const DecodeSeq* seqs,
                   void* x_out, int32_t* ids = nullptr, float* weights = nullptr);
-// The softmax router's choice for B rows of fp32 logits [B, E] (already rounded as the model holds them).
+// The softmax router's choice for B rows of fp32 logits [B, E] (already rounded as the model holds them); with
+// topk_group < n_group only the experts of the topk_group groups whose best probability is highest (DeepSeek-V2's
+// group_limited_greedy); the weights times scaling.
 void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool round_bf16, int32_t* ids,
-                  float* weights);
+                  float* weights, int n_group = 1, int topk_group = 1, float scaling = 1.f);
 
 // The sigmoid router's choice for B rows of fp32 logits [B, E] (layers.route's sigmoid branch; ids in descending
 // order of choice).

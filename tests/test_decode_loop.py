@@ -41,7 +41,9 @@ LOOPED = {"qwen3_moe": ("qwen3_moe", dict(head_dim=64, num_experts_per_tok=4)),
           "glm4_moe": ("glm4_moe", dict(head_dim=64)),
           # DeepSeek-V3's MLA (its latent and rotary widths) with its sigmoid router, a dense first layer and a
           # shared expert
-          "deepseek_v3": ("deepseek_v3", dict(kv_lora_rank=512, qk_rope_head_dim=64))}
+          "deepseek_v3": ("deepseek_v3", dict(kv_lora_rank=512, qk_rope_head_dim=64)),
+          # DeepSeek-V2's: q_proj alone, a softmax router on fp32 logits within the best 2 of 4 groups
+          "deepseek_v2": ("deepseek_v2", {})}
 
 
 @pytest.fixture(scope="module")

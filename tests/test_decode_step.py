@@ -29,9 +29,10 @@ SHAPES = {"qwen3_moe": dict(head_dim=64), "mixtral": dict(head_dim=64),
           "qwen2_moe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
           "glm4_moe": dict(head_dim=64),
           # MLA: DeepSeek's latent and rotary widths (the latent attention's vector kernel), q through q_a/q_b and a
-          # sigmoid router; V2's q_proj alone, small widths (its plain loops), its softmax router left to route()
+          # sigmoid router; V2's q_proj alone, small widths (its plain loops), a softmax router on fp32 logits
+          # choosing within the best 2 of 4 groups
           "deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64), "deepseek_v2": {}}
-ROUTED = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"]
+ROUTED = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2"]
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +125,12 @@ def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt, kv
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_native_router_chooses_as_route_does(wide, family, dtype):
     """With the router in the step: the same experts at every MoE layer and step (softmax: in the same order;
-    sigmoid: torch's unsorted topk has no order to keep); the softmax routers' weights and the logits bit for bit
-    (torch's softmax arithmetic in its order), the sigmoid router's to the last bits (its fp32 logits are summed
-    in another order than torch's matmul)."""
-    exact = load_config(wide[family]).scoring == "softmax"
+    sigmoid and DeepSeek-V2's: torch's unsorted topk has no order to keep); the softmax routers' weights and the
+    logits bit for bit (torch's softmax arithmetic in its order), the fp32-logit routers' (sigmoid, V2's softmax)
+    to the last bits (their logits are summed in another order than torch's matmul)."""
+    c = load_config(wide[family])
+    unsorted = c.scoring == "sigmoid" or c.model_type == "deepseek_v2"
+    exact = not unsorted
     cfg, model, _ = load(wide[family], dtype, "bf16")
     moe = [L for L in range(cfg.num_layers) if cfg.is_moe_layer(L)]
     assert moe and all(model.decode_blocks[L].routes for L in moe)
@@ -148,7 +151,7 @@ def test_the_native_router_chooses_as_route_does(wide, family, dtype):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert len(mine.routes) == len(ref.routes) == len(moe) * (1 + len(feed))
     for (la, ia, wa), (lb, ib, wb) in zip(mine.routes, ref.routes):
-        if cfg.scoring == "sigmoid":  # each row by id
+        if unsorted:  # each row by id
             ia, order = ia.sort(dim=-1)
             wa = wa.gather(1, order)
             ib, order = ib.sort(dim=-1)
@@ -181,6 +184,33 @@ def test_softmax_topk_is_routes_softmax(norm, round_bf16, E):
     native.softmax_topk(lf.data_ptr(), B, E, k, norm, round_bf16, ids.data_ptr(), w.data_ptr())
     assert torch.equal(ids, want_ids)
     assert torch.equal(w, want_w)
+
+
+@pytest.mark.parametrize("method, groups, topk_group", [("greedy", 1, 1), ("group_limited_greedy", 8, 3),
+                                                       ("group_limited_greedy", 4, 4)])
+@pytest.mark.parametrize("B, E", [(256, 160), (3, 64)])
+def test_softmax_topk_in_groups_is_deepseek_v2s_route(method, groups, topk_group, B, E):
+    """DeepSeek-V2's router (route()'s deepseek_v2 branch: softmax of fp32 logits, the experts of the topk_group
+    groups with the highest maxima, unsorted top-k, times routed_scaling_factor) against native softmax_topk with
+    groups and scaling on the same logits (an identity weight passes them through exactly): the same experts,
+    weights bit for bit."""
+    from types import SimpleNamespace
+
+    from gpu_service.layers import route
+    from moe_kernels import native
+
+    k = 6
+    logits = torch.randn(B, E, generator=torch.Generator().manual_seed(6)) * 2
+    cfg = SimpleNamespace(top_k=k, n_routed_experts=E, scoring="softmax", model_type="deepseek_v2",
+                          topk_method=method, n_group=groups, topk_group=topk_group, routed_scaling_factor=16.0)
+    want_ids, want_w = route(cfg, logits, torch.eye(E), None)
+    ids, w = torch.empty(B, k, dtype=torch.int32), torch.empty(B, k)
+    native.softmax_topk(logits.data_ptr(), B, E, k, False, False, ids.data_ptr(), w.data_ptr(),
+                        groups if method != "greedy" else 1, topk_group if method != "greedy" else 1, 16.0)
+    want_ids, order = want_ids.sort(dim=-1)
+    ids, mine = ids.sort(dim=-1)
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(w.gather(1, mine), want_w.gather(1, order))
 
 
 @pytest.mark.parametrize("groups, topk_group, bias", [(1, 1, False), (8, 3, True), (4, 4, True)])
