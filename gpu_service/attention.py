@@ -155,7 +155,7 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         q_lat = torch.einsum("thd,hdr->htr", q_nope, wkv[:, :dn])              # [nh, t, r]
     if absorb and t == 1 and native_attention.mla_supported(*cache.pool.bufs[layer]):
         # decode: the latent attention on the native kernel, over the pool's blocks where they are (fp32 scores;
-        # torch's bf16 matmuls here run at a few GFLOP/s on a CPU without bf16 arithmetic: docs/kernels.md)
+        # torch's bf16 matmuls here run at a few GFLOP/s on a CPU without bf16 arithmetic: docs/decode_step.md)
         o_lat = native_attention.mla_paged_attention(
             torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer], cache.table(), start + 1, scale,
             first=cache.blocks[0] if cache.consecutive() else -1).to(x.dtype)[:, None]  # [nh, 1, r]

@@ -78,7 +78,8 @@ def _mla_block(cfg: ModelConfig, W: dict, layer: int, dtype: torch.dtype):
     q_a, q_b = (W.get(a + "q_a_proj.weight"), W.get(a + "q_b_proj.weight")) if lora else (None, W.get(a + "q_proj.weight"))
     kv_a, o, kv_b = W.get(a + "kv_a_proj_with_mqa.weight"), W.get(a + "o_proj.weight"), W.get(a + "kv_b_proj.weight")
     if not all(isinstance(w, NativeLinear) for w in (q_b, kv_a, o) + ((q_a,) if lora else ())) \
-            or not native_attention.supports_kv_b(kv_b) or a + "q_proj.bias" in W or a + "q_b_proj.bias" in W:
+            or not native_attention.supports_kv_b(kv_b) or a + "q_proj.bias" in W or a + "q_b_proj.bias" in W \
+            or cfg.qk_rope_head_dim % 2:
         return None
     held = [W[p + "input_layernorm.weight"], W[p + "post_attention_layernorm.weight"], W[a + "kv_a_layernorm.weight"]]
     held += [W.get(a + n) for n in ("q_a_layernorm.weight", "q_a_proj.bias", "kv_a_proj_with_mqa.bias", "o_proj.bias")]

@@ -362,9 +362,9 @@ void one_head(Isa isa, const float* q, int g, int d, Rows<T, P> K, Rows<T, P> V,
   head_portable(q, g, d, 0, d, K, K, V, L, scale, s, out);
 }
 
-// MLA's G (<= 8) heads: DeepSeek's latent 512 and rotary 64 on the AVX2 kernel on every vector path (an AVX-512
-// one would differ only in its order of sums: the latent attention is a few percent of a token, the weights the
-// rest), any other dims on the plain loops.
+// MLA's G (<= 8) heads: DeepSeek's latent 512 and rotary 64 on the AVX2 kernel on every vector path (AVX-512
+// CPUs run it too: no AVX-512 version was written without such a CPU to measure one on), any other dims (the
+// small test and default models) on the plain loops.
 template <class T, bool P>
 void mla_group(Isa isa, const float* q, int g, int r, int dr, Rows<T, P> C, Rows<T, P> KPE, int L, float scale,
                float* s, float* out) {

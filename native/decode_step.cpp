@@ -1,10 +1,11 @@
-// A GQA attention block's decode step in one call: input RMSNorm, the fused q/k/v projection (+ biases),
-// per-head QK-norm, rotary embedding, the new K/V rows into the paged pool, attention over each sequence's
-// blocks, o_proj (+ bias), the residual add and the post-attention RMSNorm, and for an MoE layer with a softmax
-// router its top-k choice, for B sequences of one new token each. It replaces ~30 torch ops and 7 native calls a
-// layer and sequence (gpu_service/attention.py gqa_attention and layers.route stay the reference) whose dispatch
-// cost several times the arithmetic at decode (docs/decode_step.md), and runs the projections and the router
-// once for all B rows.
+// An attention block's decode step in one call: input RMSNorm; GQA's fused q/k/v projection (+ biases), per-head
+// QK-norm and rotary embedding, or MLA's q through its low-rank pair (or q_proj), its latent and rotary key, their
+// norm and rotary embedding, and its absorbed query; the new K/V rows (MLA: latent and rotary key) into the paged
+// pool; attention over each sequence's blocks (MLA: in the latent space, then W_uv); o_proj (+ bias), the residual
+// add and the post-attention RMSNorm, and for an MoE layer its router's top-k choice, for B sequences of one new
+// token each. It replaces ~30 torch ops and 7 native calls a layer and sequence (gpu_service/attention.py
+// gqa_attention / mla_attention and layers.route stay the reference) whose dispatch cost several times the
+// arithmetic at decode (docs/decode_step.md), and runs the projections and the router once for all B rows.
 //
 // Rounding is torch's at every point the reference rounds (model dtype T: bf16 bits or fp32): the projections'
 // fp32 outputs, the bias adds, the norms, rope, the attention output and the residual add, so one sequence's
@@ -313,6 +314,7 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
                 topk_group <= n_group && k <= topk_group * (E / n_group), "router: bad top-k or groups");
   const int per = E / n_group;
   std::vector<std::pair<float, int>> best(n_group);
+  std::vector<char> keep(n_group);
   using elem = std::pair<float, int64_t>;  // (probability, id), as torch's CPU topk queues them
   std::vector<elem> q(E);
   // torch's topk (largest, sorted): the same algorithms on the same queue, so that equal probabilities (logits
@@ -340,7 +342,7 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
       std::partial_sort(best.begin(), best.begin() + topk_group, best.end(), [](const auto& x, const auto& y) {
         return x.first > y.first || (x.first == y.first && x.second < y.second);
       });
-      std::vector<char> keep(n_group, 0);
+      std::fill(keep.begin(), keep.end(), 0);
       for (int j = 0; j < topk_group; ++j) keep[best[j].second] = 1;
       for (int e = 0; e < E; ++e)
         if (!keep[e / per]) q[e].first = 0.f;
@@ -356,7 +358,7 @@ void softmax_topk(const float* logits, int B, int E, int k, bool norm_topk, bool
     for (int j = 0; j < k; ++j) {
       float w = q[j].first;
       if (norm_topk) w /= total;
-      if (scaling != 1.f) w *= scaling;
+      w *= scaling;  // (1 but for DeepSeek-V2: exact)
       ids[size_t(t) * k + j] = int32_t(q[j].second);
       weights[size_t(t) * k + j] = round_bf16 ? held<uint16_t>(w) : w;
     }
