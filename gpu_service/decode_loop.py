@@ -3,8 +3,9 @@
 torch op between the layers. Where the torch path (Model.forward's layer loop, the reference: the same tokens bit
 for bit) costs ~15 ops and their Python a layer, this is one call a token.
 
-It applies to a model whose every layer's attention block is native, dense layers first (their MLP native) and MoE
-layers after them routing natively (softmax routers: Qwen3-MoE, Mixtral, Qwen2-MoE; sigmoid ones: GLM-4.5), with
+It applies to a model whose every layer's attention block is native (GQA or MLA), dense layers first (their MLP
+native) and MoE layers after them routing natively (softmax routers: Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V2;
+sigmoid ones: GLM-4.5, DeepSeek-V3), with
 their shared experts native where the model has them (run while the expert service computes), to decode steps
 with or without deferral (not the accuracy harness's skipping), and to experts that can run it: the shared-memory
 ring to one expert service (RemoteExperts) and in-process native kernels (LocalExperts); anything else takes the
