@@ -124,6 +124,27 @@ def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start:
     return o.view(nh, t, d).transpose(0, 1)
 
 
+def _latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: SeqCache, layer: int, start: int,
+                      scale: float) -> torch.Tensor:
+    """MLA's attention in the latent space on torch: q_lat [nh, t, r], q_pe [t, nh, dr] (the model dtype) against
+    the layer's cached latents and rotary keys up to start + t -> o_lat [nh, t, r]."""
+    nh, t, r = q_lat.shape
+    C, KPE = _as(q_lat.dtype, cache.gather(layer, start + t))                  # [L, r], [L, dr]
+    q_pe = q_pe.transpose(0, 1)                                                # [nh, t, dr]
+    mask = _causal_mask(t, start, q_lat.device)
+    L = C.shape[0]
+    # the scores are [heads, t, L] fp32: DeepSeek-V3's 128 heads x a 2048-token chunk x 8k context would
+    # be 8.6 GB at once, so heads go in groups of at most SCORE_BYTES of scores
+    group = max(1, min(nh, SCORE_BYTES // max(1, t * L * 4)))
+    o_lat = torch.empty(nh, t, r, dtype=q_lat.dtype, device=q_lat.device)
+    for h in range(0, nh, group):
+        scores = (torch.matmul(q_lat[h:h + group], C.T) + torch.matmul(q_pe[h:h + group], KPE.T)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        o_lat[h:h + group] = torch.matmul(scores.float().softmax(dim=-1).to(q_lat.dtype), C)  # [group, t, r]
+    return o_lat
+
+
 def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
                   start: int, scale: float, native: bool = False) -> torch.Tensor:
     """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]. native: a decode step's norms and rope (as
@@ -159,21 +180,8 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         o_lat = native_attention.mla_paged_attention(
             torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer], cache.table(), start + 1, scale,
             first=cache.blocks[0] if cache.consecutive() else -1).to(x.dtype)[:, None]  # [nh, 1, r]
-        o = native_attention.mla_absorb_o(o_lat, kv_b, nh, dn, dv).to(x.dtype)
-        return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
-    C, KPE = _as(x.dtype, cache.gather(layer, start + t))                      # [L, r], [L, dr]
-    q_pe = q_pe.transpose(0, 1)                                                # [nh, t, dr]
-    mask = _causal_mask(t, start, x.device)
-    L = C.shape[0]
-    # the scores are [heads, t, L] fp32: DeepSeek-V3's 128 heads x a 2048-token chunk x 8k context would
-    # be 8.6 GB at once, so heads go in groups of at most SCORE_BYTES of scores
-    group = max(1, min(nh, SCORE_BYTES // max(1, t * L * 4)))
-    o_lat = torch.empty(nh, t, r, dtype=x.dtype, device=x.device)
-    for h in range(0, nh, group):
-        scores = (torch.matmul(q_lat[h:h + group], C.T) + torch.matmul(q_pe[h:h + group], KPE.T)) * scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        o_lat[h:h + group] = torch.matmul(scores.float().softmax(dim=-1).to(x.dtype), C)  # [group, t, r]
+    else:
+        o_lat = _latent_attention(q_lat, q_pe, cache, layer, start, scale)
     if absorb:
         o = native_attention.mla_absorb_o(o_lat, kv_b, nh, dn, dv).to(x.dtype)
     else:

@@ -42,17 +42,13 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
     the blocks are first, first + 1, ... (a head's rows are then one strided matrix: read without the table)."""
     nh, d = q.shape
     nkv, _, B, _ = K.shape
-    if K.dtype not in DTYPES or V.dtype != K.dtype or not K.is_contiguous() or not V.is_contiguous():
-        raise ValueError("paged_decode_attention: K and V must be pools of one of fp32, bf16, fp16, contiguous")
+    _check_pools("paged_decode_attention: K and V", K, V)
     if V.shape != K.shape or nh % nkv or d != K.shape[3] or B & (B - 1):
         raise ValueError(f"paged_decode_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} do not fit")
-    if table.dtype != torch.int32 or not table.is_contiguous() or table.numel() * B < L or L < 1:
-        raise ValueError(f"paged_decode_attention: {table.numel()} blocks of {B} do not hold {L} positions")
+    _check_table("paged_decode_attention", table, B, L, first, K.shape[1])
     qf = q.float().contiguous()
     out = torch.empty(nh, d)
     if first >= 0:
-        if first + -(-L // B) > K.shape[1]:
-            raise ValueError(f"paged_decode_attention: blocks {first}.. do not hold {L} positions")
         size = K.element_size()
         native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr() + first * K.stride(1) * size,
                                 KV_CODES[K.dtype], K.stride(0), K.stride(2),
@@ -82,17 +78,13 @@ def mla_paged_attention(q: torch.Tensor, C: torch.Tensor, KPE: torch.Tensor, tab
     nh = q.shape[0]
     _, B, r = C.shape
     dr = KPE.shape[-1]
-    if C.dtype not in DTYPES or KPE.dtype != C.dtype or not C.is_contiguous() or not KPE.is_contiguous():
-        raise ValueError("mla_paged_attention: C and KPE must be pools of one of fp32, bf16, fp16, contiguous")
+    _check_pools("mla_paged_attention: C and KPE", C, KPE)
     if q.dim() != 2 or q.shape[1] != r + dr or KPE.shape[:2] != C.shape[:2] or B & (B - 1):
         raise ValueError(f"mla_paged_attention: q {list(q.shape)}, C {list(C.shape)}, KPE {list(KPE.shape)} do not fit")
-    if table.dtype != torch.int32 or not table.is_contiguous() or table.numel() * B < L or L < 1:
-        raise ValueError(f"mla_paged_attention: {table.numel()} blocks of {B} do not hold {L} positions")
+    _check_table("mla_paged_attention", table, B, L, first, C.shape[0])
     qf = q.float().contiguous()
     out = torch.empty(nh, r)
     if first >= 0:
-        if first + -(-L // B) > C.shape[0]:
-            raise ValueError(f"mla_paged_attention: blocks {first}.. do not hold {L} positions")
         native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C[first].data_ptr(), KPE[first].data_ptr(),
                                     KV_CODES[C.dtype], r, dr, L, scale, out.data_ptr())
         return out
@@ -100,6 +92,19 @@ def mla_paged_attention(q: torch.Tensor, C: torch.Tensor, KPE: torch.Tensor, tab
                                 L, scale, out.data_ptr(), table.data_ptr(), B.bit_length() - 1, C.stride(0),
                                 KPE.stride(0))
     return out
+
+
+def _check_pools(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype not in DTYPES or b.dtype != a.dtype or not a.is_contiguous() or not b.is_contiguous():
+        raise ValueError(f"{what} must be pools of one of fp32, bf16, fp16, contiguous")
+
+
+def _check_table(what: str, table: torch.Tensor, B: int, L: int, first: int, blocks: int) -> None:
+    """The sequence's L positions in its table's blocks of B, or (first >= 0) in the pool's blocks first.."""
+    if table.dtype != torch.int32 or not table.is_contiguous() or table.numel() * B < L or L < 1:
+        raise ValueError(f"{what}: {table.numel()} blocks of {B} do not hold {L} positions")
+    if first >= 0 and first + -(-L // B) > blocks:
+        raise ValueError(f"{what}: blocks {first}.. do not hold {L} positions")
 
 
 def store_kv(x: torch.Tensor, out: torch.Tensor) -> None:
