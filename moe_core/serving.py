@@ -178,13 +178,20 @@ def _libc():
         return None
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+KEEP_FREED = 1 << 30  # the heap's free top kept for reuse up to this (trim_heap returns it after a long context)
+
+
 def tune_malloc() -> None:
-    """Tensors of 1 MiB and more get their own mapping, returned to the OS when freed. glibc's default
-    raises this threshold whenever a large block is freed (up to 32 MiB), after which a long prompt's
-    mid-sized tensors land on the heap, and fragments of it stay in the RSS for good. No-op without glibc."""
+    """Tensors up to 32 MiB come from the heap, and what they free stays there for the next step: with glibc's
+    default they got fresh mappings (its dynamic threshold did not rise under torch's allocations), and a 512-token
+    prefill spent ~20% of the GPU side's time faulting in and unmapping pages (docs/kernels.md, "Prefill's
+    temporaries kept on the heap"). The heap keeps what one step used at most; trim_heap() returns it after a long
+    context. Fixed values also turn glibc's dynamic adjustment off. No-op without glibc."""
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (setting it also turns the dynamic adjustment off)
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest
+        libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED)
 
 
 def freeze_startup_objects() -> None:
@@ -209,10 +216,19 @@ def advise_huge_pages(addr: int, nbytes: int) -> None:
 
 
 def trim_heap() -> None:
-    """Give the heap's free pages back to the OS (after a long context ended). No-op without glibc."""
+    """Give the heap's free pages back to the OS (after a long context ended), the calling thread's own arena's top
+    included: malloc_trim leaves a thread arena's top chunk mapped (glibc's mtrim shrinks the main arena's only),
+    but a free there with the trim threshold at 0 returns it. No-op without glibc."""
     libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return
+    import ctypes
+    libc.malloc_trim(0)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallopt(M_TRIM_THRESHOLD, 0)
+    libc.free(libc.malloc(1 << 17))  # >= 64 KiB: a free that large tries to trim its arena
+    libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED)
 
 
 def mem_available() -> int:

@@ -323,6 +323,6 @@ def test_memory_returns_to_steady_after_a_long_prefill(tmp_path):
         tokens(s.stub, greedy_request([5, 9, 17, 33] * 4, 100))
         after = {p: status_mib(p.pid) * 2**20 for p in (s.gpu, s.expert)}
         for p, name in ((s.gpu, "gpu"), (s.expert, "expert")):
-            assert after[p] <= 1.10 * steady[p], f"{name} service: {steady[p] >> 20} MiB -> {after[p] >> 20} MiB"
+            assert after[p] <= 1.10 * steady[p], f"{name} service: {steady[p] / 2**20:.0f} MiB -> {after[p] / 2**20:.0f} MiB"
     finally:
         s.stop()
