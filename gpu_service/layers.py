@@ -13,15 +13,15 @@ try:
     from moe_kernels import norm_rope
 except ImportError:  # the native extension is not built: torch everywhere
     norm_rope = None
-NATIVE_ROWS = 16  # tokens up to which the native norm and rope beat torch's ops (decode, small batches)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
              native: bool = False) -> torch.Tensor:
     """offset: zero-centred weights (Qwen3-Next), x_normed * (1 + w) in fp32, then rounded, as
     transformers does (the plain form rounds x_normed first, then multiplies). native: the plain form
-    in one native call where it applies (a decode step's rows on the CPU; moe_kernels.norm_rope)."""
-    if native and norm_rope and not offset and x.shape[0] <= NATIVE_ROWS and norm_rope.rms_norm_supported(x, weight):
+    in one native call where it applies (on the CPU: moe_kernels.norm_rope; a prefill's rows on the native pool,
+    2-4x torch's ops at 512 tokens, docs/kernels.md "Prefill's norms and rotary embeddings native")."""
+    if native and norm_rope and not offset and norm_rope.rms_norm_supported(x, weight):
         return norm_rope.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -103,7 +103,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     interleave=False: rotate halves (Llama/Qwen/Mixtral). interleave=True: rotate (x0,x1),(x2,x3)...
     pairs and return them de-interleaved (evens then odds), as transformers' DeepSeek does; q and k
     get the same permutation, so their dot products are unchanged. native: as rms_norm's."""
-    if native and norm_rope and x.shape[0] <= NATIVE_ROWS and norm_rope.rope_supported(x, cos):
+    if native and norm_rope and norm_rope.rope_supported(x, cos):
         if interleave:  # the pairs' evens then odds, rotated as halves: the same products and sums
             T, heads, dim = x.shape
             x = x.reshape(T, heads, dim // 2, 2).transpose(-1, -2).reshape(T, heads, dim)

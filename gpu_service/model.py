@@ -28,7 +28,7 @@ from .attention import QKV, gqa_attention, mla_attention
 from .experts import Experts, Span
 from .kv_pool import BLOCK, KVPool, SeqCache
 from .linear_attention import gated_deltanet
-from .layers import (GATE_UP, NATIVE_ROWS, linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route,
+from .layers import (GATE_UP, linear, packs_router, rms_norm, rope_cos_sin, rope_inv_freq, route,
                      softmax_scale, swiglu)
 
 log = logging.getLogger("gpu_service.model")
@@ -296,7 +296,7 @@ class Model:
             defer_layers is None else None
         # and the step's end in it, where every row is a segment's last and the layer loop's end would be native too
         logits = torch.empty(len(segments), self.lm_head.rows) if loop is not None and loop.has_head and \
-            len(segments) <= NATIVE_ROWS and not any(s.logprobs for s in segments) else None
+            not any(s.logprobs for s in segments) else None
         if loop is not None and decode_loop.run(loop, experts, step, h, cos, sin, native_seqs, cfg.top_k, defer, t,
                                                 spans, records, logits):
             layers, t = range(0), clock()

@@ -461,20 +461,38 @@ PYBIND11_MODULE(_native, m) {
       py::arg("logits"), py::arg("bias"), py::arg("B"), py::arg("E"), py::arg("k"), py::arg("n_group"),
       py::arg("topk_group"), py::arg("norm_topk"), py::arg("scaling"), py::arg("ids"), py::arg("weights"),
       "the sigmoid router's top-k choice (bias 0: none; native/decode_step.cpp)");
-  // small enough to run with the GIL held: no pool, no lock
+  // a decode step's few rows run with the GIL held (no pool, no lock); a prefill's rows go to the pool in
+  // slices (each row stands alone: the same bits either way)
+  auto by_rows = [](int rows, int work_per_row, const std::function<void(int, int)>& fn) {
+    constexpr int POOL_WORK = 1 << 16;  // elements below which a handoff to the pool costs more than it saves
+    if (int64_t(rows) * work_per_row < POOL_WORK) return fn(0, rows);
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(compute_mutex());
+    ThreadPool& tp = pool();
+    const int tasks = std::min(rows, 4 * tp.size()), per = (rows + tasks - 1) / tasks;
+    tp.parallel_for((rows + per - 1) / per, [&](int i) { fn(i * per, std::min(rows, (i + 1) * per)); });
+  };
   m.def(
       "rms_norm",
-      [](uintptr_t x, bool x_bf16, uintptr_t w, bool w_bf16, uintptr_t out, bool out_bf16, int rows, int n, float eps) {
-        rms_norm_rows(reinterpret_cast<const void*>(x), x_bf16, reinterpret_cast<const void*>(w), w_bf16,
-                      reinterpret_cast<void*>(out), out_bf16, rows, n, eps);
+      [by_rows](uintptr_t x, bool x_bf16, uintptr_t w, bool w_bf16, uintptr_t out, bool out_bf16, int rows, int n,
+                float eps) {
+        const size_t xb = x_bf16 ? 2 : 4, ob = out_bf16 ? 2 : 4;
+        by_rows(rows, n, [&](int r0, int r1) {
+          rms_norm_rows(reinterpret_cast<const char*>(x) + size_t(r0) * n * xb, x_bf16, reinterpret_cast<const void*>(w),
+                        w_bf16, reinterpret_cast<char*>(out) + size_t(r0) * n * ob, out_bf16, r1 - r0, n, eps);
+        });
       },
       py::arg("x"), py::arg("x_bf16"), py::arg("w"), py::arg("w_bf16"), py::arg("out"), py::arg("out_bf16"),
       py::arg("rows"), py::arg("n"), py::arg("eps"), "RMSNorm with torch's rounding (native/norm_rope.cpp)");
   m.def(
       "rope",
-      [](uintptr_t x, uintptr_t out, bool bf16, int T, int heads, int dim, uintptr_t cos, uintptr_t sin) {
-        rope_rows(reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), bf16, T, heads, dim,
-                  reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin));
+      [by_rows](uintptr_t x, uintptr_t out, bool bf16, int T, int heads, int dim, uintptr_t cos, uintptr_t sin) {
+        const size_t b = bf16 ? 2 : 4, row = size_t(heads) * dim * b, angles = size_t(dim / 2) * b;
+        by_rows(T, heads * dim, [&](int t0, int t1) {
+          rope_rows(reinterpret_cast<const char*>(x) + t0 * row, reinterpret_cast<char*>(out) + t0 * row, bf16,
+                    t1 - t0, heads, dim, reinterpret_cast<const char*>(cos) + t0 * angles,
+                    reinterpret_cast<const char*>(sin) + t0 * angles);
+        });
       },
       py::arg("x"), py::arg("out"), py::arg("bf16"), py::arg("T"), py::arg("heads"), py::arg("dim"), py::arg("cos"),
       py::arg("sin"), "rotary embedding, halves rotated, with torch's rounding (native/norm_rope.cpp)");
