@@ -535,9 +535,9 @@ def test_int_scaled_formats_are_the_reference_on_every_path_bitwise(fmt, T):
 
 @pytest.mark.parametrize("T", [1, 3])
 def test_int8_one_token_rows_are_the_reference_bitwise(T):
-    """int8 sums q x w in int32 on every path (exact) and scales it the same way: one token (AVX2 reads a row at a
-    time there) and a few (the 4-row tiles) give the portable reference's bits, with K not a multiple of the
-    one-token loop's 128 and rows not of the tiles' 4."""
+    """int8 sums q x w in int32 on every path (exact) and scales it the same way: one token (AVX2 and AVX-512 read
+    a row at a time there) and a few (the 4-row tiles) give the portable reference's bits, with K not a multiple
+    of the one-token loops' 128 or 256 and rows not of the tiles' 4."""
     from moe_kernels.dense import NativeLinear
     torch.manual_seed(0)
     w, x = torch.randn(1041, 1060) * 0.05, torch.randn(T, 1060)  # rows of 1088 packed: 8 x 128 + 64
