@@ -42,14 +42,16 @@ def wait_for_experts(experts: RemoteExperts, timeout: float, cancel):
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 raise ConnectionError(f"expert service at {experts.target} refused us: {e.details()}") from None
-            if time.monotonic() > deadline and expert_is_up(experts):
+            # it answers (its health service), so it is loading: waited for however long that takes, and said at
+            # once (a fast load can end before `timeout` would have passed)
+            if expert_is_up(experts):
                 if not loading:
                     log.info("expert service at %s is up and still loading its experts: waiting for it",
                              experts.target)
                 loading = True
                 deadline = time.monotonic() + timeout
-            if time.monotonic() > deadline:
-                raise ConnectionError(f"expert service at {experts.target} not ready after {timeout:.0f}s: "
+            elif time.monotonic() > deadline:
+                raise ConnectionError(f"expert service at {experts.target} not ready after {timeout:g}s: "
                                       f"{e.code().name}: {e.details()}") from None
             cancel.wait(delay)
             delay = min(delay * 2, 2.0)

@@ -92,7 +92,7 @@ def test_gpu_service_waits_for_an_expert_service_that_is_still_loading(wide, tmp
     e = start("expert_service", "--model", str(wide), "--listen", f"127.0.0.1:{eport}", "--threads", "1",
               "--weight-format", "int4", "--cache-dir", "off", log=elog)
     g = start("gpu_service", "--model", str(wide), "--listen", f"127.0.0.1:{gport}", "--experts",
-              f"127.0.0.1:{eport}", "--connect-timeout", "1", "--threads", "1", log=glog)
+              f"127.0.0.1:{eport}", "--connect-timeout", "0.5", "--threads", "1", log=glog)
     try:
         wait_log(glog, "still loading its experts: waiting", g)
         assert "ready:" not in elog.read_text()
