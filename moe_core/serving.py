@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -170,12 +171,17 @@ def run(main) -> None:
     uvloop.run(wrapper())
 
 
+@functools.cache
 def _libc():
+    """glibc, its malloc/free prototyped for pointers; None elsewhere."""
+    import ctypes
     try:
-        import ctypes
-        return ctypes.CDLL("libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return None
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
@@ -183,9 +189,8 @@ KEEP_FREED = 1 << 30  # the heap's free top kept for reuse up to this (trim_heap
 
 
 def tune_malloc() -> None:
-    """Tensors up to 32 MiB come from the heap, and what they free stays there for the next step: with glibc's
-    default they got fresh mappings (its dynamic threshold did not rise under torch's allocations), and a 512-token
-    prefill spent ~20% of the GPU side's time faulting in and unmapping pages (docs/kernels.md, "Prefill's
+    """Tensors up to 32 MiB come from the heap, and what they free stays there for the next step: as fresh
+    mappings, a prefill's tensors were faulted in and unmapped page by page every layer (docs/kernels.md, "Prefill's
     temporaries kept on the heap"). The heap keeps what one step used at most; trim_heap() returns it after a long
     context. Fixed values also turn glibc's dynamic adjustment off. No-op without glibc."""
     libc = _libc()
@@ -222,10 +227,7 @@ def trim_heap() -> None:
     libc = _libc()
     if libc is None or not hasattr(libc, "malloc_trim"):
         return
-    import ctypes
     libc.malloc_trim(0)
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
     libc.mallopt(M_TRIM_THRESHOLD, 0)
     libc.free(libc.malloc(1 << 17))  # >= 64 KiB: a free that large tries to trim its arena
     libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED)
