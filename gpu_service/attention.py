@@ -38,10 +38,9 @@ def _as(dtype: torch.dtype, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [x if x.dtype == dtype else x.to(dtype) for x in xs]
 
 
-def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
-                  start: int, native: bool = False) -> torch.Tensor:
-    """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]. native: decode on the native
-    kernel where it takes the pool (fp32, bf16 or fp16 on the CPU; moe_kernels.attention)."""
+def gqa_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, native: bool = False):
+    """x [t, H] -> (q [t, nh, d], k and v [t, kv heads, d]: normed and rotated as the layer's keys are stored, the
+    output gate [t, nh * d] or None). Shared by gqa_attention and the graphed decode step (graphed_decode.py)."""
     t = x.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nq = nh * d * (2 if cfg.attn_output_gate else 1)  # Qwen3-Next: each head's query, then its gate
@@ -64,7 +63,25 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     if cfg.qk_norm:
         q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, native)
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, native)
-    q, k = apply_rope(q, cos, sin, False, native), apply_rope(k, cos, sin, False, native)
+    return apply_rope(q, cos, sin, False, native), apply_rope(k, cos, sin, False, native), v, gate
+
+
+def gqa_output(cfg: ModelConfig, W: dict, p: str, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """The heads' outputs (t x nh x d values, head-major within a token) -> [t, H]: the output gate where the layer
+    has one, then o_proj."""
+    o = o.reshape(-1, cfg.num_heads * cfg.head_dim)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
+
+
+def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
+                  start: int, native: bool = False) -> torch.Tensor:
+    """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]. native: decode on the native
+    kernel where it takes the pool (fp32, bf16 or fp16 on the CPU; moe_kernels.attention)."""
+    t = x.shape[0]
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v, gate = gqa_project(cfg, W, p, x, cos, sin, native)
     cache.write(layer, start, k, v)
     end = start + t
     window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
@@ -91,10 +108,7 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], is_causal=causal,
                                                attn_mask=None if causal else _causal_mask(t, start, x.device),
                                                enable_gqa=nkv != nh)[0].transpose(0, 1)
-    o = o.reshape(t, nh * d)
-    if gate is not None:
-        o = o * torch.sigmoid(gate)
-    return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
+    return gqa_output(cfg, W, p, o, gate)
 
 
 def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, window: int,
@@ -145,13 +159,11 @@ def _latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: SeqCache, 
     return o_lat
 
 
-def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
-                  start: int, scale: float, native: bool = False) -> torch.Tensor:
-    """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]. native: a decode step's norms and rope (as
-    layers.rms_norm's) and its (up to NATIVE_ABSORB_TOKENS tokens) absorbed products on the native kernels
-    (moe_kernels.attention.mla_absorb_*)."""
+def mla_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, native: bool = False):
+    """x [t, H] -> (q_nope [t, nh, dn], q_pe [t, nh, dr] rotated, the latent c [t, r] normed, the rotary key k_pe
+    [t, dr] rotated: c and k_pe as the pool stores them). Shared by mla_attention and the graphed decode step."""
     t = x.shape[0]
-    nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    nh, dn, dr, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
         q = linear(x, W[p + "q_proj.weight"])
     else:
@@ -165,6 +177,17 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     k_pe = ckv[:, r:].view(t, 1, dr)
     q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave, native)             # [t, nh, dr]
     k_pe = apply_rope(k_pe, cos, sin, cfg.rope_interleave, native)[:, 0]       # [t, dr]
+    return q_nope, q_pe, c, k_pe
+
+
+def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
+                  start: int, scale: float, native: bool = False) -> torch.Tensor:
+    """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]. native: a decode step's norms and rope (as
+    layers.rms_norm's) and its (up to NATIVE_ABSORB_TOKENS tokens) absorbed products on the native kernels
+    (moe_kernels.attention.mla_absorb_*)."""
+    t = x.shape[0]
+    nh, dn, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q_nope, q_pe, c, k_pe = mla_project(cfg, W, p, x, cos, sin, native)
     cache.write(layer, start, c, k_pe)
     kv_b = W[p + "kv_b_proj.weight"]                                           # [nh * (dn + dv), r]
     absorb = native and t <= NATIVE_ABSORB_TOKENS and native_attention.supports_kv_b(kv_b)

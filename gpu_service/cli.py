@@ -68,6 +68,10 @@ def parse_args(argv=None):
                          "own matmuls. auto = bf16 for a bf16 checkpoint (fp8 for an FP8 one) when this CPU has a "
                          "SIMD kernel path and --dtype is auto or bf16, else torch (an explicit --dtype fp32 stays "
                          "exact); on CUDA always torch")
+    ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
+                    help="on CUDA, decode steps as captured graphs, one per segment between two expert exchanges and "
+                         "per bucket of batch size and context length (auto: where the model's layers allow: full "
+                         "attention, no sinks); off = torch's ops one by one")
     ap.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together in one step")
     ap.add_argument("--max-context", type=int, default=0,
                     help="context limit in tokens (prompt + completion); 0 = the model's max_position_embeddings")
@@ -258,7 +262,8 @@ async def serve(args, stop: asyncio.Event) -> None:
     log.info("dense layers: %s", f"native kernels, {dense} weights" if dense else "torch")
 
     def load_model(cancel):
-        return Model(cfg, ckpt, device, dtype, cancel=cancel, dense_format=dense, kv_dtype=kv_dtype)
+        return Model(cfg, ckpt, device, dtype, cancel=cancel, dense_format=dense, kv_dtype=kv_dtype,
+                     cuda_graphs=args.cuda_graphs == "auto")
 
     async def stopped_while_starting(remotes=()) -> None:
         log.info("stopped while starting")

@@ -23,7 +23,7 @@ from moe_core.routing import split_deferred
 from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel needs moe_kernels anyway
 from moe_kernels.packing import Fp8
 
-from . import decode_loop, decode_step
+from . import decode_loop, decode_step, graphed_decode
 from .attention import QKV, gqa_attention, mla_attention
 from .experts import Experts, Span
 from .kv_pool import BLOCK, KVPool, SeqCache
@@ -86,12 +86,13 @@ def _stored_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype, device: torch
 class Model:
     def __init__(self, cfg: ModelConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
                  cancel: threading.Event | None = None, dense_format: str | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, cuda_graphs: bool = True):
         """Loads every non-expert weight (FP8 ones dequantized, then cast to `dtype`); `cancel` stops it
         between two tensors (InterruptedError). The checkpoint's mapped pages are let go afterwards.
         dense_format (bf16 | int8 | int4 | fp8, CPU only): the DENSE weights and lm_head are packed for the
         native kernels in that format instead of kept as torch tensors (fp8: an FP8 checkpoint's FP8 weights as
-        published, its others as bf16). kv_dtype: the KV cache's (default `dtype`; --kv-cache-dtype)."""
+        published, its others as bf16). kv_dtype: the KV cache's (default `dtype`; --kv-cache-dtype). cuda_graphs:
+        decode steps on CUDA as captured graphs where the layers allow (graphed_decode.py; --cuda-graphs)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.kv_dtype = kv_dtype or dtype
         self.W: dict[str, torch.Tensor] = {}
@@ -153,6 +154,11 @@ class Model:
         # and their dense MLPs / shared experts (the same numbers in the layer loop and the decode loop)
         self.decode_mlps = decode_step.mlps(cfg, self.W, dtype, self.decode_blocks)
         self._loop: tuple | None = None  # (pool, its native decode loop or None): decode_loop.build
+        # decode steps as CUDA graphs (graphed_decode.py) where the model's layers and weights allow: "cuda", "off",
+        # or for tests on the CPU "eager" (the same segments, not captured) or a capture function (a recorder)
+        self.graphs = "cuda" if cuda_graphs and device.type == "cuda" and dense_format is None and \
+            graphed_decode.eligible(cfg) else "off"
+        self._graphed: tuple | None = None  # (pool, its GraphedDecode)
         self.kv: KVPool | None = None
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
                  sum(t.nbytes for t in self.W.values()) / 1e6, device, dtype)
@@ -243,6 +249,16 @@ class Model:
                           if os.environ.get("MOE_DECODE_LOOP") != "off" else None)
         return self._loop[1]
 
+    def _graph_runner(self, pool: KVPool) -> graphed_decode.GraphedDecode:
+        """The graphed decode steps on `pool` (built once per pool)."""
+        if self._graphed is None or self._graphed[0] is not pool:
+            if self._graphed is not None:
+                self._graphed[1].close()
+            capture = graphed_decode.cuda_capture(torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()) \
+                if self.graphs == "cuda" else self.graphs if callable(self.graphs) else None
+            self._graphed = (pool, graphed_decode.GraphedDecode(self, pool, capture))
+        return self._graphed[1]
+
     def _rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rotary dim / 2] of positions [T] (all below end): rows of tables of every position so far,
         grown by doubling. rope_cos_sin's numbers (elementwise: a position's row is the same computed alone or
@@ -279,6 +295,20 @@ class Model:
 
         t = clock()
         decoding = all(s.tokens.shape[0] == 1 for s in segments)  # every sequence adds one token
+        if decoding and self.graphs != "off" and not (skip and defer) and defer_layers is None and \
+                not any(s.logprobs for s in segments):
+            runner = self._graph_runner(segments[0].cache.pool)
+            key = runner.takes(segments)
+            if key is not None:
+                clock_at = [t]
+
+                def segment_done(name: str, layer: int) -> None:
+                    clock_at[0] = mark(name, layer, clock_at[0])
+
+                logits = runner.run(segments, key, experts, step, defer, segment_done)
+                for s in segments:
+                    s.cache.commit(s.start + 1, s.tokens.tolist())
+                return logits
         tokens = (segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])).to(self.device)
         if decoding:  # one op where the aranges take B + 2: each costs ~10 us between the kernels
             positions = torch.tensor([s.start for s in segments], device=self.device)

@@ -33,9 +33,16 @@ step "tests, GPU service on cuda"
 MOE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
   tests/test_e2e_families.py tests/test_deferral.py tests/test_generate.py tests/test_shm.py \
   tests/test_chunked_prefill.py tests/test_bad_requests.py tests/test_real_configs.py tests/test_hot_experts.py \
-  tests/test_prefill_experts.py tests/test_prefix_cache.py tests/test_kv_dtype.py >"$OUT/pytest.log" 2>&1
+  tests/test_prefill_experts.py tests/test_prefix_cache.py tests/test_kv_dtype.py tests/test_graphed_decode.py \
+  >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?"; tail -25 "$OUT/pytest.log"
 [ "${BENCH:-1}" = 0 ] && { step done; exit 0; }
+
+step "the GPU side's decode step a layer, per op against CUDA graphs (#28: <= 100 us a layer outside the weight reads)"
+for arch in qwen3-30b-a3b deepseek-v3; do
+  timeout 150 $PY bench/bench_graphs.py --arch $arch --layers 4 --device cuda --batch 1,4 --context 512 --steps 48 \
+    --rounds 2 --work /tmp/bench-graphs 2>&1 | grep -E '^\||layers|graphs|Error|failed' | tee "$OUT/graphs-$arch.log"
+done
 
 step "Qwen3-30B-A3B width, 2 layers: hot experts (decode with 0, 8, 32 a layer), GPU prefill at 2k tokens"
 Q3=/tmp/q3-2layers

@@ -27,6 +27,8 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
+from moe_core.config import is_routed_expert_tensor
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "models" / "default"
 
@@ -338,9 +340,11 @@ def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch
     return {name: w.to(dtype)}
 
 
-def write(c: dict, out: pathlib.Path, std: float, seed: int, shard_mb: int) -> pathlib.Path:
+def write(c: dict, out: pathlib.Path, std: float, seed: int, shard_mb: int, routed_experts: bool = True) -> pathlib.Path:
+    """routed_experts=False: every tensor but the routed experts' (what a GPU side loads; a benchmark of it alone
+    at full width without the experts' gigabytes)."""
     out.mkdir(parents=True, exist_ok=True)
-    specs = tensor_specs(c)
+    specs = [s for s in tensor_specs(c) if routed_experts or not is_routed_expert_tensor(s[0])]
     fp8 = (c.get("quantization_config") or {}).get("quant_method") == "fp8"
     nbytes = lambda s: (1 if (s[2] == "proj" and fp8) or s[2].startswith("mx") else 2) * \
         int(torch.tensor(s[1]).prod())  # noqa: E731
@@ -398,13 +402,15 @@ def main(argv=None) -> None:
     ap.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-mb", type=int, default=4096)
+    ap.add_argument("--no-routed-experts", action="store_true",
+                    help="leave the routed experts out (a checkpoint only a GPU side can load)")
     a = ap.parse_args(argv)
     overrides = {}
     for kv in a.set:
         k, _, v = kv.partition("=")
         overrides[k] = json.loads(v)
     c = config_of(a.arch, a.layers, overrides)
-    out = write(c, pathlib.Path(a.out), a.std, a.seed, a.shard_mb)
+    out = write(c, pathlib.Path(a.out), a.std, a.seed, a.shard_mb, not a.no_routed_experts)
     print(f"wrote {out}: {c['model_type']}, {c.get('text_config', c)['num_hidden_layers']} layers")
 
 

@@ -1,0 +1,288 @@
+"""Decode steps as captured CUDA graphs: the GPU side's step without per-op launches (issue #28; on the H200 the
+per-op step was launch-bound: ~30 torch ops a layer, each a kernel launch, and host round trips between them).
+
+A step whose every sequence adds one token runs, per bucket of (batch rows, context positions), as a fixed list of
+segments over buffers that live as long as the bucket:
+  head      the step's tokens, positions and block tables (one host->device copy), their rope rows, the KV slots
+            each row writes and the attention mask; the embedding
+  layer L   the residual add of the previous MoE layer's results (routed, deferred, shared), the attention block
+            (input norm, q/k/v, rope, the KV write, attention, o_proj), the post-attention norm; then a dense layer's
+            MLP, or an MoE layer's router into x, ids and w
+  shared L  an MoE layer's shared experts on x: launched after x went to the expert service, so they overlap it
+  tail      the last residual add, the final norm and the lm_head into the logits
+Each segment runs eagerly the first time its bucket runs (that run is the step's own computation and the capture's
+warm-up), is captured as a graph right after, and is replayed from then on. Between segments the host hands x, ids
+and w to the experts (the shared-memory channel copies them straight from the device: the layer's one device->host
+copy and the stream's one synchronization) and copies each result into a bucket buffer (one host->device copy).
+
+Attention has no paged kernel in torch: each row gathers its sequence's blocks up to the bucket's context and masks
+the positions past its own, in the per-head matmuls the CPU path uses at decode. Padded rows write their keys into
+a block the runner holds for them. Layers the segments do not cover (linear attention, windows, sinks) and steps
+with deferral skipped, a depth study or log-probabilities take Model.forward's per-op loop.
+
+Graph-safe by construction: no host synchronization, no shapes that depend on values, every per-step value read from
+the bucket's buffers. On the CPU (tests) the same segments run eagerly, and a recording stand-in for the graph checks
+that each replay would read what the capture read (tests/test_graphed_decode.py)."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from moe_core.config import ModelConfig
+
+from .attention import gqa_output, gqa_project, mla_project
+from .kv_pool import BLOCK, KVPool
+from .layers import linear, rms_norm, route
+
+log = logging.getLogger("gpu_service.graphed_decode")
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)  # rows a bucket pads a step to
+MIN_CONTEXT = 256  # positions of the smallest context bucket; the others double
+GATHER_BYTES = 512 << 20  # most bytes one layer's gathered keys and values may take; a bigger bucket runs per op
+
+
+def eligible(cfg: ModelConfig) -> bool:
+    """Whether every layer fits the segments: full attention (GQA or MLA) everywhere, no sinks."""
+    return not cfg.attn_sinks and all(not cfg.is_linear_attention(L) and not cfg.window(L)
+                                      for L in range(cfg.num_layers))
+
+
+def bucket(cfg: ModelConfig, dtype: torch.dtype, rows: int, end: int) -> tuple[int, int] | None:
+    """(batch rows, context positions) of the bucket a step of `rows` sequences reaching position end - 1 runs in;
+    None where no bucket takes it (more rows than the largest, or a gather over GATHER_BYTES)."""
+    B = next((b for b in BATCHES if b >= rows), None)
+    if B is None:
+        return None
+    C = max(MIN_CONTEXT, 1 << (end - 1).bit_length())
+    per_position = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
+                    else 2 * cfg.num_kv_heads * cfg.head_dim) * dtype.itemsize
+    return (B, C) if B * C * per_position <= GATHER_BYTES else None
+
+
+def cuda_capture(stream: torch.cuda.Stream, pool) -> Callable:
+    """fn -> a torch.cuda.CUDAGraph of it, captured on `stream` into the memory pool all the runner's graphs share
+    (they replay one at a time on one stream, and none keeps a tensor of its own past its end). capture_begin and
+    capture_end directly: torch.cuda.graph's context also synchronizes the device and runs the garbage collector
+    at each capture."""
+    def capture(fn: Callable) -> torch.cuda.CUDAGraph:
+        g = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up on the capturing stream, as torch asks (its libraries' per-stream set-up); a segment run
+            # twice computes the same (every output a bucket buffer, none of its inputs)
+            g.capture_begin(pool=pool)
+            try:
+                fn()
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return g
+    return capture
+
+
+class Bucket:
+    """The buffers and segments of one (rows, context) bucket; `deferring`: the results' merge adds a deferred
+    part (a step with defer 0 has none to add)."""
+
+    def __init__(self, model, pool: KVPool, B: int, C: int, scratch: int, deferring: bool):
+        cfg, dev, dt = model.cfg, model.device, model.dtype
+        self.model, self.pool, self.B, self.C, self.scratch, self.deferring = model, pool, B, C, scratch, deferring
+        H, k, nb = cfg.hidden_size, cfg.top_k, C // BLOCK
+        pin = dev.type == "cuda"
+        # per row: token, position, then the block table padded with the scratch block
+        self.meta_host = torch.zeros(B, 2 + nb, dtype=torch.int32, pin_memory=pin)
+        self.meta = torch.zeros(B, 2 + nb, dtype=torch.int32, device=dev)
+        model._rope(torch.zeros(1, dtype=torch.long, device=dev), C)  # the table covers the bucket (and is kept)
+        self.rope_table = model._rope_table
+        rot = self.rope_table[0].shape[1]
+        z = lambda *shape, dtype=dt: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        self.cos, self.sin = z(B, rot), z(B, rot)
+        self.blk, self.off = z(B, dtype=torch.long), z(B, dtype=torch.long)  # where each row's new KV goes
+        self.tables = z(B, nb, dtype=torch.long)
+        self.mask = z(B, C, dtype=torch.bool)  # the positions each row sees
+        self.h = [z(B, H), z(B, H)]  # layer L reads h[L % 2] and writes the other: a segment run twice is the same
+        self.x, self.ids, self.w = z(B, H), z(B, k, dtype=torch.int32), z(B, k, dtype=torch.float32)
+        self.y, self.late, self.shared = z(B, H), z(B, H), z(B, H)
+        self.logits = z(B, model.lm_head.shape[0], dtype=torch.float32)
+        self.positions = torch.arange(C, device=dev)
+        self.segments: list[tuple[str, int, Callable]] = [("embed", -1, self._head)]
+        for L in range(cfg.num_layers):
+            self.segments.append(("attention", L, lambda L=L: self._layer(L)))
+            if cfg.is_moe_layer(L) and cfg.shared_intermediate_size:
+                self.segments.append(("shared_experts", L, lambda L=L: self._shared(L)))
+        self.segments.append(("lm_head", -1, self._tail))
+        self.graphs: list = [None] * len(self.segments)
+
+    # -- segments: every input and output a buffer of the bucket --------------------------------
+    def _head(self) -> None:
+        meta = self.meta.long()
+        pos = meta[:, 1]
+        self.tables.copy_(meta[:, 2:])
+        self.blk.copy_(self.tables.gather(1, (pos // BLOCK)[:, None])[:, 0])
+        self.off.copy_(pos % BLOCK)
+        self.mask.copy_(self.positions[None, :] <= pos[:, None])
+        self.cos.copy_(self.rope_table[0][pos])
+        self.sin.copy_(self.rope_table[1][pos])
+        self.h[0].copy_(torch.nn.functional.embedding(meta[:, 0], self.model.W["model.embed_tokens.weight"]))
+
+    def _merge(self, h: torch.Tensor) -> torch.Tensor:
+        """h plus an MoE layer's results as Model.forward adds them: (routed (+ deferred), + shared)."""
+        y = self.y + self.late if self.deferring else self.y
+        return h + (y + self.shared if self.model.cfg.shared_intermediate_size else y)
+
+    def _layer(self, L: int) -> None:
+        model, cfg, W = self.model, self.model.cfg, self.model.W
+        p = f"model.layers.{L}."
+        h = self.h[L % 2]
+        if L and cfg.is_moe_layer(L - 1):
+            h = self._merge(h)
+        x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        h = h + (self._mla(L, x) if cfg.attention == "mla" else self._gqa(L, x))
+        x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        fp = p + cfg.ffn_prefix + "."
+        if not cfg.is_moe_layer(L):
+            h = h + model._mlp(fp, x)
+        else:
+            rp = fp + cfg.router_name + "."
+            ids, w = route(cfg, x, W[rp + "weight"], W.get(rp + "bias", W.get(
+                rp + "e_score_correction_bias", W.get(fp + "e_score_correction_bias"))))
+            self.x.copy_(x)
+            self.ids.copy_(ids)
+            self.w.copy_(w)
+        self.h[(L + 1) % 2].copy_(h)
+
+    def _shared(self, L: int) -> None:
+        cfg = self.model.cfg
+        self.shared.copy_(self.model._shared(f"model.layers.{L}.{cfg.ffn_prefix}.", self.x))
+
+    def _tail(self) -> None:
+        cfg = self.model.cfg
+        h = self.h[cfg.num_layers % 2]
+        if cfg.is_moe_layer(cfg.num_layers - 1):
+            h = self._merge(h)
+        h = rms_norm(h, self.model.W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
+        self.logits.copy_(linear(h, self.model.lm_head).float())
+
+    def _gqa(self, L: int, x: torch.Tensor) -> torch.Tensor:
+        cfg, W = self.model.cfg, self.model.W
+        p = f"model.layers.{L}.self_attn."
+        B, nh, nkv, d = self.B, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v, gate = gqa_project(cfg, W, p, x, self.cos, self.sin)
+        K, V = self.pool.bufs[L]                                                  # [kv, blocks, BLOCK, d]
+        K[:, self.blk, self.off] = k.transpose(0, 1).to(K.dtype)
+        V[:, self.blk, self.off] = v.transpose(0, 1).to(V.dtype)
+        Kg = K[:, self.tables].reshape(nkv, B, self.C, d).to(q.dtype)            # [kv, B, C, d]
+        Vg = V[:, self.tables].reshape(nkv, B, self.C, d).to(q.dtype)
+        qg = q.view(B, nkv, nh // nkv, d).transpose(0, 1)                         # [kv, B, group, d]
+        s = torch.matmul(qg, Kg.transpose(-1, -2)) * d ** -0.5                    # [kv, B, group, C]
+        s = s.float().masked_fill(~self.mask[None, :, None, :], float("-inf"))
+        o = torch.matmul(s.softmax(-1).to(q.dtype), Vg)                           # [kv, B, group, d]
+        return gqa_output(cfg, W, p, o.transpose(0, 1), gate)
+
+    def _mla(self, L: int, x: torch.Tensor) -> torch.Tensor:
+        cfg, W = self.model.cfg, self.model.W
+        p = f"model.layers.{L}.self_attn."
+        B, nh, dn, dv, r = self.B, cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        q_nope, q_pe, c, k_pe = mla_project(cfg, W, p, x, self.cos, self.sin)
+        Cp, Pp = self.pool.bufs[L]                                                # [blocks, BLOCK, r], [.., dr]
+        Cp[self.blk, self.off] = c.to(Cp.dtype)
+        Pp[self.blk, self.off] = k_pe.to(Pp.dtype)
+        wkv = W[p + "kv_b_proj.weight"].to(x.dtype).view(nh, dn + dv, r)
+        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, wkv[:, :dn])                # [B, nh, r]
+        Cg = Cp[self.tables].reshape(B, self.C, r).to(x.dtype)                    # [B, C, r]
+        Pg = Pp[self.tables].reshape(B, self.C, -1).to(x.dtype)                   # [B, C, dr]
+        s = (torch.matmul(q_lat, Cg.transpose(1, 2)) + torch.matmul(q_pe, Pg.transpose(1, 2))) * self.model.scale
+        s = s.float().masked_fill(~self.mask[:, None, :], float("-inf"))          # [B, nh, C]
+        o_lat = torch.matmul(s.softmax(-1).to(x.dtype), Cg)                       # [B, nh, r]
+        o = torch.einsum("bhr,hvr->bhv", o_lat, wkv[:, dn:]).reshape(B, nh * dv)
+        return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
+
+
+class GraphedDecode:
+    """The graphed decode steps of one model on one KV pool. `capture`: fn -> something with replay() (the CUDA
+    graph of fn; a recording stand-in in tests), None to run the segments eagerly (the same numbers)."""
+
+    def __init__(self, model, pool: KVPool, capture: Callable | None):
+        self.model, self.pool, self.capture = model, pool, capture
+        self.buckets: dict[tuple[int, int, bool], Bucket] = {}
+        got = pool.allocate(1)  # the block padded rows write into: held for the runner's life
+        self.scratch = got[0] if got else None
+
+    def close(self) -> None:
+        if self.scratch is not None:
+            self.pool.release([self.scratch])
+            self.scratch = None
+        self.buckets.clear()
+
+    def takes(self, segments: list) -> tuple[int, int] | None:
+        """The bucket of a decode step's segments (one token each, on this pool), None where it runs per op."""
+        if self.scratch is None or any(s.cache.pool is not self.pool for s in segments):
+            return None
+        return bucket(self.model.cfg, self.pool.dtype, len(segments), max(s.start for s in segments) + 1)
+
+    def run(self, segments: list, key: tuple[int, int], experts, step: int, defer: int, mark) -> torch.Tensor:
+        """The step -> logits [len(segments), vocab] fp32. mark(name, layer): a span ends (Model.forward's)."""
+        cfg = self.model.cfg
+        n = len(segments)
+        b = self._bucket(*key, defer > 0)
+        meta = b.meta_host
+        meta[n:, :2] = 0
+        meta[n:, 2:] = self.scratch
+        for i, s in enumerate(segments):
+            if not s.cache.reserve(s.start + 1):
+                raise MemoryError(f"the KV pool ({self.pool.num_blocks} blocks of {BLOCK}) is full")
+            table = s.cache.table()
+            meta[i, 0] = int(s.tokens[0])
+            meta[i, 1] = s.start
+            meta[i, 2:2 + len(table)] = table[:b.C // BLOCK]
+            meta[i, 2 + len(table):] = self.scratch
+        b.meta.copy_(meta, non_blocking=True)
+        last_moe = self.model.last_moe_layer
+        pending = None
+        for i, (name, L, _) in enumerate(b.segments):
+            if name == "shared_experts":
+                continue  # (played right after its layer's hand-over)
+            self._play(b, i)
+            mark(name, L)
+            if name != "attention" or not cfg.is_moe_layer(L):
+                continue
+            d = defer if L != last_moe else 0
+            experts.submit(step, L, b.x[:n], b.ids[:n], b.w[:n], d)
+            mark("expert_submit", L)
+            if b.segments[i + 1][0] == "shared_experts":  # overlaps the expert service's work
+                self._play(b, i + 1)
+                mark("shared_experts", L)
+            late = experts.result(pending, deferred=True) if pending is not None else None
+            y = experts.result(L, deferred=False)
+            mark("expert_wait", L)
+            b.y[:n].copy_(y, non_blocking=True)
+            if late is not None:
+                b.late[:n].copy_(late, non_blocking=True)
+            elif b.deferring:
+                b.late.zero_()
+            pending = L if d else None
+        return b.logits[:n].clone()
+
+    def _bucket(self, B: int, C: int, deferring: bool) -> Bucket:
+        key = (B, C, deferring)
+        if key not in self.buckets:
+            self.buckets[key] = Bucket(self.model, self.pool, B, C, self.scratch, deferring)
+            log.info("decode graphs: a bucket of %d rows x %d positions%s", B, C, " (deferring)" if deferring else "")
+        return self.buckets[key]
+
+    def _play(self, b: Bucket, i: int) -> None:
+        g = b.graphs[i]
+        if g is not None:
+            g.replay()
+            return
+        fn = b.segments[i][2]
+        fn()  # this step's own computation, and the capture's warm-up
+        if self.capture is not None:
+            try:
+                b.graphs[i] = self.capture(fn)
+            except Exception as e:  # (a capture that fails leaves the segment eager: the same numbers, slower)
+                log.warning("decode graphs: capturing %s of layer %d failed (%s); running it per op from now on",
+                            b.segments[i][0], b.segments[i][1], e)
+                self.capture = None

@@ -1,0 +1,215 @@
+"""The graphed decode step (gpu_service/graphed_decode.py) on the CPU: its segments run eagerly, or under a recording
+stand-in for torch.cuda.CUDAGraph that checks each replay would read what the capture read. Against Model.forward's
+per-op path (itself checked against transformers in test_e2e_families), several sequences of different lengths in
+padded buckets, across context buckets, with deferral. What needs CUDA (the capture itself, its speed) runs in
+scripts/gpu_check.sh."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tiny_models
+from expert_service.store import load_expert_layers
+from gpu_service import graphed_decode
+from gpu_service.experts import LocalExperts
+from gpu_service.kv_pool import BLOCK
+from gpu_service.model import Model, Segment
+from moe_core.checkpoint import Checkpoint
+from moe_core.config import load_config
+
+FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2"]
+
+# ops a captured graph cannot hold: a host synchronization, a shape that depends on values, a tensor made from Python
+# values at capture (its host copy would be baked in)
+FORBIDDEN = {"aten._local_scalar_dense.default", "aten.item.default", "aten.tolist.default", "aten.nonzero.default", "aten.masked_select.default",
+             "aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten._unique2.default"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    base = tmp_path_factory.mktemp("graphed")
+    return {f: tiny_models.build(f, base / f, seed=5) for f in FAMILIES + ["gpt_oss", "qwen3_next"]}
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch):
+    monkeypatch.setattr(graphed_decode, "MIN_CONTEXT", 16)  # the tests' contexts cross buckets: 16, 32, 64
+
+
+def load(d, dtype=torch.float32, device="cpu"):
+    cfg = load_config(d)
+    model = Model(cfg, Checkpoint(d), torch.device(device), dtype)
+    return model, LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
+
+
+class Trace(TorchDispatchMode):
+    """Each op of a segment with what it reads: tensors made before the segment (weights, the pool, the bucket's
+    buffers) by address, shape, strides and dtype; tensors the segment made by shape and dtype; every other argument
+    as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.made = [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        assert name not in FORBIDDEN, f"{name} in a segment"
+        inputs, sig = set(), []
+        for a in pytree.tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor):
+                ptr = a.untyped_storage().data_ptr()
+                inputs.add(ptr)
+                sig.append(("made", tuple(a.shape), a.dtype) if ptr in self.made else
+                           ("held", ptr, a.storage_offset(), tuple(a.shape), a.stride(), a.dtype))
+            else:
+                sig.append(a)
+        out = func(*args, **kwargs)
+        for o in pytree.tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
+                self.made.add(o.untyped_storage().data_ptr())
+        self.ops.append((name, sig))
+        return out
+
+
+class Recorder:
+    """A capture function for Model.graphs: each segment's trace at capture; each replay runs the segment again and
+    asserts the same trace (what a CUDA graph would replay is what was captured)."""
+
+    def __init__(self):
+        self.captured = self.replayed = 0
+
+    def __call__(self, fn):
+        trace = Trace()
+        with trace:
+            fn()
+        self.captured += 1
+        recorder = self
+
+        class Replay:
+            def replay(self):
+                again = Trace()
+                with again:
+                    fn()
+                assert again.ops == trace.ops, "a replay would read other tensors or arguments than the capture"
+                recorder.replayed += 1
+        return Replay()
+
+
+def decode_batch(model, experts, prompts, steps, graphs, defer=0, step0=0):
+    """Prefill each prompt alone, then `steps` greedy steps of all of them together -> (logits of each step, the
+    caches)."""
+    caches = [model.new_cache() for _ in prompts]
+    model.graphs = "off"
+    last = [model.forward([Segment(c, p, 0)], experts)[-1] for c, p in zip(caches, prompts)]
+    model.graphs = graphs
+    toks, pos, out = torch.stack(last).argmax(-1), [len(p) for p in prompts], []
+    for i in range(steps):
+        logits = model.forward([Segment(c, toks[j:j + 1], pos[j]) for j, c in enumerate(caches)], experts,
+                               step=step0 + i, defer=defer)
+        out.append(logits)
+        toks, pos = logits.argmax(-1), [p + 1 for p in pos]
+    return out, caches
+
+
+PROMPTS = [torch.arange(3, 3 + n) % tiny_models.VOCAB for n in (5, 14, 30)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("defer", [0, 1])
+def test_the_segments_decode_as_the_per_op_path(checkpoints, family, defer):
+    """Three sequences (a bucket of 4 rows: one padded) over 40 steps (context buckets of 16 to 128 positions), the
+    segments replayed under the recorder: the per-op path's logits to fp32's last bits, its greedy tokens, its KV
+    rows; each replay reads what its capture read."""
+    model, experts = load(checkpoints[family])
+    ref, ref_caches = decode_batch(model, experts, PROMPTS, 40, "off", defer)
+    rec = Recorder()
+    got, caches = decode_batch(model, experts, PROMPTS, 40, rec, defer)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    for c, r in zip(caches, ref_caches):
+        assert c.length == r.length and c.tokens == r.tokens
+        for layer in range(model.cfg.num_layers):
+            for x, y in zip(c.gather(layer, c.length), r.gather(layer, r.length)):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+    assert rec.replayed > 30 * model.cfg.num_layers, rec.replayed
+    runner = model._graphed[1]
+    assert {(B, C) for B, C, _ in runner.buckets} == {(4, 32), (4, 64), (4, 128)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_captured_cuda_graphs_decode_as_the_per_op_path(checkpoints, family):
+    """On CUDA, the segments captured and replayed: the per-op path's greedy tokens and logits."""
+    model, experts = load(checkpoints[family], device="cuda")
+    assert model.graphs == "cuda"
+    ref, _ = decode_batch(model, experts, PROMPTS, 40, "off", 1)
+    got, _ = decode_batch(model, experts, PROMPTS, 40, "cuda", 1)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    buckets = model._graphed[1].buckets.values()
+    assert all(g is not None for b in buckets for g in b.graphs)
+
+
+def test_bf16_and_one_sequence(checkpoints):
+    """A bf16 model, one sequence (a bucket of its own), eager segments: the per-op path's greedy tokens."""
+    model, experts = load(checkpoints["qwen3_moe"], torch.bfloat16)
+    ref, _ = decode_batch(model, experts, PROMPTS[1:2], 24, "off")
+    got, _ = decode_batch(model, experts, PROMPTS[1:2], 24, "eager")
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0.05)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_padded_rows_write_only_the_runners_block(checkpoints):
+    """A step of one sequence in a bucket of two rows after a step of two: the padded row's keys go to the runner's
+    block, never into another sequence's (the other's rows stay as written)."""
+    model, experts = load(checkpoints["qwen3_moe"])
+    model.graphs = "eager"
+    a, b = model.new_cache(), model.new_cache()
+    for c in (a, b):
+        model.forward([Segment(c, PROMPTS[0], 0)], experts)
+    n = len(PROMPTS[0])
+    model.forward([Segment(a, torch.tensor([7]), n), Segment(b, torch.tensor([9]), n)], experts)
+    before = [t.clone() for t in b.gather(0, n + 1)]
+    model.forward([Segment(a, torch.tensor([11]), n + 1)], experts)  # bucket 1: no padding
+    model.forward([Segment(a, torch.tensor([12]), n + 2), Segment(b, torch.tensor([3]), n + 1)], experts)
+    runner = model._graphed[1]
+    assert runner.scratch is not None and runner.scratch not in a.blocks + b.blocks
+    after = b.gather(0, n + 1)
+    for x, y in zip(before, after):
+        assert torch.equal(x, y)
+
+
+def test_buckets():
+    from moe_core.config import load_config as _  # noqa: F401  (the module's config type)
+    cfg = type("Cfg", (), dict(attention="gqa", num_kv_heads=4, head_dim=128, kv_lora_rank=0, qk_rope_head_dim=0))
+    assert graphed_decode.bucket(cfg, torch.bfloat16, 3, 17) == (4, 32)
+    assert graphed_decode.bucket(cfg, torch.bfloat16, 1, 1) == (1, 16)
+    assert graphed_decode.bucket(cfg, torch.bfloat16, 64, 100) == (64, 128)
+    assert graphed_decode.bucket(cfg, torch.bfloat16, 65, 100) is None  # more rows than the largest bucket
+    # 2 KB of keys and values a position: 64 rows x 8192 positions is 1 GiB to gather, over GATHER_BYTES
+    assert graphed_decode.bucket(cfg, torch.bfloat16, 64, 8000) is None
+    assert graphed_decode.bucket(cfg, torch.bfloat16, 8, 8000) == (8, 8192)
+
+
+def test_which_models_and_devices_take_graphs(checkpoints):
+    """On the CPU the service never graphs (the native decode loop is its step); sinks, windows and linear attention
+    keep the per-op path; a step the buckets do not take runs per op."""
+    assert not graphed_decode.eligible(load_config(checkpoints["gpt_oss"]))
+    assert not graphed_decode.eligible(load_config(checkpoints["qwen3_next"]))
+    assert all(graphed_decode.eligible(load_config(checkpoints[f])) for f in FAMILIES)
+    model, experts = load(checkpoints["mixtral"])
+    assert model.graphs == "off"
+    model.graphs = "eager"
+    caches = [model.new_cache() for _ in range(graphed_decode.BATCHES[-1] + 1)]
+    for c in caches:
+        model.forward([Segment(c, PROMPTS[0][:2], 0)], experts)
+    model.forward([Segment(c, torch.tensor([5]), 2) for c in caches], experts)
+    assert not model._graphed[1].buckets  # 65 rows: the per-op path
+    assert all(c.length == 3 for c in caches)
+    assert BLOCK == 16
