@@ -68,16 +68,18 @@ def cuda_capture(stream: torch.cuda.Stream, pool) -> Callable:
     at each capture."""
     def capture(fn: Callable) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             fn()  # warm-up on the capturing stream, as torch asks (its libraries' per-stream set-up); a segment run
             # twice computes the same (every output a bucket buffer, none of its inputs)
-            g.capture_begin(pool=pool)
+            # thread_local: the service's other threads (a hot-expert placement swap's copies) may use the device
+            # meanwhile; only this thread's calls are held to capture's rules
+            g.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 fn()
             finally:
                 g.capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
         return g
     return capture
 
@@ -253,7 +255,7 @@ class GraphedDecode:
             mark("expert_submit", L)
             if b.segments[i + 1][0] == "shared_experts":  # overlaps the expert service's work
                 self._play(b, i + 1)
-                mark("shared_experts", L)
+            mark("shared_experts", L)  # (every MoE layer marks it, as the per-op path does)
             late = experts.result(pending, deferred=True) if pending is not None else None
             y = experts.result(L, deferred=False)
             mark("expert_wait", L)

@@ -155,9 +155,11 @@ class Model:
         self.decode_mlps = decode_step.mlps(cfg, self.W, dtype, self.decode_blocks)
         self._loop: tuple | None = None  # (pool, its native decode loop or None): decode_loop.build
         # decode steps as CUDA graphs (graphed_decode.py) where the model's layers and weights allow: "cuda", "off",
-        # or for tests on the CPU "eager" (the same segments, not captured) or a capture function (a recorder)
-        self.graphs = "cuda" if cuda_graphs and device.type == "cuda" and dense_format is None and \
-            graphed_decode.eligible(cfg) else "off"
+        # or for tests on the CPU "eager" (the same segments, not captured; MOE_DECODE_GRAPHS=eager in a service) or
+        # a capture function (a recorder)
+        graphable = cuda_graphs and dense_format is None and graphed_decode.eligible(cfg)
+        self.graphs = "eager" if graphable and os.environ.get("MOE_DECODE_GRAPHS") == "eager" else \
+            "cuda" if graphable and device.type == "cuda" else "off"
         self._graphed: tuple | None = None  # (pool, its GraphedDecode)
         self.kv: KVPool | None = None
         log.info("loaded %d non-expert tensors (%.1f MB) on %s as %s", len(self.W),
@@ -254,8 +256,10 @@ class Model:
         if self._graphed is None or self._graphed[0] is not pool:
             if self._graphed is not None:
                 self._graphed[1].close()
-            capture = graphed_decode.cuda_capture(torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()) \
-                if self.graphs == "cuda" else self.graphs if callable(self.graphs) else None
+            capture = self.graphs if callable(self.graphs) else None
+            if self.graphs == "cuda":
+                with torch.cuda.device(self.device):
+                    capture = graphed_decode.cuda_capture(torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle())
             self._graphed = (pool, graphed_decode.GraphedDecode(self, pool, capture))
         return self._graphed[1]
 

@@ -66,8 +66,9 @@ def start(module: str, *args: str, log: pathlib.Path, env: dict | None = None, p
 
 class Services:
     def __init__(self, model_dir, tmp: pathlib.Path, gpu_args=(), expert_args=(), gpu_prefix=(), expert_prefix=(),
-                 gpu: bool = True):
+                 gpu: bool = True, gpu_env: dict | None = None):
         self.expert_port, self.gpu_port = free_port(), free_port()
+        self.gpu_env = gpu_env
         self.model_dir, self.tmp = str(model_dir), tmp
         self.gpu_args, self.expert_args = gpu_args, expert_args
         self.gpu_prefix, self.expert_prefix = gpu_prefix, expert_prefix
@@ -96,8 +97,7 @@ class Services:
     def start_gpu(self) -> subprocess.Popen:
         return start("gpu_service", "--model", self.model_dir, "--experts", f"127.0.0.1:{self.expert_port}",
                      "--listen", f"127.0.0.1:{self.gpu_port}", "--threads", "1", *DEVICE_ARGS, *self.gpu_args,
-                     log=self._log("gpu"),
-                     prefix=self.gpu_prefix)
+                     log=self._log("gpu"), env=self.gpu_env, prefix=self.gpu_prefix)
 
     def logs(self) -> str:
         return "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(self.tmp.glob("*.log")))

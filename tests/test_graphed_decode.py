@@ -5,6 +5,8 @@ padded buckets, across context buckets, with deferral. What needs CUDA (the capt
 scripts/gpu_check.sh."""
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 from torch.utils import _pytree as pytree
@@ -186,7 +188,6 @@ def test_padded_rows_write_only_the_runners_block(checkpoints):
 
 
 def test_buckets():
-    from moe_core.config import load_config as _  # noqa: F401  (the module's config type)
     cfg = type("Cfg", (), dict(attention="gqa", num_kv_heads=4, head_dim=128, kv_lora_rank=0, qk_rope_head_dim=0))
     assert graphed_decode.bucket(cfg, torch.bfloat16, 3, 17) == (4, 32)
     assert graphed_decode.bucket(cfg, torch.bfloat16, 1, 1) == (1, 16)
@@ -213,3 +214,31 @@ def test_which_models_and_devices_take_graphs(checkpoints):
     assert not model._graphed[1].buckets  # 65 rows: the per-op path
     assert all(c.length == 3 for c in caches)
     assert BLOCK == 16
+
+
+def test_through_both_services(checkpoints, tmp_path):
+    """gpu-service running the graphed step's segments (MOE_DECODE_GRAPHS=eager: as on CUDA, not captured) with
+    deferral, three streams at once: each stream's tokens as the per-op service gives it alone; a profiled request
+    has each layer's spans."""
+    from harness import Services, greedy, greedy_request
+    prompts = ["def fib(n):", "The quick brown fox", "return fib(n - 1) + fib(n - 2)"]
+    args = ("--max-batch", "4", "--defer", "1")
+    (tmp_path / "graphed").mkdir()
+    (tmp_path / "per-op").mkdir()
+    s = Services(checkpoints["qwen3_moe"], tmp_path / "graphed", gpu_args=args, gpu_env={"MOE_DECODE_GRAPHS": "eager"})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+            together = list(ex.map(lambda p: greedy(s.stub, p, 20), prompts))
+        spans = list(s.stub.Generate(greedy_request(prompts[0], 4, profile=True), timeout=120))[-1].profile.spans
+    finally:
+        s.stop()
+    assert "decode graphs: a bucket of" in s.logs()
+    got = {(sp.name, sp.layer) for sp in spans if sp.service == "gpu"}
+    for L in range(3):
+        assert {("attention", L), ("expert_submit", L), ("shared_experts", L), ("expert_wait", L)} <= got
+    s = Services(checkpoints["qwen3_moe"], tmp_path / "per-op", gpu_args=args)
+    try:
+        solo = [greedy(s.stub, p, 20) for p in prompts]
+    finally:
+        s.stop()
+    assert together == solo
