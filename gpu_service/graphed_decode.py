@@ -103,7 +103,7 @@ class Bucket:
         self.cos, self.sin = z(B, rot), z(B, rot)
         self.blk, self.off = z(B, dtype=torch.long), z(B, dtype=torch.long)  # where each row's new KV goes
         self.tables = z(B, nb, dtype=torch.long)
-        self.mask = z(B, C, dtype=torch.bool)  # the positions each row sees
+        self.unseen = z(B, C, dtype=torch.bool)  # the positions past each row's own
         self.h = [z(B, H), z(B, H)]  # layer L reads h[L % 2] and writes the other: a segment run twice is the same
         self.x, self.ids, self.w = z(B, H), z(B, k, dtype=torch.int32), z(B, k, dtype=torch.float32)
         self.y, self.late, self.shared = z(B, H), z(B, H), z(B, H)
@@ -124,7 +124,7 @@ class Bucket:
         self.tables.copy_(meta[:, 2:])
         self.blk.copy_(self.tables.gather(1, (pos // BLOCK)[:, None])[:, 0])
         self.off.copy_(pos % BLOCK)
-        self.mask.copy_(self.positions[None, :] <= pos[:, None])
+        self.unseen.copy_(self.positions[None, :] > pos[:, None])
         self.cos.copy_(self.rope_table[0][pos])
         self.sin.copy_(self.rope_table[1][pos])
         self.h[0].copy_(torch.nn.functional.embedding(meta[:, 0], self.model.W["model.embed_tokens.weight"]))
@@ -176,10 +176,12 @@ class Bucket:
         K[:, self.blk, self.off] = k.transpose(0, 1).to(K.dtype)
         V[:, self.blk, self.off] = v.transpose(0, 1).to(V.dtype)
         Kg = K[:, self.tables].reshape(nkv, B, self.C, d).to(q.dtype)            # [kv, B, C, d]
-        Vg = V[:, self.tables].reshape(nkv, B, self.C, d).to(q.dtype)
+        # past a row's own length the gather reads whatever the pool's memory holds (never-written rows: anything,
+        # NaN included): their scores are masked, and their values zeroed (a masked weight of 0 times NaN is NaN)
+        Vg = V[:, self.tables].reshape(nkv, B, self.C, d).to(q.dtype).masked_fill(self.unseen[None, :, :, None], 0)
         qg = q.view(B, nkv, nh // nkv, d).transpose(0, 1)                         # [kv, B, group, d]
         s = torch.matmul(qg, Kg.transpose(-1, -2)) * d ** -0.5                    # [kv, B, group, C]
-        s = s.float().masked_fill(~self.mask[None, :, None, :], float("-inf"))
+        s = s.float().masked_fill(self.unseen[None, :, None, :], float("-inf"))
         o = torch.matmul(s.softmax(-1).to(q.dtype), Vg)                           # [kv, B, group, d]
         return gqa_output(cfg, W, p, o.transpose(0, 1), gate)
 
@@ -193,10 +195,10 @@ class Bucket:
         Pp[self.blk, self.off] = k_pe.to(Pp.dtype)
         wkv = W[p + "kv_b_proj.weight"].to(x.dtype).view(nh, dn + dv, r)
         q_lat = torch.einsum("bhd,hdr->bhr", q_nope, wkv[:, :dn])                # [B, nh, r]
-        Cg = Cp[self.tables].reshape(B, self.C, r).to(x.dtype)                    # [B, C, r]
+        Cg = Cp[self.tables].reshape(B, self.C, r).to(x.dtype).masked_fill(self.unseen[:, :, None], 0)  # (as _gqa's V)
         Pg = Pp[self.tables].reshape(B, self.C, -1).to(x.dtype)                   # [B, C, dr]
         s = (torch.matmul(q_lat, Cg.transpose(1, 2)) + torch.matmul(q_pe, Pg.transpose(1, 2))) * self.model.scale
-        s = s.float().masked_fill(~self.mask[:, None, :], float("-inf"))          # [B, nh, C]
+        s = s.float().masked_fill(self.unseen[:, None, :], float("-inf"))         # [B, nh, C]
         o_lat = torch.matmul(s.softmax(-1).to(x.dtype), Cg)                       # [B, nh, r]
         o = torch.einsum("bhr,hvr->bhv", o_lat, wkv[:, dn:]).reshape(B, nh * dv)
         return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))

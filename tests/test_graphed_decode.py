@@ -41,8 +41,13 @@ def small_buckets(monkeypatch):
 
 
 def load(d, dtype=torch.float32, device="cpu"):
+    """The model, its pool's never-written rows NaN (as memory a pool takes may hold anything: the positions a
+    row's gather reads past its own length must not reach its answer), and fp32 experts in this process."""
     cfg = load_config(d)
     model = Model(cfg, Checkpoint(d), torch.device(device), dtype)
+    for bufs in model.kv_pool().bufs:
+        for b in bufs or ():
+            b.fill_(float("nan"))
     return model, LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
 
 
