@@ -88,12 +88,12 @@ class Bucket:
     """The buffers and segments of one (rows, context) bucket; `deferring`: the results' merge adds a deferred
     part (a step with defer 0 has none to add)."""
 
-    def __init__(self, model, pool: KVPool, B: int, C: int, scratch: int, deferring: bool):
+    def __init__(self, model, pool: KVPool, B: int, C: int, deferring: bool):
         cfg, dev, dt = model.cfg, model.device, model.dtype
-        self.model, self.pool, self.B, self.C, self.scratch, self.deferring = model, pool, B, C, scratch, deferring
+        self.model, self.pool, self.B, self.C, self.deferring = model, pool, B, C, deferring
         H, k, nb = cfg.hidden_size, cfg.top_k, C // BLOCK
         pin = dev.type == "cuda"
-        # per row: token, position, then the block table padded with the scratch block
+        # per row: token, position, then the block table padded with the pool's spare block
         self.meta_host = torch.zeros(B, 2 + nb, dtype=torch.int32, pin_memory=pin)
         self.meta = torch.zeros(B, 2 + nb, dtype=torch.int32, device=dev)
         model._rope(torch.zeros(1, dtype=torch.long, device=dev), C)  # the table covers the bucket (and is kept)
@@ -105,7 +105,12 @@ class Bucket:
         self.tables = z(B, nb, dtype=torch.long)
         self.unseen = z(B, C, dtype=torch.bool)  # the positions past each row's own
         self.h = [z(B, H), z(B, H)]  # layer L reads h[L % 2] and writes the other: a segment run twice is the same
-        self.x, self.ids, self.w = z(B, H), z(B, k, dtype=torch.int32), z(B, k, dtype=torch.float32)
+        # the hand-over's x, ids and w, two of each: MoE layers alternate, so what a layer handed over stays as it
+        # was until its deferred part is in (one layer later; an Experts may compute from its inputs then)
+        self.x = [z(B, H), z(B, H)]
+        self.ids = [z(B, k, dtype=torch.int32), z(B, k, dtype=torch.int32)]
+        self.w = [z(B, k, dtype=torch.float32), z(B, k, dtype=torch.float32)]
+        self.slot = {L: i % 2 for i, L in enumerate(cfg.moe_layers)}
         self.y, self.late, self.shared = z(B, H), z(B, H), z(B, H)
         self.logits = z(B, model.lm_head.shape[0], dtype=torch.float32)
         self.positions = torch.arange(C, device=dev)
@@ -150,14 +155,15 @@ class Bucket:
             rp = fp + cfg.router_name + "."
             ids, w = route(cfg, x, W[rp + "weight"], W.get(rp + "bias", W.get(
                 rp + "e_score_correction_bias", W.get(fp + "e_score_correction_bias"))))
-            self.x.copy_(x)
-            self.ids.copy_(ids)
-            self.w.copy_(w)
+            k = self.slot[L]
+            self.x[k].copy_(x)
+            self.ids[k].copy_(ids)
+            self.w[k].copy_(w)
         self.h[(L + 1) % 2].copy_(h)
 
     def _shared(self, L: int) -> None:
         cfg = self.model.cfg
-        self.shared.copy_(self.model._shared(f"model.layers.{L}.{cfg.ffn_prefix}.", self.x))
+        self.shared.copy_(self.model._shared(f"model.layers.{L}.{cfg.ffn_prefix}.", self.x[self.slot[L]]))
 
     def _tail(self) -> None:
         cfg = self.model.cfg
@@ -211,18 +217,11 @@ class GraphedDecode:
     def __init__(self, model, pool: KVPool, capture: Callable | None):
         self.model, self.pool, self.capture = model, pool, capture
         self.buckets: dict[tuple[int, int, bool], Bucket] = {}
-        got = pool.allocate(1)  # the block padded rows write into: held for the runner's life
-        self.scratch = got[0] if got else None
-
-    def close(self) -> None:
-        if self.scratch is not None:
-            self.pool.release([self.scratch])
-            self.scratch = None
-        self.buckets.clear()
+        self.scratch = pool.spare  # the block padded rows write into, and padded table entries name
 
     def takes(self, segments: list) -> tuple[int, int] | None:
         """The bucket of a decode step's segments (one token each, on this pool), None where it runs per op."""
-        if self.scratch is None or any(s.cache.pool is not self.pool for s in segments):
+        if any(s.cache.pool is not self.pool for s in segments):
             return None
         return bucket(self.model.cfg, self.pool.dtype, len(segments), max(s.start for s in segments) + 1)
 
@@ -253,7 +252,8 @@ class GraphedDecode:
             if name != "attention" or not cfg.is_moe_layer(L):
                 continue
             d = defer if L != last_moe else 0
-            experts.submit(step, L, b.x[:n], b.ids[:n], b.w[:n], d)
+            k = b.slot[L]
+            experts.submit(step, L, b.x[k][:n], b.ids[k][:n], b.w[k][:n], d)
             mark("expert_submit", L)
             if b.segments[i + 1][0] == "shared_experts":  # overlaps the expert service's work
                 self._play(b, i + 1)
@@ -272,7 +272,7 @@ class GraphedDecode:
     def _bucket(self, B: int, C: int, deferring: bool) -> Bucket:
         key = (B, C, deferring)
         if key not in self.buckets:
-            self.buckets[key] = Bucket(self.model, self.pool, B, C, self.scratch, deferring)
+            self.buckets[key] = Bucket(self.model, self.pool, B, C, deferring)
             log.info("decode graphs: a bucket of %d rows x %d positions%s", B, C, " (deferring)" if deferring else "")
         return self.buckets[key]
 

@@ -254,8 +254,6 @@ class Model:
     def _graph_runner(self, pool: KVPool) -> graphed_decode.GraphedDecode:
         """The graphed decode steps on `pool` (built once per pool)."""
         if self._graphed is None or self._graphed[0] is not pool:
-            if self._graphed is not None:
-                self._graphed[1].close()
             capture = self.graphs if callable(self.graphs) else None
             if self.graphs == "cuda":
                 with torch.cuda.device(self.device):

@@ -20,6 +20,7 @@ from gpu_service.kv_pool import BLOCK
 from gpu_service.model import Model, Segment
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
+from moe_core.routing import split_deferred
 
 FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2"]
 
@@ -162,6 +163,37 @@ def test_captured_cuda_graphs_decode_as_the_per_op_path(checkpoints, family):
     assert all(g is not None for b in buckets for g in b.graphs)
 
 
+class LazyExperts(LocalExperts):
+    """Experts that keep the tensors handed over and compute each part when it is asked for (a deferred one a layer
+    later), as hot experts do on a CPU GPU side."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.held = {}
+
+    def submit(self, step, layer, x, ids, w, defer):
+        self.held[layer] = (x, ids, w, defer)
+
+    def result(self, layer, deferred):
+        x, ids, w, defer = self.held[layer]
+        if defer:
+            i_ids, i_w, d_ids, d_w = split_deferred(ids, w, defer)
+            ids, w = (d_ids, d_w) if deferred else (i_ids, i_w)
+        return self.layers[layer].forward(x.clone(), ids.clone(), w.clone())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_what_was_handed_over_stays_until_its_deferred_part_is_in(checkpoints, family):
+    """The experts may read x, ids and w when their results are asked for, a layer later for a deferred part: the
+    bucket's hand-over buffers alternate between MoE layers, so the tokens are the per-op path's."""
+    model, experts = load(checkpoints[family])
+    lazy = LazyExperts(experts.layers)
+    ref, _ = decode_batch(model, experts, PROMPTS, 12, "off", 1)
+    got, _ = decode_batch(model, lazy, PROMPTS, 12, "eager", 1)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
 def test_bf16_and_one_sequence(checkpoints):
     """A bf16 model, one sequence (a bucket of its own), eager segments: the per-op path's greedy tokens."""
     model, experts = load(checkpoints["qwen3_moe"], torch.bfloat16)
@@ -172,24 +204,28 @@ def test_bf16_and_one_sequence(checkpoints):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_padded_rows_write_only_the_runners_block(checkpoints):
-    """A step of one sequence in a bucket of two rows after a step of two: the padded row's keys go to the runner's
-    block, never into another sequence's (the other's rows stay as written)."""
+def test_padded_rows_write_only_the_pools_spare_block(checkpoints):
+    """Three sequences in a bucket of four rows, a fourth sequence waiting: the padded row's keys go to the pool's
+    spare block (never given to a sequence), never into the waiting sequence's blocks."""
     model, experts = load(checkpoints["qwen3_moe"])
     model.graphs = "eager"
-    a, b = model.new_cache(), model.new_cache()
-    for c in (a, b):
+    caches = [model.new_cache() for _ in range(4)]
+    for c in caches:
         model.forward([Segment(c, PROMPTS[0], 0)], experts)
     n = len(PROMPTS[0])
-    model.forward([Segment(a, torch.tensor([7]), n), Segment(b, torch.tensor([9]), n)], experts)
-    before = [t.clone() for t in b.gather(0, n + 1)]
-    model.forward([Segment(a, torch.tensor([11]), n + 1)], experts)  # bucket 1: no padding
-    model.forward([Segment(a, torch.tensor([12]), n + 2), Segment(b, torch.tensor([3]), n + 1)], experts)
-    runner = model._graphed[1]
-    assert runner.scratch is not None and runner.scratch not in a.blocks + b.blocks
-    after = b.gather(0, n + 1)
-    for x, y in zip(before, after):
-        assert torch.equal(x, y)
+    waiting = caches[3]
+    before = [[t.clone() for t in waiting.gather(L, n)] for L in range(model.cfg.num_layers)]
+    spare_before = [b[:, model.kv_pool().spare].clone() for b in model.kv_pool().bufs[0]]
+    for i in range(3):
+        model.forward([Segment(c, torch.tensor([7 + j]), n + i) for j, c in enumerate(caches[:3])], experts)
+    assert {(B, C) for B, C, _ in model._graphed[1].buckets} == {(4, 16)}
+    for L in range(model.cfg.num_layers):
+        for x, y in zip(before[L], waiting.gather(L, n)):
+            assert torch.equal(x, y)
+    pool = model.kv_pool()
+    # (a padded row is at position 0)
+    assert all(a.isnan().all() and not b[:, pool.spare, 0].isnan().any() for a, b in zip(spare_before, pool.bufs[0]))
+    assert pool.spare not in pool.allocate(pool.available())
 
 
 def test_buckets():
