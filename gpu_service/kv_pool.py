@@ -10,7 +10,9 @@ Layout (the native decode step reads it as it is; agree any change with native/a
 - MLA: the latent [blocks, BLOCK, kv_lora_rank] and the rotary key [blocks, BLOCK, rope dim];
 - linear-attention layers (Qwen3-Next's DeltaNet) have no blocks: their fixed-size state lives with the sequence
   (SeqCache.states) and is snapshotted at block boundaries for reuse;
-- a block table is int32 block ids, position p in block table[p // BLOCK] at row p % BLOCK.
+- a block table is int32 block ids, position p in block table[p // BLOCK] at row p % BLOCK;
+- the buffers hold one block more than the pool gives out (`spare`, the last): a graphed decode step's padding rows
+  write there (graphed_decode.py).
 
 A block is free, used (referenced by one or more sequences: a shared prefix is referenced, never copied), or
 cached (unreferenced, holding a full block of a known token chain: prefix_cache.py's hash). Allocation takes a
