@@ -152,9 +152,7 @@ class Bucket:
         if not cfg.is_moe_layer(L):
             h = h + model._mlp(fp, x)
         else:
-            rp = fp + cfg.router_name + "."
-            ids, w = route(cfg, x, W[rp + "weight"], W.get(rp + "bias", W.get(
-                rp + "e_score_correction_bias", W.get(fp + "e_score_correction_bias"))))
+            ids, w = route(cfg, x, *model.router(L))
             k = self.slot[L]
             self.x[k].copy_(x)
             self.ids[k].copy_(ids)

@@ -226,6 +226,13 @@ class Model:
         return self._per_segment(x, segments, lambda s, sl: gqa_attention(
             cfg, W, p, x[sl], cos[sl], sin[sl], s.cache, layer, s.start, self.native_attention))
 
+    def router(self, layer: int) -> tuple:
+        """An MoE layer's router weight and its bias (gpt-oss's router's own, DeepSeek's choice-only one, or None)."""
+        fp = f"model.layers.{layer}.{self.cfg.ffn_prefix}."
+        rp = fp + self.cfg.router_name + "."
+        return self.W[rp + "weight"], self.W.get(rp + "bias", self.W.get(
+            rp + "e_score_correction_bias", self.W.get(fp + "e_score_correction_bias")))
+
     def _linear_attention(self, p: str, x, segments: list[Segment], layer: int) -> torch.Tensor:
         return self._per_segment(x, segments, lambda s, sl: gated_deltanet(self.cfg, self.W, p, x[sl], s.cache, layer))
 
@@ -359,9 +366,7 @@ class Model:
                 h = h + (decode_step.mlp(mlp, x) if mlp else self._mlp(fp, x))
                 t = mark("dense_mlp", L, t)
                 continue
-            rp = fp + cfg.router_name + "."  # the bias: gpt-oss's router's own, or DeepSeek's choice-only one
-            ids, w = routed or route(cfg, x, W[rp + "weight"], W.get(rp + "bias", W.get(
-                rp + "e_score_correction_bias", W.get(fp + "e_score_correction_bias"))))
+            ids, w = routed or route(cfg, x, *self.router(L))
             d = defer if L != self.last_moe_layer and (defer_layers is None or L in defer_layers) else 0
             if skip and d:
                 ids, w, _, _ = split_deferred(ids, w, d)
