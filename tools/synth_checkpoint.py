@@ -24,12 +24,15 @@ import json
 import pathlib
 import shutil
 
+import sys
+
 import torch
 from safetensors.torch import save_file
 
-from moe_core.config import is_routed_expert_tensor
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # (run as a script from a checkout that is not installed)
+from moe_core.config import is_routed_expert_tensor  # noqa: E402
+
 TOKENIZER = ROOT / "models" / "default"
 
 PRESETS = {
