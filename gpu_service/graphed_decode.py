@@ -16,8 +16,9 @@ and w to the experts (the shared-memory channel copies them straight from the de
 copy and the stream's one synchronization) and copies each result into a bucket buffer (one host->device copy).
 
 Attention has no paged kernel in torch: each row gathers its sequence's blocks up to the bucket's context and masks
-the positions past its own, in the per-head matmuls the CPU path uses at decode. Padded rows write their keys into
-a block the runner holds for them. Layers the segments do not cover (linear attention, windows, sinks) and steps
+the positions past its own (zeroing their values: never-written pool memory may hold NaN), in the per-head matmuls
+the CPU path uses at decode. Padded rows write their keys into the pool's spare block, which it never gives out.
+Layers the segments do not cover (linear attention, windows, sinks) and steps
 with deferral skipped, a depth study or log-probabilities take Model.forward's per-op loop.
 
 Graph-safe by construction: no host synchronization, no shapes that depend on values, every per-step value read from
@@ -215,7 +216,7 @@ class GraphedDecode:
     def __init__(self, model, pool: KVPool, capture: Callable | None):
         self.model, self.pool, self.capture = model, pool, capture
         self.buckets: dict[tuple[int, int, bool], Bucket] = {}
-        self.scratch = pool.spare  # the block padded rows write into, and padded table entries name
+        self.scratch = pool.spare  # the block padded rows write into and padded table entries name
 
     def takes(self, segments: list) -> tuple[int, int] | None:
         """The bucket of a decode step's segments (one token each, on this pool), None where it runs per op."""
