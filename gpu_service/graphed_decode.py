@@ -10,8 +10,8 @@ segments over buffers that live as long as the bucket:
             MLP, or an MoE layer's router into x, ids and w
   shared L  an MoE layer's shared experts on x: launched after x went to the expert service, so they overlap it
   tail      the last residual add, the final norm and the lm_head into the logits
-Each segment runs eagerly the first time its bucket runs (that run is the step's own computation and the capture's
-warm-up), is captured as a graph right after, and is replayed from then on. Between segments the host hands x, ids
+Each segment runs eagerly the first time its bucket runs (the capture's warm-up, which is the step's own
+computation), is captured as a graph right after, and is replayed from then on. Between segments the host hands x, ids
 and w to the experts (the shared-memory channel copies them straight from the device: the layer's one device->host
 copy and the stream's one synchronization) and copies each result into a bucket buffer (one host->device copy).
 
@@ -63,16 +63,15 @@ def bucket(cfg: ModelConfig, dtype: torch.dtype, rows: int, end: int) -> tuple[i
 
 
 def cuda_capture(stream: torch.cuda.Stream, pool) -> Callable:
-    """fn -> a torch.cuda.CUDAGraph of it, captured on `stream` into the memory pool all the runner's graphs share
-    (they replay one at a time on one stream, and none keeps a tensor of its own past its end). capture_begin and
-    capture_end directly: torch.cuda.graph's context also synchronizes the device and runs the garbage collector
-    at each capture."""
+    """fn -> a torch.cuda.CUDAGraph of it, after one run of fn (the warm-up, whose results the caller keeps),
+    captured on `stream` into the memory pool all the runner's graphs share (they replay one at a time on one
+    stream, and none keeps a tensor of its own past its end). capture_begin and capture_end directly:
+    torch.cuda.graph's context also synchronizes the device and runs the garbage collector at each capture."""
     def capture(fn: Callable) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-            fn()  # warm-up on the capturing stream, as torch asks (its libraries' per-stream set-up); a segment run
-            # twice computes the same (every output a bucket buffer, none of its inputs)
+            fn()  # the warm-up torch asks for on the capturing stream (per-stream set-up); the step's result
             # thread_local: the service's other threads (a hot-expert placement swap's copies) may use the device
             # meanwhile; only this thread's calls are held to capture's rules
             g.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -210,8 +209,8 @@ class Bucket:
 
 
 class GraphedDecode:
-    """The graphed decode steps of one model on one KV pool. `capture`: fn -> something with replay() (the CUDA
-    graph of fn; a recording stand-in in tests), None to run the segments eagerly (the same numbers)."""
+    """The graphed decode steps of one model on one KV pool. `capture`: fn -> something with replay(), having run fn
+    once (the CUDA graph of fn; a recording stand-in in tests), None to run the segments eagerly (the same numbers)."""
 
     def __init__(self, model, pool: KVPool, capture: Callable | None):
         self.model, self.pool, self.capture = model, pool, capture
@@ -281,11 +280,13 @@ class GraphedDecode:
             g.replay()
             return
         fn = b.segments[i][2]
-        fn()  # this step's own computation, and the capture's warm-up
-        if self.capture is not None:
-            try:
-                b.graphs[i] = self.capture(fn)
-            except Exception as e:  # (a capture that fails leaves the segment eager: the same numbers, slower)
-                log.warning("decode graphs: capturing %s of layer %d failed (%s); running it per op from now on",
-                            b.segments[i][0], b.segments[i][1], e)
-                self.capture = None
+        if self.capture is None:
+            fn()
+            return
+        try:
+            b.graphs[i] = self.capture(fn)  # (its warm-up run is this step's own computation)
+        except Exception as e:  # (a capture that fails leaves the segment eager: the same numbers, slower)
+            log.warning("decode graphs: capturing %s of layer %d failed (%s); running it per op from now on",
+                        b.segments[i][0], b.segments[i][1], e)
+            self.capture = None
+            fn()  # (run twice if the warm-up did: every output a bucket buffer, none of its inputs)

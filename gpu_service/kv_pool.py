@@ -56,15 +56,15 @@ class KVPool:
         self.cfg, self.dtype, self.device, self.num_blocks = cfg, dtype, device, num_blocks
         self.mla = cfg.attention == "mla"
         self.linear = any(cfg.is_linear_attention(L) for L in range(cfg.num_layers))
-        if self.mla:
-            shapes = [(num_blocks, BLOCK, cfg.kv_lora_rank), (num_blocks, BLOCK, cfg.qk_rope_head_dim)]
-        else:
-            shapes = [(cfg.num_kv_heads, num_blocks, BLOCK, cfg.head_dim)] * 2
-        self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
         # one block more than the pool gives out: `spare`, which a graphed decode step's padding rows write into
         # (graphed_decode.py)
         self.spare = num_blocks
-        shapes = [(*s[:self.block_dim], num_blocks + 1, *s[self.block_dim + 1:]) for s in shapes]
+        rows = num_blocks + 1
+        if self.mla:
+            shapes = [(rows, BLOCK, cfg.kv_lora_rank), (rows, BLOCK, cfg.qk_rope_head_dim)]
+        else:
+            shapes = [(cfg.num_kv_heads, rows, BLOCK, cfg.head_dim)] * 2
+        self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
         # per layer its buffers, None for a linear-attention layer (untouched pages of these cost no memory on
         # the CPU; on CUDA they are the pool's reservation)
         self.bufs: list[list[torch.Tensor] | None] = [
