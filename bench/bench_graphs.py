@@ -124,6 +124,9 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prepare", default="8,1024", metavar="ROWS,POSITIONS",
+                    help="then time gpu-service's start-up capture (--max-batch ROWS, --cuda-graphs-capture POSITIONS) "
+                         "on a fresh runner; empty: not")
     ap.add_argument("--work", type=pathlib.Path, help="keep the checkpoint here (default: a temporary folder)")
     a = ap.parse_args(argv)
     overrides = {k: json.loads(v) for k, _, v in (s.partition("=") for s in a.set)}
@@ -164,6 +167,19 @@ def main(argv=None) -> None:
     buckets = model._graphed[1].buckets.values()
     print(f"graphs captured: {sum(g is not None for b in buckets for g in b.graphs)} of "
           f"{sum(len(b.graphs) for b in buckets)} segments in {len(buckets)} buckets")
+    if a.prepare:
+        rows, end = map(int, a.prepare.split(","))
+        model._graphed, model.graphs = None, graphed  # a fresh runner: nothing captured yet
+        held = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        sync(device)
+        t0 = time.perf_counter()
+        n, graphs = model.prepare_decode_graphs(model.kv_pool(), rows, end, False)
+        sync(device)
+        took = time.perf_counter() - t0
+        more = (torch.cuda.memory_reserved(device) - held) / 2**20 if device.type == "cuda" else 0.0
+        print(f"start-up capture (--max-batch {rows}, --cuda-graphs-capture {end}): {n} buckets, {graphs} graphs in "
+              f"{took:.2f} s" + (f" ({took / graphs * 1e3:.2f} ms a graph)" if graphs else "") +
+              f"; device memory reserved +{more:.0f} MiB")
 
 
 if __name__ == "__main__":

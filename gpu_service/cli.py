@@ -72,6 +72,10 @@ def parse_args(argv=None):
                     help="on CUDA, decode steps as captured graphs, one per segment between two expert exchanges and "
                          "per bucket of batch size and context length (auto: where the model's layers allow: full "
                          "attention, no sinks); off = torch's ops one by one")
+    ap.add_argument("--cuda-graphs-capture", type=int, default=1024, metavar="POSITIONS",
+                    help="with --cuda-graphs: at start-up, capture the graphs of every batch bucket up to --max-batch "
+                         "and every context bucket up to this many positions (with --defer's deferral), so that no "
+                         "step in them pauses to capture; later buckets are captured by their first step; 0 = none")
     ap.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together in one step")
     ap.add_argument("--max-context", type=int, default=0,
                     help="context limit in tokens (prompt + completion); 0 = the model's max_position_embeddings")
@@ -147,6 +151,8 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, torch.dtype, str |
     if args.max_step_tokens < args.max_batch:
         serving.fail(f"--max-step-tokens {args.max_step_tokens} must be >= --max-batch {args.max_batch} "
                      "(every running decode takes one token of each step)")
+    if args.cuda_graphs_capture < 0:
+        serving.fail(f"--cuda-graphs-capture must be >= 0 positions, got {args.cuda_graphs_capture}")
     if not args.expert_timeout > 0:
         serving.fail(f"--expert-timeout must be > 0, got {args.expert_timeout}")
     if args.prefix_cache_gb is not None and not 0 <= args.prefix_cache_gb < float("inf"):
@@ -323,6 +329,12 @@ async def serve(args, stop: asyncio.Event) -> None:
                         expert_wait=args.expert_wait, experts_ready=health.up, experts_why=health.why_down,
                         kv_pool=pool, namespace=namespace(fp, dtype, kv_dtype, dense, expert_desc))
         experts_up, watchers = health.up, health.watchers()
+    if model.graphs != "off" and args.cuda_graphs_capture:
+        t0 = time.monotonic()
+        buckets, graphs = await asyncio.to_thread(model.prepare_decode_graphs, engine.pool, args.max_batch,
+                                                  min(args.cuda_graphs_capture, max_context), args.defer > 0)
+        log.info("decode graphs: %d buckets (%d graphs) prepared at start-up in %.1f s", buckets, graphs,
+                 time.monotonic() - t0)
     server_info.max_context = max_context
     serving.freeze_startup_objects()
     engine.start()

@@ -11,7 +11,8 @@ segments over buffers that live as long as the bucket:
   shared L  an MoE layer's shared experts on x: launched after x went to the expert service, so they overlap it
   tail      the last residual add, the final norm and the lm_head into the logits
 Each segment runs eagerly the first time its bucket runs (the capture's warm-up, which is the step's own
-computation), is captured as a graph right after, and is replayed from then on. Between segments the host hands x, ids
+computation), is captured as a graph right after, and is replayed from then on; the buckets a service expects
+(--max-batch, --cuda-graphs-capture) are captured at start-up instead (prepare). Between segments the host hands x, ids
 and w to the experts (the shared-memory channel copies them straight from the device: the layer's one device->host
 copy and the stream's one synchronization) and copies each result into a bucket buffer (one host->device copy).
 
@@ -50,13 +51,18 @@ def eligible(cfg: ModelConfig) -> bool:
                                       for L in range(cfg.num_layers))
 
 
+def context_bucket(end: int) -> int:
+    """Positions of the context bucket a step reaching position end - 1 runs in."""
+    return max(MIN_CONTEXT, 1 << (end - 1).bit_length())
+
+
 def bucket(cfg: ModelConfig, dtype: torch.dtype, rows: int, end: int) -> tuple[int, int] | None:
     """(batch rows, context positions) of the bucket a step of `rows` sequences reaching position end - 1 runs in;
     None where no bucket takes it (more rows than the largest, or a gather over GATHER_BYTES)."""
     B = next((b for b in BATCHES if b >= rows), None)
     if B is None:
         return None
-    C = max(MIN_CONTEXT, 1 << (end - 1).bit_length())
+    C = context_bucket(end)
     per_position = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
                     else 2 * cfg.num_kv_heads * cfg.head_dim) * dtype.itemsize
     return (B, C) if B * C * per_position <= GATHER_BYTES else None
@@ -266,6 +272,27 @@ class GraphedDecode:
                 b.late.zero_()
             pending = L if d else None
         return b.logits[:n].clone()
+
+    def prepare(self, rows: int, end: int, deferring: bool) -> list[Bucket]:
+        """Captures ahead of need the buckets a step of up to `rows` sequences below position `end` runs in (every
+        batch bucket up to rows', every context bucket up to end's, the gather limit allowing): their first steps then
+        replay, where they would otherwise pause to capture mid-serving. Each segment runs once on padded rows, which
+        read and write only the pool's spare block. -> the buckets prepared."""
+        cfg, dtype = self.model.cfg, self.pool.dtype
+        top = bucket(cfg, dtype, min(rows, BATCHES[-1]), MIN_CONTEXT)
+        out = []
+        for B in BATCHES[:BATCHES.index(top[0]) + 1] if top else ():
+            C = MIN_CONTEXT
+            while C <= context_bucket(end) and bucket(cfg, dtype, B, C) == (B, C):
+                b = self._bucket(B, C, deferring)
+                b.meta_host[:, :2] = 0
+                b.meta_host[:, 2:] = self.scratch
+                b.meta.copy_(b.meta_host, non_blocking=True)
+                for i in range(len(b.segments)):
+                    self._play(b, i)
+                out.append(b)
+                C *= 2
+        return out
 
     def _bucket(self, B: int, C: int, deferring: bool) -> Bucket:
         key = (B, C, deferring)

@@ -268,6 +268,16 @@ class Model:
             self._graphed = (pool, graphed_decode.GraphedDecode(self, pool, capture))
         return self._graphed[1]
 
+    @torch.inference_mode()
+    def prepare_decode_graphs(self, pool: KVPool, rows: int, end: int, deferring: bool) -> tuple[int, int]:
+        """At start-up: the decode graphs of steps of up to `rows` sequences below position `end` on `pool`, captured
+        before any step needs them (GraphedDecode.prepare) -> (buckets, graphs); (0, 0) where decode steps do not run
+        as graphs."""
+        if self.graphs == "off" or end <= 0:
+            return 0, 0
+        buckets = self._graph_runner(pool).prepare(rows, end, deferring)
+        return len(buckets), sum(g is not None for b in buckets for g in b.graphs)
+
     def _rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rotary dim / 2] of positions [T] (all below end): rows of tables of every position so far,
         grown by doubling. rope_cos_sin's numbers (elementwise: a position's row is the same computed alone or

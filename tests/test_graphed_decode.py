@@ -150,17 +150,59 @@ def test_the_segments_decode_as_the_per_op_path(checkpoints, family, defer):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (scripts/gpu_check.sh)")
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_captured_cuda_graphs_decode_as_the_per_op_path(checkpoints, family):
-    """On CUDA, the segments captured and replayed: the per-op path's greedy tokens and logits."""
+@pytest.mark.parametrize("prepared", [False, True])
+def test_captured_cuda_graphs_decode_as_the_per_op_path(checkpoints, family, prepared):
+    """On CUDA, the segments captured (by each bucket's first step, or all before the steps as at start-up) and
+    replayed: the per-op path's greedy tokens and logits."""
     model, experts = load(checkpoints[family], device="cuda")
     assert model.graphs == "cuda"
     ref, _ = decode_batch(model, experts, PROMPTS, 40, "off", 1)
+    if prepared:
+        model.graphs = "cuda"
+        assert model.prepare_decode_graphs(model.kv_pool(), 3, 128, True)[0] == 12
     got, _ = decode_batch(model, experts, PROMPTS, 40, "cuda", 1)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     buckets = model._graphed[1].buckets.values()
     assert all(g is not None for b in buckets for g in b.graphs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_buckets_prepared_at_start_up_replay_for_the_steps(checkpoints, family):
+    """Buckets prepared before any step (as gpu-service does at start-up): every batch bucket up to the rows asked
+    for and every context bucket up to the position, each segment captured once on padded rows, which write only the
+    pool's spare block; the steps then replay them (no capture of their own) and decode as the per-op path."""
+    model, experts = load(checkpoints[family])
+    ref, _ = decode_batch(model, experts, PROMPTS, 24, "off", 1)
+    pool = model.kv_pool()
+    before = [[b.clone() for b in bufs] for bufs in pool.bufs]
+    rec = Recorder()
+    model.graphs = rec
+    prepared = model.prepare_decode_graphs(pool, 3, 60, True)
+    runner = model._graphed[1]
+    assert set(runner.buckets) == {(B, C, True) for B in (1, 2, 4) for C in (16, 32, 64)}
+    assert prepared == (9, 9 * len(runner.buckets[4, 16, True].segments)) and rec.captured == prepared[1]
+    for bufs, old in zip(pool.bufs, before):
+        for b, o in zip(bufs, old):
+            others = torch.arange(b.shape[-3]) != pool.spare
+            torch.testing.assert_close(b[..., others, :, :], o[..., others, :, :], rtol=0, atol=0, equal_nan=True)
+            assert o[..., pool.spare, 0, :].isnan().all() and not b[..., pool.spare, 0, :].isnan().any()
+    captured = rec.captured
+    got, _ = decode_batch(model, experts, PROMPTS, 24, rec, 1)
+    assert rec.captured == captured  # every step (positions 31 to 53, 3 rows) in a prepared bucket
+    assert rec.replayed >= 24 * model.cfg.num_layers
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_nothing_to_prepare_without_graphs(checkpoints):
+    model, _ = load(checkpoints["mixtral"])
+    assert model.graphs == "off" and model.prepare_decode_graphs(model.kv_pool(), 8, 1024, False) == (0, 0)
+    model.graphs = "eager"
+    assert model.prepare_decode_graphs(model.kv_pool(), 1, 0, False) == (0, 0)
+    assert model.prepare_decode_graphs(model.kv_pool(), 100, 1, False) == (7, 0)  # every batch bucket (eager: no graphs), 16 positions
 
 
 class LazyExperts(LocalExperts):
@@ -257,6 +299,12 @@ def test_which_models_and_devices_take_graphs(checkpoints):
     assert BLOCK == 16
 
 
+def test_a_negative_capture_length_is_refused(checkpoints):
+    from harness import refused_at_start
+    err = refused_at_start("gpu_service", "--model", str(checkpoints["qwen3_moe"]), "--cuda-graphs-capture", "-1")
+    assert "--cuda-graphs-capture must be >= 0 positions, got -1" in err, err[-2000:]
+
+
 def test_through_both_services(checkpoints, tmp_path):
     """gpu-service running the graphed step's segments (MOE_DECODE_GRAPHS=eager: as on CUDA, not captured) with
     deferral, three streams at once: each stream's tokens as the per-op service gives it alone; a profiled request
@@ -266,14 +314,17 @@ def test_through_both_services(checkpoints, tmp_path):
     args = ("--max-batch", "4", "--defer", "1")
     (tmp_path / "graphed").mkdir()
     (tmp_path / "per-op").mkdir()
-    s = Services(checkpoints["qwen3_moe"], tmp_path / "graphed", gpu_args=args, gpu_env={"MOE_DECODE_GRAPHS": "eager"})
+    s = Services(checkpoints["qwen3_moe"], tmp_path / "graphed", gpu_args=args + ("--cuda-graphs-capture", "20"),
+                 gpu_env={"MOE_DECODE_GRAPHS": "eager"})
     try:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
             together = list(ex.map(lambda p: greedy(s.stub, p, 20), prompts))
         spans = list(s.stub.Generate(greedy_request(prompts[0], 4, profile=True), timeout=120))[-1].profile.spans
     finally:
         s.stop()
-    assert "decode graphs: a bucket of" in s.logs()
+    # (256 positions in a service) 1, 2 and 4 rows: every step of the streams and the profiled request in them
+    assert "decode graphs: 3 buckets (0 graphs) prepared at start-up" in s.logs()
+    assert s.logs().count("decode graphs: a bucket of") == 3
     got = {(sp.name, sp.layer) for sp in spans if sp.service == "gpu"}
     for L in range(3):
         assert {("attention", L), ("expert_submit", L), ("shared_experts", L), ("expert_wait", L)} <= got
