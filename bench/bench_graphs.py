@@ -113,6 +113,33 @@ def round_(model: Model, experts, batch: int, context: int, steps: int, graphs: 
     return times
 
 
+def where_it_goes(model: Model, experts, batch: int, context: int, steps: int, graphs: str) -> dict[str, float]:
+    """Seconds a step by span name (Model.forward's spans, the device synchronized at each: the split of a step, not
+    its unprofiled time), medians over the steps."""
+    model.graphs = "off"
+    caches = [model.new_cache() for _ in range(batch)]
+    g = torch.Generator().manual_seed(1)
+    toks = []
+    for c in caches:
+        prompt = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
+        toks.append(int(model.forward([Segment(c, prompt, 0)], experts)[-1].argmax()))
+    model.graphs = graphs
+    toks, per_step = torch.tensor(toks), []
+    for i in range(steps):
+        spans = []
+        logits = model.forward([Segment(c, toks[j:j + 1], context + i) for j, c in enumerate(caches)], experts, step=i,
+                               spans=spans, exact_spans=True)
+        toks = logits.argmax(-1).cpu()
+        got: dict[str, float] = {}
+        for sp in spans:
+            got[sp.name] = got.get(sp.name, 0.0) + (sp.end_ns - sp.start_ns) / 1e9
+        per_step.append(got)
+    for c in caches:
+        c.release()
+    names = sorted({n for got in per_step[1:] for n in got})
+    return {n: statistics.median(got.get(n, 0.0) for got in per_step[1:]) for n in names}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="qwen3-30b-a3b", choices=sorted(synth_checkpoint.PRESETS))
@@ -164,6 +191,10 @@ def main(argv=None) -> None:
         floor = nbytes / bw
         print(f"| {B} | {per_op * 1e3:.3f} | {gr * 1e3:.3f} | {per_op / gr:.2f}x | {(per_op - floor) / L * 1e6:.0f} | "
               f"{(gr - floor) / L * 1e6:.0f} | {first * 1e3:.1f} |")
+        prof = {m: where_it_goes(model, experts, B, a.context, 16, m) for m in ("off", graphed)}
+        for n in sorted(set(prof["off"]) | set(prof[graphed])):
+            print(f"|  span {n} (profiled: synchronized at each span) | {prof['off'].get(n, 0) * 1e3:.3f} | "
+                  f"{prof[graphed].get(n, 0) * 1e3:.3f} | | | | |")
     buckets = model._graphed[1].buckets.values()
     print(f"graphs captured: {sum(g is not None for b in buckets for g in b.graphs)} of "
           f"{sum(len(b.graphs) for b in buckets)} segments in {len(buckets)} buckets")
