@@ -100,11 +100,17 @@ def write_gguf(model: pathlib.Path, src: pathlib.Path, out: pathlib.Path) -> Non
 
 
 def gguf(model: pathlib.Path, src: pathlib.Path, isa: str, work: pathlib.Path, qtype: str) -> pathlib.Path:
-    """-> the checkpoint as a GGUF of qtype (bf16, Q8_0, Q4_0) in work, written once."""
-    bf16 = work / f"{model.name}-bf16.gguf"
+    """-> the checkpoint as a GGUF of qtype (bf16, Q8_0, Q4_0) in work, written once per checkpoint (named by its
+    fingerprint and its files' stamp, as the packed caches are: two checkpoints in folders of one name differ)."""
+    from expert_service.packed_cache import source_stamp
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.fingerprint import fingerprint
+    ckpt = Checkpoint(model)
+    tag = f"{model.name}-{fingerprint(ckpt)[:8]}{source_stamp(ckpt)[:8]}"
+    bf16 = work / f"{tag}-bf16.gguf"
     if not bf16.exists():
         write_gguf(model, src, bf16)
-    out = bf16 if qtype == "bf16" else work / f"{model.name}-{qtype}.gguf"
+    out = bf16 if qtype == "bf16" else work / f"{tag}-{qtype}.gguf"
     if not out.exists():
         subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-quantize"), str(bf16), str(out), qtype],
                        check=True, capture_output=True)

@@ -4,6 +4,7 @@ from here, never from another bench script or from tests/conftest.py. No torch a
 OpenMP's environment before torch loads."""
 from __future__ import annotations
 
+import os
 import pathlib
 import platform
 import sys
@@ -193,8 +194,10 @@ def convert_to_gguf(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path, o
     import subprocess
     fixed = out.parent / f"{model.name}-for-convert"
     shutil.rmtree(fixed, ignore_errors=True)
-    shutil.copytree(model, fixed)
+    # links, not copies: a real checkpoint's weights would double its disk space
+    shutil.copytree(model, fixed, copy_function=lambda a, b: os.symlink(os.path.abspath(a), b))
     cfg = json.loads((fixed / "config.json").read_text())
+    (fixed / "config.json").unlink()  # (a link to the original, which must not be written)
     if cfg.get("model_type", "").startswith("deepseek"):
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     if cfg.get("model_type") == "deepseek_v3":  # as DeepSeek's own config.json says (transformers drops it)

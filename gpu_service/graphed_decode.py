@@ -2,7 +2,8 @@
 per-op step was launch-bound: ~30 torch ops a layer, each a kernel launch, and host round trips between them).
 
 A step whose every sequence adds one token runs, per bucket of (batch rows, context positions), as a fixed list of
-segments over buffers that live as long as the bucket:
+segments over buffers that live as long as the bucket (those sized by rows alone shared by the buckets of as many
+rows: Rows):
   head      the step's tokens, positions and block tables (one host->device copy), their rope rows, the KV slots
             each row writes and the attention mask; the embedding
   layer L   the residual add of the previous MoE layer's results (routed, deferred, shared), the attention block
@@ -90,14 +91,34 @@ def cuda_capture(stream: torch.cuda.Stream, pool) -> Callable:
     return capture
 
 
+class Rows:
+    """The buffers of B rows that every bucket of B rows shares (its contexts, deferring or not): the hidden states,
+    the hand-over and the results, the logits. Buckets run one at a time and a step leaves nothing in them that a
+    later step reads (no deferred part crosses a step: the last MoE layer defers none), so one set serves them all:
+    at 64 rows the logits alone are 64 x vocab fp32 (39 MB at 151936), once instead of once per bucket."""
+
+    def __init__(self, model, B: int):
+        cfg, dev, dt = model.cfg, model.device, model.dtype
+        H, k = cfg.hidden_size, cfg.top_k
+        z = lambda *shape, dtype=dt: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        self.h = [z(B, H), z(B, H)]  # layer L reads h[L % 2] and writes the other: a segment run twice is the same
+        # the hand-over's x, ids and w, two of each: MoE layers alternate, so what a layer handed over stays as it
+        # was until its deferred part is in (one layer later; an Experts may compute from its inputs then)
+        self.x = [z(B, H), z(B, H)]
+        self.ids = [z(B, k, dtype=torch.int32), z(B, k, dtype=torch.int32)]
+        self.w = [z(B, k, dtype=torch.float32), z(B, k, dtype=torch.float32)]
+        self.y, self.late, self.shared = z(B, H), z(B, H), z(B, H)
+        self.logits = z(B, model.lm_head.shape[0], dtype=torch.float32)
+
+
 class Bucket:
     """The buffers and segments of one (rows, context) bucket; `deferring`: the results' merge adds a deferred
-    part (a step with defer 0 has none to add)."""
+    part (a step with defer 0 has none to add); `rows`: the buffers it shares with the other buckets of B rows."""
 
-    def __init__(self, model, pool: KVPool, B: int, C: int, deferring: bool):
+    def __init__(self, model, pool: KVPool, B: int, C: int, deferring: bool, rows: Rows):
         cfg, dev, dt = model.cfg, model.device, model.dtype
         self.model, self.pool, self.B, self.C, self.deferring = model, pool, B, C, deferring
-        H, k, nb = cfg.hidden_size, cfg.top_k, C // BLOCK
+        nb = C // BLOCK
         pin = dev.type == "cuda"
         # per row: token, position, then the block table padded with the pool's spare block
         self.meta_host = torch.zeros(B, 2 + nb, dtype=torch.int32, pin_memory=pin)
@@ -110,15 +131,9 @@ class Bucket:
         self.blk, self.off = z(B, dtype=torch.long), z(B, dtype=torch.long)  # where each row's new KV goes
         self.tables = z(B, nb, dtype=torch.long)
         self.unseen = z(B, C, dtype=torch.bool)  # the positions past each row's own
-        self.h = [z(B, H), z(B, H)]  # layer L reads h[L % 2] and writes the other: a segment run twice is the same
-        # the hand-over's x, ids and w, two of each: MoE layers alternate, so what a layer handed over stays as it
-        # was until its deferred part is in (one layer later; an Experts may compute from its inputs then)
-        self.x = [z(B, H), z(B, H)]
-        self.ids = [z(B, k, dtype=torch.int32), z(B, k, dtype=torch.int32)]
-        self.w = [z(B, k, dtype=torch.float32), z(B, k, dtype=torch.float32)]
+        self.h, self.x, self.ids, self.w = rows.h, rows.x, rows.ids, rows.w
+        self.y, self.late, self.shared, self.logits = rows.y, rows.late, rows.shared, rows.logits
         self.slot = {L: i % 2 for i, L in enumerate(cfg.moe_layers)}
-        self.y, self.late, self.shared = z(B, H), z(B, H), z(B, H)
-        self.logits = z(B, model.lm_head.shape[0], dtype=torch.float32)
         self.positions = torch.arange(C, device=dev)
         self.segments: list[tuple[str, int, Callable]] = [("embed", -1, self._head)]
         for L in range(cfg.num_layers):
@@ -221,6 +236,7 @@ class GraphedDecode:
     def __init__(self, model, pool: KVPool, capture: Callable | None):
         self.model, self.pool, self.capture = model, pool, capture
         self.buckets: dict[tuple[int, int, bool], Bucket] = {}
+        self.rows: dict[int, Rows] = {}  # by batch rows: the buffers those buckets share
         self.scratch = pool.spare  # the block padded rows write into and padded table entries name
 
     def takes(self, segments: list) -> tuple[int, int] | None:
@@ -297,7 +313,9 @@ class GraphedDecode:
     def _bucket(self, B: int, C: int, deferring: bool) -> Bucket:
         key = (B, C, deferring)
         if key not in self.buckets:
-            self.buckets[key] = Bucket(self.model, self.pool, B, C, deferring)
+            if B not in self.rows:
+                self.rows[B] = Rows(self.model, B)
+            self.buckets[key] = Bucket(self.model, self.pool, B, C, deferring, self.rows[B])
             log.info("decode graphs: a bucket of %d rows x %d positions%s", B, C, " (deferring)" if deferring else "")
         return self.buckets[key]
 

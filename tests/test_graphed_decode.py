@@ -146,6 +146,7 @@ def test_the_segments_decode_as_the_per_op_path(checkpoints, family, defer):
     assert rec.replayed > 30 * model.cfg.num_layers, rec.replayed
     runner = model._graphed[1]
     assert {(B, C) for B, C, _ in runner.buckets} == {(4, 32), (4, 64), (4, 128)}
+    assert len({id(b.logits) for b in runner.buckets.values()}) == 1  # (the buckets of 4 rows share their buffers)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (scripts/gpu_check.sh)")
