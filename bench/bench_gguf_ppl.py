@@ -26,7 +26,7 @@ import subprocess
 
 import numpy as np
 
-from common import ROOT, Services, build_llama, convert_to_gguf, cpu_name, wait_healthy
+from common import ROOT, Services, build_llama, convert_to_gguf, cpu_name, peer_env, wait_healthy
 from protos import generate_pb2
 
 
@@ -48,7 +48,7 @@ def llama_ppl(src: pathlib.Path, isa: str, gguf_path: pathlib.Path, text: pathli
     base = gguf_path.with_suffix(".kld")
     r = subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-perplexity"), "-m", str(gguf_path), "-f", str(text),
                         "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks), "-t", str(threads),
-                        "--kl-divergence-base", str(base)], capture_output=True, text=True)
+                        "--kl-divergence-base", str(base)], capture_output=True, text=True, env=peer_env())
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
     if m is None:
         raise RuntimeError(f"llama-perplexity failed:\n{(r.stdout + r.stderr)[-3000:]}")
@@ -105,7 +105,7 @@ def main() -> None:
         f = bf16 if qtype == "bf16" else a.work / f"{a.model.name}-{qtype}.gguf"
         if not f.exists():
             subprocess.run([str(src / f"build-{a.isa}" / "bin" / "llama-quantize"), str(bf16), str(f), qtype],
-                           check=True, capture_output=True)
+                           check=True, capture_output=True, env=peer_env())
         theirs, tokens = llama_ppl(src, a.isa, f, text, a.ctx, a.chunks, a.threads)
         ours = {}
         paths = [("default", (), ()), ("exact", ("--dtype", "fp32"), ("--weight-format", "fp32"))]

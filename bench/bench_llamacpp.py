@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import ISAS, build_llama, cpu_name, free_port, generate, start, wait_healthy  # noqa: E402
+from common import ISAS, build_llama, cpu_name, free_port, generate, peer_env, start, wait_healthy  # noqa: E402
 
 
 
@@ -108,12 +108,12 @@ def gguf(model: pathlib.Path, src: pathlib.Path, isa: str, work: pathlib.Path, q
     ckpt = Checkpoint(model)
     tag = f"{model.name}-{fingerprint(ckpt)[:8]}{source_stamp(ckpt)[:8]}"
     bf16 = work / f"{tag}-bf16.gguf"
-    if not bf16.exists():
-        write_gguf(model, src, bf16)
     out = bf16 if qtype == "bf16" else work / f"{tag}-{qtype}.gguf"
+    if not out.exists() and not bf16.exists():  # (a quantized one is kept without its bf16: disk)
+        write_gguf(model, src, bf16)
     if not out.exists():
         subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-quantize"), str(bf16), str(out), qtype],
-                       check=True, capture_output=True)
+                       check=True, capture_output=True, env=peer_env())
     return out
 
 
@@ -123,7 +123,7 @@ def llama_bench(src: pathlib.Path, isa: str, gguf_path: pathlib.Path, threads: i
     `depth` tokens of context."""
     out = subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-bench"), "-m", str(gguf_path), "-t", str(threads),
                           "-p", str(prompt), "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, env=peer_env()).stdout
     rows = json.loads(out)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0) if prompt else float("nan")
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from common import cpu_name  # noqa: E402
+from common import cpu_name, peer_env  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -89,7 +89,7 @@ def start(model: pathlib.Path, fmt: str, cache: pathlib.Path, threads: int) -> d
 def llama_load(bench: pathlib.Path, gguf: pathlib.Path, threads: int) -> float:
     t0 = time.perf_counter()
     subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", "1", "-r", "1"],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, env=peer_env())
     return time.perf_counter() - t0
 
 

@@ -20,7 +20,7 @@ import grpc  # noqa: E402
 from harness import Services, Sharded, free_port, start, status_mib, terminate_all, wait_healthy  # noqa: E402,F401
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc  # noqa: E402
 
-__all__ = ["ISAS", "LLAMA_PY", "ROOT", "SHAPES", "build_llama", "convert_to_gguf", "llama_source", "Services", "Sharded", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
+__all__ = ["ISAS", "LLAMA_PY", "ROOT", "SHAPES", "build_llama", "convert_to_gguf", "llama_source", "peer_env", "Services", "Sharded", "cpu_name", "decode_rate", "exchange_rtt", "free_port", "generate",
            "start", "status_mib", "synth_model", "terminate_all", "timed", "wait_healthy", "weights", "windows"]
 WARMUP = 50  # exchange round trips before the timed ones
 
@@ -168,6 +168,13 @@ def llama_source(work: pathlib.Path) -> pathlib.Path:
         subprocess.run(["tar", "xzf", str(tar), "-C", str(work)], check=True)
         src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
     return src
+
+
+def peer_env() -> dict[str, str]:
+    """The environment a peer (llama.cpp) runs in: this one without what importing our services set for their own
+    torch (OMP_WAIT_POLICY=PASSIVE, which would make llama.cpp's OpenMP threads sleep between its ops)."""
+    from moe_core.openmp import environ_for_others
+    return environ_for_others()
 
 
 def build_llama(work: pathlib.Path, isa: str, targets=("llama-bench", "llama-quantize")) -> pathlib.Path:

@@ -9,5 +9,21 @@ OMP_WAIT_POLICY=active in the environment restores spinning (a machine of its ow
 import os
 
 
+_SET_HERE = False  # whether passive_by_default set it (rather than the user's environment)
+
+
 def passive_by_default() -> None:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    global _SET_HERE
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        _SET_HERE = True
+
+
+def environ_for_others() -> dict[str, str]:
+    """os.environ as another program started from here should see it: without the wait policy set for our own torch
+    (importing gpu_service or expert_service sets it). llama.cpp's OpenMP threads waiting passively decode ~1.6x
+    slower at 48 layers on 2 cores, so a benchmark against it must not pass ours on (docs/kernels.md)."""
+    env = dict(os.environ)
+    if _SET_HERE:
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
