@@ -91,17 +91,23 @@ def weight_bytes(model: Model) -> int:
     return sum(t.nbytes for n, t in model.W.items() if n.startswith("model.layers.")) + model.lm_head.nbytes
 
 
-def round_(model: Model, experts, batch: int, context: int, steps: int, graphs: str) -> list[float]:
-    """Seconds of each decode step of one round."""
+def prefilled(model: Model, experts, batch: int, context: int, seed: int) -> tuple[list, torch.Tensor]:
+    """batch fresh sequences of `context` random tokens, prefilled per op -> (their caches, each one's next token)."""
     model.graphs = "off"
     caches = [model.new_cache() for _ in range(batch)]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     toks = []
     for c in caches:
         prompt = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
         toks.append(int(model.forward([Segment(c, prompt, 0)], experts)[-1].argmax()))
+    return caches, torch.tensor(toks)
+
+
+def round_(model: Model, experts, batch: int, context: int, steps: int, graphs: str) -> list[float]:
+    """Seconds of each decode step of one round."""
+    caches, toks = prefilled(model, experts, batch, context, 0)
     model.graphs = graphs
-    toks, times = torch.tensor(toks), []
+    times = []
     for i in range(steps):
         sync(model.device)
         t0 = time.perf_counter()
@@ -116,15 +122,9 @@ def round_(model: Model, experts, batch: int, context: int, steps: int, graphs: 
 def where_it_goes(model: Model, experts, batch: int, context: int, steps: int, graphs: str) -> dict[str, float]:
     """Seconds a step by span name (Model.forward's spans, the device synchronized at each: the split of a step, not
     its unprofiled time), medians over the steps."""
-    model.graphs = "off"
-    caches = [model.new_cache() for _ in range(batch)]
-    g = torch.Generator().manual_seed(1)
-    toks = []
-    for c in caches:
-        prompt = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
-        toks.append(int(model.forward([Segment(c, prompt, 0)], experts)[-1].argmax()))
+    caches, toks = prefilled(model, experts, batch, context, 1)
     model.graphs = graphs
-    toks, per_step = torch.tensor(toks), []
+    per_step = []
     for i in range(steps):
         spans = []
         logits = model.forward([Segment(c, toks[j:j + 1], context + i) for j, c in enumerate(caches)], experts, step=i,
