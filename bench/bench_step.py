@@ -336,7 +336,7 @@ def main() -> None:
         for r in range(a.rounds):
             got = split_steps(decode_profile(gp, prompt, a.tokens))
             steps += got
-            # the same decode without the profile (whose spans cost the step ~15 us a layer): the client's period
+            # the same decode without the profile (its spans are work a plain step does not do): the client's period
             plain = 1 / aggregate_decode(gp, [prompt[r + 1:] + prompt[:r + 1]], a.tokens)
             ks.append(measure())
             rounds.append((statistics.median(s["period"] for s in got), (total(ks[-2]) + total(ks[-1])) / 2, plain))
