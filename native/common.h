@@ -35,13 +35,14 @@ inline void row_streams(const T* base, size_t ld, int nr, const T* (&p)[R]) {
   MOE_UNROLL for (int r = 0; r < R; ++r) p[r] = base + (r < nr ? r : 0) * ld;
 }
 
-// How the kernels stream weights, chosen by interleaved A/B runs (bench/bench_tuning.py) on Zen 4:
+// How the kernels stream weights, chosen by interleaved A/B runs (bench/bench_tuning.py; docs/kernels.md):
 // software-prefetch this many bytes ahead in each row stream (the hardware prefetcher stops at
-// 4 KiB page ends), and cut work into tasks of about this many weight bytes (each task start is
+// 4 KiB page ends; 32 KiB rather than 8 since 2026-12-04: int4 at one token faster on a Zen 4, the
+// same on a Zen 3), and cut work into tasks of about this many weight bytes (each task start is
 // a new stream that ramps up again; 64-row tasks cost int4 decode a third of its speed).
 // MOE_PF_BYTES / MOE_TASK_KB override at start; set_tuning() between calls (benchmarks).
 struct Tuning {
-  size_t pf_bytes = 8192;
+  size_t pf_bytes = 32768;
   size_t task_bytes = size_t(1) << 20;
 };
 // The calling thread's T, through a call. A thread_local named in place costs a __tls_get_addr call at each use
