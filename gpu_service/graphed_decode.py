@@ -237,7 +237,6 @@ class GraphedDecode:
         self.model, self.pool, self.capture = model, pool, capture
         self.buckets: dict[tuple[int, int, bool], Bucket] = {}
         self.rows: dict[int, Rows] = {}  # by batch rows: the buffers those buckets share
-        self.scratch = pool.spare  # the block padded rows write into and padded table entries name
 
     def takes(self, segments: list) -> tuple[int, int] | None:
         """The bucket of a decode step's segments (one token each, on this pool), None where it runs per op."""
@@ -250,9 +249,7 @@ class GraphedDecode:
         cfg = self.model.cfg
         n = len(segments)
         b = self._bucket(*key, defer > 0)
-        meta = b.meta_host
-        meta[n:, :2] = 0
-        meta[n:, 2:] = self.scratch
+        meta = self._padded(b, n)
         for i, s in enumerate(segments):
             if not s.cache.reserve(s.start + 1):
                 raise MemoryError(f"the KV pool ({self.pool.num_blocks} blocks of {BLOCK}) is full")
@@ -260,7 +257,7 @@ class GraphedDecode:
             meta[i, 0] = int(s.tokens[0])
             meta[i, 1] = s.start
             meta[i, 2:2 + len(table)] = table[:b.C // BLOCK]
-            meta[i, 2 + len(table):] = self.scratch
+            meta[i, 2 + len(table):] = self.pool.spare
         b.meta.copy_(meta, non_blocking=True)
         last_moe = self.model.last_moe_layer
         pending = None
@@ -295,20 +292,23 @@ class GraphedDecode:
         replay, where they would otherwise pause to capture mid-serving. Each segment runs once on padded rows, which
         read and write only the pool's spare block. -> the buckets prepared."""
         cfg, dtype = self.model.cfg, self.pool.dtype
-        top = bucket(cfg, dtype, min(rows, BATCHES[-1]), MIN_CONTEXT)
         out = []
-        for B in BATCHES[:BATCHES.index(top[0]) + 1] if top else ():
+        for B in (b for b in BATCHES if b < 2 * min(rows, BATCHES[-1])):  # up to rows' bucket
             C = MIN_CONTEXT
             while C <= context_bucket(end) and bucket(cfg, dtype, B, C) == (B, C):
                 b = self._bucket(B, C, deferring)
-                b.meta_host[:, :2] = 0
-                b.meta_host[:, 2:] = self.scratch
-                b.meta.copy_(b.meta_host, non_blocking=True)
+                b.meta.copy_(self._padded(b, 0), non_blocking=True)
                 for i in range(len(b.segments)):
                     self._play(b, i)
                 out.append(b)
                 C *= 2
         return out
+
+    def _padded(self, b: Bucket, n: int) -> torch.Tensor:
+        """b's host meta with rows n.. padding: token 0 at position 0, every table entry the pool's spare block."""
+        b.meta_host[n:, :2] = 0
+        b.meta_host[n:, 2:] = self.pool.spare
+        return b.meta_host
 
     def _bucket(self, B: int, C: int, deferring: bool) -> Bucket:
         key = (B, C, deferring)

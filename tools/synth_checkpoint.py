@@ -23,7 +23,6 @@ import argparse
 import json
 import pathlib
 import shutil
-
 import sys
 
 import torch
