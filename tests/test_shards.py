@@ -88,8 +88,15 @@ def test_profile_lanes_and_metrics_per_shard(checkpoints, sharded):
     assert {"expert-0", "expert-1"} <= {sp.service for sp in spans}
     waits = {sp.service for sp in spans if sp.name == "shard_wait"}
     assert waits == {"expert-0", "expert-1"}  # the GPU side's wait on each shard, beside its compute
-    m = scrape(port)
-    computed = {x.labels["service"] for x in m["moe_remote_expert_compute_seconds"].samples if x.value > 0}
+    # the engine records a step's metrics a batch at a time (when a request ends, when idle, every 0.25 s): the
+    # stream's last chunk may come before its request's steps are recorded
+    deadline = time.monotonic() + 10
+    while True:
+        m = scrape(port)
+        computed = {x.labels["service"] for x in m["moe_remote_expert_compute_seconds"].samples if x.value > 0}
+        if {"expert-0", "expert-1"} <= computed or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert {"expert-0", "expert-1"} <= computed
     up = {x.labels["target"]: x.value for x in m["moe_expert_shard_up"].samples}
     assert up == {f"127.0.0.1:{p}": 1.0 for p in s.ports}
