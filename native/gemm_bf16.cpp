@@ -173,6 +173,28 @@ void rows_avx2(int Kp, const uint16_t* We, size_t pf, int r0, int r1, const uint
   rows_avx2_widened(Kp, We, pf, r0, r1, xr.data(), ns, Y, ldy, pf != 0);
 }
 
+// One token: a row at a time, so that a task's rows are one sequential stream (the 4-row tile reads four streams
+// a row apart: 8-27% slower, docs/kernels.md). Each row's one chain of K and the 4 rows' reduce4 are the tile's, so
+// one token's sums are bit for bit those of a token among several; the next row's chain overlaps the last one's.
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void rows1_bf16_avx512(const uint16_t* We, int Kp, int r0,
+                                                                                        int r1, const uint16_t* X,
+                                                                                        float* Y) {
+  for (int r = r0; r < r1; r += RB) {
+    const int nr = std::min(RB, r1 - r);
+    __m512 acc[RB];
+    MOE_UNROLL for (int j = 0; j < RB; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j >= nr) continue;
+      const uint16_t* w = We + size_t(r + j) * Kp;
+      for (int i = 0; i < Kp; i += 32)
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(X + i));
+    }
+    alignas(16) float out[4];
+    _mm_store_ps(out, reduce4_ps(acc[0], acc[1], acc[2], acc[3]));
+    for (int j = 0; j < nr; ++j) Y[r + j] = out[j];
+  }
+}
+
 }  // namespace
 
 void bf16_rows_avx2(const uint16_t* We, int Kp, int r0, int r1, const uint16_t* const* X, int ns, float* Y, size_t ldy,
@@ -215,6 +237,7 @@ void gemm_rows_bf16_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x
 
 void bf16_rows_avx512(const uint16_t* We, int Kp, int r0, int r1, const uint16_t* const* X, int ns, float* Y,
                       size_t ldy, size_t pf) {
+  if (ns == 1) return rows1_bf16_avx512(We, Kp, r0, r1, X[0], Y);
   // With many token blocks the kernel is compute-bound and the prefetches of the later blocks only
   // take load slots; with few (Qwen3 prefill, ~6 per expert), every block prefetches
   const bool prefetch_all = pf && ns < 8 * TB;

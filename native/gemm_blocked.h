@@ -219,7 +219,7 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i q5_value512(__m512i n
   const __m512i h = c < 4 ? _mm512_slli_epi16(hv, 4 - c) : c == 4 ? hv : _mm512_srli_epi16(hv, c - 4);
   return _mm512_ternarylogic_epi32(nib, h, _mm512_set1_epi8(0x10), 0xF8);  // nib | (h & 0x10)
 }
-template <int NT, int NB, int MODE, bool FULL>
+template <int NT, int NB, int MODE, bool FULL, bool PF = true>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk512(
     const uint8_t* const* W, const ScaleT<MODE>* const* S, size_t moff, int n, const int8_t* const* X,
     const int32_t* const* XC, const float* const* XS, int ng, size_t pf, float* C) {
@@ -250,7 +250,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
           __m512i lv[3];
           MOE_UNROLL for (int k = 0; k < stride_vectors<MODE>; ++k) {
             if constexpr (FULL) {
-              _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * k), _MM_HINT_T1);
+              if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * k), _MM_HINT_T1);
               lv[k] = _mm512_loadu_si512(p + 64 * k);
             } else {
               lv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * k);
@@ -265,7 +265,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
           if constexpr (MODE == Q6K || MODE == Q5K)
             MOE_UNROLL for (int k = 0; k < stride_vectors<MODE> - 4; ++k) {
               if constexpr (FULL) {
-                _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
+                if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
                 hv[k] = _mm512_loadu_si512(p + 64 * (4 + k));
               } else {
                 hv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * (4 + k));
@@ -274,7 +274,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
           MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
             __m512i q;
             if constexpr (FULL) {
-              _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
+              if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
               q = _mm512_loadu_si512(p + 64 * v);
             } else {
               q = _mm512_maskz_loadu_epi32(lanes, p + vs * v);
@@ -719,61 +719,44 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
     const int n = std::min(BLK, m.rows - r);
     const uint8_t* wb = We + size_t(r) * ldw;
     const ScaleT<MODE>* sb = Se + size_t(r) * ng * SGE<MODE>;
-    // AVX-512 decode (one token) takes two whole blocks at once, for more independent dot-product chains
-    const bool pair = LANES == BLK && n == BLK && r + 2 * BLK <= r1;
     for (int s = 0; s < ns; s += TBI) {
       const int nt = std::min(TBI, ns - s);
-      float C[TBI * 2 * BLK];
-      const int units = mk(wb, sb, moff, n, pair, p.xp.data() + s, p.cp.data() + s, p.sp.data() + s, ng, pf, nt, C);
+      float C[TBI * BLK];
+      const int units = mk(wb, sb, moff, n, p.xp.data() + s, p.cp.data() + s, p.sp.data() + s, ng, pf, nt, C);
       const int rows = std::min(units * LANES, r1 - r);
       for (int t = 0; t < nt; ++t)
         for (int j = 0; j < rows; ++j) Y[size_t(s + t) * ldy + r + j] = C[t * units * LANES + j] * x.scale[s + t];
     }
-    if (pair) r += BLK;  // the pair's second block
   }
 }
 
-// AVX-512's units for one block (or a pair of whole blocks) -> units computed, C [nt, units * 16]
+// AVX-512 at one token: a block's whole stream at a time, without software prefetch (the hardware prefetcher
+// follows one sequential stream a task best; two blocks side by side, prefetching 32 KiB ahead, were 4-17% slower),
+// except q5k's and q6k's (their bit vectors make more work a byte: prefetching is 3-4% faster there, docs/kernels.md)
 template <int MODE>
-inline int units512(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, bool pair, const int8_t* const* X,
-                    const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C,
-                    size_t block_bytes, size_t block_scales) {
-  if (n < BLK) {
-    with_tokens<4>(nt, [&](auto NT) {
-      const uint8_t* W[1] = {wb};
-      const ScaleT<MODE>* S[1] = {sb};
-      mk512<decltype(NT)::value, 1, MODE, false>(W, S, moff, n, X, XC, XS, ng, pf, C);
-    });
-    return 1;
-  }
-  if (pair && nt == 1) {
-    const uint8_t* W[2] = {wb, wb + block_bytes};
-    const ScaleT<MODE>* S[2] = {sb, sb + block_scales};
-    mk512<1, 2, MODE, true>(W, S, moff, BLK, X, XC, XS, ng, pf, C);
-    return 2;
-  }
-  const int blocks = pair ? 2 : 1;
-  for (int b = 0; b < blocks; ++b) {
-    const uint8_t* W[1] = {wb + b * block_bytes};
-    const ScaleT<MODE>* S[1] = {sb + b * block_scales};
-    float Cb[4 * BLK];
-    with_tokens<4>(nt, [&](auto NT) { mk512<decltype(NT)::value, 1, MODE, true>(W, S, moff, BLK, X, XC, XS, ng, pf, Cb); });
-    for (int t = 0; t < nt; ++t)
-      for (int j = 0; j < BLK; ++j) C[(t * blocks + b) * BLK + j] = Cb[t * BLK + j];
-  }
-  return blocks;
+constexpr bool decode_prefetch = MODE == Q5K || MODE == Q6K;
+// AVX-512's unit is one block -> 1, C [nt, 16]
+template <int MODE>
+inline int units512(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,
+                    const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C) {
+  const uint8_t* W[1] = {wb};
+  const ScaleT<MODE>* S[1] = {sb};
+  if (n < BLK)
+    with_tokens<4>(nt, [&](auto NT) { mk512<decltype(NT)::value, 1, MODE, false>(W, S, moff, n, X, XC, XS, ng, pf, C); });
+  else if (nt == 1)
+    mk512<1, 1, MODE, true, decode_prefetch<MODE>>(W, S, moff, BLK, X, XC, XS, ng, pf, C);
+  else
+    with_tokens<4>(nt, [&](auto NT) { mk512<decltype(NT)::value, 1, MODE, true>(W, S, moff, BLK, X, XC, XS, ng, pf, C); });
+  return 1;
 }
 
 template <int MODE>
 void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  const size_t block_bytes = BLK * row_bytes<MODE>(m.Kp);
-  const size_t block_scales = size_t(BLK) * (m.Kp / (G * SPG<MODE>)) * SGE<MODE>;
   drive_blocked<MODE, excess<MODE, false>, BLK, 4>(m, e, r0, r1, x, ns, Y, ldy,
-                                     [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, bool pair,
+                                     [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n,
                                          const int8_t* const* X, const int32_t* const* XC, const float* const* XS,
                                          int ng, size_t pf, int nt, float* C) {
-                                       return units512<MODE>(wb, sb, moff, n, pair, X, XC, XS, ng, pf, nt, C,
-                                                             block_bytes, block_scales);
+                                       return units512<MODE>(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C);
                                      });
 }
 
@@ -1008,7 +991,7 @@ inline int units256(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int 
                                   size_t ldy) {                                                                     \
     drive_blocked<MODE, excess256<DOT, MODE>, 8, 4>(                                                                 \
         m, e, r0, r1, x, ns, Y, ldy,                                                                                \
-        [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, bool, const int8_t* const* X,           \
+        [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,                 \
             const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C) {               \
           return units256<DOT, MODE>(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C);                                   \
         });                                                                                                         \
