@@ -2,11 +2,15 @@
 // format), every token against every row. The GPU service runs its projections, dense MLPs, shared
 // experts and lm_head through this when its device is the CPU, so those layers stream packed bf16 /
 // int8 / int4 weights at DRAM speed like the experts do.
+#include <algorithm>
+
 #include "common.h"
 #include "kernels.h"
 #include "moe.h"
 
 namespace moe {
+
+constexpr int DECODE_ROWS = 8;  // tokens a call up to which it is a decode step's (a few sequences' rows)
 
 void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, float* y) {
   const Fmt fmt = kn.fmt;
@@ -26,10 +30,22 @@ void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, f
     });
     xs.amx_b = dst;
   }
-  // about task_bytes of weights a task, but at least two tasks a thread where the rows allow (a k or v
-  // projection of 512 rows is one task's worth: one thread would stream it alone)
-  const int per = (m.rows + 2 * tp.size() - 1) / (2 * tp.size());
-  const int b = std::min(task_rows(weight_row_bytes(fmt, m.Kp)), std::max(64, (per + 63) / 64 * 64));
+  // Decode (a few rows of tokens): equal tasks, a whole number a thread, each at most 2 task_bytes of weights (about
+  // task_bytes a task left q/k/v's 5.9 MB of int4 as 5 tasks for 2 threads, the last streamed by one alone: int4 at
+  // one token 5% faster this way, int8 2%, bf16 1%; docs/kernels.md). Prefill: about task_bytes a task, but at
+  // least two a thread where the rows allow (a k or v projection of 512 rows is one task's worth: one thread would
+  // stream it alone), for the balance between threads that other work on the cores slows.
+  const int n = int(tp.size());
+  const size_t row_bytes = weight_row_bytes(fmt, m.Kp);
+  int b;
+  if (T <= DECODE_ROWS) {
+    const size_t share = 2 * n * tuning().task_bytes;
+    const int tasks = n * int(std::max<size_t>(1, (size_t(m.rows) * row_bytes + share - 1) / share));
+    b = ((m.rows + tasks - 1) / tasks + 63) / 64 * 64;
+  } else {
+    const int per = (m.rows + 2 * n - 1) / (2 * n);
+    b = std::min(task_rows(row_bytes), std::max(64, (per + 63) / 64 * 64));
+  }
   tp.parallel_for((m.rows + b - 1) / b, [&](int i) {
     gemm_rows(kn, m, 0, i * b, std::min(m.rows, (i + 1) * b), xs, T, y, size_t(m.rows));
   });
