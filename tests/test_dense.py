@@ -48,6 +48,28 @@ def test_linear_matches_reference(fmt, isa, T, rows, K):
     assert ((lin(x.bfloat16()).float() - want).norm() / want.norm()).item() < TOL[fmt] + 1e-2
 
 
+# the formats whose one-token path is a kernel of its own (a row at a time, or one row-block stream) beside the tiles
+ONE_TOKEN = ["bf16", "int8", "fp8", "int4", "q4k", "q5k", "q6k", "q2k", "mxfp4", "int8g32"]
+
+
+# (AVX2's fp8 row at a time sums in four chains, its tiles in one or two: equal up to rounding only)
+@pytest.mark.parametrize("fmt, isa", [(f, i) for f in ONE_TOKEN for i in ISAS
+                                      if not (f == "fp8" and i in ("avx2", "avxvnni"))])
+def test_one_token_gets_the_bits_it_gets_among_a_few(fmt, isa):
+    """A decode step's sequence alone computes its rows as the same token does beside others (a batch of 3 takes
+    the tiles): alone or batched, a request's tokens do not depend on its neighbours. 100 rows: whole 16-row blocks,
+    a short one, and a 4-row tile's remainder; K 512: two 256s of the super-blocked formats."""
+    torch.manual_seed(0)
+    if isa == "amx-emulated":
+        native.set_amx_emulation(True)
+        isa = "amx"
+    lin = NativeLinear((torch.randn(100, 512) * 0.05).bfloat16(), fmt, isa=isa)
+    x = torch.randn(3, 512).bfloat16().float()  # fp32 rows: fp32 outputs, every last bit seen
+    batched = lin(x)
+    for i in range(3):
+        assert torch.equal(lin(x[i:i + 1]), batched[i:i + 1]), i
+
+
 def test_amx_bf16_prefill_goes_to_torch_on_the_packed_rows(monkeypatch):
     """bf16 weights on the amx isa: from dense.TORCH_FROM_TOKENS bf16 tokens on, torch's matmul runs on
     a view of the packed rows (no second copy of the weight); fewer tokens, or fp32 ones, stay ours."""
