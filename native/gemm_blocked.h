@@ -172,7 +172,7 @@ inline void prepare(const uint8_t* const* X, int ns, int Kp, int gs, int exc, bo
   }
 }
 
-// ---- AVX-512: NB units of 16 rows (whole blocks, or one shorter one: n lanes, FULL false) x NT tokens ----
+// ---- AVX-512: a unit of 16 rows (a whole block, or a shorter one: n lanes, FULL false) x NT tokens ----
 template <int MODE>
 __attribute__((target("avx512f,avx512bw"))) inline __m512i decode512(__m512i q) {  // u8 weights
   if constexpr (looked_up(MODE))
@@ -219,191 +219,170 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i q5_value512(__m512i n
   const __m512i h = c < 4 ? _mm512_slli_epi16(hv, 4 - c) : c == 4 ? hv : _mm512_srli_epi16(hv, c - 4);
   return _mm512_ternarylogic_epi32(nib, h, _mm512_set1_epi8(0x10), 0xF8);  // nib | (h & 0x10)
 }
-template <int NT, int NB, int MODE, bool FULL, bool PF = true>
+template <int NT, int MODE, bool FULL, bool PF = true>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk512(
-    const uint8_t* const* W, const ScaleT<MODE>* const* S, size_t moff, int n, const int8_t* const* X,
+    const uint8_t* W, const ScaleT<MODE>* S, size_t moff, int n, const int8_t* const* X,
     const int32_t* const* XC, const float* const* XS, int ng, size_t pf, float* C) {
   const int vs = FULL ? 64 : 4 * n, gs = stride_vectors<MODE> * vs;  // bytes of a chunk vector, of a layout group
   const __mmask16 lanes = FULL ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
-  __m512 acc[NB][NT];
-  MOE_UNROLL for (int b = 0; b < NB; ++b)
-    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[b][t] = _mm512_setzero_ps();
+  __m512 acc[NT];
+  MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int g = 0; g < ng; ++g) {  // scale groups
-    __m512i d[NB][NT][2];  // two chains a dot product: half the latency
-    MOE_UNROLL for (int b = 0; b < NB; ++b)
-      MOE_UNROLL for (int t = 0; t < NT; ++t) d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
-    __m512 qs[NB][NT], qm[NB][NT];  // q4k, q5k: the 256's sums of sc x dot and of m x activation sum
+    __m512i d[NT][2];  // two chains a dot product: half the latency
+    MOE_UNROLL for (int t = 0; t < NT; ++t) d[t][0] = d[t][1] = _mm512_setzero_si512();
+    __m512 qs[NT], qm[NT];  // q4k, q5k: the 256's sums of sc x dot and of m x activation sum
     if constexpr (k_mins(MODE))
-      MOE_UNROLL for (int b = 0; b < NB; ++b)
-        MOE_UNROLL for (int t = 0; t < NT; ++t) qs[b][t] = qm[b][t] = _mm512_setzero_ps();
-    __m512i qi[NB][NT], qn[NB][NT];  // q6k, q3k, q2k, iq4xs: the 256's int32 sum of sc x dot; q2k: and of m x sum
+      MOE_UNROLL for (int t = 0; t < NT; ++t) qs[t] = qm[t] = _mm512_setzero_ps();
+    __m512i qi[NT], qn[NT];  // q6k, q3k, q2k, iq4xs: the 256's int32 sum of sc x dot; q2k: and of m x sum
     if constexpr (int_scaled<MODE>)
-      MOE_UNROLL for (int b = 0; b < NB; ++b)
-        MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = qn[b][t] = _mm512_setzero_si512();
+      MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = qn[t] = _mm512_setzero_si512();
     MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
       const int lg = g * SPG<MODE> + h;  // layout group
-      __m512i u[NB][8];
-      MOE_UNROLL for (int b = 0; b < NB; ++b) {
-        const uint8_t* p = W[b] + size_t(lg) * gs;
-        if constexpr (MODE == Q3K || MODE == Q2K) {  // 2 vectors of low bit pairs (chunks 0-3, 4-7), q3k: 1 of high bits
-          __m512i lv[3];
-          MOE_UNROLL for (int k = 0; k < stride_vectors<MODE>; ++k) {
+      __m512i u[8];
+      const uint8_t* p = W + size_t(lg) * gs;
+      if constexpr (MODE == Q3K || MODE == Q2K) {  // 2 vectors of low bit pairs (chunks 0-3, 4-7), q3k: 1 of high bits
+        __m512i lv[3];
+        MOE_UNROLL for (int k = 0; k < stride_vectors<MODE>; ++k) {
+          if constexpr (FULL) {
+            if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * k), _MM_HINT_T1);
+            lv[k] = _mm512_loadu_si512(p + 64 * k);
+          } else {
+            lv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * k);
+          }
+        }
+        MOE_UNROLL for (int c = 0; c < 8; ++c) {
+          if constexpr (MODE == Q2K) u[c] = q2_value512(lv[c / 4], c);
+          else u[c] = q3_value512(lv[c / 4], lv[2], c);
+        }
+      } else {
+        __m512i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
+        if constexpr (MODE == Q6K || MODE == Q5K)
+          MOE_UNROLL for (int k = 0; k < stride_vectors<MODE> - 4; ++k) {
             if constexpr (FULL) {
-              if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * k), _MM_HINT_T1);
-              lv[k] = _mm512_loadu_si512(p + 64 * k);
+              if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
+              hv[k] = _mm512_loadu_si512(p + 64 * (4 + k));
             } else {
-              lv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * k);
+              hv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * (4 + k));
             }
           }
-          MOE_UNROLL for (int c = 0; c < 8; ++c) {
-            if constexpr (MODE == Q2K) u[b][c] = q2_value512(lv[c / 4], c);
-            else u[b][c] = q3_value512(lv[c / 4], lv[2], c);
+        MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
+          __m512i q;
+          if constexpr (FULL) {
+            if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
+            q = _mm512_loadu_si512(p + 64 * v);
+          } else {
+            q = _mm512_maskz_loadu_epi32(lanes, p + vs * v);
           }
-        } else {
-          __m512i hv[2];  // q6k: the high bits of chunks 0-3, 4-7; q5k: of all 8 in hv[0]
-          if constexpr (MODE == Q6K || MODE == Q5K)
-            MOE_UNROLL for (int k = 0; k < stride_vectors<MODE> - 4; ++k) {
-              if constexpr (FULL) {
-                if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * (4 + k)), _MM_HINT_T1);
-                hv[k] = _mm512_loadu_si512(p + 64 * (4 + k));
-              } else {
-                hv[k] = _mm512_maskz_loadu_epi32(lanes, p + vs * (4 + k));
-              }
-            }
-          MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
-            __m512i q;
-            if constexpr (FULL) {
-              if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
-              q = _mm512_loadu_si512(p + 64 * v);
-            } else {
-              q = _mm512_maskz_loadu_epi32(lanes, p + vs * v);
-            }
-            if constexpr (MODE == Q6K) {
-              u[b][v] = q6_value512(_mm512_and_si512(q, lo4), hv[0], v);
-              u[b][v + 4] = q6_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[1], v);
-            } else if constexpr (MODE == Q5K) {
-              u[b][v] = q5_value512(_mm512_and_si512(q, lo4), hv[0], v);
-              u[b][v + 4] = q5_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[0], v + 4);
-            } else if constexpr (nibble<MODE>) {
-              u[b][v] = decode512<MODE>(_mm512_and_si512(q, lo4));
-              u[b][v + 4] = decode512<MODE>(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4));
-            } else {
-              u[b][v] = decode512<MODE>(q);
-            }
+          if constexpr (MODE == Q6K) {
+            u[v] = q6_value512(_mm512_and_si512(q, lo4), hv[0], v);
+            u[v + 4] = q6_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[1], v);
+          } else if constexpr (MODE == Q5K) {
+            u[v] = q5_value512(_mm512_and_si512(q, lo4), hv[0], v);
+            u[v + 4] = q5_value512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), hv[0], v + 4);
+          } else if constexpr (nibble<MODE>) {
+            u[v] = decode512<MODE>(_mm512_and_si512(q, lo4));
+            u[v + 4] = decode512<MODE>(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4));
+          } else {
+            u[v] = decode512<MODE>(q);
           }
         }
       }
       MOE_UNROLL for (int t = 0; t < NT; ++t) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(X[t] + lg * G);
-        MOE_UNROLL for (int b = 0; b < NB; ++b)
-          MOE_UNROLL for (int c = 0; c < 4; ++c) {
-            d[b][t][0] = _mm512_dpbusd_epi32(d[b][t][0], u[b][c], _mm512_set1_epi32(xg[c]));
-            d[b][t][1] = _mm512_dpbusd_epi32(d[b][t][1], u[b][c + 4], _mm512_set1_epi32(xg[c + 4]));
-          }
+        MOE_UNROLL for (int c = 0; c < 4; ++c) {
+          d[t][0] = _mm512_dpbusd_epi32(d[t][0], u[c], _mm512_set1_epi32(xg[c]));
+          d[t][1] = _mm512_dpbusd_epi32(d[t][1], u[c + 4], _mm512_set1_epi32(xg[c + 4]));
+        }
       }
       if constexpr (k_mins(MODE)) {  // this 32's 6-bit sc and m (a byte each, 16 rows side by side)
-        MOE_UNROLL for (int b = 0; b < NB; ++b) {
-          const uint8_t* sg = S[b] + size_t(g) * n * 24;
-          const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-              _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sg + 8 * n + h * n))));
-          const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-              _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sg + 16 * n + h * n))));
-          MOE_UNROLL for (int t = 0; t < NT; ++t) {
-            qs[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[b][t][0], d[b][t][1])), sc, qs[b][t]);
-            qm[b][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(XS[t][g * SPG<MODE> + h]), qm[b][t]);
-            d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
-          }
+        const uint8_t* sg = S + size_t(g) * n * 24;
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sg + 8 * n + h * n))));
+        const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sg + 16 * n + h * n))));
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          qs[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d[t][0], d[t][1])), sc, qs[t]);
+          qm[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(XS[t][g * SPG<MODE> + h]), qm[t]);
+          d[t][0] = d[t][1] = _mm512_setzero_si512();
         }
       }
       if constexpr (MODE == IQXS) {  // this 32's dot product less its excess, times its sc
-        MOE_UNROLL for (int b = 0; b < NB; ++b) {
-          const uint8_t* sc = S[b] + size_t(g) * n * SGE<MODE> + 4 * n + h * n;
-          const __m512i scv = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
-          MOE_UNROLL for (int t = 0; t < NT; ++t) {
-            const __m512i dd = _mm512_sub_epi32(_mm512_add_epi32(d[b][t][0], d[b][t][1]), _mm512_set1_epi32(XC[t][lg]));
-            qi[b][t] = _mm512_add_epi32(qi[b][t], _mm512_mullo_epi32(dd, scv));
-            d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
-          }
+        const uint8_t* sc = S + size_t(g) * n * SGE<MODE> + 4 * n + h * n;
+        const __m512i scv = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          const __m512i dd = _mm512_sub_epi32(_mm512_add_epi32(d[t][0], d[t][1]), _mm512_set1_epi32(XC[t][lg]));
+          qi[t] = _mm512_add_epi32(qi[t], _mm512_mullo_epi32(dd, scv));
+          d[t][0] = d[t][1] = _mm512_setzero_si512();
         }
       }
       if constexpr (sub16(MODE)) {  // this 32's two 16s: less the excess x their activation sums, times their sc
-        MOE_UNROLL for (int b = 0; b < NB; ++b) {
-          const uint8_t* sc = S[b] + size_t(g) * n * SGE<MODE> + sc_at<MODE> * n + 2 * h * n;
-          if constexpr (paired16(MODE)) {  // the rows' sub-scale pairs as int16 pairs: scp with the dots, mp the sums
-            __m512i scp, mp;
-            if constexpr (MODE == Q2K) {  // stored as pairs of (sc | m << 4) bytes
-              const __m512i w = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(
-                  _mm512_maskz_loadu_epi8(FULL ? ~__mmask64(0) : (__mmask64(1) << 2 * n) - 1, sc)));
-              scp = _mm512_and_si512(w, _mm512_set1_epi16(15)), mp = _mm512_srli_epi16(w, 4);
-            } else {  // q3k: the two 16s' int8 sc, n rows each, interleaved
-              const __m128i b0 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc));
-              const __m128i b1 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n));
-              scp = mp = _mm512_cvtepi8_epi16(
-                  _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(b0, b1)), _mm_unpackhi_epi8(b0, b1), 1));
-            }
-            MOE_UNROLL for (int t = 0; t < NT; ++t) {
-              const int32_t* xc = XC[t] + 2 * lg;
-              const __m512i dp = _mm512_mask_blend_epi16(0xAAAAAAAA, d[b][t][0], _mm512_slli_epi32(d[b][t][1], 16));
-              qi[b][t] = _mm512_dpwssd_epi32(qi[b][t], dp, scp);
-              qn[b][t] = _mm512_dpwssd_epi32(qn[b][t], mp, _mm512_set1_epi32(pair_of(xc[0], xc[1])));
-              d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
-            }
-            continue;
+        const uint8_t* sc = S + size_t(g) * n * SGE<MODE> + sc_at<MODE> * n + 2 * h * n;
+        if constexpr (paired16(MODE)) {  // the rows' sub-scale pairs as int16 pairs: scp with the dots, mp the sums
+          __m512i scp, mp;
+          if constexpr (MODE == Q2K) {  // stored as pairs of (sc | m << 4) bytes
+            const __m512i w = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(
+                _mm512_maskz_loadu_epi8(FULL ? ~__mmask64(0) : (__mmask64(1) << 2 * n) - 1, sc)));
+            scp = _mm512_and_si512(w, _mm512_set1_epi16(15)), mp = _mm512_srli_epi16(w, 4);
+          } else {  // q3k: the two 16s' int8 sc, n rows each, interleaved
+            const __m128i b0 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc));
+            const __m128i b1 = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n));
+            scp = mp = _mm512_cvtepi8_epi16(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(b0, b1)), _mm_unpackhi_epi8(b0, b1), 1));
           }
-          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
-          const __m512i sc1 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n)));
           MOE_UNROLL for (int t = 0; t < NT; ++t) {
             const int32_t* xc = XC[t] + 2 * lg;
-            const __m512i s0 = _mm512_sub_epi32(d[b][t][0], _mm512_set1_epi32(xc[0]));
-            const __m512i s1 = _mm512_sub_epi32(d[b][t][1], _mm512_set1_epi32(xc[1]));
-            qi[b][t] = _mm512_add_epi32(qi[b][t],
-                                        _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
-            d[b][t][0] = d[b][t][1] = _mm512_setzero_si512();
+            const __m512i dp = _mm512_mask_blend_epi16(0xAAAAAAAA, d[t][0], _mm512_slli_epi32(d[t][1], 16));
+            qi[t] = _mm512_dpwssd_epi32(qi[t], dp, scp);
+            qn[t] = _mm512_dpwssd_epi32(qn[t], mp, _mm512_set1_epi32(pair_of(xc[0], xc[1])));
+            d[t][0] = d[t][1] = _mm512_setzero_si512();
           }
+          continue;
+        }
+        const __m512i sc0 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc)));
+        const __m512i sc1 = _mm512_cvtepi8_epi32(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8(__mmask64(lanes), sc + n)));
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          const int32_t* xc = XC[t] + 2 * lg;
+          const __m512i s0 = _mm512_sub_epi32(d[t][0], _mm512_set1_epi32(xc[0]));
+          const __m512i s1 = _mm512_sub_epi32(d[t][1], _mm512_set1_epi32(xc[1]));
+          qi[t] = _mm512_add_epi32(qi[t], _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
+          d[t][0] = d[t][1] = _mm512_setzero_si512();
         }
       }
     }
     if constexpr (int_scaled<MODE>) {  // the 256's d (q2k: and dmin)
-      MOE_UNROLL for (int b = 0; b < NB; ++b) {
-        const __m512 dv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * SGE<MODE>);
-        if constexpr (MODE == Q3K)  // less the excess x the activation sums
-          MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = _mm512_sub_epi32(qi[b][t], qn[b][t]);
+      const __m512 dv = _mm512_maskz_loadu_ps(lanes, S + size_t(g) * n * SGE<MODE>);
+      if constexpr (MODE == Q3K)  // less the excess x the activation sums
+        MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = _mm512_sub_epi32(qi[t], qn[t]);
+      MOE_UNROLL for (int t = 0; t < NT; ++t)
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[t]), dv, acc[t]);
+      if constexpr (MODE == Q2K) {
+        const __m512 dminv = _mm512_maskz_loadu_ps(lanes, S + size_t(g) * n * SGE<MODE> + 4 * n);
         MOE_UNROLL for (int t = 0; t < NT; ++t)
-          acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[b][t]), dv, acc[b][t]);
-        if constexpr (MODE == Q2K) {
-          const __m512 dminv = _mm512_maskz_loadu_ps(lanes, S[b] + size_t(g) * n * SGE<MODE> + 4 * n);
-          MOE_UNROLL for (int t = 0; t < NT; ++t)
-            acc[b][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qn[b][t]), dminv, acc[b][t]);
-        }
+          acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qn[t]), dminv, acc[t]);
       }
       continue;
     }
     if constexpr (k_mins(MODE)) {  // the 256's d and dmin
-      MOE_UNROLL for (int b = 0; b < NB; ++b) {
-        const uint8_t* sg = S[b] + size_t(g) * n * 24;
-        const __m512 dv = _mm512_maskz_loadu_ps(lanes, sg), dminv = _mm512_maskz_loadu_ps(lanes, sg + 4 * n);
-        MOE_UNROLL for (int t = 0; t < NT; ++t) {
-          acc[b][t] = _mm512_fmadd_ps(qs[b][t], dv, acc[b][t]);
-          acc[b][t] = _mm512_fnmadd_ps(qm[b][t], dminv, acc[b][t]);
-        }
+      const uint8_t* sg = S + size_t(g) * n * 24;
+      const __m512 dv = _mm512_maskz_loadu_ps(lanes, sg), dminv = _mm512_maskz_loadu_ps(lanes, sg + 4 * n);
+      MOE_UNROLL for (int t = 0; t < NT; ++t) {
+        acc[t] = _mm512_fmadd_ps(qs[t], dv, acc[t]);
+        acc[t] = _mm512_fnmadd_ps(qm[t], dminv, acc[t]);
       }
       continue;
     }
-    MOE_UNROLL for (int b = 0; b < NB; ++b) {
-      const __m512 sv = scales512<MODE>(S[b] + size_t(g) * n, lanes);
-      __m512 mv = sv;
-      if constexpr (MODE == ASYM) mv = _mm512_maskz_loadu_ps(lanes, S[b] + moff + size_t(g) * n);
-      MOE_UNROLL for (int t = 0; t < NT; ++t) {
-        __m512i dd = _mm512_add_epi32(d[b][t][0], d[b][t][1]);
-        if constexpr (excess<MODE, false> != 0) dd = _mm512_sub_epi32(dd, _mm512_set1_epi32(XC[t][g]));
-        acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), sv, acc[b][t]);
-        if constexpr (MODE == ASYM) acc[b][t] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(XS[t][g]), acc[b][t]);
-      }
+    const __m512 sv = scales512<MODE>(S + size_t(g) * n, lanes);
+    __m512 mv = sv;
+    if constexpr (MODE == ASYM) mv = _mm512_maskz_loadu_ps(lanes, S + moff + size_t(g) * n);
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
+      __m512i dd = _mm512_add_epi32(d[t][0], d[t][1]);
+      if constexpr (excess<MODE, false> != 0) dd = _mm512_sub_epi32(dd, _mm512_set1_epi32(XC[t][g]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), sv, acc[t]);
+      if constexpr (MODE == ASYM) acc[t] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(XS[t][g]), acc[t]);
     }
   }
-  MOE_UNROLL for (int t = 0; t < NT; ++t)
-    MOE_UNROLL for (int b = 0; b < NB; ++b) _mm512_storeu_ps(C + (t * NB + b) * BLK, acc[b][t]);
+  MOE_UNROLL for (int t = 0; t < NT; ++t) _mm512_storeu_ps(C + t * BLK, acc[t]);
 }
 
 // ---- 256-bit (AVX2, AVX-VNNI): a unit is half a block, 8 rows (its lanes of each chunk vector) ----
@@ -739,14 +718,12 @@ constexpr bool decode_prefetch = MODE == Q5K || MODE == Q6K;
 template <int MODE>
 inline int units512(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,
                     const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C) {
-  const uint8_t* W[1] = {wb};
-  const ScaleT<MODE>* S[1] = {sb};
   if (n < BLK)
-    with_tokens<4>(nt, [&](auto NT) { mk512<decltype(NT)::value, 1, MODE, false>(W, S, moff, n, X, XC, XS, ng, pf, C); });
+    with_tokens<4>(nt, [&](auto NT) { mk512<decltype(NT)::value, MODE, false>(wb, sb, moff, n, X, XC, XS, ng, pf, C); });
   else if (nt == 1)
-    mk512<1, 1, MODE, true, decode_prefetch<MODE>>(W, S, moff, BLK, X, XC, XS, ng, pf, C);
+    mk512<1, MODE, true, decode_prefetch<MODE>>(wb, sb, moff, BLK, X, XC, XS, ng, pf, C);
   else
-    with_tokens<4>(nt, [&](auto NT) { mk512<decltype(NT)::value, 1, MODE, true>(W, S, moff, BLK, X, XC, XS, ng, pf, C); });
+    with_tokens<4>(nt, [&](auto NT) { mk512<decltype(NT)::value, MODE, true>(wb, sb, moff, BLK, X, XC, XS, ng, pf, C); });
   return 1;
 }
 
