@@ -36,9 +36,10 @@ inline void row_streams(const T* base, size_t ld, int nr, const T* (&p)[R]) {
 }
 
 // How the kernels stream weights, chosen by interleaved A/B runs (bench/bench_tuning.py; docs/kernels.md):
-// software-prefetch this many bytes ahead in each row stream (the hardware prefetcher stops at
-// 4 KiB page ends; 32 KiB rather than 8 since 2026-12-04: int4 at one token faster on a Zen 4, the
-// same on a Zen 3), and cut work into tasks of about this many weight bytes (each task start is
+// software-prefetch this many bytes ahead in each row stream of the multi-token tiles, AVX2's one-token passes
+// and q5k/q6k (the hardware prefetcher stops at 4 KiB page ends; 32 KiB rather than 8 since 2026-12-04, chosen
+// on int4's one-token pair of blocks, which AVX-512 no longer runs: its one-token streams do not prefetch since
+// 2026-12-05, docs/kernels.md), and cut work into tasks of about this many weight bytes (each task start is
 // a new stream that ramps up again; 64-row tasks cost int4 decode a third of its speed).
 // MOE_PF_BYTES / MOE_TASK_KB override at start; set_tuning() between calls (benchmarks).
 struct Tuning {

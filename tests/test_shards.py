@@ -90,14 +90,12 @@ def test_profile_lanes_and_metrics_per_shard(checkpoints, sharded):
     assert waits == {"expert-0", "expert-1"}  # the GPU side's wait on each shard, beside its compute
     # the engine records a step's metrics a batch at a time (when a request ends, when idle, every 0.25 s): the
     # stream's last chunk may come before its request's steps are recorded
-    deadline = time.monotonic() + 10
-    while True:
-        m = scrape(port)
-        computed = {x.labels["service"] for x in m["moe_remote_expert_compute_seconds"].samples if x.value > 0}
-        if {"expert-0", "expert-1"} <= computed or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert {"expert-0", "expert-1"} <= computed
+    def computed(m):
+        return {x.labels["service"] for x in m["moe_remote_expert_compute_seconds"].samples if x.value > 0}
+
+    wait_for(lambda: {"expert-0", "expert-1"} <= computed(scrape(port)), 10, "each shard's compute metric")
+    m = scrape(port)
+    assert {"expert-0", "expert-1"} <= computed(m)
     up = {x.labels["target"]: x.value for x in m["moe_expert_shard_up"].samples}
     assert up == {f"127.0.0.1:{p}": 1.0 for p in s.ports}
 
