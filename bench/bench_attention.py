@@ -11,6 +11,11 @@ gathering them into one tensor per layer (consecutive ones are a view).
 --kv: the cache's element type when it is not the model's (--kv-cache-dtype; the torch path widens the blocks
 it gathers, as gpu_service/attention.py does).
 
+Then the native kernel as decode meets the cache, cold (--cold-layers layers' caches read in turn, each a lone
+sequence's consecutive blocks: the weights read between two tokens sweep every cache), with a head's V fetched into
+L2 while its scores read K (the default, up to half this core's L2: native.get_tuning()) and without
+(`set_tuning(..., v_prefetch_kb=0)`), interleaved.
+
 With --isa avx2, run torch limited to AVX2 too (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2).
 
 --mla: DeepSeek-V3's latent attention instead (128 query heads over one shared latent of 512 and rotary key of 64 a
@@ -104,6 +109,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--mla", action="store_true", help="DeepSeek-V3's latent attention (see above)")
+    ap.add_argument("--cold-layers", type=int, default=48, help="caches read in turn for the cold table (0: none)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
@@ -155,6 +161,41 @@ def main() -> None:
         t, c, pc, ps, pr, g = (statistics.median(r[i] for r in rows) for i in range(6))
         print(f"| {L} | {t:.0f} us | {c:.0f} us | {pc:.0f} us ({pc / c:.2f}) | {ps:.0f} us ({ps / c:.2f}) | "
               f"{pr:.0f} us ({pr / c:.2f}) | {g:.0f} us |", flush=True)
+    if a.cold_layers:
+        cold(a, dt, kt)
+
+
+def cold(a, dt, kt) -> None:
+    """The paged kernel over --cold-layers layers' caches in turn, V prefetched into L2 or not, interleaved."""
+    default = native.get_tuning()
+    print(f"\ncold: {a.cold_layers} layers' caches read in turn (paged, consecutive blocks); us a layer, median of "
+          f"{max(5, a.reps // 20)} passes; V into L2 during the scores up to {default[2]} KiB a head")
+    print("| positions | V prefetched | not | ratio |\n|---|---|---|---|")
+    B = 16
+    for L in a.lengths:
+        nb = -(-L // B)
+        table = torch.arange(nb, dtype=torch.int32)
+        layers = [tuple(_empty((NKV, nb, B, D), kt, torch.device("cpu")).normal_() for _ in range(2))
+                  for _ in range(a.cold_layers)]
+        q = torch.randn(NH, D, dtype=dt)
+
+        def one_pass() -> float:
+            t0 = time.perf_counter()
+            for pk, pv in layers:
+                paged_decode_attention(q, pk, pv, table, L, D ** -0.5, a.isa, 0)
+            return (time.perf_counter() - t0) / len(layers) * 1e6
+
+        times: dict[int, list[float]] = {default[2]: [], 0: []}
+        try:
+            for _ in range(max(5, a.reps // 20)):
+                for kb in times:
+                    native.set_tuning(*default[:2], kb)
+                    times[kb].append(one_pass())
+        finally:
+            native.set_tuning(*default)
+        on, off = (statistics.median(v) for v in times.values())
+        print(f"| {L} | {on:.0f} us | {off:.0f} us | {on / off:.2f}x |", flush=True)
+        del layers
 
 
 if __name__ == "__main__":

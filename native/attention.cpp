@@ -57,6 +57,12 @@ struct Rows {
     if (!P) return base + size_t(j) * row;
     return base + size_t(table[j >> shift]) * block + size_t(j & ((1 << shift) - 1)) * row;
   }
+  // Row j's lines into L2 (V's, while the scores read K: docs/kernels.md, "Decode attention: V into L2 during the
+  // scores").
+  void prefetch_l2(int j, int d) const {
+    const char* p = reinterpret_cast<const char*>((*this)(j));
+    for (size_t o = 0; o < d * sizeof(T); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+  }
   // Paged: the rows of a block are contiguous but the blocks are anywhere, where the hardware prefetcher does not
   // follow (measured 1.7x the contiguous time at 6000 scattered positions): fetch the row one block ahead.
   void prefetch_ahead(int j, int L, int d) const {
@@ -81,6 +87,14 @@ constexpr int tile_rows_for(int d) {
   return std::max(8, std::min(TILE, int(16384 / (d * sizeof(T)))));
 }
 constexpr size_t SERIAL_MACS = size_t(1) << 19;  // below this many multiply-adds per call: no threads
+
+// A head's first positions of V fetched into L2 while its scores read K, so that the weighted sums find them there
+// rather than in DRAM (a layer's cache is cold at decode: the weights read since its last token swept every cache);
+// up to tuning().v_prefetch_bytes (common.h). No second stream where V is K (MLA's latent: the scores read those).
+template <class T, bool P>
+int v_prefetch_rows(const Rows<T, P>& K, const Rows<T, P>& V, int L, int dv) {
+  return V.base == K.base ? 0 : int(std::min<size_t>(L, tuning().v_prefetch_bytes / (dv * sizeof(T))));
+}
 
 // The 8 sums of a[0..7]'s lanes, as lanes 0..7: halves, then quarters added pairwise across accumulators
 // (3 shuffle-adds of 512 bits), then the 4 partials within each 128 bits. ~3 operations a sum where a
@@ -108,8 +122,10 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void group_avx512(const flo
   constexpr int d = 16 * DC;
   const __m256 sc = _mm256_set1_ps(scale);
   __m256 mx = _mm256_set1_ps(-INFINITY);
+  const int pv = v_prefetch_rows(K, V, L, d);
   for (int j = 0; j < L; ++j) {
     K.prefetch_ahead(j, L, d);
+    if (j < pv) V.prefetch_l2(j, d);
     __m512 k[DC], acc[8];
     MOE_UNROLL for (int c = 0; c < DC; ++c) k[c] = ld16(K(j) + 16 * c);
     MOE_UNROLL for (int b = 0; b < 8; ++b) {
@@ -238,10 +254,13 @@ __attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T,
   static_assert(DCV % 2 == 0, "V's slices go two a pass");
   const __m256 sc = _mm256_set1_ps(scale);
   __m256 mx = _mm256_set1_ps(-INFINITY);
+  const int pv = v_prefetch_rows(K, V, L, dv);
   for (int j = 0; j < L; j += 2) {
     const bool two = j + 1 < L;  // an odd last position pairs with itself; its copy is dropped
     K.prefetch_ahead(j, L, 8 * DC);
     if (two) K.prefetch_ahead(j + 1, L, 8 * DC);
+    if (j < pv) V.prefetch_l2(j, dv);
+    if (j + 1 < pv) V.prefetch_l2(j + 1, dv);
     const T* k0 = K(j);
     const T* k1 = two ? K(j + 1) : k0;
     const T *k0b = nullptr, *k1b = nullptr;

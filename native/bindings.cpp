@@ -201,11 +201,17 @@ PYBIND11_MODULE(_native, m) {
     d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["avxvnni"] = f.avxvnni; d["os_avx"] = f.os_avx;
     return d;
   });
-  m.def("set_tuning", [](size_t pf_bytes, size_t task_kb) {  // between calls only (benchmarks)
+  m.def("set_tuning", [](size_t pf_bytes, size_t task_kb, int64_t v_prefetch_kb) {  // between calls (benchmarks)
     MOE_CHECK(task_kb >= 1, "task_kb must be >= 1");
-    tuning() = Tuning{pf_bytes, task_kb * 1024};
-  }, py::arg("pf_bytes"), py::arg("task_kb"));
-  m.def("get_tuning", [] { return py::make_tuple(tuning().pf_bytes, tuning().task_bytes / 1024); });
+    Tuning& t = tuning();
+    t.pf_bytes = pf_bytes;
+    t.task_bytes = task_kb * 1024;
+    if (v_prefetch_kb >= 0) t.v_prefetch_bytes = size_t(v_prefetch_kb) * 1024;
+  }, py::arg("pf_bytes"), py::arg("task_kb"), py::arg("v_prefetch_kb") = -1,
+     "the kernels' streaming knobs (common.h Tuning); v_prefetch_kb -1: unchanged");
+  m.def("get_tuning", [] {
+    return py::make_tuple(tuning().pf_bytes, tuning().task_bytes / 1024, tuning().v_prefetch_bytes / 1024);
+  });
   m.def("best_isa", [] { return std::string(isa_name(best_isa(detect_cpu()))); });
   m.def("set_torch_vector_bytes", &rounding::set_torch_vector_bytes, py::arg("bytes"),
         "torch's CPU vector width (64 AVX512, 32 AVX2, 0 DEFAULT): where its silu and sigmoid switch from Sleef's "

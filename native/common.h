@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "moe.h"
 
 #define MOE_CHECK(cond, msg)                                                       \
@@ -40,11 +42,17 @@ inline void row_streams(const T* base, size_t ld, int nr, const T* (&p)[R]) {
 // and q5k/q6k (the hardware prefetcher stops at 4 KiB page ends; 32 KiB rather than 8 since 2026-12-04, chosen
 // on int4's one-token pair of blocks, which AVX-512 no longer runs: its one-token streams do not prefetch since
 // 2026-12-05, docs/kernels.md), and cut work into tasks of about this many weight bytes (each task start is
-// a new stream that ramps up again; 64-row tasks cost int4 decode a third of its speed).
-// MOE_PF_BYTES / MOE_TASK_KB override at start; set_tuning() between calls (benchmarks).
+// a new stream that ramps up again; 64-row tasks cost int4 decode a third of its speed); decode attention fetches
+// up to this many bytes of a head's V into L2 while its scores read K (attention.cpp; half this core's L2, so
+// that the rows do not evict each other or K's stream before their use; 0: none).
+// MOE_PF_BYTES / MOE_TASK_KB / MOE_V_PREFETCH_KB override at start; set_tuning() between calls (benchmarks).
 struct Tuning {
   size_t pf_bytes = 32768;
   size_t task_bytes = size_t(1) << 20;
+  size_t v_prefetch_bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // (0 or -1 where the system does not say: 1 MiB assumed)
+    return size_t(l2 > 0 ? l2 : 1 << 20) / 2;
+  }();
 };
 // The calling thread's T, through a call. A thread_local named in place costs a __tls_get_addr call at each use
 // in this shared object (GCC's PIC code does not keep its address, not even through a reference bound to it): 29
@@ -60,6 +68,7 @@ inline Tuning& tuning() {
     Tuning d;
     if (const char* v = std::getenv("MOE_PF_BYTES")) d.pf_bytes = size_t(std::atoll(v));
     if (const char* v = std::getenv("MOE_TASK_KB")) d.task_bytes = size_t(std::atoll(v)) * 1024;
+    if (const char* v = std::getenv("MOE_V_PREFETCH_KB")) d.v_prefetch_bytes = size_t(std::atoll(v)) * 1024;
     return d;
   }();
   return t;
