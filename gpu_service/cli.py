@@ -115,7 +115,8 @@ def parse_args(argv=None):
                     help="GiB of the paged KV cache's pool (gpu_service/kv_pool.py), shared by every request; when it "
                          "is full, requests wait or are set aside and resume later, never failed; default: room for "
                          "--max-batch requests of --max-context tokens, at most 25%% of the host's available memory "
-                         "(the pool's untouched pages cost nothing there) or 80%% of the GPU's free memory after "
+                         "(the pool's untouched pages cost nothing there; it touches its first 512 blocks, those "
+                         "every request uses first, when it starts) or 80%% of the GPU's free memory after "
                          "loading. --max-context is lowered to what the pool holds unless given")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="the KV cache's element type; auto = the compute dtype (--dtype). fp16 halves an fp32 "

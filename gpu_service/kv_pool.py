@@ -43,6 +43,11 @@ from . import metrics
 BLOCK = 16  # positions per block (vLLM's default); a power of two (the native kernel shifts)
 GROW = 4  # blocks a growing sequence takes at once while the pool has SPARE x that many free
 SPARE = 4
+# Blocks whose pages a CPU pool touches when it is made: the allocator hands out the lowest ids first, so every
+# request uses these. Untouched, each of their huge pages faulted on a decode step's first write into it, 1-3 ms
+# each (zeroing and compacting for 2 MiB: docs/decode_step.md, "The KV pool's first pages"), once per layer, head
+# and K/V in the first requests. The rest of the pool stays untouched until used.
+PREFAULT_BLOCKS = 512
 
 
 class KVPool:
@@ -70,6 +75,10 @@ class KVPool:
         self.bufs: list[list[torch.Tensor] | None] = [
             None if cfg.is_linear_attention(L) else [_empty(s, dtype, device) for s in shapes]
             for L in range(cfg.num_layers)]
+        if device.type == "cpu":
+            for bufs in self.bufs:
+                for t in bufs or ():
+                    t.narrow(self.block_dim, 0, min(rows, PREFAULT_BLOCKS)).zero_()
         self.block_bytes = block_bytes(cfg, dtype)
         self.prefix_bytes = prefix_bytes
         self.ref = [0] * num_blocks

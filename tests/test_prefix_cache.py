@@ -51,6 +51,34 @@ def hit(n: int) -> int:
     return (n - 1) // BLOCK * BLOCK
 
 
+def resident_share(addr: int, nbytes: int) -> float:
+    """The share of [addr, addr + nbytes)'s pages in memory now (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start, end = addr // page * page, -(-(addr + nbytes) // page) * page
+    vec = (ctypes.c_ubyte * ((end - start) // page))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / len(vec)
+
+
+def test_a_cpu_pool_touches_its_first_blocks_when_made(checkpoints):
+    """The blocks every request uses first (the lowest ids) are in memory before the first step, so that no decode
+    step stalls on their pages' first faults; the pool beyond them is left untouched."""
+    from gpu_service.kv_pool import PREFAULT_BLOCKS
+
+    cfg = load_config(checkpoints["qwen3_moe"])
+    pool = KVPool(cfg, torch.bfloat16, torch.device("cpu"), 4 * PREFAULT_BLOCKS)
+    for bufs in pool.bufs:
+        for t in bufs:
+            first = t.narrow(pool.block_dim, 0, PREFAULT_BLOCKS)
+            for row in first.reshape(-1, *first.shape[pool.block_dim:]) if pool.block_dim else [first]:
+                assert resident_share(row.data_ptr(), row.nbytes) == 1.0
+            assert not first.any()
+
+
 @pytest.mark.parametrize("family", tiny_models.FAMILIES)
 def test_hits_give_the_tokens_of_a_full_prefill(checkpoints, family):
     d = checkpoints[family]
