@@ -197,6 +197,8 @@ def main() -> None:
                "decode_tok_s": round(med(ours, 1), 2), "llama_decode_tok_s": round(med(theirs, 1), 2)}
         row["prefill_ratio"] = round(statistics.median(o[0] / t[0] for o, t in zip(ours, theirs)), 2)
         row["decode_ratio"] = round(statistics.median(o[1] / t[1] for o, t in zip(ours, theirs)), 2)
+        # each round's pair: this machine's speed moves between rounds, the ratio above is their median
+        row["decode_rounds"] = [[round(o[1], 1), round(t[1], 1)] for o, t in zip(ours, theirs)]
         print(json.dumps(row), flush=True)
         rows.append(row)
     print("\n| weights | prefill tok/s ours / llama.cpp | ratio | decode tok/s ours / llama.cpp | ratio |\n|---|---|---|---|---|")

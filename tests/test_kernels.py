@@ -751,6 +751,32 @@ def test_paged_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L, B):
 
 
 
+@pytest.mark.parametrize("isa", ATTN_PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_attention_bits_do_not_depend_on_the_v_prefetch(isa, dtype):
+    """V fetched into L2 during the scores (none, part of it, all of it): the same bits, paged or not."""
+    from moe_kernels.attention import decode_attention, paged_decode_attention
+
+    nkv, nh, d, L, B = 4, 32, 128, 301, 16
+    nb = -(-L // B)
+    pool_k, pool_v = (torch.randn(nkv, nb + 5, B, d).to(dtype) for _ in range(2))
+    table = torch.randperm(nb + 5)[:nb].to(torch.int32)
+    K, V = (torch.randn(nkv, L, d).to(dtype) for _ in range(2))
+    q = (torch.randn(nh, d) * 2).to(dtype)
+    default = native.get_tuning()
+    outs = []
+    try:
+        for kb in (0, 8, 1 << 20):
+            native.set_tuning(*default[:2], kb)
+            outs.append((decode_attention(q, K, V, d ** -0.5, isa),
+                         paged_decode_attention(q, pool_k, pool_v, table, L, d ** -0.5, isa)))
+    finally:
+        native.set_tuning(*default)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], got))
+    torch.testing.assert_close(outs[0][0].double(), attention_reference(q, K, V, d ** -0.5), rtol=1e-4, atol=1e-5)
+
+
 def mla_reference(q, C, KPE, scale):
     """float64: MLA's absorbed attention, q [nh, r + dr] against keys [C | KPE] [L, r + dr] and values C."""
     keys = torch.cat([C, KPE], dim=-1).double()
