@@ -11,10 +11,10 @@ gathering them into one tensor per layer (consecutive ones are a view).
 --kv: the cache's element type when it is not the model's (--kv-cache-dtype; the torch path widens the blocks
 it gathers, as gpu_service/attention.py does).
 
-Then the native kernel as decode meets the cache, cold (--cold-layers layers' caches read in turn, each a lone
-sequence's consecutive blocks: the weights read between two tokens sweep every cache), with a head's V fetched into
-L2 while its scores read K (the default, up to half this core's L2: native.get_tuning()) and without
-(`set_tuning(..., v_prefetch_kb=0)`), interleaved.
+Then the native kernel as decode meets the cache, cold (--cold-layers layers' caches read in turn: the weights read
+between two tokens sweep every cache), over a lone sequence's consecutive blocks, runs of 4 and scattered blocks,
+with a head's V fetched into L2 while its scores read K (the default, up to half this core's L2:
+native.get_tuning()) and without (`set_tuning(..., v_prefetch_kb=0)`), interleaved.
 
 With --isa avx2, run torch limited to AVX2 too (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2).
 
@@ -166,37 +166,46 @@ def main() -> None:
 
 
 def cold(a, dt, kt) -> None:
-    """The paged kernel over --cold-layers layers' caches in turn, V prefetched into L2 or not, interleaved."""
+    """The paged kernel over --cold-layers layers' caches in turn (a lone sequence's consecutive blocks, runs of 4 as
+    sequences growing side by side take them, every block elsewhere), V prefetched into L2 or not, interleaved."""
     default = native.get_tuning()
-    print(f"\ncold: {a.cold_layers} layers' caches read in turn (paged, consecutive blocks); us a layer, median of "
-          f"{max(5, a.reps // 20)} passes; V into L2 during the scores up to {default[2]} KiB a head")
-    print("| positions | V prefetched | not | ratio |\n|---|---|---|---|")
-    B = 16
+    passes = max(5, a.reps // 20)
+    print(f"\ncold: {a.cold_layers} layers' caches read in turn; us a layer, median of {passes} passes; V prefetched "
+          f"into L2 during the scores up to {default[2]} KiB a head / not")
+    print("| positions | consecutive blocks | ratio | runs of 4 | ratio | scattered | ratio |\n|---|---|---|---|---|---|---|")
+    B, pool_blocks = 16, 1024  # a pool of 16 MiB a head buffer (bf16, 128 dims): huge pages, as kv_pool's
     for L in a.lengths:
         nb = -(-L // B)
-        table = torch.arange(nb, dtype=torch.int32)
-        layers = [tuple(_empty((NKV, nb, B, D), kt, torch.device("cpu")).normal_() for _ in range(2))
+        size = max(pool_blocks, 4 * nb)
+        runs = -(-nb // 4)
+        tables = {"consecutive": (torch.arange(nb, dtype=torch.int32), 0),
+                  "runs of 4": ((torch.randperm(size // 4)[:runs, None] * 4 + torch.arange(4)).flatten()[:nb]
+                                .to(torch.int32), -1),
+                  "scattered": (torch.randperm(size)[:nb].to(torch.int32), -1)}
+        layers = [tuple(_empty((NKV, size, B, D), kt, torch.device("cpu")).normal_() for _ in range(2))
                   for _ in range(a.cold_layers)]
         q = torch.randn(NH, D, dtype=dt)
 
-        def one_pass() -> float:
+        def one_pass(table, first) -> float:
             t0 = time.perf_counter()
             for pk, pv in layers:
-                paged_decode_attention(q, pk, pv, table, L, D ** -0.5, a.isa, 0)
+                paged_decode_attention(q, pk, pv, table, L, D ** -0.5, a.isa, first)
             return (time.perf_counter() - t0) / len(layers) * 1e6
 
-        times: dict[int, list[float]] = {default[2]: [], 0: []}
+        times: dict = {(name, kb): [] for name in tables for kb in (default[2], 0)}
         try:
-            for _ in range(max(5, a.reps // 20)):
-                for kb in times:
+            for _ in range(passes):
+                for name, kb in times:
                     native.set_tuning(*default[:2], kb)
-                    times[kb].append(one_pass())
+                    times[(name, kb)].append(one_pass(*tables[name]))
         finally:
             native.set_tuning(*default)
-        on, off = (statistics.median(v) for v in times.values())
-        print(f"| {L} | {on:.0f} us | {off:.0f} us | {on / off:.2f}x |", flush=True)
+        cells = []
+        for name in tables:
+            on, off = statistics.median(times[(name, default[2])]), statistics.median(times[(name, 0)])
+            cells += [f"{on:.0f} / {off:.0f} us", f"{on / off:.2f}x"]
+        print(f"| {L} | " + " | ".join(cells) + " |", flush=True)
         del layers
-
 
 if __name__ == "__main__":
     main()

@@ -61,14 +61,14 @@ struct Rows {
   // scores").
   void prefetch_l2(int j, int d) const {
     const char* p = reinterpret_cast<const char*>((*this)(j));
-    for (size_t o = 0; o < d * sizeof(T); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+    for (size_t o = 0; o < d * sizeof(T); o += 64) prefetch_t1(p + o);
   }
   // Paged: the rows of a block are contiguous but the blocks are anywhere, where the hardware prefetcher does not
   // follow (measured 1.7x the contiguous time at 6000 scattered positions): fetch the row one block ahead.
   void prefetch_ahead(int j, int L, int d) const {
     if (!P || j + (1 << shift) >= L) return;
     const char* p = reinterpret_cast<const char*>((*this)(j + (1 << shift)));
-    for (size_t o = 0; o < d * sizeof(T); o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    for (size_t o = 0; o < d * sizeof(T); o += 64) prefetch_t0(p + o);
   }
 };
 

@@ -85,6 +85,13 @@ inline size_t prefetch_rows(size_t row_bytes, int rb) {
   return rows < size_t(rb) ? size_t(rb) : rows;
 }
 
+// One line into L1 (prefetch_t0) or L2 (prefetch_t1), as _mm_prefetch, but one the compiler cannot drop: GCC 12
+// deletes _mm_prefetch / __builtin_prefetch whose address comes through a table read in the loop (decode attention's
+// paged rows: not one prefetch instruction was left in those kernels, objdump; docs/kernels.md, "The paged path's
+// prefetches were never there").
+inline void prefetch_t0(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_t1(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
   float f;
