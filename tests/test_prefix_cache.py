@@ -66,7 +66,7 @@ def resident_share(addr: int, nbytes: int) -> float:
 
 def test_a_cpu_pool_touches_its_first_blocks_when_made(checkpoints):
     """The blocks every request uses first (the lowest ids) are in memory before the first step, so that no decode
-    step stalls on their pages' first faults; the pool beyond them is left untouched."""
+    step stalls on their pages' first faults."""
     from gpu_service.kv_pool import PREFAULT_BLOCKS
 
     cfg = load_config(checkpoints["qwen3_moe"])
