@@ -205,7 +205,7 @@ def cold(a, dt, kt) -> None:
             on, off = statistics.median(times[(name, default[2])]), statistics.median(times[(name, 0)])
             cells += [f"{on:.0f} / {off:.0f} us", f"{on / off:.2f}x"]
         print(f"| {L} | " + " | ".join(cells) + " |", flush=True)
-        del layers
+        layers.clear()  # (their memory back before the next length)
 
 if __name__ == "__main__":
     main()
