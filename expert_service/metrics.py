@@ -10,7 +10,7 @@ import collections
 
 from prometheus_client import REGISTRY, Counter, Gauge
 
-from moe_core.metrics import BatchHistogram, busy_fraction_gauge
+from moe_core.metrics import BatchHistogram, busy_fraction_gauge, register_wait_policy
 
 FAST = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, .1, .25, 1)
 FLUSH_EVERY = 256
@@ -79,3 +79,6 @@ def flush() -> None:
             LAYER_REQUESTS.labels(rpc).inc(n)
         TOKENS.inc(sum(tokens))
         QUEUED.observe_many(queued)
+
+
+register_wait_policy()  # how the native waits use the CPUs (moe_core/metrics.py WaitPolicy)

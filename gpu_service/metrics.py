@@ -1,7 +1,7 @@
 """Prometheus metrics of the GPU service (served over HTTP by --metrics-port)."""
 from prometheus_client import Counter, Gauge, Histogram
 
-from moe_core.metrics import BatchHistogram, busy_fraction_gauge
+from moe_core.metrics import BatchHistogram, busy_fraction_gauge, register_wait_policy
 
 LAT = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 FAST = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, .1, .25, 1)
@@ -56,3 +56,6 @@ SHARD_UP = Gauge("moe_expert_shard_up", "1 while this expert service (one of --e
 
 busy_fraction_gauge("moe_gpu_busy_fraction", "Share of wall time the engine computed (not waiting), since the last read",
                     GPU_BUSY)
+
+
+register_wait_policy()  # how the native waits use the CPUs (moe_core/metrics.py WaitPolicy)

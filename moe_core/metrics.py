@@ -1,11 +1,12 @@
-"""Metric helpers both services use: the HTTP endpoint, busy-fraction gauges, histograms fed in batches."""
+"""Metric helpers both services use: the HTTP endpoint, busy-fraction gauges, histograms fed in batches, the native
+waits' policy."""
 import logging
 import threading
 import time
 
 import numpy as np
 from prometheus_client import REGISTRY, Counter, Gauge, start_http_server
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 log = logging.getLogger("metrics")
 
@@ -23,6 +24,37 @@ def busy_fraction_gauge(name: str, doc: str, busy_seconds: Counter) -> Gauge:
     g = Gauge(name, doc)
     g.set_function(read)
     return g
+
+
+class WaitPolicy:
+    """How this process's native waits use the CPUs (native/contention.h), read at each scrape: while only our
+    services run, a wait gives its core away between polls (fast hand-overs); while other programs use more than
+    0.35 CPUs it sleeps instead, and every hand-over pays a wake-up (docs/decode_step.md, "Waits that yield the
+    core while the machine is ours"). Where decode slows on a shared host, these say whether that is why."""
+
+    def collect(self):
+        from moe_kernels import native
+
+        s = native.contention_stats()
+        yield GaugeMetricFamily("moe_cpu_shared", "1 while this process's waits treat the host as shared with other "
+                                "programs (they sleep rather than spin)", value=float(s["shared"]))
+        yield GaugeMetricFamily("moe_foreign_cpus", "CPU use of programs other than our services over the last "
+                                "sample window (100 ms), in CPUs", value=s["foreign_cpus"])
+        yield CounterMetricFamily("moe_cpu_foreign_windows", "Sample windows (100 ms) in which other programs used "
+                                  "more than 0.35 CPUs", value=s["foreign_windows"])
+        yield CounterMetricFamily("moe_cpu_shared_turns", "Times this process's waits turned from the quiet policy "
+                                  "to the shared one", value=s["turned_shared"])
+
+
+_wait_policy_registered = False
+
+
+def register_wait_policy() -> None:
+    """WaitPolicy on the default registry, once a process (both services' metrics call it; a process may hold both)."""
+    global _wait_policy_registered
+    if not _wait_policy_registered:
+        REGISTRY.register(WaitPolicy())
+        _wait_policy_registered = True
 
 
 class BatchHistogram:

@@ -447,6 +447,17 @@ PYBIND11_MODULE(_native, m) {
     py::gil_scoped_release nogil;
     return machine_shared();
   }, "whether waits now treat the machine as shared with other programs (native/contention.h)");
+  m.def("contention_stats", [] {
+    ContentionStats st;
+    {
+      py::gil_scoped_release nogil;
+      st = contention_stats();
+    }
+    py::dict d;
+    d["shared"] = st.shared, d["contended"] = st.contended, d["foreign_cpus"] = st.foreign_cpus;
+    d["windows"] = st.windows, d["foreign_windows"] = st.foreign_windows, d["turned_shared"] = st.turned_shared;
+    return d;
+  }, "the waits' policy and the samples behind it, for the metrics (native/contention.h ContentionStats)");
   m.def(
       "softmax_topk",
       [](uintptr_t logits, int B, int E, int k, bool norm_topk, bool round_bf16, uintptr_t ids, uintptr_t weights,

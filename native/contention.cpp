@@ -140,6 +140,10 @@ struct Sampler {  // one thread at a time (next_ns's CAS)
   std::atomic<bool> shared{true}, contended{false};  // until the first window says otherwise
   int64_t t0 = -1, busy0 = 0;
   int quiet = 0;  // windows in a row without foreign CPU use
+  // what the metrics read (contention_stats): the last window's foreign CPU use, windows judged, of them foreign,
+  // and how often the waits turned to the shared policy
+  std::atomic<double> foreign_last{0};
+  std::atomic<int64_t> windows{0}, foreign_windows{0}, turned_shared{0};
   uint64_t token0[SLOTS] = {};
   int64_t cpu0[SLOTS] = {};
 
@@ -162,7 +166,11 @@ struct Sampler {  // one thread at a time (next_ns's CAS)
       // shared at once, quiet again only after QUIET_WINDOWS windows in a row
       const double foreign = double(busy - busy0 - ours) / double(now - t0);
       quiet = foreign > FOREIGN_CPUS ? 0 : quiet + 1;
-      shared.store(quiet < QUIET_WINDOWS, std::memory_order_relaxed);
+      const bool was = shared.exchange(quiet < QUIET_WINDOWS, std::memory_order_relaxed);
+      foreign_last.store(foreign, std::memory_order_relaxed);
+      windows.fetch_add(1, std::memory_order_relaxed);
+      if (quiet == 0) foreign_windows.fetch_add(1, std::memory_order_relaxed);
+      if (!was && quiet == 0) turned_shared.fetch_add(1, std::memory_order_relaxed);
     } else if (busy < 0) {
       shared.store(true, std::memory_order_relaxed);
     }
@@ -195,6 +203,18 @@ bool cpu_contended() {
   if (mode != 0) return mode == 2;
   sampler().maybe_sample(now_ns(), SAMPLE_NS);
   return sampler().contended.load(std::memory_order_relaxed);
+}
+
+ContentionStats contention_stats() {
+  ContentionStats st;
+  st.shared = machine_shared();  // samples first where a window is due (an idle service's state is otherwise old)
+  st.contended = cpu_contended();
+  Sampler& s = sampler();
+  st.foreign_cpus = s.foreign_last.load(std::memory_order_relaxed);
+  st.windows = s.windows.load(std::memory_order_relaxed);
+  st.foreign_windows = s.foreign_windows.load(std::memory_order_relaxed);
+  st.turned_shared = s.turned_shared.load(std::memory_order_relaxed);
+  return st;
 }
 
 bool waits_yield() {

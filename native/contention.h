@@ -39,4 +39,13 @@ struct SpinPolicy {
 SpinPolicy spin_policy(long long ns);
 // One pause of a spin-wait.
 void spin_pause(bool yields);
+
+// What the waits decided and why, for the metrics: this process's sampler (each process keeps its own).
+struct ContentionStats {
+  bool shared = false, contended = false;  // as machine_shared() / cpu_contended() say now
+  double foreign_cpus = 0;                 // other programs' CPU use over the last window, in CPUs
+  long long windows = 0, foreign_windows = 0;  // windows judged, and of them over FOREIGN_CPUS
+  long long turned_shared = 0;             // times the waits went from the quiet policy to the shared one
+};
+ContentionStats contention_stats();
 }  // namespace moe

@@ -1,6 +1,7 @@
 """Metrics fed in batches against prometheus_client's own: BatchHistogram's exposition equals a Histogram's fed the
 same values one by one, and the step metrics from a decode-loop record equal those from the same run's spans; the
-engine records its steps' metrics a batch at a time, and every step of a request once it ends."""
+engine records its steps' metrics a batch at a time, and every step of a request once it ends; the waits' policy is
+exported as the native sampler states it, once a process."""
 from __future__ import annotations
 
 import random
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpu_service import decode_loop
 from gpu_service.engine import record_step_metrics
 from harness import local_engine
-from moe_core.metrics import BatchHistogram
+from moe_core.metrics import BatchHistogram, WaitPolicy
 
 BUCKETS = (25e-6, 50e-6, 1e-3, 2.5e-3, .1)
 
@@ -121,3 +122,23 @@ def test_the_engine_records_its_steps_a_batch_at_a_time(checkpoints, monkeypatch
         assert steps() == before + 6  # the prompt's step and five decodes, once it ended
     finally:
         e.stop()
+
+
+def test_the_wait_policy_is_exported_as_the_native_sampler_states_it():
+    """Each scrape reads native.contention_stats(); both services' metrics modules register it, once a process."""
+    from moe_kernels import native
+
+    import expert_service.metrics  # noqa: F401 (both registered in this process: no duplicate error)
+    import gpu_service.metrics  # noqa: F401
+
+    names = [line.split(" ")[0] for line in generate_latest(REGISTRY).decode().splitlines()
+             if line.startswith("moe_cpu_") or line.startswith("moe_foreign_cpus")]
+    assert sorted(names) == ["moe_cpu_foreign_windows_total", "moe_cpu_shared", "moe_cpu_shared_turns_total",
+                             "moe_foreign_cpus"]
+    reg = CollectorRegistry()
+    reg.register(WaitPolicy())
+    got = {m.name: m.samples[0].value for m in text_string_to_metric_families(generate_latest(reg).decode())}
+    now = native.contention_stats()
+    assert got["moe_cpu_shared"] in (0.0, 1.0)
+    assert got["moe_cpu_shared_turns"] <= now["turned_shared"] and got["moe_cpu_foreign_windows"] <= now["foreign_windows"]
+    assert got["moe_cpu_foreign_windows"] <= now["windows"]

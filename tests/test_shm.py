@@ -126,14 +126,20 @@ def test_busy_programs_make_the_waits_stop_yielding():
         return False
 
     assert settles(False)  # the test machine alone (the tests run one at a time): quiet, waits yield
+    before = native.contention_stats()
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         assert settles(True)
+        during = native.contention_stats()
     finally:
         for p in busy:
             p.kill()
             p.wait()
     assert settles(False)
+    # what the metrics export (moe_core/metrics.py WaitPolicy) saw it too
+    assert during["shared"] and during["turned_shared"] > before["turned_shared"]
+    assert during["foreign_windows"] > before["foreign_windows"] and during["windows"] > before["windows"]
+    assert not native.contention_stats()["shared"]
 
 
 def test_mixed_channels_and_oversize_requests_keep_order(checkpoints, tmp_path):
