@@ -4,6 +4,7 @@ engine records its steps' metrics a batch at a time, and every step of a request
 exported as the native sampler states it, once a process."""
 from __future__ import annotations
 
+import importlib
 import random
 import threading
 import time
@@ -128,8 +129,8 @@ def test_the_wait_policy_is_exported_as_the_native_sampler_states_it():
     """Each scrape reads native.contention_stats(); both services' metrics modules register it, once a process."""
     from moe_kernels import native
 
-    import expert_service.metrics  # noqa: F401 (both registered in this process: no duplicate error)
-    import gpu_service.metrics  # noqa: F401
+    for both in ("expert_service.metrics", "gpu_service.metrics"):  # in one process: no duplicate registration
+        importlib.import_module(both)
 
     names = [line.split(" ")[0] for line in generate_latest(REGISTRY).decode().splitlines()
              if line.startswith("moe_cpu_") or line.startswith("moe_foreign_cpus")]
