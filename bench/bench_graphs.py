@@ -40,10 +40,17 @@ class HeldExperts:
     """The experts' answers without the experts: each result is a held host tensor of the step's shape."""
 
     def __init__(self, hidden: int, pinned: bool):
-        self.y = (torch.randn(64, hidden) * 1e-3).pin_memory() if pinned else torch.randn(64, hidden) * 1e-3
+        self.hidden, self.pinned = hidden, pinned
+        self.y = self._held(64)
         self.out = []
 
+    def _held(self, rows: int) -> torch.Tensor:
+        y = torch.randn(rows, self.hidden) * 1e-3
+        return y.pin_memory() if self.pinned else y
+
     def submit(self, step, layer, x, ids, w, defer):
+        if x.shape[0] > self.y.shape[0]:  # a prompt's rows (the prefill before the timed decode steps)
+            self.y = self._held(x.shape[0])
         self.out.append(x.shape[0])
         if defer:
             self.out.append(x.shape[0])
