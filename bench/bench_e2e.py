@@ -5,7 +5,8 @@ the exchange round trip per layer; each against a baseline measured in the same 
                               [--transport auto|grpc|shm]
 
 Prints one JSON line per measurement, then a table. Baselines:
-- decode: the same model in one process, experts called in-process (no gRPC, no second process);
+- decode: the same requests to one GPU service holding the experts itself (`--experts local`: the same native
+  paths, no exchange, no second process);
 - exchange: one LayerRequest round trip over the Exchange stream minus the expert compute time
   the service reports for it (= wire + serialization + scheduling overhead per layer).
 """
@@ -15,43 +16,36 @@ import argparse
 import json
 import pathlib
 import statistics
-import time
+import tempfile
 
+import grpc
 import torch
 
-from common import ROOT, decode_rate, exchange_rtt, Services  # noqa: E402
-from moe_core.checkpoint import Checkpoint  # noqa: E402
+from common import ROOT, Services, decode_rate, exchange_rtt, free_port, start, terminate_all, wait_healthy  # noqa: E402
 from moe_core.config import load_config  # noqa: E402
-from protos import generate_pb2  # noqa: E402
+from protos import generate_pb2, generate_pb2_grpc  # noqa: E402
 
 
-def bench_split(svc: Services, prompt_ids, tokens, runs) -> list[float]:
+def decode_rates(stub, prompt_ids, tokens, runs) -> list[float]:
     req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt_ids), max_tokens=tokens,
                                        ignore_eos=True, sampling=generate_pb2.SamplingParams(temperature=0))
-    list(svc.stub.Generate(req, timeout=600))  # warm-up
-    return [decode_rate(list(svc.stub.Generate(req, timeout=600))) for _ in range(runs)]
+    list(stub.Generate(req, timeout=600))  # warm-up
+    return [decode_rate(list(stub.Generate(req, timeout=600))) for _ in range(runs)]
 
 
-def bench_inprocess(model_dir, prompt_ids, tokens, runs, device="cpu") -> list[float]:
-    from expert_service.store import load_expert_layers
-    from gpu_service.experts import LocalExperts
-    from gpu_service.model import DTYPES, Model, Segment
-
-    cfg, ckpt = load_config(model_dir), Checkpoint(model_dir)
-    model = Model(cfg, ckpt, torch.device(device), DTYPES[cfg.torch_dtype])
-    fmt = {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.torch_dtype, "fp32")
-    experts = LocalExperts(load_expert_layers(cfg, ckpt, fmt, torch.get_num_threads()))
-    rates = []
-    for r in range(runs + 1):
-        cache = model.new_cache()
-        logits = model.forward([Segment(cache, torch.tensor(prompt_ids), 0)], experts)
-        t0 = time.perf_counter()
-        for i in range(tokens - 1):
-            tok = torch.argmax(logits[0]).view(1)
-            logits = model.forward([Segment(cache, tok, cache.length)], experts)
-        if r:  # the first run warms up
-            rates.append((tokens - 1) / (time.perf_counter() - t0))
-    return rates
+def bench_local(model_dir, prompt_ids, tokens, runs, device, tmp: pathlib.Path) -> list[float]:
+    """Decode rates of a GPU service with the experts in its own process (`--experts local`), one thread as each
+    service of the split has. (It replaced a bare Model.forward loop, which kept none of the services' native
+    decode paths and ran ~5x slower than the split it was the baseline of.)"""
+    port = free_port()
+    p = start("gpu_service", "--model", str(model_dir), "--experts", "local", "--listen", f"127.0.0.1:{port}",
+              "--threads", "1", "--device", device, log=tmp / "local.log")
+    try:
+        wait_healthy(port, p, timeout=600)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            return decode_rates(generate_pb2_grpc.GenerateServiceStub(ch), prompt_ids, tokens, runs)
+    finally:
+        terminate_all([p])
 
 
 def main() -> None:
@@ -76,14 +70,14 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    inproc = statistics.median(bench_inprocess(a.model, prompt, a.tokens, a.runs, a.device))
-    tmp = pathlib.Path(__import__("tempfile").mkdtemp())
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    inproc = statistics.median(bench_local(a.model, prompt, a.tokens, a.runs, a.device, tmp))
     svc = Services(a.model, tmp, gpu_args=("--device", a.device, "--transport", a.transport))  # each service: 1 thread, as on a 2-core machine
     try:
-        split = statistics.median(bench_split(svc, prompt, a.tokens, a.runs))
+        split = statistics.median(decode_rates(svc.stub, prompt, a.tokens, a.runs))
         transport = svc.stub.Info(generate_pb2.ServerInfoRequest(), timeout=5).transport
         report(f"decode tok/s, split (2 processes, {transport} exchange, GPU side on {a.device})", split, "tok/s", inproc,
-               "in-process, no exchange")
+               "--experts local, no exchange")
         n_moe = len(cfg.moe_layers)
         report("per-token cost of the split", (1 / split - 1 / inproc) * 1e6 / n_moe, "us per MoE layer")
         rtt, comp, *_ = exchange_rtt(svc.expert_port, "grpc", cfg.moe_layers[0], cfg.hidden_size, cfg.n_routed_experts,
