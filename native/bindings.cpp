@@ -245,6 +245,15 @@ PYBIND11_MODULE(_native, m) {
       [](py::buffer buf, size_t offset, uint32_t value) { doorbell_ring(doorbell_at(buf, offset), value); },
       py::arg("buf"), py::arg("offset"), py::arg("value"), "store value at buf[offset] (release) and wake waiters");
   m.def(
+      "doorbell_wait",
+      [](py::buffer buf, size_t offset, uint32_t seen, int64_t timeout_us, int64_t spin_us) {
+        std::atomic<uint32_t>* word = doorbell_at(buf, offset);
+        py::gil_scoped_release nogil;
+        return doorbell_wait(word, seen, timeout_us, spin_us);
+      },
+      py::arg("buf"), py::arg("offset"), py::arg("seen"), py::arg("timeout_us"), py::arg("spin_us"),
+      "wait until buf[offset] != seen, at most timeout_us (spinning spin_us first, as the ring does): -> the value");
+  m.def(
       "doorbell_wake", [](py::buffer buf, size_t offset) { doorbell_wake(doorbell_at(buf, offset)); },
       py::arg("buf"), py::arg("offset"), "wake waiters on buf[offset] without changing it");
   m.def("ring_layout", [] {

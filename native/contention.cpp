@@ -230,6 +230,14 @@ SpinPolicy spin_policy(long long ns) {
   return {false, cpu_contended() && ns > CONTENDED_SPIN_NS ? CONTENDED_SPIN_NS : ns};
 }
 
+long long yield_nap_after_ns() {
+  static const long long ns = [] {
+    const char* v = std::getenv("MOE_YIELD_NAP_US");
+    return v ? std::atoll(v) * 1000 : YIELD_NAP_AFTER_NS;
+  }();
+  return ns;
+}
+
 void spin_pause(bool yields) {
   if (yields) {
     sched_yield();

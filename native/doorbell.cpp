@@ -7,6 +7,7 @@
 
 #include "contention.h"
 
+#include <algorithm>
 #include <chrono>
 
 #if defined(__linux__)
@@ -22,14 +23,31 @@ uint32_t doorbell_wait(std::atomic<uint32_t>* word, uint32_t seen, int64_t timeo
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   const SpinPolicy spin = spin_policy(spin_us * 1000);
-  const auto spin_end = start + std::chrono::nanoseconds(spin.budget_ns);
   const auto deadline = start + std::chrono::microseconds(timeout_us);
+  const auto spin_end = std::min(deadline, start + std::chrono::nanoseconds(spin.budget_ns));
+  const auto nap_after = std::chrono::nanoseconds(yield_nap_after_ns());
+  auto yields_since = start;  // since when the yields have come straight back (contention.h YIELD_NAP_AFTER_NS)
   uint32_t v;
   // Spin: check the clock only every 64 polls, it costs more than a load.
   for (;;) {
     for (int i = 0; i < (spin.yields ? 1 : 64); ++i) {  // a yield costs more than the clock
       if ((v = word->load(std::memory_order_acquire)) != seen) return v;
-      spin_pause(spin.yields);
+      if (!spin.yields || nap_after.count() == 0) {
+        spin_pause(spin.yields);
+        continue;
+      }
+      const auto t0 = clock::now();
+      spin_pause(true);
+      const auto t1 = clock::now();
+      if (t1 - t0 > std::chrono::nanoseconds(YIELD_BACK_NS)) {
+        yields_since = t1;  // the core went to another thread
+      } else if (t1 - yields_since > nap_after) {
+#if defined(__linux__)
+        struct timespec nap{0, long(YIELD_NAP_NS)};
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, &nap, nullptr, 0);
+#endif
+        yields_since = clock::now();
+      }
     }
     if (clock::now() >= spin_end) break;
   }

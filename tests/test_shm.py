@@ -380,3 +380,46 @@ def test_two_sessions_at_once_are_served_independently(expert_alone):
     finally:
         for ch in chans:
             ch.close()
+
+
+
+NAP_PROBE = r"""
+import mmap, os, sys, threading, time
+from moe_kernels import native
+os.sched_setaffinity(0, {int(sys.argv[1])})
+buf = mmap.mmap(-1, 4096)
+if sys.argv[2] == "ring":  # rung 200 ms into the wait: -> (the value, seconds waited)
+    threading.Timer(0.2, native.doorbell_ring, (buf, 0, 7)).start()
+t0, c0 = time.perf_counter(), time.thread_time()
+v = native.doorbell_wait(buf, 0, 0, 300_000 if sys.argv[2] == "idle" else 5_000_000, 5_000_000)  # spin it all
+print(v, time.perf_counter() - t0, (time.thread_time() - c0) / (time.perf_counter() - t0))
+"""
+
+
+def nap_probe(mode: str, nap_us: str | None = None) -> tuple[int, float, float]:
+    """The probe alone on one CPU with yielding waits: -> (value, seconds waited, the waiting thread's CPU share)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MOE_YIELD_NAP_US"} | {"MOE_SPIN": "yield"}
+    if nap_us is not None:
+        env["MOE_YIELD_NAP_US"] = nap_us
+    out = subprocess.run([sys.executable, "-c", NAP_PROBE, str(max(os.sched_getaffinity(0))), mode], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return int(out[0]), float(out[1]), float(out[2])
+
+
+def test_a_yielding_wait_naps_when_its_yields_come_straight_back():
+    """Alone on a CPU (its yields come straight back, as they do when the scheduler keeps picking the waiter over a
+    thread that needs the core), a yielding wait sleeps part of the time (contention.h YIELD_NAP_AFTER_NS); with
+    MOE_YIELD_NAP_US=0 it holds the core throughout."""
+    (_, waited, napping), (_, _, holding) = nap_probe("idle"), nap_probe("idle", "0")
+    assert 0.29 < waited < 0.6, waited  # the spin phase ends at the wait's timeout (300 ms of 5 s)
+    assert napping < 0.85, napping  # ~50 us of yields, then a 30 us nap
+    assert holding > napping + 0.1, (holding, napping)
+
+
+def test_a_ring_wakes_a_napping_wait_at_once():
+    """A wait between naps (on its futex) returns as soon as the word is rung, not at a nap's or the wait's end."""
+    value, waited, _ = nap_probe("ring")
+    assert value == 7 and 0.19 < waited < 0.5, (value, waited)
