@@ -71,15 +71,15 @@ def main() -> None:
         rows.append(row)
 
     tmp = pathlib.Path(tempfile.mkdtemp())
-    inproc = statistics.median(bench_local(a.model, prompt, a.tokens, a.runs, a.device, tmp))
+    local = statistics.median(bench_local(a.model, prompt, a.tokens, a.runs, a.device, tmp))
     svc = Services(a.model, tmp, gpu_args=("--device", a.device, "--transport", a.transport))  # each service: 1 thread, as on a 2-core machine
     try:
         split = statistics.median(decode_rates(svc.stub, prompt, a.tokens, a.runs))
         transport = svc.stub.Info(generate_pb2.ServerInfoRequest(), timeout=5).transport
-        report(f"decode tok/s, split (2 processes, {transport} exchange, GPU side on {a.device})", split, "tok/s", inproc,
+        report(f"decode tok/s, split (2 processes, {transport} exchange, GPU side on {a.device})", split, "tok/s", local,
                "--experts local, no exchange")
         n_moe = len(cfg.moe_layers)
-        report("per-token cost of the split", (1 / split - 1 / inproc) * 1e6 / n_moe, "us per MoE layer")
+        report("per-token cost of the split", (1 / split - 1 / local) * 1e6 / n_moe, "us per MoE layer")
         rtt, comp, *_ = exchange_rtt(svc.expert_port, "grpc", cfg.moe_layers[0], cfg.hidden_size, cfg.n_routed_experts,
                                  cfg.top_k, dtype, a.exchanges)
         med_rtt, med_comp = statistics.median(rtt), statistics.median(comp)

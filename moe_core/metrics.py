@@ -28,20 +28,23 @@ def busy_fraction_gauge(name: str, doc: str, busy_seconds: Counter) -> Gauge:
 
 class WaitPolicy:
     """How this process's native waits use the CPUs (native/contention.h), read at each scrape: while only our
-    services run, a wait gives its core away between polls (fast hand-overs); while other programs use more than
-    0.35 CPUs it sleeps instead, and every hand-over pays a wake-up (docs/decode_step.md, "Waits that yield the
-    core while the machine is ours"). Where decode slows on a shared host, these say whether that is why."""
+    services run, a wait gives its core away between polls (fast hand-overs); while other programs use more CPU
+    than a threshold it spins only while a CPU is free and otherwise sleeps, and a hand-over may pay a wake-up
+    (docs/decode_step.md, "Waits that yield the core while the machine is ours"). Where decode slows on a shared
+    host, these say whether that is why."""
 
     def collect(self):
         from moe_kernels import native
 
         s = native.contention_stats()
+        win = f"{s['window_s'] * 1e3:.0f} ms"
         yield GaugeMetricFamily("moe_cpu_shared", "1 while this process's waits treat the host as shared with other "
-                                "programs (they sleep rather than spin)", value=float(s["shared"]))
-        yield GaugeMetricFamily("moe_foreign_cpus", "CPU use of programs other than our services over the last "
-                                "sample window (100 ms), in CPUs", value=s["foreign_cpus"])
-        yield CounterMetricFamily("moe_cpu_foreign_windows", "Sample windows (100 ms) in which other programs used "
-                                  "more than 0.35 CPUs", value=s["foreign_windows"])
+                                "programs (no yielding spin: spin while a CPU is free, else sleep)",
+                                value=float(s["shared"]))
+        yield GaugeMetricFamily("moe_foreign_cpus", f"CPU use of programs other than our services over the last "
+                                f"sample window ({win}), in CPUs", value=s["foreign_cpus"])
+        yield CounterMetricFamily("moe_cpu_foreign_windows", f"Sample windows ({win}) in which other programs used "
+                                  f"more than {s['foreign_threshold']:g} CPUs", value=s["foreign_windows"])
         yield CounterMetricFamily("moe_cpu_shared_turns", "Times this process's waits turned from the quiet policy "
                                   "to the shared one", value=s["turned_shared"])
 

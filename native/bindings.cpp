@@ -465,6 +465,7 @@ PYBIND11_MODULE(_native, m) {
     py::dict d;
     d["shared"] = st.shared, d["contended"] = st.contended, d["foreign_cpus"] = st.foreign_cpus;
     d["windows"] = st.windows, d["foreign_windows"] = st.foreign_windows, d["turned_shared"] = st.turned_shared;
+    d["window_s"] = st.window_s, d["foreign_threshold"] = st.foreign_threshold;
     return d;
   }, "the waits' policy and the samples behind it, for the metrics (native/contention.h ContentionStats)");
   m.def(

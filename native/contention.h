@@ -57,6 +57,7 @@ struct ContentionStats {
   double foreign_cpus = 0;                 // other programs' CPU use over the last window, in CPUs
   long long windows = 0, foreign_windows = 0;  // windows judged, and of them over FOREIGN_CPUS
   long long turned_shared = 0;             // times the waits went from the quiet policy to the shared one
+  double window_s = SAMPLE_NS * 1e-9, foreign_threshold = FOREIGN_CPUS;  // for the metrics' help
 };
 ContentionStats contention_stats();
 }  // namespace moe
