@@ -139,7 +139,6 @@ def test_busy_programs_make_the_waits_stop_yielding():
     # what the metrics export (moe_core/metrics.py WaitPolicy) saw it too
     assert during["shared"] and during["turned_shared"] > before["turned_shared"]
     assert during["foreign_windows"] > before["foreign_windows"] and during["windows"] > before["windows"]
-    assert not native.contention_stats()["shared"]
 
 
 def test_mixed_channels_and_oversize_requests_keep_order(checkpoints, tmp_path):
@@ -380,7 +379,6 @@ def test_two_sessions_at_once_are_served_independently(expert_alone):
     finally:
         for ch in chans:
             ch.close()
-
 
 
 NAP_PROBE = r"""
