@@ -141,49 +141,23 @@ __attribute__((target("avx2"))) void widen_row(const uint16_t* x, int Kp, float*
   }
 }
 
-// nr (<= RB) rows, one of each run, side by side: each row one chain over K as in the tile, reduced by reduce4
-__attribute__((target("avx2,fma"))) inline void runs1_avx2(const uint16_t* const (&w)[RB], int nr, int Kp, const float* x,
-                                                          float* const (&y)[RB]) {
-  const __m256i odd = _mm256_set1_epi32(int(0xffff0000u));
-  __m256 acc[RB];
-  MOE_UNROLL for (int j = 0; j < RB; ++j) acc[j] = _mm256_setzero_ps();
-  for (int i = 0; i < Kp; i += 16) {
-    const __m256 xe = _mm256_loadu_ps(x + i), xo = _mm256_loadu_ps(x + i + 8);
-    MOE_UNROLL for (int j = 0; j < RB; ++j) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + i));
-      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(p, odd));
-      acc[j] = _mm256_fmadd_ps(wo, xo, _mm256_fmadd_ps(we, xe, acc[j]));
-    }
-  }
-  alignas(16) float out[4];
-  _mm_store_ps(out, reduce4_ps(acc[0], acc[1], acc[2], acc[3]));
-  for (int j = 0; j < nr; ++j) *y[j] = out[j];
-}
-
 // One token on AVX2: the task's rows cut into RB runs, one row of each in flight, no software prefetch. A row alone
 // is latency-bound (two dependent FMAs a 16 weights); the tile's RB neighbouring rows are four streams that hop a
 // row block at a time and need prefetching; RB runs are four sequential streams the hardware prefetcher follows
-// (docs/kernels.md, "AVX2 bf16 at one token: four runs"). Each row's chain and reduce4 are the tile's: the same bits.
+// (docs/kernels.md, "AVX2 bf16 at one token: four runs"). The tile itself with its rows a run apart: the same bits.
 void rows1_avx2(int Kp, const uint16_t* We, int r0, int r1, const float* x, float* Y) {
   const int m = (r1 - r0) / RB;
+  alignas(32) float acc[RB * 8];
+  float out[RB];
   for (int i = 0; i < m; ++i) {
-    const uint16_t* w[RB];
-    float* y[RB];
-    for (int j = 0; j < RB; ++j) {
-      w[j] = We + size_t(r0 + j * m + i) * Kp;
-      y[j] = Y + r0 + j * m + i;
-    }
-    runs1_avx2(w, RB, Kp, x, y);
+    mk_avx2<1, false>(We + size_t(r0 + i) * Kp, size_t(m) * Kp, 0, RB, &x, 0, Kp, acc, true);
+    reduce_avx2(acc, 1, RB, out, 0);
+    for (int j = 0; j < RB; ++j) Y[r0 + j * m + i] = out[j];
   }
-  const int t0 = r0 + RB * m, nr = r1 - t0;  // the last rows (fewer than RB), side by side
-  if (nr <= 0) return;
-  const uint16_t* w[RB];
-  float* y[RB];
-  for (int j = 0; j < RB; ++j) {
-    w[j] = We + size_t(t0 + (j < nr ? j : 0)) * Kp;
-    y[j] = Y + t0 + (j < nr ? j : 0);
-  }
-  runs1_avx2(w, nr, Kp, x, y);
+  const int t0 = r0 + RB * m;  // the last rows (fewer than RB), neighbours
+  if (t0 == r1) return;
+  mk_avx2<1, false>(We + size_t(t0) * Kp, Kp, 0, r1 - t0, &x, 0, Kp, acc, true);
+  reduce_avx2(acc, 1, r1 - t0, Y + t0, 0);
 }
 
 // rows over activations already widened (xr: fp32 rows in widen_row's order)
