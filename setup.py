@@ -1,7 +1,7 @@
 """Builds the native kernel extension (moe_kernels/_native). Metadata lives in pyproject.toml.
 No -march=native: per-ISA functions carry target attributes and are chosen at run time.
 MOE_ASAN=1 builds it with AddressSanitizer (run Python with LD_PRELOAD=$(gcc -print-file-name=libasan.so));
-tests/test_isolation.py does that in a scratch folder (asan_native)."""
+tests/e2e/test_isolation.py does that in a scratch folder (asan_native)."""
 import glob
 import os
 

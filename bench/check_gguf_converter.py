@@ -1,4 +1,4 @@
-"""Our GGUF reader against llama.cpp's own converter (tests/test_gguf.py emulates the converter with the gguf
+"""Our GGUF reader against llama.cpp's own converter (tests/core/test_gguf.py emulates the converter with the gguf
 package; this runs the real one): each family's tiny checkpoint (tests/tiny_models.py) through the
 convert_hf_to_gguf.py of the llama-cpp-python sdist (downloaded into --work once, no build needed), then every
 tensor read back under transformers' name must equal the checkpoint's, and the config read from the metadata
@@ -27,7 +27,7 @@ FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads"
           "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "rope_theta", "rope_type",
           "rope_interleave", "rotary_dim", "attention", "qkv_bias", "qk_norm", "kv_lora_rank", "q_lora_rank",
           "qk_nope_head_dim", "v_head_dim", "sliding_window", "layer_types", "tie_word_embeddings")
-# llama.cpp's files cannot hold these tiny checkpoints as transformers builds them (tests/test_gguf.py's reasons)
+# llama.cpp's files cannot hold these tiny checkpoints as transformers builds them (tests/core/test_gguf.py's reasons)
 # (Qwen's tokenizer class adds <|endoftext|> after the tiny vocabulary: room for it)
 OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [], "vocab_size": 384}, "mixtral": {"intermediate_size": 64},
              "gpt_oss": {"swiglu_limit": 7.0}, "qwen3_moe": {"vocab_size": 384}, "deepseek_v3": {},

@@ -25,7 +25,7 @@ with deferral skipped, a depth study or log-probabilities take Model.forward's p
 
 Graph-safe by construction: no host synchronization, no shapes that depend on values, every per-step value read from
 the bucket's buffers. On the CPU (tests) the same segments run eagerly, and a recording stand-in for the graph checks
-that each replay would read what the capture read (tests/test_graphed_decode.py)."""
+that each replay would read what the capture read (tests/model/test_graphed_decode.py)."""
 from __future__ import annotations
 
 import logging

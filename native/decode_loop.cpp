@@ -3,7 +3,7 @@
 // ring's spin-then-sleep policy (the previous layer's deferred part first, as they arrive), and h += y (+ the
 // deferred part, + the shared experts, run while the expert service computes) rounded as torch's adds in the model
 // dtype; a dense layer adds its MLP. The same operations as the layer loop's
-// (Model.forward) in the same order, so its tokens are that loop's bit for bit (tests/test_decode_loop.py). A wait
+// (Model.forward) in the same order, so its tokens are that loop's bit for bit (tests/model/test_decode_loop.py). A wait
 // that outlasts its slice returns to the caller, which checks the session's lifeline and deadline and calls again
 // (the ring client's `outstanding` says where to resume): nothing here blocks longer than a slice.
 #include "decode_loop.h"

@@ -10,7 +10,7 @@
 // Rounding is torch's at every point the reference rounds (model dtype T: bf16 bits or fp32): the projections'
 // fp32 outputs, the bias adds, the norms, rope, the attention output and the residual add, so one sequence's
 // block is bit for bit the reference's; the routers' softmax and sigmoid are torch's kernels' arithmetic in
-// their order (torch_rounding.h), their choice torch's topk algorithm (tests/test_decode_step.py).
+// their order (torch_rounding.h), their choice torch's topk algorithm (tests/model/test_decode_step.py).
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -32,7 +32,7 @@ inline float held(float v) {
 }
 
 // torch's vectorized expf on x86 (Sleef's expf_u10, which its CPU silu and sigmoid kernels use; not torch.exp's
-// own), bit for bit (tests/test_decode_loop.py): a silu or sigmoid computed with it is torch's. std::fma is one
+// own), bit for bit (tests/model/test_decode_loop.py): a silu or sigmoid computed with it is torch's. std::fma is one
 // instruction where the caller is compiled for FMA (decode_mlp.cpp dispatches on that), a libm call otherwise.
 __attribute__((always_inline)) inline float torch_expf(float d) {
   const auto pow2 = [](int q) {

@@ -2,7 +2,7 @@
 // written in C++, so a decode-sized layer request costs the expert service a handful of Python
 // operations rather than a hundred (each costs microseconds, more so right after a kernel has
 // streamed its weights through the caches). protos/*.proto stay the contract: this is a second
-// reader/writer of the same bytes, checked against the protobuf library in tests/test_native_wire.py.
+// reader/writer of the same bytes, checked against the protobuf library in tests/exchange/test_native_wire.py.
 #pragma once
 
 #include <cstddef>
@@ -11,7 +11,7 @@
 
 namespace moe::wire {
 
-// protos/tensor.proto DType values this path handles (tests/test_native_wire.py checks them)
+// protos/tensor.proto DType values this path handles (tests/exchange/test_native_wire.py checks them)
 constexpr uint64_t FLOAT32 = 1, BFLOAT16 = 2, INT32 = 4;
 
 struct TensorView {

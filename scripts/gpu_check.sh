@@ -31,9 +31,9 @@ $PY -c "import moe_kernels as m; print(\"kernel path\", m.ISA, m.native.cpu_feat
 
 step "tests, GPU service on cuda"
 MOE_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
-  tests/test_e2e_families.py tests/test_deferral.py tests/test_generate.py tests/test_shm.py \
-  tests/test_chunked_prefill.py tests/test_bad_requests.py tests/test_real_configs.py tests/test_hot_experts.py \
-  tests/test_prefill_experts.py tests/test_prefix_cache.py tests/test_kv_dtype.py tests/test_graphed_decode.py \
+  tests/e2e/test_families.py tests/exchange/test_deferral.py tests/api/test_generate.py tests/exchange/test_shm.py \
+  tests/model/test_chunked_prefill.py tests/api/test_bad_requests.py tests/core/test_real_configs.py tests/experts/test_hot_experts.py \
+  tests/experts/test_prefill_experts.py tests/model/test_prefix_cache.py tests/model/test_kv_dtype.py tests/model/test_graphed_decode.py \
   >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?"; tail -25 "$OUT/pytest.log"
 [ "${BENCH:-1}" = 0 ] && { step done; exit 0; }

@@ -58,3 +58,9 @@ def sharded(tmp_path):
     yield make
     for s in made:
         s.stop()
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:  # an AddressSanitizer build takes minutes: never in the fast tier
+        if item.get_closest_marker("asan"):
+            item.add_marker(pytest.mark.slow)

@@ -1,7 +1,7 @@
 """Quantizers for the GGUF block types the gguf package can read but not write (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), so the tests
 can write files of them: float rows [R, K] -> the raw blocks [R, K / block * bytes], laid out as llama.cpp writes
 them. Simple first guesses of the scales (no search): the tests need the layout, not llama.cpp's error. Each
-is checked against the gguf package's dequantizer (tests/test_gguf.py), which is what makes the layout right."""
+is checked against the gguf package's dequantizer (tests/core/test_gguf.py), which is what makes the layout right."""
 from __future__ import annotations
 
 import numpy as np

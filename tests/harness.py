@@ -12,7 +12,8 @@ import time
 
 import grpc
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+TESTS = pathlib.Path(__file__).resolve().parent  # the helpers beside this file, on sys.path (conftest.py)
+ROOT = TESTS.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -39,11 +40,16 @@ def free_port() -> int:
             return port
 
 
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                  ("grpc.max_reconnect_backoff_ms", 200)]
+
+
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 90, channel=None) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with channel or grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    # gRPC waits about a second before reconnecting after a refused connect: polled every 0.1 s, it must not
+    with channel or grpc.insecure_channel(f"127.0.0.1:{port}", options=FAST_RECONNECT) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -125,7 +131,7 @@ class Sharded:
 
     def __init__(self, model, tmp, n: int, gpu_args=(), shards: list[str] | None = None, models=None):
         self.model, self.tmp, self.n = str(model), tmp, n
-        self.shards = shards or [f"{i}/{n}" for i in range(n)]
+        self.shards = list(shards or [f"{i}/{n}" for i in range(n)])
         self.models = [str(m) for m in (models or [model] * len(self.shards))]
         self.ports = [free_port() for _ in self.shards]
         self.gpu_port, self.starts = free_port(), 0
@@ -201,3 +207,33 @@ def local_engine(model_dir, fmt: str = "fp32", max_batch: int = 8, max_context: 
                max_context=max_context, **kw)
     e.start()
     return e
+
+
+def health(port):
+    """The service's grpc.health.v1 status, or None when it does not answer."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_for(cond, timeout=30, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
+def scrape(port):
+    """The Prometheus metrics on port, by family name."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}

@@ -1,4 +1,4 @@
-"""A hostile GPU side for one shared-memory session, run as its own process by tests/test_isolation.py
+"""A hostile GPU side for one shared-memory session, run as its own process by tests/e2e/test_isolation.py
 (under AddressSanitizer there): it posts well-formed layer requests while a second thread keeps
 rewriting what the expert side reads (request descriptors, ids, weights, hidden states, span offsets
 and sizes, dtypes, token counts) behind the server's back. The expert side is the real one

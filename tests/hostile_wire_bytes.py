@@ -1,5 +1,5 @@
 """Random and damaged exchange messages through the native wire reader, run as its own process by
-tests/test_isolation.py under AddressSanitizer: wire_head, wire_result, wire_result_output and
+tests/e2e/test_isolation.py under AddressSanitizer: wire_head, wire_result, wire_result_output and
 exchange_part on bytes cut, flipped and stretched from good ones. Prints the count of messages read;
 an out-of-bounds access aborts the process (ASan)."""
 from __future__ import annotations

@@ -1,0 +1,592 @@
+"""GGUF files: the tiny Qwen3-MoE checkpoint written as llama.cpp names and lays it out (the gguf package's
+writer and quantizers, ours where it has none (gguf_blocks): routed experts in a block type, the rest F32), served
+with `--model FILE.gguf`. On the exact path the greedy tokens are transformers' own on the same file (its GGUF
+loader dequantizes it); experts of the block types a kernel format keeps (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS) start on
+it by default, their numbers equal to what the gguf package dequantizes."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import gguf_blocks
+import tiny_models
+from harness import free_port, greedy, start
+from moe_core import codec
+from protos import generate_pb2
+from tiers import some
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("moe_kernels._native", reason="native extension not built")
+
+# transformers' GGUF config mapping for qwen3_moe has no expert_feed_forward_length and keeps its default 768:
+# the reference needs that width
+MOE_I = 768
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
+        "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss"}
+EXPERT_NAMES = {f: ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                    "block_sparse_moe.experts.{e}.w2") for f in ("mixtral", "minimax_m2")}
+
+
+def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to a llama file's q/k rows (its rope rotates adjacent pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def source_tensors(src: pathlib.Path) -> dict:
+    t = {}
+    for f in sorted(src.glob("*.safetensors")):
+        t.update(load_file(str(f)))
+    return t
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name and ".shared_expert" not in name
+
+
+def mtp_layers(cfg: dict) -> int:
+    """Multi-token-prediction layers the converter writes as further blocks: GLM's (DeepSeek's it skips)."""
+    return cfg.get("num_nextn_predict_layers", 0) if cfg["model_type"] == "glm4_moe" else 0
+
+
+def write_metadata(w, cfg: dict, family: str, mla_split: bool, gating: bool = True) -> None:
+    """The keys llama.cpp's converter writes for the family (convert_hf_to_gguf.py's set_gguf_parameters)."""
+    heads = cfg["num_attention_heads"]
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"] + mtp_layers(cfg))
+    w.add_head_count(heads)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if family.startswith("deepseek"):
+        r, n, v, kv = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+        w.add_head_count_kv(1)  # MLA as MQA
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        if cfg.get("q_lora_rank"):
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_kv_lora_rank(kv)
+        if mla_split:
+            w.add_key_length(kv + r)
+            w.add_value_length(kv)
+            w.add_key_length_mla(n + r)
+            w.add_value_length_mla(v)
+        else:  # the older layout: heads of nope + rope keys, v values
+            w.add_key_length(n + r)
+            w.add_value_length(v)
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg.get("routed_scaling_factor", 1.0))
+        if cfg.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        if gating:  # (the converter writes it only from DeepSeek's scoring_func, which transformers drops)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if family == "deepseek_v3"
+                                     else gguf.ExpertGatingFuncType.SOFTMAX)
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_rope_dimension_count(r)
+        rp = cfg.get("rope_parameters") or {}
+        if rp.get("rope_type") == "yarn":  # as the converter writes DeepSeek-V3's
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rp["factor"])
+            w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
+        return
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    if family in ("glm4_moe", "minimax_m2"):  # sigmoid routing with a choice bias; partial rope
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(int(head_dim * partial))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if family == "gpt_oss":
+        rp = cfg["rope_parameters"]
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        return
+    if family == "minimax_m2":
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        return
+    if family == "glm4_moe":
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_nextn_predict_layers(mtp_layers(cfg))
+        return
+    if family == "mixtral":
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        return
+    w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if family == "qwen3_moe":
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    else:
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | None = None,
+               mla_split: bool = False, split_max_tensors: int = 0, gating: bool = True) -> pathlib.Path:
+    """src's checkpoint as llama.cpp's converter writes it: names from the gguf package's own map, experts
+    stacked (quantized to expert_type, None = F32), a llama file's q/k permuted, MLA's kv_b split when asked."""
+    cfg = json.loads((src / "config.json").read_text())
+    family = cfg["model_type"]
+    arch = arch or ARCH[family]
+    t = source_tensors(src)
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
+    write_metadata(w, cfg, family, mla_split, gating)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+    vocab = {i: s for s, i in tok["model"]["vocab"].items()}
+    n = cfg["vocab_size"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([added.get(i, vocab.get(i, f"[UNUSED{i}]")) for i in range(n)])
+    w.add_token_types([3 if i in added else 1 for i in range(n)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(cfg.get("eos_token_id") or 1)
+    w.add_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    tmap = gguf.get_tensor_name_map(next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch),
+                                    cfg["num_hidden_layers"])
+
+    def add(name, x, qtype=None):
+        gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None or arch != ARCH[family], name
+        gname = gname or name  # (another architecture's file, to be refused)
+        a = x.float().numpy()
+        if qtype is None:
+            w.add_tensor(gname, a)
+        else:
+            w.add_tensor(gname, gguf_blocks.quantize(a, qtype), raw_dtype=qtype)
+
+    for name, x in t.items():
+        if family == "gpt_oss" and is_expert(name):  # stacked already: split gate and up, as the converter does
+            for part, y in gpt_oss_experts(name, x):
+                add(part, y, None if part.endswith(".bias") else expert_type)
+            continue
+        if name.endswith(".sinks"):
+            name += ".weight"
+        if is_expert(name):
+            continue
+        if family == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            x = llama_permute(x, cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"])
+        if mla_split and name.endswith("kv_b_proj.weight"):
+            kv = x.view(cfg["num_attention_heads"], -1, x.shape[-1])
+            k_b, v_b = kv.split([cfg["qk_nope_head_dim"], cfg["v_head_dim"]], dim=1)
+            add(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2).contiguous())
+            add(name.replace("kv_b_proj", "v_b_proj"), v_b.contiguous())
+            continue
+        add(name.replace("e_score_correction_bias", "e_score_correction.bias"), x)
+    E = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    names = EXPERT_NAMES.get(family, ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"))
+    for L in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{L}."
+        if p + names[0].format(e=0) + ".weight" not in t:
+            continue  # a dense layer
+        for one in names:
+            stacked = torch.stack([t[p + one.format(e=e) + ".weight"] for e in range(E)])
+            add(p + one.replace(".{e}", "") + ".weight", stacked, expert_type(L, one) if callable(expert_type) else expert_type)
+    for L in range(cfg["num_hidden_layers"], cfg["num_hidden_layers"] + mtp_layers(cfg)):
+        # GLM's multi-token-prediction layer (transformers leaves it out of the model; llama.cpp keeps it)
+        w.add_tensor(f"blk.{L}.nextn.eh_proj.weight", np.ones((cfg["hidden_size"], 2 * cfg["hidden_size"]), np.float32))
+        w.add_tensor(f"blk.{L}.attn_norm.weight", np.ones(cfg["hidden_size"], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out if not split_max_tensors else sorted(out.parent.glob(out.stem + "-0*-of-*.gguf"))[0]
+
+
+def gpt_oss_experts(name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """gpt-oss's fused expert tensors as llama.cpp's converter writes them: gate and up apart (their columns
+    interleaved in gate_up_proj [E, H, 2I]), every matrix [E, rows, K]."""
+    if name.endswith("gate_up_proj_bias"):
+        return [(name.replace("gate_up_proj_bias", "gate_proj.bias"), x[..., 0::2]),
+                (name.replace("gate_up_proj_bias", "up_proj.bias"), x[..., 1::2])]
+    if name.endswith("down_proj_bias"):
+        return [(name.replace("down_proj_bias", "down_proj.bias"), x)]
+    if name.endswith("gate_up_proj"):
+        return [(name.replace("gate_up_proj", "gate_proj.weight"), x[..., 0::2].transpose(1, 2).contiguous()),
+                (name.replace("gate_up_proj", "up_proj.weight"), x[..., 1::2].transpose(1, 2).contiguous())]
+    return [(name.replace("down_proj", "down_proj.weight"), x.transpose(1, 2).contiguous())]
+
+
+def stored(x: torch.Tensor, qtype) -> torch.Tensor:
+    """What qtype stores of x (rows of K along the last dimension): the gguf package's quantizer, then its
+    dequantizer."""
+    q = gguf_blocks.quantize(x.float().numpy(), qtype)
+    return torch.from_numpy(gguf.quants.dequantize(q, qtype)).to(x.dtype)
+
+
+def with_experts_as_stored(src: pathlib.Path, out: pathlib.Path, qtype) -> pathlib.Path:
+    """src with every routed expert weight replaced by what qtype stores (the gguf package's quantizer and
+    dequantizer): transformers on it is the reference for the file."""
+    import shutil
+    shutil.copytree(src, out)
+    for f in sorted(out.glob("*.safetensors")):
+        t = load_file(str(f))
+        for name, x in t.items():
+            if not is_expert(name) or qtype is None or name.endswith("_bias"):
+                continue
+            if name.endswith("gate_up_proj"):  # gpt-oss: [E, H, 2I], each of gate and up quantized along H
+                y = x.clone()
+                y[..., 0::2] = stored(x[..., 0::2].transpose(1, 2), qtype).transpose(1, 2)
+                y[..., 1::2] = stored(x[..., 1::2].transpose(1, 2), qtype).transpose(1, 2)
+                t[name] = y
+            elif name.endswith("experts.down_proj"):  # gpt-oss: [E, I, H], quantized along I
+                t[name] = stored(x.transpose(1, 2), qtype).transpose(1, 2).contiguous()
+            else:
+                t[name] = stored(x, qtype)
+        from safetensors.torch import save_file
+        save_file(t, str(f), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return tiny_models.build("qwen3_moe", tmp_path_factory.mktemp("src") / "q", moe_intermediate_size=MOE_I)
+
+
+@pytest.fixture(scope="module")
+def wide_source(tmp_path_factory):
+    """The tiny Qwen3-MoE with rows of 256 (K-quant and IQ4_XS super-blocks)."""
+    return tiny_models.build("qwen3_moe", tmp_path_factory.mktemp("wide") / "q", hidden_size=256, moe_intermediate_size=MOE_I)
+
+
+def q4_k_m(L: int, name: str):
+    """A Q4_K_M-like mix, as llama-quantize writes one: Q4_K, except down in Q6_K in some layers (here layer 0)."""
+    Q = gguf.GGMLQuantizationType
+    return Q.Q6_K if L == 0 and "down" in name else Q.Q4_K
+
+
+def q5_k_m(L: int, name: str):
+    """A Q5_K_M-like mix: Q5_K, down in Q6_K in layer 0."""
+    Q = gguf.GGMLQuantizationType
+    return Q.Q6_K if L == 0 and "down" in name else Q.Q5_K
+
+
+def q3_k_m(L: int, name: str):
+    """A Q3_K_M-like mix: Q3_K, down in Q4_K in layer 0."""
+    Q = gguf.GGMLQuantizationType
+    return Q.Q4_K if L == 0 and "down" in name else Q.Q3_K
+
+
+def q2_k_mix(L: int, name: str):
+    """A Q2_K-like mix: Q2_K, down in Q3_K in layer 0."""
+    Q = gguf.GGMLQuantizationType
+    return Q.Q3_K if L == 0 and "down" in name else Q.Q2_K
+
+
+MIXES = {"Q4_K_M": q4_k_m, "Q5_K_M": q5_k_m, "Q3_K_M": q3_k_m, "Q2_K_mix": q2_k_mix}
+# the block type -> the expert format that starts by default (a mix: its layer 0's); `kept`: whether it keeps the
+# file's numbers
+DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("q4k", True), "Q6_K": ("q6k", True),
+            "IQ4_XS": ("iq4xs", True), "Q4_K_M": ("q4k/q6k", True), "Q5_K_M": ("q5k/q6k", True),
+            "Q3_K_M": ("q3k/q4k", True), "Q2_K": ("q2k", True), "Q2_K_mix": ("q2k/q3k", True)}
+
+
+@pytest.mark.parametrize("qtype", some(list(DEFAULTS), fast=["Q4_K_M"]))
+def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, wide_source, tmp_path, services_factory,
+                                                                  monkeypatch):
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    src = wide_source if qtype in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "Q2_K_mix") else source
+    f = write_gguf(src, tmp_path / f"tiny-{qtype}.gguf", MIXES.get(qtype) or getattr(gguf.GGMLQuantizationType, qtype))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f.name,
+                                                            dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    prompt = torch.randint(2, 200, (20,)).tolist()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        exact = ref(torch.tensor([prompt])).logits[0].double()
+    s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 12) == want, s.logs()
+    s.stop()
+    fmt, kept = DEFAULTS[qtype]
+    s = services_factory(f, gpu_args=("--dtype", "fp32"))  # default formats: the blocks kept
+    assert f"as {fmt}" in s.logs(), s.logs()
+    assert ("requantized to" in s.logs()) != kept, s.logs()
+    r = s.stub.Score(generate_pb2.ScoreRequest(token_ids=generate_pb2.TokenIds(ids=prompt)), timeout=60)
+    got = codec.decode(r.logits, "logits").double()
+    # the kernels' int8 activations cost this random model ~4-6% of a position's logits (the weights themselves are
+    # exact: test_kept_block_types_are_bit_for_bit). Read
+    # per position: where that small difference tips a router's choice (a random model's scores lie close), one
+    # position's logits move by 30-60% (seen for Q4_K and IQ4_XS)
+    err = (got - exact).norm(dim=-1) / exact.norm(dim=-1)
+    assert float(err.median()) < (0.08 if kept else 0.15), err
+
+
+def test_a_mix_runs_each_matrix_in_its_own_block_format_bit_for_bit(wide_source, tmp_path):
+    """Q4_K_M: the default (gguf) holds layer 0's Q4_K gate/up as q4k beside its Q6_K down as q6k, layer 1 all q4k; the
+    packed experts, unpacked, are the gguf package's dequantized weights bit for bit; the packed-weight cache keeps
+    each layer's formats."""
+    from expert_service.packed_cache import PackedCache
+    from expert_service.store import load_expert_layers
+    from moe_core import gguf_model
+    from moe_core.config import load_config
+    from moe_kernels.packing import unpack
+    d = gguf_model.prepare(write_gguf(wide_source, tmp_path / "mix.gguf", q4_k_m), tmp_path / "prep")
+    cfg, ck = load_config(d), gguf_model.open_checkpoint(d)
+    assert gguf_model.expert_format(cfg.gguf_expert_types) == gguf_model.PER_MATRIX == "gguf"
+    assert [gguf_model.layer_formats(cfg, ck, L, "gguf") for L in (0, 1)] == [("q4k", "q6k"), ("q4k", "q4k")]
+    assert gguf_model.layer_formats(cfg, ck, 0, "int8g32") == ("int8g32", "int8g32")
+    assert gguf_model.dequantized_experts(cfg, "gguf") is None  # nothing requantized
+    cache = PackedCache(tmp_path / "cache", "fp", "stamp", "gguf")
+    for attempt in range(2):  # packed from the file, then read back from the cache
+        layers = load_expert_layers(cfg, ck, "gguf", 1, cache=cache)
+        for L, op in layers.items():
+            assert (op.fmt, op.down_fmt) == gguf_model.layer_formats(cfg, ck, L, "gguf")
+            for e in (0, cfg.n_routed_experts - 1):
+                g, u, dn = (ck.get(n) for n in cfg.expert_tensor_names(L, e))
+                gu = unpack(tuple(None if p is None else p[e:e + 1] for p in op.gu), op.fmt, cfg.hidden_size)[0]
+                assert torch.equal(gu, torch.cat([g, u])) and torch.equal(
+                    unpack(tuple(None if p is None else p[e:e + 1] for p in op.dn), op.down_fmt, MOE_I)[0], dn)
+    assert len(list(cache.dir.glob("layer-*.safetensors"))) == len(layers)
+    # the GPU side's hot experts of that layer: the same formats, the same numbers as the expert service's
+    from gpu_service.hot_layers import hot_layer
+    hot = hot_layer(cfg, ck, 0, [1, 3], "gguf", torch.device("cpu"), 1)
+    assert (hot.fmt, hot.down_fmt) == ("q4k", "q6k")
+    x, w = torch.randn(3, cfg.hidden_size), torch.rand(3, 2)
+    ids = torch.tensor([[1, 3]] * 3, dtype=torch.int32)
+    assert torch.equal(hot.forward(x, ids - torch.tensor([1, 2], dtype=torch.int32), w), layers[0].forward(x, ids, w))
+
+
+def test_the_gguf_format_needs_a_gguf_with_quantized_experts(source):
+    from expert_service.cli import weight_format
+    from moe_core.config import ModelConfigError, load_config
+    with pytest.raises(ModelConfigError, match="--weight-format gguf keeps .* no quantized GGUF experts"):
+        weight_format("gguf", load_config(source))
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_our_block_quantizers_write_what_the_gguf_package_reads(qtype):
+    """tests/gguf_blocks.py's layouts: the gguf package's dequantizer gives back the quantized rows (within a 4-bit
+    grid's error; a misplaced scale or nibble would be off by the weights' own size)."""
+    x = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    raw = gguf_blocks.quantize(x, t)
+    assert raw.shape == (16, 512 // gguf.GGML_QUANT_SIZES[t][0] * gguf.GGML_QUANT_SIZES[t][1])
+    back = gguf.quants.dequantize(raw, t)
+    # Q3_K: 8 levels, Q2_K: 4
+    assert np.linalg.norm(back - x) / np.linalg.norm(x) < {"Q3_K": 0.25, "Q2_K": 0.45}.get(qtype, 0.12)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q8_0"])
+def test_kept_block_types_are_bit_for_bit(qtype, wide_source, tmp_path):
+    from moe_core import gguf_model
+    from moe_kernels.packing import pack_expert, row_len, unpack
+    f = write_gguf(wide_source, tmp_path / "tiny.gguf", getattr(gguf.GGMLQuantizationType, qtype))
+    d = gguf_model.prepare(f, tmp_path / "cache")
+    assert json.loads((d / "config.json").read_text())["moe_intermediate_size"] == MOE_I
+    assert gguf_model.expert_format((qtype,)) == gguf_model.KEEPS[qtype][0]
+    ck = gguf_model.open_checkpoint(d)
+    for fmt in gguf_model.KEEPS[qtype]:
+        for name in ("model.layers.1.mlp.experts.5.down_proj.weight", "model.layers.0.mlp.experts.0.gate_proj.weight"):
+            kept = ck.get_published(name, fmt)
+            assert torch.equal(kept.dequantize(), ck.get(name))  # = the gguf package's dequantizer
+            K = kept.shape[1]  # and packed, the numbers the kernels multiply are those, bit for bit
+            packed = [p if p is None else p[None] for p in pack_expert(kept, fmt, row_len(K, fmt))]
+            assert torch.equal(unpack(packed, fmt, K)[0], ck.get(name))
+            assert ck.get_published(name, "int8") is None
+        assert ck.get_published("model.layers.0.self_attn.q_proj.weight", fmt) is None  # F32
+    assert np.allclose(ck.get("model.embed_tokens.weight").numpy(), load_file(str(wide_source / "model.safetensors"))[
+        "model.embed_tokens.weight"].numpy())
+
+
+def test_other_gguf_architectures_are_refused_by_name(source, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    f = write_gguf(source, tmp_path / "other.gguf", None, arch="gemma3")
+    log = tmp_path / "expert.log"
+    p = start("expert_service", "--model", str(f), "--listen", f"127.0.0.1:{free_port()}", log=log)
+    assert p.wait(120) == 2
+    text = log.read_text()
+    assert "GGUF architecture 'gemma3' is not supported yet" in text and "Traceback" not in text, text
+
+
+# -- the other families: Qwen2-MoE, Mixtral (a llama file with experts), DeepSeek V2 and V3 with both MLA layouts --
+FAMILY_FILES = [("qwen2_moe", False), ("mixtral", False), ("deepseek_v2", False), ("deepseek_v3", False),
+                ("deepseek_v3", True), ("deepseek_v3_yarn", True), ("glm4_moe", False), ("minimax_m2", False),
+                ("gpt_oss", False)]
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+
+
+@pytest.fixture(scope="module")
+def family_sources(tmp_path_factory, checkpoints):
+    """The tiny checkpoints, Qwen2-MoE's without its dense layer (llama.cpp's qwen2moe has none), Mixtral's
+    experts 64 wide (quantized blocks hold 32 values)."""
+    out = dict(checkpoints)
+    out["qwen2_moe"] = tiny_models.build("qwen2_moe", tmp_path_factory.mktemp("src") / "q2", mlp_only_layers=[])
+    out["mixtral"] = tiny_models.build("mixtral", tmp_path_factory.mktemp("src") / "mx", intermediate_size=64)
+    out["gpt_oss"] = tiny_models.build("gpt_oss", tmp_path_factory.mktemp("src") / "oss",
+                                       swiglu_limit=7.0)  # llama.cpp's constant for the family
+    out["deepseek_v3_yarn"] = tiny_models.build("deepseek_v3", tmp_path_factory.mktemp("src") / "y",
+                                                rope_parameters=YARN)  # DeepSeek-V3's long-context rope
+    return out
+
+
+@pytest.mark.parametrize("family, mla_split", FAMILY_FILES)
+def test_every_tensor_reads_back_as_transformers_names_it(family, mla_split, family_sources, tmp_path):
+    """F32 file: each of the checkpoint's tensors, under transformers' name and layout (a llama file's q/k rows
+    permuted back, MLA's kv_b joined again, Qwen2's shared-expert gate reshaped), equals the source exactly; the
+    config read from the metadata is the source's."""
+    from moe_core import gguf_model
+    from moe_core.config import load_config
+    src = family_sources[family]
+    f = write_gguf(src, tmp_path / f"{family}.gguf", None, mla_split=mla_split)
+    d = gguf_model.prepare(f, tmp_path / "cache")
+    ck = gguf_model.open_checkpoint(d)
+    want = source_tensors(src)
+    assert sorted(ck.names()) == sorted(want)
+    for name, x in want.items():
+        assert torch.equal(ck.get(name), x.float()), name
+    got, ref = load_config(d), load_config(src)
+    for field in ("model_type", "hidden_size", "num_layers", "num_heads", "head_dim", "n_routed_experts", "top_k",
+                  "moe_intermediate_size", "shared_intermediate_size", "moe_layers", "scoring", "norm_topk_prob",
+                  "routed_scaling_factor", "rope_theta", "rope_interleave", "attention", "rope_type"):
+        assert getattr(got, field) == getattr(ref, field), field
+    if got.rope_type == "yarn":
+        from gpu_service.layers import rope_inv_freq, softmax_scale
+        assert torch.equal(rope_inv_freq(got)[0], rope_inv_freq(ref)[0]) and rope_inv_freq(got)[1] == rope_inv_freq(ref)[1]
+        assert softmax_scale(got, 24) == softmax_scale(ref, 24)
+
+
+@pytest.mark.parametrize("family, mla_split", some(FAMILY_FILES, fast=[]))
+def test_family_files_serve_transformers_greedy_tokens(family, mla_split, family_sources, tmp_path,
+                                                       services_factory, monkeypatch):
+    """Q8_0 experts: on the exact path the greedy tokens of transformers' own model on the weights the file
+    stores (the experts through the gguf package's quantizer and dequantizer), both services on the file."""
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    # gpt-oss's files keep its MXFP4 experts
+    q = gguf.GGMLQuantizationType.MXFP4 if family == "gpt_oss" else gguf.GGMLQuantizationType.Q8_0
+    src = family_sources[family]
+    f = write_gguf(src, tmp_path / f"{family}.gguf", q, mla_split=mla_split)
+    ref_dir = with_experts_as_stored(src, tmp_path / "ref", q)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
+    prompt = [5, 17, 30, 41, 7, 99, 3, 250, 12, 64]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 12) == want, s.logs()
+
+
+def test_gpt_oss_mxfp4_experts_are_kept_bit_for_bit(family_sources, tmp_path):
+    """A gpt-oss file's MXFP4 experts: shown as the published blocks and scales (nibbles back in transformers'
+    order), whose values are what the gguf package dequantizes; the mxfp4 format is the default."""
+    from expert_service.cli import weight_format
+    from moe_core import gguf_model
+    from moe_core.config import load_config
+    from moe_kernels.packing import Mx4
+    f = write_gguf(family_sources["gpt_oss"], tmp_path / "oss.gguf", gguf.GGMLQuantizationType.MXFP4)
+    d = gguf_model.prepare(f, tmp_path / "cache")
+    cfg, ck = load_config(d), gguf_model.open_checkpoint(d)
+    assert cfg.mxfp4_experts and weight_format("auto", cfg) == "mxfp4"
+    gate_up, down = cfg.stacked_expert_names(1)
+    from gguf import GGUFReader, dequantize
+    r = {t.name: t for t in GGUFReader(str(f)).tensors}
+    for e in (0, 5):
+        gu = Mx4.from_blocks(ck.get_row(gate_up + "_blocks", e), ck.get_row(gate_up + "_scales", e)).dequantize()
+        g, u = (torch.from_numpy(dequantize(np.asarray(r[f"blk.1.ffn_{p}_exps.weight"].data[e]), gguf.GGMLQuantizationType.MXFP4))
+                for p in ("gate", "up"))
+        assert torch.equal(gu[0::2], g) and torch.equal(gu[1::2], u)
+        dn = Mx4.from_blocks(ck.get_row(down + "_blocks", e), ck.get_row(down + "_scales", e)).dequantize()
+        assert torch.equal(dn, torch.from_numpy(dequantize(np.asarray(r["blk.1.ffn_down_exps.weight"].data[e]),
+                                                           gguf.GGMLQuantizationType.MXFP4)))
+
+
+@pytest.mark.slow
+def test_split_files_serve_as_one(family_sources, tmp_path, services_factory, monkeypatch):
+    """A split set (gguf-split's -0000N-of-0000M names, the gguf package's writer): given its first file, both
+    services read every part, with the tokens of the whole file; a later part or a set with one missing is refused,
+    naming the file."""
+    from moe_core import gguf_model
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    src, q = family_sources["deepseek_v3"], gguf.GGMLQuantizationType.Q8_0
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "split").mkdir()
+    whole = write_gguf(src, tmp_path / "whole" / "ds.gguf", q)
+    first = write_gguf(src, tmp_path / "split" / "ds.gguf", q, split_max_tensors=15)
+    parts = sorted(first.parent.glob("*.gguf"))
+    assert len(parts) >= 3 and first.name.endswith("-00001-of-%05d.gguf" % len(parts))
+    a, b = (gguf_model.open_checkpoint(gguf_model.prepare(f, tmp_path / "cache")) for f in (whole, first))
+    assert sorted(a.names()) == sorted(b.names()) and len(set(b.weight_map.values())) == len(parts)
+    for name in ("model.layers.2.mlp.experts.7.up_proj.weight", "model.norm.weight", "lm_head.weight"):
+        assert torch.equal(a.get(name), b.get(name))
+    prompt = [5, 17, 30, 41, 7, 99, 3, 250, 12, 64]
+    s = services_factory(whole, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    want = greedy(s.stub, prompt, 10)
+    s.stop()
+    s = services_factory(first, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 10) == want
+    s.stop()
+    with pytest.raises(gguf_model.ModelConfigError, match="is part 2 of a split GGUF set: pass its first file"):
+        gguf_model.prepare(parts[1], tmp_path / "cache2")
+    parts[-1].rename(parts[-1].with_suffix(".moved"))
+    with pytest.raises(gguf_model.ModelConfigError, match=f"the split set lacks {parts[-1].name}"):
+        gguf_model.prepare(first, tmp_path / "cache3")
+
+
+def test_a_deepseek_file_that_lost_v3s_gating_is_refused(family_sources, tmp_path):
+    """No expert_gating_func (llama.cpp reads softmax) but V3's choice bias: a model neither V2 nor V3, refused
+    with what to convert it from."""
+    from moe_core import gguf_model
+    f = write_gguf(family_sources["deepseek_v3"], tmp_path / "ds.gguf", None, gating=False)
+    with pytest.raises(gguf_model.ModelConfigError, match='no sigmoid expert_gating_func.*"scoring_func": "sigmoid"'):
+        gguf_model.prepare(f, tmp_path / "cache")
+
+
+def test_experts_the_kernels_cannot_keep_are_named_at_start():
+    from types import SimpleNamespace
+    from moe_core.gguf_model import dequantized_experts, expert_format
+    cfg = lambda *types: SimpleNamespace(gguf_expert_types=types)  # noqa: E731
+    for kept, fmt in (("Q4_0", "int4g32"), ("MXFP4", "mxfp4"), ("Q4_K", "q4k"), ("Q4_K", "uint4g32"),
+                      ("IQ4_XS", "iq4nl"), ("IQ4_XS", "iq4xs"), ("Q5_K", "q5k"), ("Q6_K", "q6k"), ("Q3_K", "q3k"),
+                      ("Q3_K", "q6k"), ("Q2_K", "q2k")):
+        assert dequantized_experts(cfg(kept), fmt) is None
+    assert dequantized_experts(cfg(), "bf16") is None  # not a GGUF
+    msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "bf16")
+    assert "Q4_K, Q6_K" in msg and "held as bf16" in msg and "2.4x the file's bytes" in msg  # 16 / 6.5625
+    assert "requantized to int8" in dequantized_experts(cfg("Q8_0"), "int8")
+    msg = dequantized_experts(cfg("Q4_K", "Q6_K"), "q4k")  # Q4_K_M: its Q4_K kept, its Q6_K requantized
+    assert "(Q6_K)" in msg and "requantized to q4k (Q6_K: 6.56 -> 4.75 bits a weight)" in msg
+    # the types' own format where they share one; else each matrix in its own type's (gguf); the types no format
+    # keeps: the smallest format with at least their value bits, q3k's 3 at least (IQ2_XS: 3, Q5_0: 5, Q5_1: 5, floats: int8)
+    assert expert_format(("Q4_K", "Q6_K")) == "gguf" and expert_format(("Q6_K",)) == "q6k"
+    assert expert_format(("Q4_0", "Q4_1")) == "gguf" and expert_format(("IQ4_NL", "IQ4_XS")) == "gguf"
+    assert expert_format(("IQ4_XS", "Q5_K")) == "gguf" and expert_format(("Q2_K", "Q4_K")) == "gguf"
+    assert expert_format(("Q8_0",)) == "int8g32" and expert_format(("Q2_K",)) == "q2k"
+    assert expert_format(("Q8_0", "Q6_K")) == "gguf" and expert_format(("Q5_K", "Q3_K")) == "gguf"
+    assert expert_format(("Q5_K",)) == "q5k" and expert_format(("Q3_K", "Q2_K")) == "gguf"
+    assert expert_format(("IQ2_XS",)) == "q3k" and expert_format(("IQ3_XXS", "Q3_K")) == "q3k"
+    assert expert_format(("Q5_0",)) == "q5k" and expert_format(("Q5_1",)) == "q5k" and expert_format(("Q3_K",)) == "q3k"
+    msg = dequantized_experts(cfg("Q8_0", "Q6_K"), "int8g32")  # the Q8_0 kept, the Q6_K requantized
+    assert "(Q6_K)" in msg and "Q8_0" not in msg
+    assert dequantized_experts(cfg("Q8_0", "Q6_K"), "gguf") is None  # each kept in its own
+    msg = dequantized_experts(cfg("Q3_K", "Q5_0"), "gguf")  # Q3_K_M on rows not of 256: its Q5_0 down in q5k
+    assert "(Q5_0)" in msg and "Q3_K" not in msg and "requantized to q5k (Q5_0: 5.5 -> 5.75 bits a weight)" in msg
+    assert dequantized_experts(cfg("Q2_K", "Q4_0"), "gguf") is None
+    msg = dequantized_experts(cfg("IQ2_XS", "Q4_0"), "gguf")
+    assert "(IQ2_XS)" in msg and "requantized to q3k (IQ2_XS: 2.31 -> 3.62 bits a weight)" in msg
+    assert expert_format(("Q4_0",)) == "int4g32" and expert_format(("BF16",)) is None

@@ -1,0 +1,166 @@
+"""Published configurations, at reduced width (tools/synth_checkpoint.py): DeepSeek-V3 as published
+(FP8 block-quantized weights with float32 scale_inv, YaRN, 163840 positions, 129280 ids),
+Qwen3-30B-A3B (151936 ids, 40960 positions), GLM-4.5-Air, gpt-oss-20b (MXFP4 experts, 201088 ids,
+131072 positions), MiniMax-M2 (FP8 as published, 200064 ids, 196608 positions), Qwen3-Next-80B-A3B (DeltaNet layers, 262144 positions, its mtp.* layer beside) and
+Qwen3.5-35B-A3B (the same inside a vision-language wrapper, experts stacked, 248320 ids). Each starts with default flags, and generates exactly transformers' greedy tokens
+on the same (dequantized) weights in fp32, past the first 64 positions.
+Other quantization methods and variants are refused at start by both services, naming them (int4 checkpoints:
+tests/core/test_int4_checkpoints.py)."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import grpc
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from harness import free_port, greedy, start
+from published import synth, synth_checkpoint
+from moe_core import codec
+from moe_core.checkpoint import Checkpoint, dequantize_fp8
+from moe_kernels.packing import Mx4
+from protos import generate_pb2
+from tiers import some
+
+def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """The same model with every weight as float32 (FP8 ones dequantized; MXFP4 experts as the fused
+    [E, K, rows] tensors transformers' gpt-oss keeps), for transformers."""
+    ck = Checkpoint(src)
+    out.mkdir()
+    tensors = {}
+    for n in ck.names():
+        if n.endswith("_blocks"):
+            base = n[: -len("_blocks")]
+            w = torch.stack([Mx4.from_blocks(b, s).dequantize() for b, s in zip(ck.get(n), ck.get(base + "_scales"))])
+            tensors[base] = w.transpose(1, 2).contiguous()
+        elif not n.endswith("_scales"):
+            tensors[n] = ck.get(n).float().contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    cfg.pop("use_mtp", None)  # MiniMax-M2's: transformers' generate() would look for MTP weights to draft with
+    cfg["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_fp8_dequantization_matches_transformers_and_handles_partial_blocks():
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(0)
+    w = (torch.randn(256, 384) * 3).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 3) + 0.01
+    assert torch.equal(dequantize_fp8(w, s, (128, 128)), Fp8Dequantize(None)._dequantize_one(w, s, torch.float32))
+    # partial edge blocks (transformers' loader refuses these shapes): against a plain loop
+    w = (torch.randn(40, 70) * 3).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 5) + 0.01
+    want = torch.empty(40, 70)
+    for i in range(40):
+        for j in range(70):
+            want[i, j] = w[i, j].float() * s[i // 16, j // 16]
+    assert torch.equal(dequantize_fp8(w, s, (16, 16)), want)
+    q, scale = synth_checkpoint.quantize_fp8(torch.randn(40, 70), (16, 16))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 5)
+
+
+def test_mxfp4_reads_as_transformers_dequantizes():
+    """gpt-oss's published experts: our reading of _blocks/_scales equals transformers' own dequantization."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 140, (3, 40, 4), dtype=torch.uint8, generator=g)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, rows]
+    got = torch.stack([Mx4.from_blocks(b, s).dequantize() for b, s in zip(blocks, scales)])
+    assert torch.equal(got.transpose(1, 2), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("qwen3-30b-a3b", None),
+                                        ("glm-4.5-air", None), ("gpt-oss-20b", None), ("qwen3-next-80b-a3b", None),
+                                        ("qwen3.5-35b-a3b", None), ("minimax-m2", [16, 16])],
+                         ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "qwen3-30b-a3b", "glm-4.5-air",
+                              "gpt-oss-20b-mxfp4", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "minimax-m2-fp8"])
+def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
+    extra = {}
+    if block:
+        extra["quantization_config"] = {**synth_checkpoint.PRESETS[arch]["quantization_config"],
+                                        "weight_block_size": block}
+    hybrid = arch.startswith(("qwen3-next", "qwen3.5"))
+    d = synth(arch, tmp_path / "ckpt", layers=4 if hybrid else 3, **extra)  # hybrid: 3 DeltaNet + 1 full attention
+    cfg = json.loads((d / "config.json").read_text())
+    # default flags: starts (message limits from the real vocabulary and context) and serves
+    s = services_factory(d)
+    info = s.stub.Info(generate_pb2.ServerInfoRequest(), timeout=10)
+    text = cfg.get("text_config", cfg)  # Qwen3.5: inside its vision-language wrapper
+    assert info.max_context == text["max_position_embeddings"] and info.vocab_size == text["vocab_size"]
+    assert len(greedy(s.stub, [5, 9, 17], 4)) == 4
+    if arch.startswith("gpt-oss"):  # its experts served as published
+        assert "as mxfp4" in s.logs()
+    s.stop()
+    # fp32 on the dequantized weights: transformers' greedy tokens, past the first 64 positions
+    ref = transformers.AutoModelForCausalLM.from_pretrained(dequantized_copy(d, tmp_path / "ref"),
+                                                            dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    prompt = torch.randint(2, 4000, (70,)).tolist()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    s = services_factory(d, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 24) == want, s.logs()
+
+
+@pytest.mark.parametrize("qc,says", some([
+    ({"quant_method": "bitsandbytes", "bits": 4}, "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "mxfp4"}, "quant_method 'mxfp4' is not supported"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "gptq with bits 8 is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "awq version 'gemv' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"},
+     "compressed-tensors format 'float-quantized' is not supported")],
+    fast=[({"quant_method": "gptq", "bits": 8, "group_size": 128}, "gptq with bits 8 is not supported")]),
+    ids=["bnb", "mxfp4", "gptq8", "awq-gemv", "ct-fp"])
+def test_other_quantization_is_refused_at_start(qc, says, checkpoints, tmp_path):
+    d = tmp_path / "q"
+    d.mkdir()
+    src = pathlib.Path(checkpoints["qwen3_moe"])
+    for f in src.iterdir():
+        (d / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(json.dumps(cfg))
+    for module, extra in (("expert_service", ()), ("gpu_service", ("--experts", f"127.0.0.1:{free_port()}"))):
+        log = tmp_path / f"{module}.log"
+        p = start(module, "--model", str(d), "--listen", f"127.0.0.1:{free_port()}", *extra, log=log)
+        assert p.wait(120) == 2
+        text = log.read_text()
+        assert says in text, text
+        assert "Traceback" not in text, text
+
+
+# -- limits from what is really sent ---------------------------------------------------------------
+@pytest.mark.slow
+def test_score_long_contexts_as_logprobs(tmp_path, services_factory):
+    """Full logits past gRPC's 2 GiB message limit are refused, naming logprobs_only; logprobs_only answers
+    them, and on short prompts agrees with the full logits."""
+    d = synth("qwen3-30b-a3b", tmp_path / "ckpt", layers=2)
+    s = services_factory(d, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    score = lambda ids, **kw: s.stub.Score(generate_pb2.ScoreRequest(  # noqa: E731
+        token_ids=generate_pb2.TokenIds(ids=ids), **kw), timeout=300)
+    torch.manual_seed(0)
+    short = torch.randint(2, 4000, (40,)).tolist()
+    logits = codec.decode(score(short).logits, "logits")
+    r = score(short, logprobs_only=True)
+    want = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(short[1:])[:, None])[:, 0]
+    assert len(r.token_logprobs) == len(short) - 1 and not r.HasField("logits")
+    torch.testing.assert_close(torch.tensor(list(r.token_logprobs)), want, rtol=1e-4, atol=1e-4)
+    assert list(r.argmax_ids) == logits.argmax(-1).tolist()
+    long = torch.randint(2, 4000, (3600,)).tolist()  # 3600 x 151936 x 4 bytes = 2.04 GiB of logits
+    with pytest.raises(grpc.RpcError) as e:
+        score(long)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs_only" in e.value.details()
+    r = score(long, logprobs_only=True)
+    assert len(r.token_logprobs) == len(long) - 1 and len(r.argmax_ids) == len(long)
+    assert all(lp <= 0 for lp in r.token_logprobs)

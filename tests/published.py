@@ -1,0 +1,39 @@
+"""Published configurations at toy width: tools/synth_checkpoint.py's presets narrowed to a few dozen units (every
+field the preset's attention and routing read kept as published), for the tests that start them."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+from harness import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import synth_checkpoint  # noqa: E402
+
+NARROW = {
+    "deepseek-v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16, n_group=4,
+                        topk_group=2, num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4,
+                        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "glm-4.5-air": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
+                        num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "gpt-oss-20b": dict(hidden_size=64, intermediate_size=64, num_local_experts=8, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, sliding_window=32),  # a 70-token prompt crosses it
+    "minimax-m2": dict(hidden_size=64, intermediate_size=32, num_local_experts=16, num_experts_per_tok=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=8),
+    "qwen3-30b-a3b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
+                          num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "qwen3-next-80b-a3b": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
+                               num_experts_per_tok=4, shared_expert_intermediate_size=32, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3.5-35b-a3b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+                            shared_expert_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=16,
+                            vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, out_hidden_size=64)),
+}
+
+
+def synth(arch: str, out: pathlib.Path, layers: int, **extra) -> pathlib.Path:
+    c = synth_checkpoint.config_of(arch, layers, {**NARROW[arch], **extra})
+    return synth_checkpoint.write(c, out, std=0.1, seed=0, shard_mb=8)
