@@ -1,7 +1,7 @@
 """Accuracy harness: what expert deferral costs, against simply skipping the same experts.
 
     python bench/accuracy.py [--models models/default build/deep-model] [--windows 24] [--len 256]
-                             [--plot docs/deferral_cost.png] [--json bench/results/accuracy.json]
+                             [--plot docs/performance/deferral_cost.png] [--json bench/results/accuracy.json]
 
 Runs held-out text (the models' held-out split of Python's standard library: every 20th file, never
 trained on) through both services (real processes, fp32 so the comparison with the reference is

@@ -6,7 +6,7 @@ With --e2e MODEL: decode through a GPU service and N expert-service shards on th
 processes; --transport shm or grpc), per N: tokens/s, and per MoE layer and token the busiest shard's
 compute, and the exchange's cost beyond it (router done -> every part back, minus that compute), from
 the services' own profile spans. On one host the shards share the cores, so this measures what
-sharding adds (the fan-out and the sums), not the compute it divides (docs/sharding.md models that).
+sharding adds (the fan-out and the sums), not the compute it divides (docs/performance/sharding.md models that).
 
 Two figures per split and N, over every MoE layer and token:
 - decode: the busiest shard's pairs per token, against the even share k / N. A layer waits for its

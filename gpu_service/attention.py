@@ -97,13 +97,13 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         K, V = _as(q.dtype, cache.gather(layer, end))                           # [kv, L, d] each
         if t == 1 and x.device.type == "cpu":
             # decode on the CPU: torch's SDPA kernel is ~50x slower for one query than matmuls over each KV head's
-            # query group (docs/kernels.md, "Measured choices")
+            # query group (docs/performance/kernels.md, "Measured choices")
             qg = q.view(nkv, nh // nkv, d)                                      # [kv, group, d]
             s = torch.matmul(qg, K.transpose(1, 2)) * d ** -0.5                 # [kv, group, L]
             o = torch.matmul(s.float().softmax(-1).to(q.dtype), V)              # [kv, group, d]
         else:
             # 4-D inputs: torch's fused (flash) CPU kernel; 3-D ones fall back to its math path, which builds the
-            # [heads, t, L] scores and masks in fp32 (2.5x slower at 512 tokens, docs/kernels.md)
+            # [heads, t, L] scores and masks in fp32 (2.5x slower at 512 tokens, docs/performance/kernels.md)
             causal = start == 0  # a first chunk: torch's own causal mask (top-left aligned) is ours
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], is_causal=causal,
                                                attn_mask=None if causal else _causal_mask(t, start, x.device),
@@ -199,7 +199,7 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         q_lat = torch.einsum("thd,hdr->htr", q_nope, wkv[:, :dn])              # [nh, t, r]
     if absorb and t == 1 and native_attention.mla_supported(*cache.pool.bufs[layer]):
         # decode: the latent attention on the native kernel, over the pool's blocks where they are (fp32 scores;
-        # torch's bf16 matmuls here run at a few GFLOP/s on a CPU without bf16 arithmetic: docs/decode_step.md)
+        # torch's bf16 matmuls here run at a few GFLOP/s on a CPU without bf16 arithmetic: docs/performance/decode_step.md)
         o_lat = native_attention.mla_paged_attention(
             torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer], cache.table(), start + 1, scale,
             first=cache.blocks[0] if cache.consecutive() else -1).to(x.dtype)[:, None]  # [nh, 1, r]

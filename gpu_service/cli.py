@@ -122,7 +122,7 @@ def parse_args(argv=None):
                     help="the KV cache's element type; auto = the compute dtype (--dtype). fp16 halves an fp32 "
                          "model's cache (--dtype auto on a CPU without bf16 arithmetic), and with it the bytes decode "
                          "attention reads a token, as llama.cpp's default f16 cache does; not bit-exact to an fp32 "
-                         "reference (docs/decode_step.md, 'The KV cache in fp16')")
+                         "reference (docs/performance/decode_step.md, 'The KV cache in fp16')")
     ap.add_argument("--prefix-cache-gb", type=float, default=None,
                     help="most GiB of KV blocks that no request uses kept for reuse, so that a request starting with "
                          "the same tokens (a chat's next turn, a shared system prompt) computes only the rest "

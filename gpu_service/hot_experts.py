@@ -6,7 +6,7 @@ protocol (experts.py), wrapped around the remote one (one expert service or Shar
                     the cold ones go to the expert service(s) (hot pairs as id -1, rows with none left
                     out), then, on a GPU, the hot ones run here while the expert service works
     result(layer)   on the CPU, the hot ones run now, after the remote part came in (two thread pools
-                    computing at once on the same cores slow both: docs/hot_experts.md);
+                    computing at once on the same cores slow both: docs/performance/hot_experts.md);
                     hot part + remote part, added in fp32 in that order, rounded once to the hidden dtype
 
 Deferral: with `defer`, each token's pairs are put in descending weight order first (as ShardedExperts does),

@@ -45,7 +45,7 @@ GROW = 4  # blocks a growing sequence takes at once while the pool has SPARE x t
 SPARE = 4
 # Blocks whose pages a CPU pool touches when it is made: the allocator hands out the lowest ids first, so every
 # request uses these. Untouched, each of their huge pages faulted on a decode step's first write into it, 1-3 ms
-# each (zeroing and compacting for 2 MiB: docs/decode_step.md, "Inside the attention block"), once per layer, head
+# each (zeroing and compacting for 2 MiB: docs/performance/decode_step.md, "Inside the attention block"), once per layer, head
 # and K/V in the first requests. The rest of the pool stays untouched until used.
 PREFAULT_BLOCKS = 512
 

@@ -20,7 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     """offset: zero-centred weights (Qwen3-Next), x_normed * (1 + w) in fp32, then rounded, as
     transformers does (the plain form rounds x_normed first, then multiplies). native: the plain form
     in one native call where it applies (on the CPU: moe_kernels.norm_rope; a prefill's rows sliced over the
-    native pool; docs/kernels.md, "A prefill's norms and rotary embeddings native")."""
+    native pool; docs/performance/kernels.md, "A prefill's norms and rotary embeddings native")."""
     if native and norm_rope and not offset and norm_rope.rms_norm_supported(x, weight):
         return norm_rope.rms_norm(x, weight, eps)
     xf = x.float()

@@ -146,7 +146,7 @@ class Model:
         self.scale = softmax_scale(cfg, qk_dim)
         self.last_moe_layer = cfg.moe_layers[-1] if cfg.moe_layers else -1
         # decode attention on the native kernel too when the dense layers are (on the CPU, where torch's small
-        # matmuls and softmax cost several times the bytes they read: docs/kernels.md, "Measured choices")
+        # matmuls and softmax cost several times the bytes they read: docs/performance/kernels.md, "Measured choices")
         self.native_attention = bool(dense_format) and device.type == "cpu"
         # decode steps' attention blocks as one native call each where the layers allow (decode_step.py)
         self.decode_blocks = decode_step.blocks(cfg, self.W, dtype, self.native_attention) \
@@ -448,7 +448,7 @@ def native_isa() -> str | None:
 def compute_dtype(arg: str, cfg, device: torch.device) -> torch.dtype:
     """--dtype resolved. auto: the checkpoint's dtype, except fp32 for a bf16/fp16 model on a CPU without
     bf16 arithmetic (kernel path below avx512): torch converts every bf16 op there, and norms, rope and
-    attention run several times slower than in fp32 (docs/decode_step.md). The dense weights stay 16-bit
+    attention run several times slower than in fp32 (docs/performance/decode_step.md). The dense weights stay 16-bit
     with --dense-format."""
     if arg != "auto":
         return DTYPES[arg]

@@ -665,7 +665,7 @@ def covering(t: str) -> str:
     at least the type's bits (its bits a weight less about half a bit of scales; at least q3k's 3), so it is requantized
     onto a grid no coarser than the file's and stays about the file's size (IQ2_XS: q3k, Q5_0: q5k), not a 2-4x larger
     exact copy (a 2-bit DeepSeek file must fit the RAM its user has). Measured on the default model against
-    llama-perplexity on the same files (docs/accuracy.md); --weight-format bf16 keeps them exact."""
+    llama-perplexity on the same files (docs/performance/accuracy.md); --weight-format bf16 keeps them exact."""
     need = max(int(type_bits(t) - 0.5), 1) if t not in FLOAT_TYPES else 16
     return next((f for f, bits in VALUE_BITS.items() if bits >= need), "int8g32")
 
@@ -705,7 +705,7 @@ def dequantized_experts(cfg, fmt: str) -> str | None:
         return (f"{what}: dequantized exactly and held as {fmt} ({bits:.3g} bits, {bits / stored:.1f}x the file's bytes "
                 "for them and as slow to decode)")
     into = ", ".join(f"{f} ({t}: {type_bits(t):.3g} -> {format_bits(f):.3g} bits a weight)" for t, f in held.items())
-    return (f"{what}: requantized to {into}; docs/accuracy.md measures the cost; --weight-format bf16 holds them "
+    return (f"{what}: requantized to {into}; docs/performance/accuracy.md measures the cost; --weight-format bf16 holds them "
             "exactly, at 16 bits")
 
 

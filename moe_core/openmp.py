@@ -22,7 +22,7 @@ def passive_by_default() -> None:
 def environ_for_others() -> dict[str, str]:
     """os.environ as another program started from here should see it: without the wait policy set for our own torch
     (importing gpu_service or expert_service sets it). llama.cpp's OpenMP threads waiting passively decode ~1.6x
-    slower at 48 layers on 2 cores, so a benchmark against it must not pass ours on (docs/kernels.md)."""
+    slower at 48 layers on 2 cores, so a benchmark against it must not pass ours on (docs/performance/kernels.md)."""
     env = dict(os.environ)
     if _SET_HERE:
         env.pop("OMP_WAIT_POLICY", None)

@@ -190,7 +190,7 @@ KEEP_FREED = 1 << 30  # the heap's free top kept for reuse up to this (trim_heap
 
 def tune_malloc() -> None:
     """Tensors up to 32 MiB come from the heap, and what they free stays there for the next step: as fresh
-    mappings, a prefill's tensors were faulted in and unmapped page by page every layer (docs/kernels.md, "Prefill's
+    mappings, a prefill's tensors were faulted in and unmapped page by page every layer (docs/performance/kernels.md, "Prefill's
     temporaries kept on the heap"). The heap keeps what one step used at most; trim_heap() returns it after a long
     context. Fixed values also turn glibc's dynamic adjustment off. No-op without glibc."""
     libc = _libc()
@@ -202,7 +202,7 @@ def tune_malloc() -> None:
 def freeze_startup_objects() -> None:
     """Move what starting left on the Python heap (modules, the model's tensors and tables: a few hundred thousand
     objects) out of the garbage collector's view: its full collections, which the per-token allocations of a
-    decode trigger every so often, walk only what serving allocates since (docs/decode_step.md, "The garbage
+    decode trigger every so often, walk only what serving allocates since (docs/performance/decode_step.md, "The garbage
     collector at decode"). Called once, when a service is ready."""
     gc.collect()
     gc.freeze()

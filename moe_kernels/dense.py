@@ -14,7 +14,7 @@ from .packing import Fp8, alloc, data_ptr, floats, pack_expert, row_len
 PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
 # bf16 weights on an AMX CPU: from this many tokens on, torch's matmul (oneDNN: tiles, with its own
 # weight blocking) computes faster than our tiles on the row-major packing; below it, and at decode,
-# ours stream the weights as fast or faster (`python bench/bench_dense.py`; docs/kernels.md).
+# ours stream the weights as fast or faster (`python bench/bench_dense.py`; docs/performance/kernels.md).
 TORCH_FROM_TOKENS = 64
 
 

@@ -3,7 +3,7 @@
 // blocks of a pool, found through the sequence's block table; gpu_service/kv_pool.py), grouped-query: up to 8
 // query heads of a kv head share each pass over its keys and values, their 8 scores of a position one vector.
 // fp32 scores, softmax and sums; tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax,
-// casts) take several times what its bytes need (docs/kernels.md, "Measured choices").
+// casts) take several times what its bytes need (docs/performance/kernels.md, "Measured choices").
 #include <immintrin.h>
 
 #include <algorithm>
@@ -57,7 +57,7 @@ struct Rows {
     if (!P) return base + size_t(j) * row;
     return base + size_t(table[j >> shift]) * block + size_t(j & ((1 << shift) - 1)) * row;
   }
-  // Row j's lines into L2 (V's, while the scores read K: docs/kernels.md, "Decode attention: V into L2 during the
+  // Row j's lines into L2 (V's, while the scores read K: docs/performance/kernels.md, "Decode attention: V into L2 during the
   // scores").
   void prefetch_l2(int j, int d) const {
     const char* p = reinterpret_cast<const char*>((*this)(j));
@@ -80,7 +80,7 @@ inline void tile_rows(const Rows<T, P>& R, int j0, int j1, const T** out) {
 
 // Positions of V per tile: the sums walk a tile once per slice of dims, so it must stay in L1 (untiled, each of
 // d/8 slices streams all of V from memory again): 16 KB of rows, half of a 32 KB L1 beside the scores, the
-// output and the query (64 fp32 rows of 128, 32 KB, missed L1 on every slice's pass: docs/decode_step.md).
+// output and the query (64 fp32 rows of 128, 32 KB, missed L1 on every slice's pass: docs/performance/decode_step.md).
 constexpr int TILE = 64;  // the most
 template <class T>
 constexpr int tile_rows_for(int d) {

@@ -37,11 +37,11 @@ inline void row_streams(const T* base, size_t ld, int nr, const T* (&p)[R]) {
   MOE_UNROLL for (int r = 0; r < R; ++r) p[r] = base + (r < nr ? r : 0) * ld;
 }
 
-// How the kernels stream weights, chosen by interleaved A/B runs (bench/bench_tuning.py; docs/kernels.md):
+// How the kernels stream weights, chosen by interleaved A/B runs (bench/bench_tuning.py; docs/performance/kernels.md):
 // software-prefetch this many bytes ahead in each row stream of the multi-token tiles, AVX2's one-token passes
 // and q5k/q6k (the hardware prefetcher stops at 4 KiB page ends; 32 KiB rather than 8 since 2026-12-04, chosen
 // on int4's one-token pair of blocks, which AVX-512 no longer runs: its one-token streams do not prefetch since
-// 2026-12-05, docs/kernels.md), and cut work into tasks of about this many weight bytes (each task start is
+// 2026-12-05, docs/performance/kernels.md), and cut work into tasks of about this many weight bytes (each task start is
 // a new stream that ramps up again; 64-row tasks cost int4 decode a third of its speed); decode attention fetches
 // up to this many bytes of a head's V into L2 while its scores read K (attention.cpp; half this core's L2, so
 // that the rows do not evict each other or K's stream before their use; 0: none).
@@ -87,7 +87,7 @@ inline size_t prefetch_rows(size_t row_bytes, int rb) {
 
 // One line into L1 (prefetch_t0) or L2 (prefetch_t1), as _mm_prefetch, but one the compiler cannot drop: GCC 12
 // deletes _mm_prefetch / __builtin_prefetch whose address comes through a table read in the loop (decode attention's
-// paged rows: not one prefetch instruction was left in those kernels, objdump; docs/kernels.md, "The paged path's
+// paged rows: not one prefetch instruction was left in those kernels, objdump; docs/performance/kernels.md, "The paged path's
 // prefetches were never there").
 inline void prefetch_t0(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
 inline void prefetch_t1(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }

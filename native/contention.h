@@ -2,7 +2,7 @@
 //
 // A wait that spins with the pause hint keeps its core from every other thread; one that sleeps on a futex pays
 // a wake-up when its work comes (tens of microseconds on a virtual CPU that went idle: the exchange's hand-overs
-// at every layer, docs/decode_step.md). While only our services use the CPUs, waits spin giving the core away
+// at every layer, docs/performance/decode_step.md). While only our services use the CPUs, waits spin giving the core away
 // between polls (sched_yield): a thread with work on that core (the other service's compute, our own worker)
 // runs at once, and the waiter sees its word within a scheduler pass. Beside busy programs a yielder competes as
 // any runnable thread and loses the wake-up boost a sleeper gets (decode at a fifth of the sleeping policy's
@@ -34,7 +34,7 @@ constexpr long long YIELDING_SPIN_NS = 2'000'000;  // a yielding wait: the gap b
 // A yielding wait whose yields keep coming straight back naps. Under EEVDF a yield only moves the yielder's
 // deadline: while the thread that wants this core has used more than its share, the yielder is picked again, and
 // in a split decode the GPU side's wait was measured holding 85-90% of a core the expert service's worker needed,
-// for 20-40 tokens at a time (docs/decode_step.md). After YIELD_NAP_AFTER_NS of yields that came back within
+// for 20-40 tokens at a time (docs/performance/decode_step.md). After YIELD_NAP_AFTER_NS of yields that came back within
 // YIELD_BACK_NS, the wait sleeps up to YIELD_NAP_NS on its futex (the ring's doorbell wakes it at once).
 // MOE_YIELD_NAP_US overrides the first (0: never nap).
 constexpr long long YIELD_BACK_NS = 3'000;

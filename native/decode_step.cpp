@@ -5,7 +5,7 @@
 // add and the post-attention RMSNorm, and for an MoE layer its router's top-k choice, for B sequences of one new
 // token each. It replaces ~30 torch ops and 7 native calls a layer and sequence (gpu_service/attention.py
 // gqa_attention / mla_attention and layers.route stay the reference) whose dispatch cost several times the
-// arithmetic at decode (docs/decode_step.md), and runs the projections and the router once for all B rows.
+// arithmetic at decode (docs/performance/decode_step.md), and runs the projections and the router once for all B rows.
 //
 // Rounding is torch's at every point the reference rounds (model dtype T: bf16 bits or fp32): the projections'
 // fp32 outputs, the bias adds, the norms, rope, the attention output and the residual add, so one sequence's

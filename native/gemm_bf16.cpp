@@ -19,7 +19,7 @@ constexpr int RB = 4;          // weight rows per micro-kernel call
 constexpr int TB = 6;          // tokens per call: RB*TB accumulators + RB + 1 of the 32 zmm
 // K chunk (partial sums parked in acc_mem between chunks). Rows up to 16 KiB go whole: re-reading a
 // row block from L2 for each token block costs less than parking the accumulators per chunk
-// (alternating builds: docs/kernels.md, "Measured choices").
+// (alternating builds: docs/performance/kernels.md, "Measured choices").
 constexpr int KC = 8192;
 
 template <int NT, bool PF>
@@ -79,7 +79,7 @@ __attribute__((target("avx512f,avx512dq"))) void reduce(const float* acc, int nt
 
 // ---- AVX2 ----
 // Tried and dropped: widening each block of weight rows once per K chunk into an L1 buffer so the
-// prefill inner loop is loads and FMAs only: slower (docs/kernels.md, "Measured choices").
+// prefill inner loop is loads and FMAs only: slower (docs/performance/kernels.md, "Measured choices").
 constexpr int TB2 = 2;  // RB*TB2 accumulators + 2*TB2 activations + the converted row: 15 of the 16 ymm
 
 template <int NT, bool PF>
@@ -144,7 +144,7 @@ __attribute__((target("avx2"))) void widen_row(const uint16_t* x, int Kp, float*
 // One token on AVX2: the task's rows cut into RB runs, one row of each in flight, no software prefetch. A row alone
 // is latency-bound (two dependent FMAs a 16 weights); the tile's RB neighbouring rows are four streams that hop a
 // row block at a time and need prefetching; RB runs are four sequential streams the hardware prefetcher follows
-// (docs/kernels.md, "AVX2 bf16 at one token: four runs"). The tile itself with its rows a run apart: the same bits.
+// (docs/performance/kernels.md, "AVX2 bf16 at one token: four runs"). The tile itself with its rows a run apart: the same bits.
 void rows1_avx2(int Kp, const uint16_t* We, int r0, int r1, const float* x, float* Y) {
   const int m = (r1 - r0) / RB;
   alignas(32) float acc[RB * 8];
@@ -194,7 +194,7 @@ void rows_avx2(int Kp, const uint16_t* We, size_t pf, int r0, int r1, const uint
 }
 
 // One token: a row at a time, so that a task's rows are one sequential stream (the 4-row tile reads four streams
-// a row apart: 8-27% slower, docs/kernels.md). Each row's one chain of K and the 4 rows' reduce4 are the tile's, so
+// a row apart: 8-27% slower, docs/performance/kernels.md). Each row's one chain of K and the 4 rows' reduce4 are the tile's, so
 // one token's sums are bit for bit those of a token among several; the next row's chain overlaps the last one's.
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void rows1_bf16_avx512(const uint16_t* We, int Kp, int r0,
                                                                                         int r1, const uint16_t* X,

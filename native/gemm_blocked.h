@@ -6,7 +6,7 @@
 // by group, 16 rows each. So one vpdpbusd multiplies 16 rows by one broadcast 4-byte chunk of the activations, a
 // group's chunks sum in int32 per row, and one FMA applies the 16 rows' scales (a vector load): about half the
 // instructions per weight byte of the row-major layout (per 64 weights: two dot products each widened and scaled
-// apart, the scales permuted into lanes), which on 2 cores was compute-bound (docs/kernels.md). Each row's result
+// apart, the scales permuted into lanes), which on 2 cores was compute-bound (docs/performance/kernels.md). Each row's result
 // ends in its own lane: no reduction.
 //
 // Weights enter the dot products as u8 and activations as s8 (the callers' u8 = x + 128, flipped once per
@@ -35,7 +35,7 @@
 // the (sc, sc') pair, and (m, m') times the 16s' activation sums (within int16: 16 x 128), one vpdpwssd (AVX2:
 // vpmaddwd) each, in two int32 sums: per 256 two FMAs, d and -dmin (ggml's integers and order). q3k's sums go the same
 // way (its int8 sc pairs interleaved at load): with q6k's vpmulld per 16 instead, both were compute-bound further
-// below the DRAM probe (docs/kernels.md).
+// below the DRAM probe (docs/performance/kernels.md).
 //
 // q6k (GGUF's Q6_K as stored): 6-bit u (w = d sc (u - 32)), its low nibbles laid out as the nibble formats' and its
 // high 2 bits in 2 more vectors a 32. A 32's two chains of dot products are its two 16s (chunks 0-3, 4-7), each
@@ -625,7 +625,7 @@ template <class Dot, int MODE>
 constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && !k_mins(MODE) && !sub16(MODE);
 // AVX2 decode (one token) of a whole block's two halves at once, for the nibble formats on vpmaddubsw (int4,
 // int4g32, uint4g32, mxfp4): each broadcast activation chunk serves both halves' 8 rows, half the broadcasts
-// of two mk256 calls (on a Zen 1 the 256-bit path is instruction-bound, docs/kernels.md). The same integer sums
+// of two mk256 calls (on a Zen 1 the 256-bit path is instruction-bound, docs/performance/kernels.md). The same integer sums
 // as mk256's (reordered, exact), the same float steps: bit for bit its result. C [16].
 template <class Dot, int MODE>
 inline void mk256_pair(const uint8_t* W, const ScaleT<MODE>* S, size_t moff, const int8_t* X, const int32_t* XC,
@@ -711,7 +711,7 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
 
 // AVX-512 at one token: a block's whole stream at a time, without software prefetch (the hardware prefetcher
 // follows one sequential stream a task best; two blocks side by side, prefetching 32 KiB ahead, were 4-17% slower),
-// except q5k's and q6k's (their bit vectors make more work a byte: prefetching is 3-4% faster there, docs/kernels.md)
+// except q5k's and q6k's (their bit vectors make more work a byte: prefetching is 3-4% faster there, docs/performance/kernels.md)
 template <int MODE>
 constexpr bool decode_prefetch = MODE == Q5K || MODE == Q6K;
 // AVX-512's unit is one block -> 1, C [nt, 16]

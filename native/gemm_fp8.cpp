@@ -272,7 +272,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx512bf16"))) void 
   with_tokens<INLINE_SLOTS>(nt, [&](auto NT) { mk512<decltype(NT)::value>(W, ldw, pf, nr, X, Kp, C); });
 }
 // One token on AVX-512: a row at a time (one stream a task, as the bf16 format's rows1; 10% less time than the tiles
-// on a Zen 4, docs/kernels.md), each row's chain and the 4 rows' reduce4 the tile's (mk512), so the same bits as a
+// on a Zen 4, docs/performance/kernels.md), each row's chain and the 4 rows' reduce4 the tile's (mk512), so the same bits as a
 // token among a few
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx512bf16"))) void rows1_avx512(const uint8_t* W, int Kp,
                                                                                              int n, const float* xv,

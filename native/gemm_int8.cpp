@@ -116,7 +116,7 @@ MOE_YMM_ENTRY("avx2,fma") void rows1_avx2(const Matrix& m, int e, int r0, int r1
 }
 
 // the same on zmm (AVX-512 VNNI; also AMX's decode): activations u8 = q + 128, so the row's rowsum comes off as in
-// the tiles (the same integers, the same bits); measured in docs/kernels.md
+// the tiles (the same integers, the same bits); measured in docs/performance/kernels.md
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows1_avx512(const Matrix& m, int e, int r0, int r1,
                                                                         const Acts& x, float* Y) {
   const int8_t* We = static_cast<const int8_t*>(m.w) + size_t(e) * m.rows * m.Kp;

@@ -32,7 +32,7 @@ void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, f
   }
   // Decode (a few rows of tokens): equal tasks, a whole number a thread, each at most 2 task_bytes of weights (about
   // task_bytes a task left q/k/v's 5.9 MB of int4 as 5 tasks for 2 threads, the last streamed by one alone: int4 at
-  // one token 5% faster this way, int8 2%, bf16 1%; docs/kernels.md). Prefill: about task_bytes a task, but at
+  // one token 5% faster this way, int8 2%, bf16 1%; docs/performance/kernels.md). Prefill: about task_bytes a task, but at
   // least two a thread where the rows allow (a k or v projection of 512 rows is one task's worth: one thread would
   // stream it alone), for the balance between threads that other work on the cores slows.
   const int n = int(tp.size());

@@ -2,7 +2,7 @@
 // heads' output o[h] = o_lat[h] W_uv[h]^T, per head a small matrix-vector product over kv_b_proj's weight
 // ([nh * (dn + dv), r], bf16 or fp32, read where it lies). torch runs these as batched matmuls ("einsum") whose
 // per-head setup and, for a bf16 weight, its upcast cost several times reading the 16-32 MB a layer
-// (docs/decode_step.md, "MLA"). fp32 sums; plain loops the compiler vectorizes per width (vec_builds.h),
+// (docs/performance/decode_step.md, "MLA"). fp32 sums; plain loops the compiler vectorizes per width (vec_builds.h),
 // lane-wise (each output its own fixed order), so every build gives the same bits. Threads over heads.
 #include <algorithm>
 #include <cstdint>

@@ -1,6 +1,6 @@
 // RMSNorm and rotary embeddings for a decode step's few rows, with torch's rounding: what the GPU
 // service's layers do in torch (gpu_service/layers.py rms_norm, apply_rope) in one call each instead
-// of 7-8 torch ops, whose dispatch costs far more than the arithmetic (docs/decode_step.md). Plain
+// of 7-8 torch ops, whose dispatch costs far more than the arithmetic (docs/performance/decode_step.md). Plain
 // loops the compiler vectorizes, built per vector width (vec_builds.h): a few thousand elements a call; no
 // threads. fp-contract off: torch rounds each product before the sum.
 #include <cmath>

@@ -1,6 +1,6 @@
 // One elementwise function built for AVX-512, AVX2 and the baseline, chosen at run time. The extension is built
 // for baseline x86-64 (setup.py), where bf16 conversions and roundings stay scalar; at decode these loops run a
-// few thousand elements a call, a layer, a token (perf at 48 layers: docs/decode_step.md). The function given
+// few thousand elements a call, a layer, a token (perf at 48 layers: docs/performance/decode_step.md). The function given
 // must be always_inline and carry optimize("fp-contract=off") (GCC inlines only across equal optimize
 // attributes); its loops lane-wise with nothing reassociated, so every build gives the same bits.
 #pragma once

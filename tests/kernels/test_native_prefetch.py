@@ -1,7 +1,7 @@
 """The built extension still holds the prefetch instructions its kernels' sources ask for.
 
 GCC 12 deleted every _mm_prefetch of the paged decode-attention kernels (the address came through a block-table
-read in the loop) without a warning; the bits stayed right and only cold-cache timings showed it (docs/kernels.md,
+read in the loop) without a warning; the bits stayed right and only cold-cache timings showed it (docs/performance/kernels.md,
 "The paged path's prefetches were never there"). No numeric test can see that, so this one reads the binary:
 objdump's disassembly of moe_kernels/_native, prefetch instructions counted per function. It does not depend on
 the CPU running it (every ISA's kernels are in the binary, chosen at run time)."""
