@@ -8,7 +8,7 @@ them alike (on a shared 2-core box single runs drift by +-20%).
 
 A setting is PF_BYTES:TASK_KB. The first is the baseline; each line gives medians and the ratio
 to it (below 1 = faster). 0:1 is the earlier behaviour (prefetch the next 4-row block only, the
-minimum of 64 rows per task); 32768:1024 is the default (8192:1024 before 2026-12-04). With --isas, every setting runs on each
+minimum of 64 rows per task); 32768:1024 is the default. With --isas, every setting runs on each
 isa (the first isa's first setting is the baseline).
 """
 from __future__ import annotations

@@ -39,9 +39,8 @@ inline void row_streams(const T* base, size_t ld, int nr, const T* (&p)[R]) {
 
 // How the kernels stream weights, chosen by interleaved A/B runs (bench/bench_tuning.py; docs/performance/kernels.md):
 // software-prefetch this many bytes ahead in each row stream of the multi-token tiles, AVX2's one-token passes
-// and q5k/q6k (the hardware prefetcher stops at 4 KiB page ends; 32 KiB rather than 8 since 2026-12-04, chosen
-// on int4's one-token pair of blocks, which AVX-512 no longer runs: its one-token streams do not prefetch since
-// 2026-12-05, docs/performance/kernels.md), and cut work into tasks of about this many weight bytes (each task start is
+// and q5k/q6k (the hardware prefetcher stops at 4 KiB page ends; AVX-512's one-token streams do not prefetch: several
+// rows in flight hide the latency there), and cut work into tasks of about this many weight bytes (each task start is
 // a new stream that ramps up again; 64-row tasks cost int4 decode a third of its speed); decode attention fetches
 // up to this many bytes of a head's V into L2 while its scores read K (attention.cpp; half this core's L2, so
 // that the rows do not evict each other or K's stream before their use; 0: none).

@@ -32,9 +32,9 @@ constexpr long long CONTENDED_SPIN_NS = 20'000;
 constexpr long long YIELDING_SPIN_NS = 2'000'000;  // a yielding wait: the gap between two layers' hand-overs
 
 // A yielding wait whose yields keep coming straight back naps. Under EEVDF a yield only moves the yielder's
-// deadline: while the thread that wants this core has used more than its share, the yielder is picked again, and
-// in a split decode the GPU side's wait was measured holding 85-90% of a core the expert service's worker needed,
-// for 20-40 tokens at a time (docs/performance/decode_step.md). After YIELD_NAP_AFTER_NS of yields that came back within
+// deadline: while the thread that wants this core has used more than its share, the yielder is picked again, and a
+// split decode's GPU-side wait can hold most of the core the expert service's worker needs for tens of tokens at a
+// time (docs/performance/decode_step.md). After YIELD_NAP_AFTER_NS of yields that came back within
 // YIELD_BACK_NS, the wait sleeps up to YIELD_NAP_NS on its futex (the ring's doorbell wakes it at once).
 // MOE_YIELD_NAP_US overrides the first (0: never nap).
 constexpr long long YIELD_BACK_NS = 3'000;
