@@ -9,6 +9,7 @@ GenerateInput or ScoreInput; Admission checks it (BadRequest names the field) an
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from moe_core.errors import BadRequest
@@ -119,6 +120,7 @@ class Admission:
             if spec is not None:
                 raise BadRequest("tool_choice", f"{inp.tool_choice.mode!r} and a structured-output constraint "
                                  "cannot both shape the answer")
+            self._check_forced_tools(tools, inp.tool_choice)
             spec = ConstraintSpec("grammar", self.answers.forced_grammar(tools, inp.tool_choice, inp.parallel_tool_calls))
         around = self.answers.around(inp.tool_choice.forced, parser) if spec is not None and parser else ""
         if around:
@@ -127,12 +129,23 @@ class Admission:
             constraint = self.grammars.matcher(spec) if spec is not None else None
         except BadRequest as e:
             if inp.tool_choice.forced:  # the grammar is ours: what does not compile is a tool's schema
-                raise BadRequest("tools", f"a tool's parameters do not compile: {e.detail}") from None
+                raise BadRequest("tools", f"the tools' call grammar does not compile: {e.detail}") from None
             raise
         return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
                        ignore_eos=inp.ignore_eos, defer=defer, skip_deferred=inp.skip_deferred, profile=inp.profile,
                        logprobs=inp.logprobs, constraint=constraint, parser=parser,
                        constrain_reasoning=bool(around) or (inp.tool_choice.forced and self.answers.harmony))
+
+    def _check_forced_tools(self, tools: list[dict], choice) -> None:
+        """Each tool a forced call may take compiles and has a finite value alone: in the union of a required call
+        one tool's schema could otherwise fail only once the model picks it."""
+        for i, t in enumerate(tools):
+            if choice.mode == "required" or t["function"]["name"] == choice.name:
+                try:
+                    self.grammars.check(ConstraintSpec("json_schema", json.dumps(t["function"]["parameters"])))
+                except BadRequest as e:
+                    raise BadRequest(f"tools[{i}].function.parameters", e.detail.removeprefix("json_schema ")) from None
+
 
     def _tools(self, inp: GenerateInput) -> list[dict] | None:
         tools = check_tools(inp.tools) if inp.tools else None
@@ -197,6 +210,7 @@ class Admission:
                 raise BadRequest("chat_template_kwargs", "an object of template variables (not messages, "
                                  "add_generation_prompt, bos_token, eos_token or tools)")
             messages = [self._message(m, i) for i, m in enumerate(inp.messages)]
+            check_tool_results(inp.messages)
             try:
                 return self.text.render_chat(messages, limit, **kwargs, **({"tools": tools} if tools else {}))
             except PromptTooLong:
@@ -216,3 +230,24 @@ class Admission:
             if m.get(key):
                 out[key] = m[key]
         return out
+
+
+def check_tool_results(messages: list[dict]) -> None:
+    """Each tool message answers a call of the assistant message before it, by that call's id (OpenAI's rule): a
+    result without an id, or with no call to answer, is refused rather than rendered as a stray turn."""
+    calls: set[str] | None = None  # the ids of the latest assistant turn's calls; None before any call
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            calls = {str(c.get("id")) for c in m.get("tool_calls") or () if isinstance(c, dict) and c.get("id")} \
+                if m.get("tool_calls") else None
+        elif m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise BadRequest(f"messages[{i}].tool_call_id", "a tool message needs the id of the call it answers")
+            if calls is None:
+                raise BadRequest(f"messages[{i}]", "a tool message must follow an assistant message with tool_calls")
+            if calls and m["tool_call_id"] not in calls:
+                raise BadRequest(f"messages[{i}].tool_call_id", f"{m['tool_call_id']!r} names no call of the "
+                                 f"assistant message before it ({', '.join(sorted(calls))})")
+        elif m["role"] != "system":
+            calls = None
+

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import threading
 
 import llguidance
@@ -25,9 +26,15 @@ from moe_core.errors import BadRequest
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 256 << 10  # a schema, regex or grammar longer than this is refused before it is compiled
 MAX_CHOICES = 1024
-# the parser's resource bounds (llguidance's defaults, the grammar size tightened): a constraint that needs more
-# is refused at admission, or ends its request, never stalls the engine
-LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000)
+# the parser's resource bounds (llguidance's defaults, the grammar size and the first mask's lexer fuel tightened): a
+# constraint that needs more is refused at admission, or ends its request, never stalls the engine. The default
+# initial fuel let one nested counted repetition ("(x{1000}){1000}") spend ~1 s and ~250 MB on its first mask; a
+# tenth of it bounds that to tens of ms with the same masks for ordinary schemas (llguidance then builds the
+# lexer lazily)
+LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=100_000)
+# a regex whose nested counted repetitions expand past this many positions is refused before it is compiled: its
+# lexer's states grow with the product of the counts (one level, "[a-z]{1,10000}", is cheap)
+MAX_REGEX_POSITIONS = 100_000
 # compact JSON: whitespace is not free, so a schema with bounded values always ends (no unbounded runs of spaces)
 JSON_OPTIONS = {"whitespace_flexible": False}
 CACHED_GRAMMARS = 256
@@ -47,12 +54,71 @@ class ConstraintSpec:
         return ConstraintSpec("choice", json.dumps(list(options)))
 
 
+def first_line(error: str, limit: int = 200) -> str:
+    """llguidance's error without the parser state it appends (token state, statistics, the grammar): what a client
+    may be told."""
+    line = error.strip().split("\n", 1)[0].strip()
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def regex_positions(rx: str) -> int:
+    """How many positions a regex expands to when its counted repetitions are written out (Python's parser: the
+    syntax llguidance shares with it); 0 where Python cannot parse it (llguidance judges those alone)."""
+    try:
+        import re._parser as parser  # CPython's own; only constrained requests pay for the import
+        tree = parser.parse(rx)
+    except Exception:
+        return 0
+
+    def size(seq) -> int:
+        total = 0
+        for op, av in seq:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                lo, hi, sub = av
+                total += size(sub) * max(1, lo if hi == parser.MAXREPEAT else hi)
+            elif name == "SUBPATTERN":
+                total += size(av[-1])
+            elif name == "BRANCH":
+                total += max(size(b) for b in av[1])
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                total += size(av[1])
+            else:
+                total += 1
+        return total
+    return size(tree)
+
+
+def _regexes(spec: ConstraintSpec) -> list[str]:
+    """The regexes a spec hands the lexer: the regex itself, a JSON schema's patterns, a grammar's /.../ terminals."""
+    if spec.kind == "regex":
+        return [spec.value]
+    if spec.kind == "grammar":
+        return re.findall(r"/((?:[^/\\\n]|\\.)+)/", spec.value)
+    if spec.kind != "json_schema":
+        return []
+    found, todo = [], [json.loads(spec.value)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.append(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                found += [k for k in node["patternProperties"] if isinstance(k, str)]
+            todo += node.values()
+        elif isinstance(node, list):
+            todo += node
+    return found
+
+
 def _grammar_text(spec: ConstraintSpec) -> str:
     """The llguidance grammar of a spec (not validated yet); BadRequest for what is malformed on its face."""
     if spec.kind not in KINDS:
         raise BadRequest("constraint", f"unknown kind {spec.kind!r} (one of {', '.join(KINDS)})")
     if len(spec.value) > MAX_SPEC_CHARS:
         raise BadRequest("constraint", f"{spec.kind} of {len(spec.value)} characters; at most {MAX_SPEC_CHARS}")
+    for rx in _regexes(spec) if spec.kind in ("regex", "grammar") else ():
+        _check_regex(spec.kind, rx)
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
     if spec.kind == "json_schema":
@@ -62,6 +128,8 @@ def _grammar_text(spec: ConstraintSpec) -> str:
             raise BadRequest("constraint", f"json_schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise BadRequest("constraint", "json_schema must be a JSON object")
+        for rx in _regexes(spec):
+            _check_regex("json_schema pattern", rx)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
         except ValueError as e:
@@ -77,6 +145,13 @@ def _grammar_text(spec: ConstraintSpec) -> str:
         return llguidance.grammar_from("grammar", spec.value)  # Lark, or GBNF converted to Lark
     except ValueError as e:
         raise BadRequest("constraint", f"grammar: {e}") from None
+
+
+def _check_regex(what: str, rx: str) -> None:
+    n = regex_positions(rx)
+    if n > MAX_REGEX_POSITIONS:
+        raise BadRequest("constraint", f"{what} {rx[:80]!r} expands to {n} positions through nested counted "
+                         f"repetition; at most {MAX_REGEX_POSITIONS}")
 
 
 def nest(outer: str, grammar: str) -> str:
@@ -113,13 +188,27 @@ class Grammars:
             return self._tokenizer
 
     def _check(self, spec: ConstraintSpec) -> str:
-        grammar = _grammar_text(spec)
-        if spec.within:
-            grammar = nest(spec.within, grammar)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=LIMITS)
-        if error:
-            raise BadRequest("constraint", f"{spec.kind} does not compile: {error.strip()}")
+        """The spec's grammar, compiled and its first mask computed (under LIMITS, off the GIL): what would fail at
+        the answer's first token (a schema with no finite value: "$ref": "#", a cycle of $defs) fails here."""
+        answer = _grammar_text(spec)
+        grammar = nest(spec.within, answer) if spec.within else answer
+        for g in (answer, grammar) if spec.within else (grammar,):  # the answer alone: its first token comes later
+            error = llguidance.LLMatcher.validate_grammar(g, self.tokenizer, limits=LIMITS)
+            if error:
+                raise BadRequest("constraint", f"{spec.kind} does not compile: {first_line(error)}")
+            m = llguidance.LLMatcher(self.tokenizer, g, log_level=0, limits=LIMITS)
+            bits = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+            executor().unsafe_compute_mask_ptr([(m, 0)], bits.ctypes.data, bits.shape[1] * 4, 1)
+            if m.is_error():
+                raise BadRequest("constraint", f"{spec.kind} admits no answer: {first_line(m.get_error())} (a "
+                                 "schema whose references never end, such as \"$ref\": \"#\", has no finite value)")
+            if not bits.any():
+                raise BadRequest("constraint", f"{spec.kind} admits no answer: no token can start one")
         return grammar
+
+    def check(self, spec: ConstraintSpec) -> None:
+        """BadRequest (field "constraint") when spec would not run; cached as matcher()'s compilation is."""
+        self._checked(spec)
 
     def matcher(self, spec: ConstraintSpec) -> "Matcher":
         """A fresh matcher for one request; BadRequest (field "constraint") names what is wrong with spec. Takes
@@ -132,18 +221,23 @@ _executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()
 
 
-def mask_rows(matchers: list["Matcher"], logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, vocab] of B requests with their matchers -> a copy with every token a request's grammar forbids
-    at -inf: the masks computed in parallel (llguidance's executor, off the GIL) and applied in one operation (one
-    copy to the logits' device). A matcher that fails here is in error afterwards (Matcher.error)."""
+def executor() -> llguidance.LLExecutor:
+    """llguidance's pool that computes masks off the GIL (made on first use)."""
     global _executor
     with _executor_lock:
         if _executor is None:
             _executor = llguidance.LLExecutor()
+        return _executor
+
+
+def mask_rows(matchers: list["Matcher"], logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, vocab] of B requests with their matchers -> a copy with every token a request's grammar forbids
+    at -inf: the masks computed in parallel (llguidance's executor, off the GIL) and applied in one operation (one
+    copy to the logits' device). A matcher that fails here is in error afterwards (Matcher.error)."""
     B, V = logits.shape
     bits = np.zeros((B, (V + 31) // 32), dtype=np.int32)  # bit i of word w: token 32 w + i
     # what llguidance.torch.fill_next_token_bitmask_par does (without importing its torch.compile'd helpers)
-    _executor.unsafe_compute_mask_ptr([(m.m, i) for i, m in enumerate(matchers)], bits.ctypes.data, bits.shape[1] * 4, B)
+    executor().unsafe_compute_mask_ptr([(m.m, i) for i, m in enumerate(matchers)], bits.ctypes.data, bits.shape[1] * 4, B)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=V, bitorder="little").view(np.bool_)
     return torch.where(torch.from_numpy(allowed).to(logits.device), logits, float("-inf"))
 
@@ -166,11 +260,11 @@ class Matcher:
 
     @property
     def error(self) -> str | None:
-        return self.m.get_error() if self.m.is_error() else None
+        return first_line(self.m.get_error()) if self.m.is_error() else None
 
     def consume(self, token: int) -> None:
         if not self.m.consume_token(token):
-            raise RuntimeError(f"structured output: the grammar refused token {token}: {self.m.get_error()}")
+            raise RuntimeError(f"structured output: the grammar refused token {token}: {first_line(self.m.get_error())}")
 
     @property
     def done(self) -> bool:

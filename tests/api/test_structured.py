@@ -3,7 +3,9 @@ family and through both APIs, and ends by itself when the schema's values are bo
 400 / INVALID_ARGUMENT naming it, never a 500."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 import queue
 import re
 
@@ -18,7 +20,7 @@ from gpu_service.constraints import MAX_SPEC_CHARS, ConstraintSpec, Grammars
 from gpu_service.engine import Failure
 from gpu_service.sampling import SamplingParams
 from gpu_service.text import TextCodec
-from harness import ROOT, Services, free_port, greedy_request, local_engine
+from harness import ROOT, Services, free_port, greedy_request, local_engine, status_mib
 from moe_core.config import load_config
 from moe_core.errors import BadRequest
 from protos import generate_pb2
@@ -217,3 +219,81 @@ def test_a_padded_vocabulary_and_foreign_eos_ids(grammars):
     m = g.matcher(ConstraintSpec.choice(CHOICES))
     allowed = m.allowed()
     assert allowed.numel() == 151936 and not allowed[4096:].any() and allowed.any()
+
+
+# -- hostile constraints: refused at admission, bounded, the service unaffected ------------------------------------
+SELF_REF = {"$ref": "#"}
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+BOMB = "(x{1000}){1000}"
+NO_STATE = ("<state>", "Parser:", "compute_time_us", "Tokens:")  # llguidance's state dump, never in a reply
+
+
+@pytest.mark.parametrize("spec", [ConstraintSpec("json_schema", json.dumps(SELF_REF)),
+                                  ConstraintSpec("json_schema", json.dumps(CYCLE)),
+                                  ConstraintSpec("regex", BOMB),
+                                  ConstraintSpec("json_schema", json.dumps({"type": "string", "pattern": BOMB})),
+                                  ConstraintSpec("grammar", f"start: /{BOMB}/")])
+def test_specs_without_a_bounded_answer_are_refused_when_compiled(grammars, spec):
+    with pytest.raises(BadRequest) as e:
+        grammars.matcher(spec)
+    assert e.value.field == "constraint" and not any(s in str(e.value) for s in NO_STATE), str(e.value)
+
+
+def test_a_recursive_schema_with_a_way_out_is_served(grammars):
+    tree = {"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"},
+                                                                      "maxItems": 2}}}}, "$ref": "#/$defs/n"}
+    assert grammars.matcher(ConstraintSpec("json_schema", json.dumps(tree))).allowed().any()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REF}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": CYCLE}}}, "response_format"),
+    ({"structured_outputs": {"json": CYCLE}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": BOMB}}, "structured_outputs"),
+])
+def test_constraints_without_a_bounded_answer_are_400s_naming_the_field(svc, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        http(svc).chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=8, extra_body=body)
+    assert e.value.body["param"] == param, e.value.body
+    assert not any(s in e.value.body["message"] for s in NO_STATE), e.value.body["message"]
+
+
+def test_constraints_without_a_bounded_answer_are_invalid_argument_on_grpc(svc):
+    for c in (generate_pb2.Constraint(json_schema=json.dumps(SELF_REF)), generate_pb2.Constraint(regex=BOMB)):
+        with pytest.raises(grpc.RpcError) as e:
+            list(svc.stub.Generate(greedy_request("x", 8, constraint=c), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.value.details()
+        assert not any(s in e.value.details() for s in NO_STATE)
+
+
+def test_lexer_bombs_leave_a_running_stream_and_the_memory_alone(svc):
+    """20 lexer-bomb requests while a greedy stream runs: each a 400, the stream's largest gap between chunks within
+    100 ms of its largest gap alone (a liveness bound: the bombs never reach the engine thread), the GPU service's
+    RSS within 10% of what it was."""
+    def gaps() -> tuple[list[int], float]:
+        ids, last, worst = [], time.monotonic(), 0.0
+        for ch in svc.stub.Generate(greedy_request("def f(x):", 200), timeout=120):
+            now = time.monotonic()
+            worst, last = max(worst, now - last), now
+            ids += ch.token_ids
+        return ids, worst
+
+    alone_ids, alone = gaps()
+    rss = status_mib(svc.gpu.pid)
+    client = http(svc)
+
+    def bomb(i: int) -> str:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="default", prompt="x", max_tokens=4,
+                                      extra_body={"structured_outputs": {"regex": BOMB.replace("x", "xy"[i % 2])}})
+        return e.value.body["param"]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        stream = ex.submit(gaps)
+        params = list(ex.map(bomb, range(20)))
+        ids, worst = stream.result()
+    assert set(params) == {"structured_outputs"}
+    assert ids == alone_ids
+    assert worst <= alone + 0.1, (worst, alone)
+    assert status_mib(svc.gpu.pid) <= rss * 1.1

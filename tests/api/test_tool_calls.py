@@ -293,7 +293,20 @@ def test_tool_requests_are_checked(codecs):
     refused("tools", prompt="hi", messages=None, tools=TOOLS)
     bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
                                                                                  {"x": {"type": "no-such-type"}}}}}]
-    refused("tools", tools=bad_schema, tool_choice=ToolChoice("required"))
+    refused("tools[0].function.parameters", tools=bad_schema, tool_choice=ToolChoice("required"))
+    # tool results answer the assistant turn's calls by id, as OpenAI requires
+    called = chat + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "function": {"name": "get_time", "arguments": "{}"}}]}]
+    refused("messages[1].tool_call_id", messages=chat + [{"role": "tool", "content": "12:00"}], tools=TOOLS)
+    refused("messages[1]", messages=chat + [{"role": "tool", "tool_call_id": "c1", "content": "12:00"}], tools=TOOLS)
+    refused("messages[2].tool_call_id", messages=called + [{"role": "tool", "content": "12:00"}], tools=TOOLS)
+    assert "'c2' names no call" in refused("messages[2].tool_call_id", tools=TOOLS,
+                                           messages=called + [{"role": "tool", "tool_call_id": "c2", "content": "x"}])
+    refused("messages[4]", tools=TOOLS, messages=called + [{"role": "tool", "tool_call_id": "c1", "content": "x"},
+                                                          {"role": "user", "content": "and?"},
+                                                          {"role": "tool", "tool_call_id": "c1", "content": "x"}])
+    adm.generate(GenerateInput(messages=called + [{"role": "tool", "tool_call_id": "c1", "content": "12:00"}],
+                               tools=TOOLS), lambda ev: None)
     refused("tool_choice", tools=TOOLS, tool_choice=ToolChoice("required"), constraint=ConstraintSpec("json_object"))
     refused("messages", messages=chat + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "1", "function": {"name": "get_time", "arguments": "{not json"}}]}], tools=TOOLS)
@@ -405,6 +418,10 @@ def test_a_tool_loop_with_the_openai_client(servers, syntax):
     assert last.usage.prompt_tokens == r3.usage.prompt_tokens
 
 
+def fn(name: str, params: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
 def test_bad_tool_requests_are_400s(servers):
     client, stub = servers("hermes")
     for kw, param in [(dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
@@ -417,10 +434,34 @@ def test_bad_tool_requests_are_400s(servers):
         assert e.value.body["param"] == param, (kw, e.value.body)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="m", prompt="x", max_tokens=4, extra_body={"tools": TOOLS})
+    # a forced call whose schema has no finite value: refused at admission, naming the tool (never a 500 later)
+    loop, cycle = {"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    for tools, choice, param in [([*TOOLS, fn("loop", loop)], "required", f"tools[{len(TOOLS)}].function.parameters"),
+                                 ([fn("cycle", cycle)], {"type": "function", "function": {"name": "cycle"}},
+                                  "tools[0].function.parameters")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=USER, max_tokens=4, tools=tools, tool_choice=choice)
+        assert e.value.body["param"] == param and "<state>" not in e.value.body["message"], e.value.body
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(generate_pb2.GenerateRequest(
+            chat=generate_pb2.Chat(messages=[generate_pb2.ChatMessage(role="user", content="x")]), max_tokens=4,
+            tools=[generate_pb2.Tool(name="loop", parameters=json.dumps(loop))],
+            tool_choice=generate_pb2.ToolChoice(mode="required")), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools[0].function.parameters" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(generate_pb2.GenerateRequest(
             chat=generate_pb2.Chat(messages=[generate_pb2.ChatMessage(role="user", content="x")]), max_tokens=4,
             tools=[generate_pb2.Tool(name="f", parameters="{not json")]), timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools" in e.value.details()
+    # a tool result that answers no call: OpenAI's 400, and INVALID_ARGUMENT on gRPC
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", max_tokens=4, tools=TOOLS,
+                                       messages=USER + [{"role": "tool", "tool_call_id": "c1", "content": "x"}])
+    assert e.value.body["param"] == "messages[1]", e.value.body
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(generate_pb2.GenerateRequest(chat=generate_pb2.Chat(messages=[
+            generate_pb2.ChatMessage(role="user", content="x"), generate_pb2.ChatMessage(role="tool", content="y")]),
+            max_tokens=4), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages[1].tool_call_id" in e.value.details()
     # and it still serves
     assert client.chat.completions.create(model="m", messages=USER, max_tokens=2).choices[0].finish_reason
