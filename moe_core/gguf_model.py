@@ -25,6 +25,7 @@ import shutil
 import numpy as np
 import torch
 
+from . import gguf_check
 from .config import ModelConfigError
 
 MARKER = "gguf.json"
@@ -305,6 +306,7 @@ def _reader(path: pathlib.Path):
         from gguf import GGUFReader
     except ImportError as e:  # a dependency; this says what to install where it is missing
         raise ModelConfigError(f"reading {path} needs the gguf package (pip install gguf): {e}") from None
+    gguf_check.check(path)  # every count, length and extent against the file, before the reader trusts them
     try:
         return GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001  (a truncated or foreign file: the reader's own error says why)

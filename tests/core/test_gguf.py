@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import gguf_blocks
 import tiny_models
-from harness import free_port, greedy, start
+from harness import free_port, greedy, refused_at_start, start
 from moe_core import codec
 from protos import generate_pb2
 from tiers import some
@@ -422,6 +422,30 @@ def test_other_gguf_architectures_are_refused_by_name(source, tmp_path, monkeypa
     assert p.wait(120) == 2
     text = log.read_text()
     assert "GGUF architecture 'gemma3' is not supported yet" in text and "Traceback" not in text, text
+
+
+def retyped(f: pathlib.Path, name: str, qtype) -> pathlib.Path:
+    """f with one tensor's type field rewritten in place (its bytes left as they are)."""
+    r = gguf.GGUFReader(str(f))
+    field = next(t.field for t in r.tensors if t.name == name)
+    at = field.offset + sum(p.nbytes for p in field.parts[:4])  # name length, name, n_dims, dims: then the type
+    b = bytearray(f.read_bytes())
+    b[at:at + 4] = int(qtype).to_bytes(4, "little")
+    f.write_bytes(bytes(b))
+    return f
+
+
+@pytest.mark.parametrize("name, qtype", [("blk.0.attn_q.weight", gguf.GGMLQuantizationType.F16),  # F32: fewer bytes
+                                         ("blk.1.ffn_up_exps.weight", gguf.GGMLQuantizationType.F32),  # Q8_0: more
+                                         ("blk.1.ffn_down_exps.weight", gguf.GGMLQuantizationType.Q4_0)])
+def test_a_retyped_tensor_is_refused_at_start_by_both_services(source, tmp_path, monkeypatch, name, qtype):
+    """A tensor's type changed so that its bytes still lie in the file (more of them, or fewer): both services
+    refuse the file at start naming the tensor, instead of serving what its bytes read as."""
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    f = retyped(write_gguf(source, tmp_path / "retyped.gguf", gguf.GGMLQuantizationType.Q8_0), name, qtype)
+    for module, extra in (("expert_service", ()), ("gpu_service", ("--experts", "127.0.0.1:1"))):
+        err = refused_at_start(module, "--model", str(f), "--listen", f"127.0.0.1:{free_port()}", *extra, timeout=60)
+        assert f"tensor {name} ({qtype.name}" in err and "Traceback" not in err, err[-2000:]
 
 
 # -- the other families: Qwen2-MoE, Mixtral (a llama file with experts), DeepSeek V2 and V3 with both MLA layouts --
