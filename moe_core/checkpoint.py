@@ -13,16 +13,20 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
+from . import safetensors_check
 from .config import ModelConfigError, fp8_block, text_prefix
 from .int4_checkpoints import int4_scheme, stored_parts, unpack
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"
+# a routed expert's weight as transformers names it one expert at a time (fused experts are other names)
+EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(gate|up|down|w1|w2|w3)(_proj)?\.weight$")
 
 
 def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -55,6 +59,7 @@ class Checkpoint:
                 raise ModelConfigError(f"no *.safetensors files in {self.dir}")
             weight_map = {}
             for f in files:
+                safetensors_check.check(f)
                 with safe_open(f, framework="pt") as h:
                     weight_map.update({k: f.name for k in h.keys()})
         cfg = self.dir / "config.json"
@@ -78,12 +83,31 @@ class Checkpoint:
             self.packed = {k[: -len(first)] + ".weight": k[: -len(first)] for k in weight_map if k.endswith(first)}
         self._handles: dict[str, object] = {}
         self._stack = contextlib.ExitStack()
+        self._check_quantization_claim(raw.get("quantization_config") or {} if raw else {})
+
+    def _check_quantization_claim(self, q: dict) -> None:
+        """A checkpoint whose config claims a quantization its tensors do not have is refused: served, its plain
+        weights would be requantized or read as what they are not."""
+        experts = [n for n in self.weight_map if EXPERT_WEIGHT.search(n)]
+        if self.int4 is not None:
+            plain = experts[:3]
+            if plain or not self.packed:
+                parts = ", ".join(p.lstrip("?") for p in stored_parts(self.int4))
+                example = plain[0][: -len(".weight")] if plain else "a linear layer"
+                raise ModelConfigError(
+                    f"{self.dir}: config.json's quantization_config claims {self.int4.method}, but "
+                    f"{'its routed experts are stored as plain weights (' + ', '.join(plain) + ')' if plain else 'no tensor is stored as one'}"
+                    f": {example}.{{{parts}}} are missing")
+        if self.fp8_block is not None and not any(n.endswith(SCALE_SUFFIX) for n in self.weight_map):
+            raise ModelConfigError(f"{self.dir}: config.json's quantization_config claims fp8, but no tensor has its "
+                                   f"{SCALE_SUFFIX} scales beside it ({(experts or sorted(self.weight_map))[0]} has none)")
 
     def _handle(self, fname: str):
         if fname not in self._handles:
             path = self.dir / fname
             if not path.exists():
                 raise ModelConfigError(f"shard {path} named in the index is missing")
+            safetensors_check.check(path)
             self._handles[fname] = self._stack.enter_context(safe_open(path, framework="pt"))
         return self._handles[fname]
 

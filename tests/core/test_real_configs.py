@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import struct
 
 import grpc
 import pytest
@@ -17,10 +18,11 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from harness import free_port, greedy, start
+from harness import free_port, greedy, refused_at_start, start
 from published import synth, synth_checkpoint
 from moe_core import codec
 from moe_core.checkpoint import Checkpoint, dequantize_fp8
+from moe_core.config import ModelConfigError
 from moe_kernels.packing import Mx4
 from protos import generate_pb2
 from tiers import some
@@ -164,3 +166,86 @@ def test_score_long_contexts_as_logprobs(tmp_path, services_factory):
     r = score(long, logprobs_only=True)
     assert len(r.token_logprobs) == len(long) - 1 and len(r.argmax_ids) == len(long)
     assert all(lp <= 0 for lp in r.token_logprobs)
+
+
+CLAIMS = {  # quantization_config -> what a checkpoint that has it must store, as the refusal names it
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
+             "claims gptq, but its routed experts are stored as plain weights"),
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+            "claims awq, but its routed experts are stored as plain weights"),
+    "compressed-tensors": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                       "strategy": "group", "group_size": 32}}}},
+        "claims compressed-tensors, but its routed experts are stored as plain weights"),
+    "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+            "claims fp8, but no tensor has its _scale_inv scales beside it"),
+}
+
+
+def claiming(src: pathlib.Path, d: pathlib.Path, qc: dict) -> pathlib.Path:
+    """src's plain weights under a config that claims qc."""
+    d.mkdir()
+    for f in src.iterdir():
+        (d / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    return d
+
+
+@pytest.mark.parametrize("method", list(CLAIMS))
+def test_a_quantization_its_tensors_do_not_have_is_refused(method, checkpoints, tmp_path):
+    qc, says = CLAIMS[method]
+    d = claiming(pathlib.Path(checkpoints["qwen3_moe"]), tmp_path / "q", qc)
+    with pytest.raises(ModelConfigError) as e:
+        Checkpoint(d)
+    assert says in str(e.value), e.value
+    if method != "fp8":  # the parts it lacks, by name
+        assert "model.layers.0.mlp.experts.0." in str(e.value) and "are missing" in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_quantization_claim_is_refused_at_start_by_both_services(checkpoints, tmp_path):
+    qc, says = CLAIMS["gptq"]
+    d = claiming(pathlib.Path(checkpoints["qwen3_moe"]), tmp_path / "q", qc)
+    for module, extra in (("expert_service", ()), ("gpu_service", ("--experts", f"127.0.0.1:{free_port()}"))):
+        err = refused_at_start(module, "--model", str(d), "--listen", f"127.0.0.1:{free_port()}", *extra)
+        assert says in err and "qweight" in err and "Traceback" not in err, err[-2000:]
+
+
+def header_damaged(src: pathlib.Path, out: pathlib.Path, change) -> pathlib.Path:
+    """src's one safetensors file with its header changed by change(header dict) (and re-padded)."""
+    raw = (src / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).symlink_to(f)
+    (out / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    return out
+
+
+def first_expert(h: dict) -> dict:
+    return h[next(k for k in sorted(h) if ".experts.0.down_proj" in k)]
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda h: first_expert(h).update(dtype="F64"), "is {} bytes, but its data_offsets hold"),
+    (lambda h: first_expert(h).update(dtype="F16"), "is {} bytes, but its data_offsets hold"),
+    (lambda h: first_expert(h).update(dtype="Q4"), "unknown dtype 'Q4'"),
+    (lambda h: first_expert(h).update(data_offsets=[0, first_expert(h)["data_offsets"][1] - first_expert(h)["data_offsets"][0]]),
+     "overlaps tensor"),
+    (lambda h: first_expert(h).update(data_offsets=[2 ** 62, 2 ** 62 + 4]), "runs past the"),
+    (lambda h: first_expert(h).update(shape=[-1, 4]), "is not a list of sizes"),
+])
+def test_a_damaged_safetensors_header_is_refused_naming_the_tensor(checkpoints, tmp_path, change, says):
+    src = pathlib.Path(checkpoints["qwen3_moe"])
+    d = header_damaged(src, tmp_path / "bad", change)
+    with pytest.raises(ModelConfigError) as e:
+        Checkpoint(d)
+    assert "tensor model.layers.0.mlp.experts.0.down_proj.weight" in str(e.value), e.value
+    assert says.split("{}")[-1] in str(e.value), e.value
