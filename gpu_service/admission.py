@@ -24,6 +24,7 @@ from .tools import ToolChoice, check_choice, check_tools, history_call
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024  # a stop string is matched against every text delta: keep it short
 ROLES = {"system", "user", "assistant", "tool"}
+MAX_CACHE_SALT = 1024
 
 
 @dataclasses.dataclass
@@ -47,6 +48,8 @@ class GenerateInput:
     tools: list[dict] | None = None  # offered to the model (chat): OpenAI's [{"type": "function", "function"}]
     tool_choice: ToolChoice = dataclasses.field(default_factory=ToolChoice)
     parallel_tool_calls: bool = True  # a forced call may be several
+    cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cache blocks
+    tenant: str = ""  # whose credentials sent it (security.ServerSecurity.tenant_of), set by the front end
 
 
 @dataclasses.dataclass
@@ -56,6 +59,8 @@ class ScoreInput:
     logprobs_only: bool = False
     defer: int = 0
     skip_deferred: bool = False
+    cache_salt: str = ""
+    tenant: str = ""
 
 
 def check_sampling(sp: SamplingParams) -> SamplingParams:
@@ -90,6 +95,7 @@ class Admission:
     eos_ids: tuple = ()
     grammars: Grammars | None = None  # built from text and eos_ids when not given
     answers: AnswerFormat | None = None  # how chat answers are taken apart; from the chat template when not given
+    prefix_scope: str = "tenant"  # tenant: each tenant its own prefix-cache namespace; global: tenants share blocks
 
     def __post_init__(self):
         if self.grammars is None:
@@ -132,6 +138,7 @@ class Admission:
                 raise BadRequest("tools", f"the tools' call grammar does not compile: {e.detail}") from None
             raise
         return Request(prompt_ids=ids, emit=emit, max_tokens=inp.max_tokens, sampling=sp, stop=list(inp.stop),
+                       cache_scope=self._cache_scope(inp),
                        ignore_eos=inp.ignore_eos, defer=defer, skip_deferred=inp.skip_deferred, profile=inp.profile,
                        logprobs=inp.logprobs, constraint=constraint, parser=parser,
                        constrain_reasoning=bool(around) or (inp.tool_choice.forced and self.answers.harmony))
@@ -164,7 +171,16 @@ class Admission:
             raise BadRequest("token_ids", f"{len(ids)} tokens exceed the context limit {self.max_context}",
                              "context_length_exceeded")
         return Request(prompt_ids=list(ids), emit=emit, score_only=True, logprobs_only=inp.logprobs_only,
-                       defer=self._defer(inp.defer), skip_deferred=inp.skip_deferred)
+                       defer=self._defer(inp.defer), skip_deferred=inp.skip_deferred,
+                       cache_scope=self._cache_scope(inp))
+
+    def _cache_scope(self, inp: GenerateInput | ScoreInput) -> tuple[str, str]:
+        """What, besides the tokens and the numbers' settings, a request's cached blocks are named by: its tenant
+        (unless --prefix-cache-scope global) and its cache_salt. Different scopes never share a block: a client
+        cannot learn from a hit what another sent."""
+        if not isinstance(inp.cache_salt, str) or len(inp.cache_salt) > MAX_CACHE_SALT:
+            raise BadRequest("cache_salt", f"a string of at most {MAX_CACHE_SALT} characters")
+        return (inp.tenant if self.prefix_scope == "tenant" else "", inp.cache_salt)
 
     def _defer(self, defer: int) -> int:
         if not 0 <= defer <= self.top_k - 1:

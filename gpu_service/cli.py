@@ -128,6 +128,10 @@ def parse_args(argv=None):
                          "the same tokens (a chat's next turn, a shared system prompt) computes only the rest "
                          "(gpu_service/prefix_cache.py); least recently used dropped first; 0 = off; default: all of "
                          "the pool (a cached block is evicted as soon as a request needs the room)")
+    ap.add_argument("--prefix-cache-scope", choices=("tenant", "global"), default="tenant",
+                    help="tenant: each tenant (--tenants-file) caches prefixes in its own namespace, so no client learns "
+                         "from a hit what another sent; global: tenants share cached blocks. Requests share blocks only "
+                         "with the same cache_salt either way")
     ap.add_argument("--prefix-cache-host-gb", type=float, default=0,
                     help="CUDA: GiB of pinned host memory that evicted cached KV blocks spill to and come back from "
                          "by copy (gpu_service/kv_pool.py); 0 = none. On the CPU path the pool is host memory already: "
@@ -140,6 +144,7 @@ def parse_args(argv=None):
     prefill_experts.add_args(ap)
     serving.add_server_args(ap)
     security.add_server_args(ap)
+    security.add_tenant_args(ap)
     security.add_client_args(ap, prefix="experts-", what="the expert service (the auth token is the same one)")
     return ap.parse_args(argv)
 
@@ -244,6 +249,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     prompt_bytes = prompt_bytes_limit(max_context, text)
     servicer = GenerateServicer(cfg, server_info, args.defer, args.max_tokens_limit, args.expert_wait,
                                 args.reasoning_parser, args.tool_call_parser)
+    servicer.tenant_of, servicer.prefix_scope = sec.tenant_of, args.prefix_cache_scope
     svc = await serving.start_service(
         sec, args.listen, serving.server_options(max_context * cfg.vocab_size * 4 + (1 << 20),
                                                  prompt_bytes + max_context * 6 + (1 << 20)),
@@ -255,7 +261,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     if args.http_listen:
         from . import openai_api
         # a JSON string spells a byte in up to 6 characters (\u00XX)
-        api = openai_api.Api(servicer, args.served_model_name or pathlib.Path(args.model).resolve().name, sec.token,
+        api = openai_api.Api(servicer, args.served_model_name or pathlib.Path(args.model).resolve().name, sec,
                              max_body=6 * prompt_bytes + (1 << 20))
         sec.warn_if_open(args.http_listen)
         try:

@@ -104,6 +104,7 @@ class Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     spans: list[Span] = dataclasses.field(default_factory=list)
+    cache_scope: tuple = ()  # (tenant, cache_salt): its prefix-cache namespace (Admission._cache_scope)
 
 
 class Engine:
@@ -514,8 +515,9 @@ def context_len(r: Request) -> int:
 
 
 def prefix_key(r: Request) -> tuple:
-    """What, besides the tokens, a request's keys and values depend on within one server."""
-    return (r.defer, r.skip_deferred)
+    """What, besides the tokens, names a request's cached blocks within one server: the deferral settings its keys
+    and values depend on, and the namespace it may share blocks in (tenant and cache_salt)."""
+    return (r.defer, r.skip_deferred, *r.cache_scope)
 
 
 def expert_spans(experts: Experts, step: int) -> list[Span]:

@@ -9,7 +9,6 @@ cancel a handler when its client disconnects (which frees the request's slot at 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -19,9 +18,10 @@ import uuid
 from aiohttp import web
 
 from moe_core.errors import BadRequest, Status
+from moe_core.security import ServerSecurity, presented_token
 
 from . import metrics
-from .admission import GenerateInput
+from .admission import MAX_CACHE_SALT, GenerateInput
 from .constraints import ConstraintSpec
 from .engine import Failure
 from .sampling import MAX_LOGPROBS
@@ -167,6 +167,8 @@ def _common(body: dict, req: GenerateInput, max_tokens_default: int, max_tokens_
     top_k = _int(body, "top_k", -1, I32)
     if top_k is not None and top_k != -1:  # vLLM: -1 = off
         s.top_k = top_k
+    req.cache_salt = _field(body, "cache_salt", (str,), "", lambda v: len(v) <= MAX_CACHE_SALT,
+                            f"a string of at most {MAX_CACHE_SALT} characters") or ""
     seed = _field(body, "seed", (int,))
     if seed is not None:
         s.seed = seed % 2**64
@@ -347,9 +349,9 @@ def chat_request(body: dict, max_tokens_limit: int) -> GenerateInput:
 
 # -- responses ------------------------------------------------------------------------------------
 class Api:
-    def __init__(self, servicer: GenerateServicer, model_name: str, token: str | None, max_body: int):
+    def __init__(self, servicer: GenerateServicer, model_name: str, security: ServerSecurity, max_body: int):
         self.servicer, self.model_name, self.max_body = servicer, model_name, max_body
-        self._want = f"Bearer {token}".encode() if token else None
+        self.security = security
         self.created = int(time.time())
         self.active = 0  # requests in flight, for the drain
 
@@ -368,12 +370,14 @@ class Api:
         status = 500
         self.active += 1
         try:
-            if self._want and request.path != "/health":
-                got = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(got, self._want):
+            if request.path != "/health":
+                tenant = self.security.tenant_of(presented_token(request.headers.get("Authorization"),
+                                                                 request.headers.get("x-api-key")))
+                if tenant is None:
                     status = 401
                     return error_response(401, "missing or wrong API key (header 'Authorization: Bearer <token>')",
                                           code="invalid_api_key")
+                request["tenant"] = tenant
             resp = await handler(request)
             status = resp.status
             return resp
@@ -447,6 +451,7 @@ class Api:
         return await self._run(request, body, req, chat=True)
 
     async def _run(self, request, body: dict, req: GenerateInput, chat: bool):
+        req.tenant = request.get("tenant", "")
         stream = bool(_field(body, "stream", (bool,), False))
         usage_chunk = bool(_field(_field(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
         r, q = await self._submit(req, chat, body)

@@ -10,7 +10,7 @@ from typing import Callable
 import grpc
 import torch
 
-from moe_core import codec
+from moe_core import codec, security
 from moe_core.errors import BadRequest
 from moe_core.serving import GRPC_MAX_MESSAGE
 from protos import generate_pb2, generate_pb2_grpc
@@ -67,7 +67,8 @@ def generate_input(req: generate_pb2.GenerateRequest) -> GenerateInput:
         chat_template_kwargs=template_kwargs(req.chat_template_kwargs), tools=tools(req.tools) or None,
         tool_choice=ToolChoice("function", req.tool_choice.function) if req.tool_choice.HasField("function")
         else ToolChoice(req.tool_choice.mode or "auto"),
-        parallel_tool_calls=req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True)
+        parallel_tool_calls=req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True,
+        cache_salt=req.cache_salt)
 
 
 def chat_message(m: generate_pb2.ChatMessage) -> dict:
@@ -122,6 +123,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.max_tokens_limit, self.expert_wait = max_tokens_limit, expert_wait
         self.experts_up: Callable[[], bool] = lambda: False
         self.draining = False
+        self.tenant_of: Callable[[str], str | None] = lambda token: ""  # the server's (ServerSecurity.tenant_of)
+        self.prefix_scope = "tenant"
 
     def attach(self, engine: Engine, experts_up: Callable[[], bool]) -> None:
         """Serve on `engine`; experts_up(): whether the expert service(s) can serve now (ExpertHealth.up)."""
@@ -130,7 +133,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                self.tool_parser)
         self.admission = Admission(self.cfg.vocab_size, self.cfg.top_k, text, engine.max_context,
                                    self.max_tokens_limit, self.default_defer, tuple(self.cfg.eos_token_ids),
-                                   answers=answers)
+                                   answers=answers, prefix_scope=self.prefix_scope)
         self.engine, self.experts_up = engine, experts_up
 
     def _experts_down(self) -> str:
@@ -181,6 +184,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.engine.submit(r)
         return r, q
 
+    def _tenant(self, context) -> str:
+        """The tenant whose token the call carries (the interceptor let only known ones through)."""
+        md = dict(context.invocation_metadata() or ())
+        return self.tenant_of(security.presented_token(md.get("authorization"), md.get("x-api-key"))) or ""
+
     def _emitter(self):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -190,7 +198,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(self, request, context):
         await self._check_ready(context, "Generate")
         try:
-            r, q = await self.submit(generate_input(request), self._deadline(context))
+            inp = generate_input(request)
+            inp.tenant = self._tenant(context)
+            r, q = await self.submit(inp, self._deadline(context))
         except BadRequest as e:
             await self._abort(context, "Generate", grpc.StatusCode.INVALID_ARGUMENT, e.named(PROTO_FIELDS))
         code = "CANCELLED"
@@ -226,7 +236,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Score(self, request, context):
         await self._check_ready(context, "Score")
         inp = ScoreInput(list(request.token_ids.ids), request.logprobs_only,
-                         request.defer if request.HasField("defer") else 0, request.skip_deferred)
+                         request.defer if request.HasField("defer") else 0, request.skip_deferred,
+                         request.cache_salt, self._tenant(context))
         q, emit = self._emitter()
         try:
             r = self.admission.score(inp, emit)

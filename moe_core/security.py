@@ -4,6 +4,10 @@
 Secrets come from files or the environment (MOE_AUTH_TOKEN), never from the command line, which
 `ps` shows to every user. Health checks stay open so probes need no secret; everything else,
 reflection included, needs the token when one is configured.
+
+Clients of the GPU service may instead be tenants (`--tenants-file`: a name and a token per line): each client's
+token names its tenant, which keeps its own namespace of the prefix cache; the shared token then stays the one the
+GPU service sends its expert service.
 """
 from __future__ import annotations
 
@@ -43,6 +47,41 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
     g.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
     g.add_argument("--tls-client-ca", help="mutual TLS: require client certificates signed by this CA (PEM)")
+
+
+def add_tenant_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("tenants (clients)")
+    g.add_argument("--tenants-file", help="clients authenticate as tenants: one 'NAME TOKEN' per line ('#' comments); "
+                   "their requests never share prefix-cache blocks across tenants (--prefix-cache-scope). The shared "
+                   "--auth-token-file then only authenticates this service to its expert service")
+
+
+def read_tenants(path: str) -> dict[str, str]:
+    """token -> tenant name, from a tenants file (ValueError naming the line for anything malformed)."""
+    out: dict[str, str] = {}
+    for n, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not parts[0].isprintable():
+            raise ValueError(f"{path}:{n}: expected 'NAME TOKEN'")
+        name, token = parts
+        if token in out:
+            raise ValueError(f"{path}:{n}: the token of tenant {name!r} is {out[token]!r}'s too")
+        out[token] = name
+    if not out:
+        raise ValueError(f"{path} names no tenant")
+    return out
+
+
+def presented_token(authorization: str | bytes | None, api_key: str | bytes | None = None) -> str:
+    """The token a caller presents: `Authorization: Bearer T`, or Anthropic's `x-api-key: T`."""
+    auth = authorization.decode(errors="replace") if isinstance(authorization, bytes) else (authorization or "")
+    if auth.startswith("Bearer "):
+        return auth[len("Bearer "):]
+    key = api_key.decode(errors="replace") if isinstance(api_key, bytes) else (api_key or "")
+    return key
 
 
 def add_client_args(ap: argparse.ArgumentParser, prefix: str = "", what: str = "the server") -> None:
@@ -94,17 +133,18 @@ class ClientSecurity:
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for any call without `authorization: Bearer <token>` (constant-time check)."""
+    """UNAUTHENTICATED for any call whose token (`authorization: Bearer <token>`, or `x-api-key`) `tenant_of` does not
+    know (constant-time checks)."""
 
-    def __init__(self, token: str):
-        self._want = f"Bearer {token}".encode()
+    def __init__(self, tenant_of):
+        self._tenant_of = tenant_of
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method in OPEN_METHODS:
             return handler
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._want):
+        md = dict(details.invocation_metadata or ())
+        if self._tenant_of(presented_token(md.get("authorization"), md.get("x-api-key"))) is not None:
             return handler
         return _denied(handler, "missing or wrong auth token (metadata 'authorization: Bearer <token>')")
 
@@ -132,10 +172,29 @@ class ServerSecurity:
     token: str | None
     credentials: grpc.ServerCredentials | None
     ssl_context: ssl.SSLContext | None = None  # the same TLS settings for an HTTP listener
+    tenants: dict[str, str] | None = None  # token -> tenant name (--tenants-file): the clients' credentials
+
+    def tenant_of(self, token: str) -> str | None:
+        """The tenant a client's token names: its name with a tenants file, "" with the one shared token (or none
+        configured); None for a wrong or missing token. Every known token is compared, in constant time."""
+        if self.tenants is not None:
+            found = None
+            for want, name in self.tenants.items():
+                if hmac.compare_digest(token.encode(), want.encode()):
+                    found = name
+            return found
+        if self.token is None:
+            return ""
+        return "" if hmac.compare_digest(token.encode(), self.token.encode()) else None
+
+    @property
+    def authenticates(self) -> bool:
+        return self.token is not None or self.tenants is not None
 
     @classmethod
     def from_args(cls, args) -> "ServerSecurity":
         token = read_token(args.auth_token_file)
+        tenants = read_tenants(args.tenants_file) if getattr(args, "tenants_file", None) else None
         creds = None
         if args.tls_cert or args.tls_key:
             if not (args.tls_cert and args.tls_key):
@@ -148,17 +207,17 @@ class ServerSecurity:
             if ca is not None:
                 ctx.verify_mode = ssl.CERT_REQUIRED
                 ctx.load_verify_locations(cadata=ca.decode())
-            return cls(token, creds, ctx)
+            return cls(token, creds, ctx, tenants)
         elif args.tls_client_ca:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        return cls(token, creds)
+        return cls(token, creds, None, tenants)
 
     @property
     def interceptors(self) -> list:
-        return [TokenInterceptor(self.token)] if self.token else []
+        return [TokenInterceptor(self.tenant_of)] if self.authenticates else []
 
     def warn_if_open(self, address: str) -> None:
-        if not self.token and not _is_loopback(address):
+        if not self.authenticates and not _is_loopback(address):
             log.warning("!" * 72)
             log.warning("listening on %s WITHOUT authentication: anyone who can reach it can use it. "
                         "Set --auth-token-file (or $%s), and TLS for untrusted networks.", address, TOKEN_ENV)

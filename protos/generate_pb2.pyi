@@ -100,7 +100,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "token_ids", "max_tokens", "sampling", "stop", "ignore_eos", "defer", "profile", "skip_deferred", "logprobs", "constraint", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("prompt", "chat", "token_ids", "max_tokens", "sampling", "stop", "ignore_eos", "defer", "profile", "skip_deferred", "logprobs", "constraint", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: Chat
     token_ids: TokenIds
@@ -133,7 +134,8 @@ class GenerateRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     parallel_tool_calls: bool
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., defer: _Optional[int] = ..., profile: _Optional[bool] = ..., skip_deferred: _Optional[bool] = ..., logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., chat_template_kwargs: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., defer: _Optional[int] = ..., profile: _Optional[bool] = ..., skip_deferred: _Optional[bool] = ..., logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., chat_template_kwargs: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -242,16 +244,18 @@ class Profile(_message.Message):
     def __init__(self, spans: _Optional[_Iterable[_Union[Span, _Mapping]]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("token_ids", "defer", "skip_deferred", "logprobs_only")
+    __slots__ = ("token_ids", "defer", "skip_deferred", "logprobs_only", "cache_salt")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEFER_FIELD_NUMBER: _ClassVar[int]
     SKIP_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     token_ids: TokenIds
     defer: int
     skip_deferred: bool
     logprobs_only: bool
-    def __init__(self, token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., defer: _Optional[int] = ..., skip_deferred: _Optional[bool] = ..., logprobs_only: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., defer: _Optional[int] = ..., skip_deferred: _Optional[bool] = ..., logprobs_only: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("logits", "token_logprobs", "argmax_ids")

@@ -175,3 +175,86 @@ def test_non_loopback_without_auth_warns(checkpoints, tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+# -- tenants: each client's token names its tenant; the prefix cache is per tenant and per cache_salt ---------------
+SYSTEM = [{"role": "system", "content": "You write short Python functions. " * 4},
+          {"role": "user", "content": "Sort a dict by value"}]
+
+
+def tenants_services(tmp_path, *extra):
+    from harness import Services
+
+    (tmp_path / "tenants").write_text("# name token\nalice alice-token\nbob bob-token  # the second tenant\n")
+    http = free_port()
+    s = Services(ROOT / "models" / "default", tmp_path, gpu_args=(
+        "--http-listen", f"127.0.0.1:{http}", "--served-model-name", "default",
+        "--tenants-file", str(tmp_path / "tenants"), *extra))
+    return s, http
+
+
+def cached(http: int, key: str, salt: str | None = None, header: str = "bearer") -> int:
+    import openai
+
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key=key if header == "bearer" else "unused",
+                      max_retries=0, default_headers={} if header == "bearer" else {"x-api-key": key,
+                                                                                    "Authorization": ""})
+    r = c.chat.completions.create(model="default", messages=SYSTEM, max_tokens=2, temperature=0,
+                                  extra_body={} if salt is None else {"cache_salt": salt})
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def grpc_cached(s, key: str, salt: str = "") -> int:
+    req = generate_pb2.GenerateRequest(
+        chat=generate_pb2.Chat(messages=[generate_pb2.ChatMessage(**m) for m in SYSTEM]), max_tokens=2,
+        sampling=generate_pb2.SamplingParams(temperature=0), cache_salt=salt)
+    return list(s.stub.Generate(req, timeout=60, metadata=(("authorization", f"Bearer {key}"),)))[-1].usage.cached_tokens
+
+
+def test_tenants_never_share_cached_prefixes_and_salts_separate_requests(tmp_path):
+    """A second client sending another's prompt must not learn it from a cache hit (the cached share and the first
+    token's time): tenants get separate namespaces of the prefix cache by default, and within one, requests share
+    blocks only with the same cache_salt (HTTP and gRPC alike); x-api-key names a tenant as a bearer token does."""
+    import openai
+
+    s, http = tenants_services(tmp_path)
+    try:
+        assert cached(http, "alice-token") == 0
+        hit = cached(http, "alice-token")
+        assert hit > 0  # the tenant's own second request hits
+        assert cached(http, "bob-token") == 0  # another tenant's does not
+        assert cached(http, "bob-token", header="x-api-key") == hit  # (its second does, by either header)
+        assert cached(http, "alice-token", salt="s1") == 0  # a salt is a namespace of its own
+        assert cached(http, "alice-token", salt="s1") == hit
+        assert cached(http, "alice-token", salt="s2") == 0
+        assert grpc_cached(s, "alice-token") == hit and grpc_cached(s, "bob-token", "s1") == 0
+        with pytest.raises(openai.AuthenticationError):
+            cached(http, "carol-token")
+        with pytest.raises(grpc.RpcError) as e:
+            grpc_cached(s, "carol-token")
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(openai.BadRequestError) as e:
+            cached(http, "alice-token", salt="x" * 2000)
+        assert e.value.body["param"] == "cache_salt"
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_a_global_prefix_cache_scope_shares_blocks_between_tenants(tmp_path):
+    s, http = tenants_services(tmp_path, "--prefix-cache-scope", "global")
+    try:
+        assert cached(http, "alice-token") == 0
+        assert cached(http, "bob-token") > 0
+        assert cached(http, "bob-token", salt="s") == 0  # salts still separate
+    finally:
+        s.stop()
+
+
+def test_a_malformed_tenants_file_is_refused_at_start(tmp_path):
+    (tmp_path / "tenants").write_text("alice alice-token\nbob\n")
+    from harness import refused_at_start
+
+    err = refused_at_start("gpu_service", "--model", str(ROOT / "models" / "default"), "--experts", "127.0.0.1:1",
+                           "--tenants-file", str(tmp_path / "tenants"))
+    assert "tenants:2: expected 'NAME TOKEN'" in err and "Traceback" not in err, err[-1500:]
