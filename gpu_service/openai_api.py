@@ -199,6 +199,10 @@ def constraint_field(body: dict) -> str:
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         return "response_format"
+    so = body.get("structured_outputs")
+    if isinstance(so, dict):
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) not in (None, False)]
+        return f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
     return next((k for k in CONSTRAINT_FIELDS[1:] if body.get(k) is not None), "response_format")
 
 

@@ -69,3 +69,9 @@ def check(path: str | os.PathLike) -> None:
     for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise fail(f"tensor {n1}: data at {b1} overlaps tensor {n0} [{b0}, {e0})")
+        if b1 > e0:  # the format packs tensors back to back, as the library requires
+            raise fail(f"tensor {n1}: data at {b1} leaves {b1 - e0} bytes unused after tensor {n0}")
+    if spans and spans[0][0] != 0:
+        raise fail(f"tensor {spans[0][2]}: the first data starts at {spans[0][0]}, not 0")
+    if (spans[-1][1] if spans else 0) != data:
+        raise fail(f"the tensors' data ends at {spans[-1][1] if spans else 0} of a {data}-byte data section")

@@ -196,8 +196,8 @@ def test_openai_response_format_and_structured_outputs(svc):
      "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
-    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
-    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"choice": "red"}}, "structured_outputs"),
     ({"guided_regex": 5}, "guided_regex"),
@@ -248,8 +248,8 @@ def test_a_recursive_schema_with_a_way_out_is_served(grammars):
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REF}}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": CYCLE}}}, "response_format"),
-    ({"structured_outputs": {"json": CYCLE}}, "structured_outputs"),
-    ({"structured_outputs": {"regex": BOMB}}, "structured_outputs"),
+    ({"structured_outputs": {"json": CYCLE}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": BOMB}}, "structured_outputs.regex"),
 ])
 def test_constraints_without_a_bounded_answer_are_400s_naming_the_field(svc, body, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -293,7 +293,7 @@ def test_lexer_bombs_leave_a_running_stream_and_the_memory_alone(svc):
         stream = ex.submit(gaps)
         params = list(ex.map(bomb, range(20)))
         ids, worst = stream.result()
-    assert set(params) == {"structured_outputs"}
+    assert set(params) == {"structured_outputs.regex"}
     assert ids == alone_ids
     assert worst <= alone + 0.1, (worst, alone)
     assert status_mib(svc.gpu.pid) <= rss * 1.1
