@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from moe_core.checkpoint import Checkpoint
-from moe_core.config import FP8_BLOCK, SILU, ModelConfig
+from moe_core.config import FP8_BLOCK, SILU, ModelConfig, check_shape
 from moe_core.gguf_model import layer_formats
 from moe_core.shards import Shard
 from moe_kernels.packing import Fp8, Mx4
@@ -49,7 +49,7 @@ def fused_expert(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int) -> tupl
     return gu[:, 0::2].T, gu[:, 1::2].T, ckpt.get_row(down_name, e).T
 
 
-def expert_tensor(ckpt: Checkpoint, name: str, fmt: str):
+def expert_tensor(cfg: ModelConfig, ckpt: Checkpoint, name: str, fmt: str):
     """One expert matrix: FP8 kept as published (packing.Fp8) for the fp8 format; int4 checkpoints' and GGUF
     blocks the format holds exactly (packing.Int4, UInt4, Iq4, Q8: the checkpoint's get_published); else floats."""
     if fmt == "fp8" and ckpt.fp8_block == (FP8_BLOCK, FP8_BLOCK):
@@ -57,7 +57,11 @@ def expert_tensor(ckpt: Checkpoint, name: str, fmt: str):
         if published is not None:
             return Fp8(*published)
     published = ckpt.get_published(name, fmt)  # None where the checkpoint has nothing fmt keeps
-    return published if published is not None else ckpt.get(name)
+    if published is not None:
+        return published
+    t = ckpt.get(name)
+    check_shape(cfg, name, tuple(t.shape))
+    return t
 
 
 def expert_weights(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int, fmts: tuple[str, str]) -> tuple:
@@ -66,7 +70,7 @@ def expert_weights(cfg: ModelConfig, ckpt: Checkpoint, layer: int, e: int, fmts:
     expert_tensor)."""
     if cfg.fused_experts or cfg.stacked_expert_names(layer)[0] in ckpt:
         return fused_expert(cfg, ckpt, layer, e)
-    return tuple(expert_tensor(ckpt, n, f) for n, f in zip(cfg.expert_tensor_names(layer, e), (fmts[0], *fmts)))
+    return tuple(expert_tensor(cfg, ckpt, n, f) for n, f in zip(cfg.expert_tensor_names(layer, e), (fmts[0], *fmts)))
 
 
 def expert_biases(cfg: ModelConfig, ckpt: Checkpoint, layer: int, experts) -> tuple:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_core.checkpoint import Checkpoint
-from moe_core.config import FP8_BLOCK, ModelConfig, is_routed_expert_tensor
+from moe_core.config import FP8_BLOCK, ModelConfig, check_shape, is_routed_expert_tensor
 from moe_core.routing import split_deferred
 from moe_kernels.dense import NativeLinear  # dispatch's shared-memory channel needs moe_kernels anyway
 from moe_kernels.packing import Fp8
@@ -119,6 +119,8 @@ class Model:
             published = ckpt.get_fp8(name) if dense_format == "fp8" and (fuse or pack) and ckpt.fp8_block == \
                 (FP8_BLOCK, FP8_BLOCK) else None
             t = Fp8(*published) if published is not None else ckpt.get(name, want)
+            if published is None:
+                check_shape(cfg, name, tuple(t.shape))
             fmt = "fp8" if published is not None else "bf16" if dense_format == "fp8" else dense_format
             if fuse:
                 self._fuse(name, t, parts, fmt)  # packed once every part is read

@@ -211,6 +211,24 @@ class ModelConfig:
         return "block_sparse_moe" if self.model_type in MIXTRAL_NAMES else "mlp"
 
 
+def check_shape(cfg: "ModelConfig", name: str, shape: tuple) -> None:
+    """ModelConfigError when a tensor's shape is not what the config says it must be, for the tensors whose shape
+    every family shares (embeddings, lm_head, the hidden-size norms, one routed expert's matrices): a model file
+    whose tensors do not match its own config is refused at start, naming the tensor, not run."""
+    H, V, inter = cfg.hidden_size, cfg.vocab_size, cfg.moe_intermediate_size
+    want = None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        want = (V, H)
+    elif name == "model.norm.weight" or name.endswith((".input_layernorm.weight", ".post_attention_layernorm.weight")):
+        want = (H,)
+    elif ".experts." in name and name.endswith((".gate_proj.weight", ".up_proj.weight", ".w1.weight", ".w3.weight")):
+        want = (inter, H)
+    elif ".experts." in name and name.endswith((".down_proj.weight", ".w2.weight")):
+        want = (H, inter)
+    if want is not None and tuple(shape) != want:
+        raise ModelConfigError(f"tensor {name}: shape {list(shape)}, where config.json's sizes make it {list(want)}")
+
+
 def is_routed_expert_tensor(name: str) -> bool:
     """True for the tensors only the expert service may hold."""
     return ".experts." in name

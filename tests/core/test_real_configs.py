@@ -249,3 +249,30 @@ def test_a_damaged_safetensors_header_is_refused_naming_the_tensor(checkpoints, 
         Checkpoint(d)
     assert "tensor model.layers.0.mlp.experts.0.down_proj.weight" in str(e.value), e.value
     assert says.split("{}")[-1] in str(e.value), e.value
+
+
+@pytest.mark.parametrize("name, change", [("model.layers.0.mlp.experts.3.down_proj.weight", lambda t: t.t().contiguous()),
+                                          ("model.embed_tokens.weight", lambda t: t[:-5].contiguous()),
+                                          ("model.layers.1.input_layernorm.weight", lambda t: t[:-1].contiguous())])
+def test_a_tensor_whose_shape_is_not_the_configs_is_refused_naming_it(checkpoints, tmp_path, name, change):
+    """Its bytes sound but its shape not what config.json makes it: refused while loading, on the side that holds it."""
+    from expert_service.store import load_expert_layers
+    from gpu_service.model import Model
+    from moe_core.config import load_config
+    from safetensors.torch import load_file
+
+    src = pathlib.Path(checkpoints["qwen3_moe"])
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (d / f.name).symlink_to(f)
+    tensors = load_file(src / "model.safetensors")
+    tensors[name] = change(tensors[name])
+    save_file(tensors, str(d / "model.safetensors"))
+    cfg = load_config(d)
+    with pytest.raises(ModelConfigError, match=f"tensor {name}: shape"):
+        if ".experts." in name:
+            load_expert_layers(cfg, Checkpoint(d), "fp32", 1)
+        else:
+            Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
