@@ -114,6 +114,17 @@ def test_published_config_matches_transformers(arch, block, tmp_path, services_f
     assert greedy(s.stub, prompt, 24) == want, s.logs()
 
 
+def claiming(src: pathlib.Path, d: pathlib.Path, qc: dict) -> pathlib.Path:
+    """src's plain weights under a config that claims qc."""
+    d.mkdir()
+    for f in src.iterdir():
+        (d / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    return d
+
+
 @pytest.mark.parametrize("qc,says", some([
     ({"quant_method": "bitsandbytes", "bits": 4}, "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "mxfp4"}, "quant_method 'mxfp4' is not supported"),
@@ -124,15 +135,7 @@ def test_published_config_matches_transformers(arch, block, tmp_path, services_f
     fast=[({"quant_method": "gptq", "bits": 8, "group_size": 128}, "gptq with bits 8 is not supported")]),
     ids=["bnb", "mxfp4", "gptq8", "awq-gemv", "ct-fp"])
 def test_other_quantization_is_refused_at_start(qc, says, checkpoints, tmp_path):
-    d = tmp_path / "q"
-    d.mkdir()
-    src = pathlib.Path(checkpoints["qwen3_moe"])
-    for f in src.iterdir():
-        (d / f.name).symlink_to(f)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = qc
-    (d / "config.json").unlink()
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = claiming(pathlib.Path(checkpoints["qwen3_moe"]), tmp_path / "q", qc)
     for module, extra in (("expert_service", ()), ("gpu_service", ("--experts", f"127.0.0.1:{free_port()}"))):
         log = tmp_path / f"{module}.log"
         p = start(module, "--model", str(d), "--listen", f"127.0.0.1:{free_port()}", *extra, log=log)
@@ -180,17 +183,6 @@ CLAIMS = {  # quantization_config -> what a checkpoint that has it must store, a
     "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
             "claims fp8, but no tensor has its _scale_inv scales beside it"),
 }
-
-
-def claiming(src: pathlib.Path, d: pathlib.Path, qc: dict) -> pathlib.Path:
-    """src's plain weights under a config that claims qc."""
-    d.mkdir()
-    for f in src.iterdir():
-        (d / f.name).symlink_to(f)
-    cfg = json.loads((src / "config.json").read_text())
-    (d / "config.json").unlink()
-    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
-    return d
 
 
 @pytest.mark.parametrize("method", list(CLAIMS))
