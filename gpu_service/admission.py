@@ -153,7 +153,6 @@ class Admission:
                 except BadRequest as e:
                     raise BadRequest(f"tools[{i}].function.parameters", e.detail.removeprefix("json_schema ")) from None
 
-
     def _tools(self, inp: GenerateInput) -> list[dict] | None:
         tools = check_tools(inp.tools) if inp.tools else None
         if tools and inp.messages is None:
@@ -266,4 +265,3 @@ def check_tool_results(messages: list[dict]) -> None:
                                  f"assistant message before it ({', '.join(sorted(calls))})")
         elif m["role"] != "system":
             calls = None
-

@@ -200,8 +200,9 @@ class Grammars:
             bits = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
             executor().unsafe_compute_mask_ptr([(m, 0)], bits.ctypes.data, bits.shape[1] * 4, 1)
             if m.is_error():
-                raise BadRequest("constraint", f"{spec.kind} admits no answer: {first_line(m.get_error())} (a "
-                                 "schema whose references never end, such as \"$ref\": \"#\", has no finite value)")
+                hint = " (a schema whose references never end, such as \"$ref\": \"#\", has no finite value)" \
+                    if spec.kind == "json_schema" else ""
+                raise BadRequest("constraint", f"{spec.kind} admits no answer: {first_line(m.get_error())}{hint}")
             if not bits.any():
                 raise BadRequest("constraint", f"{spec.kind} admits no answer: no token can start one")
         return grammar

@@ -89,15 +89,14 @@ class Checkpoint:
         """A checkpoint whose config claims a quantization its tensors do not have is refused: served, its plain
         weights would be requantized or read as what they are not."""
         experts = [n for n in self.weight_map if EXPERT_WEIGHT.search(n)]
-        if self.int4 is not None:
-            plain = experts[:3]
-            if plain or not self.packed:
-                parts = ", ".join(p.lstrip("?") for p in stored_parts(self.int4))
-                example = plain[0][: -len(".weight")] if plain else "a linear layer"
-                raise ModelConfigError(
-                    f"{self.dir}: config.json's quantization_config claims {self.int4.method}, but "
-                    f"{'its routed experts are stored as plain weights (' + ', '.join(plain) + ')' if plain else 'no tensor is stored as one'}"
-                    f": {example}.{{{parts}}} are missing")
+        plain = experts[:3]
+        if self.int4 is not None and (plain or not self.packed):
+            parts = ", ".join(p.lstrip("?") for p in stored_parts(self.int4))
+            where = f"its routed experts are stored as plain weights ({', '.join(plain)})" if plain else \
+                "no tensor is stored as one"
+            example = plain[0][: -len(".weight")] if plain else "a linear layer"
+            raise ModelConfigError(f"{self.dir}: config.json's quantization_config claims {self.int4.method}, but "
+                                   f"{where}: {example}.{{{parts}}} are missing")
         if self.fp8_block is not None and not any(n.endswith(SCALE_SUFFIX) for n in self.weight_map):
             raise ModelConfigError(f"{self.dir}: config.json's quantization_config claims fp8, but no tensor has its "
                                    f"{SCALE_SUFFIX} scales beside it ({(experts or sorted(self.weight_map))[0]} has none)")
