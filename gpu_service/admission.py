@@ -24,6 +24,7 @@ from .tools import ToolChoice, check_choice, check_tools, history_call
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024  # a stop string is matched against every text delta: keep it short
 ROLES = {"system", "user", "assistant", "tool"}
+MAX_LOGIT_BIAS = 1024  # ids a request may bias
 MAX_CACHE_SALT = 1024
 
 
@@ -80,6 +81,9 @@ def check_sampling(sp: SamplingParams) -> SamplingParams:
             bad(name, "in [-2, 2]")
     if not 0 < sp.repetition_penalty < math.inf:
         bad("repetition_penalty", "a finite number > 0")
+    if sp.logit_bias and (len(sp.logit_bias) > MAX_LOGIT_BIAS or not all(
+            -100 <= b <= 100 for b in sp.logit_bias.values())):
+        bad("logit_bias", f"at most {MAX_LOGIT_BIAS} ids, each with a bias in [-100, 100]")
     return sp
 
 
@@ -112,6 +116,8 @@ class Admission:
         if inp.max_tokens > self.max_tokens_limit:
             raise BadRequest("max_tokens", f"{inp.max_tokens} exceeds the limit {self.max_tokens_limit}")
         sp = check_sampling(inp.sampling)
+        if sp.logit_bias and not all(0 <= i < self.vocab_size for i in sp.logit_bias):
+            raise BadRequest("sampling.logit_bias", f"token ids must be in [0, {self.vocab_size})")
         if inp.logprobs is not None and not 0 <= inp.logprobs <= MAX_LOGPROBS:
             raise BadRequest("logprobs", f"at most {MAX_LOGPROBS} alternatives per token, got {inp.logprobs}")
         if len(inp.stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in inp.stop):

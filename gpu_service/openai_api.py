@@ -136,8 +136,6 @@ def _refuse_unsupported(body: dict) -> None:
     if _field(body, "best_of", (int,), 1) != 1:
         raise ApiError(400, "best_of: only 1 is supported", "best_of")
     _field(body, "user", (str,))
-    if body.get("logit_bias"):
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
     if body.get("echo"):
         raise ApiError(400, "echo is not supported", "echo")
     if body.get("suffix"):
@@ -169,6 +167,15 @@ def _common(body: dict, req: GenerateInput, max_tokens_default: int, max_tokens_
         s.top_k = top_k
     req.cache_salt = _field(body, "cache_salt", (str,), "", lambda v: len(v) <= MAX_CACHE_SALT,
                             f"a string of at most {MAX_CACHE_SALT} characters") or ""
+    bias = _field(body, "logit_bias", (dict,))
+    if bias:
+        try:
+            s.logit_bias = {int(k): float(v) for k, v in bias.items()
+                            if not isinstance(v, bool) and isinstance(v, (int, float))}
+        except ValueError:
+            raise ApiError(400, "logit_bias: keys must be token ids (integers as strings)", "logit_bias") from None
+        if len(s.logit_bias) != len(bias):
+            raise ApiError(400, "logit_bias: values must be numbers in [-100, 100]", "logit_bias")
     seed = _field(body, "seed", (int,))
     if seed is not None:
         s.seed = seed % 2**64

@@ -22,6 +22,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0   # transformers' / vLLM's, on prompt and generated tokens
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to these ids' logits before sampling
 
     @property
     def greedy(self) -> bool:
@@ -29,7 +30,8 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def generator(self) -> torch.Generator | None:
         if self.greedy:
@@ -45,7 +47,8 @@ class SamplingParams:
 def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
     """logits [V] -> a penalized fp32 copy on the CPU. Repetition: every id seen in the prompt or the
     output, divided by the penalty where positive, multiplied where not (transformers' rule); then
-    OpenAI's presence and frequency penalties over the output's ids."""
+    OpenAI's presence and frequency penalties over the output's ids; last the logit bias (OpenAI's order: a bias of
+    -100 bans a token, +100 all but forces it)."""
     logits = logits.float().cpu().clone()
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
@@ -55,6 +58,9 @@ def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_ids) ->
     if output_ids and (p.presence_penalty or p.frequency_penalty):
         ids, counts = torch.tensor(output_ids, dtype=torch.long).unique(return_counts=True)
         logits[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
     return logits
 
 

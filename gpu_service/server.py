@@ -55,7 +55,8 @@ def generate_input(req: generate_pb2.GenerateRequest) -> GenerateInput:
     sp = SamplingParams(temperature=get("temperature", 1.0), top_p=get("top_p", 1.0), top_k=get("top_k", 0),
                         min_p=get("min_p", 0.0), presence_penalty=get("presence_penalty", 0.0),
                         frequency_penalty=get("frequency_penalty", 0.0),
-                        repetition_penalty=get("repetition_penalty", 1.0), seed=get("seed", None))
+                        repetition_penalty=get("repetition_penalty", 1.0), seed=get("seed", None),
+                        logit_bias=dict(s.logit_bias) or None)
     kind = req.WhichOneof("input")
     return GenerateInput(
         prompt=req.prompt if kind == "prompt" else None,

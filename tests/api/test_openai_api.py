@@ -454,3 +454,36 @@ def test_sigterm_ends_every_stream_at_the_grace_deadline(services_factory):
     assert "--grace 1s" in err["message"] and events[-1] == "data: [DONE]"
     assert time.monotonic() - t0 < 6  # 1000 tokens would take ~10 s
     assert s.gpu.wait(30) == 0
+
+
+def test_logit_bias_steers_the_sample_on_both_apis(svc, client):
+    """OpenAI's logit_bias: +100 on an id makes a greedy answer start with it, -100 on the greedy id bans it; the
+    logprobs stay the model's own; ids outside the vocabulary, biases outside [-100, 100] and non-numeric keys are
+    400s naming logit_bias (INVALID_ARGUMENT naming sampling.logit_bias on gRPC)."""
+    def first(**kw):
+        r = client.completions.create(model="default", prompt="def fib(n):", max_tokens=1, logprobs=1,
+                                      **greedy(), extra_body=kw)
+        return r.choices[0].logprobs
+    plain = first()
+    ids = svc.stub.Generate(generate_pb2.GenerateRequest(prompt="def fib(n):", max_tokens=1, sampling=generate_pb2.
+                                                         SamplingParams(temperature=0)), metadata=AUTH, timeout=60)
+    top = list(ids)[-1].token_ids[0]
+    forced = 7 if top != 7 else 8
+    got = [list(c.token_ids) for c in svc.stub.Generate(generate_pb2.GenerateRequest(
+        prompt="def fib(n):", max_tokens=1, sampling=generate_pb2.SamplingParams(temperature=0, logit_bias={forced: 100})),
+        metadata=AUTH, timeout=60)]
+    assert got[-1] == [forced]
+    banned = list(svc.stub.Generate(generate_pb2.GenerateRequest(
+        prompt="def fib(n):", max_tokens=1, sampling=generate_pb2.SamplingParams(temperature=0, logit_bias={top: -100})),
+        metadata=AUTH, timeout=60))[-1].token_ids[0]
+    assert banned != top
+    biased = first(logit_bias={str(forced): 100})
+    assert biased.tokens != plain.tokens and biased.token_logprobs[0] < plain.token_logprobs[0]  # the model's own
+    for bad in ({"abc": 1}, {str(forced): 101}, {"99999999": 1}, {str(forced): "x"}, ["1"]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="default", prompt="x", max_tokens=1, extra_body={"logit_bias": bad})
+        assert e.value.body["param"] == "logit_bias", (bad, e.value.body)
+    with pytest.raises(grpc.RpcError) as e:
+        list(svc.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=1, sampling=generate_pb2.
+                                                            SamplingParams(logit_bias={-3: 1})), metadata=AUTH, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.logit_bias" in e.value.details()

@@ -91,3 +91,15 @@ def test_greedy_choice_is_torch_argmax_with_ties_nans_and_infinities():
         assert argmax(r) == int(torch.argmax(r)) == argmax(batch[i]), i
     assert argmax(x) == 3 and argmax(y) == 5 and argmax(z) == 998
     assert sample(batch[20], SamplingParams(temperature=0), None) == 3
+
+
+def test_logit_bias_is_added_after_the_penalties():
+    """OpenAI's logit_bias on the logits before sampling: +100 makes an id the greedy choice, -100 bans one; it comes
+    after the penalties, so a penalized token can still be forced."""
+    logits = torch.tensor([0.0, 5.0, 1.0, 2.0])
+    assert sample(logits, SamplingParams(temperature=0, logit_bias={2: 100.0}), None) == 2
+    assert sample(logits, SamplingParams(temperature=0, logit_bias={1: -100.0}), None) == 3
+    p = SamplingParams(temperature=0, presence_penalty=2.0, logit_bias={2: 10.0})
+    assert sample(logits, p, None, prompt_ids=[], output_ids=[2, 2]) == 2
+    g = torch.Generator().manual_seed(0)
+    assert all(sample(logits, SamplingParams(temperature=1.0, logit_bias={0: 100.0}), g) == 0 for _ in range(20))
