@@ -89,15 +89,9 @@ def regex_positions(rx: str) -> int:
     return size(tree)
 
 
-def _regexes(spec: ConstraintSpec) -> list[str]:
-    """The regexes a spec hands the lexer: the regex itself, a JSON schema's patterns, a grammar's /.../ terminals."""
-    if spec.kind == "regex":
-        return [spec.value]
-    if spec.kind == "grammar":
-        return re.findall(r"/((?:[^/\\\n]|\\.)+)/", spec.value)
-    if spec.kind != "json_schema":
-        return []
-    found, todo = [], [json.loads(spec.value)]
+def _schema_patterns(schema) -> list[str]:
+    """The regexes a JSON schema hands the lexer: its patterns and patternProperties' keys, at any depth."""
+    found, todo = [], [schema]
     while todo:
         node = todo.pop()
         if isinstance(node, dict):
@@ -117,8 +111,6 @@ def _grammar_text(spec: ConstraintSpec) -> str:
         raise BadRequest("constraint", f"unknown kind {spec.kind!r} (one of {', '.join(KINDS)})")
     if len(spec.value) > MAX_SPEC_CHARS:
         raise BadRequest("constraint", f"{spec.kind} of {len(spec.value)} characters; at most {MAX_SPEC_CHARS}")
-    for rx in _regexes(spec) if spec.kind in ("regex", "grammar") else ():
-        _check_regex(spec.kind, rx)
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
     if spec.kind == "json_schema":
@@ -128,19 +120,22 @@ def _grammar_text(spec: ConstraintSpec) -> str:
             raise BadRequest("constraint", f"json_schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise BadRequest("constraint", "json_schema must be a JSON object")
-        for rx in _regexes(spec):
+        for rx in _schema_patterns(schema):
             _check_regex("json_schema pattern", rx)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
         except ValueError as e:
             raise BadRequest("constraint", f"json_schema: {e}") from None
     if spec.kind == "regex":
+        _check_regex("regex", spec.value)
         return llguidance.LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "choice":
         options = json.loads(spec.value)
         if not options or len(options) > MAX_CHOICES or not all(isinstance(o, str) and o for o in options):
             raise BadRequest("constraint", f"choice: 1 to {MAX_CHOICES} non-empty strings")
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+    for rx in re.findall(r"/((?:[^/\\\n]|\\.)+)/", spec.value):  # its /.../ terminals
+        _check_regex("grammar", rx)
     try:
         return llguidance.grammar_from("grammar", spec.value)  # Lark, or GBNF converted to Lark
     except ValueError as e:

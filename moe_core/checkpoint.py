@@ -51,6 +51,7 @@ class Checkpoint:
     def __init__(self, model_dir: str | pathlib.Path):
         self.dir = pathlib.Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
+        checked: set[str] = set()  # the files whose headers safetensors_check passed already
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
         else:
@@ -60,6 +61,7 @@ class Checkpoint:
             weight_map = {}
             for f in files:
                 safetensors_check.check(f)
+                checked.add(f.name)
                 with safe_open(f, framework="pt") as h:
                     weight_map.update({k: f.name for k in h.keys()})
         cfg = self.dir / "config.json"
@@ -82,6 +84,7 @@ class Checkpoint:
             first = "." + stored_parts(self.int4)[0]
             self.packed = {k[: -len(first)] + ".weight": k[: -len(first)] for k in weight_map if k.endswith(first)}
         self._handles: dict[str, object] = {}
+        self._checked = checked
         self._stack = contextlib.ExitStack()
         self._check_quantization_claim(raw.get("quantization_config") or {} if raw else {})
 
@@ -106,7 +109,9 @@ class Checkpoint:
             path = self.dir / fname
             if not path.exists():
                 raise ModelConfigError(f"shard {path} named in the index is missing")
-            safetensors_check.check(path)
+            if fname not in self._checked:
+                safetensors_check.check(path)
+                self._checked.add(fname)
             self._handles[fname] = self._stack.enter_context(safe_open(path, framework="pt"))
         return self._handles[fname]
 
