@@ -74,13 +74,13 @@ def main() -> None:
     model = Model(cfg, ckpt, torch.device("cpu"), dtype, dense_format=a.dense_format)
     experts = LocalExperts(load_expert_layers(cfg, ckpt, a.weight_format, a.threads, progress=False, cache=PackedCache(
         work / "cache", fingerprint(ckpt), source_stamp(ckpt), a.weight_format)))
-    if model._decode_loop(model.kv_pool()) is None:
+    if model.native_loop(model.kv_pool()) is None:
         raise SystemExit("this model does not fit the decode loop (every layer MoE, a native routing block, no "
                          "shared experts)")
-    layer_loop = model._decode_loop
+    layer_loop = model.native_loop
 
     def step(mode: str, cache, tok: int, pos: int) -> torch.Tensor:
-        model._decode_loop = layer_loop if mode == "loop" else (lambda pool: None)
+        model.native_loop = layer_loop if mode == "loop" else (lambda pool: None)
         return model.forward([Segment(cache, torch.tensor([tok]), pos)], experts)
 
     prompt = torch.tensor([(i * 7919) % (cfg.vocab_size - 2) + 2 for i in range(a.context)])

@@ -9,6 +9,8 @@ instead of heads x (k + v) dims.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,14 @@ from moe_kernels import attention as native_attention
 
 from .kv_pool import SeqCache
 from .layers import apply_rope, linear, rms_norm
+from .linear_attention import gated_deltanet
+
+# An attention kind is one function (kinds below): (cfg, W, prefix, x [t, H], cos, sin, kv, layer, native, scale) ->
+# [t, H]. `kv` is where the rows' keys go and come from: a SequenceKV (one sequence's new tokens, the per-op runner's)
+# or the CUDA-graph runner's bucket (one token per row, each its own sequence's: graphed_decode.Bucket). Both offer
+# write(layer, *stored) and, for a decode, rows(layer, dtype) -> (each stored tensor gathered per row [.., rows,
+# positions, ..], the positions past each row's own [rows, positions] or None); `decoding`: every row one sequence's
+# newest token; `paged`: the SeqCache whose blocks the native kernels read in place, or None.
 
 QKV = "qkv_proj.weight"  # GQA's q, k and v projections fused into one packed matrix (rows q, then k, then v)
 NATIVE_ABSORB_TOKENS = 8  # MLA: tokens a segment up to which its absorbed products run natively (decode; above, torch's
@@ -36,6 +46,59 @@ def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
 def _as(dtype: torch.dtype, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The cache's tensors in the model dtype (a copy only where the pool holds another: --kv-cache-dtype)."""
     return [x if x.dtype == dtype else x.to(dtype) for x in xs]
+
+
+class SequenceKV(NamedTuple):
+    """One sequence's t new tokens at positions start.. (the per-op runner's view of its cache)."""
+    cache: SeqCache
+    start: int
+    t: int
+
+    @property
+    def decoding(self) -> bool:
+        return self.t == 1
+
+    @property
+    def paged(self) -> SeqCache:
+        return self.cache
+
+    def write(self, layer: int, *xs: torch.Tensor) -> None:
+        self.cache.write(layer, self.start, *xs)
+
+    def rows(self, layer: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], None]:
+        """Its one row's positions so far (views where the blocks are consecutive), every one seen."""
+        dim = 0 if self.cache.pool.mla else 1  # GQA's [kv, positions, d], MLA's [positions, r]
+        return [x.unsqueeze(dim) for x in _as(dtype, self.cache.gather(layer, self.start + self.t))], None
+
+
+def gqa_decode(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, unseen: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+    """Decode rows' attention in matmuls over each KV head's query group: q [B, nh, d], K, V [kv, B, C, d], unseen
+    [B, C] (masked) or None -> [B, nh, d]. On the CPU torch's SDPA kernel is ~50x slower for one query
+    (docs/performance/kernels.md, "Measured choices"); CUDA graphs need fixed shapes, hence the mask."""
+    B, nh, d = q.shape
+    nkv = K.shape[0]
+    qg = q.view(B, nkv, nh // nkv, d).transpose(0, 1)                          # [kv, B, group, d]
+    s = (torch.matmul(qg, K.transpose(-1, -2)) * scale).float()                # [kv, B, group, C]
+    if unseen is not None:
+        s = s.masked_fill(unseen[None, :, None, :], float("-inf"))
+    return torch.matmul(s.softmax(-1).to(q.dtype), V).transpose(0, 1)         # [B, kv, group, d]
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, C: torch.Tensor, P: torch.Tensor, unseen: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+    """Decode rows' latent attention: q_lat [B, nh, r], q_pe [B, nh, dr], the cached latents C [B, L, r] and rotary
+    keys P [B, L, dr], unseen [B, L] or None -> o_lat [B, nh, r]."""
+    s = ((torch.matmul(q_lat, C.transpose(1, 2)) + torch.matmul(q_pe, P.transpose(1, 2))) * scale).float()
+    if unseen is not None:
+        s = s.masked_fill(unseen[:, None, :], float("-inf"))
+    return torch.matmul(s.softmax(-1).to(q_lat.dtype), C)
+
+
+def masked_rows(xs: list[torch.Tensor], unseen: torch.Tensor) -> list[torch.Tensor]:
+    """Gathered rows with the positions past each row's own zeroed: those read whatever the pool's memory holds
+    (never-written rows: anything, NaN included), and a masked weight of 0 times NaN is NaN."""
+    return [x.masked_fill(unseen[None, :, :, None] if x.dim() == 4 else unseen[:, :, None], 0) for x in xs]
 
 
 def gqa_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, native: bool = False):
@@ -75,39 +138,38 @@ def gqa_output(cfg: ModelConfig, W: dict, p: str, o: torch.Tensor, gate: torch.T
     return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
 
 
-def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
-                  start: int, native: bool = False) -> torch.Tensor:
-    """x [t, H] (one sequence's new tokens at positions start..) -> [t, H]. native: decode on the native
-    kernel where it takes the pool (fp32, bf16 or fp16 on the CPU; moe_kernels.attention)."""
+def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
+                  native: bool = False, scale: float | None = None) -> torch.Tensor:
+    """x [t, H] (the rows `kv` covers) -> [t, H]. native: decode on the native kernel where it takes the pool (fp32,
+    bf16 or fp16 on the CPU; moe_kernels.attention)."""
     t = x.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v, gate = gqa_project(cfg, W, p, x, cos, sin, native)
-    cache.write(layer, start, k, v)
-    end = start + t
+    kv.write(layer, k, v)
     window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
-    if window or sinks is not None:  # gpt-oss: SDPA has no sinks
+    cache = kv.paged
+    if window or sinks is not None:  # gpt-oss: SDPA has no sinks (a sequence's own cache: no graph takes these)
+        start = kv.start
         first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
-        o = windowed_attention(q, *_as(q.dtype, cache.gather(layer, end, first)), start, window, sinks, d ** -0.5,
-                               first)
-    elif t == 1 and native and native_attention.supported(cache.pool.bufs[layer][0]):
+        o = windowed_attention(q, *_as(q.dtype, cache.gather(layer, start + t, first)), start, window, sinks,
+                               d ** -0.5, first)
+    elif kv.decoding and native and cache is not None and native_attention.supported(cache.pool.bufs[layer][0]):
         # consecutive blocks (a lone sequence's) are read as one strided matrix a head, without the table
-        o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer], cache.table(), end, d ** -0.5,
+        o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer], cache.table(), kv.start + 1,
+                                                    d ** -0.5,
                                                     first=cache.blocks[0] if cache.consecutive() else -1).to(q.dtype)
+    elif kv.decoding:
+        (K, V), unseen = kv.rows(layer, q.dtype)
+        o = gqa_decode(q, K, V, unseen, d ** -0.5)
     else:
-        K, V = _as(q.dtype, cache.gather(layer, end))                           # [kv, L, d] each
-        if t == 1 and x.device.type == "cpu":
-            # decode on the CPU: torch's SDPA kernel is ~50x slower for one query than matmuls over each KV head's
-            # query group (docs/performance/kernels.md, "Measured choices")
-            qg = q.view(nkv, nh // nkv, d)                                      # [kv, group, d]
-            s = torch.matmul(qg, K.transpose(1, 2)) * d ** -0.5                 # [kv, group, L]
-            o = torch.matmul(s.float().softmax(-1).to(q.dtype), V)              # [kv, group, d]
-        else:
-            # 4-D inputs: torch's fused (flash) CPU kernel; 3-D ones fall back to its math path, which builds the
-            # [heads, t, L] scores and masks in fp32 (2.5x slower at 512 tokens, docs/performance/kernels.md)
-            causal = start == 0  # a first chunk: torch's own causal mask (top-left aligned) is ours
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], is_causal=causal,
-                                               attn_mask=None if causal else _causal_mask(t, start, x.device),
-                                               enable_gqa=nkv != nh)[0].transpose(0, 1)
+        start = kv.start
+        K, V = _as(q.dtype, cache.gather(layer, start + t))                     # [kv, L, d] each
+        # 4-D inputs: torch's fused (flash) CPU kernel; 3-D ones fall back to its math path, which builds the
+        # [heads, t, L] scores and masks in fp32 (2.5x slower at 512 tokens, docs/performance/kernels.md)
+        causal = start == 0  # a first chunk: torch's own causal mask (top-left aligned) is ours
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], is_causal=causal,
+                                           attn_mask=None if causal else _causal_mask(t, start, x.device),
+                                           enable_gqa=nkv != nh)[0].transpose(0, 1)
     return gqa_output(cfg, W, p, o, gate)
 
 
@@ -180,15 +242,16 @@ def mla_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, na
     return q_nope, q_pe, c, k_pe
 
 
-def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, cache: SeqCache, layer: int,
-                  start: int, scale: float, native: bool = False) -> torch.Tensor:
+def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
+                  native: bool = False, scale: float | None = None) -> torch.Tensor:
     """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]. native: a decode step's norms and rope (as
     layers.rms_norm's) and its (up to NATIVE_ABSORB_TOKENS tokens) absorbed products on the native kernels
     (moe_kernels.attention.mla_absorb_*)."""
     t = x.shape[0]
     nh, dn, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     q_nope, q_pe, c, k_pe = mla_project(cfg, W, p, x, cos, sin, native)
-    cache.write(layer, start, c, k_pe)
+    kv.write(layer, c, k_pe)
+    cache = kv.paged
     kv_b = W[p + "kv_b_proj.weight"]                                           # [nh * (dn + dv), r]
     absorb = native and t <= NATIVE_ABSORB_TOKENS and native_attention.supports_kv_b(kv_b)
     # the latent math in the model dtype; kv_b_proj may be kept narrower (model.py: bf16 for an fp32 model)
@@ -197,16 +260,35 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         q_lat = native_attention.mla_absorb_q(q_nope, kv_b, nh, dn, dv).to(x.dtype)
     else:
         q_lat = torch.einsum("thd,hdr->htr", q_nope, wkv[:, :dn])              # [nh, t, r]
-    if absorb and t == 1 and native_attention.mla_supported(*cache.pool.bufs[layer]):
+    if absorb and kv.decoding and cache is not None and native_attention.mla_supported(*cache.pool.bufs[layer]):
         # decode: the latent attention on the native kernel, over the pool's blocks where they are (fp32 scores;
         # torch's bf16 matmuls here run at a few GFLOP/s on a CPU without bf16 arithmetic: docs/performance/decode_step.md)
         o_lat = native_attention.mla_paged_attention(
-            torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer], cache.table(), start + 1, scale,
+            torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer], cache.table(), kv.start + 1, scale,
             first=cache.blocks[0] if cache.consecutive() else -1).to(x.dtype)[:, None]  # [nh, 1, r]
+    elif kv.decoding:
+        (C, P), unseen = kv.rows(layer, x.dtype)
+        o_lat = mla_decode(q_lat.transpose(0, 1), q_pe, C, P, unseen, scale).transpose(0, 1)  # [nh, t, r]
     else:
-        o_lat = _latent_attention(q_lat, q_pe, cache, layer, start, scale)
+        o_lat = _latent_attention(q_lat, q_pe, cache, layer, kv.start, scale)
     if absorb:
         o = native_attention.mla_absorb_o(o_lat, kv_b, nh, dn, dv).to(x.dtype)
     else:
         o = torch.einsum("htr,hvr->thv", o_lat, wkv[:, dn:]).reshape(t, nh * dv)
     return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
+
+
+def linear_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
+                     native: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Gated DeltaNet (linear_attention.py): a state per sequence instead of keys, no rotary embedding."""
+    return gated_deltanet(cfg, W, p, x, kv.paged, layer)
+
+
+# the attention kinds: a new kind is one function here (its torch reference, which CUDA graphs capture where it
+# takes a graph's bucket as `kv`) and, optionally, a native block in decode_step.py
+KINDS = {"gqa": gqa_attention, "mla": mla_attention, "linear": linear_attention}
+
+
+def kind(cfg: ModelConfig, layer: int) -> str:
+    """The attention kind of a layer."""
+    return "linear" if cfg.is_linear_attention(layer) else cfg.attention

@@ -1,4 +1,4 @@
-"""A decode step's layers in one native call (native/decode_loop.cpp): per layer the native attention block
+"""A decode step's layers in one native call (native/decode/decode_loop.cpp): per layer the native attention block
 (decode_step.py, which also routes), the routed experts handed over and their answer added, with no Python and no
 torch op between the layers. Where the torch path (Model.forward's layer loop, the reference: the same tokens bit
 for bit) costs ~15 ops and their Python a layer, this is one call a token.
@@ -32,7 +32,7 @@ from moe_kernels.attention import KV_CODES
 from .experts import Span
 from .kv_pool import BLOCK, KVPool
 
-TIMES = native.DecodeLoop.times  # int64s a layer in the times array (native/decode_loop.h LoopTime)
+TIMES = native.DecodeLoop.times  # int64s a layer in the times array (native/decode/decode_loop.h LoopTime)
 (ATTENTION_END, SUBMIT_END, WAIT_END, QUEUED_US, COMPUTE_US, EXPERT_START, EXPERT_END, LATE_START, LATE_END,
  MLP_END) = range(10)
 
@@ -55,19 +55,25 @@ class Figures(NamedTuple):
     overhead: np.ndarray   # each reported layer's round trip (submit to answer) less its immediate compute
 
 
-def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool,
-          head: tuple | None = None) -> native.DecodeLoop | None:
-    """The loop over every layer's block (and MLP) bound to its layer of `pool`; None when the model does not fit
-    it: every layer's block native, the dense layers (each with its native MLP) before the MoE layers (each
-    routing natively, with its native shared experts where the model has them). head: (the final norm's weight,
-    its eps, the lm_head as a NativeLinear) for the step's end in the same call, or None."""
+def fits(cfg: ModelConfig, blocks: dict, mlps: dict) -> bool:
+    """Whether the loop can run the model: every layer's block native, the dense layers (each with its native MLP)
+    before the MoE layers (each routing natively, with its native shared experts where the model has them)."""
     n = cfg.num_layers
     moe = [cfg.is_moe_layer(L) for L in range(n)]
     if len(blocks) != n or not moe[-1] or any(a and not b for a, b in zip(moe, moe[1:])):
+        return False
+    return all(blocks[L].routes == moe[L] and (moe[L] and not cfg.shared_intermediate_size or L in mlps)
+               for L in range(n))
+
+
+def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool,
+          head: tuple | None = None) -> native.DecodeLoop | None:
+    """The loop over every layer's block (and MLP) bound to its layer of `pool`; None when the model does not fit
+    it (`fits`). head: (the final norm's weight,
+    its eps, the lm_head as a NativeLinear) for the step's end in the same call, or None."""
+    if not fits(cfg, blocks, mlps):
         return None
-    for L in range(n):
-        if (blocks[L].routes != moe[L]) or ((not moe[L] or cfg.shared_intermediate_size) and L not in mlps):
-            return None
+    n = cfg.num_layers
     K = [pool.bufs[L][0] for L in range(n)]
     V = [pool.bufs[L][1] for L in range(n)]
     loop = native.DecodeLoop([blocks[L] for L in range(n)], [mlps.get(L) for L in range(n)],

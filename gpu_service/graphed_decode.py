@@ -35,9 +35,10 @@ import torch
 
 from moe_core.config import ModelConfig
 
-from .attention import gqa_output, gqa_project, mla_project
+from . import step
+from .attention import masked_rows
+from .step import Exchange
 from .kv_pool import BLOCK, KVPool
-from .layers import linear, rms_norm, route
 
 log = logging.getLogger("gpu_service.graphed_decode")
 
@@ -123,8 +124,8 @@ class Bucket:
         # per row: token, position, then the block table padded with the pool's spare block
         self.meta_host = torch.zeros(B, 2 + nb, dtype=torch.int32, pin_memory=pin)
         self.meta = torch.zeros(B, 2 + nb, dtype=torch.int32, device=dev)
-        model._rope(torch.zeros(1, dtype=torch.long, device=dev), C)  # the table covers the bucket (and is kept)
-        self.rope_table = model._rope_table
+        model.rope(torch.zeros(1, dtype=torch.long, device=dev), C)  # the table covers the bucket (and is kept)
+        self.rope_table = model.rope_table
         rot = self.rope_table[0].shape[1]
         z = lambda *shape, dtype=dt: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
         self.cos, self.sin = z(B, rot), z(B, rot)
@@ -143,7 +144,30 @@ class Bucket:
         self.segments.append(("lm_head", -1, self._tail))
         self.graphs: list = [None] * len(self.segments)
 
-    # -- segments: every input and output a buffer of the bucket --------------------------------
+    # -- the KV view the attention kinds take (attention.py): one token per row, each its own sequence's ----------
+    decoding = True
+    paged = None  # (no native kernel reads a graph's pool)
+
+    def write(self, layer: int, *xs: torch.Tensor) -> None:
+        """Each row's new entries at its slot: padded rows write the pool's spare block."""
+        for buf, x in zip(self.pool.bufs[layer], xs):
+            if buf.dim() == 4:  # GQA's [kv, blocks, BLOCK, d]
+                buf[:, self.blk, self.off] = x.transpose(0, 1).to(buf.dtype)
+            else:  # MLA's [blocks, BLOCK, r]
+                buf[self.blk, self.off] = x.to(buf.dtype)
+
+    def rows(self, layer: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each row's blocks up to the bucket's context, gathered: GQA [kv, B, C, d], MLA [B, C, r]; past a row's own
+        length they read whatever the pool holds, hence the mask (and masked_rows' zeros)."""
+        out = []
+        for buf in self.pool.bufs[layer]:
+            if buf.dim() == 4:
+                out.append(buf[:, self.tables].reshape(buf.shape[0], self.B, self.C, -1).to(dtype))
+            else:
+                out.append(buf[self.tables].reshape(self.B, self.C, -1).to(dtype))
+        return masked_rows(out, self.unseen), self.unseen
+
+    # -- segments: every input and output a buffer of the bucket, every computation a stage of step.py -------------
     def _head(self) -> None:
         meta = self.meta.long()
         pos = meta[:, 1]
@@ -153,27 +177,23 @@ class Bucket:
         self.unseen.copy_(self.positions[None, :] > pos[:, None])
         self.cos.copy_(self.rope_table[0][pos])
         self.sin.copy_(self.rope_table[1][pos])
-        self.h[0].copy_(torch.nn.functional.embedding(meta[:, 0], self.model.W["model.embed_tokens.weight"]))
+        self.h[0].copy_(step.embed(self.model, meta[:, 0]))
 
-    def _merge(self, h: torch.Tensor) -> torch.Tensor:
-        """h plus an MoE layer's results as Model.forward adds them: (routed (+ deferred), + shared)."""
-        y = self.y + self.late if self.deferring else self.y
-        return h + (y + self.shared if self.model.cfg.shared_intermediate_size else y)
+    def _merged(self, h: torch.Tensor) -> torch.Tensor:
+        """h plus the previous MoE layer's results (step.merge): the late buffer holds zeros where none came."""
+        return step.merge(h, self.y, self.late if self.deferring else None,
+                          self.shared if self.model.cfg.shared_intermediate_size else None)
 
     def _layer(self, L: int) -> None:
-        model, cfg, W = self.model, self.model.cfg, self.model.W
-        p = f"model.layers.{L}."
+        model, cfg = self.model, self.model.cfg
         h = self.h[L % 2]
         if L and cfg.is_moe_layer(L - 1):
-            h = self._merge(h)
-        x = rms_norm(h, W[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-        h = h + (self._mla(L, x) if cfg.attention == "mla" else self._gqa(L, x))
-        x = rms_norm(h, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-        fp = p + cfg.ffn_prefix + "."
+            h = self._merged(h)
+        h, x = step.attention(model, L, h, self.cos, self.sin, [(self.B, self)])
         if not cfg.is_moe_layer(L):
-            h = h + model._mlp(fp, x)
+            h = h + step.mlp(model, L, x)
         else:
-            ids, w = route(cfg, x, *model.router(L))
+            ids, w = step.route(model, L, x)
             k = self.slot[L]
             self.x[k].copy_(x)
             self.ids[k].copy_(ids)
@@ -181,52 +201,14 @@ class Bucket:
         self.h[(L + 1) % 2].copy_(h)
 
     def _shared(self, L: int) -> None:
-        cfg = self.model.cfg
-        self.shared.copy_(self.model._shared(f"model.layers.{L}.{cfg.ffn_prefix}.", self.x[self.slot[L]]))
+        self.shared.copy_(step.mlp(self.model, L, self.x[self.slot[L]]))
 
     def _tail(self) -> None:
         cfg = self.model.cfg
         h = self.h[cfg.num_layers % 2]
         if cfg.is_moe_layer(cfg.num_layers - 1):
-            h = self._merge(h)
-        h = rms_norm(h, self.model.W["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_offset)
-        self.logits.copy_(linear(h, self.model.lm_head).float())
-
-    def _gqa(self, L: int, x: torch.Tensor) -> torch.Tensor:
-        cfg, W = self.model.cfg, self.model.W
-        p = f"model.layers.{L}.self_attn."
-        B, nh, nkv, d = self.B, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, k, v, gate = gqa_project(cfg, W, p, x, self.cos, self.sin)
-        K, V = self.pool.bufs[L]                                                  # [kv, blocks, BLOCK, d]
-        K[:, self.blk, self.off] = k.transpose(0, 1).to(K.dtype)
-        V[:, self.blk, self.off] = v.transpose(0, 1).to(V.dtype)
-        Kg = K[:, self.tables].reshape(nkv, B, self.C, d).to(q.dtype)            # [kv, B, C, d]
-        # past a row's own length the gather reads whatever the pool's memory holds (never-written rows: anything,
-        # NaN included): their scores are masked, and their values zeroed (a masked weight of 0 times NaN is NaN)
-        Vg = V[:, self.tables].reshape(nkv, B, self.C, d).to(q.dtype).masked_fill(self.unseen[None, :, :, None], 0)
-        qg = q.view(B, nkv, nh // nkv, d).transpose(0, 1)                         # [kv, B, group, d]
-        s = torch.matmul(qg, Kg.transpose(-1, -2)) * d ** -0.5                    # [kv, B, group, C]
-        s = s.float().masked_fill(self.unseen[None, :, None, :], float("-inf"))
-        o = torch.matmul(s.softmax(-1).to(q.dtype), Vg)                           # [kv, B, group, d]
-        return gqa_output(cfg, W, p, o.transpose(0, 1), gate)
-
-    def _mla(self, L: int, x: torch.Tensor) -> torch.Tensor:
-        cfg, W = self.model.cfg, self.model.W
-        p = f"model.layers.{L}.self_attn."
-        B, nh, dn, dv, r = self.B, cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        q_nope, q_pe, c, k_pe = mla_project(cfg, W, p, x, self.cos, self.sin)
-        Cp, Pp = self.pool.bufs[L]                                                # [blocks, BLOCK, r], [.., dr]
-        Cp[self.blk, self.off] = c.to(Cp.dtype)
-        Pp[self.blk, self.off] = k_pe.to(Pp.dtype)
-        wkv = W[p + "kv_b_proj.weight"].to(x.dtype).view(nh, dn + dv, r)
-        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, wkv[:, :dn])                # [B, nh, r]
-        Cg = Cp[self.tables].reshape(B, self.C, r).to(x.dtype).masked_fill(self.unseen[:, :, None], 0)  # (as _gqa's V)
-        Pg = Pp[self.tables].reshape(B, self.C, -1).to(x.dtype)                   # [B, C, dr]
-        s = (torch.matmul(q_lat, Cg.transpose(1, 2)) + torch.matmul(q_pe, Pg.transpose(1, 2))) * self.model.scale
-        s = s.float().masked_fill(self.unseen[:, None, :], float("-inf"))         # [B, nh, C]
-        o_lat = torch.matmul(s.softmax(-1).to(x.dtype), Cg)                       # [B, nh, r]
-        o = torch.einsum("bhr,hvr->bhv", o_lat, wkv[:, dn:]).reshape(B, nh * dv)
-        return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
+            h = self._merged(h)
+        self.logits.copy_(step.logits(self.model, step.norm(self.model, h, "model.norm.weight")))
 
 
 class GraphedDecode:
@@ -259,8 +241,7 @@ class GraphedDecode:
             meta[i, 2:2 + len(table)] = table[:b.C // BLOCK]
             meta[i, 2 + len(table):] = self.pool.spare
         b.meta.copy_(meta, non_blocking=True)
-        last_moe = self.model.last_moe_layer
-        pending = None
+        exchange = Exchange(experts, step, defer, self.model.last_moe_layer)
         for i, (name, L, _) in enumerate(b.segments):
             if name == "shared_experts":
                 continue  # (played right after its layer's hand-over)
@@ -268,22 +249,19 @@ class GraphedDecode:
             mark(name, L)
             if name != "attention" or not cfg.is_moe_layer(L):
                 continue
-            d = defer if L != last_moe else 0
             k = b.slot[L]
-            experts.submit(step, L, b.x[k][:n], b.ids[k][:n], b.w[k][:n], d)
+            exchange.submit(L, b.x[k][:n], b.ids[k][:n], b.w[k][:n])
             mark("expert_submit", L)
             if b.segments[i + 1][0] == "shared_experts":  # overlaps the expert service's work
                 self._play(b, i + 1)
             mark("shared_experts", L)  # (every MoE layer marks it, as the per-op path does)
-            late = experts.result(pending, deferred=True) if pending is not None else None
-            y = experts.result(L, deferred=False)
+            y, late = exchange.collect(L)
             mark("expert_wait", L)
-            b.y[:n].copy_(y, non_blocking=True)
+            b.y[:n].copy_(y, non_blocking=True)  # (merged by the next segment: step.merge)
             if late is not None:
                 b.late[:n].copy_(late, non_blocking=True)
             elif b.deferring:
                 b.late.zero_()
-            pending = L if d else None
         return b.logits[:n].clone()
 
     def prepare(self, rows: int, end: int, deferring: bool) -> list[Bucket]:

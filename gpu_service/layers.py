@@ -41,10 +41,6 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
 GATE_UP = "gate_up_proj.weight"  # an MLP's gate and up projections fused into one packed matrix (gate rows first)
 
 
-def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
-
-
 # -- rotary embeddings ------------------------------------------------------------------------
 def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

@@ -64,7 +64,7 @@ def test_rope_supported_only_where_every_dim_turns_by_halves():
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("half", [16, 20, 32, 40, 64])
 def test_cos_sin_of_a_position_do_not_depend_on_its_neighbours(dt, half):
-    """What Model._rope's table relies on: rope_cos_sin's rows for a window of positions, computed alone, equal the
+    """What Model.rope's table relies on: rope_cos_sin's rows for a window of positions, computed alone, equal the
     same rows of the whole table (elementwise ops, whatever the vector tails), at the table's growth sizes too."""
     inv_freq = 1.0 / (1000000 ** (torch.arange(half).float() / half))
     table = rope_cos_sin(inv_freq, 0.7, torch.arange(4100), dt)

@@ -131,8 +131,8 @@ def test_mla_scores_in_head_groups_change_nothing(checkpoints, monkeypatch):
 
     def run():
         cache = model.new_cache()
-        return attention.mla_attention(cfg, model.W, "model.layers.1.self_attn.", x, cos, sin, cache, 1, 0,
-                                       model.scale)
+        return attention.mla_attention(cfg, model.W, "model.layers.1.self_attn.", x, cos, sin,
+                                       attention.SequenceKV(cache, 0, 40), 1, scale=model.scale)
     whole = run()
     monkeypatch.setattr(attention, "SCORE_BYTES", 40 * 40 * 4)  # one head at a time
     assert torch.allclose(run(), whole, atol=1e-6, rtol=1e-5)

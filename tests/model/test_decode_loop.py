@@ -1,4 +1,4 @@
-"""The native decode loop (gpu_service/decode_loop.py, native/decode_loop.cpp): a decode step's every layer in one
+"""The native decode loop (gpu_service/decode_loop.py, native/decode/decode_loop.cpp): a decode step's every layer in one
 call, against the layer loop it replaces (Model.forward with the native attention blocks, the reference, itself
 checked against the torch path in test_decode_step.py): the same logits and KV rows bit for bit, one sequence
 and several, experts in this process or behind the shared-memory ring of a real expert service, the step's end
@@ -83,12 +83,12 @@ def step(model, experts, segments, looped: bool, **kw):
     """One forward with the decode loop where it applies, or the layer loop (the reference)."""
     if looped:
         return model.forward(segments, experts, **kw)
-    keep = model._decode_loop
-    model._decode_loop = lambda pool: None
+    keep = model.native_loop
+    model.native_loop = lambda pool: None
     try:
         return model.forward(segments, experts, **kw)
     finally:
-        model._decode_loop = keep
+        model.native_loop = keep
 
 
 def kv_rows(cache, layer, n):
@@ -119,7 +119,7 @@ def decode_both(model, cfg, experts_mine, experts_ref, n=24, prompt=(5, 17, 300,
 @pytest.mark.parametrize("fmt, experts", [("bf16", "bf16"), ("int8", "int4")])
 def test_local_experts_the_layer_loop_bit_for_bit(ckpts, family, dtype, fmt, experts):
     cfg, model, layers = load(ckpts[family], dtype, fmt, experts)
-    assert model._decode_loop(model.kv_pool()).has_head  # the lm_head packed: the loop ends the step too
+    assert model.native_loop(model.kv_pool()).has_head  # the lm_head packed: the loop ends the step too
     dense = [L for L in range(cfg.num_layers) if not cfg.is_moe_layer(L)]
     assert sorted(model.decode_mlps) == (list(range(cfg.num_layers)) if cfg.shared_intermediate_size else dense)
     moe = cfg.num_layers - len(dense)
@@ -241,7 +241,7 @@ def test_what_it_leaves_to_the_layer_loop(ckpts):
     assert experts.loops == 1
     between_cfg, between, _ = load(ckpts["qwen2_moe"])
     assert between_cfg.moe_layers == (0, 2) and len(between.decode_blocks) == 3 and len(between.decode_mlps) == 3
-    assert between._decode_loop(between.kv_pool()) is None
+    assert between.native_loop(between.kv_pool()) is None
 
 
 def test_non_finite_rows_are_refused_and_the_next_step_runs(ckpts):

@@ -1,4 +1,4 @@
-"""The native decode step of attention blocks (gpu_service/decode_step.py, native/decode_step.cpp) against the torch
+"""The native decode step of attention blocks (gpu_service/decode_step.py, native/decode/decode_step.cpp) against the torch
 path it replaces (attention.gqa_attention / mla_attention and the model's norms, the reference): one sequence's
 logits and KV rows bit for bit, several sequences in one step (their projections batched) to the last bits, for the
 GQA and MLA families it takes, bf16 and fp32, packed bf16 and int8 dense layers; and the layers it must leave to
@@ -249,9 +249,9 @@ def test_sigmoid_topk_is_routes_sigmoid(groups, topk_group, bias, norm, B, E):
 @pytest.mark.parametrize("B", [1, 3, 17, 40])
 def test_native_mlp_is_the_torch_path_across_torchs_vector_loop_and_its_tail(dtype, I, B):
     """A gated SwiGLU MLP (Qwen2-MoE's shared expert: the gate's sigmoid a run of B values) natively against
-    Model._mlp/_shared's torch ops on the same packed matrices, bit for bit: torch's silu and sigmoid take Sleef's
+    step.mlp's torch ops on the same packed matrices, bit for bit: torch's silu and sigmoid take Sleef's
     exp two vectors at a time and libm's for the rest of a run (a row's last I % 16 or 32 gate values, every value
-    of a short run), and the native MLP must do the same (native/torch_rounding.h)."""
+    of a short run), and the native MLP must do the same (native/kernels/torch_rounding.h)."""
     import torch.nn.functional as F
 
     from gpu_service.layers import linear
@@ -350,13 +350,13 @@ def test_only_the_layers_it_can_run(checkpoints, wide):
 
 
 def test_cos_sin_rows_from_the_models_table_are_rope_cos_sins(wide):
-    """The step's cos/sin come from a table of every position so far (Model._rope), grown on demand: the same
+    """The step's cos/sin come from a table of every position so far (Model.rope), grown on demand: the same
     numbers as rope_cos_sin of the step's positions, before and after the table grows."""
     from gpu_service.layers import rope_cos_sin
     _, model, _ = load(wide["qwen3_moe"], torch.bfloat16, "bf16")
     for positions in ([0], [3, 900], [1023, 1024], [1500], [5000, 7, 5000]):
         p = torch.tensor(positions)
-        got = model._rope(p, max(positions) + 1)
+        got = model.rope(p, max(positions) + 1)
         want = rope_cos_sin(model.inv_freq, model.rope_scaling, p, model.dtype)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), positions
-    assert model._rope_table[0].shape[0] >= 5001
+    assert model.rope_table[0].shape[0] >= 5001
