@@ -32,9 +32,16 @@ QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as D
 
 
 FP8_BLOCK = 128  # the FP8 blocks the fp8 weight format keeps as published (DeepSeek-V3's weight_block_size)
-# the native kernels' weight formats (moe_kernels/packing.py describes each; native/moe.h's Fmt)
-KERNEL_FORMATS = ("bf16", "int8", "int4", "mxfp4", "fp8", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q6k", "iq4xs",
-                  "q5k", "q3k", "q2k")
+
+
+def __getattr__(name: str):
+    """KERNEL_FORMATS: the native kernels' weight format names, from their table (moe_kernels/formats.py). Imported when
+    asked for: moe_kernels loads torch and the native library, which this module's other readers (file checks, configs)
+    do without."""
+    if name == "KERNEL_FORMATS":
+        from moe_kernels.formats import NAMES
+        return NAMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def text_prefix(raw: dict) -> str | None:

@@ -5,7 +5,7 @@ tokenizer.json and tokenizer_config.json from its tokenizer and chat template, g
 that load_config and TextCodec read as they read a checkpoint folder; GGUFCheckpoint reads the tensors in
 place from the mapped file, by llama.cpp's names shown under transformers' names, dequantized by the gguf
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
-a kernel format holds exactly are kept bit for bit (KEEPS: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
+a kernel format holds exactly are kept bit for bit (AS_STORED: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
 uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q2_K on q2k; Q4_1 on uint4g32; IQ4_XS
 on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
 dequantized exactly (then requantized by default: covering).
@@ -21,6 +21,7 @@ import os
 import pathlib
 import re
 import shutil
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -33,16 +34,14 @@ FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-o
 # `where` entries whose name is every expert's tensor at once, built expert by expert (get_row) from the file's
 # tensors' slices: dequantized, or as stored (STACKED_RAW: gpt-oss's MXFP4 blocks)
 STACKED, STACKED_RAW = -1, -2
-# block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred
-# first (Q4_0's q - 8 is also a min of 8 scales)
 FLOAT_TYPES = ("F32", "F16", "BF16")  # not block types: read as floats
-KEEPS = {"Q4_0": ("int4g32", "uint4g32"), "Q4_1": ("uint4g32",), "Q2_K": ("q2k",), "Q3_K": ("q3k", "q6k"),
-         "Q4_K": ("q4k", "uint4g32"),
-         "Q5_K": ("q5k",), "Q6_K": ("q6k",), "IQ4_NL": ("iq4nl",), "IQ4_XS": ("iq4xs", "iq4nl"), "Q8_0": ("int8g32",),
-         "MXFP4": ("mxfp4",)}
 # bits a value of the formats a type no format keeps is requantized into (covering), smallest first (not q2k: its 4
 # levels per 16 are coarser than the IQ2 types' grids; it keeps Q2_K alone)
 VALUE_BITS = {"q3k": 3, "iq4xs": 4, "q5k": 5, "q6k": 6, "int8g32": 8}
+
+
+# The block types' numbers are moe_kernels.formats' (imported where used: moe_kernels loads the native library, which
+# moe_core does without).
 
 
 def _f16(b: np.ndarray) -> torch.Tensor:
@@ -57,21 +56,21 @@ def _halves(qs: np.ndarray) -> torch.Tensor:
 
 
 def _q4_0(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes; w = d (q - 8)
-    from moe_kernels.packing import Int4
+    from moe_kernels.formats import Int4
     blocks = b.reshape(b.shape[0], -1, 18)
     q = _halves(blocks[..., 2:]).reshape(b.shape[0], -1)
     return Int4((q.to(torch.int16) - 8).to(torch.int8), _f16(blocks[..., :2]), 32)
 
 
 def _q8_0(b: np.ndarray):  # 34 bytes per 32: fp16 d, 32 int8; w = d q
-    from moe_kernels.packing import Q8
+    from moe_kernels.formats import Q8
     blocks = b.reshape(b.shape[0], -1, 34)
     q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).reshape(b.shape[0], -1)
     return Q8(q, _f16(blocks[..., :2]))
 
 
 def _q4_1(b: np.ndarray):  # 20 bytes per 32: fp16 d, fp16 m, 16 bytes; w = d q + m
-    from moe_kernels.packing import UInt4
+    from moe_kernels.formats import UInt4
     blocks = b.reshape(b.shape[0], -1, 20)
     return UInt4(_halves(blocks[..., 4:]).reshape(b.shape[0], -1), _f16(blocks[..., :2]), -_f16(blocks[..., 2:4]), 32)
 
@@ -90,7 +89,7 @@ def _k_scales(blocks: np.ndarray) -> tuple:
 def _q4_k(b: np.ndarray):
     """144 bytes per 256: fp16 d and dmin, 12 bytes of 6-bit scales and mins for the 8 sub-blocks of 32, 128 bytes
     (per 64 weights 32 bytes: the low nibbles the first sub-block, the high ones the second); w = d sc q - dmin m."""
-    from moe_kernels.packing import Q4K
+    from moe_kernels.formats import Q4K
     R = b.shape[0]
     blocks = b.reshape(R, -1, 144)
     q = _halves(blocks[..., 16:].reshape(R, -1, 4, 32)).reshape(R, -1)
@@ -100,7 +99,7 @@ def _q4_k(b: np.ndarray):
 def _q5_k(b: np.ndarray):
     """176 bytes per 256: Q4_K's 16 bytes of d, dmin, scales and mins, 32 bytes of high bits (bit s of byte l: weight
     32 s + l), then Q4_K's 128 bytes of nibbles; w = d sc q - dmin m, q = nibble + 16 high bit."""
-    from moe_kernels.packing import Q5K
+    from moe_kernels.formats import Q5K
     R = b.shape[0]
     blocks = np.ascontiguousarray(b.reshape(R, -1, 176))
     n = blocks.shape[1]
@@ -114,7 +113,7 @@ def _q6_k(b: np.ndarray):
     """210 bytes per 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16), fp16 d. Per
     128 weights: 64 bytes of nibbles (the low ones weights 0-63, the high ones 64-127) and 32 bytes of pairs (bits 2k,
     2k + 1 of byte l: weight 32k + l); w = d sc (q - 32)."""
-    from moe_kernels.packing import Q6K
+    from moe_kernels.formats import Q6K
     R = b.shape[0]
     blocks = np.ascontiguousarray(b.reshape(R, -1, 210))
     n = blocks.shape[1]
@@ -138,7 +137,7 @@ def _bit_pairs(qs: np.ndarray) -> torch.Tensor:
 def _q2_k(b: np.ndarray):
     """84 bytes per 256: 16 bytes of 4-bit scales and mins (sc | m << 4, one per 16), 64 of bit pairs, fp16 d, fp16
     dmin; w = d sc q - dmin m."""
-    from moe_kernels.packing import Q2K
+    from moe_kernels.formats import Q2K
     R = b.shape[0]
     blocks = np.ascontiguousarray(b.reshape(R, -1, 84))
     sm = torch.from_numpy(blocks[..., :16].copy()).reshape(R, -1)
@@ -150,7 +149,7 @@ def _q3_k(b: np.ndarray):
     """110 bytes per 256: 32 bytes of high bits (bit 4h + j of byte l: weight 128 h + 32 j + l), 64 of low bit pairs
     (bits 2j of byte 32 h + l: the same weight), 12 of the 16 6-bit scales (ggml's kmask shuffle), fp16 d;
     w = d (sc - 32) (u - 4) with u = pair + 4 high bit."""
-    from moe_kernels.packing import Q3K
+    from moe_kernels.formats import Q3K
     R = b.shape[0]
     blocks = np.ascontiguousarray(b.reshape(R, -1, 110))
     n = blocks.shape[1]
@@ -167,7 +166,7 @@ def _q3_k(b: np.ndarray):
 
 
 def _iq4_nl(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes of codes; w = d IQ4NL[code]
-    from moe_kernels.packing import Iq4
+    from moe_kernels.formats import Iq4
     blocks = b.reshape(b.shape[0], -1, 18)
     return Iq4(_halves(blocks[..., 2:]).reshape(b.shape[0], -1), _f16(blocks[..., :2]))
 
@@ -175,7 +174,7 @@ def _iq4_nl(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes of codes; w = d
 def _iq4_xs(b: np.ndarray):
     """136 bytes per 256: fp16 d, the 8 sub-blocks' 6-bit scales (2 high bits each in a uint16, 4 low bits in 4
     bytes), 128 bytes of codes (16 per sub-block of 32); w = d (ls - 32) IQ4NL[code], the scale exact in fp32."""
-    from moe_kernels.packing import Iq4Xs
+    from moe_kernels.formats import Iq4Xs
     R = b.shape[0]
     blocks = b.reshape(R, -1, 136)
     d = _f16(blocks[..., 0:2])
@@ -187,8 +186,37 @@ def _iq4_xs(b: np.ndarray):
     return Iq4Xs(codes, d, (ls - 32).to(torch.int8).reshape(R, -1))
 
 
-_DECODE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-           "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "Q8_0": _q8_0}
+def _q4_0_as_uint4(w):  # Q4_0 on uint4g32: d (q - 8) = d q - 8 d
+    from moe_kernels.formats import UInt4
+    return UInt4((w.values.to(torch.int16) + 8).to(torch.uint8), w.scale, 8 * w.scale, w.group)
+
+
+class Stored(NamedTuple):
+    """How the experts of one GGUF block type are kept as stored: decode (the bytes of rows -> the type's numbers,
+    moe_kernels.formats' Int4, Q4K...; None: MXFP4, read as published blocks by _fused_experts) and the expert formats
+    that hold those numbers exactly, preferred first, each with what makes the numbers that format's (None: as
+    decoded; the format's table entry keeps them)."""
+    decode: Callable | None
+    kept_by: dict[str, Callable | None]
+
+
+# GGUF block type -> how it is kept as stored (Q4_0's q - 8 is also a min of 8 scales; Q4_K's and IQ4_XS's scales
+# multiplied out per 32 are exact in fp32)
+AS_STORED = {
+    "Q4_0": Stored(_q4_0, {"int4g32": None, "uint4g32": _q4_0_as_uint4}),
+    "Q4_1": Stored(_q4_1, {"uint4g32": None}),
+    "Q2_K": Stored(_q2_k, {"q2k": None}),
+    "Q3_K": Stored(_q3_k, {"q3k": None, "q6k": None}),
+    "Q4_K": Stored(_q4_k, {"q4k": None, "uint4g32": lambda w: w.to_uint4()}),
+    "Q5_K": Stored(_q5_k, {"q5k": None}),
+    "Q6_K": Stored(_q6_k, {"q6k": None}),
+    "IQ4_NL": Stored(_iq4_nl, {"iq4nl": None}),
+    "IQ4_XS": Stored(_iq4_xs, {"iq4xs": None, "iq4nl": lambda w: w.to_iq4()}),
+    "Q8_0": Stored(_q8_0, {"int8g32": None}),
+    "MXFP4": Stored(None, {"mxfp4": None}),
+}
+# block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred first
+KEEPS = {t: tuple(s.kept_by) for t, s in AS_STORED.items()}
 
 
 def layer_names(cfg, L: int) -> list[tuple[str, str]]:
@@ -603,24 +631,20 @@ class GGUFCheckpoint:
         return self._data(name)[0].tensor_type.name
 
     def get_published(self, name: str, fmt: str):
-        """The weight as stored where expert format `fmt` keeps its block type (KEEPS: packing.Int4, UInt4, Q4K or Iq4,
+        """The weight as stored where expert format `fmt` keeps its block type (AS_STORED: Int4, UInt4, Q4K, Iq4...,
         bit for bit what the gguf package dequantizes); None for other types and formats."""
-        from moe_kernels.packing import Int4, Iq4Xs, Q4K, UInt4
         t, data = self._data(name)
-        kind = t.tensor_type.name
-        if fmt not in KEEPS.get(kind, ()) or kind not in _DECODE:
+        stored = AS_STORED.get(t.tensor_type.name)
+        if stored is None or stored.decode is None or fmt not in stored.kept_by:
             return None
-        w = _DECODE[kind](np.asarray(data))
-        if fmt == "uint4g32" and isinstance(w, Int4):  # Q4_0: d (q - 8) = d q - 8 d
-            return UInt4((w.values.to(torch.int16) + 8).to(torch.uint8), w.scale, 8 * w.scale, w.group)
-        if fmt == "uint4g32" and isinstance(w, Q4K):  # its d sc and dmin m multiplied out per 32 (exact in fp32)
-            return w.to_uint4()
-        if fmt == "iq4nl" and isinstance(w, Iq4Xs):  # its d sc multiplied out per 32 (exact in fp32)
-            return w.to_iq4()
-        return w
+        w, convert = stored.decode(np.asarray(data)), stored.kept_by[fmt]
+        return w if convert is None else convert(w)
 
     def close(self) -> None:  # the map stays: a GGUF is read in place
         pass
+
+
+FLOAT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0}  # the formats that hold floats (bf16: a kernel format too)
 
 
 def type_bits(name: str) -> float:
@@ -633,8 +657,8 @@ def type_bits(name: str) -> float:
 def format_bits(fmt: str) -> float:
     """Bits a weight of an expert format as the packed layout stores it (scales and sums included, the rows'
     alignment padding not)."""
-    if fmt in ("fp32", "fp16"):
-        return 32.0 if fmt == "fp32" else 16.0
+    if fmt in FLOAT_BITS:
+        return FLOAT_BITS[fmt]
     from moe_kernels.packing import layout
     rows, Kp = 128, 4096
     parts = [p for p in layout(fmt, 1, rows, Kp) if p is not None]
@@ -702,7 +726,7 @@ def dequantized_experts(cfg, fmt: str) -> str | None:
     if not held:
         return None
     what = f"the file's routed experts ({', '.join(held)}) are not kept as stored by the {fmt} format"
-    if fmt in ("fp32", "bf16", "fp16"):
+    if fmt in FLOAT_BITS:
         stored, bits = max(type_bits(t) for t in held), format_bits(fmt)
         return (f"{what}: dequantized exactly and held as {fmt} ({bits:.3g} bits, {bits / stored:.1f}x the file's bytes "
                 "for them and as slow to decode)")

@@ -97,9 +97,9 @@ class Unpacked:
         return (self.q.float() - self.zero[:, g].float()) * self.scale[:, g]
 
     def symmetric_int4(self, group: int):  # group <= 0: one a row
-        """As packing.Int4 (values q - 8, a scale per group) where that is exact: every zero point 8, groups
-        consecutive and a multiple of 32 long; else None."""
-        from moe_kernels.packing import G32, Int4
+        """As moe_kernels.formats.Int4 (values q - 8, a scale per group) where that is exact: every zero point 8,
+        groups consecutive and a multiple of 32 long; else None."""
+        from moe_kernels.formats import G32, Int4  # imported here: moe_kernels loads the native library
         n_in = self.q.shape[1]
         group = group if group > 0 else n_in
         if group % G32 or not bool((self.zero == 8).all()) or \
@@ -108,9 +108,9 @@ class Unpacked:
         return Int4((self.q.to(torch.int16) - 8).to(torch.int8), self.scale, group)
 
     def uint4(self, group: int):  # group <= 0: one a row
-        """As packing.UInt4 (q, a scale and min = scale x zero per group: exact in fp32) where groups are consecutive
-        and a multiple of 32 long; else None."""
-        from moe_kernels.packing import G32, UInt4
+        """As moe_kernels.formats.UInt4 (q, a scale and min = scale x zero per group: exact in fp32) where groups are
+        consecutive and a multiple of 32 long; else None."""
+        from moe_kernels.formats import G32, UInt4  # (as above)
         n_in = self.q.shape[1]
         group = group if group > 0 else n_in
         if group % G32 or not torch.equal(self.g_idx, torch.arange(n_in) // group):

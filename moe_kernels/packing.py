@@ -1,340 +1,35 @@
-"""Packed weight formats of the native kernels, one [rows, K] matrix (or E experts' of them) at a time:
-- bf16: as is;
-- int8: symmetric, one fp32 scale per output channel (row);
-- int4: symmetric, one fp32 scale per group of 64 consecutive weights of a row (INT4_GROUP);
-- mxfp4: OCP MX, e2m1 values with one power-of-two scale per 32 (MX_BLOCK): gpt-oss's experts as
-  published (Mx4: taken bit for bit), or quantized here from float weights;
-- fp8: e4m3 values with one fp32 scale per 128 x 128 block (FP8_BLOCK): DeepSeek-V3-style FP8 releases as
-  published (Fp8: taken bit for bit), or quantized here from float weights with DeepSeek's recipe;
-- int4g32: int4's nibbles with one fp32 scale per 32 weights: symmetric int4 checkpoints (Int4: groups of
-  32, 64, 128... as published, their scales repeated per 32), or quantized here from float weights;
-- iq4nl: codes of ggml's non-linear 4-bit grid (IQ4NL) with one fp32 scale per 32: GGUF's IQ4_NL and IQ4_XS
-  as stored (Iq4: exact), or quantized here;
-- int8g32: int8 with one fp32 scale per 32: GGUF's Q8_0 as stored (Q8: exact), or quantized here;
-- uint4g32: unsigned nibbles with an fp32 scale and min per 32, w = scale x q - min: GGUF's Q4_1 (and Q4_K), AWQ
-  and GPTQ zero points (UInt4: groups of 32 x n, exact), or quantized here;
-- q4k: GGUF's Q4_K as stored (Q4K: unsigned nibbles, w = d sc q - dmin m with an fp32 d and dmin per 256 and a 6-bit
-  sc and m per 32; 4.75 bits a weight against uint4g32's 6), or quantized here;
-- q5k: GGUF's Q5_K as stored (Q5K: q4k's numbers with 5-bit q; 5.75 bits a weight against the file's 5.5), or
-  quantized here;
-- iq4xs: GGUF's IQ4_XS as stored (Iq4Xs: iq4nl's codes, w = d sc IQ4NL[code] with an fp32 d per 256 and an int8 sc per
-  32; 4.375 bits a weight against iq4nl's 5), or quantized here;
-- q6k: GGUF's Q6_K as stored (Q6K: 6-bit values, w = d sc (u - 32) with an fp32 d per 256 and an int8 sc per 16;
-  6.625 bits a weight against the file's 6.5625), or quantized here;
-- q3k: GGUF's Q3_K as stored (Q3K: q6k's numbers with 3-bit values, w = d sc (u - 4); 3.625 bits a weight against the
-  file's 3.4375), or quantized here;
-- q2k: GGUF's Q2_K as stored (Q2K: 2-bit q, w = d sc q - dmin m with an fp32 d and dmin per 256 and a 4-bit sc and m per
-  16; 2.75 bits a weight against the file's 2.625), or quantized here.
-Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The grouped int formats (all
-but bf16, int8 and fp8) are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/gemm_blocked.h):
-_interleave_rows.
+"""Weights packed into the native kernels' formats, and read back, one [rows, K] matrix (or E experts' of them) at a
+time: the part common to every format. What differs per format (its numbers, layout, packing, unpacking) is one entry
+of the table in moe_kernels/formats.py (FORMATS), read here by name; this module adds the packed buffers (huge pages,
+NUMA placement) and keeps the names it always exported (the formats' numbers Mx4, Fp8, Int4..., their quantizers and
+packers) for its importers.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
-import torch.nn.functional as F
-
-from moe_core.config import FP8_BLOCK, KERNEL_FORMATS
 
 from . import native
-
-FORMATS = KERNEL_FORMATS
-INT4_GROUP = 64
-MX_BLOCK = 32
-G32 = 32  # int4g32's group
-QK = 256  # the super-block of q4k, q5k, q6k, q3k, q2k and iq4xs (GGUF's QK_K): a d (q4k, q5k, q2k: and a dmin) per 256,
-# sub-scales below
-Q6_SUB = 16  # q6k, q3k: an int8 sc per 16; q2k: an sc and m
-BLOCK_ROWS = 16  # the grouped int formats' row blocks
-ROW_BLOCKED = ("int4", "mxfp4", "int4g32", "iq4nl", "uint4g32", "int8g32", "q4k", "q5k", "q6k", "q3k", "q2k", "iq4xs")
-SUPER_BLOCKED = ("q4k", "q5k", "q6k", "q3k", "q2k", "iq4xs")  # rows in whole super-blocks of 256 (QK)
-E4M3_MAX = 448.0
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
-MX4_TWICE = torch.cat([2 * E2M1, -2 * E2M1])  # code -> twice its value: what the kernels multiply (MX4_LUT)
-# ggml's kvalues_iq4nl: an IQ4_NL / IQ4_XS code -> its value (native/gemm_blocked.h's IQ4NL_LUT)
-IQ4NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32)
-
-
-class Mx4(NamedTuple):
-    """MXFP4 weights as published: codes [rows, K] uint8 (e2m1, 0-15) and exps [rows, K/32] uint8 (e8m0:
-    the block's scale is 2^(e - 127))."""
-    codes: torch.Tensor
-    exps: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    def dequantize(self) -> torch.Tensor:
-        v = (MX4_TWICE[self.codes.long()] / 2).view(self.codes.shape[0], -1, MX_BLOCK)
-        return torch.ldexp(v, self.exps.to(torch.int32)[..., None] - 127).view(self.codes.shape)
-
-    @staticmethod
-    def cat(parts: list["Mx4"]) -> "Mx4":
-        return Mx4(torch.cat([p.codes for p in parts]), torch.cat([p.exps for p in parts]))
-
-    @staticmethod
-    def from_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> "Mx4":
-        """The published tensors, blocks [rows, K/32, 16] (byte j: element 2j low nibble, 2j+1 high) and
-        scales [rows, K/32], as transformers' convert_moe_packed_tensors reads them."""
-        codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(blocks.shape[0], -1)
-        return Mx4(codes, scales.to(torch.uint8))
-
-
-class Fp8(NamedTuple):
-    """FP8 weights as published: values [rows, K] float8_e4m3fn and scale [ceil(rows/128), ceil(K/128)] fp32
-    (the checkpoint's `weight_scale_inv`: a block's weights are value x scale)."""
-    values: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    def dequantize(self) -> torch.Tensor:
-        R, K = self.values.shape
-        s = self.scale.float().repeat_interleave(FP8_BLOCK, 0)[:R].repeat_interleave(FP8_BLOCK, 1)[:, :K]
-        return self.values.float() * s
-
-    def rows(self, r0: int, r1: int) -> "Fp8":
-        """Rows [r0, r1) (r0 on a block boundary) with their blocks' scales."""
-        assert r0 % FP8_BLOCK == 0, r0
-        return Fp8(self.values[r0:r1], self.scale[r0 // FP8_BLOCK: -(-min(r1, self.values.shape[0]) // FP8_BLOCK)])
-
-    @staticmethod
-    def cat(parts: list["Fp8"]) -> "Fp8":
-        """Stacked along rows; every part but the last must fill whole 128-row blocks (a block never spans
-        two of them)."""
-        for p in parts[:-1]:
-            if p.values.shape[0] % FP8_BLOCK:
-                raise ValueError(f"fp8 matrices of {p.values.shape[0]} rows (not a multiple of {FP8_BLOCK}) cannot be "
-                                 "stacked without requantizing a block")
-        return Fp8(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]))
-
-
-class Int4(NamedTuple):
-    """Symmetric int4 weights as a checkpoint publishes them: values [rows, K] int8 in -8..7 and scale
-    [rows, K / group] fp32 (w = value x the scale of its group of `group` consecutive weights of a row)."""
-    values: torch.Tensor
-    scale: torch.Tensor
-    group: int
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    def dequantize(self) -> torch.Tensor:
-        return self.values.float() * self.scale.float().repeat_interleave(self.group, 1)[:, :self.values.shape[1]]
-
-    @staticmethod
-    def cat(parts: list["Int4"]) -> "Int4":
-        if len({p.group for p in parts}) != 1:
-            raise ValueError(f"int4 matrices of different group sizes {[p.group for p in parts]} cannot be stacked")
-        return Int4(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), parts[0].group)
-
-
-def _times_scale32(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Values [rows, K] (fp32) times the scale of their 32 [rows, ceil(K/32)]."""
-    R, K = v.shape
-    return (F.pad(v, (0, -K % G32)).view(R, -1, G32) * scale[..., None]).view(R, -1)[:, :K]
-
-
-class Iq4(NamedTuple):
-    """Weights on ggml's IQ4_NL grid: codes [rows, K] uint8 (0-15) and scale [rows, K/32] fp32 (w = IQ4NL[code] x
-    the scale of its 32; IQ4_XS's fp16 scale times its 6-bit sub-scale is exact in fp32)."""
-    codes: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    def dequantize(self) -> torch.Tensor:
-        return _times_scale32(IQ4NL[self.codes.long()], self.scale)
-
-    @staticmethod
-    def cat(parts: list["Iq4"]) -> "Iq4":
-        return Iq4(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
-
-
-class Iq4Xs(NamedTuple):
-    """GGUF's IQ4_XS numbers: codes [rows, K] uint8 (0-15, ggml's IQ4_NL grid), d [rows, ceil(K / 256)] fp32 (the file's
-    fp16), sc [rows, 8 per 256] int8 (its 6-bit ls - 32); w = d sc IQ4NL[code] (d sc exact in fp32, as ggml's)."""
-    codes: torch.Tensor
-    d: torch.Tensor
-    sc: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    def to_iq4(self) -> "Iq4":
-        """The same numbers with a scale per 32 (exact in fp32): what iq4nl holds."""
-        n = -(-self.codes.shape[1] // G32)
-        return Iq4(self.codes, (self.d.float().repeat_interleave(QK // G32, 1) * self.sc.float())[:, :n])
-
-    def dequantize(self) -> torch.Tensor:
-        return self.to_iq4().dequantize()
-
-    @staticmethod
-    def cat(parts: list["Iq4Xs"]) -> "Iq4Xs":
-        return Iq4Xs(*(torch.cat([getattr(p, f) for p in parts]) for f in Iq4Xs._fields))
-
-
-class Q8(NamedTuple):
-    """int8 weights with a scale per 32: values [rows, K] int8, scale [rows, K/32] fp32 (GGUF's Q8_0: w = value x its
-    block's fp16 scale)."""
-    values: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    def dequantize(self) -> torch.Tensor:
-        return _times_scale32(self.values.float(), self.scale)
-
-    @staticmethod
-    def cat(parts: list["Q8"]) -> "Q8":
-        return Q8(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]))
-
-
-class UInt4(NamedTuple):
-    """Asymmetric 4-bit weights: values [rows, K] uint8 (0-15), scale and min [rows, K / group] fp32 (w = value x
-    scale - min of its group of `group` consecutive weights: Q4_K's d x sc and dmin x m, a zero point's scale x
-    zero, both exact in fp32)."""
-    values: torch.Tensor
-    scale: torch.Tensor
-    min: torch.Tensor
-    group: int
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    def dequantize(self) -> torch.Tensor:
-        K = self.values.shape[1]
-        rep = lambda t: t.float().repeat_interleave(self.group, 1)[:, :K]  # noqa: E731
-        return self.values.float() * rep(self.scale) - rep(self.min)
-
-    @staticmethod
-    def cat(parts: list["UInt4"]) -> "UInt4":
-        if len({p.group for p in parts}) != 1:
-            raise ValueError(f"uint4 matrices of different group sizes {[p.group for p in parts]} cannot be stacked")
-        return UInt4(*(torch.cat([getattr(p, f) for p in parts]) for f in ("values", "scale", "min")), parts[0].group)
-
-
-class Q4K(NamedTuple):
-    """GGUF's Q4_K numbers: values [rows, K] uint8 (0-15), d and dmin [rows, ceil(K / 256)] fp32 (the file's fp16), sc
-    and m [rows, 8 per 256] uint8 (0-63); w = d sc value - dmin m. (Q5K: the same with values 0-31; Q2K: its own.)"""
-    values: torch.Tensor
-    d: torch.Tensor
-    dmin: torch.Tensor
-    sc: torch.Tensor
-    m: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    def to_uint4(self) -> "UInt4":
-        """The same numbers with a scale and min per 32 (each product exact in fp32)."""
-        per32 = lambda t: t.float().repeat_interleave(QK // G32, 1)  # noqa: E731
-        n = -(-self.values.shape[1] // G32)
-        return UInt4(self.values, (per32(self.d) * self.sc.float())[:, :n], (per32(self.dmin) * self.m.float())[:, :n], G32)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.to_uint4().dequantize()
-
-    @staticmethod
-    def cat(parts: list["Q4K"]) -> "Q4K":
-        return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in Q4K._fields))
-
-
-class Q5K(Q4K):
-    """GGUF's Q5_K numbers: Q4K's with values 0-31 (a type of its own: the q4k and uint4g32 formats cannot hold them)."""
-    __slots__ = ()
-
-
-class Q2K(Q4K):
-    """GGUF's Q2_K numbers: Q4K's fields with values 0-3 and a 4-bit sc and m per 16 (16 per 256); w = d sc value -
-    dmin m (d sc value and dmin m exact in fp32: one rounding, as ggml's)."""
-    __slots__ = ()
-
-    def to_uint4(self) -> "UInt4":
-        raise TypeError("Q2_K's scales and mins are per 16: uint4g32's per 32 cannot hold them")
-
-    def dequantize(self) -> torch.Tensor:
-        R, K = self.values.shape
-        per16 = lambda t: t.float().repeat_interleave(QK // Q6_SUB, 1)  # noqa: E731
-        s, mins = per16(self.d) * self.sc.float(), per16(self.dmin) * self.m.float()
-        v = F.pad(self.values.float(), (0, -K % Q6_SUB)).view(R, -1, Q6_SUB)
-        n = v.shape[1]
-        return (s[:, :n, None] * v - mins[:, :n, None]).view(R, -1)[:, :K]
-
-
-class Q6K(NamedTuple):
-    """GGUF's Q6_K numbers: values [rows, K] int8 (-32..31: the file's 6-bit u less 32), d [rows, ceil(K / 256)] fp32
-    (the file's fp16), sc [rows, 16 per 256] int8; w = d sc value (d sc exact in fp32: one rounding, as ggml's)."""
-    values: torch.Tensor
-    d: torch.Tensor
-    sc: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    def dequantize(self) -> torch.Tensor:
-        R, K = self.values.shape
-        s = self.d.float().repeat_interleave(QK // Q6_SUB, 1) * self.sc.float()
-        v = F.pad(self.values.float(), (0, -K % Q6_SUB)).view(R, -1, Q6_SUB)
-        return (s[:, :v.shape[1], None] * v).view(R, -1)[:, :K]
-
-    @staticmethod
-    def cat(parts: list["Q6K"]) -> "Q6K":
-        return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in Q6K._fields))
-
-
-class Q3K(Q6K):
-    """GGUF's Q3_K numbers: Q6K's with values -4..3 (the file's 3-bit u less 4) and sc -32..31 (its 6-bit scale less
-    32); the q6k format holds them too, at 6.625 bits."""
-    __slots__ = ()
-
-
-class Int8(NamedTuple):
-    """The int8 format's numbers: values [rows, K] int8 in -127..127, scale [rows] fp32 (one per row)."""
-    values: torch.Tensor
-    scale: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        return self.values.float() * self.scale[:, None]
-
-
-def fp8_quantize(w: torch.Tensor) -> Fp8:
-    """Float w [rows, K] -> FP8 with 128 x 128 blocks, each block's largest magnitude mapped to e4m3's 448
-    (DeepSeek's recipe, as tools/synth_checkpoint.py writes its checkpoints)."""
-    R, K = w.shape
-    sr, sc = -(-R // FP8_BLOCK), -(-K // FP8_BLOCK)
-    padded = F.pad(w.float(), (0, sc * FP8_BLOCK - K, 0, sr * FP8_BLOCK - R)).view(sr, FP8_BLOCK, sc, FP8_BLOCK)
-    scale = (padded.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(1e-30)
-    q = (padded / scale[:, None, :, None]).view(sr * FP8_BLOCK, sc * FP8_BLOCK)[:R, :K]
-    return Fp8(q.to(torch.float8_e4m3fn), scale)
-
-
-def mx4_quantize(w: torch.Tensor) -> Mx4:
-    """Float w [rows, K] (K a multiple of 32) -> MXFP4: per block the smallest power of two that keeps
-    every value within e2m1's +-6 (no clipping), then each value to its nearest e2m1 value."""
-    R = w.shape[0]
-    g = w.float().view(R, -1, MX_BLOCK)
-    amax = g.abs().amax(-1)
-    e = torch.ceil(torch.log2(amax / 6)).clamp(-125, 127)  # e + 127 >= 2: a scale the kernels represent
-    e = torch.where(amax > 0, e, torch.zeros_like(e))
-    v = g / torch.ldexp(torch.ones_like(e), e.to(torch.int32))[..., None]
-    idx = (v.abs()[..., None] - E2M1).abs().argmin(-1)  # ties: the smaller magnitude
-    codes = (idx | ((v < 0) & (idx > 0)).long() << 3).to(torch.uint8)
-    return Mx4(codes.view(R, -1), (e + 127).to(torch.uint8))
+from .formats import (
+    BLOCK_ROWS, CONTAINERS, E2M1, E4M3_MAX, FP8_BLOCK, G32, INT4_GROUP, IQ4NL, MX4_TWICE, MX_BLOCK, Q6_SUB, QK,
+    ROW_ALIGN, Format, Fp8, Int4, Int8, Iq4, Iq4Xs, Mx4, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, UInt4, floats, format_of,
+    fp8_quantize, int4_quantize, int8_quantize, int8g32_quantize, iq4nl_quantize, iq4xs_quantize, mx4_quantize,
+    mx_scale, pack_fp8, pack_int4, pack_int4g32, pack_int8g32, pack_iq4nl, pack_iq4xs, pack_mx4, pack_q2k, pack_q4k,
+    pack_q6k, pack_uint4g32, q4k_quantize, q6k_quantize, uint4_quantize)
+from .formats import FORMATS as TABLE, NAMES as FORMATS  # FORMATS here: the names, as always
+
+# what importers take from here: this module's functions, and the formats' names, numbers and functions it always had
+__all__ = [
+    "FORMATS", "ROW_BLOCKED", "SUPER_BLOCKED", "alloc", "data_ptr", "format_values", "huge", "layout", "pack_expert",
+    "quantize", "row_len", "stack_rows", "store_expert", "unpack",
+    "BLOCK_ROWS", "CONTAINERS", "E2M1", "E4M3_MAX", "FP8_BLOCK", "G32", "INT4_GROUP", "IQ4NL", "MX4_TWICE", "MX_BLOCK",
+    "Q6_SUB", "QK", "ROW_ALIGN", "Format", "Fp8", "Int4", "Int8", "Iq4", "Iq4Xs", "Mx4", "Q2K", "Q3K", "Q4K", "Q5K",
+    "Q6K", "Q8", "UInt4", "floats", "format_of", "fp8_quantize", "int4_quantize", "int8_quantize", "int8g32_quantize",
+    "iq4nl_quantize", "iq4xs_quantize", "mx4_quantize", "mx_scale", "pack_fp8", "pack_int4", "pack_int4g32",
+    "pack_int8g32", "pack_iq4nl", "pack_iq4xs", "pack_mx4", "pack_q2k", "pack_q4k", "pack_q6k", "pack_uint4g32",
+    "q4k_quantize", "q6k_quantize", "uint4_quantize"]
+
+ROW_BLOCKED = tuple(n for n, f in TABLE.items() if f.row_blocked)
+SUPER_BLOCKED = tuple(n for n, f in TABLE.items() if f.super_blocked)  # rows in whole super-blocks of 256 (QK)
 
 
 def _ptr_of(buf) -> int:
@@ -342,16 +37,14 @@ def _ptr_of(buf) -> int:
 
 
 def row_len(n: int, fmt: str) -> int:
-    """Packed row length: a multiple of 64 elements (whole VNNI steps and int4 groups), bumped when
-    the row's byte stride is a multiple of 512 so the rows a micro-kernel reads together do not all
-    fall in one L1 set (not for the row-blocked formats, whose block is one stream)."""
-    if fmt in SUPER_BLOCKED:
-        return (n + QK - 1) // QK * QK
-    n = (n + 63) // 64 * 64
-    if fmt in ROW_BLOCKED:  # a block is one stream: no set conflicts between its rows
+    """Packed row length: a multiple of the format's row unit (64 elements: whole VNNI steps and int4 groups; 256 for
+    the super-blocked formats), bumped when the row's byte stride is a multiple of 512 so the rows a micro-kernel
+    reads together do not all fall in one L1 set (not for the row-blocked formats, whose block is one stream)."""
+    f = format_of(fmt)
+    n = -(-n // f.row_unit) * f.row_unit
+    if f.row_blocked:
         return n
-    nbytes = 2 * n if fmt == "bf16" else n if fmt in ("int8", "fp8") else n // 2
-    return n + 64 if nbytes % 512 == 0 else n
+    return n + ROW_ALIGN if int(n * f.bits) // 8 % 512 == 0 else n  # (their scales are kept apart: bits = the values')
 
 
 def huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -368,33 +61,7 @@ def huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def layout(fmt: str, E: int, rows: int, Kp: int) -> tuple:
     """The packed storage of E experts' [rows, Kp] matrices: (data, scale, rowsum, rowcorr) as
     (shape, dtype), None where the format has none."""
-    if fmt == "bf16":
-        return ((E, rows, Kp), torch.bfloat16), None, None, None
-    if fmt == "int8":
-        return ((E, rows, Kp), torch.int8), ((E, rows), torch.float32), ((E, rows), torch.int32), None
-    if fmt == "fp8":
-        blocks = (E, -(-rows // FP8_BLOCK), -(-Kp // FP8_BLOCK))
-        return ((E, rows, Kp), torch.uint8), (blocks, torch.float32), None, None
-    if fmt == "int8g32":
-        return ((E, rows, Kp), torch.int8), ((E, rows, Kp // G32), torch.float32), None, None
-    if fmt == "q4k":  # per 256 of a row: d, dmin (fp32), 8 sc, 8 m (bytes)
-        return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
-    if fmt == "q5k":  # 5 bits a weight; q4k's scales
-        return ((E, rows, Kp // 8 * 5), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
-    if fmt == "iq4xs":  # per 256 of a row: d (fp32), 8 sc (bytes)
-        return ((E, rows, Kp // 2), torch.uint8), ((E, rows, Kp // QK * 12), torch.uint8), None, None
-    if fmt == "q3k":  # 3 bits a weight; q6k's scales
-        return ((E, rows, Kp // 8 * 3), torch.uint8), ((E, rows, Kp // QK * 20), torch.uint8), None, None
-    if fmt == "q2k":  # 2 bits a weight; per 256 of a row: d, dmin (fp32), 16 sc | m << 4 (bytes)
-        return ((E, rows, Kp // 4), torch.uint8), ((E, rows, Kp // QK * 24), torch.uint8), None, None
-    if fmt == "q6k":  # 6 bits a weight; per 256 of a row: d (fp32), 16 sc (bytes)
-        return ((E, rows, Kp // 4 * 3), torch.uint8), ((E, rows, Kp // QK * 20), torch.uint8), None, None
-    # the nibble ones; no rowcorr (their kernels take activations as s8)
-    scale_rows = 2 * rows if fmt == "uint4g32" else rows  # uint4g32: an expert's scales, then its mins
-    scale = (((E, rows, Kp // MX_BLOCK), torch.uint8) if fmt == "mxfp4" else
-             ((E, rows, Kp // INT4_GROUP), torch.float32) if fmt == "int4" else
-             ((E, scale_rows, Kp // G32), torch.float32))
-    return ((E, rows, Kp // 2), torch.uint8), scale, None, None
+    return format_of(fmt).layout(E, rows, Kp)
 
 
 def alloc(fmt: str, E: int, rows: int, Kp: int) -> tuple:
@@ -403,373 +70,13 @@ def alloc(fmt: str, E: int, rows: int, Kp: int) -> tuple:
     return huge(*data), *(None if p is None else torch.empty(p[0], dtype=p[1]) for p in rest)
 
 
-def _row_blocks(R: int) -> list[tuple[int, int, int, int]]:
-    """(first row, rows, blocks, rows a block) of R rows' whole blocks of BLOCK_ROWS, then of the shorter last one."""
-    full = R // BLOCK_ROWS * BLOCK_ROWS
-    return [p for p in ((0, full, full // BLOCK_ROWS, BLOCK_ROWS), (full, R - full, 1, R - full)) if p[1]]
-
-
-def _interleave_rows(*fields: torch.Tensor) -> torch.Tensor:
-    """Fields [..., R, G, C_i, B_i] -> [..., R, G * sum(C_i B_i)]: rows in blocks of BLOCK_ROWS (the last may be
-    shorter), each block stored group by group, and within a group field by field, chunk by chunk, its rows' B_i
-    elements side by side (a chunk is one vector, a row a lane)."""
-    *lead, R, G = fields[0].shape[:-2]
-    parts = []
-    for r0, n, nb, rows in _row_blocks(R):
-        per = [f[..., r0:r0 + n, :, :, :].reshape(*lead, nb, rows, G, *f.shape[-2:]).movedim(-4, -2)
-               .reshape(*lead, nb, G, -1) for f in fields]
-        parts.append(torch.cat(per, -1).reshape(*lead, n, -1))
-    return torch.cat(parts, -2) if len(parts) > 1 else parts[0]
-
-
-def _deinterleave_rows(t: torch.Tensor, G: int, *shapes: tuple[int, int]) -> list[torch.Tensor]:
-    """_interleave_rows undone: [..., R, G * sum(C_i B_i)] -> the fields [..., R, G, C_i, B_i] of shapes (C_i, B_i)."""
-    *lead, R, _ = t.shape
-    out: list[list[torch.Tensor]] = [[] for _ in shapes]
-    for r0, n, nb, rows in _row_blocks(R):
-        b = t[..., r0:r0 + n, :].reshape(*lead, nb, G, -1)
-        at = 0
-        for i, (C, B) in enumerate(shapes):
-            f = b[..., at:at + C * rows * B].reshape(*lead, nb, G, C, rows, B).movedim(-2, -4)
-            out[i].append(f.reshape(*lead, n, G, C, B))
-            at += C * rows * B
-    return [torch.cat(o, -4) if len(o) > 1 else o[0] for o in out]
-
-
-def _blocked_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[R, Kp] values 0-15 -> [R, Kp/2] bytes in row blocks: per group of 32, chunk v (elements 4v..4v+3) in the
-    low nibbles and chunk v + 4 in the high ones of one 4-byte lane."""
-    R, Kp = q.shape
-    c = q.view(R, Kp // G32, 8, 4)
-    return _interleave_rows(c[:, :, :4] | (c[:, :, 4:] << 4))
-
-
-def _pairs(v: torch.Tensor) -> torch.Tensor:
-    """Per 32 [R, G, 8 chunks, 4] values 0..3 -> [R, G, 2, 4] bytes: chunk c's at bits 2 (c % 4) of vector c // 4."""
-    R, G = v.shape[:2]
-    return (v.view(R, G, 2, 4, 4) << (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)).sum(3, dtype=torch.uint8)
-
-
-def _bits(v: torch.Tensor) -> torch.Tensor:
-    """Per 32 [R, G, 8 chunks, 4] values 0..1 -> [R, G, 1, 4] bytes: chunk c's at bit c."""
-    return (v << torch.arange(8, dtype=torch.uint8).view(8, 1)).sum(2, keepdim=True, dtype=torch.uint8)
-
-
-def _unpairs(t: torch.Tensor) -> torch.Tensor:
-    """_pairs undone: [..., 2, 4] -> [..., 8, 4] values 0..3."""
-    shift = (2 * torch.arange(4, device=t.device)).view(4, 1)
-    return ((t.unsqueeze(-2) >> shift) & 3).flatten(-3, -2)
-
-
-def _unbits(t: torch.Tensor) -> torch.Tensor:
-    """_bits undone: [..., 1, 4] -> [..., 8, 4] values 0..1."""
-    return (t >> torch.arange(8, device=t.device).view(8, 1)) & 1
-
-
-def _blocked_bytes(q: torch.Tensor) -> torch.Tensor:
-    """[R, Kp] int8 -> [R, Kp] in row blocks, chunks of 4 bytes as lanes."""
-    R, Kp = q.shape
-    return _interleave_rows(q.view(torch.uint8).view(R, Kp // G32, 8, 4)).view(torch.int8)
-
-
-def _blocked_scales(s: torch.Tensor) -> torch.Tensor:
-    """[R, Kp/32] -> the same in row blocks: per group, the block's rows side by side."""
-    return _interleave_rows(s[:, :, None, None])
-
-
-def mx_scale(exps: torch.Tensor) -> torch.Tensor:
-    """The kernels' fp32 scale of each published exponent: 2^(e - 127) / 2 (they multiply twice the e2m1
-    value, an integer), 0 for e <= 1 (as native/gemm_blocked.h's mx_scale)."""
-    e = exps.to(torch.int32)
-    return torch.where(e > 1, torch.ldexp(torch.ones(e.shape), e - 128), torch.zeros(e.shape))
-
-
-def pack_mx4(w: Mx4, Kp: int) -> tuple:
-    """MXFP4 [rows, K] -> (codes, exponents, None, None) in row blocks, bit-exact: codes and 1-byte exponents kept."""
-    R, K = w.codes.shape
-    codes = F.pad(w.codes, (0, Kp - K))                     # code 0 is +0
-    exps = F.pad(w.exps, (0, (Kp - K) // MX_BLOCK), value=127)
-    return _blocked_nibbles(codes), _blocked_scales(exps), None, None
-
-
-def pack_fp8(w: Fp8, Kp: int) -> tuple:
-    """FP8 [rows, K] -> (e4m3 bytes, scale x 256, None, None), bit-exact: the kernels widen a byte to its
-    value / 256 (native/gemm_fp8.cpp)."""
-    R, K = w.values.shape
-    want = (-(-R // FP8_BLOCK), -(-K // FP8_BLOCK))
-    if tuple(w.scale.shape) != want:
-        raise ValueError(f"fp8 weight [{R}, {K}] needs {list(want)} block scales ({FP8_BLOCK} x {FP8_BLOCK}), "
-                         f"got {list(w.scale.shape)}")
-    data = F.pad(w.values.view(torch.uint8), (0, Kp - K))  # byte 0 is +0
-    if bool(((data & 0x7F) == 0x7F).any()):
-        raise ValueError("fp8 weight holds NaN")
-    scale = F.pad(w.scale.float() * 256, (0, -(-Kp // FP8_BLOCK) - want[1]), value=1.0)
-    return data, scale, None, None
-
-
-def pack_int4g32(w: Int4, Kp: int) -> tuple:
-    """Symmetric int4 [rows, K] with groups of 32 x n -> (nibbles, a scale per 32, None, rowcorr), bit-exact."""
-    R, K = w.values.shape
-    if w.group % G32 or w.scale.shape != (R, -(-K // w.group)):
-        raise ValueError(f"int4 weight [{R}, {K}] in groups of {w.group}: the int4g32 format keeps groups of a "
-                         f"multiple of {G32} with a scale each, got scales {list(w.scale.shape)}")
-    if int(w.values.min()) < -8 or int(w.values.max()) > 7:
-        raise ValueError("int4 values outside -8..7")
-    q = F.pad(w.values.to(torch.int16) + 8, (0, Kp - K), value=8).to(torch.uint8)  # 8 = zero
-    scale = w.scale.float().repeat_interleave(w.group // G32, 1)
-    scale = F.pad(scale, (0, Kp // G32 - scale.shape[1]), value=1.0)[:, :Kp // G32]
-    return _blocked_nibbles(q), _blocked_scales(scale), None, None
-
-
-def _per32(t: torch.Tensor, group: int, Kp: int, pad: float) -> torch.Tensor:
-    """[R, K / group] -> [R, Kp / 32]: each group's number repeated per 32, padding groups `pad`."""
-    t = t.float().repeat_interleave(group // G32, 1)
-    return F.pad(t, (0, Kp // G32 - t.shape[1]), value=pad)[:, :Kp // G32]
-
-
-def pack_iq4nl(w: Iq4, Kp: int) -> tuple:
-    """IQ4_NL-grid codes [rows, K] -> (nibbles, a scale per 32, None, rowcorr), bit-exact."""
-    R, K = w.codes.shape
-    if w.scale.shape != (R, -(-K // G32)):
-        raise ValueError(f"iq4nl weight [{R}, {K}] needs a scale per {G32}, got {list(w.scale.shape)}")
-    codes = F.pad(w.codes, (0, Kp - K), value=8)  # any code: the padding's activations are 0, rowcorr counts it
-    scale = _per32(w.scale, G32, Kp, 0.0)
-    return _blocked_nibbles(codes), _blocked_scales(scale), None, None
-
-
-def pack_uint4g32(w: UInt4, Kp: int) -> tuple:
-    """Asymmetric 4-bit [rows, K] in groups of 32 x n -> (nibbles, [the rows' scales per 32; then their mins per 32],
-    None, rowcorr), bit-exact."""
-    R, K = w.values.shape
-    if w.group % G32 or w.scale.shape != (R, -(-K // w.group)) or w.min.shape != w.scale.shape:
-        raise ValueError(f"uint4 weight [{R}, {K}] in groups of {w.group}: the uint4g32 format keeps groups of a "
-                         f"multiple of {G32} with a scale and a min each, got {list(w.scale.shape)}, {list(w.min.shape)}")
-    if int(w.values.max()) > 15:
-        raise ValueError("uint4 values outside 0..15")
-    q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
-    scale, mins = _per32(w.scale, w.group, Kp, 0.0), _per32(w.min, w.group, Kp, 0.0)
-    return _blocked_nibbles(q), torch.cat([_blocked_scales(scale), _blocked_scales(mins)]), None, None
-
-
-def pack_int8g32(w: Q8, Kp: int) -> tuple:
-    """int8 [rows, K] with a scale per 32 -> (bytes, a scale per 32, None, rowcorr), bit-exact."""
-    R, K = w.values.shape
-    if w.scale.shape != (R, -(-K // G32)):
-        raise ValueError(f"int8g32 weight [{R}, {K}] needs a scale per {G32}, got {list(w.scale.shape)}")
-    data = F.pad(w.values, (0, Kp - K))
-    scale = _per32(w.scale, G32, Kp, 0.0)
-    return _blocked_bytes(data), _blocked_scales(scale), None, None
-
-
-def pack_q4k(w: Q4K, Kp: int, bits: int = 4) -> tuple:
-    """Q4_K numbers [rows, K] -> (nibbles, [per 256: d, dmin, 8 sc, 8 m] bytes, None, None) in row blocks, bit-exact.
-    bits 5 (Q5_K): per 32 the nibble vectors, then one vector of the high bits (chunk c's at bit c)."""
-    R, K = w.values.shape
-    fmt = f"q{bits}k"
-    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // G32)):
-        raise ValueError(f"{fmt} weight [{R}, {K}] needs a d and dmin per {QK} and an sc and m per {G32} (rows padded "
-                         f"to {QK}), got {list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
-    if int(w.values.max()) >= 1 << bits or int(w.sc.max()) > 63 or int(w.m.max()) > 63:
-        raise ValueError(f"{fmt} values outside 0..{(1 << bits) - 1} or sub-scales outside 0..63")
-    q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
-    (d, sc), (dmin, m) = _d_and_bytes(w.d, w.sc, Kp // QK), _d_and_bytes(w.dmin, w.m, Kp // QK)
-    scales = _interleave_rows(d, dmin, sc, m)
-    if bits == 4:
-        return _blocked_nibbles(q), scales, None, None
-    c = q.view(R, Kp // G32, 8, 4)  # per 32: chunks of 4
-    nib = (c[:, :, :4] & 15) | ((c[:, :, 4:] & 15) << 4)
-    return _interleave_rows(nib, _bits(c >> 4)), scales, None, None
-
-
-def pack_q6k(w: Q6K, Kp: int, bits: int = 6) -> tuple:
-    """Q6_K numbers [rows, K] -> (per 32: 4 vectors of low nibbles, 2 of high bit pairs; [per 256: d, 16 sc] bytes,
-    None, None) in row blocks, bit-exact. bits 3 (Q3_K): per 32 2 vectors of low bit pairs, 1 of high bits."""
-    R, K = w.values.shape
-    fmt, half = f"q{bits}k", 1 << (bits - 1)
-    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // Q6_SUB)):
-        raise ValueError(f"{fmt} weight [{R}, {K}] needs a d per {QK} and an sc per {Q6_SUB} (rows padded to {QK}), "
-                         f"got {list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
-    if int(w.values.min()) < -half or int(w.values.max()) >= half:
-        raise ValueError(f"{fmt} values outside {-half}..{half - 1}")
-    u = F.pad(w.values.to(torch.int16) + half, (0, Kp - K), value=half).to(torch.uint8)  # half = zero
-    c = u.view(R, Kp // G32, 8, 4)  # per 32: chunks of 4
-    if bits == 6:
-        data = _interleave_rows((c[:, :, :4] & 15) | ((c[:, :, 4:] & 15) << 4), _pairs(c >> 4))
-    else:
-        data = _interleave_rows(_pairs(c & 3), _bits(c >> 2))
-    return data, _interleave_rows(*_d_and_bytes(w.d, w.sc, Kp // QK)), None, None
-
-
-def pack_q2k(w: Q2K, Kp: int) -> tuple:
-    """Q2_K numbers [rows, K] -> (per 32: 2 vectors of bit pairs; [per 256: d, dmin, 16 sc | m << 4 (a 32's two side
-    by side)] bytes, None, None) in row blocks, bit-exact."""
-    R, K = w.values.shape
-    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // Q6_SUB)):
-        raise ValueError(f"q2k weight [{R}, {K}] needs a d and dmin per {QK} and an sc and m per {Q6_SUB} (rows padded "
-                         f"to {QK}), got {list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
-    if int(w.values.max()) > 3 or int(w.sc.max()) > 15 or int(w.m.max()) > 15:
-        raise ValueError("q2k values outside 0..3 or sub-scales outside 0..15")
-    q = F.pad(w.values, (0, Kp - K)).to(torch.uint8)
-    both = (w.sc.to(torch.uint8) | (w.m.to(torch.uint8) << 4)).view(torch.int8)  # sc in the low nibble, as the file's
-    (d, both), dmin = _d_and_bytes(w.d, both, Kp // QK), _d_and_bytes(w.dmin, w.m, Kp // QK)[0]
-    both = both.reshape(R, Kp // QK, QK // G32, 2)  # a 32's two bytes of a row side by side (the kernels' int16 pairs)
-    return _interleave_rows(_pairs(q.view(R, Kp // G32, 8, 4))), _interleave_rows(d, dmin, both), None, None
-
-
-def _d_and_bytes(d: torch.Tensor, sc: torch.Tensor, nsg: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A super-blocked format's d [R, <= nsg] and sub-scales [R, <= nsg x n] (int8, or q4k's 0..63) as _interleave_rows
-    fields, padded with zeros (zero weights)."""
-    R, per = d.shape[0], sc.shape[1] // max(d.shape[1], 1)
-    d = F.pad(d.float(), (0, nsg - d.shape[1])).contiguous().view(torch.uint8).view(R, nsg, 1, 4)
-    sc = F.pad(sc.to(torch.int8), (0, nsg * per - sc.shape[1])).view(torch.uint8).view(R, nsg, per, 1)
-    return d, sc
-
-
-def pack_iq4xs(w: Iq4Xs, Kp: int) -> tuple:
-    """IQ4_XS numbers [rows, K] -> (nibbles as iq4nl's, [per 256: d, 8 sc] bytes, None, None) in row blocks, bit-exact."""
-    R, K = w.codes.shape
-    if Kp % QK or w.d.shape != (R, -(-K // QK)) or w.sc.shape != (R, w.d.shape[1] * (QK // G32)):
-        raise ValueError(f"iq4xs weight [{R}, {K}] needs a d per {QK} and an sc per {G32} (rows padded to {QK}), got "
-                         f"{list(w.d.shape)}, {list(w.sc.shape)} for rows of {Kp}")
-    codes = F.pad(w.codes, (0, Kp - K), value=8)  # any code: the padding's scales are 0
-    return _blocked_nibbles(codes), _interleave_rows(*_d_and_bytes(w.d, w.sc, Kp // QK)), None, None
-
-
-def iq4xs_quantize(w: torch.Tensor) -> Iq4Xs:
-    """Float w [rows, K] -> IQ4_XS's numbers (each 32's iq4nl scale on an int8 sc under the 256's d, -32..31 as the
-    file's 6 bits; then the nearest codes; no search)."""
-    R, K = w.shape
-    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, G32)
-    want = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0] / -127
-    d = (want.abs().view(R, -1, QK // G32).amax(-1) / 32).clamp_min(1e-30)
-    sc = torch.round(want / d.repeat_interleave(QK // G32, 1)).clamp(-32, 31)
-    step = (d.repeat_interleave(QK // G32, 1) * sc)[..., None]
-    v = torch.where(step != 0, g / torch.where(step != 0, step, torch.ones_like(step)), torch.zeros_like(g))
-    codes = (v[..., None] - IQ4NL).abs().argmin(-1).to(torch.uint8)
-    return Iq4Xs(codes.view(R, -1)[:, :K], d, sc.to(torch.int8))
-
-
-def q6k_quantize(w: torch.Tensor, bits: int = 6) -> Q6K:
-    """Float w [rows, K] -> Q6_K's numbers (each 16's largest magnitude on -32, its scale on an int8 under the 256's
-    d; no search, as ggml's first guess); bits 3: Q3_K's (on -4, an sc of -32..31, as the file's 6 bits less 32)."""
-    half, sc_max = 1 << (bits - 1), 127 if bits == 6 else 31
-    R, K = w.shape
-    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, Q6_SUB)
-    want = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0] / -half
-    d = (want.abs().view(R, -1, QK // Q6_SUB).amax(-1) / (sc_max + 1 if bits == 3 else sc_max)).clamp_min(1e-30)
-    sc = torch.round(want / d.repeat_interleave(QK // Q6_SUB, 1)).clamp(-sc_max - 1, sc_max)
-    step = (d.repeat_interleave(QK // Q6_SUB, 1) * sc)[..., None]
-    q = torch.where(step != 0, torch.round(g / torch.where(step != 0, step, torch.ones_like(step))),
-                    torch.zeros_like(g)).clamp(-half, half - 1)
-    return (Q6K if bits == 6 else Q3K)(q.to(torch.int8).view(R, -1)[:, :K], d, sc.to(torch.int8))
-
-
-def q4k_quantize(w: torch.Tensor, bits: int = 4) -> Q4K:
-    """Float w [rows, K] -> Q4_K's numbers (each 32's range on 0..15 with a min <= 0, its scale and min on 6 bits under
-    the 256's d and dmin; no search, as uint4_quantize); bits 5: Q5_K's (0..31); bits 2: Q2_K's (each 16's on 0..3,
-    scale and min on 4 bits)."""
-    top, (per, smax) = (1 << bits) - 1, (Q6_SUB, 15) if bits == 2 else (G32, 63)
-    R, K = w.shape
-    g = F.pad(w.float(), (0, -K % QK)).view(R, -1, per)
-    lo, hi = g.amin(-1).clamp_max(0), g.amax(-1).clamp_min(0)
-    scale, mn = (hi - lo) / top, -lo
-    d = (scale.view(R, -1, QK // per).amax(-1) / smax).clamp_min(1e-12)
-    dmin = (mn.view(R, -1, QK // per).amax(-1) / smax).clamp_min(1e-12)
-    rep = lambda t: t.repeat_interleave(QK // per, 1)  # noqa: E731
-    sc = torch.round(scale / rep(d)).clamp(0, smax)
-    m = torch.round(mn / rep(dmin)).clamp(0, smax)
-    step, off = (rep(d) * sc)[..., None], (rep(dmin) * m)[..., None]
-    q = torch.where(step > 0, torch.round((g + off) / step.clamp_min(1e-30)), torch.zeros_like(g)).clamp(0, top)
-    kind = {4: Q4K, 5: Q5K, 2: Q2K}[bits]
-    return kind(q.to(torch.uint8).view(R, -1)[:, :K], d, dmin, sc.to(torch.uint8), m.to(torch.uint8))
-
-
-def int8g32_quantize(w: torch.Tensor) -> Q8:
-    """Float w [rows, K] -> int8 per 32 (each group's largest magnitude on 127)."""
-    R, K = w.shape
-    g = F.pad(w.float(), (0, -K % G32)).view(R, -1, G32)
-    scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
-    return Q8(torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).view(R, -1)[:, :K], scale)
-
-
-def iq4nl_quantize(w: torch.Tensor) -> Iq4:
-    """Float w [rows, K] -> the IQ4_NL grid per 32 (ggml's first guess: the group's largest magnitude on the grid's
-    end, -127, then the nearest code; no search)."""
-    R, K = w.shape
-    g = F.pad(w.float(), (0, -K % G32)).view(R, -1, G32)
-    peak = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0]
-    scale = peak / -127
-    scale = torch.where(scale == 0, torch.full_like(scale, 1e-12), scale)
-    codes = ((g / scale[..., None])[..., None] - IQ4NL).abs().argmin(-1).to(torch.uint8)
-    return Iq4(codes.view(R, -1)[:, :K], scale)
-
-
-def uint4_quantize(w: torch.Tensor, group: int = G32) -> UInt4:
-    """Float w [rows, K] -> asymmetric 4-bit in groups (each group's range on 0..15)."""
-    R, K = w.shape
-    g = F.pad(w.float(), (0, -K % group)).view(R, -1, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(R, -1)[:, :K]
-    return UInt4(q, scale, -lo, group)
-
-
-def int4_quantize(w: torch.Tensor, group: int = G32) -> Int4:
-    """Float w [rows, K] -> symmetric int4 in groups (each group's largest magnitude maps to 7)."""
-    R, K = w.shape
-    g = F.pad(w.float(), (0, -K % group)).view(R, -1, group)
-    scale = (g.abs().amax(-1) / 7).clamp_min(1e-12)
-    q = torch.round(g / scale[..., None]).clamp(-8, 7).to(torch.int8).view(R, -1)[:, :K]
-    return Int4(q, scale, group)
-
-
-def floats(w) -> torch.Tensor:
-    """A weight as float values: published MXFP4 / FP8 / int4 dequantized, floats as they are."""
-    return w.dequantize() if isinstance(w, (Mx4, Fp8, Int4, Int8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q6K)) else w
-
-
-def int8_quantize(w: torch.Tensor) -> Int8:
-    w = w.float()
-    scale = (w.abs().amax(-1) / 127).clamp_min(1e-12)
-    return Int8(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale)
-
-
 def quantize(w, fmt: str):
     """One weight [rows, K] (floats, or Mx4 / Fp8 / Int4 / Iq4 / Iq4Xs / UInt4 / Q8 / Q4K / Q5K / Q6K / Q3K / Q2K as
     published) in a format's numbers, before packing: bf16 floats, Int8, Int4 (int4: groups of 64; int4g32: as published
     or 32), Mx4, Fp8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q5K, Q6K, Q3K or Q2K;
-    what a format keeps as published stays bit for bit."""
-    if fmt == "mxfp4":
-        return w if isinstance(w, Mx4) else mx4_quantize(F.pad(floats(w).float(), (0, -w.shape[-1] % MX_BLOCK)))
-    if fmt == "fp8":
-        return w if isinstance(w, Fp8) else fp8_quantize(floats(w))
-    if fmt == "int4g32":
-        return w if isinstance(w, Int4) else int4_quantize(floats(w))
-    if fmt == "iq4nl":
-        return w if isinstance(w, Iq4) else iq4nl_quantize(floats(w))
-    if fmt == "uint4g32":
-        return w if isinstance(w, UInt4) else uint4_quantize(floats(w))
-    if fmt == "q4k":
-        return w if type(w) is Q4K else q4k_quantize(floats(w))
-    if fmt == "q5k":
-        return w if isinstance(w, Q5K) else q4k_quantize(floats(w), bits=5)
-    if fmt == "q6k":
-        return w if isinstance(w, Q6K) else q6k_quantize(floats(w))
-    if fmt == "q3k":
-        return w if isinstance(w, Q3K) else q6k_quantize(floats(w), bits=3)
-    if fmt == "q2k":
-        return w if isinstance(w, Q2K) else q4k_quantize(floats(w), bits=2)
-    if fmt == "iq4xs":
-        return w if isinstance(w, Iq4Xs) else iq4xs_quantize(floats(w))
-    if fmt == "int8g32":
-        return w if isinstance(w, Q8) else int8g32_quantize(floats(w))
-    if fmt == "int4":
-        return int4_quantize(floats(w), INT4_GROUP)
-    if fmt == "int8":
-        return int8_quantize(floats(w))
-    if fmt == "bf16":
-        return floats(w).to(torch.bfloat16)
-    raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
+    what a format keeps as published (its table entry's keeps) stays bit for bit."""
+    f = format_of(fmt)
+    return w if type(w) in f.keeps else f.quantize(floats(w))
 
 
 def format_values(w, fmt: str) -> torch.Tensor:
@@ -779,149 +86,27 @@ def format_values(w, fmt: str) -> torch.Tensor:
     return (q if isinstance(q, torch.Tensor) else q.dequantize()).float()[:, :w.shape[-1]]
 
 
-def pack_int4(w: Int4, Kp: int) -> tuple:
-    """Symmetric int4 in groups of 64 -> (nibbles, a scale per 64, None, None) in row blocks."""
-    R, K = w.values.shape
-    q = F.pad(w.values.to(torch.int16) + 8, (0, Kp - K), value=8).to(torch.uint8)  # 8 = zero
-    scale = F.pad(w.scale.float(), (0, Kp // INT4_GROUP - w.scale.shape[1]), value=1e-12)
-    return _blocked_nibbles(q), _blocked_scales(scale), None, None
-
-
 def pack_expert(w, fmt: str, Kp: int) -> tuple:
-    """One expert's w [rows, K] (any float dtype, Mx4, Fp8 or Int4) -> its (data, scale, rowsum, rowcorr) in the
-    kernels' layout."""
-    q = quantize(w, fmt)
-    if fmt == "mxfp4":
-        return pack_mx4(q, Kp)
-    if fmt == "fp8":
-        return pack_fp8(q, Kp)
-    if fmt == "int4g32":
-        return pack_int4g32(q, Kp)
-    if fmt == "iq4nl":
-        return pack_iq4nl(q, Kp)
-    if fmt == "uint4g32":
-        return pack_uint4g32(q, Kp)
-    if fmt == "int8g32":
-        return pack_int8g32(q, Kp)
-    if fmt == "q4k":
-        return pack_q4k(q, Kp)
-    if fmt == "q5k":
-        return pack_q4k(q, Kp, bits=5)
-    if fmt == "q6k":
-        return pack_q6k(q, Kp)
-    if fmt == "q3k":
-        return pack_q6k(q, Kp, bits=3)
-    if fmt == "q2k":
-        return pack_q2k(q, Kp)
-    if fmt == "iq4xs":
-        return pack_iq4xs(q, Kp)
-    if fmt == "int4":
-        return pack_int4(q, Kp)
-    if fmt == "bf16":
-        return F.pad(q, (0, Kp - q.shape[-1])), None, None, None
-    data = F.pad(q.values, (0, Kp - q.values.shape[-1]))
-    return data, q.scale, data.sum(-1, dtype=torch.int32), None
-
-
-def _d_times_sc(scale: torch.Tensor, E: int, R: int, per: int) -> torch.Tensor:
-    """q6k's and iq4xs's packed scales ([d, `per` int8 sc] a 256, in row blocks) -> d x sc per sub-block, fp32
-    [E, R, Kp / 256 x per] (exact: an fp16 value times an int8)."""
-    d, sc = _deinterleave_rows(scale, scale.shape[-1] // (4 + per), (1, 4), (per, 1))
-    return (d.contiguous().view(torch.float32).reshape(E, R, -1).repeat_interleave(per, -1) *
-            sc.contiguous().view(torch.int8).reshape(E, R, -1).float())
+    """One expert's w [rows, K] (any float dtype, or numbers the format keeps) -> its (data, scale, rowsum, rowcorr)
+    in the kernels' layout."""
+    return format_of(fmt).pack(quantize(w, fmt), Kp)
 
 
 def unpack(packed: tuple, fmt: str, K: int) -> torch.Tensor:
     """Packed experts (data, scale, rowsum, rowcorr) [E, rows, Kp...] -> the values the kernels multiply, fp32
     [E, rows, K], on the packed tensors' device (where the kernels do not run, as a GPU computing from the
     expert service's packed cache)."""
-    data, scale = packed[0], packed[1]
-    if fmt == "bf16":
-        w = data.float()
-    elif fmt == "int8":
-        w = data.float() * scale[..., None]
-    elif fmt in ROW_BLOCKED:
-        E, R, _ = data.shape
-        ng = scale.shape[-1]
-        if fmt == "int8g32":
-            v = _deinterleave_rows(data, ng, (8, 4))[0].float()
-        elif fmt == "q5k":  # per 32: 4 vectors of nibbles, 1 of high bits (chunk c's at bit c)
-            nib, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 20, (4, 4), (1, 4)))
-            v = (torch.cat([nib & 15, nib >> 4], -2) | (_unbits(hi) << 4)).float()
-        elif fmt == "q6k":  # per 32: 4 vectors of nibbles, 2 of high bit pairs (chunk c's at bits 2c of vector c // 4)
-            nib, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 24, (4, 4), (2, 4)))
-            v = torch.cat([nib & 15, nib >> 4], -2) | (_unpairs(hi) << 4)
-            s = _d_times_sc(scale, E, R, QK // Q6_SUB)
-            return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 32).float()).reshape(E, R, -1)[..., :K]
-        elif fmt == "q2k":  # per 32: 2 vectors of bit pairs (chunk c's at bits 2c of vector c // 4)
-            v = _unpairs(_deinterleave_rows(data, data.shape[-1] // 8, (2, 4))[0].long()).float()
-            d, dmin, b = _deinterleave_rows(scale, ng // 24, (1, 4), (1, 4), (QK // G32, 2))
-            f32 = lambda t: t.contiguous().view(torch.float32).reshape(E, R, -1)  # noqa: E731
-            b = b.reshape(E, R, -1).long()
-            s = f32(d).repeat_interleave(QK // Q6_SUB, -1) * (b & 15).float()
-            mins = f32(dmin).repeat_interleave(QK // Q6_SUB, -1) * (b >> 4).float()
-            return (s[..., None] * v.reshape(E, R, -1, Q6_SUB) - mins[..., None]).reshape(E, R, -1)[..., :K]
-        elif fmt == "q3k":  # per 32: 2 vectors of low bit pairs (chunk c's at bits 2c of vector c // 4), 1 of high bits
-            low, hi = (t.long() for t in _deinterleave_rows(data, data.shape[-1] // 12, (2, 4), (1, 4)))
-            v = _unpairs(low) | (_unbits(hi) << 2)
-            s = _d_times_sc(scale, E, R, QK // Q6_SUB)
-            return (s[..., None] * (v.reshape(E, R, -1, Q6_SUB) - 4).float()).reshape(E, R, -1)[..., :K]
-        else:  # per 32, chunk v in the low nibbles, v + 4 in the high ones
-            b = _deinterleave_rows(data, data.shape[-1] // 16, (4, 4))[0].long()
-            v = torch.cat([b & 15, b >> 4], -2)
-            v = (IQ4NL.to(data.device)[v] if fmt in ("iq4nl", "iq4xs") else MX4_TWICE.to(data.device)[v] if fmt == "mxfp4" else
-                 v.float() - 8 if fmt in ("int4", "int4g32") else v.float())  # uint4g32, q4k: q itself
-        if fmt == "iq4xs":  # per 256: d (fp32), then 8 sc (bytes)
-            s = _d_times_sc(scale, E, R, QK // G32)
-            return (s[..., None] * v.reshape(E, R, -1, G32)).reshape(E, R, -1)[..., :K]
-        if fmt in ("q4k", "q5k"):  # per 256: d, dmin (fp32), then 8 sc and 8 m (bytes)
-            d, dmin, sc, m = _deinterleave_rows(scale, ng // 24, (1, 4), (1, 4), (8, 1), (8, 1))
-            f32 = lambda t: t.contiguous().view(torch.float32).reshape(E, R, -1)  # noqa: E731
-            s = (f32(d).repeat_interleave(QK // G32, -1) * sc.reshape(E, R, -1).float())[..., None]
-            mins = (f32(dmin).repeat_interleave(QK // G32, -1) * m.reshape(E, R, -1).float())[..., None]
-            return (v.reshape(E, R, -1, G32) * s - mins).reshape(E, R, -1)[..., :K]
-        s = _deinterleave_rows(scale[:, :R], ng, (1, 1))[0].reshape(E, R, ng, 1)
-        if fmt == "mxfp4":
-            s = mx_scale(s.cpu()).to(data.device)
-        w = v.reshape(E, R, ng, -1) * s
-        if fmt == "uint4g32":  # an expert's scales, then its mins
-            w = w - _deinterleave_rows(scale[:, R:], ng, (1, 1))[0].reshape(E, R, ng, 1)
-        w = w.reshape(E, R, -1)
-    elif fmt == "fp8":
-        s = (scale / 256).repeat_interleave(FP8_BLOCK, 1)[:, :data.shape[1]].repeat_interleave(FP8_BLOCK, 2)
-        w = data.view(torch.float8_e4m3fn).float() * s[..., :data.shape[2]]
-    else:
-        raise ValueError(f"the native kernels support {FORMATS}, not {fmt!r}")
-    return w[..., :K]
+    return format_of(fmt).unpack(packed, K)
 
 
 def stack_rows(parts: list, fmt: str):
-    """Matrices of one K stacked along rows (gate and up) in what pack_expert takes: published MXFP4 and FP8
-    stay as published where the format keeps them."""
+    """Matrices of one K stacked along rows (gate and up) in what pack_expert takes: published MXFP4 always, and
+    numbers the format keeps (fmt may be a torch dtype's name too: floats then)."""
     if all(isinstance(p, Mx4) for p in parts):
         return Mx4.cat(parts)
-    if fmt == "fp8" and all(isinstance(p, Fp8) for p in parts):
-        return Fp8.cat(parts)
-    if fmt == "int4g32" and all(isinstance(p, Int4) for p in parts):
-        return Int4.cat(parts)
-    if fmt == "iq4nl" and all(isinstance(p, Iq4) for p in parts):
-        return Iq4.cat(parts)
-    if fmt == "uint4g32" and all(isinstance(p, UInt4) for p in parts):
-        return UInt4.cat(parts)
-    if fmt == "int8g32" and all(isinstance(p, Q8) for p in parts):
-        return Q8.cat(parts)
-    if fmt == "q4k" and all(type(p) is Q4K for p in parts):
-        return Q4K.cat(parts)
-    if fmt == "q5k" and all(isinstance(p, Q5K) for p in parts):
-        return Q5K.cat(parts)
-    if fmt == "q6k" and all(isinstance(p, Q6K) for p in parts):
-        return Q6K.cat(parts)
-    if fmt == "q3k" and all(isinstance(p, Q3K) for p in parts):
-        return Q3K.cat(parts)
-    if fmt == "q2k" and all(isinstance(p, Q2K) for p in parts):
-        return Q2K.cat(parts)
-    if fmt == "iq4xs" and all(isinstance(p, Iq4Xs) for p in parts):
-        return Iq4Xs.cat(parts)
+    f = TABLE.get(fmt)
+    if f is not None and all(type(p) in f.keeps for p in parts):  # (q6k: Q6_K and Q3_K numbers side by side)
+        return type(parts[0]).cat(parts)
     return torch.cat([floats(p) for p in parts])
 
 

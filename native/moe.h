@@ -128,7 +128,7 @@ struct MoELayer {
 void moe_forward(const MoELayer& l, const float* hidden, const int32_t* ids, const float* weights, float* out, int T,
                  int k);
 
-// Dense layer: y [T, m.rows] fp32 = x [T, m.K] fp32 times matrix 0 of m, transposed (native/linear.cpp).
+// Dense layer: y [T, m.rows] fp32 = x [T, m.K] fp32 times matrix 0 of m, transposed (native/kernels/linear.cpp).
 void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, float* y);
 // The KV cache's element type, which may differ from the model's (--kv-cache-dtype: fp16 halves an fp32 model's
 // cache and the bytes decode attention reads). The values are the Python side's codes (moe_kernels/attention.py).
@@ -149,7 +149,7 @@ void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const 
                           size_t c_row, size_t kpe_row, int L, float scale, float* out, const int32_t* table = nullptr,
                           int block_shift = 0, size_t c_block = 0, size_t kpe_block = 0);
 
-// MLA's absorbed kv_b_proj (w: [nh * (dn + dv), r], bf16 or fp32; native/mla.cpp), t tokens, fp32 activations:
+// MLA's absorbed kv_b_proj (w: [nh * (dn + dv), r], bf16 or fp32; native/kernels/mla.cpp), t tokens, fp32 activations:
 // q_lat [nh, t, r] = each head's q_nope (token s, head h at q_nope + s * q_tok + h * dn) times its first dn rows;
 // o [t, nh, dv] = each head's o_lat [nh, t, r] times its last dv rows, transposed.
 void mla_absorb_q(Isa isa, const void* w, bool w_bf16, int nh, int dn, int dv, int r, const float* q_nope, size_t q_tok,
@@ -158,7 +158,7 @@ void mla_absorb_o(Isa isa, const void* w, bool w_bf16, int nh, int dn, int dv, i
                   float* o);
 
 // RMSNorm of `rows` rows of n (x and out bf16 or fp32, weight w [n] bf16 or fp32) with torch's rounding: fp32
-// statistics, the normalized row rounded to x's dtype, times w in out's dtype (native/norm_rope.cpp).
+// statistics, the normalized row rounded to x's dtype, times w in out's dtype (native/kernels/norm_rope.cpp).
 void rms_norm_rows(const void* x, bool x_bf16, const void* w, bool w_bf16, void* out, bool out_bf16, int rows, int n,
                    float eps);
 // Rotary embedding, halves rotated (Llama/Qwen): x, out [T, heads, dim], cos/sin [T, dim/2], all bf16 or all fp32.
@@ -181,7 +181,7 @@ struct MlaPart {
   int r, dn, dr, dv;
 };
 
-// An attention block's weights and its layer of the paged KV pool, for decode_block (native/decode_step.cpp): GQA,
+// An attention block's weights and its layer of the paged KV pool, for decode_block (native/decode/decode_step.cpp): GQA,
 // or MLA (mla set: qkv, QK-norm and the q/k/v biases unused; d = dn + dr, rot = dr). Activations, norm weights and
 // biases are all of the model dtype (bf16 bits or fp32); the pool's K and V are [nkv, blocks, 1 << block_shift, d]
 // of kv, or MLA's latents and rotary keys [blocks, 1 << block_shift, r or dr] (gpu_service/kv_pool.py).
@@ -245,7 +245,7 @@ void sigmoid_topk(const float* logits, const float* bias, int B, int E, int k, i
 
 // A SwiGLU MLP at decode (a dense layer, or an MoE layer's shared experts), rounded where the torch path
 // (Model._mlp / _shared) rounds: gate and up in T, silu(gate) in T, their product in T, down in T; with Qwen2-MoE's
-// gate, sigmoid(x . gate) in T times that (native/decode_mlp.cpp).
+// gate, sigmoid(x . gate) in T times that (native/decode/decode_mlp.cpp).
 struct Mlp {
   bool bf16;
   const Kernels* gate_up_k;
@@ -289,7 +289,7 @@ bool amx_emulation();
 void gemm_rows_amx(Fmt fmt, const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy);
 float amx_peak_loop(bool bf16, long iters);  // iters x 4 tile multiplies (probes.cpp times it)
 // The tile configuration (every tile 16 rows x 64 bytes, or K = 32's), loaded and released around a call's tile
-// work by the kernels that keep their own tile loops (gemm_blocked.h).
+// work by the kernels that keep their own tile loops (kernels/amx/gemm_blocked_amx.h).
 void amx_tiles_begin(int k_bytes = 64);  // 32 (16): A tiles of 16 x 32 (16) bytes, B tiles of 8 (4) rows: K = 32 (16) a product
 void amx_tiles_end();
 

@@ -6,15 +6,15 @@
 // (Model.forward) in the same order, so its tokens are that loop's bit for bit (tests/model/test_decode_loop.py). A wait
 // that outlasts its slice returns to the caller, which checks the session's lifeline and deadline and calls again
 // (the ring client's `outstanding` says where to resume): nothing here blocks longer than a slice.
-#include "decode_loop.h"
+#include "decode/decode_loop.h"
 
 #include <mutex>
 #include <stdexcept>
 #include <utility>
 
-#include "common.h"
-#include "torch_rounding.h"
-#include "vec_builds.h"
+#include "kernels/torch_rounding.h"
+#include "kernels/vec_builds.h"
+#include "runtime/common.h"
 
 namespace moe {
 

@@ -1,4 +1,4 @@
-// A decode step's layers in one native call (native/decode_loop.cpp): each layer's attention block
+// A decode step's layers in one native call (native/decode/decode_loop.cpp): each layer's attention block
 // (decode_block), its routed experts (through the shared-memory ring to the expert service, or on this
 // process's own kernels) and the residual add, with no Python between the layers.
 #pragma once
@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "exchange/ring.h"
 #include "moe.h"
-#include "ring.h"
 
 namespace moe {
 

@@ -16,10 +16,10 @@
 #include <cstring>
 #include <vector>
 
-#include "common.h"
+#include "kernels/torch_rounding.h"
+#include "kernels/vec_builds.h"
 #include "moe.h"
-#include "torch_rounding.h"
-#include "vec_builds.h"
+#include "runtime/common.h"
 
 namespace moe {
 

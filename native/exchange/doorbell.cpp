@@ -3,9 +3,9 @@
 // short while (a result is often microseconds away; only briefly on an oversubscribed machine,
 // see contention.h) and then sleeps on a futex; the futex is
 // process-shared (no FUTEX_PRIVATE_FLAG) because the two sides are different processes.
-#include "doorbell.h"
+#include "exchange/doorbell.h"
 
-#include "contention.h"
+#include "runtime/contention.h"
 
 #include <algorithm>
 #include <chrono>

@@ -1,11 +1,11 @@
 // See ring.h. Every offset a descriptor carries is checked against the region before use; anything
 // this loop does not handle goes back to Python, which answers it (errors included) the same way.
-#include "ring.h"
+#include "exchange/ring.h"
 
 #include <cstring>
 
-#include "common.h"
-#include "doorbell.h"
+#include "exchange/doorbell.h"
+#include "runtime/common.h"
 
 namespace moe {
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
 #include "moe.h"
+#include "runtime/common.h"
 
 namespace moe {
 

@@ -1,6 +1,6 @@
 // Protobuf wire format for LayerRequest / LayerResult (see wire.h). Field numbers: protos/expert.proto
 // and protos/tensor.proto.
-#include "wire.h"
+#include "exchange/wire.h"
 
 #include <algorithm>
 #include <limits>

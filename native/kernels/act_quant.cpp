@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "common.h"
-#include "kernels.h"
+#include "kernels/kernels.h"
+#include "kernels/vmath.h"
 #include "moe.h"
-#include "vmath.h"
+#include "runtime/common.h"
 
 namespace moe {
 

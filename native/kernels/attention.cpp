@@ -11,9 +11,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "common.h"
+#include "kernels/vmath.h"
 #include "moe.h"
-#include "vmath.h"
+#include "runtime/common.h"
 
 namespace moe {
 

@@ -1,5 +1,9 @@
-// The entry points of the formats of 32-weight groups (their kernels: gemm_blocked.h).
-#include "gemm_blocked.h"
+// The entry points of the formats of 32-weight groups (their kernels: gemm_blocked.h, shared, and each ISA's
+// folder).
+#include "kernels/amx/gemm_blocked_amx.h"
+#include "kernels/avx2/gemm_blocked_avx2.h"
+#include "kernels/avx512/gemm_blocked_avx512.h"
+#include "kernels/portable/gemm_blocked_ref.h"
 
 namespace moe {
 

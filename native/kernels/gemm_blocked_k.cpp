@@ -1,6 +1,8 @@
 // The entry points of GGUF's K-quants with mins (w = d sc q - dmin m), kept as stored (their kernels:
-// gemm_blocked.h).
-#include "gemm_blocked.h"
+// gemm_blocked.h, shared, and each ISA's folder; no AMX path).
+#include "kernels/avx2/gemm_blocked_avx2.h"
+#include "kernels/avx512/gemm_blocked_avx512.h"
+#include "kernels/portable/gemm_blocked_ref.h"
 
 namespace moe {
 

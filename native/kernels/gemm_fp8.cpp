@@ -20,10 +20,10 @@
 #include <cmath>
 #include <vector>
 
-#include "common.h"
-#include "kernels.h"
+#include "kernels/kernels.h"
+#include "kernels/reduce4.h"
 #include "moe.h"
-#include "reduce4.h"
+#include "runtime/common.h"
 
 namespace moe {
 

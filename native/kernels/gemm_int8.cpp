@@ -5,11 +5,11 @@
 
 #include <algorithm>
 
-#include "common.h"
-#include "kernels.h"
+#include "kernels/avx2/ymm.h"
+#include "kernels/kernels.h"
+#include "kernels/reduce4.h"
 #include "moe.h"
-#include "reduce4.h"
-#include "ymm.h"
+#include "runtime/common.h"
 
 namespace moe {
 

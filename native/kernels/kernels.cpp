@@ -1,5 +1,5 @@
 // The (ISA, format) -> kernels table: the one place that knows which function runs what (kernels.h).
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 #include <string>
 

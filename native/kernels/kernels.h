@@ -5,8 +5,8 @@
 #include <cstddef>
 #include <type_traits>
 
-#include "common.h"
 #include "moe.h"
+#include "runtime/common.h"
 
 namespace moe {
 

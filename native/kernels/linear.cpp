@@ -4,9 +4,9 @@
 // int8 / int4 weights at DRAM speed like the experts do.
 #include <algorithm>
 
-#include "common.h"
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "moe.h"
+#include "runtime/common.h"
 
 namespace moe {
 

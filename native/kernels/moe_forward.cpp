@@ -12,10 +12,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "common.h"
+#include "kernels/kernels.h"
 #include "moe.h"
-#include "kernels.h"
-#include "numa.h"
+#include "runtime/common.h"
+#include "runtime/numa.h"
 
 namespace moe {
 

@@ -8,8 +8,8 @@
 #include <numeric>
 #include <string>
 
-#include "common.h"
 #include "moe.h"
+#include "runtime/common.h"
 
 namespace moe {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "common.h"
+#include "runtime/common.h"
 
 namespace moe {
 namespace rounding {

@@ -1,4 +1,4 @@
-#include "contention.h"
+#include "runtime/contention.h"
 
 #include <fcntl.h>
 #include <sched.h>

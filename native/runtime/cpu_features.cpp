@@ -5,9 +5,9 @@
 
 #include <atomic>
 
+#include "kernels/torch_rounding.h"
+#include "kernels/vec_builds.h"
 #include "moe.h"
-#include "torch_rounding.h"
-#include "vec_builds.h"
 
 namespace moe {
 

@@ -1,4 +1,4 @@
-#include "numa.h"
+#include "runtime/numa.h"
 
 #include <sched.h>
 #include <sys/syscall.h>

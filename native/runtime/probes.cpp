@@ -5,8 +5,8 @@
 
 #include <chrono>
 
-#include "common.h"
-#include "probes.h"
+#include "runtime/common.h"
+#include "runtime/probes.h"
 
 namespace moe {
 

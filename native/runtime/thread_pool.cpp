@@ -8,9 +8,9 @@
 #include <pthread.h>
 #include <sched.h>
 
-#include "common.h"
-#include "contention.h"
-#include "numa.h"
+#include "runtime/common.h"
+#include "runtime/contention.h"
+#include "runtime/numa.h"
 
 namespace moe {
 

@@ -10,8 +10,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "common.h"
 #include "moe.h"
+#include "runtime/common.h"
 
 namespace moe {
 
@@ -79,7 +79,7 @@ constexpr TileConfig make_config() {
 // LDTILECFG reads 8 bytes of its operand (an "m" of a pointer), so the stores that fill in the rows and
 // column widths of a local config are dropped as dead, and real AMX faults (#GP) on the garbage.
 constexpr TileConfig kTileConfig = make_config();
-// K = 32 or 16 a product (the 32-weight groups of gemm_blocked.h, q6k's 16s): A tiles (4, 5) 16 rows x K bytes,
+// K = 32 or 16 a product (the 32-weight groups of gemm_blocked_amx.h, q6k's 16s): A tiles (4, 5) 16 rows x K bytes,
 // B tiles (6, 7) K / 4 rows x 64 bytes
 constexpr TileConfig make_config_k(int k) {
   TileConfig cfg = make_config();

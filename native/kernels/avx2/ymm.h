@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "reduce4.h"
+#include "kernels/reduce4.h"
 
 namespace moe {
 
@@ -125,7 +125,7 @@ struct Avx2Dot {
         acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w)), _mm256_set1_epi16(1)));
   }
   // small weights (nibbles, <= 15): vpmaddubsw (u8 weights x s8 activations) cannot saturate, pairs are summed in
-  // int16 (gemm_blocked.h: 8 of them) before one widening
+  // int16 (gemm_blocked_avx2.h: 8 of them) before one widening
   __attribute__((target("avx2"))) static inline __m256i pairs(__m256i u, __m256i x) { return _mm256_maddubs_epi16(u, x); }
   __attribute__((target("avx2"))) static inline __m256i widen(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 };
