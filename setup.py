@@ -17,9 +17,14 @@ ASAN = os.environ.get("MOE_ASAN") == "1"
 # trying (then compiles them again without); ASan's reports keep their file:line
 flags = ["-O1", "-g", "-fno-var-tracking-assignments", "-fsanitize=address", "-fno-omit-frame-pointer"] if ASAN else ["-O3"]
 
+# native/'s folders (docs/architecture.md, "native/ layout"): every .cpp under it, its headers included by their path
+# from native/ ("kernels/kernels.h"); the headers listed as the extension's dependencies, so a changed header rebuilds
+SOURCES = sorted(glob.glob("native/**/*.cpp", recursive=True))
+HEADERS = sorted(glob.glob("native/**/*.h", recursive=True))
+
 setup(
-    ext_modules=[Pybind11Extension("moe_kernels._native", sorted(glob.glob("native/*.cpp")),
-                                   include_dirs=["native"], cxx_std=17, extra_compile_args=flags,
-                                   extra_link_args=["-fsanitize=address"] if ASAN else [])],
+    ext_modules=[Pybind11Extension("moe_kernels._native", SOURCES, include_dirs=["native"], cxx_std=17,
+                                   extra_compile_args=flags,
+                                   extra_link_args=["-fsanitize=address"] if ASAN else [], depends=HEADERS)],
     cmdclass={"build_ext": build_ext},
 )

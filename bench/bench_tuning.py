@@ -1,4 +1,4 @@
-"""Interleaved A/B of the kernels' streaming knobs (native/common.h Tuning: prefetch distance,
+"""Interleaved A/B of the kernels' streaming knobs (native/runtime/common.h Tuning: prefetch distance,
 task size) and of kernel isas on the Qwen3-30B-A3B expert shape, in one process: every
 repetition runs each setting once in turn, so the machine's slow and fast moments fall on all of
 them alike (on a shared 2-core box single runs drift by +-20%).

@@ -150,7 +150,7 @@ ISAS = {"avx2": (AVX2_ONLY + ["-DGGML_AVX_VNNI=OFF"],
                     {"MOE_KERNEL_PATH": "avxvnni", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "ATEN_CPU_CAPABILITY": "avx2"}),
         # llama.cpp with AVX-512 (VNNI, BF16) but not its AMX code: built by GCC 12 that dies in its first
         # tile instruction (SIGILL at tilezero; it fills a stack tile config as we once did, see
-        # native/gemm_amx.cpp); ours on its default path (amx where the CPU has it)
+        # native/kernels/amx/gemm_amx.cpp); ours on its default path (amx where the CPU has it)
         "avx512": (["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
                     "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"], {}),
         "native": (["-DGGML_NATIVE=ON"], {})}

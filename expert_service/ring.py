@@ -1,5 +1,5 @@
 """Serves one shared-memory session's request ring (layout: moe_core/shm.py) on its own thread.
-The hot loop is C++ (native/ring.cpp: wait on the request doorbell, check the descriptor against the
+The hot loop is C++ (native/exchange/ring.cpp: wait on the request doorbell, check the descriptor against the
 region, run the native kernels straight on the region, post responses, ring) and never takes the
 GIL; it hands back to Python only what it does not run itself: invalid requests (answered here with
 INVALID_ARGUMENT and a message, and the ring goes on), fp16 requests and layers on the torch

@@ -171,7 +171,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     async def Exchange(self, request_iterator, context):
         """A raw method (RAW_METHODS): serialized LayerRequests in, serialized LayerResults out. A request
-        native/wire.h's fast path takes, for a native layer, is parsed, computed and answered in C++ (a
+        native/exchange/wire.h's fast path takes, for a native layer, is parsed, computed and answered in C++ (a
         handful of Python operations a layer); any other goes through protobuf and _parts."""
         await self._check_peer(context)
         self.active_streams += 1

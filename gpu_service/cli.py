@@ -15,7 +15,7 @@ from moe_core.edge import MalformedRequestInterceptor
 from moe_core import gguf_model
 from moe_core.config import ModelConfigError, load_config
 from moe_core.fingerprint import fingerprint
-from moe_kernels.packing import FORMATS as WEIGHT_FORMATS
+from moe_kernels.formats import NAMES as WEIGHT_FORMATS
 from protos import generate_pb2, generate_pb2_grpc
 
 from .dispatch import ExpertServiceError, RemoteExperts

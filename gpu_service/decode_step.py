@@ -1,4 +1,4 @@
-"""The native decode step of attention blocks on the CPU (native/decode_step.cpp): for a step whose every sequence
+"""The native decode step of attention blocks on the CPU (native/decode/decode_step.cpp): for a step whose every sequence
 adds one token, a layer's input norm, its attention (GQA: q/k/v, QK-norm, rope, KV append, paged attention; MLA: q
 through its low-rank pair, the latent and rotary key, rope, both into the pool, the absorbed latent attention),
 o_proj, residual and post-attention norm, and an MoE layer's router, are one native call for all the step's
@@ -22,7 +22,7 @@ from .kv_pool import BLOCK, KVPool, SeqCache
 from .layers import GATE_UP, softmax_scale
 
 # torch's vector width decides which elements of its silu/sigmoid take Sleef's exp and which libm's (a loop's tail):
-# the native MLP and sigmoid router compute each element as torch does (native/torch_rounding.h)
+# the native MLP and sigmoid router compute each element as torch does (native/kernels/torch_rounding.h)
 native.set_torch_vector_bytes({"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability(), 0))
 
 

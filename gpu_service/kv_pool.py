@@ -1,7 +1,7 @@
 """The paged KV cache: one pool of fixed-size blocks per attention layer, shared by every sequence through its
 block table, with the blocks of finished prefixes kept for reuse (prefix_cache.py).
 
-Layout (the native decode step reads it as it is; agree any change with native/attention.cpp):
+Layout (the native decode step reads it as it is; agree any change with native/kernels/attention.cpp):
 - a block holds BLOCK consecutive positions of one sequence, in every attention layer at once (one block id,
   the same row of each layer's buffers);
 - GQA / MHA, windows and sinks included: K and V per layer [kv heads, blocks, BLOCK, head dim]: head-major across

@@ -27,7 +27,7 @@ def busy_fraction_gauge(name: str, doc: str, busy_seconds: Counter) -> Gauge:
 
 
 class WaitPolicy:
-    """How this process's native waits use the CPUs (native/contention.h), read at each scrape: while only our
+    """How this process's native waits use the CPUs (native/runtime/contention.h), read at each scrape: while only our
     services run, a wait gives its core away between polls (fast hand-overs); while other programs use more CPU
     than a threshold it spins only while a CPU is free and otherwise sleeps, and a hand-over may pay a wake-up
     (docs/performance/decode_step.md, "Waits that yield the core while the machine is ours"). Where decode slows on a shared

@@ -20,7 +20,7 @@ Layout (little-endian, offsets in bytes from the region start):
         response descriptors, RESP_SLOTS x RESP_DESC_SIZE
         data area (page-aligned), REQ_SLOTS equal blocks; request i uses block i % REQ_SLOTS for
         its hidden, ids, weights and both outputs.
-The hot loops of both sides are C++ (native/ring.h mirrors this layout; a test checks they agree).
+The hot loops of both sides are C++ (native/exchange/ring.h mirrors this layout; a test checks they agree).
 Every offset a descriptor carries is checked against the region before it is touched
 (check_span): beyond the region, past its end, overlapping the header, misaligned or overflowing
 64 bits is refused with INVALID_ARGUMENT, never read.
@@ -49,7 +49,7 @@ REQ_DESC_SIZE = 256
 # response: request seq, part, status (gRPC code), output (offset, nbytes), queued_us, compute_us,
 # start_ns, end_ns, message length, message
 RESP_DESC = struct.Struct("<QII QQ QQ qq I4x")
-OK, INVALID_ARGUMENT, INTERNAL = 0, 3, 13  # the statuses a response carries: gRPC's codes (native/ring.h: Status)
+OK, INVALID_ARGUMENT, INTERNAL = 0, 3, 13  # the statuses a response carries: gRPC's codes (native/exchange/ring.h: Status)
 MSG_MAX = 256
 RESP_DESC_SIZE = 384
 MIN_SIZE = 1 << 20

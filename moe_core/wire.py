@@ -1,6 +1,6 @@
 """The expert exchange's messages as bytes. The Exchange stream is a raw method on both ends: the
 GPU side writes each LayerRequest and reads each LayerResult, the expert service reads and answers
-them, with the native reader/writer (native/wire.cpp) where it can and the protobuf library where
+them, with the native reader/writer (native/exchange/wire.cpp) where it can and the protobuf library where
 not. protos/expert.proto stays the contract; the bytes are the same either way (tests/exchange/test_native_wire.py).
 
 Why: a decode step sends one request per MoE layer, and each protobuf message, tensor and field built

@@ -1,4 +1,4 @@
-"""Decode attention on the native kernels (native/attention.cpp): one new query per head against a
+"""Decode attention on the native kernels (native/kernels/attention.cpp): one new query per head against a
 sequence's KV cache (bf16, fp16 or fp32), fp32 scores and sums. For the GPU service's layers when it computes
 on the CPU, where torch's small matmuls and softmax make this a large part of a decode step."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RMSNorm and rotary embeddings on the native kernels (native/norm_rope.cpp) on the CPU: one call each instead
+"""RMSNorm and rotary embeddings on the native kernels (native/kernels/norm_rope.cpp) on the CPU: one call each instead
 of torch's 7-8 ops (a decode step's few rows on the calling thread, a prefill's sliced over the native pool), with
 torch's rounding (the same results as gpu_service.layers' torch versions, up to the order of the norm's sum of
 squares)."""

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 class Fp8Rows:
     """One projection of packed fp8 experts, multiplied as the kernels do: each 128-row block's rows times
-    the vector scaled by that block row's scales, rounded to bf16 (native/gemm_fp8.cpp); in float64."""
+    the vector scaled by that block row's scales, rounded to bf16 (native/kernels/gemm_fp8.cpp); in float64."""
     def __init__(self, packed, r0, r1, K):
         from moe_kernels.packing import FP8_BLOCK
         data, scale = packed[0], packed[1]

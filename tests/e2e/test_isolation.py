@@ -131,7 +131,7 @@ def test_hostile_ring_peer_under_address_sanitizer(asan_native):
 @pytest.mark.asan
 @pytest.mark.timeout(3000)
 def test_damaged_exchange_messages_under_address_sanitizer(asan_native):
-    """The native wire reader (native/wire.cpp) on cut, flipped and stretched messages, the ones it takes
+    """The native wire reader (native/exchange/wire.cpp) on cut, flipped and stretched messages, the ones it takes
     computed: no out-of-bounds access."""
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile_wire_bytes.py"), "--native", asan_native,
                         "--n", "3000"], capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -1,4 +1,4 @@
-"""native/wire.cpp, the expert exchange's second reader and writer of LayerRequest / LayerResult,
+"""native/exchange/wire.cpp, the expert exchange's second reader and writer of LayerRequest / LayerResult,
 against the protobuf library: what it takes, what it leaves to protobuf, and byte-equal answers."""
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def test_exchange_part_refuses_bad_values(op):
 
 
 def test_dtype_codes_are_the_protos():
-    """native/wire.h names FLOAT32, BFLOAT16 and INT32 by value: the heads above would be None were they
+    """native/exchange/wire.h names FLOAT32, BFLOAT16 and INT32 by value: the heads above would be None were they
     other than tensor.proto's; this names the values in case of doubt."""
     assert (tensor_pb2.FLOAT32, tensor_pb2.BFLOAT16, tensor_pb2.INT32) == (1, 2, 4)
 

@@ -113,7 +113,7 @@ def test_every_wait_policy_gives_the_same_tokens(spin, checkpoints, services_fac
 
 def test_busy_programs_make_the_waits_stop_yielding():
     """Two busy programs beside us (more CPU than the machine's noise, not ours): within a few sample windows
-    the waits treat the machine as shared and spin/sleep instead of yielding (native/contention.h)."""
+    the waits treat the machine as shared and spin/sleep instead of yielding (native/runtime/contention.h)."""
     import subprocess
     import sys
     import time
@@ -342,7 +342,7 @@ def test_auto_falls_back_to_grpc_and_shm_fails_loudly(checkpoints, services_fact
 
 
 def test_python_and_cpp_agree_on_the_ring_layout():
-    """moe_core/shm.py and native/ring.h describe the same bytes."""
+    """moe_core/shm.py and native/exchange/ring.h describe the same bytes."""
     c = native.ring_layout()
     assert (c["REQ_SEQ"], c["RESP_SEQ"], c["RESP_READ"], c["CLOSED"]) == (shm.REQ_SEQ, shm.RESP_SEQ, shm.RESP_READ,
                                                                           shm.CLOSED)

@@ -1,4 +1,4 @@
-"""Decode attention kernels (native/attention.cpp through moe_kernels.attention) against float64 references: every
+"""Decode attention kernels (native/kernels/attention.cpp through moe_kernels.attention) against float64 references: every
 vector path this CPU runs and the portable loops; contiguous and paged caches, MLA's latent attention and its absorbed
 products, the K/V stores' rounding."""
 import pytest
@@ -173,7 +173,7 @@ def _awkward_floats() -> torch.Tensor:
 @pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
 def test_store_kv_rounds_as_torch(kv, src):
-    """The decode step's K/V store (native/attention.cpp store_kv) gives torch's .to() bits: the F16C instruction
+    """The decode step's K/V store (native/kernels/attention.cpp store_kv) gives torch's .to() bits: the F16C instruction
     on whole vectors of 8, the integer rounding for a tail and alone (n = 1)."""
     from moe_kernels.attention import store_kv
 
@@ -207,7 +207,7 @@ def test_half_widens_exactly_on_every_path():
             torch.testing.assert_close(got, rows[:, :d].float(), rtol=3e-7, atol=0, msg=isa)
 
 
-# -- MLA's absorbed kv_b_proj (native/mla.cpp) ------------------------------------------------------
+# -- MLA's absorbed kv_b_proj (native/kernels/mla.cpp) ------------------------------------------------------
 @pytest.mark.parametrize("isa", ATTN_PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("nh, dn, dv, r, t", [(4, 16, 24, 40, 1), (16, 32, 32, 64, 3), (128, 8, 8, 512, 1)])
