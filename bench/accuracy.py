@@ -12,7 +12,7 @@ checks that each model's greedy tokens and exact logits equal transformers'.
 
 For models with at least 6 MoE layers (the deep one: tools/train_default_model.py --preset deep) it
 also measures how the cost depends on depth: deferral (and skipping) of d experts in only the first,
-middle or last third of the MoE layers, in one process (gpu_service.model's defer_layers).
+middle or last third of the MoE layers, in one process (gpu_service.model.model's defer_layers).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from common import ROOT, Services, windows  # noqa: E402
-from moe_core import codec  # noqa: E402
+from moe_exchange import codec  # noqa: E402
 from moe_core.config import load_config  # noqa: E402
 from protos import generate_pb2  # noqa: E402
 
@@ -61,9 +61,9 @@ def thirds(cfg) -> dict[str, range]:
 
 def depth_rows(model_dir: str, wins, d: int, exact_am) -> list[dict]:
     """Deferral / skipping of d experts in one third of the layers at a time, in one process (fp32)."""
-    from expert_service.store import load_expert_layers
-    from gpu_service.experts import LocalExperts
-    from gpu_service.model import Model, Segment
+    from moe_experts.store import load_expert_layers
+    from gpu_service.experts.local import LocalExperts
+    from gpu_service.model.model import Model, Segment
     from moe_core.checkpoint import Checkpoint
 
     cfg, ckpt = load_config(model_dir), Checkpoint(model_dir)

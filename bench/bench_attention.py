@@ -1,7 +1,7 @@
 """GQA decode attention on the CPU (one query per head over L cached positions, Qwen3-30B-A3B's 32 query
 and 4 KV heads of 128): torch's matmuls over a contiguous head-major cache ([kv heads, positions, dim] views
 of a doubled-capacity buffer, the layout before the paged pool), the native kernel over that contiguous cache,
-and the native kernel over the paged pool (gpu_service/kv_pool.py: 16-position blocks found through a block
+and the native kernel over the paged pool (gpu_service/engine/kv_pool.py: 16-position blocks found through a block
 table; consecutive, as a lone sequence's are, and scattered in the pool) -- the before and after of paging for
 the decode step -- interleaved in one run. Also what the paths without a paged kernel pay for scattered blocks:
 gathering them into one tensor per layer (consecutive ones are a view).
@@ -9,7 +9,7 @@ gathering them into one tensor per layer (consecutive ones are a view).
     python bench/bench_attention.py [--lengths 400 1500 6000] [--dtype bf16] [--kv fp16] [--isa avx2] [--threads 2]
 
 --kv: the cache's element type when it is not the model's (--kv-cache-dtype; the torch path widens the blocks
-it gathers, as gpu_service/attention.py does).
+it gathers, as gpu_service/model/attention.py does).
 
 Then the native kernel as decode meets the cache, cold (--cold-layers layers' caches read in turn: the weights read
 between two tokens sweep every cache), over a lone sequence's consecutive blocks, runs of 4 and scattered blocks,
@@ -19,7 +19,7 @@ native.get_tuning()) and without (`set_tuning(..., v_prefetch_kb=0)`), interleav
 With --isa avx2, run torch limited to AVX2 too (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2).
 
 --mla: DeepSeek-V3's latent attention instead (128 query heads over one shared latent of 512 and rotary key of 64 a
-position; gpu_service/attention.py mla_attention): torch's matmuls in the model dtype over the gathered cache (the
+position; gpu_service/model/attention.py mla_attention): torch's matmuls in the model dtype over the gathered cache (the
 decode path before the native kernel) against the native kernel over the pool (consecutive and scattered blocks),
 each also as a share of this CPU's fp32 FMA peak measured in the same run (the attention is compute-bound).
 """
@@ -38,13 +38,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from moe_kernels import ISA, native  # noqa: E402
-from gpu_service.kv_pool import _empty  # noqa: E402
+from gpu_service.engine.kv_pool import _empty  # noqa: E402
 from moe_kernels.attention import decode_attention, mla_paged_attention, paged_decode_attention  # noqa: E402
 
 NH, NKV, D = 32, 4, 128
 
 
-def with_torch(q, K, V):  # gpu_service/attention.py's CPU decode without the native kernel
+def with_torch(q, K, V):  # gpu_service/model/attention.py's CPU decode without the native kernel
     K, V = K.to(q.dtype), V.to(q.dtype)
     qg = q.view(NKV, NH // NKV, D)
     s = torch.matmul(qg, K.transpose(1, 2)) * D ** -0.5
@@ -144,7 +144,7 @@ def main() -> None:
         def nat(q, K, V):
             return decode_attention(q, K, V, D ** -0.5, a.isa)
 
-        def paged(name):  # as gpu_service/attention.py calls it: consecutive blocks without the table
+        def paged(name):  # as gpu_service/model/attention.py calls it: consecutive blocks without the table
             first = nb if name == "consecutive" else -1
             return lambda q, K, V: paged_decode_attention(q, *pools[name], tables[name], L, D ** -0.5, a.isa, first)
 

@@ -6,7 +6,7 @@ alternating blocks of tokens, so a swing hits both alike).
     python bench/bench_decode_loop.py --synth qwen3-30b-a3b --layers 6 --vocab 32000 --work DIR
 
 The GPU side's Model with the experts in its own process (LocalExperts, the expert service's native kernels),
-two sequences with the same prompt: one decodes with the decode loop (gpu_service/decode_loop.py: every layer in
+two sequences with the same prompt: one decodes with the decode loop (gpu_service/model/native_loop.py: every layer in
 one native call), the other with the layer loop (Model.forward's per-layer Python and torch ops around the same
 native attention blocks and experts), greedy, --block tokens at a time each, --rounds times. Per mode: ms a token
 (median), the torch ops a token dispatches (counted with a TorchDispatchMode: a figure no noise moves); then the
@@ -25,11 +25,11 @@ from common import cpu_name, synth_model
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from expert_service.packed_cache import PackedCache, source_stamp
-from expert_service.store import load_expert_layers
-from gpu_service.experts import LocalExperts
-from gpu_service.model import Model, Segment
-from gpu_service.sampling import argmax
+from moe_experts.packed_cache import PackedCache, source_stamp
+from moe_experts.store import load_expert_layers
+from gpu_service.experts.local import LocalExperts
+from gpu_service.model.model import Model, Segment
+from gpu_service.engine.sampling import argmax
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 from moe_core.fingerprint import fingerprint

@@ -1,5 +1,5 @@
 """The gated delta rule of one Qwen3-Next / Qwen3.5 linear-attention layer at the published shape
-(16 q/k heads, 32 v heads, 128 dims), gpu_service.linear_attention against transformers' torch
+(16 q/k heads, 32 v heads, 128 dims), gpu_service.model.linear_attention against transformers' torch
 implementation on the same inputs, interleaved, medians of --reps:
 
 - prefill of t tokens (the chunked form), carrying a state in, and the share of the fp32 FMA peak
@@ -20,7 +20,7 @@ import time
 import torch
 
 from common import cpu_name  # noqa: E402
-from gpu_service.linear_attention import CHUNK, delta_rule  # noqa: E402
+from gpu_service.model.linear_attention import CHUNK, delta_rule  # noqa: E402
 
 NK, NV, D = 16, 32, 128
 

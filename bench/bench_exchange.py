@@ -5,7 +5,7 @@
 Builds a one-MoE-layer DeepSeek-V3 checkpoint with the given hidden size (bf16, tiny experts so the
 compute inside the round trip is small), starts the expert service pinned to core 1, pins this
 client to core 0, and sends T=1 layer requests (top-8) one at a time through the GPU side's own
-client (gpu_service/dispatch.py: RemoteExperts.submit, then result). Per transport it reports the
+client (moe_exchange/dispatch.py: RemoteExperts.submit, then result). Per transport it reports the
 median round trip, the expert compute the service measured inside it, their difference (what the
 transport itself costs per layer), and the legs: submit -> the service has the request -> compute
 starts, compute ends -> result() returns. Targets: gRPC <= 1.5x the floor (issue #16), shm <= 20 us.
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from common import exchange_rtt  # noqa: E402
-from moe_core import codec  # noqa: E402
+from moe_exchange import codec  # noqa: E402
 from protos import expert_pb2  # noqa: E402
 
 WARMUP = 50

@@ -24,7 +24,7 @@ import time
 import torch
 
 from common import SHAPES, cpu_name, expert_bytes, weights
-from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
+from moe_experts.kernels.native_moe import NativeMoELayer  # noqa: E402
 from moe_kernels import ISA, native  # noqa: E402
 
 # the kernel path's int8 dot product, probed for the header

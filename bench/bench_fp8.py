@@ -23,7 +23,7 @@ import time
 import torch
 
 from common import cpu_name  # noqa: E402
-from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
+from moe_experts.kernels.native_moe import NativeMoELayer  # noqa: E402
 from moe_core.checkpoint import dequantize_fp8  # noqa: E402
 from moe_kernels.packing import Fp8  # noqa: E402
 from synth_checkpoint import quantize_fp8  # noqa: E402

@@ -1,4 +1,4 @@
-"""The GPU side's decode step per layer, per op against graphed (gpu_service/graphed_decode.py): issue #28's bar is
+"""The GPU side's decode step per layer, per op against graphed (gpu_service/model/cuda_graphs.py): issue #28's bar is
 <= 100 us a layer of GPU-side wall time outside the weights' reads, copies included, the expert service's wait
 excluded, for a Qwen3-shape and a DeepSeek-V3-shape (MLA) layer.
 
@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from gpu_service.model import DTYPES, Model, Segment  # noqa: E402
+from gpu_service.model.model import DTYPES, Model, Segment  # noqa: E402
 from moe_core.checkpoint import Checkpoint  # noqa: E402
 from moe_core.config import load_config  # noqa: E402
 import synth_checkpoint  # noqa: E402
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
     model = Model(cfg, Checkpoint(d), device, DTYPES[a.dtype])
     graphed = "cuda" if device.type == "cuda" else "eager"
     if model.graphs == "off" and device.type == "cuda":
-        sys.exit(f"{cfg.model_type}: no graphs for this model (graphed_decode.eligible)")
+        sys.exit(f"{cfg.model_type}: no graphs for this model (cuda_graphs.eligible)")
     experts = HeldExperts(cfg.hidden_size, device.type == "cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bw, nbytes = bandwidth(device), weight_bytes(model)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from common import SHAPES, cpu_name, expert_bytes, timed, weights  # noqa: E402
 from moe_kernels import native as native  # noqa: E402
-from expert_service.kernels import TorchMoELayer  # noqa: E402
-from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
+from moe_experts.kernels import TorchMoELayer  # noqa: E402
+from moe_experts.kernels.native_moe import NativeMoELayer  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

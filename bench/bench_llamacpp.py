@@ -102,7 +102,7 @@ def write_gguf(model: pathlib.Path, src: pathlib.Path, out: pathlib.Path) -> Non
 def gguf(model: pathlib.Path, src: pathlib.Path, isa: str, work: pathlib.Path, qtype: str) -> pathlib.Path:
     """-> the checkpoint as a GGUF of qtype (bf16, Q8_0, Q4_0) in work, written once per checkpoint (named by its
     fingerprint and its files' stamp, as the packed caches are: two checkpoints in folders of one name differ)."""
-    from expert_service.packed_cache import source_stamp
+    from moe_experts.packed_cache import source_stamp
     from moe_core.checkpoint import Checkpoint
     from moe_core.fingerprint import fingerprint
     ckpt = Checkpoint(model)

@@ -1,5 +1,5 @@
 """Prefix caching at work: a multi-turn conversation whose history grows to ~4000 tokens, its time to first token
-per turn with the prefix cache and without it, in one run on both services (gpu_service/prefix_cache.py).
+per turn with the prefix cache and without it, in one run on both services (gpu_service/engine/prefix_cache.py).
 
     python bench/bench_prefix.py [--synth qwen3-30b-a3b --layers 4 | --model DIR] [--turns 6] [--start 1000]
                                  [--added 50] [--answer 16] [--weight-format int4 --dense-format int4]

@@ -25,9 +25,9 @@ import statistics
 import torch
 
 from common import ROOT, windows  # noqa: E402
-from gpu_service.experts import LocalExperts  # noqa: E402
-from gpu_service.model import Model, Segment  # noqa: E402
-from expert_service.store import load_expert_layers  # noqa: E402
+from gpu_service.experts.local import LocalExperts  # noqa: E402
+from gpu_service.model.model import Model, Segment  # noqa: E402
+from moe_experts.store import load_expert_layers  # noqa: E402
 from moe_core.checkpoint import Checkpoint  # noqa: E402
 from moe_core.config import load_config  # noqa: E402
 

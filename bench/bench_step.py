@@ -81,7 +81,7 @@ class MlaLatent:
     sequence's), its cache of `dtype`."""
 
     def __init__(self, cfg, L: int, dtype: torch.dtype, scale: float):
-        from gpu_service.kv_pool import BLOCK
+        from gpu_service.engine.kv_pool import BLOCK
         nb = -(-L // BLOCK)
         self.C = torch.randn(nb, BLOCK, cfg.kv_lora_rank).to(dtype)
         self.KPE = torch.randn(nb, BLOCK, cfg.qk_rope_head_dim).to(dtype)
@@ -103,9 +103,9 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
     last-level cache). Also bytes per token and the DRAM read probe (GB/s, median of probes taken before and
     after). measure() keeps the weights loaded: it runs again between the decode rounds. positions: MLA's latent
     attention's context; kv_dtype: its cache's type (gpu-service --kv-cache-dtype)."""
-    from expert_service.packed_cache import PackedCache, source_stamp
-    from expert_service.store import load_expert_layers
-    from gpu_service.model import Model
+    from moe_experts.packed_cache import PackedCache, source_stamp
+    from moe_experts.store import load_expert_layers
+    from gpu_service.model.model import Model
     from moe_kernels import ISA, native
     from moe_kernels.dense import NativeLinear
 
@@ -128,7 +128,7 @@ def kernels_alone(model: pathlib.Path, fmt: str, dense: str, threads: int, cache
     seq = []  # (group, kernel) in a token's order
     mla = m is not None and cfg.attention == "mla"
     if mla:
-        from gpu_service.layers import softmax_scale
+        from gpu_service.model.layers import softmax_scale
         from moe_kernels.attention import mla_supported, supports_kv_b
         kv = m.dtype if kv_dtype == "auto" else {"fp32": torch.float32, "bf16": torch.bfloat16,
                                                   "fp16": torch.float16}[kv_dtype]

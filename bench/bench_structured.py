@@ -1,7 +1,7 @@
 """Structured outputs' cost at decode: aggregate decode tokens/s of N concurrent streams under a JSON-schema
 constraint against the same streams unconstrained, in alternating rounds of one run, both services on this
 host (the step's token masks are computed for the whole batch at once on the GPU side's CPU, in parallel, and
-applied in one operation: llguidance, gpu_service/constraints.py mask_rows).
+applied in one operation: llguidance, gpu_service/api/constraints.py mask_rows).
 
     python bench/bench_structured.py [--model models/default | --synth qwen3-30b-a3b --layers 4]
                                      [--batches 1,8] [--tokens 64] [--rounds 3]
@@ -47,8 +47,8 @@ def mask_cost_us(model: pathlib.Path, batch: int, steps: int = 64) -> float:
 
     import torch
 
-    from gpu_service.constraints import ConstraintSpec, Grammars, mask_rows
-    from gpu_service.text import TextCodec
+    from gpu_service.api.constraints import ConstraintSpec, Grammars, mask_rows
+    from gpu_service.api.text import TextCodec
     from moe_core.config import load_config
 
     cfg = load_config(model)

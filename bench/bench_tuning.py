@@ -21,7 +21,7 @@ import torch
 
 from common import SHAPES, weights  # noqa: E402
 from moe_kernels import native as native  # noqa: E402
-from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
+from moe_experts.kernels.native_moe import NativeMoELayer  # noqa: E402
 
 
 def main() -> None:

@@ -55,7 +55,7 @@ def cpu_name() -> str:
             flags = set(line.split(":", 1)[1].split())
     isa = "+".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f in flags)
     try:
-        from expert_service.kernels import NATIVE_ISA
+        from moe_experts.kernels import NATIVE_ISA
     except ImportError:
         NATIVE_ISA = None
     return f"{name} ({isa}), kernel path {NATIVE_ISA or 'torch'}"
@@ -89,7 +89,7 @@ def decode_rate(chunks) -> float:
 def windows(model_dir: str, n: int, length: int) -> list[list[int]]:
     """n windows of `length` token ids of held-out text (Python's standard library, as the default model saw none
     of it in training)."""
-    from gpu_service.text import TextCodec
+    from gpu_service.api.text import TextCodec
     from tools.train_default_model import read, split, stdlib_files
 
     text = TextCodec(model_dir)
@@ -103,9 +103,9 @@ def windows(model_dir: str, n: int, length: int) -> list[list[int]]:
 
 def client_rtt(port, transport, layer, x, ids, w, n) -> tuple[list[float], list[float], list[tuple]]:
     """-> (round trip us, compute us, (to the service, queued there, back) us): the GPU side's own client
-    (gpu_service/dispatch.py), one layer request at a time, as decode sends them. The legs come from the
+    (moe_exchange/dispatch.py), one layer request at a time, as decode sends them. The legs come from the
     service's clock readings (ExpertTiming), the same clock on one host."""
-    from gpu_service.dispatch import RemoteExperts
+    from moe_exchange.dispatch import RemoteExperts
 
     probe = expert_pb2_grpc.ExpertServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     fp = probe.Info(expert_pb2.ExpertInfoRequest(), timeout=10).model_fingerprint

@@ -1,3 +1,3 @@
-from .cli import main
+from expert_service.cli import main
 
 main()

@@ -12,7 +12,7 @@ import time
 import grpc
 import torch
 
-from moe_core import codec, shm, wire
+from moe_exchange import codec, shm, wire
 from moe_core.errors import BadRequest
 from moe_core.config import ModelConfig
 from moe_core.routing import split_deferred
@@ -21,8 +21,8 @@ from moe_core.serving import FINGERPRINT_KEY
 from moe_core.shards import Shard
 from protos import expert_pb2, expert_pb2_grpc
 
-from . import metrics
-from .ring import RingServer
+from expert_service import metrics
+from moe_exchange.ring import RingServer
 
 log = logging.getLogger("expert_service")
 
@@ -40,6 +40,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
+    metrics = metrics  # (the shared-memory ring records into the same figures)
+
     def __init__(self, cfg: ModelConfig, fmt: str, kernel_path: str, threads: int, max_tokens: int,
                  shm_max_bytes: int = 0, shard: Shard = Shard()):
         self.cfg, self.layers, self.fp = cfg, {}, None  # filled by attach() once loaded

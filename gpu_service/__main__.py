@@ -1,3 +1,3 @@
-from .cli import main
+from gpu_service.cli import main
 
 main()

@@ -18,18 +18,21 @@ from moe_core.fingerprint import fingerprint
 from moe_kernels.formats import NAMES as WEIGHT_FORMATS
 from protos import generate_pb2, generate_pb2_grpc
 
-from .dispatch import ExpertServiceError, RemoteExperts
-from .engine import Engine
-from .expert_connection import connect_remote, in_shard_order, load_local
-from .expert_health import ExpertHealth
-from .experts import LocalExperts
-from . import hot_experts, prefill_experts
-from .model import DTYPES, Model, compute_dtype, dense_format, pick_device
-from .reasoning import PARSERS as REASONING_PARSERS
-from .kv_pool import BLOCK, KVPool, block_bytes
-from .tool_formats import PARSERS as TOOL_PARSERS
-from .server import GenerateServicer, prompt_bytes_limit
-from .text import TextCodec
+from moe_exchange.dispatch import ExpertServiceError, RemoteExperts
+from gpu_service.engine.scheduler import Engine
+from gpu_service.experts.connection import connect_remote, in_shard_order, load_local
+from gpu_service.experts.health import ExpertHealth
+from gpu_service.experts.local import LocalExperts
+from gpu_service.experts import hot, gpu_prefill
+from gpu_service.model.model import DTYPES, Model, compute_dtype, dense_format, pick_device
+from gpu_service.api.reasoning import PARSERS as REASONING_PARSERS
+from gpu_service.engine.kv_pool import BLOCK, KVPool, block_bytes
+from gpu_service.api.tool_formats import PARSERS as TOOL_PARSERS
+from gpu_service.api.grpc_api import GenerateServicer, prompt_bytes_limit
+from gpu_service.api.text import TextCodec
+from moe_experts.packed_cache import default_dir
+from moe_kernels import native
+from moe_experts.kernels import kernel_path
 
 log = logging.getLogger("gpu_service")
 
@@ -112,7 +115,7 @@ def parse_args(argv=None):
                          "channel; none = all in the text; auto = harmony or think when the checkpoint's chat "
                          "template or vocabulary shows them")
     ap.add_argument("--kv-cache-gb", type=float, default=None,
-                    help="GiB of the paged KV cache's pool (gpu_service/kv_pool.py), shared by every request; when it "
+                    help="GiB of the paged KV cache's pool (gpu_service/engine/kv_pool.py), shared by every request; when it "
                          "is full, requests wait or are set aside and resume later, never failed; default: room for "
                          "--max-batch requests of --max-context tokens, at most 25%% of the host's available memory "
                          "(the pool's untouched pages cost nothing there; it touches its first 512 blocks, those "
@@ -126,7 +129,7 @@ def parse_args(argv=None):
     ap.add_argument("--prefix-cache-gb", type=float, default=None,
                     help="most GiB of KV blocks that no request uses kept for reuse, so that a request starting with "
                          "the same tokens (a chat's next turn, a shared system prompt) computes only the rest "
-                         "(gpu_service/prefix_cache.py); least recently used dropped first; 0 = off; default: all of "
+                         "(gpu_service/engine/prefix_cache.py); least recently used dropped first; 0 = off; default: all of "
                          "the pool (a cached block is evicted as soon as a request needs the room)")
     ap.add_argument("--prefix-cache-scope", choices=("tenant", "global"), default="tenant",
                     help="tenant: each tenant (--tenants-file) caches prefixes in its own namespace, so no client learns "
@@ -134,14 +137,14 @@ def parse_args(argv=None):
                          "with the same cache_salt either way")
     ap.add_argument("--prefix-cache-host-gb", type=float, default=0,
                     help="CUDA: GiB of pinned host memory that evicted cached KV blocks spill to and come back from "
-                         "by copy (gpu_service/kv_pool.py); 0 = none. On the CPU path the pool is host memory already: "
+                         "by copy (gpu_service/engine/kv_pool.py); 0 = none. On the CPU path the pool is host memory already: "
                          "raise --kv-cache-gb instead")
     ap.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSERS),
                     help="the syntax the model writes tool calls in: hermes (Qwen2/Qwen3), deepseek_v3 (V3, R1), "
                          "deepseek_v31 (V3.1), glm45 (GLM-4.5/4.6), minimax_m2, harmony (gpt-oss); auto = the one "
                          "the checkpoint's chat template writes; none = chat requests with tools are refused")
-    hot_experts.add_args(ap)
-    prefill_experts.add_args(ap)
+    hot.add_args(ap)
+    gpu_prefill.add_args(ap)
     serving.add_server_args(ap)
     security.add_server_args(ap)
     security.add_tenant_args(ap)
@@ -172,7 +175,7 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, torch.dtype, str |
     targets = [t.strip() for t in args.experts.split(",") if t.strip()]
     if not targets or len(set(targets)) != len(targets) or ("local" in targets and len(targets) > 1):
         serving.fail(f"--experts {args.experts!r}: 'local', or one or more distinct host:port, comma-separated")
-    bad = hot_experts.check_args(args, targets == ["local"]) or prefill_experts.check_args(args, targets)
+    bad = hot.check_args(args, targets == ["local"]) or gpu_prefill.check_args(args, targets)
     if bad:
         serving.fail(bad)
     try:
@@ -223,7 +226,6 @@ def namespace(fp: str, dtype: torch.dtype, kv_dtype: torch.dtype, dense: str | N
 
 async def serve(args, stop: asyncio.Event) -> None:
     try:
-        from expert_service.packed_cache import default_dir
         model_dir = gguf_model.resolve(args.model, default_dir())  # a GGUF file: its prepared folder
         cfg = load_config(model_dir)
         ckpt = gguf_model.open_checkpoint(model_dir)
@@ -259,7 +261,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         args.reflection, args.metrics_port, args.metrics_host)
     http = None
     if args.http_listen:
-        from . import openai_api
+        from gpu_service.api import openai_api  # FastAPI and uvicorn load only when the HTTP API is asked for
         # a JSON string spells a byte in up to 6 characters (\u00XX)
         api = openai_api.Api(servicer, args.served_model_name or pathlib.Path(args.model).resolve().name, sec,
                              max_body=6 * prompt_bytes + (1 << 20))
@@ -270,7 +272,6 @@ async def serve(args, stop: asyncio.Event) -> None:
             serving.fail(f"cannot listen on --http-listen {args.http_listen}: {e}")
         log.info("OpenAI-compatible HTTP API on %s (model id %r)", args.http_listen, api.model_name)
     if dense:
-        from moe_kernels import native
         native.init_pool(args.threads)
     log.info("dense layers: %s", f"native kernels, {dense} weights" if dense else "torch")
 
@@ -297,7 +298,6 @@ async def serve(args, stop: asyncio.Event) -> None:
         experts = LocalExperts(layers)
         server_info.transport = transport = "local"
         step_tokens, experts_up, watchers = args.max_step_tokens, (lambda: True), []
-        from expert_service.kernels import kernel_path
         expert_desc = (fmt, kernel_path(fmt))
         pool, max_context = kv_pool(args, cfg, device, kv_dtype, max_context)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
@@ -322,9 +322,9 @@ async def serve(args, stop: asyncio.Event) -> None:
             serving.fail(f"--transport {args.transport}: {e}")
         server_info.transport = transport
         try:
-            experts = await asyncio.to_thread(hot_experts.from_args, args, experts, cfg, ckpt, fp,
+            experts = await asyncio.to_thread(hot.from_args, args, experts, cfg, ckpt, fp,
                                               infos[0].weight_format, device)
-            experts = await asyncio.to_thread(prefill_experts.from_args, args, experts, cfg, ckpt, fp,
+            experts = await asyncio.to_thread(gpu_prefill.from_args, args, experts, cfg, ckpt, fp,
                                               infos[0].weight_format, device)
         except ValueError as e:
             serving.fail(str(e))
@@ -376,7 +376,7 @@ async def drain(grace: float, servicer: GenerateServicer, engine: Engine, svc: s
         engine.abort(f"the service shut down before this request finished (--grace {grace:g}s)")
     flush = 2.0  # for the handlers to send what the engine emitted
     if http:
-        from . import openai_api
+        from gpu_service.api import openai_api  # (as above)
     await asyncio.gather(svc.stop(grace=flush), *([openai_api.stop(*http, flush)] if http else []))
 
 

@@ -19,9 +19,9 @@ from typing import Callable, Iterator
 import torch
 from safetensors import safe_open
 
-from . import safetensors_check
-from .config import ModelConfigError, fp8_block, text_prefix
-from .int4_checkpoints import int4_scheme, stored_parts, unpack
+from moe_core import safetensors_check
+from moe_core.config import ModelConfigError, fp8_block, text_prefix
+from moe_core.int4_checkpoints import int4_scheme, stored_parts, unpack
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"

@@ -13,9 +13,8 @@ import dataclasses
 import json
 import pathlib
 
-
-class ModelConfigError(ValueError):
-    """The checkpoint directory or its config.json cannot be served."""
+from moe_core.errors import ModelConfigError
+from moe_core.int4_checkpoints import int4_scheme
 
 
 SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5_moe",
@@ -32,16 +31,6 @@ QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as D
 
 
 FP8_BLOCK = 128  # the FP8 blocks the fp8 weight format keeps as published (DeepSeek-V3's weight_block_size)
-
-
-def __getattr__(name: str):
-    """KERNEL_FORMATS: the native kernels' weight format names, from their table (moe_kernels/formats.py). Imported when
-    asked for: moe_kernels loads torch and the native library, which this module's other readers (file checks, configs)
-    do without."""
-    if name == "KERNEL_FORMATS":
-        from moe_kernels.formats import NAMES
-        return NAMES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def text_prefix(raw: dict) -> str | None:
@@ -66,7 +55,6 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
         return None
     if method == "gguf":  # a GGUF file's prepared folder (gguf_model): its tensors say their own types
         return None
-    from .int4_checkpoints import int4_scheme  # (it imports this module)
     if int4_scheme(q) is not None:  # an int4 checkpoint (its unsupported variants are refused there)
         return None
     if method != "fp8":
@@ -85,7 +73,6 @@ def fp8_block(raw: dict) -> tuple[int, int] | None:
 
 
 def _int4(raw: dict):
-    from .int4_checkpoints import int4_scheme
     return int4_scheme(raw.get("quantization_config") or {})
 
 
@@ -191,7 +178,7 @@ class ModelConfig:
     def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         """Checkpoint names of one routed expert's (gate [I,H], up [I,H], down [H,I]) weights (gpt-oss:
         every expert's in one tensor each: gate_up_proj [E, H, 2I], gate and up columns interleaved,
-        and down_proj [E, I, H]; expert_service.store slices them)."""
+        and down_proj [E, I, H]; moe_experts.store slices them)."""
         if self.fused_experts:
             gate_up, down = self.stacked_expert_names(layer)
             return gate_up, gate_up, down
@@ -205,7 +192,7 @@ class ModelConfig:
     def fused_experts(self) -> bool:
         """Every expert of a layer in one tensor per projection (gpt-oss), not one tensor per expert.
         (Qwen3.5 publishes its experts stacked too, though transformers saves them one by one: the
-        expert service looks at the checkpoint, expert_service.store.)"""
+        expert service looks at the checkpoint, moe_experts.store.)"""
         return self.model_type == "gpt_oss"
 
     def stacked_expert_names(self, layer: int) -> tuple[str, str]:

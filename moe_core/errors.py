@@ -35,3 +35,7 @@ class BadRequest(ValueError):
         """The message with the field as a front end names it (names: neutral name -> its own; others kept)."""
         field = names.get(self.field, self.field)
         return f"{field}: {self.detail}" if field else self.detail
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint directory or its config.json cannot be served."""

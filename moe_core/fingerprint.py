@@ -4,7 +4,7 @@ only, no weight bytes), so two different models or two layouts of one never pair
 import hashlib
 import json
 
-from .checkpoint import Checkpoint
+from moe_core.checkpoint import Checkpoint
 
 
 def fingerprint(ckpt: Checkpoint) -> str:

@@ -12,7 +12,7 @@ import os
 import pathlib
 import struct
 
-from .config import ModelConfigError
+from moe_core.config import ModelConfigError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -26,8 +26,11 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from . import gguf_check
-from .config import ModelConfigError
+from moe_core import gguf_check
+from moe_core.checkpoint import Checkpoint
+from moe_core.config import ModelConfigError, load_config
+from moe_kernels.formats import Int4, Iq4, Iq4Xs, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, UInt4
+from moe_kernels.packing import layout
 
 MARKER = "gguf.json"
 FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss", "llama")  # llama: Mixtral
@@ -56,21 +59,18 @@ def _halves(qs: np.ndarray) -> torch.Tensor:
 
 
 def _q4_0(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes; w = d (q - 8)
-    from moe_kernels.formats import Int4
     blocks = b.reshape(b.shape[0], -1, 18)
     q = _halves(blocks[..., 2:]).reshape(b.shape[0], -1)
     return Int4((q.to(torch.int16) - 8).to(torch.int8), _f16(blocks[..., :2]), 32)
 
 
 def _q8_0(b: np.ndarray):  # 34 bytes per 32: fp16 d, 32 int8; w = d q
-    from moe_kernels.formats import Q8
     blocks = b.reshape(b.shape[0], -1, 34)
     q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).reshape(b.shape[0], -1)
     return Q8(q, _f16(blocks[..., :2]))
 
 
 def _q4_1(b: np.ndarray):  # 20 bytes per 32: fp16 d, fp16 m, 16 bytes; w = d q + m
-    from moe_kernels.formats import UInt4
     blocks = b.reshape(b.shape[0], -1, 20)
     return UInt4(_halves(blocks[..., 4:]).reshape(b.shape[0], -1), _f16(blocks[..., :2]), -_f16(blocks[..., 2:4]), 32)
 
@@ -89,7 +89,6 @@ def _k_scales(blocks: np.ndarray) -> tuple:
 def _q4_k(b: np.ndarray):
     """144 bytes per 256: fp16 d and dmin, 12 bytes of 6-bit scales and mins for the 8 sub-blocks of 32, 128 bytes
     (per 64 weights 32 bytes: the low nibbles the first sub-block, the high ones the second); w = d sc q - dmin m."""
-    from moe_kernels.formats import Q4K
     R = b.shape[0]
     blocks = b.reshape(R, -1, 144)
     q = _halves(blocks[..., 16:].reshape(R, -1, 4, 32)).reshape(R, -1)
@@ -99,7 +98,6 @@ def _q4_k(b: np.ndarray):
 def _q5_k(b: np.ndarray):
     """176 bytes per 256: Q4_K's 16 bytes of d, dmin, scales and mins, 32 bytes of high bits (bit s of byte l: weight
     32 s + l), then Q4_K's 128 bytes of nibbles; w = d sc q - dmin m, q = nibble + 16 high bit."""
-    from moe_kernels.formats import Q5K
     R = b.shape[0]
     blocks = np.ascontiguousarray(b.reshape(R, -1, 176))
     n = blocks.shape[1]
@@ -113,7 +111,6 @@ def _q6_k(b: np.ndarray):
     """210 bytes per 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16), fp16 d. Per
     128 weights: 64 bytes of nibbles (the low ones weights 0-63, the high ones 64-127) and 32 bytes of pairs (bits 2k,
     2k + 1 of byte l: weight 32k + l); w = d sc (q - 32)."""
-    from moe_kernels.formats import Q6K
     R = b.shape[0]
     blocks = np.ascontiguousarray(b.reshape(R, -1, 210))
     n = blocks.shape[1]
@@ -137,7 +134,6 @@ def _bit_pairs(qs: np.ndarray) -> torch.Tensor:
 def _q2_k(b: np.ndarray):
     """84 bytes per 256: 16 bytes of 4-bit scales and mins (sc | m << 4, one per 16), 64 of bit pairs, fp16 d, fp16
     dmin; w = d sc q - dmin m."""
-    from moe_kernels.formats import Q2K
     R = b.shape[0]
     blocks = np.ascontiguousarray(b.reshape(R, -1, 84))
     sm = torch.from_numpy(blocks[..., :16].copy()).reshape(R, -1)
@@ -149,7 +145,6 @@ def _q3_k(b: np.ndarray):
     """110 bytes per 256: 32 bytes of high bits (bit 4h + j of byte l: weight 128 h + 32 j + l), 64 of low bit pairs
     (bits 2j of byte 32 h + l: the same weight), 12 of the 16 6-bit scales (ggml's kmask shuffle), fp16 d;
     w = d (sc - 32) (u - 4) with u = pair + 4 high bit."""
-    from moe_kernels.formats import Q3K
     R = b.shape[0]
     blocks = np.ascontiguousarray(b.reshape(R, -1, 110))
     n = blocks.shape[1]
@@ -166,7 +161,6 @@ def _q3_k(b: np.ndarray):
 
 
 def _iq4_nl(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes of codes; w = d IQ4NL[code]
-    from moe_kernels.formats import Iq4
     blocks = b.reshape(b.shape[0], -1, 18)
     return Iq4(_halves(blocks[..., 2:]).reshape(b.shape[0], -1), _f16(blocks[..., :2]))
 
@@ -174,7 +168,6 @@ def _iq4_nl(b: np.ndarray):  # 18 bytes per 32: fp16 d, 16 bytes of codes; w = d
 def _iq4_xs(b: np.ndarray):
     """136 bytes per 256: fp16 d, the 8 sub-blocks' 6-bit scales (2 high bits each in a uint16, 4 low bits in 4
     bytes), 128 bytes of codes (16 per sub-block of 32); w = d (ls - 32) IQ4NL[code], the scale exact in fp32."""
-    from moe_kernels.formats import Iq4Xs
     R = b.shape[0]
     blocks = b.reshape(R, -1, 136)
     d = _f16(blocks[..., 0:2])
@@ -187,7 +180,6 @@ def _iq4_xs(b: np.ndarray):
 
 
 def _q4_0_as_uint4(w):  # Q4_0 on uint4g32: d (q - 8) = d q - 8 d
-    from moe_kernels.formats import UInt4
     return UInt4((w.values.to(torch.int16) + 8).to(torch.uint8), w.scale, 8 * w.scale, w.group)
 
 
@@ -542,7 +534,6 @@ class GGUFCheckpoint:
         self.reader = readers[0]  # the metadata
         self.by_name = {t.name: t for r in readers for t in r.tensors}
         file_of = {t.name: str(f) for f, r in zip(files, readers) for t in r.tensors}
-        from .config import load_config
         cfg = load_config(self.dir)
         arch = _field(self.reader, "general.architecture")
         # transformers' name -> (the GGUF tensors it comes from, expert index or None, what makes it of them)
@@ -659,7 +650,6 @@ def format_bits(fmt: str) -> float:
     alignment padding not)."""
     if fmt in FLOAT_BITS:
         return FLOAT_BITS[fmt]
-    from moe_kernels.packing import layout
     rows, Kp = 128, 4096
     parts = [p for p in layout(fmt, 1, rows, Kp) if p is not None]
     return 8 * sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in parts) / (rows * Kp)
@@ -742,6 +732,5 @@ def resolve(model: str | os.PathLike, cache: pathlib.Path) -> pathlib.Path:
 
 def open_checkpoint(model_dir: str | os.PathLike):
     """A folder's Checkpoint: the safetensors reader, or GGUFCheckpoint for prepare()'s folders."""
-    from .checkpoint import Checkpoint
     d = pathlib.Path(model_dir)
     return GGUFCheckpoint(d) if (d / MARKER).exists() else Checkpoint(d)

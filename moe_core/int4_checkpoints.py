@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .config import ModelConfigError
+from moe_core.errors import ModelConfigError
 
 METHODS = ("compressed-tensors", "gptq", "awq")
 # what a quantized linear X is stored as: its tensors' suffixes (the first names it), optional ones after "?"

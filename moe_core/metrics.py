@@ -34,7 +34,7 @@ class WaitPolicy:
     host, these say whether that is why."""
 
     def collect(self):
-        from moe_kernels import native
+        from moe_kernels import native  # at a scrape: moe_core itself does not load the native library
 
         s = native.contention_stats()
         win = f"{s['window_s'] * 1e3:.0f} ms"

@@ -10,7 +10,7 @@ import os
 import pathlib
 import struct
 
-from .config import ModelConfigError
+from moe_core.config import ModelConfigError
 
 MAX_HEADER = 100 << 20  # the library's own bound
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,

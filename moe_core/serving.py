@@ -17,6 +17,8 @@ from typing import Callable, NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from moe_core.metrics import serve_metrics
+
 FINGERPRINT_KEY = "x-model-fingerprint"
 KEEPALIVE_MS = 30_000  # both ends ping an idle connection this often (a dead peer is noticed within ~40 s)
 
@@ -125,8 +127,6 @@ async def start_service(sec, listen: str, options: list, interceptors: list, ser
     """Listen on `listen` with these servicers ((add_X_to_server, servicer, full service name) each), the health
     service (NOT_SERVING until Service.serving(True)), reflection if asked for, and the Prometheus endpoint.
     A port it cannot take ends the process with a clear message."""
-    from .metrics import serve_metrics
-
     server = grpc.aio.server(options=options, interceptors=interceptors)
     for add, servicer, _ in servicers:
         add(servicer, server)

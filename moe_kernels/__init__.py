@@ -2,7 +2,7 @@
 path (the instruction set, ISA) this CPU runs, and the packed weight formats.
 
     native/ (C++)  ->  moe_kernels (this package: ISA choice, packing, dense layers)
-                         <- expert_service.kernels (routed experts: NativeMoELayer, ring)
+                         <- moe_experts.kernels (routed experts: NativeMoELayer, ring)
                          <- gpu_service (dense layers on the CPU, shared-memory doorbells)
 
 The ISA (ISAS: portable | avx2 | avxvnni | avx512 | amx) is chosen at import from CPUID and

@@ -37,7 +37,7 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: f
 
 def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, table: torch.Tensor, L: int,
                            scale: float, isa: str = ISA, first: int = -1) -> torch.Tensor:
-    """The same over a paged cache: K/V one layer of the pool, [nkv, blocks, block, d] (gpu_service/kv_pool.py), the
+    """The same over a paged cache: K/V one layer of the pool, [nkv, blocks, block, d] (gpu_service/engine/kv_pool.py), the
     sequence's positions 0..L-1 in blocks table[0], table[1], ... (int32, contiguous) -> [nh, d] fp32. first >= 0:
     the blocks are first, first + 1, ... (a head's rows are then one strided matrix: read without the table)."""
     nh, d = q.shape
@@ -72,7 +72,7 @@ def mla_paged_attention(q: torch.Tensor, C: torch.Tensor, KPE: torch.Tensor, tab
                         isa: str = ISA, first: int = -1) -> torch.Tensor:
     """MLA's decode attention in the latent space: q [nh, r + dr] (each head's absorbed latent query, then its rotary
     query; any float dtype) against one layer of an MLA pool, the latents C [blocks, block, r] and rotary keys KPE
-    [blocks, block, dr] (fp32, bf16 or fp16, contiguous; gpu_service/kv_pool.py), the sequence's positions 0..L-1 in
+    [blocks, block, dr] (fp32, bf16 or fp16, contiguous; gpu_service/engine/kv_pool.py), the sequence's positions 0..L-1 in
     blocks table[0], table[1], ... -> the heads' latent outputs [nh, r] fp32. first >= 0: the blocks are first,
     first + 1, ... (read without the table)."""
     nh = q.shape[0]

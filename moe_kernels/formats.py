@@ -924,7 +924,7 @@ FORMATS: dict[str, Format] = _register(
     Format("q2k", 2.75, Q6_SUB, QK, True, (Q2K,), functools.partial(q4k_quantize, bits=2), pack_q2k, _unpack_q2k,
            _layout_super(2, 24)),
 )
-NAMES = tuple(FORMATS)  # the format names (the CLIs' choices; moe_core.config.KERNEL_FORMATS)
+NAMES = tuple(FORMATS)  # the format names (the CLIs' choices: moe_experts.kernels.NATIVE_FORMATS)
 
 
 def format_of(name: str) -> Format:

@@ -1,6 +1,6 @@
 """RMSNorm and rotary embeddings on the native kernels (native/kernels/norm_rope.cpp) on the CPU: one call each instead
 of torch's 7-8 ops (a decode step's few rows on the calling thread, a prefill's sliced over the native pool), with
-torch's rounding (the same results as gpu_service.layers' torch versions, up to the order of the norm's sum of
+torch's rounding (the same results as gpu_service.model.layers' torch versions, up to the order of the norm's sum of
 squares)."""
 from __future__ import annotations
 

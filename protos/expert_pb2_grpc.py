@@ -78,7 +78,7 @@ class ExpertServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenShm(self, request, context):
-        """Same-host data path (see moe_core/shm.py): register a shared-memory region the caller created;
+        """Same-host data path (see moe_exchange/shm.py): register a shared-memory region the caller created;
         the service maps it, unlinks its name and serves the region's request ring until this stream
         ends. The first event says the region is served; the stream then stays open as the session's
         lifeline (either side closing it ends the session). Layer traffic then bypasses gRPC.

@@ -193,11 +193,11 @@ def local_engine(model_dir, fmt: str = "fp32", max_batch: int = 8, max_context: 
     """An Engine (started) on model_dir's checkpoint in fp32, its routed experts in this process."""
     import torch
 
-    from expert_service.store import load_expert_layers
-    from gpu_service.engine import Engine
-    from gpu_service.experts import LocalExperts
-    from gpu_service.model import Model
-    from gpu_service.text import TextCodec
+    from moe_experts.store import load_expert_layers
+    from gpu_service.engine.scheduler import Engine
+    from gpu_service.experts.local import LocalExperts
+    from gpu_service.model.model import Model
+    from gpu_service.api.text import TextCodec
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
 

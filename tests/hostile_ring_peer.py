@@ -2,7 +2,7 @@
 (under AddressSanitizer there): it posts well-formed layer requests while a second thread keeps
 rewriting what the expert side reads (request descriptors, ids, weights, hidden states, span offsets
 and sizes, dtypes, token counts) behind the server's back. The expert side is the real one
-(expert_service.ring.RingServer over an ExpertServicer with native layers).
+(moe_exchange.ring.RingServer over an ExpertServicer with native layers).
 
 Prints one JSON line: requests posted, responses by status. Exits 0 when the server answered every
 request and never crashed; an out-of-bounds access aborts the process (ASan) or crashes it."""
@@ -43,10 +43,10 @@ def main() -> int:
 
     import torch
 
-    from expert_service.kernels.native_moe import NativeMoELayer
-    from expert_service.ring import RingServer
+    from moe_experts.kernels.native_moe import NativeMoELayer
+    from moe_exchange.ring import RingServer
     from expert_service.server import ExpertServicer
-    from moe_core import codec, shm
+    from moe_exchange import codec, shm
 
     E, I, H, MAX_T = 16, 64, 128, 8
     torch.manual_seed(0)

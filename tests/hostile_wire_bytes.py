@@ -35,8 +35,8 @@ def main() -> int:
     native = load_native(a.native)
     import torch
 
-    from expert_service.kernels.native_moe import NativeMoELayer
-    from moe_core import codec, wire
+    from moe_experts.kernels.native_moe import NativeMoELayer
+    from moe_exchange import codec, wire
     from protos import expert_pb2
 
     E, I, H = 4, 32, 64

@@ -1,4 +1,4 @@
-"""gpu_service.admission: the one check both front ends' requests pass, and the names each front end gives
+"""gpu_service.api.admission: the one check both front ends' requests pass, and the names each front end gives
 the fields it refuses."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import grpc
 import pytest
 
 from harness import ROOT
-from gpu_service.admission import Admission, GenerateInput, ScoreInput
-from gpu_service.sampling import SamplingParams
-from gpu_service.server import PROTO_FIELDS
-from gpu_service.openai_api import HTTP_FIELDS
-from gpu_service.text import TextCodec
+from gpu_service.api.admission import Admission, GenerateInput, ScoreInput
+from gpu_service.engine.sampling import SamplingParams
+from gpu_service.api.grpc_api import PROTO_FIELDS
+from gpu_service.api.openai_api import HTTP_FIELDS
+from gpu_service.api.text import TextCodec
 from moe_core.errors import BadRequest, Status
 
 

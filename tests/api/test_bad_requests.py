@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from harness import Services
-from moe_core import codec
+from moe_exchange import codec
 from moe_core.serving import FINGERPRINT_KEY
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, tensor_pb2
 

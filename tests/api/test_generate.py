@@ -48,7 +48,7 @@ def test_text_deltas_are_whole_characters(svc):
     # sampled text from a random byte-level model is full of partial multi-byte sequences
     sp = generate_pb2.SamplingParams(temperature=1.0, seed=3)
     chunks = run(svc.stub, prompt="Grüße aus Köln — 東京", sampling=sp, max_tokens=48, ignore_eos=True)
-    from gpu_service.text import TextCodec
+    from gpu_service.api.text import TextCodec
     codec = TextCodec(svc.model_dir)
     full = codec.decode(ids_of(chunks))
     assert "".join(c.text for c in chunks) == full
@@ -84,7 +84,7 @@ def test_chat_template(svc):
     req = generate_pb2.GenerateRequest(max_tokens=3, chat=generate_pb2.Chat(messages=[
         generate_pb2.ChatMessage(role="user", content="hi")]), sampling=generate_pb2.SamplingParams(temperature=0))
     chunks = list(svc.stub.Generate(req, timeout=60))
-    from gpu_service.text import TextCodec
+    from gpu_service.api.text import TextCodec
     want = len(TextCodec(svc.model_dir).encode("<|user|>hi\n<|assistant|>"))
     assert chunks[-1].usage.prompt_tokens == want
 
@@ -97,7 +97,7 @@ def test_chat_templates_get_what_transformers_gives_them(checkpoints, tmp_path):
 
     import transformers
 
-    from gpu_service.text import TextCodec
+    from gpu_service.api.text import TextCodec
     d = tmp_path / "tpl"
     shutil.copytree(checkpoints["qwen3_moe"], d)
     template = ("{{ strftime_now('%Y') }}|{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"

@@ -1,4 +1,4 @@
-"""Reasoning models (gpu_service/reasoning.py): <think> blocks come back apart from the answer, streamed and
+"""Reasoning models (gpu_service/api/reasoning.py): <think> blocks come back apart from the answer, streamed and
 whole, over HTTP (reasoning_content) and gRPC (GenerateChunk.reasoning); chat_template_kwargs reach the
 template (Qwen3's enable_thinking)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import shutil
 import openai
 import pytest
 
-from gpu_service.reasoning import ReasoningSplitter, opens_thinking, uses_think_tags
+from gpu_service.api.reasoning import ReasoningSplitter, opens_thinking, uses_think_tags
 from harness import ROOT, Services, free_port
 from protos import generate_pb2
 

@@ -7,7 +7,7 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from gpu_service.sampling import SamplingParams, penalize, sample, token_logprobs, warp
+from gpu_service.engine.sampling import SamplingParams, penalize, sample, token_logprobs, warp
 
 V = 1000
 
@@ -73,7 +73,7 @@ def test_token_logprobs_are_the_raw_distribution():
 def test_greedy_choice_is_torch_argmax_with_ties_nans_and_infinities():
     """The CPU greedy path (numpy's argmax) picks what torch.argmax picks: the first of equal maxima, a NaN over
     everything, -inf rows (a constraint masking all but one id), rows of a batch (views)."""
-    from gpu_service.sampling import argmax
+    from gpu_service.engine.sampling import argmax
     g = torch.Generator().manual_seed(0)
     rows = [logits(s) for s in range(20)]
     x = torch.full((V,), float("-inf"))

@@ -1,4 +1,4 @@
-"""Structured outputs (gpu_service/constraints.py): an answer under a constraint parses and validates, on every
+"""Structured outputs (gpu_service/api/constraints.py): an answer under a constraint parses and validates, on every
 family and through both APIs, and ends by itself when the schema's values are bounded; a bad constraint is a
 400 / INVALID_ARGUMENT naming it, never a 500."""
 from __future__ import annotations
@@ -15,11 +15,11 @@ import openai
 import pytest
 
 import tiny_models
-from gpu_service.admission import Admission, GenerateInput
-from gpu_service.constraints import MAX_SPEC_CHARS, ConstraintSpec, Grammars
-from gpu_service.engine import Failure
-from gpu_service.sampling import SamplingParams
-from gpu_service.text import TextCodec
+from gpu_service.api.admission import Admission, GenerateInput
+from gpu_service.api.constraints import MAX_SPEC_CHARS, ConstraintSpec, Grammars
+from gpu_service.engine.scheduler import Failure
+from gpu_service.engine.sampling import SamplingParams
+from gpu_service.api.text import TextCodec
 from harness import ROOT, Services, free_port, greedy_request, local_engine, status_mib
 from moe_core.config import load_config
 from moe_core.errors import BadRequest

@@ -1,4 +1,4 @@
-"""gpu_service.text: tokenizing against the context limit without tokenizing a huge text whole."""
+"""gpu_service.api.text: tokenizing against the context limit without tokenizing a huge text whole."""
 from __future__ import annotations
 
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 
 from harness import ROOT
-from gpu_service import text as text_mod
-from gpu_service.text import PromptTooLong, TextCodec
+from gpu_service.api import text as text_mod
+from gpu_service.api.text import PromptTooLong, TextCodec
 
 
 @pytest.fixture(scope="module")

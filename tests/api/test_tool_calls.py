@@ -1,4 +1,4 @@
-"""Tool calling (gpu_service/tools.py, tool_formats.py, harmony.py, answer.py): each family's call syntax parsed
+"""Tool calling (gpu_service/api/tools.py, tool_formats.py, harmony.py, answer.py): each family's call syntax parsed
 from token ids, whole and streamed; forced calls (tool_choice required / named) that always parse and validate;
 the OpenAI client's tool loop and gRPC's tool fields on tiny checkpoints that speak each syntax."""
 from __future__ import annotations
@@ -12,12 +12,12 @@ import openai
 import pytest
 
 import tool_templates as tt
-from gpu_service.answer import AnswerFormat
-from gpu_service.admission import Admission, GenerateInput
-from gpu_service.constraints import ConstraintSpec, Grammars, Matcher
-from gpu_service.text import DetokenizeStream, TextCodec
-from gpu_service.tool_formats import FORMATS, CallStream, Markers
-from gpu_service.tools import ToolChoice, history_call
+from gpu_service.api.answer import AnswerFormat
+from gpu_service.api.admission import Admission, GenerateInput
+from gpu_service.api.constraints import ConstraintSpec, Grammars, Matcher
+from gpu_service.api.text import DetokenizeStream, TextCodec
+from gpu_service.api.tool_formats import FORMATS, CallStream, Markers
+from gpu_service.api.tools import ToolChoice, history_call
 from harness import ROOT, Services, free_port
 from moe_core.errors import BadRequest
 from protos import generate_pb2

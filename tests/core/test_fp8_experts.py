@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import free_port, start
-from moe_core import codec
+from moe_exchange import codec
 from protos import generate_pb2
 from published import synth
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import gguf_blocks
 import tiny_models
 from harness import free_port, greedy, refused_at_start, start
-from moe_core import codec
+from moe_exchange import codec
 from protos import generate_pb2
 from tiers import some
 
@@ -341,8 +341,8 @@ def test_a_mix_runs_each_matrix_in_its_own_block_format_bit_for_bit(wide_source,
     """Q4_K_M: the default (gguf) holds layer 0's Q4_K gate/up as q4k beside its Q6_K down as q6k, layer 1 all q4k; the
     packed experts, unpacked, are the gguf package's dequantized weights bit for bit; the packed-weight cache keeps
     each layer's formats."""
-    from expert_service.packed_cache import PackedCache
-    from expert_service.store import load_expert_layers
+    from moe_experts.packed_cache import PackedCache
+    from moe_experts.store import load_expert_layers
     from moe_core import gguf_model
     from moe_core.config import load_config
     from moe_kernels.packing import unpack
@@ -364,7 +364,7 @@ def test_a_mix_runs_each_matrix_in_its_own_block_format_bit_for_bit(wide_source,
                     unpack(tuple(None if p is None else p[e:e + 1] for p in op.dn), op.down_fmt, MOE_I)[0], dn)
     assert len(list(cache.dir.glob("layer-*.safetensors"))) == len(layers)
     # the GPU side's hot experts of that layer: the same formats, the same numbers as the expert service's
-    from gpu_service.hot_layers import hot_layer
+    from gpu_service.experts.hot_layers import hot_layer
     hot = hot_layer(cfg, ck, 0, [1, 3], "gguf", torch.device("cpu"), 1)
     assert (hot.fmt, hot.down_fmt) == ("q4k", "q6k")
     x, w = torch.randn(3, cfg.hidden_size), torch.rand(3, 2)
@@ -373,7 +373,7 @@ def test_a_mix_runs_each_matrix_in_its_own_block_format_bit_for_bit(wide_source,
 
 
 def test_the_gguf_format_needs_a_gguf_with_quantized_experts(source):
-    from expert_service.cli import weight_format
+    from moe_experts.loading import weight_format
     from moe_core.config import ModelConfigError, load_config
     with pytest.raises(ModelConfigError, match="--weight-format gguf keeps .* no quantized GGUF experts"):
         weight_format("gguf", load_config(source))
@@ -491,7 +491,7 @@ def test_every_tensor_reads_back_as_transformers_names_it(family, mla_split, fam
                   "routed_scaling_factor", "rope_theta", "rope_interleave", "attention", "rope_type"):
         assert getattr(got, field) == getattr(ref, field), field
     if got.rope_type == "yarn":
-        from gpu_service.layers import rope_inv_freq, softmax_scale
+        from gpu_service.model.layers import rope_inv_freq, softmax_scale
         assert torch.equal(rope_inv_freq(got)[0], rope_inv_freq(ref)[0]) and rope_inv_freq(got)[1] == rope_inv_freq(ref)[1]
         assert softmax_scale(got, 24) == softmax_scale(ref, 24)
 
@@ -519,7 +519,7 @@ def test_family_files_serve_transformers_greedy_tokens(family, mla_split, family
 def test_gpt_oss_mxfp4_experts_are_kept_bit_for_bit(family_sources, tmp_path):
     """A gpt-oss file's MXFP4 experts: shown as the published blocks and scales (nibbles back in transformers'
     order), whose values are what the gguf package dequantizes; the mxfp4 format is the default."""
-    from expert_service.cli import weight_format
+    from moe_experts.loading import weight_format
     from moe_core import gguf_model
     from moe_core.config import load_config
     from moe_kernels.packing import Mx4

@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from harness import greedy
-from moe_core import codec
+from moe_exchange import codec
 from moe_core.checkpoint import Checkpoint
 from protos import generate_pb2
 from tiers import some

@@ -13,8 +13,8 @@ import torch
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_service import decode_loop
-from gpu_service.engine import record_step_metrics
+from gpu_service.model import native_loop
+from gpu_service.engine.scheduler import record_step_metrics
 from harness import local_engine
 from moe_core.metrics import BatchHistogram, WaitPolicy
 
@@ -80,12 +80,12 @@ def test_step_metrics_from_a_record_equal_those_from_its_spans():
         late = (start - 900_000, start - 100_000) if i else (0, 0)  # the previous layer's deferred part
         rows.append([a, s, w, 3, (end - start) // 1000, start, end, *late, s + 5_000 if i % 2 else 0])
         t = w
-    rec = decode_loop.Record(7, 1_000_000_000_000, torch.tensor(rows, dtype=torch.int64))
+    rec = native_loop.Record(7, 1_000_000_000_000, torch.tensor(rows, dtype=torch.int64))
     deltas = []
     for how in ("spans", "record"):
         before = samples()
         if how == "spans":
-            record_step_metrics([(decode_loop.spans_of(rec), 0.02, None)])
+            record_step_metrics([(native_loop.spans_of(rec), 0.02, None)])
         else:
             record_step_metrics([([], 0.02, [rec])])
         after = samples()
@@ -97,9 +97,9 @@ def test_step_metrics_from_a_record_equal_those_from_its_spans():
 
 
 def test_the_engine_records_its_steps_a_batch_at_a_time(checkpoints, monkeypatch):
-    from gpu_service import engine as engine_mod
-    from gpu_service.engine import Request
-    from gpu_service.sampling import SamplingParams
+    from gpu_service.engine import scheduler as engine_mod
+    from gpu_service.engine.scheduler import Request
+    from gpu_service.engine.sampling import SamplingParams
 
     monkeypatch.setattr(engine_mod, "METRICS_EVERY_S", 1e9)  # only when a request ends, or idle
     def steps():

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from harness import free_port, greedy, refused_at_start, start
 from published import synth, synth_checkpoint
-from moe_core import codec
+from moe_exchange import codec
 from moe_core.checkpoint import Checkpoint, dequantize_fp8
 from moe_core.config import ModelConfigError
 from moe_kernels.packing import Mx4
@@ -248,8 +248,8 @@ def test_a_damaged_safetensors_header_is_refused_naming_the_tensor(checkpoints, 
                                           ("model.layers.1.input_layernorm.weight", lambda t: t[:-1].contiguous())])
 def test_a_tensor_whose_shape_is_not_the_configs_is_refused_naming_it(checkpoints, tmp_path, name, change):
     """Its bytes sound but its shape not what config.json makes it: refused while loading, on the side that holds it."""
-    from expert_service.store import load_expert_layers
-    from gpu_service.model import Model
+    from moe_experts.store import load_expert_layers
+    from gpu_service.model.model import Model
     from moe_core.config import load_config
     from safetensors.torch import load_file
 

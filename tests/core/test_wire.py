@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import ROOT
-from moe_core import codec
+from moe_exchange import codec
 from protos import tensor_pb2
 
 

@@ -7,7 +7,7 @@ import transformers
 
 import tiny_models
 from harness import DEVICE_ARGS, free_port, greedy, start, terminate_all, wait_healthy
-from moe_core import codec
+from moe_exchange import codec
 from protos import generate_pb2, generate_pb2_grpc
 from tiers import some
 

@@ -30,8 +30,8 @@ import tiny_models
 from harness import ROOT, TESTS, Services, greedy_request, local_engine, status_mib
 from moe_core.errors import Status
 from moe_kernels import native as native
-from expert_service.kernels import MoELayer
-from expert_service.kernels.torch_moe import TorchMoELayer
+from moe_experts.kernels import MoELayer
+from moe_experts.kernels.torch_moe import TorchMoELayer
 from protos import generate_pb2
 
 PEER = TESTS / "hostile_ring_peer.py"
@@ -149,8 +149,8 @@ def engine(checkpoints):
 
 
 def submit(engine, prompt, n=12, **kw):
-    from gpu_service.engine import Request
-    from gpu_service.sampling import SamplingParams
+    from gpu_service.engine.scheduler import Request
+    from gpu_service.engine.sampling import SamplingParams
 
     done, events = threading.Event(), []
 
@@ -166,12 +166,12 @@ def submit(engine, prompt, n=12, **kw):
 
 def outcome(done, events):
     assert done.wait(60)
-    from gpu_service.engine import Failure
+    from gpu_service.engine.scheduler import Failure
     return events[-1] if isinstance(events[-1], Failure) else [t for ev in events for t in ev.token_ids]
 
 
 def test_a_failing_request_does_not_fail_its_batch(engine, monkeypatch):
-    from gpu_service import engine as engine_mod
+    from gpu_service.engine import scheduler as engine_mod
 
     prompts = [(5, 9, 17), (3, 4, 5, 6), (7, 8)]
     solo = []

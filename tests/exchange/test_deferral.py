@@ -68,7 +68,7 @@ def test_skip_mode_matches_reference(checkpoints, services_factory):
     with torch.no_grad():
         want = ref(torch.tensor([prompt])).logits[0]
     s = services_factory(d)
-    from moe_core import codec
+    from moe_exchange import codec
     resp = s.stub.Score(generate_pb2.ScoreRequest(token_ids=generate_pb2.TokenIds(ids=prompt), defer=2,
                                                   skip_deferred=True), timeout=60)
     assert (codec.decode(resp.logits, "logits") - want).abs().max().item() < 1e-4
@@ -85,7 +85,7 @@ def test_exchange_sends_immediate_while_deferred_experts_run(dtype, tmp_path, se
 
     import grpc
 
-    from moe_core import codec
+    from moe_exchange import codec
     from protos import expert_pb2, expert_pb2_grpc
 
     # wide experts on a narrow model: the deferred part computes for tens of milliseconds (a few on AMX)

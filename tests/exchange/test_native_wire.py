@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from expert_service.kernels import MoELayer
-from moe_core import codec, wire
-from moe_core.wire import head as wire_head
+from moe_experts.kernels import MoELayer
+from moe_exchange import codec, wire
+from moe_exchange.wire import head as wire_head
 from moe_core.routing import split_deferred
 from protos import expert_pb2, tensor_pb2
 

@@ -12,10 +12,10 @@ import torch
 
 from harness import Services
 from moe_kernels import native as native
-from expert_service.kernels import MoELayer
-from gpu_service.dispatch import ExpertServiceError, RemoteExperts
-from gpu_service.shm_channel import ShmChannel
-from moe_core import shm
+from moe_experts.kernels import MoELayer
+from moe_exchange.dispatch import ExpertServiceError, RemoteExperts
+from moe_exchange.channel import ShmChannel
+from moe_exchange import shm
 from moe_core.routing import split_deferred
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2
 from tiers import some
@@ -342,7 +342,7 @@ def test_auto_falls_back_to_grpc_and_shm_fails_loudly(checkpoints, services_fact
 
 
 def test_python_and_cpp_agree_on_the_ring_layout():
-    """moe_core/shm.py and native/exchange/ring.h describe the same bytes."""
+    """moe_exchange/shm.py and native/exchange/ring.h describe the same bytes."""
     c = native.ring_layout()
     assert (c["REQ_SEQ"], c["RESP_SEQ"], c["RESP_READ"], c["CLOSED"]) == (shm.REQ_SEQ, shm.RESP_SEQ, shm.RESP_READ,
                                                                           shm.CLOSED)

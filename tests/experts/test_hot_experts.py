@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from harness import Services, free_port, greedy, refused_at_start, scrape, wait_healthy
-from expert_service.kernels.native_moe import NativeMoELayer
-from expert_service.store import load_expert_layers
-from gpu_service.expert_usage import ExpertUsage, choose, load_profile, save_profile
-from gpu_service.experts import LocalExperts
-from gpu_service.hot_experts import HotExperts
-from gpu_service.hot_layers import hot_layer
-from gpu_service.model import Model, Segment
+from moe_experts.kernels.native_moe import NativeMoELayer
+from moe_experts.store import load_expert_layers
+from gpu_service.experts.usage import ExpertUsage, choose, load_profile, save_profile
+from gpu_service.experts.local import LocalExperts
+from gpu_service.experts.hot import HotExperts
+from gpu_service.experts.hot_layers import hot_layer
+from gpu_service.model.model import Model, Segment
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 from moe_kernels.packing import format_values, stack_rows
@@ -201,7 +201,7 @@ def test_quantized_hot_experts_run_the_expert_services_numbers(fmt, checkpoints)
 def test_format_values_are_the_packed_weights(fmt, checkpoints):
     """What the torch operator computes with on CUDA (packing.format_values) is exactly what the native kernels
     hold for the same expert (their packed weights, unpacked by the kernel tests' reference)."""
-    from expert_service.store import expert_weights
+    from moe_experts.store import expert_weights
     from moe_core.config import FP8_BLOCK
     from unpacked import dequantized
 

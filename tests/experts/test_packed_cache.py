@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from harness import ROOT, free_port, start
-from expert_service.kernels import NATIVE_ISA
-from expert_service.packed_cache import PackedCache, source_stamp
-from expert_service.store import load_expert_layers
+from moe_experts.kernels import NATIVE_ISA
+from moe_experts.packed_cache import PackedCache, source_stamp
+from moe_experts.store import load_expert_layers
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 from moe_core.fingerprint import fingerprint
@@ -44,7 +44,7 @@ def same(a: dict, b: dict) -> bool:
 @pytest.fixture(params=["map", "pread"])
 def reader(request, monkeypatch):
     """Both ways a layer file is read: mapped in place (one NUMA node) and into node-bound buffers."""
-    from expert_service import packed_cache
+    from moe_experts import packed_cache
     monkeypatch.setattr(packed_cache, "_reader", lambda: getattr(packed_cache, f"_{request.param}"))
     monkeypatch.setattr(packed_cache, "_lock", lambda m: True)  # whatever RLIMIT_MEMLOCK allows here
     return request.param
@@ -82,7 +82,7 @@ def file_mappings() -> list[tuple[int, int, str]]:
 
 def test_warm_load_reads_the_weights_in_place(checkpoints, tmp_path, monkeypatch):
     """On one NUMA node the weights are the layer file's mapped pages (page-aligned), not a copy."""
-    from expert_service import packed_cache
+    from moe_experts import packed_cache
     monkeypatch.setattr(packed_cache, "_reader", lambda: packed_cache._map)
     monkeypatch.setattr(packed_cache, "_lock", lambda m: True)  # whatever RLIMIT_MEMLOCK allows here
     d = checkpoints["deepseek_v3"]
@@ -102,7 +102,7 @@ def test_mapped_layers_are_locked_or_read_instead(checkpoints, tmp_path, monkeyp
     it, the layer is read into memory instead, with a warning that says how to allow it."""
     import ctypes
 
-    from expert_service import packed_cache
+    from moe_experts import packed_cache
     monkeypatch.setattr(packed_cache, "_can_lock", True)
     d = checkpoints["deepseek_v3"]
     cold = layers_of(d, "int4", cache_for(d, tmp_path, "int4"))

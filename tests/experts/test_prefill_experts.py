@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expert_service.store import load_expert_layers
-from gpu_service.prefill_experts import MappedLayer, PrefillExperts
+from moe_experts.store import load_expert_layers
+from gpu_service.experts.gpu_prefill import MappedLayer, PrefillExperts
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 from moe_kernels.packing import unpack
@@ -41,7 +41,7 @@ def test_unpack_is_the_packed_weights(fmt, checkpoints):
 def test_streamed_path_agrees_with_the_kernels(fmt, checkpoints, monkeypatch):
     """CUDA's path (copy a chunk of experts, unpack to bf16, torch) run on the CPU, chunks of 3 experts so a
     layer takes several: within the kernels' activation rounding of their output; deferral splits as they do."""
-    import gpu_service.prefill_experts as pe
+    import gpu_service.experts.gpu_prefill as pe
     monkeypatch.setattr(pe, "CHUNK_EXPERTS", 3)
     d = checkpoints["glm4_moe"]
     cfg, ckpt = load_config(d), Checkpoint(d)

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from moe_core.routing import split_deferred
-from expert_service.store import load_expert_layers
-from gpu_service.model import Model
-from moe_core import codec
+from moe_experts.store import load_expert_layers
+from gpu_service.model.model import Model
+from moe_exchange import codec
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import is_routed_expert_tensor, load_config
 from protos import expert_pb2, expert_pb2_grpc

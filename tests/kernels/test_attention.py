@@ -40,7 +40,7 @@ def test_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L):
 @pytest.mark.parametrize("d, nh, nkv", [(64, 24, 4), (128, 12, 1), (80, 4, 2)])
 @pytest.mark.parametrize("L, B", [(1, 16), (16, 16), (301, 16), (77, 4)])
 def test_paged_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L, B):
-    """Positions in scattered blocks of a pool (gpu_service/kv_pool.py's layout), read through the block table."""
+    """Positions in scattered blocks of a pool (gpu_service/engine/kv_pool.py's layout), read through the block table."""
     from moe_kernels.attention import paged_decode_attention
 
     nblocks = -(-L // B)
@@ -97,7 +97,7 @@ def mla_reference(q, C, KPE, scale):
 @pytest.mark.parametrize("nh, r, dr", [(16, 512, 64), (13, 512, 64), (4, 64, 16)])  # 13: a short last group of heads;
 @pytest.mark.parametrize("L", [1, 2, 37, 300])                                     # 64/16: no vector kernel
 def test_mla_paged_attention_matches_reference(isa, dtype, nh, r, dr, L):
-    """DeepSeek's latent attention over an MLA pool (gpu_service/kv_pool.py's layout: latents [blocks, 16, r], rotary
+    """DeepSeek's latent attention over an MLA pool (gpu_service/engine/kv_pool.py's layout: latents [blocks, 16, r], rotary
     keys [blocks, 16, dr]), through a scattered block table and over consecutive blocks without it; odd lengths
     pair the last position with itself."""
     from moe_kernels.attention import mla_paged_attention

@@ -133,9 +133,9 @@ def test_packing_goes_in_chunks_with_the_same_result(monkeypatch):
 def test_model_with_native_dense_layers_matches_torch_dense(fmt, tol, agree):
     """The embedded (bf16) model in one process: logits with every projection, dense MLP and lm_head on
     the native kernels against the same model on torch's matmuls."""
-    from expert_service.store import load_expert_layers
-    from gpu_service.experts import LocalExperts
-    from gpu_service.model import DTYPES, Model, Segment
+    from moe_experts.store import load_expert_layers
+    from gpu_service.experts.local import LocalExperts
+    from gpu_service.model.model import DTYPES, Model, Segment
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
 
@@ -164,7 +164,7 @@ def test_model_with_native_dense_layers_matches_torch_dense(fmt, tol, agree):
 def test_auto_dtype_and_dense_format_follow_the_cpu(monkeypatch, isa, ckpt, want_dtype, want_dense):
     from types import SimpleNamespace
 
-    from gpu_service import model as load
+    from gpu_service.model import model as load
     monkeypatch.setattr(load, "native_isa", lambda: isa)
     cpu = torch.device("cpu")
     cfg = SimpleNamespace(torch_dtype=ckpt)
@@ -183,10 +183,10 @@ def test_every_family_runs_with_native_dense_layers(family, checkpoints):
     """GQA's q/k/v fused into one packed matrix (qwen2_moe: with biases), gate/up of dense MLPs and shared
     experts into another, MLA's projections one by one: logits close to the same weights on torch's fp32
     matmuls."""
-    from expert_service.store import load_expert_layers
-    from gpu_service.attention import QKV
-    from gpu_service.experts import LocalExperts
-    from gpu_service.model import Model, Segment
+    from moe_experts.store import load_expert_layers
+    from gpu_service.model.attention import QKV
+    from gpu_service.experts.local import LocalExperts
+    from gpu_service.model.model import Model, Segment
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
 
@@ -222,10 +222,10 @@ def test_mla_decode_runs_its_absorbed_products_natively(family, kv_b_dtype, chec
     (moe_kernels.attention.mla_absorb_*), prefill keeps torch's batched matmuls; the logits match the same model
     with torch's einsums (fp32 sums both, in another order), for kv_b_proj kept in fp32 and in bf16 (what an fp32
     model keeps of a bf16 checkpoint: model._stored_dtype)."""
-    from expert_service.store import load_expert_layers
-    from gpu_service import model as load
-    from gpu_service.experts import LocalExperts
-    from gpu_service.model import Model, Segment
+    from moe_experts.store import load_expert_layers
+    from gpu_service.model import model as load
+    from gpu_service.experts.local import LocalExperts
+    from gpu_service.model.model import Model, Segment
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
     from moe_kernels import attention as native_attention

@@ -87,9 +87,9 @@ def test_an_unknown_format_is_named_with_the_known_ones(call):
 
 def test_the_names_everyone_lists_are_the_tables():
     from moe_core import config, gguf_model
-    from expert_service import kernels
+    from moe_experts import kernels
     assert NAMES[0] == "bf16"  # the CLIs list bf16 first, then NAMES[1:]
-    assert config.KERNEL_FORMATS == packing.FORMATS == kernels.NATIVE_FORMATS == NAMES
+    assert packing.FORMATS == kernels.NATIVE_FORMATS == NAMES
     assert config.FP8_BLOCK == formats.FP8_BLOCK
     assert set(packing.ROW_BLOCKED) == {n for n, f in FORMATS.items() if f.row_blocked}
     for qtype, stored in gguf_model.AS_STORED.items():  # the GGUF reader's "as stored" formats are entries
@@ -99,7 +99,7 @@ def test_the_names_everyone_lists_are_the_tables():
 
 @pytest.mark.parametrize("fmt", NAMES)
 def test_every_entry_has_a_native_kernel(fmt):
-    from expert_service.kernels.native_moe import NativeMoELayer
+    from moe_experts.kernels.native_moe import NativeMoELayer
     g = torch.Generator().manual_seed(3)
     gate, up, down = ((torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((2, 32, 64), (2, 32, 64), (2, 64, 32)))
     op = NativeMoELayer(gate, up, down, fmt=fmt, threads=1)

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from expert_service.kernels import TorchMoELayer
+from moe_experts.kernels import TorchMoELayer
 
 native = pytest.importorskip("moe_kernels._native", reason="native extension not built")
 import moe_kernels  # noqa: E402
-from expert_service.kernels.native_moe import NativeMoELayer  # noqa: E402
+from moe_experts.kernels.native_moe import NativeMoELayer  # noqa: E402
 from tiers import cases  # noqa: E402
 from unpacked import dequantized  # noqa: E402
 
@@ -444,7 +444,7 @@ def test_paths_are_refused_where_the_cpu_lacks_them(isa, monkeypatch):
 
 PAIRED = """
 import sys, torch
-from expert_service.kernels.native_moe import NativeMoELayer
+from moe_experts.kernels.native_moe import NativeMoELayer
 torch.manual_seed(0)
 gate, up, down = (torch.randn(3, 40, 256) * 0.1, torch.randn(3, 40, 256) * 0.1, torch.randn(3, 256, 40) * 0.1)
 op = NativeMoELayer(gate, up, down, fmt=sys.argv[1], threads=2, isa="avx2")
@@ -560,7 +560,7 @@ def test_amx_signed_tiles_are_the_avx512_kernel_bitwise(fmt, isa, T):
 
 def test_loading_shows_progress_per_expert(checkpoints, capsys):
     """Quantizing a large model takes minutes: a progress bar counts experts (on a terminal; forced here)."""
-    from expert_service.store import load_expert_layers
+    from moe_experts.store import load_expert_layers
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
 
@@ -583,7 +583,7 @@ def test_numa_grouping_gives_the_same_answer(tmp_path):
     script.write_text(
         "import sys, torch\n"
         "from moe_kernels import native as n\n"
-        "from expert_service.kernels.native_moe import NativeMoELayer\n"
+        "from moe_experts.kernels.native_moe import NativeMoELayer\n"
         "g = torch.Generator().manual_seed(0)\n"
         "w = [(torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((9, 40, 96), (9, 40, 96), (9, 96, 40))]\n"
         "x = torch.randn(33, 96, generator=g)\n"
@@ -652,7 +652,7 @@ def test_bandwidth_probe_checks_the_cpu():
 def test_portable_only_machines_run_bf16_on_torch(monkeypatch):
     """Where only plain C++ runs, torch's bf16 code is faster: bf16 goes there unless a isa was forced;
     the int formats have no torch operator and stay native."""
-    import expert_service.kernels as k
+    import moe_experts.kernels as k
     monkeypatch.setattr(k, "NATIVE_ISA", "portable")
     monkeypatch.delenv("MOE_KERNEL_PATH", raising=False)
     assert k.kernel_path("bf16") == "torch" and k.kernel_path("int8") == "portable"

@@ -1,4 +1,4 @@
-"""moe_kernels.norm_rope against gpu_service.layers' torch versions (the reference): rotary embeddings bit
+"""moe_kernels.norm_rope against gpu_service.model.layers' torch versions (the reference): rotary embeddings bit
 for bit, RMSNorm within one rounding step of the output dtype (the sum of squares is summed in another
 order), for bf16 and fp32 inputs and weights and awkward sizes."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_service.layers import apply_rope, rms_norm, rope_cos_sin
+from gpu_service.model.layers import apply_rope, rms_norm, rope_cos_sin
 from moe_kernels import norm_rope
 
 DT = [torch.bfloat16, torch.float32]

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from harness import greedy, local_engine
-from moe_core import codec
+from moe_exchange import codec
 from protos import generate_pb2
 
 
@@ -72,8 +72,8 @@ def engine(checkpoints):
 def test_decodes_go_on_while_a_long_prompt_prefills(engine, monkeypatch):
     """Every step carries at most the budget, and a running stream gets a token in every step while a
     200-token prompt is prefilled in chunks (it is stalled by one chunk at a time, never by the prompt)."""
-    from gpu_service.engine import Request
-    from gpu_service.sampling import SamplingParams
+    from gpu_service.engine.scheduler import Request
+    from gpu_service.engine.sampling import SamplingParams
 
     steps, real = [], engine.model.forward
 
@@ -117,9 +117,9 @@ def test_decodes_go_on_while_a_long_prompt_prefills(engine, monkeypatch):
 
 def test_mla_scores_in_head_groups_change_nothing(checkpoints, monkeypatch):
     """MLA attention holds at most SCORE_BYTES of scores at once (heads in groups): the same output."""
-    from gpu_service import attention
-    from gpu_service.layers import rope_cos_sin
-    from gpu_service.model import Model
+    from gpu_service.model import attention
+    from gpu_service.model.layers import rope_cos_sin
+    from gpu_service.model.model import Model
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
 

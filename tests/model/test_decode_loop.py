@@ -1,4 +1,4 @@
-"""The native decode loop (gpu_service/decode_loop.py, native/decode/decode_loop.cpp): a decode step's every layer in one
+"""The native decode loop (gpu_service/model/native_loop.py, native/decode/native_loop.cpp): a decode step's every layer in one
 call, against the layer loop it replaces (Model.forward with the native attention blocks, the reference, itself
 checked against the torch path in test_decode_step.py): the same logits and KV rows bit for bit, one sequence
 and several, experts in this process or behind the shared-memory ring of a real expert service, the step's end
@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import tiny_models
-from expert_service.store import load_expert_layers
-from gpu_service import decode_loop
-from gpu_service.dispatch import ExpertServiceError, RemoteExperts
-from gpu_service.experts import LocalExperts
-from gpu_service.kv_pool import BLOCK
-from gpu_service.model import Model, Segment
+from moe_experts.store import load_expert_layers
+from gpu_service.model import native_loop
+from moe_exchange.dispatch import ExpertServiceError, RemoteExperts
+from gpu_service.experts.local import LocalExperts
+from gpu_service.engine.kv_pool import BLOCK
+from gpu_service.model.model import Model, Segment
 from harness import Services
-from moe_core import shm
+from moe_exchange import shm
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 from moe_kernels import ISA, SIMD_ISAS
@@ -216,7 +216,7 @@ def test_the_head_where_the_layer_loop_ends_natively_only(ckpts):
     scored = Segment(c, torch.tensor([9]), 5, logprobs=True, targets=torch.tensor([], dtype=torch.long))
     model.forward([scored], experts, records=recs)
     assert experts.loops == 2 and not recs[-1].head_end and scored.scored is not None
-    bare = decode_loop.build(cfg, model.decode_blocks, model.decode_mlps, model.kv_pool())
+    bare = native_loop.build(cfg, model.decode_blocks, model.decode_mlps, model.kv_pool())
     assert not bare.has_head
     h = torch.zeros(1, cfg.hidden_size)
     with pytest.raises(ValueError, match="no head set"):
@@ -306,15 +306,15 @@ def test_through_the_ring_as_the_layer_loop_and_local_kernels(ckpts, service):
     records, spans = [], []
     model.forward([Segment(c, torch.tensor([7]), 3)], remote, spans=spans, records=records)
     t = records[0].times
-    assert t.shape == (cfg.num_layers, decode_loop.TIMES) and not [s for s in spans if s.layer >= 0]
-    assert (t[:, decode_loop.EXPERT_START] > t[:, decode_loop.SUBMIT_END] - 10**9).all()  # the expert side's clock
-    assert (t[:, decode_loop.EXPERT_END] >= t[:, decode_loop.EXPERT_START]).all()
-    assert (t[:, decode_loop.WAIT_END] >= t[:, decode_loop.EXPERT_END] - 10**6).all()
-    fig = decode_loop.figures(records)
+    assert t.shape == (cfg.num_layers, native_loop.TIMES) and not [s for s in spans if s.layer >= 0]
+    assert (t[:, native_loop.EXPERT_START] > t[:, native_loop.SUBMIT_END] - 10**9).all()  # the expert side's clock
+    assert (t[:, native_loop.EXPERT_END] >= t[:, native_loop.EXPERT_START]).all()
+    assert (t[:, native_loop.WAIT_END] >= t[:, native_loop.EXPERT_END] - 10**6).all()
+    fig = native_loop.figures(records)
     assert fig.layers.tolist() == list(range(cfg.num_layers)) and (fig.waits >= 0).all()
     assert len(fig.immediate) == len(fig.overhead) == cfg.num_layers and (fig.overhead >= 0).all()
     assert len(fig.deferred) == 0
-    profiled = decode_loop.spans_of(records[0])
+    profiled = native_loop.spans_of(records[0])
     assert [s.name for s in profiled if s.layer == 0] == ["attention", "router", "expert_submit", "expert_wait",
                                                           "experts_immediate"]
     decode_both(model, cfg, remote, Counting(layers_of(ckpts)), n=8)
@@ -346,10 +346,10 @@ def test_dense_layers_and_shared_experts_through_the_ring(ckpts, service):
     model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], remote)
     records = []
     model.forward([Segment(c, torch.tensor([7]), 3)], remote, records=records, defer=2)
-    fig = decode_loop.figures(records)
+    fig = native_loop.figures(records)
     assert fig.layers.tolist() == list(cfg.moe_layers) and (fig.waits >= 0).all()
     assert len(fig.immediate) == len(cfg.moe_layers) and len(fig.deferred) == len(cfg.moe_layers) - 1
-    profiled = decode_loop.spans_of(records[0])
+    profiled = native_loop.spans_of(records[0])
     assert [s.name for s in profiled if s.layer == 0] == ["attention", "dense_mlp"]
     assert [s.name for s in profiled if s.layer == 1] == ["attention", "router", "expert_submit", "shared_experts",
                                                           "expert_wait", "experts_immediate", "experts_deferred"]
@@ -400,12 +400,12 @@ def test_build_needs_every_layer_native(ckpts):
     cfg, model, _ = load(ckpts["qwen3_moe"])
     pool = model.kv_pool()
     blocks = dict(model.decode_blocks)
-    assert decode_loop.build(cfg, blocks, {}, pool).layers == cfg.num_layers
+    assert native_loop.build(cfg, blocks, {}, pool).layers == cfg.num_layers
     del blocks[cfg.num_layers - 1]
-    assert decode_loop.build(cfg, blocks, {}, pool) is None
+    assert native_loop.build(cfg, blocks, {}, pool) is None
     cfg, model, _ = load(ckpts["glm4_moe"])
     pool = model.kv_pool()
-    assert decode_loop.build(cfg, model.decode_blocks, model.decode_mlps, pool).layers == cfg.num_layers
+    assert native_loop.build(cfg, model.decode_blocks, model.decode_mlps, pool).layers == cfg.num_layers
     for L in (0, cfg.num_layers - 1):  # the dense layer's MLP, a shared expert
-        assert decode_loop.build(cfg, model.decode_blocks, {k: m for k, m in model.decode_mlps.items() if k != L},
+        assert native_loop.build(cfg, model.decode_blocks, {k: m for k, m in model.decode_mlps.items() if k != L},
                                  pool) is None

@@ -1,4 +1,4 @@
-"""The native decode step of attention blocks (gpu_service/decode_step.py, native/decode/decode_step.cpp) against the torch
+"""The native decode step of attention blocks (gpu_service/model/native_stages.py, native/decode/native_stages.cpp) against the torch
 path it replaces (attention.gqa_attention / mla_attention and the model's norms, the reference): one sequence's
 logits and KV rows bit for bit, several sequences in one step (their projections batched) to the last bits, for the
 GQA and MLA families it takes, bf16 and fp32, packed bf16 and int8 dense layers; and the layers it must leave to
@@ -12,11 +12,11 @@ import torch
 
 import tiny_models
 from harness import ROOT, TESTS
-from expert_service.store import load_expert_layers
-from gpu_service import decode_step
-from gpu_service.experts import LocalExperts
-from gpu_service.kv_pool import BLOCK
-from gpu_service.model import Model, Segment
+from moe_experts.store import load_expert_layers
+from gpu_service.model import native_stages
+from gpu_service.experts.local import LocalExperts
+from gpu_service.engine.kv_pool import BLOCK
+from gpu_service.model.model import Model, Segment
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 from moe_kernels import ISA, SIMD_ISAS
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native step ru
 
 # the tiny families with heads of a vector kernel's width (64); qwen2_moe has q/k/v biases, qwen3_moe QK-norm,
 # glm4_moe all three and partial rotary (half of each head) and a sigmoid router; qwen2_moe and glm4_moe dense MLP
-# layers and shared experts (which the decode steps run natively too: decode_step.mlps)
+# layers and shared experts (which the decode steps run natively too: native_stages.mlps)
 SHAPES = {"qwen3_moe": dict(head_dim=64), "mixtral": dict(head_dim=64),
           "qwen2_moe": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
           "glm4_moe": dict(head_dim=64),
@@ -59,12 +59,12 @@ def load(d, dtype, fmt, router=True, experts="fp32", kv_dtype=None):
 
 
 def _without_router(block, layer, model):
-    original = decode_step._router
-    decode_step._router = lambda *a: {}
+    original = native_stages._router
+    native_stages._router = lambda *a: {}
     try:
-        return decode_step.blocks(model.cfg, model.W, model.dtype, True)[layer]
+        return native_stages.blocks(model.cfg, model.W, model.dtype, True)[layer]
     finally:
-        decode_step._router = original
+        native_stages._router = original
 
 
 class Recording(LocalExperts):
@@ -171,7 +171,7 @@ def test_softmax_topk_is_routes_softmax(norm, round_bf16, E):
     (ties of bf16 logits included), weights bit for bit (torch's vector exp, its sum's order)."""
     from types import SimpleNamespace
 
-    from gpu_service.layers import route
+    from gpu_service.model.layers import route
     from moe_kernels import native
 
     k, B = 8, 256
@@ -197,7 +197,7 @@ def test_softmax_topk_in_groups_is_deepseek_v2s_route(method, groups, topk_group
     weights bit for bit."""
     from types import SimpleNamespace
 
-    from gpu_service.layers import route
+    from gpu_service.model.layers import route
     from moe_kernels import native
 
     k = 6
@@ -223,7 +223,7 @@ def test_sigmoid_topk_is_routes_sigmoid(groups, topk_group, bias, norm, B, E):
     sigmoid, its sum in another order: to an ulp)."""
     from types import SimpleNamespace
 
-    from gpu_service.layers import route
+    from gpu_service.model.layers import route
     from moe_kernels import native
 
     k = 8
@@ -254,7 +254,7 @@ def test_native_mlp_is_the_torch_path_across_torchs_vector_loop_and_its_tail(dty
     of a short run), and the native MLP must do the same (native/kernels/torch_rounding.h)."""
     import torch.nn.functional as F
 
-    from gpu_service.layers import linear
+    from gpu_service.model.layers import linear
     from moe_kernels import native
     from moe_kernels.dense import NativeLinear
 
@@ -267,7 +267,7 @@ def test_native_mlp_is_the_torch_path_across_torchs_vector_loop_and_its_tail(dty
     m = native.Mlp(dtype == torch.bfloat16, gate_up.native, down.native, gate.native, owner=(gate_up, down, gate))
     a, b = linear(x, gate_up).chunk(2, dim=-1)
     want = F.sigmoid(linear(x, gate)) * linear(F.silu(a) * b, down)
-    assert torch.equal(decode_step.mlp(m, x), want)
+    assert torch.equal(native_stages.mlp(m, x), want)
 
 
 @pytest.mark.slow
@@ -324,10 +324,10 @@ def test_several_sequences_in_one_step(wide, family, dtype, kv):
 
 def test_sequences_of_different_pools_are_refused(wide):
     _, model, _ = load(wide["qwen3_moe"], torch.float32, "bf16")
-    from gpu_service.kv_pool import KVPool, SeqCache
+    from gpu_service.engine.kv_pool import KVPool, SeqCache
     other = SeqCache(KVPool(model.cfg, model.dtype, model.device, 8))
     with pytest.raises(ValueError, match="different KV pools"):
-        decode_step.sequences([model.new_cache(), other], [0, 0])
+        native_stages.sequences([model.new_cache(), other], [0, 0])
 
 
 def test_only_the_layers_it_can_run(checkpoints, wide):
@@ -335,14 +335,14 @@ def test_only_the_layers_it_can_run(checkpoints, wide):
     kernel, fp16, torch's dense matmuls: the torch path (partial rotary and MLA are taken: glm4_moe and deepseek
     above)."""
     cfg = load_config(wide["qwen3_moe"])
-    assert decode_step.eligible(cfg, torch.bfloat16, True)
-    assert not decode_step.eligible(cfg, torch.bfloat16, False)
-    assert not decode_step.eligible(cfg, torch.float16, True)
+    assert native_stages.eligible(cfg, torch.bfloat16, True)
+    assert not native_stages.eligible(cfg, torch.bfloat16, False)
+    assert not native_stages.eligible(cfg, torch.float16, True)
     for change in (dict(attn_sinks=True), dict(attn_output_gate=True), dict(norm_offset=True),
                    dict(qk_norm_full=True), dict(head_dim=16)):
-        assert not decode_step.eligible(dataclasses.replace(cfg, **change), torch.bfloat16, True), change
-    assert decode_step.eligible(dataclasses.replace(cfg, rotary_dim=32), torch.bfloat16, True)
-    assert decode_step.eligible(dataclasses.replace(cfg, attention="mla", head_dim=16), torch.bfloat16, True)
+        assert not native_stages.eligible(dataclasses.replace(cfg, **change), torch.bfloat16, True), change
+    assert native_stages.eligible(dataclasses.replace(cfg, rotary_dim=32), torch.bfloat16, True)
+    assert native_stages.eligible(dataclasses.replace(cfg, attention="mla", head_dim=16), torch.bfloat16, True)
     for family in ("gpt_oss", "minimax_m2", "qwen3_next", "glm4_moe"):  # (glm4_moe: 16-dim heads)
         d = checkpoints[family]
         model = Model(load_config(d), Checkpoint(d), torch.device("cpu"), torch.float32, dense_format="bf16")
@@ -352,7 +352,7 @@ def test_only_the_layers_it_can_run(checkpoints, wide):
 def test_cos_sin_rows_from_the_models_table_are_rope_cos_sins(wide):
     """The step's cos/sin come from a table of every position so far (Model.rope), grown on demand: the same
     numbers as rope_cos_sin of the step's positions, before and after the table grows."""
-    from gpu_service.layers import rope_cos_sin
+    from gpu_service.model.layers import rope_cos_sin
     _, model, _ = load(wide["qwen3_moe"], torch.bfloat16, "bf16")
     for positions in ([0], [3, 900], [1023, 1024], [1500], [5000, 7, 5000]):
         p = torch.tensor(positions)

@@ -1,4 +1,4 @@
-"""The graphed decode step (gpu_service/graphed_decode.py) on the CPU: its segments run eagerly, or under a recording
+"""The graphed decode step (gpu_service/model/cuda_graphs.py) on the CPU: its segments run eagerly, or under a recording
 stand-in for torch.cuda.CUDAGraph that checks each replay would read what the capture read. Against Model.forward's
 per-op path (itself checked against transformers in test_e2e_families), several sequences of different lengths in
 padded buckets, across context buckets, with deferral. What needs CUDA (the capture itself, its speed) runs in
@@ -13,11 +13,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tiny_models
-from expert_service.store import load_expert_layers
-from gpu_service import graphed_decode
-from gpu_service.experts import LocalExperts
-from gpu_service.kv_pool import BLOCK
-from gpu_service.model import Model, Segment
+from moe_experts.store import load_expert_layers
+from gpu_service.model import cuda_graphs
+from gpu_service.experts.local import LocalExperts
+from gpu_service.engine.kv_pool import BLOCK
+from gpu_service.model.model import Model, Segment
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 from moe_core.routing import split_deferred
@@ -39,7 +39,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def small_buckets(monkeypatch):
-    monkeypatch.setattr(graphed_decode, "MIN_CONTEXT", 16)  # the tests' contexts cross buckets: 16, 32, 64
+    monkeypatch.setattr(cuda_graphs, "MIN_CONTEXT", 16)  # the tests' contexts cross buckets: 16, 32, 64
 
 
 def load(d, dtype=torch.float32, device="cpu"):
@@ -275,25 +275,25 @@ def test_padded_rows_write_only_the_pools_spare_block(checkpoints):
 
 def test_buckets():
     cfg = type("Cfg", (), dict(attention="gqa", num_kv_heads=4, head_dim=128, kv_lora_rank=0, qk_rope_head_dim=0))
-    assert graphed_decode.bucket(cfg, torch.bfloat16, 3, 17) == (4, 32)
-    assert graphed_decode.bucket(cfg, torch.bfloat16, 1, 1) == (1, 16)
-    assert graphed_decode.bucket(cfg, torch.bfloat16, 64, 100) == (64, 128)
-    assert graphed_decode.bucket(cfg, torch.bfloat16, 65, 100) is None  # more rows than the largest bucket
+    assert cuda_graphs.bucket(cfg, torch.bfloat16, 3, 17) == (4, 32)
+    assert cuda_graphs.bucket(cfg, torch.bfloat16, 1, 1) == (1, 16)
+    assert cuda_graphs.bucket(cfg, torch.bfloat16, 64, 100) == (64, 128)
+    assert cuda_graphs.bucket(cfg, torch.bfloat16, 65, 100) is None  # more rows than the largest bucket
     # 2 KB of keys and values a position: 64 rows x 8192 positions is 1 GiB to gather, over GATHER_BYTES
-    assert graphed_decode.bucket(cfg, torch.bfloat16, 64, 8000) is None
-    assert graphed_decode.bucket(cfg, torch.bfloat16, 8, 8000) == (8, 8192)
+    assert cuda_graphs.bucket(cfg, torch.bfloat16, 64, 8000) is None
+    assert cuda_graphs.bucket(cfg, torch.bfloat16, 8, 8000) == (8, 8192)
 
 
 def test_which_models_and_devices_take_graphs(checkpoints):
     """On the CPU the service never graphs (the native decode loop is its step); sinks, windows and linear attention
     keep the per-op path; a step the buckets do not take runs per op."""
-    assert not graphed_decode.eligible(load_config(checkpoints["gpt_oss"]))
-    assert not graphed_decode.eligible(load_config(checkpoints["qwen3_next"]))
-    assert all(graphed_decode.eligible(load_config(checkpoints[f])) for f in FAMILIES)
+    assert not cuda_graphs.eligible(load_config(checkpoints["gpt_oss"]))
+    assert not cuda_graphs.eligible(load_config(checkpoints["qwen3_next"]))
+    assert all(cuda_graphs.eligible(load_config(checkpoints[f])) for f in FAMILIES)
     model, experts = load(checkpoints["mixtral"])
     assert model.graphs == "off"
     model.graphs = "eager"
-    caches = [model.new_cache() for _ in range(graphed_decode.BATCHES[-1] + 1)]
+    caches = [model.new_cache() for _ in range(cuda_graphs.BATCHES[-1] + 1)]
     for c in caches:
         model.forward([Segment(c, PROMPTS[0][:2], 0)], experts)
     model.forward([Segment(c, torch.tensor([5]), 2) for c in caches], experts)

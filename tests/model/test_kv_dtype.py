@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from expert_service.store import load_expert_layers
+from moe_experts.store import load_expert_layers
 from gpu_service import cli
-from gpu_service.experts import LocalExperts
-from gpu_service.kv_pool import block_bytes
-from gpu_service.model import Model, Segment
+from gpu_service.experts.local import LocalExperts
+from gpu_service.engine.kv_pool import block_bytes
+from gpu_service.model.model import Model, Segment
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
 

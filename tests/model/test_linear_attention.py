@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from gpu_service.linear_attention import CHUNK, delta_rule
+from gpu_service.model.linear_attention import CHUNK, delta_rule
 from harness import local_engine
 
 
@@ -68,8 +68,8 @@ def run(engine, prompts, n):
     """All prompts submitted at once (one batch) -> their greedy tokens."""
     import threading
 
-    from gpu_service.engine import Failure, Request
-    from gpu_service.sampling import SamplingParams
+    from gpu_service.engine.scheduler import Failure, Request
+    from gpu_service.engine.sampling import SamplingParams
 
     outs = []
     for p in prompts:
@@ -132,7 +132,7 @@ def test_batched_sequences_keep_their_own_state(qwen3_next):
 def test_a_retried_step_does_not_advance_the_state(qwen3_next, monkeypatch):
     """The expert exchange breaks in the last MoE layer of some steps, after every DeltaNet layer of
     the step ran: the engine retries the step, which must start from the state before it."""
-    from gpu_service.dispatch import ExpertServiceError
+    from moe_exchange.dispatch import ExpertServiceError
 
     prompt = [(i * 13) % 300 + 2 for i in range(40)]
     e = make_engine(qwen3_next, step_tokens=16)

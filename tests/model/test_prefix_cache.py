@@ -1,4 +1,4 @@
-"""The paged KV pool (gpu_service/kv_pool.py) and automatic prefix caching over it (gpu_service/prefix_cache.py): a
+"""The paged KV pool (gpu_service/engine/kv_pool.py) and automatic prefix caching over it (gpu_service/engine/prefix_cache.py): a
 request that starts with cached blocks shares them and computes only the rest, and its greedy tokens are those of a
 run without the cache, on every family; deferral settings are separate keys; eviction under a small budget and
 preemption when the pool is full never change an answer; the cached share is reported on both APIs."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import tiny_models
-from gpu_service.engine import Failure, Request
+from gpu_service.engine.scheduler import Failure, Request
 from gpu_service import metrics
-from gpu_service.kv_pool import BLOCK, KVPool
-from gpu_service.sampling import SamplingParams
+from gpu_service.engine.kv_pool import BLOCK, KVPool
+from gpu_service.engine.sampling import SamplingParams
 from harness import ROOT, Services, free_port, local_engine
 from moe_core.config import load_config
 from protos import generate_pb2
@@ -68,7 +68,7 @@ def resident_share(addr: int, nbytes: int) -> float:
 def test_a_cpu_pool_touches_its_first_blocks_when_made(checkpoints):
     """The blocks every request uses first (the lowest ids) are in memory before the first step, so that no decode
     step stalls on their pages' first faults."""
-    from gpu_service.kv_pool import PREFAULT_BLOCKS
+    from gpu_service.engine.kv_pool import PREFAULT_BLOCKS
 
     cfg = load_config(checkpoints["qwen3_moe"])
     pool = KVPool(cfg, torch.bfloat16, torch.device("cpu"), 4 * PREFAULT_BLOCKS)
@@ -261,22 +261,22 @@ def test_a_full_pool_sets_requests_aside_and_they_finish_with_the_same_tokens(ch
 def test_blocks_are_shared_not_copied_and_the_pool_keeps_its_rules(checkpoints):
     """Two sequences with a common prefix hold the same blocks; allocation takes the lowest free ids, then the least
     recently cached; a block in use is never evicted; cached bytes stay within the prefix budget."""
-    from gpu_service import prefix_cache
-    from gpu_service.model import Model, Segment
+    from gpu_service.engine import block_names, prefix_cache
+    from gpu_service.model.model import Model, Segment
     from moe_core.checkpoint import Checkpoint
 
     d = checkpoints["qwen3_moe"]
     cfg = load_config(d)
     model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
     pool = cache_for(d, tokens=8 * BLOCK, gb=(3 * cache_for(d).block_bytes + 1) / 2**30)  # 8 blocks, 3 cached at most
-    root = prefix_cache.root("", ())
+    root = block_names.root("", ())
     a = prefix_cache.SeqCache(pool, root)
     model.forward([Segment(a, torch.tensor(PROMPT[:40]), 0)], _no_experts(cfg))
     assert a.blocks == [0, 1, 2] and len(a.hashes) == 2  # two full blocks named, the third partial
     b = prefix_cache.lookup(pool, PROMPT[:40] + [1, 2], root)
     assert b.blocks == [0, 1] and b.length == 32 and pool.ref[:3] == [2, 2, 1]
     assert prefix_cache.lookup(pool, [3] + PROMPT[1:40], root).length == 0  # another first block: another chain
-    assert prefix_cache.lookup(pool, PROMPT[:40], prefix_cache.root("", (1, False))).length == 0  # another key
+    assert prefix_cache.lookup(pool, PROMPT[:40], block_names.root("", (1, False))).length == 0  # another key
     a.release()
     assert pool.ref[:3] == [1, 1, 0] and not pool.cached and pool.free[0] == 2  # shared: still used; partial: free
     b.release()
@@ -300,7 +300,7 @@ def test_scattered_blocks_give_the_numbers_of_consecutive_ones(checkpoints, fami
     """A sequence whose blocks lie apart in the pool (after others came and went) decodes through the block table
     (the native paged kernel for GQA; a gather for MLA, windows and sinks) to the same logits as one whose blocks
     are consecutive (views, the contiguous kernel)."""
-    from gpu_service.model import Model, Segment
+    from gpu_service.model.model import Model, Segment
     from moe_core.checkpoint import Checkpoint
 
     d = checkpoints[family]
@@ -325,8 +325,8 @@ def test_scattered_blocks_give_the_numbers_of_consecutive_ones(checkpoints, fami
 def test_evicted_blocks_spill_to_the_host_tier_and_come_back(checkpoints):
     """A pool of 8 blocks with a host tier of 16: a prompt's blocks evicted by others' come back by copy, holding what
     they held, and the engine's answer from them is the answer without the cache."""
-    from gpu_service import prefix_cache
-    from gpu_service.model import Model, Segment
+    from gpu_service.engine import block_names, prefix_cache
+    from gpu_service.model.model import Model, Segment
     from moe_core.checkpoint import Checkpoint
 
     d = checkpoints["qwen3_moe"]
@@ -335,7 +335,7 @@ def test_evicted_blocks_spill_to_the_host_tier_and_come_back(checkpoints):
     model = Model(cfg, Checkpoint(d), dev, torch.float32)
     bb = cache_for(d).block_bytes
     pool = KVPool(cfg, torch.float32, dev, 8, 8 * bb, 16 * bb)
-    root = prefix_cache.root("", ())
+    root = block_names.root("", ())
     a = prefix_cache.SeqCache(pool, root)
     model.forward([Segment(a, torch.tensor(PROMPT), 0)], _no_experts(cfg, dev))
     want = [t.clone() for t in a.gather(0, 64)]

@@ -1,0 +1,412 @@
+"""The paged KV cache: one pool of fixed-size blocks per attention layer, shared by every sequence through its
+block table, with the blocks of finished prefixes kept for reuse (prefix_cache.py).
+
+Layout (the native decode step reads it as it is; agree any change with native/kernels/attention.cpp):
+- a block holds BLOCK consecutive positions of one sequence, in every attention layer at once (one block id,
+  the same row of each layer's buffers);
+- GQA / MHA, windows and sinks included: K and V per layer [kv heads, blocks, BLOCK, head dim]: head-major across
+  the pool, so a head's rows of consecutive blocks are one contiguous matrix (a lone sequence's blocks are
+  consecutive: allocation takes the lowest free ids), read as the contiguous cache was;
+- MLA: the latent [blocks, BLOCK, kv_lora_rank] and the rotary key [blocks, BLOCK, rope dim];
+- linear-attention layers (Qwen3-Next's DeltaNet) have no blocks: their fixed-size state lives with the sequence
+  (SeqCache.states) and is snapshotted at block boundaries for reuse;
+- a block table is int32 block ids, position p in block table[p // BLOCK] at row p % BLOCK;
+- the buffers hold one block more than the pool gives out (`spare`, the last): a graphed decode step's padding rows
+  write there (cuda_graphs.py).
+
+A block is free, used (referenced by one or more sequences: a shared prefix is referenced, never copied), or
+cached (unreferenced, holding a full block of a known token chain: prefix_cache.py's hash). Allocation takes a
+free block (the lowest id: the resident set stays compact on the CPU, where the pool is allocated but only
+touched pages are resident), else evicts the least recently used cached one. Cached blocks and linear-attention
+snapshots beyond the prefix budget are evicted at once. A block in use is never evicted, and positions below a
+sequence's length are never written again (writes go at and past it, into blocks no one else holds), so an
+eviction never changes an answer: a miss recomputes the same positions.
+
+With a host tier (CUDA: --prefix-cache-host-gb), an evicted cached block is copied to pinned host memory first
+(asynchronously, on the stream that later overwrites the block, so the copy reads it before); a lookup that misses
+on the device finds it there and copies it back into a newly allocated block. The host tier keeps least recently
+used blocks too; its copies run in stream order, so no synchronization is needed.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+
+import torch
+
+from moe_core import serving
+from moe_core.config import ModelConfig
+
+from gpu_service import metrics
+from gpu_service.engine.block_names import next_name
+
+BLOCK = 16  # positions per block (vLLM's default); a power of two (the native kernel shifts)
+GROW = 4  # blocks a growing sequence takes at once while the pool has SPARE x that many free
+SPARE = 4
+# Blocks whose pages a CPU pool touches when it is made: the allocator hands out the lowest ids first, so every
+# request uses these. Untouched, each of their huge pages faulted on a decode step's first write into it, 1-3 ms
+# each (zeroing and compacting for 2 MiB: docs/performance/decode_step.md, "Inside the attention block"), once per layer, head
+# and K/V in the first requests. The rest of the pool stays untouched until used.
+PREFAULT_BLOCKS = 512
+
+
+class KVPool:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
+                 prefix_bytes: int = 0, host_bytes: int = 0):
+        """num_blocks: the pool's size (at least one block); prefix_bytes: most bytes of cached blocks and
+        linear-attention snapshots kept for reuse (0: no prefix caching); host_bytes: the host tier's size (pinned
+        when the pool is on CUDA)."""
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.cfg, self.dtype, self.device, self.num_blocks = cfg, dtype, device, num_blocks
+        self.mla = cfg.attention == "mla"
+        self.linear = any(cfg.is_linear_attention(L) for L in range(cfg.num_layers))
+        # one block more than the pool gives out: `spare`, which a graphed decode step's padding rows write into
+        # (cuda_graphs.py)
+        self.spare = num_blocks
+        rows = num_blocks + 1
+        if self.mla:
+            shapes = [(rows, BLOCK, cfg.kv_lora_rank), (rows, BLOCK, cfg.qk_rope_head_dim)]
+        else:
+            shapes = [(cfg.num_kv_heads, rows, BLOCK, cfg.head_dim)] * 2
+        self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
+        # per layer its buffers, None for a linear-attention layer (untouched pages of these cost no memory on
+        # the CPU; on CUDA they are the pool's reservation)
+        self.bufs: list[list[torch.Tensor] | None] = [
+            None if cfg.is_linear_attention(L) else [_empty(s, dtype, device) for s in shapes]
+            for L in range(cfg.num_layers)]
+        if device.type == "cpu":
+            for bufs in self.bufs:
+                for t in bufs or ():
+                    t.narrow(self.block_dim, 0, min(rows, PREFAULT_BLOCKS)).zero_()
+        self.block_bytes = block_bytes(cfg, dtype)
+        self.prefix_bytes = prefix_bytes
+        self.ref = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self.free = list(range(num_blocks))  # a heap: lowest id first
+        # unreferenced blocks with a hash, and snapshots, least recently used first: key -> stamp
+        self.cached: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self.snaps: collections.OrderedDict[bytes, tuple[list, int, int]] = collections.OrderedDict()  # -> (states, bytes, stamp)
+        self.snap_bytes = 0
+        self.stamp = itertools.count()
+        self.host_blocks = host_bytes // self.block_bytes if self.caching and self.block_bytes else 0
+        pin = device.type == "cuda"
+        bd = self.block_dim
+        self.host = [None if bufs is None else [
+            torch.empty((*b.shape[:bd], self.host_blocks, *b.shape[bd + 1:]), dtype=dtype, pin_memory=pin) for b in bufs]
+            for bufs in self.bufs] if self.host_blocks else []
+        self.host_free = list(range(self.host_blocks))
+        self.host_by_hash: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # least recently used first
+        self._report()
+
+    @property
+    def caching(self) -> bool:
+        return self.prefix_bytes > 0
+
+    def available(self) -> int:
+        """Blocks an allocation can have now (free, and cached ones it would evict)."""
+        return len(self.free) + len(self.cached)
+
+    def used(self) -> int:
+        return self.num_blocks - self.available()
+
+    def cached_bytes(self) -> int:
+        return len(self.cached) * self.block_bytes + self.snap_bytes
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int] | None:
+        """n blocks for one sequence's new positions (reference 1 each), or None if the pool has not that many."""
+        if n > self.available():
+            return None
+        out = []
+        for _ in range(n):
+            b = heapq.heappop(self.free) if self.free else self._evict_block()
+            self.ref[b] = 1
+            out.append(b)
+        self._report()
+        return out
+
+    def _evict_block(self) -> int:
+        b, _ = self.cached.popitem(last=False)
+        h = self.hash_of[b]
+        del self.by_hash[h]
+        self.hash_of[b] = None
+        metrics.PREFIX_EVICTIONS.inc()
+        if self.host_blocks:
+            self._spill(b, h)
+        return b
+
+    def _spill(self, b: int, h: bytes) -> None:
+        """Copy block b (chain h) to the host tier, the least recently used host block making room."""
+        if h in self.host_by_hash:
+            self.host_by_hash.move_to_end(h)
+            return
+        slot = self.host_free.pop() if self.host_free else self.host_by_hash.popitem(last=False)[1]
+        for host, bufs in zip(self.host, self.bufs):
+            if bufs is not None:
+                for hb, db in zip(host, bufs):
+                    hb.select(self.block_dim, slot).copy_(db.select(self.block_dim, b), non_blocking=True)
+        self.host_by_hash[h] = slot
+        metrics.PREFIX_HOST_SPILLS.inc()
+        metrics.PREFIX_HOST_BLOCKS.set(len(self.host_by_hash))
+
+    def restore(self, h: bytes) -> int | None:
+        """A block holding chain h copied back from the host tier (referenced once, named), or None."""
+        slot = self.host_by_hash.get(h)
+        if slot is None or h in self.by_hash:
+            return None
+        self.host_by_hash.move_to_end(h)  # the allocation's own spill must not take this slot
+        got = self.allocate(1)
+        if got is None:
+            return None
+        b = got[0]
+        for host, bufs in zip(self.host, self.bufs):
+            if bufs is not None:
+                for hb, db in zip(host, bufs):
+                    db.select(self.block_dim, b).copy_(hb.select(self.block_dim, slot), non_blocking=True)
+        self.register(b, h)
+        metrics.PREFIX_HOST_RESTORES.inc()
+        return b
+
+    def share(self, b: int) -> None:
+        """One more sequence holds block b (a prefix hit)."""
+        if self.ref[b] == 0:
+            del self.cached[b]
+        self.ref[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """A sequence's blocks, in its order: the tail goes first in the eviction order (a chain's later blocks are
+        no use without its earlier ones; vLLM's order too)."""
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if self.hash_of[b] is not None and self.caching:
+                    self.cached[b] = next(self.stamp)
+                else:
+                    self._forget(b)
+                    heapq.heappush(self.free, b)
+        self._trim()
+        self._report()
+
+    def _forget(self, b: int) -> None:
+        h = self.hash_of[b]
+        if h is not None:
+            del self.by_hash[h]
+            self.hash_of[b] = None
+
+    def register(self, b: int, h: bytes) -> None:
+        """Block b (full, held by a sequence) holds the chain h: later requests may share it. Another block with
+        the same chain (computed at the same time by another sequence) keeps it; b stays private."""
+        if self.caching and h not in self.by_hash and self.hash_of[b] is None:
+            self.by_hash[h], self.hash_of[b] = b, h
+
+    def lookup(self, h: bytes) -> int | None:
+        return self.by_hash.get(h)
+
+    # -- linear-attention states ----------------------------------------------------------------
+    def keep_states(self, h: bytes, states: list) -> None:
+        """The linear-attention layers' states after the block whose chain is h (tensors replaced, never changed
+        in place, so holding them is the snapshot)."""
+        if not self.caching or h in self.snaps:
+            return
+        n = sum(t.nbytes for s in states if s is not None for t in s)
+        self.snaps[h] = (list(states), n, next(self.stamp))
+        self.snap_bytes += n
+        self._trim()
+        self._report()
+
+    def states(self, h: bytes) -> list | None:
+        got = self.snaps.get(h)
+        if got is None:
+            return None
+        self.snaps.move_to_end(h)
+        self.snaps[h] = (got[0], got[1], next(self.stamp))
+        return got[0]
+
+    def _trim(self) -> None:
+        """Evict the least recently used cached blocks and snapshots beyond the prefix budget."""
+        while self.cached_bytes() > self.prefix_bytes and (self.cached or self.snaps):
+            block_first = self.cached and (not self.snaps or next(iter(self.cached.values())) <
+                                           next(iter(self.snaps.values()))[2])
+            if block_first:
+                heapq.heappush(self.free, self._evict_block())
+            else:
+                _, (_, n, _) = self.snaps.popitem(last=False)
+                self.snap_bytes -= n
+                metrics.PREFIX_EVICTIONS.inc()
+
+    def clear(self) -> None:
+        """Drop every cached block and snapshot (blocks in use stay)."""
+        while self.cached:
+            heapq.heappush(self.free, self._evict_block())
+        self.snaps.clear()
+        self.snap_bytes = 0
+        self._report()
+
+    def _report(self) -> None:
+        metrics.KV_BLOCKS.labels("used").set(self.used())
+        metrics.KV_BLOCKS.labels("cached").set(len(self.cached))
+        metrics.KV_BLOCKS.labels("free").set(len(self.free))
+        metrics.PREFIX_BYTES.set(self.cached_bytes())
+
+
+def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A pool buffer; on the CPU backed by huge pages where the kernel allows (a sequence's blocks can be anywhere in
+    it: with 4 KiB pages each block read was a TLB miss)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu":
+        serving.advise_huge_pages(t.data_ptr(), t.nbytes)
+    return t
+
+
+def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one block over every attention layer."""
+    per_pos = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim)
+    layers = sum(not cfg.is_linear_attention(L) for L in range(cfg.num_layers))
+    return BLOCK * per_pos * layers * torch.empty(0, dtype=dtype).element_size()
+
+
+class SeqCache:
+    """One sequence's cache: its block table into the pool, the ids it holds (for the prefix chain), and the
+    linear-attention layers' states.
+
+    A state is replaced, not appended to, so a step stages its new states and `commit` installs them once the
+    whole forward pass is done: a step that fails half way (and is retried) leaves the sequence as it was, as KV
+    entries written at fixed positions do."""
+
+    def __init__(self, pool: KVPool, root: bytes = b""):
+        self.pool, self.root = pool, root
+        self.blocks: list[int] = []
+        self._table: torch.Tensor | None = None  # the block table as the native kernel takes it
+        self._index: tuple[torch.Tensor, bool] | None = None  # as gather takes it, and whether ids are consecutive
+        self.length = 0  # positions held (the same in every layer once a step completes)
+        self.tokens: list[int] = []  # their ids
+        self.hashes: list[bytes] = []  # the chain of each full block (prefix_cache.py)
+        self.states: list[tuple[torch.Tensor, ...] | None] = [None] * pool.cfg.num_layers  # as of `length`
+        self.staged: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.aligned: tuple[bytes, list] | None = None  # linear attention: the states at the last full block
+        self.keep_at = 0  # linear attention: keep the states when the length reaches this block boundary
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def reserve(self, end: int) -> bool:
+        """Blocks for positions below `end` (False: the pool has not enough; nothing taken). A growing sequence
+        takes GROW blocks at once while the pool has room to spare: taken together they are consecutive ids, so
+        sequences decoding side by side do not interleave block by block (scattered blocks cost the paged kernel
+        up to ~1.4x at long contexts; bench_attention.py)."""
+        need = -(-end // BLOCK) - len(self.blocks)
+        if need <= 0:
+            return True
+        got = None
+        if self.blocks and need < GROW and len(self.pool.free) >= SPARE * GROW:  # never evicting cached ones for it
+            got = self.pool.allocate(GROW)
+        got = got or self.pool.allocate(need)
+        if got is None:
+            return False
+        self.blocks += got
+        self._table = self._index = None
+        return True
+
+    def room(self) -> int:
+        """The most positions this sequence could hold with the pool as it is."""
+        return (len(self.blocks) + self.pool.available()) * BLOCK
+
+    def release(self) -> None:
+        """Give the blocks back (full ones stay cached for reuse) and keep the last aligned states."""
+        if self.aligned is not None:
+            self.pool.keep_states(*self.aligned)
+            self.aligned = None
+        self.pool.release(self.blocks)
+        self.blocks, self._table, self._index = [], None, None
+
+    def __del__(self):  # a direct caller's dropped cache gives its blocks back (the engine releases explicitly)
+        if self.blocks:
+            self.release()
+
+    def table(self) -> torch.Tensor:
+        if self._table is None:
+            self._table = torch.tensor(self.blocks, dtype=torch.int32)
+        return self._table
+
+    def write(self, layer: int, start: int, *xs: torch.Tensor) -> None:
+        """Store xs ([t, ...] each, one per buffer of the layer) at positions start..start+t-1 (the engine reserved
+        the blocks for the step; a direct caller's come here)."""
+        bufs, t = self.pool.bufs[layer], xs[0].shape[0]
+        if not self.reserve(start + t):
+            raise MemoryError(f"the KV pool ({self.pool.num_blocks} blocks of {BLOCK}) is full")
+        if t == 1:
+            b, o = self.blocks[start // BLOCK], start % BLOCK
+            for buf, x in zip(bufs, xs):
+                (buf[:, b, o] if not self.pool.mla else buf[b, o]).copy_(x[0])
+            return
+        pos = torch.arange(start, start + t)
+        blk = torch.tensor(self.blocks, dtype=torch.long)[pos // BLOCK].to(self.pool.device)
+        off = (pos % BLOCK).to(self.pool.device)
+        for buf, x in zip(bufs, xs):
+            if self.pool.mla:
+                buf[blk, off] = x.to(buf.dtype)
+            else:
+                buf[:, blk, off] = x.transpose(0, 1).to(buf.dtype)
+
+    def consecutive(self) -> bool:
+        """Whether the blocks are consecutive ids (then gather gives views, which the contiguous kernels read)."""
+        if self._index is None:
+            ids = self.blocks
+            self._index = (torch.tensor(ids, dtype=torch.long, device=self.pool.device),
+                           all(b == a + 1 for a, b in zip(ids, ids[1:])))
+        return self._index[1]
+
+    def gather(self, layer: int, end: int, begin: int = 0) -> list[torch.Tensor]:
+        """Positions begin..end-1 of the layer: GQA [kv heads, positions, dim], MLA [positions, dim]; a view when
+        the blocks are consecutive (as a lone sequence's are: the lowest free ids first), else a copy. For the paths
+        that have no paged kernel."""
+        b0, b1 = begin // BLOCK, -(-end // BLOCK)
+        consecutive = self.consecutive()
+        idx = self._index[0][b0:b1]
+        lo, n = begin - b0 * BLOCK, end - begin
+        out = []
+        for buf in self.pool.bufs[layer]:
+            if consecutive:  # one view, no copy
+                rows = buf.narrow(self.pool.block_dim, self.blocks[b0], b1 - b0)
+            elif self.pool.mla:
+                rows = buf.index_select(0, idx)
+            else:  # a block of a head as one row: the copy moves whole rows (~10x faster for short contexts)
+                rows = buf.view(buf.shape[0], buf.shape[1], -1).index_select(1, idx)
+            if self.pool.mla:
+                out.append(rows.reshape(-1, buf.shape[-1])[lo:lo + n])
+            else:
+                out.append(rows.reshape(buf.shape[0], -1, buf.shape[-1])[:, lo:lo + n])
+        return out
+
+    # -- linear-attention states and the step's end -----------------------------------------------
+    def stage(self, layer: int, *state: torch.Tensor) -> None:
+        self.staged[layer] = state
+
+    def commit(self, length: int, tokens: list[int]) -> None:
+        """The step is complete: tokens now sit below `length`; the new states replace the old ones; full blocks
+        join the prefix chain (_name_full_blocks)."""
+        for layer, state in self.staged.items():
+            self.states[layer] = state
+        self.staged.clear()
+        self.tokens += tokens
+        self.length = length
+        self._name_full_blocks()
+        if self.pool.linear and self.pool.caching and length % BLOCK == 0 and self.hashes:
+            if length == self.keep_at:
+                self.pool.keep_states(self.hashes[-1], self.states)
+            else:
+                self.aligned = (self.hashes[-1], list(self.states))
+
+    def _name_full_blocks(self) -> None:
+        """Name the newly full blocks (block_names.py) and offer them to the pool for prefix caching."""
+        while len(self.hashes) < self.length // BLOCK:
+            i = len(self.hashes)
+            h = next_name(self.hashes[-1] if self.hashes else self.root, self.tokens[i * BLOCK:(i + 1) * BLOCK])
+            self.hashes.append(h)
+            self.pool.register(self.blocks[i], h)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.pool.block_bytes + sum(
+            t.nbytes for s in self.states if s is not None for t in s)

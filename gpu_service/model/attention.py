@@ -1,0 +1,294 @@
+"""Attention over the paged KV cache (kv_pool.py): GQA (Qwen-MoE, Mixtral, gpt-oss's windows and sinks) and MLA
+(DeepSeek V2/V3). Decode on the native kernel reads the blocks where they are; the other paths gather the
+sequence's blocks into one tensor per layer first, in the model dtype (the pool's may be narrower:
+--kv-cache-dtype).
+
+MLA caches only the compressed latent (kv_lora_rank) and the shared rotary key per token, and
+attends in the latent space ("absorbed" kv_b_proj): the cache is ~(512+64) values per token
+instead of heads x (k + v) dims.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from moe_core.config import ModelConfig
+from moe_kernels import attention as native_attention
+
+from gpu_service.engine.kv_pool import SeqCache
+from gpu_service.model.layers import apply_rope, linear, rms_norm
+from gpu_service.model.linear_attention import gated_deltanet
+
+# An attention kind is one function (kinds below): (cfg, W, prefix, x [t, H], cos, sin, kv, layer, native, scale) ->
+# [t, H]. `kv` is where the rows' keys go and come from: a SequenceKV (one sequence's new tokens, the per-op runner's)
+# or the CUDA-graph runner's bucket (one token per row, each its own sequence's: cuda_graphs.Bucket). Both offer
+# write(layer, *stored) and, for a decode, rows(layer, dtype) -> (each stored tensor gathered per row [.., rows,
+# positions, ..], the positions past each row's own [rows, positions] or None); `decoding`: every row one sequence's
+# newest token; `paged`: the SeqCache whose blocks the native kernels read in place, or None.
+
+QKV = "qkv_proj.weight"  # GQA's q, k and v projections fused into one packed matrix (rows q, then k, then v)
+NATIVE_ABSORB_TOKENS = 8  # MLA: tokens a segment up to which its absorbed products run natively (decode; above, torch's
+                          # batched matmuls reuse each weight across the tokens)
+SCORE_BYTES = 256 << 20  # MLA: most bytes of attention scores held at once (heads are grouped to fit)
+
+
+def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
+    """[t, start+t] bool, True where query i may see key j (j <= start + i); None for t == 1."""
+    if t == 1:
+        return None
+    j = torch.arange(start + t, device=device)
+    i = torch.arange(t, device=device) + start
+    return j[None, :] <= i[:, None]
+
+
+def _as(dtype: torch.dtype, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The cache's tensors in the model dtype (a copy only where the pool holds another: --kv-cache-dtype)."""
+    return [x if x.dtype == dtype else x.to(dtype) for x in xs]
+
+
+class SequenceKV(NamedTuple):
+    """One sequence's t new tokens at positions start.. (the per-op runner's view of its cache)."""
+    cache: SeqCache
+    start: int
+    t: int
+
+    @property
+    def decoding(self) -> bool:
+        return self.t == 1
+
+    @property
+    def paged(self) -> SeqCache:
+        return self.cache
+
+    def write(self, layer: int, *xs: torch.Tensor) -> None:
+        self.cache.write(layer, self.start, *xs)
+
+    def rows(self, layer: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], None]:
+        """Its one row's positions so far (views where the blocks are consecutive), every one seen."""
+        dim = 0 if self.cache.pool.mla else 1  # GQA's [kv, positions, d], MLA's [positions, r]
+        return [x.unsqueeze(dim) for x in _as(dtype, self.cache.gather(layer, self.start + self.t))], None
+
+
+def gqa_decode(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, unseen: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+    """Decode rows' attention in matmuls over each KV head's query group: q [B, nh, d], K, V [kv, B, C, d], unseen
+    [B, C] (masked) or None -> [B, nh, d]. On the CPU torch's SDPA kernel is ~50x slower for one query
+    (docs/performance/kernels.md, "Measured choices"); CUDA graphs need fixed shapes, hence the mask."""
+    B, nh, d = q.shape
+    nkv = K.shape[0]
+    qg = q.view(B, nkv, nh // nkv, d).transpose(0, 1)                          # [kv, B, group, d]
+    s = (torch.matmul(qg, K.transpose(-1, -2)) * scale).float()                # [kv, B, group, C]
+    if unseen is not None:
+        s = s.masked_fill(unseen[None, :, None, :], float("-inf"))
+    return torch.matmul(s.softmax(-1).to(q.dtype), V).transpose(0, 1)         # [B, kv, group, d]
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, C: torch.Tensor, P: torch.Tensor, unseen: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+    """Decode rows' latent attention: q_lat [B, nh, r], q_pe [B, nh, dr], the cached latents C [B, L, r] and rotary
+    keys P [B, L, dr], unseen [B, L] or None -> o_lat [B, nh, r]."""
+    s = ((torch.matmul(q_lat, C.transpose(1, 2)) + torch.matmul(q_pe, P.transpose(1, 2))) * scale).float()
+    if unseen is not None:
+        s = s.masked_fill(unseen[:, None, :], float("-inf"))
+    return torch.matmul(s.softmax(-1).to(q_lat.dtype), C)
+
+
+def masked_rows(xs: list[torch.Tensor], unseen: torch.Tensor) -> list[torch.Tensor]:
+    """Gathered rows with the positions past each row's own zeroed: those read whatever the pool's memory holds
+    (never-written rows: anything, NaN included), and a masked weight of 0 times NaN is NaN."""
+    return [x.masked_fill(unseen[None, :, :, None] if x.dim() == 4 else unseen[:, :, None], 0) for x in xs]
+
+
+def gqa_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, native: bool = False):
+    """x [t, H] -> (q [t, nh, d], k and v [t, kv heads, d]: normed and rotated as the layer's keys are stored, the
+    output gate [t, nh * d] or None). Shared by gqa_attention and the graphed decode step (cuda_graphs.py)."""
+    t = x.shape[0]
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    nq = nh * d * (2 if cfg.attn_output_gate else 1)  # Qwen3-Next: each head's query, then its gate
+    if p + QKV in W:  # packed for the native kernels as one matrix: one call instead of three
+        q, k, v = linear(x, W[p + QKV]).split([nq, nkv * d, nkv * d], dim=-1)
+        q, k, v = (y if W.get(p + n + ".bias") is None else y + W[p + n + ".bias"]
+                   for y, n in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
+    else:
+        q = linear(x, W[p + "q_proj.weight"], W.get(p + "q_proj.bias"))
+        k = linear(x, W[p + "k_proj.weight"], W.get(p + "k_proj.bias"))
+        v = linear(x, W[p + "v_proj.weight"], W.get(p + "v_proj.bias"))
+    gate = None
+    if cfg.attn_output_gate:
+        q, gate = q.view(t, nh, 2 * d).chunk(2, dim=-1)
+        gate = gate.reshape(t, nh * d)
+    if cfg.qk_norm_full:
+        q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
+    q, k, v = q.reshape(t, nh, d), k.reshape(t, nkv, d), v.reshape(t, nkv, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, native)
+        k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, native)
+    return apply_rope(q, cos, sin, False, native), apply_rope(k, cos, sin, False, native), v, gate
+
+
+def gqa_output(cfg: ModelConfig, W: dict, p: str, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """The heads' outputs (t x nh x d values, head-major within a token) -> [t, H]: the output gate where the layer
+    has one, then o_proj."""
+    o = o.reshape(-1, cfg.num_heads * cfg.head_dim)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
+
+
+def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
+                  native: bool = False, scale: float | None = None) -> torch.Tensor:
+    """x [t, H] (the rows `kv` covers) -> [t, H]. native: decode on the native kernel where it takes the pool (fp32,
+    bf16 or fp16 on the CPU; moe_kernels.attention)."""
+    t = x.shape[0]
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v, gate = gqa_project(cfg, W, p, x, cos, sin, native)
+    kv.write(layer, k, v)
+    window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
+    cache = kv.paged
+    if window or sinks is not None:  # gpt-oss: SDPA has no sinks (a sequence's own cache: no graph takes these)
+        start = kv.start
+        first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
+        o = windowed_attention(q, *_as(q.dtype, cache.gather(layer, start + t, first)), start, window, sinks,
+                               d ** -0.5, first)
+    elif kv.decoding and native and cache is not None and native_attention.supported(cache.pool.bufs[layer][0]):
+        # consecutive blocks (a lone sequence's) are read as one strided matrix a head, without the table
+        o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer], cache.table(), kv.start + 1,
+                                                    d ** -0.5,
+                                                    first=cache.blocks[0] if cache.consecutive() else -1).to(q.dtype)
+    elif kv.decoding:
+        (K, V), unseen = kv.rows(layer, q.dtype)
+        o = gqa_decode(q, K, V, unseen, d ** -0.5)
+    else:
+        start = kv.start
+        K, V = _as(q.dtype, cache.gather(layer, start + t))                     # [kv, L, d] each
+        # 4-D inputs: torch's fused (flash) CPU kernel; 3-D ones fall back to its math path, which builds the
+        # [heads, t, L] scores and masks in fp32 (2.5x slower at 512 tokens, docs/performance/kernels.md)
+        causal = start == 0  # a first chunk: torch's own causal mask (top-left aligned) is ours
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], is_causal=causal,
+                                           attn_mask=None if causal else _causal_mask(t, start, x.device),
+                                           enable_gqa=nkv != nh)[0].transpose(0, 1)
+    return gqa_output(cfg, W, p, o, gate)
+
+
+def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, window: int,
+                       sinks: torch.Tensor | None, scale: float, lo: int) -> torch.Tensor:
+    """q [t, nh, d] at positions start.., K/V [kv, L, d] the keys and values of positions lo.. (the first any
+    query sees) -> [t, nh, d]. Query i sees keys j with i - window < j <= i (window 0: every j <= i); `sinks`
+    [nh] is one more logit per head in each softmax, whose share is dropped (gpt-oss; transformers' eager
+    attention with s_aux)."""
+    t, nh, d = q.shape
+    nkv = K.shape[0]
+    g = nh // nkv
+    L = K.shape[1]
+    j = torch.arange(lo, lo + L, device=q.device)
+    i = torch.arange(start, start + t, device=q.device)[:, None]
+    allowed = (j <= i) & (j > i - window) if window else j <= i                 # [t, L]
+    qg = q.transpose(0, 1).reshape(nkv, g * t, d)                               # [kv, group x t, d]
+    o = torch.empty(nkv, g * t, d, dtype=q.dtype, device=q.device)
+    step = max(1, min(nkv, SCORE_BYTES // max(1, g * t * L * 4)))  # kv heads whose fp32 scores fit at once
+    for h in range(0, nkv, step):
+        s = torch.matmul(qg[h:h + step], K[h:h + step].transpose(1, 2)).float() * scale  # [n, group x t, L]
+        s = s.view(-1, g, t, L).masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            sink = sinks[h * g:(h + step) * g].float().view(-1, g, 1, 1).expand(-1, g, t, 1)
+            s = torch.cat([s, sink], dim=-1)
+        pr = s.softmax(-1)[..., :L].to(V.dtype).view(-1, g * t, L)
+        o[h:h + step] = torch.matmul(pr, V[h:h + step])
+    return o.view(nh, t, d).transpose(0, 1)
+
+
+def _latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: SeqCache, layer: int, start: int,
+                      scale: float) -> torch.Tensor:
+    """MLA's attention in the latent space on torch: q_lat [nh, t, r], q_pe [t, nh, dr] (the model dtype) against
+    the layer's cached latents and rotary keys up to start + t -> o_lat [nh, t, r]."""
+    nh, t, r = q_lat.shape
+    C, KPE = _as(q_lat.dtype, cache.gather(layer, start + t))                  # [L, r], [L, dr]
+    q_pe = q_pe.transpose(0, 1)                                                # [nh, t, dr]
+    mask = _causal_mask(t, start, q_lat.device)
+    L = C.shape[0]
+    # the scores are [heads, t, L] fp32: DeepSeek-V3's 128 heads x a 2048-token chunk x 8k context would
+    # be 8.6 GB at once, so heads go in groups of at most SCORE_BYTES of scores
+    group = max(1, min(nh, SCORE_BYTES // max(1, t * L * 4)))
+    o_lat = torch.empty(nh, t, r, dtype=q_lat.dtype, device=q_lat.device)
+    for h in range(0, nh, group):
+        scores = (torch.matmul(q_lat[h:h + group], C.T) + torch.matmul(q_pe[h:h + group], KPE.T)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        o_lat[h:h + group] = torch.matmul(scores.float().softmax(dim=-1).to(q_lat.dtype), C)  # [group, t, r]
+    return o_lat
+
+
+def mla_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, native: bool = False):
+    """x [t, H] -> (q_nope [t, nh, dn], q_pe [t, nh, dr] rotated, the latent c [t, r] normed, the rotary key k_pe
+    [t, dr] rotated: c and k_pe as the pool stores them). Shared by mla_attention and the graphed decode step."""
+    t = x.shape[0]
+    nh, dn, dr, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = linear(x, W[p + "q_proj.weight"])
+    else:
+        qa = rms_norm(linear(x, W[p + "q_a_proj.weight"], W.get(p + "q_a_proj.bias")),
+                      W[p + "q_a_layernorm.weight"], 1e-6, native=native)
+        q = linear(qa, W[p + "q_b_proj.weight"])
+    q = q.view(t, nh, dn + dr)
+    q_nope, q_pe = q[..., :dn], q[..., dn:]
+    ckv = linear(x, W[p + "kv_a_proj_with_mqa.weight"], W.get(p + "kv_a_proj_with_mqa.bias"))
+    c = rms_norm(ckv[:, :r], W[p + "kv_a_layernorm.weight"], 1e-6, native=native)  # [t, r]
+    k_pe = ckv[:, r:].view(t, 1, dr)
+    q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave, native)             # [t, nh, dr]
+    k_pe = apply_rope(k_pe, cos, sin, cfg.rope_interleave, native)[:, 0]       # [t, dr]
+    return q_nope, q_pe, c, k_pe
+
+
+def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
+                  native: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]. native: a decode step's norms and rope (as
+    layers.rms_norm's) and its (up to NATIVE_ABSORB_TOKENS tokens) absorbed products on the native kernels
+    (moe_kernels.attention.mla_absorb_*)."""
+    t = x.shape[0]
+    nh, dn, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q_nope, q_pe, c, k_pe = mla_project(cfg, W, p, x, cos, sin, native)
+    kv.write(layer, c, k_pe)
+    cache = kv.paged
+    kv_b = W[p + "kv_b_proj.weight"]                                           # [nh * (dn + dv), r]
+    absorb = native and t <= NATIVE_ABSORB_TOKENS and native_attention.supports_kv_b(kv_b)
+    # the latent math in the model dtype; kv_b_proj may be kept narrower (model.py: bf16 for an fp32 model)
+    wkv = None if absorb else kv_b.to(x.dtype).view(nh, dn + dv, r)
+    if absorb:
+        q_lat = native_attention.mla_absorb_q(q_nope, kv_b, nh, dn, dv).to(x.dtype)
+    else:
+        q_lat = torch.einsum("thd,hdr->htr", q_nope, wkv[:, :dn])              # [nh, t, r]
+    if absorb and kv.decoding and cache is not None and native_attention.mla_supported(*cache.pool.bufs[layer]):
+        # decode: the latent attention on the native kernel, over the pool's blocks where they are (fp32 scores;
+        # torch's bf16 matmuls here run at a few GFLOP/s on a CPU without bf16 arithmetic: docs/performance/decode_step.md)
+        o_lat = native_attention.mla_paged_attention(
+            torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer], cache.table(), kv.start + 1, scale,
+            first=cache.blocks[0] if cache.consecutive() else -1).to(x.dtype)[:, None]  # [nh, 1, r]
+    elif kv.decoding:
+        (C, P), unseen = kv.rows(layer, x.dtype)
+        o_lat = mla_decode(q_lat.transpose(0, 1), q_pe, C, P, unseen, scale).transpose(0, 1)  # [nh, t, r]
+    else:
+        o_lat = _latent_attention(q_lat, q_pe, cache, layer, kv.start, scale)
+    if absorb:
+        o = native_attention.mla_absorb_o(o_lat, kv_b, nh, dn, dv).to(x.dtype)
+    else:
+        o = torch.einsum("htr,hvr->thv", o_lat, wkv[:, dn:]).reshape(t, nh * dv)
+    return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
+
+
+def linear_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
+                     native: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Gated DeltaNet (linear_attention.py): a state per sequence instead of keys, no rotary embedding."""
+    return gated_deltanet(cfg, W, p, x, kv.paged, layer)
+
+
+# the attention kinds: a new kind is one function here (its torch reference, which CUDA graphs capture where it
+# takes a graph's bucket as `kv`) and, optionally, a native block in native_stages.py
+KINDS = {"gqa": gqa_attention, "mla": mla_attention, "linear": linear_attention}
+
+
+def kind(cfg: ModelConfig, layer: int) -> str:
+    """The attention kind of a layer."""
+    return "linear" if cfg.is_linear_attention(layer) else cfg.attention
