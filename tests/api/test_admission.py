@@ -85,7 +85,7 @@ def test_statuses_are_grpcs():
         assert grpc.StatusCode[s.name].value[0] == s.value
 
 
-@pytest.mark.parametrize("module", ["engine.py", "admission.py"])
+@pytest.mark.parametrize("module", ["engine/scheduler.py", "api/admission.py"])
 def test_the_engine_side_imports_no_transport(module):
     """The engine and the request checks know nothing of gRPC or HTTP (the front ends translate)."""
     tree = ast.parse(pathlib.Path(ROOT / "gpu_service" / module).read_text())
