@@ -260,7 +260,7 @@ def native_isa() -> str | None:
 def compute_dtype(arg: str, cfg, device: torch.device) -> torch.dtype:
     """--dtype resolved. auto: the checkpoint's dtype, except fp32 for a bf16/fp16 model on a CPU without
     bf16 arithmetic (kernel path below avx512): torch converts every bf16 op there, and norms, rope and
-    attention run several times slower than in fp32 (docs/performance/native_stages.md). The dense weights stay 16-bit
+    attention run several times slower than in fp32 (docs/performance/decode_step.md). The dense weights stay 16-bit
     with --dense-format."""
     if arg != "auto":
         return DTYPES[arg]

@@ -9,7 +9,7 @@ A layer is these stages, each defined here and nowhere else:
   exchange   the routed experts handed over and collected, the previous layer's deferred part first (Exchange),
              and their sum added to the residual (merge)
   head       the final norm and the lm_head
-Runners compose them and nothing else: `per_op` below (the layer loop, the reference), the native loop
+Runners compose them and nothing else: `forward` below (the per-op layer loop, the reference), the native loop
 (native_loop.py: every stage's native kernel, the whole step in one call) and CUDA graphs (cuda_graphs.py: these
 functions captured per bucket of rows and positions). `choose` decides which runner a step takes; `describe` says at
 start which one decode steps will take and why.
@@ -23,16 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from moe_core.routing import split_deferred
+from moe_exchange.protocol import Experts, Span
 from moe_kernels.dense import NativeLinear
 
+from gpu_service.engine.kv_pool import KVPool, SeqCache
 from gpu_service.model import native_loop, native_stages
 from gpu_service.model.attention import KINDS, SequenceKV, kind
-from moe_exchange.protocol import Experts, Span
-from gpu_service.engine.kv_pool import KVPool, SeqCache
 from gpu_service.model.layers import GATE_UP, linear, rms_norm
 from gpu_service.model.layers import route as _route
 
-PER_OP, NATIVE_LOOP, GRAPHS = "per-op", "native loop", "cuda graphs"
+PER_OP, NATIVE_LOOP, GRAPHS = "per-op", "native loop", "cuda graphs"  # the runners
 
 
 @dataclasses.dataclass
@@ -73,7 +73,7 @@ def attention(model, L: int, h: torch.Tensor, cos, sin, kvs: list) -> tuple[torc
     return h, norm(model, h, p + "post_attention_layernorm.weight")
 
 
-def native_attention(model, L: int, h: torch.Tensor, cos, sin, pool: KVPool, seqs: torch.Tensor):
+def native_block(model, L: int, h: torch.Tensor, cos, sin, pool: KVPool, seqs: torch.Tensor):
     """The attention block as native_stages.py's native call for a decode step's rows (the same numbers as
     `attention`): h [B, H] updated in place -> (the post-attention norm, the router's (ids, w) where the block
     routes, else None)."""
@@ -245,7 +245,7 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
     for L in layers:
         routed = None  # the router's choice where the native block made it
         if native_seqs is not None and L in model.decode_blocks:
-            x, routed = native_attention(model, L, h, cos, sin, pool, native_seqs)
+            x, routed = native_block(model, L, h, cos, sin, pool, native_seqs)
             t = mark("attention", L, t)
         else:
             h, x = attention(model, L, h, cos, sin, kvs)

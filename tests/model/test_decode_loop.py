@@ -1,4 +1,4 @@
-"""The native decode loop (gpu_service/model/native_loop.py, native/decode/native_loop.cpp): a decode step's every layer in one
+"""The native decode loop (gpu_service/model/native_loop.py, native/decode/decode_loop.cpp): a decode step's every layer in one
 call, against the layer loop it replaces (Model.forward with the native attention blocks, the reference, itself
 checked against the torch path in test_decode_step.py): the same logits and KV rows bit for bit, one sequence
 and several, experts in this process or behind the shared-memory ring of a real expert service, the step's end

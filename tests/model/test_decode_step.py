@@ -1,4 +1,4 @@
-"""The native decode step of attention blocks (gpu_service/model/native_stages.py, native/decode/native_stages.cpp) against the torch
+"""The native decode step of attention blocks (gpu_service/model/native_stages.py, native/decode/decode_step.cpp) against the torch
 path it replaces (attention.gqa_attention / mla_attention and the model's norms, the reference): one sequence's
 logits and KV rows bit for bit, several sequences in one step (their projections batched) to the last bits, for the
 GQA and MLA families it takes, bf16 and fp32, packed bf16 and int8 dense layers; and the layers it must leave to
