@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import sys
+import time
 
 import grpc
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_core import security
 from protos import expert_pb2, expert_pb2_grpc, generate_pb2, generate_pb2_grpc
@@ -158,8 +161,6 @@ def chrome_trace(spans) -> dict:
 
 def profile_table(spans) -> str:
     """Milliseconds per layer and kind of work, summed over the request's steps."""
-    import collections
-
     per = collections.defaultdict(lambda: collections.defaultdict(float))
     kinds = []
     for sp in spans:
@@ -198,10 +199,6 @@ def profile(a) -> int:
 
 
 def health(a) -> int:
-    import time
-
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     deadline = time.monotonic() + a.wait
     with security.ClientSecurity.from_args(a).channel(a.server) as ch:
         stub = health_pb2_grpc.HealthStub(ch)

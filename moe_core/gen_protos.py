@@ -15,7 +15,7 @@ PROTOS = sorted((ROOT / "protos").glob("*.proto"))
 
 
 def generate(out_dir: pathlib.Path) -> None:
-    import grpc_tools
+    import grpc_tools  # a development tool's (grpcio-tools, the test extras), not the services'
 
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",

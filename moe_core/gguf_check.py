@@ -11,6 +11,7 @@ import mmap
 import os
 import pathlib
 import struct
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moe_core.config import ModelConfigError
 
@@ -34,8 +35,6 @@ def _size(n: int) -> str:
 
 def _quant_sizes() -> dict[int, tuple[str, int, int]]:
     """GGML type id -> (name, elements a block, bytes a block), from the gguf package (the types llama.cpp writes)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     return {int(q): (q.name, *GGML_QUANT_SIZES[q]) for q in GGMLQuantizationType if q in GGML_QUANT_SIZES}
 
 

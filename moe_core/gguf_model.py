@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
 
 from moe_core import gguf_check
 from moe_core.checkpoint import Checkpoint
@@ -270,14 +271,13 @@ def _mx_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 def _fused_experts(cfg, L: int, by_name: dict) -> dict:
     """gpt-oss: llama.cpp splits its experts into gate, up and down (and their biases); transformers' names
     show them fused again (gate and up interleaved), as published MXFP4 blocks where the file has them."""
-    from gguf import GGMLQuantizationType as Q
     b, (gate_up, down) = f"blk.{L}.", cfg.stacked_expert_names(L)
     g, u, d = (b + f"ffn_{p}_exps.weight" for p in ("gate", "up", "down"))
     if g not in by_name:
         return {}
     out = {gate_up + "_bias": ((g[:-6] + "bias", u[:-6] + "bias"), None, lambda x, y: _interleave(x, y, -1)),
            down + "_bias": ((d[:-6] + "bias",), None, None)}
-    if by_name[g].tensor_type == Q.MXFP4:
+    if by_name[g].tensor_type == GGMLQuantizationType.MXFP4:
         out[gate_up + "_blocks"] = ((g, u), STACKED_RAW, lambda x, y: _interleave(_mx_blocks(x)[0], _mx_blocks(y)[0], 0))
         out[gate_up + "_scales"] = ((g, u), STACKED_RAW, lambda x, y: _interleave(_mx_blocks(x)[1], _mx_blocks(y)[1], 0))
         out[down + "_blocks"] = ((d,), STACKED_RAW, lambda x: _mx_blocks(x)[0])
@@ -322,10 +322,6 @@ def split_files(path: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _reader(path: pathlib.Path):
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:  # a dependency; this says what to install where it is missing
-        raise ModelConfigError(f"reading {path} needs the gguf package (pip install gguf): {e}") from None
     gguf_check.check(path)  # every count, length and extent against the file, before the reader trusts them
     try:
         return GGUFReader(str(path))
@@ -478,7 +474,7 @@ def _tokenizer_files(path: pathlib.Path, out: pathlib.Path) -> None:
     """tokenizer.json / tokenizer_config.json (with the chat template) from the GGUF's tokenizer, by
     transformers' own GGUF converter."""
     try:
-        import transformers
+        import transformers  # (seconds to import: only a GGUF's tokenizer conversion needs it)
     except ImportError as e:
         raise ModelConfigError(f"converting {path}'s tokenizer needs transformers (pip install transformers): {e}")
     try:
@@ -587,12 +583,11 @@ class GGUFCheckpoint:
         return t, (t.data if e is None else t.data[e])
 
     def _floats(self, theirs: str, e: int | None) -> torch.Tensor:
-        from gguf import GGMLQuantizationType as Q, dequantize
         t = self.by_name[theirs]
         data = t.data if e is None else t.data[e]
-        if t.tensor_type in (Q.F32, Q.F16):
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             return torch.from_numpy(np.array(data, dtype=np.float32))
-        if t.tensor_type == Q.BF16:
+        if t.tensor_type == GGMLQuantizationType.BF16:
             return torch.from_numpy(np.array(data)).view(torch.bfloat16).float()
         return torch.from_numpy(np.ascontiguousarray(dequantize(np.asarray(data), t.tensor_type)))
 
@@ -640,7 +635,6 @@ FLOAT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0}  # the formats that hold
 
 def type_bits(name: str) -> float:
     """Bits a weight of a ggml tensor type, its block's scales and mins included (the gguf package's sizes)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
     return 8 * nbytes / block
 

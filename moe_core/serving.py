@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import gc
 import logging
@@ -16,6 +17,8 @@ from typing import Callable, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+import uvloop
 
 from moe_core.metrics import serve_metrics
 
@@ -102,7 +105,6 @@ async def set_health(hs, service_names: list[str], serving: bool) -> None:
 
 
 def add_reflection(server: grpc.aio.Server, service_full_names: list[str]) -> None:
-    from grpc_reflection.v1alpha import reflection
     reflection.enable_server_reflection([*service_full_names, reflection.SERVICE_NAME], server)
 
 
@@ -147,8 +149,6 @@ async def start_service(sec, listen: str, options: list, interceptors: list, ser
 def run(main) -> None:
     """Run `main(stop)` on uvloop; SIGTERM/SIGINT set the asyncio.Event `stop`, and main drains
     and returns (exit 0). A second signal cancels it outright."""
-    import uvloop
-
     tune_malloc()
 
     async def wrapper():
@@ -174,7 +174,6 @@ def run(main) -> None:
 @functools.cache
 def _libc():
     """glibc, its malloc/free prototyped for pointers; None elsewhere."""
-    import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -216,7 +215,6 @@ def advise_huge_pages(addr: int, nbytes: int) -> None:
     start, end = -(-addr // huge) * huge, (addr + nbytes) // huge * huge
     libc = _libc()
     if libc is not None and end > start:
-        import ctypes
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
 
 

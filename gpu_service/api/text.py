@@ -6,6 +6,8 @@ import datetime
 import json
 import pathlib
 
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from moe_core.config import ModelConfigError
@@ -96,9 +98,6 @@ class TextCodec:
         chars = sum(len(m.get("content") or "") for m in messages)
         if limit is not None and chars > limit * self.max_token_chars:
             raise PromptTooLong(chars // self.max_token_chars, limit)
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         def raise_exception(msg):
             raise ValueError(f"chat: {msg}")
 

@@ -8,6 +8,7 @@ import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_core.shards import Shard, check_coverage
 from protos import expert_pb2
@@ -24,8 +25,6 @@ log = logging.getLogger("gpu_service")
 
 def expert_is_up(experts: RemoteExperts) -> bool:
     """Whether the expert service's process answers at all (its health service: SERVING or not)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     try:
         health_pb2_grpc.HealthStub(experts.channel).Check(health_pb2.HealthCheckRequest(), timeout=2,
                                                           metadata=experts.security.metadata)
