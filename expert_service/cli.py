@@ -121,7 +121,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     serving.freeze_startup_objects()
     await svc.serving(True)
     log.info("ready: %s fingerprint %s, %d MoE layers, %d experts%s, format %s, kernel %s, %d threads",
-             cfg.model_type, fp, len(layers), len(shard.experts(cfg.n_routed_experts)),
+             cfg.architecture, fp, len(layers), len(shard.experts(cfg.n_routed_experts)),
              f" (shard {shard} of {cfg.n_routed_experts})" if shard.count > 1 else "", fmt, kernels.kernel_path(fmt),
              args.threads)
     try:

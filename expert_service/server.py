@@ -237,7 +237,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         await self._check_ready(context)
         cfg = self.cfg
         return expert_pb2.ExpertInfo(
-            model_fingerprint=self.fp, architecture=cfg.model_type, moe_layers=list(cfg.moe_layers),
+            model_fingerprint=self.fp, architecture=cfg.architecture, moe_layers=list(cfg.moe_layers),
             n_routed_experts=cfg.n_routed_experts, hidden_size=cfg.hidden_size,
             moe_intermediate_size=cfg.moe_intermediate_size, top_k=cfg.top_k, weight_format=self.fmt,
             kernel_path=self.kernel_path, threads=self.threads,

@@ -243,7 +243,7 @@ async def serve(args, stop: asyncio.Event) -> None:
     max_context = min(args.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
     max_msg = max(max_context, 8192) * (cfg.hidden_size * 4 + cfg.top_k * 8) + (1 << 16)
     server_info = generate_pb2.ServerInfo(
-        model_fingerprint=fp, architecture=cfg.model_type, device=str(device), dtype=str(dtype).replace("torch.", ""),
+        model_fingerprint=fp, architecture=cfg.architecture, device=str(device), dtype=str(dtype).replace("torch.", ""),
         num_layers=cfg.num_layers, moe_layers=list(cfg.moe_layers), vocab_size=cfg.vocab_size,
         max_context=max_context, expert_service=args.experts, defer=args.defer, max_batch=args.max_batch)
     # sent: at most Score's logits (refused past grpcio's 2 GiB: logprobs_only then); received: a request, whose
@@ -347,8 +347,11 @@ async def serve(args, stop: asyncio.Event) -> None:
     engine.start()
     servicer.attach(engine, experts_up)
     log.info("ready on %s: %s (fingerprint %s) on %s/%s, experts at %s (%s, %s, via %s), %d tokens per step, "
-             "defer=%d", args.listen, cfg.model_type, fp, device, dtype, args.experts, *expert_desc, transport,
+             "defer=%d", args.listen, cfg.architecture, fp, device, dtype, args.experts, *expert_desc, transport,
              step_tokens, args.defer)
+    if cfg.text_only:
+        log.info("%s is a vision-language checkpoint: its text model is served (text in, text out); the vision tower "
+                 "and projector are not loaded", cfg.architecture)
     try:
         await stop.wait()
     finally:

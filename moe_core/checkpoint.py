@@ -5,8 +5,9 @@ one at a time from the mmap'ed files, never the whole checkpoint into Python obj
 FP8 block-quantized checkpoints (quantization_config fp8, as DeepSeek-V3 publishes them) are
 dequantized here, one tensor at a time: get() returns e4m3 value x its block's `_scale_inv`
 in float32, and names() lists the weights without their scale companions.
-A vision-language checkpoint whose text model is served (Qwen3.5) is seen as that text model: its
-model.language_model.* weights named model.*, its vision tower (model.visual.*) left out.
+A vision-language checkpoint whose text model is served (Qwen3.5, Kimi-K2.5/K2.6) is seen as that text model: its
+weights under the names a text model has (Qwen3.5's model.language_model.*, Kimi's language_model.model.* and
+language_model.lm_head.*: config.TEXT_IN_WRAPPER), its vision tower and projector left out.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from moe_core import safetensors_check
-from moe_core.config import ModelConfigError, fp8_block, text_prefix
+from moe_core.config import ModelConfigError, fp8_block, text_weights
 from moe_core.int4_checkpoints import int4_scheme, stored_parts, unpack
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -67,13 +68,15 @@ class Checkpoint:
         cfg = self.dir / "config.json"
         raw = json.loads(cfg.read_text()) if cfg.exists() else {}
         self.stored: dict[str, str] = {}  # name used here -> name in the file, where they differ
-        prefix = text_prefix(raw)
-        if prefix:
+        wrapped = text_weights(raw)
+        if wrapped:
+            renames, dropped = wrapped
             for k in list(weight_map):
-                if k.startswith(prefix):
-                    self.stored["model." + k[len(prefix):]] = k
-                    weight_map["model." + k[len(prefix):]] = weight_map.pop(k)
-                elif k.startswith("model."):  # the vision tower
+                ours = next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), None)
+                if ours is not None:
+                    self.stored[ours] = k
+                    weight_map[ours] = weight_map.pop(k)
+                elif k.startswith(dropped):  # the vision tower, the projector
                     del weight_map[k]
         self.weight_map: dict[str, str] = weight_map
         self.fp8_block = fp8_block(raw) if raw else None

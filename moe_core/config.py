@@ -17,12 +17,19 @@ from moe_core.errors import ModelConfigError
 from moe_core.int4_checkpoints import int4_scheme
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5_moe",
-             "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = ("deepseek_v3", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_next",
+             "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
+# published types whose arithmetic is another family's: Kimi-K2 and K2-Thinking are DeepSeek-V3 (transformers has no
+# kimi_k2 type of its own: its Kimi-K2.5 config rewrites one to deepseek_v3), and so is Kimi-K2.5/K2.6's text model
+SAME_AS = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}
 HYBRID = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # gated DeltaNet + gated full attention layers
-# vision-language wrappers whose text model is served (text in, text out): its config under text_config,
-# its weights under this prefix (model.visual.* is the vision tower, not loaded)
-TEXT_IN_WRAPPER = {"qwen3_5_moe": "model.language_model."}
+# vision-language wrappers whose text model is served (text in, text out): its config under text_config; its weights
+# renamed (stored prefix -> ours), and the rest under the dropped prefixes (the vision tower, the projector) not loaded
+TEXT_IN_WRAPPER = {
+    "qwen3_5_moe": ({"model.language_model.": "model."}, ("model.",)),  # model.visual.*: the tower
+    "kimi_k25": ({"language_model.model.": "model.", "language_model.lm_head.": "lm_head."},
+                 ("vision_tower.", "mm_projector.")),
+}
 MAX_TOP_K = 256  # experts a token may name: native/moe.h's MAX_K (tests check they agree)
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.E.w1 / w3 / w2
 QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them), "
@@ -33,8 +40,9 @@ QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as D
 FP8_BLOCK = 128  # the FP8 blocks the fp8 weight format keeps as published (DeepSeek-V3's weight_block_size)
 
 
-def text_prefix(raw: dict) -> str | None:
-    """Where a vision-language checkpoint keeps its text model's weights (None: a text model)."""
+def text_weights(raw: dict) -> tuple[dict[str, str], tuple[str, ...]] | None:
+    """A vision-language checkpoint's text model's weights: (stored prefix -> ours, the prefixes not loaded); None for
+    a text model."""
     return TEXT_IN_WRAPPER.get(raw.get("model_type"))
 
 
@@ -163,9 +171,20 @@ class ModelConfig:
     fp8_block: tuple[int, int] | None = None  # FP8 block-quantized as published: (rows, cols) of a scale's block
     int4: object | None = None         # an int4 checkpoint's scheme (int4_checkpoints.Int4Scheme)
     gguf_expert_types: tuple[str, ...] = ()  # a GGUF file's routed experts' quant types (gguf_model)
+    published_type: str = ""           # the checkpoint's own model_type where model_type is its arithmetic's (SAME_AS)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    @property
+    def architecture(self) -> str:
+        """The checkpoint's model_type, as it says (kimi_k25), where model_type is its arithmetic's (deepseek_v3)."""
+        return self.published_type or self.model_type
+
+    @property
+    def text_only(self) -> bool:
+        """A vision-language checkpoint whose text model alone is served."""
+        return self.architecture in TEXT_IN_WRAPPER
 
     def window(self, layer: int) -> int:
         """Keys a query of this layer sees (itself and the ones before it); 0 = all."""
@@ -284,11 +303,12 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             raise ModelConfigError(f"{mt} config.json has no text_config")
         top = {k: raw[k] for k in ("tie_word_embeddings", "quantization_config") if k in raw}
         raw = {**raw["text_config"], **top, "model_type": mt}
+    published, mt = mt, SAME_AS.get(mt, mt)
     model_dir = model_dir or pathlib.Path(".")
     n_layers = int(raw["num_hidden_layers"])
     theta, rope_type, rope_params = _rope(raw)
     common = dict(
-        model_type=mt, vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
+        model_type=mt, published_type=published, vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
         num_layers=n_layers, num_heads=int(raw["num_attention_heads"]),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),

@@ -213,6 +213,27 @@ type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => 
 {%- endfor %}
 {%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
 
+# Kimi-K2's: roles as <|im_user|> / <|im_assistant|> / <|im_system|> NAME <|im_middle|>, tools declared as JSON in a
+# tool_declare system turn, calls as functions.NAME:INDEX in a section, results as "## Return of ID"; K2-Thinking's
+# and K2.5's <think> (closed at once where enable_thinking is false, as Qwen's template here does)
+KIMI = r"""
+{%- if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}
+{%- set ns = namespace(i=0) %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>
+{%- elif m.role == 'system' %}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>
+{%- elif m.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|>{{ m.content or '' }}
+{%- if m.tool_calls %}<|tool_calls_section_begin|>{% for tc in m.tool_calls %}<|tool_call_begin|>functions.{{ tc.function.name }}:{{ ns.i }}<|tool_call_argument_begin|>{% if tc.function.arguments is string %}{{ tc.function.arguments }}{% else %}{{ tc.function.arguments | tojson }}{% endif %}<|tool_call_end|>{% set ns.i = ns.i + 1 %}{% endfor %}<|tool_calls_section_end|>{% endif %}<|im_end|>
+{%- elif m.role == 'tool' %}<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}
+{{ m.content }}<|im_end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>
+{%- if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"""
+KIMI_TOKENS = ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>",
+               "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+               "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+
 DS_TOKENS = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
              "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
              "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
@@ -230,6 +251,7 @@ FAMILIES = {
               [], ["<|user|>", "<|observation|>"]),
     "minimax_m2": ("minimax_m2", MINIMAX_M2, ["]~!b[", "]~b]", "[e~["],
                    ["<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>"], ["[e~["]),
+    "kimi_k2": ("deepseek_v3", KIMI, KIMI_TOKENS, ["<think>", "</think>"], ["<|im_end|>"]),
     "harmony": ("gpt_oss", HARMONY, ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                                      "<|return|>", "<|call|>"], [], ["<|return|>", "<|call|>"]),
 }

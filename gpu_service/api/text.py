@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from moe_core.config import ModelConfigError
 
+from gpu_service.api import tiktoken_vocab
 from gpu_service.api.tools import Arguments
 
 PIECE = 1 << 15  # characters tokenized at a time while a long prompt is checked against the context
@@ -42,9 +43,13 @@ class TextCodec:
     def __init__(self, model_dir: str | pathlib.Path):
         d = pathlib.Path(model_dir)
         path = d / "tokenizer.json"
-        if not path.exists():
-            raise ModelConfigError(f"{path} not found: the GPU service needs the checkpoint's tokenizer.json")
-        self.tok = Tokenizer.from_file(str(path))
+        if path.exists():
+            self.tok = Tokenizer.from_file(str(path))
+        elif (d / tiktoken_vocab.FILE).exists():  # Kimi-K2's: a tiktoken rank file and its class's pattern
+            self.tok = tiktoken_vocab.load(d)
+        else:
+            raise ModelConfigError(f"{path} not found: the GPU service needs the checkpoint's tokenizer.json (or "
+                                   f"a {tiktoken_vocab.FILE} of a known tokenizer class)")
         tc = d / "tokenizer_config.json"
         self.config = json.loads(tc.read_text()) if tc.exists() else {}
         self.chat_template = self.config.get("chat_template")

@@ -9,6 +9,8 @@ grammar that makes an answer a call (tool_choice required or named).
     glm45         GLM-4.5/4.6:  <tool_call>f\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>
     minimax_m2    MiniMax-M2:  <minimax:tool_call>\\n<invoke name="f">\\n<parameter name="k">v</parameter>\\n
                   </invoke>\\n</minimax:tool_call>
+    kimi_k2       Kimi-K2, K2-Thinking, K2.5, K2.6:  <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0
+                  <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>
     harmony       gpt-oss (harmony.py: its channels carry the reasoning and the calls)
 
 In GLM-4.5's and MiniMax-M2's syntax a string value is written raw and any other value as JSON: the tool's schema
@@ -173,6 +175,20 @@ def glm_body(body: str, final: bool, m: Markers, params: dict) -> tuple[str | No
     return name or None, _object(parts, final), bool(name)
 
 
+KIMI_ID = re.compile(r"\s*(?:functions\.)?([^:\s]*)(?::\d+)?\s*$")
+
+
+def kimi_body(body: str, final: bool, m: Markers, params: dict) -> tuple[str | None, str, bool]:
+    """functions.NAME:INDEX (the call's id as the template writes it), the argument marker, the arguments' JSON."""
+    sep = m.sym["<|tool_call_argument_begin|>"]
+    i = body.find(sep)
+    if i < 0:
+        return None, "", not final and len(body) < 1024
+    head = KIMI_ID.match(body[:i])
+    name = head.group(1) if head else ""
+    return name or None, body[i + len(sep):].strip(), bool(name)
+
+
 MINIMAX_PARAM = re.compile(r'<parameter name="([^"]*)">(.*?)</parameter>', re.S)
 
 
@@ -256,6 +272,11 @@ def _minimax_call(m, name, schema, i):
     return f'{json.dumps(f"<invoke name={json.dumps(name)}>" + chr(10))} {seq} "</invoke>\\n"', rules
 
 
+def _kimi_call(m, name, schema, i):
+    cb, ab, ce = (m.lark(t) for t in ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"))
+    return f'{cb} {json.dumps("functions." + name + ":")} /[0-9]{{1,4}}/ {ab} a{i} {ce}', [f"a{i}: {json_rule(schema)}"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Format:
     name: str
@@ -289,6 +310,9 @@ FORMATS = {f.name: f for f in (
            extra=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
     Format("minimax_m2", ('<invoke name="', "</invoke>"), ("<minimax:tool_call>", "</minimax:tool_call>"),
            minimax_body, _minimax_call, between="", opened="\n"),
+    Format("kimi_k2", ("<|tool_call_begin|>", "<|tool_call_end|>"),
+           ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), kimi_body, _kimi_call, between="",
+           extra=("<|tool_call_argument_begin|>",)),
 )}
 PARSERS = ("auto", *FORMATS, "harmony", "none")
 
@@ -303,6 +327,8 @@ def detect(chat_template: str | None) -> str | None:
         return "deepseek_v3" if "```json" in t else "deepseek_v31"  # V3 and R1 fence the arguments; V3.1 does not
     if "<minimax:tool_call>" in t:
         return "minimax_m2"
+    if "<|tool_calls_section_begin|>" in t:
+        return "kimi_k2"
     if "<arg_key>" in t:
         return "glm45"
     if "<tool_call>" in t:

@@ -126,6 +126,8 @@ MALFORMED = {
     "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     "glm45": "<tool_call>\n</tool_call>",
     "minimax_m2": '<minimax:tool_call>\n<invoke name=\n</minimax:tool_call>',
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.:0<|tool_call_argument_begin|>{}"
+               "<|tool_call_end|><|tool_calls_section_end|>",
 }
 
 
