@@ -14,6 +14,9 @@ NARROW = {
     "deepseek-v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16, n_group=4,
                         topk_group=2, num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4,
                         kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "kimi-k2": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
+                    num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                    q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
     "glm-4.5-air": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
                         num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "gpt-oss-20b": dict(hidden_size=64, intermediate_size=64, num_local_experts=8, num_attention_heads=4,
@@ -32,6 +35,8 @@ NARROW = {
                             linear_value_head_dim=16,
                             vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, out_hidden_size=64)),
 }
+NARROW["kimi-k2.6"] = dict(NARROW["kimi-k2"], vision_config=dict(hidden_size=32, intermediate_size=32,
+                                                                 num_hidden_layers=1))
 
 
 def synth(arch: str, out: pathlib.Path, layers: int, **extra) -> pathlib.Path:

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # (run as a script from a checkout that is not installed)
-from moe_core.config import is_routed_expert_tensor  # noqa: E402
+from moe_core.config import SAME_AS, TEXT_IN_WRAPPER, is_routed_expert_tensor  # noqa: E402
 
 TOKENIZER = ROOT / "models" / "default"
 
@@ -53,6 +53,26 @@ PRESETS = {
         "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
         "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True,
         "v_head_dim": 128, "vocab_size": 129280,
+    },
+    # moonshotai/Kimi-K2-Instruct config.json as public copies of it give it (not read from the hub here): DeepSeek-V3's
+    # architecture at 384 experts, 64 heads, one dense layer, no expert groups; FP8 as published
+    "kimi-k2": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 163584, "eos_token_id": 163585,
+        "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+        "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 131072,
+        "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8,
+        "num_hidden_layers": 61, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
+        "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                                "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                "type": "yarn"},
+        "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+        "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
+        "vocab_size": 163840,
     },
     # zai-org/GLM-4.5-Air config.json
     "glm-4.5-air": {
@@ -161,15 +181,36 @@ PRESETS = {
     },
 }
 
+# moonshotai/Kimi-K2.6 (and K2.5) as public copies give it (not read from the hub here): the text model of kimi-k2 under
+# a vision-language wrapper (model_type kimi_k25, its weights under language_model.*, a MoonViT tower and projector
+# beside it), its routed experts int4 as published (compressed-tensors pack-quantized, symmetric groups of 32, as
+# K2-Thinking's), every other weight bf16
+KIMI_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                           "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                       "strategy": "group", "group_size": 32, "actorder": None,
+                                                       "dynamic": False}}},
+             "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
+PRESETS["kimi-k2.6"] = {
+    "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+    "text_config": {k: v for k, v in PRESETS["kimi-k2"].items() if k not in ("architectures", "quantization_config")},
+    "vision_config": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "patch_size": 14,
+                      "merge_kernel_size": [2, 2], "model_type": "kimi_k25_vision"},
+    "projection_hidden_size": 1152, "quantization_config": KIMI_INT4, "tie_word_embeddings": False,
+    "media_placeholder_token_id": 163605,
+}
+
 
 def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of every tensor, in the published order; kind: proj (an attention or MLP
     projection: quantized in FP8 checkpoints), norm, embed, router, bias."""
-    if "text_config" in c:  # a vision-language wrapper: the text model under model.language_model., the tower beside
+    if "text_config" in c:  # a vision-language wrapper: the text model under its stored names, the tower beside
         text = tensor_specs({**c["text_config"], "model_type": c["model_type"]})
-        moved = [("model.language_model." + n[len("model."):] if n.startswith("model.") else n, sh, k)
-                 for n, sh, k in text]
-        return moved + _vision_specs(c["vision_config"])
+        renames, _ = TEXT_IN_WRAPPER[c["model_type"]]
+        stored = lambda n: next((old + n[len(new):] for old, new in renames.items() if n.startswith(new)), n)  # noqa
+        tower = _kimi_vision_specs if c["model_type"] == "kimi_k25" else _vision_specs
+        return [(stored(n), sh, k) for n, sh, k in text] + tower(c["vision_config"], c["text_config"]["hidden_size"])
+    c = {**c, "model_type": SAME_AS.get(c["model_type"], c["model_type"])}  # (Kimi's layers are DeepSeek-V3's)
     H, V, out = c["hidden_size"], c["vocab_size"], []
     proj = lambda name, rows, cols: out.append((name, (rows, cols), "proj"))  # noqa: E731
     layers = c["num_hidden_layers"] + (c.get("num_nextn_predict_layers") or 0)
@@ -279,7 +320,24 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def _vision_specs(v: dict) -> list:
+def _kimi_vision_specs(v: dict, text_hidden: int) -> list:
+    """The first blocks of Kimi-K2.5/K2.6's MoonViT tower and its projector (the services leave them out; written so
+    that they must): num_hidden_layers of them."""
+    d, D, p = v["hidden_size"], v["intermediate_size"], "vision_tower."
+    out = [(p + "patch_embed.proj.weight", (d, 3, v["patch_size"], v["patch_size"]), "proj_bias"),
+           (p + "patch_embed.proj.bias", (d,), "proj_bias")]
+    for i in range(v["num_hidden_layers"]):
+        b = f"{p}encoder.blocks.{i}."
+        for n, shape in (("wqkv", (3 * d, d)), ("wo", (d, d)), ("mlp.fc0", (D, d)), ("mlp.fc1", (d, D))):
+            out += [(b + n + ".weight", shape, "proj_bias"), (b + n + ".bias", shape[:1], "proj_bias")]
+        out += [(b + n, (d,), "norm") for n in ("norm0.weight", "norm0.bias", "norm1.weight", "norm1.bias")]
+    merged = d * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]
+    return out + [("mm_projector.pre_norm.weight", (d,), "norm"), ("mm_projector.pre_norm.bias", (d,), "norm"),
+                  ("mm_projector.proj.0.weight", (merged, merged), "proj_bias"),
+                  ("mm_projector.proj.2.weight", (text_hidden, merged), "proj_bias")]
+
+
+def _vision_specs(v: dict, text_hidden: int) -> list:
     """The vision tower of a Qwen3.5 checkpoint (the services leave it out; written so that they must)."""
     d, D, p = v["hidden_size"], v["intermediate_size"], "model.visual."
     patch = (d, v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"])
@@ -334,8 +392,15 @@ def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch
         return {name: torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)}
     if kind == "mx_scales":  # 2^-6..2^-4: values of std ~0.1 like the other weights'
         return {name: torch.randint(121, 124, shape, generator=gen, dtype=torch.uint8)}
-    w = torch.randn(shape, generator=gen) * std
     q = c.get("quantization_config")
+    if kind == "proj" and q and q["quant_method"] == "compressed-tensors" and is_routed_expert_tensor(name):
+        # int4 as published: any codes, one bf16 scale per 32 (values of about std)
+        base, (rows, cols) = name[: -len(".weight")], shape
+        return {base + ".weight_packed": torch.randint(-2**31, 2**31 - 1, (rows, cols // 8), generator=gen,
+                                                       dtype=torch.int32),
+                base + ".weight_scale": (std / 4 * (0.5 + torch.rand(rows, cols // 32, generator=gen))).bfloat16(),
+                base + ".weight_shape": torch.tensor([rows, cols])}
+    w = torch.randn(shape, generator=gen) * std
     if kind == "proj" and q and q["quant_method"] == "fp8":
         values, scale_inv = quantize_fp8(w, tuple(q["weight_block_size"]))
         return {name: values, name + "_scale_inv": scale_inv}
@@ -347,9 +412,10 @@ def write(c: dict, out: pathlib.Path, std: float, seed: int, shard_mb: int, rout
     at full width without the experts' gigabytes)."""
     out.mkdir(parents=True, exist_ok=True)
     specs = [s for s in tensor_specs(c) if routed_experts or not is_routed_expert_tensor(s[0])]
-    fp8 = (c.get("quantization_config") or {}).get("quant_method") == "fp8"
-    nbytes = lambda s: (1 if (s[2] == "proj" and fp8) or s[2].startswith("mx") else 2) * \
-        int(torch.tensor(s[1]).prod())  # noqa: E731
+    method = (c.get("quantization_config") or {}).get("quant_method")
+    nbytes = lambda s: (0.5 if s[2] == "proj" and method == "compressed-tensors" and is_routed_expert_tensor(s[0])  # noqa
+                        else 1 if (s[2] == "proj" and method == "fp8") or s[2].startswith("mx") else 2) * \
+        int(torch.tensor(s[1]).prod())
     shards, cur, size = [], [], 0
     for s in specs:  # cut into shards of about shard_mb, in order
         if cur and size + nbytes(s) > shard_mb << 20:
@@ -385,7 +451,7 @@ def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
         top["vision_config"] = {**top["vision_config"], **overrides.pop("vision_config")}
     if layers is not None:
         c["num_hidden_layers"] = layers
-        if c["model_type"] in ("deepseek_v3", "glm4_moe"):
+        if SAME_AS.get(c["model_type"], c["model_type"]) in ("deepseek_v3", "glm4_moe"):
             c["first_k_dense_replace"] = min(c["first_k_dense_replace"], layers - 1)
         for k in ("layer_types", "attn_type_list"):  # gpt-oss, Qwen3-Next, MiniMax-M2: one per layer
             if k in c:
