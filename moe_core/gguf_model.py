@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
 
-from moe_core import gguf_check
+from moe_core import gguf_check, tiktoken_vocab
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
 from moe_kernels.formats import Int4, Iq4, Iq4Xs, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, UInt4
@@ -472,7 +472,12 @@ _FAMILY_CONFIG = {"gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "qwen2moe": _qwen2
 
 def _tokenizer_files(path: pathlib.Path, out: pathlib.Path) -> None:
     """tokenizer.json / tokenizer_config.json (with the chat template) from the GGUF's tokenizer, by
-    transformers' own GGUF converter."""
+    transformers' own GGUF converter; Kimi's (pre-tokenizer kimi-k2, whose split transformers' converter does not
+    know) as the tiktoken vocabulary it is (_kimi_tokenizer_files)."""
+    reader = _reader(path)
+    if _field(reader, "tokenizer.ggml.pre") == "kimi-k2":
+        _kimi_tokenizer_files(reader, path, out)
+        return
     try:
         import transformers  # (seconds to import: only a GGUF's tokenizer conversion needs it)
     except ImportError as e:
@@ -484,6 +489,29 @@ def _tokenizer_files(path: pathlib.Path, out: pathlib.Path) -> None:
     except Exception as e:  # noqa: BLE001
         raise ModelConfigError(f"{path}: its tokenizer cannot be converted: {e}") from None
     tok.save_pretrained(str(out))
+
+
+def _kimi_tokenizer_files(reader, path: pathlib.Path, out: pathlib.Path) -> None:
+    """llama.cpp's converter writes Kimi's vocabulary as a byte-level token list: its tiktoken ranks first (normal
+    tokens, id = rank, each spelled in GPT-2's byte alphabet), then the special tokens (control) and unused ids; the
+    merges it adds are the ranks' own. Back to tiktoken.model and tokenizer_config.json (tiktoken_vocab.py)."""
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    n = next((i for i, t in enumerate(types) if t != 1), len(types))  # 1: NORMAL
+    if any(t == 1 for t in types[n:]):
+        raise ModelConfigError(f"{path}: Kimi's vocabulary with normal tokens after its special ones (id {n} on)")
+    to_byte = tiktoken_vocab.byte_level_decoder()
+    try:
+        ranks = [bytes(to_byte[c] for c in t) for t in tokens[:n]]
+    except KeyError as e:
+        raise ModelConfigError(f"{path}: a token of Kimi's vocabulary is not byte-level text ({e})") from None
+    specials = {i: t for i, t in enumerate(tokens) if i >= n and types[i] == 3}  # 3: CONTROL
+    extra = {k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos")}
+    extra = {f"{k}_token": tokens[i] for k, i in extra.items() if i is not None and 0 <= i < len(tokens)}
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        extra["chat_template"] = template
+    tiktoken_vocab.write(out, ranks, "tokenization_kimi.TikTokenTokenizer", specials, extra)
 
 
 def prepare(path: str | os.PathLike, cache: pathlib.Path) -> pathlib.Path:

@@ -10,7 +10,7 @@ import pathlib
 
 import regex
 
-from gpu_service.api.tiktoken_vocab import KIMI_PATTERN
+from moe_core.tiktoken_vocab import KIMI_PATTERN
 
 CORPUS = ("The quick brown fox jumps over the lazy dog. It's 2026; we've 12345678 tokens, don't we?\n"
           "東京都は日本の首都です。中文分词测试，数字１２３和123456。  Ünïcödé Grüße — ✓ emoji 🙂🙂\n"

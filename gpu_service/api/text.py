@@ -10,9 +10,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from moe_core import tiktoken_vocab
 from moe_core.config import ModelConfigError
 
-from gpu_service.api import tiktoken_vocab
 from gpu_service.api.tools import Arguments
 
 PIECE = 1 << 15  # characters tokenized at a time while a long prompt is checked against the context

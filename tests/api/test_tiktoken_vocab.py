@@ -8,7 +8,7 @@ import json
 import pytest
 
 import tiny_tiktoken
-from gpu_service.api import tiktoken_vocab
+from moe_core import tiktoken_vocab
 from gpu_service.api.text import TextCodec
 from moe_core.errors import ModelConfigError
 
@@ -73,3 +73,47 @@ def test_bad_files_are_named(tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps(bad))
     with pytest.raises(ModelConfigError, match="added token '<x>' has id 5, outside the special range"):
         tiktoken_vocab.load(d)
+
+
+def test_a_gguf_of_kimi_gets_its_tokenizer_back(tmp_path):
+    """A GGUF of Kimi as llama.cpp's converter writes its vocabulary (conversion/deepseek.py: gpt2 model, pre-tokenizer
+    kimi-k2, the ranks as byte-level tokens, special tokens as control, unused ids as [PADi], the ranks' merges): the
+    prepared folder tokenizes as tiktoken does, with the template and special tokens."""
+    import gguf
+
+    from moe_core import gguf_model
+
+    ranks = tiny_tiktoken.ranks()
+    n = len(ranks)
+    spell = {b: c for c, b in tiktoken_vocab.byte_level_decoder().items()}
+    text = lambda t: "".join(spell[b] for b in t)  # noqa: E731
+    tokens, types = [text(t) for t in ranks], [gguf.TokenType.NORMAL] * n
+    for i in range(n, n + tiny_tiktoken.RESERVED):
+        special = tiny_tiktoken.SPECIALS.get(i - n)
+        tokens.append(special or f"[PAD{i}]")
+        types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.UNUSED)
+    merges = [f"{text(t[:j])} {text(t[j:])}" for t in ranks if len(t) > 1
+              for j in range(1, len(t)) if t[:j] in ranks and t[j:] in ranks][:50]
+    path = tmp_path / "kimi.gguf"
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("kimi-k2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(n)
+    w.add_eos_token_id(n + 2)
+    w.add_chat_template("{% for m in messages %}<|im_user|>{{ m.content }}<|im_end|>{% endfor %}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / "prepared"
+    out.mkdir()
+    gguf_model._tokenizer_files(path, out)
+    codec = TextCodec(out)
+    ref = tiny_tiktoken.reference(ranks)
+    for t in AWKWARD:
+        assert codec.encode(t, add_special_tokens=False) == ref.encode(t, allowed_special="all"), t
+    assert codec.added_tokens()["<|tool_call_argument_begin|>"] == n + 14
+    assert "<|im_user|>" in codec.chat_template

@@ -15,6 +15,7 @@ import base64
 import binascii
 import json
 import pathlib
+from typing import Iterable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
@@ -85,6 +86,21 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+def write(out: pathlib.Path, ranks: Iterable[bytes], cls: str, specials: dict[int, str], extra: dict) -> None:
+    """A tiktoken vocabulary into out: the rank file (ranks in order) and tokenizer_config.json naming the class, the
+    special tokens by id and `extra` (chat template, bos/eos). What prepares a GGUF of Kimi for `load`."""
+    (out / FILE).write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    added = {str(i): {"content": c, "special": True, "normalized": False, "lstrip": False, "rstrip": False,
+                      "single_word": False} for i, c in sorted(specials.items())}
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {**extra, "auto_map": {"AutoTokenizer": [cls, None]}, "added_tokens_decoder": added}, ensure_ascii=False))
+
+
+def byte_level_decoder() -> dict[str, int]:
+    """A byte-level BPE's character -> the byte it spells (GPT-2's map, as GGUF token lists write tokens)."""
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def load(model_dir: pathlib.Path) -> Tokenizer:
