@@ -246,10 +246,10 @@ def test_harmony_puts_a_constrained_answer_in_the_final_channel(codecs):
         assert not calls
 
 
-@pytest.mark.parametrize("syntax", ["hermes", "glm45", "minimax_m2"])
+@pytest.mark.parametrize("syntax", ["hermes", "glm45", "minimax_m2", "kimi_k2"])
 @pytest.mark.parametrize("forced", [True, False])
 def test_a_thinking_model_may_reason_before_a_constrained_answer(codecs, syntax, forced):
-    """Where <think> and </think> are tokens and the model opens the block itself (Qwen3, GLM-4.5, MiniMax-M2), a
+    """Where <think> and </think> are tokens and the model opens the block itself (Qwen3, GLM-4.5, MiniMax-M2, Kimi), a
     forced call or a response_format lets the block come first; the answer after it is bound."""
     codec = codecs[syntax]
     kw = dict(tools=TOOLS, tool_choice=ToolChoice("required")) if forced else \
