@@ -17,11 +17,12 @@ from moe_core.errors import ModelConfigError
 from moe_core.int4_checkpoints import int4_scheme
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_next",
-             "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = ("deepseek_v3", "deepseek_v32", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss", "minimax_m2",
+             "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
 # published types whose arithmetic is another family's: Kimi-K2 and K2-Thinking are DeepSeek-V3 (transformers has no
-# kimi_k2 type of its own: its Kimi-K2.5 config rewrites one to deepseek_v3), and so is Kimi-K2.5/K2.6's text model
-SAME_AS = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}
+# kimi_k2 type of its own: its Kimi-K2.5 config rewrites one to deepseek_v3), and so is Kimi-K2.5/K2.6's text model;
+# DeepSeek-V3.2 is DeepSeek-V3 with the lightning indexer in front of MLA (the index_* fields)
+SAME_AS = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3", "deepseek_v32": "deepseek_v3"}
 HYBRID = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # gated DeltaNet + gated full attention layers
 # vision-language wrappers whose text model is served (text in, text out): its config under text_config; its weights
 # renamed (stored prefix -> ours), and the rest under the dropped prefixes (the vision tower, the projector) not loaded
@@ -172,6 +173,10 @@ class ModelConfig:
     int4: object | None = None         # an int4 checkpoint's scheme (int4_checkpoints.Int4Scheme)
     gguf_expert_types: tuple[str, ...] = ()  # a GGUF file's routed experts' quant types (gguf_model)
     published_type: str = ""           # the checkpoint's own model_type where model_type is its arithmetic's (SAME_AS)
+    # DeepSeek Sparse Attention (DeepSeek-V3.2): a lightning indexer picks each query's index_topk keys for MLA
+    index_heads: int = 0
+    index_dim: int = 0                 # its key per position, cached beside MLA's latent and rotary key
+    index_topk: int = 0                # 0: no indexer (dense attention)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -321,6 +326,13 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         fp8_block=fp8_block(raw), int4=_int4(raw),
         gguf_expert_types=tuple((raw.get("quantization_config") or {}).get("expert_types") or ()),
     )
+    dsa = {}
+    if published == "deepseek_v32":  # DeepSeek-V3's layers with the lightning indexer in front of MLA
+        dsa = dict(index_heads=int(raw["index_n_heads"]), index_dim=int(raw["index_head_dim"]),
+                   index_topk=int(raw["index_topk"]))
+        if raw.get("q_lora_rank") is None or dsa["index_dim"] < int(raw["qk_rope_head_dim"]) or dsa["index_topk"] < 1:
+            raise ModelConfigError("deepseek_v32's indexer needs q_lora_rank, index_head_dim >= qk_rope_head_dim and "
+                                   "index_topk >= 1")
     if mt in ("deepseek_v3", "deepseek_v2"):
         n_exp = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts"))
         k_dense = int(raw.get("first_k_dense_replace", 0))
@@ -340,7 +352,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             topk_method="noaux_tc" if v3 else raw.get("topk_method", "greedy"),
             n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
             norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if v3 else False,
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)), **dsa,
         )
         if cfg.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ModelConfigError(f"unsupported topk_method {cfg.topk_method!r}")

@@ -14,6 +14,13 @@ FAMILIES = {
         num_attention_heads=4, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=512)),
+    # DeepSeek-V3.2: V3's layers behind the lightning indexer; index_topk 4 < a 9-token prompt: the selection matters
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=512,
+        index_n_heads=8, index_head_dim=16, index_topk=4)),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,

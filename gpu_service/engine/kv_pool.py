@@ -66,8 +66,9 @@ class KVPool:
         # (cuda_graphs.py)
         self.spare = num_blocks
         rows = num_blocks + 1
-        if self.mla:
-            shapes = [(rows, BLOCK, cfg.kv_lora_rank), (rows, BLOCK, cfg.qk_rope_head_dim)]
+        if self.mla:  # the latent, the rotary key, and DeepSeek Sparse Attention's indexer key
+            shapes = [(rows, BLOCK, cfg.kv_lora_rank), (rows, BLOCK, cfg.qk_rope_head_dim)] + \
+                ([(rows, BLOCK, cfg.index_dim)] if cfg.index_topk else [])
         else:
             shapes = [(cfg.num_kv_heads, rows, BLOCK, cfg.head_dim)] * 2
         self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
@@ -263,7 +264,8 @@ def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one block over every attention layer."""
-    per_pos = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim)
+    per_pos = (cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_dim if cfg.index_topk else 0)
+               if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim)
     layers = sum(not cfg.is_linear_attention(L) for L in range(cfg.num_layers))
     return BLOCK * per_pos * layers * torch.empty(0, dtype=dtype).element_size()
 

@@ -201,13 +201,16 @@ def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start:
 
 
 def _latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: SeqCache, layer: int, start: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """MLA's attention in the latent space on torch: q_lat [nh, t, r], q_pe [t, nh, dr] (the model dtype) against
-    the layer's cached latents and rotary keys up to start + t -> o_lat [nh, t, r]."""
+    the layer's cached latents and rotary keys up to start + t -> o_lat [nh, t, r]. allowed: [t, start + t] bool, the
+    keys each query may see besides causality (DeepSeek Sparse Attention's selection), or None."""
     nh, t, r = q_lat.shape
-    C, KPE = _as(q_lat.dtype, cache.gather(layer, start + t))                  # [L, r], [L, dr]
+    C, KPE = _as(q_lat.dtype, cache.gather(layer, start + t)[:2])             # [L, r], [L, dr]
     q_pe = q_pe.transpose(0, 1)                                                # [nh, t, dr]
     mask = _causal_mask(t, start, q_lat.device)
+    if allowed is not None:
+        mask = allowed if mask is None else mask & allowed
     L = C.shape[0]
     # the scores are [heads, t, L] fp32: DeepSeek-V3's 128 heads x a 2048-token chunk x 8k context would
     # be 8.6 GB at once, so heads go in groups of at most SCORE_BYTES of scores
@@ -223,9 +226,11 @@ def _latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: SeqCache, 
 
 def mla_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, native: bool = False):
     """x [t, H] -> (q_nope [t, nh, dn], q_pe [t, nh, dr] rotated, the latent c [t, r] normed, the rotary key k_pe
-    [t, dr] rotated: c and k_pe as the pool stores them). Shared by mla_attention and the graphed decode step."""
+    [t, dr] rotated: c and k_pe as the pool stores them; the normed low-rank query q_a, which DeepSeek Sparse
+    Attention's indexer reads, or None without q_lora_rank)."""
     t = x.shape[0]
     nh, dn, dr, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    qa = None
     if cfg.q_lora_rank is None:
         q = linear(x, W[p + "q_proj.weight"])
     else:
@@ -239,7 +244,7 @@ def mla_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, na
     k_pe = ckv[:, r:].view(t, 1, dr)
     q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave, native)             # [t, nh, dr]
     k_pe = apply_rope(k_pe, cos, sin, cfg.rope_interleave, native)[:, 0]       # [t, dr]
-    return q_nope, q_pe, c, k_pe
+    return q_nope, q_pe, c, k_pe, qa
 
 
 def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
@@ -249,9 +254,20 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     (moe_kernels.attention.mla_absorb_*)."""
     t = x.shape[0]
     nh, dn, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    q_nope, q_pe, c, k_pe = mla_project(cfg, W, p, x, cos, sin, native)
-    kv.write(layer, c, k_pe)
+    q_nope, q_pe, c, k_pe, qa = mla_project(cfg, W, p, x, cos, sin, native)
     cache = kv.paged
+    allowed = None  # DeepSeek Sparse Attention: the keys each query's indexer picked
+    if cfg.index_topk:
+        ip = p + "indexer."
+        kv.write(layer, c, k_pe, index_key(cfg, W, ip, x, cos, sin))
+        if kv.decoding:
+            (_, _, keys), hide = kv.rows(layer, x.dtype)                       # [rows, L, D]
+        else:
+            keys, hide = _as(x.dtype, cache.gather(layer, kv.start + t))[2][None], \
+                ~_causal_mask(t, kv.start, x.device) if t > 1 else None
+        allowed = index_select(cfg, W, ip, x, qa, cos, sin, keys, hide)          # [rows, L]
+    else:
+        kv.write(layer, c, k_pe)
     kv_b = W[p + "kv_b_proj.weight"]                                           # [nh * (dn + dv), r]
     absorb = native and t <= NATIVE_ABSORB_TOKENS and native_attention.supports_kv_b(kv_b)
     # the latent math in the model dtype; kv_b_proj may be kept narrower (model.py: bf16 for an fp32 model)
@@ -260,22 +276,57 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         q_lat = native_attention.mla_absorb_q(q_nope, kv_b, nh, dn, dv).to(x.dtype)
     else:
         q_lat = torch.einsum("thd,hdr->htr", q_nope, wkv[:, :dn])              # [nh, t, r]
-    if absorb and kv.decoding and cache is not None and native_attention.mla_supported(*cache.pool.bufs[layer]):
+    if absorb and kv.decoding and cache is not None and allowed is None and \
+            native_attention.mla_supported(*cache.pool.bufs[layer]):
         # decode: the latent attention on the native kernel, over the pool's blocks where they are (fp32 scores;
         # torch's bf16 matmuls here run at a few GFLOP/s on a CPU without bf16 arithmetic: docs/performance/decode_step.md)
         o_lat = native_attention.mla_paged_attention(
             torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer], cache.table(), kv.start + 1, scale,
             first=cache.blocks[0] if cache.consecutive() else -1).to(x.dtype)[:, None]  # [nh, 1, r]
     elif kv.decoding:
-        (C, P), unseen = kv.rows(layer, x.dtype)
+        (C, P, *_), unseen = kv.rows(layer, x.dtype)
+        if allowed is not None:
+            unseen = ~allowed if unseen is None else unseen | ~allowed
         o_lat = mla_decode(q_lat.transpose(0, 1), q_pe, C, P, unseen, scale).transpose(0, 1)  # [nh, t, r]
     else:
-        o_lat = _latent_attention(q_lat, q_pe, cache, layer, kv.start, scale)
+        o_lat = _latent_attention(q_lat, q_pe, cache, layer, kv.start, scale, allowed)
     if absorb:
         o = native_attention.mla_absorb_o(o_lat, kv_b, nh, dn, dv).to(x.dtype)
     else:
         o = torch.einsum("htr,hvr->thv", o_lat, wkv[:, dn:]).reshape(t, nh * dv)
     return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
+
+
+def index_key(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin) -> torch.Tensor:
+    """DeepSeek Sparse Attention's indexer key of each new position: x [t, H] -> [t, D], LayerNorm'd, its first
+    qk_rope_head_dim dims rotated by halves (not interleaved, unlike MLA's own rotary key); cached with the layer."""
+    k = F.layer_norm(linear(x, W[p + "wk.weight"]), (cfg.index_dim,), W[p + "k_norm.weight"], W[p + "k_norm.bias"],
+                     1e-6)
+    dr = cfg.qk_rope_head_dim
+    return torch.cat([apply_rope(k[:, None, :dr], cos, sin, False)[:, 0], k[:, dr:]], dim=-1)
+
+
+def index_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Tensor, cos, sin, keys: torch.Tensor,
+                 hide: torch.Tensor | None) -> torch.Tensor:
+    """The lightning indexer: each query row's index_topk keys. x [n, H] and q_a [n, q_lora_rank] of the new rows,
+    keys [rows or 1, L, D] (each row's cached indexer keys, or one sequence's for all its rows), hide [n, L] (positions
+    a row may not see: causality, a graph bucket's padding) or None -> allowed [n, L] bool. Scores as transformers'
+    DeepseekV32Indexer: sum over heads of weight x relu(q . k / sqrt(D)), in fp32."""
+    n, H, D, dr = x.shape[0], cfg.index_heads, cfg.index_dim, cfg.qk_rope_head_dim
+    q = linear(qa, W[p + "wq_b.weight"]).view(n, H, D)
+    q = torch.cat([apply_rope(q[..., :dr], cos, sin, False), q[..., dr:]], dim=-1)
+    scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float()) * D ** -0.5)      # [n, H, L]
+    wp = W[p + "weights_proj.weight"]
+    weights = linear(x.to(wp.dtype), wp).float() * H ** -0.5                                 # [n, H]
+    index = torch.matmul(weights[:, None, :], scores)[:, 0]                                 # [n, L]
+    if hide is not None:
+        index = index.masked_fill(hide, float("-inf"))
+    # ties (keys every head's relu zeroes score 0) broken towards the earlier position, so that a query picks the same
+    # keys whether its prompt is prefilled whole, in chunks or after a prefix-cache hit (torch.topk's order among ties
+    # depends on the row's length)
+    top = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
+    allowed = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)
+    return allowed if hide is None else allowed & ~hide
 
 
 def linear_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
@@ -286,9 +337,11 @@ def linear_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, si
 
 # the attention kinds: a new kind is one function here (its torch reference, which CUDA graphs capture where it
 # takes a graph's bucket as `kv`) and, optionally, a native block in native_stages.py
-KINDS = {"gqa": gqa_attention, "mla": mla_attention, "linear": linear_attention}
+KINDS = {"gqa": gqa_attention, "mla": mla_attention, "dsa": mla_attention, "linear": linear_attention}
 
 
 def kind(cfg: ModelConfig, layer: int) -> str:
-    """The attention kind of a layer."""
-    return "linear" if cfg.is_linear_attention(layer) else cfg.attention
+    """The attention kind of a layer (dsa: MLA behind DeepSeek Sparse Attention's indexer, mla_attention's)."""
+    if cfg.is_linear_attention(layer):
+        return "linear"
+    return "dsa" if cfg.index_topk else cfg.attention

@@ -29,7 +29,7 @@ native.set_torch_vector_bytes({"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.
 def eligible(cfg: ModelConfig, dtype: torch.dtype, native_dense: bool) -> bool:
     """Whether the model's attention layers fit the native step: GQA (with QK-norm, biases, partial rotary by
     halves) or MLA, no sinks, windows, output gate or zero-centred norms, bf16 or fp32, on a vector kernel path."""
-    return (native_dense and ISA in SIMD_ISAS and dtype in (torch.bfloat16, torch.float32)
+    return (native_dense and ISA in SIMD_ISAS and dtype in (torch.bfloat16, torch.float32) and not cfg.index_topk
             and not (cfg.attn_sinks or cfg.attn_output_gate or cfg.qk_norm_full or cfg.norm_offset)
             and (cfg.attention == "mla" or cfg.head_dim in VECTOR_DIMS))
 
