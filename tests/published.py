@@ -35,6 +35,9 @@ NARROW = {
                             linear_value_head_dim=16,
                             vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, out_hidden_size=64)),
 }
+# DeepSeek-V3.2: eight indexer heads (a key every head's relu zeroes ties at 0: rare with eight) picking 16 keys of a
+# 70-token prompt
+NARROW["deepseek-v3.2"] = dict(NARROW["deepseek-v3"], index_n_heads=8, index_head_dim=16, index_topk=16)
 NARROW["kimi-k2.6"] = dict(NARROW["kimi-k2"], vision_config=dict(hidden_size=32, intermediate_size=32,
                                                                  num_hidden_layers=1))
 

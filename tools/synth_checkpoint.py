@@ -181,6 +181,12 @@ PRESETS = {
     },
 }
 
+# deepseek-ai/DeepSeek-V3.2 config.json as public copies of it give it (not read from the hub here): DeepSeek-V3's
+# with the lightning indexer (64 heads of 128, each query's top 2048 keys); its indexer weights in bf16
+PRESETS["deepseek-v3.2"] = {**PRESETS["deepseek-v3"], "architectures": ["DeepseekV32ForCausalLM"],
+                            "model_type": "deepseek_v32", "index_head_dim": 128, "index_n_heads": 64,
+                            "index_topk": 2048, "num_nextn_predict_layers": 1}
+
 # moonshotai/Kimi-K2.6 (and K2.5) as public copies give it (not read from the hub here): the text model of kimi-k2 under
 # a vision-language wrapper (model_type kimi_k25, its weights under language_model.*, a MoonViT tower and projector
 # beside it), its routed experts int4 as published (compressed-tensors pack-quantized, symmetric groups of 32, as
@@ -240,6 +246,11 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
             out.append((a + "kv_a_layernorm.weight", (c["kv_lora_rank"],), "norm"))
             proj(a + "kv_b_proj.weight", nh * (nope + v), c["kv_lora_rank"])
             proj(a + "o_proj.weight", H, nh * v)
+            if c.get("index_topk"):  # DeepSeek-V3.2's lightning indexer
+                ih, idim, ip = c["index_n_heads"], c["index_head_dim"], a + "indexer."
+                out += [(ip + "wq_b.weight", (ih * idim, c["q_lora_rank"]), "proj_bias"),
+                        (ip + "wk.weight", (idim, H), "proj_bias"), (ip + "k_norm.weight", (idim,), "norm"),
+                        (ip + "k_norm.bias", (idim,), "proj_bias"), (ip + "weights_proj.weight", (ih, H), "proj_bias")]
             moe = L >= c["first_k_dense_replace"] and L % c.get("moe_layer_freq", 1) == 0
             E, shared = c["n_routed_experts"], c["moe_intermediate_size"] * c["n_shared_experts"]
         else:

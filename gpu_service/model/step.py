@@ -177,7 +177,7 @@ def describe(model) -> str:
         return f"{GRAPHS} ({model.graphs}; steps of more rows or positions than a bucket's: {PER_OP})"
     blocks, mlps = len(model.decode_blocks), len(model.decode_mlps)
     if not blocks:
-        return f"{PER_OP} (torch's ops: no native attention block for this model, dtype or kernel path)"
+        return f"{PER_OP} (no native attention block for this model, dtype or kernel path)"
     if native_loop.fits(cfg, model.decode_blocks, model.decode_mlps):
         return f"{NATIVE_LOOP} ({n} layers' native blocks and {mlps} native MLPs in one call a step)"
     torch_layers = [L for L in range(n) if L not in model.decode_blocks]
