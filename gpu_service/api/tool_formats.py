@@ -189,6 +189,17 @@ def kimi_body(body: str, final: bool, m: Markers, params: dict) -> tuple[str | N
     return name or None, body[i + len(sep):].strip(), bool(name)
 
 
+KIMI_CALL_ID = re.compile(r"functions\.[^:\s]+:\d+")
+
+
+def kimi_call_id(body: str, m: Markers) -> str | None:
+    """The call's id as the model wrote it (functions.NAME:INDEX): Kimi's templates render a tool result under its
+    call's id, so the client is given the id the model will see again (as vLLM's Kimi parser does)."""
+    i = body.find(m.sym["<|tool_call_argument_begin|>"])
+    head = body[:i].strip() if i >= 0 else ""
+    return head if KIMI_CALL_ID.fullmatch(head) else None
+
+
 MINIMAX_PARAM = re.compile(r'<parameter name="([^"]*)">(.*?)</parameter>', re.S)
 
 
@@ -287,6 +298,7 @@ class Format:
     between: str = "\n"                # between two calls
     opened: str = ""                   # after the block's opening marker, before its first call
     extra: tuple[str, ...] = ()        # other markers the body reads
+    call_id: Callable | None = None    # (body, markers) -> the call's own id where the syntax writes one, else None
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -312,7 +324,7 @@ FORMATS = {f.name: f for f in (
            minimax_body, _minimax_call, between="", opened="\n"),
     Format("kimi_k2", ("<|tool_call_begin|>", "<|tool_call_end|>"),
            ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), kimi_body, _kimi_call, between="",
-           extra=("<|tool_call_argument_begin|>",)),
+           extra=("<|tool_call_argument_begin|>",), call_id=kimi_call_id),
 )}
 PARSERS = ("auto", *FORMATS, "harmony", "none")
 
@@ -350,6 +362,7 @@ class CallStream:
         self.calls = 0
         self.held_ws = ""  # whitespace after a call: dropped unless more content follows
         self.block, self.block_calls = "", 0  # an open block's text outside its calls; the calls before it
+        self.ids: set[str] = set()  # the answer's call ids so far
         self._reset()
 
     def _reset(self) -> None:
@@ -415,7 +428,10 @@ class CallStream:
                     continue
                 if name is not None and self.index is None:
                     self.index, self.calls = self.calls, self.calls + 1
-                    deltas.append(ToolCallDelta(self.index, new_call_id(), name, ""))
+                    own = self.fmt.call_id(body, self.m) if self.fmt.call_id else None
+                    cid = own if own and own not in self.ids else new_call_id()  # (ids stay unique in an answer)
+                    self.ids.add(cid)
+                    deltas.append(ToolCallDelta(self.index, cid, name, ""))
                 if self.index is not None:
                     self._arguments(deltas, args, done)
                 if not done:
