@@ -470,11 +470,11 @@ _FAMILY_CONFIG = {"gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "qwen2moe": _qwen2
                   "glm4moe": _glm4moe, "minimax-m2": _minimax_m2}
 
 
-def _tokenizer_files(path: pathlib.Path, out: pathlib.Path) -> None:
+def _tokenizer_files(path: pathlib.Path, out: pathlib.Path, reader=None) -> None:
     """tokenizer.json / tokenizer_config.json (with the chat template) from the GGUF's tokenizer, by
     transformers' own GGUF converter; Kimi's (pre-tokenizer kimi-k2, whose split transformers' converter does not
     know) as the tiktoken vocabulary it is (_kimi_tokenizer_files)."""
-    reader = _reader(path)
+    reader = reader or _reader(path)
     if _field(reader, "tokenizer.ggml.pre") == "kimi-k2":
         _kimi_tokenizer_files(reader, path, out)
         return
@@ -523,12 +523,13 @@ def prepare(path: str | os.PathLike, cache: pathlib.Path) -> pathlib.Path:
     out = cache / "gguf" / f"{path.stem}-{key.hexdigest()[:16]}"
     if (out / MARKER).exists():
         return out
-    cfg = config_of([_reader(f) for f in files], path)  # (an unsupported file is refused before anything is written)
+    readers = [_reader(f) for f in files]
+    cfg = config_of(readers, path)  # (an unsupported file is refused before anything is written)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-        _tokenizer_files(path, tmp)
+        _tokenizer_files(path, tmp, readers[0])
         (tmp / MARKER).write_text(json.dumps({"file": str(path), "files": [str(f) for f in files]}))
         try:
             tmp.rename(out)

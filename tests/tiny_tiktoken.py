@@ -3,13 +3,12 @@ of awkward text split by Kimi's pattern) and the tokenizer_config.json its publi
 tokens at their published offsets after the ranks."""
 from __future__ import annotations
 
-import base64
 import collections
-import json
 import pathlib
 
 import regex
 
+from moe_core import tiktoken_vocab
 from moe_core.tiktoken_vocab import KIMI_PATTERN
 
 CORPUS = ("The quick brown fox jumps over the lazy dog. It's 2026; we've 12345678 tokens, don't we?\n"
@@ -56,16 +55,11 @@ def write(out: pathlib.Path, chat_template: str | None = None) -> dict[bytes, in
     """tiktoken.model and tokenizer_config.json (Kimi's class, its special tokens) into out -> the ranks."""
     r = ranks()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for t, i in r.items()))
-    n = len(r)
-    config = {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-              "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
-              "added_tokens_decoder": {str(n + k): {"content": c, "special": True, "normalized": False, "lstrip": False,
-                                                    "rstrip": False, "single_word": False}
-                                       for k, c in SPECIALS.items()}}
+    extra = {"tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]"}
     if chat_template is not None:
-        config["chat_template"] = chat_template
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+        extra["chat_template"] = chat_template
+    tiktoken_vocab.write(out, r, "tokenization_kimi.TikTokenTokenizer",
+                         {len(r) + k: c for k, c in SPECIALS.items()}, extra)
     return r
 
 

@@ -54,26 +54,6 @@ PRESETS = {
         "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True,
         "v_head_dim": 128, "vocab_size": 129280,
     },
-    # moonshotai/Kimi-K2-Instruct config.json as public copies of it give it (not read from the hub here): DeepSeek-V3's
-    # architecture at 384 experts, 64 heads, one dense layer, no expert groups; FP8 as published
-    "kimi-k2": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 163584, "eos_token_id": 163585,
-        "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
-        "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 131072,
-        "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384,
-        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8,
-        "num_hidden_layers": 61, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "q_lora_rank": 1536,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "weight_block_size": [128, 128]},
-        "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
-                                                "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                                "type": "yarn"},
-        "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "tie_word_embeddings": False,
-        "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
-        "vocab_size": 163840,
-    },
     # zai-org/GLM-4.5-Air config.json
     "glm-4.5-air": {
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
@@ -180,6 +160,16 @@ PRESETS = {
         "vision_end_token_id": 248054, "vision_start_token_id": 248053,
     },
 }
+
+# moonshotai/Kimi-K2-Instruct config.json as public copies of it give it (not read from the hub here): DeepSeek-V3's
+# architecture at 384 experts, 64 heads, one dense layer, no expert groups; FP8 as published
+PRESETS["kimi-k2"] = {k: v for k, v in PRESETS["deepseek-v3"].items() if k != "ep_size"} | {
+    "model_type": "kimi_k2", "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072, "n_group": 1, "n_routed_experts": 384, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "rope_theta": 50000.0, "routed_scaling_factor": 2.827,
+    "topk_group": 1, "vocab_size": 163840,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"}}
 
 # deepseek-ai/DeepSeek-V3.2 config.json as public copies of it give it (not read from the hub here): DeepSeek-V3's
 # with the lightning indexer (64 heads of 128, each query's top 2048 keys); its indexer weights in bf16

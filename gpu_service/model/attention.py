@@ -256,12 +256,13 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     nh, dn, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     q_nope, q_pe, c, k_pe, qa = mla_project(cfg, W, p, x, cos, sin, native)
     cache = kv.paged
-    allowed = None  # DeepSeek Sparse Attention: the keys each query's indexer picked
+    allowed = rows = None  # DeepSeek Sparse Attention: the keys each query's indexer picked
     if cfg.index_topk:
         ip = p + "indexer."
         kv.write(layer, c, k_pe, index_key(cfg, W, ip, x, cos, sin))
         if kv.decoding:
-            (_, _, keys), hide = kv.rows(layer, x.dtype)                       # [rows, L, D]
+            rows = kv.rows(layer, x.dtype)  # (read once: the attention below takes the same rows)
+            (_, _, keys), hide = rows                                          # [rows, L, D]
         else:
             keys, hide = _as(x.dtype, cache.gather(layer, kv.start + t))[2][None], \
                 ~_causal_mask(t, kv.start, x.device) if t > 1 else None
@@ -284,7 +285,7 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
             torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer], cache.table(), kv.start + 1, scale,
             first=cache.blocks[0] if cache.consecutive() else -1).to(x.dtype)[:, None]  # [nh, 1, r]
     elif kv.decoding:
-        (C, P, *_), unseen = kv.rows(layer, x.dtype)
+        (C, P, *_), unseen = rows or kv.rows(layer, x.dtype)
         if allowed is not None:
             unseen = ~allowed if unseen is None else unseen | ~allowed
         o_lat = mla_decode(q_lat.transpose(0, 1), q_pe, C, P, unseen, scale).transpose(0, 1)  # [nh, t, r]
