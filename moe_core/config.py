@@ -1,7 +1,8 @@
 """Model config: parse a Hugging Face config.json into the one description both services use.
 
 Supported families (transformers' implementations are the numerical reference):
-deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), glm4_moe, minimax_m2,
+deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), deepseek_v32 and glm_moe_dsa (GLM-5: MLA
+behind DeepSeek Sparse Attention's lightning indexer), kimi_k2 and kimi_k25 (DeepSeek-V3's arithmetic), glm4_moe, minimax_m2,
 gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_next and qwen3_5_moe
 (gated DeltaNet linear attention beside gated full attention; Qwen3.5's text model, published inside
 its vision-language wrapper), qwen3_moe, qwen2_moe (gated shared expert), mixtral. Anything else is
@@ -17,12 +18,15 @@ from moe_core.errors import ModelConfigError
 from moe_core.int4_checkpoints import int4_scheme
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v32", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss", "minimax_m2",
-             "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss",
+             "minimax_m2", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
 # published types whose arithmetic is another family's: Kimi-K2 and K2-Thinking are DeepSeek-V3 (transformers has no
 # kimi_k2 type of its own: its Kimi-K2.5 config rewrites one to deepseek_v3), and so is Kimi-K2.5/K2.6's text model;
-# DeepSeek-V3.2 is DeepSeek-V3 with the lightning indexer in front of MLA (the index_* fields)
-SAME_AS = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3", "deepseek_v32": "deepseek_v3"}
+# DeepSeek-V3.2 is DeepSeek-V3 with the lightning indexer in front of MLA (the index_* fields), and GLM-5 is V3.2 with
+# its indexer's rope interleaved and some layers reusing the previous layer's selection
+SAME_AS = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3", "deepseek_v32": "deepseek_v3",
+           "glm_moe_dsa": "deepseek_v3"}
+DSA = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek Sparse Attention: the lightning indexer in front of MLA
 HYBRID = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # gated DeltaNet + gated full attention layers
 # vision-language wrappers whose text model is served (text in, text out): its config under text_config; its weights
 # renamed (stored prefix -> ours), and the rest under the dropped prefixes (the vision tower, the projector) not loaded
@@ -177,9 +181,15 @@ class ModelConfig:
     index_heads: int = 0
     index_dim: int = 0                 # its key per position, cached beside MLA's latent and rotary key
     index_topk: int = 0                # 0: no indexer (dense attention)
+    index_rope_interleave: bool = False  # GLM-5 rotates the indexer's pairs; V3.2 its halves
+    index_shared: tuple[int, ...] = ()  # GLM-5: layers that reuse the previous layer's selection (no indexer)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def has_indexer(self, layer: int) -> bool:
+        """A DeepSeek Sparse Attention layer that runs its own indexer (and caches its keys)."""
+        return bool(self.index_topk) and layer not in self.index_shared
 
     @property
     def architecture(self) -> str:
@@ -299,6 +309,37 @@ def _qwen3_next(raw: dict, n_layers: int) -> dict:
     return dict(layer_types=types, linear_attn=shape, attn_output_gate=True, norm_offset=True)
 
 
+def _dsa(raw: dict, published: str, n_layers: int) -> dict:
+    """DeepSeek Sparse Attention's fields: the indexer's shape, its rope, and (GLM-5) which layers share the previous
+    full layer's selection: indexer_types, else index_topk_pattern ("FSS..."), else transformers' schedule from
+    index_topk_freq and index_skip_topk_offset (every layer full by default)."""
+    glm = published == "glm_moe_dsa"
+    try:
+        dsa = dict(index_heads=int(raw["index_n_heads"]), index_dim=int(raw["index_head_dim"]),
+                   index_topk=int(raw["index_topk"]), index_rope_interleave=glm)
+    except KeyError as e:
+        raise ModelConfigError(f"{published} config.json has no {e.args[0]} (the lightning indexer's shape)") from None
+    if raw.get("q_lora_rank") is None or dsa["index_dim"] < int(raw["qk_rope_head_dim"]) or dsa["index_topk"] < 1 \
+            or dsa["index_heads"] < 1:
+        raise ModelConfigError(f"{published}'s indexer needs q_lora_rank, index_n_heads >= 1, index_head_dim >= "
+                               f"qk_rope_head_dim and index_topk >= 1")
+    types = raw.get("indexer_types") if glm else None
+    if glm and types is None:
+        pattern = raw.get("index_topk_pattern")
+        if pattern is not None:
+            types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+        else:
+            freq, offset = max(int(raw.get("index_topk_freq", 1)), 1), int(raw.get("index_skip_topk_offset", 2))
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
+    if types is not None:
+        types = list(types)
+        if len(types) != n_layers or set(types) - {"full", "shared"} or types[0] != "full":
+            raise ModelConfigError(f"{published} indexer_types {types}: one of full | shared per layer ({n_layers}), "
+                                   f"the first full (a shared layer reuses the previous full layer's selection)")
+        dsa["index_shared"] = tuple(i for i, t in enumerate(types) if t == "shared")
+    return dsa
+
+
 def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfig:
     mt = raw.get("model_type")
     if mt not in SUPPORTED:
@@ -326,27 +367,28 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         fp8_block=fp8_block(raw), int4=_int4(raw),
         gguf_expert_types=tuple((raw.get("quantization_config") or {}).get("expert_types") or ()),
     )
-    dsa = {}
-    if published == "deepseek_v32":  # DeepSeek-V3's layers with the lightning indexer in front of MLA
-        dsa = dict(index_heads=int(raw["index_n_heads"]), index_dim=int(raw["index_head_dim"]),
-                   index_topk=int(raw["index_topk"]))
-        if raw.get("q_lora_rank") is None or dsa["index_dim"] < int(raw["qk_rope_head_dim"]) or dsa["index_topk"] < 1:
-            raise ModelConfigError("deepseek_v32's indexer needs q_lora_rank, index_head_dim >= qk_rope_head_dim and "
-                                   "index_topk >= 1")
+    dsa = _dsa(raw, published, n_layers) if published in DSA else {}
     if mt in ("deepseek_v3", "deepseek_v2"):
         n_exp = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts"))
         k_dense = int(raw.get("first_k_dense_replace", 0))
         freq = int(raw.get("moe_layer_freq", 1))
+        moe_layers = tuple(i for i in range(k_dense, n_layers) if i % freq == 0)
+        if raw.get("mlp_layer_types"):  # V3.2 and GLM-5 as transformers writes them: "dense" | "sparse" per layer
+            kinds = list(raw["mlp_layer_types"])
+            if len(kinds) != n_layers or set(kinds) - {"dense", "sparse"}:
+                raise ModelConfigError(f"{published} mlp_layer_types {kinds}: one of dense | sparse per layer "
+                                       f"({n_layers})")
+            moe_layers = tuple(i for i, k in enumerate(kinds) if k == "sparse")
         v3 = mt == "deepseek_v3"
         cfg = ModelConfig(
             **common, attention="mla", num_kv_heads=int(raw["num_attention_heads"]),
             head_dim=int(raw["qk_rope_head_dim"]),
-            rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
+            # (V3.2's and GLM-5's MLA always interleave: transformers reads no flag for them)
+            rope_interleave=bool(raw.get("rope_interleave", True)) if v3 and published not in DSA else True,
             q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=int(raw["kv_lora_rank"]),
             qk_nope_head_dim=int(raw["qk_nope_head_dim"]), qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
             v_head_dim=int(raw["v_head_dim"]), moe_intermediate_size=int(raw["moe_intermediate_size"]),
-            moe_layers=tuple(i for i in range(k_dense, n_layers) if i % freq == 0),
-            n_routed_experts=n_exp,
+            moe_layers=moe_layers, n_routed_experts=n_exp,
             shared_intermediate_size=int(raw["moe_intermediate_size"]) * int(raw.get("n_shared_experts") or 0),
             scoring="sigmoid" if v3 else "softmax",
             topk_method="noaux_tc" if v3 else raw.get("topk_method", "greedy"),

@@ -21,6 +21,15 @@ FAMILIES = {
         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=512,
         index_n_heads=8, index_head_dim=16, index_topk=4)),
+    # GLM-5: V3.2 with its indexer's rope interleaved, layers 2 and 3 reusing the previous full layer's selection,
+    # a value head wider than the key's nope part, no expert groups
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, n_group=1, topk_group=1,
+        num_experts_per_tok=4, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=12, v_head_dim=24, n_shared_experts=1, routed_scaling_factor=2.5,
+        max_position_embeddings=512, index_n_heads=8, index_head_dim=16, index_topk=4,
+        indexer_types=["full", "shared", "full", "shared"])),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,

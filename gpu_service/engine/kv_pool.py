@@ -66,16 +66,16 @@ class KVPool:
         # (cuda_graphs.py)
         self.spare = num_blocks
         rows = num_blocks + 1
-        if self.mla:  # the latent, the rotary key, and DeepSeek Sparse Attention's indexer key
-            shapes = [(rows, BLOCK, cfg.kv_lora_rank), (rows, BLOCK, cfg.qk_rope_head_dim)] + \
-                ([(rows, BLOCK, cfg.index_dim)] if cfg.index_topk else [])
+        if self.mla:  # the latent, the rotary key, and DeepSeek Sparse Attention's indexer key where the layer has one
+            shapes = lambda L: [(rows, BLOCK, cfg.kv_lora_rank), (rows, BLOCK, cfg.qk_rope_head_dim)] + \
+                ([(rows, BLOCK, cfg.index_dim)] if cfg.has_indexer(L) else [])  # noqa: E731
         else:
-            shapes = [(cfg.num_kv_heads, rows, BLOCK, cfg.head_dim)] * 2
+            shapes = lambda L: [(cfg.num_kv_heads, rows, BLOCK, cfg.head_dim)] * 2  # noqa: E731
         self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
         # per layer its buffers, None for a linear-attention layer (untouched pages of these cost no memory on
         # the CPU; on CUDA they are the pool's reservation)
         self.bufs: list[list[torch.Tensor] | None] = [
-            None if cfg.is_linear_attention(L) else [_empty(s, dtype, device) for s in shapes]
+            None if cfg.is_linear_attention(L) else [_empty(s, dtype, device) for s in shapes(L)]
             for L in range(cfg.num_layers)]
         if device.type == "cpu":
             for bufs in self.bufs:
@@ -264,10 +264,13 @@ def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one block over every attention layer."""
-    per_pos = (cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_dim if cfg.index_topk else 0)
-               if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim)
-    layers = sum(not cfg.is_linear_attention(L) for L in range(cfg.num_layers))
-    return BLOCK * per_pos * layers * torch.empty(0, dtype=dtype).element_size()
+    def per_pos(L: int) -> int:
+        if cfg.is_linear_attention(L):
+            return 0
+        if cfg.attention == "mla":
+            return cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_dim if cfg.has_indexer(L) else 0)
+        return 2 * cfg.num_kv_heads * cfg.head_dim
+    return BLOCK * sum(map(per_pos, range(cfg.num_layers))) * torch.empty(0, dtype=dtype).element_size()
 
 
 class SeqCache:

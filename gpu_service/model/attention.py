@@ -9,7 +9,7 @@ instead of heads x (k + v) dims.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +48,15 @@ def _as(dtype: torch.dtype, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [x if x.dtype == dtype else x.to(dtype) for x in xs]
 
 
-class SequenceKV(NamedTuple):
-    """One sequence's t new tokens at positions start.. (the per-op runner's view of its cache)."""
+@dataclasses.dataclass(slots=True)
+class SequenceKV:
+    """One sequence's t new tokens at positions start.. (the per-op runner's view of its cache, one per step).
+    selection: the keys its last DeepSeek Sparse Attention indexer picked this step, which GLM-5's shared layers
+    reuse."""
     cache: SeqCache
     start: int
     t: int
+    selection: torch.Tensor | None = None
 
     @property
     def decoding(self) -> bool:
@@ -257,7 +261,10 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     q_nope, q_pe, c, k_pe, qa = mla_project(cfg, W, p, x, cos, sin, native)
     cache = kv.paged
     allowed = rows = None  # DeepSeek Sparse Attention: the keys each query's indexer picked
-    if cfg.index_topk:
+    if cfg.index_topk and not cfg.has_indexer(layer):  # GLM-5's shared layer: the previous full layer's selection
+        kv.write(layer, c, k_pe)
+        allowed = kv.selection
+    elif cfg.index_topk:
         ip = p + "indexer."
         kv.write(layer, c, k_pe, index_key(cfg, W, ip, x, cos, sin))
         if kv.decoding:
@@ -266,7 +273,7 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         else:
             keys, hide = _as(x.dtype, cache.gather(layer, kv.start + t))[2][None], \
                 ~_causal_mask(t, kv.start, x.device) if t > 1 else None
-        allowed = index_select(cfg, W, ip, x, qa, cos, sin, keys, hide)          # [rows, L]
+        allowed = kv.selection = index_select(cfg, W, ip, x, qa, cos, sin, keys, hide)  # [rows, L]
     else:
         kv.write(layer, c, k_pe)
     kv_b = W[p + "kv_b_proj.weight"]                                           # [nh * (dn + dv), r]
@@ -300,11 +307,12 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
 
 def index_key(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin) -> torch.Tensor:
     """DeepSeek Sparse Attention's indexer key of each new position: x [t, H] -> [t, D], LayerNorm'd, its first
-    qk_rope_head_dim dims rotated by halves (not interleaved, unlike MLA's own rotary key); cached with the layer."""
+    qk_rope_head_dim dims rotated (V3.2 by halves, unlike MLA's own rotary key; GLM-5 in pairs); cached with the
+    layer."""
     k = F.layer_norm(linear(x, W[p + "wk.weight"]), (cfg.index_dim,), W[p + "k_norm.weight"], W[p + "k_norm.bias"],
                      1e-6)
     dr = cfg.qk_rope_head_dim
-    return torch.cat([apply_rope(k[:, None, :dr], cos, sin, False)[:, 0], k[:, dr:]], dim=-1)
+    return torch.cat([apply_rope(k[:, None, :dr], cos, sin, cfg.index_rope_interleave)[:, 0], k[:, dr:]], dim=-1)
 
 
 def index_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Tensor, cos, sin, keys: torch.Tensor,
@@ -315,7 +323,7 @@ def index_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.T
     DeepseekV32Indexer: sum over heads of weight x relu(q . k / sqrt(D)), in fp32."""
     n, H, D, dr = x.shape[0], cfg.index_heads, cfg.index_dim, cfg.qk_rope_head_dim
     q = linear(qa, W[p + "wq_b.weight"]).view(n, H, D)
-    q = torch.cat([apply_rope(q[..., :dr], cos, sin, False), q[..., dr:]], dim=-1)
+    q = torch.cat([apply_rope(q[..., :dr], cos, sin, cfg.index_rope_interleave), q[..., dr:]], dim=-1)
     scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float()) * D ** -0.5)      # [n, H, L]
     wp = W[p + "weights_proj.weight"]
     weights = linear(x.to(wp.dtype), wp).float() * H ** -0.5                                 # [n, H]

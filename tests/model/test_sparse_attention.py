@@ -1,0 +1,134 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the lightning indexer's selection decides the tokens (index_topk 4,
+far below the prompts), and they are transformers' own, token for token and logit for logit, for prompts shorter and
+much longer than index_topk, prefilled whole or in chunks, batched with other sequences, after a prefix-cache hit and
+with deferral (the same as the two services')."""
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+import transformers
+
+import tiny_models
+from gpu_service.engine.kv_pool import BLOCK, KVPool
+from gpu_service.engine.sampling import SamplingParams
+from gpu_service.engine.scheduler import Failure, Request, Scores
+from harness import greedy, local_engine
+from moe_core.config import load_config
+
+DSA = ["deepseek_v32", "glm_moe_dsa"]
+N_NEW = 24
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    torch.manual_seed(seed)
+    return torch.randint(2, tiny_models.VOCAB, (n,)).tolist()
+
+
+def reference(d, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' N_NEW greedy tokens after the prompt, and its logits at every prompt position."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        toks = ref.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        return toks, ref(torch.tensor([prompt])).logits[0]
+
+
+def submit(engine, ids, score=False, defer=0) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    engine.submit(Request(prompt_ids=list(ids), emit=q.put, max_tokens=N_NEW, sampling=SamplingParams(temperature=0),
+                          ignore_eos=True, score_only=score, defer=defer))
+    return q
+
+
+def collect(q: queue.Queue):
+    """-> the greedy tokens and the prompt tokens the prefix cache gave, or a score request's logits."""
+    toks = []
+    while True:
+        ev = q.get(timeout=300)
+        assert not isinstance(ev, Failure), ev.message
+        if isinstance(ev, Scores):
+            return ev.logits
+        toks += ev.token_ids
+        if ev.finish_reason:
+            return toks, ev.cached_tokens
+
+
+@pytest.fixture(scope="module")
+def dsa(tmp_path_factory):
+    """family -> (checkpoint, {prompt length: (prompt, transformers' tokens, its logits)}): a prompt shorter than
+    index_topk (every key kept) and two much longer."""
+    out = {}
+    for f in DSA:
+        d = tiny_models.build(f, tmp_path_factory.mktemp(f), seed=2)
+        out[f] = d, {n: (p, *reference(d, p)) for n, p in ((3, prompt_of(3, 5)), (21, prompt_of(21, 6)),
+                                                           (70, prompt_of(70, 7)))}
+    return out
+
+
+@pytest.mark.parametrize("family", DSA)
+def test_tokens_and_logits_are_transformers_whole_and_in_chunks(dsa, family):
+    d, refs = dsa[family]
+    for step_tokens in (0, 5):  # 5: every prompt but the shortest crosses chunk boundaries
+        e = local_engine(d, step_tokens=step_tokens)
+        try:
+            for n, (prompt, want, logits) in refs.items():
+                assert collect(submit(e, prompt))[0] == want, (n, step_tokens)
+                got = collect(submit(e, prompt, score=True))
+                assert (got - logits).abs().max().item() < 1e-4, (n, step_tokens)
+        finally:
+            e.stop()
+
+
+@pytest.mark.parametrize("family", DSA)
+def test_batched_sequences_each_keep_their_own_selection(dsa, family):
+    """Three sequences of different lengths in one batch (their decode steps share steps, each row its own keys)."""
+    d, refs = dsa[family]
+    e = local_engine(d)
+    try:
+        qs = [submit(e, p) for p, _, _ in refs.values()]
+        assert [collect(q)[0] for q in qs] == [want for _, want, _ in refs.values()]
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("family", DSA)
+def test_a_prefix_cache_hit_reads_the_cached_indexer_keys(dsa, family):
+    d, refs = dsa[family]
+    prompt, want, _ = refs[70]
+    pool = KVPool(load_config(d), torch.float32, torch.device("cpu"), 64, 1 << 30)
+    e = local_engine(d, kv_pool=pool)
+    try:
+        assert collect(submit(e, prompt)) == (want, 0)
+        assert collect(submit(e, prompt)) == (want, (len(prompt) - 1) // BLOCK * BLOCK)
+    finally:
+        e.stop()
+
+
+def test_shared_layers_cache_no_indexer_keys(dsa):
+    """GLM-5's shared layers (indexer_types) reuse the previous full layer's selection: no indexer, no keys cached."""
+    cfg = load_config(dsa["glm_moe_dsa"][0])
+    assert cfg.index_shared == (1, 3) and cfg.index_rope_interleave
+    pool = KVPool(cfg, torch.float32, torch.device("cpu"), 4)
+    assert [len(b) for b in pool.bufs] == [3, 2, 3, 2]
+    per_pos = 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 2 * cfg.index_dim
+    assert pool.block_bytes == BLOCK * per_pos * 4
+
+
+@pytest.mark.slow
+def test_deferral_in_one_process_equals_the_two_services(dsa, services_factory):
+    d, refs = dsa["glm_moe_dsa"]
+    prompt = refs[21][0]
+    e = local_engine(d)
+    try:
+        local = collect(submit(e, prompt, defer=1))[0]
+    finally:
+        e.stop()
+    s = services_factory(d)
+    from protos import generate_pb2
+    got = [t for c in s.stub.Generate(generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=N_NEW, ignore_eos=True, defer=1,
+        sampling=generate_pb2.SamplingParams(temperature=0)), timeout=120) for t in c.token_ids]
+    assert got == local
+    assert greedy(s.stub, prompt, N_NEW) == refs[21][1]  # and without deferral, transformers' tokens
