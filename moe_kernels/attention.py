@@ -69,12 +69,13 @@ def mla_supported(C: torch.Tensor, KPE: torch.Tensor, isa: str = ISA) -> bool:
 
 
 def mla_paged_attention(q: torch.Tensor, C: torch.Tensor, KPE: torch.Tensor, table: torch.Tensor, L: int, scale: float,
-                        isa: str = ISA, first: int = -1) -> torch.Tensor:
+                        isa: str = ISA, first: int = -1, selected: torch.Tensor | None = None) -> torch.Tensor:
     """MLA's decode attention in the latent space: q [nh, r + dr] (each head's absorbed latent query, then its rotary
     query; any float dtype) against one layer of an MLA pool, the latents C [blocks, block, r] and rotary keys KPE
     [blocks, block, dr] (fp32, bf16 or fp16, contiguous; gpu_service/engine/kv_pool.py), the sequence's positions 0..L-1 in
     blocks table[0], table[1], ... -> the heads' latent outputs [nh, r] fp32. first >= 0: the blocks are first,
-    first + 1, ... (read without the table)."""
+    first + 1, ... (read without the table). selected: the positions (< L, int32) read instead of all L, DeepSeek
+    Sparse Attention's (dsa_select)."""
     nh = q.shape[0]
     _, B, r = C.shape
     dr = KPE.shape[-1]
@@ -84,6 +85,14 @@ def mla_paged_attention(q: torch.Tensor, C: torch.Tensor, KPE: torch.Tensor, tab
     _check_table("mla_paged_attention", table, B, L, first, C.shape[0])
     qf = q.float().contiguous()
     out = torch.empty(nh, r)
+    if selected is not None:
+        if selected.dtype != torch.int32 or selected.dim() != 1 or not selected.is_contiguous() or \
+                not 0 < selected.numel() <= L or int(selected.min()) < 0 or int(selected.max()) >= L:
+            raise ValueError(f"mla_paged_attention: selected must be 1..{L} int32 positions below {L}")
+        native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C.data_ptr(), KPE.data_ptr(), KV_CODES[C.dtype], r,
+                                    dr, selected.numel(), scale, out.data_ptr(), table.data_ptr(), B.bit_length() - 1,
+                                    C.stride(0), KPE.stride(0), selected.data_ptr())
+        return out
     if first >= 0:
         native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C[first].data_ptr(), KPE[first].data_ptr(),
                                     KV_CODES[C.dtype], r, dr, L, scale, out.data_ptr())
@@ -92,6 +101,40 @@ def mla_paged_attention(q: torch.Tensor, C: torch.Tensor, KPE: torch.Tensor, tab
                                 L, scale, out.data_ptr(), table.data_ptr(), B.bit_length() - 1, C.stride(0),
                                 KPE.stride(0))
     return out
+
+
+def dsa_supported(K: torch.Tensor, isa: str = ISA) -> bool:
+    """Whether dsa_select takes this layer's indexer keys (a pool buffer [blocks, block, D]) on this isa."""
+    return (isa in SIMD_ISAS and K.dtype in (torch.float32, torch.bfloat16) and K.device.type == "cpu"
+            and K.is_contiguous() and K.shape[-1] <= 512)
+
+
+def dsa_scores(q: torch.Tensor, w: torch.Tensor, K: torch.Tensor, table: torch.Tensor, L: int, scale: float,
+               isa: str = ISA) -> torch.Tensor:
+    """DeepSeek Sparse Attention's indexer scores at decode: q [H, D] (the indexer's rotated query heads), w [H] (their
+    weights), K one layer's cached indexer keys [blocks, block, D] (fp32 or bf16, contiguous), the sequence's positions
+    0..L-1 in blocks table[0], ... -> [L] fp32, sum over heads of w * relu(scale * q . k)."""
+    H, D = q.shape
+    _, B, _ = K.shape
+    if K.dtype not in (torch.float32, torch.bfloat16) or not K.is_contiguous() or K.shape[-1] != D or \
+            tuple(w.shape) != (H,) or B & (B - 1):
+        raise ValueError(f"dsa_scores: q {list(q.shape)}, w {list(w.shape)}, K {K.dtype} {list(K.shape)} do not fit")
+    _check_table("dsa_scores", table, B, L, -1, K.shape[0])
+    qf, wf = q.float().contiguous(), w.float().contiguous()
+    out = torch.empty(L)
+    native.dsa_index_scores(isa, qf.data_ptr(), wf.data_ptr(), H, D, scale, K.data_ptr(), KV_CODES[K.dtype], D, L,
+                            out.data_ptr(), table.data_ptr(), B.bit_length() - 1, K.stride(0))
+    return out
+
+
+def dsa_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The min(k, L) positions of scores [L] (fp32) first by score, ties to the earlier position, ascending (int32)."""
+    s = scores.float().contiguous()
+    if s.dim() != 1 or k < 1:
+        raise ValueError(f"dsa_top_k: scores {list(s.shape)}, k {k}")
+    out = torch.empty(min(k, s.numel()), dtype=torch.int32)
+    n = native.dsa_top_k(s.data_ptr(), s.numel(), k, out.data_ptr())
+    return out[:n]
 
 
 def _check_pools(what: str, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -144,10 +144,20 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
 // MLA's decode attention in the latent space (DeepSeek V2/V3, absorbed): out [nh, r] fp32 = softmax(scores) C, where
 // scores[h, j] = (q[h, :r] . C_j + q[h, r:] . KPE_j) * scale, q [nh, r + dr] fp32 (each head's latent query, then its
 // rotary query), C the cached latents (rows of r) and KPE the rotary keys (rows of dr), both of type kv, at the given
-// row strides, or paged as decode_attention's (block strides c_block, kpe_block).
+// row strides, or paged as decode_attention's (block strides c_block, kpe_block). sel (paged only): the L positions
+// read, DeepSeek Sparse Attention's selection (dsa_top_k), instead of positions 0..L-1.
 void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const void* C, const void* KPE, KvType kv,
                           size_t c_row, size_t kpe_row, int L, float scale, float* out, const int32_t* table = nullptr,
-                          int block_shift = 0, size_t c_block = 0, size_t kpe_block = 0);
+                          int block_shift = 0, size_t c_block = 0, size_t kpe_block = 0, const int32_t* sel = nullptr);
+
+// DeepSeek Sparse Attention's lightning indexer at decode (native/kernels/dsa.cpp): out[j] = sum over h < H of
+// w[h] * max(0, scale * q[h] . K_j) for positions j < L, q [H, D] fp32, K rows of D (fp32 or bf16) k_row apart,
+// contiguous or paged as decode_attention's.
+void dsa_index_scores(Isa isa, const float* q, const float* w, int H, int D, float scale, const void* K, KvType kv,
+                      size_t k_row, int L, float* out, const int32_t* table = nullptr, int block_shift = 0,
+                      size_t k_block = 0);
+// The min(k, L) positions first in (score descending, position ascending) into out, ascending; returns how many.
+int dsa_top_k(const float* scores, int L, int k, int32_t* out);
 
 // MLA's absorbed kv_b_proj (w: [nh * (dn + dv), r], bf16 or fp32; native/kernels/mla.cpp), t tokens, fp32 activations:
 // q_lat [nh, t, r] = each head's q_nope (token s, head h at q_nope + s * q_tok + h * dn) times its first dn rows;

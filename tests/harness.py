@@ -189,8 +189,10 @@ def status_mib(pid: int | str, field: str = "VmRSS") -> float:
 
 
 # -- an engine in this process ------------------------------------------------------------------------------
-def local_engine(model_dir, fmt: str = "fp32", max_batch: int = 8, max_context: int = 512, **kw):
-    """An Engine (started) on model_dir's checkpoint in fp32, its routed experts in this process."""
+def local_engine(model_dir, fmt: str = "fp32", max_batch: int = 8, max_context: int = 512, dense: str | None = None,
+                 **kw):
+    """An Engine (started) on model_dir's checkpoint in fp32, its routed experts in this process; dense: the dense
+    layers' native weight format (and so the native decode attention), None for torch's."""
     import torch
 
     from moe_experts.store import load_expert_layers
@@ -202,7 +204,7 @@ def local_engine(model_dir, fmt: str = "fp32", max_batch: int = 8, max_context: 
     from moe_core.config import load_config
 
     cfg, ckpt = load_config(model_dir), Checkpoint(model_dir)
-    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32)
+    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32, dense_format=dense)
     e = Engine(model, LocalExperts(load_expert_layers(cfg, ckpt, fmt, 1)), TextCodec(model_dir), max_batch=max_batch,
                max_context=max_context, **kw)
     e.start()

@@ -255,42 +255,35 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
                   native: bool = False, scale: float | None = None) -> torch.Tensor:
     """Multi-head latent attention, absorbed form. x [t, H] -> [t, H]. native: a decode step's norms and rope (as
     layers.rms_norm's) and its (up to NATIVE_ABSORB_TOKENS tokens) absorbed products on the native kernels
-    (moe_kernels.attention.mla_absorb_*)."""
+    (moe_kernels.attention.mla_absorb_*); a decode's attention too where the pool allows, DeepSeek Sparse
+    Attention's indexer and selection included."""
     t = x.shape[0]
     nh, dn, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     q_nope, q_pe, c, k_pe, qa = mla_project(cfg, W, p, x, cos, sin, native)
     cache = kv.paged
-    allowed = rows = None  # DeepSeek Sparse Attention: the keys each query's indexer picked
-    if cfg.index_topk and not cfg.has_indexer(layer):  # GLM-5's shared layer: the previous full layer's selection
-        kv.write(layer, c, k_pe)
-        allowed = kv.selection
-    elif cfg.index_topk:
-        ip = p + "indexer."
-        kv.write(layer, c, k_pe, index_key(cfg, W, ip, x, cos, sin))
-        if kv.decoding:
-            rows = kv.rows(layer, x.dtype)  # (read once: the attention below takes the same rows)
-            (_, _, keys), hide = rows                                          # [rows, L, D]
-        else:
-            keys, hide = _as(x.dtype, cache.gather(layer, kv.start + t))[2][None], \
-                ~_causal_mask(t, kv.start, x.device) if t > 1 else None
-        allowed = kv.selection = index_select(cfg, W, ip, x, qa, cos, sin, keys, hide)  # [rows, L]
-    else:
-        kv.write(layer, c, k_pe)
     kv_b = W[p + "kv_b_proj.weight"]                                           # [nh * (dn + dv), r]
     absorb = native and t <= NATIVE_ABSORB_TOKENS and native_attention.supports_kv_b(kv_b)
+    # decode on the native kernel, over the pool's blocks where they are (fp32 scores; torch's bf16 matmuls here run
+    # at a few GFLOP/s on a CPU without bf16 arithmetic: docs/performance/decode_step.md)
+    paged = absorb and kv.decoding and cache is not None and native_attention.mla_supported(*cache.pool.bufs[layer][:2])
+    if cfg.index_topk:
+        paged = paged and isinstance(kv, SequenceKV) and (not cfg.has_indexer(layer) or
+                                                          native_attention.dsa_supported(cache.pool.bufs[layer][2]))
+        allowed, rows = dsa_select(cfg, W, p, x, qa, c, k_pe, cos, sin, kv, layer, paged)
+    else:
+        kv.write(layer, c, k_pe)
+        allowed = rows = None
     # the latent math in the model dtype; kv_b_proj may be kept narrower (model.py: bf16 for an fp32 model)
     wkv = None if absorb else kv_b.to(x.dtype).view(nh, dn + dv, r)
     if absorb:
         q_lat = native_attention.mla_absorb_q(q_nope, kv_b, nh, dn, dv).to(x.dtype)
     else:
         q_lat = torch.einsum("thd,hdr->htr", q_nope, wkv[:, :dn])              # [nh, t, r]
-    if absorb and kv.decoding and cache is not None and allowed is None and \
-            native_attention.mla_supported(*cache.pool.bufs[layer]):
-        # decode: the latent attention on the native kernel, over the pool's blocks where they are (fp32 scores;
-        # torch's bf16 matmuls here run at a few GFLOP/s on a CPU without bf16 arithmetic: docs/performance/decode_step.md)
+    if paged:  # allowed: the selected positions (DeepSeek Sparse Attention) or None (all)
         o_lat = native_attention.mla_paged_attention(
-            torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer], cache.table(), kv.start + 1, scale,
-            first=cache.blocks[0] if cache.consecutive() else -1).to(x.dtype)[:, None]  # [nh, 1, r]
+            torch.cat([q_lat[:, 0], q_pe[0]], dim=-1), *cache.pool.bufs[layer][:2], cache.table(), kv.start + 1, scale,
+            first=cache.blocks[0] if cache.consecutive() and allowed is None else -1,
+            selected=allowed).to(x.dtype)[:, None]                           # [nh, 1, r]
     elif kv.decoding:
         (C, P, *_), unseen = rows or kv.rows(layer, x.dtype)
         if allowed is not None:
@@ -305,6 +298,43 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
 
 
+def dsa_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Tensor, c, k_pe, cos, sin, kv,
+               layer: int, paged: bool):
+    """DeepSeek Sparse Attention: writes the layer's new latents, rotary keys and (a full layer) indexer keys, and
+    picks each query's keys -> (paged: the one decode row's selected positions, int32 ascending; else allowed [rows, L]
+    bool; the rows a decode read, or None). A GLM-5 shared layer takes the previous full layer's pick (kv.selection)."""
+    if not cfg.has_indexer(layer):
+        kv.write(layer, c, k_pe)
+        return _selection(kv.selection, paged, kv), None
+    ip = p + "indexer."
+    kv.write(layer, c, k_pe, index_key(cfg, W, ip, x, cos, sin))
+    q, w = index_query(cfg, W, ip, x, qa, cos, sin)
+    cache, rows = kv.paged, None
+    if paged:  # the native indexer over the pool's keys, then the top k
+        scores = native_attention.dsa_scores(q[0], w[0], cache.pool.bufs[layer][2], cache.table(), kv.start + 1,
+                                             cfg.index_dim ** -0.5)
+        kv.selection = native_attention.dsa_top_k(scores, cfg.index_topk)
+        return kv.selection, None
+    if kv.decoding:
+        rows = kv.rows(layer, x.dtype)  # (read once: the attention takes the same rows)
+        (_, _, keys), hide = rows                                                  # [rows, L, D]
+    else:
+        t = x.shape[0]
+        keys, hide = _as(x.dtype, kv.paged.gather(layer, kv.start + t))[2][None], \
+            ~_causal_mask(t, kv.start, x.device) if t > 1 else None
+    kv.selection = index_select(cfg, q, w, keys, hide)
+    return kv.selection, rows
+
+
+def _selection(sel: torch.Tensor, positions: bool, kv) -> torch.Tensor:
+    """A selection as the attention at hand reads it: positions (int32, one decode row's) or allowed [rows, L]."""
+    if positions and sel.dtype == torch.bool:
+        return sel[0].nonzero()[:, 0].to(torch.int32)
+    if not positions and sel.dtype != torch.bool:
+        return torch.zeros(1, kv.start + kv.t, dtype=torch.bool).index_fill_(1, sel.long(), True)
+    return sel
+
+
 def index_key(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin) -> torch.Tensor:
     """DeepSeek Sparse Attention's indexer key of each new position: x [t, H] -> [t, D], LayerNorm'd, its first
     qk_rope_head_dim dims rotated (V3.2 by halves, unlike MLA's own rotary key; GLM-5 in pairs); cached with the
@@ -315,24 +345,29 @@ def index_key(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin) -> t
     return torch.cat([apply_rope(k[:, None, :dr], cos, sin, cfg.index_rope_interleave)[:, 0], k[:, dr:]], dim=-1)
 
 
-def index_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Tensor, cos, sin, keys: torch.Tensor,
-                 hide: torch.Tensor | None) -> torch.Tensor:
-    """The lightning indexer: each query row's index_topk keys. x [n, H] and q_a [n, q_lora_rank] of the new rows,
-    keys [rows or 1, L, D] (each row's cached indexer keys, or one sequence's for all its rows), hide [n, L] (positions
-    a row may not see: causality, a graph bucket's padding) or None -> allowed [n, L] bool. Scores as transformers'
-    DeepseekV32Indexer: sum over heads of weight x relu(q . k / sqrt(D)), in fp32."""
+def index_query(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Tensor, cos, sin):
+    """The indexer's query heads and their weights for x [n, H] and q_a [n, q_lora_rank] (MLA's normed low-rank
+    query) -> (q [n, heads, D] rotated as the keys, w [n, heads] fp32 with transformers' heads ** -0.5)."""
     n, H, D, dr = x.shape[0], cfg.index_heads, cfg.index_dim, cfg.qk_rope_head_dim
     q = linear(qa, W[p + "wq_b.weight"]).view(n, H, D)
     q = torch.cat([apply_rope(q[..., :dr], cos, sin, cfg.index_rope_interleave), q[..., dr:]], dim=-1)
-    scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float()) * D ** -0.5)      # [n, H, L]
     wp = W[p + "weights_proj.weight"]
-    weights = linear(x.to(wp.dtype), wp).float() * H ** -0.5                                 # [n, H]
-    index = torch.matmul(weights[:, None, :], scores)[:, 0]                                 # [n, L]
+    return q, linear(x.to(wp.dtype), wp).float() * H ** -0.5
+
+
+def index_select(cfg: ModelConfig, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
+                 hide: torch.Tensor | None) -> torch.Tensor:
+    """The lightning indexer on torch: each query row's index_topk keys. q [n, heads, D] and w [n, heads]
+    (index_query's), keys [rows or 1, L, D] (each row's cached indexer keys, or one sequence's for all its rows), hide
+    [n, L] (positions a row may not see: causality, a graph bucket's padding) or None -> allowed [n, L] bool. Scores as
+    transformers' DeepseekV32Indexer: sum over heads of weight x relu(q . k / sqrt(D)), in fp32."""
+    scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float()) * cfg.index_dim ** -0.5)  # [n, H, L]
+    index = torch.matmul(w[:, None, :], scores)[:, 0]                                       # [n, L]
     if hide is not None:
         index = index.masked_fill(hide, float("-inf"))
     # ties (keys every head's relu zeroes score 0) broken towards the earlier position, so that a query picks the same
     # keys whether its prompt is prefilled whole, in chunks or after a prefix-cache hit (torch.topk's order among ties
-    # depends on the row's length)
+    # depends on the row's length); the native dsa_top_k orders them so too
     top = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
     allowed = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)
     return allowed if hide is None else allowed & ~hide

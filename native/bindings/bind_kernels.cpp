@@ -116,7 +116,7 @@ void bind_kernels(py::module_& m) {
       "mla_decode_attention",
       [](const std::string& isa_arg, uintptr_t q, int nh, int r, int dr, uintptr_t C, uintptr_t KPE, int kv,
          size_t c_row, size_t kpe_row, int L, float scale, uintptr_t out, uintptr_t table, int block_shift,
-         size_t c_block, size_t kpe_block) {
+         size_t c_block, size_t kpe_block, uintptr_t sel) {
         Isa isa = kernel_isa(isa_arg);
         const KvType t = kv_type(kv);
         py::gil_scoped_release nogil;
@@ -124,13 +124,40 @@ void bind_kernels(py::module_& m) {
         mla_decode_attention(isa, reinterpret_cast<const float*>(q), nh, r, dr, reinterpret_cast<const void*>(C),
                              reinterpret_cast<const void*>(KPE), t, c_row, kpe_row, L, scale,
                              reinterpret_cast<float*>(out), reinterpret_cast<const int32_t*>(table), block_shift,
-                             c_block, kpe_block);
+                             c_block, kpe_block, reinterpret_cast<const int32_t*>(sel));
       },
       py::arg("isa"), py::arg("q"), py::arg("nh"), py::arg("r"), py::arg("dr"), py::arg("C"), py::arg("KPE"),
       py::arg("kv"), py::arg("c_row"), py::arg("kpe_row"), py::arg("L"), py::arg("scale"), py::arg("out"),
       py::arg("table") = 0, py::arg("block_shift") = 0, py::arg("c_block") = 0, py::arg("kpe_block") = 0,
+      py::arg("sel") = 0,
       "MLA's decode attention in the latent space: one query per head (latent then rotary) against the cached latents "
-      "and rotary keys, contiguous or paged (native/kernels/attention.cpp)");
+      "and rotary keys, contiguous or paged, every position or a selection (native/kernels/attention.cpp)");
+  m.def(
+      "dsa_index_scores",
+      [](const std::string& isa_arg, uintptr_t q, uintptr_t w, int H, int D, float scale, uintptr_t K, int kv,
+         size_t k_row, int L, uintptr_t out, uintptr_t table, int block_shift, size_t k_block) {
+        Isa isa = kernel_isa(isa_arg);
+        const KvType t = kv_type(kv);
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        dsa_index_scores(isa, reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(w), H, D, scale,
+                         reinterpret_cast<const void*>(K), t, k_row, L, reinterpret_cast<float*>(out),
+                         reinterpret_cast<const int32_t*>(table), block_shift, k_block);
+      },
+      py::arg("isa"), py::arg("q"), py::arg("w"), py::arg("H"), py::arg("D"), py::arg("scale"), py::arg("K"),
+      py::arg("kv"), py::arg("k_row"), py::arg("L"), py::arg("out"), py::arg("table") = 0, py::arg("block_shift") = 0,
+      py::arg("k_block") = 0,
+      "DeepSeek Sparse Attention's indexer scores of every cached position: sum over heads of w * relu(scale * q . k) "
+      "(native/kernels/dsa.cpp)");
+  m.def(
+      "dsa_top_k",
+      [](uintptr_t scores, int L, int k, uintptr_t out) {
+        py::gil_scoped_release nogil;
+        return dsa_top_k(reinterpret_cast<const float*>(scores), L, k, reinterpret_cast<int32_t*>(out));
+      },
+      py::arg("scores"), py::arg("L"), py::arg("k"), py::arg("out"),
+      "the min(k, L) best positions (ties to the earlier), ascending, into out; returns how many "
+      "(native/kernels/dsa.cpp)");
   m.def(
       "store_kv",
       [](int kv, uintptr_t src, bool src_bf16, uintptr_t dst, int n) {

@@ -53,8 +53,10 @@ struct Rows {
   size_t row, block;
   const int32_t* table;  // P: the block table
   int shift;
+  const int32_t* sel = nullptr;  // P: the positions read, in order (DeepSeek Sparse Attention's), or all of them
   const T* operator()(int j) const {
     if (!P) return base + size_t(j) * row;
+    if (sel) j = sel[j];
     return base + size_t(table[j >> shift]) * block + size_t(j & ((1 << shift) - 1)) * row;
   }
   // Row j's lines into L2 (V's, while the scores read K: docs/performance/kernels.md, "Decode attention: V into L2 during the
@@ -436,9 +438,10 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
 
 void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const void* C, const void* KPE, KvType kv,
                           size_t c_row, size_t kpe_row, int L, float scale, float* out, const int32_t* table,
-                          int block_shift, size_t c_block, size_t kpe_block) {
+                          int block_shift, size_t c_block, size_t kpe_block, const int32_t* sel) {
   MOE_CHECK(nh > 0 && r > 0 && dr > 0 && L > 0, "MLA decode attention: bad shapes");
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "MLA decode attention: bad block size");
+  MOE_CHECK(!sel || table, "MLA decode attention: a selection reads through a block table");
   constexpr int G = 8;  // heads a task: every head reads every position's latent, so tasks split the heads
   const int groups = (nh + G - 1) / G;
   auto run = [&](auto* c, auto* kpe, int i, float* s) {  // T: bf16 bits, Half or float
@@ -447,8 +450,8 @@ void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const 
     const float* qi = q + size_t(i) * G * (r + dr);
     float* oi = out + size_t(i) * G * r;
     if (table)
-      mla_group(isa, qi, g, r, dr, Rows<T, true>{c, c_row, c_block, table, block_shift},
-                Rows<T, true>{kpe, kpe_row, kpe_block, table, block_shift}, L, scale, s, oi);
+      mla_group(isa, qi, g, r, dr, Rows<T, true>{c, c_row, c_block, table, block_shift, sel},
+                Rows<T, true>{kpe, kpe_row, kpe_block, table, block_shift, sel}, L, scale, s, oi);
     else
       mla_group(isa, qi, g, r, dr, Rows<T, false>{c, c_row, 0, nullptr, 0}, Rows<T, false>{kpe, kpe_row, 0, nullptr, 0},
                 L, scale, s, oi);

@@ -14,8 +14,13 @@ import tiny_models
 from gpu_service.engine.kv_pool import BLOCK, KVPool
 from gpu_service.engine.sampling import SamplingParams
 from gpu_service.engine.scheduler import Failure, Request, Scores
+from gpu_service.experts.local import LocalExperts
+from gpu_service.model.model import Model, Segment
 from harness import greedy, local_engine
+from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
+from moe_experts.store import load_expert_layers
+from moe_kernels import ISA, SIMD_ISAS
 
 DSA = ["deepseek_v32", "glm_moe_dsa"]
 N_NEW = 24
@@ -104,6 +109,46 @@ def test_a_prefix_cache_hit_reads_the_cached_indexer_keys(dsa, family):
         assert collect(submit(e, prompt)) == (want, (len(prompt) - 1) // BLOCK * BLOCK)
     finally:
         e.stop()
+
+
+@pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native decode attention runs on the vector kernel paths")
+@pytest.mark.parametrize("family", DSA)
+def test_native_decode_is_the_torch_path(dsa, family, monkeypatch):
+    """Decode on the native kernels (the indexer's scores over the pool, the top k, the latent attention over the
+    selection) gives the torch path's logits, two sequences of different lengths in each step, teacher-forced. (The
+    dense layers on torch's fp32 matmuls: the native ones round activations to bf16, where a one-ulp flip would
+    hide what this compares.)"""
+    import moe_kernels.attention as kernels
+
+    d, refs = dsa[family]
+    cfg = load_config(d)
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
+    experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
+    calls = []
+    for name in ("dsa_scores", "mla_paged_attention"):
+        monkeypatch.setattr(kernels, name, lambda *a, f=getattr(kernels, name), n=name, **k: calls.append(n) or f(*a, **k))
+    prompts = [refs[70][0], refs[21][0]]
+    feed = prompt_of(N_NEW, 9)
+
+    def run(native: bool) -> list[torch.Tensor]:
+        model.native_attention = native
+        caches = [model.new_cache() for _ in prompts]
+        out = []
+        for c, p in zip(caches, prompts):
+            c.reserve(len(p) + N_NEW)
+            model.forward([Segment(c, torch.tensor(p), 0)], experts)
+        for i, tok in enumerate(feed):
+            out.append(model.forward([Segment(c, torch.tensor([tok]), len(p) + i) for c, p in zip(caches, prompts)],
+                                     experts))
+        return out
+
+    torch_path, calls[:] = run(False), []
+    native_path = run(True)
+    full = sum(cfg.has_indexer(L) for L in range(cfg.num_layers))
+    assert calls.count("dsa_scores") == full * 2 * N_NEW
+    assert calls.count("mla_paged_attention") == cfg.num_layers * 2 * N_NEW
+    for a, b in zip(torch_path, native_path):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_shared_layers_cache_no_indexer_keys(dsa):
