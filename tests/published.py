@@ -38,6 +38,10 @@ NARROW = {
 # DeepSeek-V3.2: eight indexer heads (a key every head's relu zeroes ties at 0: rare with eight) picking 16 keys of a
 # 70-token prompt
 NARROW["deepseek-v3.2"] = dict(NARROW["deepseek-v3"], index_n_heads=8, index_head_dim=16, index_topk=16)
+# GLM-5: the same at GLM's head shapes (nope 12 against a value of 24), no expert groups, the middle layer reusing the
+# first's selection
+NARROW["glm-5"] = dict(NARROW["deepseek-v3.2"], n_group=1, topk_group=1, qk_nope_head_dim=12, v_head_dim=24,
+                       indexer_types=["full", "shared", "full"])
 NARROW["kimi-k2.6"] = dict(NARROW["kimi-k2"], vision_config=dict(hidden_size=32, intermediate_size=32,
                                                                  num_hidden_layers=1))
 

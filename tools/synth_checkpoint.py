@@ -196,6 +196,18 @@ PRESETS["kimi-k2.6"] = {
     "media_placeholder_token_id": 163605,
 }
 
+# zai-org/GLM-5 (FP8 release) as transformers 5.24's GlmMoeDsaConfig gives its shapes (not read from the hub here):
+# V3.2's sparse attention on a 6144-wide MLA of 64 heads (nope 192, value 256), the indexer's 32 heads of 128 with
+# its rope interleaved, no expert groups; FP8 blocks as DeepSeek publishes them; every layer's indexer its own
+# (indexer_types all full, transformers' default schedule); token ids not checked against the published tokenizer
+PRESETS["glm-5"] = {**{k: v for k, v in PRESETS["deepseek-v3"].items() if k not in ("ep_size", "rope_scaling")},
+                    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 6144,
+                    "intermediate_size": 12288, "num_attention_heads": 64, "num_key_value_heads": 64,
+                    "q_lora_rank": 2048, "qk_nope_head_dim": 192, "v_head_dim": 256, "n_group": 1, "topk_group": 1,
+                    "num_hidden_layers": 78, "max_position_embeddings": 202752, "rms_norm_eps": 1e-05,
+                    "vocab_size": 154880, "index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048,
+                    "eos_token_id": [154820, 154827, 154829], "bos_token_id": None, "num_nextn_predict_layers": 1}
+
 
 def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of every tensor, in the published order; kind: proj (an attention or MLP
@@ -236,7 +248,9 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
             out.append((a + "kv_a_layernorm.weight", (c["kv_lora_rank"],), "norm"))
             proj(a + "kv_b_proj.weight", nh * (nope + v), c["kv_lora_rank"])
             proj(a + "o_proj.weight", H, nh * v)
-            if c.get("index_topk"):  # DeepSeek-V3.2's lightning indexer
+            types = c.get("indexer_types") or ()
+            if c.get("index_topk") and (L >= len(types) or types[L] == "full"):
+                # DeepSeek-V3.2's lightning indexer (GLM-5's shared layers have none)
                 ih, idim, ip = c["index_n_heads"], c["index_head_dim"], a + "indexer."
                 out += [(ip + "wq_b.weight", (ih * idim, c["q_lora_rank"]), "proj_bias"),
                         (ip + "wk.weight", (idim, H), "proj_bias"), (ip + "k_norm.weight", (idim,), "norm"),
