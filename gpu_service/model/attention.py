@@ -302,12 +302,17 @@ def dsa_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Ten
                layer: int, paged: bool):
     """DeepSeek Sparse Attention: writes the layer's new latents, rotary keys and (a full layer) indexer keys, and
     picks each query's keys -> (paged: the one decode row's selected positions, int32 ascending; else allowed [rows, L]
-    bool; the rows a decode read, or None). A GLM-5 shared layer takes the previous full layer's pick (kv.selection)."""
+    bool; the rows a decode read, or None). None for every position a query sees: where the sequence holds at most
+    index_topk, the indexer would keep them all. A GLM-5 shared layer takes the previous full layer's pick
+    (kv.selection)."""
     if not cfg.has_indexer(layer):
         kv.write(layer, c, k_pe)
         return _selection(kv.selection, paged, kv), None
     ip = p + "indexer."
     kv.write(layer, c, k_pe, index_key(cfg, W, ip, x, cos, sin))
+    if kv.start + x.shape[0] <= cfg.index_topk:
+        kv.selection = None
+        return None, None
     q, w = index_query(cfg, W, ip, x, qa, cos, sin)
     cache, rows = kv.paged, None
     if paged:  # the native indexer over the pool's keys, then the top k
@@ -328,6 +333,8 @@ def dsa_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Ten
 
 def _selection(sel: torch.Tensor, positions: bool, kv) -> torch.Tensor:
     """A selection as the attention at hand reads it: positions (int32, one decode row's) or allowed [rows, L]."""
+    if sel is None:
+        return None
     if positions and sel.dtype == torch.bool:
         return sel[0].nonzero()[:, 0].to(torch.int32)
     if not positions and sel.dtype != torch.bool:

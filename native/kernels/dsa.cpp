@@ -1,15 +1,18 @@
 // DeepSeek Sparse Attention's lightning indexer at decode (DeepSeek-V3.2, GLM-5): each cached position's score
 // sum over heads of w[h] * relu(scale * q[h] . k), then the top k positions, which MLA's latent attention reads
 // (mla_decode_attention with a selection). At 32k positions the scores are 64 heads x 128 dims a position, 0.27 GMAC
-// against 8 MB of bf16 keys: compute decides, so keys go four at a time past every head's query (each q row load
-// feeds four FMAs; the query, 32 KB at fp32, stays in L1), a key converted to fp32 once. Plain lane-wise loops built
-// per width (vec_builds.h); threads over chunks of positions.
+// against 8 MB of bf16 keys: compute decides. So 16 keys at a time are widened to fp32 and laid out dim-major (one
+// vector of 16 keys a dim), and every head's query runs down them as broadcasts: no horizontal sums, and the vector
+// paths keep 8 (AVX-512) or 4 (AVX2) heads' sums in flight. Every path sums each key's dims in order, mul then add,
+// and the heads in order: the same bits on every path (a prompt picks the same keys on any CPU). Threads over
+// chunks of positions.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "kernels/torch_rounding.h"
-#include "kernels/vec_builds.h"
 #include "moe.h"
 #include "runtime/common.h"
 
@@ -19,46 +22,131 @@ namespace {
 
 using namespace rounding;
 
-constexpr int LANES = 16;       // partial sums of a dot product
-constexpr int KEYS = 4;         // keys a pass over the heads
+constexpr int TK = 16;          // keys a tile
 constexpr int MAX_DIM = 512;    // the indexer's head dim (128 as published)
 constexpr int CHUNK = 256;      // positions a task
 constexpr size_t SERIAL_MACS = size_t(1) << 18;
 
-// positions [j0, j1): out[j] = sum_h w[h] * max(0, scale * q[h] . k[at(j)]); at(j) where position j's key is in k
+// keys j.. (n of them, the tile's rest repeating the last) widened into kt [D][TK]
 template <class T, class At>
-__attribute__((always_inline, optimize("fp-contract=off"))) inline void scores_t(const float* q, const float* w, int H,
-                                                                                int D, float scale, const T* k, At at,
-                                                                                int j0, int j1, float* out) {
-  alignas(64) float kf[KEYS][MAX_DIM];
-  const int body = D - D % LANES;
-  for (int j = j0; j < j1; j += KEYS) {
-    const int n = std::min(KEYS, j1 - j);
-    for (int i = 0; i < KEYS; ++i) {
-      const T* key = k + at(j + std::min(i, n - 1));  // a short tail repeats its last key (its sums are not stored)
-      for (int d = 0; d < D; ++d) kf[i][d] = get(key, d);
-    }
-    float tot[KEYS] = {};
-    for (int h = 0; h < H; ++h) {
-      const float* qh = q + size_t(h) * D;
-      float acc[KEYS][LANES] = {};
-      for (int d = 0; d < body; d += LANES)
-        for (int i = 0; i < KEYS; ++i)
-          for (int l = 0; l < LANES; ++l) acc[i][l] += qh[d + l] * kf[i][d + l];
-      for (int d = body; d < D; ++d)
-        for (int i = 0; i < KEYS; ++i) acc[i][d - body] += qh[d] * kf[i][d];
-      for (int i = 0; i < KEYS; ++i) {
-        for (int m = LANES / 2; m > 0; m /= 2)
-          for (int l = 0; l < m; ++l) acc[i][l] += acc[i][l + m];
-        const float s = acc[i][0] * scale;
-        tot[i] += s > 0.f ? w[h] * s : 0.f;
-      }
-    }
-    for (int i = 0; i < n; ++i) out[j + i] = tot[i];
+inline void pack_tile(const T* k, At at, int j, int n, int D, float* kt) {
+  for (int i = 0; i < TK; ++i) {
+    const T* key = k + at(j + std::min(i, n - 1));
+    for (int d = 0; d < D; ++d) kt[d * TK + i] = get(key, d);
   }
 }
 
-MOE_VEC_BUILDS(scores_any, scores_t)
+__attribute__((optimize("fp-contract=off"))) void tile_portable(const float* q, const float* w, int H, int D,
+                                                                 float scale, const float* kt, float* tot) {
+  for (int i = 0; i < TK; ++i) tot[i] = 0.f;
+  for (int h = 0; h < H; ++h) {
+    float acc[TK] = {};
+    const float* qh = q + size_t(h) * D;
+    for (int d = 0; d < D; ++d)
+      for (int i = 0; i < TK; ++i) acc[i] += qh[d] * kt[d * TK + i];
+    for (int i = 0; i < TK; ++i) {
+      const float s = acc[i] * scale;
+      if (s > 0.f) tot[i] += w[h] * s;
+    }
+  }
+}
+
+__attribute__((target("avx512f"), optimize("fp-contract=off"))) void tile_avx512(const float* q, const float* w,
+                                                                                int H, int D, float scale,
+                                                                                const float* kt, float* tot) {
+  const __m512 sc = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  __m512 t = zero;
+  auto add = [&](__m512 a, int h) {
+    const __m512 s = _mm512_mul_ps(a, sc);
+    t = _mm512_mask_add_ps(t, _mm512_cmp_ps_mask(s, zero, _CMP_GT_OQ), t, _mm512_mul_ps(_mm512_set1_ps(w[h]), s));
+  };
+  int h = 0;
+  for (; h + 8 <= H; h += 8) {
+    const float* qh = q + size_t(h) * D;
+    __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero;
+    for (int d = 0; d < D; ++d) {
+      const __m512 k = _mm512_load_ps(kt + d * TK);
+      a0 = _mm512_add_ps(a0, _mm512_mul_ps(_mm512_set1_ps(qh[d]), k));
+      a1 = _mm512_add_ps(a1, _mm512_mul_ps(_mm512_set1_ps(qh[D + d]), k));
+      a2 = _mm512_add_ps(a2, _mm512_mul_ps(_mm512_set1_ps(qh[2 * D + d]), k));
+      a3 = _mm512_add_ps(a3, _mm512_mul_ps(_mm512_set1_ps(qh[3 * D + d]), k));
+      a4 = _mm512_add_ps(a4, _mm512_mul_ps(_mm512_set1_ps(qh[4 * D + d]), k));
+      a5 = _mm512_add_ps(a5, _mm512_mul_ps(_mm512_set1_ps(qh[5 * D + d]), k));
+      a6 = _mm512_add_ps(a6, _mm512_mul_ps(_mm512_set1_ps(qh[6 * D + d]), k));
+      a7 = _mm512_add_ps(a7, _mm512_mul_ps(_mm512_set1_ps(qh[7 * D + d]), k));
+    }
+    add(a0, h), add(a1, h + 1), add(a2, h + 2), add(a3, h + 3), add(a4, h + 4), add(a5, h + 5), add(a6, h + 6);
+    add(a7, h + 7);
+  }
+  for (; h < H; ++h) {
+    const float* qh = q + size_t(h) * D;
+    __m512 a = zero;
+    for (int d = 0; d < D; ++d) a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(qh[d]), _mm512_load_ps(kt + d * TK)));
+    add(a, h);
+  }
+  _mm512_storeu_ps(tot, t);
+}
+
+__attribute__((target("avx2"), optimize("fp-contract=off"))) void tile_avx2(const float* q, const float* w, int H,
+                                                                           int D, float scale, const float* kt,
+                                                                           float* tot) {
+  const __m256 sc = _mm256_set1_ps(scale), zero = _mm256_setzero_ps();
+  __m256 t0 = zero, t1 = zero;  // keys 0-7, 8-15
+  auto add = [&](__m256 a, __m256 b, int h) {
+    const __m256 wh = _mm256_set1_ps(w[h]), sa = _mm256_mul_ps(a, sc), sb = _mm256_mul_ps(b, sc);
+    t0 = _mm256_blendv_ps(t0, _mm256_add_ps(t0, _mm256_mul_ps(wh, sa)), _mm256_cmp_ps(sa, zero, _CMP_GT_OQ));
+    t1 = _mm256_blendv_ps(t1, _mm256_add_ps(t1, _mm256_mul_ps(wh, sb)), _mm256_cmp_ps(sb, zero, _CMP_GT_OQ));
+  };
+  int h = 0;
+  for (; h + 4 <= H; h += 4) {
+    const float* qh = q + size_t(h) * D;
+    __m256 a0 = zero, b0 = zero, a1 = zero, b1 = zero, a2 = zero, b2 = zero, a3 = zero, b3 = zero;
+    for (int d = 0; d < D; ++d) {
+      const __m256 k = _mm256_load_ps(kt + d * TK), l = _mm256_load_ps(kt + d * TK + 8);
+      __m256 x = _mm256_broadcast_ss(qh + d);
+      a0 = _mm256_add_ps(a0, _mm256_mul_ps(x, k)), b0 = _mm256_add_ps(b0, _mm256_mul_ps(x, l));
+      x = _mm256_broadcast_ss(qh + D + d);
+      a1 = _mm256_add_ps(a1, _mm256_mul_ps(x, k)), b1 = _mm256_add_ps(b1, _mm256_mul_ps(x, l));
+      x = _mm256_broadcast_ss(qh + 2 * D + d);
+      a2 = _mm256_add_ps(a2, _mm256_mul_ps(x, k)), b2 = _mm256_add_ps(b2, _mm256_mul_ps(x, l));
+      x = _mm256_broadcast_ss(qh + 3 * D + d);
+      a3 = _mm256_add_ps(a3, _mm256_mul_ps(x, k)), b3 = _mm256_add_ps(b3, _mm256_mul_ps(x, l));
+    }
+    add(a0, b0, h), add(a1, b1, h + 1), add(a2, b2, h + 2), add(a3, b3, h + 3);
+  }
+  for (; h < H; ++h) {
+    const float* qh = q + size_t(h) * D;
+    __m256 a = zero, b = zero;
+    for (int d = 0; d < D; ++d) {
+      const __m256 x = _mm256_broadcast_ss(qh + d);
+      a = _mm256_add_ps(a, _mm256_mul_ps(x, _mm256_load_ps(kt + d * TK)));
+      b = _mm256_add_ps(b, _mm256_mul_ps(x, _mm256_load_ps(kt + d * TK + 8)));
+    }
+    add(a, b, h);
+  }
+  _mm256_storeu_ps(tot, t0);
+  _mm256_storeu_ps(tot + 8, t1);
+}
+
+// positions [j0, j1): out[j] = sum_h w[h] * max(0, scale * q[h] . k[at(j)]); at(j) where position j's key is in k
+template <class T, class At>
+void scores(Isa isa, const float* q, const float* w, int H, int D, float scale, const T* k, At at, int j0, int j1,
+            float* out) {
+  alignas(64) float kt[MAX_DIM * TK];
+  float tot[TK];
+  const bool v512 = isa == Isa::Avx512 || isa == Isa::Amx, v256 = ymm_path(isa);
+  for (int j = j0; j < j1; j += TK) {
+    const int n = std::min(TK, j1 - j);
+    pack_tile(k, at, j, n, D, kt);
+    if (v512)
+      tile_avx512(q, w, H, D, scale, kt, tot);
+    else if (v256)
+      tile_avx2(q, w, H, D, scale, kt, tot);
+    else
+      tile_portable(q, w, H, D, scale, kt, tot);
+    std::copy(tot, tot + n, out + j);
+  }
+}
 
 }  // namespace
 
@@ -67,14 +155,13 @@ void dsa_index_scores(Isa isa, const float* q, const float* w, int H, int D, flo
   MOE_CHECK(H > 0 && D > 0 && D <= MAX_DIM && L >= 0, "dsa_index_scores: bad shapes");
   MOE_CHECK(kv == KvType::F32 || kv == KvType::BF16, "dsa_index_scores: keys must be fp32 or bf16");
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "dsa_index_scores: bad block size");
-  const Vec v = vec_of(isa);
   auto run = [&](auto* k, int j0, int j1) {
     const int mask = (1 << block_shift) - 1;
     if (table)
-      scores_any(v, q, w, H, D, scale, k, [&](int j) {
+      scores(isa, q, w, H, D, scale, k, [&](int j) {
         return size_t(table[j >> block_shift]) * k_block + size_t(j & mask) * k_row; }, j0, j1, out);
     else
-      scores_any(v, q, w, H, D, scale, k, [&](int j) { return size_t(j) * k_row; }, j0, j1, out);
+      scores(isa, q, w, H, D, scale, k, [&](int j) { return size_t(j) * k_row; }, j0, j1, out);
   };
   auto chunk = [&](int c) {
     const int j0 = c * CHUNK, j1 = std::min(L, j0 + CHUNK);
