@@ -141,7 +141,8 @@ def parse_args(argv=None):
                          "raise --kv-cache-gb instead")
     ap.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSERS),
                     help="the syntax the model writes tool calls in: hermes (Qwen2/Qwen3), deepseek_v3 (V3, R1), "
-                         "deepseek_v31 (V3.1), glm45 (GLM-4.5/4.6), minimax_m2, harmony (gpt-oss); auto = the one "
+                         "deepseek_v31 (V3.1), deepseek_v32 (V3.2's DSML), glm45 (GLM-4.5/4.6), glm47 (GLM-4.7, GLM-5), "
+                         "minimax_m2, kimi_k2, harmony (gpt-oss); auto = the one "
                          "the checkpoint's chat template writes; none = chat requests with tools are refused")
     hot.add_args(ap)
     gpu_prefill.add_args(ap)

@@ -143,6 +143,47 @@ For each function call, output the function name and arguments within the follow
 {%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}
 <think></think>{% endif %}{% endif %}"""
 
+# GLM-4.7's and GLM-5's: GLM-4.5's tags, a call's name, keys and values written without newlines
+GLM47 = GLM45.replace("<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}"
+                      "</arg_value>\n...\n</tool_call>",
+                      "<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>"
+                      "...</tool_call>").replace(
+    "<tool_call>{{ tc.function.name }}\n{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v if v is string else v | tojson }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}",
+    "<tool_call>{{ tc.function.name }}{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>"
+    "<arg_value>{{ v if v is string else v | tojson }}</arg_value>{% endfor %}</tool_call>{% endfor %}")
+
+# DeepSeek-V3.2's, cut down from its published template (llama.cpp's models/templates keeps it): the tools as JSON in
+# the system prompt, calls in DSML (string="true" for a string value, raw; JSON otherwise), results in
+# <function_results>
+DEEPSEEK_V32 = r"""{{ bos_token }}
+{%- if tools %}## Tools
+
+You can invoke functions by writing a "<｜DSML｜function_calls>" block.
+<functions>
+{% for tool in tools %}{{ tool.function | tojson }}
+{% endfor %}</functions>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<｜User｜>{{ m.content }}
+{%- elif m.role == 'assistant' %}<｜Assistant｜></think>{{ m.content }}
+{%- if m.tool_calls %}
+
+<｜DSML｜function_calls>
+{% for tc in m.tool_calls %}<｜DSML｜invoke name="{{ tc.function.name }}">
+{% for k, v in tc.function.arguments.items() %}{% if v is string %}<｜DSML｜parameter name="{{ k }}" string="true">{{ v }}</｜DSML｜parameter>
+{% else %}<｜DSML｜parameter name="{{ k }}" string="false">{{ v | tojson }}</｜DSML｜parameter>
+{% endif %}{% endfor %}</｜DSML｜invoke>
+{% endfor %}</｜DSML｜function_calls>{% endif %}<｜end▁of▁sentence｜>
+{%- elif m.role == 'tool' %}
+
+<function_results>
+<result>{{ m.content }}</result>
+</function_results>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<｜Assistant｜></think>{% endif %}"""
+
 MINIMAX_M2 = r"""]~!b[]~b]system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}
 {%- if tools %}
@@ -248,6 +289,15 @@ FAMILIES = {
     "glm45": ("glm4_moe", GLM45, ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
                                   "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                   "</arg_value>", "<think>", "</think>", "<tool_response>", "</tool_response>"],
+              [], ["<|user|>", "<|observation|>"]),
+    # (the DSML tags added as tokens here so that a forced call fits the tests' budgets in the tiny vocabulary)
+    "deepseek_v32": ("deepseek_v32", DEEPSEEK_V32, DS_TOKENS[:3],
+                     ["<think>", "</think>", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>",
+                      '<｜DSML｜invoke name="', "</｜DSML｜invoke>", '<｜DSML｜parameter name="', "</｜DSML｜parameter>"],
+                     ["<｜end▁of▁sentence｜>"]),
+    "glm47": ("glm_moe_dsa", GLM47, ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+                                     "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                                     "</arg_value>", "<think>", "</think>", "<tool_response>", "</tool_response>"],
               [], ["<|user|>", "<|observation|>"]),
     "minimax_m2": ("minimax_m2", MINIMAX_M2, ["]~!b[", "]~b]", "[e~["],
                    ["<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>"], ["[e~["]),

@@ -6,7 +6,12 @@ grammar that makes an answer a call (tool_choice required or named).
                   <｜tool▁call▁end｜><｜tool▁calls▁end｜>
     deepseek_v31  DeepSeek-V3.1:   ...<｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
                   (the parser of either reads both layouts; the grammar writes the checkpoint's)
+    deepseek_v32  DeepSeek-V3.2 (DSML):  <｜DSML｜function_calls>\\n<｜DSML｜invoke name="f">\\n
+                  <｜DSML｜parameter name="k" string="true|false">v</｜DSML｜parameter>\\n</｜DSML｜invoke>\\n
+                  </｜DSML｜function_calls>
     glm45         GLM-4.5/4.6:  <tool_call>f\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>
+    glm47         GLM-4.7 and GLM-5:  <tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value></tool_call> (glm45's,
+                  written without the newlines)
     minimax_m2    MiniMax-M2:  <minimax:tool_call>\\n<invoke name="f">\\n<parameter name="k">v</parameter>\\n
                   </invoke>\\n</minimax:tool_call>
     kimi_k2       Kimi-K2, K2-Thinking, K2.5, K2.6:  <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0
@@ -14,7 +19,7 @@ grammar that makes an answer a call (tool_choice required or named).
     harmony       gpt-oss (harmony.py: its channels carry the reasoning and the calls)
 
 In GLM-4.5's and MiniMax-M2's syntax a string value is written raw and any other value as JSON: the tool's schema
-says which. Markers that are one token of the checkpoint's vocabulary (its added tokens: special or not) are
+says which; DeepSeek-V3.2's DSML says it per parameter (string="true": raw). Markers that are one token of the checkpoint's vocabulary (its added tokens: special or not) are
 matched as that token only, never as the same characters spelled by other tokens: the detokenizer writes each as
 one private-use character (Markers), so an answer that merely quotes "<tool_call>" in prose is not a call.
 """
@@ -214,6 +219,23 @@ def minimax_body(body: str, final: bool, m: Markers, params: dict) -> tuple[str 
     return name or None, _object(parts, final), bool(name)
 
 
+DSML_INNER = ('<｜DSML｜invoke name="', "</｜DSML｜invoke>")
+DSML_PARAM = ('<｜DSML｜parameter name="', "</｜DSML｜parameter>")
+
+
+def dsml_body(body: str, final: bool, m: Markers, params: dict) -> tuple[str | None, str, bool]:
+    """f">, then its parameters, each raw (string="true") or JSON (string="false": a value that is not JSON is kept
+    as a string)."""
+    i = body.find('"')
+    if i < 0:
+        return None, "", not final and len(body) < 256
+    name = body[:i]
+    p0, p1 = (re.escape(m.sym[t]) for t in DSML_PARAM)
+    parts = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False) if raw == 'true' else _value(v, None)}"
+             for k, raw, v in re.findall(p0 + r'([^"]*)" string="(true|false)">(.*?)' + p1, body[i + 1:], re.S)]
+    return name or None, _object(parts, final), bool(name)
+
+
 # -- the forced grammars (Lark, llguidance's dialect) -----------------------------------------------------------
 def json_rule(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
@@ -232,13 +254,13 @@ def _raw_value(schema: dict) -> str:
 
 def _kv_rules(name: str, schema: dict, one) -> tuple[str, list[str]]:
     """The sequence of one call's parameters in schema order (the required ones always, the others optional) and
-    the rules for their values; one(key, value_rule) writes a parameter."""
+    the rules for their values; one(key, value_rule, its schema) writes a parameter."""
     seq, rules = [], []
     required = set(schema.get("required", ()))
     for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
-        rule = f"v_{name}_{j}"
-        rules.append(f"{rule}: {_raw_value(sub if isinstance(sub, dict) else {})}")
-        seq.append(one(key, rule) if key in required else f"({one(key, rule)})?")
+        rule, sub = f"v_{name}_{j}", sub if isinstance(sub, dict) else {}
+        rules.append(f"{rule}: {_raw_value(sub)}")
+        seq.append(one(key, rule, sub) if key in required else f"({one(key, rule, sub)})?")
     return " ".join(seq) or '""', rules
 
 
@@ -271,16 +293,30 @@ def _deepseek_call(v31: bool):
     return call
 
 
-def _glm_call(m, name, schema, i):
-    k0, k1, v0, v1 = (m.lark(t) for t in ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"))
-    seq, rules = _kv_rules(str(i), schema, lambda k, r: f'{k0} {json.dumps(k)} {k1} "\\n" {v0} {r} {v1} "\\n"')
-    return f'{m.lark("<tool_call>")} {json.dumps(name + chr(10))} {seq} {m.lark("</tool_call>")}', rules
+def _glm_call(newlines: bool):
+    def call(m, name, schema, i):
+        k0, k1, v0, v1 = (m.lark(t) for t in ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"))
+        nl = ' "\\n"' if newlines else ""
+        seq, rules = _kv_rules(str(i), schema, lambda k, r, _: f'{k0} {json.dumps(k)} {k1}{nl} {v0} {r} {v1}{nl}')
+        head = json.dumps(name + ("\n" if newlines else ""))
+        return f'{m.lark("<tool_call>")} {head} {seq} {m.lark("</tool_call>")}', rules
+    return call
 
 
 def _minimax_call(m, name, schema, i):
-    seq, rules = _kv_rules(str(i), schema, lambda k, r: f'{json.dumps(f"<parameter name={json.dumps(k)}>")} {r} '
-                                                         f'"</parameter>\\n"')
+    seq, rules = _kv_rules(str(i), schema, lambda k, r, _: f'{json.dumps(f"<parameter name={json.dumps(k)}>")} {r} '
+                                                            f'"</parameter>\\n"')
     return f'{json.dumps(f"<invoke name={json.dumps(name)}>" + chr(10))} {seq} "</invoke>\\n"', rules
+
+
+def _dsml_call(m, name, schema, i):
+    def one(key, rule, sub):
+        raw = "true" if sub.get("type") == "string" else "false"  # as _raw_value writes the value
+        return f'{m.lark(DSML_PARAM[0])} {json.dumps(key + chr(34) + " string=" + json.dumps(raw) + ">")} {rule} ' \
+               f'{m.lark(DSML_PARAM[1])} "\\n"'
+    seq, rules = _kv_rules(str(i), schema, one)
+    return f'{m.lark(DSML_INNER[0])} {json.dumps(name + chr(34) + ">" + chr(10))} {seq} {m.lark(DSML_INNER[1])} "\\n"', \
+        rules
 
 
 def _kimi_call(m, name, schema, i):
@@ -318,7 +354,11 @@ FORMATS = {f.name: f for f in (
     Format("deepseek_v3", DS_INNER, DS_OUTER, deepseek_body, _deepseek_call(False), extra=("<｜tool▁sep｜>",)),
     Format("deepseek_v31", DS_INNER, DS_OUTER, deepseek_body, _deepseek_call(True), between="",
            extra=("<｜tool▁sep｜>",)),
-    Format("glm45", ("<tool_call>", "</tool_call>"), None, glm_body, _glm_call,
+    Format("deepseek_v32", DSML_INNER, ("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"), dsml_body,
+           _dsml_call, between="", opened="\n", extra=DSML_PARAM),
+    Format("glm45", ("<tool_call>", "</tool_call>"), None, glm_body, _glm_call(True),
+           extra=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+    Format("glm47", ("<tool_call>", "</tool_call>"), None, glm_body, _glm_call(False), between="",
            extra=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
     Format("minimax_m2", ('<invoke name="', "</invoke>"), ("<minimax:tool_call>", "</minimax:tool_call>"),
            minimax_body, _minimax_call, between="", opened="\n"),
@@ -335,14 +375,16 @@ def detect(chat_template: str | None) -> str | None:
     t = chat_template or ""
     if "<|channel|>" in t and "to=functions" in t:
         return "harmony"
+    if "｜DSML｜" in t:
+        return "deepseek_v32"
     if "<｜tool▁calls▁begin｜>" in t:
         return "deepseek_v3" if "```json" in t else "deepseek_v31"  # V3 and R1 fence the arguments; V3.1 does not
     if "<minimax:tool_call>" in t:
         return "minimax_m2"
     if "<|tool_calls_section_begin|>" in t:
         return "kimi_k2"
-    if "<arg_key>" in t:
-        return "glm45"
+    if "<arg_key>" in t:  # GLM-4.5/4.6 put each key and value on a line of its own, GLM-4.7 and GLM-5 do not
+        return "glm45" if "\n<arg_key>" in t else "glm47"
     if "<tool_call>" in t:
         return "hermes"
     return None

@@ -128,7 +128,9 @@ MALFORMED = {
     "hermes": "<tool_call>\nnot json at all\n</tool_call>",
     "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>no separator here<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "deepseek_v32": '<｜DSML｜function_calls>\n<｜DSML｜invoke name=\n</｜DSML｜function_calls>',
     "glm45": "<tool_call>\n</tool_call>",
+    "glm47": "<tool_call></tool_call>",
     "minimax_m2": '<minimax:tool_call>\n<invoke name=\n</minimax:tool_call>',
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.:0<|tool_call_argument_begin|>{}"
                "<|tool_call_end|><|tool_calls_section_end|>",
