@@ -26,12 +26,13 @@ FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads"
           "top_k", "moe_intermediate_size", "shared_intermediate_size", "moe_layers", "scoring", "topk_method",
           "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "rope_theta", "rope_type",
           "rope_interleave", "rotary_dim", "attention", "qkv_bias", "qk_norm", "kv_lora_rank", "q_lora_rank",
-          "qk_nope_head_dim", "v_head_dim", "sliding_window", "layer_types", "tie_word_embeddings")
+          "qk_nope_head_dim", "v_head_dim", "sliding_window", "layer_types", "tie_word_embeddings", "index_heads",
+          "index_dim", "index_topk", "index_rope_interleave", "index_shared")
 # llama.cpp's files cannot hold these tiny checkpoints as transformers builds them (tests/core/test_gguf.py's reasons)
 # (Qwen's tokenizer class adds <|endoftext|> after the tiny vocabulary: room for it)
 OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [], "vocab_size": 384}, "mixtral": {"intermediate_size": 64},
              "gpt_oss": {"swiglu_limit": 7.0}, "qwen3_moe": {"vocab_size": 384}, "deepseek_v3": {},
-             "deepseek_v2": {}, "glm4_moe": {}, "minimax_m2": {}}
+             "deepseek_v2": {}, "glm4_moe": {}, "minimax_m2": {}, "deepseek_v32": {}, "glm_moe_dsa": {}}
 
 
 def main() -> None:

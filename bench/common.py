@@ -207,14 +207,18 @@ def convert_to_gguf(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path, o
     (fixed / "config.json").unlink()  # (a link to the original, which must not be written)
     if cfg.get("model_type", "").startswith("deepseek"):
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
-    if cfg.get("model_type") == "deepseek_v3":  # as DeepSeek's own config.json says (transformers drops it)
+    if cfg.get("model_type") in ("deepseek_v3", "deepseek_v32"):  # as DeepSeek's config.json says (transformers drops it)
         cfg.setdefault("scoring_func", "sigmoid")
     (fixed / "config.json").write_text(json.dumps(cfg, indent=1))
     model = fixed
     patch = "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
-    if cfg.get("model_type") == "glm4_moe" and "[gMASK]" not in (fixed / "tokenizer.json").read_text():
+    glm = {"glm4_moe": "Glm4MoeModel", "glm_moe_dsa": "GlmMoeDsaModel"}.get(cfg.get("model_type"))
+    if glm and "[gMASK]" not in (fixed / "tokenizer.json").read_text():
         # a tokenizer that is not GLM's (the tests' tiny ones): the converter's GLM vocabulary wants its specials
-        patch += "import conversion.glm as g; g.Glm4MoeModel.set_vocab = TextModel._set_vocab_gpt2; "
+        patch += f"import conversion.glm as g; g.{glm}.set_vocab = TextModel._set_vocab_gpt2; "
+    if cfg.get("model_type") == "deepseek_v32":  # its vocabulary as its converter writes it, less the check that
+        # the tokenizer adds a BOS (the tests' tiny one is no class that says so)
+        patch += "import conversion.deepseek as d; d.DeepseekV32Model.set_vocab = TextModel._set_vocab_gpt2; "
     code = ("import sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0]); "
             "import convert_hf_to_gguf as c; from conversion.base import TextModel; " + patch + "c.main()")
     subprocess.run([sys.executable, "-c", code, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype,

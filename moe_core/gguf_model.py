@@ -34,7 +34,8 @@ from moe_kernels.formats import Int4, Iq4, Iq4Xs, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, U
 from moe_kernels.packing import layout
 
 MARKER = "gguf.json"
-FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "minimax-m2", "gpt-oss", "llama")  # llama: Mixtral
+FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "deepseek32", "glm-dsa", "glm4moe", "minimax-m2", "gpt-oss",
+            "llama")  # llama: Mixtral; deepseek32: DeepSeek-V3.2; glm-dsa: GLM-5
 # `where` entries whose name is every expert's tensor at once, built expert by expert (get_row) from the file's
 # tensors' slices: dequantized, or as stored (STACKED_RAW: gpt-oss's MXFP4 blocks)
 STACKED, STACKED_RAW = -1, -2
@@ -227,7 +228,13 @@ def layer_names(cfg, L: int) -> list[tuple[str, str]]:
              # the choice bias: under the router (DeepSeek, GLM), beside it (MiniMax-M2)
              (ffn + ("" if cfg.model_type == "minimax_m2" else cfg.router_name + ".") + "e_score_correction_bias",
               "exp_probs_b.bias"),
-             ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight")]
+             ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
+             # DeepSeek Sparse Attention's indexer
+             ("self_attn.indexer.wq_b.weight", "indexer.attn_q_b.weight"),
+             ("self_attn.indexer.wk.weight", "indexer.attn_k.weight"),
+             ("self_attn.indexer.k_norm.weight", "indexer.k_norm.weight"),
+             ("self_attn.indexer.k_norm.bias", "indexer.k_norm.bias"),
+             ("self_attn.indexer.weights_proj.weight", "indexer.proj.weight")]
     for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"),
                          ("q_a_proj", "attn_q_a"), ("q_b_proj", "attn_q_b"), ("kv_a_proj_with_mqa", "attn_kv_a_mqa"),
                          ("kv_b_proj", "attn_kv_b")):
@@ -429,6 +436,33 @@ def _deepseek2(a, cfg, path, names) -> dict:
     return out
 
 
+def _dsa(arch: str):
+    """DeepSeek-V3.2 (deepseek32) and GLM-5 (glm-dsa): deepseek2's MLA and MoE with the lightning indexer's shape;
+    both route by sigmoid (glm-dsa's default, as llama.cpp's; deepseek32 says so). GLM-5's indexer_types are bools,
+    true for a layer with its own indexer; absent, every layer has one (GLM-5, 5.1), as llama.cpp reads files of
+    under 1M positions (longer ones, GLM-5.2's, it gives a built-in pattern this reader does not know)."""
+    def config(a, cfg, path, names) -> dict:
+        glm = arch == "glm-dsa"
+        if glm and a("expert_gating_func") is None:
+            a = (lambda get: lambda k, d=None: 2 if k == "expert_gating_func" else get(k, d))(a)
+        out = _deepseek2(a, cfg, path, names)
+        if out["model_type"] != "deepseek_v3":
+            raise ModelConfigError(f"{path}: a {arch} file whose experts are not routed by sigmoid")
+        out.update(model_type="glm_moe_dsa" if glm else "deepseek_v32",
+                   architectures=["GlmMoeDsaForCausalLM" if glm else "DeepseekV32ForCausalLM"],
+                   index_n_heads=a("attention.indexer.head_count"), index_head_dim=a("attention.indexer.key_length"),
+                   index_topk=a("attention.indexer.top_k"))
+        if glm:
+            types = a("attention.indexer.types")
+            if types is None and cfg["max_position_embeddings"] >= 1 << 20:
+                raise ModelConfigError(f"{path}: a glm-dsa file of 1M positions without attention.indexer.types "
+                                       "(GLM-5.2's built-in pattern is not known here)")
+            n = cfg["num_hidden_layers"]
+            out["indexer_types"] = ["full" if t else "shared" for t in (types or [True] * n)][:n]
+        return out
+    return config
+
+
 def _glm4moe(a, cfg, path, names) -> dict:
     head_dim = a("attention.key_length")
     return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "head_dim": head_dim,
@@ -467,7 +501,8 @@ def _gpt_oss(a, cfg, path, names) -> dict:
 
 
 _FAMILY_CONFIG = {"gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2,
-                  "glm4moe": _glm4moe, "minimax-m2": _minimax_m2}
+                  "deepseek32": _dsa("deepseek32"), "glm-dsa": _dsa("glm-dsa"), "glm4moe": _glm4moe,
+                  "minimax-m2": _minimax_m2}
 
 
 def _tokenizer_files(path: pathlib.Path, out: pathlib.Path, reader=None) -> None:

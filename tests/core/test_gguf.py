@@ -28,7 +28,10 @@ pytest.importorskip("moe_kernels._native", reason="native extension not built")
 # the reference needs that width
 MOE_I = 768
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
-        "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss"}
+        "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss",
+        "deepseek_v32": "deepseek32", "glm_moe_dsa": "glm-dsa"}
+# (the gguf package's tensor map for an architecture it does not list yet: DeepSeek-V3.2's tensors are named as GLM-5's)
+TENSOR_MAP_ARCH = {"deepseek32": "glm-dsa"}
 EXPERT_NAMES = {f: ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
                     "block_sparse_moe.experts.{e}.w2") for f in ("mixtral", "minimax_m2")}
 
@@ -65,7 +68,7 @@ def write_metadata(w, cfg: dict, family: str, mla_split: bool, gating: bool = Tr
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    if family.startswith("deepseek"):
+    if family.startswith("deepseek") or family == "glm_moe_dsa":
         r, n, v, kv = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
         w.add_head_count_kv(1)  # MLA as MQA
         w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
@@ -86,8 +89,9 @@ def write_metadata(w, cfg: dict, family: str, mla_split: bool, gating: bool = Tr
         w.add_expert_weights_scale(cfg.get("routed_scaling_factor", 1.0))
         if cfg.get("norm_topk_prob"):
             w.add_expert_weights_norm(True)
-        if gating:  # (the converter writes it only from DeepSeek's scoring_func, which transformers drops)
-            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if family == "deepseek_v3"
+        if gating and family != "glm_moe_dsa":  # (the converter writes it only from DeepSeek's scoring_func, which
+            # transformers drops; GLM-5's config has none: llama.cpp's glm-dsa routes by sigmoid without it)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if family in ("deepseek_v3", "deepseek_v32")
                                      else gguf.ExpertGatingFuncType.SOFTMAX)
         w.add_expert_group_count(cfg["n_group"])
         w.add_expert_group_used_count(cfg["topk_group"])
@@ -98,6 +102,13 @@ def write_metadata(w, cfg: dict, family: str, mla_split: bool, gating: bool = Tr
             w.add_rope_scaling_factor(rp["factor"])
             w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
             w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
+        if cfg.get("index_topk"):  # DeepSeek Sparse Attention's indexer (GLM-5's types: true = its own indexer)
+            arch = ARCH[family]
+            w.add_uint32(f"{arch}.attention.indexer.head_count", cfg["index_n_heads"])
+            w.add_uint32(f"{arch}.attention.indexer.key_length", cfg["index_head_dim"])
+            w.add_uint32(f"{arch}.attention.indexer.top_k", cfg["index_topk"])
+            if cfg.get("indexer_types"):
+                w.add_array(f"{arch}.attention.indexer.types", [t == "full" for t in cfg["indexer_types"]])
         return
     w.add_head_count_kv(cfg["num_key_value_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -167,8 +178,8 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_eos_token_id(cfg.get("eos_token_id") or 1)
     w.add_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
-    tmap = gguf.get_tensor_name_map(next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch),
-                                    cfg["num_hidden_layers"])
+    tmap = gguf.get_tensor_name_map(next(a for a, name in gguf.MODEL_ARCH_NAMES.items()
+                                         if name == TENSOR_MAP_ARCH.get(arch, arch)), cfg["num_hidden_layers"])
 
     def add(name, x, qtype=None):
         gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -451,7 +462,7 @@ def test_a_retyped_tensor_is_refused_at_start_by_both_services(source, tmp_path,
 # -- the other families: Qwen2-MoE, Mixtral (a llama file with experts), DeepSeek V2 and V3 with both MLA layouts --
 FAMILY_FILES = [("qwen2_moe", False), ("mixtral", False), ("deepseek_v2", False), ("deepseek_v3", False),
                 ("deepseek_v3", True), ("deepseek_v3_yarn", True), ("glm4_moe", False), ("minimax_m2", False),
-                ("gpt_oss", False)]
+                ("gpt_oss", False), ("deepseek_v32", True), ("glm_moe_dsa", True)]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
@@ -488,7 +499,8 @@ def test_every_tensor_reads_back_as_transformers_names_it(family, mla_split, fam
     got, ref = load_config(d), load_config(src)
     for field in ("model_type", "hidden_size", "num_layers", "num_heads", "head_dim", "n_routed_experts", "top_k",
                   "moe_intermediate_size", "shared_intermediate_size", "moe_layers", "scoring", "norm_topk_prob",
-                  "routed_scaling_factor", "rope_theta", "rope_interleave", "attention", "rope_type"):
+                  "routed_scaling_factor", "rope_theta", "rope_interleave", "attention", "rope_type", "index_heads",
+                  "index_dim", "index_topk", "index_rope_interleave", "index_shared"):
         assert getattr(got, field) == getattr(ref, field), field
     if got.rope_type == "yarn":
         from gpu_service.model.layers import rope_inv_freq, softmax_scale
