@@ -368,15 +368,23 @@ def index_select(cfg: ModelConfig, q: torch.Tensor, w: torch.Tensor, keys: torch
     (index_query's), keys [rows or 1, L, D] (each row's cached indexer keys, or one sequence's for all its rows), hide
     [n, L] (positions a row may not see: causality, a graph bucket's padding) or None -> allowed [n, L] bool. Scores as
     transformers' DeepseekV32Indexer: sum over heads of weight x relu(q . k / sqrt(D)), in fp32."""
-    scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float()) * cfg.index_dim ** -0.5)  # [n, H, L]
-    index = torch.matmul(w[:, None, :], scores)[:, 0]                                       # [n, L]
-    if hide is not None:
-        index = index.masked_fill(hide, float("-inf"))
-    # ties (keys every head's relu zeroes score 0) broken towards the earlier position, so that a query picks the same
-    # keys whether its prompt is prefilled whole, in chunks or after a prefix-cache hit (torch.topk's order among ties
-    # depends on the row's length); the native dsa_top_k orders them so too
-    top = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
-    allowed = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)
+    n, H, L = q.shape[0], q.shape[1], keys.shape[-2]
+    allowed = torch.empty(n, L, dtype=torch.bool, device=q.device)
+    # the scores are [rows, heads, L] fp32: a 4k-token prompt's 64 heads would be 4 GB at once, so rows go in groups
+    # of at most SCORE_BYTES of scores
+    group = max(1, SCORE_BYTES // max(1, H * L * 4))
+    for i in range(0, n, group):
+        rows = slice(i, i + group)
+        k = keys[rows] if keys.shape[0] > 1 else keys
+        scores = F.relu(torch.matmul(q[rows].float(), k.transpose(-1, -2).float()) * cfg.index_dim ** -0.5)
+        index = torch.matmul(w[rows, None, :], scores)[:, 0]                                 # [group, L]
+        if hide is not None:
+            index = index.masked_fill(hide[rows], float("-inf"))
+        # ties (keys every head's relu zeroes score 0) broken towards the earlier position, so that a query picks the
+        # same keys whether its prompt is prefilled whole, in chunks or after a prefix-cache hit (torch.topk's order
+        # among ties depends on the row's length); the native dsa_top_k orders them so too
+        top = index.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
+        allowed[rows] = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)
     return allowed if hide is None else allowed & ~hide
 
 

@@ -151,6 +151,22 @@ def test_native_decode_is_the_torch_path(dsa, family, monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+def test_a_long_prompts_scores_go_in_row_groups_with_the_same_pick(monkeypatch):
+    """The torch indexer bounds its [rows, heads, positions] scores (a 32k prompt's would be hundreds of GB): in
+    groups of rows the selection is the one of all rows at once, causality and ties (relu's zeros) included."""
+    from gpu_service.model import attention
+
+    class Cfg:
+        index_dim, index_topk = 16, 5
+    g = torch.Generator().manual_seed(0)
+    q, w, keys = torch.randn(40, 8, 16, generator=g), torch.randn(40, 8, generator=g), torch.randn(1, 60, 16, generator=g)
+    hide = torch.ones(40, 60, dtype=torch.bool).triu(21)  # row i sees positions <= 20 + i
+    whole = attention.index_select(Cfg, q, w, keys, hide)
+    monkeypatch.setattr(attention, "SCORE_BYTES", 8 * 60 * 4 * 3)  # three rows a group
+    assert torch.equal(attention.index_select(Cfg, q, w, keys, hide), whole)
+    assert whole.sum(1).tolist() == [5] * 40 and not (whole & hide).any()
+
+
 def test_shared_layers_cache_no_indexer_keys(dsa):
     """GLM-5's shared layers (indexer_types) reuse the previous full layer's selection: no indexer, no keys cached."""
     cfg = load_config(dsa["glm_moe_dsa"][0])
