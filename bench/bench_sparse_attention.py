@@ -13,6 +13,12 @@ attention). Each attention's two bounds from this run's own ceilings: its multip
 it meets.
 
     python bench/bench_sparse_attention.py [--lengths 2048 8192 32768] [--rounds 3] [--reps 5] [--threads 2]
+
+--model DIR (a DeepSeek Sparse Attention checkpoint, e.g. `tools/synth_checkpoint.py --arch deepseek-v3.2 --layers 4`):
+the whole model's decode instead, one process (its dense layers as `--dense-format auto` packs them, its routed
+experts in --weight-format in this process, as `--experts local` runs them), one sequence whose every layer's cache
+is filled directly at each length: tokens/s of the model as published against the same model with every position kept
+(its config's index_topk set to 0), interleaved per round.
 """
 from __future__ import annotations
 
@@ -85,15 +91,72 @@ def timed(f, reps: int) -> float:
     return statistics.median(ts) * 1e3
 
 
+def whole_model(a) -> None:
+    """Decode tokens/s of the model at each length, sparse against every position kept (--model)."""
+    from gpu_service.experts.local import LocalExperts
+    from gpu_service.model.model import DTYPES, Model, Segment, dense_format
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+    from moe_core.fingerprint import fingerprint
+    from moe_experts import packed_cache
+    from moe_experts.loading import open_cache
+    from moe_experts.store import load_expert_layers
+
+    cfg, ckpt = load_config(a.model), Checkpoint(a.model)
+    if not cfg.index_topk:
+        raise SystemExit(f"{a.model}: not a DeepSeek Sparse Attention checkpoint")
+    dense = dense_format("auto", torch.device("cpu"), DTYPES[cfg.torch_dtype], "auto", cfg.fp8_block)
+    t0 = time.perf_counter()
+    model = Model(cfg, ckpt, torch.device("cpu"), DT, dense_format=dense)
+    cache = open_cache(str(packed_cache.default_dir()), ckpt, fingerprint(ckpt), a.weight_format)  # the services'
+    experts = LocalExperts(load_expert_layers(cfg, ckpt, a.weight_format, a.threads, progress=False, cache=cache))
+    print(f"CPU: {cpu_name()}; native isa {ISA}; {a.threads} threads; {a.model.name}: {cfg.architecture}, "
+          f"{cfg.num_layers} layers, dense {dense}, experts {a.weight_format}; loaded in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    every = dataclasses.replace(cfg, index_topk=0)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for L in a.lengths:
+        pool = KVPool(cfg, DT, torch.device("cpu"), -(-(L + a.reps + 2) // BLOCK) + 4)
+        cache = SeqCache(pool)
+        cache.reserve(L + a.reps + 2)
+        for bufs in pool.bufs:
+            for buf in bufs:
+                buf.normal_(generator=g)
+        per = {"sparse": [], "every position": []}
+        for _ in range(a.rounds):
+            for name, c in (("sparse", cfg), ("every position", every)):
+                model.cfg = c
+                ts = []
+                for i in range(a.reps + 1):  # the first: warm-up
+                    t = time.perf_counter()
+                    model.forward([Segment(cache, torch.tensor([5 + i]), L - 1)], experts)
+                    ts.append(time.perf_counter() - t)
+                per[name].append(statistics.median(ts[1:]))
+        model.cfg = cfg
+        tps = {n: 1 / statistics.median(v) for n, v in per.items()}
+        row = dict(positions=L, **{f"{n} tok/s": round(v, 2) for n, v in tps.items()},
+                   speedup=round(tps["sparse"] / tps["every position"], 2))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| positions | sparse tok/s | every position tok/s | sparse / every |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['positions']} | {r['sparse tok/s']} | {r['every position tok/s']} | {r['speedup']} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", type=pathlib.Path, help="the whole model's decode (see above)")
+    ap.add_argument("--weight-format", default="int4", help="--model: the routed experts' format")
     a = ap.parse_args()
     native.init_pool(a.threads)
     torch.set_num_threads(a.threads)
+    if a.model:
+        return whole_model(a)
     raw = synth_checkpoint.config_of("deepseek-v3.2", 4, {})
     sparse = parse_config(raw)
     dense = dataclasses.replace(sparse, index_topk=0)  # every position kept: MLA's dense attention

@@ -49,6 +49,16 @@ class GenerateServiceStub:
                 request_serializer=protos_dot_generate__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_generate__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/moe.v1.GenerateService/Tokenize',
+                request_serializer=protos_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/moe.v1.GenerateService/Detokenize',
+                request_serializer=protos_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -73,6 +83,19 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """vLLM's /tokenize and /detokenize: a prompt's or a chat's ids as Generate would see them, and ids' text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +113,16 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protos_dot_generate__pb2.ServerInfoRequest.FromString,
                     response_serializer=protos_dot_generate__pb2.ServerInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_generate__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +206,60 @@ class GenerateService:
             '/moe.v1.GenerateService/Info',
             protos_dot_generate__pb2.ServerInfoRequest.SerializeToString,
             protos_dot_generate__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe.v1.GenerateService/Tokenize',
+            protos_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe.v1.GenerateService/Detokenize',
+            protos_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,20 @@ class GenerateInput:
 
 
 @dataclasses.dataclass
+class TokenizeInput:
+    """vLLM's /tokenize: exactly one of prompt (the tokenizer's special tokens added unless add_special_tokens is
+    False) or messages, rendered by the chat template with tools and chat_template_kwargs as a chat request's are
+    (add_generation_prompt: ending with the assistant's turn opened; add_special_tokens: the tokenizer's own on top of
+    the template's, off unless asked, as vLLM's)."""
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+
+
+@dataclasses.dataclass
 class ScoreInput:
     """Logits (or per-position logprobs) of a sequence of token ids."""
     token_ids: list[int]
@@ -220,26 +234,48 @@ class Admission:
                 raise BadRequest("prompt", "must not be empty")
             return self.text.encode(inp.prompt, limit)
         if inp.messages is not None:
-            if not inp.messages:
-                raise BadRequest("messages", "must not be empty")
-            bad = [m["role"] for m in inp.messages if m["role"] not in ROLES]
-            if bad:
-                raise BadRequest("messages.role", f"unknown role {bad[0]!r} (expected one of {sorted(ROLES)})")
-            kwargs = inp.chat_template_kwargs or {}
-            if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs) \
-                    or {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(kwargs):
-                raise BadRequest("chat_template_kwargs", "an object of template variables (not messages, "
-                                 "add_generation_prompt, bos_token, eos_token or tools)")
-            messages = [self._message(m, i) for i, m in enumerate(inp.messages)]
-            check_tool_results(inp.messages)
-            try:
-                return self.text.render_chat(messages, limit, **kwargs, **({"tools": tools} if tools else {}))
-            except PromptTooLong:
-                raise
-            except ValueError as e:
-                raise BadRequest("messages", str(e)) from None
+            return self._render(inp.messages, inp.chat_template_kwargs, tools, limit)
         self._check_ids(inp.token_ids)
         return list(inp.token_ids)
+
+    def _render(self, messages: list[dict], kwargs: dict | None, tools: list[dict] | None, limit: int | None,
+                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+        """Chat messages through the chat template, checked as a chat request's are."""
+        if not messages:
+            raise BadRequest("messages", "must not be empty")
+        bad = [m["role"] for m in messages if m["role"] not in ROLES]
+        if bad:
+            raise BadRequest("messages.role", f"unknown role {bad[0]!r} (expected one of {sorted(ROLES)})")
+        kwargs = kwargs or {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs) \
+                or {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(kwargs):
+            raise BadRequest("chat_template_kwargs", "an object of template variables (not messages, "
+                             "add_generation_prompt, bos_token, eos_token or tools)")
+        rendered = [self._message(m, i) for i, m in enumerate(messages)]
+        check_tool_results(messages)
+        try:
+            return self.text.render_chat(rendered, limit, add_generation_prompt, add_special_tokens, **kwargs,
+                                         **({"tools": tools} if tools else {}))
+        except PromptTooLong:
+            raise
+        except ValueError as e:
+            raise BadRequest("messages", str(e)) from None
+
+    def tokenize(self, inp: TokenizeInput) -> list[int]:
+        """vLLM's /tokenize: the ids, however many (the count is the answer: a prompt longer than the context is not
+        refused here; the front ends bound its bytes)."""
+        if (inp.prompt is None) == (inp.messages is None):
+            raise BadRequest("input", "exactly one of prompt or messages is required")
+        if inp.prompt is not None:
+            return self.text.encode(inp.prompt, add_special_tokens=inp.add_special_tokens is not False)
+        tools = check_tools(inp.tools) if inp.tools else None
+        return self._render(inp.messages, inp.chat_template_kwargs, tools, None, inp.add_generation_prompt,
+                            bool(inp.add_special_tokens))
+
+    def detokenize(self, ids: list[int]) -> str:
+        """vLLM's /detokenize: the ids' text, special tokens written out (what /tokenize read)."""
+        self._check_ids(ids)
+        return self.text.tok.decode(list(ids), skip_special_tokens=False)
 
     @staticmethod
     def _message(m: dict, i: int) -> dict:

@@ -17,7 +17,7 @@ from moe_core.serving import GRPC_MAX_MESSAGE
 from protos import generate_pb2, generate_pb2_grpc
 
 from gpu_service import metrics
-from gpu_service.api.admission import Admission, GenerateInput, ScoreInput
+from gpu_service.api.admission import Admission, GenerateInput, ScoreInput, TokenizeInput
 from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.api.answer import AnswerFormat
 from gpu_service.engine.scheduler import Engine, Failure, Request
@@ -263,6 +263,34 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             return generate_pb2.ScoreResponse(token_logprobs=ev.token_logprobs.tolist(),
                                               argmax_ids=ev.argmax_ids.tolist())
         return generate_pb2.ScoreResponse(logits=codec.encode(ev.logits.to(torch.float32)))
+
+    async def Tokenize(self, request, context):
+        if self.admission is None:
+            await self._abort(context, "Tokenize", grpc.StatusCode.UNAVAILABLE, "starting: the model is not loaded yet")
+        kind = request.WhichOneof("input")
+        try:
+            inp = TokenizeInput(
+                prompt=request.prompt if kind == "prompt" else None,
+                messages=[chat_message(m) for m in request.chat.messages] if kind == "chat" else None,
+                add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else None,
+                add_generation_prompt=not request.HasField("add_generation_prompt") or request.add_generation_prompt,
+                chat_template_kwargs=template_kwargs(request.chat_template_kwargs), tools=tools(request.tools) or None)
+            ids = await asyncio.to_thread(self.admission.tokenize, inp)  # (a long prompt: off the event loop)
+        except BadRequest as e:
+            await self._abort(context, "Tokenize", grpc.StatusCode.INVALID_ARGUMENT, e.named(PROTO_FIELDS))
+        metrics.REQUESTS.labels("Tokenize", "OK").inc()
+        return generate_pb2.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.info.max_context)
+
+    async def Detokenize(self, request, context):
+        if self.admission is None:
+            await self._abort(context, "Detokenize", grpc.StatusCode.UNAVAILABLE, "starting: the model is not loaded yet")
+        try:
+            text = self.admission.detokenize(list(request.tokens))
+        except BadRequest as e:
+            await self._abort(context, "Detokenize", grpc.StatusCode.INVALID_ARGUMENT,
+                              e.named({**PROTO_FIELDS, "token_ids": "tokens"}))
+        metrics.REQUESTS.labels("Detokenize", "OK").inc()
+        return generate_pb2.DetokenizeResponse(prompt=text)
 
     async def Info(self, request, context):
         info = generate_pb2.ServerInfo()

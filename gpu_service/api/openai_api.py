@@ -21,7 +21,7 @@ from moe_core.errors import BadRequest, Status
 from moe_core.security import ServerSecurity, presented_token
 
 from gpu_service import metrics
-from gpu_service.api.admission import MAX_CACHE_SALT, GenerateInput
+from gpu_service.api.admission import MAX_CACHE_SALT, GenerateInput, TokenizeInput
 from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.engine.scheduler import Failure
 from gpu_service.engine.sampling import MAX_LOGPROBS
@@ -358,6 +358,30 @@ def chat_request(body: dict, max_tokens_limit: int) -> GenerateInput:
     return req
 
 
+def tokenize_request(body: dict) -> TokenizeInput:
+    """vLLM's /tokenize body: prompt (a string) or messages (as chat's), add_special_tokens, add_generation_prompt,
+    chat_template_kwargs, tools."""
+    prompt, msgs = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (msgs is None):
+        raise ApiError(400, "exactly one of prompt or messages is required", "prompt" if prompt is None else "messages")
+    inp = TokenizeInput(add_special_tokens=_field(body, "add_special_tokens", (bool,)),
+                        add_generation_prompt=_field(body, "add_generation_prompt", (bool,), True),
+                        chat_template_kwargs=_field(body, "chat_template_kwargs", (dict,)),
+                        tools=_field(body, "tools", (list,)))
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt: expected a string", "prompt")
+        inp.prompt = prompt
+        return inp
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "messages: expected a non-empty list", "messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}]: expected an object with a role", "messages")
+    inp.messages = [_message(m, i) for i, m in enumerate(msgs)]
+    return inp
+
+
 # -- responses ------------------------------------------------------------------------------------
 class Api:
     def __init__(self, servicer: GenerateServicer, model_name: str, security: ServerSecurity, max_body: int):
@@ -373,6 +397,8 @@ class Api:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/tokenize", self.tokenize)  # vLLM's routes and shapes
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     @web.middleware
@@ -450,6 +476,34 @@ class Api:
             names = {**HTTP_FIELDS, "input": "messages" if chat else "prompt", "constraint": constraint_field(body)}
             param = names.get(e.field, e.field.removeprefix("sampling."))
             raise ApiError(400, e.named({**names, e.field: param}), param, e.code) from None
+
+    def _admission(self):
+        if self.servicer.admission is None:
+            raise ApiError(503, "starting: the model is not loaded yet")
+        return self.servicer.admission
+
+    async def tokenize(self, request):
+        body = await self._body(request)
+        inp = tokenize_request(body)
+        strs = _field(body, "return_token_strs", (bool,), False)
+        try:
+            ids = await asyncio.to_thread(self._admission().tokenize, inp)  # (a long prompt: off the event loop)
+        except BadRequest as e:
+            raise ApiError(400, e.named(HTTP_FIELDS), HTTP_FIELDS.get(e.field, e.field), e.code) from None
+        tok = self.servicer.admission.text.tok
+        return web.json_response({"count": len(ids), "max_model_len": self.servicer.info.max_context, "tokens": ids,
+                                  "token_strs": [tok.id_to_token(i) for i in ids] if strs else None})
+
+    async def detokenize(self, request):
+        body = await self._body(request)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ApiError(400, "tokens: expected a list of token ids", "tokens")
+        try:
+            text = self._admission().detokenize(ids)
+        except BadRequest as e:
+            raise ApiError(400, e.named({"token_ids": "tokens"}), "tokens", e.code) from None
+        return web.json_response({"prompt": text})
 
     async def completions(self, request):
         body = await self._body(request)

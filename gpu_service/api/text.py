@@ -90,14 +90,18 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], limit: int | None = None, **template_kwargs) -> list[int]:
+    def render_chat(self, messages: list[dict], limit: int | None = None, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, **template_kwargs) -> list[int]:
         """The chat template's prompt, as ids (limit: as in encode; checked on the messages' text before
-        rendering, then on the rendered prompt)."""
-        return self.encode(self.render_chat_text(messages, limit, **template_kwargs), limit, add_special_tokens=False)
+        rendering, then on the rendered prompt; add_special_tokens: the tokenizer's own on top of the template's,
+        as vLLM's /tokenize can ask)."""
+        return self.encode(self.render_chat_text(messages, limit, add_generation_prompt, **template_kwargs), limit,
+                           add_special_tokens=add_special_tokens)
 
-    def render_chat_text(self, messages: list[dict], limit: int | None = None, **template_kwargs) -> str:
-        """The chat template's prompt as text; template_kwargs reach the template as transformers'
-        apply_chat_template passes them (enable_thinking, ...)."""
+    def render_chat_text(self, messages: list[dict], limit: int | None = None, add_generation_prompt: bool = True,
+                         **template_kwargs) -> str:
+        """The chat template's prompt as text (add_generation_prompt: ending with the assistant's turn opened);
+        template_kwargs reach the template as transformers' apply_chat_template passes them (enable_thinking, ...)."""
         if not self.chat_template:
             raise ValueError("chat: this checkpoint has no chat template")
         chars = sum(len(m.get("content") or "") for m in messages)
@@ -120,7 +124,7 @@ class TextCodec:
         # the template places the special tokens it wants (no more are added when it is tokenized)
         try:
             return env.from_string(self.chat_template).render(
-                **template_kwargs, messages=messages, add_generation_prompt=True,
+                **template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
         except (jinja2.TemplateError, TypeError, AttributeError, KeyError) as e:  # the messages are not what it reads
             raise ValueError(f"chat: the chat template cannot render these messages: {e}") from None

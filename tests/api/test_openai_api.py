@@ -487,3 +487,43 @@ def test_logit_bias_steers_the_sample_on_both_apis(svc, client):
         list(svc.stub.Generate(generate_pb2.GenerateRequest(prompt="x", max_tokens=1, sampling=generate_pb2.
                                                             SamplingParams(logit_bias={-3: 1})), metadata=AUTH, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.logit_bias" in e.value.details()
+
+
+def post_json(svc, path: str, body) -> tuple[int, dict]:
+    return post(svc, path, json.dumps(body).encode())
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes_and_on_grpc(svc, client):
+    """/tokenize: a prompt's ids as a completion reads them, a chat's as a chat completion renders it (the count is
+    the chat's prompt_tokens), with the context limit; /detokenize gives the prompt back; gRPC's Tokenize and
+    Detokenize say the same; bad bodies are 400s naming the field, in OpenAI's error shape."""
+    prompt = "def fib(n):\n    return n"
+    status, tok = post_json(svc, "/tokenize", {"model": "default", "prompt": prompt, "return_token_strs": True})
+    info = svc.stub.Info(generate_pb2.ServerInfoRequest(), metadata=AUTH, timeout=10)
+    assert status == 200 and tok["count"] == len(tok["tokens"]) > 3 and tok["max_model_len"] == info.max_context
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=1, **greedy())
+    assert r.usage.prompt_tokens == tok["count"] and len(tok["token_strs"]) == tok["count"]
+    assert post_json(svc, "/detokenize", {"tokens": tok["tokens"]}) == (200, {"prompt": prompt})
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    status, chat = post_json(svc, "/tokenize", {"messages": messages})
+    r = client.chat.completions.create(model="default", messages=messages, max_tokens=1, **greedy())
+    assert status == 200 and chat["count"] == r.usage.prompt_tokens and chat["token_strs"] is None
+    _, bare = post_json(svc, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert bare["count"] < chat["count"] and chat["tokens"][:bare["count"]] == bare["tokens"]
+    g = svc.stub.Tokenize(generate_pb2.TokenizeRequest(chat=generate_pb2.Chat(messages=[
+        generate_pb2.ChatMessage(**m) for m in messages])), metadata=AUTH, timeout=30)
+    assert list(g.tokens) == chat["tokens"] and g.count == chat["count"] and g.max_model_len == info.max_context
+    assert svc.stub.Detokenize(generate_pb2.DetokenizeRequest(tokens=tok["tokens"]), metadata=AUTH,
+                               timeout=30).prompt == prompt
+    for path, body, field in (("/tokenize", {"prompt": "x", "messages": messages}, "messages"),
+                              ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+                              ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+                              ("/detokenize", {"tokens": [1, "2"]}, "tokens"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
+        status, err = post_json(svc, path, body)
+        assert status == 400 and err["error"]["param"] == field, (path, body, err)
+    with pytest.raises(grpc.RpcError) as e:
+        svc.stub.Detokenize(generate_pb2.DetokenizeRequest(tokens=[-1]), metadata=AUTH, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokens" in e.value.details()
+    assert post_json(svc, "/tokenize", {"prompt": "still serving"})[0] == 200
