@@ -19,9 +19,10 @@ grammar that makes an answer a call (tool_choice required or named).
     harmony       gpt-oss (harmony.py: its channels carry the reasoning and the calls)
 
 In GLM-4.5's and MiniMax-M2's syntax a string value is written raw and any other value as JSON: the tool's schema
-says which; DeepSeek-V3.2's DSML says it per parameter (string="true": raw). Markers that are one token of the checkpoint's vocabulary (its added tokens: special or not) are
-matched as that token only, never as the same characters spelled by other tokens: the detokenizer writes each as
-one private-use character (Markers), so an answer that merely quotes "<tool_call>" in prose is not a call.
+says which; DeepSeek-V3.2's DSML says it per parameter (string="true": raw). Markers that are one token of the
+checkpoint's vocabulary (its added tokens: special or not) are matched as that token only, never as the same
+characters spelled by other tokens: the detokenizer writes each as one private-use character (Markers), so an answer
+that merely quotes "<tool_call>" in prose is not a call.
 """
 from __future__ import annotations
 

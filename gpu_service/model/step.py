@@ -177,7 +177,9 @@ def describe(model) -> str:
         return f"{GRAPHS} ({model.graphs}; steps of more rows or positions than a bucket's: {PER_OP})"
     blocks, mlps = len(model.decode_blocks), len(model.decode_mlps)
     if not blocks:
-        return f"{PER_OP} (no native attention block for this model, dtype or kernel path)"
+        dsa = ("; DeepSeek Sparse Attention's indexer, top k and latent attention on native kernels"
+               if cfg.index_topk and model.native_attention else "")
+        return f"{PER_OP} (no native attention block for this model, dtype or kernel path{dsa})"
     if native_loop.fits(cfg, model.decode_blocks, model.decode_mlps):
         return f"{NATIVE_LOOP} ({n} layers' native blocks and {mlps} native MLPs in one call a step)"
     torch_layers = [L for L in range(n) if L not in model.decode_blocks]
