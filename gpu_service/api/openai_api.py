@@ -9,6 +9,7 @@ cancel a handler when its client disconnects (which frees the request's slot at 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -39,6 +40,7 @@ HTTP_FIELDS = {"messages.role": "messages", "token_ids": "prompt"}
 ERROR_TYPE = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
 MAX_DEPTH = 32      # nesting of a request body (the deepest real one, a content part, is 3)
 PARSE_INLINE = 1 << 16  # bodies up to this many bytes are parsed on the event loop; larger ones on a thread
+MAX_N = 16  # choices a request may ask for (n)
 
 
 def error_type(status: int) -> str:
@@ -131,8 +133,7 @@ def parse_body(data: bytes):
 
 
 def _refuse_unsupported(body: dict) -> None:
-    if _field(body, "n", (int,), 1) != 1:
-        raise ApiError(400, "n: only 1 completion per request is supported", "n")
+    _int(body, "n", 1, MAX_N)
     if _field(body, "best_of", (int,), 1) != 1:
         raise ApiError(400, "best_of: only 1 is supported", "best_of")
     _field(body, "user", (str,))
@@ -519,23 +520,27 @@ class Api:
         req.tenant = request.get("tenant", "")
         stream = bool(_field(body, "stream", (bool,), False))
         usage_chunk = bool(_field(_field(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
+        n = _int(body, "n", 1, MAX_N, 1)
         r, q = await self._submit(req, chat, body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        out = Output(self, rid, chat, req.logprobs is not None)
+        outs = [Output(self, rid, chat, req.logprobs is not None, i) for i in range(n)]
+        choices = Choices(self, req, chat, body, n)
+        choices.start(r, q)
         try:
             if stream:
-                return await self._stream(request, q, out, usage_chunk)
-            while True:
-                ev = await q.get()
+                return await self._stream(request, choices, outs, usage_chunk)
+            while choices.running:
+                i, ev = await choices.events.get()
                 if isinstance(ev, Failure):
                     raise ApiError(HTTP_STATUS.get(ev.status, 500), ev.message)
-                out.add(ev)
-                if ev.finish_reason:
-                    return web.json_response(out.whole())
+                outs[i].add(ev)
+                choices.running -= bool(ev.finish_reason)
+            return web.json_response({**outs[0].head("whole"), "choices": [o.choice() for o in outs],
+                                      "usage": usage(outs)})
         finally:
-            r.cancelled = True  # done, failed or the client went away: the engine drops it at the next step
+            choices.cancel()  # done, failed or the client went away: the engine drops them at the next step
 
-    async def _stream(self, request, q: asyncio.Queue, out: "Output", usage_chunk: bool):
+    async def _stream(self, request, choices: "Choices", outs: list["Output"], usage_chunk: bool):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
@@ -544,10 +549,11 @@ class Api:
             await resp.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
 
         try:
-            if out.chat:
+            for out in outs if outs[0].chat else ():
                 await send(out.chunk({"role": "assistant", "content": ""}, None, None, usage_chunk))
-            while True:
-                ev = await q.get()
+            while choices.running:
+                i, ev = await choices.events.get()
+                out = outs[i]
                 if isinstance(ev, Failure):  # mid-stream: the status line is gone; the error goes in the stream
                     await send({"error": {"message": ev.message, "type": error_type(HTTP_STATUS.get(ev.status, 500)),
                                           "param": None, "code": ev.status.name}})
@@ -563,21 +569,81 @@ class Api:
                                          usage_chunk))
                 if ev.finish_reason:
                     await send(out.chunk({} if out.chat else "", FINISH[ev.finish_reason], None, usage_chunk))
-                    if usage_chunk:
-                        await send({**out.head("chunk"), "choices": [], "usage": out.usage()})
-                    break
+                    choices.running -= 1
+            else:
+                if usage_chunk:
+                    await send({**outs[0].head("chunk"), "choices": [], "usage": usage(outs)})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        except (ConnectionResetError, ConnectionError):  # the client left: _run's finally cancels the request
+        except (ConnectionResetError, ConnectionError):  # the client left: _run's finally cancels the requests
             pass
         return resp
+
+
+class Choices:
+    """A request's n choices (OpenAI's n), each its own engine request, their events on one queue as (index, event).
+    The first goes in at once; the others once its first event came, that is once its prompt's blocks are in the
+    prefix cache: they share them (the prompt is prefilled once). Each choice samples with its own generator: seed +
+    index where a seed is given."""
+
+    def __init__(self, api: "Api", req: GenerateInput, chat: bool, body: dict, n: int):
+        self.api, self.req, self.chat, self.body, self.n = api, req, chat, body, n
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.requests: list = []
+        self.tasks: list[asyncio.Task] = []
+        self.running = n
+
+    def start(self, r, q) -> None:
+        first = asyncio.get_running_loop().create_future()
+        self._add(0, r, q, first)
+        if self.n > 1:
+            self.tasks.append(asyncio.create_task(self._rest(first)))
+
+    def _add(self, i: int, r, q, first=None) -> None:
+        self.requests.append(r)
+        self.tasks.append(asyncio.create_task(self._pump(i, q, first)))
+
+    async def _pump(self, i: int, q: asyncio.Queue, first) -> None:
+        while True:
+            ev = await q.get()
+            if first is not None and not first.done():
+                first.set_result(None)
+            self.events.put_nowait((i, ev))
+            if isinstance(ev, Failure) or ev.finish_reason:
+                return
+
+    async def _rest(self, first) -> None:
+        await first
+        seed = self.req.sampling.seed
+        for i in range(1, self.n):
+            sp = dataclasses.replace(self.req.sampling, seed=None if seed is None else (seed + i) % 2**64)
+            try:
+                r, q = await self.api._submit(dataclasses.replace(self.req, sampling=sp), self.chat, self.body)
+            except ApiError as e:  # (the first was taken: only the service's state can refuse these)
+                self.events.put_nowait((i, Failure(Status.UNAVAILABLE, e.message)))
+                return
+            self._add(i, r, q)
+
+    def cancel(self) -> None:
+        for r in self.requests:
+            r.cancelled = True
+        for t in self.tasks:
+            t.cancel()
+
+
+def usage(outs: list["Output"]) -> dict:
+    """OpenAI's usage of a request's choices: the prompt once (its cached share as the first choice found it), the
+    completions' tokens summed."""
+    first, done = outs[0], sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": done, "total_tokens": first.prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 class Output:
     """One response being built: text, logprobs, usage, in OpenAI's shapes for completions and chat."""
 
-    def __init__(self, api: Api, rid: str, chat: bool, logprobs: bool):
-        self.api, self.id, self.chat, self.want_logprobs = api, rid, chat, logprobs
+    def __init__(self, api: Api, rid: str, chat: bool, logprobs: bool, index: int = 0):
+        self.api, self.id, self.chat, self.want_logprobs, self.index = api, rid, chat, logprobs, index
         self.created = int(time.time())
         self.text, self.lps, self.finish, self.prompt_tokens, self.completion_tokens = [], [], None, 0, 0
         self.cached_tokens = 0
@@ -595,11 +661,6 @@ class Output:
         self.finish = ev.finish_reason
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
         self.cached_tokens = ev.cached_tokens
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def head(self, kind: str) -> dict:
         obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if kind == "chunk" and self.chat else "")
@@ -622,16 +683,17 @@ class Output:
                 "top_logprobs": [{self._token(j): v for j, v in top} for _, _, top in lps]}
 
     def chunk(self, delta, finish: str | None, logprobs: dict | None, with_usage: bool) -> dict:
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": self.index, "logprobs": logprobs, "finish_reason": finish}
         choice["delta" if self.chat else "text"] = delta
         out = {**self.head("chunk"), "choices": [choice]}
         if with_usage:
             out["usage"] = None
         return out
 
-    def whole(self) -> dict:
+    def choice(self) -> dict:
+        """The choice, whole."""
         text = "".join(self.text)
-        choice = {"index": 0, "logprobs": self.logprobs_of(self.lps), "finish_reason": FINISH[self.finish]}
+        choice = {"index": self.index, "logprobs": self.logprobs_of(self.lps), "finish_reason": FINISH[self.finish]}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text if text or not self.calls else None,
                                  "reasoning_content": "".join(self.reasoning) or None}
@@ -639,7 +701,7 @@ class Output:
                 choice["message"]["tool_calls"] = self.calls
         else:
             choice["text"] = text
-        return {**self.head("whole"), "choices": [choice], "usage": self.usage()}
+        return choice
 
 
 def call_delta(d) -> dict:

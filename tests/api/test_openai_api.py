@@ -120,7 +120,7 @@ def test_logprobs_on_http_and_grpc(svc, client):
 
 
 @pytest.mark.parametrize("kw,param", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                                      ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"),
+                                      ({"n": 17}, "n"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
                                       ({"presence_penalty": 3}, "presence_penalty"),
                                       ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
                                       ({"stop": ["a"] * 17}, "stop")])
@@ -328,7 +328,8 @@ HOSTILE = [  # (route, body, param named in the error or None)
      "response_format"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": "json"}, "response_format"),
     ("completions", {"prompt": "x", "structured_outputs": {"json": 5}}, "structured_outputs"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 300}, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": "3"}, "n"),
 ]
 
 
@@ -527,3 +528,41 @@ def test_tokenize_and_detokenize_in_vllms_shapes_and_on_grpc(svc, client):
         svc.stub.Detokenize(generate_pb2.DetokenizeRequest(tokens=[-1]), metadata=AUTH, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokens" in e.value.details()
     assert post_json(svc, "/tokenize", {"prompt": "still serving"})[0] == 200
+
+
+def test_n_choices_share_one_prefill_and_sample_apart(svc, client):
+    """n > 1: n choices, each sampled with its own generator (seed + index: choice 0 is the n=1 answer with the seed),
+    the same again with the same seed; streamed deltas add up per index; greedy choices agree; usage counts the prompt
+    once and every choice's tokens; the prompt is prefilled once (the others hit its blocks in the prefix cache)."""
+    from harness import scrape
+
+    prompt = "def fibonacci(n):\n    " + "# compute the n-th Fibonacci number iteratively\n    " * 4
+    kw = dict(model="default", prompt=prompt, max_tokens=12, temperature=1.0, seed=11)
+    hits = lambda: scrape(svc.metrics)["moe_prefix_cache_hit_tokens"].samples[0].value  # noqa: E731
+    before = hits()
+    r = client.completions.create(n=3, **kw)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # sampled apart
+    assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens > 32
+    assert hits() - before >= 2 * ((r.usage.prompt_tokens - 1) // 16 * 16) > 0  # choices 1 and 2 hit choice 0's
+    again = client.completions.create(n=3, **kw)
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    assert client.completions.create(n=1, **kw).choices[0].text == texts[0]
+    streamed = {}
+    for ch in client.completions.create(n=3, stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == texts
+    msgs = [{"role": "user", "content": "Count to five."}]
+    one = client.chat.completions.create(model="default", messages=msgs, max_tokens=8, **greedy())
+    two = client.chat.completions.create(model="default", messages=msgs, max_tokens=8, n=2, **greedy())
+    assert [c.message.content for c in two.choices] == [one.choices[0].message.content] * 2
+    deltas = {}
+    for ch in client.chat.completions.create(model="default", messages=msgs, max_tokens=8, n=2, stream=True,
+                                             stream_options={"include_usage": True}, **greedy()):
+        for c in ch.choices:
+            deltas[c.index] = deltas.get(c.index, "") + (c.delta.content or "")
+        if ch.usage:
+            assert ch.usage.completion_tokens == two.usage.completion_tokens
+    assert deltas == {0: one.choices[0].message.content, 1: one.choices[0].message.content}
