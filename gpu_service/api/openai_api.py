@@ -22,6 +22,7 @@ from moe_core.errors import BadRequest, Status
 from moe_core.security import ServerSecurity, presented_token
 
 from gpu_service import metrics
+from gpu_service.api import anthropic_api
 from gpu_service.api.admission import MAX_CACHE_SALT, GenerateInput, TokenizeInput
 from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.engine.scheduler import Failure
@@ -400,7 +401,16 @@ class Api:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/tokenize", self.tokenize)  # vLLM's routes and shapes
         app.router.add_post("/detokenize", self.detokenize)
+        anthropic_api.Messages(self).add_routes(app)  # Anthropic's /v1/messages
         return app
+
+    @staticmethod
+    def _error(request, status: int, message: str, param: str | None = None, code: str | None = None):
+        """An error in the shape of the API the route belongs to (Anthropic's under /v1/messages)."""
+        if request.path.startswith(anthropic_api.PATH):
+            return anthropic_api.error_response(status, f"{param}: {message}" if param and param not in message
+                                                else message)
+        return error_response(status, message, param, code)
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
@@ -413,27 +423,30 @@ class Api:
                                                                  request.headers.get("x-api-key")))
                 if tenant is None:
                     status = 401
-                    return error_response(401, "missing or wrong API key (header 'Authorization: Bearer <token>')",
-                                          code="invalid_api_key")
+                    return self._error(request, 401, "missing or wrong API key (header 'Authorization: Bearer "
+                                       "<token>' or 'x-api-key: <token>')", code="invalid_api_key")
                 request["tenant"] = tenant
             resp = await handler(request)
             status = resp.status
             return resp
         except ApiError as e:
             status = e.status
-            return error_response(e.status, e.message, e.param, e.code)
+            return self._error(request, e.status, e.message, e.param, e.code)
+        except anthropic_api.MessagesError as e:
+            status = e.status
+            return anthropic_api.error_response(e.status, e.message)
         except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
             status = e.status
             msg = {404: f"no route {request.method} {request.path}", 405: f"{request.method} is not allowed on "
                    f"{request.path}", 413: f"request body over {self.max_body} bytes (the longest prompt that fits "
                    f"the context, as JSON)"}.get(e.status, e.reason)
-            return error_response(e.status, msg)
+            return self._error(request, e.status, msg)
         except asyncio.CancelledError:
             status = 499  # the client went away (nginx's code)
             raise
         except Exception as e:
             log.exception("HTTP %s %s failed", request.method, request.path)
-            return error_response(500, f"internal error: {e}")
+            return self._error(request, 500, f"internal error: {e}")
         finally:
             self.active -= 1
             metrics.HTTP_REQUESTS.labels(route, str(status)).inc()

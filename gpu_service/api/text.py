@@ -153,6 +153,7 @@ class DetokenizeStream:
         self.stop = [s for s in stop if s]
         self.held = ""                    # decoded text kept back: it could start a stop string
         self.stopped = False
+        self.matched: str | None = None   # the stop string that ended it (the first in the text, then in the list)
 
     def push(self, token: int) -> str:
         """Add one token; return the text that may be shown now (possibly empty)."""
@@ -173,10 +174,11 @@ class DetokenizeStream:
         if not self.stop:
             return new
         text = self.held + new
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stop) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda h: h[0])
             self.stopped, self.held = True, ""
-            return text[:min(hits)]
+            return text[:at]
         # hold back the longest tail that is a prefix of some stop string
         keep = max(partial_tail(text, s) for s in self.stop)
         self.held = text[len(text) - keep:] if keep else ""

@@ -60,6 +60,7 @@ class Chunk:
     reasoning: str = ""  # the thinking's delta, apart from text, when the request separates them
     tool_calls: list = dataclasses.field(default_factory=list)  # tools.ToolCallDelta: the calls' new pieces
     cached_tokens: int = 0  # prompt tokens the prefix cache had (not computed)
+    stop_sequence: str | None = None  # finish "stop": the stop string that ended it (None: the constraint's end)
 
 
 @dataclasses.dataclass
@@ -498,7 +499,7 @@ class Engine:
             r.spans.append(Span("sampling", "gpu", -1, spans[0].step if spans else 0, t_sample, time.time_ns()))
         r.emit(Chunk(text, [tok], finish, len(r.prompt_ids), len(r.output), r.first_token_at - r.arrival,
                      now - r.arrival, r.spans if (finish and r.profile) else None, lps, thought, calls,
-                     r.cached_tokens))
+                     r.cached_tokens, r.detok.matched if finish else None))
         if finish is not None:
             self._free(r)  # its full blocks stay cached: the answer too (a chat's next turn resends it)
         return finish is not None
