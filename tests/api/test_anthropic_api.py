@@ -162,3 +162,38 @@ def test_auth_by_x_api_key_or_bearer(svc, client):
     assert e.value.body["error"]["type"] == "authentication_error"
     bearer = anthropic.Anthropic(base_url=f"http://127.0.0.1:{svc.http}", auth_token=TOKEN, max_retries=0)
     assert bearer.messages.create(model="m", max_tokens=2, messages=USER, **GREEDY, **NO_THINKING).content
+
+
+def test_the_answers_blocks_and_events_from_engine_chunks():
+    """Reasoning, then text, then a call (as the family's parser gives them) -> a thinking block with its signature
+    (a signature_delta before the block's stop when streamed), a text block, a tool_use block built from
+    input_json deltas; stop_reason tool_use; input_tokens without the cached prompt tokens."""
+    from gpu_service.api.anthropic_api import Answer, signature
+    from gpu_service.api.tools import ToolCallDelta
+    from gpu_service.engine.scheduler import Chunk
+
+    def chunk(text="", reasoning="", calls=(), finish=None, n=1):
+        return Chunk(text, [7], finish, 40, n, 0.1, 0.2, reasoning=reasoning, tool_calls=list(calls), cached_tokens=32)
+    a = Answer("m")
+    events = a.add(chunk(reasoning="Köln: ")) + a.add(chunk(reasoning="three days.", n=2)) + \
+        a.add(chunk(text="Looking.", n=3)) + \
+        a.add(chunk(calls=[ToolCallDelta(0, "call_1", "get_weather", '{"city": "Köln", ')], n=4)) + \
+        a.add(chunk(calls=[ToolCallDelta(0, None, None, '"days": 3}')], finish="tool_calls", n=5))
+    kinds = [(e["type"], e.get("delta", e.get("content_block", {})).get("type")) for e in events]
+    assert kinds == [("content_block_start", "thinking"), ("content_block_delta", "thinking_delta"),
+                     ("content_block_delta", "thinking_delta"), ("content_block_delta", "signature_delta"),
+                     ("content_block_stop", None), ("content_block_start", "text"), ("content_block_delta", "text_delta"),
+                     ("content_block_stop", None), ("content_block_start", "tool_use"),
+                     ("content_block_delta", "input_json_delta"), ("content_block_delta", "input_json_delta"),
+                     ("content_block_stop", None)]
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1, 2]
+    m = a.whole()
+    assert m["content"] == [{"type": "thinking", "thinking": "Köln: three days.", "signature": signature("Köln: three days.")},
+                            {"type": "text", "text": "Looking."},
+                            {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Köln", "days": 3}}]
+    assert m["stop_reason"] == "tool_use" and m["stop_sequence"] is None
+    assert m["usage"] == {"input_tokens": 8, "output_tokens": 5, "cache_read_input_tokens": 32,
+                          "cache_creation_input_tokens": 0}
+    cut = Answer("m")
+    cut.add(chunk(calls=[ToolCallDelta(0, "call_2", "get_time", '{"zo')], finish="length"))
+    assert cut.whole()["content"] == [] and cut.whole()["stop_reason"] == "max_tokens"  # a call cut off: left out
