@@ -22,7 +22,7 @@ from moe_core.errors import BadRequest, Status
 from moe_core.security import ServerSecurity, presented_token
 
 from gpu_service import metrics
-from gpu_service.api import anthropic_api
+from gpu_service.api import anthropic_api, responses_api
 from gpu_service.api.admission import MAX_CACHE_SALT, GenerateInput, TokenizeInput
 from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.engine.scheduler import Failure
@@ -391,6 +391,7 @@ class Api:
         self.security = security
         self.created = int(time.time())
         self.active = 0  # requests in flight, for the drain
+        self.responses = responses_api.Responses(self)  # (its store outlives an app: tests make several)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body)
@@ -402,6 +403,7 @@ class Api:
         app.router.add_post("/tokenize", self.tokenize)  # vLLM's routes and shapes
         app.router.add_post("/detokenize", self.detokenize)
         anthropic_api.Messages(self).add_routes(app)  # Anthropic's /v1/messages
+        self.responses.add_routes(app)  # OpenAI's /v1/responses
         return app
 
     @staticmethod
