@@ -242,7 +242,16 @@ def messages_request(body: dict, max_tokens_limit: int) -> GenerateInput:
         sampling=SamplingParams(temperature=1.0 if temperature is None else temperature,
                                 top_p=1.0 if top_p is None else top_p, top_k=top_k or 0),
         tools=tools, tool_choice=choice, parallel_tool_calls=parallel, constraint=_format(body),
-        chat_template_kwargs=_thinking(body, max_tokens))
+        chat_template_kwargs=_template_kwargs(body, max_tokens))
+
+
+def _template_kwargs(body: dict, max_tokens: int | None) -> dict | None:
+    """thinking's, over vLLM's chat_template_kwargs where a client sends them."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs: expected an object")
+    thinking = _thinking(body, max_tokens)
+    return {**(kwargs or {}), **(thinking or {})} or None
 
 
 # -- the answer ------------------------------------------------------------------------------------
@@ -430,7 +439,7 @@ class Messages:
     async def count_tokens(self, request):
         body = await self._body(request)
         tools, choice, _ = _tools(body)
-        inp = TokenizeInput(messages=_messages(body), tools=tools, chat_template_kwargs=_thinking(body, None))
+        inp = TokenizeInput(messages=_messages(body), tools=tools, chat_template_kwargs=_template_kwargs(body, None))
         admission = self.api.servicer.admission
         if admission is None:
             raise MessagesError(503, "starting: the model is not loaded yet")

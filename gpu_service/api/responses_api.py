@@ -6,7 +6,8 @@ messages: instructions -> a system message; message items (input_text / output_t
 (developer -> system); function_call items -> the assistant's tool_calls (consecutive ones one message);
 function_call_output -> a tool message; reasoning items -> the next assistant message's reasoning_content. tools
 (flat function tools, strict), tool_choice, parallel_tool_calls, text.format (json_schema / json_object),
-max_output_tokens, temperature, top_p as chat's. The answer's items: reasoning (where the family's parser yields
+max_output_tokens, temperature, top_p, vLLM's chat_template_kwargs as chat's (reasoning.effort: the template variable
+reasoning_effort). The answer's items: reasoning (where the family's parser yields
 it), message (output_text), function_call; streamed as the semantic events, each with its sequence_number.
 
 store (default true, as OpenAI's) keeps a response for GET, DELETE and previous_response_id (the conversation so far
@@ -167,6 +168,22 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float) -> floa
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise bad(name, f"expected a number in [{lo}, {hi}]")
     return float(v)
+
+
+def _template_kwargs(body: dict) -> dict | None:
+    """vLLM's chat_template_kwargs, and reasoning.effort as the template variable reasoning_effort (gpt-oss's
+    templates read it)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad("chat_template_kwargs", "expected an object")
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        effort = reasoning.get("effort") if isinstance(reasoning, dict) else 0
+        if effort not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
+            raise bad("reasoning", 'expected {"effort": "none" | "minimal" | "low" | "medium" | "high" | "xhigh"}')
+        if effort is not None:
+            kwargs = {"reasoning_effort": effort, **(kwargs or {})}
+    return kwargs
 
 
 def _metadata(body: dict) -> dict:
@@ -389,7 +406,8 @@ class Responses:
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
         req = GenerateInput(messages=messages, max_tokens=max_tokens or limit, tools=tools, tool_choice=choice,
                             parallel_tool_calls=parallel, constraint=_format(body), tenant=tenant,
-                            sampling=SamplingParams(temperature=temperature, top_p=top_p))
+                            sampling=SamplingParams(temperature=temperature, top_p=top_p),
+                            chat_template_kwargs=_template_kwargs(body))
         echo = {"object": "response", "created_at": int(time.time()), "model": self.api.model_name,
                 "instructions": instructions, "max_output_tokens": max_tokens, "metadata": _metadata(body),
                 "parallel_tool_calls": parallel, "previous_response_id": prev, "store": store,

@@ -473,3 +473,33 @@ def test_bad_tool_requests_are_400s(servers):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages[1].tool_call_id" in e.value.details()
     # and it still serves
     assert client.chat.completions.create(model="m", messages=USER, max_tokens=2).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("syntax", some([s for s in SYNTAXES if s != "harmony"], fast=["glm47"]))
+def test_a_forced_call_through_responses_and_messages(servers, syntax):
+    """Every family's syntax through the two agent APIs (both services): a forced call to a named tool whose input
+    validates (Responses' function_call item, Messages' tool_use block), the same call as chat/completions forces."""
+    import anthropic
+
+    client, _ = servers(syntax)
+    kw = dict(messages=USER, tools=TOOLS, max_tokens=80, temperature=0, parallel_tool_calls=False,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    chat = client.chat.completions.create(model="m", tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                          **kw).choices[0].message.tool_calls
+    r = client.responses.create(model="m", input=USER[0]["content"], max_output_tokens=80, temperature=0,
+                                tools=[{"type": "function", **t["function"]} for t in TOOLS], parallel_tool_calls=False,
+                                tool_choice={"type": "function", "name": "get_time"},
+                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in chat]
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_time"])
+    ac = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="x", max_retries=0)
+    m = ac.messages.create(model="m", max_tokens=80, messages=USER, tool_choice={
+        "type": "tool", "name": "get_time", "disable_parallel_tool_use": True}, tools=[{
+            "name": t["function"]["name"], "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"]} for t in TOOLS],
+        extra_body={"temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and [(u.name, u.input) for u in uses] == [(c.name, json.loads(c.arguments))
+                                                                                 for c in calls]
