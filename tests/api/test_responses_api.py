@@ -173,3 +173,45 @@ def test_an_unknown_previous_response_is_a_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(input="x", previous_response_id="resp_nope", **KW)
     assert e.value.body["param"] == "previous_response_id"
+
+
+def test_the_answers_items_and_events_from_engine_chunks():
+    """Reasoning, text, then a call (as the family's parser gives them) -> a reasoning item, a message, a
+    function_call, each opened and done in order with numbered events; the conversation a next turn continues."""
+    from gpu_service.api.responses_api import Answer
+    from gpu_service.api.tools import ToolCallDelta
+    from gpu_service.engine.scheduler import Chunk
+
+    def chunk(text="", reasoning="", calls=(), finish=None):
+        return Chunk(text, [7], finish, 40, 3, 0.1, 0.2, reasoning=reasoning, tool_calls=list(calls), cached_tokens=32)
+    a = Answer("resp_1", {"store": True})
+    events = a.add(chunk(reasoning="Think.")) + a.add(chunk(text="Looking.")) + \
+        a.add(chunk(calls=[ToolCallDelta(0, "call_1", "get_time", '{"zone": ')])) + \
+        a.add(chunk(calls=[ToolCallDelta(0, None, None, '"UTC"}')], finish="tool_calls"))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done", "response.output_item.done"]
+    r = a.response(a.status())
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message", "function_call"] and r["status"] == "completed"
+    assert r["output"][2]["arguments"] == '{"zone": "UTC"}' and r["output"][2]["call_id"] == "call_1"
+    assert r["usage"]["input_tokens"] == 40 and r["usage"]["input_tokens_details"]["cached_tokens"] == 32
+    assert a.conversation() == [{"role": "assistant", "content": "Looking.", "reasoning_content": "Think.",
+                                 "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                                     "name": "get_time", "arguments": '{"zone": "UTC"}'}}]}]
+
+
+def test_the_store_is_bounded_in_bytes_and_time():
+    from gpu_service.api.responses_api import Store
+
+    s = Store(max_bytes=600, ttl=0.2)
+    for i in range(5):
+        s.put(f"r{i}", "t", {"id": f"r{i}", "pad": "x" * 100}, [])
+    assert s.bytes <= 600 and s.get("r0", "t") is None and s.get("r4", "t") is not None
+    assert s.get("r4", "other") is None  # another tenant's
+    import time
+    time.sleep(1.1)  # past the ttl and the once-a-second scan
+    assert s.get("r4", "t") is None and s.bytes == 0
