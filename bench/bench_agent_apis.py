@@ -3,7 +3,8 @@ previous_response_id) and Anthropic's Messages (each turn resends the whole hist
 qwen3_moe-shaped checkpoint whose chat template renders tools (Qwen3's hermes layout; the embedded default model's
 template renders none). Every turn forces a call (the model's weights are random: a free answer could be anything)
 and the next turn carries its result; per turn: the time to the first streamed delta, the prompt's tokens and the
-share the prefix cache had.
+share the prefix cache had. (The two conversations' system prompts differ from their first token: neither finds the
+other's blocks.)
 
     python bench/bench_agent_apis.py [--synth qwen3-30b-a3b --layers 4 | --model DIR] [--turns 10] [--threads 2]
 """
@@ -47,7 +48,7 @@ def responses_turns(client: openai.OpenAI, turns: int) -> list[tuple[float, int,
     out, prev, item = [], None, {"role": "user", "content": "Find where the command line is parsed."}
     for _ in range(turns):
         t0, first = time.perf_counter(), None
-        with client.responses.stream(model="m", input=[item], previous_response_id=prev, instructions=SYSTEM,
+        with client.responses.stream(model="m", input=[item], previous_response_id=prev, instructions="A " + SYSTEM,
                                      tools=[{"type": "function", **TOOL}], tool_choice="required",
                                      parallel_tool_calls=False, max_output_tokens=60, temperature=0,
                                      extra_body=KW) as s:
@@ -65,7 +66,7 @@ def messages_turns(client: anthropic.Anthropic, turns: int) -> list[tuple[float,
     out, history = [], [{"role": "user", "content": "Find where the command line is parsed."}]
     for _ in range(turns):
         t0, first = time.perf_counter(), None
-        with client.messages.stream(model="m", system=SYSTEM, messages=history, max_tokens=60, tools=[{
+        with client.messages.stream(model="m", system="B " + SYSTEM, messages=history, max_tokens=60, tools=[{
                 "name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}],
                 tool_choice={"type": "any", "disable_parallel_tool_use": True},
                 extra_body={"temperature": 0, **KW}) as s:

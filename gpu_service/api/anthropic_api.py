@@ -21,6 +21,7 @@ import uuid
 
 from aiohttp import web
 
+from gpu_service.api import sse
 from gpu_service.api.admission import GenerateInput, TokenizeInput
 from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.api.tools import ToolChoice
@@ -400,12 +401,7 @@ class Messages:
             r.cancelled = True
 
     async def _stream(self, request, q: asyncio.Queue, answer: Answer):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
-
-        async def send(event: dict) -> None:
-            await resp.write(f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode())
+        resp, send = await sse.open_stream(request, named=True)
 
         try:
             ev = await q.get()  # (the prompt's size, for message_start's usage, comes with the first chunk)

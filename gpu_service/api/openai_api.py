@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP API: GET /v1/models, POST /v1/completions and /v1/chat/completions
-(plain JSON or Server-Sent Events), GET /health. It is a translation layer only: each HTTP request
+(plain JSON or Server-Sent Events; n choices), vLLM's /tokenize and /detokenize, GET /health; on the same server
+OpenAI's Responses API (responses_api.py) and Anthropic's Messages API (anthropic_api.py). It is a translation
+layer only: each HTTP request
 becomes a GenerateInput (admission.py, as gRPC's do) and goes through GenerateServicer.submit, so
 validation, chat templates, sampling, stop strings and limits are the gRPC API's, and both share one engine.
 
@@ -22,7 +24,7 @@ from moe_core.errors import BadRequest, Status
 from moe_core.security import ServerSecurity, presented_token
 
 from gpu_service import metrics
-from gpu_service.api import anthropic_api, responses_api
+from gpu_service.api import anthropic_api, responses_api, sse
 from gpu_service.api.admission import MAX_CACHE_SALT, GenerateInput, TokenizeInput
 from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.engine.scheduler import Failure
@@ -556,12 +558,7 @@ class Api:
             choices.cancel()  # done, failed or the client went away: the engine drops them at the next step
 
     async def _stream(self, request, choices: "Choices", outs: list["Output"], usage_chunk: bool):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
-
-        async def send(obj) -> None:
-            await resp.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
+        resp, send = await sse.open_stream(request)
 
         try:
             for out in outs if outs[0].chat else ():

@@ -25,6 +25,7 @@ import uuid
 
 from aiohttp import web
 
+from gpu_service.api import sse
 from gpu_service.api.admission import GenerateInput
 from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.api.tools import ToolChoice
@@ -453,12 +454,7 @@ class Responses:
         return resp
 
     async def _stream(self, request, q, answer: Answer, conversation: list[dict]):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
-
-        async def send(event: dict) -> None:
-            await resp.write(f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode())
+        resp, send = await sse.open_stream(request, named=True)
 
         try:
             await send(answer.event("response.created", response=answer.response("in_progress")))
