@@ -57,7 +57,8 @@ def local_gpu_service(tmp_path):
     terminate_all(procs)
 
 
-@pytest.mark.parametrize("family", some(["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next"], fast=["deepseek_v3"]))
+@pytest.mark.parametrize("family", some(["qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "deepseek_v32",
+                                         "glm_moe_dsa"], fast=["deepseek_v3"]))
 def test_local_experts_match_transformers(family, checkpoints, local_gpu_service):
     """--experts local: one process, the same tokens as transformers (and so as the two services)."""
     d = checkpoints[family]
