@@ -359,20 +359,11 @@ class Messages:
         app.router.add_post(PATH, self.create)
         app.router.add_post(PATH + "/count_tokens", self.count_tokens)
 
-    async def _body(self, request) -> dict:
-        from gpu_service.api.openai_api import ApiError
-        try:
-            body = await self.api._body(request)
-        except ApiError as e:
-            raise MessagesError(e.status, f"{e.param}: {e.message}" if e.param and e.param not in e.message
-                                else e.message) from None
-        return body
-
     def _bad_request(self, e: BadRequest) -> MessagesError:
         return MessagesError(400, e.named(FIELDS))
 
     async def create(self, request):
-        body = await self._body(request)
+        body = await self.api._body(request)  # (its errors: Anthropic's shape here, openai_api._error)
         req = messages_request(body, self.api.servicer.max_tokens_limit)
         req.tenant = request.get("tenant", "")
         stream = body.get("stream", False)
@@ -433,9 +424,9 @@ class Messages:
         return resp
 
     async def count_tokens(self, request):
-        body = await self._body(request)
-        tools, choice, _ = _tools(body)
-        inp = TokenizeInput(messages=_messages(body), tools=tools, chat_template_kwargs=_template_kwargs(body, None))
+        body = await self.api._body(request)  # (its errors: Anthropic's shape here, openai_api._error)
+        inp = TokenizeInput(messages=_messages(body), tools=_tools(body)[0],
+                            chat_template_kwargs=_template_kwargs(body, None))
         admission = self.api.servicer.admission
         if admission is None:
             raise MessagesError(503, "starting: the model is not loaded yet")
