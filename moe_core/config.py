@@ -1,9 +1,9 @@
 """Model config: parse a Hugging Face config.json into the one description both services use.
 
 Supported families (transformers' implementations are the numerical reference):
-deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), deepseek_v32 and glm_moe_dsa (GLM-5: MLA
-behind DeepSeek Sparse Attention's lightning indexer), kimi_k2 and kimi_k25 (DeepSeek-V3's arithmetic), glm4_moe, minimax_m2,
-gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_next and qwen3_5_moe
+deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), deepseek_v32 and glm_moe_dsa (GLM-5:
+MLA behind DeepSeek Sparse Attention's lightning indexer), kimi_k2 and kimi_k25 (DeepSeek-V3's arithmetic), glm4_moe,
+minimax_m2, gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_next and qwen3_5_moe
 (gated DeltaNet linear attention beside gated full attention; Qwen3.5's text model, published inside
 its vision-language wrapper), qwen3_moe, qwen2_moe (gated shared expert), mixtral. Anything else is
 refused with a clear message.

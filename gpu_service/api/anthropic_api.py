@@ -33,8 +33,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
                503: "overloaded_error", 504: "api_error"}
 # the neutral request's field names as this API spells them
-FIELDS = {"input": "messages", "messages.role": "messages", "stop": "stop_sequences", "constraint": "output_config.format",
-          "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k"}
+FIELDS = {"input": "messages", "messages.role": "messages", "stop": "stop_sequences",
+          "constraint": "output_config.format", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
+          "sampling.top_k": "top_k"}
 STOP_REASON = {"length": "max_tokens", "tool_calls": "tool_use", "eos": "end_turn"}
 PATH = "/v1/messages"
 

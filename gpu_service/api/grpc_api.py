@@ -283,7 +283,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def Detokenize(self, request, context):
         if self.admission is None:
-            await self._abort(context, "Detokenize", grpc.StatusCode.UNAVAILABLE, "starting: the model is not loaded yet")
+            await self._abort(context, "Detokenize", grpc.StatusCode.UNAVAILABLE,
+                              "starting: the model is not loaded yet")
         try:
             text = self.admission.detokenize(list(request.tokens))
         except BadRequest as e:

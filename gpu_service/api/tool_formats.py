@@ -232,7 +232,8 @@ def dsml_body(body: str, final: bool, m: Markers, params: dict) -> tuple[str | N
         return None, "", not final and len(body) < 256
     name = body[:i]
     p0, p1 = (re.escape(m.sym[t]) for t in DSML_PARAM)
-    parts = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False) if raw == 'true' else _value(v, None)}"
+    value = lambda v, raw: json.dumps(v, ensure_ascii=False) if raw == "true" else _value(v, None)  # noqa: E731
+    parts = [f"{json.dumps(k, ensure_ascii=False)}: {value(v, raw)}"
              for k, raw, v in re.findall(p0 + r'([^"]*)" string="(true|false)">(.*?)' + p1, body[i + 1:], re.S)]
     return name or None, _object(parts, final), bool(name)
 
@@ -316,8 +317,8 @@ def _dsml_call(m, name, schema, i):
         return f'{m.lark(DSML_PARAM[0])} {json.dumps(key + chr(34) + " string=" + json.dumps(raw) + ">")} {rule} ' \
                f'{m.lark(DSML_PARAM[1])} "\\n"'
     seq, rules = _kv_rules(str(i), schema, one)
-    return f'{m.lark(DSML_INNER[0])} {json.dumps(name + chr(34) + ">" + chr(10))} {seq} {m.lark(DSML_INNER[1])} "\\n"', \
-        rules
+    head = f'{m.lark(DSML_INNER[0])} {json.dumps(name + chr(34) + ">" + chr(10))}'
+    return f'{head} {seq} {m.lark(DSML_INNER[1])} "\\n"', rules
 
 
 def _kimi_call(m, name, schema, i):
