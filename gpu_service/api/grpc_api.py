@@ -18,6 +18,7 @@ from protos import generate_pb2, generate_pb2_grpc
 
 from gpu_service import metrics
 from gpu_service.api.admission import Admission, GenerateInput, ScoreInput, TokenizeInput
+from gpu_service.api.choices import MAX_N, Choices
 from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.api.answer import AnswerFormat
 from gpu_service.engine.scheduler import Engine, Failure, Request
@@ -199,21 +200,27 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     # -- RPCs -------------------------------------------------------------------------------------
     async def Generate(self, request, context):
         await self._check_ready(context, "Generate")
+        deadline = self._deadline(context)
         try:
+            n = request.n if request.HasField("n") else 1
+            if not 1 <= n <= MAX_N:
+                raise BadRequest("n", f"must be in [1, {MAX_N}], got {n}")
             inp = generate_input(request)
             inp.tenant = self._tenant(context)
-            r, q = await self.submit(inp, self._deadline(context))
+            r, q = await self.submit(inp, deadline)
         except BadRequest as e:
             await self._abort(context, "Generate", grpc.StatusCode.INVALID_ARGUMENT, e.named(PROTO_FIELDS))
+        choices = Choices(lambda x: self.submit(x, deadline), inp, n)
+        choices.start(r, q)
         code = "CANCELLED"
         try:
-            while True:
-                ev = await q.get()
+            while choices.running:
+                i, ev = await choices.events.get()
                 if isinstance(ev, Failure):
                     code = None
                     await self._abort(context, "Generate", grpc.StatusCode[ev.status.name], ev.message)
                 chunk = generate_pb2.GenerateChunk(
-                    text=ev.text, token_ids=ev.token_ids, finish_reason=FINISH.get(ev.finish_reason, 0),
+                    index=i, text=ev.text, token_ids=ev.token_ids, finish_reason=FINISH.get(ev.finish_reason, 0),
                     usage=generate_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                                              cached_tokens=ev.cached_tokens),
                     time_to_first_token_s=ev.ttft_s, elapsed_s=ev.elapsed_s, reasoning=ev.reasoning,
@@ -228,10 +235,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                         for n, svc, layer, step, t0, t1 in ev.spans)
                 yield chunk
                 if ev.finish_reason:
-                    code = "OK"
-                    return
+                    choices.running -= 1
+            code = "OK"
         finally:
-            r.cancelled = True  # client went away or we are done: the engine drops it
+            choices.cancel()  # client went away or we are done: the engine drops them
             if code:
                 metrics.REQUESTS.labels("Generate", code).inc()
 

@@ -11,7 +11,6 @@ cancel a handler when its client disconnects (which frees the request's slot at 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import re
@@ -26,6 +25,7 @@ from moe_core.security import ServerSecurity, presented_token
 from gpu_service import metrics
 from gpu_service.api import anthropic_api, responses_api, sse
 from gpu_service.api.admission import MAX_CACHE_SALT, GenerateInput, TokenizeInput
+from gpu_service.api.choices import MAX_N, Choices
 from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.engine.scheduler import Failure
 from gpu_service.engine.sampling import MAX_LOGPROBS
@@ -43,7 +43,6 @@ HTTP_FIELDS = {"messages.role": "messages", "token_ids": "prompt"}
 ERROR_TYPE = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
 MAX_DEPTH = 32      # nesting of a request body (the deepest real one, a content part, is 3)
 PARSE_INLINE = 1 << 16  # bodies up to this many bytes are parsed on the event loop; larger ones on a thread
-MAX_N = 16  # choices a request may ask for (n)
 
 
 def error_type(status: int) -> str:
@@ -541,7 +540,7 @@ class Api:
         r, q = await self._submit(req, chat, body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outs = [Output(self, rid, chat, req.logprobs is not None, i) for i in range(n)]
-        choices = Choices(self, req, chat, body, n)
+        choices = Choices(lambda inp: self._submit(inp, chat, body), req, n)
         choices.start(r, q)
         try:
             if stream:
@@ -590,57 +589,6 @@ class Api:
         except (ConnectionResetError, ConnectionError):  # the client left: _run's finally cancels the requests
             pass
         return resp
-
-
-class Choices:
-    """A request's n choices (OpenAI's n), each its own engine request, their events on one queue as (index, event).
-    The first goes in at once; the others once its first event came, that is once its prompt's blocks are in the
-    prefix cache: they share them (the prompt is prefilled once). Each choice samples with its own generator: seed +
-    index where a seed is given."""
-
-    def __init__(self, api: "Api", req: GenerateInput, chat: bool, body: dict, n: int):
-        self.api, self.req, self.chat, self.body, self.n = api, req, chat, body, n
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.requests: list = []
-        self.tasks: list[asyncio.Task] = []
-        self.running = n
-
-    def start(self, r, q) -> None:
-        first = asyncio.get_running_loop().create_future()
-        self._add(0, r, q, first)
-        if self.n > 1:
-            self.tasks.append(asyncio.create_task(self._rest(first)))
-
-    def _add(self, i: int, r, q, first=None) -> None:
-        self.requests.append(r)
-        self.tasks.append(asyncio.create_task(self._pump(i, q, first)))
-
-    async def _pump(self, i: int, q: asyncio.Queue, first) -> None:
-        while True:
-            ev = await q.get()
-            if first is not None and not first.done():
-                first.set_result(None)
-            self.events.put_nowait((i, ev))
-            if isinstance(ev, Failure) or ev.finish_reason:
-                return
-
-    async def _rest(self, first) -> None:
-        await first
-        seed = self.req.sampling.seed
-        for i in range(1, self.n):
-            sp = dataclasses.replace(self.req.sampling, seed=None if seed is None else (seed + i) % 2**64)
-            try:
-                r, q = await self.api._submit(dataclasses.replace(self.req, sampling=sp), self.chat, self.body)
-            except ApiError as e:  # (the first was taken: only the service's state can refuse these)
-                self.events.put_nowait((i, Failure(Status.UNAVAILABLE, e.message)))
-                return
-            self._add(i, r, q)
-
-    def cancel(self) -> None:
-        for r in self.requests:
-            r.cancelled = True
-        for t in self.tasks:
-            t.cancel()
 
 
 def usage(outs: list["Output"]) -> dict:

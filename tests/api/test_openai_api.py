@@ -532,8 +532,9 @@ def test_tokenize_and_detokenize_in_vllms_shapes_and_on_grpc(svc, client):
 
 def test_n_choices_share_one_prefill_and_sample_apart(svc, client):
     """n > 1: n choices, each sampled with its own generator (seed + index: choice 0 is the n=1 answer with the seed),
-    the same again with the same seed; streamed deltas add up per index; greedy choices agree; usage counts the prompt
-    once and every choice's tokens; the prompt is prefilled once (the others hit its blocks in the prefix cache)."""
+    the same again with the same seed and on gRPC; streamed deltas add up per index; greedy choices agree; usage counts
+    the prompt once and every choice's tokens; the prompt is prefilled once (the others hit its blocks in the prefix
+    cache)."""
     from harness import scrape
 
     prompt = "def fibonacci(n):\n    " + "# compute the n-th Fibonacci number iteratively\n    " * 4
@@ -549,6 +550,16 @@ def test_n_choices_share_one_prefill_and_sample_apart(svc, client):
     again = client.completions.create(n=3, **kw)
     assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
     assert client.completions.create(n=1, **kw).choices[0].text == texts[0]
+    # gRPC: the same choices, chunks by index, each with its own last chunk
+    chunks = list(svc.stub.Generate(generate_pb2.GenerateRequest(
+        prompt=prompt, max_tokens=12, n=3, sampling=generate_pb2.SamplingParams(temperature=1.0, seed=11)),
+        metadata=AUTH, timeout=120))
+    assert ["".join(c.text for c in chunks if c.index == i) for i in range(3)] == texts
+    assert sorted(c.index for c in chunks if c.finish_reason) == [0, 1, 2]
+    with pytest.raises(grpc.RpcError) as e:
+        list(svc.stub.Generate(generate_pb2.GenerateRequest(prompt=prompt, max_tokens=1, n=17), metadata=AUTH,
+                               timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n: must be in [1, 16]" in e.value.details()
     streamed = {}
     for ch in client.completions.create(n=3, stream=True, **kw):
         for c in ch.choices:
