@@ -19,7 +19,7 @@ from moe_core.int4_checkpoints import int4_scheme
 
 
 SUPPORTED = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss",
-             "minimax_m2", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
+             "minimax_m2", "mimo_v2_flash", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
 # published types whose arithmetic is another family's: Kimi-K2 and K2-Thinking are DeepSeek-V3 (transformers has no
 # kimi_k2 type of its own: its Kimi-K2.5 config rewrites one to deepseek_v3), and so is Kimi-K2.5/K2.6's text model;
 # DeepSeek-V3.2 is DeepSeek-V3 with the lightning indexer in front of MLA (the index_* fields), and GLM-5 is V3.2 with
@@ -183,6 +183,11 @@ class ModelConfig:
     index_topk: int = 0                # 0: no indexer (dense attention)
     index_rope_interleave: bool = False  # GLM-5 rotates the indexer's pairs; V3.2 its halves
     index_shared: tuple[int, ...] = ()  # GLM-5: layers that reuse the previous layer's selection (no indexer)
+    # MiMo-V2-Flash: its sliding-window layers' KV heads (0: num_kv_heads) and rope base (0: rope_theta); values
+    # scaled by value_scale before they are cached; a GQA value head of v_head_dim (0: head_dim)
+    sliding_kv_heads: int = 0
+    sliding_rope_theta: float = 0.0
+    value_scale: float = 1.0
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -200,6 +205,20 @@ class ModelConfig:
     def text_only(self) -> bool:
         """A vision-language checkpoint whose text model alone is served."""
         return self.architecture in TEXT_IN_WRAPPER
+
+    def kv_heads(self, layer: int) -> int:
+        """A GQA layer's KV heads (MiMo-V2-Flash's sliding layers have more)."""
+        return self.sliding_kv_heads if self.sliding_kv_heads and self.window(layer) else self.num_kv_heads
+
+    @property
+    def sinks_name(self) -> str:
+        """The attention sinks' tensor under self_attn (MiMo-V2-Flash publishes them as attention_sink_bias)."""
+        return "attention_sink_bias" if self.model_type == "mimo_v2_flash" else "sinks"
+
+    @property
+    def value_dim(self) -> int:
+        """A GQA value head's width (MiMo-V2-Flash's is narrower than its query and key heads)."""
+        return self.v_head_dim or self.head_dim
 
     def window(self, layer: int) -> int:
         """Keys a query of this layer sees (itself and the ones before it); 0 = all."""
@@ -309,6 +328,33 @@ def _qwen3_next(raw: dict, n_layers: int) -> dict:
     return dict(layer_types=types, linear_attn=shape, attn_output_gate=True, norm_offset=True)
 
 
+def _mimo(raw: dict, n_layers: int, head_dim: int) -> tuple[tuple[int, ...], int, dict]:
+    """MiMo-V2-Flash: sliding-window layers (twice the KV heads, attention sinks, their own rope base) beside full
+    ones (transformers' default: the first and every sixth), a value head narrower than the query's, values scaled
+    before they are cached, dense first layers (mlp_layer_types), DeepSeek-V3's sigmoid routing without shared
+    experts -> (moe layers, expert width, the fields beyond GQA's)."""
+    types = tuple(raw.get("layer_types") or ("full_attention" if i == 0 or not (i + 1) % 6 else "sliding_attention"
+                                             for i in range(n_layers)))
+    if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelConfigError(f"mimo_v2_flash layer_types {list(types)}: one of sliding_attention | full_attention "
+                               f"per layer ({n_layers})")
+    kinds = list(raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1))
+    if len(kinds) != n_layers or set(kinds) - {"dense", "sparse"}:
+        raise ModelConfigError(f"mimo_v2_flash mlp_layer_types {kinds}: one of dense | sparse per layer ({n_layers})")
+    rope = raw.get("rope_parameters") or {}
+    sliding = rope.get("sliding_attention") or {}
+    window = int(raw.get("sliding_window") or 0) or int(raw.get("sliding_window_size", 128)) + 1
+    fields = dict(layer_types=types, sliding_window=window, attn_sinks=True,
+                  sliding_kv_heads=2 * int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+                  sliding_rope_theta=float(sliding.get("rope_theta", 10000.0)),
+                  v_head_dim=int(raw.get("v_head_dim") or head_dim),
+                  value_scale=float(raw["attention_value_scale"]) if raw.get("attention_value_scale") is not None else 1.0,
+                  scoring="sigmoid", topk_method="noaux_tc", n_group=int(raw.get("n_group") or 1),
+                  topk_group=int(raw.get("topk_group") or 1),
+                  routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0))
+    return tuple(i for i, k in enumerate(kinds) if k == "sparse"), int(raw["moe_intermediate_size"]), fields
+
+
 def _dsa(raw: dict, published: str, n_layers: int) -> dict:
     """DeepSeek Sparse Attention's fields: the indexer's shape, its rope, and (GLM-5) which layers share the previous
     full layer's selection: indexer_types, else index_topk_pattern ("FSS..."), else transformers' schedule from
@@ -405,6 +451,9 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         if raw.get("use_sliding_window") or (mt == "mixtral" and raw.get("sliding_window")):
             raise ModelConfigError("sliding-window attention is not supported")
         glm, minimax, oss, nxt = mt == "glm4_moe", mt == "minimax_m2", mt == "gpt_oss", mt in HYBRID
+        if mt == "mimo_v2_flash":  # its rope_parameters are per layer type: the full layers' are the model's
+            rope_params = dict(rope_params.get("full_attention") or rope_params)
+            common.update(rope_params=rope_params, rope_theta=float(rope_params.get("rope_theta", theta)))
         fields = {}  # what the family sets beyond the common GQA ones
         if oss:  # every layer MoE; attention sinks and alternating sliding windows; biased experts
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
@@ -429,6 +478,8 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
                            scoring="sigmoid", topk_method="noaux_tc", n_group=int(raw.get("n_group") or 1),
                            topk_group=int(raw.get("topk_group") or 1),
                            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+        elif mt == "mimo_v2_flash":
+            moe_layers, moe_inter, fields = _mimo(raw, n_layers, head_dim)
         elif mt == "mixtral":
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
         else:
@@ -446,12 +497,13 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             **common, attention="gqa", num_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
             head_dim=head_dim, rope_interleave=False, rotary_dim=int(head_dim * partial) if partial < 1 else 0,
             qkv_bias=(mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
-            or ((glm or oss or nxt) and bool(raw.get("attention_bias"))),
+            or ((glm or oss or nxt or mt == "mimo_v2_flash") and bool(raw.get("attention_bias"))),
             qk_norm=mt == "qwen3_moe" or nxt or (glm and bool(raw.get("use_qk_norm"))), qk_norm_full=minimax,
             moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
             shared_expert_gate=mt == "qwen2_moe" or nxt,
             # Qwen3.5's router always renormalizes its top-k (the field is gone from its config)
-            norm_topk_prob=True if mt in MIXTRAL_NAMES or mt.startswith("qwen3_5") else bool(raw.get("norm_topk_prob", glm)),
+            norm_topk_prob=True if mt in MIXTRAL_NAMES or mt.startswith("qwen3_5") else bool(raw.get(
+                "norm_topk_prob", glm or mt == "mimo_v2_flash")),
             **fields,
         )
     if cfg.n_routed_experts <= 0 or not (0 < cfg.top_k <= min(cfg.n_routed_experts, MAX_TOP_K)):

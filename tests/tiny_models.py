@@ -30,6 +30,13 @@ FAMILIES = {
         qk_nope_head_dim=12, v_head_dim=24, n_shared_experts=1, routed_scaling_factor=2.5,
         max_position_embeddings=512, index_n_heads=8, index_head_dim=16, index_topk=4,
         indexer_types=["full", "shared", "full", "shared"])),
+    # MiMo-V2-Flash: full attention on layers 0 and 3, sliding windows of 5 (twice the KV heads, sinks, their own rope
+    # base) between; a value head narrower than the key's, values scaled; a dense first layer, sigmoid routing
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, sliding_window=5, attention_value_scale=0.7, max_position_embeddings=512,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,

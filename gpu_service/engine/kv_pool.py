@@ -70,7 +70,8 @@ class KVPool:
             shapes = lambda L: [(rows, BLOCK, cfg.kv_lora_rank), (rows, BLOCK, cfg.qk_rope_head_dim)] + \
                 ([(rows, BLOCK, cfg.index_dim)] if cfg.has_indexer(L) else [])  # noqa: E731
         else:
-            shapes = lambda L: [(cfg.num_kv_heads, rows, BLOCK, cfg.head_dim)] * 2  # noqa: E731
+            shapes = lambda L: [(cfg.kv_heads(L), rows, BLOCK, cfg.head_dim),  # noqa: E731
+                                (cfg.kv_heads(L), rows, BLOCK, cfg.value_dim)]
         self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
         # per layer its buffers, None for a linear-attention layer (untouched pages of these cost no memory on
         # the CPU; on CUDA they are the pool's reservation)
@@ -269,7 +270,7 @@ def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
             return 0
         if cfg.attention == "mla":
             return cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_dim if cfg.has_indexer(L) else 0)
-        return 2 * cfg.num_kv_heads * cfg.head_dim
+        return cfg.kv_heads(L) * (cfg.head_dim + cfg.value_dim)
     return BLOCK * sum(map(per_pos, range(cfg.num_layers))) * torch.empty(0, dtype=dtype).element_size()
 
 

@@ -105,14 +105,17 @@ def masked_rows(xs: list[torch.Tensor], unseen: torch.Tensor) -> list[torch.Tens
     return [x.masked_fill(unseen[None, :, :, None] if x.dim() == 4 else unseen[:, :, None], 0) for x in xs]
 
 
-def gqa_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, native: bool = False):
-    """x [t, H] -> (q [t, nh, d], k and v [t, kv heads, d]: normed and rotated as the layer's keys are stored, the
-    output gate [t, nh * d] or None). Shared by gqa_attention and the graphed decode step (cuda_graphs.py)."""
+def gqa_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, native: bool = False,
+                layer: int | None = None):
+    """x [t, H] -> (q [t, nh, d], k [t, kv heads, d] and v [t, kv heads, value dim]: normed, rotated and scaled as
+    the layer's keys and values are stored, the output gate [t, nh * d] or None). Shared by gqa_attention and the
+    graphed decode step (cuda_graphs.py). layer: for its KV heads where layers differ (MiMo-V2-Flash)."""
     t = x.shape[0]
-    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    nh, d, dv = cfg.num_heads, cfg.head_dim, cfg.value_dim
+    nkv = cfg.num_kv_heads if layer is None else cfg.kv_heads(layer)
     nq = nh * d * (2 if cfg.attn_output_gate else 1)  # Qwen3-Next: each head's query, then its gate
     if p + QKV in W:  # packed for the native kernels as one matrix: one call instead of three
-        q, k, v = linear(x, W[p + QKV]).split([nq, nkv * d, nkv * d], dim=-1)
+        q, k, v = linear(x, W[p + QKV]).split([nq, nkv * d, nkv * dv], dim=-1)
         q, k, v = (y if W.get(p + n + ".bias") is None else y + W[p + n + ".bias"]
                    for y, n in zip((q, k, v), ("q_proj", "k_proj", "v_proj")))
     else:
@@ -126,7 +129,9 @@ def gqa_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, na
     if cfg.qk_norm_full:
         q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps)
-    q, k, v = q.reshape(t, nh, d), k.reshape(t, nkv, d), v.reshape(t, nkv, d)
+    q, k, v = q.reshape(t, nh, d), k.reshape(t, nkv, d), v.reshape(t, nkv, dv)
+    if cfg.value_scale != 1.0:  # MiMo-V2-Flash: as transformers scales its values, in the model dtype
+        v = v * cfg.value_scale
     if cfg.qk_norm:
         q = rms_norm(q, W[p + "q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, native)
         k = rms_norm(k, W[p + "k_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset, native)
@@ -136,7 +141,7 @@ def gqa_project(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, na
 def gqa_output(cfg: ModelConfig, W: dict, p: str, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     """The heads' outputs (t x nh x d values, head-major within a token) -> [t, H]: the output gate where the layer
     has one, then o_proj."""
-    o = o.reshape(-1, cfg.num_heads * cfg.head_dim)
+    o = o.reshape(-1, cfg.num_heads * cfg.value_dim)
     if gate is not None:
         o = o * torch.sigmoid(gate)
     return linear(o, W[p + "o_proj.weight"], W.get(p + "o_proj.bias"))
@@ -147,17 +152,19 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     """x [t, H] (the rows `kv` covers) -> [t, H]. native: decode on the native kernel where it takes the pool (fp32,
     bf16 or fp16 on the CPU; moe_kernels.attention)."""
     t = x.shape[0]
-    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v, gate = gqa_project(cfg, W, p, x, cos, sin, native)
+    nh, nkv, d = cfg.num_heads, cfg.kv_heads(layer), cfg.head_dim
+    q, k, v, gate = gqa_project(cfg, W, p, x, cos, sin, native, layer)
     kv.write(layer, k, v)
-    window, sinks = cfg.window(layer), W[p + "sinks"] if cfg.attn_sinks else None
+    # (MiMo-V2-Flash: only its sliding layers have sinks)
+    window, sinks = cfg.window(layer), W.get(p + cfg.sinks_name) if cfg.attn_sinks else None
     cache = kv.paged
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks (a sequence's own cache: no graph takes these)
         start = kv.start
         first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
         o = windowed_attention(q, *_as(q.dtype, cache.gather(layer, start + t, first)), start, window, sinks,
                                d ** -0.5, first)
-    elif kv.decoding and native and cache is not None and native_attention.supported(cache.pool.bufs[layer][0]):
+    elif kv.decoding and native and cache is not None and native_attention.supported(cache.pool.bufs[layer][0]) \
+            and cfg.value_dim == d:
         # consecutive blocks (a lone sequence's) are read as one strided matrix a head, without the table
         o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer], cache.table(), kv.start + 1,
                                                     d ** -0.5,
@@ -179,19 +186,19 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
 
 def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, window: int,
                        sinks: torch.Tensor | None, scale: float, lo: int) -> torch.Tensor:
-    """q [t, nh, d] at positions start.., K/V [kv, L, d] the keys and values of positions lo.. (the first any
-    query sees) -> [t, nh, d]. Query i sees keys j with i - window < j <= i (window 0: every j <= i); `sinks`
+    """q [t, nh, d] at positions start.., K [kv, L, d] and V [kv, L, dv] the keys and values of positions lo.. (the
+    first any query sees) -> [t, nh, dv]. Query i sees keys j with i - window < j <= i (window 0: every j <= i); `sinks`
     [nh] is one more logit per head in each softmax, whose share is dropped (gpt-oss; transformers' eager
     attention with s_aux)."""
     t, nh, d = q.shape
-    nkv = K.shape[0]
+    nkv, dv = K.shape[0], V.shape[-1]
     g = nh // nkv
     L = K.shape[1]
     j = torch.arange(lo, lo + L, device=q.device)
     i = torch.arange(start, start + t, device=q.device)[:, None]
     allowed = (j <= i) & (j > i - window) if window else j <= i                 # [t, L]
     qg = q.transpose(0, 1).reshape(nkv, g * t, d)                               # [kv, group x t, d]
-    o = torch.empty(nkv, g * t, d, dtype=q.dtype, device=q.device)
+    o = torch.empty(nkv, g * t, dv, dtype=q.dtype, device=q.device)
     step = max(1, min(nkv, SCORE_BYTES // max(1, g * t * L * 4)))  # kv heads whose fp32 scores fit at once
     for h in range(0, nkv, step):
         s = torch.matmul(qg[h:h + step], K[h:h + step].transpose(1, 2)).float() * scale  # [n, group x t, L]
@@ -201,7 +208,7 @@ def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start:
             s = torch.cat([s, sink], dim=-1)
         pr = s.softmax(-1)[..., :L].to(V.dtype).view(-1, g * t, L)
         o[h:h + step] = torch.matmul(pr, V[h:h + step])
-    return o.view(nh, t, d).transpose(0, 1)
+    return o.view(nh, t, dv).transpose(0, 1)
 
 
 def _latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: SeqCache, layer: int, start: int,

@@ -7,6 +7,8 @@ sum is added one MoE layer later.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import re
@@ -50,7 +52,7 @@ CLOSE_EVERY_BYTES = 256 << 20  # packing dense layers: reopen the checkpoint aft
 
 DIRECT_TOKENS = 1 << 16  # positions of the pool new_cache() uses when no engine set one
 
-FP32_ROUTER = ("deepseek_v3", "deepseek_v2", "glm4_moe")
+FP32_ROUTER = ("deepseek_v3", "deepseek_v2", "glm4_moe", "mimo_v2_flash")
 
 
 def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
@@ -130,6 +132,10 @@ class Model:
         self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of positions 0..n-1 (rope)
+        # MiMo-V2-Flash's sliding-window layers rotate with a rope base of their own: their table beside
+        self.sliding_inv_freq = rope_inv_freq(dataclasses.replace(cfg, rope_theta=cfg.sliding_rope_theta))[0].to(
+            device) if cfg.sliding_rope_theta else None
+        self.sliding_rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
         self.scale = softmax_scale(cfg, qk_dim)
         self.last_moe_layer = cfg.moe_layers[-1] if cfg.moe_layers else -1
@@ -215,10 +221,17 @@ class Model:
         buckets = self.graph_runner(pool).prepare(rows, end, deferring)
         return len(buckets), sum(g is not None for b in buckets for g in b.graphs)
 
-    def rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, end: int, sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rotary dim / 2] of positions [T] (all below end): rows of tables of every position so far,
         grown by doubling. rope_cos_sin's numbers (elementwise: a position's row is the same computed alone or
-        among others), in two index ops where it takes ~10."""
+        among others), in two index ops where it takes ~10. sliding: the sliding-window layers' own (MiMo-V2-Flash)."""
+        if sliding:
+            table = self.sliding_rope_table
+            if table is None or table[0].shape[0] < end:
+                n = max(end, 1024, 2 * (table[0].shape[0] if table else 0))
+                table = self.sliding_rope_table = rope_cos_sin(self.sliding_inv_freq, 1.0,
+                                                               torch.arange(n, device=self.device), self.dtype)
+            return table[0][positions], table[1][positions]
         if self.rope_table is None or self.rope_table[0].shape[0] < end:
             n = max(end, 1024, 2 * (self.rope_table[0].shape[0] if self.rope_table else 0))
             self.rope_table = rope_cos_sin(self.inv_freq, self.rope_scaling, torch.arange(n, device=self.device),

@@ -225,7 +225,10 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
         positions = torch.tensor([s.start for s in segments], device=model.device)
     else:
         positions = torch.cat([torch.arange(s.start, s.start + s.tokens.shape[0]) for s in segments]).to(model.device)
-    cos, sin = model.rope(positions, max(s.start + s.tokens.shape[0] for s in segments))
+    end = max(s.start + s.tokens.shape[0] for s in segments)
+    cos, sin = model.rope(positions, end)
+    # MiMo-V2-Flash: its sliding-window layers' rope base is their own
+    sliding = model.rope(positions, end, sliding=True) if cfg.sliding_rope_theta else (cos, sin)
     h = embed(model, tokens)
     # the attention blocks the native step takes run as one call each for all the sequences
     native_seqs = native_stages.sequences([s.cache for s in segments], [s.start for s in segments]) \
@@ -250,7 +253,7 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
             x, routed = native_block(model, L, h, cos, sin, pool, native_seqs)
             t = mark("attention", L, t)
         else:
-            h, x = attention(model, L, h, cos, sin, kvs)
+            h, x = attention(model, L, h, *(sliding if cfg.window(L) else (cos, sin)), kvs)
             t = mark("linear_attention" if cfg.is_linear_attention(L) else "attention", L, t)
         native = native_seqs is not None
         if not cfg.is_moe_layer(L):

@@ -4,16 +4,12 @@ much longer than index_topk, prefilled whole or in chunks, batched with other se
 with deferral (the same as the two services')."""
 from __future__ import annotations
 
-import queue
-
 import pytest
 import torch
-import transformers
 
 import tiny_models
+from engine_runs import N_NEW, collect, prompt_of, reference, submit
 from gpu_service.engine.kv_pool import BLOCK, KVPool
-from gpu_service.engine.sampling import SamplingParams
-from gpu_service.engine.scheduler import Failure, Request, Scores
 from gpu_service.experts.local import LocalExperts
 from gpu_service.model.model import Model, Segment
 from harness import greedy, local_engine
@@ -23,43 +19,6 @@ from moe_experts.store import load_expert_layers
 from moe_kernels import ISA, SIMD_ISAS
 
 DSA = ["deepseek_v32", "glm_moe_dsa"]
-N_NEW = 24
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    torch.manual_seed(seed)
-    return torch.randint(2, tiny_models.VOCAB, (n,)).tolist()
-
-
-def reference(d, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """transformers' N_NEW greedy tokens after the prompt, and its logits at every prompt position."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    with torch.no_grad():
-        toks = ref.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        return toks, ref(torch.tensor([prompt])).logits[0]
-
-
-def submit(engine, ids, score=False, defer=0) -> queue.Queue:
-    q: queue.Queue = queue.Queue()
-    engine.submit(Request(prompt_ids=list(ids), emit=q.put, max_tokens=N_NEW, sampling=SamplingParams(temperature=0),
-                          ignore_eos=True, score_only=score, defer=defer))
-    return q
-
-
-def collect(q: queue.Queue):
-    """-> the greedy tokens and the prompt tokens the prefix cache gave, or a score request's logits."""
-    toks = []
-    while True:
-        ev = q.get(timeout=300)
-        assert not isinstance(ev, Failure), ev.message
-        if isinstance(ev, Scores):
-            return ev.logits
-        toks += ev.token_ids
-        if ev.finish_reason:
-            return toks, ev.cached_tokens
-
-
 @pytest.fixture(scope="module")
 def dsa(tmp_path_factory):
     """family -> (checkpoint, {prompt length: (prompt, transformers' tokens, its logits)}): a prompt shorter than

@@ -1,0 +1,47 @@
+"""Greedy runs of an in-process engine against transformers' own model, for the families' equality tests."""
+from __future__ import annotations
+
+import queue
+
+import torch
+import transformers
+
+import tiny_models
+from gpu_service.engine.sampling import SamplingParams
+from gpu_service.engine.scheduler import Failure, Request, Scores
+
+N_NEW = 24
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    torch.manual_seed(seed)
+    return torch.randint(2, tiny_models.VOCAB, (n,)).tolist()
+
+
+def reference(d, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' N_NEW greedy tokens after the prompt, and its logits at every prompt position."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        toks = ref.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        return toks, ref(torch.tensor([prompt])).logits[0]
+
+
+def submit(engine, ids, score=False, defer=0) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    engine.submit(Request(prompt_ids=list(ids), emit=q.put, max_tokens=N_NEW, sampling=SamplingParams(temperature=0),
+                          ignore_eos=True, score_only=score, defer=defer))
+    return q
+
+
+def collect(q: queue.Queue):
+    """-> the greedy tokens and the prompt tokens the prefix cache gave, or a score request's logits."""
+    toks = []
+    while True:
+        ev = q.get(timeout=300)
+        assert not isinstance(ev, Failure), ev.message
+        if isinstance(ev, Scores):
+            return ev.logits
+        toks += ev.token_ids
+        if ev.finish_reason:
+            return toks, ev.cached_tokens
