@@ -328,6 +328,15 @@ def _qwen3_next(raw: dict, n_layers: int) -> dict:
     return dict(layer_types=types, linear_attn=shape, attn_output_gate=True, norm_offset=True)
 
 
+def _mimo_rope(raw: dict) -> tuple[dict, dict]:
+    """MiMo-V2-Flash's rope parameters of its full and its sliding layers: rope_parameters by layer type, else
+    transformers' defaults (the published thetas; a published config's own rope fields are not read by it)."""
+    per = raw.get("rope_parameters") or {}
+    default = {"rope_type": "default", "partial_rotary_factor": 0.334}
+    return (dict(per.get("full_attention") or {**default, "rope_theta": 5_000_000.0}),
+            dict(per.get("sliding_attention") or {**default, "rope_theta": 10_000.0}))
+
+
 def _mimo(raw: dict, n_layers: int, head_dim: int) -> tuple[tuple[int, ...], int, dict]:
     """MiMo-V2-Flash: sliding-window layers (twice the KV heads, attention sinks, their own rope base) beside full
     ones (transformers' default: the first and every sixth), a value head narrower than the query's, values scaled
@@ -341,12 +350,12 @@ def _mimo(raw: dict, n_layers: int, head_dim: int) -> tuple[tuple[int, ...], int
     kinds = list(raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1))
     if len(kinds) != n_layers or set(kinds) - {"dense", "sparse"}:
         raise ModelConfigError(f"mimo_v2_flash mlp_layer_types {kinds}: one of dense | sparse per layer ({n_layers})")
-    rope = raw.get("rope_parameters") or {}
-    sliding = rope.get("sliding_attention") or {}
-    window = int(raw.get("sliding_window") or 0) or int(raw.get("sliding_window_size", 128)) + 1
+    # the reference attends to sliding_window_size positions and the query (transformers: sliding_window)
+    size = raw.get("sliding_window_size")
+    window = int(size) + 1 if size is not None else int(raw.get("sliding_window") or 129)
     fields = dict(layer_types=types, sliding_window=window, attn_sinks=True,
                   sliding_kv_heads=2 * int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
-                  sliding_rope_theta=float(sliding.get("rope_theta", 10000.0)),
+                  sliding_rope_theta=float(_mimo_rope(raw)[1]["rope_theta"]),
                   v_head_dim=int(raw.get("v_head_dim") or head_dim),
                   value_scale=float(raw["attention_value_scale"]) if raw.get("attention_value_scale") is not None else 1.0,
                   scoring="sigmoid", topk_method="noaux_tc", n_group=int(raw.get("n_group") or 1),
@@ -452,8 +461,8 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             raise ModelConfigError("sliding-window attention is not supported")
         glm, minimax, oss, nxt = mt == "glm4_moe", mt == "minimax_m2", mt == "gpt_oss", mt in HYBRID
         if mt == "mimo_v2_flash":  # its rope_parameters are per layer type: the full layers' are the model's
-            rope_params = dict(rope_params.get("full_attention") or rope_params)
-            common.update(rope_params=rope_params, rope_theta=float(rope_params.get("rope_theta", theta)))
+            rope_params = _mimo_rope(raw)[0]
+            common.update(rope_params=rope_params, rope_theta=float(rope_params["rope_theta"]))
         fields = {}  # what the family sets beyond the common GQA ones
         if oss:  # every layer MoE; attention sinks and alternating sliding windows; biased experts
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])

@@ -42,6 +42,11 @@ NARROW["deepseek-v3.2"] = dict(NARROW["deepseek-v3"], index_n_heads=8, index_hea
 # first's selection
 NARROW["glm-5"] = dict(NARROW["deepseek-v3.2"], n_group=1, topk_group=1, qk_nope_head_dim=12, v_head_dim=24,
                        indexer_types=["full", "shared", "full"])
+# MiMo-V2-Flash: windows of 8 + the query (a 70-token prompt crosses them), GQA 4 / 1 (2 on sliding layers), a value
+# head of 16 beside query and key heads of 24
+NARROW["mimo-v2-flash"] = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
+                               num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+                               v_head_dim=16, sliding_window_size=8)
 NARROW["kimi-k2.6"] = dict(NARROW["kimi-k2"], vision_config=dict(hidden_size=32, intermediate_size=32,
                                                                  num_hidden_layers=1))
 

@@ -208,6 +208,26 @@ PRESETS["glm-5"] = {**{k: v for k, v in PRESETS["deepseek-v3"].items() if k not 
                     "vocab_size": 154880, "index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048,
                     "eos_token_id": [154820, 154827, 154829], "bos_token_id": None, "num_nextn_predict_layers": 1}
 
+# XiaomiMiMo/MiMo-V2-Flash as transformers 5.24's MiMoV2FlashConfig gives its shapes (not read from the hub here):
+# full attention on the first and every sixth layer, sliding windows of 128 + the query elsewhere (twice the KV heads,
+# sinks), query/key heads of 192 and value heads of 128, one dense layer, 256 experts top-8 by sigmoid; FP8 blocks
+PRESETS["mimo-v2-flash"] = {
+    "architectures": ["MiMoV2FlashForCausalLM"], "model_type": "mimo_v2_flash", "attention_bias": False,
+    "attention_value_scale": 0.707, "bos_token_id": 1, "eos_token_id": 151645, "head_dim": 192, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 16384, "max_position_embeddings": 131072,
+    "moe_intermediate_size": 2048, "n_group": 1, "n_routed_experts": 256, "norm_topk_prob": True,
+    "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "quantization_config": PRESETS["deepseek-v3"]["quantization_config"], "rms_norm_eps": 1e-05,
+    "routed_scaling_factor": None, "sliding_window_size": 128, "tie_word_embeddings": False, "topk_group": 1,
+    "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 152576,
+}
+
+
+def _mimo_sliding(c: dict, L: int) -> bool:
+    """A MiMo-V2-Flash layer with a sliding window (transformers' default pattern where the config lists none)."""
+    types = c.get("layer_types")
+    return types[L] == "sliding_attention" if types else bool(L) and (L + 1) % 6 != 0
+
 
 def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of every tensor, in the published order; kind: proj (an attention or MLP
@@ -224,7 +244,7 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     layers = c["num_hidden_layers"] + (c.get("num_nextn_predict_layers") or 0)
     nxt = c["model_type"] in ("qwen3_next", "qwen3_5_moe")
     split = c["model_type"] == "qwen3_5_moe"  # Qwen3.5: DeltaNet projections one per part, experts stacked
-    minimax = c["model_type"] == "minimax_m2"
+    minimax, mimo = c["model_type"] == "minimax_m2", c["model_type"] == "mimo_v2_flash"
     out.append(("model.embed_tokens.weight", (V, H), "embed"))
     for L in range(layers + nxt):
         p = f"model.layers.{L}."
@@ -275,11 +295,15 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                         (la + "norm.weight", (dv,), "norm")]
                 proj(la + "out_proj.weight", H, nv * dv)
             else:  # q_proj: Qwen3-Next's gives each head's query and its output gate
-                for n, rows in (("q_proj", nh * hd * (2 if nxt else 1)), ("k_proj", kv * hd), ("v_proj", kv * hd)):
+                mimo_swa = mimo and _mimo_sliding(c, L)
+                kv, dv = kv * (2 if mimo_swa else 1), c.get("v_head_dim") or hd
+                for n, rows in (("q_proj", nh * hd * (2 if nxt else 1)), ("k_proj", kv * hd), ("v_proj", kv * dv)):
                     proj(a + n + ".weight", rows, H)
                     if c.get("attention_bias"):
                         out.append((a + n + ".bias", (rows,), "proj_bias"))
-                proj(a + "o_proj.weight", H, nh * hd)
+                proj(a + "o_proj.weight", H, nh * dv)
+                if mimo_swa:
+                    out.append((a + "attention_sink_bias", (nh,), "proj_bias"))
                 if c["model_type"] == "gpt_oss":  # o_proj's bias and the sinks; every layer MoE, experts fused
                     out += [(a + "o_proj.bias", (H,), "proj_bias"), (a + "sinks", (nh,), "proj_bias")]
                     E, I, m = c["num_local_experts"], c["intermediate_size"], p + "mlp."
@@ -291,10 +315,13 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                     continue
                 if minimax:  # one norm over all heads' q (k)
                     out += [(a + "q_norm.weight", (nh * hd,), "norm"), (a + "k_norm.weight", (kv * hd,), "norm")]
-                elif not glm or c.get("use_qk_norm"):
+                elif not (glm or mimo) or c.get("use_qk_norm"):
                     out += [(a + "q_norm.weight", (hd,), "norm"), (a + "k_norm.weight", (hd,), "norm")]
             if minimax:  # every layer MoE, Mixtral's names (below)
                 moe, E, shared = True, c["num_local_experts"], 0
+            elif mimo:  # one dense layer first (mlp_layer_types), DeepSeek-V3's router, no shared experts
+                moe = (c.get("mlp_layer_types") or ["dense"] + ["sparse"] * layers)[L] == "sparse"
+                E, shared = c["n_routed_experts"], 0
             elif glm:  # DeepSeek-V3's MoE layout
                 moe = L >= c["first_k_dense_replace"]
                 E, shared = c["n_routed_experts"], c["moe_intermediate_size"] * c["n_shared_experts"]
@@ -322,7 +349,7 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
             proj(m + f"experts.{e}.up_proj.weight", I, H)
             proj(m + f"experts.{e}.down_proj.weight", H, I)
         out.append((m + "gate.weight", (E, H), "router"))
-        if c["model_type"] in ("deepseek_v3", "glm4_moe"):
+        if c["model_type"] in ("deepseek_v3", "glm4_moe", "mimo_v2_flash"):
             out.append((m + "gate.e_score_correction_bias", (E,), "bias"))
         if shared:  # Qwen's one gated shared_expert, DeepSeek's shared_experts
             se = m + ("shared_expert." if nxt else "shared_experts.")

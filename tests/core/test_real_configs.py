@@ -81,10 +81,10 @@ def test_mxfp4_reads_as_transformers_dequantizes():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("deepseek-v3.2", [16, 16]),
-                                        ("glm-5", [16, 16]), ("qwen3-30b-a3b", None),
+                                        ("glm-5", [16, 16]), ("mimo-v2-flash", [16, 16]), ("qwen3-30b-a3b", None),
                                         ("glm-4.5-air", None), ("gpt-oss-20b", None), ("qwen3-next-80b-a3b", None),
                                         ("qwen3.5-35b-a3b", None), ("minimax-m2", [16, 16])],
-                         ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "deepseek-v3.2-fp8", "glm-5-fp8", "qwen3-30b-a3b", "glm-4.5-air",
+                         ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "deepseek-v3.2-fp8", "glm-5-fp8", "mimo-v2-flash-fp8", "qwen3-30b-a3b", "glm-4.5-air",
                               "gpt-oss-20b-mxfp4", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "minimax-m2-fp8"])
 def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
     extra = {}
