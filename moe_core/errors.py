@@ -21,6 +21,12 @@ class Status(enum.Enum):
     UNAUTHENTICATED = 16
 
 
+def http_status(status: Status) -> int:
+    """The HTTP status a failed request's Status answers with on the HTTP APIs."""
+    return {Status.INVALID_ARGUMENT: 400, Status.UNAVAILABLE: 503, Status.DEADLINE_EXCEEDED: 504,
+            Status.RESOURCE_EXHAUSTED: 429}.get(status, 500)
+
+
 class BadRequest(ValueError):
     """A request that cannot be served as asked (INVALID_ARGUMENT, HTTP 400). field: the field at fault, as the
     transport-neutral request names it (dotted: "sampling.top_p"; "" when it is the request as a whole); the

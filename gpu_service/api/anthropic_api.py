@@ -27,7 +27,7 @@ from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.api.tools import ToolChoice
 from gpu_service.engine.sampling import SamplingParams
 from gpu_service.engine.scheduler import Failure
-from moe_core.errors import BadRequest
+from moe_core.errors import BadRequest, http_status
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -384,8 +384,7 @@ class Messages:
             while True:
                 ev = await q.get()
                 if isinstance(ev, Failure):
-                    from gpu_service.api.openai_api import HTTP_STATUS
-                    raise MessagesError(HTTP_STATUS.get(ev.status, 500), ev.message)
+                    raise MessagesError(http_status(ev.status), ev.message)
                 answer.add(ev)
                 if ev.finish_reason:
                     return web.json_response(answer.whole())
@@ -405,8 +404,7 @@ class Messages:
                 await send({"type": "ping"})
             while True:
                 if isinstance(ev, Failure):  # mid-stream: the status line is gone; the error goes in the stream
-                    from gpu_service.api.openai_api import HTTP_STATUS
-                    status = HTTP_STATUS.get(ev.status, 500)
+                    status = http_status(ev.status)
                     await send({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
                                                            "message": ev.message}})
                     break

@@ -19,7 +19,7 @@ import uuid
 
 from aiohttp import web
 
-from moe_core.errors import BadRequest, Status
+from moe_core.errors import BadRequest, http_status
 from moe_core.security import ServerSecurity, presented_token
 
 from gpu_service import metrics
@@ -36,8 +36,6 @@ log = logging.getLogger("gpu_service.http")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 FINISH = {"length": "length", "stop": "stop", "eos": "stop", "tool_calls": "tool_calls"}
-HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.UNAVAILABLE: 503, Status.DEADLINE_EXCEEDED: 504,
-               Status.RESOURCE_EXHAUSTED: 429}
 # the transport-neutral request's field names as these endpoints spell them (sampling's are flat here)
 HTTP_FIELDS = {"messages.role": "messages", "token_ids": "prompt"}
 ERROR_TYPE = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
@@ -548,7 +546,7 @@ class Api:
             while choices.running:
                 i, ev = await choices.events.get()
                 if isinstance(ev, Failure):
-                    raise ApiError(HTTP_STATUS.get(ev.status, 500), ev.message)
+                    raise ApiError(http_status(ev.status), ev.message)
                 outs[i].add(ev)
                 choices.running -= bool(ev.finish_reason)
             return web.json_response({**outs[0].head("whole"), "choices": [o.choice() for o in outs],
@@ -566,7 +564,7 @@ class Api:
                 i, ev = await choices.events.get()
                 out = outs[i]
                 if isinstance(ev, Failure):  # mid-stream: the status line is gone; the error goes in the stream
-                    await send({"error": {"message": ev.message, "type": error_type(HTTP_STATUS.get(ev.status, 500)),
+                    await send({"error": {"message": ev.message, "type": error_type(http_status(ev.status)),
                                           "param": None, "code": ev.status.name}})
                     break
                 out.add(ev)

@@ -31,7 +31,7 @@ from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.api.tools import ToolChoice
 from gpu_service.engine.sampling import SamplingParams
 from gpu_service.engine.scheduler import Failure
-from moe_core.errors import BadRequest
+from moe_core.errors import BadRequest, http_status
 
 PATH = "/v1/responses"
 STORE_BYTES = 64 << 20  # most bytes of stored responses (their JSON and conversations)
@@ -439,8 +439,7 @@ class Responses:
             while True:
                 ev = await q.get()
                 if isinstance(ev, Failure):
-                    from gpu_service.api.openai_api import HTTP_STATUS
-                    raise _api_error(HTTP_STATUS.get(ev.status, 500), ev.message)
+                    raise _api_error(http_status(ev.status), ev.message)
                 answer.add(ev)
                 if ev.finish_reason:
                     return web.json_response(self._done(answer, conversation, tenant))
