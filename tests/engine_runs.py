@@ -45,3 +45,21 @@ def collect(q: queue.Queue):
         toks += ev.token_ids
         if ev.finish_reason:
             return toks, ev.cached_tokens
+
+
+def deferred_both_ways(d, prompt: list[int], services_factory):
+    """The prompt's N_NEW greedy tokens with defer=1 in one process and through the two services -> (in process,
+    through the services, the services (still up))."""
+    from harness import local_engine
+    from protos import generate_pb2
+
+    e = local_engine(d)
+    try:
+        local = collect(submit(e, prompt, defer=1))[0]
+    finally:
+        e.stop()
+    s = services_factory(d)
+    got = [t for c in s.stub.Generate(generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=N_NEW, ignore_eos=True, defer=1,
+        sampling=generate_pb2.SamplingParams(temperature=0)), timeout=120) for t in c.token_ids]
+    return local, got, s

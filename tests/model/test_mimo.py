@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import tiny_models
-from engine_runs import N_NEW, collect, prompt_of, reference, submit
+from engine_runs import collect, deferred_both_ways, prompt_of, reference, submit
 from gpu_service.engine.kv_pool import BLOCK, KVPool
 from harness import local_engine
 from moe_core.config import load_config
-from protos import generate_pb2
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +60,5 @@ def test_a_prefix_cache_hit(mimo):
 @pytest.mark.slow
 def test_deferral_in_one_process_equals_the_two_services(mimo, services_factory):
     d, refs = mimo
-    prompt = refs[21][0]
-    e = local_engine(d)
-    try:
-        local = collect(submit(e, prompt, defer=1))[0]
-    finally:
-        e.stop()
-    s = services_factory(d)
-    got = [t for c in s.stub.Generate(generate_pb2.GenerateRequest(
-        token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=N_NEW, ignore_eos=True, defer=1,
-        sampling=generate_pb2.SamplingParams(temperature=0)), timeout=120) for t in c.token_ids]
-    assert got == local
+    local, services, _ = deferred_both_ways(d, refs[21][0], services_factory)
+    assert services == local

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiny_models
-from engine_runs import N_NEW, collect, prompt_of, reference, submit
+from engine_runs import N_NEW, collect, deferred_both_ways, prompt_of, reference, submit
 from gpu_service.engine.kv_pool import BLOCK, KVPool
 from gpu_service.experts.local import LocalExperts
 from gpu_service.model.model import Model, Segment
@@ -139,16 +139,6 @@ def test_shared_layers_cache_no_indexer_keys(dsa):
 @pytest.mark.slow
 def test_deferral_in_one_process_equals_the_two_services(dsa, services_factory):
     d, refs = dsa["glm_moe_dsa"]
-    prompt = refs[21][0]
-    e = local_engine(d)
-    try:
-        local = collect(submit(e, prompt, defer=1))[0]
-    finally:
-        e.stop()
-    s = services_factory(d)
-    from protos import generate_pb2
-    got = [t for c in s.stub.Generate(generate_pb2.GenerateRequest(
-        token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=N_NEW, ignore_eos=True, defer=1,
-        sampling=generate_pb2.SamplingParams(temperature=0)), timeout=120) for t in c.token_ids]
-    assert got == local
-    assert greedy(s.stub, prompt, N_NEW) == refs[21][1]  # and without deferral, transformers' tokens
+    local, services, s = deferred_both_ways(d, refs[21][0], services_factory)
+    assert services == local
+    assert greedy(s.stub, refs[21][0], N_NEW) == refs[21][1]  # and without deferral, transformers' tokens
