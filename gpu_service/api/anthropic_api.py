@@ -370,13 +370,7 @@ class Messages:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise bad("stream: expected a boolean")
-        why = self.api.servicer.unavailable()
-        if why:
-            raise MessagesError(503, why)
-        try:
-            r, q = await self.api.servicer.submit(req)
-        except BadRequest as e:
-            raise self._bad_request(e) from None
+        r, q = await self.api._submit(req, FIELDS)  # (its refusals: Anthropic's shape here, openai_api._error)
         answer = Answer(self.api.model_name)
         try:
             if stream:

@@ -481,14 +481,15 @@ class Api:
         self._check_model(_field(body, "model", (str,), None))
         return body
 
-    async def _submit(self, req: GenerateInput, chat: bool, body: dict):
+    async def _submit(self, req: GenerateInput, names: dict[str, str]):
+        """req into the engine -> (its request, its queue); refusals as ApiError (the route's API shapes them), a
+        field named as the route's body spells it (names: the neutral name -> the body's; sampling's flat)."""
         why = self.servicer.unavailable()
         if why:
             raise ApiError(503, why)
         try:
             return await self.servicer.submit(req)
         except BadRequest as e:
-            names = {**HTTP_FIELDS, "input": "messages" if chat else "prompt", "constraint": constraint_field(body)}
             param = names.get(e.field, e.field.removeprefix("sampling."))
             raise ApiError(400, e.named({**names, e.field: param}), param, e.code) from None
 
@@ -535,10 +536,11 @@ class Api:
         stream = bool(_field(body, "stream", (bool,), False))
         usage_chunk = bool(_field(_field(body, "stream_options", (dict,), {}), "include_usage", (bool,), False))
         n = _int(body, "n", 1, MAX_N, 1)
-        r, q = await self._submit(req, chat, body)
+        names = {**HTTP_FIELDS, "input": "messages" if chat else "prompt", "constraint": constraint_field(body)}
+        r, q = await self._submit(req, names)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outs = [Output(self, rid, chat, req.logprobs is not None, i) for i in range(n)]
-        choices = Choices(lambda inp: self._submit(inp, chat, body), req, n)
+        choices = Choices(lambda inp: self._submit(inp, names), req, n)
         choices.start(r, q)
         try:
             if stream:

@@ -31,7 +31,7 @@ from gpu_service.api.constraints import ConstraintSpec
 from gpu_service.api.tools import ToolChoice
 from gpu_service.engine.sampling import SamplingParams
 from gpu_service.engine.scheduler import Failure
-from moe_core.errors import BadRequest, http_status
+from moe_core.errors import http_status
 
 PATH = "/v1/responses"
 STORE_BYTES = 64 << 20  # most bytes of stored responses (their JSON and conversations)
@@ -424,14 +424,7 @@ class Responses:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise bad("stream", "expected a boolean")
-        why = self.api.servicer.unavailable()
-        if why:
-            raise _api_error(503, why)
-        try:
-            r, q = await self.api.servicer.submit(req)
-        except BadRequest as e:
-            param = FIELDS.get(e.field, e.field.removeprefix("sampling."))
-            raise _api_error(400, e.named({**FIELDS, e.field: param}), param) from None
+        r, q = await self.api._submit(req, FIELDS)
         answer = Answer(f"resp_{uuid.uuid4().hex}", echo)
         try:
             if stream:

@@ -225,18 +225,14 @@ class Model:
         """cos, sin [T, rotary dim / 2] of positions [T] (all below end): rows of tables of every position so far,
         grown by doubling. rope_cos_sin's numbers (elementwise: a position's row is the same computed alone or
         among others), in two index ops where it takes ~10. sliding: the sliding-window layers' own (MiMo-V2-Flash)."""
-        if sliding:
-            table = self.sliding_rope_table
-            if table is None or table[0].shape[0] < end:
-                n = max(end, 1024, 2 * (table[0].shape[0] if table else 0))
-                table = self.sliding_rope_table = rope_cos_sin(self.sliding_inv_freq, 1.0,
-                                                               torch.arange(n, device=self.device), self.dtype)
-            return table[0][positions], table[1][positions]
-        if self.rope_table is None or self.rope_table[0].shape[0] < end:
-            n = max(end, 1024, 2 * (self.rope_table[0].shape[0] if self.rope_table else 0))
-            self.rope_table = rope_cos_sin(self.inv_freq, self.rope_scaling, torch.arange(n, device=self.device),
-                                            self.dtype)
-        return self.rope_table[0][positions], self.rope_table[1][positions]
+        name, inv_freq, scaling = ("sliding_rope_table", self.sliding_inv_freq, 1.0) if sliding else \
+            ("rope_table", self.inv_freq, self.rope_scaling)
+        table = getattr(self, name)
+        if table is None or table[0].shape[0] < end:
+            n = max(end, 1024, 2 * (table[0].shape[0] if table else 0))
+            table = rope_cos_sin(inv_freq, scaling, torch.arange(n, device=self.device), self.dtype)
+            setattr(self, name, table)
+        return table[0][positions], table[1][positions]
 
     def forward(self, segments: list[Segment], experts: Experts, step: int = 0, defer: int = 0,
                 spans: list | None = None, skip: bool = False, exact_spans: bool = False,
