@@ -23,6 +23,7 @@ from gpu_service.engine.scheduler import Engine
 from gpu_service.experts.connection import connect_remote, in_shard_order, load_local
 from gpu_service.experts.health import ExpertHealth
 from gpu_service.experts.local import LocalExperts
+from gpu_service import metrics
 from gpu_service.experts import hot, gpu_prefill
 from gpu_service.model.model import DTYPES, Model, compute_dtype, dense_format, pick_device
 from gpu_service.api.reasoning import PARSERS as REASONING_PARSERS
@@ -121,11 +122,14 @@ def parse_args(argv=None):
                          "(the pool's untouched pages cost nothing there; it touches its first 512 blocks, those "
                          "every request uses first, when it starts) or 80%% of the GPU's free memory after "
                          "loading. --max-context is lowered to what the pool holds unless given")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8", "fp8"],
                     help="the KV cache's element type; auto = the compute dtype (--dtype). fp16 halves an fp32 "
                          "model's cache (--dtype auto on a CPU without bf16 arithmetic), and with it the bytes decode "
                          "attention reads a token, as llama.cpp's default f16 cache does; not bit-exact to an fp32 "
-                         "reference (docs/performance/decode_step.md, 'The KV cache in fp16')")
+                         "reference (docs/performance/decode_step.md, 'The KV cache in fp16'). int8 and fp8 (e4m3) "
+                         "store each position's row of each KV head (MLA: its latent, its rotary key) as 8-bit codes "
+                         "and a power-of-two scale, ~1.95-1.99x the positions of a bf16 cache in the same bytes, read "
+                         "in place by the native decode kernels (docs/performance/kv_cache.md)")
     ap.add_argument("--prefix-cache-gb", type=float, default=None,
                     help="most GiB of KV blocks that no request uses kept for reuse, so that a request starting with "
                          "the same tokens (a chat's next turn, a shared system prompt) computes only the rest "
@@ -188,8 +192,11 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, torch.dtype, str |
     if args.prefix_cache_host_gb and device.type != "cuda":
         serving.fail(f"--prefix-cache-host-gb: a host tier is for a KV pool on CUDA; on {device} the pool is host memory "
                      "already (raise --kv-cache-gb and --prefix-cache-gb instead)")
-    kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPES[args.kv_cache_dtype]
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES.get(args.kv_cache_dtype) or DTYPES[args.kv_cache_dtype]
     return device, dtype, kv_dtype, dense, targets
+
+
+KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # --kv-cache-dtype's 8-bit rows (moe_kernels/kv_quant.py)
 
 
 def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: int) -> tuple[KVPool, int]:
@@ -214,9 +221,10 @@ def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: in
         max_context = blocks * BLOCK
     prefix = blocks * per_block if args.prefix_cache_gb is None else min(int(args.prefix_cache_gb * 2**30),
                                                                             blocks * per_block)
-    log.info("KV pool: %d blocks of %d tokens (%s, %.2f GiB, %.1f requests of %d tokens), prefix cache up to %.2f GiB",
-             blocks, BLOCK, str(dtype).replace("torch.", ""), blocks * per_block / 2**30, blocks * BLOCK / max_context,
-             max_context, prefix / 2**30)
+    log.info("KV pool: %d blocks of %d tokens (%s, %.1f KiB a token, %.2f GiB, %.1f requests of %d tokens), prefix "
+             "cache up to %.2f GiB", blocks, BLOCK, str(dtype).replace("torch.", ""), per_block / BLOCK / 1024,
+             blocks * per_block / 2**30, blocks * BLOCK / max_context, max_context, prefix / 2**30)
+    metrics.KV_POSITION_BYTES.set(per_block / BLOCK)
     return KVPool(cfg, dtype, device, blocks, prefix, int(args.prefix_cache_host_gb * 2**30) if prefix else 0), max_context
 
 

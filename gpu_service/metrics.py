@@ -32,6 +32,8 @@ PREFIX_EVICTIONS = Counter("moe_prefix_cache_evictions_total", "Cached KV blocks
                            "for room or beyond --prefix-cache-gb")
 PREFIX_BYTES = Gauge("moe_prefix_cache_bytes", "Bytes of cached KV blocks no request uses, and of kept linear-attention "
                      "states (--prefix-cache-gb)")
+KV_POSITION_BYTES = Gauge("moe_kv_cache_bytes_per_token", "Bytes of KV cache one position of context takes over every "
+                          "attention layer (--kv-cache-dtype; an 8-bit cache's scales included)")
 KV_BLOCKS = Gauge("moe_kv_cache_blocks", "KV pool blocks (--kv-cache-gb) by state: used by a request, cached (a prefix "
                   "kept for reuse, evicted when needed), free", ["state"])
 PREFIX_HOST_SPILLS = Counter("moe_prefix_cache_host_spills_total", "Evicted cached KV blocks copied to the host tier "

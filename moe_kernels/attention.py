@@ -1,32 +1,38 @@
 """Decode attention on the native kernels (native/kernels/attention.cpp): one new query per head against a
-sequence's KV cache (bf16, fp16 or fp32), fp32 scores and sums. For the GPU service's layers when it computes
+sequence's KV cache (bf16, fp16 or fp32, or 8-bit rows: int8 / fp8 codes and a scale byte each, kv_quant.py, read
+in place), fp32 scores and sums. For the GPU service's layers when it computes
 on the CPU, where torch's small matmuls and softmax make this a large part of a decode step."""
 from __future__ import annotations
 
 import torch
 
 from . import ISA, SIMD_ISAS, native
+from .kv_quant import values
 
 VECTOR_DIMS = (64, 128, 256)  # head dims with a vector kernel; others run its plain loops
-KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # native/moe.h KvType
+# native/moe.h KvType; a pool of the last two holds 8-bit rows (kv_quant.py): its last dim is a row's values + 1
+KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 DTYPES = tuple(KV_CODES)
+INDEX_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)  # dsa_scores' keys
 
 
 def supported(K: torch.Tensor, isa: str = ISA) -> bool:
     """Whether the native kernel takes this cache ([kv heads, positions, dim], or a paged pool layer [kv heads,
     blocks, block, dim]) fast on this isa."""
     return (isa in SIMD_ISAS and K.dtype in DTYPES and K.device.type == "cpu"
-            and K.shape[-1] in VECTOR_DIMS and K.stride(-1) == 1)
+            and values(K.dtype, K.shape[-1]) in VECTOR_DIMS and K.stride(-1) == 1)
 
 
 def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: float,
                      isa: str = ISA) -> torch.Tensor:
-    """q [nh, d] (any float dtype), K/V [nkv, L, d] fp32, bf16 or fp16 (unit stride along d) -> [nh, d] fp32."""
+    """q [nh, d] (any float dtype), K/V [nkv, L, d] fp32, bf16 or fp16 (unit stride along d), or 8-bit rows [nkv, L,
+    d + 1] -> [nh, d] fp32."""
     nh, d = q.shape
     nkv, L, _ = K.shape
     if K.dtype not in DTYPES or V.dtype != K.dtype or K.stride(-1) != 1 or V.stride(-1) != 1:
-        raise ValueError("decode_attention: K and V must be of one of fp32, bf16, fp16, unit stride along the head dim")
-    if V.shape != K.shape or nh % nkv or q.shape[1] != K.shape[2]:
+        raise ValueError("decode_attention: K and V must be of one of fp32, bf16, fp16, int8, fp8, unit stride along "
+                         "the head dim")
+    if V.shape != K.shape or nh % nkv or q.shape[1] != values(K.dtype, K.shape[2]):
         raise ValueError(f"decode_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} do not fit")
     qf = q.float().contiguous()
     out = torch.empty(nh, d)
@@ -43,7 +49,7 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
     nh, d = q.shape
     nkv, _, B, _ = K.shape
     _check_pools("paged_decode_attention: K and V", K, V)
-    if V.shape != K.shape or nh % nkv or d != K.shape[3] or B & (B - 1):
+    if V.shape != K.shape or nh % nkv or d != values(K.dtype, K.shape[3]) or B & (B - 1):
         raise ValueError(f"paged_decode_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} do not fit")
     _check_table("paged_decode_attention", table, B, L, first, K.shape[1])
     qf = q.float().contiguous()
@@ -78,7 +84,7 @@ def mla_paged_attention(q: torch.Tensor, C: torch.Tensor, KPE: torch.Tensor, tab
     Sparse Attention's (dsa_select)."""
     nh = q.shape[0]
     _, B, r = C.shape
-    dr = KPE.shape[-1]
+    r, dr = values(C.dtype, r), values(KPE.dtype, KPE.shape[-1])
     _check_pools("mla_paged_attention: C and KPE", C, KPE)
     if q.dim() != 2 or q.shape[1] != r + dr or KPE.shape[:2] != C.shape[:2] or B & (B - 1):
         raise ValueError(f"mla_paged_attention: q {list(q.shape)}, C {list(C.shape)}, KPE {list(KPE.shape)} do not fit")
@@ -89,41 +95,43 @@ def mla_paged_attention(q: torch.Tensor, C: torch.Tensor, KPE: torch.Tensor, tab
         if selected.dtype != torch.int32 or selected.dim() != 1 or not selected.is_contiguous() or \
                 not 0 < selected.numel() <= L or int(selected.min()) < 0 or int(selected.max()) >= L:
             raise ValueError(f"mla_paged_attention: selected must be 1..{L} int32 positions below {L}")
-        native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C.data_ptr(), KPE.data_ptr(), KV_CODES[C.dtype], r,
-                                    dr, selected.numel(), scale, out.data_ptr(), table.data_ptr(), B.bit_length() - 1,
-                                    C.stride(0), KPE.stride(0), selected.data_ptr())
+        native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C.data_ptr(), KPE.data_ptr(), KV_CODES[C.dtype],
+                                    C.stride(1), KPE.stride(1), selected.numel(), scale, out.data_ptr(),
+                                    table.data_ptr(), B.bit_length() - 1, C.stride(0), KPE.stride(0),
+                                    selected.data_ptr())
         return out
     if first >= 0:
         native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C[first].data_ptr(), KPE[first].data_ptr(),
-                                    KV_CODES[C.dtype], r, dr, L, scale, out.data_ptr())
+                                    KV_CODES[C.dtype], C.stride(1), KPE.stride(1), L, scale, out.data_ptr())
         return out
-    native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C.data_ptr(), KPE.data_ptr(), KV_CODES[C.dtype], r, dr,
-                                L, scale, out.data_ptr(), table.data_ptr(), B.bit_length() - 1, C.stride(0),
-                                KPE.stride(0))
+    native.mla_decode_attention(isa, qf.data_ptr(), nh, r, dr, C.data_ptr(), KPE.data_ptr(), KV_CODES[C.dtype],
+                                C.stride(1), KPE.stride(1), L, scale, out.data_ptr(), table.data_ptr(),
+                                B.bit_length() - 1, C.stride(0), KPE.stride(0))
     return out
 
 
 def dsa_supported(K: torch.Tensor, isa: str = ISA) -> bool:
     """Whether dsa_select takes this layer's indexer keys (a pool buffer [blocks, block, D]) on this isa."""
-    return (isa in SIMD_ISAS and K.dtype in (torch.float32, torch.bfloat16) and K.device.type == "cpu"
-            and K.is_contiguous() and K.shape[-1] <= 512)
+    return (isa in SIMD_ISAS and K.dtype in INDEX_DTYPES and K.device.type == "cpu"
+            and K.is_contiguous() and values(K.dtype, K.shape[-1]) <= 512)
 
 
 def dsa_scores(q: torch.Tensor, w: torch.Tensor, K: torch.Tensor, table: torch.Tensor, L: int, scale: float,
                isa: str = ISA) -> torch.Tensor:
     """DeepSeek Sparse Attention's indexer scores at decode: q [H, D] (the indexer's rotated query heads), w [H] (their
-    weights), K one layer's cached indexer keys [blocks, block, D] (fp32 or bf16, contiguous), the sequence's positions
-    0..L-1 in blocks table[0], ... -> [L] fp32, sum over heads of w * relu(scale * q . k)."""
+    weights), K one layer's cached indexer keys [blocks, block, D] (fp32 or bf16, or 8-bit rows [.., D + 1];
+    contiguous), the sequence's positions 0..L-1 in blocks table[0], ... -> [L] fp32, sum over heads of
+    w * relu(scale * q . k)."""
     H, D = q.shape
     _, B, _ = K.shape
-    if K.dtype not in (torch.float32, torch.bfloat16) or not K.is_contiguous() or K.shape[-1] != D or \
+    if K.dtype not in INDEX_DTYPES or not K.is_contiguous() or values(K.dtype, K.shape[-1]) != D or \
             tuple(w.shape) != (H,) or B & (B - 1):
         raise ValueError(f"dsa_scores: q {list(q.shape)}, w {list(w.shape)}, K {K.dtype} {list(K.shape)} do not fit")
     _check_table("dsa_scores", table, B, L, -1, K.shape[0])
     qf, wf = q.float().contiguous(), w.float().contiguous()
     out = torch.empty(L)
-    native.dsa_index_scores(isa, qf.data_ptr(), wf.data_ptr(), H, D, scale, K.data_ptr(), KV_CODES[K.dtype], D, L,
-                            out.data_ptr(), table.data_ptr(), B.bit_length() - 1, K.stride(0))
+    native.dsa_index_scores(isa, qf.data_ptr(), wf.data_ptr(), H, D, scale, K.data_ptr(), KV_CODES[K.dtype],
+                            K.stride(1), L, out.data_ptr(), table.data_ptr(), B.bit_length() - 1, K.stride(0))
     return out
 
 
@@ -139,7 +147,7 @@ def dsa_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def _check_pools(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype not in DTYPES or b.dtype != a.dtype or not a.is_contiguous() or not b.is_contiguous():
-        raise ValueError(f"{what} must be pools of one of fp32, bf16, fp16, contiguous")
+        raise ValueError(f"{what} must be pools of one of fp32, bf16, fp16, int8, fp8, contiguous")
 
 
 def _check_table(what: str, table: torch.Tensor, B: int, L: int, first: int, blocks: int) -> None:
@@ -151,10 +159,11 @@ def _check_table(what: str, table: torch.Tensor, B: int, L: int, first: int, blo
 
 
 def store_kv(x: torch.Tensor, out: torch.Tensor) -> None:
-    """x (bf16 or fp32, contiguous) into out (fp32, bf16 or fp16, contiguous, as many values) as the native decode
-    step stores a new K/V row: rounded as torch's .to(out.dtype)."""
-    if x.dtype not in (torch.bfloat16, torch.float32) or out.dtype not in KV_CODES or x.numel() != out.numel() \
-            or not x.is_contiguous() or not out.is_contiguous():
+    """x, one row (bf16 or fp32, contiguous), into out (contiguous) as the native decode step stores a new K/V row:
+    fp32, bf16 or fp16 (as many values) rounded as torch's .to(out.dtype), or int8 / fp8 (one more: the row's codes
+    and scale byte) as kv_quant.quantize."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or out.dtype not in KV_CODES \
+            or values(out.dtype, out.numel()) != x.numel() or not x.is_contiguous() or not out.is_contiguous():
         raise ValueError(f"store_kv: {x.dtype} {list(x.shape)} into {out.dtype} {list(out.shape)}")
     native.store_kv(KV_CODES[out.dtype], x.data_ptr(), x.dtype == torch.bfloat16, out.data_ptr(), x.numel())
 

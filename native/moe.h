@@ -132,11 +132,23 @@ void moe_forward(const MoELayer& l, const float* hidden, const int32_t* ids, con
 void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, float* y);
 // The KV cache's element type, which may differ from the model's (--kv-cache-dtype: fp16 halves an fp32 model's
 // cache and the bytes decode attention reads). The values are the Python side's codes (moe_kernels/attention.py).
-enum class KvType : int { F32 = 0, BF16 = 1, F16 = 2 };
-// n values of src (bf16 bits or fp32) into dst as kv, rounded to nearest even as torch's .to() does.
+// I8 and F8 are 8-bit rows (moe_kernels/kv_quant.py): a row of n values is n codes (int8, or fp8 e4m3) and one
+// byte more, the row's scale as a power of two (E8M0: 2^(byte - 127)); value = code x scale.
+enum class KvType : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8 = 4 };
+inline bool kv_quantized(KvType kv) { return kv == KvType::I8 || kv == KvType::F8; }
+// Bytes of a row of n values of kv (a quantized row's scale included); its stride within a pool is that many
+// elements of a byte (the quantized pools are byte tensors).
+inline size_t kv_row_bytes(KvType kv, int n) {
+  return kv_quantized(kv) ? size_t(n) + 1 : size_t(n) * (kv == KvType::F32 ? 4 : 2);
+}
+// Bytes of one element as the pool's strides count them (a quantized pool's are bytes).
+inline size_t kv_elem_bytes(KvType kv) { return kv == KvType::F32 ? 4 : kv_quantized(kv) ? 1 : 2; }
+// One row of n values of src (bf16 bits or fp32) into dst as kv: rounded to nearest even as torch's .to() does, or
+// quantized as moe_kernels/kv_quant.py's quantize (its row's codes and scale byte, the same bits).
 void store_kv(KvType kv, const void* src, bool src_bf16, void* dst, int n);
 // out [nh, d] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K and V of type kv
-// [nkv, L, d] at the given head and position strides (elements); nh / nkv query heads per kv head.
+// [nkv, L, d] at the given head and position strides (elements: bytes for 8-bit rows, whose stride is at least
+// d + 1); nh / nkv query heads per kv head.
 void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, KvType kv, size_t k_head,
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
                       const int32_t* table = nullptr, int block_shift = 0, size_t k_block = 0, size_t v_block = 0);
@@ -151,7 +163,7 @@ void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const 
                           int block_shift = 0, size_t c_block = 0, size_t kpe_block = 0, const int32_t* sel = nullptr);
 
 // DeepSeek Sparse Attention's lightning indexer at decode (native/kernels/dsa.cpp): out[j] = sum over h < H of
-// w[h] * max(0, scale * q[h] . K_j) for positions j < L, q [H, D] fp32, K rows of D (fp32 or bf16) k_row apart,
+// w[h] * max(0, scale * q[h] . K_j) for positions j < L, q [H, D] fp32, K rows of D (fp32, bf16 or 8-bit) k_row apart,
 // contiguous or paged as decode_attention's.
 void dsa_index_scores(Isa isa, const float* q, const float* w, int H, int D, float scale, const void* K, KvType kv,
                       size_t k_row, int L, float* out, const int32_t* table = nullptr, int block_shift = 0,

@@ -10,6 +10,9 @@ Layout (the native decode step reads it as it is; agree any change with native/k
 - MLA: the latent [blocks, BLOCK, kv_lora_rank] and the rotary key [blocks, BLOCK, rope dim];
 - linear-attention layers (Qwen3-Next's DeltaNet) have no blocks: their fixed-size state lives with the sequence
   (SeqCache.states) and is snapshotted at block boundaries for reuse;
+- an 8-bit cache (--kv-cache-dtype int8 / fp8) holds each row of n values as n codes and its scale byte
+  (moe_kernels/kv_quant.py): the buffers' last dim is n + 1, of one byte elements; written quantized, read back
+  by torch's paths dequantized (gather's dtype), by the native kernels in place;
 - a block table is int32 block ids, position p in block table[p // BLOCK] at row p % BLOCK;
 - the buffers hold one block more than the pool gives out (`spare`, the last): a graphed decode step's padding rows
   write there (cuda_graphs.py).
@@ -32,11 +35,13 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import math
 
 import torch
 
 from moe_core import serving
 from moe_core.config import ModelConfig
+from moe_kernels import kv_quant
 
 from gpu_service import metrics
 from gpu_service.engine.block_names import next_name
@@ -66,12 +71,8 @@ class KVPool:
         # (cuda_graphs.py)
         self.spare = num_blocks
         rows = num_blocks + 1
-        if self.mla:  # the latent, the rotary key, and DeepSeek Sparse Attention's indexer key where the layer has one
-            shapes = lambda L: [(rows, BLOCK, cfg.kv_lora_rank), (rows, BLOCK, cfg.qk_rope_head_dim)] + \
-                ([(rows, BLOCK, cfg.index_dim)] if cfg.has_indexer(L) else [])  # noqa: E731
-        else:
-            shapes = lambda L: [(cfg.kv_heads(L), rows, BLOCK, cfg.head_dim),  # noqa: E731
-                                (cfg.kv_heads(L), rows, BLOCK, cfg.value_dim)]
+        self.quantized = kv_quant.quantized(dtype)
+        shapes = lambda L: [(*lead, kv_quant.row_width(dtype, n)) for lead, n in _rows(cfg, L, rows)]  # noqa: E731
         self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
         # per layer its buffers, None for a linear-attention layer (untouched pages of these cost no memory on
         # the CPU; on CUDA they are the pool's reservation)
@@ -81,7 +82,7 @@ class KVPool:
         if device.type == "cpu":
             for bufs in self.bufs:
                 for t in bufs or ():
-                    t.narrow(self.block_dim, 0, min(rows, PREFAULT_BLOCKS)).zero_()
+                    _bytes(t).narrow(self.block_dim, 0, min(rows, PREFAULT_BLOCKS)).zero_()
         self.block_bytes = block_bytes(cfg, dtype)
         self.prefix_bytes = prefix_bytes
         self.ref = [0] * num_blocks
@@ -97,7 +98,7 @@ class KVPool:
         pin = device.type == "cuda"
         bd = self.block_dim
         self.host = [None if bufs is None else [
-            torch.empty((*b.shape[:bd], self.host_blocks, *b.shape[bd + 1:]), dtype=dtype, pin_memory=pin) for b in bufs]
+            torch.empty((*b.shape[:bd], self.host_blocks, *b.shape[bd + 1:]), dtype=b.dtype, pin_memory=pin) for b in bufs]
             for bufs in self.bufs] if self.host_blocks else []
         self.host_free = list(range(self.host_blocks))
         self.host_by_hash: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # least recently used first
@@ -149,7 +150,7 @@ class KVPool:
         for host, bufs in zip(self.host, self.bufs):
             if bufs is not None:
                 for hb, db in zip(host, bufs):
-                    hb.select(self.block_dim, slot).copy_(db.select(self.block_dim, b), non_blocking=True)
+                    _bytes(hb).select(self.block_dim, slot).copy_(_bytes(db).select(self.block_dim, b), non_blocking=True)
         self.host_by_hash[h] = slot
         metrics.PREFIX_HOST_SPILLS.inc()
         metrics.PREFIX_HOST_BLOCKS.set(len(self.host_by_hash))
@@ -167,7 +168,7 @@ class KVPool:
         for host, bufs in zip(self.host, self.bufs):
             if bufs is not None:
                 for hb, db in zip(host, bufs):
-                    db.select(self.block_dim, b).copy_(hb.select(self.block_dim, slot), non_blocking=True)
+                    _bytes(db).select(self.block_dim, b).copy_(_bytes(hb).select(self.block_dim, slot), non_blocking=True)
         self.register(b, h)
         metrics.PREFIX_HOST_RESTORES.inc()
         return b
@@ -254,6 +255,19 @@ class KVPool:
         metrics.PREFIX_BYTES.set(self.cached_bytes())
 
 
+def _rows(cfg: ModelConfig, L: int, rows: int) -> list[tuple[tuple, int]]:
+    """Layer L's buffers (not a linear-attention one's): each as (its leading dims, values a row)."""
+    if cfg.attention == "mla":  # the latent, the rotary key, DeepSeek Sparse Attention's indexer key where it has one
+        return [((rows, BLOCK), cfg.kv_lora_rank), ((rows, BLOCK), cfg.qk_rope_head_dim)] + \
+            ([((rows, BLOCK), cfg.index_dim)] if cfg.has_indexer(L) else [])
+    return [((cfg.kv_heads(L), rows, BLOCK), cfg.head_dim), ((cfg.kv_heads(L), rows, BLOCK), cfg.value_dim)]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit buffer as bytes (torch copies and indexes those on every device; fp8 tensors not everywhere)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A pool buffer; on the CPU backed by huge pages where the kernel allows (a sequence's blocks can be anywhere in
     it: with 4 KiB pages each block read was a TLB miss)."""
@@ -264,14 +278,24 @@ def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one block over every attention layer."""
+    """Bytes of one block over every attention layer (an 8-bit cache's scales included)."""
     def per_pos(L: int) -> int:
         if cfg.is_linear_attention(L):
             return 0
-        if cfg.attention == "mla":
-            return cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_dim if cfg.has_indexer(L) else 0)
-        return cfg.kv_heads(L) * (cfg.head_dim + cfg.value_dim)
+        return sum(math.prod(lead[:-2]) * kv_quant.row_width(dtype, n) for lead, n in _rows(cfg, L, 1))
     return BLOCK * sum(map(per_pos, range(cfg.num_layers))) * torch.empty(0, dtype=dtype).element_size()
+
+
+def position_bytes(cfg: ModelConfig, dtype: torch.dtype) -> float:
+    """Bytes of KV cache a position of context takes (every attention layer; /metrics, the start log)."""
+    return block_bytes(cfg, dtype) / BLOCK
+
+
+def read(rows: torch.Tensor, pool_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.Tensor:
+    """Rows of a pool of pool_dtype (an 8-bit pool's as bytes) as `dtype`'s values (None: as they are stored)."""
+    if kv_quant.quantized(pool_dtype):
+        return rows.view(pool_dtype) if dtype is None else kv_quant.dequantize(rows, pool_dtype, dtype)
+    return rows if dtype is None or rows.dtype == dtype else rows.to(dtype)
 
 
 class SeqCache:
@@ -341,6 +365,10 @@ class SeqCache:
         bufs, t = self.pool.bufs[layer], xs[0].shape[0]
         if not self.reserve(start + t):
             raise MemoryError(f"the KV pool ({self.pool.num_blocks} blocks of {BLOCK}) is full")
+        dtype = self.pool.dtype
+        if self.pool.quantized:  # each row its codes and scale (kv_quant.py), stored as bytes
+            xs = tuple(kv_quant.quantize(x, dtype) for x in xs)
+            bufs = [_bytes(b) for b in bufs]
         if t == 1:
             b, o = self.blocks[start // BLOCK], start % BLOCK
             for buf, x in zip(bufs, xs):
@@ -363,16 +391,17 @@ class SeqCache:
                            all(b == a + 1 for a, b in zip(ids, ids[1:])))
         return self._index[1]
 
-    def gather(self, layer: int, end: int, begin: int = 0) -> list[torch.Tensor]:
+    def gather(self, layer: int, end: int, begin: int = 0, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Positions begin..end-1 of the layer: GQA [kv heads, positions, dim], MLA [positions, dim]; a view when
         the blocks are consecutive (as a lone sequence's are: the lowest free ids first), else a copy. For the paths
-        that have no paged kernel."""
+        that have no paged kernel. dtype: the values in it (a copy where the pool holds another type; an 8-bit
+        pool's rows dequantized), else the pool's rows as they are."""
         b0, b1 = begin // BLOCK, -(-end // BLOCK)
         consecutive = self.consecutive()
         idx = self._index[0][b0:b1]
         lo, n = begin - b0 * BLOCK, end - begin
         out = []
-        for buf in self.pool.bufs[layer]:
+        for buf in map(_bytes, self.pool.bufs[layer]):
             if consecutive:  # one view, no copy
                 rows = buf.narrow(self.pool.block_dim, self.blocks[b0], b1 - b0)
             elif self.pool.mla:
@@ -383,7 +412,7 @@ class SeqCache:
                 out.append(rows.reshape(-1, buf.shape[-1])[lo:lo + n])
             else:
                 out.append(rows.reshape(buf.shape[0], -1, buf.shape[-1])[:, lo:lo + n])
-        return out
+        return [read(x, self.pool.dtype, dtype) for x in out]
 
     # -- linear-attention states and the step's end -----------------------------------------------
     def stage(self, layer: int, *state: torch.Tensor) -> None:

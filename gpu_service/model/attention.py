@@ -1,7 +1,7 @@
 """Attention over the paged KV cache (kv_pool.py): GQA (Qwen-MoE, Mixtral, gpt-oss's windows and sinks) and MLA
 (DeepSeek V2/V3). Decode on the native kernel reads the blocks where they are; the other paths gather the
-sequence's blocks into one tensor per layer first, in the model dtype (the pool's may be narrower:
---kv-cache-dtype).
+sequence's blocks into one tensor per layer first, in the model dtype (the pool's may be narrower, or 8-bit rows
+read back dequantized: --kv-cache-dtype).
 
 MLA caches only the compressed latent (kv_lora_rank) and the shared rotary key per token, and
 attends in the latent space ("absorbed" kv_b_proj): the cache is ~(512+64) values per token
@@ -43,11 +43,6 @@ def _causal_mask(t: int, start: int, device) -> torch.Tensor | None:
     return j[None, :] <= i[:, None]
 
 
-def _as(dtype: torch.dtype, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The cache's tensors in the model dtype (a copy only where the pool holds another: --kv-cache-dtype)."""
-    return [x if x.dtype == dtype else x.to(dtype) for x in xs]
-
-
 @dataclasses.dataclass(slots=True)
 class SequenceKV:
     """One sequence's t new tokens at positions start.. (the per-op runner's view of its cache, one per step).
@@ -72,7 +67,7 @@ class SequenceKV:
     def rows(self, layer: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], None]:
         """Its one row's positions so far (views where the blocks are consecutive), every one seen."""
         dim = 0 if self.cache.pool.mla else 1  # GQA's [kv, positions, d], MLA's [positions, r]
-        return [x.unsqueeze(dim) for x in _as(dtype, self.cache.gather(layer, self.start + self.t))], None
+        return [x.unsqueeze(dim) for x in self.cache.gather(layer, self.start + self.t, dtype=dtype)], None
 
 
 def gqa_decode(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, unseen: torch.Tensor | None,
@@ -161,7 +156,7 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks (a sequence's own cache: no graph takes these)
         start = kv.start
         first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
-        o = windowed_attention(q, *_as(q.dtype, cache.gather(layer, start + t, first)), start, window, sinks,
+        o = windowed_attention(q, *cache.gather(layer, start + t, first, q.dtype), start, window, sinks,
                                d ** -0.5, first)
     elif kv.decoding and native and cache is not None and native_attention.supported(cache.pool.bufs[layer][0]) \
             and cfg.value_dim == d:
@@ -174,7 +169,7 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
         o = gqa_decode(q, K, V, unseen, d ** -0.5)
     else:
         start = kv.start
-        K, V = _as(q.dtype, cache.gather(layer, start + t))                     # [kv, L, d] each
+        K, V = cache.gather(layer, start + t, dtype=q.dtype)                     # [kv, L, d] each
         # 4-D inputs: torch's fused (flash) CPU kernel; 3-D ones fall back to its math path, which builds the
         # [heads, t, L] scores and masks in fp32 (2.5x slower at 512 tokens, docs/performance/kernels.md)
         causal = start == 0  # a first chunk: torch's own causal mask (top-left aligned) is ours
@@ -217,7 +212,7 @@ def _latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: SeqCache, 
     the layer's cached latents and rotary keys up to start + t -> o_lat [nh, t, r]. allowed: [t, start + t] bool, the
     keys each query may see besides causality (DeepSeek Sparse Attention's selection), or None."""
     nh, t, r = q_lat.shape
-    C, KPE = _as(q_lat.dtype, cache.gather(layer, start + t)[:2])             # [L, r], [L, dr]
+    C, KPE = cache.gather(layer, start + t, dtype=q_lat.dtype)[:2]             # [L, r], [L, dr]
     q_pe = q_pe.transpose(0, 1)                                                # [nh, t, dr]
     mask = _causal_mask(t, start, q_lat.device)
     if allowed is not None:
@@ -332,7 +327,7 @@ def dsa_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Ten
         (_, _, keys), hide = rows                                                  # [rows, L, D]
     else:
         t = x.shape[0]
-        keys, hide = _as(x.dtype, kv.paged.gather(layer, kv.start + t))[2][None], \
+        keys, hide = kv.paged.gather(layer, kv.start + t, dtype=x.dtype)[2][None], \
             ~_causal_mask(t, kv.start, x.device) if t > 1 else None
     kv.selection = index_select(cfg, q, w, keys, hide)
     return kv.selection, rows

@@ -55,7 +55,7 @@ inline std::pair<uint8_t*, size_t> writable(py::buffer& buf) {
 }
 
 inline KvType kv_type(int code) {  // moe_kernels/attention.py KV_CODES
-  if (code < 0 || code > 2) throw std::invalid_argument("unknown KV cache type code " + std::to_string(code));
+  if (code < 0 || code > 4) throw std::invalid_argument("unknown KV cache type code " + std::to_string(code));
   return KvType(code);
 }
 

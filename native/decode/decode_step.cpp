@@ -69,7 +69,8 @@ MOE_BLOCK_INLINE void gqa_attend(const DecodeBlock& g, int B, Scratch& s, const 
                                  const DecodeSeq* seqs) {
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
   const int H = g.H, nh = g.nh, nkv = g.nkv, d = g.d, nq = nh * d, nk = nkv * d, rows = nq + 2 * nk;
-  const size_t kv_size = g.kv == KvType::F32 ? 4 : 2;  // the pool's element size (--kv-cache-dtype)
+  // the pool's element size (--kv-cache-dtype) and a row's elements (an 8-bit row's scale byte included)
+  const size_t kv_size = kv_elem_bytes(g.kv), kr = kv_row_bytes(g.kv, d) / kv_size;
   s.y.resize(size_t(B) * std::max(rows, H));
   linear_forward(*g.qkv_k, g.qkv, s.xf.data(), B, s.y.data());
   // q, k, v rounded to T, biases added in T
@@ -109,7 +110,7 @@ MOE_BLOCK_INLINE void gqa_attend(const DecodeBlock& g, int B, Scratch& s, const 
     const DecodeSeq& q = seqs[t];
     const size_t blk = size_t(q.table[q.pos >> g.block_shift]), row = size_t(q.pos & ((1 << g.block_shift) - 1));
     for (int k = 0; k < nkv; ++k) {
-      const size_t at = k * g.kv_head + blk * g.kv_block + row * d;
+      const size_t at = k * g.kv_head + blk * g.kv_block + row * kr;
       store_kv(g.kv, dst + nq + size_t(k) * d, BF16, static_cast<char*>(g.K) + at * kv_size, d);
       store_kv(g.kv, src + nq + nk + size_t(k) * d, BF16, static_cast<char*>(g.V) + at * kv_size, d);
     }
@@ -127,10 +128,10 @@ MOE_BLOCK_INLINE void gqa_attend(const DecodeBlock& g, int B, Scratch& s, const 
     const int L = q.pos + 1;
     if (q.first >= 0) {  // consecutive blocks: each head's rows are one strided matrix
       const size_t at = size_t(q.first) * g.kv_block;
-      decode_attention(g.isa, qf, nh, nkv, d, static_cast<const char*>(g.K) + at * kv_size, g.kv, g.kv_head, d,
-                       static_cast<const char*>(g.V) + at * kv_size, g.kv_head, d, L, g.scale, s.att.data());
+      decode_attention(g.isa, qf, nh, nkv, d, static_cast<const char*>(g.K) + at * kv_size, g.kv, g.kv_head, kr,
+                       static_cast<const char*>(g.V) + at * kv_size, g.kv_head, kr, L, g.scale, s.att.data());
     } else {
-      decode_attention(g.isa, qf, nh, nkv, d, g.K, g.kv, g.kv_head, d, g.V, g.kv_head, d, L, g.scale,
+      decode_attention(g.isa, qf, nh, nkv, d, g.K, g.kv, g.kv_head, kr, g.V, g.kv_head, kr, L, g.scale,
                        s.att.data(), q.table, g.block_shift, g.kv_block, g.kv_block);
     }
     for (int i = 0; i < nq; ++i) s.of[size_t(t) * nq + i] = held<T>(s.att[i]);
@@ -157,7 +158,8 @@ MOE_BLOCK_INLINE void mla_attend(const DecodeBlock& g, int B, Scratch& s, const 
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
   const MlaPart& m = g.m;
   const int H = g.H, nh = g.nh, r = m.r, dn = m.dn, dr = m.dr, dv = m.dv, dq = dn + dr, nq = nh * dq;
-  const size_t kv_size = g.kv == KvType::F32 ? 4 : 2;
+  const size_t kv_size = kv_elem_bytes(g.kv), cr = kv_row_bytes(g.kv, m.r) / kv_size,
+               pr = kv_row_bytes(g.kv, m.dr) / kv_size;  // the latent's and the rotary key's rows
   const int ql = m.q_a_k ? m.q_a.rows : 0;
   s.y.resize(size_t(B) * std::max({nq, r + dr, ql, H}));
   T* q = as<T>(s.qkv, size_t(B) * nq);
@@ -200,8 +202,8 @@ MOE_BLOCK_INLINE void mla_attend(const DecodeBlock& g, int B, Scratch& s, const 
     const DecodeSeq& sq = seqs[t];
     const size_t blk = size_t(sq.table[sq.pos >> g.block_shift]), row = size_t(sq.pos & ((1 << g.block_shift) - 1));
     const size_t at = (blk << g.block_shift) + row;
-    store_kv(g.kv, c + size_t(t) * r, BF16, static_cast<char*>(g.K) + at * r * kv_size, r);
-    store_kv(g.kv, rt + size_t(nh) * dr, BF16, static_cast<char*>(g.V) + at * dr * kv_size, dr);
+    store_kv(g.kv, c + size_t(t) * r, BF16, static_cast<char*>(g.K) + at * cr * kv_size, r);
+    store_kv(g.kv, rt + size_t(nh) * dr, BF16, static_cast<char*>(g.V) + at * pr * kv_size, dr);
   }
   // the latent queries of all B tokens: q_nope fp32 [B, nh, dn] -> [nh, B, r]
   s.qf.resize(size_t(B) * nh * dn);
@@ -229,11 +231,11 @@ MOE_BLOCK_INLINE void mla_attend(const DecodeBlock& g, int B, Scratch& s, const 
     const int L = sq.pos + 1;
     if (sq.first >= 0) {  // consecutive blocks: the rows of one matrix each
       const size_t at = size_t(sq.first) << g.block_shift;
-      mla_decode_attention(g.isa, qc, nh, r, dr, static_cast<const char*>(g.K) + at * r * kv_size,
-                           static_cast<const char*>(g.V) + at * dr * kv_size, g.kv, r, dr, L, g.scale, ol);
+      mla_decode_attention(g.isa, qc, nh, r, dr, static_cast<const char*>(g.K) + at * cr * kv_size,
+                           static_cast<const char*>(g.V) + at * pr * kv_size, g.kv, cr, pr, L, g.scale, ol);
     } else {
-      mla_decode_attention(g.isa, qc, nh, r, dr, g.K, g.V, g.kv, r, dr, L, g.scale, ol, sq.table, g.block_shift,
-                           size_t(r) << g.block_shift, size_t(dr) << g.block_shift);
+      mla_decode_attention(g.isa, qc, nh, r, dr, g.K, g.V, g.kv, cr, pr, L, g.scale, ol, sq.table, g.block_shift,
+                           cr << g.block_shift, pr << g.block_shift);
     }
     for (int hd = 0; hd < nh; ++hd)
       for (int i = 0; i < r; ++i) s.lo[(size_t(hd) * B + t) * r + i] = held<T>(ol[size_t(hd) * r + i]);

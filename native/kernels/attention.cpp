@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "kernels/kv_codes.h"
 #include "kernels/vmath.h"
 #include "moe.h"
 #include "runtime/common.h"
@@ -44,6 +46,28 @@ __attribute__((target("avx2"))) inline __m256 ld8(const float* p) { return _mm25
 inline float ld1(const uint16_t* p) { return bf16_to_f32(*p); }
 inline float ld1(const float* p) { return *p; }
 
+// An 8-bit row's codes (kv_codes.h), widened: fp8 through F16C as kv_codes.h reads them
+__attribute__((target("avx512f,avx512bw"))) inline __m512 ld16(const I8* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+__attribute__((target("avx512f,avx512bw,avx2"))) inline __m512 ld16(const F8* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+  return _mm512_cvtph_ps(h);
+}
+__attribute__((target("avx2"))) inline __m256 ld8(const I8* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+__attribute__((target("avx2,f16c"))) inline __m256 ld8(const F8* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+  return _mm256_cvtph_ps(h);
+}
+inline float ld1(const I8* p) { return code_value(p); }
+inline float ld1(const F8* p) { return code_value(p); }
+
 // Where position j's row of one kv head lies: base + j * row, or paged, block table[j >> shift] of the pool
 // (each `block` elements apart), row j & mask within it. One table read per row against d multiply-adds.
 // P (paged) is a template flag: the contiguous kernel has no per-row test.
@@ -54,10 +78,19 @@ struct Rows {
   const int32_t* table;  // P: the block table
   int shift;
   const int32_t* sel = nullptr;  // P: the positions read, in order (DeepSeek Sparse Attention's), or all of them
+  int dim = 0;  // values a row (an 8-bit row's scale byte follows them)
   const T* operator()(int j) const {
     if (!P) return base + size_t(j) * row;
     if (sel) j = sel[j];
     return base + size_t(table[j >> shift]) * block + size_t(j & ((1 << shift) - 1)) * row;
+  }
+  // Row j's scale: its values are codes times this (1 for a plain row). A power of two, so a score or weight
+  // times it is exactly what the row's values themselves would give: the same bits as a cache holding them.
+  float scale(int j) const {
+    if constexpr (quantized<T>)
+      return row_scale<T>(reinterpret_cast<const uint8_t*>((*this)(j))[dim]);
+    else
+      return 1.f;
   }
   // Row j's lines into L2 (V's, while the scores read K: docs/performance/kernels.md, "Decode attention: V into L2 during the
   // scores").
@@ -113,6 +146,17 @@ __attribute__((target("avx512f"))) inline __m256 sums8(const __m512* a) {
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), z));
 }
 
+// 8-bit rows: each position's 8 weights (s[8 j..], after the softmax's sums) times its value row's scale, so that the
+// weighted sums read the codes
+template <class T, bool P>
+inline void value_scales(const Rows<T, P>& V, int L, float* s) {
+  if constexpr (quantized<T>)
+    for (int j = 0; j < L; ++j) {
+      const float v = V.scale(j);
+      for (int b = 0; b < 8; ++b) s[8 * size_t(j) + b] *= v;
+    }
+}
+
 // G (<= 8) queries of one kv head, d = 16 * DC, the scores position-major (s[8 j + b]: query b at position j, as
 // the 8 sums of a position come out): per position a key row's DC vectors stay in registers for all G queries;
 // the softmax runs on 8 queries' lanes at once; then per 16-dim slice of V, a tile of positions at a time, the
@@ -138,7 +182,8 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void group_avx512(const flo
       acc[b] = _mm512_mul_ps(_mm512_loadu_ps(q + b * d), k[0]);
       MOE_UNROLL for (int c = 1; c < DC; ++c) acc[b] = _mm512_fmadd_ps(_mm512_loadu_ps(q + b * d + 16 * c), k[c], acc[b]);
     }
-    const __m256 r = _mm256_mul_ps(sums8(acc), sc);
+    __m256 r = _mm256_mul_ps(sums8(acc), sc);
+    if constexpr (quantized<T>) r = _mm256_mul_ps(r, _mm256_set1_ps(K.scale(j)));
     _mm256_storeu_ps(s + 8 * size_t(j), r);
     mx = _mm256_max_ps(mx, r);
   }
@@ -154,6 +199,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void group_avx512(const flo
   alignas(32) float inv[8];
   _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm512_castps512_ps256(sum2),
                                                                          _mm512_castps512_ps256(_mm512_shuffle_f32x4(sum2, sum2, 0xee)))));
+  value_scales(V, L, s);
   constexpr int tile = tile_rows_for<T>(d);
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += tile) {  // V a tile of positions at a time: read from memory once
@@ -195,9 +241,12 @@ __attribute__((target("avx2,fma"))) inline __m256 sums8(const __m256* a) {
 // for 8 multiply-adds; one position at a time took 2 loads a multiply-add, and was bound by them). A key may lie in
 // two rows (MLA: the latent's DC chunks in k0/k1, the rotary key's DC2 in k0b/k1b; a query is both, DC + DC2
 // chunks); their chunks go into the same accumulators, the second row's after the first's.
+// 8-bit rows: the second row's values times m0 / m1 (its scale over the first's, a power of two), the sums then
+// the first row's scale short, as the caller applies it: the same bits as rows holding the values.
 template <int Q, int DC, int DC2 = 0, class T>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 pair_scores(const float* q0, const T* k0, const T* k1,
-                                                                   const T* k0b = nullptr, const T* k1b = nullptr) {
+                                                                   const T* k0b = nullptr, const T* k1b = nullptr,
+                                                                   float m0 = 1.f, float m1 = 1.f) {
   constexpr int d = 8 * (DC + DC2);
   __m256 acc[8];
   MOE_UNROLL for (int b = 0; b < 8; ++b) acc[b] = _mm256_setzero_ps();
@@ -212,7 +261,8 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 pair_scores(const float* 
   }
 #pragma GCC unroll 2
   for (int c = 0; c < DC2; ++c) {
-    const __m256 x0 = ld8(k0b + 8 * c), x1 = ld8(k1b + 8 * c);
+    __m256 x0 = ld8(k0b + 8 * c), x1 = ld8(k1b + 8 * c);
+    if constexpr (quantized<T>) x0 = _mm256_mul_ps(x0, _mm256_set1_ps(m0)), x1 = _mm256_mul_ps(x1, _mm256_set1_ps(m1));
     MOE_UNROLL for (int b = 0; b < Q; ++b) {
       const __m256 qv = _mm256_loadu_ps(q0 + b * d + 8 * (DC + c));
       acc[b] = _mm256_fmadd_ps(qv, x0, acc[b]);
@@ -266,20 +316,25 @@ __attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T,
     const T* k0 = K(j);
     const T* k1 = two ? K(j + 1) : k0;
     const T *k0b = nullptr, *k1b = nullptr;
+    const float s0 = K.scale(j), s1 = two ? K.scale(j + 1) : s0;  // (1: plain rows)
+    float m0 = 1.f, m1 = 1.f;
     if (DC2) {
       K2.prefetch_ahead(j, L, 8 * DC2);
       if (two) K2.prefetch_ahead(j + 1, L, 8 * DC2);
       k0b = K2(j);
       k1b = two ? K2(j + 1) : k0b;
+      if constexpr (quantized<T>) m0 = K2.scale(j) / s0, m1 = K2.scale(two ? j + 1 : j) / s1;
     }
-    const __m256 lo = pair_scores<(G < 4 ? G : 4), DC, DC2>(q, k0, k1, k0b, k1b);
-    const __m256 hi = G > 4 ? pair_scores<(G > 4 ? G - 4 : 1), DC, DC2>(q + 4 * d, k0, k1, k0b, k1b)
+    const __m256 lo = pair_scores<(G < 4 ? G : 4), DC, DC2>(q, k0, k1, k0b, k1b, m0, m1);
+    const __m256 hi = G > 4 ? pair_scores<(G > 4 ? G - 4 : 1), DC, DC2>(q + 4 * d, k0, k1, k0b, k1b, m0, m1)
                             : _mm256_setzero_ps();
-    const __m256 r0 = _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), sc);  // j: queries 0-3 | 4-7
+    __m256 r0 = _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), sc);  // j: queries 0-3 | 4-7
+    if constexpr (quantized<T>) r0 = _mm256_mul_ps(r0, _mm256_set1_ps(s0));
     _mm256_storeu_ps(s + 8 * size_t(j), r0);
     mx = _mm256_max_ps(mx, r0);
     if (two) {
-      const __m256 r1 = _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), sc);
+      __m256 r1 = _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), sc);
+      if constexpr (quantized<T>) r1 = _mm256_mul_ps(r1, _mm256_set1_ps(s1));
       _mm256_storeu_ps(s + 8 * size_t(j + 1), r1);
       mx = _mm256_max_ps(mx, r1);
     }
@@ -292,6 +347,7 @@ __attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T,
   }
   alignas(32) float inv[8];
   _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
+  value_scales(V, L, s);
   constexpr int tile = tile_rows_for<T>(dv);
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += tile) {
@@ -351,9 +407,10 @@ void head_portable(const float* q, int g, int d, int d2, int dv, Rows<T, P> K, R
   for (int i = 0; i < g; ++i)
     for (int j = 0; j < L; ++j) {
       float acc = 0.f;
+      const float ks = K.scale(j), m = d2 ? K2.scale(j) / ks : 1.f;  // 8-bit rows (as pair_scores)
       for (int c = 0; c < d; ++c) acc += q[i * dq + c] * ld1(K(j) + c);
-      for (int c = 0; c < d2; ++c) acc += q[i * dq + d + c] * ld1(K2(j) + c);
-      s[size_t(i) * L + j] = acc * scale;
+      for (int c = 0; c < d2; ++c) acc += q[i * dq + d + c] * (quantized<T> ? ld1(K2(j) + c) * m : ld1(K2(j) + c));
+      s[size_t(i) * L + j] = quantized<T> ? acc * ks * scale : acc * scale;
     }
   for (int i = 0; i < g; ++i) {  // each row of scores -> its softmax
     float* r = s + size_t(i) * L;
@@ -362,6 +419,8 @@ void head_portable(const float* q, int g, int d, int d2, int dv, Rows<T, P> K, R
     for (int j = 0; j < L; ++j) sum += (r[j] = std::exp(r[j] - mx));
     const float inv = 1.f / sum;
     for (int j = 0; j < L; ++j) r[j] *= inv;
+    if constexpr (quantized<T>)
+      for (int j = 0; j < L; ++j) r[j] *= V.scale(j);
   }
   for (int i = 0; i < g; ++i)
     for (int c = 0; c < dv; ++c) {
@@ -409,11 +468,11 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
     k += h * k_head;
     v += h * v_head;
     if (table)
-      one_head(isa, qh, g, d, Rows<T, true>{k, k_row, k_block, table, block_shift},
-               Rows<T, true>{v, v_row, v_block, table, block_shift}, L, scale, s, oh);
+      one_head(isa, qh, g, d, Rows<T, true>{k, k_row, k_block, table, block_shift, nullptr, d},
+               Rows<T, true>{v, v_row, v_block, table, block_shift, nullptr, d}, L, scale, s, oh);
     else
-      one_head(isa, qh, g, d, Rows<T, false>{k, k_row, 0, nullptr, 0}, Rows<T, false>{v, v_row, 0, nullptr, 0}, L,
-               scale, s, oh);
+      one_head(isa, qh, g, d, Rows<T, false>{k, k_row, 0, nullptr, 0, nullptr, d},
+               Rows<T, false>{v, v_row, 0, nullptr, 0, nullptr, d}, L, scale, s, oh);
   };
   auto head = [&](int h) {
     thread_local std::vector<float> s;  // the scores (kept: a fresh one a call is a 128 KB memset at 4k positions)
@@ -424,6 +483,10 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
       run(static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), h, s.data(), qh, oh);
     else if (kv == KvType::F16)
       run(static_cast<const Half*>(K), static_cast<const Half*>(V), h, s.data(), qh, oh);
+    else if (kv == KvType::I8)
+      run(static_cast<const I8*>(K), static_cast<const I8*>(V), h, s.data(), qh, oh);
+    else if (kv == KvType::F8)
+      run(static_cast<const F8*>(K), static_cast<const F8*>(V), h, s.data(), qh, oh);
     else
       run(static_cast<const float*>(K), static_cast<const float*>(V), h, s.data(), qh, oh);
   };
@@ -450,11 +513,11 @@ void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const 
     const float* qi = q + size_t(i) * G * (r + dr);
     float* oi = out + size_t(i) * G * r;
     if (table)
-      mla_group(isa, qi, g, r, dr, Rows<T, true>{c, c_row, c_block, table, block_shift, sel},
-                Rows<T, true>{kpe, kpe_row, kpe_block, table, block_shift, sel}, L, scale, s, oi);
+      mla_group(isa, qi, g, r, dr, Rows<T, true>{c, c_row, c_block, table, block_shift, sel, r},
+                Rows<T, true>{kpe, kpe_row, kpe_block, table, block_shift, sel, dr}, L, scale, s, oi);
     else
-      mla_group(isa, qi, g, r, dr, Rows<T, false>{c, c_row, 0, nullptr, 0}, Rows<T, false>{kpe, kpe_row, 0, nullptr, 0},
-                L, scale, s, oi);
+      mla_group(isa, qi, g, r, dr, Rows<T, false>{c, c_row, 0, nullptr, 0, nullptr, r},
+                Rows<T, false>{kpe, kpe_row, 0, nullptr, 0, nullptr, dr}, L, scale, s, oi);
   };
   auto group = [&](int i) {
     thread_local std::vector<float> s;
@@ -463,6 +526,10 @@ void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const 
       run(static_cast<const uint16_t*>(C), static_cast<const uint16_t*>(KPE), i, s.data());
     else if (kv == KvType::F16)
       run(static_cast<const Half*>(C), static_cast<const Half*>(KPE), i, s.data());
+    else if (kv == KvType::I8)
+      run(static_cast<const I8*>(C), static_cast<const I8*>(KPE), i, s.data());
+    else if (kv == KvType::F8)
+      run(static_cast<const F8*>(C), static_cast<const F8*>(KPE), i, s.data());
     else
       run(static_cast<const float*>(C), static_cast<const float*>(KPE), i, s.data());
   };
@@ -483,9 +550,61 @@ __attribute__((target("avx2,f16c"))) void f32_to_f16_f16c(const float* x, uint16
   for (; i < n; ++i) y[i] = f32_to_f16(x[i]);
 }
 
+// fp32 -> fp8 e4m3 (finite, no NaN code), rounded to nearest even: c10's fp8e4m3fn_from_fp32_value, which torch's
+// .to(torch.float8_e4m3fn) runs (the value is within +-448 here: no saturation case)
+inline uint8_t to_e4m3(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t out;
+  if (bits >= (1087u << 20)) {  // >= 480: not reached (|f| <= 448)
+    out = 0x7f;
+  } else if (bits < (121u << 23)) {  // below 2^-6: a subnormal, rounded by adding 0.5 (2^-1 aligns its bits)
+    float a, denorm;
+    const uint32_t dm = 141u << 23;
+    std::memcpy(&a, &bits, 4);
+    std::memcpy(&denorm, &dm, 4);
+    a += denorm;
+    uint32_t ab;
+    std::memcpy(&ab, &a, 4);
+    out = uint8_t(ab - dm);
+  } else {
+    const uint32_t odd = (bits >> 20) & 1;
+    bits += (uint32_t(7 - 127) << 23) + 0x7ffff + odd;
+    out = uint8_t(bits >> 20);
+  }
+  return out | uint8_t(sign >> 24);
+}
+
+// One row as moe_kernels/kv_quant.py's quantize: the scale the least power of two with amax / scale <= the codes'
+// largest (127, 448), from the fp32 amax / that as frexp sees it; codes x / scale (exact) rounded to nearest even
+void quantize_row(KvType kv, const void* src, bool src_bf16, uint8_t* dst, int n) {
+  const float top = kv == KvType::I8 ? 127.f : 448.f;
+  auto at = [&](int i) {
+    return src_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(src)[i]) : static_cast<const float*>(src)[i];
+  };
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(at(i)));
+  int e;
+  const float m = std::frexp(amax / top, &e);  // amax / top = m 2^e, m in [0.5, 1) (0: m = 0, e = 0)
+  if (m == 0.5f) --e;
+  e = std::min(118, std::max(-126, e));  // (kv_codes.h's bytes; no real row is near either end)
+  const float inv = std::ldexp(1.f, -e);
+  for (int i = 0; i < n; ++i) {
+    const float x = at(i) * inv;
+    if (kv == KvType::I8)
+      dst[i] = uint8_t(int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(x)))));
+    else
+      dst[i] = to_e4m3(std::min(448.f, std::max(-448.f, x)));
+  }
+  dst[n] = uint8_t(e + 127);
+}
+
 }  // namespace
 
 void store_kv(KvType kv, const void* src, bool src_bf16, void* dst, int n) {
+  if (kv_quantized(kv)) return quantize_row(kv, src, src_bf16, static_cast<uint8_t*>(dst), n);
   if (kv == (src_bf16 ? KvType::BF16 : KvType::F32)) {
     std::memcpy(dst, src, size_t(n) * (src_bf16 ? 2 : 4));
     return;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/kv_codes.h"
 #include "kernels/torch_rounding.h"
 #include "moe.h"
 #include "runtime/common.h"
@@ -27,12 +28,18 @@ constexpr int MAX_DIM = 512;    // the indexer's head dim (128 as published)
 constexpr int CHUNK = 256;      // positions a task
 constexpr size_t SERIAL_MACS = size_t(1) << 18;
 
-// keys j.. (n of them, the tile's rest repeating the last) widened into kt [D][TK]
+using rounding::get;
+inline float get(const I8* p, size_t i) { return code_value(p + i); }
+inline float get(const F8* p, size_t i) { return code_value(p + i); }
+
+// keys j.. (n of them, the tile's rest repeating the last) widened into kt [D][TK]; an 8-bit key's codes, its scale
+// into ks[i] (the scores times it after: relu commutes with a positive power of two, the same bits as its values')
 template <class T, class At>
-inline void pack_tile(const T* k, At at, int j, int n, int D, float* kt) {
+inline void pack_tile(const T* k, At at, int j, int n, int D, float* kt, float* ks) {
   for (int i = 0; i < TK; ++i) {
     const T* key = k + at(j + std::min(i, n - 1));
     for (int d = 0; d < D; ++d) kt[d * TK + i] = get(key, d);
+    if constexpr (quantized<T>) ks[i] = row_scale<T>(reinterpret_cast<const uint8_t*>(key)[D]);
   }
 }
 
@@ -133,17 +140,19 @@ template <class T, class At>
 void scores(Isa isa, const float* q, const float* w, int H, int D, float scale, const T* k, At at, int j0, int j1,
             float* out) {
   alignas(64) float kt[MAX_DIM * TK];
-  float tot[TK];
+  float tot[TK], ks[TK];
   const bool v512 = isa == Isa::Avx512 || isa == Isa::Amx, v256 = ymm_path(isa);
   for (int j = j0; j < j1; j += TK) {
     const int n = std::min(TK, j1 - j);
-    pack_tile(k, at, j, n, D, kt);
+    pack_tile(k, at, j, n, D, kt, ks);
     if (v512)
       tile_avx512(q, w, H, D, scale, kt, tot);
     else if (v256)
       tile_avx2(q, w, H, D, scale, kt, tot);
     else
       tile_portable(q, w, H, D, scale, kt, tot);
+    if constexpr (quantized<T>)
+      for (int i = 0; i < n; ++i) tot[i] *= ks[i];
     std::copy(tot, tot + n, out + j);
   }
 }
@@ -153,7 +162,7 @@ void scores(Isa isa, const float* q, const float* w, int H, int D, float scale, 
 void dsa_index_scores(Isa isa, const float* q, const float* w, int H, int D, float scale, const void* K, KvType kv,
                       size_t k_row, int L, float* out, const int32_t* table, int block_shift, size_t k_block) {
   MOE_CHECK(H > 0 && D > 0 && D <= MAX_DIM && L >= 0, "dsa_index_scores: bad shapes");
-  MOE_CHECK(kv == KvType::F32 || kv == KvType::BF16, "dsa_index_scores: keys must be fp32 or bf16");
+  MOE_CHECK(kv != KvType::F16, "dsa_index_scores: keys must be fp32, bf16, int8 or fp8");
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "dsa_index_scores: bad block size");
   auto run = [&](auto* k, int j0, int j1) {
     const int mask = (1 << block_shift) - 1;
@@ -167,6 +176,10 @@ void dsa_index_scores(Isa isa, const float* q, const float* w, int H, int D, flo
     const int j0 = c * CHUNK, j1 = std::min(L, j0 + CHUNK);
     if (kv == KvType::BF16)
       run(static_cast<const uint16_t*>(K), j0, j1);
+    else if (kv == KvType::I8)
+      run(static_cast<const I8*>(K), j0, j1);
+    else if (kv == KvType::F8)
+      run(static_cast<const F8*>(K), j0, j1);
     else
       run(static_cast<const float*>(K), j0, j1);
   };

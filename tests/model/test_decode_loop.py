@@ -131,10 +131,12 @@ def test_local_experts_the_layer_loop_bit_for_bit(ckpts, family, dtype, fmt, exp
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_an_fp16_cache_the_layer_loop_bit_for_bit(ckpts, family, dtype):
-    """--kv-cache-dtype fp16: the loop stores each new K/V row as torch's .to() does and reads the fp16 pool."""
-    cfg, model, layers = load(ckpts[family], dtype, kv_dtype=torch.float16)
-    assert model.kv_pool().bufs[0][0].dtype == torch.float16
+@pytest.mark.parametrize("kv", [torch.float16, torch.int8, torch.float8_e4m3fn], ids=["fp16", "int8", "fp8"])
+def test_a_narrower_cache_the_layer_loop_bit_for_bit(ckpts, family, dtype, kv):
+    """--kv-cache-dtype fp16: the loop stores each new K/V row as torch's .to() does and reads the fp16 pool; int8 /
+    fp8: it stores each row's codes and scale as kv_quant.quantize does and reads them in place."""
+    cfg, model, layers = load(ckpts[family], dtype, kv_dtype=kv)
+    assert model.kv_pool().bufs[0][0].dtype == kv
     mine, ref = Counting(layers), Counting(layers)
     decode_both(model, cfg, mine, ref)
     assert mine.loops == 24 and ref.loops == 0

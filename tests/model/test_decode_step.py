@@ -91,15 +91,19 @@ def decode(model, experts, segments, native: bool):
 
 
 def kv_rows(cache, layer, n):
-    return [b.clone() for b in cache.gather(layer, n)]
+    """The layer's rows as stored (an 8-bit pool's as bytes: codes and scales)."""
+    return [b.clone().view(torch.uint8) if b.element_size() == 1 else b.clone() for b in cache.gather(layer, n)]
 
 
 @pytest.mark.parametrize("family", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("fmt, kv", [("bf16", None), ("int8", None), ("bf16", torch.float16)], ids=["bf16", "int8", "bf16-kv16"])
+@pytest.mark.parametrize("fmt, kv", [("bf16", None), ("int8", None), ("bf16", torch.float16), ("bf16", torch.int8),
+                                     ("bf16", torch.float8_e4m3fn)],
+                         ids=["bf16", "int8", "bf16-kv16", "bf16-kvint8", "bf16-kvfp8"])
 def test_one_sequence_is_the_torch_path_bit_for_bit(wide, family, dtype, fmt, kv):
     """The attention blocks (route() choosing the experts on both sides): logits and KV rows bit for bit; with an
-    fp16 pool (--kv-cache-dtype) its rows stored as torch's .to() stores them."""
+    fp16 pool (--kv-cache-dtype) its rows stored as torch's .to() stores them, with an 8-bit one its codes and
+    scales as kv_quant.quantize stores them, read in place (the torch path reads them dequantized)."""
     cfg, model, experts = load(wide[family], dtype, fmt, router=False, kv_dtype=kv)
     assert model.kv_pool().bufs[0][0].dtype == (kv or dtype)
     assert set(model.decode_blocks) == set(range(cfg.num_layers))
