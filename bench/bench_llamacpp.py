@@ -3,11 +3,13 @@ decode tokens/s, our two services (sharing the cores) against llama.cpp's llama-
 rounds within one run.
 
     python bench/bench_llamacpp.py --model DIR [--formats bf16,int8,int4] [--rounds 3] [--isa native|avx2|avxvnni|avx512]
-    python bench/bench_llamacpp.py --model DIR --formats int4-all --depth 4096 [--kv-cache-dtype fp16]
+    python bench/bench_llamacpp.py --model DIR --formats int4-all --depth 8192 [--kv-cache-dtype bf16,int8]
 
---depth N: decode after N tokens of context instead (llama-bench -d N; ours after an N-token prompt, a new one
-each round), no prefill figure: where decode attention's KV reads count. llama.cpp's cache is f16 (its default);
-ours is --kv-cache-dtype (auto: the compute dtype, fp32 on a CPU without bf16 arithmetic).
+--depth N: decode after N tokens of context instead (llama-bench -d N -fa 1; ours after an N-token prompt, a new
+one each round), and the prefill of an N-token prompt (ours: the time to its first token; llama-bench -p N): where
+the KV cache's bytes count. --kv-cache-dtype: ours, one run each in the same rounds (auto: the compute dtype, fp32
+on a CPU without bf16 arithmetic); llama.cpp's cache of equal bytes beside each: f16 for our bf16 / fp16 / auto, q8_0
+(32 values and an fp16 scale: 8.5 bits) for our int8 / fp8 (8 bits and a scale byte a row).
 
 DIR: a Qwen3-MoE checkpoint (tools/synth_checkpoint.py --arch qwen3-30b-a3b --layers 6 --out DIR).
 llama.cpp is built here from the llama-cpp-python sdist on PyPI (its vendored tree; nothing of it is
@@ -117,16 +119,20 @@ def gguf(model: pathlib.Path, src: pathlib.Path, isa: str, work: pathlib.Path, q
     return out
 
 
+LLAMA_CACHE = {"int8": "q8_0", "fp8": "q8_0"}  # ours -> llama.cpp's cache of (about) the same bytes; else f16
+
+
 def llama_bench(src: pathlib.Path, isa: str, gguf_path: pathlib.Path, threads: int, prompt: int, gen: int,
-                depth: int = 0):
-    """-> (prefill tok/s, nan when prompt is 0; decode tok/s) from one llama-bench run of each test, after
-    `depth` tokens of context."""
+                depth: int = 0, cache: str = "f16"):
+    """-> (prefill tok/s, nan when prompt is 0; decode tok/s) from one llama-bench run of each test, the decode after
+    `depth` tokens of context (flash attention on: llama.cpp's quantized V cache needs it)."""
     out = subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-bench"), "-m", str(gguf_path), "-t", str(threads),
-                          "-p", str(prompt), "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json"],
+                          "-p", str(prompt), "-n", str(gen), "-d", str(depth), "-r", "1", "-o", "json",
+                          *(["-fa", "1", "-ctk", cache, "-ctv", cache] if cache != "f16" or depth else [])],
                          capture_output=True, text=True, check=True, env=peer_env()).stdout
     rows = json.loads(out)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0) if prompt else float("nan")
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0) if gen else float("nan")
     return pp, tg
 
 
@@ -154,7 +160,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--depth", type=int, default=0, help="decode after this many tokens of context (no prefill figure)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="our gpu-service's --kv-cache-dtype")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="our gpu-service's --kv-cache-dtype; comma-separated: each")
     ap.add_argument("--work", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir()) / "moe-llamacpp")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
@@ -163,24 +169,31 @@ def main() -> None:
     print(f"CPU: {cpu_name()}; {a.model.name}; {a.threads} threads each; isa {a.isa} (llama.cpp built for it; "
           f"ours on {env.get('MOE_KERNEL_PATH', 'its default path')}); prompt {a.prompt}, "
           f"decode {a.gen} tokens; {a.rounds} alternating rounds"
-          + (f"; decode after {a.depth} tokens, our KV cache {a.kv_cache_dtype}, llama.cpp's f16" if a.depth else ""),
+          + (f"; decode after {a.depth} tokens, our KV caches {a.kv_cache_dtype} (llama.cpp's: "
+             f"{', '.join(LLAMA_CACHE.get(k, 'f16') for k in a.kv_cache_dtype.split(','))}), flash attention"
+             if a.depth else ""),
           flush=True)
     # a new prompt every round: the services' prefix cache would otherwise answer a repeated one without a prefill
     n = a.depth or a.prompt
     prompts = [[(i * 7919 + r * 104729) % 4000 + 2 for i in range(n)] for r in range(a.rounds + 1)]
     rows = []
-    for fmt in a.formats.split(","):
+    for fmt, kv in ((f, k) for f in a.formats.split(",") for k in a.kv_cache_dtype.split(",")):
         qtype, expert_fmt, dense_fmt = PAIRS[fmt]
         gg = gguf(a.model, src, a.isa, a.work, qtype)
-        port, procs = ours_up(a.model, expert_fmt, dense_fmt, a.threads, a.work, env, a.kv_cache_dtype)
+        port, procs = ours_up(a.model, expert_fmt, dense_fmt, a.threads, a.work, env, kv)
         try:
             generate(port, prompts[-1][:16], 4)  # warm-up
             ours, theirs = [], []
             for r in range(a.rounds):
-                if a.depth:  # the decode after a long prompt; nothing cached of it (a new prompt each round)
-                    _, dec = generate(port, prompts[r], a.gen)
-                    ours.append((float("nan"), dec))
-                    theirs.append(llama_bench(src, a.isa, gg, a.threads, 0, a.gen, a.depth))
+                if a.depth:  # the prompt's prefill, then the decode after it; nothing cached (a new prompt a round)
+                    ttft, dec = generate(port, prompts[r], a.gen)
+                    ours.append((a.depth / ttft, dec))
+                    cache = LLAMA_CACHE.get(kv, "f16")
+                    # (llama-bench's -d applies to each test: the prefill's figure from a run at depth 0)
+                    theirs.append((llama_bench(src, a.isa, gg, a.threads, a.depth, 0, 0, cache)[0],
+                                   llama_bench(src, a.isa, gg, a.threads, 0, a.gen, a.depth, cache)[1]))
+                    print(f"  round {r}: ours {ours[-1][0]:.1f} / {ours[-1][1]:.2f}, llama.cpp {theirs[-1][0]:.1f} / "
+                          f"{theirs[-1][1]:.2f} tok/s (prefill / decode)", flush=True)
                     continue
                 ttft, _ = generate(port, prompts[r], 2)
                 _, dec = generate(port, prompts[-1][:16], a.gen)
@@ -192,7 +205,8 @@ def main() -> None:
             for p in procs:
                 p.wait(60)
         med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
-        row = {"format": f"{fmt} (experts {expert_fmt}, dense {dense_fmt}) vs {qtype}",
+        row = {"format": f"{fmt} (experts {expert_fmt}, dense {dense_fmt}) vs {qtype}"
+                         + (f", KV {kv} vs {LLAMA_CACHE.get(kv, 'f16')}" if a.depth else ""),
                "prefill_tok_s": round(med(ours, 0), 1), "llama_prefill_tok_s": round(med(theirs, 0), 1),
                "decode_tok_s": round(med(ours, 1), 2), "llama_decode_tok_s": round(med(theirs, 1), 2)}
         row["prefill_ratio"] = round(statistics.median(o[0] / t[0] for o, t in zip(ours, theirs)), 2)

@@ -50,20 +50,18 @@ inline float ld1(const float* p) { return *p; }
 __attribute__((target("avx512f,avx512bw"))) inline __m512 ld16(const I8* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// (kv_codes.h's half: the code sign-extended and shifted left 7 puts its sign at bit 15 and a copy at bit 14,
+// which the mask clears)
 __attribute__((target("avx512f,avx512bw,avx2"))) inline __m512 ld16(const F8* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
-  return _mm512_cvtph_ps(h);
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xbfff))));
 }
 __attribute__((target("avx2"))) inline __m256 ld8(const I8* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 __attribute__((target("avx2,f16c"))) inline __m256 ld8(const F8* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
-  return _mm256_cvtph_ps(h);
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(int16_t(0xbfff))));
 }
 inline float ld1(const I8* p) { return code_value(p); }
 inline float ld1(const F8* p) { return code_value(p); }
@@ -96,14 +94,14 @@ struct Rows {
   // scores").
   void prefetch_l2(int j, int d) const {
     const char* p = reinterpret_cast<const char*>((*this)(j));
-    for (size_t o = 0; o < d * sizeof(T); o += 64) prefetch_t1(p + o);
+    for (size_t o = 0; o < d * sizeof(T) + quantized<T>; o += 64) prefetch_t1(p + o);
   }
   // Paged: the rows of a block are contiguous but the blocks are anywhere, where the hardware prefetcher does not
   // follow (measured 1.7x the contiguous time at 6000 scattered positions): fetch the row one block ahead.
   void prefetch_ahead(int j, int L, int d) const {
     if (!P || j + (1 << shift) >= L) return;
     const char* p = reinterpret_cast<const char*>((*this)(j + (1 << shift)));
-    for (size_t o = 0; o < d * sizeof(T); o += 64) prefetch_t0(p + o);
+    for (size_t o = 0; o < d * sizeof(T) + quantized<T>; o += 64) prefetch_t0(p + o);
   }
 };
 
@@ -147,12 +145,13 @@ __attribute__((target("avx512f"))) inline __m256 sums8(const __m512* a) {
 }
 
 // 8-bit rows: each position's 8 weights (s[8 j..], after the softmax's sums) times its value row's scale, so that the
-// weighted sums read the codes
-template <class T, bool P>
-inline void value_scales(const Rows<T, P>& V, int L, float* s) {
+// weighted sums read the codes; a tile's rows (vr) at a time, as the sums are about to read them (a pass of its own
+// over every row of V took a DRAM latency a row)
+template <class T>
+inline void value_scales(const T* const* vr, int n, int dim, float* s) {
   if constexpr (quantized<T>)
-    for (int j = 0; j < L; ++j) {
-      const float v = V.scale(j);
+    for (int j = 0; j < n; ++j) {
+      const float v = row_scale<T>(reinterpret_cast<const uint8_t*>(vr[j])[dim]);
       for (int b = 0; b < 8; ++b) s[8 * size_t(j) + b] *= v;
     }
 }
@@ -199,12 +198,12 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void group_avx512(const flo
   alignas(32) float inv[8];
   _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm512_castps512_ps256(sum2),
                                                                          _mm512_castps512_ps256(_mm512_shuffle_f32x4(sum2, sum2, 0xee)))));
-  value_scales(V, L, s);
   constexpr int tile = tile_rows_for<T>(d);
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += tile) {  // V a tile of positions at a time: read from memory once
     const int j1 = std::min(L, j0 + tile);
     tile_rows(V, j0, j1, vr);
+    value_scales(vr, j1 - j0, V.dim, s + 8 * size_t(j0));
     for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + tile - (1 << V.shift), L, d);  // the next tile's
     for (int c = 0; c < DC; c += 2) {  // two slices a pass (DC is even): half the passes over the tile
       __m512 acc[2][G];
@@ -347,12 +346,12 @@ __attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T,
   }
   alignas(32) float inv[8];
   _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
-  value_scales(V, L, s);
   constexpr int tile = tile_rows_for<T>(dv);
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += tile) {
     const int j1 = std::min(L, j0 + tile);
     tile_rows(V, j0, j1, vr);
+    value_scales(vr, j1 - j0, V.dim, s + 8 * size_t(j0));
     for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + tile - (1 << V.shift), L, dv);
     for (int c = 0; c < DCV; c += 2) {  // two slices a pass (DCV is even), queries 0-3 then 4-7
       weighted_sums<(G < 4 ? G : 4)>(vr, j1 - j0, 8 * c, s + 8 * size_t(j0), out + 8 * c, dv, j0 > 0,

@@ -333,23 +333,25 @@ def test_evicted_blocks_spill_to_the_host_tier_and_come_back(checkpoints):
     cfg = load_config(d)
     dev = torch.device(os.environ.get("MOE_TEST_DEVICE", "cpu"))  # scripts/gpu_check.sh: cuda, the host tier pinned
     model = Model(cfg, Checkpoint(d), dev, torch.float32)
+    for kv in (torch.float32, torch.int8):  # (an 8-bit pool's rows: codes and scales, copied as bytes)
+        bb = KVPool(cfg, kv, dev, 1).block_bytes
+        pool = KVPool(cfg, kv, dev, 8, 8 * bb, 16 * bb)
+        root = block_names.root("", ())
+        a = prefix_cache.SeqCache(pool, root)
+        model.forward([Segment(a, torch.tensor(PROMPT), 0)], _no_experts(cfg, dev))
+        want = [t.clone() for t in a.gather(0, 64)]
+        a.release()
+        spills = metrics.PREFIX_HOST_SPILLS._value.get()
+        b = prefix_cache.SeqCache(pool, root)
+        model.forward([Segment(b, torch.tensor([4] + PROMPT[1:] + PROMPT[:48]), 0)], _no_experts(cfg, dev))  # 7 blocks
+        assert metrics.PREFIX_HOST_SPILLS._value.get() - spills == 3  # a's blocks 1-3 went to make room (tail first)
+        b.release()
+        c = prefix_cache.lookup(pool, PROMPT + [1], root)
+        assert c.length == 64
+        for got, w in zip(c.gather(0, 64), want):
+            assert got.dtype == kv and torch.equal(got, w)
+        c.release()
     bb = cache_for(d).block_bytes
-    pool = KVPool(cfg, torch.float32, dev, 8, 8 * bb, 16 * bb)
-    root = block_names.root("", ())
-    a = prefix_cache.SeqCache(pool, root)
-    model.forward([Segment(a, torch.tensor(PROMPT), 0)], _no_experts(cfg, dev))
-    want = [t.clone() for t in a.gather(0, 64)]
-    a.release()
-    spills = metrics.PREFIX_HOST_SPILLS._value.get()
-    b = prefix_cache.SeqCache(pool, root)
-    model.forward([Segment(b, torch.tensor([4] + PROMPT[1:] + PROMPT[:48]), 0)], _no_experts(cfg, dev))  # 7 blocks
-    assert metrics.PREFIX_HOST_SPILLS._value.get() - spills == 3  # a's blocks 1-3 went to make room (tail first)
-    b.release()
-    c = prefix_cache.lookup(pool, PROMPT + [1], root)
-    assert c.length == 64
-    for got, w in zip(c.gather(0, 64), want):
-        assert torch.equal(got, w)
-    c.release()
 
     plain = local_engine(d)
     try:
