@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moe_experts.store import load_expert_layers
-from gpu_service import cli
+from gpu_service import cli, metrics
 from gpu_service.experts.local import LocalExperts
 from gpu_service.engine.kv_pool import KVPool, block_bytes
 from gpu_service.model.model import Model, Segment
@@ -205,6 +205,7 @@ def test_a_pool_in_bytes_holds_twice_the_positions(checkpoints, name):
     for kv in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):
         pool, limit = cli.kv_pool(args, cfg, torch.device("cpu"), kv, 4096)
         blocks[kv] = pool.num_blocks
+        assert metrics.KV_POSITION_BYTES._value.get() == pool.block_bytes / 16  # /metrics: a position's bytes
         assert pool.num_blocks * pool.block_bytes <= 0.25 * 2**30 < (pool.num_blocks + 1) * pool.block_bytes
         # the bytes are the buffers': nothing uncounted
         assert pool.block_bytes * (pool.num_blocks + 1) == sum(b.nbytes for bufs in pool.bufs if bufs for b in bufs)
