@@ -286,11 +286,6 @@ def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return BLOCK * sum(map(per_pos, range(cfg.num_layers))) * torch.empty(0, dtype=dtype).element_size()
 
 
-def position_bytes(cfg: ModelConfig, dtype: torch.dtype) -> float:
-    """Bytes of KV cache a position of context takes (every attention layer; /metrics, the start log)."""
-    return block_bytes(cfg, dtype) / BLOCK
-
-
 def read(rows: torch.Tensor, pool_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.Tensor:
     """Rows of a pool of pool_dtype (an 8-bit pool's as bytes) as `dtype`'s values (None: as they are stored)."""
     if kv_quant.quantized(pool_dtype):
