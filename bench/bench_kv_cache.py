@@ -24,11 +24,10 @@ import json
 import math
 import pathlib
 import statistics
-import time
 
 import torch
 
-from common import ROOT, cpu_name, windows  # noqa: E402
+from common import ROOT, cpu_name, timed, windows  # noqa: E402
 
 CACHES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -105,12 +104,9 @@ def decode_speed(a) -> None:
         per = {n: [] for n in caches}
         for _ in range(a.rounds):
             for name, cache in filled.items():
-                ts = []
-                for i in range(a.reps + 1):  # the first: warm-up
-                    t = time.perf_counter()
-                    model.forward([Segment(cache, torch.tensor([5 + i]), L - 1)], experts)
-                    ts.append(time.perf_counter() - t)
-                per[name].append(statistics.median(ts[1:]))
+                ts = [timed(lambda: model.forward([Segment(cache, torch.tensor([5 + i]), L - 1)], experts))
+                      for i in range(a.reps + 1)]
+                per[name].append(statistics.median(ts[1:]))  # (the first: warm-up)
         base = next(iter(caches))
         row = {"positions": L}
         for name, kv in caches.items():

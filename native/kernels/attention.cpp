@@ -1,5 +1,6 @@
 // Decode attention on the CPU: one new query per head against a sequence's cached keys and values
-// (bf16, fp16 or fp32, [kv heads, positions, dim] with any head and position strides, or paged: positions in
+// (bf16, fp16 or fp32, or 8-bit rows of codes and a power-of-two scale (kv_codes.h) whose scale multiplies a
+// position's score and its weight: [kv heads, positions, dim] with any head and position strides, or paged: positions in
 // blocks of a pool, found through the sequence's block table; gpu_service/kv_pool.py), grouped-query: up to 8
 // query heads of a kv head share each pass over its keys and values, their 8 scores of a position one vector.
 // fp32 scores, softmax and sums; tasks over kv heads. torch's matmuls for this (two strided bmm, a softmax,
