@@ -69,7 +69,7 @@ def decode_speed(a) -> None:
     from gpu_service.model.step import Segment
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
-    from moe_kernels import ISA, kv_quant, native
+    from moe_kernels import kv_quant, native
     from moe_kernels.dense import NativeLinear
 
     native.init_pool(a.threads)
@@ -83,7 +83,7 @@ def decode_speed(a) -> None:
                 if isinstance(w, NativeLinear))
     weights = dense + sum(op.weight_bytes_per_expert * cfg.top_k for op in layers.values())
     caches = {n: CACHES[n] for n in a.caches.split(",")}
-    print(f"CPU: {cpu_name()}; kernel path {ISA}; {a.threads} threads; {a.decode.name}: {cfg.num_layers} layers, dense "
+    print(f"CPU: {cpu_name()}; {a.threads} threads; {a.decode.name}: {cfg.num_layers} layers, dense "
           f"{a.dense_format}, experts {a.weight_format}; weights read a token {weights / 2**20:.0f} MiB", flush=True)
     g = torch.Generator().manual_seed(0)
     rows = []
