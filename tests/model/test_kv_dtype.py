@@ -142,12 +142,10 @@ def test_an_8bit_cache_is_an_fp32_cache_of_its_rows_round_trip(checkpoints, fami
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
 def test_the_native_decode_reads_an_8bit_pool_as_torch_reads_it(checkpoints, family, monkeypatch):
-    """(GQA's native block and loop need vector head dims, wider than the tiny checkpoints': test_decode_step.py and
-    test_decode_loop.py check them over 8-bit pools bit for bit.)
-    The dense layers packed (--dense-format bf16): the Model's own choice of path takes the 8-bit pool natively
-    (the layer loop, the decode blocks, or for DeepSeek Sparse Attention the indexer and latent kernels) and gives
-    the torch path's
-    logits over the same pool, bit for bit."""
+    """The dense layers packed (--dense-format bf16): the Model's own choice of path takes the 8-bit pool natively
+    (the decode blocks, or for DeepSeek Sparse Attention the indexer and latent kernels) and gives the torch path's
+    logits over the same pool, bit for bit. (GQA's native block and loop need vector head dims, wider than the tiny
+    checkpoints': test_decode_step.py and test_decode_loop.py check them over 8-bit pools bit for bit.)"""
     import moe_kernels.attention as kernels
     from gpu_service.model import native_loop, native_stages
 
@@ -195,9 +193,9 @@ def test_hits_and_chunks_give_the_tokens_of_a_whole_prefill(checkpoints, family,
 
 @pytest.mark.parametrize("name", ["embedded", "gqa128", "gqa64"])
 def test_a_pool_in_bytes_holds_twice_the_positions(checkpoints, name):
-    """--kv-cache-gb: an 8-bit pool of the same bytes holds 2d / (d + 1) times a bf16 one's positions, scales
-    included: >= 1.95x for rows of >= 40 values (the embedded model's MLA latent 64 + rotary 16, a 128-dim GQA head;
-    a 64-dim head: 1.97x)."""
+    """--kv-cache-gb: an 8-bit pool of the same bytes holds 2d / (d + 1) times a bf16 one's positions for rows of d
+    values, scales included: 1.95x on the embedded model (MLA: a latent row of 64 and a rotary row of 16), 1.98x
+    at 128-dim GQA heads, 1.97x at 64."""
     cfg = load_config(ROOT / "models" / "default") if name == "embedded" else \
         dataclasses.replace(load_config(checkpoints["qwen3_moe"]), head_dim=int(name[3:]))
     args = cli.parse_args(["--model", "m", "--kv-cache-gb", "0.25"])
