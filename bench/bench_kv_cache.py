@@ -20,6 +20,7 @@ the bytes a token reads (weights + the cache's) and the ratio those bytes allow:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
@@ -32,17 +33,25 @@ from common import ROOT, cpu_name, timed, windows  # noqa: E402
 CACHES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
-def all_logits(model_dir: pathlib.Path, kv: torch.dtype, prompts: list[list[int]], experts: str) -> list[torch.Tensor]:
+@functools.cache
+def local_experts(model_dir: pathlib.Path, fmt: str):
+    """The routed experts in this process, loaded once for every cache compared."""
     from moe_experts.store import load_expert_layers
     from gpu_service.experts.local import LocalExperts
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+
+    return LocalExperts(load_expert_layers(load_config(model_dir), Checkpoint(model_dir), fmt, torch.get_num_threads()))
+
+
+def all_logits(model_dir: pathlib.Path, kv: torch.dtype, prompts: list[list[int]], experts: str) -> list[torch.Tensor]:
     from gpu_service.model.model import Model
     from gpu_service.model.step import Segment
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
 
-    cfg, ckpt = load_config(model_dir), Checkpoint(model_dir)
-    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32, kv_dtype=kv)
-    ex = LocalExperts(load_expert_layers(cfg, ckpt, experts, torch.get_num_threads()))
+    model = Model(load_config(model_dir), Checkpoint(model_dir), torch.device("cpu"), torch.float32, kv_dtype=kv)
+    ex = local_experts(model_dir, experts)
     out = []
     with torch.no_grad():
         for p in prompts:
@@ -155,9 +164,10 @@ def main() -> None:
         from moe_core.config import load_config
         vocab = load_config(a.agree).vocab_size
         prompts = [torch.randint(2, vocab, (a.len,), generator=g).tolist() for _ in range(max(1, a.windows // 4))]
-        ref = all_logits(a.agree, torch.float32, prompts, a.experts if a.experts != "fp32" else "int8")
+        fmt = a.experts if a.experts != "fp32" else "int8"  # (fp32 experts of a full-width model: too many bytes)
+        ref = all_logits(a.agree, torch.float32, prompts, fmt)
         for name, kv in list(CACHES.items())[1:]:
-            got = all_logits(a.agree, kv, prompts, a.experts if a.experts != "fp32" else "int8")
+            got = all_logits(a.agree, kv, prompts, fmt)
             agree = sum(int((x.argmax(-1) == y.argmax(-1)).sum()) for x, y in zip(got, ref)) / sum(len(p) for p in prompts)
             kl = sum(float(torch.nn.functional.kl_div(x.log_softmax(-1), y.log_softmax(-1), log_target=True,
                                                       reduction="sum")) for x, y in zip(got, ref)) / sum(map(len, prompts))

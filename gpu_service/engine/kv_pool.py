@@ -71,7 +71,6 @@ class KVPool:
         # (cuda_graphs.py)
         self.spare = num_blocks
         rows = num_blocks + 1
-        self.quantized = kv_quant.quantized(dtype)
         shapes = lambda L: [(*lead, kv_quant.row_width(dtype, n)) for lead, n in _rows(cfg, L, rows)]  # noqa: E731
         self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
         # per layer its buffers, None for a linear-attention layer (untouched pages of these cost no memory on
@@ -82,7 +81,7 @@ class KVPool:
         if device.type == "cpu":
             for bufs in self.bufs:
                 for t in bufs or ():
-                    _bytes(t).narrow(self.block_dim, 0, min(rows, PREFAULT_BLOCKS)).zero_()
+                    raw(t).narrow(self.block_dim, 0, min(rows, PREFAULT_BLOCKS)).zero_()
         self.block_bytes = block_bytes(cfg, dtype)
         self.prefix_bytes = prefix_bytes
         self.ref = [0] * num_blocks
@@ -150,7 +149,7 @@ class KVPool:
         for host, bufs in zip(self.host, self.bufs):
             if bufs is not None:
                 for hb, db in zip(host, bufs):
-                    _bytes(hb).select(self.block_dim, slot).copy_(_bytes(db).select(self.block_dim, b), non_blocking=True)
+                    raw(hb).select(self.block_dim, slot).copy_(raw(db).select(self.block_dim, b), non_blocking=True)
         self.host_by_hash[h] = slot
         metrics.PREFIX_HOST_SPILLS.inc()
         metrics.PREFIX_HOST_BLOCKS.set(len(self.host_by_hash))
@@ -168,7 +167,7 @@ class KVPool:
         for host, bufs in zip(self.host, self.bufs):
             if bufs is not None:
                 for hb, db in zip(host, bufs):
-                    _bytes(db).select(self.block_dim, b).copy_(_bytes(hb).select(self.block_dim, slot), non_blocking=True)
+                    raw(db).select(self.block_dim, b).copy_(raw(hb).select(self.block_dim, slot), non_blocking=True)
         self.register(b, h)
         metrics.PREFIX_HOST_RESTORES.inc()
         return b
@@ -263,9 +262,18 @@ def _rows(cfg: ModelConfig, L: int, rows: int) -> list[tuple[tuple, int]]:
     return [((cfg.kv_heads(L), rows, BLOCK), cfg.head_dim), ((cfg.kv_heads(L), rows, BLOCK), cfg.value_dim)]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """An 8-bit buffer as bytes (torch copies and indexes those on every device; fp8 tensors not everywhere)."""
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A pool buffer as its elements are copied and indexed: an 8-bit one as bytes (torch does those on every
+    device; fp8 tensors not everywhere)."""
     return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def stored(buf: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buf as written to, x [..., n] as its rows go there): an 8-bit pool's rows quantized (codes and scale,
+    kv_quant.py) into its bytes; others as they are (cast on assignment)."""
+    if kv_quant.quantized(buf.dtype):
+        return buf.view(torch.uint8), kv_quant.quantize(x, buf.dtype)
+    return buf, x
 
 
 def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -360,10 +368,7 @@ class SeqCache:
         bufs, t = self.pool.bufs[layer], xs[0].shape[0]
         if not self.reserve(start + t):
             raise MemoryError(f"the KV pool ({self.pool.num_blocks} blocks of {BLOCK}) is full")
-        dtype = self.pool.dtype
-        if self.pool.quantized:  # each row its codes and scale (kv_quant.py), stored as bytes
-            xs = tuple(kv_quant.quantize(x, dtype) for x in xs)
-            bufs = [_bytes(b) for b in bufs]
+        bufs, xs = zip(*(stored(b, x) for b, x in zip(bufs, xs)))
         if t == 1:
             b, o = self.blocks[start // BLOCK], start % BLOCK
             for buf, x in zip(bufs, xs):
@@ -396,7 +401,7 @@ class SeqCache:
         idx = self._index[0][b0:b1]
         lo, n = begin - b0 * BLOCK, end - begin
         out = []
-        for buf in map(_bytes, self.pool.bufs[layer]):
+        for buf in map(raw, self.pool.bufs[layer]):
             if consecutive:  # one view, no copy
                 rows = buf.narrow(self.pool.block_dim, self.blocks[b0], b1 - b0)
             elif self.pool.mla:

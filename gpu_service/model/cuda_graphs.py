@@ -34,12 +34,11 @@ from typing import Callable
 import torch
 
 from moe_core.config import ModelConfig
-from moe_kernels import kv_quant
 
 from gpu_service.model import step
 from gpu_service.model.attention import masked_rows
 from gpu_service.model.step import Exchange
-from gpu_service.engine.kv_pool import BLOCK, KVPool, read
+from gpu_service.engine.kv_pool import BLOCK, KVPool, raw, read, stored
 
 log = logging.getLogger("gpu_service.model.cuda_graphs")
 
@@ -153,8 +152,7 @@ class Bucket:
     def write(self, layer: int, *xs: torch.Tensor) -> None:
         """Each row's new entries at its slot: padded rows write the pool's spare block."""
         for buf, x in zip(self.pool.bufs[layer], xs):
-            if kv_quant.quantized(buf.dtype):  # (an 8-bit pool: the rows' codes and scales, as bytes)
-                buf, x = buf.view(torch.uint8), kv_quant.quantize(x, buf.dtype)
+            buf, x = stored(buf, x)  # (an 8-bit pool: the rows' codes and scales, as bytes)
             if buf.dim() == 4:  # GQA's [kv, blocks, BLOCK, d]
                 buf[:, self.blk, self.off] = x.transpose(0, 1).to(buf.dtype)
             else:  # MLA's [blocks, BLOCK, r]
@@ -165,11 +163,10 @@ class Bucket:
         length they read whatever the pool holds, hence the mask (and masked_rows' zeros)."""
         out = []
         for buf in self.pool.bufs[layer]:
-            raw = buf.view(torch.uint8) if kv_quant.quantized(buf.dtype) else buf
             if buf.dim() == 4:
-                rows = raw[:, self.tables].reshape(buf.shape[0], self.B, self.C, -1)
+                rows = raw(buf)[:, self.tables].reshape(buf.shape[0], self.B, self.C, -1)
             else:
-                rows = raw[self.tables].reshape(self.B, self.C, -1)
+                rows = raw(buf)[self.tables].reshape(self.B, self.C, -1)
             out.append(read(rows, buf.dtype, dtype))
         return masked_rows(out, self.unseen), self.unseen
 
