@@ -3,7 +3,8 @@
 Supported families (transformers' implementations are the numerical reference):
 deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), deepseek_v32 and glm_moe_dsa (GLM-5:
 MLA behind DeepSeek Sparse Attention's lightning indexer), kimi_k2 and kimi_k25 (DeepSeek-V3's arithmetic), glm4_moe,
-minimax_m2, gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_next and qwen3_5_moe
+minimax_m2, minimax_m3_vl (MiniMax-M3's text model: GQA beside block-sparse attention behind a block lightning indexer,
+clamped SwiGLU everywhere), gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_next and qwen3_5_moe
 (gated DeltaNet linear attention beside gated full attention; Qwen3.5's text model, published inside
 its vision-language wrapper), qwen3_moe, qwen2_moe (gated shared expert), mixtral. Anything else is
 refused with a clear message.
@@ -19,7 +20,7 @@ from moe_core.int4_checkpoints import int4_scheme
 
 
 SUPPORTED = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss",
-             "minimax_m2", "mimo_v2_flash", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
+             "minimax_m2", "minimax_m3_vl", "mimo_v2_flash", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
 # published types whose arithmetic is another family's: Kimi-K2 and K2-Thinking are DeepSeek-V3 (transformers has no
 # kimi_k2 type of its own: its Kimi-K2.5 config rewrites one to deepseek_v3), and so is Kimi-K2.5/K2.6's text model;
 # DeepSeek-V3.2 is DeepSeek-V3 with the lightning indexer in front of MLA (the index_* fields), and GLM-5 is V3.2 with
@@ -34,9 +35,11 @@ TEXT_IN_WRAPPER = {
     "qwen3_5_moe": ({"model.language_model.": "model."}, ("model.",)),  # model.visual.*: the tower
     "kimi_k25": ({"language_model.model.": "model.", "language_model.lm_head.": "lm_head."},
                  ("vision_tower.", "mm_projector.")),
+    "minimax_m3_vl": ({"language_model.model.": "model.", "language_model.lm_head.": "lm_head."},
+                      ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")),
 }
 MAX_TOP_K = 256  # experts a token may name: native/moe.h's MAX_K (tests check they agree)
-MIXTRAL_NAMES = ("mixtral", "minimax_m2")  # block_sparse_moe.experts.E.w1 / w3 / w2
+MIXTRAL_NAMES = ("mixtral", "minimax_m2", "minimax_m3_vl")  # block_sparse_moe.experts.E.w1 / w3 / w2
 QUANT_SUPPORTED = ("fp8 (e4m3 weights with one float32 scale_inv per block, as DeepSeek-V3/R1 publish them), "
                    "mxfp4 (gpt_oss's experts as OpenAI publishes them: _blocks and _scales), "
                    "int4 compressed-tensors (pack-quantized), gptq and awq (gemm)")
@@ -91,7 +94,7 @@ def _int4(raw: dict):
 
 @dataclasses.dataclass(frozen=True)
 class ExpertAct:
-    """The routed experts' activation: silu(gate) * up, or gpt-oss's clamped SwiGLU
+    """The routed experts' (MiniMax-M3: every MLP's) activation: silu(gate) * up, or gpt-oss's clamped SwiGLU
     (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
     kind: str = "silu"  # "silu" | "clamped_swiglu"
     alpha: float = 0.0
@@ -159,6 +162,7 @@ class ModelConfig:
     shared_intermediate_size: int = 0  # 0 = no shared expert
     shared_expert_gate: bool = False   # Qwen2-MoE: sigmoid(gate(x)) * shared(x)
     expert_act: ExpertAct = SILU       # the routed experts' activation
+    mlp_act: ExpertAct = SILU          # the dense MLPs' and shared experts' (MiniMax-M3: the experts' clamped SwiGLU)
     expert_bias: bool = False          # gpt-oss: biases on the routed experts' projections
     # routing
     scoring: str = "softmax"           # "softmax" | "sigmoid" | "topk_softmax" (gpt-oss: softmax of the top-k logits)
@@ -183,6 +187,12 @@ class ModelConfig:
     index_topk: int = 0                # 0: no indexer (dense attention)
     index_rope_interleave: bool = False  # GLM-5 rotates the indexer's pairs; V3.2 its halves
     index_shared: tuple[int, ...] = ()  # GLM-5: layers that reuse the previous layer's selection (no indexer)
+    # MiniMax-M3: in the layers layer_types marks minimax_m3_sparse, a block lightning indexer (index_heads query heads
+    # of index_dim, one key a position, cached) max-pools each query's scores over blocks of index_block keys and keeps
+    # index_topk_blocks of them per indexer head (a KV group's query heads), index_local_blocks before it always
+    index_block: int = 0               # 0: no block indexer
+    index_topk_blocks: int = 0
+    index_local_blocks: int = 0
     # MiMo-V2-Flash: its sliding-window layers' KV heads (0: num_kv_heads) and rope base (0: rope_theta); values
     # scaled by value_scale before they are cached; a GQA value head of v_head_dim (0: head_dim)
     sliding_kv_heads: int = 0
@@ -195,6 +205,10 @@ class ModelConfig:
     def has_indexer(self, layer: int) -> bool:
         """A DeepSeek Sparse Attention layer that runs its own indexer (and caches its keys)."""
         return bool(self.index_topk) and layer not in self.index_shared
+
+    def block_sparse(self, layer: int) -> bool:
+        """A MiniMax-M3 sparse layer: GQA over the blocks its block lightning indexer picks."""
+        return bool(self.index_block) and self.layer_types[layer] == "minimax_m3_sparse"
 
     @property
     def architecture(self) -> str:
@@ -255,7 +269,12 @@ class ModelConfig:
 
     @property
     def ffn_prefix(self) -> str:
+        """An MoE layer's feed-forward weights' prefix (under model.layers.N)."""
         return "block_sparse_moe" if self.model_type in MIXTRAL_NAMES else "mlp"
+
+    def ffn(self, layer: int) -> str:
+        """A layer's feed-forward weights' prefix (MiniMax-M3's dense layers: mlp)."""
+        return self.ffn_prefix if self.is_moe_layer(layer) or self.model_type != "minimax_m3_vl" else "mlp"
 
 
 def check_shape(cfg: "ModelConfig", name: str, shape: tuple) -> None:
@@ -362,6 +381,43 @@ def _mimo(raw: dict, n_layers: int, head_dim: int) -> tuple[tuple[int, ...], int
                   topk_group=int(raw.get("topk_group") or 1),
                   routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0))
     return tuple(i for i, k in enumerate(kinds) if k == "sparse"), int(raw["moe_intermediate_size"]), fields
+
+
+def _minimax_m3(raw: dict, n_layers: int, n_heads: int, head_dim: int) -> tuple[tuple[int, ...], int, dict]:
+    """MiniMax-M3's text model: full GQA layers beside block-sparse ones (layer_types, else
+    sparse_attention_config's sparse_attention_freq), per-head QK-norm and every RMSNorm zero-centred (x * (1 + w)),
+    dense layers (mlp_layer_types, else moe_layer_freq) beside MoE layers with one shared expert, the clamped SwiGLU
+    (swiglu_alpha, swiglu_limit) in every MLP, sigmoid routing with a correction bias -> (moe layers, expert width,
+    the fields beyond GQA's)."""
+    sparse = raw.get("sparse_attention_config") or {}
+    get = lambda flat, legacy, default: raw.get(flat, sparse.get(legacy, default))  # noqa: E731 (as transformers reads them)
+    types = raw.get("layer_types") or (["minimax_m3_sparse" if f else "full_attention"
+                                        for f in sparse["sparse_attention_freq"]]
+                                       if "sparse_attention_freq" in sparse else ["full_attention"] * n_layers)
+    if len(types) != n_layers or set(types) - {"minimax_m3_sparse", "full_attention"}:
+        raise ModelConfigError(f"minimax_m3_vl layer_types {list(types)}: one of minimax_m3_sparse | full_attention per "
+                               f"layer ({n_layers})")
+    kinds = raw.get("mlp_layer_types") or (["sparse" if f else "dense" for f in raw["moe_layer_freq"]]
+                                           if raw.get("moe_layer_freq") is not None else ["sparse"] * n_layers)
+    if len(kinds) != n_layers or set(kinds) - {"dense", "sparse"}:
+        raise ModelConfigError(f"minimax_m3_vl mlp_layer_types {list(kinds)}: one of dense | sparse per layer "
+                               f"({n_layers})")
+    heads, dim = int(get("index_n_heads", "sparse_num_index_heads", 4)), int(get("index_head_dim", "sparse_index_dim", 128))
+    block, topk = int(get("index_block_size", "sparse_block_size", 128)), int(get("index_topk_blocks", "sparse_topk_blocks", 16))
+    local = int(get("index_local_blocks", "sparse_local_block", 1))
+    if heads < 1 or n_heads % heads or block < 1 or not 0 <= local <= topk or dim < 1:
+        raise ModelConfigError(f"minimax_m3_vl's block indexer: {heads} heads (a divisor of the {n_heads} attention "
+                               f"heads), blocks of {block} >= 1 keys, {local} local blocks <= {topk} kept blocks")
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ModelConfigError(f"minimax_m3_vl with scoring_func={raw['scoring_func']!r} is not supported (sigmoid)")
+    act = ExpertAct("clamped_swiglu", float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0)))
+    fields = dict(layer_types=tuple(types), norm_offset=True, expert_act=act, mlp_act=act,
+                  shared_intermediate_size=int(raw.get("shared_intermediate_size", 3072)),
+                  scoring="sigmoid", topk_method="noaux_tc",
+                  routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.0)),
+                  index_heads=heads, index_dim=dim, index_block=block, index_topk_blocks=topk,
+                  index_local_blocks=local)
+    return tuple(i for i, k in enumerate(kinds) if k == "sparse"), int(raw["intermediate_size"]), fields
 
 
 def _dsa(raw: dict, published: str, n_layers: int) -> dict:
@@ -489,6 +545,10 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
                            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
         elif mt == "mimo_v2_flash":
             moe_layers, moe_inter, fields = _mimo(raw, n_layers, head_dim)
+        elif mt == "minimax_m3_vl":
+            moe_layers, moe_inter, fields = _minimax_m3(raw, n_layers, n_heads, head_dim)
+            common["intermediate_size"] = int(raw.get("dense_intermediate_size", 12288))  # its dense layers'
+
         elif mt == "mixtral":
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
         else:
@@ -507,7 +567,7 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
             head_dim=head_dim, rope_interleave=False, rotary_dim=int(head_dim * partial) if partial < 1 else 0,
             qkv_bias=(mt == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
             or ((glm or oss or nxt or mt == "mimo_v2_flash") and bool(raw.get("attention_bias"))),
-            qk_norm=mt == "qwen3_moe" or nxt or (glm and bool(raw.get("use_qk_norm"))), qk_norm_full=minimax,
+            qk_norm=mt in ("qwen3_moe", "minimax_m3_vl") or nxt or (glm and bool(raw.get("use_qk_norm"))), qk_norm_full=minimax,
             moe_intermediate_size=moe_inter, moe_layers=moe_layers, n_routed_experts=n_exp,
             shared_expert_gate=mt == "qwen2_moe" or nxt,
             # Qwen3.5's router always renormalizes its top-k (the field is gone from its config)
@@ -515,6 +575,9 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
                 "norm_topk_prob", glm or mt == "mimo_v2_flash")),
             **fields,
         )
+    if cfg.index_block and (cfg.rotary_dim or cfg.head_dim) > cfg.index_dim:
+        raise ModelConfigError(f"{published}: the rotary dims ({cfg.rotary_dim or cfg.head_dim}) exceed the indexer's "
+                               f"head ({cfg.index_dim}), which rotates as many")
     if cfg.n_routed_experts <= 0 or not (0 < cfg.top_k <= min(cfg.n_routed_experts, MAX_TOP_K)):
         raise ModelConfigError(f"bad MoE shape: {cfg.n_routed_experts} experts, top-{cfg.top_k} (top-k must be in "
                                f"[1, {MAX_TOP_K}] and at most the number of experts)")

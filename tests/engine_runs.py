@@ -4,7 +4,6 @@ from __future__ import annotations
 import queue
 
 import torch
-import transformers
 
 import tiny_models
 from gpu_service.engine.sampling import SamplingParams
@@ -20,7 +19,7 @@ def prompt_of(n: int, seed: int) -> list[int]:
 
 def reference(d, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     """transformers' N_NEW greedy tokens after the prompt, and its logits at every prompt position."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ref = tiny_models.reference_model(d)
     with torch.no_grad():
         toks = ref.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()

@@ -47,6 +47,14 @@ NARROW["glm-5"] = dict(NARROW["deepseek-v3.2"], n_group=1, topk_group=1, qk_nope
 NARROW["mimo-v2-flash"] = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
                                num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
                                v_head_dim=16, sliding_window_size=8)
+# MiniMax-M3: blocks of 4 keys, 3 kept per KV group (a 70-token prompt has 18), a dense first layer
+NARROW["minimax-m3"] = dict(hidden_size=64, intermediate_size=32, dense_intermediate_size=48, shared_intermediate_size=24,
+                            num_local_experts=16, num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, rotary_dim=8, sparse_attention_config=dict(
+                                sparse_attention_freq=[0, 1, 1], sparse_num_index_heads=2, sparse_index_dim=16,
+                                sparse_block_size=4, sparse_topk_blocks=3, sparse_local_block=1),
+                            vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2))
 NARROW["kimi-k2.6"] = dict(NARROW["kimi-k2"], vision_config=dict(hidden_size=32, intermediate_size=32,
                                                                  num_hidden_layers=1))
 

@@ -69,6 +69,17 @@ FAMILIES = {
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
         num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=8, max_position_embeddings=512)),
+    # MiniMax-M3 as published: the text model inside its vision-language wrapper; block-sparse attention on layers 1
+    # and 2 (blocks of 4 keys, 3 kept per KV group, the query's own always) beside full layers, a dense first layer,
+    # zero-centred norms made to matter, a swiglu_limit low enough to clamp, rotary on half of each head
+    "minimax_m3_vl": ("MiniMaxM3VLConfig", "MiniMaxM3SparseForConditionalGeneration", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, dense_intermediate_size=48, shared_intermediate_size=24,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+        num_experts_per_tok=2, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse", "full_attention"],
+        index_n_heads=2, index_head_dim=16, index_block_size=4, index_topk_blocks=3, index_local_blocks=1,
+        swiglu_limit=1.0, rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        max_position_embeddings=512)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -82,12 +93,26 @@ FAMILIES = {
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512)),
 }
 
-WRAPPED = ("qwen3_5_moe",)  # vision-language wrappers: kw is the text config
-TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
-                   num_position_embeddings=16)
+# vision-language wrappers: kw is the text config, beside a one-block vision tower of these
+WRAPPED = {"qwen3_5_moe": dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                               patch_size=4, num_position_embeddings=16),
+           "minimax_m3_vl": dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 patch_size=14)}
 
 CORPUS = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
           "The quick brown fox jumps over the lazy dog. Grüße aus Köln — 東京 ✓ ünïcödé\n") * 20
+
+
+def reference_model(d, **kw):
+    """transformers' model of a checkpoint in fp32: its causal LM, or (MiniMax-M3, whose wrapper has none) the class
+    config.json names."""
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **kw).eval()
+    except ValueError:
+        arch = transformers.AutoConfig.from_pretrained(d).architectures[0]
+        return getattr(transformers, arch).from_pretrained(d, dtype=torch.float32, **kw).eval()
 
 
 def build_tokenizer(out: pathlib.Path) -> None:
@@ -112,7 +137,7 @@ def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, sh
     cfg_name, model_name, kw = FAMILIES[family]
     kw = {"initializer_range": 0.1, **kw, **overrides, "bos_token_id": 0, "eos_token_id": 1}
     if family in WRAPPED:
-        kw = dict(text_config=kw, vision_config=TINY_VISION)
+        kw = dict(text_config=kw, vision_config=WRAPPED[family])
     cfg = getattr(transformers, cfg_name)(**kw)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).to(dtype).eval()
@@ -125,7 +150,7 @@ def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, sh
             for n, w in model.named_parameters():
                 if n.endswith("bias"):
                     w.copy_(torch.randn_like(w) * 0.2)
-    if family in ("qwen3_next", "qwen3_5_moe"):  # zero-centred norms start at 0 and the gated norm at 1: make them matter
+    if family in ("qwen3_next", "qwen3_5_moe", "minimax_m3_vl"):  # zero-centred norms start at 0 and the gated norm at 1: make them matter
         with torch.no_grad():
             for n, w in model.named_parameters():
                 if n.endswith("norm.weight") or n.endswith("dt_bias"):

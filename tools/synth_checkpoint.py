@@ -10,6 +10,7 @@ benchmarking real-size behaviour without the real weights.
     python tools/synth_checkpoint.py --arch minimax-m2 --layers 2 --out /tmp/m2     # FP8, as published
     python tools/synth_checkpoint.py --arch qwen3-next-80b-a3b --layers 4 --out /tmp/next  # 3 DeltaNet + 1 full
     python tools/synth_checkpoint.py --arch qwen3.5-35b-a3b --layers 4 --out /tmp/q35  # inside its VL wrapper
+    python tools/synth_checkpoint.py --arch minimax-m3 --layers 3 --out /tmp/m3  # FP8, inside its VL wrapper
     python tools/synth_checkpoint.py --arch deepseek-v3 --layers 2 --set hidden_size=64 ... --out DIR  # narrow
 
 Tensors are generated and written one shard at a time (at most --shard-mb in memory). FP8
@@ -236,7 +237,7 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
         text = tensor_specs({**c["text_config"], "model_type": c["model_type"]})
         renames, _ = TEXT_IN_WRAPPER[c["model_type"]]
         stored = lambda n: next((old + n[len(new):] for old, new in renames.items() if n.startswith(new)), n)  # noqa
-        tower = _kimi_vision_specs if c["model_type"] == "kimi_k25" else _vision_specs
+        tower = {"kimi_k25": _kimi_vision_specs, "minimax_m3_vl": _m3_vision_specs}.get(c["model_type"], _vision_specs)
         return [(stored(n), sh, k) for n, sh, k in text] + tower(c["vision_config"], c["text_config"]["hidden_size"])
     c = {**c, "model_type": SAME_AS.get(c["model_type"], c["model_type"])}  # (Kimi's layers are DeepSeek-V3's)
     H, V, out = c["hidden_size"], c["vocab_size"], []
@@ -244,7 +245,8 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     layers = c["num_hidden_layers"] + (c.get("num_nextn_predict_layers") or 0)
     nxt = c["model_type"] in ("qwen3_next", "qwen3_5_moe")
     split = c["model_type"] == "qwen3_5_moe"  # Qwen3.5: DeltaNet projections one per part, experts stacked
-    minimax, mimo = c["model_type"] == "minimax_m2", c["model_type"] == "mimo_v2_flash"
+    minimax, mimo = c["model_type"] in ("minimax_m2", "minimax_m3_vl"), c["model_type"] == "mimo_v2_flash"
+    m3 = c["model_type"] == "minimax_m3_vl"
     out.append(("model.embed_tokens.weight", (V, H), "embed"))
     for L in range(layers + nxt):
         p = f"model.layers.{L}."
@@ -313,11 +315,19 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                                 (m + f"experts.{n}_scales", (E, rows, k // 32), "mx_scales"),
                                 (m + f"experts.{n}_bias", (E, rows), "proj_bias")]
                     continue
-                if minimax:  # one norm over all heads' q (k)
+                if minimax and not m3:  # one norm over all heads' q (k)
                     out += [(a + "q_norm.weight", (nh * hd,), "norm"), (a + "k_norm.weight", (kv * hd,), "norm")]
                 elif not (glm or mimo) or c.get("use_qk_norm"):
                     out += [(a + "q_norm.weight", (hd,), "norm"), (a + "k_norm.weight", (hd,), "norm")]
-            if minimax:  # every layer MoE, Mixtral's names (below)
+            if m3 and _m3_sparse(c, L):  # its block indexer (left unquantized)
+                ih, idim = c["sparse_attention_config"]["sparse_num_index_heads"], c["sparse_attention_config"][
+                    "sparse_index_dim"]
+                out += [(a + "index_q_proj.weight", (ih * idim, H), "proj_bias"),
+                        (a + "index_k_proj.weight", (idim, H), "proj_bias"), (a + "index_q_norm.weight", (idim,), "norm"),
+                        (a + "index_k_norm.weight", (idim,), "norm")]
+            if m3:  # dense layers (moe_layer_freq), each MoE layer with one shared expert
+                moe, E, shared = bool(c["moe_layer_freq"][L]), c["num_local_experts"], c["shared_intermediate_size"]
+            elif minimax:  # every layer MoE, Mixtral's names (below)
                 moe, E, shared = True, c["num_local_experts"], 0
             elif mimo:  # one dense layer first (mlp_layer_types), DeepSeek-V3's router, no shared experts
                 moe = (c.get("mlp_layer_types") or ["dense"] + ["sparse"] * layers)[L] == "sparse"
@@ -330,8 +340,8 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 E, shared = c["num_experts"], (c["shared_expert_intermediate_size"] if nxt else 0)
         m = p + "mlp."
         if not moe:
-            for n, (r, k) in (("gate_proj", (c["intermediate_size"], H)), ("up_proj", (c["intermediate_size"], H)),
-                              ("down_proj", (H, c["intermediate_size"]))):
+            inter = c["dense_intermediate_size"] if m3 else c["intermediate_size"]
+            for n, (r, k) in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
                 proj(m + n + ".weight", r, k)
             continue
         if minimax:
@@ -340,6 +350,9 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 for n, (r, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
                     proj(m + f"experts.{e}.{n}.weight", r, k)
             out += [(m + "gate.weight", (E, H), "router"), (m + "e_score_correction_bias", (E,), "bias")]
+            for n, (r, k) in (("gate_proj", (shared, H)), ("up_proj", (shared, H)), ("down_proj", (H, shared))):
+                if shared:
+                    proj(m + f"shared_experts.{n}.weight", r, k)
             continue
         I = c["moe_intermediate_size"]
         if split and p.startswith("model."):  # stacked: gate_up_proj [E, 2I, H] (gate rows, then up), down [E, H, I]
@@ -377,6 +390,31 @@ def _kimi_vision_specs(v: dict, text_hidden: int) -> list:
     return out + [("mm_projector.pre_norm.weight", (d,), "norm"), ("mm_projector.pre_norm.bias", (d,), "norm"),
                   ("mm_projector.proj.0.weight", (merged, merged), "proj_bias"),
                   ("mm_projector.proj.2.weight", (text_hidden, merged), "proj_bias")]
+
+
+def _m3_sparse(c: dict, layer: int) -> bool:
+    return bool(c["sparse_attention_config"]["sparse_attention_freq"][layer])
+
+
+def _m3_vision_specs(v: dict, text_hidden: int) -> list:
+    """The first blocks of MiniMax-M3's vision tower and its projectors, as published (the services leave them out;
+    written so that they must)."""
+    d, D, p = v["hidden_size"], v["intermediate_size"], "vision_tower.vision_model."
+    out = [(p + "embeddings.patch_embedding.weight", (d, 3, v["temporal_patch_size"], v["patch_size"], v["patch_size"]),
+            "proj_bias"), (p + "pre_layrnorm.weight", (d,), "norm"), (p + "pre_layrnorm.bias", (d,), "norm")]
+    for i in range(v["num_hidden_layers"]):
+        b = f"{p}encoder.layers.{i}."
+        for n, shape in (("self_attn.q_proj", (d, d)), ("self_attn.k_proj", (d, d)), ("self_attn.v_proj", (d, d)),
+                         ("self_attn.out_proj", (d, d)), ("mlp.fc1", (D, d)), ("mlp.fc2", (d, D))):
+            out += [(b + n + ".weight", shape, "proj_bias"), (b + n + ".bias", shape[:1], "proj_bias")]
+        out += [(b + n, (d,), "norm") for n in ("layer_norm1.weight", "layer_norm1.bias", "layer_norm2.weight",
+                                               "layer_norm2.bias")]
+    proj_h, merged = 6144, text_hidden * v["spatial_merge_size"] ** 2
+    for m, k in (("multi_modal_projector.", d), ("patch_merge_mlp.", merged)):
+        out += [(m + "linear_1.weight", (proj_h, k), "proj_bias"), (m + "linear_1.bias", (proj_h,), "proj_bias"),
+                (m + "linear_2.weight", (text_hidden, proj_h), "proj_bias"),
+                (m + "linear_2.bias", (text_hidden,), "proj_bias")]
+    return out
 
 
 def _vision_specs(v: dict, text_hidden: int) -> list:
@@ -483,6 +521,35 @@ def write(c: dict, out: pathlib.Path, std: float, seed: int, shard_mb: int, rout
         shutil.copy(TOKENIZER / f, out / f)
     return out
 
+# MiniMaxAI/MiniMax-M3 as transformers 5.24's MiniMaxM3VLTextConfig documents its shapes and llama.cpp's converter reads
+# its fields (not read from the hub here): the text model inside a vision-language wrapper, with the legacy
+# sparse_attention_config and moe_layer_freq transformers and llama.cpp both read. Which layers are dense, which
+# attention is sparse and the FP8 blocks (MiniMax-M2's) are assumptions of this preset: one dense layer first, every
+# fourth layer full attention from the first; rotary_dim 64 of 128 also given as the partial_rotary_factor
+# transformers reads
+PRESETS["minimax-m3"] = {
+    "architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
+    "image_token_index": 200025, "video_token_index": 200026, "projector_hidden_size": 6144,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "quantization_config": PRESETS["minimax-m2"]["quantization_config"],
+    "text_config": {
+        "model_type": "minimax_m3_vl_text", "vocab_size": 200064, "hidden_size": 6144, "intermediate_size": 3072,
+        "num_hidden_layers": 60, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "hidden_act": "swigluoai", "max_position_embeddings": 524288, "rms_norm_eps": 1e-06,
+        "bos_token_id": 200034, "eos_token_id": 200020, "tie_word_embeddings": False, "num_experts_per_tok": 4,
+        "num_local_experts": 128, "n_shared_experts": 1, "dense_intermediate_size": 12288,
+        "shared_intermediate_size": 3072, "routed_scaling_factor": 2.0, "rotary_dim": 64,
+        "partial_rotary_factor": 0.5, "rope_theta": 5000000.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+        "scoring_func": "sigmoid", "torch_dtype": "bfloat16", "moe_layer_freq": [0] + [1] * 59,
+        "sparse_attention_config": {"sparse_attention_freq": [int(i % 4 != 0) for i in range(60)],
+                                    "sparse_num_index_heads": 4, "sparse_index_dim": 128, "sparse_block_size": 128,
+                                    "sparse_topk_blocks": 16, "sparse_local_block": 1},
+    },
+    "vision_config": {"model_type": "minimax_m3_vl_vision", "hidden_size": 1280, "intermediate_size": 5120,
+                      "num_hidden_layers": 32, "num_attention_heads": 16, "num_channels": 3, "patch_size": 14,
+                      "temporal_patch_size": 2, "spatial_merge_size": 2},
+}
+
 
 def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
     """The preset with `layers` decoder layers and the fields in overrides set (a vision-language wrapper's
@@ -495,9 +562,12 @@ def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
         c["num_hidden_layers"] = layers
         if SAME_AS.get(c["model_type"], c["model_type"]) in ("deepseek_v3", "glm4_moe"):
             c["first_k_dense_replace"] = min(c["first_k_dense_replace"], layers - 1)
-        for k in ("layer_types", "attn_type_list"):  # gpt-oss, Qwen3-Next, MiniMax-M2: one per layer
-            if k in c:
+        for k in ("layer_types", "attn_type_list", "moe_layer_freq"):  # gpt-oss, Qwen3-Next, MiniMax-M2/M3
+            if isinstance(c.get(k), list):  # (DeepSeek's moe_layer_freq is a number)
                 c[k] = c[k][:layers]
+        if "sparse_attention_freq" in c.get("sparse_attention_config", {}):  # MiniMax-M3
+            c["sparse_attention_config"]["sparse_attention_freq"] = c["sparse_attention_config"][
+                "sparse_attention_freq"][:layers]
     c.update(overrides)
     return top
 

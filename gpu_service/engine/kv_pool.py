@@ -7,6 +7,7 @@ Layout (the native decode step reads it as it is; agree any change with native/k
 - GQA / MHA, windows and sinks included: K and V per layer [kv heads, blocks, BLOCK, head dim]: head-major across
   the pool, so a head's rows of consecutive blocks are one contiguous matrix (a lone sequence's blocks are
   consecutive: allocation takes the lowest free ids), read as the contiguous cache was;
+  MiniMax-M3's sparse layers a third, its block indexer's key [1, blocks, BLOCK, index dim];
 - MLA: the latent [blocks, BLOCK, kv_lora_rank] and the rotary key [blocks, BLOCK, rope dim];
 - linear-attention layers (Qwen3-Next's DeltaNet) have no blocks: their fixed-size state lives with the sequence
   (SeqCache.states) and is snapshotted at block boundaries for reuse;
@@ -259,7 +260,8 @@ def _rows(cfg: ModelConfig, L: int, rows: int) -> list[tuple[tuple, int]]:
     if cfg.attention == "mla":  # the latent, the rotary key, DeepSeek Sparse Attention's indexer key where it has one
         return [((rows, BLOCK), cfg.kv_lora_rank), ((rows, BLOCK), cfg.qk_rope_head_dim)] + \
             ([((rows, BLOCK), cfg.index_dim)] if cfg.has_indexer(L) else [])
-    return [((cfg.kv_heads(L), rows, BLOCK), cfg.head_dim), ((cfg.kv_heads(L), rows, BLOCK), cfg.value_dim)]
+    return [((cfg.kv_heads(L), rows, BLOCK), cfg.head_dim), ((cfg.kv_heads(L), rows, BLOCK), cfg.value_dim)] + \
+        ([((1, rows, BLOCK), cfg.index_dim)] if cfg.block_sparse(L) else [])  # MiniMax-M3's block indexer key
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

@@ -390,6 +390,70 @@ def index_select(cfg: ModelConfig, q: torch.Tensor, w: torch.Tensor, keys: torch
     return allowed if hide is None else allowed & ~hide
 
 
+def block_sparse_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
+                           native: bool = False, scale: float | None = None) -> torch.Tensor:
+    """MiniMax-M3's sparse layers: GQA (gqa_project's queries, keys and values) over the key blocks the layer's block
+    lightning indexer keeps for each query and KV group (block_select). x [t, H] (the rows `kv` covers) -> [t, H]."""
+    t = x.shape[0]
+    q, k, v, gate = gqa_project(cfg, W, p, x, cos, sin, native, layer)
+    kv.write(layer, k, v, block_index_key(cfg, W, p, x, cos, sin)[:, None])
+    start, cache = kv.start, kv.paged
+    K, V, keys = cache.gather(layer, start + t, dtype=q.dtype)                   # [kv, L, d], [kv, L, dv], [1, L, D]
+    allowed = block_select(cfg, block_index_query(cfg, W, p, x, cos, sin), keys[0], start)  # [index heads, t, L]
+    nh, L = cfg.num_heads, K.shape[1]
+    mask = allowed.repeat_interleave(nh // allowed.shape[0], dim=0)              # [nh, t, L]: a head its group's
+    qh = q.transpose(0, 1)[None]                                                 # [1, nh, t, d]
+    o = torch.empty(1, nh, t, cfg.value_dim, dtype=q.dtype, device=q.device)
+    rows = max(1, SCORE_BYTES // max(1, nh * L * 4))  # queries whose fp32 scores fit at once
+    for i in range(0, t, rows):
+        o[:, :, i:i + rows] = F.scaled_dot_product_attention(qh[:, :, i:i + rows], K[None], V[None],
+                                                             attn_mask=mask[None, :, i:i + rows],
+                                                             enable_gqa=K.shape[0] != nh)
+    return gqa_output(cfg, W, p, o[0].transpose(0, 1), gate)
+
+
+def block_index_key(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin) -> torch.Tensor:
+    """MiniMax-M3's block indexer key of each new position: x [t, H] -> [t, D], RMS-normed (zero-centred) and rotated
+    as the attention's keys are (its first rotary dims); cached with the layer."""
+    k = rms_norm(linear(x, W[p + "index_k_proj.weight"]), W[p + "index_k_norm.weight"], cfg.rms_norm_eps,
+                 cfg.norm_offset)
+    return apply_rope(k[:, None], cos, sin, False)[:, 0]
+
+
+def block_index_query(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin) -> torch.Tensor:
+    """Its query heads: x [t, H] -> [t, index heads, D], each RMS-normed and rotated as block_index_key's."""
+    q = linear(x, W[p + "index_q_proj.weight"]).view(x.shape[0], cfg.index_heads, cfg.index_dim)
+    return apply_rope(rms_norm(q, W[p + "index_q_norm.weight"], cfg.rms_norm_eps, cfg.norm_offset), cos, sin, False)
+
+
+def block_select(cfg: ModelConfig, q: torch.Tensor, keys: torch.Tensor, start: int) -> torch.Tensor:
+    """The block lightning indexer on torch, as transformers' MiniMaxM3VLIndexer: q [t, heads, D] at positions
+    start.., keys [L, D] (L = start + t) -> allowed [heads, t, L] bool: the keys each query may see in the blocks its
+    head keeps. A key block's score is the max of q . k (fp32) over its keys the query sees; the index_local_blocks
+    blocks ending at the query's own always kept, then the best others up to index_topk_blocks. (The blocks a query
+    keeps do not depend on how many follow it: its selection is the same prefilled whole, in chunks or decoded.)"""
+    t, heads = q.shape[:2]
+    L, bs = keys.shape[0], cfg.index_block
+    nb = -(-L // bs)
+    pos = torch.arange(start, start + t, device=q.device)
+    future = torch.arange(L, device=q.device)[None, :] > pos[:, None]           # [t, L]
+    allowed = torch.empty(heads, t, L, dtype=torch.bool, device=q.device)
+    rows = max(1, SCORE_BYTES // max(1, heads * nb * bs * 4))  # queries whose fp32 scores fit at once
+    for i in range(0, t, rows):
+        r = slice(i, i + rows)
+        s = torch.matmul(q[r].float().transpose(0, 1), keys.float().T).masked_fill(future[r], float("-inf"))
+        n = s.shape[1]
+        s = F.pad(s, (0, nb * bs - L), value=float("-inf")).view(heads, n, nb, bs).amax(-1)   # [heads, n, nb]
+        own = pos[r] // bs
+        for back in range(cfg.index_local_blocks):
+            s.scatter_(-1, (own - back).clamp(min=0)[None, :, None].expand(heads, n, 1), float("inf"))
+        top, ids = s.topk(min(cfg.index_topk_blocks, nb), dim=-1)
+        kept = torch.zeros(heads, n, nb + 1, dtype=torch.bool, device=q.device).scatter_(
+            -1, ids.masked_fill(top == float("-inf"), nb), True)[..., :nb]         # (column nb: the unfilled ones)
+        allowed[:, r] = kept.repeat_interleave(bs, dim=-1)[..., :L] & ~future[r]
+    return allowed
+
+
 def linear_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
                      native: bool = False, scale: float | None = None) -> torch.Tensor:
     """Gated DeltaNet (linear_attention.py): a state per sequence instead of keys, no rotary embedding."""
@@ -398,11 +462,15 @@ def linear_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, si
 
 # the attention kinds: a new kind is one function here (its torch reference, which CUDA graphs capture where it
 # takes a graph's bucket as `kv`) and, optionally, a native block in native_stages.py
-KINDS = {"gqa": gqa_attention, "mla": mla_attention, "dsa": mla_attention, "linear": linear_attention}
+KINDS = {"gqa": gqa_attention, "mla": mla_attention, "dsa": mla_attention, "linear": linear_attention,
+         "block_sparse": block_sparse_attention}
 
 
 def kind(cfg: ModelConfig, layer: int) -> str:
-    """The attention kind of a layer (dsa: MLA behind DeepSeek Sparse Attention's indexer, mla_attention's)."""
+    """The attention kind of a layer (dsa: MLA behind DeepSeek Sparse Attention's indexer, mla_attention's;
+    block_sparse: MiniMax-M3's sparse layers)."""
     if cfg.is_linear_attention(layer):
         return "linear"
+    if cfg.block_sparse(layer):
+        return "block_sparse"
     return "dsa" if cfg.index_topk else cfg.attention

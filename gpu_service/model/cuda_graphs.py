@@ -49,9 +49,9 @@ GATHER_BYTES = 512 << 20  # most bytes one layer's gathered keys and values may 
 
 def eligible(cfg: ModelConfig) -> bool:
     """Whether every layer fits the segments: full attention (GQA or MLA) everywhere, no sinks (DeepSeek Sparse
-    Attention's indexer: not yet run on a GPU, so per op)."""
-    return not cfg.attn_sinks and not cfg.index_topk and all(not cfg.is_linear_attention(L) and not cfg.window(L)
-                                      for L in range(cfg.num_layers))
+    Attention's indexer and MiniMax-M3's block indexer: not yet run on a GPU, so per op)."""
+    return not (cfg.attn_sinks or cfg.index_topk or cfg.index_block) and all(
+        not cfg.is_linear_attention(L) and not cfg.window(L) for L in range(cfg.num_layers))
 
 
 def context_bucket(end: int) -> int:

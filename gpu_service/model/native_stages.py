@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_core.config import ModelConfig
+from moe_core.config import SILU, ModelConfig
 from moe_kernels import ISA, SIMD_ISAS, native
 from moe_kernels import attention as native_attention
 from moe_kernels.attention import KV_CODES, VECTOR_DIMS
@@ -135,8 +135,10 @@ def mlps(cfg: ModelConfig, W: dict, dtype: torch.dtype, blocks: dict) -> dict:
     shared experts (an MoE layer) are packed for the native kernels (gate and up fused); the decode steps run them
     natively (decode_mlp.cpp) in the layer loop and the decode loop alike."""
     out = {}
+    if cfg.mlp_act != SILU:  # (decode_mlp.cpp's activation is SwiGLU's)
+        return out
     for layer in blocks:
-        ffn = fp = f"model.layers.{layer}.{cfg.ffn_prefix}."
+        ffn = fp = f"model.layers.{layer}.{cfg.ffn(layer)}."
         gated = cfg.is_moe_layer(layer) and cfg.shared_expert_gate  # Qwen2-MoE's gate on its shared expert
         if cfg.is_moe_layer(layer):
             if not cfg.shared_intermediate_size:

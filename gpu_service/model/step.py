@@ -22,7 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moe_core.config import SILU, ExpertAct
 from moe_core.routing import split_deferred
+from moe_experts.kernels.torch_moe import activation
 from moe_exchange.protocol import Experts, Span
 from moe_kernels.dense import NativeLinear
 
@@ -85,13 +87,13 @@ def route(model, L: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _route(model.cfg, x, *model.router(L))
 
 
-def swiglu_mlp(W: dict, p: str, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of the weights under prefix p (gate and up fused where packed)."""
+def swiglu_mlp(W: dict, p: str, x: torch.Tensor, act: ExpertAct = SILU) -> torch.Tensor:
+    """SwiGLU (or act's clamped form) of the weights under prefix p (gate and up fused where packed)."""
     if p + GATE_UP in W:
         gate, up = linear(x, W[p + GATE_UP]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, W[p + "down_proj.weight"])
-    return linear(F.silu(linear(x, W[p + "gate_proj.weight"])) * linear(x, W[p + "up_proj.weight"]),
-                  W[p + "down_proj.weight"])
+    else:
+        gate, up = linear(x, W[p + "gate_proj.weight"]), linear(x, W[p + "up_proj.weight"])
+    return linear(activation(gate, up, act), W[p + "down_proj.weight"])
 
 
 def mlp(model, L: int, x: torch.Tensor, native: bool = False) -> torch.Tensor | None:
@@ -101,14 +103,14 @@ def mlp(model, L: int, x: torch.Tensor, native: bool = False) -> torch.Tensor | 
     m = model.decode_mlps.get(L) if native else None
     if m is not None:
         return native_stages.mlp(m, x)
-    fp = f"model.layers.{L}.{cfg.ffn_prefix}."
+    fp = f"model.layers.{L}.{cfg.ffn(L)}."
     if not cfg.is_moe_layer(L):
-        return swiglu_mlp(W, fp, x)
+        return swiglu_mlp(W, fp, x, cfg.mlp_act)
     if cfg.shared_intermediate_size == 0:
         return None
     if cfg.shared_expert_gate:  # Qwen2-MoE
         return F.sigmoid(linear(x, W[fp + "shared_expert_gate.weight"])) * swiglu_mlp(W, fp + "shared_expert.", x)
-    return swiglu_mlp(W, fp + "shared_experts.", x)
+    return swiglu_mlp(W, fp + "shared_experts.", x, cfg.mlp_act)
 
 
 def merge(h: torch.Tensor, y: torch.Tensor, late: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor:

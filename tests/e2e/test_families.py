@@ -3,7 +3,6 @@ implementation on the same weights, for every supported family (fp32)."""
 import grpc
 import pytest
 import torch
-import transformers
 
 import tiny_models
 from harness import DEVICE_ARGS, free_port, greedy, start, terminate_all, wait_healthy
@@ -16,7 +15,7 @@ N_NEW = 32
 
 def transformers_reference(d) -> tuple[list[int], list[int], torch.Tensor]:
     """-> (a prompt, transformers' N_NEW greedy tokens after it, its logits at every prompt position)."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ref = tiny_models.reference_model(d)
     torch.manual_seed(1)
     prompt = torch.randint(2, tiny_models.VOCAB, (9,)).tolist()
     with torch.no_grad():
