@@ -42,10 +42,13 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: f
 
 
 def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, table: torch.Tensor, L: int,
-                           scale: float, isa: str = ISA, first: int = -1) -> torch.Tensor:
+                           scale: float, isa: str = ISA, first: int = -1,
+                           selected: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The same over a paged cache: K/V one layer of the pool, [nkv, blocks, block, d] (gpu_service/engine/kv_pool.py), the
     sequence's positions 0..L-1 in blocks table[0], table[1], ... (int32, contiguous) -> [nh, d] fp32. first >= 0:
-    the blocks are first, first + 1, ... (a head's rows are then one strided matrix: read without the table)."""
+    the blocks are first, first + 1, ... (a head's rows are then one strided matrix: read without the table).
+    selected: (positions [nkv, n] int32, lengths [nkv] int32): kv head h reads positions[h, :lengths[h]] (ascending,
+    below L) instead of all L (MiniMax-M3's block-sparse layers)."""
     nh, d = q.shape
     nkv, _, B, _ = K.shape
     _check_pools("paged_decode_attention: K and V", K, V)
@@ -54,6 +57,18 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
     _check_table("paged_decode_attention", table, B, L, first, K.shape[1])
     qf = q.float().contiguous()
     out = torch.empty(nh, d)
+    if selected is not None:
+        pos, n = selected
+        if pos.dtype != torch.int32 or n.dtype != torch.int32 or pos.dim() != 2 or pos.shape[0] != nkv or \
+                tuple(n.shape) != (nkv,) or not pos.is_contiguous() or not n.is_contiguous() or \
+                int(n.min()) < 1 or int(n.max()) > pos.shape[1] or int(pos.min()) < 0 or int(pos.max()) >= L:
+            raise ValueError(f"paged_decode_attention: a selection is int32 positions [{nkv}, n] below {L} and "
+                             f"1..n of them a kv head")
+        native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
+                                K.stride(2), V.data_ptr(), V.stride(0), V.stride(2), L, scale, out.data_ptr(),
+                                table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1), pos.data_ptr(),
+                                n.data_ptr(), pos.shape[1])
+        return out
     if first >= 0:
         size = K.element_size()
         native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr() + first * K.stride(1) * size,
@@ -133,6 +148,30 @@ def dsa_scores(q: torch.Tensor, w: torch.Tensor, K: torch.Tensor, table: torch.T
     native.dsa_index_scores(isa, qf.data_ptr(), wf.data_ptr(), H, D, scale, K.data_ptr(), KV_CODES[K.dtype],
                             K.stride(1), L, out.data_ptr(), table.data_ptr(), B.bit_length() - 1, K.stride(0))
     return out
+
+
+def head_scores(q: torch.Tensor, K: torch.Tensor, table: torch.Tensor, L: int, isa: str = ISA) -> torch.Tensor:
+    """MiniMax-M3's block indexer at decode: q [H, D] (its rotated query heads, H <= 64), K one layer's cached indexer
+    keys [blocks, block, D] (fp32 or bf16, or 8-bit rows [.., D + 1]; contiguous), the sequence's positions 0..L-1 in
+    blocks table[0], ... -> each head's q . k [H, L] fp32 (dsa_scores' kernel, without its weights and relu)."""
+    H, D = q.shape
+    _, B, _ = K.shape
+    if K.dtype not in INDEX_DTYPES or not K.is_contiguous() or values(K.dtype, K.shape[-1]) != D or H > 64 or \
+            B & (B - 1):
+        raise ValueError(f"head_scores: q {list(q.shape)}, K {K.dtype} {list(K.shape)} do not fit")
+    _check_table("head_scores", table, B, L, -1, K.shape[0])
+    qf = q.float().contiguous()
+    out = torch.empty(H, L)
+    native.dsa_index_scores(isa, qf.data_ptr(), 0, H, D, 1.0, K.data_ptr(), KV_CODES[K.dtype], K.stride(1), L,
+                            out.data_ptr(), table.data_ptr(), B.bit_length() - 1, K.stride(0))
+    return out
+
+
+def block_sparse_supported(K: torch.Tensor, keys: torch.Tensor, isa: str = ISA) -> bool:
+    """Whether a MiniMax-M3 sparse layer's decode takes the native kernels: its K (or V) pool buffer and its indexer
+    keys [blocks, block, D] on this isa (any head dims: the kernel's plain loops where it has no vector one)."""
+    return (isa in SIMD_ISAS and K.dtype in DTYPES and K.is_contiguous() and K.device.type == "cpu"
+            and dsa_supported(keys, isa))
 
 
 def dsa_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -148,10 +148,12 @@ inline size_t kv_elem_bytes(KvType kv) { return kv == KvType::F32 ? 4 : kv_quant
 void store_kv(KvType kv, const void* src, bool src_bf16, void* dst, int n);
 // out [nh, d] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K and V of type kv
 // [nkv, L, d] at the given head and position strides (elements: bytes for 8-bit rows, whose stride is at least
-// d + 1); nh / nkv query heads per kv head.
+// d + 1); nh / nkv query heads per kv head. sel (paged only; MiniMax-M3's block-sparse layers): kv head h reads the
+// sel_len[h] <= L positions sel[h * sel_stride ..] (ascending) instead of positions 0..L-1.
 void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, KvType kv, size_t k_head,
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
-                      const int32_t* table = nullptr, int block_shift = 0, size_t k_block = 0, size_t v_block = 0);
+                      const int32_t* table = nullptr, int block_shift = 0, size_t k_block = 0, size_t v_block = 0,
+                      const int32_t* sel = nullptr, const int32_t* sel_len = nullptr, size_t sel_stride = 0);
 
 // MLA's decode attention in the latent space (DeepSeek V2/V3, absorbed): out [nh, r] fp32 = softmax(scores) C, where
 // scores[h, j] = (q[h, :r] . C_j + q[h, r:] . KPE_j) * scale, q [nh, r + dr] fp32 (each head's latent query, then its
@@ -164,7 +166,8 @@ void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const 
 
 // DeepSeek Sparse Attention's lightning indexer at decode (native/kernels/dsa.cpp): out[j] = sum over h < H of
 // w[h] * max(0, scale * q[h] . K_j) for positions j < L, q [H, D] fp32, K rows of D (fp32, bf16 or 8-bit) k_row apart,
-// contiguous or paged as decode_attention's.
+// contiguous or paged as decode_attention's. w null (MiniMax-M3's block indexer): out[h * L + j] = scale * q[h] . K_j,
+// each head's own (H <= 64).
 void dsa_index_scores(Isa isa, const float* q, const float* w, int H, int D, float scale, const void* K, KvType kv,
                       size_t k_row, int L, float* out, const int32_t* table = nullptr, int block_shift = 0,
                       size_t k_block = 0);

@@ -398,8 +398,18 @@ def block_sparse_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, c
     q, k, v, gate = gqa_project(cfg, W, p, x, cos, sin, native, layer)
     kv.write(layer, k, v, block_index_key(cfg, W, p, x, cos, sin)[:, None])
     start, cache = kv.start, kv.paged
+    iq = block_index_query(cfg, W, p, x, cos, sin)                               # [t, index heads, D]
+    K, V, keys = cache.pool.bufs[layer]
+    if kv.decoding and native and isinstance(kv, SequenceKV) and cfg.index_heads == cfg.kv_heads(layer) and \
+            native_attention.block_sparse_supported(K, keys[0]):
+        # the indexer's scores over the pool's keys, the blocks picked per KV head, the attention over their positions
+        table = cache.table()
+        scores = native_attention.head_scores(iq[0], keys[0], table, start + 1)  # [kv heads, L]
+        o = native_attention.paged_decode_attention(q[0], K, V, table, start + 1, cfg.head_dim ** -0.5,
+                                                    selected=selected_positions(cfg, scores, start))
+        return gqa_output(cfg, W, p, o.to(q.dtype), gate)
     K, V, keys = cache.gather(layer, start + t, dtype=q.dtype)                   # [kv, L, d], [kv, L, dv], [1, L, D]
-    allowed = block_select(cfg, block_index_query(cfg, W, p, x, cos, sin), keys[0], start)  # [index heads, t, L]
+    allowed = block_select(cfg, iq, keys[0], start)                              # [index heads, t, L]
     nh, L = cfg.num_heads, K.shape[1]
     mask = allowed.repeat_interleave(nh // allowed.shape[0], dim=0)              # [nh, t, L]: a head its group's
     qh = q.transpose(0, 1)[None]                                                 # [1, nh, t, d]
@@ -443,15 +453,35 @@ def block_select(cfg: ModelConfig, q: torch.Tensor, keys: torch.Tensor, start: i
         r = slice(i, i + rows)
         s = torch.matmul(q[r].float().transpose(0, 1), keys.float().T).masked_fill(future[r], float("-inf"))
         n = s.shape[1]
-        s = F.pad(s, (0, nb * bs - L), value=float("-inf")).view(heads, n, nb, bs).amax(-1)   # [heads, n, nb]
-        own = pos[r] // bs
-        for back in range(cfg.index_local_blocks):
-            s.scatter_(-1, (own - back).clamp(min=0)[None, :, None].expand(heads, n, 1), float("inf"))
-        top, ids = s.topk(min(cfg.index_topk_blocks, nb), dim=-1)
+        top, ids = kept_blocks(cfg, s, pos[r] // bs)
         kept = torch.zeros(heads, n, nb + 1, dtype=torch.bool, device=q.device).scatter_(
             -1, ids.masked_fill(top == float("-inf"), nb), True)[..., :nb]         # (column nb: the unfilled ones)
         allowed[:, r] = kept.repeat_interleave(bs, dim=-1)[..., :L] & ~future[r]
     return allowed
+
+
+def kept_blocks(cfg: ModelConfig, s: torch.Tensor, own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores s [heads, n, L] (fp32, -inf where a query may not look) of n queries whose own blocks are `own` [n] ->
+    (each query's top block scores, their blocks) [heads, n, min(index_topk_blocks, blocks)]: a block's score is its
+    keys' max; the local blocks first (+inf), then the best; -inf: no block (fewer exist before the query)."""
+    heads, n, L = s.shape
+    bs = cfg.index_block
+    nb = -(-L // bs)
+    s = F.pad(s, (0, nb * bs - L), value=float("-inf")).view(heads, n, nb, bs).amax(-1)       # [heads, n, nb]
+    for back in range(cfg.index_local_blocks):
+        s.scatter_(-1, (own - back).clamp(min=0)[None, :, None].expand(heads, n, 1), float("inf"))
+    return s.topk(min(cfg.index_topk_blocks, nb), dim=-1)
+
+
+def selected_positions(cfg: ModelConfig, scores: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode query's selection as the native attention reads it: its indexer heads' scores [heads, L] (L = pos +
+    1, every key visible) -> (positions [heads, n] int32 ascending, how many of each head's are at or before pos
+    [heads] int32: only the query's own block, the last, runs past it)."""
+    bs = cfg.index_block
+    _, ids = kept_blocks(cfg, scores[:, None], torch.tensor([pos // bs]))
+    ids = ids[:, 0].sort(dim=-1).values                                          # [heads, k] ascending
+    at = (ids[..., None] * bs + torch.arange(bs)).flatten(1)                     # [heads, k * bs]
+    return at.clamp(max=pos).to(torch.int32), (at <= pos).sum(-1, dtype=torch.int32)  # (the rest unread)
 
 
 def linear_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,

@@ -180,7 +180,9 @@ def describe(model) -> str:
     blocks, mlps = len(model.decode_blocks), len(model.decode_mlps)
     if not blocks:
         dsa = ("; DeepSeek Sparse Attention's indexer, top k and latent attention on native kernels"
-               if cfg.index_topk and model.native_attention else "")
+               if cfg.index_topk and model.native_attention else
+               "; MiniMax-M3's block indexer and its sparse layers' attention on native kernels"
+               if cfg.index_block and model.native_attention else "")
         return f"{PER_OP} (no native attention block for this model, dtype or kernel path{dsa})"
     if native_loop.fits(cfg, model.decode_blocks, model.decode_mlps):
         return f"{NATIVE_LOOP} ({n} layers' native blocks and {mlps} native MLPs in one call a step)"

@@ -459,17 +459,22 @@ void mla_group(Isa isa, const float* q, int g, int r, int dr, Rows<T, P> C, Rows
 
 void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, KvType kv, size_t k_head,
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
-                      const int32_t* table, int block_shift, size_t k_block, size_t v_block) {
+                      const int32_t* table, int block_shift, size_t k_block, size_t v_block, const int32_t* sel,
+                      const int32_t* sel_len, size_t sel_stride) {
   MOE_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && L > 0, "decode attention: bad shapes");
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "decode attention: bad block size");
+  MOE_CHECK(!sel || (table && sel_len), "decode attention: a selection reads through a block table");
+  for (int h = 0; sel && h < nkv; ++h)
+    MOE_CHECK(sel_len[h] > 0 && sel_len[h] <= L, "decode attention: a kv head's selection is empty or past L");
   const int g = nh / nkv;
   auto run = [&](auto* k, auto* v, int h, float* s, const float* qh, float* oh) {  // T: bf16 bits, Half or float
     using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
     k += h * k_head;
     v += h * v_head;
+    const int32_t* hs = sel ? sel + h * sel_stride : nullptr;
     if (table)
-      one_head(isa, qh, g, d, Rows<T, true>{k, k_row, k_block, table, block_shift, nullptr, d},
-               Rows<T, true>{v, v_row, v_block, table, block_shift, nullptr, d}, L, scale, s, oh);
+      one_head(isa, qh, g, d, Rows<T, true>{k, k_row, k_block, table, block_shift, hs, d},
+               Rows<T, true>{v, v_row, v_block, table, block_shift, hs, d}, sel ? sel_len[h] : L, scale, s, oh);
     else
       one_head(isa, qh, g, d, Rows<T, false>{k, k_row, 0, nullptr, 0, nullptr, d},
                Rows<T, false>{v, v_row, 0, nullptr, 0, nullptr, d}, L, scale, s, oh);

@@ -5,7 +5,8 @@
 // vector of 16 keys a dim), and every head's query runs down them as broadcasts: no horizontal sums, and the vector
 // paths keep 8 (AVX-512) or 4 (AVX2) heads' sums in flight. Every path sums each key's dims in order, mul then add,
 // and the heads in order: the same bits on every path (a prompt picks the same keys on any CPU). Threads over
-// chunks of positions.
+// chunks of positions. Without weights (w null: MiniMax-M3's block indexer) each head's scale * q[h] . k is kept instead
+// of the sum, [H, L].
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,6 +26,7 @@ using namespace rounding;
 
 constexpr int TK = 16;          // keys a tile
 constexpr int MAX_DIM = 512;    // the indexer's head dim (128 as published)
+constexpr int MAX_RAW_HEADS = 64;  // heads whose scores are kept one by one (w null; MiniMax-M3's: 4)
 constexpr int CHUNK = 256;      // positions a task
 constexpr size_t SERIAL_MACS = size_t(1) << 18;
 
@@ -43,8 +45,9 @@ inline void pack_tile(const T* k, At at, int j, int n, int D, float* kt, float* 
   }
 }
 
+// each tile: the 16 keys' sum over heads into tot, or (w null) each head's scores into hs [H][TK]
 __attribute__((optimize("fp-contract=off"))) void tile_portable(const float* q, const float* w, int H, int D,
-                                                                 float scale, const float* kt, float* tot) {
+                                                                 float scale, const float* kt, float* tot, float* hs) {
   for (int i = 0; i < TK; ++i) tot[i] = 0.f;
   for (int h = 0; h < H; ++h) {
     float acc[TK] = {};
@@ -53,18 +56,23 @@ __attribute__((optimize("fp-contract=off"))) void tile_portable(const float* q, 
       for (int i = 0; i < TK; ++i) acc[i] += qh[d] * kt[d * TK + i];
     for (int i = 0; i < TK; ++i) {
       const float s = acc[i] * scale;
-      if (s > 0.f) tot[i] += w[h] * s;
+      if (!w)
+        hs[h * TK + i] = s;
+      else if (s > 0.f)
+        tot[i] += w[h] * s;
     }
   }
 }
 
 __attribute__((target("avx512f"), optimize("fp-contract=off"))) void tile_avx512(const float* q, const float* w,
                                                                                 int H, int D, float scale,
-                                                                                const float* kt, float* tot) {
+                                                                                const float* kt, float* tot,
+                                                                                float* hs) {
   const __m512 sc = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
   __m512 t = zero;
   auto add = [&](__m512 a, int h) {
     const __m512 s = _mm512_mul_ps(a, sc);
+    if (!w) return _mm512_storeu_ps(hs + h * TK, s);
     t = _mm512_mask_add_ps(t, _mm512_cmp_ps_mask(s, zero, _CMP_GT_OQ), t, _mm512_mul_ps(_mm512_set1_ps(w[h]), s));
   };
   int h = 0;
@@ -96,11 +104,13 @@ __attribute__((target("avx512f"), optimize("fp-contract=off"))) void tile_avx512
 
 __attribute__((target("avx2"), optimize("fp-contract=off"))) void tile_avx2(const float* q, const float* w, int H,
                                                                            int D, float scale, const float* kt,
-                                                                           float* tot) {
+                                                                           float* tot, float* hs) {
   const __m256 sc = _mm256_set1_ps(scale), zero = _mm256_setzero_ps();
   __m256 t0 = zero, t1 = zero;  // keys 0-7, 8-15
   auto add = [&](__m256 a, __m256 b, int h) {
-    const __m256 wh = _mm256_set1_ps(w[h]), sa = _mm256_mul_ps(a, sc), sb = _mm256_mul_ps(b, sc);
+    const __m256 sa = _mm256_mul_ps(a, sc), sb = _mm256_mul_ps(b, sc);
+    if (!w) return _mm256_storeu_ps(hs + h * TK, sa), _mm256_storeu_ps(hs + h * TK + 8, sb);
+    const __m256 wh = _mm256_set1_ps(w[h]);
     t0 = _mm256_blendv_ps(t0, _mm256_add_ps(t0, _mm256_mul_ps(wh, sa)), _mm256_cmp_ps(sa, zero, _CMP_GT_OQ));
     t1 = _mm256_blendv_ps(t1, _mm256_add_ps(t1, _mm256_mul_ps(wh, sb)), _mm256_cmp_ps(sb, zero, _CMP_GT_OQ));
   };
@@ -135,22 +145,28 @@ __attribute__((target("avx2"), optimize("fp-contract=off"))) void tile_avx2(cons
   _mm256_storeu_ps(tot + 8, t1);
 }
 
-// positions [j0, j1): out[j] = sum_h w[h] * max(0, scale * q[h] . k[at(j)]); at(j) where position j's key is in k
+// positions [j0, j1): out[j] = sum_h w[h] * max(0, scale * q[h] . k[at(j)]), or (w null) out[h * L + j] = scale *
+// q[h] . k[at(j)]; at(j) where position j's key is in k
 template <class T, class At>
 void scores(Isa isa, const float* q, const float* w, int H, int D, float scale, const T* k, At at, int j0, int j1,
-            float* out) {
+            int L, float* out) {
   alignas(64) float kt[MAX_DIM * TK];
-  float tot[TK], ks[TK];
+  float tot[TK], ks[TK], hs[MAX_RAW_HEADS * TK];
   const bool v512 = isa == Isa::Avx512 || isa == Isa::Amx, v256 = ymm_path(isa);
   for (int j = j0; j < j1; j += TK) {
     const int n = std::min(TK, j1 - j);
     pack_tile(k, at, j, n, D, kt, ks);
     if (v512)
-      tile_avx512(q, w, H, D, scale, kt, tot);
+      tile_avx512(q, w, H, D, scale, kt, tot, hs);
     else if (v256)
-      tile_avx2(q, w, H, D, scale, kt, tot);
+      tile_avx2(q, w, H, D, scale, kt, tot, hs);
     else
-      tile_portable(q, w, H, D, scale, kt, tot);
+      tile_portable(q, w, H, D, scale, kt, tot, hs);
+    if (!w) {  // (an 8-bit key's scale after: a power of two, the same bits as its values')
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < n; ++i) out[size_t(h) * L + j + i] = quantized<T> ? hs[h * TK + i] * ks[i] : hs[h * TK + i];
+      continue;
+    }
     if constexpr (quantized<T>)
       for (int i = 0; i < n; ++i) tot[i] *= ks[i];
     std::copy(tot, tot + n, out + j);
@@ -161,16 +177,16 @@ void scores(Isa isa, const float* q, const float* w, int H, int D, float scale, 
 
 void dsa_index_scores(Isa isa, const float* q, const float* w, int H, int D, float scale, const void* K, KvType kv,
                       size_t k_row, int L, float* out, const int32_t* table, int block_shift, size_t k_block) {
-  MOE_CHECK(H > 0 && D > 0 && D <= MAX_DIM && L >= 0, "dsa_index_scores: bad shapes");
+  MOE_CHECK(H > 0 && D > 0 && D <= MAX_DIM && L >= 0 && (w || H <= MAX_RAW_HEADS), "dsa_index_scores: bad shapes");
   MOE_CHECK(kv != KvType::F16, "dsa_index_scores: keys must be fp32, bf16, int8 or fp8");
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "dsa_index_scores: bad block size");
   auto run = [&](auto* k, int j0, int j1) {
     const int mask = (1 << block_shift) - 1;
     if (table)
       scores(isa, q, w, H, D, scale, k, [&](int j) {
-        return size_t(table[j >> block_shift]) * k_block + size_t(j & mask) * k_row; }, j0, j1, out);
+        return size_t(table[j >> block_shift]) * k_block + size_t(j & mask) * k_row; }, j0, j1, L, out);
     else
-      scores(isa, q, w, H, D, scale, k, [&](int j) { return size_t(j) * k_row; }, j0, j1, out);
+      scores(isa, q, w, H, D, scale, k, [&](int j) { return size_t(j) * k_row; }, j0, j1, L, out);
   };
   auto chunk = [&](int c) {
     const int j0 = c * CHUNK, j1 = std::min(L, j0 + CHUNK);

@@ -1,6 +1,6 @@
 """Decode attention kernels (native/kernels/attention.cpp through moe_kernels.attention) against float64 references: every
 vector path this CPU runs and the portable loops; contiguous and paged caches, MLA's latent attention and its absorbed
-products, the K/V stores' rounding."""
+products, each kv head's selection (MiniMax-M3's block-sparse layers), the K/V stores' rounding."""
 import pytest
 import torch
 
@@ -33,6 +33,40 @@ def test_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L):
     want = attention_reference(q, K, V, d ** -0.5)
     assert got.dtype == torch.float32 and got.shape == (nh, d)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ATTN_PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+@pytest.mark.parametrize("d, nh, nkv", [(128, 16, 4), (16, 4, 2), (80, 6, 3)])
+@pytest.mark.parametrize("L", [1, 40, 301])
+def test_paged_decode_attention_over_each_kv_heads_selection(isa, dtype, d, nh, nkv, L):
+    """MiniMax-M3's block-sparse decode: kv head h reads only positions[h, :lengths[h]] (its own count each) of a paged
+    pool, scattered blocks; an 8-bit pool's rows in place as their dequantized values."""
+    from moe_kernels import kv_quant
+    from moe_kernels.attention import paged_decode_attention
+
+    B, nblocks = 16, -(-L // 16)
+    torch.manual_seed(L + d)
+    x = torch.randn(2, nkv, nblocks + 5, B, d)
+    if kv_quant.quantized(dtype):
+        pool = kv_quant.quantize(x, dtype).view(dtype)
+        x = kv_quant.dequantize(pool.view(torch.uint8), dtype, torch.float32)
+    else:
+        pool = x = x.to(dtype)
+    table = torch.randperm(nblocks + 5)[:nblocks].to(torch.int32)
+    K, V = (y[:, table.long()].reshape(nkv, nblocks * B, d)[:, :L].double() for y in x)   # the sequence's rows
+    n = torch.randint(1, L + 1, (nkv,), dtype=torch.int32)
+    width = int(n.max())
+    pos = torch.stack([torch.sort(torch.randperm(L)[:width]).values for _ in range(nkv)]).to(torch.int32)
+    q = torch.randn(nh, d) * 2
+    got = paged_decode_attention(q, pool[0], pool[1], table, L, d ** -0.5, isa, selected=(pos, n))
+    g = nh // nkv
+    for h in range(nkv):
+        keep = pos[h, :n[h]].long()
+        want = attention_reference(q[h * g:(h + 1) * g], K[h:h + 1, keep], V[h:h + 1, keep], d ** -0.5)
+        torch.testing.assert_close(got[h * g:(h + 1) * g].double(), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="selection"):
+        paged_decode_attention(q, pool[0], pool[1], table, L, d ** -0.5, isa, selected=(pos + L, n))
 
 
 @pytest.mark.parametrize("isa", ATTN_PATHS)

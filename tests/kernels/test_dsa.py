@@ -1,13 +1,13 @@
 """DeepSeek Sparse Attention's decode kernels (native/kernels/dsa.cpp and the selection in attention.cpp, through
 moe_kernels.attention) against float64 references on every vector path this CPU runs and the portable loops: the
 lightning indexer's scores over a paged pool, the top k with its ties, the latent attention over the selected
-positions."""
+positions; MiniMax-M3's block indexer, each head's scores by the same kernel."""
 import pytest
 import torch
 
 native = pytest.importorskip("moe_kernels._native", reason="native extension not built")
 
-from moe_kernels.attention import dsa_scores, dsa_top_k, mla_paged_attention  # noqa: E402
+from moe_kernels.attention import dsa_scores, dsa_top_k, head_scores, mla_paged_attention  # noqa: E402
 
 PATHS = [p for p in ("portable", "avx2", "avx512") if native.isa_supported(p)]
 B = 16  # the pool's block
@@ -100,3 +100,25 @@ def test_the_indexer_and_selection_refuse_what_does_not_fit():
                 torch.tensor([0, 1]), torch.zeros(0, dtype=torch.int32)):
         with pytest.raises(ValueError, match="selected"):
             mla_paged_attention(torch.randn(2, 80), C, KPE, t, 20, 0.1, selected=sel)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("H, D", [(4, 128), (2, 16), (3, 40)])
+@pytest.mark.parametrize("L", [1, 5, 300])
+def test_each_heads_scores_match_reference(isa, dtype, H, D, L):
+    """MiniMax-M3's block indexer (head_scores: the kernel without weights or relu): each head's q . k, [H, L]; an
+    8-bit pool's keys read in place as their dequantized values."""
+    from moe_kernels import kv_quant
+
+    torch.manual_seed(L * 5 + D)
+    x = torch.randn(L, D)
+    stored = kv_quant.quantize(x, dtype) if kv_quant.quantized(dtype) else x.to(dtype)
+    pool, table = paged(stored.view(torch.uint8) if kv_quant.quantized(dtype) else stored)
+    pool = pool.view(dtype) if kv_quant.quantized(dtype) else pool
+    keys = kv_quant.dequantize(stored.view(torch.uint8), dtype, torch.float32) if kv_quant.quantized(dtype) \
+        else stored.float()
+    q = torch.randn(H, D)
+    got = head_scores(q, pool, table, L, isa)
+    assert got.shape == (H, L) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), q.double() @ keys.double().T, rtol=1e-5, atol=1e-4)

@@ -2,7 +2,8 @@
 of 4 keys per KV group (the query's own always), beside full GQA layers; zero-centred norms, per-head QK-norm, partial
 rotary, the clamped SwiGLU in every MLP, a dense first layer, a shared expert. transformers' tokens and logits for
 prompts shorter and far longer than the kept blocks, prefilled whole or in chunks, batched, after a prefix-cache hit,
-and deferral in one process as through the two services."""
+deferral in one process as through the two services, and decode on the native kernels (the indexer's scores, each KV
+head's attention over its blocks) as the torch path."""
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,14 @@ import tiny_models
 from engine_runs import N_NEW, collect, deferred_both_ways, prompt_of, reference, submit
 from gpu_service.engine.kv_pool import BLOCK, KVPool
 from gpu_service.model import attention
-from gpu_service.model.attention import block_select, kind
+from gpu_service.experts.local import LocalExperts
+from gpu_service.model.attention import block_select, kind, selected_positions
+from gpu_service.model.model import Model, Segment
 from harness import greedy, local_engine
+from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config, parse_config
+from moe_experts.store import load_expert_layers
+from moe_kernels import ISA, SIMD_ISAS
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +109,54 @@ def test_block_selection_against_a_plain_loop(monkeypatch):
     assert torch.equal(block_select(Cfg, q[20:], keys, 27), want[:, 20:])  # a later chunk alone
     monkeypatch.setattr(attention, "SCORE_BYTES", 2 * 40 * 4 * 3)  # three rows a group
     assert torch.equal(block_select(Cfg, q, keys, 7), want)
+
+
+@pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native decode attention runs on the vector kernel paths")
+def test_native_decode_is_the_torch_path(m3, monkeypatch):
+    """Decode on the native kernels (each indexer head's scores over the pool, the blocks picked, each KV head's
+    attention over its blocks' positions) gives the torch path's logits, two sequences of different lengths in each
+    step, teacher-forced."""
+    import moe_kernels.attention as kernels
+
+    d, refs = m3
+    cfg = load_config(d)
+    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
+    experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
+    calls = []
+    for name in ("head_scores", "paged_decode_attention"):
+        monkeypatch.setattr(kernels, name, lambda *a, f=getattr(kernels, name), n=name, **k: calls.append(n) or f(*a, **k))
+    prompts = [refs[70][0], refs[21][0]]
+    feed = prompt_of(N_NEW, 9)
+
+    def run(native: bool) -> list[torch.Tensor]:
+        model.native_attention = native
+        caches = [model.new_cache() for _ in prompts]
+        out = []
+        for c, p in zip(caches, prompts):
+            c.reserve(len(p) + N_NEW)
+            model.forward([Segment(c, torch.tensor(p), 0)], experts)
+        for i, tok in enumerate(feed):
+            out.append(model.forward([Segment(c, torch.tensor([tok]), len(p) + i) for c, p in zip(caches, prompts)],
+                                     experts))
+        return out
+
+    torch_path, calls[:] = run(False), []
+    native_path = run(True)
+    sparse = sum(cfg.block_sparse(L) for L in range(cfg.num_layers))
+    assert calls.count("head_scores") == sparse * 2 * N_NEW
+    assert calls.count("paged_decode_attention") == sparse * 2 * N_NEW  # (head dim 16: full layers on torch)
+    for a, b in zip(torch_path, native_path):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_a_decode_rows_selected_positions():
+    """selected_positions: each head's kept blocks in order, their positions up to the query's own (the own block's
+    rest clamped, not counted)."""
+    class Cfg:
+        index_block, index_topk_blocks, index_local_blocks = 4, 2, 1
+    scores = torch.tensor([[5.0, 0, 0, 0, 1, 1, 1, 1, 0, 0], [0.0, 0, 0, 0, 0, 0, 0, 9, 0, 0]])  # position 9: block 2
+    pos, n = selected_positions(Cfg, scores, 9)
+    assert pos.tolist() == [[0, 1, 2, 3, 8, 9, 9, 9], [4, 5, 6, 7, 8, 9, 9, 9]] and n.tolist() == [6, 6]
 
 
 @pytest.mark.slow
