@@ -209,6 +209,16 @@ def convert_to_gguf(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path, o
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     if cfg.get("model_type") in ("deepseek_v3", "deepseek_v32"):  # as DeepSeek's config.json says (transformers drops it)
         cfg.setdefault("scoring_func", "sigmoid")
+    if cfg.get("model_type") == "minimax_m3_vl":  # the legacy fields MiniMax publishes and the converter reads, which
+        t = cfg["text_config"]                  # transformers' config folds into its own
+        t.update(scoring_func="sigmoid", n_shared_experts=1, moe_layer_freq=[int(k == "sparse") for k in t["mlp_layer_types"]],
+                 rotary_dim=int(t["head_dim"] * t["rope_parameters"]["partial_rotary_factor"]),
+                 sparse_attention_config={"sparse_attention_freq": [int(k == "minimax_m3_sparse") for k in t["layer_types"]],
+                                          "sparse_num_index_heads": t["index_n_heads"],
+                                          "sparse_index_dim": t["index_head_dim"],
+                                          "sparse_block_size": t["index_block_size"],
+                                          "sparse_topk_blocks": t["index_topk_blocks"],
+                                          "sparse_local_block": t["index_local_blocks"]})
     (fixed / "config.json").write_text(json.dumps(cfg, indent=1))
     model = fixed
     patch = "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
@@ -216,6 +226,9 @@ def convert_to_gguf(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path, o
     if glm and "[gMASK]" not in (fixed / "tokenizer.json").read_text():
         # a tokenizer that is not GLM's (the tests' tiny ones): the converter's GLM vocabulary wants its specials
         patch += f"import conversion.glm as g; g.{glm}.set_vocab = TextModel._set_vocab_gpt2; "
+    if cfg.get("model_type") == "minimax_m3_vl":  # the config.json as written, not transformers' reading of it (which
+        # folds away the legacy fields the converter reads)
+        patch += "import conversion.base as b; b.AutoConfig = None; "
     if cfg.get("model_type") == "deepseek_v32":  # its vocabulary as its converter writes it, less the check that
         # the tokenizer adds a BOS (the tests' tiny one is no class that says so)
         patch += "import conversion.deepseek as d; d.DeepseekV32Model.set_vocab = TextModel._set_vocab_gpt2; "

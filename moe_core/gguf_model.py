@@ -9,9 +9,10 @@ a kernel format holds exactly are kept bit for bit (AS_STORED: Q4_0 on int4g32; 
 uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q2_K on q2k; Q4_1 on uint4g32; IQ4_XS
 on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
 dequantized exactly (then requantized by default: covering).
-Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), glm4moe, minimax-m2, gpt-oss (MXFP4 experts kept as
-published) and llama files with experts (Mixtral); what the converter changed is undone (a llama file's q/k rows,
-MLA's split kv_b, gpt-oss's split gate/up and nibble order); others are refused by name.
+Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), deepseek32, glm-dsa, glm4moe, minimax-m2, minimax-m3,
+gpt-oss (MXFP4 experts kept as published) and llama files with experts (Mixtral); what the converter changed is undone
+(a llama file's q/k rows, MLA's split kv_b, gpt-oss's split gate/up and nibble order, MiniMax-M3's norms' added 1);
+others are refused by name.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from moe_kernels.formats import Int4, Iq4, Iq4Xs, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, U
 from moe_kernels.packing import layout
 
 MARKER = "gguf.json"
-FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "deepseek32", "glm-dsa", "glm4moe", "minimax-m2", "gpt-oss",
-            "llama")  # llama: Mixtral; deepseek32: DeepSeek-V3.2; glm-dsa: GLM-5
+FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "deepseek32", "glm-dsa", "glm4moe", "minimax-m2", "minimax-m3",
+            "gpt-oss", "llama")  # llama: Mixtral; deepseek32: DeepSeek-V3.2; glm-dsa: GLM-5
 # `where` entries whose name is every expert's tensor at once, built expert by expert (get_row) from the file's
 # tensors' slices: dequantized, or as stored (STACKED_RAW: gpt-oss's MXFP4 blocks)
 STACKED, STACKED_RAW = -1, -2
@@ -217,6 +218,7 @@ def layer_names(cfg, L: int) -> list[tuple[str, str]]:
     """(transformers' name, llama.cpp's) of one layer's weights, every family's; a file has some of them
     (the routed experts, stacked in the file, are placed apart)."""
     ffn, shared = cfg.ffn_prefix + ".", "shared_expert." if cfg.shared_expert_gate else "shared_experts."
+    beside = cfg.model_type in ("minimax_m2", "minimax_m3_vl")  # MiniMax's choice bias is beside its router
     pairs = [("input_layernorm.weight", "attn_norm.weight"), ("post_attention_layernorm.weight", "ffn_norm.weight"),
              ("post_attention_layernorm.weight", "post_attention_norm.weight"),  # GLM's name for it
              ("self_attn.q_norm.weight", "attn_q_norm.weight"), ("self_attn.k_norm.weight", "attn_k_norm.weight"),
@@ -225,22 +227,23 @@ def layer_names(cfg, L: int) -> list[tuple[str, str]]:
              (ffn + cfg.router_name + ".weight", "ffn_gate_inp.weight"),
              (ffn + cfg.router_name + ".bias", "ffn_gate_inp.bias"),  # gpt-oss's router bias
              ("self_attn.sinks", "attn_sinks.weight"),
-             # the choice bias: under the router (DeepSeek, GLM), beside it (MiniMax-M2)
-             (ffn + ("" if cfg.model_type == "minimax_m2" else cfg.router_name + ".") + "e_score_correction_bias",
-              "exp_probs_b.bias"),
-             ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
-             # DeepSeek Sparse Attention's indexer
-             ("self_attn.indexer.wq_b.weight", "indexer.attn_q_b.weight"),
-             ("self_attn.indexer.wk.weight", "indexer.attn_k.weight"),
-             ("self_attn.indexer.k_norm.weight", "indexer.k_norm.weight"),
-             ("self_attn.indexer.k_norm.bias", "indexer.k_norm.bias"),
-             ("self_attn.indexer.weights_proj.weight", "indexer.proj.weight")]
+             # the choice bias: under the router (DeepSeek, GLM), beside it (MiniMax)
+             (ffn + ("" if beside else cfg.router_name + ".") + "e_score_correction_bias", "exp_probs_b.bias"),
+             ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight")]
+    if cfg.index_block:  # MiniMax-M3's block indexer (its k_norm has DeepSeek's indexer's name in a file)
+        pairs += [(f"self_attn.index_{n}.weight", f"indexer.{n}.weight") for n in ("q_proj", "k_proj", "q_norm", "k_norm")]
+    else:  # DeepSeek Sparse Attention's indexer
+        pairs += [("self_attn.indexer.wq_b.weight", "indexer.attn_q_b.weight"),
+                  ("self_attn.indexer.wk.weight", "indexer.attn_k.weight"),
+                  ("self_attn.indexer.k_norm.weight", "indexer.k_norm.weight"),
+                  ("self_attn.indexer.k_norm.bias", "indexer.k_norm.bias"),
+                  ("self_attn.indexer.weights_proj.weight", "indexer.proj.weight")]
     for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"),
                          ("q_a_proj", "attn_q_a"), ("q_b_proj", "attn_q_b"), ("kv_a_proj_with_mqa", "attn_kv_a_mqa"),
                          ("kv_b_proj", "attn_kv_b")):
         pairs += [(f"self_attn.{ours}.{k}", f"{theirs}.{k}") for k in ("weight", "bias")]
     for proj, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-        pairs += [(f"mlp.{proj}.weight", f"{theirs}.weight"), (f"mlp.{shared}{proj}.weight", f"{theirs}_shexp.weight")]
+        pairs += [(f"mlp.{proj}.weight", f"{theirs}.weight"), (f"{ffn}{shared}{proj}.weight", f"{theirs}_shexp.weight")]
     return [(f"model.layers.{L}.{o}", f"blk.{L}.{t}") for o, t in pairs]
 
 
@@ -302,6 +305,8 @@ def _transform(cfg, arch: str, ours: str):
         return lambda w: _unpermute(w, heads)
     if ours.endswith(".shared_expert_gate.weight"):  # [H] or [1, H] in the file
         return lambda w: w.reshape(1, -1)
+    if arch == "minimax-m3" and ours.endswith("norm.weight"):  # the converter adds the 1 of x * (1 + w) to w
+        return lambda w: w - 1
     return None
 
 
@@ -353,7 +358,7 @@ def config_of(readers: list, path: pathlib.Path) -> dict:
         raise ModelConfigError(f"{path} is one of a split set of {_field(reader, 'split.count')} files "
                                "(-0000N-of-0000M.gguf): pass the first one, named so")
     a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
-    names = {t.name for r in readers for t in r.tensors}
+    names = {t.name: [int(v) for v in t.shape] for r in readers for t in r.tensors}  # (ggml's order: ne0 first)
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     heads = a("attention.head_count")
     cfg = {"hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
@@ -481,6 +486,32 @@ def _minimax_m2(a, cfg, path, names) -> dict:
             "num_local_experts": a("expert_count"), "scoring_func": "sigmoid"}
 
 
+def _minimax_m3(a, cfg, path, names) -> dict:
+    """MiniMax-M3 (minimax-m3) as llama.cpp's converter writes it: its text model (served under its wrapper's
+    config), feed_forward_length the dense layers' width, one shared expert of the experts' width, and what llama.cpp
+    builds of it: block-sparse attention in every MoE layer, full attention in the leading dense ones, the clamped
+    SwiGLU at its constants (alpha 1.702, limit 7), sigmoid routing."""
+    if a("expert_gating_func", 2) != 2:
+        raise ModelConfigError(f"{path}: a minimax-m3 file whose experts are not routed by sigmoid")
+    n, dense, head_dim = cfg["num_hidden_layers"], a("leading_dense_block_count", 0), a("attention.key_length")
+    width = a("expert_feed_forward_length")
+    # the shared expert's width as its tensor has it (llama.cpp's reading: expert_shared_count experts' worth)
+    shexp = names.get(f"blk.{dense}.ffn_gate_shexp.weight")
+    text = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    text.update(model_type="minimax_m3_vl_text", head_dim=head_dim, intermediate_size=width,
+                partial_rotary_factor=a("rope.dimension_count", head_dim) / head_dim,
+                dense_intermediate_size=cfg["intermediate_size"],
+                shared_intermediate_size=shexp[1] if shexp else width * a("expert_shared_count", 1),
+                num_local_experts=a("expert_count"), routed_scaling_factor=a("expert_weights_scale", 1.0),
+                swiglu_alpha=1.702, swiglu_limit=7.0, mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense),
+                layer_types=["full_attention"] * dense + ["minimax_m3_sparse"] * (n - dense),
+                index_n_heads=a("attention.indexer.head_count"), index_head_dim=a("attention.indexer.key_length"),
+                index_topk_blocks=a("attention.indexer.top_k"), index_block_size=a("attention.indexer.block_size"),
+                index_local_blocks=a("attention.indexer.local_blocks"))
+    return {"model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+            "text_config": text}
+
+
 def _gpt_oss(a, cfg, path, names) -> dict:
     """gpt-oss as llama.cpp writes it: gate and up experts apart (their MXFP4 blocks as published, nibbles in
     ggml's order), sliding windows on every other layer from the first, YaRN without truncation and the clamped
@@ -502,7 +533,7 @@ def _gpt_oss(a, cfg, path, names) -> dict:
 
 _FAMILY_CONFIG = {"gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2,
                   "deepseek32": _dsa("deepseek32"), "glm-dsa": _dsa("glm-dsa"), "glm4moe": _glm4moe,
-                  "minimax-m2": _minimax_m2}
+                  "minimax-m2": _minimax_m2, "minimax-m3": _minimax_m3}
 
 
 def _tokenizer_files(path: pathlib.Path, out: pathlib.Path, reader=None) -> None:

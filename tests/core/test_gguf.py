@@ -29,11 +29,26 @@ pytest.importorskip("moe_kernels._native", reason="native extension not built")
 MOE_I = 768
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
         "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss",
-        "deepseek_v32": "deepseek32", "glm_moe_dsa": "glm-dsa"}
-# (the gguf package's tensor map for an architecture it does not list yet: DeepSeek-V3.2's tensors are named as GLM-5's)
-TENSOR_MAP_ARCH = {"deepseek32": "glm-dsa"}
+        "deepseek_v32": "deepseek32", "glm_moe_dsa": "glm-dsa", "minimax_m3_vl": "minimax-m3"}
+# (the gguf package's tensor map for an architecture it does not list yet: DeepSeek-V3.2's tensors are named as GLM-5's,
+# MiniMax-M3's but its indexer's as GLM-4.5's; its indexer's names as llama.cpp's constants give them)
+TENSOR_MAP_ARCH = {"deepseek32": "glm-dsa", "minimax-m3": "glm4moe"}
+M3_INDEXER = {f"self_attn.index_{n}.weight": f"indexer.{n}.weight" for n in ("q_proj", "k_proj", "q_norm", "k_norm")}
 EXPERT_NAMES = {f: ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
-                    "block_sparse_moe.experts.{e}.w2") for f in ("mixtral", "minimax_m2")}
+                    "block_sparse_moe.experts.{e}.w2") for f in ("mixtral", "minimax_m2", "minimax_m3_vl")}
+WRAPPED = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head."}  # MiniMax-M3's text model
+TOWER = ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")  # (the converter's mmproj file has these)
+
+
+def text_tensors(src: pathlib.Path) -> dict:
+    """The checkpoint's text model's tensors under transformers' text names (a vision-language wrapper's renamed,
+    its tower left out), as the converter reads them."""
+    out = {}
+    for name, x in source_tensors(src).items():
+        if name.startswith(TOWER):
+            continue
+        out[next((new + name[len(old):] for old, new in WRAPPED.items() if name.startswith(old)), name)] = x
+    return out
 
 
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -59,6 +74,8 @@ def mtp_layers(cfg: dict) -> int:
 
 def write_metadata(w, cfg: dict, family: str, mla_split: bool, gating: bool = True) -> None:
     """The keys llama.cpp's converter writes for the family (convert_hf_to_gguf.py's set_gguf_parameters)."""
+    if family == "minimax_m3_vl":
+        return write_m3_metadata(w, cfg)
     heads = cfg["num_attention_heads"]
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -157,6 +174,35 @@ def write_metadata(w, cfg: dict, family: str, mla_split: bool, gating: bool = Tr
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
 
+def write_m3_metadata(w, cfg: dict) -> None:
+    """MiniMax-M3's (conversion/minimax.py's MiniMaxM3Model over M2's and TextModel's): the text config's fields."""
+    t = cfg["text_config"]
+    w.add_context_length(t["max_position_embeddings"])
+    w.add_embedding_length(t["hidden_size"])
+    w.add_feed_forward_length(t["dense_intermediate_size"])
+    w.add_block_count(t["num_hidden_layers"])
+    w.add_head_count(t["num_attention_heads"])
+    w.add_head_count_kv(t["num_key_value_heads"])
+    w.add_rope_freq_base(t["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(t["rms_norm_eps"])
+    w.add_expert_count(t["num_local_experts"])
+    w.add_expert_used_count(t["num_experts_per_tok"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_key_length(t["head_dim"])
+    w.add_value_length(t["head_dim"])
+    w.add_expert_feed_forward_length(t["intermediate_size"])
+    w.add_rope_dimension_count(int(t["head_dim"] * t["rope_parameters"]["partial_rotary_factor"]))
+    w.add_expert_shared_count(1)
+    w.add_expert_weights_scale(t["routed_scaling_factor"])
+    w.add_expert_weights_norm(True)
+    w.add_uint32("minimax-m3.attention.indexer.head_count", t["index_n_heads"])
+    w.add_uint32("minimax-m3.attention.indexer.key_length", t["index_head_dim"])
+    w.add_uint32("minimax-m3.attention.indexer.top_k", t["index_topk_blocks"])
+    w.add_uint32("minimax-m3.attention.indexer.block_size", t["index_block_size"])
+    w.add_uint32("minimax-m3.attention.indexer.local_blocks", t["index_local_blocks"])
+    w.add_leading_dense_block_count(t["mlp_layer_types"].index("sparse"))
+
+
 def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | None = None,
                mla_split: bool = False, split_max_tensors: int = 0, gating: bool = True) -> pathlib.Path:
     """src's checkpoint as llama.cpp's converter writes it: names from the gguf package's own map, experts
@@ -164,9 +210,10 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
     cfg = json.loads((src / "config.json").read_text())
     family = cfg["model_type"]
     arch = arch or ARCH[family]
-    t = source_tensors(src)
+    t = text_tensors(src)
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     write_metadata(w, cfg, family, mla_split, gating)
+    cfg = {**cfg.get("text_config", {}), **cfg}
     tok = json.loads((src / "tokenizer.json").read_text())
     added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
     vocab = {i: s for s, i in tok["model"]["vocab"].items()}
@@ -183,6 +230,8 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
 
     def add(name, x, qtype=None):
         gname = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None and arch == "minimax-m3" and name.split(".", 3)[-1] in M3_INDEXER:
+            gname = f"blk.{name.split('.')[2]}." + M3_INDEXER[name.split(".", 3)[-1]]
         assert gname is not None or arch != ARCH[family], name
         gname = gname or name  # (another architecture's file, to be refused)
         a = x.float().numpy()
@@ -202,6 +251,8 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
             continue
         if family == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
             x = llama_permute(x, cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"])
+        if family == "minimax_m3_vl" and name.endswith("norm.weight"):  # the converter bakes in the 1 of x * (1 + w)
+            x = x + 1.0
         if mla_split and name.endswith("kv_b_proj.weight"):
             kv = x.view(cfg["num_attention_heads"], -1, x.shape[-1])
             k_b, v_b = kv.split([cfg["qk_nope_head_dim"], cfg["v_head_dim"]], dim=1)
@@ -462,7 +513,7 @@ def test_a_retyped_tensor_is_refused_at_start_by_both_services(source, tmp_path,
 # -- the other families: Qwen2-MoE, Mixtral (a llama file with experts), DeepSeek V2 and V3 with both MLA layouts --
 FAMILY_FILES = [("qwen2_moe", False), ("mixtral", False), ("deepseek_v2", False), ("deepseek_v3", False),
                 ("deepseek_v3", True), ("deepseek_v3_yarn", True), ("glm4_moe", False), ("minimax_m2", False),
-                ("gpt_oss", False), ("deepseek_v32", True), ("glm_moe_dsa", True)]
+                ("gpt_oss", False), ("deepseek_v32", True), ("glm_moe_dsa", True), ("minimax_m3_vl", False)]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
@@ -478,6 +529,9 @@ def family_sources(tmp_path_factory, checkpoints):
                                        swiglu_limit=7.0)  # llama.cpp's constant for the family
     out["deepseek_v3_yarn"] = tiny_models.build("deepseek_v3", tmp_path_factory.mktemp("src") / "y",
                                                 rope_parameters=YARN)  # DeepSeek-V3's long-context rope
+    # MiniMax-M3 as llama.cpp builds it: block-sparse attention in every MoE layer, its constant SwiGLU limit
+    out["minimax_m3_vl"] = tiny_models.build("minimax_m3_vl", tmp_path_factory.mktemp("src") / "m3", swiglu_limit=7.0,
+                                             layer_types=["full_attention"] + ["minimax_m3_sparse"] * 3)
     return out
 
 
@@ -492,15 +546,20 @@ def test_every_tensor_reads_back_as_transformers_names_it(family, mla_split, fam
     f = write_gguf(src, tmp_path / f"{family}.gguf", None, mla_split=mla_split)
     d = gguf_model.prepare(f, tmp_path / "cache")
     ck = gguf_model.open_checkpoint(d)
-    want = source_tensors(src)
+    want = text_tensors(src)
     assert sorted(ck.names()) == sorted(want)
     for name, x in want.items():
+        if family == "minimax_m3_vl" and name.endswith("norm.weight"):  # (w + 1) - 1: w to the rounding of the 1
+            torch.testing.assert_close(ck.get(name), x.float(), rtol=0, atol=2 ** -23)
+            continue
         assert torch.equal(ck.get(name), x.float()), name
     got, ref = load_config(d), load_config(src)
     for field in ("model_type", "hidden_size", "num_layers", "num_heads", "head_dim", "n_routed_experts", "top_k",
                   "moe_intermediate_size", "shared_intermediate_size", "moe_layers", "scoring", "norm_topk_prob",
                   "routed_scaling_factor", "rope_theta", "rope_interleave", "attention", "rope_type", "index_heads",
-                  "index_dim", "index_topk", "index_rope_interleave", "index_shared"):
+                  "index_dim", "index_topk", "index_rope_interleave", "index_shared", "intermediate_size",
+                  "rotary_dim", "norm_offset", "layer_types", "index_block", "index_topk_blocks", "index_local_blocks",
+                  "mlp_act", "expert_act"):
         assert getattr(got, field) == getattr(ref, field), field
     if got.rope_type == "yarn":
         from gpu_service.model.layers import rope_inv_freq, softmax_scale
@@ -519,7 +578,7 @@ def test_family_files_serve_transformers_greedy_tokens(family, mla_split, family
     src = family_sources[family]
     f = write_gguf(src, tmp_path / f"{family}.gguf", q, mla_split=mla_split)
     ref_dir = with_experts_as_stored(src, tmp_path / "ref", q)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
+    ref = tiny_models.reference_model(str(ref_dir))
     prompt = [5, 17, 30, 41, 7, 99, 3, 250, 12, 64]
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
