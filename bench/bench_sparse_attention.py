@@ -69,14 +69,15 @@ def layer_weights(cfg, g: torch.Generator) -> dict:
     return W
 
 
-def filled(cfg, L: int, g: torch.Generator):
-    """A pool holding one sequence of L positions (random rows) in scattered blocks, as a long-lived server's are."""
+def filled(cfg, L: int, g: torch.Generator, layer: int = 0):
+    """A pool holding one sequence of L positions (random rows in `layer`) in scattered blocks, as a long-lived
+    server's are."""
     pool = KVPool(cfg, DT, torch.device("cpu"), -(-L // BLOCK) * 2)
     cache = SeqCache(pool)
     order = torch.randperm(pool.num_blocks, generator=g)  # scattered: take every other block of a random order
     pool.free = sorted(order[: pool.num_blocks // 2].tolist())
     cache.reserve(L)
-    for buf in pool.bufs[0]:
+    for buf in pool.bufs[layer]:
         buf.normal_(generator=g)
     return pool, cache
 

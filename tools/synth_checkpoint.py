@@ -523,10 +523,9 @@ def write(c: dict, out: pathlib.Path, std: float, seed: int, shard_mb: int, rout
 
 # MiniMaxAI/MiniMax-M3 as transformers 5.24's MiniMaxM3VLTextConfig documents its shapes and llama.cpp's converter reads
 # its fields (not read from the hub here): the text model inside a vision-language wrapper, with the legacy
-# sparse_attention_config and moe_layer_freq transformers and llama.cpp both read. Which layers are dense, which
-# attention is sparse and the FP8 blocks (MiniMax-M2's) are assumptions of this preset: one dense layer first, every
-# fourth layer full attention from the first; rotary_dim 64 of 128 also given as the partial_rotary_factor
-# transformers reads
+# sparse_attention_config and moe_layer_freq transformers and llama.cpp both read. Which layers are dense and the FP8
+# blocks (MiniMax-M2's) are assumptions of this preset (one dense layer first); sparse attention in every MoE layer, as
+# llama.cpp's loader builds the model; rotary_dim 64 of 128 also given as the partial_rotary_factor transformers reads
 PRESETS["minimax-m3"] = {
     "architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
     "image_token_index": 200025, "video_token_index": 200026, "projector_hidden_size": 6144,
@@ -541,7 +540,7 @@ PRESETS["minimax-m3"] = {
         "shared_intermediate_size": 3072, "routed_scaling_factor": 2.0, "rotary_dim": 64,
         "partial_rotary_factor": 0.5, "rope_theta": 5000000.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
         "scoring_func": "sigmoid", "torch_dtype": "bfloat16", "moe_layer_freq": [0] + [1] * 59,
-        "sparse_attention_config": {"sparse_attention_freq": [int(i % 4 != 0) for i in range(60)],
+        "sparse_attention_config": {"sparse_attention_freq": [0] + [1] * 59,
                                     "sparse_num_index_heads": 4, "sparse_index_dim": 128, "sparse_block_size": 128,
                                     "sparse_topk_blocks": 16, "sparse_local_block": 1},
     },

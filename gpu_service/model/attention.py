@@ -146,37 +146,43 @@ def gqa_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
                   native: bool = False, scale: float | None = None) -> torch.Tensor:
     """x [t, H] (the rows `kv` covers) -> [t, H]. native: decode on the native kernel where it takes the pool (fp32,
     bf16 or fp16 on the CPU; moe_kernels.attention)."""
-    t = x.shape[0]
-    nh, nkv, d = cfg.num_heads, cfg.kv_heads(layer), cfg.head_dim
     q, k, v, gate = gqa_project(cfg, W, p, x, cos, sin, native, layer)
     kv.write(layer, k, v)
+    return gqa_output(cfg, W, p, gqa_attend(cfg, W, p, q, kv, layer, native), gate)
+
+
+def gqa_attend(cfg: ModelConfig, W: dict, p: str, q: torch.Tensor, kv, layer: int, native: bool) -> torch.Tensor:
+    """The attention of the layer's queries q [t, nh, d] (their keys and values written) over every key each sees (a
+    window's where the layer has one) -> [t, nh, value dim]."""
+    t = q.shape[0]
+    nh, nkv, d = cfg.num_heads, cfg.kv_heads(layer), cfg.head_dim
     # (MiMo-V2-Flash: only its sliding layers have sinks)
     window, sinks = cfg.window(layer), W.get(p + cfg.sinks_name) if cfg.attn_sinks else None
     cache = kv.paged
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks (a sequence's own cache: no graph takes these)
         start = kv.start
         first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
-        o = windowed_attention(q, *cache.gather(layer, start + t, first, q.dtype), start, window, sinks,
+        o = windowed_attention(q, *cache.gather(layer, start + t, first, q.dtype)[:2], start, window, sinks,
                                d ** -0.5, first)
     elif kv.decoding and native and cache is not None and native_attention.supported(cache.pool.bufs[layer][0]) \
             and cfg.value_dim == d:
         # consecutive blocks (a lone sequence's) are read as one strided matrix a head, without the table
-        o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer], cache.table(), kv.start + 1,
+        o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer][:2], cache.table(), kv.start + 1,
                                                     d ** -0.5,
                                                     first=cache.blocks[0] if cache.consecutive() else -1).to(q.dtype)
     elif kv.decoding:
-        (K, V), unseen = kv.rows(layer, q.dtype)
+        (K, V, *_), unseen = kv.rows(layer, q.dtype)
         o = gqa_decode(q, K, V, unseen, d ** -0.5)
     else:
         start = kv.start
-        K, V = cache.gather(layer, start + t, dtype=q.dtype)                     # [kv, L, d] each
+        K, V = cache.gather(layer, start + t, dtype=q.dtype)[:2]                 # [kv, L, d] each
         # 4-D inputs: torch's fused (flash) CPU kernel; 3-D ones fall back to its math path, which builds the
         # [heads, t, L] scores and masks in fp32 (2.5x slower at 512 tokens, docs/performance/kernels.md)
         causal = start == 0  # a first chunk: torch's own causal mask (top-left aligned) is ours
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], is_causal=causal,
-                                           attn_mask=None if causal else _causal_mask(t, start, x.device),
+                                           attn_mask=None if causal else _causal_mask(t, start, q.device),
                                            enable_gqa=nkv != nh)[0].transpose(0, 1)
-    return gqa_output(cfg, W, p, o, gate)
+    return o
 
 
 def windowed_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, window: int,
@@ -398,6 +404,8 @@ def block_sparse_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, c
     q, k, v, gate = gqa_project(cfg, W, p, x, cos, sin, native, layer)
     kv.write(layer, k, v, block_index_key(cfg, W, p, x, cos, sin)[:, None])
     start, cache = kv.start, kv.paged
+    if -(-(start + t) // cfg.index_block) <= cfg.index_topk_blocks:  # every block is kept: every key a query sees
+        return gqa_output(cfg, W, p, gqa_attend(cfg, W, p, q, kv, layer, native), gate)
     iq = block_index_query(cfg, W, p, x, cos, sin)                               # [t, index heads, D]
     K, V, keys = cache.pool.bufs[layer]
     if kv.decoding and native and isinstance(kv, SequenceKV) and cfg.index_heads == cfg.kv_heads(layer) and \
