@@ -16,6 +16,20 @@ DTYPES = tuple(KV_CODES)
 INDEX_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)  # dsa_scores' keys
 
 
+def rounds_query(kv_dtype: torch.dtype, d: int, isa: str = ISA) -> bool:
+    """Whether decode attention over an int8 cache rounds each query head to int8 for its scores (the VNNI kernel of
+    the AVX-512 paths, native/kernels/attention.cpp I8Query): then not the bits of a cache holding the values."""
+    return kv_dtype == torch.int8 and isa in ("avx512", "amx") and d in VECTOR_DIMS
+
+
+def int8_query(q: torch.Tensor) -> torch.Tensor:
+    """q [heads, d] as those scores read it: each head's codes round(q / s) at s = amax / 127, times s (fp32)."""
+    qf = q.float()
+    s = qf.abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(qf * (1 / s)).clamp(-127, 127) * s
+
+
 def supported(K: torch.Tensor, isa: str = ISA) -> bool:
     """Whether the native kernel takes this cache ([kv heads, positions, dim], or a paged pool layer [kv heads,
     blocks, block, dim]) fast on this isa."""

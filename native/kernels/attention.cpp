@@ -145,6 +145,67 @@ __attribute__((target("avx512f"))) inline __m256 sums8(const __m512* a) {
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), z));
 }
 
+// The same sums of int32 lanes (the int8 scores' dot products), exact
+__attribute__((target("avx512f"))) inline __m256i sums8(const __m512i* a) {
+  __m512i u[4], w[2];
+  MOE_UNROLL for (int p = 0; p < 4; ++p)
+    u[p] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * p], a[2 * p + 1], 0x44), _mm512_shuffle_i32x4(a[2 * p], a[2 * p + 1], 0xee));
+  MOE_UNROLL for (int p = 0; p < 2; ++p)
+    w[p] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * p], u[2 * p + 1], 0x88), _mm512_shuffle_i32x4(u[2 * p], u[2 * p + 1], 0xdd));
+  __m512i z = _mm512_add_epi32(_mm512_unpacklo_epi32(w[0], w[1]), _mm512_unpackhi_epi32(w[0], w[1]));
+  z = _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_BADC));
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), z));
+}
+
+// An int8 cache's scores by AVX-512 VNNI (I8Query): each query head rounded to int8 codes at a scale of its own
+// (amax / 127, as llama.cpp's q8_0 query against a q8_0 cache), and a key's codes offset to unsigned (k + 128) so that
+// vpdpbusd multiplies them 4 a lane; sum (k + 128) q = k . q + 128 sum q, the second term taken away once per query.
+// A quarter of the fp32 path's multiply instructions and no widening of the key: the scores were the arithmetic
+// bound of a long context (docs/performance/kv_cache.md). The query's rounding changes the scores (by ~1e-3 of
+// their spread), so these are not the fp32 path's bits.
+template <int G, int DB>
+struct I8Query {
+  alignas(64) int8_t codes[G][64 * DB];
+  float scale[8] = {};  // per query: its codes' scale times the softmax scale
+  int sum[8] = {};      // per query: its codes' sum
+};
+
+template <int G, int DB>
+__attribute__((target("avx512f,avx512bw"))) inline void quantize_query(const float* q, float scale, I8Query<G, DB>& out) {
+  constexpr int d = 64 * DB;
+  for (int b = 0; b < G; ++b) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(q + b * d + c)));
+    const float amax = _mm512_reduce_max_ps(mx), qs = amax > 0.f ? amax / 127.f : 1.f;
+    const __m512 inv = _mm512_set1_ps(1.f / qs);
+    __m512i total = _mm512_setzero_si512();
+    for (int c = 0; c < d; c += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + b * d + c), inv));  // to nearest
+      const __m512i cl = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.codes[b] + c), _mm512_cvtepi32_epi8(cl));
+      total = _mm512_add_epi32(total, cl);
+    }
+    out.scale[b] = qs * scale;
+    out.sum[b] = _mm512_reduce_add_epi32(total);
+  }
+}
+
+// The 8 scores of position j's int8 key row (its codes; the row's own scale applied by the caller)
+template <int G, int DB>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2"))) inline __m256 scores_i8(const int8_t* key, const I8Query<G, DB>& q) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512i k[DB], acc[8];
+  MOE_UNROLL for (int c = 0; c < DB; ++c) k[c] = _mm512_xor_si512(_mm512_loadu_si512(key + 64 * c), flip);  // k + 128
+  MOE_UNROLL for (int b = 0; b < 8; ++b) {
+    acc[b] = _mm512_setzero_si512();
+    if (b >= G) continue;
+    MOE_UNROLL for (int c = 0; c < DB; ++c)
+      acc[b] = _mm512_dpbusd_epi32(acc[b], k[c], _mm512_load_si512(q.codes[b] + 64 * c));
+  }
+  const __m256i dot = _mm256_sub_epi32(sums8(acc), _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.sum)), 7));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(q.scale));
+}
+
 // 8-bit rows: each position's 8 weights (s[8 j..], after the softmax's sums) times its value row's scale, so that the
 // weighted sums read the codes; a tile's rows (vr) at a time, as the sums are about to read them (a pass of its own
 // over every row of V took a DRAM latency a row)
@@ -163,15 +224,24 @@ inline void value_scales(const T* const* vr, int n, int dim, float* s) {
 // weighted sums (the 1 / sum of the softmax applied to the sums at the end). Lanes of queries >= G compute
 // nothing; no run-time test inside a loop.
 template <int G, int DC, class T, bool P>
-__attribute__((target("avx512f,avx512bw,avx2,fma"))) void group_avx512(const float* q, Rows<T, P> K, Rows<T, P> V, int L, float scale,
-                                                                      float* s, float* out) {
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void group_avx512(const float* q, Rows<T, P> K, Rows<T, P> V, int L,
+                                                                                 float scale, float* s, float* out) {
   constexpr int d = 16 * DC;
+  constexpr bool i8 = std::is_same<T, I8>::value;  // int8 rows: their scores by VNNI (I8Query)
   const __m256 sc = _mm256_set1_ps(scale);
   __m256 mx = _mm256_set1_ps(-INFINITY);
   const int pv = v_prefetch_rows(K, V, L, d);
+  I8Query<G, i8 ? DC / 4 : 1> q8;
+  if constexpr (i8) quantize_query(q, scale, q8);
   for (int j = 0; j < L; ++j) {
     K.prefetch_ahead(j, L, d);
     if (j < pv) V.prefetch_l2(j, d);
+    if constexpr (i8) {
+      const __m256 r = _mm256_mul_ps(scores_i8(reinterpret_cast<const int8_t*>(K(j)), q8), _mm256_set1_ps(K.scale(j)));
+      _mm256_storeu_ps(s + 8 * size_t(j), r);
+      mx = _mm256_max_ps(mx, r);
+      continue;
+    }
     __m512 k[DC], acc[8];
     MOE_UNROLL for (int c = 0; c < DC; ++c) k[c] = ld16(K(j) + 16 * c);
     MOE_UNROLL for (int b = 0; b < 8; ++b) {

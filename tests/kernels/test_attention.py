@@ -43,7 +43,7 @@ def test_paged_decode_attention_over_each_kv_heads_selection(isa, dtype, d, nh, 
     """MiniMax-M3's block-sparse decode: kv head h reads only positions[h, :lengths[h]] (its own count each) of a paged
     pool, scattered blocks; an 8-bit pool's rows in place as their dequantized values."""
     from moe_kernels import kv_quant
-    from moe_kernels.attention import paged_decode_attention
+    from moe_kernels.attention import int8_query, paged_decode_attention, rounds_query
 
     B, nblocks = 16, -(-L // 16)
     torch.manual_seed(L + d)
@@ -60,6 +60,8 @@ def test_paged_decode_attention_over_each_kv_heads_selection(isa, dtype, d, nh, 
     pos = torch.stack([torch.sort(torch.randperm(L)[:width]).values for _ in range(nkv)]).to(torch.int32)
     q = torch.randn(nh, d) * 2
     got = paged_decode_attention(q, pool[0], pool[1], table, L, d ** -0.5, isa, selected=(pos, n))
+    if rounds_query(dtype, d, isa):  # (int8 on the VNNI scores: each query head rounded to int8)
+        q = int8_query(q)
     g = nh // nkv
     for h in range(nkv):
         keep = pos[h, :n[h]].long()

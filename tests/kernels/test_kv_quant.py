@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_kernels import kv_quant
+from moe_kernels.attention import int8_query, rounds_query
 
 native = pytest.importorskip("moe_kernels._native", reason="native extension not built")
 
@@ -90,14 +91,26 @@ def test_paged_decode_attention_reads_8bit_rows(isa, dtype, d, nh, nkv, L):
 
     B = 16
     nblocks = -(-L // B)
+    torch.manual_seed(L * 31 + d + nh)  # (random rows: the same each run)
     K, Kv = pool(dtype, (nkv, nblocks + 5, B, d))
     V, Vv = pool(dtype, (nkv, nblocks + 5, B, d))
     table = torch.randperm(nblocks + 5)[:nblocks].to(torch.int32)
     q = torch.randn(nh, d) * 2
     got = paged_decode_attention(q, K, V, table, L, d ** -0.5, isa)
+    seq = lambda P: P[:, table.long()].reshape(nkv, -1, d)[:, :L]  # noqa: E731
+    if rounds_query(dtype, d, isa):  # int8 on the VNNI scores: the query rounded to int8 a head, exact integer sums
+        qr = int8_query(q)
+        torch.testing.assert_close(got.double(), attention_reference(qr, seq(Kv), seq(Vv), d ** -0.5),
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, paged_decode_attention(qr, Kv, Vv, table, L, d ** -0.5, isa),
+                                   rtol=1e-4, atol=1e-5)
+        assert L == 1 or not torch.equal(got, paged_decode_attention(q, Kv, Vv, table, L, d ** -0.5, isa))  # (it rounds)
+        got2 = paged_decode_attention(q, K, V, table, L, d ** -0.5, isa, first=2)  # consecutive blocks, no table
+        torch.testing.assert_close(got2, paged_decode_attention(qr, Kv, Vv, table, L, d ** -0.5, isa, first=2),
+                                   rtol=1e-4, atol=1e-5)
+        return
     # the same bits as the kernel over the values themselves
     assert torch.equal(got, paged_decode_attention(q, Kv, Vv, table, L, d ** -0.5, isa))
-    seq = lambda P: P[:, table.long()].reshape(nkv, -1, d)[:, :L]  # noqa: E731
     torch.testing.assert_close(got.double(), attention_reference(q, seq(Kv), seq(Vv), d ** -0.5), rtol=1e-4, atol=1e-5)
     got = paged_decode_attention(q, K, V, table, L, d ** -0.5, isa, first=2)  # consecutive blocks, no table
     assert torch.equal(got, paged_decode_attention(q, Kv, Vv, table, L, d ** -0.5, isa, first=2))
@@ -114,6 +127,7 @@ def test_mla_paged_attention_reads_8bit_rows(isa, dtype, nh, r, dr, L):
 
     B = 16
     nblocks = -(-L // B)
+    torch.manual_seed(L * 31 + r + nh)
     C, Cv = pool(dtype, (nblocks + 5, B, r))
     KPE, Pv = pool(dtype, (nblocks + 5, B, dr))
     KPE[..., -1].view(torch.uint8)[:] -= torch.randint(0, 5, KPE.shape[:2], dtype=torch.uint8)  # scales unlike C's

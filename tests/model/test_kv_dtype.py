@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 
+from moe_kernels import attention as native_attention
 from moe_experts.store import load_expert_layers
 from gpu_service import cli, metrics
 from gpu_service.experts.local import LocalExperts
@@ -209,3 +210,21 @@ def test_a_pool_in_bytes_holds_twice_the_positions(checkpoints, name):
         assert pool.block_bytes * (pool.num_blocks + 1) == sum(b.nbytes for bufs in pool.bufs if bufs for b in bufs)
     for kv in (torch.int8, torch.float8_e4m3fn):
         assert blocks[kv] / blocks[torch.bfloat16] >= 1.95, (name, blocks)
+
+
+@pytest.mark.skipif(not native_attention.rounds_query(torch.int8, 64), reason="the int8 VNNI scores: AVX-512 paths")
+def test_the_int8_scores_round_the_query_and_little_else(tmp_path):
+    """On the AVX-512 paths an int8 cache's decode scores run on VNNI over each query head rounded to int8 (attention.cpp
+    I8Query): the native decode's logits are no longer the torch path's bits over the same pool, but near them --
+    far nearer than the int8 cache itself is to the fp32 one."""
+    d = tiny_models.build("qwen3_moe", tmp_path / "q", head_dim=64)
+    prompt = torch.arange(5, 45)
+    got, _ = forced_logits(d, torch.int8, prompt, FEED, dense="bf16")
+    want, _ = forced_logits(d, torch.int8, prompt, FEED, dense="bf16", native=False)
+    plain, _ = forced_logits(d, None, prompt, FEED, dense="bf16", native=False)
+
+    def kl(a, b):
+        return float(torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True,
+                                                reduction="batchmean"))
+    assert not torch.equal(got, want)
+    assert kl(got, want) < 1e-5 and kl(got, want) < kl(want, plain) / 4, (kl(got, want), kl(want, plain))
