@@ -4,6 +4,7 @@ fp32 and bf16 caches, in one process (fp32 arithmetic, so that the cache is the 
     python bench/bench_kv_cache.py --ppl [--windows 8] [--len 1024]
     python bench/bench_kv_cache.py --agree DIR [--len 1024] [--experts int8]
     python bench/bench_kv_cache.py --decode DIR [--lengths 2048 32768] [--caches bf16,int8,fp8] [--rounds 3]
+    python bench/bench_kv_cache.py --agree-decode DIR [--len 1024] [--steps 64]
 
 --ppl: perplexity of the embedded model (MLA, 1024 positions) over held-out text (Python's standard library files it
 was not trained on: bench/common.py windows), each window one prompt whose every position's attention reads the
@@ -12,6 +13,9 @@ cache as stored (written, then read back: the prefill reads what decode would).
 full width), every logit of a prompt of random ids: top-1 agreement and mean KL against the fp32 cache.
 The native decode kernels read the 8-bit rows as exactly these values (tests/kernels/test_kv_quant.py), so the
 figures hold for decode too.
+--agree-decode DIR: a GQA checkpoint's decode steps (teacher-forced after a prompt of random ids) with an int8 cache
+on the native kernels, against torch's attention over the same pool (on the AVX-512 paths the int8 scores round each
+query head to int8: this is what that costs) and against the fp32 cache.
 --decode DIR: decode tokens/s at each length of context with each cache, one process (the GPU side's model on its
 native decode loop, --dense-format and --weight-format int4 experts in this process: the weights a token reads are
 the same for every cache), the cache filled directly (no prefill), caches alternating within each round; beside it
@@ -68,6 +72,52 @@ def perplexity(logits: list[torch.Tensor], prompts: list[list[int]]) -> float:
         nll += float(-lg[:-1].log_softmax(-1).gather(1, t[:, None]).sum())
         n += len(t)
     return math.exp(nll / n)
+
+
+def decode_logits(model_dir: pathlib.Path, kv: torch.dtype, prompt: list[int], feed: list[int], native: bool):
+    """The prompt prefilled, then each of feed's tokens teacher-forced: the decode steps' logits [len(feed), vocab],
+    bf16 dense layers (--dense-format bf16, as a bf16 checkpoint runs), int8 experts; native: decode attention on the
+    native kernels (else torch's ops over the same pool)."""
+    from gpu_service.model.model import Model
+    from gpu_service.model.step import Segment
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+
+    model = Model(load_config(model_dir), Checkpoint(model_dir), torch.device("cpu"), torch.float32, kv_dtype=kv,
+                  dense_format="bf16")
+    ex = local_experts(model_dir, "int8")
+    c = model.new_cache()
+    with torch.no_grad():
+        model.forward([Segment(c, torch.tensor(prompt), 0)], ex)
+        model.native_attention = native
+        model.decode_blocks = model.decode_blocks if native else {}
+        out = [model.forward([Segment(c, torch.tensor([t]), len(prompt) + i)], ex) for i, t in enumerate(feed)]
+    c.release()
+    return torch.cat(out)
+
+
+def decode_agreement(a) -> None:
+    """--agree-decode DIR: decode logits with an int8 cache on the native kernels (whose scores may round the query:
+    the VNNI paths) against torch's attention over the same pool, and each against the fp32 cache's."""
+    from moe_core.config import load_config
+    from moe_kernels import ISA
+    from moe_kernels.attention import rounds_query
+
+    cfg = load_config(a.agree_decode)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, cfg.vocab_size, (a.len,), generator=g).tolist()
+    feed = torch.randint(2, cfg.vocab_size, (a.steps,), generator=g).tolist()
+    runs = {"int8 native": decode_logits(a.agree_decode, torch.int8, prompt, feed, True),
+            "int8 torch": decode_logits(a.agree_decode, torch.int8, prompt, feed, False),
+            "fp32 torch": decode_logits(a.agree_decode, torch.float32, prompt, feed, False)}
+    print(f"kernel path {ISA}; the int8 scores round the query: {rounds_query(torch.int8, cfg.head_dim)}", flush=True)
+    for x, y in (("int8 native", "int8 torch"), ("int8 torch", "fp32 torch"), ("int8 native", "fp32 torch")):
+        p, r = runs[x], runs[y]
+        kl = float(torch.nn.functional.kl_div(p.log_softmax(-1), r.log_softmax(-1), log_target=True,
+                                              reduction="batchmean"))
+        print(json.dumps({"model": a.agree_decode.name, "prompt": a.len, "steps": a.steps, "compare": f"{x} vs {y}",
+                          "top1_agreement": round(float((p.argmax(-1) == r.argmax(-1)).float().mean()), 4),
+                          "mean_kl": f"{kl:.3e}"}), flush=True)
 
 
 def decode_speed(a) -> None:
@@ -140,6 +190,8 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=1024)
     ap.add_argument("--experts", default="fp32", help="the routed experts' format (the same for every cache)")
     ap.add_argument("--decode", type=pathlib.Path)
+    ap.add_argument("--agree-decode", type=pathlib.Path)
+    ap.add_argument("--steps", type=int, default=64, help="--agree-decode: teacher-forced decode steps")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 32768])
     ap.add_argument("--caches", default="bf16,int8,fp8")
     ap.add_argument("--rounds", type=int, default=3)
@@ -150,6 +202,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.decode:
         return decode_speed(a)
+    if a.agree_decode:
+        return decode_agreement(a)
     print(f"CPU: {cpu_name()}; fp32 arithmetic; caches {', '.join(CACHES)}", flush=True)
     if a.ppl:
         model = ROOT / "models" / "default"
