@@ -22,7 +22,8 @@ all measured in this run.
    sampling) and the expert side's compute spans. The spans' sum is checked against the period before
    the split is trusted (coverage). Then the same decode unprofiled (a prompt of the same length): its period
    from the client's token stamps, free of what the profile's spans cost the step.
-3. Ratios: period / kernels alone (the issue #28 bar: <= 1.15x), the experts' compute in the service /
+3. Ratios: period / kernels alone (the issue #28 bar: <= 1.15x), the experts' read rate (their bytes a token over
+   their compute time) in the service and alone as a fraction of the DRAM probe, the experts' compute in the service /
    the same kernels alone (<= 1.15x), and everything outside the kernels per MoE layer, in microseconds
    (<= 30 us), then split: each GPU-side span less the kernels it runs, and the time between steps that no
    span covers. The kernels alone are the median of all their measurements; "per round" rows set each
@@ -359,6 +360,12 @@ def main() -> None:
             ("DRAM roofline of those bytes", roofline * 1e3, "ms/token", period / roofline),
             ("experts: compute in the service", expert_compute * 1e3, "ms/token", expert_compute / k["experts_s"]),
             ("experts: kernels alone", k["experts_s"] * 1e3, "ms/token", None),
+            # the experts' bytes a token over their time: in the service (live) and alone, beside the probe
+            ("experts: read rate in the service (live; x: of the probe)", k["experts_bytes"] / expert_compute / 1e9, "GB/s",
+             k["experts_bytes"] / expert_compute / 1e9 / k["dram_gbps"]),
+            ("experts: read rate alone (x: of the probe)", k["experts_bytes"] / k["experts_s"] / 1e9, "GB/s",
+             k["experts_bytes"] / k["experts_s"] / 1e9 / k["dram_gbps"]),
+            ("DRAM read probe", k["dram_gbps"], "GB/s", None),
             ("dense + lm_head: kernels alone", k["dense_s"] * 1e3, "ms/token", None),
             *([("of which MLA's latent attention (compute)", k["attention_s"] * 1e3, "ms/token", None)]
               if k["attention_s"] else []),

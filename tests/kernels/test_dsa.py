@@ -104,7 +104,7 @@ def test_the_indexer_and_selection_refuse_what_does_not_fit():
 
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn])
-@pytest.mark.parametrize("H, D", [(4, 128), (2, 16), (3, 40)])
+@pytest.mark.parametrize("H, D", [(4, 128), (2, 16), (7, 64), (3, 40), (12, 32)])  # 40 wide, 12 heads: the packed kernel
 @pytest.mark.parametrize("L", [1, 5, 300])
 def test_each_heads_scores_match_reference(isa, dtype, H, D, L):
     """MiniMax-M3's block indexer (head_scores: the kernel without weights or relu): each head's q . k, [H, L]; an
