@@ -417,16 +417,17 @@ def block_sparse_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, c
                                                     selected=selected_positions(cfg, scores, start))
         return gqa_output(cfg, W, p, o.to(q.dtype), gate)
     K, V, keys = cache.gather(layer, start + t, dtype=q.dtype)                   # [kv, L, d], [kv, L, dv], [1, L, D]
-    allowed = block_select(cfg, iq, keys[0], start)                              # [index heads, t, L]
     nh, L = cfg.num_heads, K.shape[1]
-    mask = allowed.repeat_interleave(nh // allowed.shape[0], dim=0)              # [nh, t, L]: a head its group's
     qh = q.transpose(0, 1)[None]                                                 # [1, nh, t, d]
     o = torch.empty(1, nh, t, cfg.value_dim, dtype=q.dtype, device=q.device)
-    rows = max(1, SCORE_BYTES // max(1, nh * L * 4))  # queries whose fp32 scores fit at once
+    rows = max(1, SCORE_BYTES // max(1, nh * L * 4))  # queries whose fp32 scores (and mask) fit at once
     for i in range(0, t, rows):
-        o[:, :, i:i + rows] = F.scaled_dot_product_attention(qh[:, :, i:i + rows], K[None], V[None],
-                                                             attn_mask=mask[None, :, i:i + rows],
-                                                             enable_gqa=K.shape[0] != nh)
+        r = slice(i, i + rows)
+        allowed = block_select(cfg, iq[r], keys[0][:start + i + iq[r].shape[0]], start + i)  # [index heads, n, L']
+        mask = allowed.repeat_interleave(nh // allowed.shape[0], dim=0)          # [nh, n, L']: a head its group's
+        n = mask.shape[-1]
+        o[:, :, r] = F.scaled_dot_product_attention(qh[:, :, r], K[None, :, :n], V[None, :, :n], attn_mask=mask[None],
+                                                    enable_gqa=K.shape[0] != nh)
     return gqa_output(cfg, W, p, o[0].transpose(0, 1), gate)
 
 

@@ -74,6 +74,19 @@ def test_tokens_and_logits_are_transformers_whole_chunked_and_batched(m3):
             e.stop()
 
 
+def test_a_long_prompts_queries_go_in_row_groups(m3, monkeypatch):
+    """A long prompt's queries attend a group of rows at a time (their masks and scores bounded: a 32k prompt's whole
+    mask over 64 heads would be tens of GB): the same logits as all rows at once."""
+    d, refs = m3
+    prompt, _, logits = refs[70]
+    monkeypatch.setattr(attention, "SCORE_BYTES", 4 * 74 * 4 * 3)  # about three query rows a group
+    e = local_engine(d)
+    try:
+        assert (collect(submit(e, prompt, score=True)) - logits).abs().max().item() < 1e-4
+    finally:
+        e.stop()
+
+
 def test_a_prefix_cache_hit_reads_the_cached_indexer_keys(m3):
     d, refs = m3
     prompt, want, _ = refs[70]
