@@ -62,3 +62,31 @@ def deferred_both_ways(d, prompt: list[int], services_factory):
         token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=N_NEW, ignore_eos=True, defer=1,
         sampling=generate_pb2.SamplingParams(temperature=0)), timeout=120) for t in c.token_ids]
     return local, got, s
+
+
+def twice_with_a_prefix_cache(d, prompt: list[int]) -> list[tuple]:
+    """The prompt's greedy run twice on an engine whose pool caches prefixes -> [(tokens, cached positions)] of each:
+    the second run hits the first's full blocks."""
+    from gpu_service.engine.kv_pool import KVPool
+    from harness import local_engine
+    from moe_core.config import load_config
+
+    e = local_engine(d, kv_pool=KVPool(load_config(d), torch.float32, torch.device("cpu"), 64, 1 << 30))
+    try:
+        return [collect(submit(e, prompt)), collect(submit(e, prompt))]
+    finally:
+        e.stop()
+
+
+def teacher_forced(model, experts, prompts: list[list[int]], feed: list[int], native: bool) -> list[torch.Tensor]:
+    """The prompts prefilled one by one, then feed's tokens decoded by all of them in each step (teacher-forced) ->
+    each decode step's logits; native: the model's native decode attention (else torch's)."""
+    from gpu_service.model.model import Segment
+
+    model.native_attention = native
+    caches = [model.new_cache() for _ in prompts]
+    for c, p in zip(caches, prompts):
+        c.reserve(len(p) + len(feed))
+        model.forward([Segment(c, torch.tensor(p), 0)], experts)
+    return [model.forward([Segment(c, torch.tensor([tok]), len(p) + i) for c, p in zip(caches, prompts)], experts)
+            for i, tok in enumerate(feed)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiny_models
-from engine_runs import collect, deferred_both_ways, prompt_of, reference, submit
+from engine_runs import collect, deferred_both_ways, prompt_of, reference, submit, twice_with_a_prefix_cache
 from gpu_service.engine.kv_pool import BLOCK, KVPool
 from harness import local_engine
 from moe_core.config import load_config
@@ -49,12 +49,7 @@ def test_tokens_and_logits_are_transformers_whole_chunked_and_batched(mimo):
 def test_a_prefix_cache_hit(mimo):
     d, refs = mimo
     prompt, want, _ = refs[70]
-    e = local_engine(d, kv_pool=KVPool(load_config(d), torch.float32, torch.device("cpu"), 64, 1 << 30))
-    try:
-        assert collect(submit(e, prompt)) == (want, 0)
-        assert collect(submit(e, prompt)) == (want, (len(prompt) - 1) // BLOCK * BLOCK)
-    finally:
-        e.stop()
+    assert twice_with_a_prefix_cache(d, prompt) == [(want, 0), (want, (len(prompt) - 1) // BLOCK * BLOCK)]
 
 
 @pytest.mark.slow

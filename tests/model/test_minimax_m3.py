@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import tiny_models
-from engine_runs import N_NEW, collect, deferred_both_ways, prompt_of, reference, submit
+from engine_runs import (N_NEW, collect, deferred_both_ways, prompt_of, reference, submit, teacher_forced,
+                         twice_with_a_prefix_cache)
 from gpu_service.engine.kv_pool import BLOCK, KVPool
 from gpu_service.model import attention
 from gpu_service.experts.local import LocalExperts
 from gpu_service.model.attention import block_select, kind, selected_positions
-from gpu_service.model.model import Model, Segment
+from gpu_service.model.model import Model
 from harness import greedy, local_engine
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config, parse_config
@@ -90,12 +91,7 @@ def test_a_long_prompts_queries_go_in_row_groups(m3, monkeypatch):
 def test_a_prefix_cache_hit_reads_the_cached_indexer_keys(m3):
     d, refs = m3
     prompt, want, _ = refs[70]
-    e = local_engine(d, kv_pool=KVPool(load_config(d), torch.float32, torch.device("cpu"), 64, 1 << 30))
-    try:
-        assert collect(submit(e, prompt)) == (want, 0)
-        assert collect(submit(e, prompt)) == (want, (len(prompt) - 1) // BLOCK * BLOCK)
-    finally:
-        e.stop()
+    assert twice_with_a_prefix_cache(d, prompt) == [(want, 0), (want, (len(prompt) - 1) // BLOCK * BLOCK)]
 
 
 def test_block_selection_against_a_plain_loop(monkeypatch):
@@ -141,20 +137,8 @@ def test_native_decode_is_the_torch_path(m3, monkeypatch):
     prompts = [refs[70][0], refs[21][0]]
     feed = prompt_of(N_NEW, 9)
 
-    def run(native: bool) -> list[torch.Tensor]:
-        model.native_attention = native
-        caches = [model.new_cache() for _ in prompts]
-        out = []
-        for c, p in zip(caches, prompts):
-            c.reserve(len(p) + N_NEW)
-            model.forward([Segment(c, torch.tensor(p), 0)], experts)
-        for i, tok in enumerate(feed):
-            out.append(model.forward([Segment(c, torch.tensor([tok]), len(p) + i) for c, p in zip(caches, prompts)],
-                                     experts))
-        return out
-
-    torch_path, calls[:] = run(False), []
-    native_path = run(True)
+    torch_path, calls[:] = teacher_forced(model, experts, prompts, feed, False), []
+    native_path = teacher_forced(model, experts, prompts, feed, True)
     sparse = sum(cfg.block_sparse(L) for L in range(cfg.num_layers))
     assert calls.count("head_scores") == sparse * 2 * N_NEW
     assert calls.count("paged_decode_attention") == sparse * 2 * N_NEW  # (head dim 16: full layers on torch)

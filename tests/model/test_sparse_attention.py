@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import tiny_models
-from engine_runs import N_NEW, collect, deferred_both_ways, prompt_of, reference, submit
+from engine_runs import (N_NEW, collect, deferred_both_ways, prompt_of, reference, submit, teacher_forced,
+                         twice_with_a_prefix_cache)
 from gpu_service.engine.kv_pool import BLOCK, KVPool
 from gpu_service.experts.local import LocalExperts
-from gpu_service.model.model import Model, Segment
+from gpu_service.model.model import Model
 from harness import greedy, local_engine
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import load_config
@@ -61,13 +62,7 @@ def test_batched_sequences_each_keep_their_own_selection(dsa, family):
 def test_a_prefix_cache_hit_reads_the_cached_indexer_keys(dsa, family):
     d, refs = dsa[family]
     prompt, want, _ = refs[70]
-    pool = KVPool(load_config(d), torch.float32, torch.device("cpu"), 64, 1 << 30)
-    e = local_engine(d, kv_pool=pool)
-    try:
-        assert collect(submit(e, prompt)) == (want, 0)
-        assert collect(submit(e, prompt)) == (want, (len(prompt) - 1) // BLOCK * BLOCK)
-    finally:
-        e.stop()
+    assert twice_with_a_prefix_cache(d, prompt) == [(want, 0), (want, (len(prompt) - 1) // BLOCK * BLOCK)]
 
 
 @pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native decode attention runs on the vector kernel paths")
@@ -89,20 +84,8 @@ def test_native_decode_is_the_torch_path(dsa, family, monkeypatch):
     prompts = [refs[70][0], refs[21][0]]
     feed = prompt_of(N_NEW, 9)
 
-    def run(native: bool) -> list[torch.Tensor]:
-        model.native_attention = native
-        caches = [model.new_cache() for _ in prompts]
-        out = []
-        for c, p in zip(caches, prompts):
-            c.reserve(len(p) + N_NEW)
-            model.forward([Segment(c, torch.tensor(p), 0)], experts)
-        for i, tok in enumerate(feed):
-            out.append(model.forward([Segment(c, torch.tensor([tok]), len(p) + i) for c, p in zip(caches, prompts)],
-                                     experts))
-        return out
-
-    torch_path, calls[:] = run(False), []
-    native_path = run(True)
+    torch_path, calls[:] = teacher_forced(model, experts, prompts, feed, False), []
+    native_path = teacher_forced(model, experts, prompts, feed, True)
     full = sum(cfg.has_indexer(L) for L in range(cfg.num_layers))
     assert calls.count("dsa_scores") == full * 2 * N_NEW
     assert calls.count("mla_paged_attention") == cfg.num_layers * 2 * N_NEW
