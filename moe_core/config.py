@@ -383,7 +383,7 @@ def _mimo(raw: dict, n_layers: int, head_dim: int) -> tuple[tuple[int, ...], int
     return tuple(i for i, k in enumerate(kinds) if k == "sparse"), int(raw["moe_intermediate_size"]), fields
 
 
-def _minimax_m3(raw: dict, n_layers: int, n_heads: int, head_dim: int) -> tuple[tuple[int, ...], int, dict]:
+def _minimax_m3(raw: dict, n_layers: int, n_heads: int) -> tuple[tuple[int, ...], int, dict]:
     """MiniMax-M3's text model: full GQA layers beside block-sparse ones (layer_types, else
     sparse_attention_config's sparse_attention_freq), per-head QK-norm and every RMSNorm zero-centred (x * (1 + w)),
     dense layers (mlp_layer_types, else moe_layer_freq) beside MoE layers with one shared expert, the clamped SwiGLU
@@ -405,9 +405,9 @@ def _minimax_m3(raw: dict, n_layers: int, n_heads: int, head_dim: int) -> tuple[
     heads, dim = int(get("index_n_heads", "sparse_num_index_heads", 4)), int(get("index_head_dim", "sparse_index_dim", 128))
     block, topk = int(get("index_block_size", "sparse_block_size", 128)), int(get("index_topk_blocks", "sparse_topk_blocks", 16))
     local = int(get("index_local_blocks", "sparse_local_block", 1))
-    if heads < 1 or n_heads % heads or block < 1 or not 0 <= local <= topk or dim < 1:
+    if heads < 1 or n_heads % heads or block < 1 or topk < 1 or not 0 <= local <= topk or dim < 1:
         raise ModelConfigError(f"minimax_m3_vl's block indexer: {heads} heads (a divisor of the {n_heads} attention "
-                               f"heads), blocks of {block} >= 1 keys, {local} local blocks <= {topk} kept blocks")
+                               f"heads), blocks of {block} >= 1 keys, {local} local blocks <= {topk} >= 1 kept blocks")
     if raw.get("scoring_func", "sigmoid") != "sigmoid":
         raise ModelConfigError(f"minimax_m3_vl with scoring_func={raw['scoring_func']!r} is not supported (sigmoid)")
     act = ExpertAct("clamped_swiglu", float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0)))
@@ -546,9 +546,8 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         elif mt == "mimo_v2_flash":
             moe_layers, moe_inter, fields = _mimo(raw, n_layers, head_dim)
         elif mt == "minimax_m3_vl":
-            moe_layers, moe_inter, fields = _minimax_m3(raw, n_layers, n_heads, head_dim)
+            moe_layers, moe_inter, fields = _minimax_m3(raw, n_layers, n_heads)
             common["intermediate_size"] = int(raw.get("dense_intermediate_size", 12288))  # its dense layers'
-
         elif mt == "mixtral":
             moe_layers, moe_inter = tuple(range(n_layers)), int(raw["intermediate_size"])
         else:
