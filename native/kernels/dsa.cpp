@@ -175,7 +175,7 @@ void scores(Isa isa, const float* q, const float* w, int H, int D, float scale, 
   }
 }
 
-// Few heads' own scores (w null, H <= 8: MiniMax-M3's block indexer has 4): key-major instead, each key's dims read
+// Few heads' own scores (w null, H <= 8: MiniMax-M3's block indexer has 4), on the vector paths: key-major instead, each key's dims read
 // once, widened in registers, against every head's query, 4 heads a pass and their 4 sums by one shuffle tree
 // (reduce4.h). Widening 16 keys dim-major costs a key's D loads and stores whatever the heads: with 4 heads that
 // was most of the time (docs/performance/decode_step.md, "MiniMax-M3's block-sparse attention at depth").
@@ -219,6 +219,41 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma"))) void few_heads_avx
   }
 }
 
+// The same on AVX2 (8 lanes a vector, the 8-lane reduce4)
+__attribute__((target("avx2"))) inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+__attribute__((target("avx2"))) inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) inline __m256 widen8(const I8* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <class T, class At>
+__attribute__((target("avx2,fma"))) void few_heads_avx2(const float* q, int H, int D, float scale, const T* k, At at,
+                                                        int j0, int j1, int L, float* out) {
+  for (int j = j0; j < j1; ++j) {
+    const T* key = k + at(j);
+    float ks = scale;
+    if constexpr (quantized<T>) ks *= row_scale<T>(reinterpret_cast<const uint8_t*>(key)[D]);
+    for (int h = 0; h < H; h += 4) {
+      const int n = std::min(4, H - h);
+      const float *q0 = q + size_t(h) * D, *q1 = n > 1 ? q0 + D : q0, *q2 = n > 2 ? q0 + 2 * D : q0,
+                  *q3 = n > 3 ? q0 + 3 * D : q0;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int d = 0; d < D; d += 8) {
+        const __m256 x = widen8(key + d);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), x, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), x, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), x, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), x, a3);
+      }
+      alignas(16) float r[4];
+      _mm_store_ps(r, _mm_mul_ps(reduce4_ps(a0, a1, a2, a3), _mm_set1_ps(ks)));
+      for (int i = 0; i < n; ++i) out[size_t(h + i) * L + j] = r[i];
+    }
+  }
+}
+
 }  // namespace
 
 void dsa_index_scores(Isa isa, const float* q, const float* w, int H, int D, float scale, const void* K, KvType kv,
@@ -230,12 +265,15 @@ void dsa_index_scores(Isa isa, const float* q, const float* w, int H, int D, flo
     const int mask = (1 << block_shift) - 1;
     using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
     if constexpr (few_heads_type<T>)
-      if (!w && H <= 8 && D % 16 == 0 && (isa == Isa::Avx512 || isa == Isa::Amx)) {
-        if (table)
-          few_heads_avx512(q, H, D, scale, k, [&](int j) {
-            return size_t(table[j >> block_shift]) * k_block + size_t(j & mask) * k_row; }, j0, j1, L, out);
+      if (!w && H <= 8 && D % 16 == 0 && isa != Isa::Portable) {
+        auto paged = [&](int j) { return size_t(table[j >> block_shift]) * k_block + size_t(j & mask) * k_row; };
+        auto flat = [&](int j) { return size_t(j) * k_row; };
+        if (isa == Isa::Avx512 || isa == Isa::Amx)
+          table ? few_heads_avx512(q, H, D, scale, k, paged, j0, j1, L, out)
+                : few_heads_avx512(q, H, D, scale, k, flat, j0, j1, L, out);
         else
-          few_heads_avx512(q, H, D, scale, k, [&](int j) { return size_t(j) * k_row; }, j0, j1, L, out);
+          table ? few_heads_avx2(q, H, D, scale, k, paged, j0, j1, L, out)
+                : few_heads_avx2(q, H, D, scale, k, flat, j0, j1, L, out);
         return;
       }
     if (table)
