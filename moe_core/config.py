@@ -3,7 +3,8 @@
 Supported families (transformers' implementations are the numerical reference):
 deepseek_v3, deepseek_v2 (MLA attention, shared experts, grouped routing), deepseek_v32 and glm_moe_dsa (GLM-5:
 MLA behind DeepSeek Sparse Attention's lightning indexer), kimi_k2 and kimi_k25 (DeepSeek-V3's arithmetic), glm4_moe,
-minimax_m2, minimax_m3_vl (MiniMax-M3's text model: GQA beside block-sparse attention behind a block lightning indexer,
+deepseek_v4 (DeepSeek-V4: a sliding window beside compressed key entries, the lightning indexer over them, hyper-connected
+residual streams, hash-routed first layers), minimax_m2, minimax_m3_vl (MiniMax-M3's text model: GQA beside block-sparse attention behind a block lightning indexer,
 clamped SwiGLU everywhere), gpt_oss (attention sinks, sliding windows, expert biases, clamped SwiGLU), qwen3_next and qwen3_5_moe
 (gated DeltaNet linear attention beside gated full attention; Qwen3.5's text model, published inside
 its vision-language wrapper), qwen3_moe, qwen2_moe (gated shared expert), mixtral. Anything else is
@@ -19,7 +20,7 @@ from moe_core.errors import ModelConfigError
 from moe_core.int4_checkpoints import int4_scheme
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss",
+SUPPORTED = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss",
              "minimax_m2", "minimax_m3_vl", "mimo_v2_flash", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
 # published types whose arithmetic is another family's: Kimi-K2 and K2-Thinking are DeepSeek-V3 (transformers has no
 # kimi_k2 type of its own: its Kimi-K2.5 config rewrites one to deepseek_v3), and so is Kimi-K2.5/K2.6's text model;
@@ -94,9 +95,10 @@ def _int4(raw: dict):
 
 @dataclasses.dataclass(frozen=True)
 class ExpertAct:
-    """The routed experts' (MiniMax-M3: every MLP's) activation: silu(gate) * up, or gpt-oss's clamped SwiGLU
-    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
-    kind: str = "silu"  # "silu" | "clamped_swiglu"
+    """The routed experts' (MiniMax-M3, DeepSeek-V4: every MLP's) activation: silu(gate) * up, gpt-oss's clamped
+    SwiGLU (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), or DeepSeek-V4's clamped SiLU
+    silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    kind: str = "silu"  # "silu" | "clamped_swiglu" | "clamped_silu"
     alpha: float = 0.0
     limit: float = 0.0
 
@@ -198,6 +200,18 @@ class ModelConfig:
     sliding_kv_heads: int = 0
     sliding_rope_theta: float = 0.0
     value_scale: float = 1.0
+    # DeepSeek-V4 (attention "compressed"): per layer the rate its compressor folds keys at (0: the sliding window
+    # alone; a CSA layer's entries pass its lightning indexer, index_heads x index_dim keeping index_topk), the window
+    # in every layer; the main rope (rope_theta...) is the compressed layers', sliding_rope_theta the window-only
+    # layers'; outputs through o_groups grouped projections of o_lora_rank; hc_mult residual streams mixed by
+    # hyper-connections (hc_iters Sinkhorn iterations); hash_layers route by a token id -> experts table
+    compress_rates: tuple[int, ...] = ()
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    hc_mult: int = 0                   # 0: one plain residual stream
+    hc_iters: int = 0
+    hc_eps: float = 0.0
+    hash_layers: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -235,9 +249,22 @@ class ModelConfig:
         return self.v_head_dim or self.head_dim
 
     def window(self, layer: int) -> int:
-        """Keys a query of this layer sees (itself and the ones before it); 0 = all."""
+        """Keys a query of this layer sees (itself and the ones before it); 0 = all. (DeepSeek-V4: every layer's window,
+        beside its compressed entries.)"""
+        if self.compress_rates:
+            return self.sliding_window
         sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else 0
+
+    def sliding_rope(self, layer: int) -> bool:
+        """Whether the layer rotates with the sliding layers' rope (sliding_rope_theta) rather than the main one."""
+        if self.compress_rates:  # DeepSeek-V4: its window-only layers
+            return self.compress_rates[layer] == 0
+        return bool(self.sliding_rope_theta and self.window(layer))
+
+    def csa(self, layer: int) -> bool:
+        """A DeepSeek-V4 compressed sparse attention layer: its entries pass the lightning indexer."""
+        return bool(self.compress_rates) and self.layer_types[layer] == "compressed_sparse_attention"
 
     def is_linear_attention(self, layer: int) -> bool:
         return self.linear_attn is not None and self.layer_types[layer] == "linear_attention"
@@ -249,8 +276,8 @@ class ModelConfig:
         if self.fused_experts:
             gate_up, down = self.stacked_expert_names(layer)
             return gate_up, gate_up, down
-        if self.model_type in MIXTRAL_NAMES:
-            p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+        if self.model_type in MIXTRAL_NAMES or self.model_type == "deepseek_v4":
+            p = f"model.layers.{layer}.{self.ffn_prefix}.experts.{expert}."
             return p + "w1.weight", p + "w3.weight", p + "w2.weight"
         p = f"model.layers.{layer}.mlp.experts.{expert}."
         return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
@@ -270,7 +297,8 @@ class ModelConfig:
     @property
     def ffn_prefix(self) -> str:
         """An MoE layer's feed-forward weights' prefix (under model.layers.N)."""
-        return "block_sparse_moe" if self.model_type in MIXTRAL_NAMES else "mlp"
+        return "block_sparse_moe" if self.model_type in MIXTRAL_NAMES else "ffn" if self.model_type == "deepseek_v4" \
+            else "mlp"
 
     def ffn(self, layer: int) -> str:
         """A layer's feed-forward weights' prefix (MiniMax-M3's dense layers: mlp)."""
@@ -283,9 +311,10 @@ def check_shape(cfg: "ModelConfig", name: str, shape: tuple) -> None:
     whose tensors do not match its own config is refused at start, naming the tensor, not run."""
     H, V, inter = cfg.hidden_size, cfg.vocab_size, cfg.moe_intermediate_size
     want = None
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name in ("model.embed_tokens.weight", "lm_head.weight", "head.weight"):
         want = (V, H)
-    elif name == "model.norm.weight" or name.endswith((".input_layernorm.weight", ".post_attention_layernorm.weight")):
+    elif name == "model.norm.weight" or name.endswith((".input_layernorm.weight", ".post_attention_layernorm.weight",
+                                                       ".attn_norm.weight", ".ffn_norm.weight")):
         want = (H,)
     elif ".experts." in name and name.endswith((".gate_proj.weight", ".up_proj.weight", ".w1.weight", ".w3.weight")):
         want = (inter, H)
@@ -420,6 +449,84 @@ def _minimax_m3(raw: dict, n_layers: int, n_heads: int) -> tuple[tuple[int, ...]
     return tuple(i for i, k in enumerate(kinds) if k == "sparse"), int(raw["intermediate_size"]), fields
 
 
+V4_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def _deepseek_v4(raw: dict, n_layers: int, n_heads: int) -> dict:
+    """DeepSeek-V4's fields as transformers' DeepseekV4Config reads them, its legacy ones too (compress_ratios,
+    compress_rate_csa / _hca, num_hash_layers, qk_rope_head_dim, rope_scaling beside rope_theta and
+    compress_rope_theta): every layer's attention a window of sliding_window keys, beside compressed entries at its
+    type's rate; the main rope (default, rope_theta) rotates the window-only layers, the compress rope (its theta, YaRN
+    where given, attention factor 1) the others."""
+    rates = dict(raw.get("compress_rates") or {})
+    csa = int(rates.get("compressed_sparse_attention", raw.get("compress_rate_csa", 4)))
+    hca = int(rates.get("heavily_compressed_attention", raw.get("compress_rate_hca", 128)))
+    types = raw.get("layer_types")
+    if types is None and raw.get("compress_ratios") is not None:
+        try:
+            types = [V4_TYPES[int(r)] for r in raw["compress_ratios"]]
+        except (KeyError, ValueError):
+            raise ModelConfigError(f"deepseek_v4 compress_ratios {raw['compress_ratios']}: each one of 0, 4, 128") from None
+    if types is None:
+        types = ["heavily_compressed_attention"] * min(n_layers, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(n_layers - 2)]
+    types = list(types)[:n_layers]
+    if len(types) != n_layers or set(types) - set(V4_TYPES.values()):
+        raise ModelConfigError(f"deepseek_v4 layer_types {types}: one of {', '.join(V4_TYPES.values())} per layer "
+                               f"({n_layers})")
+    rate = {"sliding_attention": 0, "compressed_sparse_attention": csa, "heavily_compressed_attention": hca}
+    mlp = raw.get("mlp_layer_types") or (["hash_moe"] * int(raw.get("num_hash_layers", 3)) + ["moe"] * n_layers)
+    mlp = list(mlp)[:n_layers]
+    if len(mlp) != n_layers or set(mlp) - {"hash_moe", "moe"}:
+        raise ModelConfigError(f"deepseek_v4 mlp_layer_types {mlp}: one of hash_moe | moe per layer ({n_layers})")
+    head_dim = int(raw.get("head_dim", 512))
+    rp = dict(raw.get("rope_parameters") or {})
+    main, comp = rp.get("main"), rp.get("compress")
+    if not (isinstance(main, dict) and isinstance(comp, dict)):
+        partial = raw.get("partial_rotary_factor") or (int(raw["qk_rope_head_dim"]) / head_dim
+                                                       if raw.get("qk_rope_head_dim") else 64 / head_dim)
+        yarn = {k: v for k, v in (rp or dict(raw.get("rope_scaling") or {})).items() if k not in ("main", "compress")}
+        if "type" in yarn and "rope_type" not in yarn:
+            yarn["rope_type"] = yarn.pop("type")
+        main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0), "partial_rotary_factor": partial}
+        comp = {**yarn, "rope_theta": raw.get("compress_rope_theta", 160000.0), "partial_rotary_factor": partial}
+    comp = {"rope_type": "default", **comp}
+    if comp["rope_type"] == "yarn":
+        comp.setdefault("attention_factor", 1.0)
+    if main.get("rope_type", "default") != "default" or comp["rope_type"] not in ("default", "yarn"):
+        raise ModelConfigError(f"deepseek_v4 rope types main {main.get('rope_type')!r} / compress "
+                               f"{comp['rope_type']!r}: supported default / default or yarn")
+    partial = float(comp.get("partial_rotary_factor") or main.get("partial_rotary_factor") or 64 / head_dim)
+    rotary = int(head_dim * partial)
+    o_groups, o_rank = int(raw.get("o_groups", 8)), int(raw.get("o_lora_rank", 1024))
+    window, hc = int(raw.get("sliding_window", 128)), int(raw.get("hc_mult", 4))
+    if rotary % 2 or not 0 < rotary <= head_dim or n_heads % o_groups or window < 1 or hc < 1 or \
+            (csa in (rate[t] for t in types) and csa < 1) or any(r < 0 for r in (csa, hca)) or \
+            (hca < 1 and "heavily_compressed_attention" in types):
+        raise ModelConfigError(f"deepseek_v4: rotary dims {rotary} (even, <= head_dim {head_dim}), o_groups {o_groups} "
+                               f"(a divisor of {n_heads} heads), sliding_window {window} >= 1, hc_mult {hc} >= 1 and "
+                               f"compression rates >= 1 ({csa}, {hca})")
+    if raw.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+        raise ModelConfigError(f"deepseek_v4 with scoring_func={raw['scoring_func']!r} is not supported (sqrtsoftplus)")
+    limit = float(raw.get("swiglu_limit", 10.0))
+    act = ExpertAct("clamped_silu", 1.0, limit)
+    csa_dsa = {}
+    if "compressed_sparse_attention" in types:
+        csa_dsa = dict(index_heads=int(raw.get("index_n_heads", 64)), index_dim=int(raw.get("index_head_dim", 128)),
+                       index_topk=int(raw.get("index_topk", 512)))
+        if csa_dsa["index_dim"] < rotary or min(csa_dsa.values()) < 1:
+            raise ModelConfigError(f"deepseek_v4's indexer: {csa_dsa}, its head at least the {rotary} rotary dims")
+    return dict(
+        rope_theta=float(comp["rope_theta"]), rope_type=comp["rope_type"], rope_params=comp,
+        sliding_rope_theta=float(main.get("rope_theta", 10000.0)), head_dim=head_dim, rotary_dim=rotary,
+        layer_types=tuple(types), compress_rates=tuple(rate[t] for t in types), sliding_window=window,
+        attn_sinks=True, o_groups=o_groups, o_lora_rank=o_rank, hc_mult=hc,
+        hc_iters=int(raw.get("hc_sinkhorn_iters", 20)), hc_eps=float(raw.get("hc_eps", 1e-6)),
+        hash_layers=tuple(i for i, k in enumerate(mlp) if k == "hash_moe"), expert_act=act, mlp_act=act,
+        scoring="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)), **csa_dsa)
+
+
 def _dsa(raw: dict, published: str, n_layers: int) -> dict:
     """DeepSeek Sparse Attention's fields: the indexer's shape, its rope, and (GLM-5) which layers share the previous
     full layer's selection: indexer_types, else index_topk_pattern ("FSS..."), else transformers' schedule from
@@ -509,6 +616,16 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         )
         if cfg.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ModelConfigError(f"unsupported topk_method {cfg.topk_method!r}")
+    elif mt == "deepseek_v4":  # every layer MoE (hash-routed first), one shared expert, MQA of one 512-wide head
+        n_heads = int(raw["num_attention_heads"])
+        inter = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
+        common["intermediate_size"] = 0
+        cfg = ModelConfig(
+            **{**common, **_deepseek_v4(raw, n_layers, n_heads)}, attention="compressed", num_kv_heads=1,
+            rope_interleave=True, q_lora_rank=int(raw.get("q_lora_rank", 1024)), moe_intermediate_size=inter,
+            moe_layers=tuple(range(n_layers)), n_routed_experts=int(raw.get("n_routed_experts") or
+                                                                    raw.get("num_local_experts") or 256),
+            shared_intermediate_size=inter * int(raw.get("n_shared_experts", 1)))
     else:
         n_exp = int(raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts") or 0)
         n_heads = int(raw["num_attention_heads"])

@@ -95,8 +95,9 @@ struct Matrix {
 };
 
 // The experts' activation: SwiGLU, silu(gate) * up; or gpt-oss's clamped variant,
-// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
-enum class Act { Silu = 0, ClampedSwiglu = 1 };
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit); or DeepSeek-V4's clamped SiLU,
+// silu(min(gate, limit)) * clamp(up, -limit, limit).
+enum class Act { Silu = 0, ClampedSwiglu = 1, ClampedSilu = 2 };
 
 struct MoEWeights {
   int E, H, I;
@@ -105,7 +106,7 @@ struct MoEWeights {
   const float* gate_up_bias = nullptr;  // [E, 2I] fp32 (gate then up), or none
   const float* down_bias = nullptr;     // [E, H] fp32, or none
   Act act = Act::Silu;
-  float alpha = 0.f, limit = 0.f;       // ClampedSwiglu's
+  float alpha = 0.f, limit = 0.f;       // ClampedSwiglu's (ClampedSilu's limit)
 };
 
 // Experts a token may name in one request: the deferral split sorts them on the stack (moe_part.cpp).

@@ -30,6 +30,17 @@ FAMILIES = {
         qk_nope_head_dim=12, v_head_dim=24, n_shared_experts=1, routed_scaling_factor=2.5,
         max_position_embeddings=512, index_n_heads=8, index_head_dim=16, index_topk=4,
         indexer_types=["full", "shared", "full", "shared"])),
+    # DeepSeek-V4: a window of 6 keys in every layer; a window-only layer, compressed sparse attention (entries of 4
+    # positions in two overlapping series, the indexer keeping 3) and heavily compressed attention (entries of 8); two
+    # hash-routed layers; 3 hyper-connected streams; a swiglu_limit low enough to clamp (randomised further in build)
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        head_dim=32, partial_rotary_factor=0.5, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2,
+        hc_mult=3, sliding_window=6, o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=3,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, swiglu_limit=0.5,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        max_position_embeddings=512)),
     # MiMo-V2-Flash: full attention on layers 0 and 3, sliding windows of 5 (twice the KV heads, sinks, their own rope
     # base) between; a value head narrower than the key's, values scaled; a dense first layer, sigmoid routing
     "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(
@@ -150,6 +161,17 @@ def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, sh
             for n, w in model.named_parameters():
                 if n.endswith("bias"):
                     w.copy_(torch.randn_like(w) * 0.2)
+    if family == "deepseek_v4":  # sinks, biases, hyper-connection bases and the hash tables start at zero
+        with torch.no_grad():
+            for n, w in model.named_parameters():
+                if n.endswith(("sinks", "position_bias", ".base", "hc_base", "norm.weight")):
+                    w.add_(torch.randn_like(w) * 0.5)
+                elif n.endswith(("scale", "hc_scale")):
+                    w.copy_(1 + torch.randn_like(w) * 0.2)
+            for n, b in model.named_buffers():
+                if n.endswith("tid2eid"):
+                    b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts)[:cfg.num_experts_per_tok]
+                                         for _ in range(cfg.vocab_size)]))
     if family in ("qwen3_next", "qwen3_5_moe", "minimax_m3_vl"):  # zero-centred norms start at 0 and the gated norm at 1: make them matter
         with torch.no_grad():
             for n, w in model.named_parameters():

@@ -9,6 +9,8 @@ Layout (the native decode step reads it as it is; agree any change with native/k
   consecutive: allocation takes the lowest free ids), read as the contiguous cache was;
   MiniMax-M3's sparse layers a third, its block indexer's key [1, blocks, BLOCK, index dim];
 - MLA: the latent [blocks, BLOCK, kv_lora_rank] and the rotary key [blocks, BLOCK, rope dim];
+- DeepSeek-V4 as GQA of one head: the key (= value), and in compressed layers the compressors' per-position rows and
+  their entries at the positions closing their windows (compressed_attention.py);
 - linear-attention layers (Qwen3-Next's DeltaNet) have no blocks: their fixed-size state lives with the sequence
   (SeqCache.states) and is snapshotted at block boundaries for reuse;
 - an 8-bit cache (--kv-cache-dtype int8 / fp8) holds each row of n values as n codes and its scale byte
@@ -257,6 +259,11 @@ class KVPool:
 
 def _rows(cfg: ModelConfig, L: int, rows: int) -> list[tuple[tuple, int]]:
     """Layer L's buffers (not a linear-attention one's): each as (its leading dims, values a row)."""
+    if cfg.attention == "compressed":  # DeepSeek-V4 (compressed_attention.py): the key (= value); a compressed layer's
+        # compressor kv, gate (CSA: two series each) and entries; a CSA layer's indexer's three
+        d, di, c = cfg.head_dim, cfg.index_dim, 2 if cfg.csa(L) else 1
+        widths = [d] + ([c * d, c * d, d] if cfg.compress_rates[L] else []) + ([2 * di, 2 * di, di] if cfg.csa(L) else [])
+        return [((1, rows, BLOCK), n) for n in widths]
     if cfg.attention == "mla":  # the latent, the rotary key, DeepSeek Sparse Attention's indexer key where it has one
         return [((rows, BLOCK), cfg.kv_lora_rank), ((rows, BLOCK), cfg.qk_rope_head_dim)] + \
             ([((rows, BLOCK), cfg.index_dim)] if cfg.has_indexer(L) else [])
@@ -393,17 +400,20 @@ class SeqCache:
                            all(b == a + 1 for a, b in zip(ids, ids[1:])))
         return self._index[1]
 
-    def gather(self, layer: int, end: int, begin: int = 0, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    def gather(self, layer: int, end: int, begin: int = 0, dtype: torch.dtype | None = None,
+               only: tuple[int, ...] | None = None) -> list[torch.Tensor]:
         """Positions begin..end-1 of the layer: GQA [kv heads, positions, dim], MLA [positions, dim]; a view when
         the blocks are consecutive (as a lone sequence's are: the lowest free ids first), else a copy. For the paths
         that have no paged kernel. dtype: the values in it (a copy where the pool holds another type; an 8-bit
-        pool's rows dequantized), else the pool's rows as they are."""
+        pool's rows dequantized), else the pool's rows as they are. only: these of the layer's buffers (by index), else
+        every one."""
         b0, b1 = begin // BLOCK, -(-end // BLOCK)
         consecutive = self.consecutive()
         idx = self._index[0][b0:b1]
         lo, n = begin - b0 * BLOCK, end - begin
         out = []
-        for buf in map(raw, self.pool.bufs[layer]):
+        bufs = self.pool.bufs[layer] if only is None else [self.pool.bufs[layer][i] for i in only]
+        for buf in map(raw, bufs):
             if consecutive:  # one view, no copy
                 rows = buf.narrow(self.pool.block_dim, self.blocks[b0], b1 - b0)
             elif self.pool.mla:

@@ -18,6 +18,7 @@ from moe_core.config import ModelConfig
 from moe_kernels import attention as native_attention
 
 from gpu_service.engine.kv_pool import SeqCache
+from gpu_service.model.compressed_attention import compressed_attention
 from gpu_service.model.layers import apply_rope, linear, rms_norm
 from gpu_service.model.linear_attention import gated_deltanet
 
@@ -502,12 +503,14 @@ def linear_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, si
 # the attention kinds: a new kind is one function here (its torch reference, which CUDA graphs capture where it
 # takes a graph's bucket as `kv`) and, optionally, a native block in native_stages.py
 KINDS = {"gqa": gqa_attention, "mla": mla_attention, "dsa": mla_attention, "linear": linear_attention,
-         "block_sparse": block_sparse_attention}
+         "block_sparse": block_sparse_attention, "compressed": compressed_attention}
 
 
 def kind(cfg: ModelConfig, layer: int) -> str:
     """The attention kind of a layer (dsa: MLA behind DeepSeek Sparse Attention's indexer, mla_attention's;
-    block_sparse: MiniMax-M3's sparse layers)."""
+    block_sparse: MiniMax-M3's sparse layers; compressed: DeepSeek-V4's, compressed_attention.py)."""
+    if cfg.attention == "compressed":
+        return "compressed"
     if cfg.is_linear_attention(layer):
         return "linear"
     if cfg.block_sparse(layer):

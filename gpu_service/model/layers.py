@@ -21,10 +21,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     transformers does (the plain form rounds x_normed first, then multiplies). native: the plain form
     in one native call where it applies (on the CPU: moe_kernels.norm_rope; a prefill's rows sliced over the
     native pool; docs/performance/kernels.md, "A prefill's norms and rotary embeddings native")."""
-    if native and norm_rope and not offset and norm_rope.rms_norm_supported(x, weight):
+    if native and norm_rope and not offset and weight.dtype == x.dtype and norm_rope.rms_norm_supported(x, weight):
         return norm_rope.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:  # weights kept in fp32 (DeepSeek-V4) multiply in it
+        return (weight * xf).to(x.dtype)
     if offset:
         return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
@@ -123,9 +125,17 @@ def packs_router(cfg: ModelConfig) -> bool:
     return cfg.scoring in ("softmax", "topk_softmax") and cfg.model_type != "deepseek_v2"
 
 
-def route(cfg: ModelConfig, x: torch.Tensor, weight, bias: torch.Tensor | None):
+def route(cfg: ModelConfig, x: torch.Tensor, weight, bias: torch.Tensor | None, chosen: torch.Tensor | None = None):
+    """chosen: the experts of a hash-routed layer's rows (DeepSeek-V4's token id -> experts table), weighted by the
+    scores as the others."""
     k, E = cfg.top_k, cfg.n_routed_experts
-    if cfg.scoring == "sigmoid":  # DeepSeek-V3 noaux_tc: bias only chooses, weights come from scores
+    if cfg.scoring == "sqrtsoftplus":  # DeepSeek-V4: sqrt(softplus(logits)) in the router's dtype; bias only chooses
+        scores = F.softplus(F.linear(x.to(weight.dtype), weight)).sqrt().float()
+        ids = chosen.long() if chosen is not None else torch.topk(
+            scores + bias.float() if bias is not None else scores, k=k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+    elif cfg.scoring == "sigmoid":  # DeepSeek-V3 noaux_tc: bias only chooses, weights come from scores
         # in the router weight's dtype, as transformers does: fp32 for DeepSeek and GLM, which keep it
         # in fp32, the model's dtype for MiniMax-M2
         logits = F.linear(x.to(weight.dtype), weight).float()

@@ -23,6 +23,7 @@ from moe_kernels.packing import Fp8
 
 from gpu_service.model import cuda_graphs as graphs, native_loop, native_stages, step
 from gpu_service.model.attention import QKV
+from gpu_service.model.compressed_attention import ROPE
 from moe_exchange.protocol import Experts
 from gpu_service.engine.kv_pool import BLOCK, KVPool, SeqCache
 from gpu_service.model.layers import GATE_UP, packs_router, rope_cos_sin, rope_inv_freq, softmax_scale
@@ -55,8 +56,16 @@ DIRECT_TOKENS = 1 << 16  # positions of the pool new_cache() uses when no engine
 FP32_ROUTER = ("deepseek_v3", "deepseek_v2", "glm4_moe", "mimo_v2_flash")
 
 
+# DeepSeek-V4's tensors transformers keeps in fp32 (its _keep_in_fp32_modules): hyper-connections, sinks, the
+# compressors' position biases and projections, the indexer's head weights, the correction bias, every norm's weight
+V4_FP32 = re.compile(r"(\.hc_|^model\.hc_head\.|\.attn_sink$|\.ape$|compressor\.(wkv|wgate)\.weight$"
+                     r"|indexer\.weights_proj\.weight$|\.gate\.bias$|norm\.weight$)")
+
+
 def _keep_fp32(cfg: ModelConfig, name: str) -> bool:
     # transformers keeps DeepSeek's (and GLM's, the same router) weight and bias in fp32 whatever the model dtype
+    if cfg.model_type == "deepseek_v4":
+        return bool(V4_FP32.search(name))
     return cfg.model_type in FP32_ROUTER and (name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias"))
 
 
@@ -92,7 +101,7 @@ class Model:
             if name.startswith("mtp.") or (name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers):
                 continue  # multi-token-prediction layers (DeepSeek-V3's, Qwen3-Next's mtp.*): not used to decode
             fuse = dense_format and FUSED_PART.search(name) and not (cfg.attention == "mla" and "self_attn" in name)
-            pack = dense_format and (DENSE.search(name) or name == "lm_head.weight")
+            pack = dense_format and (DENSE.search(name) or name in ("lm_head.weight", "head.weight"))
             # the router (and Qwen2-MoE's shared expert gate) in bf16 whatever dense_format says: its logits round
             # to bf16 as torch's bf16 matmul's do (sums in fp32 both), where torch's bf16 matrix-vector product is
             # slow on a CPU
@@ -123,18 +132,24 @@ class Model:
                     del t
                     ckpt.close()
                     packed_since_close = 0
+            elif not t.is_floating_point():  # (DeepSeek-V4's token id -> experts tables)
+                self.W[name] = t.to(device=device)
             else:
                 self.W[name] = t.to(device=device, dtype=_stored_dtype(cfg, name, dtype, device, dense_format))
         ckpt.close()  # tensors still viewing the map keep their pages; the rest are let go
-        self.lm_head = self.W.get("lm_head.weight", self.W["model.embed_tokens.weight"])
+        self.lm_head = self.W.get("lm_head.weight", self.W.get("head.weight", self.W["model.embed_tokens.weight"]))
         if dense_format and isinstance(self.lm_head, torch.Tensor):  # tied to the embedding, which stays
             self.lm_head = NativeLinear(self.lm_head, "bf16" if dense_format == "fp8" else dense_format)
         self.inv_freq, self.rope_scaling = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of positions 0..n-1 (rope)
         # MiMo-V2-Flash's sliding-window layers rotate with a rope base of their own: their table beside
-        self.sliding_inv_freq = rope_inv_freq(dataclasses.replace(cfg, rope_theta=cfg.sliding_rope_theta))[0].to(
+        # (DeepSeek-V4's window-only layers: the default rope, its compressed ones' the main table's)
+        self.sliding_inv_freq = rope_inv_freq(dataclasses.replace(
+            cfg, rope_theta=cfg.sliding_rope_theta, **({"rope_type": "default"} if cfg.compress_rates else {})))[0].to(
             device) if cfg.sliding_rope_theta else None
+        if cfg.compress_rates:  # the compressed layers' entries rotate at their own positions (compressed_attention)
+            self.W[ROPE] = self.inv_freq
         self.sliding_rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
         self.scale = softmax_scale(cfg, qk_dim)

@@ -2,7 +2,7 @@
 
 A layer is these stages, each defined here and nowhere else:
   attention  the input norm, the layer's attention kind (attention.KINDS), the residual add, the post-attention
-             norm; on the CPU one native call for all the step's sequences where native_stages.py built the layer's
+             norm (DeepSeek-V4: the residual as hyper-connected streams, hyper_connections.py); on the CPU one native call for all the step's sequences where native_stages.py built the layer's
              block (which also routes)
   route      an MoE layer's router: (expert ids, weights) per row
   mlp        a dense layer's MLP or an MoE layer's shared experts (native where native_stages.py built them)
@@ -29,7 +29,7 @@ from moe_exchange.protocol import Experts, Span
 from moe_kernels.dense import NativeLinear
 
 from gpu_service.engine.kv_pool import KVPool, SeqCache
-from gpu_service.model import native_loop, native_stages
+from gpu_service.model import hyper_connections as hc, native_loop, native_stages
 from gpu_service.model.attention import KINDS, SequenceKV, kind
 from gpu_service.model.layers import GATE_UP, linear, rms_norm
 from gpu_service.model.layers import route as _route
@@ -50,8 +50,10 @@ class Segment:
 
 
 # -- the stages ------------------------------------------------------------------------------------
-def embed(model, tokens: torch.Tensor) -> torch.Tensor:
-    return F.embedding(tokens, model.W["model.embed_tokens.weight"])
+def embed(model, tokens: torch.Tensor):
+    """The residual of the tokens: their embeddings [n, H] (DeepSeek-V4: as its hc_mult streams, hc.Streams)."""
+    e = F.embedding(tokens, model.W["model.embed_tokens.weight"])
+    return hc.streams(model.cfg, e) if model.cfg.hc_mult else e
 
 
 def norm(model, h: torch.Tensor, name: str) -> torch.Tensor:
@@ -59,19 +61,29 @@ def norm(model, h: torch.Tensor, name: str) -> torch.Tensor:
     return rms_norm(h, model.W[name], cfg.rms_norm_eps, cfg.norm_offset, model.native_attention)
 
 
-def attention(model, L: int, h: torch.Tensor, cos, sin, kvs: list) -> tuple[torch.Tensor, torch.Tensor]:
+def attention(model, L: int, h, cos, sin, kvs: list) -> tuple:
     """The attention block on torch (the reference): h [n, H] -> (h + attention, the post-attention norm of it).
-    kvs: (rows, kv) in row order, each kv the cache view of its rows (attention.SequenceKV, or a graph's bucket)."""
+    kvs: (rows, kv) in row order, each kv the cache view of its rows (attention.SequenceKV, or a graph's bucket).
+    DeepSeek-V4: h the streams (hc.Streams), its hyper-connections around the attention and in front of the MLP."""
     p = f"model.layers.{L}."
-    x = norm(model, h, p + "input_layernorm.weight")
     fn, W, cfg = KINDS[kind(model.cfg, L)], model.W, model.cfg
-    ap = p + ("linear_attn." if cfg.is_linear_attention(L) else "self_attn.")
+    if cfg.hc_mult:
+        post, comb, x = hc.mix(cfg, W, p + "hc_attn_", h.h)
+        x = norm(model, x, p + "attn_norm.weight")
+    else:
+        x = norm(model, h, p + "input_layernorm.weight")
+    ap = p + ("linear_attn." if cfg.is_linear_attention(L) else "attn." if cfg.hc_mult else "self_attn.")
     outs, off = [], 0
     for n, kv in kvs:
         sl = slice(off, off + n)
         outs.append(fn(cfg, W, ap, x[sl], cos[sl], sin[sl], kv, L, model.native_attention, model.scale))
         off += n
-    h = h + (torch.cat(outs) if len(outs) > 1 else outs[0])
+    a = torch.cat(outs) if len(outs) > 1 else outs[0]
+    if cfg.hc_mult:
+        s = hc.expand(hc.Streams(h.h, post, comb), a)
+        post, comb, x = hc.mix(cfg, W, p + "hc_ffn_", s)
+        return hc.Streams(s, post, comb), norm(model, x, p + "ffn_norm.weight")
+    h = h + a
     return h, norm(model, h, p + "post_attention_layernorm.weight")
 
 
@@ -82,15 +94,20 @@ def native_block(model, L: int, h: torch.Tensor, cos, sin, pool: KVPool, seqs: t
     return native_stages.run(model.decode_blocks[L], pool, L, h, cos, sin, seqs, model.cfg.top_k)
 
 
-def route(model, L: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An MoE layer's router -> (ids int32 [n, k], weights fp32 [n, k])."""
-    return _route(model.cfg, x, *model.router(L))
+def route(model, L: int, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE layer's router -> (ids int32 [n, k], weights fp32 [n, k]). tokens: the rows' ids, which a hash-routed
+    layer's table (DeepSeek-V4) chooses the experts of."""
+    table = model.W.get(f"model.layers.{L}.{model.cfg.ffn_prefix}.gate.tid2eid") if L in model.cfg.hash_layers else None
+    return _route(model.cfg, x, *model.router(L), None if table is None else table[tokens.to(table.device)])
 
 
 def swiglu_mlp(W: dict, p: str, x: torch.Tensor, act: ExpertAct = SILU) -> torch.Tensor:
     """SwiGLU (or act's clamped form) of the weights under prefix p (gate and up fused where packed)."""
     if p + GATE_UP in W:
         gate, up = linear(x, W[p + GATE_UP]).chunk(2, dim=-1)
+    elif p + "w1.weight" in W:  # DeepSeek-V4's names
+        gate, up = linear(x, W[p + "w1.weight"]), linear(x, W[p + "w3.weight"])
+        return linear(activation(gate, up, act), W[p + "w2.weight"])
     else:
         gate, up = linear(x, W[p + "gate_proj.weight"]), linear(x, W[p + "up_proj.weight"])
     return linear(activation(gate, up, act), W[p + "down_proj.weight"])
@@ -113,12 +130,13 @@ def mlp(model, L: int, x: torch.Tensor, native: bool = False) -> torch.Tensor | 
     return swiglu_mlp(W, fp + "shared_experts.", x, cfg.mlp_act)
 
 
-def merge(h: torch.Tensor, y: torch.Tensor, late: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor:
+def merge(h, y: torch.Tensor, late: torch.Tensor | None, shared: torch.Tensor | None):
     """h plus an MoE layer's results: its routed experts' (plus the previous layer's deferred part), plus its
-    shared experts'."""
+    shared experts' (or a dense layer's MLP output as y). Streams (DeepSeek-V4): the sum expanded into them."""
     if late is not None:
         y = y + late
-    return h + (y + shared if shared is not None else y)
+    y = y + shared if shared is not None else y
+    return hc.Streams(hc.expand(h, y)) if isinstance(h, hc.Streams) else h + y
 
 
 def logits(model, h: torch.Tensor) -> torch.Tensor:
@@ -232,7 +250,7 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
     end = max(s.start + s.tokens.shape[0] for s in segments)
     cos, sin = model.rope(positions, end)
     # MiMo-V2-Flash: its sliding-window layers' rope base is their own
-    sliding = model.rope(positions, end, sliding=True) if cfg.sliding_rope_theta else (cos, sin)
+    sliding = model.rope(positions, end, sliding=True) if cfg.sliding_rope_theta else (cos, sin)  # (and DeepSeek-V4's)
     h = embed(model, tokens)
     # the attention blocks the native step takes run as one call each for all the sequences
     native_seqs = native_stages.sequences([s.cache for s in segments], [s.start for s in segments]) \
@@ -257,14 +275,14 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
             x, routed = native_block(model, L, h, cos, sin, pool, native_seqs)
             t = mark("attention", L, t)
         else:
-            h, x = attention(model, L, h, *(sliding if cfg.window(L) else (cos, sin)), kvs)
+            h, x = attention(model, L, h, *(sliding if cfg.sliding_rope(L) else (cos, sin)), kvs)
             t = mark("linear_attention" if cfg.is_linear_attention(L) else "attention", L, t)
         native = native_seqs is not None
         if not cfg.is_moe_layer(L):
-            h = h + mlp(model, L, x, native)
+            h = merge(h, mlp(model, L, x, native), None, None)
             t = mark("dense_mlp", L, t)
             continue
-        ids, w = routed or route(model, L, x)
+        ids, w = routed or route(model, L, x, tokens)
         t = mark("router", L, t)  # the post-attention norm and the routing
         exchange.submit(L, x, ids, w)
         t = mark("expert_submit", L, t)  # the request handed over (wire bytes or the ring, its doorbell)
@@ -291,6 +309,8 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
 def _final_rows(model, h: torch.Tensor, segments: list[Segment], decoding: bool) -> torch.Tensor:
     """The final norm of the rows the lm_head takes (each segment's last, or all of it with all_logits); a logprobs
     segment is scored here instead (Segment.scored)."""
+    if isinstance(h, hc.Streams):
+        h = hc.head(model.cfg, model.W, h.h)
     h = norm(model, h, "model.norm.weight")
     if not decoding or any(s.logprobs for s in segments):  # else every row is a segment's last: all of h
         rows, off = [torch.zeros(0, dtype=torch.long)], 0

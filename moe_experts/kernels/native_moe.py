@@ -16,7 +16,7 @@ from moe_kernels import ISA, native as _n
 from moe_kernels.packing import FORMATS, alloc, data_ptr, layout, pack_expert, row_len, stack_rows, store_expert
 
 
-ACTS = ("silu", "clamped_swiglu")  # native/moe.h's Act
+ACTS = ("silu", "clamped_swiglu", "clamped_silu")  # native/moe.h's Act
 
 
 class NativeMoELayer:

@@ -18,6 +18,8 @@ def activation(g: torch.Tensor, u: torch.Tensor, act: ExpertAct) -> torch.Tensor
     if act.kind == "clamped_swiglu":  # gpt-oss, as transformers' GptOssExperts._apply_gate
         g, u = g.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
         return (u + 1) * (g * torch.sigmoid(g * act.alpha))
+    if act.kind == "clamped_silu":  # DeepSeek-V4, as transformers' DeepseekV4Experts._apply_gate
+        return F.silu(g.clamp(max=act.limit)) * u.clamp(-act.limit, act.limit)
     return F.silu(g) * u
 
 

@@ -53,7 +53,8 @@ Matrix matrix_of(const MatrixParts& a, int rows, int K, int Kp) {
 
 Act parse_act(const std::string& act) {
   return act == "silu" ? Act::Silu : act == "clamped_swiglu" ? Act::ClampedSwiglu
-       : throw std::invalid_argument("unknown expert activation '" + act + "' (silu, clamped_swiglu)");
+       : act == "clamped_silu" ? Act::ClampedSilu
+       : throw std::invalid_argument("unknown expert activation '" + act + "' (silu, clamped_swiglu, clamped_silu)");
 }
 
 struct Exchanged {  // one part of an exchange computed: its serialized LayerResult, and when the kernels ran

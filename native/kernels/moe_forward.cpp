@@ -117,6 +117,11 @@ void moe_forward(const MoELayer& l, const float* hidden, const int32_t* ids, con
     }
     thread_local std::vector<float> a;
     a.resize(I);
+    if (m.act == Act::ClampedSilu)  // the clamps before SwiGLU's rounding: min(bf16(x), l) = bf16(min(x, l)) for a
+      for (int i = 0; i < I; ++i) {  // limit bf16 holds (transformers clamps the bf16 values)
+        g[i] = std::min(g[i], m.limit);
+        g[I + i] = std::clamp(g[I + i], -m.limit, m.limit);
+      }
     (m.act == Act::ClampedSwiglu ? kd.clamped_swiglu : kd.silu)(g, g + I, a.data(), I, m.alpha, m.limit);
     kd.quantize_row(kd.fmt, a.data(), I, ab, s);
   });

@@ -1,0 +1,161 @@
+"""DeepSeek-V4's attention (attention kind "compressed"), on torch: one KV head of head_dim read as both key and value,
+over a sliding window of the layer's own keys plus, in a compressed layer, its compressed entries.
+
+A compressed layer folds each window of `rate` positions into one entry: its compressor projects every position to kv
+and gate, and an entry is the softmax-gated (per dim, over the window's slots, plus a learned bias per slot) sum of
+the kv, normed and rotated at the window's first position. Heavily compressed layers (HCA) use one window; compressed
+sparse ones (CSA) two series, the entry of window w reading window w-1's first series and window w's second. A query at
+position p sees the entries of the windows closed at or before p; in a CSA layer only the index_topk of them its
+lightning indexer scores best (the indexer runs its own compressor at index_dim over the same windows).
+
+The paged pool holds, per position (kv_pool._rows): the window's key; in a compressed layer the compressor's kv and gate
+of that position and, at the position that closes a window, the window's entry; a CSA layer the same three for its
+indexer. An entry is written at its window's last position, so every block holds only what its own and earlier tokens
+decide: prefix-cache hits, chunked prefill and batching read entries as any other cached row.
+
+Numerics as transformers' DeepseekV4Attention / DeepseekV4{CSA,HCA}Compressor / DeepseekV4Indexer (fp32 norm weights
+multiplying in fp32, the rope in fp32 on each head's trailing rotary dims in interleaved pairs, layout kept; the
+compressors' softmax in fp32; per-head sinks)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_core.config import ModelConfig
+
+from gpu_service.model.layers import linear, rms_norm, rope_cos_sin
+
+KEY, COMPRESSOR, INDEXER = 0, 1, 4  # a layer's pool buffers (kv_pool._rows): its keys; a compressor's kv, gate, entries
+ROPE = "model.rotary_emb.inv_freq"  # W's entry (Model): the compressed layers' rope, for entries' own positions
+SCORE_BYTES = 256 << 20  # most bytes of fp32 attention scores held at once (queries go in row groups)
+
+
+def unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight, as transformers' DeepseekV4UnweightedRMSNorm rounds it."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [t, heads, d] with each head's trailing 2 * cos.shape[-1] dims rotated in interleaved pairs (in fp32, the
+    layout kept: K = V, so the values carry it); cos/sin [t, pairs]."""
+    rd = 2 * cos.shape[-1]
+    c, s = (a.repeat_interleave(2, dim=-1)[:, None].float() for a in (cos, sin))
+    r = x[..., -rd:].float()
+    rot = torch.stack((-r[..., 1::2], r[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rd], (r * c + rot * s).to(x.dtype)], dim=-1)
+
+
+def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
+                         native: bool = False, scale: float | None = None) -> torch.Tensor:
+    """x [t, H] (the rows `kv` covers: one sequence's positions kv.start..) -> [t, H]."""
+    t, nh, D, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+    qr = rms_norm(linear(x, W[p + "wq_a.weight"]), W[p + "q_norm.weight"], eps)
+    q = rope_tail(unweighted_norm(linear(qr, W[p + "wq_b.weight"]).view(t, nh, D), eps), cos, sin)
+    k = rope_tail(rms_norm(linear(x, W[p + "wkv.weight"]), W[p + "norm.weight"], eps)[:, None], cos, sin)
+    rate, start, cache = cfg.compress_rates[layer], kv.start, kv.paged
+    end = start + t
+    rows = [k]
+    if rate:
+        rows += _compress(cfg, W, p + "compressor.", x, cache, layer, start, rate, D, COMPRESSOR, cfg.csa(layer))
+    if cfg.csa(layer):
+        rows += _compress(cfg, W, p + "indexer.compressor.", x, cache, layer, start, rate, cfg.index_dim, INDEXER, True)
+    kv.write(layer, *(r[:, None] if r.dim() == 2 else r for r in rows))
+    lo = max(0, start - cfg.sliding_window + 1)  # the first key any query of this chunk sees
+    K = cache.gather(layer, end, lo, x.dtype, only=(KEY,))[0][0]                   # [L, D]
+    E = sel = None
+    n = end // rate if rate else 0  # entries of the windows closed by the chunk's end
+    if n:
+        E = cache.gather(layer, n * rate, 0, x.dtype, only=(COMPRESSOR + 2,))[0][0][rate - 1::rate]  # [n, D]
+        if cfg.csa(layer) and n > cfg.index_topk:
+            sel = _index(cfg, W, p + "indexer.", x, qr, cos, sin, cache, layer, start, rate, n)
+    o = _attend(cfg, q, K, E, sel, W[p + "attn_sink"], start, lo, rate)
+    o = rope_tail(o, cos, -sin).reshape(t, cfg.o_groups, -1)  # the values' rotation taken back at the query's position
+    wa = W[p + "wo_a.weight"]
+    o = torch.einsum("tgk,grk->tgr", o, wa.view(cfg.o_groups, -1, wa.shape[-1]).to(o.dtype))
+    return linear(o.reshape(t, -1), W[p + "wo_b.weight"])
+
+
+def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache, layer: int, start: int, rate: int, d: int,
+              first: int, overlap: bool) -> list[torch.Tensor]:
+    """One compressor (prefix p) over the new positions: -> [kv, gate, entries] rows for the pool (buffers first..
+    first + 2 of the layer): the projections of each position, and each window closed in the chunk its entry at its
+    last position (zeros elsewhere). The earlier positions the windows need come from the pool."""
+    t = x.shape[0]
+    wkv, wg = W[p + "wkv.weight"], W[p + "wgate.weight"]
+    kv, gate = linear(x.to(wkv.dtype), wkv), linear(x.to(wg.dtype), wg)
+    entries = torch.zeros(t, d, dtype=kv.dtype, device=x.device)
+    w0, w1 = start // rate, (start + t) // rate  # the windows closing in the chunk: w0..w1-1
+    if w1 > w0:
+        lo = max(0, (w0 - overlap) * rate)  # (CSA: the window before the first, for its first series)
+        if lo < start:
+            pk, pg = cache.gather(layer, start, lo, kv.dtype, only=(first, first + 1))
+            kv, gate = torch.cat([pk[0], kv]), torch.cat([pg[0], gate])
+        c = kv.shape[1] // d
+        ape = W[p + "ape"].float().view(rate, c, d)
+        win = lambda a, w: a[w * rate - lo:(w + 1) * rate - lo].view(rate, c, d)  # noqa: E731
+        ws = range(w0, w1)
+        K = torch.stack([win(kv, w) for w in ws])                                   # [n, rate, c, d]
+        G = torch.stack([win(gate, w) for w in ws]).float() + ape
+        if overlap:  # slots: window w-1's first series (none before window 0), then window w's second
+            prev = [win(kv, w - 1)[:, 0] if w else torch.zeros_like(K[0, :, 0]) for w in ws]
+            gprev = [win(gate, w - 1)[:, 0].float() + ape[:, 0] if w else torch.full_like(G[0, :, 0], float("-inf"))
+                     for w in ws]
+            K = torch.cat([torch.stack(prev), K[:, :, 1]], dim=1)                   # [n, 2 rate, d]
+            G = torch.cat([torch.stack(gprev), G[:, :, 1]], dim=1)
+        else:
+            K, G = K[:, :, 0], G[:, :, 0]
+        e = (K * G.softmax(dim=1).to(K.dtype)).sum(dim=1)                           # [n, d]
+        e = rms_norm(e, W[p + "norm.weight"], cfg.rms_norm_eps)
+        pos = torch.arange(w0, w1, device=x.device) * rate  # each entry rotated at its window's first position
+        cos, sin = rope_cos_sin(W[ROPE], 1.0, pos, e.dtype)
+        entries[(pos + rate - 1 - start)] = rope_tail(e[:, None], cos, sin)[:, 0].to(entries.dtype)
+    return [kv[-t:], gate[-t:], entries]
+
+
+def _index(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor, cos, sin, cache, layer: int,
+           start: int, rate: int, n: int) -> torch.Tensor:
+    """The lightning indexer of a CSA layer: each query's index_topk best entries among the n closed by the chunk's
+    end (those after a query's own position never) -> kept [t, n] bool. Scores as transformers' DeepseekV4Indexer:
+    sum over heads of weight x relu(q . k) / sqrt(index_dim), in fp32; ties broken towards the earlier entry (the
+    same pick whole, chunked or after a prefix-cache hit)."""
+    t, H, Di = x.shape[0], cfg.index_heads, cfg.index_dim
+    keys = cache.gather(layer, n * rate, 0, x.dtype, only=(INDEXER + 2,))[0][0][rate - 1::rate].float()  # [n, Di]
+    q = rope_tail(linear(qr, W[p + "wq_b.weight"]).view(t, H, Di), cos, sin).float()
+    wp = W[p + "weights_proj.weight"]
+    w = linear(x.to(wp.dtype), wp).float() * H ** -0.5                             # [t, H]
+    seen = (torch.arange(start, start + t, device=x.device)[:, None] + 1) // rate   # [t, 1]: entries each query sees
+    future = torch.arange(n, device=x.device)[None, :] >= seen                      # [t, n]
+    kept = torch.empty(t, n, dtype=torch.bool, device=x.device)
+    group = max(1, SCORE_BYTES // max(1, H * n * 4))
+    for i in range(0, t, group):
+        r = slice(i, i + group)
+        s = F.relu(torch.matmul(q[r], keys.T)) * Di ** -0.5                        # [g, H, n]
+        s = torch.matmul(w[r, None, :], s)[:, 0].masked_fill(future[r], float("-inf"))
+        top = s.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
+        kept[r] = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
+    return kept & ~future
+
+
+def _attend(cfg: ModelConfig, q: torch.Tensor, K: torch.Tensor, E: torch.Tensor | None, sel: torch.Tensor | None,
+            sinks: torch.Tensor, start: int, lo: int, rate: int) -> torch.Tensor:
+    """q [t, nh, D] at positions start.. over the window's keys K [L, D] (positions lo..) and the entries E [n, D] (each
+    query those of its closed windows, sel [t, n] of them where given), each key its own value; a sink logit per head
+    -> [t, nh, D]."""
+    t, nh, D = q.shape
+    keys = K if E is None else torch.cat([K, E])
+    pos = torch.arange(start, start + t, device=q.device)[:, None]
+    j = torch.arange(lo, lo + K.shape[0], device=q.device)[None, :]
+    allowed = (j <= pos) & (j > pos - cfg.sliding_window)                          # [t, L]
+    if E is not None:
+        seen = torch.arange(E.shape[0], device=q.device)[None, :] < (pos + 1) // rate
+        allowed = torch.cat([allowed, seen if sel is None else seen & sel], dim=1)
+    o = torch.empty(t, nh, D, dtype=q.dtype, device=q.device)
+    group = max(1, SCORE_BYTES // max(1, nh * keys.shape[0] * 4))
+    for i in range(0, t, group):
+        r = slice(i, i + group)
+        s = torch.matmul(q[r].transpose(0, 1), keys.T).float() * D ** -0.5        # [nh, g, L + n]
+        s = s.masked_fill(~allowed[r], float("-inf"))
+        s = torch.cat([s, sinks.float().view(nh, 1, 1).expand(nh, s.shape[1], 1)], dim=-1)
+        pr = s.softmax(dim=-1)[..., :-1].to(keys.dtype)
+        o[r] = torch.matmul(pr, keys).transpose(0, 1)
+    return o
