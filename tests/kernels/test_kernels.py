@@ -64,6 +64,9 @@ def reference(x, gate, up, down, ids, w, fmt=None, act=None, bias=(None, None), 
             g, u = bf(g), bf(u)
             if act is None:
                 a = act_q(bf(bf(F.silu(g)) * u), down_fmt or fmt)
+            elif act.kind == "clamped_silu":
+                g, u = g.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
+                a = act_q(bf(bf(F.silu(g)) * u), down_fmt or fmt)
             else:  # each step rounded as the kernels (and a bf16 model) do
                 g, u = g.clamp(max=act.limit), u.clamp(-act.limit, act.limit)
                 a = act_q(bf(bf(u + 1) * bf(g * bf(torch.sigmoid(bf(g * act.alpha))))), down_fmt or fmt)
@@ -216,6 +219,27 @@ def test_gpt_oss_experts_bias_and_clamped_swiglu(fmt, isa):
     xb, ids32 = x.bfloat16(), ids.contiguous()
     op.forward_part(xb.data_ptr(), True, ids32.data_ptr(), w.data_ptr(), out.data_ptr(), True, T, k, 0, 0)
     close(out, op.forward(xb, ids, w).float(), 1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_deepseek_v4_clamped_silu(fmt, isa):
+    """DeepSeek-V4's experts: silu(min(gate, limit)) * clamp(up, -limit, limit), the limit low enough to clamp; the
+    torch operator (the fallback and the GPU side's) the same."""
+    from moe_core.config import ExpertAct
+    E, I, H, T, k = 8, 40, 96, 6, 4
+    gate, up, down = make(E, I, H)
+    ids, w = routing(T, k, E)
+    x = torch.randn(T, H) * 3
+    act = ExpertAct("clamped_silu", alpha=1.0, limit=0.5)
+    op = layer(gate, up, down, fmt=fmt, threads=2, isa=isa).set_extras(act)
+    got = op.forward(x, ids, w)
+    want = reference(x, *dequantized(op), ids, w, fmt=fmt, act=act)
+    close(got, want, TOL[fmt])
+    plain = reference(x, *dequantized(op), ids, w, fmt=fmt)
+    assert (want - plain).abs().max() > 0.1 * want.abs().max()  # the clamps change the answer
+    ref = TorchMoELayer(gate.float(), up.float(), down.float(), fmt="fp32").set_extras(act)
+    close(ref.forward(x, ids, w), reference(x, gate, up, down, ids, w, act=act), 1e-5)
 
 
 def published_layer(parts, I, H, fmt, isa):

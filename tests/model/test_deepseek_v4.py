@@ -1,0 +1,157 @@
+"""DeepSeek-V4 (deepseek_v4): every layer a window of 6 keys, beside (layer 1, 3) compressed sparse attention, entries
+of 4 positions in two overlapping series behind a lightning indexer keeping 3, or (layer 2) heavily compressed
+attention, entries of 8; sinks; the grouped output projection; 3 hyper-connected residual streams; hash-routed first
+layers, sqrtsoftplus scores, the clamped SiLU. transformers' tokens and logits for prompts shorter than a window and far
+longer than the indexer keeps, prefilled whole or in chunks that end inside windows, batched, after a prefix-cache hit,
+deferral in one process as through the two services."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tiny_models
+from engine_runs import collect, deferred_both_ways, prompt_of, reference, submit, twice_with_a_prefix_cache
+from gpu_service.engine.kv_pool import BLOCK, KVPool
+from gpu_service.model import compressed_attention, hyper_connections
+from gpu_service.model.attention import kind
+from gpu_service.model.layers import route
+from harness import greedy, local_engine
+from moe_core.config import ModelConfigError, load_config, parse_config
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    d = tiny_models.build("deepseek_v4", tmp_path_factory.mktemp("v4"), seed=2)
+    return d, {n: (p, *reference(d, p)) for n, p in ((3, prompt_of(3, 5)), (21, prompt_of(21, 6)),
+                                                       (70, prompt_of(70, 7)))}
+
+
+def test_the_config_and_the_pool(v4):
+    cfg = load_config(v4[0])
+    assert [kind(cfg, L) for L in range(4)] == ["compressed"] * 4
+    assert cfg.compress_rates == (0, 4, 8, 4) and [cfg.csa(L) for L in range(4)] == [False, True, False, True]
+    assert [cfg.sliding_rope(L) for L in range(4)] == [True, False, False, False]
+    assert (cfg.rope_theta, cfg.sliding_rope_theta, cfg.rotary_dim, cfg.head_dim) == (160000.0, 10000.0, 16, 32)
+    assert (cfg.hc_mult, cfg.hc_iters, cfg.o_groups, cfg.o_lora_rank, cfg.hash_layers) == (3, 20, 2, 16, (0, 1))
+    assert (cfg.index_heads, cfg.index_dim, cfg.index_topk, cfg.sliding_window) == (16, 16, 3, 6)
+    assert cfg.expert_act.kind == "clamped_silu" and cfg.expert_act.limit == 0.5 and cfg.mlp_act == cfg.expert_act
+    assert cfg.moe_layers == (0, 1, 2, 3) and cfg.shared_intermediate_size == 32 and cfg.ffn(0) == "ffn"
+    assert cfg.expert_tensor_names(2, 5) == tuple(f"model.layers.2.ffn.experts.5.{w}.weight" for w in ("w1", "w3", "w2"))
+    pool = KVPool(cfg, torch.float32, torch.device("cpu"), 4)
+    # the key; the compressor's kv, gate and entries (CSA: two series); a CSA layer's indexer's three
+    assert [[b.shape[-1] for b in bufs] for bufs in pool.bufs] == [
+        [32], [32, 64, 64, 32, 32, 32, 16], [32, 32, 32, 32], [32, 64, 64, 32, 32, 32, 16]]
+    assert pool.block_bytes == BLOCK * 4 * (32 + 2 * (32 + 64 + 64 + 32 + 32 + 32 + 16) + 4 * 32)
+
+
+def test_published_legacy_fields_and_refusals(v4):
+    """The fields DeepSeek's own config.json writes (compress_ratios, num_hash_layers, qk_rope_head_dim, rope_scaling
+    beside rope_theta and compress_rope_theta) read as transformers reads them; shapes the attention cannot take are
+    refused at start."""
+    raw = json.loads((v4[0] / "config.json").read_text())
+    new = load_config(v4[0])
+    legacy = {k: v for k, v in raw.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates",
+                                                      "rope_parameters", "partial_rotary_factor")}
+    legacy.update(compress_ratios=[0, 4, 128, 4], num_hash_layers=2, qk_rope_head_dim=16,
+                  rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
+                                "beta_fast": 32, "beta_slow": 1})
+    cfg = parse_config(legacy)
+    assert cfg.compress_rates == (0, 4, 128, 4) and cfg.hash_layers == (0, 1) and cfg.rotary_dim == 16
+    assert cfg.rope_type == "yarn" and cfg.rope_params["attention_factor"] == 1.0 and cfg.rope_theta == 160000.0
+    assert cfg.sliding_rope_theta == new.sliding_rope_theta == 10000.0
+    for bad in ({"o_groups": 3}, {"layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
+                {"scoring_func": "sigmoid"}, {"index_head_dim": 8}, {"mlp_layer_types": ["moe", "dense", "moe", "moe"]}):
+        with pytest.raises(ModelConfigError, match="deepseek_v4"):
+            parse_config({**raw, **bad})
+
+
+def test_tokens_and_logits_are_transformers_whole_chunked_and_batched(v4):
+    d, refs = v4
+    for step_tokens in (0, 5):  # 5: chunks that end inside windows and compression windows
+        e = local_engine(d, step_tokens=step_tokens)
+        try:
+            for n, (prompt, want, logits) in refs.items():
+                assert collect(submit(e, prompt))[0] == want, (n, step_tokens)
+                assert (collect(submit(e, prompt, score=True)) - logits).abs().max().item() < 1e-4, (n, step_tokens)
+            qs = [submit(e, p) for p, _, _ in refs.values()]
+            assert [collect(q)[0] for q in qs] == [want for _, want, _ in refs.values()]
+        finally:
+            e.stop()
+
+
+def test_a_long_prompts_queries_go_in_row_groups(v4, monkeypatch):
+    """A long prompt's queries attend (and score the indexer's entries) a group of rows at a time: the same logits as
+    all rows at once."""
+    d, refs = v4
+    prompt, _, logits = refs[70]
+    monkeypatch.setattr(compressed_attention, "SCORE_BYTES", 4 * 90 * 4 * 3)  # about three query rows a group
+    e = local_engine(d)
+    try:
+        assert (collect(submit(e, prompt, score=True)) - logits).abs().max().item() < 1e-4
+    finally:
+        e.stop()
+
+
+def test_a_prefix_cache_hit_reads_the_cached_entries(v4):
+    d, refs = v4
+    prompt, want, _ = refs[70]
+    assert twice_with_a_prefix_cache(d, prompt) == [(want, 0), (want, (len(prompt) - 1) // BLOCK * BLOCK)]
+
+
+def test_hash_layers_take_the_tokens_experts():
+    """A hash-routed layer's experts are its table's row of each token; the weights its scores of those, normalised
+    and scaled; the other layers choose by score plus the correction bias."""
+    cfg = parse_config(_cfg())
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(5, 64, generator=g), torch.randn(8, 64, generator=g), torch.randn(8, generator=g)
+    table = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(5)])
+    scores = torch.nn.functional.softplus(x @ w.T).sqrt()
+    ids, wts = route(cfg, x, w, bias, table)
+    assert torch.equal(ids.long(), table)
+    want = scores.gather(1, table)
+    torch.testing.assert_close(wts, want / want.sum(-1, keepdim=True) * cfg.routed_scaling_factor)
+    ids, _ = route(cfg, x, w, bias)
+    assert torch.equal(ids.long().sort(-1).values, (scores + bias).topk(2, -1).indices.sort(-1).values)
+
+
+def _cfg():
+    _, _, kw = tiny_models.FAMILIES["deepseek_v4"]
+    return {**kw, "model_type": "deepseek_v4", "routed_scaling_factor": 1.5}
+
+
+def test_hyper_connection_against_a_plain_loop():
+    """hc.mix and hc.expand against a row-by-row loop of the paper's equations (Sinkhorn to a doubly stochastic comb)."""
+    cfg = parse_config(_cfg())
+    g = torch.Generator().manual_seed(1)
+    hcm, H = cfg.hc_mult, cfg.hidden_size
+    W = {"p.fn": torch.randn((2 + hcm) * hcm, hcm * H, generator=g) * 0.1, "p.base": torch.randn((2 + hcm) * hcm, generator=g),
+         "p.scale": torch.rand(3, generator=g) + 0.5}
+    h, y = torch.randn(4, hcm, H, generator=g), torch.randn(4, H, generator=g)
+    post, comb, x = hyper_connections.mix(cfg, W, "p.", h)
+    for r in range(4):
+        f = h[r].flatten()
+        m = W["p.fn"] @ (f / (f.square().mean() + cfg.rms_norm_eps).sqrt())
+        s, b = W["p.scale"], W["p.base"]
+        pre = torch.sigmoid(m[:hcm] * s[0] + b[:hcm]) + cfg.hc_eps
+        torch.testing.assert_close(x[r], (pre[:, None] * h[r]).sum(0))
+        torch.testing.assert_close(post[r], 2 * torch.sigmoid(m[hcm:2 * hcm] * s[1] + b[hcm:2 * hcm]))
+        c = torch.softmax((m[2 * hcm:] * s[2] + b[2 * hcm:]).view(hcm, hcm), -1) + cfg.hc_eps
+        c = c / (c.sum(0) + cfg.hc_eps)
+        for _ in range(cfg.hc_iters - 1):
+            c = c / (c.sum(1, keepdim=True) + cfg.hc_eps)
+            c = c / (c.sum(0) + cfg.hc_eps)
+        torch.testing.assert_close(comb[r], c)
+        torch.testing.assert_close(c.sum(0), torch.ones(hcm), atol=1e-4, rtol=0)  # columns stochastic
+    out = hyper_connections.expand(hyper_connections.Streams(h, post, comb), y)
+    for r in range(4):
+        torch.testing.assert_close(out[r], post[r][:, None] * y[r] + comb[r].T @ h[r])
+
+
+@pytest.mark.slow
+def test_deferral_in_one_process_equals_the_two_services(v4, services_factory):
+    d, refs = v4
+    local, services, s = deferred_both_ways(d, refs[21][0], services_factory)
+    assert services == local
+    assert greedy(s.stub, refs[21][0], 24) == refs[21][1]  # and without deferral, transformers' tokens
