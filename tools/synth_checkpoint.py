@@ -550,6 +550,25 @@ PRESETS["minimax-m3"] = {
 }
 
 
+# deepseek-ai/DeepSeek-V4-Flash as transformers 5.24's DeepseekV4Config defaults give its shapes (its docstring's
+# checkpoint) in the legacy fields DeepSeek's own config.json writes (not read from the hub here): 43 layers, two HCA
+# then CSA / HCA alternating, a window of 128, MQA of one 512-wide head, 3 hash-routed layers, 4 hyper-connected streams
+PRESETS["deepseek-v4-flash"] = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6, "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True, "routed_scaling_factor": 1.5, "num_hash_layers": 3, "swiglu_limit": 10.0,
+    "max_position_embeddings": 1048576, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                     "beta_slow": 1},
+    "compress_ratios": [128, 128] + [4 if i % 2 else 128 for i in range(41)], "sliding_window": 128,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-06, "index_n_heads": 64, "index_head_dim": 128,
+    "index_topk": 512, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-06, "bos_token_id": 0, "eos_token_id": 1,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
 def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
     """The preset with `layers` decoder layers and the fields in overrides set (a vision-language wrapper's
     go to its text_config, but vision_config, which replaces the tower's)."""
@@ -561,7 +580,8 @@ def config_of(arch: str, layers: int | None, overrides: dict) -> dict:
         c["num_hidden_layers"] = layers
         if SAME_AS.get(c["model_type"], c["model_type"]) in ("deepseek_v3", "glm4_moe"):
             c["first_k_dense_replace"] = min(c["first_k_dense_replace"], layers - 1)
-        for k in ("layer_types", "attn_type_list", "moe_layer_freq"):  # gpt-oss, Qwen3-Next, MiniMax-M2/M3
+        for k in ("layer_types", "attn_type_list", "moe_layer_freq", "compress_ratios"):  # gpt-oss, Qwen3-Next,
+            # MiniMax-M2/M3, DeepSeek-V4
             if isinstance(c.get(k), list):  # (DeepSeek's moe_layer_freq is a number)
                 c[k] = c[k][:layers]
         if "sparse_attention_freq" in c.get("sparse_attention_config", {}):  # MiniMax-M3

@@ -53,26 +53,38 @@ def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos
     q = rope_tail(unweighted_norm(linear(qr, W[p + "wq_b.weight"]).view(t, nh, D), eps), cos, sin)
     k = rope_tail(rms_norm(linear(x, W[p + "wkv.weight"]), W[p + "norm.weight"], eps)[:, None], cos, sin)
     rate, start, cache = cfg.compress_rates[layer], kv.start, kv.paged
-    end = start + t
     rows = [k]
     if rate:
         rows += _compress(cfg, W, p + "compressor.", x, cache, layer, start, rate, D, COMPRESSOR, cfg.csa(layer))
     if cfg.csa(layer):
         rows += _compress(cfg, W, p + "indexer.compressor.", x, cache, layer, start, rate, cfg.index_dim, INDEXER, True)
     kv.write(layer, *(r[:, None] if r.dim() == 2 else r for r in rows))
-    lo = max(0, start - cfg.sliding_window + 1)  # the first key any query of this chunk sees
-    K = cache.gather(layer, end, lo, x.dtype, only=(KEY,))[0][0]                   # [L, D]
-    E = sel = None
-    n = end // rate if rate else 0  # entries of the windows closed by the chunk's end
-    if n:
-        E = cache.gather(layer, n * rate, 0, x.dtype, only=(COMPRESSOR + 2,))[0][0][rate - 1::rate]  # [n, D]
-        if cfg.csa(layer) and n > cfg.index_topk:
-            sel = _index(cfg, W, p + "indexer.", x, qr, cos, sin, cache, layer, start, rate, n)
-    o = _attend(cfg, q, K, E, sel, W[p + "attn_sink"], start, lo, rate)
+    o = attend(cfg, W, p, x, qr, q, cos, sin, cache, layer, start)
     o = rope_tail(o, cos, -sin).reshape(t, cfg.o_groups, -1)  # the values' rotation taken back at the query's position
     wa = W[p + "wo_a.weight"]
     o = torch.einsum("tgk,grk->tgr", o, wa.view(cfg.o_groups, -1, wa.shape[-1]).to(o.dtype))
     return linear(o.reshape(t, -1), W[p + "wo_b.weight"])
+
+
+def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, cos, sin, cache,
+           layer: int, start: int) -> torch.Tensor:
+    """The queries q [t, nh, D] of positions start.. (their keys and entries written) over the cached window and the
+    entries each sees (a CSA layer's: those its indexer keeps; x, qr: the rows' input and normed low-rank query, which
+    the indexer reads) -> [t, nh, D]."""
+    t, rate = x.shape[0], cfg.compress_rates[layer]
+    lo = max(0, start - cfg.sliding_window + 1)  # the first key any query of this chunk sees
+    K = cache.gather(layer, start + t, lo, x.dtype, only=(KEY,))[0][0]           # [L, D]
+    E = seen = None
+    n = (start + t) // rate if rate else 0  # entries of the windows closed by the chunk's end
+    if n:
+        E = cache.gather(layer, n * rate, 0, x.dtype, only=(COMPRESSOR + 2,))[0][0][rate - 1::rate]  # [n, D]
+        at = torch.arange(start, start + t, device=x.device)[:, None]
+        seen = torch.arange(n, device=x.device)[None, :] < (at + 1) // rate     # [t, n]: closed at each query
+        if cfg.csa(layer) and n > cfg.index_topk:
+            seen &= _index(cfg, W, p + "indexer.", x, qr, cos, sin, cache, layer, start, rate, n)
+        if t == 1:  # a decode row reads only the entries it sees
+            E, seen = E[seen[0]], None
+    return _attend(cfg, q, K, E, seen, W[p + "attn_sink"], start, lo)
 
 
 def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache, layer: int, start: int, rate: int, d: int,
@@ -129,33 +141,35 @@ def _index(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
     group = max(1, SCORE_BYTES // max(1, H * n * 4))
     for i in range(0, t, group):
         r = slice(i, i + group)
-        s = F.relu(torch.matmul(q[r], keys.T)) * Di ** -0.5                        # [g, H, n]
+        g = q[r].shape[0]
+        s = (F.relu(torch.matmul(q[r].reshape(g * H, Di), keys.T)) * Di ** -0.5).view(g, H, n)
         s = torch.matmul(w[r, None, :], s)[:, 0].masked_fill(future[r], float("-inf"))
         top = s.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
         kept[r] = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
     return kept & ~future
 
 
-def _attend(cfg: ModelConfig, q: torch.Tensor, K: torch.Tensor, E: torch.Tensor | None, sel: torch.Tensor | None,
-            sinks: torch.Tensor, start: int, lo: int, rate: int) -> torch.Tensor:
-    """q [t, nh, D] at positions start.. over the window's keys K [L, D] (positions lo..) and the entries E [n, D] (each
-    query those of its closed windows, sel [t, n] of them where given), each key its own value; a sink logit per head
-    -> [t, nh, D]."""
+def _attend(cfg: ModelConfig, q: torch.Tensor, K: torch.Tensor, E: torch.Tensor | None, seen: torch.Tensor | None,
+            sinks: torch.Tensor, start: int, lo: int) -> torch.Tensor:
+    """q [t, nh, D] at positions start.. over the window's keys K [L, D] (positions lo..) and the entries E [n, D]
+    (those `seen` [t, n] marks for each query; None: all), each key its own value; a sink logit per head ->
+    [t, nh, D]."""
     t, nh, D = q.shape
     keys = K if E is None else torch.cat([K, E])
     pos = torch.arange(start, start + t, device=q.device)[:, None]
     j = torch.arange(lo, lo + K.shape[0], device=q.device)[None, :]
     allowed = (j <= pos) & (j > pos - cfg.sliding_window)                          # [t, L]
     if E is not None:
-        seen = torch.arange(E.shape[0], device=q.device)[None, :] < (pos + 1) // rate
-        allowed = torch.cat([allowed, seen if sel is None else seen & sel], dim=1)
+        allowed = torch.cat([allowed, seen if seen is not None else allowed.new_ones(t, E.shape[0])], dim=1)
     o = torch.empty(t, nh, D, dtype=q.dtype, device=q.device)
-    group = max(1, SCORE_BYTES // max(1, nh * keys.shape[0] * 4))
-    for i in range(0, t, group):
+    n = keys.shape[0]
+    group = max(1, SCORE_BYTES // max(1, nh * n * 4))
+    for i in range(0, t, group):  # (one 2-D product a group: torch's batched ones are far slower on a CPU)
         r = slice(i, i + group)
-        s = torch.matmul(q[r].transpose(0, 1), keys.T).float() * D ** -0.5        # [nh, g, L + n]
-        s = s.masked_fill(~allowed[r], float("-inf"))
-        s = torch.cat([s, sinks.float().view(nh, 1, 1).expand(nh, s.shape[1], 1)], dim=-1)
+        g = q[r].shape[0]
+        s = (torch.matmul(q[r].reshape(g * nh, D), keys.T).float() * D ** -0.5).view(g, nh, n)
+        s = s.masked_fill(~allowed[r, None, :], float("-inf"))
+        s = torch.cat([s, sinks.float().view(1, nh, 1).expand(g, nh, 1)], dim=-1)
         pr = s.softmax(dim=-1)[..., :-1].to(keys.dtype)
-        o[r] = torch.matmul(pr, keys).transpose(0, 1)
+        o[r] = torch.matmul(pr.reshape(g * nh, n), keys).view(g, nh, D)
     return o

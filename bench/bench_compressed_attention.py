@@ -1,0 +1,157 @@
+"""DeepSeek-V4's compressed attention at depth on the CPU: one DeepSeek-V4-Flash CSA layer (entries of 4 positions, the
+lightning indexer's 64 heads of 128 keeping 512) and one HCA layer (entries of 128) at full width (hidden 4096, 64
+heads of 512 over one KV head, q_lora 1024, a window of 128), bf16, their caches filled directly (random rows) at each
+length, through the service's own code (gpu_service/model/compressed_attention.py, torch) -- against the same layers
+with their attention made dense (compression rate 1, index_topk at least the context: every position an entry, all
+kept), interleaved, the median of each round's median.
+
+Timed per layer: the attention (`attend`: the window's keys, the entries, the indexer's scores and pick, the softmax
+attention) and the whole stage (projections, compressors, output). Each attention's two bounds from this run's own
+ceilings: its multiply-adds at the fp32 FMA peak (native.fma_peak_flops) and its bytes of cache at the DRAM read probe
+(native.read_bandwidth); the larger is the bound it meets.
+
+    python bench/bench_compressed_attention.py [--lengths 2048 32768] [--rounds 3] [--reps 5] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+from common import cpu_name  # noqa: E402
+from moe_core.openmp import passive_by_default  # noqa: E402
+
+passive_by_default()
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+import synth_checkpoint  # noqa: E402
+
+from gpu_service.engine.kv_pool import BLOCK, KVPool, SeqCache  # noqa: E402
+from gpu_service.model import compressed_attention as ca  # noqa: E402
+from gpu_service.model.attention import SequenceKV  # noqa: E402
+from gpu_service.model.layers import rope_cos_sin, rope_inv_freq  # noqa: E402
+from moe_core.config import parse_config  # noqa: E402
+from moe_kernels import ISA, native  # noqa: E402
+
+DT = torch.bfloat16
+
+
+def layer_weights(cfg, L: int, g: torch.Generator) -> dict:
+    """Layer L's attention weights at random (std 0.02; norms 1, the fp32 ones fp32, as the service keeps them)."""
+    H, nh, D, qr, g_, R = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+    rnd = lambda *shape, dt=DT: (torch.randn(*shape, generator=g) * 0.02).to(dt)  # noqa: E731
+    p = f"model.layers.{L}.attn."
+    W = {p + "wq_a.weight": rnd(qr, H), p + "q_norm.weight": torch.ones(qr), p + "wq_b.weight": rnd(nh * D, qr),
+         p + "wkv.weight": rnd(D, H), p + "norm.weight": torch.ones(D), p + "wo_a.weight": rnd(g_ * R, nh * D // g_),
+         p + "wo_b.weight": rnd(H, g_ * R), p + "attn_sink": torch.zeros(nh)}
+    for cp, d, c in ((p + "compressor.", D, 2 if cfg.csa(L) else 1), (p + "indexer.compressor.", cfg.index_dim, 2)):
+        if cp.endswith("indexer.compressor.") and not cfg.csa(L):
+            continue
+        W.update({cp + "wkv.weight": rnd(c * d, H, dt=torch.float32), cp + "wgate.weight": rnd(c * d, H, dt=torch.float32),
+                  cp + "ape": rnd(cfg.compress_rates[L], c * d, dt=torch.float32), cp + "norm.weight": torch.ones(d)})
+    if cfg.csa(L):
+        W.update({p + "indexer.wq_b.weight": rnd(cfg.index_heads * cfg.index_dim, qr),
+                  p + "indexer.weights_proj.weight": rnd(cfg.index_heads, H, dt=torch.float32)})
+    return W
+
+
+def timed(f, reps: int) -> float:
+    f()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 32768])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    native.init_pool(a.threads)
+    torch.set_num_threads(a.threads)
+    comp = parse_config(synth_checkpoint.config_of("deepseek-v4-flash", 2, {"compress_ratios": [4, 128]}))
+    g = torch.Generator().manual_seed(0)
+    W = {**layer_weights(comp, 0, g), **layer_weights(comp, 1, g)}
+    W[ca.ROPE] = rope_inv_freq(comp)[0]
+    peak = max(native.fma_peak_flops(10_000_000) for _ in range(5))
+    probe = torch.ones(1 << 28)
+    print(f"CPU: {cpu_name()}; native isa {ISA} (this path: torch's bf16 matmuls); {a.threads} threads; "
+          f"DeepSeek-V4-Flash CSA and HCA layers at full width, bf16 model and cache; fp32 FMA peak "
+          f"{peak / 1e9:.0f} GFLOP/s", flush=True)
+    nh, D, Hi, Di, k, win = comp.num_heads, comp.head_dim, comp.index_heads, comp.index_dim, comp.index_topk, \
+        comp.sliding_window
+    rows = []
+    for L in a.lengths:
+        dense = dataclasses.replace(comp, compress_rates=(1, 1), index_topk=L + 1)
+        caches = {}
+        weights = {"compressed": W, "dense": {n: t[:1] if n.endswith(".ape") else t for n, t in W.items()}}  # (rate 1)
+        for name, cfg in (("compressed", comp), ("dense", dense)):
+            pool = KVPool(cfg, DT, torch.device("cpu"), -(-(L + 1) // BLOCK) + 1)
+            cache = SeqCache(pool)
+            cache.reserve(L + 1)
+            for bufs in pool.bufs:
+                for buf in bufs:
+                    buf.normal_(generator=g)
+            caches[name] = (cfg, cache)
+        cos, sin = rope_cos_sin(W[ca.ROPE], 1.0, torch.tensor([L]), DT)
+        x = torch.randn(1, comp.hidden_size, generator=g).to(DT)
+        qr = torch.randn(1, comp.q_lora_rank, generator=g).to(DT)
+        q = torch.randn(1, nh, D, generator=g).to(DT)
+
+        def part(name: str, layer: int, whole: bool):
+            cfg, cache = caches[name]
+            p, w = f"model.layers.{layer}.attn.", weights[name]
+            if whole:
+                return lambda: ca.compressed_attention(cfg, w, p, x, cos, sin, SequenceKV(cache, L, 1), layer)
+            return lambda: ca.attend(cfg, w, p, x, qr, q, cos, sin, cache, layer, L)
+        parts = {f"{n} {kind} {what}": part(n, layer, what == "stage") for n in ("compressed", "dense")
+                 for layer, kind in ((0, "CSA"), (1, "HCA")) for what in ("attention", "stage")}
+        per = {n: [] for n in parts}
+        bw = []
+        for _ in range(a.rounds):
+            bw.append(native.read_bandwidth(probe.data_ptr(), probe.numel()) / 1e9)
+            for n, f in parts.items():
+                per[n].append(timed(f, a.reps))
+        ms = {n: statistics.median(v) for n, v in per.items()}
+        gbps = statistics.median(bw)
+        n_csa, n_hca = L // 4, L // 128
+        keys = {"compressed CSA": win + min(k, n_csa), "compressed HCA": win + n_hca, "dense": win + L}
+        macs = {"compressed CSA": Hi * Di * n_csa + 2 * nh * D * keys["compressed CSA"],
+                "compressed HCA": 2 * nh * D * keys["compressed HCA"], "dense": 2 * nh * D * keys["dense"]}
+        cache_mb = {"compressed CSA": (n_csa * Di + keys["compressed CSA"] * D) * 2 / 1e6,
+                    "compressed HCA": keys["compressed HCA"] * D * 2 / 1e6, "dense": keys["dense"] * D * 2 / 1e6}
+        row = dict(positions=L, dram_gbps=round(gbps, 1), **{f"{n} ms": round(v, 2) for n, v in ms.items()})
+        for kind in ("CSA", "HCA"):
+            row[f"{kind} attention x"] = round(ms[f"dense {kind} attention"] / ms[f"compressed {kind} attention"], 2)
+            row[f"{kind} stage x"] = round(ms[f"dense {kind} stage"] / ms[f"compressed {kind} stage"], 2)
+        for side in macs:
+            flo, blo = 2 * macs[side] / peak * 1e3, cache_mb[side] / 1e3 / gbps * 1e3
+            row[f"{side}: GMAC / MB / bound"] = f"{macs[side] / 1e9:.3f} / {cache_mb[side]:.1f} / " + \
+                f"{'arithmetic' if flo > blo else 'bytes'} ({flo:.2f} ms at the FMA peak, {blo:.2f} ms at the probe)"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| positions | layer | dense attention ms | compressed attention ms | attention x | dense stage ms | "
+          "compressed stage ms | stage x |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for kind in ("CSA", "HCA"):
+            print(f"| {r['positions']} | {kind} | {r[f'dense {kind} attention ms']} | "
+                  f"{r[f'compressed {kind} attention ms']} | {r[f'{kind} attention x']} | "
+                  f"{r[f'dense {kind} stage ms']} | {r[f'compressed {kind} stage ms']} | {r[f'{kind} stage x']} |")
+    for r in rows:
+        print(f"{r['positions']} positions, DRAM {r['dram_gbps']} GB/s: " +
+              "; ".join(f"{s} {r[f'{s}: GMAC / MB / bound']}" for s in ("compressed CSA", "compressed HCA", "dense")))
+
+
+if __name__ == "__main__":
+    main()
