@@ -23,9 +23,22 @@ from safetensors import safe_open
 from moe_core import safetensors_check
 from moe_core.config import ModelConfigError, fp8_block, text_weights
 from moe_core.int4_checkpoints import int4_scheme, stored_parts, unpack
+from moe_kernels.formats import Mx4
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"
+# DeepSeek-V4 as published (no model. prefix, the hyper-head's and the attention's norm under their own names, an FP8 or
+# FP4 weight's scale as X.scale) -> the names transformers saves it under, which the model reads: prefixes, then within
+V4_PREFIXES = (("layers.", "model.layers."), ("embed.weight", "model.embed_tokens.weight"),
+               ("norm.weight", "model.norm.weight"), ("hc_head_", "model.hc_head.hc_"))
+
+
+def v4_name(stored: str) -> str:
+    name = next((new + stored[len(old):] for old, new in V4_PREFIXES if stored.startswith(old)), stored)
+    name = name.replace(".attn.kv_norm.", ".attn.norm.")
+    return name[: -len(".scale")] + ".weight" + SCALE_SUFFIX if name.endswith(".scale") else name
+
+
 # a routed expert's weight as transformers names it one expert at a time (fused experts are other names)
 EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(gate|up|down|w1|w2|w3)(_proj)?\.weight$")
 
@@ -69,6 +82,11 @@ class Checkpoint:
         raw = json.loads(cfg.read_text()) if cfg.exists() else {}
         self.stored: dict[str, str] = {}  # name used here -> name in the file, where they differ
         wrapped = text_weights(raw)
+        if raw.get("model_type") == "deepseek_v4" and any(k.startswith("layers.") for k in weight_map):
+            for k in list(weight_map):  # DeepSeek's own names
+                if (ours := v4_name(k)) != k:
+                    self.stored[ours] = k
+                    weight_map[ours] = weight_map.pop(k)
         if wrapped:
             renames, dropped = wrapped
             for k in list(weight_map):
@@ -149,6 +167,8 @@ class Checkpoint:
         if name in self.packed:
             return self._unpacked(name).dequantize()
         t = self._raw(name)
+        if t.dtype == torch.int8 and name + SCALE_SUFFIX in self.weight_map:  # DeepSeek-V4's FP4 experts
+            return self._fp4(name, t).dequantize()
         if t.dtype not in FP8_DTYPES:
             return t
         return dequantize_fp8(t, self._raw(self._scale_of(name)), self.fp8_block, fp8_dtype)
@@ -172,10 +192,23 @@ class Checkpoint:
         """An int4 weight as published where expert format `fmt` keeps it: int4g32 symmetric groups (packing.Int4),
         uint4g32 groups with zero points (packing.UInt4); None for any other tensor or format, or where act-order
         groups need the dequantized weight."""
+        if fmt == "mxfp4" and name in self.weight_map and self.meta(name)[1] == "I8" and \
+                name + SCALE_SUFFIX in self.weight_map:
+            return self._fp4(name, self._raw(name))
         if name not in self.packed or fmt not in ("int4g32", "uint4g32"):
             return None
         u = self._unpacked(name)
         return u.symmetric_int4(self.int4.group) if fmt == "int4g32" else u.uint4(self.int4.group)
+
+    def _fp4(self, name: str, t: torch.Tensor) -> Mx4:
+        """DeepSeek-V4's FP4 weight: [rows, K/2] bytes of two e2m1 codes (the even element's low) and an e8m0 scale
+        [rows, K/32] -> Mx4 (MXFP4's own numbers)."""
+        s = self._raw(name + SCALE_SUFFIX)
+        rows, half = t.shape
+        if half % 16 or tuple(s.shape) != (rows, half // 16):
+            raise ModelConfigError(f"fp4 tensor {name!r} of shape {list(t.shape)} needs a scale of shape "
+                                   f"{[rows, half // 16]} (one per 32 values), got {list(s.shape)}")
+        return Mx4.from_blocks(t.view(torch.uint8).view(rows, half // 16, 16), s.view(torch.uint8))
 
     def _unpacked(self, name: str):
         base = self.packed[name]

@@ -56,8 +56,12 @@ def text_weights(raw: dict) -> tuple[dict[str, str], tuple[str, ...]] | None:
 
 
 def is_mxfp4(raw: dict) -> bool:
-    """gpt-oss as published: its routed experts in MXFP4 (everything else bf16)."""
-    return str((raw.get("quantization_config") or {}).get("quant_method")) == "mxfp4"
+    """gpt-oss as published: its routed experts in MXFP4 (everything else bf16); DeepSeek-V4 as published: its routed
+    experts FP4 (expert_dtype fp4: e2m1 pairs in int8 bytes, an e8m0 scale per 32), its other projections FP8."""
+    q = raw.get("quantization_config") or {}
+    if raw.get("model_type") == "deepseek_v4":
+        return (raw.get("expert_dtype") or q.get("expert_dtype")) == "fp4"
+    return str(q.get("quant_method")) == "mxfp4"
 
 
 def fp8_block(raw: dict) -> tuple[int, int] | None:

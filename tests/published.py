@@ -62,3 +62,9 @@ NARROW["kimi-k2.6"] = dict(NARROW["kimi-k2"], vision_config=dict(hidden_size=32,
 def synth(arch: str, out: pathlib.Path, layers: int, **extra) -> pathlib.Path:
     c = synth_checkpoint.config_of(arch, layers, {**NARROW[arch], **extra})
     return synth_checkpoint.write(c, out, std=0.1, seed=0, shard_mb=8)
+# DeepSeek-V4-Flash: a window of 8 (a 70-token prompt crosses it), a window-only layer, CSA (entries of 4, the indexer's
+# eight heads keeping 4 of a 70-token prompt's 17) and HCA at a rate of 16 (DeepSeek's legacy fields as published)
+NARROW["deepseek-v4-flash"] = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                                   num_attention_heads=4, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2,
+                                   o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=4, sliding_window=8,
+                                   compress_ratios=[0, 4, 128], compress_rate_hca=16, num_hash_layers=1)

@@ -239,6 +239,8 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
         stored = lambda n: next((old + n[len(new):] for old, new in renames.items() if n.startswith(new)), n)  # noqa
         tower = {"kimi_k25": _kimi_vision_specs, "minimax_m3_vl": _m3_vision_specs}.get(c["model_type"], _vision_specs)
         return [(stored(n), sh, k) for n, sh, k in text] + tower(c["vision_config"], c["text_config"]["hidden_size"])
+    if c["model_type"] == "deepseek_v4":
+        return _v4_specs(c)
     c = {**c, "model_type": SAME_AS.get(c["model_type"], c["model_type"])}  # (Kimi's layers are DeepSeek-V3's)
     H, V, out = c["hidden_size"], c["vocab_size"], []
     proj = lambda name, rows, cols: out.append((name, (rows, cols), "proj"))  # noqa: E731
@@ -375,6 +377,51 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def _v4_specs(c: dict) -> list:
+    """DeepSeek-V4's tensors under its published names and dtypes (DeepSeek's own: no model. prefix, hc_head_*,
+    attn.kv_norm; transformers saves others): the hyper-connections, sinks, compressors' position biases and the
+    correction bias fp32; the compressors' projections, the indexer's head weights and the router bf16; the attention's
+    and shared experts' projections "proj" (FP8 where quantized), the routed experts "fp4" where expert_dtype says so;
+    the hash layers' token id -> experts tables int64. (No multi-token-prediction layer.)"""
+    from moe_core.config import parse_config
+    cfg = parse_config(c)
+    H, V, hc, nh, D, qr = c["hidden_size"], c["vocab_size"], cfg.hc_mult, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    E, I, k, g, R = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.top_k, cfg.o_groups, cfg.o_lora_rank
+    expert = "fp4" if cfg.mxfp4_experts else "proj"
+    out = [("embed.weight", (V, H), "embed")]
+    mixes = (2 + hc) * hc
+    for L in range(cfg.num_layers):
+        p, a = f"layers.{L}.", f"layers.{L}.attn."
+        out += [(p + "attn_norm.weight", (H,), "norm"), (p + "ffn_norm.weight", (H,), "norm")]
+        for b in ("hc_attn_", "hc_ffn_"):
+            out += [(p + b + "fn", (mixes, hc * H), "fp32"), (p + b + "base", (mixes,), "fp32"),
+                    (p + b + "scale", (3,), "fp32")]
+        out += [(a + "wq_a.weight", (qr, H), "proj"), (a + "q_norm.weight", (qr,), "norm"),
+                (a + "wq_b.weight", (nh * D, qr), "proj"), (a + "wkv.weight", (D, H), "proj"),
+                (a + "kv_norm.weight", (D,), "norm"), (a + "wo_a.weight", (g * R, nh * D // g), "proj"),
+                (a + "wo_b.weight", (H, g * R), "proj"), (a + "attn_sink", (nh,), "fp32")]
+        rate = cfg.compress_rates[L]
+        for cp, d, two in ((a + "compressor.", D, cfg.csa(L)), (a + "indexer.compressor.", cfg.index_dim, True)):
+            if rate and (cp == a + "compressor." or cfg.csa(L)):
+                w = (2 if two else 1) * d
+                out += [(cp + "wkv.weight", (w, H), "embed"), (cp + "wgate.weight", (w, H), "embed"),
+                        (cp + "ape", (rate, w), "fp32"), (cp + "norm.weight", (d,), "norm")]
+        if cfg.csa(L):
+            out += [(a + "indexer.wq_b.weight", (cfg.index_heads * cfg.index_dim, qr), "proj"),
+                    (a + "indexer.weights_proj.weight", (cfg.index_heads, H), "embed")]
+        f = p + "ffn."
+        out.append((f + "gate.weight", (E, H), "router"))
+        out.append((f + "gate.tid2eid", (V, k), "hash") if L in cfg.hash_layers else (f + "gate.bias", (E,), "bias"))
+        for e in range(E):
+            for n, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+                out.append((f + f"experts.{e}.{n}.weight", shape, expert))
+        for n, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            out.append((f + f"shared_experts.{n}.weight", shape, "proj"))
+    out += [("hc_head_fn", (hc, hc * H), "fp32"), ("hc_head_base", (hc,), "fp32"), ("hc_head_scale", (1,), "fp32"),
+            ("norm.weight", (H,), "norm"), ("head.weight", (V, H), "embed")]
+    return out
+
+
 def _kimi_vision_specs(v: dict, text_hidden: int) -> list:
     """The first blocks of Kimi-K2.5/K2.6's MoonViT tower and its projector (the services leave them out; written so
     that they must): num_hidden_layers of them."""
@@ -441,15 +488,17 @@ def _linear_attention(c: dict, layer: int) -> bool:
     return types[layer] == "linear_attention" if types else (layer + 1) % c.get("full_attention_interval", 4) != 0
 
 
-def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int], pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """w [rows, cols] -> (e4m3 values, float32 scale_inv per block): each block's absolute maximum maps
-    to e4m3's largest value, 448 (DeepSeek's recipe)."""
+    to e4m3's largest value, 448 (DeepSeek's recipe); pow2: the scale rounded up to a power of two (ue8m0 scales)."""
     (rows, cols), (br, bc) = w.shape, block
     sr, sc = -(-rows // br), -(-cols // bc)
     padded = torch.zeros(sr * br, sc * bc)
     padded[:rows, :cols] = w.float()
     amax = padded.view(sr, br, sc, bc).abs().amax(dim=(1, 3)).clamp_min(1e-12)
     scale = amax / 448.0
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (padded.view(sr, br, sc, bc) / scale[:, None, :, None]).view(sr * br, sc * bc)[:rows, :cols]
     return q.to(torch.float8_e4m3fn), scale.float()
 
@@ -462,6 +511,17 @@ def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch
         return {name: (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)}
     if kind == "bias":
         return {name: (0.1 * torch.rand(shape, generator=gen)).float()}  # published as fp32
+    if kind == "fp32":  # DeepSeek-V4's fp32 tensors (hyper-connections, sinks, compressors' position biases)
+        return {name: (1 + 0.1 * torch.randn(shape, generator=gen) if name.endswith("scale")
+                       else torch.randn(shape, generator=gen) * std).float()}
+    if kind == "fp4":  # DeepSeek-V4's routed experts: any e2m1 pairs, e8m0 scales 2^-6..2^-4 as mx_scales'
+        rows, cols = shape
+        return {name: torch.randint(-128, 128, (rows, cols // 2), generator=gen, dtype=torch.int8),
+                name[: -len(".weight")] + ".scale": torch.randint(121, 124, (rows, cols // 32), generator=gen,
+                                                                  dtype=torch.uint8).view(torch.float8_e8m0fnu)}
+    if kind == "hash":  # a token id -> experts table: distinct experts per token
+        E = c["n_routed_experts"]
+        return {name: torch.stack([torch.randperm(E, generator=gen)[:shape[1]] for _ in range(shape[0])])}
     if kind == "proj_bias":
         return {name: (0.1 * torch.randn(shape, generator=gen)).to(dtype)}
     if kind == "conv":  # DeltaNet's depthwise conv taps
@@ -482,7 +542,9 @@ def generate(c: dict, spec, std: float, gen: torch.Generator) -> dict[str, torch
                 base + ".weight_shape": torch.tensor([rows, cols])}
     w = torch.randn(shape, generator=gen) * std
     if kind == "proj" and q and q["quant_method"] == "fp8":
-        values, scale_inv = quantize_fp8(w, tuple(q["weight_block_size"]))
+        values, scale_inv = quantize_fp8(w, tuple(q["weight_block_size"]), q.get("scale_fmt") == "ue8m0")
+        if c["model_type"] == "deepseek_v4":  # its scale as X.scale, e8m0
+            return {name: values, name[: -len(".weight")] + ".scale": scale_inv.to(torch.float8_e8m0fnu)}
         return {name: values, name + "_scale_inv": scale_inv}
     return {name: w.to(dtype)}
 
@@ -550,9 +612,10 @@ PRESETS["minimax-m3"] = {
 }
 
 
-# deepseek-ai/DeepSeek-V4-Flash as transformers 5.24's DeepseekV4Config defaults give its shapes (its docstring's
-# checkpoint) in the legacy fields DeepSeek's own config.json writes (not read from the hub here): 43 layers, two HCA
-# then CSA / HCA alternating, a window of 128, MQA of one 512-wide head, 3 hash-routed layers, 4 hyper-connected streams
+# deepseek-ai/DeepSeek-V4-Flash's config.json as public copies give it (not read from the hub here; its tail of MTP and
+# later-release fields left out): 43 layers, two window-only then CSA / HCA alternating, the last CSA, a window of 128,
+# MQA of one 512-wide head, 3 hash-routed layers, 4 hyper-connected streams; FP8 projections with ue8m0 scales as X.scale,
+# routed experts FP4 (expert_dtype)
 PRESETS["deepseek-v4-flash"] = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096,
     "moe_intermediate_size": 2048, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
@@ -562,10 +625,12 @@ PRESETS["deepseek-v4-flash"] = {
     "max_position_embeddings": 1048576, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
                      "beta_slow": 1},
-    "compress_ratios": [128, 128] + [4 if i % 2 else 128 for i in range(41)], "sliding_window": 128,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "sliding_window": 128, "topk_method": "noaux_tc",
     "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-06, "index_n_heads": 64, "index_head_dim": 128,
     "index_topk": 512, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-06, "bos_token_id": 0, "eos_token_id": 1,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "expert_dtype": "fp4",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                            "weight_block_size": [128, 128]},
 }
 
 

@@ -2,7 +2,8 @@
 (FP8 block-quantized weights with float32 scale_inv, YaRN, 163840 positions, 129280 ids),
 Qwen3-30B-A3B (151936 ids, 40960 positions), GLM-4.5-Air, gpt-oss-20b (MXFP4 experts, 201088 ids,
 131072 positions), MiniMax-M2 (FP8 as published, 200064 ids, 196608 positions), Qwen3-Next-80B-A3B (DeltaNet layers, 262144 positions, its mtp.* layer beside) and
-Qwen3.5-35B-A3B (the same inside a vision-language wrapper, experts stacked, 248320 ids). Each starts with default flags, and generates exactly transformers' greedy tokens
+Qwen3.5-35B-A3B (the same inside a vision-language wrapper, experts stacked, 248320 ids), DeepSeek-V4-Flash (DeepSeek's own
+tensor names, FP8 projections with ue8m0 scales, FP4 routed experts served as mxfp4). Each starts with default flags, and generates exactly transformers' greedy tokens
 on the same (dequantized) weights in fp32, past the first 64 positions.
 Other quantization methods and variants are refused at start by both services, naming them (int4 checkpoints:
 tests/core/test_int4_checkpoints.py)."""
@@ -46,6 +47,7 @@ def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
             tensors[stored(n)] = ck.get(n).float().contiguous()
     save_file(tensors, str(out / "model.safetensors"))
     cfg.pop("quantization_config", None)
+    cfg.pop("expert_dtype", None)  # DeepSeek-V4's FP4 experts, dequantized here
     cfg.pop("use_mtp", None)  # MiniMax-M2's: transformers' generate() would look for MTP weights to draft with
     cfg["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(cfg))
@@ -86,10 +88,11 @@ def test_mxfp4_reads_as_transformers_dequantizes():
 @pytest.mark.parametrize("arch,block", [("deepseek-v3", None), ("deepseek-v3", [16, 16]), ("deepseek-v3.2", [16, 16]),
                                         ("glm-5", [16, 16]), ("mimo-v2-flash", [16, 16]), ("qwen3-30b-a3b", None),
                                         ("glm-4.5-air", None), ("gpt-oss-20b", None), ("qwen3-next-80b-a3b", None),
-                                        ("qwen3.5-35b-a3b", None), ("minimax-m2", [16, 16]), ("minimax-m3", [16, 16])],
+                                        ("qwen3.5-35b-a3b", None), ("minimax-m2", [16, 16]), ("minimax-m3", [16, 16]),
+                                        ("deepseek-v4-flash", [16, 16])],
                          ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "deepseek-v3.2-fp8", "glm-5-fp8", "mimo-v2-flash-fp8", "qwen3-30b-a3b", "glm-4.5-air",
                               "gpt-oss-20b-mxfp4", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "minimax-m2-fp8",
-                              "minimax-m3-fp8"])
+                              "minimax-m3-fp8", "deepseek-v4-flash-fp8-fp4"])
 def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
     extra = {}
     if block:
@@ -104,7 +107,7 @@ def test_published_config_matches_transformers(arch, block, tmp_path, services_f
     text = cfg.get("text_config", cfg)  # Qwen3.5: inside its vision-language wrapper
     assert info.max_context == text["max_position_embeddings"] and info.vocab_size == text["vocab_size"]
     assert len(greedy(s.stub, [5, 9, 17], 4)) == 4
-    if arch.startswith("gpt-oss"):  # its experts served as published
+    if arch.startswith(("gpt-oss", "deepseek-v4")):  # its experts served as published
         assert "as mxfp4" in s.logs()
     s.stop()
     # fp32 on the dequantized weights: transformers' greedy tokens, past the first 64 positions
