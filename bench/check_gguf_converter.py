@@ -28,21 +28,40 @@ FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads"
           "rope_interleave", "rotary_dim", "attention", "qkv_bias", "qk_norm", "kv_lora_rank", "q_lora_rank",
           "qk_nope_head_dim", "v_head_dim", "sliding_window", "layer_types", "tie_word_embeddings", "index_heads",
           "index_dim", "index_topk", "index_rope_interleave", "index_shared", "intermediate_size", "norm_offset",
-          "index_block", "index_topk_blocks", "index_local_blocks", "mlp_act", "expert_act")
+          "index_block", "index_topk_blocks", "index_local_blocks", "mlp_act", "expert_act", "compress_rates", "hc_mult",
+          "hc_iters", "hc_eps", "o_groups", "o_lora_rank", "hash_layers", "sliding_rope_theta", "mxfp4_experts")
 # llama.cpp's files cannot hold these tiny checkpoints as transformers builds them (tests/core/test_gguf.py's reasons)
 # (Qwen's tokenizer class adds <|endoftext|> after the tiny vocabulary: room for it)
 OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [], "vocab_size": 384}, "mixtral": {"intermediate_size": 64},
              "gpt_oss": {"swiglu_limit": 7.0}, "qwen3_moe": {"vocab_size": 384}, "deepseek_v3": {},
              "deepseek_v2": {}, "glm4_moe": {}, "minimax_m2": {}, "deepseek_v32": {}, "glm_moe_dsa": {},
              # MiniMax-M3 as llama.cpp builds it: block-sparse attention in every MoE layer, its constant SwiGLU limit
-             "minimax_m3_vl": {"swiglu_limit": 7.0, "layer_types": ["full_attention"] + ["minimax_m3_sparse"] * 3}}
+             "minimax_m3_vl": {"swiglu_limit": 7.0, "layer_types": ["full_attention"] + ["minimax_m3_sparse"] * 3},
+             # DeepSeek-V4 as DeepSeek publishes it (its own names, FP8 projections, FP4 experts: all the converter
+             # reads), at toy width (tests/published.py), its compression rates the ones llama.cpp knows
+             "deepseek_v4": {"compress_rate_hca": 128}}
 
 
-def same(family: str, name: str, got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Exactly the checkpoint's; MiniMax-M3's norms to the rounding of the 1 the converter adds (and we take away)."""
+def same(family: str, name: str, got: torch.Tensor, want: torch.Tensor, stored: str = "") -> bool:
+    """Exactly the checkpoint's; MiniMax-M3's norms to the rounding of the 1 the converter adds (and we take away);
+    DeepSeek-V4's FP8 projections, which the converter requantizes to Q8_0, to its rounding (half a step of a block's
+    scale, max |w| / 127, plus the fp16 rounding of that scale times 127)."""
     if family == "minimax_m3_vl" and name.endswith("norm.weight"):
         return torch.allclose(got, want, rtol=2 ** -22, atol=2 ** -23)
-    return torch.equal(got, want)
+    if stored == "Q8_0":
+        step = want.abs().reshape(want.shape[0], -1, 32).amax(-1, keepdim=True) / 127
+        return bool(((got - want).reshape(step.shape[0], -1, 32).abs() <= step * (0.5 + 127 * 2 ** -11)).all())
+    return torch.equal(got.to(want.dtype), want)
+
+
+def build(family: str, out: pathlib.Path) -> pathlib.Path:
+    """The family's tiny checkpoint: transformers' save, or (DeepSeek-V4) its published form (tools/synth_checkpoint)."""
+    import tiny_models
+    if family == "deepseek_v4":
+        from published import synth
+        return synth("deepseek-v4-flash", out, layers=3, **OVERRIDES[family])  # (its 128 x 128 FP8 blocks: the
+        # converter's own)
+    return tiny_models.build(family, out, **OVERRIDES[family])
 
 
 def main() -> None:
@@ -50,7 +69,6 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(OVERRIDES))
     ap.add_argument("--work", type=pathlib.Path, default=pathlib.Path("/tmp/llama-work"))
     a = ap.parse_args()
-    import tiny_models
     from moe_core import gguf_model
     from moe_core.checkpoint import Checkpoint
     from moe_core.config import load_config
@@ -58,7 +76,7 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     src, tmp, failed = llama_source(a.work), pathlib.Path(tempfile.mkdtemp()), []
     for family in a.families.split(","):
-        ckpt = tiny_models.build(family, tmp / family, **OVERRIDES[family])
+        ckpt = build(family, tmp / family)
         f = tmp / f"{family}.gguf"
         try:
             convert_to_gguf(src, ckpt, f, outtype="f32")
@@ -69,7 +87,7 @@ def main() -> None:
             problems = [] if sorted(ours.names()) == want else \
                 [f"names differ: {sorted(set(ours.names()) ^ set(want))[:6]}"]
             problems += [f"{n} differs" for n in want if n in set(ours.names())
-                         and not same(family, n, ours.get(n), theirs.get(n).float())]
+                         and not same(family, n, ours.get(n), theirs.get(n).float(), ours.block_type(n))]
             got, ref = load_config(d), load_config(ckpt)
             problems += [f"{k}: {getattr(got, k)!r} != {getattr(ref, k)!r}" for k in FIELDS
                          if getattr(got, k, None) != getattr(ref, k, None)]

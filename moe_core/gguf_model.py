@@ -10,7 +10,7 @@ uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q
 on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
 dequantized exactly (then requantized by default: covering).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), deepseek32, glm-dsa, glm4moe, minimax-m2, minimax-m3,
-gpt-oss (MXFP4 experts kept as published) and llama files with experts (Mixtral); what the converter changed is undone
+deepseek4 (DeepSeek-V4: its MXFP4 experts kept as stored), gpt-oss (MXFP4 experts kept as published) and llama files with experts (Mixtral); what the converter changed is undone
 (a llama file's q/k rows, MLA's split kv_b, gpt-oss's split gate/up and nibble order, MiniMax-M3's norms' added 1);
 others are refused by name.
 """
@@ -36,7 +36,7 @@ from moe_kernels.packing import layout
 
 MARKER = "gguf.json"
 FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "deepseek32", "glm-dsa", "glm4moe", "minimax-m2", "minimax-m3",
-            "gpt-oss", "llama")  # llama: Mixtral; deepseek32: DeepSeek-V3.2; glm-dsa: GLM-5
+            "deepseek4", "gpt-oss", "llama")  # llama: Mixtral; deepseek32: DeepSeek-V3.2; glm-dsa: GLM-5
 # `where` entries whose name is every expert's tensor at once, built expert by expert (get_row) from the file's
 # tensors' slices: dequantized, or as stored (STACKED_RAW: gpt-oss's MXFP4 blocks)
 STACKED, STACKED_RAW = -1, -2
@@ -214,9 +214,28 @@ AS_STORED = {
 KEEPS = {t: tuple(s.kept_by) for t, s in AS_STORED.items()}
 
 
+V4_LAYER = (  # DeepSeek-V4: (our name under model.layers.N., llama.cpp's under blk.N.)
+    ("attn_norm.weight", "attn_norm.weight"), ("ffn_norm.weight", "ffn_norm.weight"),
+    *((f"hc_{b}_{p}", f"hc_{b}_{p}.weight") for b in ("attn", "ffn") for p in ("fn", "base", "scale")),
+    ("attn.attn_sink", "attn_sinks.weight"), ("attn.wq_a.weight", "attn_q_a.weight"),
+    ("attn.wq_b.weight", "attn_q_b.weight"), ("attn.q_norm.weight", "attn_q_a_norm.weight"),
+    ("attn.wkv.weight", "attn_kv.weight"), ("attn.norm.weight", "attn_kv_a_norm.weight"),
+    ("attn.wo_a.weight", "attn_output_a.weight"), ("attn.wo_b.weight", "attn_output_b.weight"),
+    *((f"attn.{c}compressor.{o}", f"{t}_compressor_{n}.weight") for c, t in (("", "attn"), ("indexer.", "indexer"))
+      for o, n in (("ape", "ape"), ("wkv.weight", "kv"), ("wgate.weight", "gate"), ("norm.weight", "norm"))),
+    ("attn.indexer.wq_b.weight", "indexer.attn_q_b.weight"), ("attn.indexer.weights_proj.weight", "indexer.proj.weight"),
+    ("ffn.gate.weight", "ffn_gate_inp.weight"), ("ffn.gate.bias", "exp_probs_b.bias"),
+    ("ffn.gate.tid2eid", "ffn_gate_tid2eid.weight"), ("ffn.shared_experts.w1.weight", "ffn_gate_shexp.weight"),
+    ("ffn.shared_experts.w3.weight", "ffn_up_shexp.weight"), ("ffn.shared_experts.w2.weight", "ffn_down_shexp.weight"))
+V4_TOP = (("model.hc_head.hc_fn", "output_hc_fn.weight"), ("model.hc_head.hc_base", "output_hc_base.weight"),
+          ("model.hc_head.hc_scale", "output_hc_scale.weight"), ("head.weight", "output.weight"))
+
+
 def layer_names(cfg, L: int) -> list[tuple[str, str]]:
     """(transformers' name, llama.cpp's) of one layer's weights, every family's; a file has some of them
     (the routed experts, stacked in the file, are placed apart)."""
+    if cfg.model_type == "deepseek_v4":
+        return [(f"model.layers.{L}.{o}", f"blk.{L}.{t}") for o, t in V4_LAYER]
     ffn, shared = cfg.ffn_prefix + ".", "shared_expert." if cfg.shared_expert_gate else "shared_experts."
     beside = cfg.model_type in ("minimax_m2", "minimax_m3_vl")  # MiniMax's choice bias is beside its router
     pairs = [("input_layernorm.weight", "attn_norm.weight"), ("post_attention_layernorm.weight", "ffn_norm.weight"),
@@ -512,6 +531,38 @@ def _minimax_m3(a, cfg, path, names) -> dict:
             "text_config": text}
 
 
+def _deepseek4(a, cfg, path, names) -> dict:
+    """DeepSeek-V4 (deepseek4) as llama.cpp's converter writes it: DeepSeek's own config fields (compress_ratios per
+    layer, 0 / 4 / 128; the compressed layers' rope base and YaRN), the routed experts MXFP4 (kept as stored), its
+    FP8 projections requantized to Q8_0 by the converter."""
+    if a("expert_gating_func", 4) != 4:
+        raise ModelConfigError(f"{path}: a deepseek4 file whose experts are not routed by sqrtsoftplus")
+    n = cfg["num_hidden_layers"]
+    limits = a("swiglu_clamp_exp") or [10.0]
+    out = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "intermediate_size": 0,
+           "head_dim": a("attention.key_length"), "qk_rope_head_dim": a("rope.dimension_count"),
+           "q_lora_rank": a("attention.q_lora_rank"), "o_groups": a("attention.output_group_count"),
+           "o_lora_rank": a("attention.output_lora_rank"),
+           "compress_ratios": [int(r) for r in a("attention.compress_ratios")][:n],
+           "compress_rope_theta": a("attention.compress_rope_freq_base"),
+           "moe_intermediate_size": a("expert_feed_forward_length"), "n_routed_experts": a("expert_count"),
+           "n_shared_experts": a("expert_shared_count", 1), "routed_scaling_factor": a("expert_weights_scale", 1.0),
+           "norm_topk_prob": bool(a("expert_weights_norm", True)), "swiglu_limit": float(limits[0]),
+           "sliding_window": a("attention.sliding_window"), "index_n_heads": a("attention.indexer.head_count"),
+           "index_head_dim": a("attention.indexer.key_length"), "index_topk": a("attention.indexer.top_k"),
+           "hc_mult": a("hyper_connection.count"), "hc_sinkhorn_iters": a("hyper_connection.sinkhorn_iterations"),
+           "hc_eps": float(f"{a('hyper_connection.epsilon'):.7g}"),  # (float32 in a file)
+           "num_hash_layers": a("hash_layer_count", 0)}
+    if a("rope.scaling.type") == "yarn":
+        out["rope_scaling"] = {"type": "yarn", "factor": a("rope.scaling.factor"),
+                               "original_max_position_embeddings": a("rope.scaling.original_context_length"),
+                               "beta_fast": a("rope.scaling.yarn_beta_fast", 32.0),
+                               "beta_slow": a("rope.scaling.yarn_beta_slow", 1.0)}
+    if cfg["quantization_config"]["expert_types"] == ["MXFP4"]:  # kept as stored: the mxfp4 kernels' format
+        out["expert_dtype"] = "fp4"
+    return out
+
+
 def _gpt_oss(a, cfg, path, names) -> dict:
     """gpt-oss as llama.cpp writes it: gate and up experts apart (their MXFP4 blocks as published, nibbles in
     ggml's order), sliding windows on every other layer from the first, YaRN without truncation and the clamped
@@ -533,7 +584,7 @@ def _gpt_oss(a, cfg, path, names) -> dict:
 
 _FAMILY_CONFIG = {"gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2,
                   "deepseek32": _dsa("deepseek32"), "glm-dsa": _dsa("glm-dsa"), "glm4moe": _glm4moe,
-                  "minimax-m2": _minimax_m2, "minimax-m3": _minimax_m3}
+                  "minimax-m2": _minimax_m2, "minimax-m3": _minimax_m3, "deepseek4": _deepseek4}
 
 
 def _tokenizer_files(path: pathlib.Path, out: pathlib.Path, reader=None) -> None:
@@ -629,8 +680,8 @@ class GGUFCheckpoint:
         arch = _field(self.reader, "general.architecture")
         # transformers' name -> (the GGUF tensors it comes from, expert index or None, what makes it of them)
         self.where: dict[str, tuple[tuple[str, ...], int | None, object]] = {}
-        pairs = [("model.embed_tokens.weight", "token_embd.weight"), ("model.norm.weight", "output_norm.weight"),
-                 ("lm_head.weight", "output.weight")]
+        pairs = [("model.embed_tokens.weight", "token_embd.weight"), ("model.norm.weight", "output_norm.weight")]
+        pairs += V4_TOP if cfg.model_type == "deepseek_v4" else [("lm_head.weight", "output.weight")]
         for L in range(cfg.num_layers):
             pairs += layer_names(cfg, L)
         for ours, theirs in pairs:
@@ -682,6 +733,8 @@ class GGUFCheckpoint:
         data = t.data if e is None else t.data[e]
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             return torch.from_numpy(np.array(data, dtype=np.float32))
+        if t.tensor_type == GGMLQuantizationType.I32:  # (DeepSeek-V4's token id -> experts tables)
+            return torch.from_numpy(np.array(data, dtype=np.int64))
         if t.tensor_type == GGMLQuantizationType.BF16:
             return torch.from_numpy(np.array(data)).view(torch.bfloat16).float()
         return torch.from_numpy(np.ascontiguousarray(dequantize(np.asarray(data), t.tensor_type)))

@@ -41,7 +41,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 # (not MLA's kv_b_proj, used in absorbed form), dense MLPs and shared experts; lm_head too
 DENSE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|gate_proj|up_proj|down_proj"
                    r"|in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj"
-                   r"|indexer\.wq_b|indexer\.wk|index_q_proj|index_k_proj)\.weight$")  # (the indexers' query and key)
+                   r"|indexer\.wq_b|indexer\.wk|index_q_proj|index_k_proj"  # (the indexers' query and key)
+                   r"|attn\.wq_a|attn\.wq_b|attn\.wkv|attn\.wo_b|shared_experts\.w[123])\.weight$")  # (DeepSeek-V4's)
 
 
 # weights that share their input, packed as one matrix for the native kernels (one call instead of
