@@ -31,7 +31,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
 from moe_core import gguf_check, tiktoken_vocab
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
-from moe_kernels.formats import Int4, Iq4, Iq4Xs, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, UInt4
+from moe_kernels.formats import Int4, Iq4, Iq4Xs, Mx4, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, UInt4
 from moe_kernels.packing import layout
 
 MARKER = "gguf.json"
@@ -188,7 +188,7 @@ def _q4_0_as_uint4(w):  # Q4_0 on uint4g32: d (q - 8) = d q - 8 d
 
 class Stored(NamedTuple):
     """How the experts of one GGUF block type are kept as stored: decode (the bytes of rows -> the type's numbers,
-    moe_kernels.formats' Int4, Q4K...; None: MXFP4, read as published blocks by _fused_experts) and the expert formats
+    moe_kernels.formats' Int4, Q4K, Mx4...; gpt-oss's MXFP4 experts are read as published blocks by _fused_experts) and the expert formats
     that hold those numbers exactly, preferred first, each with what makes the numbers that format's (None: as
     decoded; the format's table entry keeps them)."""
     decode: Callable | None
@@ -208,7 +208,7 @@ AS_STORED = {
     "IQ4_NL": Stored(_iq4_nl, {"iq4nl": None}),
     "IQ4_XS": Stored(_iq4_xs, {"iq4xs": None, "iq4nl": lambda w: w.to_iq4()}),
     "Q8_0": Stored(_q8_0, {"int8g32": None}),
-    "MXFP4": Stored(None, {"mxfp4": None}),
+    "MXFP4": Stored(lambda b: Mx4.from_blocks(*_mx_blocks(b)), {"mxfp4": None}),
 }
 # block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred first
 KEEPS = {t: tuple(s.kept_by) for t, s in AS_STORED.items()}

@@ -2,10 +2,17 @@
 field the preset's attention and routing read kept as published), for the tests that start them."""
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
+import torch
+from safetensors.torch import save_file
+
 from harness import ROOT
+from moe_core.checkpoint import Checkpoint
+from moe_core.config import TEXT_IN_WRAPPER
+from moe_kernels.packing import Mx4
 
 sys.path.insert(0, str(ROOT / "tools"))
 import synth_checkpoint  # noqa: E402
@@ -68,3 +75,29 @@ NARROW["deepseek-v4-flash"] = dict(hidden_size=64, moe_intermediate_size=32, n_r
                                    num_attention_heads=4, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2,
                                    o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=4, sliding_window=8,
                                    compress_ratios=[0, 4, 128], compress_rate_hca=16, num_hash_layers=1)
+
+
+def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """The same model with every weight as float32 (FP8 ones dequantized; MXFP4 experts as the fused
+    [E, K, rows] tensors transformers' gpt-oss keeps), for transformers."""
+    ck = Checkpoint(src)
+    out.mkdir()
+    tensors = {}
+    cfg = json.loads((src / "config.json").read_text())
+    # MiniMax-M3: transformers has no causal LM of its text model alone: its wrapper's, which reads the stored names
+    renames = TEXT_IN_WRAPPER[cfg["model_type"]][0] if cfg["model_type"] == "minimax_m3_vl" else {}
+    stored = lambda n: next((old + n[len(new):] for old, new in renames.items() if n.startswith(new)), n)  # noqa: E731
+    for n in ck.names():
+        if n.endswith("_blocks"):
+            base = n[: -len("_blocks")]
+            w = torch.stack([Mx4.from_blocks(b, s).dequantize() for b, s in zip(ck.get(n), ck.get(base + "_scales"))])
+            tensors[base] = w.transpose(1, 2).contiguous()
+        elif not n.endswith("_scales"):
+            tensors[stored(n)] = ck.get(n).float().contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg.pop("quantization_config", None)
+    cfg.pop("expert_dtype", None)  # DeepSeek-V4's FP4 experts, dequantized here
+    cfg.pop("use_mtp", None)  # MiniMax-M2's: transformers' generate() would look for MTP weights to draft with
+    cfg["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out

@@ -685,3 +685,116 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     msg = dequantized_experts(cfg("IQ2_XS", "Q4_0"), "gguf")
     assert "(IQ2_XS)" in msg and "requantized to q3k (IQ2_XS: 2.31 -> 3.62 bits a weight)" in msg
     assert expert_format(("Q4_0",)) == "int4g32" and expert_format(("BF16",)) is None
+
+# -- DeepSeek-V4 (deepseek4): its published checkpoint as llama.cpp's converter writes it (conversion/deepseek.py of the
+# llama-cpp-python 0.3.36 sdist; bench/check_gguf_converter.py runs the converter itself) --
+def write_deepseek4(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """The converter's file of src (tools/synth_checkpoint's published form): its metadata keys, the tensors under
+    llama.cpp's names (its FP8 projections dequantized, here kept F32 where the converter requantizes them to Q8_0),
+    the routed experts stacked in ggml's MXFP4 blocks (each 32: the scale byte, then byte j holding elements j and
+    j + 16) from the FP4 codes and scales as published, the token id tables I32."""
+    from moe_core import gguf_model
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+    raw, cfg, ck = json.loads((src / "config.json").read_text()), load_config(src), Checkpoint(src)
+    arch, n = "deepseek4", cfg.num_layers
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(raw["hidden_size"])
+    w.add_block_count(n)
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_head_count_kv(1)
+    w.add_key_length(raw["head_dim"])
+    w.add_value_length(raw["head_dim"])
+    w.add_rope_freq_base(raw["rope_theta"])
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    w.add_expert_count(raw["n_routed_experts"])
+    w.add_expert_used_count(raw["num_experts_per_tok"])
+    w.add_uint32(f"{arch}.expert_gating_func", 4)  # sqrtsoftplus
+    y = raw["rope_scaling"]
+    w.add_string(f"{arch}.rope.scaling.type", "yarn")
+    w.add_float32(f"{arch}.rope.scaling.factor", y["factor"])
+    w.add_uint32(f"{arch}.rope.scaling.original_context_length", y["original_max_position_embeddings"])
+    w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", y["beta_fast"])
+    w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", y["beta_slow"])
+    for key, v in (("rope.dimension_count", raw["qk_rope_head_dim"]), ("attention.q_lora_rank", raw["q_lora_rank"]),
+                   ("attention.sliding_window", raw["sliding_window"]),
+                   ("expert_feed_forward_length", raw["moe_intermediate_size"]),
+                   ("expert_shared_count", raw["n_shared_experts"]), ("attention.indexer.head_count", raw["index_n_heads"]),
+                   ("attention.indexer.key_length", raw["index_head_dim"]), ("attention.indexer.top_k", raw["index_topk"]),
+                   ("attention.output_group_count", raw["o_groups"]), ("attention.output_lora_rank", raw["o_lora_rank"]),
+                   ("hyper_connection.count", raw["hc_mult"]), ("hyper_connection.sinkhorn_iterations", raw["hc_sinkhorn_iters"]),
+                   ("hash_layer_count", raw["num_hash_layers"])):
+        w.add_uint32(f"{arch}.{key}", v)
+    w.add_float32(f"{arch}.expert_weights_scale", raw["routed_scaling_factor"])
+    w.add_bool(f"{arch}.expert_weights_norm", raw["norm_topk_prob"])
+    w.add_float32(f"{arch}.attention.compress_rope_freq_base", raw["compress_rope_theta"])
+    w.add_float32(f"{arch}.hyper_connection.epsilon", raw["hc_eps"])
+    w.add_array(f"{arch}.attention.compress_ratios", raw["compress_ratios"])
+    w.add_array(f"{arch}.swiglu_clamp_exp", [raw["swiglu_limit"]] * n)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+    vocab = {i: s for s, i in tok["model"]["vocab"].items()}
+    V = raw["vocab_size"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([added.get(i, vocab.get(i, f"[UNUSED{i}]")) for i in range(V)])
+    w.add_token_types([3 if i in added else 1 for i in range(V)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(1)
+    theirs = dict([("model.embed_tokens.weight", "token_embd.weight"), ("model.norm.weight", "output_norm.weight"),
+                   *gguf_model.V4_TOP] + [(f"model.layers.{L}.{o}", f"blk.{L}.{t}") for L in range(n)
+                                          for o, t in gguf_model.V4_LAYER])
+    for name in ck.names(lambda m: ".experts." not in m or "shared" in m):
+        if name.endswith(".ffn.gate.bias") and int(name.split(".")[2]) in cfg.hash_layers:
+            continue  # (unused beside a token id table: the converter leaves it out)
+        x = ck.get(name)
+        w.add_tensor(theirs[name], x.to(torch.int32).numpy() if name.endswith("tid2eid") else x.float().numpy())
+    for L in range(n):
+        for i, proj in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            blocks = []
+            for e in range(cfg.n_routed_experts):
+                m = ck.get_published(cfg.expert_tensor_names(L, e)[i], "mxfp4")
+                codes = m.codes.view(m.codes.shape[0], -1, 32)
+                blocks.append(torch.cat([m.exps[..., None], codes[..., :16] | (codes[..., 16:] << 4)], -1).flatten(1))
+            w.add_tensor(f"blk.{L}.{proj}.weight", torch.stack(blocks).numpy(),
+                         raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_deepseek4_files_serve_transformers_greedy_tokens(tmp_path, services_factory, monkeypatch):
+    """A DeepSeek-V4 file: every tensor reads back under our names as the checkpoint's (the MXFP4 experts the
+    published FP4 numbers, kept as stored: the mxfp4 format by default), the config is the checkpoint's, and on the
+    exact path both services on the file give transformers' greedy tokens on the dequantized checkpoint."""
+    from moe_core import gguf_model
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+    from moe_experts.loading import weight_format
+    from published import dequantized_copy, synth
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    src = synth("deepseek-v4-flash", tmp_path / "v4", layers=3, compress_rate_hca=128)  # (a file's rates: 0, 4, 128)
+    f = write_deepseek4(src, tmp_path / "v4.gguf")
+    d = gguf_model.prepare(f, tmp_path / "cache")
+    got, ref, ck, published = load_config(d), load_config(src), gguf_model.open_checkpoint(d), Checkpoint(src)
+    for field in ("compress_rates", "hc_mult", "hc_iters", "hc_eps", "o_groups", "o_lora_rank", "hash_layers", "rope_params",
+                  "sliding_rope_theta", "rotary_dim", "head_dim", "index_topk", "sliding_window", "expert_act",
+                  "moe_layers", "top_k", "routed_scaling_factor", "mxfp4_experts"):
+        assert getattr(got, field) == getattr(ref, field), field
+    assert weight_format("auto", got) == "mxfp4"
+    hash_bias = {f"model.layers.{L}.ffn.gate.bias" for L in ref.hash_layers}
+    assert sorted(ck.names()) == sorted(set(published.names()) - hash_bias)
+    for name in ck.names():
+        assert torch.equal(ck.get(name).float(), published.get(name).float()), name
+    m = ck.get_published(ref.expert_tensor_names(2, 5)[2], "mxfp4")
+    assert torch.equal(m.codes, published.get_published(ref.expert_tensor_names(2, 5)[2], "mxfp4").codes)
+    reference = tiny_models.reference_model(str(dequantized_copy(src, tmp_path / "ref")))
+    prompt = torch.randint(2, 4000, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 12) == want, s.logs()

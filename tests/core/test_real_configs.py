@@ -20,39 +20,13 @@ from safetensors.torch import save_file
 
 import tiny_models
 from harness import free_port, greedy, refused_at_start, start
-from published import synth, synth_checkpoint
+from published import dequantized_copy, synth, synth_checkpoint
 from moe_exchange import codec
 from moe_core.checkpoint import Checkpoint, dequantize_fp8
-from moe_core.config import TEXT_IN_WRAPPER, ModelConfigError
+from moe_core.config import ModelConfigError
 from moe_kernels.packing import Mx4
 from protos import generate_pb2
 from tiers import some
-
-def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
-    """The same model with every weight as float32 (FP8 ones dequantized; MXFP4 experts as the fused
-    [E, K, rows] tensors transformers' gpt-oss keeps), for transformers."""
-    ck = Checkpoint(src)
-    out.mkdir()
-    tensors = {}
-    cfg = json.loads((src / "config.json").read_text())
-    # MiniMax-M3: transformers has no causal LM of its text model alone: its wrapper's, which reads the stored names
-    renames = TEXT_IN_WRAPPER[cfg["model_type"]][0] if cfg["model_type"] == "minimax_m3_vl" else {}
-    stored = lambda n: next((old + n[len(new):] for old, new in renames.items() if n.startswith(new)), n)  # noqa: E731
-    for n in ck.names():
-        if n.endswith("_blocks"):
-            base = n[: -len("_blocks")]
-            w = torch.stack([Mx4.from_blocks(b, s).dequantize() for b, s in zip(ck.get(n), ck.get(base + "_scales"))])
-            tensors[base] = w.transpose(1, 2).contiguous()
-        elif not n.endswith("_scales"):
-            tensors[stored(n)] = ck.get(n).float().contiguous()
-    save_file(tensors, str(out / "model.safetensors"))
-    cfg.pop("quantization_config", None)
-    cfg.pop("expert_dtype", None)  # DeepSeek-V4's FP4 experts, dequantized here
-    cfg.pop("use_mtp", None)  # MiniMax-M2's: transformers' generate() would look for MTP weights to draft with
-    cfg["torch_dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
-
 
 def test_fp8_dequantization_matches_transformers_and_handles_partial_blocks():
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
