@@ -148,12 +148,12 @@ def dsa_supported(K: torch.Tensor, isa: str = ISA) -> bool:
 def dsa_scores(q: torch.Tensor, w: torch.Tensor, K: torch.Tensor, table: torch.Tensor, L: int, scale: float,
                isa: str = ISA) -> torch.Tensor:
     """DeepSeek Sparse Attention's indexer scores at decode: q [H, D] (the indexer's rotated query heads), w [H] (their
-    weights), K one layer's cached indexer keys [blocks, block, D] (fp32 or bf16, or 8-bit rows [.., D + 1];
-    contiguous), the sequence's positions 0..L-1 in blocks table[0], ... -> [L] fp32, sum over heads of
-    w * relu(scale * q . k)."""
+    weights), K one layer's cached indexer keys [blocks, block, D] (fp32 or bf16, or 8-bit rows [.., D + 1]; each row
+    contiguous, rows and blocks at any stride: DeepSeek-V4's entries are every rate-th row of a pool buffer), the
+    sequence's positions 0..L-1 in blocks table[0], ... -> [L] fp32, sum over heads of w * relu(scale * q . k)."""
     H, D = q.shape
     _, B, _ = K.shape
-    if K.dtype not in INDEX_DTYPES or not K.is_contiguous() or values(K.dtype, K.shape[-1]) != D or \
+    if K.dtype not in INDEX_DTYPES or K.stride(-1) != 1 or values(K.dtype, K.shape[-1]) != D or \
             tuple(w.shape) != (H,) or B & (B - 1):
         raise ValueError(f"dsa_scores: q {list(q.shape)}, w {list(w.shape)}, K {K.dtype} {list(K.shape)} do not fit")
     _check_table("dsa_scores", table, B, L, -1, K.shape[0])

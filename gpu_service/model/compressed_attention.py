@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from moe_core.config import ModelConfig
+from moe_kernels import attention as native_attention
 
+from gpu_service.engine.kv_pool import BLOCK
 from gpu_service.model.layers import linear, rms_norm, rope_cos_sin
 
 KEY, COMPRESSOR, INDEXER = 0, 1, 4  # a layer's pool buffers (kv_pool._rows): its keys; a compressor's kv, gate, entries
@@ -59,7 +61,7 @@ def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos
     if cfg.csa(layer):
         rows += _compress(cfg, W, p + "indexer.compressor.", x, cache, layer, start, rate, cfg.index_dim, INDEXER, True)
     kv.write(layer, *(r[:, None] if r.dim() == 2 else r for r in rows))
-    o = attend(cfg, W, p, x, qr, q, cos, sin, cache, layer, start)
+    o = attend(cfg, W, p, x, qr, q, cos, sin, cache, layer, start, native)
     o = rope_tail(o, cos, -sin).reshape(t, cfg.o_groups, -1)  # the values' rotation taken back at the query's position
     wa = W[p + "wo_a.weight"]
     o = torch.einsum("tgk,grk->tgr", o, wa.view(cfg.o_groups, -1, wa.shape[-1]).to(o.dtype))
@@ -67,10 +69,10 @@ def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos
 
 
 def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, cos, sin, cache,
-           layer: int, start: int) -> torch.Tensor:
+           layer: int, start: int, native: bool = False) -> torch.Tensor:
     """The queries q [t, nh, D] of positions start.. (their keys and entries written) over the cached window and the
     entries each sees (a CSA layer's: those its indexer keeps; x, qr: the rows' input and normed low-rank query, which
-    the indexer reads) -> [t, nh, D]."""
+    the indexer reads) -> [t, nh, D]. native: a decode row's indexer on the native kernels where they take the pool."""
     t, rate = x.shape[0], cfg.compress_rates[layer]
     lo = max(0, start - cfg.sliding_window + 1)  # the first key any query of this chunk sees
     K = cache.gather(layer, start + t, lo, x.dtype, only=(KEY,))[0][0]           # [L, D]
@@ -81,7 +83,7 @@ def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
         at = torch.arange(start, start + t, device=x.device)[:, None]
         seen = torch.arange(n, device=x.device)[None, :] < (at + 1) // rate     # [t, n]: closed at each query
         if cfg.csa(layer) and n > cfg.index_topk:
-            seen &= _index(cfg, W, p + "indexer.", x, qr, cos, sin, cache, layer, start, rate, n)
+            seen &= _index(cfg, W, p + "indexer.", x, qr, cos, sin, cache, layer, start, rate, n, native)
         if t == 1:  # a decode row reads only the entries it sees
             E, seen = E[seen[0]], None
     return _attend(cfg, q, K, E, seen, W[p + "attn_sink"], start, lo)
@@ -125,16 +127,23 @@ def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache, layer: 
 
 
 def _index(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor, cos, sin, cache, layer: int,
-           start: int, rate: int, n: int) -> torch.Tensor:
+           start: int, rate: int, n: int, native: bool = False) -> torch.Tensor:
     """The lightning indexer of a CSA layer: each query's index_topk best entries among the n closed by the chunk's
     end (those after a query's own position never) -> kept [t, n] bool. Scores as transformers' DeepseekV4Indexer:
     sum over heads of weight x relu(q . k) / sqrt(index_dim), in fp32; ties broken towards the earlier entry (the
-    same pick whole, chunked or after a prefix-cache hit)."""
+    same pick whole, chunked or after a prefix-cache hit). native (a decode row): DeepSeek Sparse Attention's kernels
+    (dsa_scores, dsa_top_k) over the entries where the pool holds them, every rate-th row of its blocks."""
     t, H, Di = x.shape[0], cfg.index_heads, cfg.index_dim
-    keys = cache.gather(layer, n * rate, 0, x.dtype, only=(INDEXER + 2,))[0][0][rate - 1::rate].float()  # [n, Di]
     q = rope_tail(linear(qr, W[p + "wq_b.weight"]).view(t, H, Di), cos, sin).float()
     wp = W[p + "weights_proj.weight"]
     w = linear(x.to(wp.dtype), wp).float() * H ** -0.5                             # [t, H]
+    buf = cache.pool.bufs[layer][INDEXER + 2][0]                                   # [blocks, BLOCK, Di]
+    if native and t == 1 and BLOCK % rate == 0 and native_attention.dsa_supported(buf):
+        entries = buf[:, rate - 1::rate]  # entry e: row e % (BLOCK / rate) of block e // (BLOCK / rate)
+        ids = native_attention.dsa_top_k(native_attention.dsa_scores(q[0], w[0], entries, cache.table(), n,
+                                                                     Di ** -0.5), cfg.index_topk)
+        return torch.zeros(1, n, dtype=torch.bool).index_fill_(1, ids.long(), True)
+    keys = cache.gather(layer, n * rate, 0, x.dtype, only=(INDEXER + 2,))[0][0][rate - 1::rate].float()  # [n, Di]
     seen = (torch.arange(start, start + t, device=x.device)[:, None] + 1) // rate   # [t, 1]: entries each query sees
     future = torch.arange(n, device=x.device)[None, :] >= seen                      # [t, n]
     kept = torch.empty(t, n, dtype=torch.bool, device=x.device)
