@@ -1,7 +1,8 @@
 """DeepSeek-V4's compressed attention at depth on the CPU: one DeepSeek-V4-Flash CSA layer (entries of 4 positions, the
 lightning indexer's 64 heads of 128 keeping 512) and one HCA layer (entries of 128) at full width (hidden 4096, 64
 heads of 512 over one KV head, q_lora 1024, a window of 128), bf16, their caches filled directly (random rows) at each
-length, through the service's own code (gpu_service/model/compressed_attention.py, torch) -- against the same layers
+length, through the service's own code (gpu_service/model/compressed_attention.py: torch's ops, the CSA indexer on the
+native DSA kernels as on a CPU service) -- against the same layers
 with their attention made dense (compression rate 1, index_topk at least the context: every position an entry, all
 kept), interleaved, the median of each round's median.
 
@@ -86,7 +87,7 @@ def main() -> None:
     W[ca.ROPE] = rope_inv_freq(comp)[0]
     peak = max(native.fma_peak_flops(10_000_000) for _ in range(5))
     probe = torch.ones(1 << 28)
-    print(f"CPU: {cpu_name()}; native isa {ISA} (this path: torch's bf16 matmuls); {a.threads} threads; "
+    print(f"CPU: {cpu_name()}; native isa {ISA} (torch's bf16 matmuls, the indexer native); {a.threads} threads; "
           f"DeepSeek-V4-Flash CSA and HCA layers at full width, bf16 model and cache; fp32 FMA peak "
           f"{peak / 1e9:.0f} GFLOP/s", flush=True)
     nh, D, Hi, Di, k, win = comp.num_heads, comp.head_dim, comp.index_heads, comp.index_dim, comp.index_topk, \
@@ -113,8 +114,8 @@ def main() -> None:
             cfg, cache = caches[name]
             p, w = f"model.layers.{layer}.attn.", weights[name]
             if whole:
-                return lambda: ca.compressed_attention(cfg, w, p, x, cos, sin, SequenceKV(cache, L, 1), layer)
-            return lambda: ca.attend(cfg, w, p, x, qr, q, cos, sin, cache, layer, L)
+                return lambda: ca.compressed_attention(cfg, w, p, x, cos, sin, SequenceKV(cache, L, 1), layer, True)
+            return lambda: ca.attend(cfg, w, p, x, qr, q, cos, sin, cache, layer, L, True)
         parts = {f"{n} {kind} {what}": part(n, layer, what == "stage") for n in ("compressed", "dense")
                  for layer, kind in ((0, "CSA"), (1, "HCA")) for what in ("attention", "stage")}
         per = {n: [] for n in parts}
