@@ -32,6 +32,31 @@ ROPE = "model.rotary_emb.inv_freq"  # W's entry (Model): the compressed layers' 
 SCORE_BYTES = 256 << 20  # most bytes of fp32 attention scores held at once (queries go in row groups)
 
 
+class PackedGroups:
+    """The grouped output projection (wo_a) packed for the native kernels one group at a time (--dense-format): each
+    group's [o_lora_rank, heads x head_dim / o_groups] rows a NativeLinear."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def grouped(o: torch.Tensor, w) -> torch.Tensor:
+    """o [t, groups, K] through the grouped projection w ([groups x R, K], or PackedGroups) -> [t, groups, R]."""
+    if isinstance(w, PackedGroups):
+        return torch.stack([p(o[:, g].contiguous()) for g, p in enumerate(w.parts)], dim=1)
+    return torch.einsum("tgk,grk->tgr", o, w.view(o.shape[1], -1, w.shape[-1]).to(o.dtype))
+
+
+def projected(x: torch.Tensor, w) -> torch.Tensor:
+    """x through a weight transformers keeps in fp32 (the compressors'): in fp32, packed (its published bf16 values)
+    or not."""
+    return linear(x.to(w.dtype), w) if isinstance(w, torch.Tensor) else w(x, as_float=True)
+
+
 def unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight, as transformers' DeepseekV4UnweightedRMSNorm rounds it."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
@@ -63,9 +88,7 @@ def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos
     kv.write(layer, *(r[:, None] if r.dim() == 2 else r for r in rows))
     o = attend(cfg, W, p, x, qr, q, cos, sin, cache, layer, start, native)
     o = rope_tail(o, cos, -sin).reshape(t, cfg.o_groups, -1)  # the values' rotation taken back at the query's position
-    wa = W[p + "wo_a.weight"]
-    o = torch.einsum("tgk,grk->tgr", o, wa.view(cfg.o_groups, -1, wa.shape[-1]).to(o.dtype))
-    return linear(o.reshape(t, -1), W[p + "wo_b.weight"])
+    return linear(grouped(o, W[p + "wo_a.weight"]).reshape(t, -1), W[p + "wo_b.weight"])
 
 
 def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, cos, sin, cache,
@@ -95,8 +118,7 @@ def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache, layer: 
     first + 2 of the layer): the projections of each position, and each window closed in the chunk its entry at its
     last position (zeros elsewhere). The earlier positions the windows need come from the pool."""
     t = x.shape[0]
-    wkv, wg = W[p + "wkv.weight"], W[p + "wgate.weight"]
-    kv, gate = linear(x.to(wkv.dtype), wkv), linear(x.to(wg.dtype), wg)
+    kv, gate = projected(x, W[p + "wkv.weight"]), projected(x, W[p + "wgate.weight"])
     entries = torch.zeros(t, d, dtype=kv.dtype, device=x.device)
     w0, w1 = start // rate, (start + t) // rate  # the windows closing in the chunk: w0..w1-1
     if w1 > w0:

@@ -23,7 +23,7 @@ from moe_kernels.packing import Fp8
 
 from gpu_service.model import cuda_graphs as graphs, native_loop, native_stages, step
 from gpu_service.model.attention import QKV
-from gpu_service.model.compressed_attention import ROPE
+from gpu_service.model.compressed_attention import ROPE, PackedGroups
 from moe_exchange.protocol import Experts
 from gpu_service.engine.kv_pool import BLOCK, KVPool, SeqCache
 from gpu_service.model.layers import GATE_UP, packs_router, rope_cos_sin, rope_inv_freq, softmax_scale
@@ -42,7 +42,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 DENSE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|gate_proj|up_proj|down_proj"
                    r"|in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj"
                    r"|indexer\.wq_b|indexer\.wk|index_q_proj|index_k_proj"  # (the indexers' query and key)
-                   r"|attn\.wq_a|attn\.wq_b|attn\.wkv|attn\.wo_b|shared_experts\.w[123])\.weight$")  # (DeepSeek-V4's)
+                   r"|attn\.wq_a|attn\.wq_b|attn\.wkv|attn\.wo_a|attn\.wo_b|shared_experts\.w[123]"  # (DeepSeek-V4's,
+                   r"|compressor\.wkv|compressor\.wgate)\.weight$")  # its wo_a one group at a time: PackedGroups)
 
 
 # weights that share their input, packed as one matrix for the native kernels (one call instead of
@@ -122,6 +123,11 @@ class Model:
             fmt = "fp8" if published is not None else "bf16" if dense_format == "fp8" else dense_format
             if fuse:
                 self._fuse(name, t, parts, fmt)  # packed once every part is read
+            elif pack and name.endswith(".attn.wo_a.weight"):  # DeepSeek-V4's grouped output projection
+                rows = t.shape[0] // cfg.o_groups
+                self.W[name] = PackedGroups([NativeLinear(t.rows(g * rows, (g + 1) * rows) if isinstance(t, Fp8)
+                                                          else t[g * rows:(g + 1) * rows], fmt)
+                                             for g in range(cfg.o_groups)])
             elif router:
                 self.W[name] = NativeLinear(t, "bf16")
             elif pack:

@@ -185,3 +185,17 @@ def test_native_decode_indexer_is_the_torch_path(v4, monkeypatch):
     assert calls.count("dsa_scores") == calls.count("dsa_top_k") >= csa * (N_NEW + N_NEW - 3)
     for a, b in zip(torch_path, native_path):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the packed dense kernels run on the vector kernel paths")
+def test_the_grouped_output_projection_packed_one_group_at_a_time():
+    """wo_a packed per group (--dense-format) gives the einsum's product (bf16 values, so exactly up to the sums'
+    order); a model packed so starts and answers."""
+    from gpu_service.model.compressed_attention import PackedGroups, grouped
+    from moe_kernels.dense import NativeLinear
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3 * 16, 64, generator=g).bfloat16().float()
+    o = torch.randn(5, 3, 64, generator=g).bfloat16().float()
+    packed = PackedGroups([NativeLinear(w[i * 16:(i + 1) * 16], "bf16") for i in range(3)])
+    torch.testing.assert_close(grouped(o, packed), grouped(o, w), rtol=1e-5, atol=1e-5)
+    assert packed.nbytes == 3 * 16 * 64 * 2
