@@ -9,7 +9,7 @@ import torch
 from . import ISA, SIMD_ISAS, native
 from .kv_quant import values
 
-VECTOR_DIMS = (64, 128, 256)  # head dims with a vector kernel; others run its plain loops
+VECTOR_DIMS = (64, 128, 256, 512)  # head dims with a vector kernel; others run its plain loops
 # native/moe.h KvType; a pool of the last two holds 8-bit rows (kv_quant.py): its last dim is a row's values + 1
 KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 DTYPES = tuple(KV_CODES)
@@ -19,7 +19,7 @@ INDEX_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn) 
 def rounds_query(kv_dtype: torch.dtype, d: int, isa: str = ISA) -> bool:
     """Whether decode attention over an int8 cache rounds each query head to int8 for its scores (the VNNI kernel of
     the AVX-512 paths, native/kernels/attention.cpp I8Query): then not the bits of a cache holding the values."""
-    return kv_dtype == torch.int8 and isa in ("avx512", "amx") and d in VECTOR_DIMS
+    return kv_dtype == torch.int8 and isa in ("avx512", "amx") and d in VECTOR_DIMS[:3]  # (512: the AVX2-shape kernel)
 
 
 def int8_query(q: torch.Tensor) -> torch.Tensor:
@@ -37,10 +37,26 @@ def supported(K: torch.Tensor, isa: str = ISA) -> bool:
             and values(K.dtype, K.shape[-1]) in VECTOR_DIMS and K.stride(-1) == 1)
 
 
+def _sinks(sinks: torch.Tensor | None, nh: int) -> tuple[torch.Tensor | None, int]:
+    """Attention sinks as the kernel reads them: (the fp32 tensor to keep alive, its address or 0)."""
+    if sinks is None:
+        return None, 0
+    s = sinks.float().contiguous()
+    if tuple(s.shape) != (nh,):
+        raise ValueError(f"attention sinks: one per query head ({nh}), got {list(sinks.shape)}")
+    return s, s.data_ptr()
+
+
+def any_dims(K: torch.Tensor, isa: str = ISA) -> bool:
+    """Whether the native kernel takes this cache on this isa at all (its plain loops where no vector kernel has its
+    head dims: supported() says where it is fast)."""
+    return isa in SIMD_ISAS and K.dtype in DTYPES and K.device.type == "cpu" and K.stride(-1) == 1
+
+
 def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: float,
-                     isa: str = ISA) -> torch.Tensor:
+                     isa: str = ISA, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [nh, d] (any float dtype), K/V [nkv, L, d] fp32, bf16 or fp16 (unit stride along d), or 8-bit rows [nkv, L,
-    d + 1] -> [nh, d] fp32."""
+    d + 1] -> [nh, d] fp32. sinks [nh]: each head's attention sink (a logit whose share is dropped), or None."""
     nh, d = q.shape
     nkv, L, _ = K.shape
     if K.dtype not in DTYPES or V.dtype != K.dtype or K.stride(-1) != 1 or V.stride(-1) != 1:
@@ -50,19 +66,21 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: f
         raise ValueError(f"decode_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} do not fit")
     qf = q.float().contiguous()
     out = torch.empty(nh, d)
+    keep, sp = _sinks(sinks, nh)
     native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
-                            K.stride(1), V.data_ptr(), V.stride(0), V.stride(1), L, scale, out.data_ptr())
+                            K.stride(1), V.data_ptr(), V.stride(0), V.stride(1), L, scale, out.data_ptr(), sinks=sp)
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, table: torch.Tensor, L: int,
                            scale: float, isa: str = ISA, first: int = -1,
-                           selected: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           selected: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The same over a paged cache: K/V one layer of the pool, [nkv, blocks, block, d] (gpu_service/engine/kv_pool.py), the
     sequence's positions 0..L-1 in blocks table[0], table[1], ... (int32, contiguous) -> [nh, d] fp32. first >= 0:
     the blocks are first, first + 1, ... (a head's rows are then one strided matrix: read without the table).
     selected: (positions [nkv, n] int32, lengths [nkv] int32): kv head h reads positions[h, :lengths[h]] (ascending,
-    below L) instead of all L (MiniMax-M3's block-sparse layers)."""
+    below L) instead of all L (MiniMax-M3's block-sparse layers). sinks: as decode_attention's."""
     nh, d = q.shape
     nkv, _, B, _ = K.shape
     _check_pools("paged_decode_attention: K and V", K, V)
@@ -71,6 +89,7 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
     _check_table("paged_decode_attention", table, B, L, first, K.shape[1])
     qf = q.float().contiguous()
     out = torch.empty(nh, d)
+    keep, sp = _sinks(sinks, nh)
     if selected is not None:
         pos, n = selected
         if pos.dtype != torch.int32 or n.dtype != torch.int32 or pos.dim() != 2 or pos.shape[0] != nkv or \
@@ -81,18 +100,18 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
         native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
                                 K.stride(2), V.data_ptr(), V.stride(0), V.stride(2), L, scale, out.data_ptr(),
                                 table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1), pos.data_ptr(),
-                                n.data_ptr(), pos.shape[1])
+                                n.data_ptr(), pos.shape[1], sinks=sp)
         return out
     if first >= 0:
         size = K.element_size()
         native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr() + first * K.stride(1) * size,
                                 KV_CODES[K.dtype], K.stride(0), K.stride(2),
                                 V.data_ptr() + first * V.stride(1) * size, V.stride(0), V.stride(2), L, scale,
-                                out.data_ptr())
+                                out.data_ptr(), sinks=sp)
         return out
     native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
                             K.stride(2), V.data_ptr(), V.stride(0), V.stride(2), L, scale, out.data_ptr(),
-                            table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1))
+                            table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1), sinks=sp)
     return out
 
 

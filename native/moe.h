@@ -150,11 +150,13 @@ void store_kv(KvType kv, const void* src, bool src_bf16, void* dst, int n);
 // out [nh, d] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K and V of type kv
 // [nkv, L, d] at the given head and position strides (elements: bytes for 8-bit rows, whose stride is at least
 // d + 1); nh / nkv query heads per kv head. sel (paged only; MiniMax-M3's block-sparse layers): kv head h reads the
-// sel_len[h] <= L positions sel[h * sel_stride ..] (ascending) instead of positions 0..L-1.
+// sel_len[h] <= L positions sel[h * sel_stride ..] (ascending) instead of positions 0..L-1. sinks (null: none): per
+// query head one more logit in its softmax whose share is dropped (attention sinks: gpt-oss, MiMo, DeepSeek-V4).
 void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, KvType kv, size_t k_head,
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
                       const int32_t* table = nullptr, int block_shift = 0, size_t k_block = 0, size_t v_block = 0,
-                      const int32_t* sel = nullptr, const int32_t* sel_len = nullptr, size_t sel_stride = 0);
+                      const int32_t* sel = nullptr, const int32_t* sel_len = nullptr, size_t sel_stride = 0,
+                      const float* sinks = nullptr);
 
 // MLA's decode attention in the latent space (DeepSeek V2/V3, absorbed): out [nh, r] fp32 = softmax(scores) C, where
 // scores[h, j] = (q[h, :r] . C_j + q[h, r:] . KPE_j) * scale, q [nh, r + dr] fp32 (each head's latent query, then its

@@ -160,6 +160,18 @@ def gqa_attend(cfg: ModelConfig, W: dict, p: str, q: torch.Tensor, kv, layer: in
     # (MiMo-V2-Flash: only its sliding layers have sinks)
     window, sinks = cfg.window(layer), W.get(p + cfg.sinks_name) if cfg.attn_sinks else None
     cache = kv.paged
+    if (window or sinks is not None) and kv.decoding and native and cache is not None and cfg.value_dim == d and \
+            native_attention.any_dims(cache.pool.bufs[layer][0]):
+        # gpt-oss: the native kernel with each head's sink, over the window's positions where the layer has one
+        pos, K, V = kv.start, *cache.pool.bufs[layer][:2]
+        lo = max(0, pos - window + 1) if window else 0
+        sel = None
+        if lo:
+            at = torch.arange(lo, pos + 1, dtype=torch.int32).expand(nkv, -1).contiguous()
+            sel = (at, torch.full((nkv,), pos + 1 - lo, dtype=torch.int32))
+        return native_attention.paged_decode_attention(
+            q[0], K, V, cache.table(), pos + 1, d ** -0.5, first=cache.blocks[0] if cache.consecutive() and sel is None
+            else -1, selected=sel, sinks=sinks).to(q.dtype)[None]
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks (a sequence's own cache: no graph takes these)
         start = kv.start
         first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it

@@ -97,7 +97,8 @@ void bind_kernels(py::module_& m) {
       "decode_attention",
       [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, uintptr_t K, int kv, size_t k_head,
          size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out, uintptr_t table,
-         int block_shift, size_t k_block, size_t v_block, uintptr_t sel, uintptr_t sel_len, size_t sel_stride) {
+         int block_shift, size_t k_block, size_t v_block, uintptr_t sel, uintptr_t sel_len, size_t sel_stride,
+         uintptr_t sinks) {
         Isa isa = kernel_isa(isa_arg);
         const KvType t = kv_type(kv);
         py::gil_scoped_release nogil;
@@ -106,14 +107,15 @@ void bind_kernels(py::module_& m) {
                          k_head, k_row, reinterpret_cast<const void*>(V), v_head, v_row, L, scale,
                          reinterpret_cast<float*>(out), reinterpret_cast<const int32_t*>(table), block_shift, k_block,
                          v_block, reinterpret_cast<const int32_t*>(sel), reinterpret_cast<const int32_t*>(sel_len),
-                         sel_stride);
+                         sel_stride, reinterpret_cast<const float*>(sinks));
       },
       py::arg("isa"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("kv"),
       py::arg("k_head"), py::arg("k_row"), py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("L"),
       py::arg("scale"), py::arg("out"), py::arg("table") = 0, py::arg("block_shift") = 0, py::arg("k_block") = 0,
       py::arg("v_block") = 0, py::arg("sel") = 0, py::arg("sel_len") = 0, py::arg("sel_stride") = 0,
+      py::arg("sinks") = 0,
       "one decode query per head against K/V of type kv (KV_CODES), contiguous or paged through a block table, every "
-      "position or each kv head's selection (native/kernels/attention.cpp)");
+      "position or each kv head's selection, each head's attention sink or none (native/kernels/attention.cpp)");
   m.def(
       "mla_decode_attention",
       [](const std::string& isa_arg, uintptr_t q, int nh, int r, int dr, uintptr_t C, uintptr_t KPE, int kv,

@@ -218,6 +218,19 @@ inline void value_scales(const T* const* vr, int n, int dim, float* s) {
     }
 }
 
+// The softmax's 1 / sum of G (<= 8) queries from their sums of e^(s - max) (in inv, replaced) and their maxima (mx's
+// lanes); sink (null: none): each query's attention sink, one more logit whose share is dropped (gpt-oss, MiMo,
+// DeepSeek-V4: transformers' eager attention with s_aux), e^(sink - max) added to its sum.
+template <int G>
+__attribute__((target("avx2,fma"))) inline void normalizers(float* inv, __m256 mx, const float* sink) {
+  if (sink) {
+    alignas(32) float m[8];
+    _mm256_store_ps(m, mx);
+    for (int b = 0; b < G; ++b) inv[b] += std::exp(sink[b] - m[b]);
+  }
+  for (int b = 0; b < 8; ++b) inv[b] = 1.f / inv[b];
+}
+
 // G (<= 8) queries of one kv head, d = 16 * DC, the scores position-major (s[8 j + b]: query b at position j, as
 // the 8 sums of a position come out): per position a key row's DC vectors stay in registers for all G queries;
 // the softmax runs on 8 queries' lanes at once; then per 16-dim slice of V, a tile of positions at a time, the
@@ -225,7 +238,8 @@ inline void value_scales(const T* const* vr, int n, int dim, float* s) {
 // nothing; no run-time test inside a loop.
 template <int G, int DC, class T, bool P>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void group_avx512(const float* q, Rows<T, P> K, Rows<T, P> V, int L,
-                                                                                 float scale, float* s, float* out) {
+                                                                                 float scale, float* s, float* out,
+                                                                                 const float* sink = nullptr) {
   constexpr int d = 16 * DC;
   constexpr bool i8 = std::is_same<T, I8>::value;  // int8 rows: their scores by VNNI (I8Query)
   const __m256 sc = _mm256_set1_ps(scale);
@@ -267,8 +281,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void group_avx51
     sum2 = _mm512_add_ps(sum2, e);
   }
   alignas(32) float inv[8];
-  _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm512_castps512_ps256(sum2),
-                                                                         _mm512_castps512_ps256(_mm512_shuffle_f32x4(sum2, sum2, 0xee)))));
+  _mm256_store_ps(inv, _mm256_add_ps(_mm512_castps512_ps256(sum2), _mm512_castps512_ps256(_mm512_shuffle_f32x4(sum2, sum2, 0xee))));
+  normalizers<G>(inv, mx, sink);
   constexpr int tile = tile_rows_for<T>(d);
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += tile) {  // V a tile of positions at a time: read from memory once
@@ -371,7 +385,8 @@ __attribute__((target("avx2,fma,f16c"))) inline void weighted_sums(const T* cons
 // against a key in K's row and (DC2 > 0, MLA) K2's; V's rows and the outputs are DCV chunks.
 template <int G, int DC, int DC2, int DCV, class T, bool P>
 __attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T, P> K, Rows<T, P> K2, Rows<T, P> V,
-                                                        int L, float scale, float* s, float* out) {
+                                                        int L, float scale, float* s, float* out,
+                                                        const float* sink = nullptr) {
   constexpr int d = 8 * (DC + DC2), dv = 8 * DCV;
   static_assert(DCV % 2 == 0, "V's slices go two a pass");
   const __m256 sc = _mm256_set1_ps(scale);
@@ -416,7 +431,8 @@ __attribute__((target("avx2,fma,f16c"))) void group_avx2(const float* q, Rows<T,
     sum = _mm256_add_ps(sum, e);
   }
   alignas(32) float inv[8];
-  _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), sum));
+  _mm256_store_ps(inv, sum);
+  normalizers<G>(inv, mx, sink);
   constexpr int tile = tile_rows_for<T>(dv);
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += tile) {
@@ -454,17 +470,20 @@ void by_groups(const float* q, int g, int dq, float* out, int dout, Group group)
   }
 }
 
+// (sink: the g queries' sinks, or null; a group's are its queries')
 template <int DC, class T, bool P>
-void head_avx512(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out) {
+void head_avx512(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out,
+                 const float* sink) {
   by_groups(q, g, 16 * DC, out, 16 * DC, [&](auto G, const float* qi, float* oi) {
-    group_avx512<decltype(G)::value, DC>(qi, K, V, L, scale, s, oi);
+    group_avx512<decltype(G)::value, DC>(qi, K, V, L, scale, s, oi, sink ? sink + (qi - q) / (16 * DC) : nullptr);
   });
 }
 
 template <int DC, class T, bool P>
-void head_avx2(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out) {
+void head_avx2(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out,
+               const float* sink) {
   by_groups(q, g, 8 * DC, out, 8 * DC, [&](auto G, const float* qi, float* oi) {
-    group_avx2<decltype(G)::value, DC, 0, DC>(qi, K, K, V, L, scale, s, oi);
+    group_avx2<decltype(G)::value, DC, 0, DC>(qi, K, K, V, L, scale, s, oi, sink ? sink + (qi - q) / (8 * DC) : nullptr);
   });
 }
 
@@ -472,7 +491,7 @@ void head_avx2(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float s
 // A query is d + d2 floats against a key in K's row (d) and K2's (d2 > 0: MLA's rotary key); V's rows are dv.
 template <class T, bool P>
 void head_portable(const float* q, int g, int d, int d2, int dv, Rows<T, P> K, Rows<T, P> K2, Rows<T, P> V, int L,
-                   float scale, float* s, float* out) {
+                   float scale, float* s, float* out, const float* sink = nullptr) {
   const int dq = d + d2;
   for (int i = 0; i < g; ++i)
     for (int j = 0; j < L; ++j) {
@@ -487,6 +506,7 @@ void head_portable(const float* q, int g, int d, int d2, int dv, Rows<T, P> K, R
     const float mx = *std::max_element(r, r + L);
     float sum = 0.f;
     for (int j = 0; j < L; ++j) sum += (r[j] = std::exp(r[j] - mx));
+    if (sink) sum += std::exp(sink[i] - mx);
     const float inv = 1.f / sum;
     for (int j = 0; j < L; ++j) r[j] *= inv;
     if constexpr (quantized<T>)
@@ -501,15 +521,18 @@ void head_portable(const float* q, int g, int d, int d2, int dv, Rows<T, P> K, R
 }
 
 template <class T, bool P>
-void one_head(Isa isa, const float* q, int g, int d, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out) {
+void one_head(Isa isa, const float* q, int g, int d, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out,
+              const float* sink) {
   const bool v512 = isa == Isa::Avx512 || isa == Isa::Amx, v256 = ymm_path(isa);
-  if (v512 && d == 64) return head_avx512<4, T, P>(q, g, K, V, L, scale, s, out);
-  if (v512 && d == 128) return head_avx512<8, T, P>(q, g, K, V, L, scale, s, out);
-  if (v512 && d == 256) return head_avx512<16, T, P>(q, g, K, V, L, scale, s, out);
-  if (v256 && d == 64) return head_avx2<8, T, P>(q, g, K, V, L, scale, s, out);
-  if (v256 && d == 128) return head_avx2<16, T, P>(q, g, K, V, L, scale, s, out);
-  if (v256 && d == 256) return head_avx2<32, T, P>(q, g, K, V, L, scale, s, out);
-  head_portable(q, g, d, 0, d, K, K, V, L, scale, s, out);
+  if (v512 && d == 64) return head_avx512<4, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v512 && d == 128) return head_avx512<8, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v512 && d == 256) return head_avx512<16, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v256 && d == 64) return head_avx2<8, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v256 && d == 128) return head_avx2<16, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v256 && d == 256) return head_avx2<32, T, P>(q, g, K, V, L, scale, s, out, sink);
+  // DeepSeek-V4's one 512-wide head: MLA's AVX2 kernel shape without its rotary part, on every vector path
+  if ((v512 || v256) && d == 512) return head_avx2<64, T, P>(q, g, K, V, L, scale, s, out, sink);
+  head_portable(q, g, d, 0, d, K, K, V, L, scale, s, out, sink);
 }
 
 // MLA's G (<= 8) heads: DeepSeek's latent 512 and rotary 64 on the AVX2 kernel on every vector path (AVX-512
@@ -530,7 +553,7 @@ void mla_group(Isa isa, const float* q, int g, int r, int dr, Rows<T, P> C, Rows
 void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, KvType kv, size_t k_head,
                       size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
                       const int32_t* table, int block_shift, size_t k_block, size_t v_block, const int32_t* sel,
-                      const int32_t* sel_len, size_t sel_stride) {
+                      const int32_t* sel_len, size_t sel_stride, const float* sinks) {
   MOE_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && L > 0, "decode attention: bad shapes");
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "decode attention: bad block size");
   MOE_CHECK(!sel || (table && sel_len), "decode attention: a selection reads through a block table");
@@ -542,12 +565,13 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
     k += h * k_head;
     v += h * v_head;
     const int32_t* hs = sel ? sel + h * sel_stride : nullptr;
+    const float* sk = sinks ? sinks + size_t(h) * g : nullptr;
     if (table)
       one_head(isa, qh, g, d, Rows<T, true>{k, k_row, k_block, table, block_shift, hs, d},
-               Rows<T, true>{v, v_row, v_block, table, block_shift, hs, d}, sel ? sel_len[h] : L, scale, s, oh);
+               Rows<T, true>{v, v_row, v_block, table, block_shift, hs, d}, sel ? sel_len[h] : L, scale, s, oh, sk);
     else
       one_head(isa, qh, g, d, Rows<T, false>{k, k_row, 0, nullptr, 0, nullptr, d},
-               Rows<T, false>{v, v_row, 0, nullptr, 0, nullptr, d}, L, scale, s, oh);
+               Rows<T, false>{v, v_row, 0, nullptr, 0, nullptr, d}, L, scale, s, oh, sk);
   };
   auto head = [&](int h) {
     thread_local std::vector<float> s;  // the scores (kept: a fresh one a call is a 128 KB memset at 4k positions)

@@ -9,11 +9,15 @@ native = pytest.importorskip("moe_kernels._native", reason="native extension not
 ATTN_PATHS = [p for p in ("portable", "avx2", "avx512") if native.isa_supported(p)]
 
 
-def attention_reference(q, K, V, scale):
-    """float64: softmax(q K^T scale) V per kv head's query group."""
+def attention_reference(q, K, V, scale, sinks=None):
+    """float64: softmax(q K^T scale) V per kv head's query group; sinks [nh]: one more logit per head in its softmax,
+    whose share is dropped (transformers' eager attention with s_aux)."""
     nkv, L, d = K.shape
     qg = q.double().view(nkv, -1, d)
-    s = torch.softmax(qg @ K.double().transpose(1, 2) * scale, dim=-1)
+    s = qg @ K.double().transpose(1, 2) * scale
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(nkv, -1, 1)], dim=-1)
+    s = torch.softmax(s, dim=-1)[..., :L]
     return (s @ V.double()).reshape(q.shape)
 
 
@@ -33,6 +37,46 @@ def test_decode_attention_matches_reference(isa, dtype, d, nh, nkv, L):
     want = attention_reference(q, K, V, d ** -0.5)
     assert got.dtype == torch.float32 and got.shape == (nh, d)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ATTN_PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+@pytest.mark.parametrize("d, nh, nkv", [(64, 8, 1), (512, 12, 1), (128, 20, 2), (80, 6, 3)])
+@pytest.mark.parametrize("L", [1, 17, 301])
+def test_decode_attention_with_sinks(isa, dtype, d, nh, nkv, L):
+    """Each head's attention sink (gpt-oss, MiMo, DeepSeek-V4 with its one 512-wide head): one more logit in its
+    softmax whose share is dropped, contiguous and paged through scattered blocks and over a selection, the sinks of
+    every size against the scores (one far above them: the values all but vanish)."""
+    from moe_kernels import kv_quant
+    from moe_kernels.attention import decode_attention, int8_query, paged_decode_attention, rounds_query
+
+    torch.manual_seed(L + d + nh)
+    B, nblocks = 16, -(-L // 16)
+    x = torch.randn(2, nkv, nblocks + 3, B, d)
+    if kv_quant.quantized(dtype):
+        pool = kv_quant.quantize(x, dtype).view(dtype)
+        x = kv_quant.dequantize(pool.view(torch.uint8), dtype, torch.float32)
+    else:
+        pool = x = x.to(dtype)
+    table = torch.randperm(nblocks + 3)[:nblocks].to(torch.int32)
+    K, V = (y[:, table.long()].reshape(nkv, nblocks * B, d)[:, :L] for y in x)
+    q = torch.randn(nh, d) * 2
+    sinks = torch.randn(nh) * 3
+    sinks[0] = 40.0
+    qr = int8_query(q) if rounds_query(dtype, d, isa) else q
+    want = attention_reference(qr, K.float(), V.float(), d ** -0.5, sinks)
+    got = paged_decode_attention(q, pool[0], pool[1], table, L, d ** -0.5, isa, sinks=sinks)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    if not kv_quant.quantized(dtype):
+        got = decode_attention(q, K.contiguous(), V.contiguous(), d ** -0.5, isa, sinks=sinks)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    keep = torch.arange(0, L, 3, dtype=torch.int32)
+    sel = (keep.expand(nkv, -1).contiguous(), torch.full((nkv,), keep.numel(), dtype=torch.int32))
+    got = paged_decode_attention(q, pool[0], pool[1], table, L, d ** -0.5, isa, selected=sel, sinks=sinks)
+    want = attention_reference(qr, K.float()[:, keep.long()], V.float()[:, keep.long()], d ** -0.5, sinks)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_decode_attention(q, pool[0], pool[1], table, L, d ** -0.5, isa, sinks=sinks[:-1])
 
 
 @pytest.mark.parametrize("isa", ATTN_PATHS)
