@@ -22,6 +22,11 @@ With --isa avx2, run torch limited to AVX2 too (ATEN_CPU_CAPABILITY=avx2 ONEDNN_
 position; gpu_service/model/attention.py mla_attention): torch's matmuls in the model dtype over the gathered cache (the
 decode path before the native kernel) against the native kernel over the pool (consecutive and scattered blocks),
 each also as a share of this CPU's fp32 FMA peak measured in the same run (the attention is compute-bound).
+
+--sinks: gpt-oss-20b's attention (64 query heads, 8 KV heads of 64, a sink per head): a full layer over every
+position and a sliding layer over its window of 128, the decode path before the native kernel took sinks
+(gpu_service/model/attention.py windowed_attention over the gathered cache, the model dtype) against the native
+kernel with its sinks over the pool (consecutive blocks; the window as each KV head's selection), interleaved.
 """
 from __future__ import annotations
 
@@ -100,6 +105,39 @@ def mla(a, dt, kt) -> None:
               f"| {t / pc:.2f}x |", flush=True)
 
 
+def sinks(a, dt, kt) -> None:
+    """gpt-oss's decode attention with sinks, full and windowed: torch's windowed_attention vs the native kernel."""
+    from gpu_service.model.attention import windowed_attention
+    nh, nkv, d, B, W = 64, 8, 64, 16, 128
+    print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}, cache {a.kv or a.dtype}; gpt-oss-20b "
+          f"{nh} / {nkv} heads of {d}, sinks; per layer, median of {a.reps}")
+    print("| positions | layer | torch (gathered, windowed_attention) | native with sinks | torch / native |\n"
+          "|---|---|---|---|---|")
+    for L in a.lengths:
+        nb = -(-L // B)
+        table = torch.arange(nb, dtype=torch.int32)
+        pk, pv = (_empty((nkv, nb, B, d), kt, torch.device("cpu")).normal_() for _ in range(2))
+        q = torch.randn(nh, d, dtype=dt)
+        s = torch.randn(nh)
+        for window in (0, W):
+            lo = max(0, L - window) if window else 0
+            sel = None if not lo else (torch.arange(lo, L, dtype=torch.int32).expand(nkv, -1).contiguous(),
+                                       torch.full((nkv,), L - lo, dtype=torch.int32))
+
+            def with_torch():  # SeqCache.gather's rows from the window's first position (a view), the model dtype
+                K, V = (x.view(nkv, -1, d)[:, lo:L].to(dt) for x in (pk, pv))
+                return windowed_attention(q[None], K, V, L - 1, window, s, d ** -0.5, lo)[0]
+
+            def nat():
+                return paged_decode_attention(q, pk, pv, table, L, d ** -0.5, a.isa, first=0 if sel is None else -1,
+                                              selected=sel, sinks=s)
+            assert torch.allclose(with_torch().float(), nat(), atol=3e-2, rtol=3e-2)
+            rows = [[timed(f, reps=a.reps) for f in (with_torch, nat)] for _ in range(3)]  # interleaved
+            t, n = (statistics.median(r[i] for r in rows) for i in range(2))
+            print(f"| {L} | {'window ' + str(W) if window else 'full'} | {t:.0f} us | {n:.0f} us | {t / n:.2f}x |",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[400, 1500, 6000])
@@ -109,6 +147,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--mla", action="store_true", help="DeepSeek-V3's latent attention (see above)")
+    ap.add_argument("--sinks", action="store_true", help="gpt-oss's attention with sinks (see above)")
     ap.add_argument("--cold-layers", type=int, default=48, help="caches read in turn for the cold table (0: none)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -117,6 +156,8 @@ def main() -> None:
     dt, kt = types[a.dtype], types[a.kv or a.dtype]
     if a.mla:
         return mla(a, dt, kt)
+    if a.sinks:
+        return sinks(a, dt, kt)
     print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}, cache {a.kv or a.dtype}; per layer, "
           f"median of {a.reps}")
     print("| positions | torch matmuls | native, contiguous | native, paged consecutive (/ contiguous) | native, paged "

@@ -109,10 +109,8 @@ def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
             seen &= _index(cfg, W, p + "indexer.", x, qr, cos, sin, cache, layer, start, rate, n, native)
         if t == 1:  # a decode row reads only the entries it sees
             E, seen = E[seen[0]], None
-    if native and t == 1 and native_attention.any_dims(K):  # the native kernel over the window and the entries
-        keys = (K if E is None else torch.cat([K, E])).contiguous()[None]           # [1, L, D]: each key its value
-        return native_attention.decode_attention(q[0], keys, keys, cfg.head_dim ** -0.5,
-                                                 sinks=W[p + "attn_sink"]).to(q.dtype)[None]
+    # (torch's matmuls, not the native decode attention: 64 query heads over one KV head re-read the keys per group of
+    # 8 there; at 32k positions 4x slower than one product: docs/performance/decode_step.md)
     return _attend(cfg, q, K, E, seen, W[p + "attn_sink"], start, lo)
 
 
