@@ -20,7 +20,7 @@ from moe_core.errors import ModelConfigError
 from moe_core.int4_checkpoints import int4_scheme
 
 
-SUPPORTED = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss",
+SUPPORTED = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "glm5_next", "glm_moe_dsa", "deepseek_v2", "kimi_k2", "kimi_k25", "glm4_moe", "gpt_oss",
              "minimax_m2", "minimax_m3_vl", "mimo_v2_flash", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen2_moe", "mixtral")
 # published types whose arithmetic is another family's: Kimi-K2 and K2-Thinking are DeepSeek-V3 (transformers has no
 # kimi_k2 type of its own: its Kimi-K2.5 config rewrites one to deepseek_v3), and so is Kimi-K2.5/K2.6's text model;
@@ -38,6 +38,7 @@ TEXT_IN_WRAPPER = {
                  ("vision_tower.", "mm_projector.")),
     "minimax_m3_vl": ({"language_model.model.": "model.", "language_model.lm_head.": "lm_head."},
                       ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")),
+    "glm5_next": ({"model.language_model.": "model."}, ("model.",)),  # model.visual.*: the tower
 }
 MAX_TOP_K = 256  # experts a token may name: native/moe.h's MAX_K (tests check they agree)
 MIXTRAL_NAMES = ("mixtral", "minimax_m2", "minimax_m3_vl")  # block_sparse_moe.experts.E.w1 / w3 / w2
@@ -193,6 +194,8 @@ class ModelConfig:
     index_topk: int = 0                # 0: no indexer (dense attention)
     index_rope_interleave: bool = False  # GLM-5 rotates the indexer's pairs; V3.2 its halves
     index_shared: tuple[int, ...] = ()  # GLM-5: layers that reuse the previous layer's selection (no indexer)
+    index_kpool: int = 0               # GLM-5.3-Flash: the indexer scores pools of index_kpool keys (gated sums), keeps
+                                       # index_topk / index_kpool of them and the query's unfinished pool
     # MiniMax-M3: in the layers layer_types marks minimax_m3_sparse, a block lightning indexer (index_heads query heads
     # of index_dim, one key a position, cached) max-pools each query's scores over blocks of index_block keys and keeps
     # index_topk_blocks of them per indexer head (a KV group's query heads), index_local_blocks before it always
@@ -216,6 +219,7 @@ class ModelConfig:
     hc_iters: int = 0
     hc_eps: float = 0.0
     hash_layers: tuple[int, ...] = ()
+    linear_bound: float = 0.0          # GLM-5.3-Flash's KDA: its forget gate's lower bound (its decay's floor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -531,6 +535,45 @@ def _deepseek_v4(raw: dict, n_layers: int, n_heads: int) -> dict:
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)), **csa_dsa)
 
 
+def _glm5_next(raw: dict, n_layers: int) -> dict:
+    """GLM-5.3-Flash's text model (glm5_next): KDA linear attention (Kimi Delta Attention: per-channel decay, a
+    fixed-size state per sequence) in the layers layer_types marks linear_attention, DeepSeek Sparse Attention on a
+    NoPE MLA in the others (indexed_attention) whose indexer scores pools of index_kpool keys; hyper-connected
+    residual streams; dense first layers; the clamped SiLU everywhere; DeepSeek-V3's sigmoid routing."""
+    types = [{"full_attention": "indexed_attention"}.get(t, t) for t in raw.get("layer_types") or
+             ("linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n_layers))]
+    if len(types) != n_layers or set(types) - {"linear_attention", "indexed_attention"}:
+        raise ModelConfigError(f"glm5_next layer_types {types}: one of linear_attention | indexed_attention per layer "
+                               f"({n_layers})")
+    kinds = list(raw.get("mlp_layer_types") or ["dense"] * min(3, n_layers) + ["sparse"] * (n_layers - 3))
+    if len(kinds) != n_layers or set(kinds) - {"dense", "sparse"}:
+        raise ModelConfigError(f"glm5_next mlp_layer_types {kinds}: one of dense | sparse per layer ({n_layers})")
+    lin = dict(raw.get("linear_attn_config") or {})
+    heads, dim = int(lin.get("num_heads", raw.get("linear_num_heads", 64))), int(lin.get("head_dim", raw.get(
+        "linear_head_dim", 128)))
+    bound = lin.get("gate_lower_bound", raw.get("linear_lower_bound", -5.0))
+    kpool, topk = int(raw.get("index_kpool", 16)), int(raw.get("index_topk", 2048))
+    if int(raw.get("qk_rope_head_dim", 0)) or raw.get("q_lora_rank") is None or kpool < 1 or topk % kpool or \
+            bound is None or not raw.get("index_kpool_always_select_tail", True) or \
+            raw.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError("glm5_next: a NoPE MLA (qk_rope_head_dim 0) with q_lora_rank, index_topk a multiple of "
+                               f"index_kpool ({topk}, {kpool}), the KDA gate's lower bound ({bound}), the tail always "
+                               "selected and silu are what is supported")
+    dsa = _dsa(raw, "glm_moe_dsa", n_layers)
+    for L in dsa.get("index_shared", ()):
+        if types[L] != "indexed_attention" or types[L - 1] != "indexed_attention":
+            raise ModelConfigError(f"glm5_next indexer_types: a shared layer ({L}) must be an indexed_attention layer "
+                                   "right after one (transformers hands the selection to the next layer only)")
+    limit = float(raw.get("swiglu_limit", 10.0))
+    act = ExpertAct("clamped_silu", 1.0, limit)
+    return dict(**{**dsa, "index_rope_interleave": False}, index_kpool=kpool, layer_types=tuple(types),
+                linear_attn=DeltaNet(heads, heads, dim, dim, int(lin.get("short_conv_kernel_size",
+                                                                          raw.get("linear_conv_kernel_dim", 4)))),
+                linear_bound=float(bound), hc_mult=int(raw.get("hc_mult", 4)),
+                hc_iters=int(raw.get("hc_sinkhorn_iters", 20)), hc_eps=float(raw.get("hc_eps", 1e-6)),
+                expert_act=act, mlp_act=act, moe_layers=tuple(i for i, k in enumerate(kinds) if k == "sparse"))
+
+
 def _dsa(raw: dict, published: str, n_layers: int) -> dict:
     """DeepSeek Sparse Attention's fields: the indexer's shape, its rope, and (GLM-5) which layers share the previous
     full layer's selection: indexer_types, else index_topk_pattern ("FSS..."), else transformers' schedule from
@@ -620,6 +663,18 @@ def parse_config(raw: dict, model_dir: pathlib.Path | None = None) -> ModelConfi
         )
         if cfg.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ModelConfigError(f"unsupported topk_method {cfg.topk_method!r}")
+    elif mt == "glm5_next":  # MLA without rope behind the k-pool indexer, KDA layers, DeepSeek-V3's routing
+        inter = int(raw["moe_intermediate_size"])
+        cfg = ModelConfig(
+            **common, **_glm5_next(raw, n_layers), attention="mla", num_kv_heads=int(raw["num_attention_heads"]),
+            head_dim=0, rope_interleave=True, q_lora_rank=int(raw["q_lora_rank"]),
+            kv_lora_rank=int(raw["kv_lora_rank"]), qk_nope_head_dim=int(raw["qk_nope_head_dim"]), qk_rope_head_dim=0,
+            v_head_dim=int(raw["v_head_dim"]), moe_intermediate_size=inter,
+            n_routed_experts=int(raw.get("n_routed_experts") or raw.get("num_local_experts") or 288),
+            shared_intermediate_size=inter * int(raw.get("n_shared_experts") or 0), scoring="sigmoid",
+            topk_method="noaux_tc", n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
     elif mt == "deepseek_v4":  # every layer MoE (hash-routed first), one shared expert, MQA of one 512-wide head
         n_heads = int(raw["num_attention_heads"])
         inter = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])

@@ -41,6 +41,17 @@ FAMILIES = {
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                      "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
         max_position_embeddings=512)),
+    # GLM-5.3-Flash as published: the text model inside its vision-language wrapper; KDA linear attention in layers 0
+    # and 3, DSA on a NoPE MLA in 1, 2 and 4 (layer 2 reusing layer 1's selection) whose indexer keeps 2 pools of 4
+    # keys and the query's unfinished pool; 2 hyper-connected streams; a dense first layer; a clamping swiglu_limit
+    "glm5_next": ("Glm5NextConfig", "Glm5NextForConditionalGeneration", dict(
+        vocab_size=VOCAB, pad_token_id=0, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_head_dim=16,
+        index_n_heads=8, index_kpool=4, linear_head_dim=16, linear_num_heads=2, hc_mult=2, swiglu_limit=1.0,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
+                     "indexed_attention"], indexer_types=["full", "full", "shared", "full", "full"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"], max_position_embeddings=512)),
     # MiMo-V2-Flash: full attention on layers 0 and 3, sliding windows of 5 (twice the KV heads, sinks, their own rope
     # base) between; a value head narrower than the key's, values scaled; a dense first layer, sigmoid routing
     "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(
@@ -107,6 +118,8 @@ FAMILIES = {
 # vision-language wrappers: kw is the text config, beside a one-block vision tower of these
 WRAPPED = {"qwen3_5_moe": dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
                                patch_size=4, num_position_embeddings=16),
+           "glm5_next": dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64, projection_intermediate_size=32,
+                             intermediate_size=32),
            "minimax_m3_vl": dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  patch_size=14)}
 
@@ -161,6 +174,15 @@ def build(family: str, out: pathlib.Path, dtype=torch.float32, seed: int = 0, sh
             for n, w in model.named_parameters():
                 if n.endswith("bias"):
                     w.copy_(torch.randn_like(w) * 0.2)
+    if family == "glm5_next":  # the k-pool's position biases start at zero and its gate at one, the HC bases at zero
+        with torch.no_grad():
+            for n, w in model.named_parameters():
+                if n.endswith(("index_kpool_compress_ape", ".base", "norm.weight", "dt_bias")):
+                    w.add_(torch.randn_like(w) * 0.5)
+                elif n.endswith("index_kpool_compress_gate"):
+                    w.copy_(torch.randn_like(w) * 0.3)
+                elif n.endswith(".scale"):
+                    w.copy_(1 + torch.randn_like(w) * 0.2)
     if family == "deepseek_v4":  # sinks, biases, hyper-connection bases and the hash tables start at zero
         with torch.no_grad():
             for n, w in model.named_parameters():

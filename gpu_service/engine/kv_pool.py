@@ -266,7 +266,9 @@ def _rows(cfg: ModelConfig, L: int, rows: int) -> list[tuple[tuple, int]]:
         return [((1, rows, BLOCK), n) for n in widths]
     if cfg.attention == "mla":  # the latent, the rotary key, DeepSeek Sparse Attention's indexer key where it has one
         return [((rows, BLOCK), cfg.kv_lora_rank), ((rows, BLOCK), cfg.qk_rope_head_dim)] + \
-            ([((rows, BLOCK), cfg.index_dim)] if cfg.has_indexer(L) else [])
+            ([((rows, BLOCK), cfg.index_dim)] if cfg.has_indexer(L) else []) + \
+            ([((rows, BLOCK), cfg.index_dim)] * 2 if cfg.has_indexer(L) and cfg.index_kpool else [])  # GLM-5.3-Flash:
+            # each key's pool gate logits, and at a pool's last position the pool's key
     return [((cfg.kv_heads(L), rows, BLOCK), cfg.head_dim), ((cfg.kv_heads(L), rows, BLOCK), cfg.value_dim)] + \
         ([((1, rows, BLOCK), cfg.index_dim)] if cfg.block_sparse(L) else [])  # MiniMax-M3's block indexer key
 
@@ -420,8 +422,8 @@ class SeqCache:
                 rows = buf.index_select(0, idx)
             else:  # a block of a head as one row: the copy moves whole rows (~10x faster for short contexts)
                 rows = buf.view(buf.shape[0], buf.shape[1], -1).index_select(1, idx)
-            if self.pool.mla:
-                out.append(rows.reshape(-1, buf.shape[-1])[lo:lo + n])
+            if self.pool.mla:  # (explicit sizes: GLM-5.3-Flash's NoPE MLA has a rotary key of no dims)
+                out.append(rows.reshape(rows.shape[0] * rows.shape[1], buf.shape[-1])[lo:lo + n])
             else:
                 out.append(rows.reshape(buf.shape[0], -1, buf.shape[-1])[:, lo:lo + n])
         return [read(x, self.pool.dtype, dtype) for x in out]

@@ -20,7 +20,7 @@ from moe_kernels import attention as native_attention
 from gpu_service.engine.kv_pool import SeqCache
 from gpu_service.model.compressed_attention import compressed_attention
 from gpu_service.model.layers import apply_rope, linear, rms_norm
-from gpu_service.model.linear_attention import gated_deltanet
+from gpu_service.model.linear_attention import gated_deltanet, kimi_delta_attention
 
 # An attention kind is one function (kinds below): (cfg, W, prefix, x [t, H], cos, sin, kv, layer, native, scale) ->
 # [t, H]. `kv` is where the rows' keys go and come from: a SequenceKV (one sequence's new tokens, the per-op runner's)
@@ -288,7 +288,7 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     # at a few GFLOP/s on a CPU without bf16 arithmetic: docs/performance/decode_step.md)
     paged = absorb and kv.decoding and cache is not None and native_attention.mla_supported(*cache.pool.bufs[layer][:2])
     if cfg.index_topk:
-        paged = paged and isinstance(kv, SequenceKV) and (not cfg.has_indexer(layer) or
+        paged = paged and isinstance(kv, SequenceKV) and not cfg.index_kpool and (not cfg.has_indexer(layer) or
                                                           native_attention.dsa_supported(cache.pool.bufs[layer][2]))
         allowed, rows = dsa_select(cfg, W, p, x, qa, c, k_pe, cos, sin, kv, layer, paged)
     else:
@@ -330,6 +330,8 @@ def dsa_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Ten
         kv.write(layer, c, k_pe)
         return _selection(kv.selection, paged, kv), None
     ip = p + "indexer."
+    if cfg.index_kpool:  # GLM-5.3-Flash: pools of keys (torch's ops; the caller does not take the native path)
+        return kpool_select(cfg, W, ip, x, qa, c, k_pe, cos, sin, kv, layer), None
     kv.write(layer, c, k_pe, index_key(cfg, W, ip, x, cos, sin))
     if kv.start + x.shape[0] <= cfg.index_topk:
         kv.selection = None
@@ -350,6 +352,62 @@ def dsa_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Ten
             ~_causal_mask(t, kv.start, x.device) if t > 1 else None
     kv.selection = index_select(cfg, q, w, keys, hide)
     return kv.selection, rows
+
+
+def kpool_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Tensor, c, k_pe, cos, sin, kv,
+                 layer: int) -> torch.Tensor | None:
+    """GLM-5.3-Flash's lightning indexer over pools of index_kpool keys (transformers' Glm5NextTextIndexer): writes the
+    layer's latents, its indexer keys, their pool gate logits and, at each pool's last position, the pool's key (the
+    softmax over its positions, per dim, of gate logit + ape, weighting its keys); picks each query's index_topk /
+    index_kpool best complete pools it sees (scored as V3.2's indexer scores keys) and adds its own unfinished pool ->
+    allowed [t, start + t] bool, or None (every position: the pools a query sees fit the top k)."""
+    t, start, kp = x.shape[0], kv.start, cfg.index_kpool
+    key = index_key(cfg, W, p, x, cos, sin)
+    gate = F.linear(x, W[p + "index_kpool_compress_gate"].to(x.dtype))
+    kv.write(layer, c, k_pe, key, gate, _pool_keys(cfg, W, p, key, gate, kv.paged, layer, start))
+    end = start + t
+    if end <= cfg.index_topk:
+        kv.selection = None
+        return None
+    q, w = index_query(cfg, W, p, x, qa, cos, sin)                                # [t, H, D], [t, H]
+    n = end // kp                                                                  # complete pools
+    keys = kv.paged.gather(layer, n * kp, 0, x.dtype, only=(4,))[0][kp - 1::kp].float()  # [n, D]
+    pos = torch.arange(start, end, device=x.device)[:, None]                       # [t, 1]
+    seen = torch.arange(n, device=x.device)[None, :] < (pos + 1) // kp             # [t, n]: pools ended by the query
+    allowed = torch.zeros(t, end, dtype=torch.bool, device=x.device)
+    H, D = q.shape[1:]
+    group = max(1, SCORE_BYTES // max(1, H * n * 4))
+    for i in range(0, t, group):
+        r = slice(i, i + group)
+        g = q[r].shape[0]
+        s = (F.relu(torch.matmul(q[r].float().reshape(g * H, D), keys.T) * D ** -0.5)).view(g, H, n)
+        s = torch.matmul(w[r, None, :], s)[:, 0].masked_fill(~seen[r], float("-inf"))
+        top = s.sort(dim=-1, descending=True, stable=True).indices[:, :min(cfg.index_topk // kp, n)]  # ties: earlier
+        picked = torch.zeros(g, n, dtype=torch.bool, device=x.device).scatter_(-1, top, True) & seen[r]
+        allowed[r, :n * kp] = picked.repeat_interleave(kp, dim=-1)
+    j = torch.arange(end, device=x.device)[None, :]
+    allowed |= (j <= pos) & (j >= pos + 1 - (pos + 1) % kp)                         # the unfinished pool
+    kv.selection = allowed
+    return allowed
+
+
+def _pool_keys(cfg: ModelConfig, W: dict, p: str, key: torch.Tensor, gate: torch.Tensor, cache, layer: int,
+               start: int) -> torch.Tensor:
+    """The keys of the pools the new positions complete, each at its pool's last position (zeros elsewhere) -> [t, D];
+    a pool's earlier positions' keys and gate logits come from the pool."""
+    t, kp = key.shape[0], cfg.index_kpool
+    out = torch.zeros_like(key)
+    w0, w1 = start // kp, (start + t) // kp
+    if w1 > w0:
+        K, G = key, gate
+        if w0 * kp < start:
+            pk, pg = cache.gather(layer, start, w0 * kp, key.dtype, only=(2, 3))
+            K, G = torch.cat([pk, key]), torch.cat([pg, gate])
+        n = w1 - w0
+        K, G = K[:n * kp].view(n, kp, -1), G[:n * kp].view(n, kp, -1)
+        probs = (G.float() + W[p + "index_kpool_compress_ape"].float()).softmax(dim=1).to(K.dtype)
+        out[torch.arange(w0 + 1, w1 + 1, device=key.device) * kp - 1 - start] = (probs * K).sum(dim=1)
+    return out
 
 
 def _selection(sel: torch.Tensor, positions: bool, kv) -> torch.Tensor:
@@ -508,7 +566,10 @@ def selected_positions(cfg: ModelConfig, scores: torch.Tensor, pos: int) -> tupl
 
 def linear_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
                      native: bool = False, scale: float | None = None) -> torch.Tensor:
-    """Gated DeltaNet (linear_attention.py): a state per sequence instead of keys, no rotary embedding."""
+    """Gated DeltaNet or (GLM-5.3-Flash) Kimi Delta Attention (linear_attention.py): a state per sequence instead of
+    keys, no rotary embedding."""
+    if p + "f_a_proj.weight" in W:
+        return kimi_delta_attention(cfg, W, p, x, kv.paged, layer)
     return gated_deltanet(cfg, W, p, x, kv.paged, layer)
 
 

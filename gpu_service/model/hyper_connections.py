@@ -66,7 +66,10 @@ def expand(s: Streams, y: torch.Tensor) -> torch.Tensor:
 
 
 def head(cfg: ModelConfig, W: dict, h: torch.Tensor) -> torch.Tensor:
-    """The final collapse of the streams [n, hc, H] -> [n, H] (before the final norm)."""
+    """The final collapse of the streams [n, hc, H] -> [n, H] (before the final norm): DeepSeek-V4's weighted one, or
+    (GLM-5.3-Flash, no hc_head weights) their mean."""
+    if "model.hc_head.hc_fn" not in W:
+        return h.mean(dim=1)
     m = F.linear(_flat_normed(h, cfg.rms_norm_eps), W["model.hc_head.hc_fn"].float())
     pre = torch.sigmoid(m * W["model.hc_head.hc_scale"].float() + W["model.hc_head.hc_base"].float()) + cfg.hc_eps
     return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)

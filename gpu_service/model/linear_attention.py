@@ -1,4 +1,5 @@
-"""Gated DeltaNet, the linear attention of Qwen3-Next's hybrid layers, with its per-sequence state.
+"""Gated DeltaNet, the linear attention of Qwen3-Next's hybrid layers, and Kimi Delta Attention (GLM-5.3-Flash's KDA:
+the same delta rule with a decay per key channel), with their per-sequence state.
 
 Instead of a KV cache growing with the context, each layer keeps a fixed-size state per sequence:
 the last conv_kernel-1 inputs of a causal depthwise convolution over q, k and v, and a recurrent
@@ -117,3 +118,39 @@ def _chunked(q, k, v, g, beta, S, dtype):
         S = S * end[:, c, None, None] + kd[:, c].transpose(-1, -2) @ vn
     o = o.reshape(nv, n * C, -1)[:, :t].transpose(0, 1)
     return o.to(dtype), S
+
+
+def kimi_delta_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache: SeqCache, layer: int) -> torch.Tensor:
+    """GLM-5.3-Flash's KDA layer (transformers' Glm5NextTextLinearAttention): x [t, H] -> [t, H]. q, k, v through a
+    causal depthwise conv (fp32, silu); a forget gate per head and key channel, bound * sigmoid(exp(A_log) (f + dt_bias))
+    (log decay in (bound, 0)); beta = sigmoid(b); the delta rule per token on l2-normalised q and k with S decayed per
+    key channel; the output RMS-normed per head times sigmoid(gate), then o_proj. The state (the conv's last inputs, S
+    fp32) is staged as gated_deltanet's."""
+    sh = cfg.linear_attn
+    t, H, dk, dv = x.shape[0], sh.k_heads, sh.k_dim, sh.v_dim
+    mixed = torch.cat([linear(x, W[p + f"{n}_proj.weight"]) for n in "qkv"], dim=-1)          # [t, 3 H dk]
+    conv_w = torch.cat([W[p + f"{n}_conv1d.weight"] for n in "qkv"])                        # [3 H dk, 1, kernel]
+    state = cache.states[layer]
+    past = state[0] if state is not None else mixed.new_zeros(conv_w.shape[0], sh.conv_kernel - 1, dtype=conv_w.dtype)
+    seq = torch.cat([past, mixed.T.to(conv_w.dtype)], dim=1)
+    mixed = F.silu(F.conv1d(seq[None], conv_w, groups=conv_w.shape[0])[0]).T.to(x.dtype)   # [t, 3 H dk]
+    conv_state = seq[:, seq.shape[1] - (sh.conv_kernel - 1):].clone()
+    q, k, v = (y.reshape(t, H, -1) for y in mixed.split([H * dk, H * dk, H * dv], dim=-1))
+    f = linear(linear(x, W[p + "f_a_proj.weight"]), W[p + "f_b_proj.weight"]).float() + W[p + "dt_bias"].float()
+    g = cfg.linear_bound * torch.sigmoid(W[p + "A_log"].float().exp()[:, None] * f.view(t, H, dk))  # [t, H, dk]
+    beta = torch.sigmoid(linear(x, W[p + "b_proj.weight"])).float()                            # [t, H]
+    S = state[1] if state is not None else torch.zeros(H, dk, dv, dtype=torch.float32, device=x.device)
+    qf, kf = _l2norm(q.float()) * dk ** -0.5, _l2norm(k.float())
+    vf = v.float()
+    o = torch.empty(t, H, dv, dtype=torch.float32, device=x.device)
+    for i in range(t):  # (the recurrence itself: a chunked form is the prefill's next step)
+        S = S * g[i].exp()[..., None]
+        delta = (vf[i] - (S * kf[i][..., None]).sum(-2)) * beta[i][:, None]
+        S = S + kf[i][..., None] * delta[:, None, :]
+        o[i] = (S * qf[i][..., None]).sum(-2)
+    cache.stage(layer, conv_state, S)
+    gate = linear(linear(x, W[p + "g_a_proj.weight"]), W[p + "g_b_proj.weight"]).view(t, H, dv).float()
+    of = o.to(x.dtype).float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    o = (W[p + "o_norm.weight"].float() * of * torch.sigmoid(gate)).to(x.dtype)
+    return linear(o.reshape(t, H * dv), W[p + "o_proj.weight"])

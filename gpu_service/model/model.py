@@ -55,7 +55,7 @@ CLOSE_EVERY_BYTES = 256 << 20  # packing dense layers: reopen the checkpoint aft
 
 DIRECT_TOKENS = 1 << 16  # positions of the pool new_cache() uses when no engine set one
 
-FP32_ROUTER = ("deepseek_v3", "deepseek_v2", "glm4_moe", "mimo_v2_flash")
+FP32_ROUTER = ("deepseek_v3", "deepseek_v2", "glm4_moe", "mimo_v2_flash", "glm5_next")
 
 
 # DeepSeek-V4's tensors transformers keeps in fp32 (its _keep_in_fp32_modules): hyper-connections, sinks, the

@@ -67,12 +67,15 @@ def attention(model, L: int, h, cos, sin, kvs: list) -> tuple:
     DeepSeek-V4: h the streams (hc.Streams), its hyper-connections around the attention and in front of the MLP."""
     p = f"model.layers.{L}."
     fn, W, cfg = KINDS[kind(model.cfg, L)], model.W, model.cfg
+    v4 = cfg.attention == "compressed"  # (DeepSeek-V4's own names: attn_norm, ffn_norm, attn.)
     if cfg.hc_mult:
         post, comb, x = hc.mix(cfg, W, p + "hc_attn_", h.h)
-        x = norm(model, x, p + "attn_norm.weight")
+        x = norm(model, x, p + ("attn_norm.weight" if v4 else "input_layernorm.weight"))
     else:
         x = norm(model, h, p + "input_layernorm.weight")
-    ap = p + ("linear_attn." if cfg.is_linear_attention(L) else "attn." if cfg.hc_mult else "self_attn.")
+    # (Qwen3-Next's linear layers under linear_attn., GLM-5.3-Flash's under self_attn. as its other layers)
+    ap = p + ("attn." if v4 else "linear_attn." if cfg.is_linear_attention(L) and cfg.model_type != "glm5_next"
+              else "self_attn.")
     outs, off = [], 0
     for n, kv in kvs:
         sl = slice(off, off + n)
@@ -82,7 +85,7 @@ def attention(model, L: int, h, cos, sin, kvs: list) -> tuple:
     if cfg.hc_mult:
         s = hc.expand(hc.Streams(h.h, post, comb), a)
         post, comb, x = hc.mix(cfg, W, p + "hc_ffn_", s)
-        return hc.Streams(s, post, comb), norm(model, x, p + "ffn_norm.weight")
+        return hc.Streams(s, post, comb), norm(model, x, p + ("ffn_norm.weight" if v4 else "post_attention_layernorm.weight"))
     h = h + a
     return h, norm(model, h, p + "post_attention_layernorm.weight")
 
