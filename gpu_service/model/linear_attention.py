@@ -140,17 +140,26 @@ def kimi_delta_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cac
     g = cfg.linear_bound * torch.sigmoid(W[p + "A_log"].float().exp()[:, None] * f.view(t, H, dk))  # [t, H, dk]
     beta = torch.sigmoid(linear(x, W[p + "b_proj.weight"])).float()                            # [t, H]
     S = state[1] if state is not None else torch.zeros(H, dk, dv, dtype=torch.float32, device=x.device)
-    qf, kf = _l2norm(q.float()) * dk ** -0.5, _l2norm(k.float())
-    vf = v.float()
-    o = torch.empty(t, H, dv, dtype=torch.float32, device=x.device)
-    for i in range(t):  # (the recurrence itself: a chunked form is the prefill's next step)
+    o, S = kda_rule(q, k, v, g, beta, S)
+    cache.stage(layer, conv_state, S)
+    gate = linear(linear(x, W[p + "g_a_proj.weight"]), W[p + "g_b_proj.weight"]).view(t, H, dv).float()
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    o = (W[p + "o_norm.weight"].float() * of * torch.sigmoid(gate)).to(x.dtype)
+    return linear(o.reshape(t, H * dv), W[p + "o_proj.weight"])
+
+
+def kda_rule(q, k, v, g, beta, S):
+    """KDA's delta rule: q, k [t, H, dk], v [t, H, dv], g [t, H, dk] (log decay per key channel), beta [t, H], S
+    [H, dk, dv] fp32 -> (o [t, H, dv] in v's dtype, the state after the t tokens), token by token as transformers'
+    recurrent_kimi_delta_attention (l2-normalised q and k, q scaled by dk ** -0.5). (A chunked form for prefill is the
+    next step: its per-channel decay needs sub-chunks to stay in fp32's range.)"""
+    t, H, dk = k.shape
+    qf, kf, vf, g, beta = _l2norm(q.float()) * dk ** -0.5, _l2norm(k.float()), v.float(), g.float(), beta.float()
+    o = torch.empty(t, H, v.shape[-1], dtype=torch.float32, device=v.device)
+    for i in range(t):
         S = S * g[i].exp()[..., None]
         delta = (vf[i] - (S * kf[i][..., None]).sum(-2)) * beta[i][:, None]
         S = S + kf[i][..., None] * delta[:, None, :]
         o[i] = (S * qf[i][..., None]).sum(-2)
-    cache.stage(layer, conv_state, S)
-    gate = linear(linear(x, W[p + "g_a_proj.weight"]), W[p + "g_b_proj.weight"]).view(t, H, dv).float()
-    of = o.to(x.dtype).float()
-    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    o = (W[p + "o_norm.weight"].float() * of * torch.sigmoid(gate)).to(x.dtype)
-    return linear(o.reshape(t, H * dv), W[p + "o_proj.weight"])
+    return o.to(v.dtype), S
