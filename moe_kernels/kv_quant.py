@@ -35,8 +35,11 @@ def values(dtype: torch.dtype, width: int) -> int:
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [..., n] (any float dtype) -> its rows [..., n + 1] as `dtype`'s bytes (uint8): codes, then the scale byte."""
+    """x [..., n] (any float dtype) -> its rows [..., n + 1] as `dtype`'s bytes (uint8): codes, then the scale byte.
+    (n = 0, GLM-5.3-Flash's rotary key of no dims: the scale byte alone, 2^0.)"""
     xf = x.float()
+    if xf.shape[-1] == 0:
+        return torch.full((*xf.shape[:-1], 1), 127, dtype=torch.uint8, device=x.device)
     m, e = torch.frexp(xf.abs().amax(-1, keepdim=True) / TOP[dtype])  # amax / top = m 2^e, m in [0.5, 1)
     e = (e - (m == 0.5).int()).clamp(LOW, HIGH)
     inv = ((127 - e) << 23).view(torch.float32)  # 2^-e, exactly
