@@ -84,8 +84,9 @@ def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     out.mkdir()
     tensors = {}
     cfg = json.loads((src / "config.json").read_text())
-    # MiniMax-M3: transformers has no causal LM of its text model alone: its wrapper's, which reads the stored names
-    renames = TEXT_IN_WRAPPER[cfg["model_type"]][0] if cfg["model_type"] == "minimax_m3_vl" else {}
+    # MiniMax-M3, GLM-5.3-Flash: transformers has no causal LM of the text model alone: the wrapper's, which reads the
+    # stored names
+    renames = TEXT_IN_WRAPPER[cfg["model_type"]][0] if cfg["model_type"] in ("minimax_m3_vl", "glm5_next") else {}
     stored = lambda n: next((old + n[len(new):] for old, new in renames.items() if n.startswith(new)), n)  # noqa: E731
     for n in ck.names():
         if n.endswith("_blocks"):
@@ -101,3 +102,12 @@ def dequantized_copy(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     cfg["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(cfg))
     return out
+# GLM-5.3-Flash: KDA in layers 0-2 (as many heads as attention's, as llama.cpp's converter requires), DSA on a NoPE MLA
+# in layer 3 keeping 2 pools of 4 keys of a 70-token prompt's 17, three dense layers
+NARROW["glm-5.3-flash"] = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
+                               num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                               q_lora_rank=48, qk_nope_head_dim=16, v_head_dim=16, index_n_heads=8, index_head_dim=16,
+                               index_kpool=4, index_topk=8, linear_attn_config=dict(
+                                   num_heads=4, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0),
+                               vision_config=dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64,
+                                                  intermediate_size=32, projection_intermediate_size=32))

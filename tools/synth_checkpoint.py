@@ -237,10 +237,13 @@ def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
         text = tensor_specs({**c["text_config"], "model_type": c["model_type"]})
         renames, _ = TEXT_IN_WRAPPER[c["model_type"]]
         stored = lambda n: next((old + n[len(new):] for old, new in renames.items() if n.startswith(new)), n)  # noqa
-        tower = {"kimi_k25": _kimi_vision_specs, "minimax_m3_vl": _m3_vision_specs}.get(c["model_type"], _vision_specs)
+        tower = {"kimi_k25": _kimi_vision_specs, "minimax_m3_vl": _m3_vision_specs,
+                 "glm5_next": _glm_vision_specs}.get(c["model_type"], _vision_specs)
         return [(stored(n), sh, k) for n, sh, k in text] + tower(c["vision_config"], c["text_config"]["hidden_size"])
     if c["model_type"] == "deepseek_v4":
         return _v4_specs(c)
+    if c["model_type"] == "glm5_next":
+        return _glm5_next_specs(c)
     c = {**c, "model_type": SAME_AS.get(c["model_type"], c["model_type"])}  # (Kimi's layers are DeepSeek-V3's)
     H, V, out = c["hidden_size"], c["vocab_size"], []
     proj = lambda name, rows, cols: out.append((name, (rows, cols), "proj"))  # noqa: E731
@@ -420,6 +423,71 @@ def _v4_specs(c: dict) -> list:
     out += [("hc_head_fn", (hc, hc * H), "fp32"), ("hc_head_base", (hc,), "fp32"), ("hc_head_scale", (1,), "fp32"),
             ("norm.weight", (H,), "norm"), ("head.weight", (V, H), "embed")]
     return out
+
+
+def _glm5_next_specs(c: dict) -> list:
+    """GLM-5.3-Flash's text model (tensor_specs stores it under its wrapper's names, model.language_model.*): KDA
+    layers' projections, per-part convs, forget / output gates; the NoPE MLA layers' and (full layers) their k-pool
+    indexer's; hyper-connections (fp32); dense first layers, then experts beside one shared expert."""
+    from moe_core.config import parse_config
+    cfg = parse_config({"model_type": "glm5_next", "text_config": c})
+    t = c
+    H, V, hc, nh = t["hidden_size"], t["vocab_size"], cfg.hc_mult, cfg.num_heads
+    la, E, I = cfg.linear_attn, cfg.n_routed_experts, cfg.moe_intermediate_size
+    qr, r, dn, dv, Di, Hi = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.index_dim, \
+        cfg.index_heads
+    m = "model."
+    out = [(m + "embed_tokens.weight", (V, H), "embed")]
+    mixes = (2 + hc) * hc
+    for L in range(cfg.num_layers):
+        p = f"{m}layers.{L}."
+        a = p + "self_attn."
+        out += [(p + "input_layernorm.weight", (H,), "norm"), (p + "post_attention_layernorm.weight", (H,), "norm")]
+        for b in ("hc_attn_", "hc_ffn_"):
+            out += [(p + b + "fn", (mixes, hc * H), "fp32"), (p + b + "base", (mixes,), "fp32"),
+                    (p + b + "scale", (3,), "fp32")]
+        if cfg.is_linear_attention(L):
+            w = la.k_heads * la.k_dim
+            out += [(a + f"{n}_proj.weight", (w, H), "proj") for n in "qkv"]
+            out += [(a + f"{n}_conv1d.weight", (w, 1, la.conv_kernel), "conv") for n in "qkv"]
+            out += [(a + "f_a_proj.weight", (la.k_dim, H), "proj"), (a + "f_b_proj.weight", (w, la.k_dim), "proj"),
+                    (a + "b_proj.weight", (la.k_heads, H), "proj"), (a + "g_a_proj.weight", (la.k_dim, H), "proj"),
+                    (a + "g_b_proj.weight", (w, la.k_dim), "proj"), (a + "A_log", (la.k_heads,), "log_decay"),
+                    (a + "dt_bias", (w,), "norm"), (a + "o_norm.weight", (la.k_dim,), "norm"),
+                    (a + "o_proj.weight", (H, w), "proj")]
+        else:
+            out += [(a + "q_a_proj.weight", (qr, H), "proj"), (a + "q_a_layernorm.weight", (qr,), "norm"),
+                    (a + "q_b_proj.weight", (nh * dn, qr), "proj"), (a + "kv_a_proj_with_mqa.weight", (r, H), "proj"),
+                    (a + "kv_a_layernorm.weight", (r,), "norm"), (a + "kv_b_proj.weight", (nh * (dn + dv), r), "proj"),
+                    (a + "o_proj.weight", (H, nh * dv), "proj")]
+            if cfg.has_indexer(L):
+                ip = a + "indexer."
+                out += [(ip + "wq_b.weight", (Hi * Di, qr), "proj"), (ip + "wk.weight", (Di, H), "proj"),
+                        (ip + "k_norm.weight", (Di,), "norm"), (ip + "k_norm.bias", (Di,), "proj_bias"),
+                        (ip + "weights_proj.weight", (Hi, H), "proj_bias"),
+                        (ip + "index_kpool_compress_ape", (cfg.index_kpool, Di), "fp32"),
+                        (ip + "index_kpool_compress_gate", (Di, H), "proj_bias")]
+        f = p + "mlp."
+        if not cfg.is_moe_layer(L):
+            inter = t["intermediate_size"]
+            out += [(f + "gate_proj.weight", (inter, H), "proj"), (f + "up_proj.weight", (inter, H), "proj"),
+                    (f + "down_proj.weight", (H, inter), "proj")]
+            continue
+        for e in range(E):
+            out += [(f + f"experts.{e}.gate_proj.weight", (I, H), "proj"),
+                    (f + f"experts.{e}.up_proj.weight", (I, H), "proj"),
+                    (f + f"experts.{e}.down_proj.weight", (H, I), "proj")]
+        out += [(f + "gate.weight", (E, H), "fp32"), (f + "gate.e_score_correction_bias", (E,), "bias")]
+        s = cfg.shared_intermediate_size
+        out += [(f + "shared_experts.gate_proj.weight", (s, H), "proj"),
+                (f + "shared_experts.up_proj.weight", (s, H), "proj"), (f + "shared_experts.down_proj.weight", (H, s), "proj")]
+    out += [(m + "norm.weight", (H,), "norm"), ("lm_head.weight", (V, H), "embed")]
+    return out
+
+
+def _glm_vision_specs(v: dict, text_hidden: int) -> list:
+    """A stand-in for GLM-5.3-Flash's vision tower (model.visual.*, which the services leave out): its patch embedding."""
+    return [("model.visual.patch_embed.proj.weight", (v["hidden_size"], 3 * 2 * 14 * 14), "embed")]
 
 
 def _kimi_vision_specs(v: dict, text_hidden: int) -> list:
@@ -609,6 +677,32 @@ PRESETS["minimax-m3"] = {
     "vision_config": {"model_type": "minimax_m3_vl_vision", "hidden_size": 1280, "intermediate_size": 5120,
                       "num_hidden_layers": 32, "num_attention_heads": 16, "num_channels": 3, "patch_size": 14,
                       "temporal_patch_size": 2, "spatial_merge_size": 2},
+}
+
+
+# zai-org/GLM-5.3-Flash as transformers 5.24's Glm5NextConfig defaults give its shapes (its docstring's checkpoint) in
+# the fields llama.cpp's converter reads (linear_attn_config, mla_use_nope, first_k_dense_replace; not read from the
+# hub): 45 layers, KDA in three of every four, DSA on a NoPE MLA in the fourth with a k-pool indexer of 16, 4
+# hyper-connected streams, 3 dense layers, 288 experts; FP8 blocks assumed (as GLM-5's release); a one-block tower
+PRESETS["glm-5.3-flash"] = {
+    "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "tie_word_embeddings": False,
+    "image_token_id": 154854, "video_token_id": 154855, "torch_dtype": "bfloat16",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "text_config": {
+        "model_type": "glm5_next_text", "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "n_shared_experts": 1, "n_routed_experts": 288, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_rope_head_dim": 0, "v_head_dim": 256, "qk_nope_head_dim": 256, "mla_use_nope": True,
+        "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "norm_topk_prob": True, "hidden_act": "silu",
+        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-05, "pad_token_id": 154820, "first_k_dense_replace": 3,
+        "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "index_kpool": 16,
+        "index_kpool_always_select_tail": True, "swiglu_limit": 10.0, "hc_mult": 4, "hc_eps": 1e-06,
+        "hc_sinkhorn_iters": 20, "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16",
+        "linear_attn_config": {"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+        "eos_token_id": [154820, 154827, 154829]},
+    "vision_config": {"model_type": "glm5_next_vision", "depth": 1, "hidden_size": 1024, "num_heads": 16,
+                      "out_hidden_size": 4096, "intermediate_size": 4096, "projection_intermediate_size": 10240},
 }
 
 

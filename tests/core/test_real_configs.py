@@ -63,16 +63,16 @@ def test_mxfp4_reads_as_transformers_dequantizes():
                                         ("glm-5", [16, 16]), ("mimo-v2-flash", [16, 16]), ("qwen3-30b-a3b", None),
                                         ("glm-4.5-air", None), ("gpt-oss-20b", None), ("qwen3-next-80b-a3b", None),
                                         ("qwen3.5-35b-a3b", None), ("minimax-m2", [16, 16]), ("minimax-m3", [16, 16]),
-                                        ("deepseek-v4-flash", [16, 16])],
+                                        ("deepseek-v4-flash", [16, 16]), ("glm-5.3-flash", [16, 16])],
                          ids=["deepseek-v3-fp8", "deepseek-v3-fp8-16x16-blocks", "deepseek-v3.2-fp8", "glm-5-fp8", "mimo-v2-flash-fp8", "qwen3-30b-a3b", "glm-4.5-air",
                               "gpt-oss-20b-mxfp4", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b", "minimax-m2-fp8",
-                              "minimax-m3-fp8", "deepseek-v4-flash-fp8-fp4"])
+                              "minimax-m3-fp8", "deepseek-v4-flash-fp8-fp4", "glm-5.3-flash-fp8"])
 def test_published_config_matches_transformers(arch, block, tmp_path, services_factory):
     extra = {}
     if block:
         extra["quantization_config"] = {**synth_checkpoint.PRESETS[arch]["quantization_config"],
                                         "weight_block_size": block}
-    hybrid = arch.startswith(("qwen3-next", "qwen3.5"))
+    hybrid = arch.startswith(("qwen3-next", "qwen3.5", "glm-5.3"))
     d = synth(arch, tmp_path / "ckpt", layers=4 if hybrid else 3, **extra)  # hybrid: 3 DeltaNet + 1 full attention
     cfg = json.loads((d / "config.json").read_text())
     # default flags: starts (message limits from the real vocabulary and context) and serves
