@@ -29,7 +29,8 @@ FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads"
           "qk_nope_head_dim", "v_head_dim", "sliding_window", "layer_types", "tie_word_embeddings", "index_heads",
           "index_dim", "index_topk", "index_rope_interleave", "index_shared", "intermediate_size", "norm_offset",
           "index_block", "index_topk_blocks", "index_local_blocks", "mlp_act", "expert_act", "compress_rates", "hc_mult",
-          "hc_iters", "hc_eps", "o_groups", "o_lora_rank", "hash_layers", "sliding_rope_theta", "mxfp4_experts")
+          "hc_iters", "hc_eps", "o_groups", "o_lora_rank", "hash_layers", "sliding_rope_theta", "mxfp4_experts",
+          "linear_attn", "linear_bound", "index_kpool", "layer_types")
 # llama.cpp's files cannot hold these tiny checkpoints as transformers builds them (tests/core/test_gguf.py's reasons)
 # (Qwen's tokenizer class adds <|endoftext|> after the tiny vocabulary: room for it)
 OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [], "vocab_size": 384}, "mixtral": {"intermediate_size": 64},
@@ -39,7 +40,11 @@ OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [], "vocab_size": 384}, "mixtral":
              "minimax_m3_vl": {"swiglu_limit": 7.0, "layer_types": ["full_attention"] + ["minimax_m3_sparse"] * 3},
              # DeepSeek-V4 as DeepSeek publishes it (its own names, FP8 projections, FP4 experts: all the converter
              # reads), at toy width (tests/published.py), its compression rates the ones llama.cpp knows
-             "deepseek_v4": {"compress_rate_hca": 128}}
+             "deepseek_v4": {"compress_rate_hca": 128},
+             # GLM-5.3-Flash in its published fields (linear_attn_config, mla_use_nope, first_k_dense_replace: what the
+             # converter reads), at toy width, bf16 (this converter reads no FP8 for it); its KDA layers as many heads
+             # as attention's (the converter asserts it)
+             "glm5_next": {}}
 
 
 def same(family: str, name: str, got: torch.Tensor, want: torch.Tensor, stored: str = "") -> bool:
@@ -48,6 +53,8 @@ def same(family: str, name: str, got: torch.Tensor, want: torch.Tensor, stored: 
     scale, max |w| / 127, plus the fp16 rounding of that scale times 127)."""
     if family == "minimax_m3_vl" and name.endswith("norm.weight"):
         return torch.allclose(got, want, rtol=2 ** -22, atol=2 ** -23)
+    if name.endswith(".A_log"):  # the file holds -exp(A_log): its log back, to an ulp
+        return torch.allclose(got, want, rtol=1e-6, atol=0)
     if stored == "Q8_0":
         step = want.abs().reshape(want.shape[0], -1, 32).amax(-1, keepdim=True) / 127
         return bool(((got - want).reshape(step.shape[0], -1, 32).abs() <= step * (0.5 + 127 * 2 ** -11)).all())
@@ -58,9 +65,13 @@ def build(family: str, out: pathlib.Path) -> pathlib.Path:
     """The family's tiny checkpoint: transformers' save, or (DeepSeek-V4) its published form (tools/synth_checkpoint)."""
     import tiny_models
     if family == "deepseek_v4":
-        from published import synth
-        return synth("deepseek-v4-flash", out, layers=3, **OVERRIDES[family])  # (its 128 x 128 FP8 blocks: the
-        # converter's own)
+        from published import synth  # (its 128 x 128 FP8 blocks: the converter's own)
+        return synth("deepseek-v4-flash", out, layers=3, **OVERRIDES[family])
+    if family == "glm5_next":
+        from published import NARROW, synth_checkpoint
+        c = synth_checkpoint.config_of("glm-5.3-flash", 5, dict(NARROW["glm-5.3-flash"]))
+        c.pop("quantization_config")
+        return synth_checkpoint.write(c, out, std=0.1, seed=0, shard_mb=8)
     return tiny_models.build(family, out, **OVERRIDES[family])
 
 

@@ -222,7 +222,8 @@ def convert_to_gguf(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path, o
     (fixed / "config.json").write_text(json.dumps(cfg, indent=1))
     model = fixed
     patch = "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
-    glm = {"glm4_moe": "Glm4MoeModel", "glm_moe_dsa": "GlmMoeDsaModel"}.get(cfg.get("model_type"))
+    glm = {"glm4_moe": "Glm4MoeModel", "glm_moe_dsa": "GlmMoeDsaModel", "glm5_next": "Glm5NextModel"}.get(
+        cfg.get("model_type"))
     if glm and "[gMASK]" not in (fixed / "tokenizer.json").read_text():
         # a tokenizer that is not GLM's (the tests' tiny ones): the converter's GLM vocabulary wants its specials
         patch += f"import conversion.glm as g; g.{glm}.set_vocab = TextModel._set_vocab_gpt2; "

@@ -10,7 +10,7 @@ uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q
 on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
 dequantized exactly (then requantized by default: covering).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), deepseek32, glm-dsa, glm4moe, minimax-m2, minimax-m3,
-deepseek4 (DeepSeek-V4: its MXFP4 experts kept as stored), gpt-oss (MXFP4 experts kept as published) and llama files with experts (Mixtral); what the converter changed is undone
+deepseek4 (DeepSeek-V4: its MXFP4 experts kept as stored), glm5-next (GLM-5.3-Flash's text model), gpt-oss (MXFP4 experts kept as published) and llama files with experts (Mixtral); what the converter changed is undone
 (a llama file's q/k rows, MLA's split kv_b, gpt-oss's split gate/up and nibble order, MiniMax-M3's norms' added 1);
 others are refused by name.
 """
@@ -36,7 +36,7 @@ from moe_kernels.packing import layout
 
 MARKER = "gguf.json"
 FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "deepseek32", "glm-dsa", "glm4moe", "minimax-m2", "minimax-m3",
-            "deepseek4", "gpt-oss", "llama")  # llama: Mixtral; deepseek32: DeepSeek-V3.2; glm-dsa: GLM-5
+            "deepseek4", "glm5-next", "gpt-oss", "llama")  # llama: Mixtral; deepseek32: DeepSeek-V3.2; glm-dsa: GLM-5
 # `where` entries whose name is every expert's tensor at once, built expert by expert (get_row) from the file's
 # tensors' slices: dequantized, or as stored (STACKED_RAW: gpt-oss's MXFP4 blocks)
 STACKED, STACKED_RAW = -1, -2
@@ -227,6 +227,15 @@ V4_LAYER = (  # DeepSeek-V4: (our name under model.layers.N., llama.cpp's under 
     ("ffn.gate.weight", "ffn_gate_inp.weight"), ("ffn.gate.bias", "exp_probs_b.bias"),
     ("ffn.gate.tid2eid", "ffn_gate_tid2eid.weight"), ("ffn.shared_experts.w1.weight", "ffn_gate_shexp.weight"),
     ("ffn.shared_experts.w3.weight", "ffn_up_shexp.weight"), ("ffn.shared_experts.w2.weight", "ffn_down_shexp.weight"))
+GLM53_LAYER = (  # GLM-5.3-Flash's beyond the common names: KDA's, the k-pool's, the hyper-connections'
+    *((f"self_attn.{o}", f"ssm_{t}.weight") for o, t in (("f_a_proj.weight", "f_a"), ("f_b_proj.weight", "f_b"),
+                                                          ("b_proj.weight", "beta"), ("g_a_proj.weight", "g_a"),
+                                                          ("g_b_proj.weight", "g_b"), ("o_norm.weight", "norm"))),
+    *((f"self_attn.{n}_conv1d.weight", f"ssm_conv1d_{n}.weight") for n in "qkv"),
+    ("self_attn.A_log", "ssm_a"), ("self_attn.dt_bias", "ssm_dt.bias"),
+    ("self_attn.indexer.index_kpool_compress_ape", "indexer_compressor_ape.weight"),
+    ("self_attn.indexer.index_kpool_compress_gate", "indexer_compressor_gate.weight"),
+    *((f"hc_{b}_{p}", f"hc_{b}_{p}.weight") for b in ("attn", "ffn") for p in ("fn", "base", "scale")))
 V4_TOP = (("model.hc_head.hc_fn", "output_hc_fn.weight"), ("model.hc_head.hc_base", "output_hc_base.weight"),
           ("model.hc_head.hc_scale", "output_hc_scale.weight"), ("head.weight", "output.weight"))
 
@@ -236,6 +245,13 @@ def layer_names(cfg, L: int) -> list[tuple[str, str]]:
     (the routed experts, stacked in the file, are placed apart)."""
     if cfg.model_type == "deepseek_v4":
         return [(f"model.layers.{L}.{o}", f"blk.{L}.{t}") for o, t in V4_LAYER]
+    if cfg.model_type == "glm5_next":
+        pairs = [(f"model.layers.{L}.{o}", f"blk.{L}.{t}") for o, t in GLM53_LAYER]
+        return pairs + [(o, t) for o, t in _common_layer_names(cfg, L)]
+    return _common_layer_names(cfg, L)
+
+
+def _common_layer_names(cfg, L: int) -> list[tuple[str, str]]:
     ffn, shared = cfg.ffn_prefix + ".", "shared_expert." if cfg.shared_expert_gate else "shared_experts."
     beside = cfg.model_type in ("minimax_m2", "minimax_m3_vl")  # MiniMax's choice bias is beside its router
     pairs = [("input_layernorm.weight", "attn_norm.weight"), ("post_attention_layernorm.weight", "ffn_norm.weight"),
@@ -326,6 +342,10 @@ def _transform(cfg, arch: str, ours: str):
         return lambda w: w.reshape(1, -1)
     if arch == "minimax-m3" and ours.endswith("norm.weight"):  # the converter adds the 1 of x * (1 + w) to w
         return lambda w: w - 1
+    if arch == "glm5-next" and ours.endswith("_conv1d.weight"):  # [1, channels, 1, kernel] in the file
+        return lambda w: w.reshape(-1, 1, w.shape[-1])
+    if arch == "glm5-next" and ours.endswith(".A_log"):  # the file holds -exp(A_log)
+        return lambda w: (-w).log()
     return None
 
 
@@ -563,6 +583,41 @@ def _deepseek4(a, cfg, path, names) -> dict:
     return out
 
 
+def _glm5_next(a, cfg, path, names) -> dict:
+    """GLM-5.3-Flash (glm5-next) as llama.cpp's converter writes it: its text model (served under its wrapper's
+    config); a layer with no KV heads is KDA, the others DSA on a NoPE MLA (key_length_mla the nope head, kv_lora_rank
+    the latent) with the k-pool indexer; leading_dense_block_count dense MLPs; sigmoid routing (the converter writes
+    no gating function for it)."""
+    n = cfg["num_hidden_layers"]
+    kv = a("attention.head_count_kv")
+    kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * n
+    dense = a("leading_dense_block_count", 0)
+    types = a("attention.indexer.types")
+    limits = a("swiglu_clamp_exp") or [10.0]
+    text = {k: v for k, v in cfg.items() if k not in ("quantization_config", "num_key_value_heads")}
+    text.update(model_type="glm5_next_text", num_key_value_heads=cfg["num_attention_heads"],
+                rms_norm_eps=float(f"{cfg['rms_norm_eps']:.7g}"),
+                moe_intermediate_size=a("expert_feed_forward_length"), n_routed_experts=a("expert_count"),
+                n_shared_experts=a("expert_shared_count", 1), routed_scaling_factor=a("expert_weights_scale", 1.0),
+                norm_topk_prob=bool(a("expert_weights_norm", True)), n_group=a("expert_group_count", 1),
+                topk_group=a("expert_group_used_count", 1), kv_lora_rank=a("attention.kv_lora_rank"),
+                q_lora_rank=a("attention.q_lora_rank"), qk_nope_head_dim=a("attention.key_length_mla"),
+                v_head_dim=a("attention.value_length_mla"), qk_rope_head_dim=a("rope.dimension_count", 0),
+                index_n_heads=a("attention.indexer.head_count"), index_head_dim=a("attention.indexer.key_length"),
+                index_topk=a("attention.indexer.top_k"), index_kpool=a("attention.indexer.kpool"),
+                index_kpool_always_select_tail=bool(a("attention.indexer.kpool_select_tail", True)),
+                linear_attn_config={"num_heads": cfg["num_attention_heads"], "head_dim": a("kda.head_dim"),
+                                    "short_conv_kernel_size": a("ssm.conv_kernel"),
+                                    "gate_lower_bound": a("kda.gate_lower_bound")},
+                hc_mult=a("hyper_connection.count"), hc_sinkhorn_iters=a("hyper_connection.sinkhorn_iterations"),
+                hc_eps=float(f"{a('hyper_connection.epsilon'):.7g}"), swiglu_limit=float(limits[0]),
+                layer_types=["linear_attention" if h == 0 else "indexed_attention" for h in kv[:n]],
+                mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense))
+    if types is not None:
+        text["indexer_types"] = ["full" if t else "shared" for t in types][:n]
+    return {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"], "text_config": text}
+
+
 def _gpt_oss(a, cfg, path, names) -> dict:
     """gpt-oss as llama.cpp writes it: gate and up experts apart (their MXFP4 blocks as published, nibbles in
     ggml's order), sliding windows on every other layer from the first, YaRN without truncation and the clamped
@@ -584,7 +639,8 @@ def _gpt_oss(a, cfg, path, names) -> dict:
 
 _FAMILY_CONFIG = {"gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2,
                   "deepseek32": _dsa("deepseek32"), "glm-dsa": _dsa("glm-dsa"), "glm4moe": _glm4moe,
-                  "minimax-m2": _minimax_m2, "minimax-m3": _minimax_m3, "deepseek4": _deepseek4}
+                  "minimax-m2": _minimax_m2, "minimax-m3": _minimax_m3, "deepseek4": _deepseek4,
+                  "glm5-next": _glm5_next}
 
 
 def _tokenizer_files(path: pathlib.Path, out: pathlib.Path, reader=None) -> None:
