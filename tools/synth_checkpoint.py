@@ -487,7 +487,7 @@ def _glm5_next_specs(c: dict) -> list:
 
 def _glm_vision_specs(v: dict, text_hidden: int) -> list:
     """A stand-in for GLM-5.3-Flash's vision tower (model.visual.*, which the services leave out): its patch embedding."""
-    return [("model.visual.patch_embed.proj.weight", (v["hidden_size"], 3 * 2 * 14 * 14), "embed")]
+    return [("model.visual.patch_embed.proj.weight", (v["hidden_size"], 3, 2, 14, 14), "embed")]  # (a Conv3d's)
 
 
 def _kimi_vision_specs(v: dict, text_hidden: int) -> list:

@@ -798,3 +798,113 @@ def test_deepseek4_files_serve_transformers_greedy_tokens(tmp_path, services_fac
                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
     assert greedy(s.stub, prompt, 12) == want, s.logs()
+
+
+# -- GLM-5.3-Flash (glm5-next): its text model as llama.cpp's converter writes it (conversion/glm.py's Glm5NextModel of
+# the llama-cpp-python 0.3.36 sdist; bench/check_gguf_converter.py runs the converter itself) --
+def write_glm5_next(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """The converter's file of src: its metadata keys (a KDA layer has no KV heads), the tensors under llama.cpp's
+    names (MLA's kv_b split into k_b / v_b, KDA's convs [1, channels, 1, kernel], A_log as -exp(A_log)), the experts
+    stacked, F32."""
+    from moe_core import gguf_model
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+    raw, cfg, ck = json.loads((src / "config.json").read_text()), load_config(src), Checkpoint(src)
+    t, arch, n = raw["text_config"], "glm5-next", cfg.num_layers
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(t["max_position_embeddings"])
+    w.add_embedding_length(t["hidden_size"])
+    w.add_feed_forward_length(t["intermediate_size"])
+    w.add_block_count(n)
+    w.add_head_count(t["num_attention_heads"])
+    w.add_head_count_kv([0 if cfg.is_linear_attention(L) else 1 for L in range(n)])
+    w.add_layer_norm_rms_eps(t["rms_norm_eps"])
+    w.add_expert_count(t["n_routed_experts"])
+    w.add_expert_used_count(t["num_experts_per_tok"])
+    for key, v in (("ssm.conv_kernel", cfg.linear_attn.conv_kernel), ("kda.head_dim", cfg.linear_attn.k_dim),
+                   ("attention.q_lora_rank", cfg.q_lora_rank), ("attention.kv_lora_rank", cfg.kv_lora_rank),
+                   ("rope.dimension_count", 0), ("attention.key_length_mla", cfg.qk_nope_head_dim),
+                   ("attention.value_length_mla", cfg.v_head_dim), ("attention.indexer.head_count", cfg.index_heads),
+                   ("attention.indexer.key_length", cfg.index_dim), ("attention.indexer.top_k", cfg.index_topk),
+                   ("attention.indexer.kpool", cfg.index_kpool), ("hyper_connection.count", cfg.hc_mult),
+                   ("hyper_connection.sinkhorn_iterations", cfg.hc_iters),
+                   ("leading_dense_block_count", min(cfg.moe_layers)),
+                   ("expert_feed_forward_length", cfg.moe_intermediate_size), ("expert_shared_count", 1),
+                   ("expert_group_count", cfg.n_group), ("expert_group_used_count", cfg.topk_group)):
+        w.add_uint32(f"{arch}.{key}", v)
+    w.add_float32(f"{arch}.kda.gate_lower_bound", cfg.linear_bound)
+    w.add_bool(f"{arch}.attention.indexer.kpool_select_tail", True)
+    w.add_array(f"{arch}.attention.indexer.types", [L not in cfg.index_shared for L in range(n)])
+    w.add_float32(f"{arch}.hyper_connection.epsilon", cfg.hc_eps)
+    w.add_float32(f"{arch}.expert_weights_scale", cfg.routed_scaling_factor)
+    w.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
+    w.add_array(f"{arch}.swiglu_clamp_exp", [cfg.expert_act.limit] * n)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+    vocab = {i: s for s, i in tok["model"]["vocab"].items()}
+    V = t["vocab_size"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([added.get(i, vocab.get(i, f"[UNUSED{i}]")) for i in range(V)])
+    w.add_token_types([3 if i in added else 1 for i in range(V)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(1)
+    theirs = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+    for L in range(n):
+        theirs.update(dict(gguf_model.layer_names(cfg, L)))
+    for name in ck.names(lambda m: ".experts." not in m or "shared" in m):
+        x = ck.get(name).float()
+        if name.endswith("kv_b_proj.weight"):
+            kv = x.view(cfg.num_heads, -1, x.shape[-1])
+            k_b, v_b = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+            b = theirs[name].rsplit("attn_kv_b", 1)[0]
+            w.add_tensor(b + "attn_k_b.weight", k_b.transpose(1, 2).contiguous().numpy())
+            w.add_tensor(b + "attn_v_b.weight", v_b.contiguous().numpy())
+            continue
+        if name.endswith("_conv1d.weight"):
+            x = x.reshape(1, x.shape[0], 1, x.shape[-1])
+        if name.endswith(".A_log"):
+            x = -x.exp()
+        w.add_tensor(theirs[name], x.numpy())
+    for L in cfg.moe_layers:
+        for i, proj in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            w.add_tensor(f"blk.{L}.{proj}.weight", torch.stack([ck.get(cfg.expert_tensor_names(L, e)[i]).float()
+                                                                 for e in range(cfg.n_routed_experts)]).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_glm5_next_files_serve_transformers_greedy_tokens(tmp_path, services_factory, monkeypatch):
+    """A GLM-5.3-Flash file: its config is the checkpoint's, every tensor reads back under our names as the
+    checkpoint's (A_log to an ulp: the file holds -exp(A_log)), and both services on it give transformers' greedy
+    tokens on the checkpoint."""
+    from moe_core import gguf_model
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+    from published import NARROW, synth_checkpoint
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    c = synth_checkpoint.config_of("glm-5.3-flash", 5, dict(NARROW["glm-5.3-flash"]))
+    c.pop("quantization_config")
+    src = synth_checkpoint.write(c, tmp_path / "g53", std=0.1, seed=0, shard_mb=8)
+    f = write_glm5_next(src, tmp_path / "g53.gguf")
+    d = gguf_model.prepare(f, tmp_path / "cache")
+    got, ref, ck, source = load_config(d), load_config(src), gguf_model.open_checkpoint(d), Checkpoint(src)
+    for field in ("layer_types", "linear_attn", "linear_bound", "index_kpool", "index_topk", "index_dim", "index_shared",
+                  "hc_mult", "hc_eps", "moe_layers", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "expert_act",
+                  "routed_scaling_factor", "top_k", "n_routed_experts", "model_type"):
+        assert getattr(got, field) == getattr(ref, field), field
+    assert sorted(ck.names()) == sorted(source.names())
+    for name in ck.names():
+        a, b = ck.get(name), source.get(name).float()
+        assert torch.allclose(a, b, rtol=1e-6, atol=0) if name.endswith("A_log") else torch.equal(a, b), name
+    reference = tiny_models.reference_model(str(src))
+    prompt = torch.randint(2, 4000, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 12) == want, s.logs()
