@@ -10,6 +10,10 @@ implementation on the same inputs, interleaved, medians of --reps:
     python bench/bench_deltanet.py --tokens 512 4096 --threads 2
     python bench/bench_deltanet.py --device cuda
 
+--kda: GLM-5.3-Flash's Kimi Delta Attention instead (64 heads of 128, a decay per key channel): our kda_rule (chunked
+for a prefill, the recurrence for a token) against transformers' chunk_kimi_delta_attention and
+recurrent_kimi_delta_attention, and (prefill) our own recurrence token by token, the form before the chunked one.
+
 The projections around the rule (in_proj_*, out_proj) are ordinary dense layers: bench_kernels covers them."""
 from __future__ import annotations
 
@@ -50,6 +54,48 @@ def timed(fn, sync) -> float:
     return time.perf_counter() - t0
 
 
+def kda(a, sync) -> None:
+    """GLM-5.3-Flash's KDA rule: ours vs transformers', and ours chunked vs token by token."""
+    from transformers.models.glm5_next import modeling_glm5_next as hf
+
+    from gpu_service.model import linear_attention as la
+    H = 64
+    print(f"{cpu_name()}; {torch.get_num_threads()} threads; KDA {H} heads of {D}, fp32 state; medians of {a.reps}")
+
+    def inputs_kda(t):
+        g = torch.Generator().manual_seed(t)
+        q, k, v = (torch.randn(t, H, D, generator=g) for _ in range(3))
+        return q, k, v, -5 * torch.sigmoid(torch.randn(t, H, D, generator=g)), torch.rand(t, H, generator=g), \
+            torch.randn(H, D, D, generator=g) * 0.1
+
+    def token_by_token(q, k, v, gg, b, S):
+        out = []
+        for i in range(q.shape[0]):
+            o, S = la.kda_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], gg[i:i + 1], b[i:i + 1], S)
+            out.append(o)
+        return torch.cat(out), S
+
+    @torch.inference_mode()
+    def theirs(fn, q, k, v, gg, b, S):
+        return fn(q[None], k[None], v[None], gg[None], b[None], initial_state=S[None], output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+    for t in a.tokens:
+        x = inputs_kda(t)
+        o1, S1 = la.kda_rule(*x)
+        o2, S2 = theirs(hf.chunk_kimi_delta_attention, *x)
+        err = max((o1 - o2[0]).abs().max().item(), (S1 - S2[0]).abs().max().item())
+        rows = [[timed(f, sync) for f in (lambda: la.kda_rule(*x), lambda: token_by_token(*x),
+                                          lambda: theirs(hf.chunk_kimi_delta_attention, *x))] for _ in range(a.reps)]
+        m, tb, r = (statistics.median(row[i] for row in rows) for i in range(3))
+        print(f"prefill {t:5} tokens: {m * 1e3:8.1f} ms ours (chunked), {tb * 1e3:8.1f} ms token by token "
+              f"({tb / m:.2f}x), {r * 1e3:8.1f} ms transformers' chunk ({r / m:.2f}x); max |difference| {err:.1e}")
+    x = inputs_kda(1)
+    rows = [[timed(f, sync) for f in (lambda: la.kda_rule(*x), lambda: theirs(hf.recurrent_kimi_delta_attention, *x))]
+            for _ in range(max(20, a.reps))]
+    m, r = (statistics.median(row[i] for row in rows) for i in range(2))
+    print(f"decode 1 token: {m * 1e6:.0f} us ours, {r * 1e6:.0f} us transformers' recurrent ({r / m:.2f}x)")
+
+
 def main() -> None:
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
@@ -59,11 +105,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--kda", action="store_true", help="GLM-5.3-Flash's Kimi Delta Attention (see above)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     dev, dtype = torch.device(a.device), {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    if a.kda:
+        return kda(a, sync)
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     peak = None
     if dev.type == "cpu":

@@ -149,17 +149,48 @@ def kimi_delta_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cac
     return linear(o.reshape(t, H * dv), W[p + "o_proj.weight"])
 
 
+KDA_CHUNK = 64  # most tokens a chunk of KDA's chunked form (fewer where its decays would leave fp32's range)
+KDA_SPAN = 80.0  # the most log decay a chunk spans: e^80 and e^-80 are fp32 normals, and so are their products
+
+
 def kda_rule(q, k, v, g, beta, S):
     """KDA's delta rule: q, k [t, H, dk], v [t, H, dv], g [t, H, dk] (log decay per key channel), beta [t, H], S
-    [H, dk, dv] fp32 -> (o [t, H, dv] in v's dtype, the state after the t tokens), token by token as transformers'
-    recurrent_kimi_delta_attention (l2-normalised q and k, q scaled by dk ** -0.5). (A chunked form for prefill is the
-    next step: its per-channel decay needs sub-chunks to stay in fp32's range.)"""
+    [H, dk, dv] fp32 -> (o [t, H, dv] in v's dtype, the state after the t tokens), as transformers'
+    recurrent_kimi_delta_attention (l2-normalised q and k, q scaled by dk ** -0.5): a decode's token by the recurrence,
+    a prefill's in chunks (_kda_chunked)."""
     t, H, dk = k.shape
-    qf, kf, vf, g, beta = _l2norm(q.float()) * dk ** -0.5, _l2norm(k.float()), v.float(), g.float(), beta.float()
-    o = torch.empty(t, H, v.shape[-1], dtype=torch.float32, device=v.device)
-    for i in range(t):
-        S = S * g[i].exp()[..., None]
-        delta = (vf[i] - (S * kf[i][..., None]).sum(-2)) * beta[i][:, None]
-        S = S + kf[i][..., None] * delta[:, None, :]
-        o[i] = (S * qf[i][..., None]).sum(-2)
-    return o.to(v.dtype), S
+    qf, kf, vf = (y.float().transpose(0, 1) for y in (q, k, v))                    # [H, t, d]
+    qf, kf = _l2norm(qf) * dk ** -0.5, _l2norm(kf)
+    g, beta = g.float().transpose(0, 1), beta.float().T                            # [H, t, dk], [H, t]
+    if t > 1:
+        o, S = _kda_chunked(qf, kf, vf, g, beta, S)
+        return o.transpose(0, 1).to(v.dtype), S
+    S = S * g[:, 0].exp()[..., None]
+    delta = (vf[:, 0] - (S * kf[:, 0, :, None]).sum(-2)) * beta[:, :1]
+    S = S + kf[:, 0, :, None] * delta[:, None, :]
+    return (S * qf[:, 0, :, None]).sum(-2)[None].to(v.dtype), S
+
+
+def _kda_chunked(q, k, v, g, beta, S):
+    """The chunked form with a decay per key channel, a chunk at a time: within a chunk with cumulative log decay G,
+    (I + strict((beta k e^G) (k e^-G)^T)) delta = beta (v - (k e^G) S), o = (q e^G) S + lower((q e^G) (k e^-G)^T)
+    delta, S <- e^(G_end) S + (k e^(G_end - G))^T delta: matrix products, the chunk short enough that e^G and e^-G
+    stay fp32 normals (KDA_SPAN; GLM-5.3-Flash's gate bound of -5: 16 tokens)."""
+    H, t, dk = k.shape
+    C = max(1, min(KDA_CHUNK, int(KDA_SPAN / max(-float(g.min()), 1e-6))))
+    o = torch.empty(H, t, v.shape[-1], dtype=torch.float32, device=v.device)
+    for c0 in range(0, t, C):
+        c = slice(c0, min(t, c0 + C))
+        qc, kc, vc, bc = q[:, c], k[:, c], v[:, c], beta[:, c, None]
+        n = kc.shape[1]
+        G = g[:, c].cumsum(1)                                                      # [H, n, dk]
+        eg, kn = G.exp(), kc * (-G).exp()
+        A = ((kc * bc * eg) @ kn.transpose(1, 2)).tril(-1)
+        B = ((qc * eg) @ kn.transpose(1, 2)).tril()
+        T = A + torch.eye(n, device=k.device)
+        u = torch.linalg.solve_triangular(T, vc * bc, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(T, kc * bc * eg, upper=False, unitriangular=True)
+        delta = u - w @ S
+        o[:, c] = (qc * eg) @ S + B @ delta
+        S = S * eg[:, -1, :, None] + (kc * (G[:, -1:] - G).exp()).transpose(1, 2) @ delta
+    return o, S

@@ -69,15 +69,16 @@ def test_a_prefix_cache_hit_takes_the_kept_state(glm):
     assert twice_with_a_prefix_cache(d, prompt) == [(want, 0), (want, (len(prompt) - 1) // BLOCK * BLOCK)]
 
 
-def test_kda_is_transformers_recurrence():
-    """The KDA layer's recurrence (per-channel decay, the delta rule) against transformers' own
-    recurrent_kimi_delta_attention, its state carried across a split."""
+@pytest.mark.parametrize("t", [1, 9, 16, 40])
+def test_kda_is_transformers_recurrence(t):
+    """The KDA layer's rule (per-channel decay, the delta rule; a decode's token by the recurrence, a prefill's in
+    chunks of 16) against transformers' own recurrent_kimi_delta_attention, its state carried across any split."""
     from transformers.models.glm5_next.modeling_glm5_next import recurrent_kimi_delta_attention
 
     from gpu_service.model import linear_attention
 
-    g = torch.Generator().manual_seed(0)
-    t, H, dk = 9, 3, 8
+    g = torch.Generator().manual_seed(t)
+    H, dk = 3, 8
     q, k, v = (torch.randn(1, t, H, dk, generator=g) for _ in range(3))
     gate = -5 * torch.sigmoid(torch.randn(1, t, H, dk, generator=g))
     beta = torch.rand(1, t, H, generator=g)
@@ -85,9 +86,12 @@ def test_kda_is_transformers_recurrence():
     got, S1 = linear_attention.kda_rule(q[0], k[0], v[0], gate[0], beta[0], torch.zeros(H, dk, dk))
     torch.testing.assert_close(got, want[0])
     torch.testing.assert_close(S1, S[0])
-    a, s = linear_attention.kda_rule(q[0, :4], k[0, :4], v[0, :4], gate[0, :4], beta[0, :4], torch.zeros(H, dk, dk))
-    b, s = linear_attention.kda_rule(q[0, 4:], k[0, 4:], v[0, 4:], gate[0, 4:], beta[0, 4:], s)
-    torch.testing.assert_close(torch.cat([a, b]), want[0])
+    for cut in {t // 2, 1, t - 1} - {0, t}:
+        a, s = linear_attention.kda_rule(q[0, :cut], k[0, :cut], v[0, :cut], gate[0, :cut], beta[0, :cut],
+                                         torch.zeros(H, dk, dk))
+        b, s = linear_attention.kda_rule(q[0, cut:], k[0, cut:], v[0, cut:], gate[0, cut:], beta[0, cut:], s)
+        torch.testing.assert_close(torch.cat([a, b]), want[0])
+        torch.testing.assert_close(s, S[0])
 
 
 @pytest.mark.slow
