@@ -165,10 +165,14 @@ def kda_rule(q, k, v, g, beta, S):
     if t > 1:
         o, S = _kda_chunked(qf, kf, vf, g, beta, S)
         return o.transpose(0, 1).to(v.dtype), S
-    S = S * g[:, 0].exp()[..., None]
-    delta = (vf[:, 0] - (S * kf[:, 0, :, None]).sum(-2)) * beta[:, :1]
-    S = S + kf[:, 0, :, None] * delta[:, None, :]
-    return (S * qf[:, 0, :, None]).sum(-2)[None].to(v.dtype), S
+    # one token: with e = exp(g) per key channel, k^T (e S) and q^T (e S + k delta^T) = (q e)^T S + (q.k) delta, so
+    # both reads of S are one batched product of the old state; the new one is written once and updated in place
+    e = g[:, 0].exp()                                                              # [H, dk]
+    qS, kS = torch.bmm(torch.stack([qf[:, 0] * e, kf[:, 0] * e], dim=1), S).unbind(1)  # [H, dv] each
+    delta = (vf[:, 0] - kS) * beta[:, :1]
+    o = qS + (qf[:, 0] * kf[:, 0]).sum(-1, keepdim=True) * delta
+    S = torch.mul(S, e[..., None]).baddbmm_(kf[:, 0, :, None], delta[:, None, :])
+    return o[None].to(v.dtype), S
 
 
 def _kda_chunked(q, k, v, g, beta, S):
