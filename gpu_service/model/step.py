@@ -2,8 +2,9 @@
 
 A layer is these stages, each defined here and nowhere else:
   attention  the input norm, the layer's attention kind (attention.KINDS), the residual add, the post-attention
-             norm (DeepSeek-V4: the residual as hyper-connected streams, hyper_connections.py); on the CPU one native call for all the step's sequences where native_stages.py built the layer's
-             block (which also routes)
+             norm (DeepSeek-V4, GLM-5.3-Flash: the residual as hyper-connected streams, hyper_connections.py); on
+             the CPU one native call for all the step's sequences where native_stages.py built the layer's block
+             (which also routes)
   route      an MoE layer's router: (expert ids, weights) per row
   mlp        a dense layer's MLP or an MoE layer's shared experts (native where native_stages.py built them)
   exchange   the routed experts handed over and collected, the previous layer's deferred part first (Exchange),
@@ -51,7 +52,7 @@ class Segment:
 
 # -- the stages ------------------------------------------------------------------------------------
 def embed(model, tokens: torch.Tensor):
-    """The residual of the tokens: their embeddings [n, H] (DeepSeek-V4: as its hc_mult streams, hc.Streams)."""
+    """The residual of the tokens: their embeddings [n, H] (hyper-connected models: hc_mult streams, hc.Streams)."""
     e = F.embedding(tokens, model.W["model.embed_tokens.weight"])
     return hc.streams(model.cfg, e) if model.cfg.hc_mult else e
 
@@ -64,7 +65,8 @@ def norm(model, h: torch.Tensor, name: str) -> torch.Tensor:
 def attention(model, L: int, h, cos, sin, kvs: list) -> tuple:
     """The attention block on torch (the reference): h [n, H] -> (h + attention, the post-attention norm of it).
     kvs: (rows, kv) in row order, each kv the cache view of its rows (attention.SequenceKV, or a graph's bucket).
-    DeepSeek-V4: h the streams (hc.Streams), its hyper-connections around the attention and in front of the MLP."""
+    DeepSeek-V4, GLM-5.3-Flash: h the streams (hc.Streams), hyper-connections around the attention and before the
+    MLP."""
     p = f"model.layers.{L}."
     fn, W, cfg = KINDS[kind(model.cfg, L)], model.W, model.cfg
     v4 = cfg.attention == "compressed"  # (DeepSeek-V4's own names: attn_norm, ffn_norm, attn.)
@@ -85,7 +87,8 @@ def attention(model, L: int, h, cos, sin, kvs: list) -> tuple:
     if cfg.hc_mult:
         s = hc.expand(hc.Streams(h.h, post, comb), a)
         post, comb, x = hc.mix(cfg, W, p + "hc_ffn_", s)
-        return hc.Streams(s, post, comb), norm(model, x, p + ("ffn_norm.weight" if v4 else "post_attention_layernorm.weight"))
+        return hc.Streams(s, post, comb), norm(model, x, p + ("ffn_norm.weight" if v4 else
+                                                              "post_attention_layernorm.weight"))
     h = h + a
     return h, norm(model, h, p + "post_attention_layernorm.weight")
 

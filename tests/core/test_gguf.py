@@ -203,6 +203,19 @@ def write_m3_metadata(w, cfg: dict) -> None:
     w.add_leading_dense_block_count(t["mlp_layer_types"].index("sparse"))
 
 
+def add_tokenizer(w, src: pathlib.Path, n: int, eos: int = 1) -> None:
+    """The checkpoint's BPE tokenizer as the converter writes a gpt2-model one (its n ids, merges, added tokens)."""
+    tok = json.loads((src / "tokenizer.json").read_text())
+    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+    vocab = {i: s for s, i in tok["model"]["vocab"].items()}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([added.get(i, vocab.get(i, f"[UNUSED{i}]")) for i in range(n)])
+    w.add_token_types([3 if i in added else 1 for i in range(n)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(eos)
+
+
 def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | None = None,
                mla_split: bool = False, split_max_tensors: int = 0, gating: bool = True) -> pathlib.Path:
     """src's checkpoint as llama.cpp's converter writes it: names from the gguf package's own map, experts
@@ -214,16 +227,7 @@ def write_gguf(src: pathlib.Path, out: pathlib.Path, expert_type, arch: str | No
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     write_metadata(w, cfg, family, mla_split, gating)
     cfg = {**cfg.get("text_config", {}), **cfg}
-    tok = json.loads((src / "tokenizer.json").read_text())
-    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
-    vocab = {i: s for s, i in tok["model"]["vocab"].items()}
-    n = cfg["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([added.get(i, vocab.get(i, f"[UNUSED{i}]")) for i in range(n)])
-    w.add_token_types([3 if i in added else 1 for i in range(n)])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_eos_token_id(cfg.get("eos_token_id") or 1)
+    add_tokenizer(w, src, cfg["vocab_size"], cfg.get("eos_token_id") or 1)
     w.add_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
     tmap = gguf.get_tensor_name_map(next(a for a, name in gguf.MODEL_ARCH_NAMES.items()
                                          if name == TENSOR_MAP_ARCH.get(arch, arch)), cfg["num_hidden_layers"])
@@ -732,16 +736,7 @@ def write_deepseek4(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     w.add_float32(f"{arch}.hyper_connection.epsilon", raw["hc_eps"])
     w.add_array(f"{arch}.attention.compress_ratios", raw["compress_ratios"])
     w.add_array(f"{arch}.swiglu_clamp_exp", [raw["swiglu_limit"]] * n)
-    tok = json.loads((src / "tokenizer.json").read_text())
-    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
-    vocab = {i: s for s, i in tok["model"]["vocab"].items()}
-    V = raw["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([added.get(i, vocab.get(i, f"[UNUSED{i}]")) for i in range(V)])
-    w.add_token_types([3 if i in added else 1 for i in range(V)])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_eos_token_id(1)
+    add_tokenizer(w, src, raw["vocab_size"])
     theirs = dict([("model.embed_tokens.weight", "token_embd.weight"), ("model.norm.weight", "output_norm.weight"),
                    *gguf_model.V4_TOP] + [(f"model.layers.{L}.{o}", f"blk.{L}.{t}") for L in range(n)
                                           for o, t in gguf_model.V4_LAYER])
@@ -839,16 +834,7 @@ def write_glm5_next(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     w.add_float32(f"{arch}.expert_weights_scale", cfg.routed_scaling_factor)
     w.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
     w.add_array(f"{arch}.swiglu_clamp_exp", [cfg.expert_act.limit] * n)
-    tok = json.loads((src / "tokenizer.json").read_text())
-    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
-    vocab = {i: s for s, i in tok["model"]["vocab"].items()}
-    V = t["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([added.get(i, vocab.get(i, f"[UNUSED{i}]")) for i in range(V)])
-    w.add_token_types([3 if i in added else 1 for i in range(V)])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_eos_token_id(1)
+    add_tokenizer(w, src, t["vocab_size"])
     theirs = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
     for L in range(n):

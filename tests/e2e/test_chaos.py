@@ -41,7 +41,11 @@ def http_text(port: int, i: int, stream: bool) -> str:
 
 
 def run_chaos(stub, http_port: int, gpu_pid: int, kill_and_restart, logs) -> None:
+    t0 = time.perf_counter()
     solo = {i: grpc_tokens(stub, i) if i % 2 else http_text(http_port, i, False) for i in range(STREAMS)}
+    # one stream's time alone: the 16 together take at least that, so kills within it land while they run (fixed
+    # sleeps of 0.5-2 s let a fast machine finish every stream before the first kill)
+    alone = (time.perf_counter() - t0) / STREAMS
     base_rss = status_mib(gpu_pid)
     outcome: dict = {}
     done = threading.Event()
@@ -58,7 +62,7 @@ def run_chaos(stub, http_port: int, gpu_pid: int, kill_and_restart, logs) -> Non
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as ex:
         futures = [ex.submit(one, i) for i in range(STREAMS)]
         for _ in range(ROUNDS):
-            time.sleep(rng.uniform(0.5, 2.0))
+            time.sleep(rng.uniform(0.1, 0.4) * alone)
             kill_and_restart(rng.uniform(0.0, 1.0))
         concurrent.futures.wait(futures, timeout=600)
         done.set()
