@@ -18,14 +18,14 @@ import argparse
 import json
 import statistics
 
-from common import cpu_name  # noqa: E402
+from common import cpu_name, median_ms  # noqa: E402
 from moe_core.openmp import passive_by_default  # noqa: E402
 
 passive_by_default()  # as both services run: torch's threads do not spin beside the native pool's
 
 import torch  # noqa: E402
 
-from bench_sparse_attention import filled, synth_checkpoint, timed  # noqa: E402
+from bench_sparse_attention import filled, synth_checkpoint  # noqa: E402
 from gpu_service.model.attention import (QKV, SequenceKV, block_sparse_attention, gqa_attention,  # noqa: E402
                                          selected_positions)
 from gpu_service.model.layers import rope_cos_sin, rope_inv_freq  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> None:
         for _ in range(a.rounds):
             bw.append(native.read_bandwidth(probe.data_ptr(), probe.numel()) / 1e9)
             for n, f in parts.items():
-                per[n].append(timed(f, a.reps))
+                per[n].append(median_ms(f, a.reps))
         ms = {n: statistics.median(v) for n, v in per.items()}
         gbs = statistics.median(bw)
         n_sparse = min(kept, L)

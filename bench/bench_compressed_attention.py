@@ -21,9 +21,8 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 
-from common import cpu_name  # noqa: E402
+from common import cpu_name, median_ms  # noqa: E402
 from moe_core.openmp import passive_by_default  # noqa: E402
 
 passive_by_default()
@@ -60,16 +59,6 @@ def layer_weights(cfg, L: int, g: torch.Generator) -> dict:
         W.update({p + "indexer.wq_b.weight": rnd(cfg.index_heads * cfg.index_dim, qr),
                   p + "indexer.weights_proj.weight": rnd(cfg.index_heads, H, dt=torch.float32)})
     return W
-
-
-def timed(f, reps: int) -> float:
-    f()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def main() -> None:
@@ -123,7 +112,7 @@ def main() -> None:
         for _ in range(a.rounds):
             bw.append(native.read_bandwidth(probe.data_ptr(), probe.numel()) / 1e9)
             for n, f in parts.items():
-                per[n].append(timed(f, a.reps))
+                per[n].append(median_ms(f, a.reps))
         ms = {n: statistics.median(v) for n, v in per.items()}
         gbps = statistics.median(bw)
         n_csa, n_hca = L // 4, L // 128

@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 
-from common import cpu_name  # noqa: E402
+from common import cpu_name, median_ms  # noqa: E402
 from moe_core.openmp import passive_by_default  # noqa: E402
 
 passive_by_default()  # as both services run: torch's threads do not spin beside the native pool's
@@ -80,16 +80,6 @@ def filled(cfg, L: int, g: torch.Generator, layer: int = 0):
     for buf in pool.bufs[layer]:
         buf.normal_(generator=g)
     return pool, cache
-
-
-def timed(f, reps: int) -> float:
-    f()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def whole_model(a) -> None:
@@ -197,7 +187,7 @@ def main() -> None:
         for _ in range(a.rounds):
             bw.append(native.read_bandwidth(probe.data_ptr(), probe.numel()) / 1e9)
             for n, f in parts.items():
-                per[n].append(timed(f, a.reps))
+                per[n].append(median_ms(f, a.reps))
         ms = {n: statistics.median(v) for n, v in per.items()}
         gbps = statistics.median(bw)
         n_sel = min(k, L)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import platform
+import statistics
 import sys
 import time
 
@@ -43,6 +44,12 @@ def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def median_ms(f, reps: int) -> float:
+    """f once to warm up, then the median of reps calls, in milliseconds."""
+    f()
+    return statistics.median(timed(f) for _ in range(reps)) * 1e3
 
 
 def cpu_name() -> str:
