@@ -18,7 +18,7 @@ from moe_core.config import ModelConfig
 from moe_kernels import attention as native_attention
 
 from gpu_service.engine.kv_pool import SeqCache
-from gpu_service.model.compressed_attention import compressed_attention
+from gpu_service.model.compressed_attention import closing_windows, compressed_attention
 from gpu_service.model.layers import apply_rope, linear, rms_norm
 from gpu_service.model.linear_attention import gated_deltanet, kimi_delta_attention
 
@@ -395,14 +395,10 @@ def _pool_keys(cfg: ModelConfig, W: dict, p: str, key: torch.Tensor, gate: torch
                start: int) -> torch.Tensor:
     """The keys of the pools the new positions complete, each at its pool's last position (zeros elsewhere) -> [t, D];
     a pool's earlier positions' keys and gate logits come from the pool."""
-    t, kp = key.shape[0], cfg.index_kpool
+    kp = cfg.index_kpool
     out = torch.zeros_like(key)
-    w0, w1 = start // kp, (start + t) // kp
+    w0, w1, _, (K, G) = closing_windows(cache, layer, start, kp, [key, gate], (2, 3))
     if w1 > w0:
-        K, G = key, gate
-        if w0 * kp < start:
-            pk, pg = cache.gather(layer, start, w0 * kp, key.dtype, only=(2, 3))
-            K, G = torch.cat([pk, key]), torch.cat([pg, gate])
         n = w1 - w0
         K, G = K[:n * kp].view(n, kp, -1), G[:n * kp].view(n, kp, -1)
         probs = (G.float() + W[p + "index_kpool_compress_ape"].float()).softmax(dim=1).to(K.dtype)

@@ -122,12 +122,9 @@ def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache, layer: 
     t = x.shape[0]
     kv, gate = projected(x, W[p + "wkv.weight"]), projected(x, W[p + "wgate.weight"])
     entries = torch.zeros(t, d, dtype=kv.dtype, device=x.device)
-    w0, w1 = start // rate, (start + t) // rate  # the windows closing in the chunk: w0..w1-1
+    # (CSA: the window before the first too, for its first series)
+    w0, w1, lo, (kv, gate) = closing_windows(cache, layer, start, rate, [kv, gate], (first, first + 1), int(overlap))
     if w1 > w0:
-        lo = max(0, (w0 - overlap) * rate)  # (CSA: the window before the first, for its first series)
-        if lo < start:
-            pk, pg = cache.gather(layer, start, lo, kv.dtype, only=(first, first + 1))
-            kv, gate = torch.cat([pk[0], kv]), torch.cat([pg[0], gate])
         c = kv.shape[1] // d
         ape = W[p + "ape"].float().view(rate, c, d)
         win = lambda a, w: a[w * rate - lo:(w + 1) * rate - lo].view(rate, c, d)  # noqa: E731
@@ -148,6 +145,20 @@ def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache, layer: 
         cos, sin = rope_cos_sin(W[ROPE], 1.0, pos, e.dtype)
         entries[(pos + rate - 1 - start)] = rope_tail(e[:, None], cos, sin)[:, 0].to(entries.dtype)
     return [kv[-t:], gate[-t:], entries]
+
+
+def closing_windows(cache, layer: int, start: int, rate: int, rows: list, bufs: tuple, back: int = 0) -> tuple:
+    """The windows of `rate` positions that new positions start.. close (w0..w1-1: each closes at its last position) and
+    the rows they read: `rows` (the new positions', one per pool buffer of `bufs`) after the pool's rows from `back`
+    windows before w0 on -> (w0, w1, lo: the first position the rows hold, the rows). DeepSeek-V4's compressors and
+    GLM-5.3-Flash's key pools."""
+    t = rows[0].shape[0]
+    w0, w1 = start // rate, (start + t) // rate
+    lo = max(0, (w0 - back) * rate)
+    if w1 > w0 and lo < start:
+        old = cache.gather(layer, start, lo, rows[0].dtype, only=bufs)
+        rows = [torch.cat([o.reshape(-1, o.shape[-1]), r]) for o, r in zip(old, rows)]  # (GQA's [1, n, d], MLA's [n, d])
+    return w0, w1, lo, rows
 
 
 def _index(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor, cos, sin, cache, layer: int,
