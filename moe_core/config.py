@@ -270,6 +270,19 @@ class ModelConfig:
             return self.compress_rates[layer] == 0
         return bool(self.sliding_rope_theta and self.window(layer))
 
+    def attention_prefix(self, layer: int) -> str:
+        """The layer's attention weights' prefix under model.layers.N.: DeepSeek-V4's attn., Qwen3-Next's linear layers'
+        linear_attn. (GLM-5.3-Flash's KDA layers are under self_attn. as its other layers)."""
+        if self.attention == "compressed":
+            return "attn."
+        return "linear_attn." if self.is_linear_attention(layer) and self.model_type != "glm5_next" else "self_attn."
+
+    @property
+    def block_norms(self) -> tuple[str, str]:
+        """The names of a layer's norms before its attention and before its MLP (DeepSeek-V4's own)."""
+        return ("attn_norm", "ffn_norm") if self.attention == "compressed" else \
+            ("input_layernorm", "post_attention_layernorm")
+
     def csa(self, layer: int) -> bool:
         """A DeepSeek-V4 compressed sparse attention layer: its entries pass the lightning indexer."""
         return bool(self.compress_rates) and self.layer_types[layer] == "compressed_sparse_attention"

@@ -69,15 +69,13 @@ def attention(model, L: int, h, cos, sin, kvs: list) -> tuple:
     MLP."""
     p = f"model.layers.{L}."
     fn, W, cfg = KINDS[kind(model.cfg, L)], model.W, model.cfg
-    v4 = cfg.attention == "compressed"  # (DeepSeek-V4's own names: attn_norm, ffn_norm, attn.)
+    before, after = cfg.block_norms
     if cfg.hc_mult:
         post, comb, x = hc.mix(cfg, W, p + "hc_attn_", h.h)
-        x = norm(model, x, p + ("attn_norm.weight" if v4 else "input_layernorm.weight"))
+        x = norm(model, x, p + before + ".weight")
     else:
-        x = norm(model, h, p + "input_layernorm.weight")
-    # (Qwen3-Next's linear layers under linear_attn., GLM-5.3-Flash's under self_attn. as its other layers)
-    ap = p + ("attn." if v4 else "linear_attn." if cfg.is_linear_attention(L) and cfg.model_type != "glm5_next"
-              else "self_attn.")
+        x = norm(model, h, p + before + ".weight")
+    ap = p + cfg.attention_prefix(L)
     outs, off = [], 0
     for n, kv in kvs:
         sl = slice(off, off + n)
@@ -87,10 +85,9 @@ def attention(model, L: int, h, cos, sin, kvs: list) -> tuple:
     if cfg.hc_mult:
         s = hc.expand(hc.Streams(h.h, post, comb), a)
         post, comb, x = hc.mix(cfg, W, p + "hc_ffn_", s)
-        return hc.Streams(s, post, comb), norm(model, x, p + ("ffn_norm.weight" if v4 else
-                                                              "post_attention_layernorm.weight"))
+        return hc.Streams(s, post, comb), norm(model, x, p + after + ".weight")
     h = h + a
-    return h, norm(model, h, p + "post_attention_layernorm.weight")
+    return h, norm(model, h, p + after + ".weight")
 
 
 def native_block(model, L: int, h: torch.Tensor, cos, sin, pool: KVPool, seqs: torch.Tensor):
