@@ -9,6 +9,7 @@ import torch
 from moe_core.config import FP8_BLOCK
 
 from . import ISA, native
+from .iq_formats import IqBlocks
 from .packing import Fp8, alloc, data_ptr, floats, pack_expert, row_len
 
 PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
@@ -23,7 +24,7 @@ class NativeLinear:
         """w [out, in] (a tensor, or packing.Fp8 as published for fmt fp8), or a list of them stacked along out
         (fused q/k/v, gate/up) without a copy of the whole. fp8: parts must start on 128-row blocks to keep their
         scales; otherwise the stacked matrix is requantized as one."""
-        blocks = [w] if isinstance(w, (torch.Tensor, Fp8)) else list(w)
+        blocks = [w] if isinstance(w, (torch.Tensor, Fp8, IqBlocks)) else list(w)
         if fmt == "fp8" and any(sum(b.shape[0] for b in blocks[:i]) % FP8_BLOCK for i in range(1, len(blocks))):
             blocks = [torch.cat([floats(b).float() for b in blocks])]
         K = blocks[0].shape[1]
@@ -36,7 +37,7 @@ class NativeLinear:
         at = 0
         for b in blocks:
             for r in range(0, b.shape[0], PACK_ROWS):  # (a multiple of FP8_BLOCK)
-                chunk = b.rows(r, r + PACK_ROWS) if isinstance(b, Fp8) else b[r:r + PACK_ROWS]
+                chunk = b.rows(r, r + PACK_ROWS) if isinstance(b, (Fp8, IqBlocks)) else b[r:r + PACK_ROWS]
                 n = chunk.shape[0]
                 for i, (d, p) in enumerate(zip(self.parts, pack_expert(chunk, fmt, self.Kp))):
                     if d is None:

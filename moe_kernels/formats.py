@@ -27,7 +27,9 @@ plus its row kernels in native/kernels/kernels.h. Formats, one [rows, K] matrix 
 - q3k: GGUF's Q3_K as stored (Q3K: q6k's numbers with 3-bit values, w = d sc (u - 4); 3.625 bits a weight against the
   file's 3.4375), or quantized here;
 - q2k: GGUF's Q2_K as stored (Q2K: 2-bit q, w = d sc q - dmin m with an fp32 d and dmin per 256 and a 4-bit sc and m per
-  16; 2.75 bits a weight against the file's 2.625), or quantized here.
+  16; 2.75 bits a weight against the file's 2.625), or quantized here;
+- iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq1m: GGUF's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M as stored
+  (moe_kernels.iq_formats: the file's grid indices, signs and scales, its bytes moved into row blocks; exact only).
 Rows are padded to row_len elements; the layouts are the ones native/moe.h describes. The grouped int formats (all
 but bf16, int8 and fp8) are stored in row-interleaved blocks of 16 rows (BLOCK_ROWS, native/kernels/gemm_blocked.h):
 _interleave_rows.
@@ -42,6 +44,9 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from moe_kernels import iq_formats
+from moe_kernels.row_blocks import BLOCK_ROWS, _deinterleave_rows, _interleave_rows
+
 FP8_BLOCK = 128  # fp8's blocks of 128 x 128: native/moe.h's FP8_BLOCK and moe_core.config's (tests check they agree)
 INT4_GROUP = 64
 MX_BLOCK = 32
@@ -49,7 +54,6 @@ G32 = 32  # int4g32's group
 QK = 256  # the super-block of q4k, q5k, q6k, q3k, q2k and iq4xs (GGUF's QK_K): a d (q4k, q5k, q2k: and a dmin) per 256,
 # sub-scales below
 Q6_SUB = 16  # q6k, q3k: an int8 sc per 16; q2k: an sc and m
-BLOCK_ROWS = 16  # the grouped int formats' row blocks
 ROW_ALIGN = 64  # the unit of the other formats' row lengths: whole VNNI steps and int4 groups
 E4M3_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; bit 3 is the sign
@@ -319,7 +323,7 @@ class Int8(NamedTuple):
 
 
 # every type of published / quantized numbers above (floats() dequantizes them)
-CONTAINERS = (Mx4, Fp8, Int4, Int8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q6K)
+CONTAINERS = (Mx4, Fp8, Int4, Int8, Iq4, Iq4Xs, UInt4, Q8, Q4K, Q6K, iq_formats.IqBlocks)
 
 
 def floats(w) -> torch.Tensor:
@@ -441,39 +445,6 @@ def int8_quantize(w: torch.Tensor) -> Int8:
     w = w.float()
     scale = (w.abs().amax(-1) / 127).clamp_min(1e-12)
     return Int8(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale)
-
-def _row_blocks(R: int) -> list[tuple[int, int, int, int]]:
-    """(first row, rows, blocks, rows a block) of R rows' whole blocks of BLOCK_ROWS, then of the shorter last one."""
-    full = R // BLOCK_ROWS * BLOCK_ROWS
-    return [p for p in ((0, full, full // BLOCK_ROWS, BLOCK_ROWS), (full, R - full, 1, R - full)) if p[1]]
-
-
-def _interleave_rows(*fields: torch.Tensor) -> torch.Tensor:
-    """Fields [..., R, G, C_i, B_i] -> [..., R, G * sum(C_i B_i)]: rows in blocks of BLOCK_ROWS (the last may be
-    shorter), each block stored group by group, and within a group field by field, chunk by chunk, its rows' B_i
-    elements side by side (a chunk is one vector, a row a lane)."""
-    *lead, R, G = fields[0].shape[:-2]
-    parts = []
-    for r0, n, nb, rows in _row_blocks(R):
-        per = [f[..., r0:r0 + n, :, :, :].reshape(*lead, nb, rows, G, *f.shape[-2:]).movedim(-4, -2)
-               .reshape(*lead, nb, G, -1) for f in fields]
-        parts.append(torch.cat(per, -1).reshape(*lead, n, -1))
-    return torch.cat(parts, -2) if len(parts) > 1 else parts[0]
-
-
-def _deinterleave_rows(t: torch.Tensor, G: int, *shapes: tuple[int, int]) -> list[torch.Tensor]:
-    """_interleave_rows undone: [..., R, G * sum(C_i B_i)] -> the fields [..., R, G, C_i, B_i] of shapes (C_i, B_i)."""
-    *lead, R, _ = t.shape
-    out: list[list[torch.Tensor]] = [[] for _ in shapes]
-    for r0, n, nb, rows in _row_blocks(R):
-        b = t[..., r0:r0 + n, :].reshape(*lead, nb, G, -1)
-        at = 0
-        for i, (C, B) in enumerate(shapes):
-            f = b[..., at:at + C * rows * B].reshape(*lead, nb, G, C, rows, B).movedim(-2, -4)
-            out[i].append(f.reshape(*lead, n, G, C, B))
-            at += C * rows * B
-    return [torch.cat(o, -4) if len(o) > 1 else o[0] for o in out]
-
 
 def _blocked_nibbles(q: torch.Tensor) -> torch.Tensor:
     """[R, Kp] values 0-15 -> [R, Kp/2] bytes in row blocks: per group of 32, chunk v (elements 4v..4v+3) in the
@@ -923,6 +894,9 @@ FORMATS: dict[str, Format] = _register(
            functools.partial(pack_q6k, bits=3), _unpack_q3k, _layout_super(3, 20)),
     Format("q2k", 2.75, Q6_SUB, QK, True, (Q2K,), functools.partial(q4k_quantize, bits=2), pack_q2k, _unpack_q2k,
            _layout_super(2, 24)),
+    # GGUF's grid types as stored (moe_kernels.iq_formats: the file's bytes, moved; no quantizer)
+    *(Format(n, iq_formats.bits(n), Q6_SUB, QK, True, (t,), iq_formats.quantizer(n), iq_formats.pack,
+             iq_formats.unpacker(n), iq_formats.layout(n)) for n, t in iq_formats.NUMBERS.items()),
 )
 NAMES = tuple(FORMATS)  # the format names (the CLIs' choices: moe_experts.kernels.NATIVE_FORMATS)
 

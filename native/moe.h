@@ -12,10 +12,15 @@ namespace moe {
 enum class Isa { Portable, Avx2, AvxVnni, Avx512, Amx };
 // the 256-bit paths: AvxVnni runs Avx2's kernels except for the int8 x int8 dot products
 inline bool ymm_path(Isa isa) { return isa == Isa::Avx2 || isa == Isa::AvxVnni; }
-enum class Fmt { Bf16, Int8, Int4, Mxfp4, Fp8, Int4G32, Iq4Nl, UInt4G32, Int8G32, Q4K, Q6K, Iq4Xs, Q5K, Q3K, Q2K };
+enum class Fmt { Bf16, Int8, Int4, Mxfp4, Fp8, Int4G32, Iq4Nl, UInt4G32, Int8G32, Q4K, Q6K, Iq4Xs, Q5K, Q3K, Q2K,
+               Iq2Xxs, Iq2Xs, Iq2S, Iq3Xxs, Iq3S, Iq1S, Iq1M };  // the IQ types: GGUF's grid types as stored
 
 // Bytes of one packed weight row of Kp elements.
 inline size_t weight_row_bytes(Fmt f, int Kp) {
+  if (f >= Fmt::Iq2Xxs) {  // the IQ types: the file's bytes a 256 (kernels/gemm_iq.h's iq_data_bytes)
+    constexpr int per256[] = {64, 72, 80, 96, 104, 48, 48};
+    return size_t(Kp) / 256 * per256[int(f) - int(Fmt::Iq2Xxs)];
+  }
   return f == Fmt::Bf16 ? size_t(Kp) * 2 : f == Fmt::Int8 || f == Fmt::Fp8 || f == Fmt::Int8G32 ? size_t(Kp)
        : f == Fmt::Q6K ? size_t(Kp) / 4 * 3 : f == Fmt::Q5K ? size_t(Kp) / 8 * 5 : f == Fmt::Q3K ? size_t(Kp) / 8 * 3 : f == Fmt::Q2K ? size_t(Kp) / 4
        : size_t(Kp) / 2;

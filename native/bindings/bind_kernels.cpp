@@ -35,9 +35,12 @@ Fmt parse_fmt(const std::string& fmt) {
        : fmt == "mxfp4" ? Fmt::Mxfp4 : fmt == "fp8" ? Fmt::Fp8 : fmt == "int4g32" ? Fmt::Int4G32
        : fmt == "iq4nl" ? Fmt::Iq4Nl : fmt == "uint4g32" ? Fmt::UInt4G32 : fmt == "int8g32" ? Fmt::Int8G32
        : fmt == "q4k" ? Fmt::Q4K : fmt == "q6k" ? Fmt::Q6K : fmt == "iq4xs" ? Fmt::Iq4Xs : fmt == "q5k" ? Fmt::Q5K
-       : fmt == "q3k" ? Fmt::Q3K : fmt == "q2k" ? Fmt::Q2K
+       : fmt == "q3k" ? Fmt::Q3K : fmt == "q2k" ? Fmt::Q2K : fmt == "iq2xxs" ? Fmt::Iq2Xxs : fmt == "iq2xs" ? Fmt::Iq2Xs
+       : fmt == "iq2s" ? Fmt::Iq2S : fmt == "iq3xxs" ? Fmt::Iq3Xxs : fmt == "iq3s" ? Fmt::Iq3S : fmt == "iq1s" ? Fmt::Iq1S
+       : fmt == "iq1m" ? Fmt::Iq1M
        : throw std::invalid_argument("unknown weight format '" + fmt + "' (bf16, int8, int4, mxfp4, fp8, int4g32, "
-                                     "iq4nl, uint4g32, int8g32, q4k, q5k, q6k, q3k, q2k, iq4xs)");
+                                     "iq4nl, uint4g32, int8g32, q4k, q5k, q6k, q3k, q2k, iq4xs, iq2xxs, iq2xs, iq2s, iq3xxs, "
+                                     "iq3s, iq1s, iq1m)");
 }
 
 // A packed matrix as Python hands it over: the addresses of (data, scale, rowsum, rowcorr), 0 for a part

@@ -7,21 +7,26 @@ namespace moe {
 
 namespace {
 
-constexpr int N_ISA = 5, N_FMT = 15;  // Isa and Fmt in declaration order
+constexpr int N_ISA = 5, N_FMT = 22;  // Isa and Fmt in declaration order
 
 // one row per ISA, one column per format (bf16, int8, int4, mxfp4, fp8, int4g32, iq4nl, uint4g32,
-// int8g32, q4k, q6k, iq4xs, q5k, q3k, q2k)
+// int8g32, q4k, q6k, iq4xs, q5k, q3k, q2k, iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq1m)
 constexpr GemmRowsFn GEMM[N_ISA][N_FMT] = {
     {ref_gemm_rows_bf16, ref_gemm_rows_int8, ref_gemm_rows_int4, ref_gemm_rows_mxfp4, ref_gemm_rows_fp8, ref_gemm_rows_int4g32,
-     ref_gemm_rows_iq4nl, ref_gemm_rows_uint4g32, ref_gemm_rows_int8g32, ref_gemm_rows_q4k, ref_gemm_rows_q6k, ref_gemm_rows_iq4xs, ref_gemm_rows_q5k, ref_gemm_rows_q3k, ref_gemm_rows_q2k},                // portable
+     ref_gemm_rows_iq4nl, ref_gemm_rows_uint4g32, ref_gemm_rows_int8g32, ref_gemm_rows_q4k, ref_gemm_rows_q6k, ref_gemm_rows_iq4xs, ref_gemm_rows_q5k, ref_gemm_rows_q3k, ref_gemm_rows_q2k,
+     ref_gemm_rows_iq2xxs, ref_gemm_rows_iq2xs, ref_gemm_rows_iq2s, ref_gemm_rows_iq3xxs, ref_gemm_rows_iq3s, ref_gemm_rows_iq1s, ref_gemm_rows_iq1m},                // portable
     {gemm_rows_bf16_avx2, gemm_rows_int8_avx2, gemm_rows_int4_avx2, gemm_rows_mxfp4_avx2, gemm_rows_fp8_avx2, gemm_rows_int4g32_avx2,
-     gemm_rows_iq4nl_avx2, gemm_rows_uint4g32_avx2, gemm_rows_int8g32_avx2, gemm_rows_q4k_avx2, gemm_rows_q6k_avx2, gemm_rows_iq4xs_avx2, gemm_rows_q5k_avx2, gemm_rows_q3k_avx2, gemm_rows_q2k_avx2},            // avx2
+     gemm_rows_iq4nl_avx2, gemm_rows_uint4g32_avx2, gemm_rows_int8g32_avx2, gemm_rows_q4k_avx2, gemm_rows_q6k_avx2, gemm_rows_iq4xs_avx2, gemm_rows_q5k_avx2, gemm_rows_q3k_avx2, gemm_rows_q2k_avx2,
+     gemm_rows_iq2xxs_avx2, gemm_rows_iq2xs_avx2, gemm_rows_iq2s_avx2, gemm_rows_iq3xxs_avx2, gemm_rows_iq3s_avx2, gemm_rows_iq1s_avx2, gemm_rows_iq1m_avx2},            // avx2
     {gemm_rows_bf16_avx2, gemm_rows_int8_avxvnni, gemm_rows_int4_avxvnni, gemm_rows_mxfp4_avxvnni, gemm_rows_fp8_avx2, gemm_rows_int4g32_avxvnni,
-     gemm_rows_iq4nl_avxvnni, gemm_rows_uint4g32_avxvnni, gemm_rows_int8g32_avxvnni, gemm_rows_q4k_avxvnni, gemm_rows_q6k_avxvnni, gemm_rows_iq4xs_avxvnni, gemm_rows_q5k_avxvnni, gemm_rows_q3k_avxvnni, gemm_rows_q2k_avxvnni},   // avxvnni
+     gemm_rows_iq4nl_avxvnni, gemm_rows_uint4g32_avxvnni, gemm_rows_int8g32_avxvnni, gemm_rows_q4k_avxvnni, gemm_rows_q6k_avxvnni, gemm_rows_iq4xs_avxvnni, gemm_rows_q5k_avxvnni, gemm_rows_q3k_avxvnni, gemm_rows_q2k_avxvnni,
+     gemm_rows_iq2xxs_avxvnni, gemm_rows_iq2xs_avxvnni, gemm_rows_iq2s_avxvnni, gemm_rows_iq3xxs_avxvnni, gemm_rows_iq3s_avxvnni, gemm_rows_iq1s_avxvnni, gemm_rows_iq1m_avxvnni},   // avxvnni
     {gemm_rows_bf16_avx512, gemm_rows_int8_avx512, gemm_rows_int4_avx512, gemm_rows_mxfp4_avx512, gemm_rows_fp8_avx512, gemm_rows_int4g32_avx512,
-     gemm_rows_iq4nl_avx512, gemm_rows_uint4g32_avx512, gemm_rows_int8g32_avx512, gemm_rows_q4k_avx512, gemm_rows_q6k_avx512, gemm_rows_iq4xs_avx512, gemm_rows_q5k_avx512, gemm_rows_q3k_avx512, gemm_rows_q2k_avx512},  // avx512
+     gemm_rows_iq4nl_avx512, gemm_rows_uint4g32_avx512, gemm_rows_int8g32_avx512, gemm_rows_q4k_avx512, gemm_rows_q6k_avx512, gemm_rows_iq4xs_avx512, gemm_rows_q5k_avx512, gemm_rows_q3k_avx512, gemm_rows_q2k_avx512,
+     gemm_rows_iq2xxs_avx512, gemm_rows_iq2xs_avx512, gemm_rows_iq2s_avx512, gemm_rows_iq3xxs_avx512, gemm_rows_iq3s_avx512, gemm_rows_iq1s_avx512, gemm_rows_iq1m_avx512},  // avx512
     {gemm_rows_bf16_avx512, gemm_rows_int8_avx512, gemm_rows_int4_amx, gemm_rows_mxfp4_amx, gemm_rows_fp8_amx, gemm_rows_int4g32_amx,
-     gemm_rows_iq4nl_amx, gemm_rows_uint4g32_avx512, gemm_rows_int8g32_amx, gemm_rows_q4k_avx512, gemm_rows_q6k_amx, gemm_rows_iq4xs_amx, gemm_rows_q5k_avx512, gemm_rows_q3k_avx512, gemm_rows_q2k_avx512},  // amx
+     gemm_rows_iq4nl_amx, gemm_rows_uint4g32_avx512, gemm_rows_int8g32_amx, gemm_rows_q4k_avx512, gemm_rows_q6k_amx, gemm_rows_iq4xs_amx, gemm_rows_q5k_avx512, gemm_rows_q3k_avx512, gemm_rows_q2k_avx512,
+     gemm_rows_iq2xxs_avx512, gemm_rows_iq2xs_avx512, gemm_rows_iq2s_avx512, gemm_rows_iq3xxs_avx512, gemm_rows_iq3s_avx512, gemm_rows_iq1s_avx512, gemm_rows_iq1m_avx512},  // amx
 };
 
 Kernels entry(Isa isa, Fmt fmt) {

@@ -1,0 +1,226 @@
+// GGUF's grid types as stored (kernels/gemm_iq.h) on AVX-512 VNNI: 8 rows at a time, each group of 8 weights one
+// gather of the 8 rows' grid entries (qword r: row r's 8 weights; IQ3: 16 dword halves), its signs a 64-bit mask
+// (byte r: row r's 8 signs) applied while biasing by 64, then one vpdpbusd a token against the 8 activations
+// broadcast to every qword. Lanes 2r and 2r + 1 hold row r's two halves of each 8 until the 256's sum, where they are
+// added in int32 before d: the same integers as the reference.
+#pragma once
+
+#include "kernels/gemm_iq.h"
+
+#define MOE_IQ512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
+
+namespace moe {
+
+namespace {
+
+// up to 64 bytes from p (the rest zero): a field's bytes of the rows present
+MOE_IQ512 inline __m512i iq_load512(const uint8_t* p, int bytes) {
+  return bytes >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64(1) << bytes) - 1, p);
+}
+// 8 rows' dwords -> 16 lanes, each row's twice (lanes 2r, 2r + 1)
+MOE_IQ512 inline __m512i iq_pairs512(__m256i v) {
+  return _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                  _mm512_castsi256_si512(v));
+}
+// bytes b <= 127 -> b with its parity in bit 7 (ggml's ksigns_iq2xs)
+MOE_IQ512 inline __m256i iq_parity256(__m256i b) {
+  const __m256i par = _mm256_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0,
+                                       0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0);
+  const __m256i lo = _mm256_shuffle_epi8(par, _mm256_and_si256(b, _mm256_set1_epi8(15)));
+  const __m256i hi = _mm256_shuffle_epi8(par, _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15)));
+  return _mm256_or_si256(b, _mm256_xor_si256(lo, hi));
+}
+// a uint32 per row of 4 x 7 sign bits (bits 7k..7k+6) -> a byte per 8 (byte k), with parity
+MOE_IQ512 inline __m256i iq_ksigns256(__m256i aux) {
+  const __m256i b = _mm256_or_si256(
+      _mm256_or_si256(_mm256_and_si256(aux, _mm256_set1_epi32(0x7F)),
+                      _mm256_and_si256(_mm256_slli_epi32(aux, 1), _mm256_set1_epi32(0x7F00))),
+      _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(aux, 2), _mm256_set1_epi32(0x7F0000)),
+                      _mm256_and_si256(_mm256_slli_epi32(aux, 3), _mm256_set1_epi32(0x7F000000))));
+  return iq_parity256(b);
+}
+// 8 rows' sign bytes (dword r, byte k: group k) -> S[k]: group k's 8 rows' bytes (the mask of its 64 weights)
+MOE_IQ512 inline void iq_sign_masks(__m256i s, uint64_t* S) {
+  const __m256i t = _mm256_shuffle_epi8(s, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                                            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(S),
+                      _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+// grid values g (u8) with their signs -> 64 +- g
+MOE_IQ512 inline __m512i iq_signed512(__m512i g, uint64_t s) {
+  const __m512i b = _mm512_set1_epi8(IQ_BIAS);
+  return _mm512_mask_sub_epi8(_mm512_add_epi8(g, b), _cvtu64_mask64(s), b, g);
+}
+// IQ3: group k's two index bytes (2k, 2k + 1) of each row's 8 -> 16 dword lanes (r, half)
+MOE_IQ512 inline __m512i iq3_index512(__m512i idx, int k) {
+  const char a = char(2 * k), b = char(2 * k + 1), c = char(8 + 2 * k), d = char(9 + 2 * k), z = char(0x80);
+  const __m128i p = _mm_setr_epi8(a, z, z, z, b, z, z, z, c, z, z, z, d, z, z, z);
+  return _mm512_shuffle_epi8(idx, _mm512_broadcast_i32x4(p));
+}
+
+// field f of group h (256 g) of the 8 rows from 8 hb (nh present) of a block of n
+template <int T>
+MOE_IQ512 inline __m512i iq_field512(const uint8_t* wb, int n, int g, int h, int hb, int nh, int f) {
+  return iq_load512(wb + iq_field_off(T, n, g, f, h) + size_t(8 * hb) * iq_field(T, f), nh * iq_field(T, f));
+}
+MOE_IQ512 inline __m256i iq_odd256(__m256i ls) {  // 2 ls + 1
+  return _mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1));
+}
+
+// One 32 (group h of 256 g) of 8 rows (the block's rows 8 hb.. , nh of them present): V[k] the biased weights of
+// group k, M0 / M1 the two 16s' m in lane pairs
+template <int T>
+MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int hb, int nh, const __m256i& s256,
+                                   __m512i* V, __m512i& M0, __m512i& M1) {
+  alignas(32) uint64_t S[4];
+  if constexpr (T == IQ2XXS || T == IQ3XXS) {
+    const __m512i idx = iq_field512<T>(wb, n, g, h, hb, nh, 0);
+    const __m256i aux = _mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 1));
+    iq_sign_masks(iq_ksigns256(aux), S);
+    M0 = M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(aux, 28)));
+    for (int k = 0; k < 4; ++k) {
+      __m512i gv;
+      if constexpr (T == IQ2XXS) {
+        const __m256i gi = _mm256_and_si256(_mm256_srli_epi32(_mm512_castsi512_si256(idx), 8 * k), _mm256_set1_epi32(255));
+        gv = _mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2XXS_GRID), 8);
+      } else {
+        gv = _mm512_i32gather_epi32(iq3_index512(idx, k), reinterpret_cast<const int*>(IQ3XXS_GRID), 4);
+      }
+      V[k] = iq_signed512(gv, S[k]);
+    }
+  } else if constexpr (T == IQ2XS) {
+    const __m512i q = iq_field512<T>(wb, n, g, h, hb, nh, 0);
+    const __m256i sc = _mm512_castsi512_si256(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(iq_field512<T>(wb, n, g, h, hb, nh, 1))));
+    iq_sign_masks(iq_parity256(_mm512_cvtepi16_epi8(_mm512_srli_epi16(q, 9))), S);
+    M0 = iq_pairs512(iq_odd256(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
+    M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(sc, 4)));
+    for (int k = 0; k < 4; ++k) {
+      const __m256i gi = _mm512_cvtepi64_epi32(_mm512_and_si512(_mm512_srli_epi64(q, 16 * k), _mm512_set1_epi64(511)));
+      V[k] = iq_signed512(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2XS_GRID), 8), S[k]);
+    }
+  } else if constexpr (T == IQ2S) {
+    const __m256i idx = _mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 0));
+    const __m256i qh = _mm512_castsi512_si256(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(iq_field512<T>(wb, n, g, h, hb, nh, 2))));
+    const __m256i sc = _mm512_castsi512_si256(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(iq_field512<T>(wb, n, g, h, hb, nh, 3))));
+    iq_sign_masks(_mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 1)), S);
+    M0 = iq_pairs512(iq_odd256(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
+    M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(sc, 4)));
+    for (int k = 0; k < 4; ++k) {
+      const __m256i gi = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi32(idx, 8 * k), _mm256_set1_epi32(255)),
+          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 2 * k), _mm256_set1_epi32(3)), 8));
+      V[k] = iq_signed512(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2S_GRID), 8), S[k]);
+    }
+  } else if constexpr (T == IQ3S) {
+    const __m512i idx = iq_field512<T>(wb, n, g, h, hb, nh, 0);
+    const __m128i qh8 = _mm512_castsi512_si128(iq_field512<T>(wb, n, g, h, hb, nh, 1));
+    const __m512i qh = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(qh8, qh8));  // lanes (r, half): row r's bits
+    iq_sign_masks(_mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 2)), S);
+    M0 = M1 = iq_pairs512(iq_odd256(_mm256_and_si256(_mm256_srli_epi32(s256, 8 * (h / 2) + 4 * (h % 2)), _mm256_set1_epi32(15))));
+    for (int k = 0; k < 4; ++k) {  // index bit 8 of lane (r, e): bit 2k + e of row r's qh
+      const __m512i sh = _mm512_set_epi32(7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k,
+                                          8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k,
+                                          7 - 2 * k, 8 - 2 * k);
+      const __m512i gi = _mm512_or_si512(iq3_index512(idx, k),
+                                         _mm512_and_si512(_mm512_sllv_epi32(qh, sh), _mm512_set1_epi32(256)));
+      V[k] = iq_signed512(_mm512_i32gather_epi32(gi, reinterpret_cast<const int*>(IQ3S_GRID), 4), S[k]);
+    }
+  } else {  // IQ1S, IQ1M: no signs; the biased grid plus the delta's +-1
+    const __m256i idx = _mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 0));
+    const __m256i qh = _mm512_castsi512_si256(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 1))));
+    if constexpr (T == IQ1S) {
+      M0 = M1 = iq_pairs512(iq_odd256(_mm256_and_si256(_mm256_srli_epi32(qh, 12), _mm256_set1_epi32(7))));
+    }  // IQ1_M: its m from the 256's scales (iq1m_m512)
+    for (int k = 0; k < 4; ++k) {
+      const int hs = T == IQ1S ? 3 * k : 4 * k;
+      const __m256i gi = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi32(idx, 8 * k), _mm256_set1_epi32(255)),
+          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, hs), _mm256_set1_epi32(7)), 8));
+      const __mmask8 neg = _mm256_test_epi32_mask(qh, _mm256_set1_epi32(T == IQ1S ? 0x8000 : 8 << (4 * k)));
+      const __m512i delta = _mm512_mask_blend_epi64(neg, _mm512_set1_epi8(1), _mm512_set1_epi8(-1));
+      V[k] = _mm512_add_epi8(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ1S_GRID_BIASED), 8), delta);
+    }
+  }
+}
+
+// IQ1_M's m for group h from the rows' 256 scales (qword r: row r's 4 uint16)
+MOE_IQ512 inline __m512i iq1m_odd512(__m512i sc, int sh) {  // 2 ls + 1 of the 3 bits at sh, in both dwords
+  const __m512i ls = _mm512_and_si512(_mm512_srli_epi64(sc, sh), _mm512_set1_epi64(7));
+  const __m512i v = _mm512_add_epi64(_mm512_add_epi64(ls, ls), _mm512_set1_epi64(1));
+  return _mm512_or_si512(v, _mm512_slli_epi64(v, 32));
+}
+// IQ1_M's m for group h from the rows' 256 scales (qword r: row r's 4 uint16)
+MOE_IQ512 inline void iq1m_m512(__m512i sc, int h, __m512i& M0, __m512i& M1) {
+  const int at = 6 * (h % 2) + 16 * (h / 2);
+  M0 = iq1m_odd512(sc, at), M1 = iq1m_odd512(sc, at + 3);
+}
+
+template <int T, int NT>
+MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_t* const* X, const int32_t* const* XC,
+                        int nsb, float* C) {
+  const __m512i evens = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+  for (int hb = 0; 8 * hb < n; ++hb) {
+    const int nh = std::min(8, n - 8 * hb);
+    __m512 acc[NT];
+    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int g = 0; g < nsb; ++g) {
+      // the 256's per-256 fields of the 8 rows: d (IQ1_M: in its scales), IQ3_S's scales
+      const __m512i s0 = iq_load512(sb + iq_sfield_off(T, n, g, 0) + size_t(8 * hb) * iq_sfield(T, 0), nh * iq_sfield(T, 0));
+      __m256i s256 = _mm256_setzero_si256();
+      if constexpr (T == IQ3S)
+        s256 = _mm512_castsi512_si256(iq_load512(sb + iq_sfield_off(T, n, g, 1) + size_t(8 * hb) * 4, nh * 4));
+      __m512i qi[NT];
+      MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = _mm512_setzero_si512();
+      for (int h = 0; h < 8; ++h) {
+        __m512i V[4], M0, M1;
+        iq_decode512<T>(wb, n, g, h, hb, nh, s256, V, M0, M1);
+        if constexpr (T == IQ1M) iq1m_m512(s0, h, M0, M1);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          const int8_t* xg = X[t] + g * IQ_QK + h * 32;
+          int64_t xv[4];
+          std::memcpy(xv, xg, 32);
+          __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), V[0], _mm512_set1_epi64(xv[0]));
+          __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), V[2], _mm512_set1_epi64(xv[2]));
+          d0 = _mm512_dpbusd_epi32(d0, V[1], _mm512_set1_epi64(xv[1]));
+          d1 = _mm512_dpbusd_epi32(d1, V[3], _mm512_set1_epi64(xv[3]));
+          const int32_t* xc = XC[t] + g * (IQ_QK / IQ_SUB) + 2 * h;  // 64 x each 16's activation sum, on even lanes
+          d0 = _mm512_sub_epi32(d0, _mm512_set1_epi64(int64_t(uint32_t(xc[0]))));
+          d1 = _mm512_sub_epi32(d1, _mm512_set1_epi64(int64_t(uint32_t(xc[1]))));
+          qi[t] = _mm512_add_epi32(qi[t], _mm512_add_epi32(_mm512_mullo_epi32(d0, M0), _mm512_mullo_epi32(d1, M1)));
+        }
+      }
+      __m256 d;
+      if constexpr (T == IQ1M) {
+        const __m512i dq = _mm512_or_si512(
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(s0, 12), _mm512_set1_epi64(0xF)),
+                            _mm512_and_si512(_mm512_srli_epi64(s0, 24), _mm512_set1_epi64(0xF0))),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(s0, 36), _mm512_set1_epi64(0xF00)),
+                            _mm512_and_si512(_mm512_srli_epi64(s0, 48), _mm512_set1_epi64(0xF000))));
+        d = _mm256_cvtph_ps(_mm512_cvtepi64_epi16(dq));
+      } else {
+        d = _mm256_cvtph_ps(_mm512_castsi512_si128(s0));
+      }
+      const __m512 dv = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                              _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_set1_ps(iq_unit(T)))));
+      MOE_UNROLL for (int t = 0; t < NT; ++t) {  // row r's two lanes added, then d
+        const __m512i q = _mm512_add_epi32(qi[t], _mm512_shuffle_epi32(qi[t], _MM_PERM_CDAB));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dv, acc[t]);
+      }
+    }
+    MOE_UNROLL for (int t = 0; t < NT; ++t)
+      _mm256_storeu_ps(C + t * BLK + 8 * hb, _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, acc[t])));
+  }
+}
+
+template <int T>
+void iq_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
+  drive_iq<T>(m, e, r0, r1, x, ns, Y, ldy,
+              [&](const uint8_t* wb, const uint8_t* sb, int n, const int8_t* const* X, const int32_t* const* XC, int nsb,
+                  int nt, float* C) {
+                with_tokens<4>(nt, [&](auto NT) { iq_mk512<T, decltype(NT)::value>(wb, sb, n, X, XC, nsb, C); });
+              });
+}
+
+}  // namespace
+
+}  // namespace moe
