@@ -7,8 +7,9 @@ place from the mapped file, by llama.cpp's names shown under transformers' names
 package (a routed expert one expert at a time from the stacked [E, rows, K] tensor). Experts of the block types
 a kernel format holds exactly are kept bit for bit (AS_STORED: Q4_0 on int4g32; Q4_K on q4k (its own bytes' worth) or
 uint4g32; Q5_K on q5k; Q6_K on q6k; Q3_K on q3k (its own bytes' worth) or q6k; Q2_K on q2k; Q4_1 on uint4g32; IQ4_XS
-on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4); the other quant types are
-dequantized exactly (then requantized by default: covering).
+on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP4 on mxfp4; IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
+IQ2_S, IQ3_XXS and IQ3_S each on its own format, the file's bytes); the other quant types (Q5_0, Q5_1) are dequantized
+exactly (then requantized by default: covering).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), deepseek32, glm-dsa, glm4moe, minimax-m2, minimax-m3,
 deepseek4 (DeepSeek-V4: its MXFP4 experts kept as stored), glm5-next (GLM-5.3-Flash's text model), gpt-oss (MXFP4 experts kept as published) and llama files with experts (Mixtral); what the converter changed is undone
 (a llama file's q/k rows, MLA's split kv_b, gpt-oss's split gate/up and nibble order, MiniMax-M3's norms' added 1);
@@ -32,6 +33,7 @@ from moe_core import gguf_check, tiktoken_vocab
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
 from moe_kernels.formats import Int4, Iq4, Iq4Xs, Mx4, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, UInt4
+from moe_kernels.iq_formats import BY_QTYPE as IQ_FORMATS, NUMBERS as IQ_NUMBERS, SPECS as IQ_SPECS
 from moe_kernels.packing import layout
 
 MARKER = "gguf.json"
@@ -182,6 +184,12 @@ def _iq4_xs(b: np.ndarray):
     return Iq4Xs(codes, d, (ls - 32).to(torch.int8).reshape(R, -1))
 
 
+def _iq_blocks(fmt: str) -> Callable:
+    """A grid type's rows of bytes -> its blocks as stored (moe_kernels.iq_formats: the kernels read the file's fields)."""
+    size = IQ_SPECS[fmt].size
+    return lambda b: IQ_NUMBERS[fmt](torch.from_numpy(np.ascontiguousarray(b).reshape(b.shape[0], -1, size).copy()))
+
+
 def _q4_0_as_uint4(w):  # Q4_0 on uint4g32: d (q - 8) = d q - 8 d
     return UInt4((w.values.to(torch.int16) + 8).to(torch.uint8), w.scale, 8 * w.scale, w.group)
 
@@ -209,6 +217,8 @@ AS_STORED = {
     "IQ4_XS": Stored(_iq4_xs, {"iq4xs": None, "iq4nl": lambda w: w.to_iq4()}),
     "Q8_0": Stored(_q8_0, {"int8g32": None}),
     "MXFP4": Stored(lambda b: Mx4.from_blocks(*_mx_blocks(b)), {"mxfp4": None}),
+    # the grid types: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, each on its own format (the file's bytes)
+    **{t: Stored(_iq_blocks(f), {f: None}) for t, f in IQ_FORMATS.items()},
 }
 # block type -> the expert formats that hold it exactly (what the file stores, in the kernels' numbers), preferred first
 KEEPS = {t: tuple(s.kept_by) for t, s in AS_STORED.items()}
@@ -875,7 +885,7 @@ def own_format(t: str) -> str:
 
 
 def covering(t: str) -> str:
-    """For a type no format keeps (Q5_0, Q5_1, the IQ1/IQ2/IQ3 types; floats): the smallest format whose values have
+    """For a type no format keeps (Q5_0, Q5_1; floats): the smallest format whose values have
     at least the type's bits (its bits a weight less about half a bit of scales; at least q3k's 3), so it is requantized
     onto a grid no coarser than the file's and stays about the file's size (IQ2_XS: q3k, Q5_0: q5k), not a 2-4x larger
     exact copy (a 2-bit DeepSeek file must fit the RAM its user has). Measured on the default model against
@@ -899,7 +909,11 @@ def layer_formats(cfg, ckpt, layer: int, fmt: str) -> tuple[str, str]:
         return one, one
     gate, up, down = (ckpt.block_type(n) for n in cfg.expert_tensor_names(layer, 0))
     both = [f for f in KEEPS.get(gate, ()) if f in KEEPS.get(up, ())]
-    return (both[0] if both else own_format(max(gate, up, key=type_bits))), own_format(down)
+    if both:
+        return both[0], own_format(down)
+    # apart: the larger type's own format holds the other requantized, but a grid type's format holds its own type only
+    big = max(gate, up, key=type_bits)
+    return (covering(big) if {gate, up} & set(IQ_FORMATS) else own_format(big)), own_format(down)
 
 
 def dequantized_experts(cfg, fmt: str) -> str | None:

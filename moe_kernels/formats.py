@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels import iq_formats
-from moe_kernels.row_blocks import BLOCK_ROWS, _deinterleave_rows, _interleave_rows
+from moe_kernels.row_blocks import BLOCK_ROWS, _deinterleave_rows, _interleave_rows  # noqa: F401 (BLOCK_ROWS: re-exported)
 
 FP8_BLOCK = 128  # fp8's blocks of 128 x 128: native/moe.h's FP8_BLOCK and moe_core.config's (tests check they agree)
 INT4_GROUP = 64

@@ -1,4 +1,4 @@
-"""Quantizers for the GGUF block types the gguf package can read but not write (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), so the tests
+"""Quantizers for the GGUF block types the gguf package can read but not write (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; the grid types as random valid blocks), so the tests
 can write files of them: float rows [R, K] -> the raw blocks [R, K / block * bytes], laid out as llama.cpp writes
 them. Simple first guesses of the scales (no search): the tests need the layout, not llama.cpp's error. Each
 is checked against the gguf package's dequantizer (tests/core/test_gguf.py), which is what makes the layout right."""
@@ -157,7 +157,25 @@ def q3_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([hm, qs, packed.astype(np.uint8), _f16(d)], axis=-1).reshape(R, -1)
 
 
-ENCODERS = {"Q2_K": q2_k, "Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
+def random_iq(qtype: str):
+    """The grid types (IQ1_S ... IQ3_S): nothing here quantizes them (llama-quantize searches their grids with an
+    importance matrix), so x [R, K] becomes random valid blocks of its shape, seeded by its values, d scaled so that
+    the weights have x's spread."""
+    import torch
+    from moe_kernels import iq_formats
+
+    def encode(x: np.ndarray) -> np.ndarray:
+        name, (R, K) = iq_formats.BY_QTYPE[qtype], x.shape
+        seed = int(np.abs(x).sum() * 1e4) % (2**31)
+        one = iq_formats.random_blocks(name, R, K // 256, torch.Generator().manual_seed(seed), d_scale=1.0)
+        scale = float(np.std(x)) / float(one.dequantize().std())
+        w = iq_formats.random_blocks(name, R, K // 256, torch.Generator().manual_seed(seed), d_scale=scale)
+        return w.blocks.reshape(R, -1).numpy()
+    return encode
+
+
+ENCODERS = {"Q2_K": q2_k, "Q3_K": q3_k, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs,
+            **{t: random_iq(t) for t in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")}}
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:

@@ -364,19 +364,22 @@ def q2_k_mix(L: int, name: str):
     return Q.Q3_K if L == 0 and "down" in name else Q.Q2_K
 
 
+IQ_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")  # random valid blocks (gguf_blocks)
 MIXES = {"Q4_K_M": q4_k_m, "Q5_K_M": q5_k_m, "Q3_K_M": q3_k_m, "Q2_K_mix": q2_k_mix}
 # the block type -> the expert format that starts by default (a mix: its layer 0's); `kept`: whether it keeps the
 # file's numbers
 DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("q4k", True), "Q6_K": ("q6k", True),
             "IQ4_XS": ("iq4xs", True), "Q4_K_M": ("q4k/q6k", True), "Q5_K_M": ("q5k/q6k", True),
-            "Q3_K_M": ("q3k/q4k", True), "Q2_K": ("q2k", True), "Q2_K_mix": ("q2k/q3k", True)}
+            "Q3_K_M": ("q3k/q4k", True), "Q2_K": ("q2k", True), "Q2_K_mix": ("q2k/q3k", True),
+            **{t: (t.lower().replace("_", ""), True) for t in IQ_TYPES}}
 
 
-@pytest.mark.parametrize("qtype", some(list(DEFAULTS), fast=["Q4_K_M"]))
+@pytest.mark.parametrize("qtype", some(list(DEFAULTS), fast=["Q4_K_M", "IQ2_XXS"]))
 def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, wide_source, tmp_path, services_factory,
                                                                   monkeypatch):
     monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
-    src = wide_source if qtype in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "Q2_K_mix") else source
+    src = wide_source if qtype in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "Q2_K_mix",
+                                   *IQ_TYPES) else source
     f = write_gguf(src, tmp_path / f"tiny-{qtype}.gguf", MIXES.get(qtype) or getattr(gguf.GGMLQuantizationType, qtype))
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f.name,
                                                             dtype=torch.float32).eval()
@@ -458,7 +461,8 @@ def test_our_block_quantizers_write_what_the_gguf_package_reads(qtype):
     assert np.linalg.norm(back - x) / np.linalg.norm(x) < {"Q3_K": 0.25, "Q2_K": 0.45}.get(qtype, 0.12)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q8_0",
+                                   *IQ_TYPES])
 def test_kept_block_types_are_bit_for_bit(qtype, wide_source, tmp_path):
     from moe_core import gguf_model
     from moe_kernels.packing import pack_expert, row_len, unpack

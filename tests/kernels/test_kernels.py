@@ -106,6 +106,8 @@ def close(got, want, tol):
 # checked; the dequantized weights are the kernels' test.
 TOL = {"bf16": 2e-3, "int8": 6e-3, "int4": 6e-3, "mxfp4": 6e-3, "fp8": 2e-3, "int4g32": 6e-3, "iq4nl": 6e-3,
        "uint4g32": 6e-3, "int8g32": 6e-3, "q4k": 6e-3, "q5k": 6e-3, "q6k": 6e-3, "q3k": 6e-3, "q2k": 6e-3, "iq4xs": 6e-3}
+IQ_FORMATS = ["iq2xxs", "iq2xs", "iq2s", "iq3xxs", "iq3s", "iq1s", "iq1m"]  # GGUF's grid types: exact only (no quantizer)
+TOL.update({f: 6e-3 for f in IQ_FORMATS})
 TOL_ORIGINAL = {"bf16": 2e-2, "int8": 4e-2, "int4": 3.5e-1, "mxfp4": 3.5e-1, "fp8": 1.5e-1, "int4g32": 3.5e-1,
                 "iq4nl": 3.5e-1, "uint4g32": 3.5e-1, "int8g32": 4e-2, "q4k": 3.5e-1, "q5k": 1.5e-1, "q6k": 8e-2,
                 "q3k": 6e-1, "q2k": 1.5, "iq4xs": 3.5e-1}
@@ -356,6 +358,50 @@ def test_q2k_published_weights_are_kept_bit_for_bit(isa):
     op = published_layer(parts, I, H, "q2k", isa)
     assert_kept_and_multiplied(op, parts, T, k)
     assert_expert_0_exact_on_one_signed_activations(op, T)
+
+
+@pytest.mark.parametrize("fmt", IQ_FORMATS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_iq_published_weights_are_kept_bit_for_bit(fmt, isa):
+    """GGUF's grid types as stored (random valid blocks: any grid index, sign and sub-scale): packed as the file's own
+    bytes (the resident experts are exactly the file's size), unpacked to the gguf package's dequantized values bit for
+    bit, and multiplied as those on every path."""
+    from moe_kernels import iq_formats
+    E, I, H, T, k = 3, 256, 512, 5, 2
+    g = torch.Generator().manual_seed(17)
+    blocks = lambda r, c: iq_formats.random_blocks(fmt, r, c // 256, g)  # noqa: E731
+    parts = [(blocks(I, H), blocks(I, H), blocks(H, I)) for _ in range(E)]
+    op = published_layer(parts, I, H, fmt, isa)
+    assert_kept_and_multiplied(op, parts, T, k)
+    resident = sum(p.nbytes for p in (*op.gu, *op.dn) if p is not None)
+    assert resident == E * 3 * I * H // 256 * iq_formats.SPECS[fmt].size
+
+
+@pytest.mark.parametrize("fmt", IQ_FORMATS)
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_iq_formats_are_the_reference_on_every_path_bitwise(fmt, T):
+    """The grid types sum each 256's m x dot products in int32 (exact) and apply d with one FMA on every path, as the
+    portable reference does: the paths agree to the bit (1041 rows: 65 whole row blocks and a lone row, so partial
+    halves and quarters; rows of 5 blocks), and against the gguf package's dequantized weights only the activations'
+    int8 rounding is left."""
+    from moe_kernels import iq_formats
+    from moe_kernels.dense import NativeLinear
+    w = iq_formats.random_blocks(fmt, 1041, 5, torch.Generator().manual_seed(3))
+    x = torch.randn(T, 1280)
+    want = NativeLinear(w, fmt, isa="portable")(x)
+    for isa in ISAS:
+        if isa == "amx-emulated":
+            native.set_amx_emulation(True)
+            isa = "amx"
+        assert torch.equal(NativeLinear(w, fmt, isa=isa)(x), want), isa
+    exact = x @ w.dequantize().T
+    assert ((want - exact).norm() / exact.norm()).item() < 1.5e-2
+
+
+def test_iq_formats_refuse_float_weights():
+    from moe_kernels.packing import quantize
+    with pytest.raises(ValueError, match="the iq2xxs format holds GGUF IQ2_XXS matrices as stored; it does not quantize"):
+        quantize(torch.randn(4, 256), "iq2xxs")
 
 
 def published_fp8(rows, cols, gen):
