@@ -854,6 +854,7 @@ class Format:
     pack: Callable[[object, int], tuple]          # (its numbers [rows, K], Kp) -> (data, scale, rowsum, rowcorr)
     unpack: Callable[[tuple, int], torch.Tensor]  # (packed [E, rows, Kp...], K) -> the values multiplied [E, rows, K]
     layout: Callable[[int, int, int], tuple]      # (E, rows, Kp) -> (data, scale, rowsum, rowcorr): (shape, dtype)s
+    exact_only: bool = False  # holds published numbers only: quantize refuses float weights (the IQ grid types)
 
     @property
     def super_blocked(self) -> bool:
@@ -896,7 +897,7 @@ FORMATS: dict[str, Format] = _register(
            _layout_super(2, 24)),
     # GGUF's grid types as stored (moe_kernels.iq_formats: the file's bytes, moved; no quantizer)
     *(Format(n, iq_formats.bits(n), Q6_SUB, QK, True, (t,), iq_formats.quantizer(n), iq_formats.pack,
-             iq_formats.unpacker(n), iq_formats.layout(n)) for n, t in iq_formats.NUMBERS.items()),
+             iq_formats.unpacker(n), iq_formats.layout(n), exact_only=True) for n, t in iq_formats.NUMBERS.items()),
 )
 NAMES = tuple(FORMATS)  # the format names (the CLIs' choices: moe_experts.kernels.NATIVE_FORMATS)
 

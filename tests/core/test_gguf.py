@@ -682,7 +682,9 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     assert expert_format(("Q8_0",)) == "int8g32" and expert_format(("Q2_K",)) == "q2k"
     assert expert_format(("Q8_0", "Q6_K")) == "gguf" and expert_format(("Q5_K", "Q3_K")) == "gguf"
     assert expert_format(("Q5_K",)) == "q5k" and expert_format(("Q3_K", "Q2_K")) == "gguf"
-    assert expert_format(("IQ2_XS",)) == "q3k" and expert_format(("IQ3_XXS", "Q3_K")) == "q3k"
+    # the grid types: each its own format (the file's bytes), a mix each matrix in its own type's
+    assert expert_format(("IQ2_XS",)) == "iq2xs" and expert_format(("IQ3_XXS", "Q3_K")) == "gguf"
+    assert expert_format(("IQ1_M",)) == "iq1m" and expert_format(("IQ2_XXS", "IQ3_S")) == "gguf"
     assert expert_format(("Q5_0",)) == "q5k" and expert_format(("Q5_1",)) == "q5k" and expert_format(("Q3_K",)) == "q3k"
     msg = dequantized_experts(cfg("Q8_0", "Q6_K"), "int8g32")  # the Q8_0 kept, the Q6_K requantized
     assert "(Q6_K)" in msg and "Q8_0" not in msg
@@ -690,7 +692,8 @@ def test_experts_the_kernels_cannot_keep_are_named_at_start():
     msg = dequantized_experts(cfg("Q3_K", "Q5_0"), "gguf")  # Q3_K_M on rows not of 256: its Q5_0 down in q5k
     assert "(Q5_0)" in msg and "Q3_K" not in msg and "requantized to q5k (Q5_0: 5.5 -> 5.75 bits a weight)" in msg
     assert dequantized_experts(cfg("Q2_K", "Q4_0"), "gguf") is None
-    msg = dequantized_experts(cfg("IQ2_XS", "Q4_0"), "gguf")
+    assert dequantized_experts(cfg("IQ2_XS", "Q4_0"), "gguf") is None and dequantized_experts(cfg("IQ1_S"), "iq1s") is None
+    msg = dequantized_experts(cfg("IQ2_XS"), "q3k")  # asked for another format: requantized, said so
     assert "(IQ2_XS)" in msg and "requantized to q3k (IQ2_XS: 2.31 -> 3.62 bits a weight)" in msg
     assert expert_format(("Q4_0",)) == "int4g32" and expert_format(("BF16",)) is None
 

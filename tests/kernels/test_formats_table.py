@@ -27,12 +27,29 @@ def round_trip(q, fmt: str, k: int) -> torch.Tensor:
     """One matrix's numbers packed as expert 1 of two (expert 0 other weights) and read back."""
     f = format_of(fmt)
     Kp = packing.row_len(k, fmt)
-    other = f.pack(f.quantize(weights(99, q.shape[0], k).float()), Kp)
+    other = f.pack(published(fmt, 99, q.shape[0], k) if f.exact_only else f.quantize(weights(99, q.shape[0], k).float()), Kp)
     packed = [None if a is None else torch.stack([a, b]) for a, b in zip(other, f.pack(q, Kp))]
     return f.unpack(packed, k)[1]
 
 
-@pytest.mark.parametrize("fmt", NAMES)
+def published(fmt: str, seed: int, rows: int, k: int):
+    """Numbers an exact-only format keeps (the IQ grid types: random valid blocks, rows of k // 256 blocks)."""
+    from moe_kernels import iq_formats
+    return iq_formats.random_blocks(fmt, rows, k // 256, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fmt", [n for n in NAMES if FORMATS[n].exact_only])
+def test_exact_only_formats_pack_their_numbers_and_refuse_floats(fmt):
+    f = FORMATS[fmt]
+    with pytest.raises(ValueError, match=f"the {fmt} format holds GGUF .* as stored; it does not quantize"):
+        f.quantize(weights(0).float())
+    q = published(fmt, 0, ROWS, 512)
+    assert packing.quantize(q, fmt) is q and torch.equal(round_trip(q, fmt, 512), reference(q))
+    both = packing.stack_rows([q, q], fmt)
+    assert type(both) is type(q) and both.shape == (2 * ROWS, 512)
+
+
+@pytest.mark.parametrize("fmt", [n for n in NAMES if not FORMATS[n].exact_only])
 def test_quantize_pack_unpack_gives_the_numbers_back(fmt):
     f = FORMATS[fmt]
     w = weights(0)
@@ -45,11 +62,11 @@ def test_quantize_pack_unpack_gives_the_numbers_back(fmt):
     assert (got - w.float()).abs().max() < 0.5 * w.float().abs().max()  # and they are the weights, roughly
 
 
-@pytest.mark.parametrize("fmt", [n for n in NAMES if FORMATS[n].keeps])
+@pytest.mark.parametrize("fmt", [n for n in NAMES if FORMATS[n].keeps and not FORMATS[n].exact_only])
 def test_published_numbers_pass_through_bit_for_bit(fmt):
     """Every type the format keeps (made by whichever entry quantizes to it) is packed as it is, not requantized."""
     f = FORMATS[fmt]
-    makers = [g for g in FORMATS.values() if type(g.quantize(weights(1, 16, 256).float())) in f.keeps]
+    makers = [g for g in FORMATS.values() if not g.exact_only and type(g.quantize(weights(1, 16, 256).float())) in f.keeps]
     assert {type(g.quantize(weights(1, 16, 256).float())) for g in makers} == set(f.keeps)
     for g in makers:
         q = g.quantize(weights(2, 128, 512).float())  # (fp8: whole 128-row blocks, to be stacked)
@@ -101,7 +118,12 @@ def test_the_names_everyone_lists_are_the_tables():
 def test_every_entry_has_a_native_kernel(fmt):
     from moe_experts.kernels.native_moe import NativeMoELayer
     g = torch.Generator().manual_seed(3)
-    gate, up, down = ((torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((2, 32, 64), (2, 32, 64), (2, 64, 32)))
-    op = NativeMoELayer(gate, up, down, fmt=fmt, threads=1)
-    out = op.forward(torch.randn(3, 64, generator=g), torch.tensor([[0, 1]] * 3, dtype=torch.int32), torch.ones(3, 2))
-    assert out.shape == (3, 64) and bool(out.isfinite().all()) and bool(out.abs().sum() > 0)
+    if FORMATS[fmt].exact_only:  # its numbers as published, rows of 256
+        parts = [tuple(published(fmt, 3 * e + i, 256, 256) for i in range(3)) for e in range(2)]
+        op = NativeMoELayer.from_experts(2, 256, 256, lambda e: parts[e], fmt=fmt, threads=1)
+    else:
+        gate, up, down = ((torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((2, 32, 64), (2, 32, 64), (2, 64, 32)))
+        op = NativeMoELayer(gate, up, down, fmt=fmt, threads=1)
+    H = op.hidden
+    out = op.forward(torch.randn(3, H, generator=g), torch.tensor([[0, 1]] * 3, dtype=torch.int32), torch.ones(3, 2))
+    assert out.shape == (3, H) and bool(out.isfinite().all()) and bool(out.abs().sum() > 0)
