@@ -11,6 +11,9 @@ not well above the DRAM probe, decode cannot reach the probe: streaming and comp
 gives the kernel path's int8 dot product's peak (vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) on one thread and on
 all of them (equal where the vCPUs share one core's vector units).
 
+The IQ grid formats (iq2xxs ... iq1m) hold GGUF files only: their experts here are random valid blocks (the speed does
+not depend on the values).
+
     python bench/bench_formats.py [--formats int8,int4,int4g32,uint4g32,iq4nl,int8g32] [--shape qwen3] [--rounds 8]
 """
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 
 from common import SHAPES, cpu_name, expert_bytes, weights
 from moe_experts.kernels.native_moe import NativeMoELayer  # noqa: E402
-from moe_kernels import ISA, native  # noqa: E402
+from moe_kernels import ISA, iq_formats, native  # noqa: E402
+from moe_kernels.formats import format_of  # noqa: E402
 
 # the kernel path's int8 dot product, probed for the header
 INT8_PEAKS = {"amx": ("vpdpbusd", native.vnni_peak_ops), "avx512": ("vpdpbusd", native.vnni_peak_ops),
@@ -43,6 +47,16 @@ def llc_bytes() -> int:
     return max(sizes) or 8 << 20
 
 
+def layer(fmt: str, gate, up, down, threads: int) -> NativeMoELayer:
+    """The experts in fmt: quantized from the floats, or for the exact-only formats random blocks of their shape."""
+    if not format_of(fmt).exact_only:
+        return NativeMoELayer(gate, up, down, fmt=fmt, threads=threads)
+    (E, I, H), g = gate.shape, torch.Generator().manual_seed(0)
+    parts = [tuple(iq_formats.random_blocks(fmt, r, k // 256, g, d_scale=1e-4) for r, k in ((I, H), (I, H), (H, I)))
+             for _ in range(E)]
+    return NativeMoELayer.from_experts(E, I, H, lambda e: parts[e], fmt=fmt, threads=threads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="int8,int4,mxfp4,int4g32,uint4g32,iq4nl,int8g32")
@@ -55,13 +69,13 @@ def main() -> None:
     E, H, I, k = SHAPES[a.shape]
     gate, up, down = weights(E, H, I)
     formats = a.formats.split(",")
-    ops = {f: NativeMoELayer(gate, up, down, fmt=f, threads=a.threads) for f in formats}
+    ops = {f: layer(f, gate, up, down, a.threads) for f in formats}
     del gate, up, down
     # the ceiling's experts: 2 where they fit in 3/4 of the last-level cache, else 1 (int8: 2 x 4.7 MB against a
     # Zen 1's 8 MB L3 would time DRAM, not the arithmetic)
     n_c = 2 if 2 * max(expert_bytes(f, H, I) for f in formats) <= 0.75 * llc_bytes() else 1
     gate, up, down = weights(n_c, H, I)
-    cached = {f: NativeMoELayer(gate, up, down, fmt=f, threads=a.threads) for f in formats}
+    cached = {f: layer(f, gate, up, down, a.threads) for f in formats}
     del gate, up, down
     two = (torch.randn(1, H).bfloat16(), torch.arange(n_c, dtype=torch.int32).view(1, n_c), torch.rand(1, n_c))
     g = torch.Generator().manual_seed(1)

@@ -25,27 +25,27 @@ namespace {
 enum IqType { IQ2XXS, IQ2XS, IQ2S, IQ3XXS, IQ3S, IQ1S, IQ1M };
 constexpr int IQ_QK = 256, IQ_SUB = 16, IQ_BIAS = 64;
 
-// per-32 fields' bytes a row (iq_formats.SPECS' per32, in order), per-256 fields' (per256)
-constexpr int iq_field(int t, int f) {
-  constexpr int B[7][4] = {{4, 4, 0, 0}, {8, 1, 0, 0}, {4, 4, 1, 1}, {8, 4, 0, 0}, {8, 1, 4, 0}, {4, 2, 0, 0}, {4, 2, 0, 0}};
-  return B[t][f];
+// per-32 fields' bytes a row (iq_formats.SPECS' per32, in order), per-256 fields' (per256); the offsets before each
+constexpr int IQ_FIELD[7][4] = {{4, 4, 0, 0}, {8, 1, 0, 0}, {4, 4, 1, 1}, {8, 4, 0, 0}, {8, 1, 4, 0}, {4, 2, 0, 0}, {4, 2, 0, 0}};
+constexpr int IQ_SFIELD[7][2] = {{2, 0}, {2, 0}, {2, 0}, {2, 0}, {2, 4}, {2, 0}, {8, 0}};
+#define MOE_IQ_INLINE __attribute__((always_inline)) inline constexpr  // (into every target's kernels)
+MOE_IQ_INLINE int iq_field(int t, int f) { return IQ_FIELD[t][f]; }
+MOE_IQ_INLINE int iq_sfield(int t, int f) { return IQ_SFIELD[t][f]; }
+MOE_IQ_INLINE int iq_field_at(int t, int f) {
+  return (f > 0 ? IQ_FIELD[t][0] : 0) + (f > 1 ? IQ_FIELD[t][1] : 0) + (f > 2 ? IQ_FIELD[t][2] : 0) +
+         (f > 3 ? IQ_FIELD[t][3] : 0);
 }
-constexpr int iq_sfield(int t, int f) {
-  constexpr int B[7][2] = {{2, 0}, {2, 0}, {2, 0}, {2, 0}, {2, 4}, {2, 0}, {8, 0}};
-  return B[t][f];
-}
-constexpr int iq_field_at(int t, int f) { return f == 0 ? 0 : iq_field_at(t, f - 1) + iq_field(t, f - 1); }
-constexpr int iq_sfield_at(int t, int f) { return f == 0 ? 0 : iq_sfield_at(t, f - 1) + iq_sfield(t, f - 1); }
-constexpr int iq_data_bytes(int t) { return 8 * iq_field_at(t, 4); }  // a row's 256
-constexpr int iq_scale_bytes(int t) { return iq_sfield_at(t, 2); }
+MOE_IQ_INLINE int iq_sfield_at(int t, int f) { return f > 0 ? IQ_SFIELD[t][0] : 0; }
+MOE_IQ_INLINE int iq_data_bytes(int t) { return 8 * iq_field_at(t, 4); }  // a row's 256
+MOE_IQ_INLINE int iq_scale_bytes(int t) { return IQ_SFIELD[t][0] + IQ_SFIELD[t][1]; }
 // d's power of two: IQ2_*: d (ls + 1/2) / 4 = d (2 ls + 1) / 8; IQ3_XXS: / 4; IQ3_S: d (2 ls + 1); IQ1_*: the delta 1/8
-constexpr float iq_unit(int t) { return t == IQ3XXS ? 0.25f : t == IQ3S ? 1.f : 0.125f; }
+MOE_IQ_INLINE float iq_unit(int t) { return t == IQ3XXS ? 0.25f : t == IQ3S ? 1.f : 0.125f; }
 
 // where a block of n rows keeps a 256's field f of its 32-group h (the block's rows side by side from there)
-inline size_t iq_field_off(int t, int n, int g, int f, int h) {
+__attribute__((always_inline)) inline size_t iq_field_off(int t, int n, int g, int f, int h) {
   return (size_t(g) * iq_data_bytes(t) + 8 * iq_field_at(t, f) + h * iq_field(t, f)) * n;
 }
-inline size_t iq_sfield_off(int t, int n, int g, int f) {
+__attribute__((always_inline)) inline size_t iq_sfield_off(int t, int n, int g, int f) {
   return (size_t(g) * iq_scale_bytes(t) + iq_sfield_at(t, f)) * n;
 }
 

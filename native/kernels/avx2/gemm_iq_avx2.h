@@ -92,7 +92,7 @@ MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int q
     const __m128i aux = iq_lo(iq_field256<T>(wb, n, g, h, qb, nq, 1));
     const __m128i sg = iq_sign_groups(iq_ksigns128(aux));
     M0 = M1 = iq_pairs256(iq_odd128(_mm_srli_epi32(aux, 28)));
-    for (int k = 0; k < 4; ++k) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
       if constexpr (T == IQ2XXS)
         V[k] = iq_signed256(iq_gather8(IQ2XXS_GRID, iq_byte_k(iq_lo(idx), k)), sg, k);
       else
@@ -106,7 +106,7 @@ MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int q
     const __m128i sg = iq_sign_groups(iq_parity128(iq_lo(_mm256_permute4x64_epi64(s7, 0x08))));
     M0 = iq_pairs256(iq_odd128(_mm_and_si128(sc, _mm_set1_epi32(15))));
     M1 = iq_pairs256(iq_odd128(_mm_srli_epi32(sc, 4)));
-    for (int k = 0; k < 4; ++k) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m256i w = _mm256_and_si256(_mm256_srl_epi64(q, _mm_cvtsi32_si128(16 * k)), _mm256_set1_epi64x(511));
       const __m128i gi = iq_lo(_mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
       V[k] = iq_signed256(iq_gather8(IQ2XS_GRID, gi), sg, k);
@@ -118,7 +118,7 @@ MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int q
     const __m128i sc = _mm_cvtepu8_epi32(iq_lo(iq_field256<T>(wb, n, g, h, qb, nq, 3)));
     M0 = iq_pairs256(iq_odd128(_mm_and_si128(sc, _mm_set1_epi32(15))));
     M1 = iq_pairs256(iq_odd128(_mm_srli_epi32(sc, 4)));
-    for (int k = 0; k < 4; ++k) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m128i gi = _mm_or_si128(iq_byte_k(idx, k), _mm_slli_epi32(iq_bits(qh, 2 * k, 3), 8));
       V[k] = iq_signed256(iq_gather8(IQ2S_GRID, gi), sg, k);
     }
@@ -128,7 +128,7 @@ MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int q
     const __m256i qh = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(qh4, qh4));  // lanes (r, half): row r's bits
     const __m128i sg = iq_sign_groups(iq_lo(iq_field256<T>(wb, n, g, h, qb, nq, 2)));
     M0 = M1 = iq_pairs256(iq_odd128(iq_bits(s1, 8 * (h / 2) + 4 * (h % 2), 15)));
-    for (int k = 0; k < 4; ++k) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m256i sh = _mm256_setr_epi32(8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k,
                                            7 - 2 * k);
       const __m256i gi = _mm256_or_si256(iq3_index256(idx, k),
@@ -144,7 +144,7 @@ MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int q
       const int at = 16 * (h / 2) + 6 * (h % 2);
       M0 = iq1m_odd256(s, at), M1 = iq1m_odd256(s, at + 3);
     }
-    for (int k = 0; k < 4; ++k) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m128i gi = _mm_or_si128(iq_byte_k(idx, k), _mm_slli_epi32(iq_bits(qh, T == IQ1S ? 3 * k : 4 * k, 7), 8));
       const __m128i bit = _mm_set1_epi32(T == IQ1S ? 0x8000 : 8 << (4 * k));
       const __m256i pos = _mm256_cvtepi32_epi64(_mm_cmpeq_epi32(_mm_and_si128(qh, bit), _mm_setzero_si128()));

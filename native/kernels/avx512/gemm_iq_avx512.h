@@ -78,7 +78,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
     const __m256i aux = _mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 1));
     iq_sign_masks(iq_ksigns256(aux), S);
     M0 = M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(aux, 28)));
-    for (int k = 0; k < 4; ++k) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
       __m512i gv;
       if constexpr (T == IQ2XXS) {
         const __m256i gi = _mm256_and_si256(_mm256_srli_epi32(_mm512_castsi512_si256(idx), 8 * k), _mm256_set1_epi32(255));
@@ -94,7 +94,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
     iq_sign_masks(iq_parity256(_mm512_cvtepi16_epi8(_mm512_srli_epi16(q, 9))), S);
     M0 = iq_pairs512(iq_odd256(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
     M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(sc, 4)));
-    for (int k = 0; k < 4; ++k) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m256i gi = _mm512_cvtepi64_epi32(_mm512_and_si512(_mm512_srli_epi64(q, 16 * k), _mm512_set1_epi64(511)));
       V[k] = iq_signed512(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2XS_GRID), 8), S[k]);
     }
@@ -105,7 +105,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
     iq_sign_masks(_mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 1)), S);
     M0 = iq_pairs512(iq_odd256(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
     M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(sc, 4)));
-    for (int k = 0; k < 4; ++k) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m256i gi = _mm256_or_si256(
           _mm256_and_si256(_mm256_srli_epi32(idx, 8 * k), _mm256_set1_epi32(255)),
           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 2 * k), _mm256_set1_epi32(3)), 8));
@@ -117,7 +117,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
     const __m512i qh = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(qh8, qh8));  // lanes (r, half): row r's bits
     iq_sign_masks(_mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 2)), S);
     M0 = M1 = iq_pairs512(iq_odd256(_mm256_and_si256(_mm256_srli_epi32(s256, 8 * (h / 2) + 4 * (h % 2)), _mm256_set1_epi32(15))));
-    for (int k = 0; k < 4; ++k) {  // index bit 8 of lane (r, e): bit 2k + e of row r's qh
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {  // index bit 8 of lane (r, e): bit 2k + e of row r's qh
       const __m512i sh = _mm512_set_epi32(7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k,
                                           8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k,
                                           7 - 2 * k, 8 - 2 * k);
@@ -131,7 +131,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
     if constexpr (T == IQ1S) {
       M0 = M1 = iq_pairs512(iq_odd256(_mm256_and_si256(_mm256_srli_epi32(qh, 12), _mm256_set1_epi32(7))));
     }  // IQ1_M: its m from the 256's scales (iq1m_m512)
-    for (int k = 0; k < 4; ++k) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const int hs = T == IQ1S ? 3 * k : 4 * k;
       const __m256i gi = _mm256_or_si256(
           _mm256_and_si256(_mm256_srli_epi32(idx, 8 * k), _mm256_set1_epi32(255)),
@@ -171,7 +171,7 @@ MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_
         s256 = _mm512_castsi512_si256(iq_load512(sb + iq_sfield_off(T, n, g, 1) + size_t(8 * hb) * 4, nh * 4));
       __m512i qi[NT];
       MOE_UNROLL for (int t = 0; t < NT; ++t) qi[t] = _mm512_setzero_si512();
-      for (int h = 0; h < 8; ++h) {
+      MOE_UNROLL for (int h = 0; h < 8; ++h) {
         __m512i V[4], M0, M1;
         iq_decode512<T>(wb, n, g, h, hb, nh, s256, V, M0, M1);
         if constexpr (T == IQ1M) iq1m_m512(s0, h, M0, M1);
