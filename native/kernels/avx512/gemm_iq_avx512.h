@@ -159,11 +159,12 @@ template <int T, int NT>
 MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_t* const* X, const int32_t* const* XC,
                         int nsb, float* C) {
   const __m512i evens = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
-  for (int hb = 0; 8 * hb < n; ++hb) {
-    const int nh = std::min(8, n - 8 * hb);
-    __m512 acc[NT];
-    MOE_UNROLL for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-    for (int g = 0; g < nsb; ++g) {
+  const int halves = (n + 7) / 8;
+  __m512 acc[2][NT];
+  MOE_UNROLL for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  for (int g = 0; g < nsb; ++g) {  // each 256's bytes once, both halves of the block (one stream)
+    for (int hb = 0; hb < halves; ++hb) {
+      const int nh = std::min(8, n - 8 * hb);
       // the 256's per-256 fields of the 8 rows: d (IQ1_M: in its scales), IQ3_S's scales
       const __m512i s0 = iq_load512(sb + iq_sfield_off(T, n, g, 0) + size_t(8 * hb) * iq_sfield(T, 0), nh * iq_sfield(T, 0));
       __m256i s256 = _mm256_setzero_si256();
@@ -204,12 +205,13 @@ MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_
                                               _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_set1_ps(iq_unit(T)))));
       MOE_UNROLL for (int t = 0; t < NT; ++t) {  // row r's two lanes added, then d
         const __m512i q = _mm512_add_epi32(qi[t], _mm512_shuffle_epi32(qi[t], _MM_PERM_CDAB));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dv, acc[t]);
+        acc[hb][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dv, acc[hb][t]);
       }
     }
-    MOE_UNROLL for (int t = 0; t < NT; ++t)
-      _mm256_storeu_ps(C + t * BLK + 8 * hb, _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, acc[t])));
   }
+  for (int hb = 0; hb < halves; ++hb)
+    MOE_UNROLL for (int t = 0; t < NT; ++t)
+      _mm256_storeu_ps(C + t * BLK + 8 * hb, _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, acc[hb][t])));
 }
 
 template <int T>
