@@ -162,7 +162,12 @@ MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_
   const int halves = (n + 7) / 8;
   __m512 acc[2][NT];
   MOE_UNROLL for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  const size_t sb_bytes = size_t(n) * iq_data_bytes(T);  // a 256 of the block's rows
   for (int g = 0; g < nsb; ++g) {  // each 256's bytes once, both halves of the block (one stream)
+    {  // the 256 after next into L2 (its fields' lines are read out of order: the prefetchers lag, measured)
+      const char* next = reinterpret_cast<const char*>(wb + (g + IQ_PF) * sb_bytes);
+      for (size_t o = 0; o < sb_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+    }
     for (int hb = 0; hb < halves; ++hb) {
       const int nh = std::min(8, n - 8 * hb);
       // the 256's per-256 fields of the 8 rows: d (IQ1_M: in its scales), IQ3_S's scales
