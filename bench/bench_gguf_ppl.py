@@ -3,7 +3,13 @@ by llama.cpp's own converter, quantized by llama-quantize, and its perplexity on
 llama-perplexity and by our two services on the same file and the same tokens.
 
     python bench/bench_gguf_ppl.py [--types bf16,Q8_0,Q6_K,Q4_K_M,Q4_0] [--ctx 256] [--chunks 16]
-                                   [--work /tmp/llama-work] [--isa native]
+                                   [--work /tmp/llama-work] [--isa native] [--pad-experts 256]
+
+The grid types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, and mixes of them as IQ2_M, IQ3_M) are
+quantized with an importance matrix from llama-imatrix on the model's training text, as their users do (llama-quantize
+refuses most of them without one). Their rows must be whole blocks of 256: --pad-experts 256 runs a copy of the model
+whose experts' intermediate width (128) is padded with zeros to 256 (zero gate / up rows, zero down columns: the same
+function), so that llama-quantize puts the down matrices in the asked type too and not in IQ4_NL.
 
 llama.cpp is built from the llama-cpp-python sdist (bench/common.py: build_llama; llama-perplexity and
 llama-quantize). Its convert_hf_to_gguf.py writes the bf16 GGUF (the model's small custom BPE tokenizer is not
@@ -30,11 +36,12 @@ from common import ROOT, Services, build_llama, convert_to_gguf, cpu_name, peer_
 from protos import generate_pb2
 
 
-def held_out_text(limit_chars: int) -> str:
+def held_out_text(limit_chars: int, part: int = 1) -> str:
+    """The default model's held-out text (part 1), or its training text (part 0: the importance matrix's)."""
     from tools.train_default_model import read, split, stdlib_files
 
     out, n = [], 0
-    for f in split(stdlib_files())[1]:
+    for f in split(stdlib_files())[part]:
         out.append(read(f))
         n += len(out[-1])
         if n > limit_chars:
@@ -76,6 +83,51 @@ def our_ppl(stub, tokens: np.ndarray, bos: int | None) -> float:
     return math.exp(nll / count)
 
 
+def padded_model(model: pathlib.Path, width: int, out: pathlib.Path) -> pathlib.Path:
+    """A copy of the checkpoint whose routed and shared experts are `width` wide (zero rows of gate / up, zero columns
+    of down: the outputs unchanged, exactly)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["moe_intermediate_size"] = width
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    t = {}
+    for f in model.glob("*.safetensors"):
+        for name, x in load_file(str(f)).items():
+            if "experts." in name and name.endswith(("gate_proj.weight", "up_proj.weight")):
+                x = torch.cat([x, x.new_zeros(width - x.shape[0], x.shape[1])])
+            elif "experts." in name and name.endswith("down_proj.weight"):
+                x = torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1])], 1)
+            t[name] = x.contiguous()
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+GRID_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_S", "IQ3_M")
+
+
+def importance_matrix(src: pathlib.Path, isa: str, bf16: pathlib.Path, work: pathlib.Path, ctx: int,
+                      threads: int) -> pathlib.Path:
+    """llama-imatrix on the model's training text (once per file)."""
+    out = bf16.with_suffix(".imatrix.gguf")
+    if not out.exists():
+        text = work / "train.txt"
+        text.write_text(held_out_text(ctx * 64 * 8, part=0))
+        subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-imatrix"), "-m", str(bf16), "-f", str(text),
+                        "-o", str(out), "-c", str(ctx), "--chunks", "64", "-t", str(threads)],
+                       check=True, capture_output=True, env=peer_env())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "default")
@@ -87,9 +139,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--isa", default="native")
     ap.add_argument("--work", type=pathlib.Path, default=pathlib.Path("/tmp/llama-work"))
+    ap.add_argument("--pad-experts", type=int, default=0, help="run a copy whose experts are this wide (zero-padded)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    src = build_llama(a.work, a.isa, targets=("llama-perplexity", "llama-quantize"))
+    grid = any(t in GRID_TYPES for t in a.types.split(","))
+    src = build_llama(a.work, a.isa, targets=("llama-perplexity", "llama-quantize", *(("llama-imatrix",) if grid else ())))
+    if a.pad_experts:
+        a.model = padded_model(a.model, a.pad_experts, a.work / f"{a.model.name}-experts{a.pad_experts}")
     print(f"# {cpu_name()}; llama.cpp build-{a.isa}; {a.model.name}, ctx {a.ctx} x {a.chunks} chunks")
     text = a.work / "heldout.txt"
     text.write_text(held_out_text(a.ctx * a.chunks * 8))
@@ -104,7 +160,9 @@ def main() -> None:
     for qtype in a.types.split(","):
         f = bf16 if qtype == "bf16" else a.work / f"{a.model.name}-{qtype}.gguf"
         if not f.exists():
-            subprocess.run([str(src / f"build-{a.isa}" / "bin" / "llama-quantize"), str(bf16), str(f), qtype],
+            imatrix = (("--imatrix", str(importance_matrix(src, a.isa, bf16, a.work, a.ctx, a.threads)))
+                       if qtype in GRID_TYPES else ())
+            subprocess.run([str(src / f"build-{a.isa}" / "bin" / "llama-quantize"), *imatrix, str(bf16), str(f), qtype],
                            check=True, capture_output=True, env=peer_env())
         theirs, tokens = llama_ppl(src, a.isa, f, text, a.ctx, a.chunks, a.threads)
         ours = {}

@@ -48,7 +48,8 @@ def parse_args(argv=None):
                          "with 3 bits; q2k: GGUF's Q2_K as stored, a 4-bit scale and min per 16 under fp32 ones per 256; "
                          "q6k: GGUF's Q6_K as stored, 6 bits with an int8 scale per 16 under an "
                          "fp32 one per 256; iq4nl: GGUF's IQ4_NL / IQ4_XS kept; iq4xs: GGUF's IQ4_XS as stored, an "
-                         "int8 scale per 32 under an fp32 one per 256; gguf: each matrix of a GGUF in the format that keeps its "
+                         "int8 scale per 32 under an fp32 one per 256; iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq1m: GGUF's grid types "
+                         "as stored, the file's bytes (GGUF files only); gguf: each matrix of a GGUF in the format that keeps its "
                          "block type, the default for mixes such as Q4_K_M); auto = the checkpoint's own "
                          "(its dtype, mxfp4 for published gpt-oss, fp8 for FP8 releases, the int4 and GGUF block "
                          "formats above, other GGUF types requantized to about their size)")

@@ -364,14 +364,29 @@ def q2_k_mix(L: int, name: str):
     return Q.Q3_K if L == 0 and "down" in name else Q.Q2_K
 
 
+def iq2_m_mix(L: int, name: str):
+    """An IQ2_M-like mix (llama-quantize's IQ2_M puts some down matrices in a larger grid type): IQ2_S, down in IQ3_S
+    in layer 0."""
+    Q = gguf.GGMLQuantizationType
+    return Q.IQ3_S if L == 0 and "down" in name else Q.IQ2_S
+
+
+def iq1_m_mix(L: int, name: str):
+    """An IQ1_M-like mix: IQ1_M gate / up, IQ2_XXS down."""
+    Q = gguf.GGMLQuantizationType
+    return Q.IQ2_XXS if "down" in name else Q.IQ1_M
+
+
 IQ_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")  # random valid blocks (gguf_blocks)
-MIXES = {"Q4_K_M": q4_k_m, "Q5_K_M": q5_k_m, "Q3_K_M": q3_k_m, "Q2_K_mix": q2_k_mix}
+MIXES = {"Q4_K_M": q4_k_m, "Q5_K_M": q5_k_m, "Q3_K_M": q3_k_m, "Q2_K_mix": q2_k_mix, "IQ2_M_mix": iq2_m_mix,
+         "IQ1_M_mix": iq1_m_mix}
 # the block type -> the expert format that starts by default (a mix: its layer 0's); `kept`: whether it keeps the
 # file's numbers
 DEFAULTS = {"Q8_0": ("int8g32", True), "Q4_0": ("int4g32", True), "Q4_K": ("q4k", True), "Q6_K": ("q6k", True),
             "IQ4_XS": ("iq4xs", True), "Q4_K_M": ("q4k/q6k", True), "Q5_K_M": ("q5k/q6k", True),
             "Q3_K_M": ("q3k/q4k", True), "Q2_K": ("q2k", True), "Q2_K_mix": ("q2k/q3k", True),
-            **{t: (t.lower().replace("_", ""), True) for t in IQ_TYPES}}
+            **{t: (t.lower().replace("_", ""), True) for t in IQ_TYPES}, "IQ2_M_mix": ("iq2s/iq3s", True),
+            "IQ1_M_mix": ("iq1m/iq2xxs", True)}
 
 
 @pytest.mark.parametrize("qtype", some(list(DEFAULTS), fast=["Q4_K_M", "IQ2_XXS"]))
@@ -379,7 +394,7 @@ def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, 
                                                                   monkeypatch):
     monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
     src = wide_source if qtype in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "Q2_K_mix",
-                                   *IQ_TYPES) else source
+                                   *IQ_TYPES, "IQ2_M_mix", "IQ1_M_mix") else source
     f = write_gguf(src, tmp_path / f"tiny-{qtype}.gguf", MIXES.get(qtype) or getattr(gguf.GGMLQuantizationType, qtype))
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f.name,
                                                             dtype=torch.float32).eval()

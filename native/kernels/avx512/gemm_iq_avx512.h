@@ -39,17 +39,20 @@ MOE_IQ512 inline __m256i iq_ksigns256(__m256i aux) {
                       _mm256_and_si256(_mm256_slli_epi32(aux, 3), _mm256_set1_epi32(0x7F000000))));
   return iq_parity256(b);
 }
-// 8 rows' sign bytes (dword r, byte k: group k) -> S[k]: group k's 8 rows' bytes (the mask of its 64 weights)
-MOE_IQ512 inline void iq_sign_masks(__m256i s, uint64_t* S) {
-  const __m256i t = _mm256_shuffle_epi8(s, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                                            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(S),
-                      _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+// 8 rows' sign bytes (dword r, byte k: group k) -> qword r: row r's 4 bytes (what iq_sign_mask reads)
+MOE_IQ512 inline __m512i iq_sign_rows(__m256i s) { return _mm512_cvtepu32_epi64(s); }
+// group k's 64 signs as a mask (bit 8 r + j: weight j of row r): each row's byte k spread over its qword, tested bit by
+// bit (no trip through a general register)
+MOE_IQ512 inline __mmask64 iq_sign_mask(__m512i rows, int k) {
+  const char a = char(k), b = char(8 + k);
+  const __m128i spread = _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+  return _mm512_test_epi8_mask(_mm512_shuffle_epi8(rows, _mm512_broadcast_i32x4(spread)),
+                               _mm512_set1_epi64(int64_t(0x8040201008040201ull)));
 }
 // grid values g (u8) with their signs -> 64 +- g
-MOE_IQ512 inline __m512i iq_signed512(__m512i g, uint64_t s) {
+MOE_IQ512 inline __m512i iq_signed512(__m512i g, __mmask64 s) {
   const __m512i b = _mm512_set1_epi8(IQ_BIAS);
-  return _mm512_mask_sub_epi8(_mm512_add_epi8(g, b), _cvtu64_mask64(s), b, g);
+  return _mm512_mask_sub_epi8(_mm512_add_epi8(g, b), s, b, g);
 }
 // IQ3: group k's two index bytes (2k, 2k + 1) of each row's 8 -> 16 dword lanes (r, half)
 MOE_IQ512 inline __m512i iq3_index512(__m512i idx, int k) {
@@ -72,11 +75,10 @@ MOE_IQ512 inline __m256i iq_odd256(__m256i ls) {  // 2 ls + 1
 template <int T>
 MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int hb, int nh, const __m256i& s256,
                                    __m512i* V, __m512i& M0, __m512i& M1) {
-  alignas(32) uint64_t S[4];
   if constexpr (T == IQ2XXS || T == IQ3XXS) {
     const __m512i idx = iq_field512<T>(wb, n, g, h, hb, nh, 0);
     const __m256i aux = _mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 1));
-    iq_sign_masks(iq_ksigns256(aux), S);
+    const __m512i S = iq_sign_rows(iq_ksigns256(aux));
     M0 = M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(aux, 28)));
     MOE_UNROLL for (int k = 0; k < 4; ++k) {
       __m512i gv;
@@ -86,36 +88,36 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
       } else {
         gv = _mm512_i32gather_epi32(iq3_index512(idx, k), reinterpret_cast<const int*>(IQ3XXS_GRID), 4);
       }
-      V[k] = iq_signed512(gv, S[k]);
+      V[k] = iq_signed512(gv, iq_sign_mask(S, k));
     }
   } else if constexpr (T == IQ2XS) {
     const __m512i q = iq_field512<T>(wb, n, g, h, hb, nh, 0);
     const __m256i sc = _mm512_castsi512_si256(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(iq_field512<T>(wb, n, g, h, hb, nh, 1))));
-    iq_sign_masks(iq_parity256(_mm512_cvtepi16_epi8(_mm512_srli_epi16(q, 9))), S);
+    const __m512i S = iq_sign_rows(iq_parity256(_mm512_cvtepi16_epi8(_mm512_srli_epi16(q, 9))));
     M0 = iq_pairs512(iq_odd256(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
     M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(sc, 4)));
     MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m256i gi = _mm512_cvtepi64_epi32(_mm512_and_si512(_mm512_srli_epi64(q, 16 * k), _mm512_set1_epi64(511)));
-      V[k] = iq_signed512(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2XS_GRID), 8), S[k]);
+      V[k] = iq_signed512(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2XS_GRID), 8), iq_sign_mask(S, k));
     }
   } else if constexpr (T == IQ2S) {
     const __m256i idx = _mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 0));
     const __m256i qh = _mm512_castsi512_si256(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(iq_field512<T>(wb, n, g, h, hb, nh, 2))));
     const __m256i sc = _mm512_castsi512_si256(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(iq_field512<T>(wb, n, g, h, hb, nh, 3))));
-    iq_sign_masks(_mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 1)), S);
+    const __m512i S = iq_sign_rows(_mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 1)));
     M0 = iq_pairs512(iq_odd256(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
     M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(sc, 4)));
     MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m256i gi = _mm256_or_si256(
           _mm256_and_si256(_mm256_srli_epi32(idx, 8 * k), _mm256_set1_epi32(255)),
           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 2 * k), _mm256_set1_epi32(3)), 8));
-      V[k] = iq_signed512(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2S_GRID), 8), S[k]);
+      V[k] = iq_signed512(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2S_GRID), 8), iq_sign_mask(S, k));
     }
   } else if constexpr (T == IQ3S) {
     const __m512i idx = iq_field512<T>(wb, n, g, h, hb, nh, 0);
     const __m128i qh8 = _mm512_castsi512_si128(iq_field512<T>(wb, n, g, h, hb, nh, 1));
     const __m512i qh = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(qh8, qh8));  // lanes (r, half): row r's bits
-    iq_sign_masks(_mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 2)), S);
+    const __m512i S = iq_sign_rows(_mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 2)));
     M0 = M1 = iq_pairs512(iq_odd256(_mm256_and_si256(_mm256_srli_epi32(s256, 8 * (h / 2) + 4 * (h % 2)), _mm256_set1_epi32(15))));
     MOE_UNROLL for (int k = 0; k < 4; ++k) {  // index bit 8 of lane (r, e): bit 2k + e of row r's qh
       const __m512i sh = _mm512_set_epi32(7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k, 8 - 2 * k, 7 - 2 * k,
@@ -123,7 +125,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
                                           7 - 2 * k, 8 - 2 * k);
       const __m512i gi = _mm512_or_si512(iq3_index512(idx, k),
                                          _mm512_and_si512(_mm512_sllv_epi32(qh, sh), _mm512_set1_epi32(256)));
-      V[k] = iq_signed512(_mm512_i32gather_epi32(gi, reinterpret_cast<const int*>(IQ3S_GRID), 4), S[k]);
+      V[k] = iq_signed512(_mm512_i32gather_epi32(gi, reinterpret_cast<const int*>(IQ3S_GRID), 4), iq_sign_mask(S, k));
     }
   } else {  // IQ1S, IQ1M: no signs; the biased grid plus the delta's +-1
     const __m256i idx = _mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 0));
