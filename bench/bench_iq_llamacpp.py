@@ -26,14 +26,15 @@ from moe_kernels.dense import NativeLinear
 M, K = 4096, 14336  # test-backend-ops' perf shape for MUL_MAT
 
 
-def theirs(binary: pathlib.Path, qtype: str) -> dict[int, float]:
-    """llama.cpp's us a run of MUL_MAT(type_a=qtype) for each n of its perf set."""
-    out = subprocess.run([str(binary), "perf", "-o", "MUL_MAT", "-b", "CPU", "-p", f"type_a={qtype.lower()},"],
-                         capture_output=True, text=True, check=True, env=peer_env()).stdout
-    got = {int(m.group(1)): float(m.group(2)) for m in re.finditer(rf",m={M},n=(\d+),k={K},.*? ([\d.]+) us/run", out)}
-    if 1 not in got or 512 not in got:
-        raise RuntimeError(f"no MUL_MAT lines for {qtype} in:\n{out}")
-    return got
+def theirs(binary: pathlib.Path, qtype: str, n: int) -> float:
+    """llama.cpp's us a run of MUL_MAT(type_a=qtype, m=M, n, k=K) (its -p filter: that case alone)."""
+    case = f"type_a={qtype.lower()},type_b=f32,m={M},n={n},k={K},"
+    out = subprocess.run([str(binary), "perf", "-o", "MUL_MAT", "-b", "CPU", "-p", case], capture_output=True,
+                         text=True, check=True, env=peer_env()).stdout
+    m = re.search(r"([\d.]+) us/run", out)
+    if m is None:
+        raise RuntimeError(f"no MUL_MAT line for {case} in:\n{out}")
+    return float(m.group(1))
 
 
 def main() -> None:
@@ -65,9 +66,8 @@ def main() -> None:
             bws.append(native.read_bandwidth(probe.data_ptr(), probe.numel()))
             ours1.append(median_ms(lambda: lin(x1), reps=20) * 1e3)
             ours512.append(median_ms(lambda: lin(x512), reps=3))
-            them = theirs(binary, qtype)
-            t1.append(them[1])
-            t512.append(them[512] / 1e3)
+            t1.append(theirs(binary, qtype, 1))
+            t512.append(theirs(binary, qtype, 512) / 1e3)
         o1, o512, l1, l512 = (statistics.median(v) for v in (ours1, ours512, t1, t512))
         gbs = lin.nbytes / (o1 * 1e-6) / 1e9
         print(f"| {qtype} | {iq_formats.bits(fmt)} | {o1:.0f} | {l1:.0f} | {l1 / o1:.2f}x | {gbs:.1f} | "

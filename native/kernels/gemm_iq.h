@@ -150,6 +150,35 @@ inline void drive_iq(const Matrix& m, int e, int r0, int r1, const Acts& x, int 
   }
 }
 
+constexpr int IQ_PREFILL_MIN = 8;  // tokens from which a block is decoded once for all of them (the prefill kernels)
+struct IqAcc {  // a thread's prefill accumulators (its own type: thread_scratch is one object per type)
+  std::vector<float> v;
+};
+
+// The prefill kernels' driver: per row block, pf(block data, block scales, rows n, the u8 activations, 256s, acc)
+// accumulates every token into acc [ns][PARTS][LANES] (row j: part j / (16 / PARTS), lane 2 (j % (16 / PARTS)))
+template <int T, int PARTS, int LANES, class PF>
+inline void drive_iq_prefill(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy,
+                             PF&& pf) {
+  MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
+  MOE_CHECK(m.Kp % IQ_QK == 0, "the IQ formats' rows are whole blocks of 256");
+  const int nsb = m.Kp / IQ_QK, per = BLK / PARTS;
+  const size_t ldw = size_t(nsb) * iq_data_bytes(T), lds = size_t(nsb) * iq_scale_bytes(T);
+  const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
+  const uint8_t* Se = reinterpret_cast<const uint8_t*>(m.scale) + size_t(e) * m.rows * lds;
+  auto A = reinterpret_cast<const uint8_t* const*>(x.rows);
+  std::vector<float>& acc = thread_scratch<IqAcc>().v;
+  acc.resize(size_t(ns) * PARTS * LANES);
+  for (int r = r0; r < r1; r += BLK) {
+    const int n = std::min(BLK, m.rows - r);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    pf(We + size_t(r) * ldw, Se + size_t(r) * lds, n, A, nsb, acc.data());
+    for (int t = 0; t < ns; ++t)
+      for (int j = 0; j < std::min(n, r1 - r); ++j)
+        Y[size_t(t) * ldy + r + j] = acc[(size_t(t) * PARTS + j / per) * LANES + 2 * (j % per)] * x.scale[t];
+  }
+}
+
 }  // namespace
 
 #define MOE_IQ_ENTRIES(NAME, T)                                                                                      \

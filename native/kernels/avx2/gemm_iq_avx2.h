@@ -179,17 +179,21 @@ MOE_IQ256 inline __m256 iq_d256(__m256i s) {
 
 // the micro-kernel for each target: AVX2's products, AVX-VNNI's
 #define MOE_IQ_MK iq_mk256_avx2
+#define MOE_IQ_PREFILL iq_prefill256_avx2
 #define MOE_IQ_TARGET "avx2,fma,f16c"
 #define MOE_IQ_VNNI 0
 #include "kernels/avx2/gemm_iq_mk256.inc"
 #undef MOE_IQ_MK
+#undef MOE_IQ_PREFILL
 #undef MOE_IQ_TARGET
 #undef MOE_IQ_VNNI
 #define MOE_IQ_MK iq_mk256_vnni
+#define MOE_IQ_PREFILL iq_prefill256_vnni
 #define MOE_IQ_TARGET "avx2,fma,f16c,avxvnni"
 #define MOE_IQ_VNNI 1
 #include "kernels/avx2/gemm_iq_mk256.inc"
 #undef MOE_IQ_MK
+#undef MOE_IQ_PREFILL
 #undef MOE_IQ_TARGET
 #undef MOE_IQ_VNNI
 
@@ -199,14 +203,22 @@ namespace {
 
 template <int T, bool VNNI>
 void iq_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  drive_iq<T>(m, e, r0, r1, x, ns, Y, ldy,
-              [&](const uint8_t* wb, const uint8_t* sb, int n, const int8_t* const* X, const int32_t* const* XC, int nsb,
-                  int nt, float* C) {
-                with_tokens<4>(nt, [&](auto NT) {
-                  if constexpr (VNNI) iq_mk256_vnni<T, decltype(NT)::value>(wb, sb, n, X, XC, nsb, C);
-                  else iq_mk256_avx2<T, decltype(NT)::value>(wb, sb, n, X, XC, nsb, C);
+  if (ns < IQ_PREFILL_MIN) {
+    drive_iq<T>(m, e, r0, r1, x, ns, Y, ldy,
+                [&](const uint8_t* wb, const uint8_t* sb, int n, const int8_t* const* X, const int32_t* const* XC,
+                    int nsb, int nt, float* C) {
+                  with_tokens<4>(nt, [&](auto NT) {
+                    if constexpr (VNNI) iq_mk256_vnni<T, decltype(NT)::value>(wb, sb, n, X, XC, nsb, C);
+                    else iq_mk256_avx2<T, decltype(NT)::value>(wb, sb, n, X, XC, nsb, C);
+                  });
                 });
-              });
+    return;
+  }
+  drive_iq_prefill<T, 4, 8>(m, e, r0, r1, x, ns, Y, ldy,
+                            [&](const uint8_t* wb, const uint8_t* sb, int n, const uint8_t* const* A, int nsb, float* acc) {
+                              if constexpr (VNNI) iq_prefill256_vnni<T>(wb, sb, n, A, nsb, ns, acc);
+                              else iq_prefill256_avx2<T>(wb, sb, n, A, nsb, ns, acc);
+                            });
 }
 
 }  // namespace

@@ -222,14 +222,18 @@ MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_
 }
 
 // Prefill (many tokens): a row block's 256 decoded once, both halves (V, m, d: 6 KiB, in L1), then every token
-// against it, so the grid lookups are paid once a block, not once per 4 tokens. The same integers and the same FMA
-// per 256 and token as iq_mk512, in the same order: bit for bit the reference. acc: [ns][2 halves][16 lanes].
+// against it, so the grid lookups are paid once a block, not once per 4 tokens. Here the weights stay signed (v, s8)
+// and the activations go in as u8 (x + 128): the excess, 128 x each 16's weight sum times m, is the block's own,
+// taken once for all tokens (W) instead of per 16 and token. The same integers and the same FMA per 256 and token as
+// iq_mk512, in the same order: bit for bit the reference. A: the u8 activations; acc: [ns][2 halves][16 lanes].
 template <int T>
-MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, const int8_t* const* X,
-                             const int32_t* const* XC, int nsb, int ns, float* acc) {
+MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, const uint8_t* const* A, int nsb, int ns,
+                             float* acc) {
   const int halves = (n + 7) / 8;
   alignas(64) __m512i V[2][8][4], M[2][8][2];
   __m512 dv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512i W[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // -128 x sum over 16s of m x the 16's weight sum
+  const __m512i ones = _mm512_set1_epi8(1), bias = _mm512_set1_epi8(IQ_BIAS);
   if (halves < 2) std::memset(static_cast<void*>(V[1]), 0, sizeof V[1]), std::memset(static_cast<void*>(M[1]), 0, sizeof M[1]);
   const size_t sb_bytes = size_t(n) * iq_data_bytes(T);
   for (int g = 0; g < nsb; ++g) {
@@ -243,10 +247,16 @@ MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, const 
       __m256i s256 = _mm256_setzero_si256();
       if constexpr (T == IQ3S)
         s256 = _mm512_castsi512_si256(iq_load512(sb + iq_sfield_off(T, n, g, 1) + size_t(8 * hb) * 4, nh * 4));
+      __m512i w = _mm512_setzero_si512();
       MOE_UNROLL for (int h = 0; h < 8; ++h) {
         iq_decode512<T>(wb, n, g, h, hb, nh, s256, V[hb][h], M[hb][h][0], M[hb][h][1]);
         if constexpr (T == IQ1M) iq1m_m512(s0, h, M[hb][h][0], M[hb][h][1]);
+        MOE_UNROLL for (int k = 0; k < 4; ++k) V[hb][h][k] = _mm512_sub_epi8(V[hb][h][k], bias);  // v, signed
+        const __m512i e0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, V[hb][h][0]), ones, V[hb][h][1]);
+        const __m512i e1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, V[hb][h][2]), ones, V[hb][h][3]);
+        w = _mm512_add_epi32(w, _mm512_add_epi32(_mm512_mullo_epi32(e0, M[hb][h][0]), _mm512_mullo_epi32(e1, M[hb][h][1])));
       }
+      W[hb] = _mm512_mullo_epi32(w, _mm512_set1_epi32(-128));
       __m256 d;
       if constexpr (T == IQ1M) {
         const __m512i dq = _mm512_or_si512(
@@ -262,21 +272,17 @@ MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, const 
                                      _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_set1_ps(iq_unit(T)))));
     }
     for (int t = 0; t < ns; ++t) {  // both halves against one token's broadcasts
-      __m512i qi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-      const int8_t* xt = X[t] + g * IQ_QK;
-      const int32_t* xct = XC[t] + g * (IQ_QK / IQ_SUB);
+      __m512i qi[2] = {W[0], W[1]};
+      const uint8_t* at = A[t] + g * IQ_QK;
       MOE_UNROLL for (int h = 0; h < 8; ++h) {
         int64_t xv[4];
-        std::memcpy(xv, xt + h * 32, 32);
+        std::memcpy(xv, at + h * 32, 32);
         const __m512i x0 = _mm512_set1_epi64(xv[0]), x1 = _mm512_set1_epi64(xv[1]);
         const __m512i x2 = _mm512_set1_epi64(xv[2]), x3 = _mm512_set1_epi64(xv[3]);
-        const __m512i c0 = _mm512_set1_epi64(int64_t(uint32_t(xct[2 * h]))),
-                      c1 = _mm512_set1_epi64(int64_t(uint32_t(xct[2 * h + 1])));
         MOE_UNROLL for (int hb = 0; hb < 2; ++hb) {
-          const __m512i d0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), V[hb][h][0], x0), V[hb][h][1], x1);
-          const __m512i d1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), V[hb][h][2], x2), V[hb][h][3], x3);
-          qi[hb] = _mm512_add_epi32(qi[hb], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(d0, c0), M[hb][h][0]),
-                                                             _mm512_mullo_epi32(_mm512_sub_epi32(d1, c1), M[hb][h][1])));
+          const __m512i d0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x0, V[hb][h][0]), x1, V[hb][h][1]);
+          const __m512i d1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x2, V[hb][h][2]), x3, V[hb][h][3]);
+          qi[hb] = _mm512_add_epi32(qi[hb], _mm512_add_epi32(_mm512_mullo_epi32(d0, M[hb][h][0]), _mm512_mullo_epi32(d1, M[hb][h][1])));
         }
       }
       MOE_UNROLL for (int hb = 0; hb < 2; ++hb) {
@@ -288,11 +294,6 @@ MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, const 
   }
 }
 
-constexpr int IQ_PREFILL_MIN = 8;
-struct IqAcc {  // a thread's prefill accumulators (its own type: thread_scratch is one object per type)
-  std::vector<float> v;
-};  // tokens from which a block is decoded once for all of them (iq_prefill512)
-
 template <int T>
 void iq_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
   if (ns < IQ_PREFILL_MIN) {
@@ -303,24 +304,9 @@ void iq_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, fl
                 });
     return;
   }
-  MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
-  MOE_CHECK(m.Kp % IQ_QK == 0, "the IQ formats' rows are whole blocks of 256");
-  const int nsb = m.Kp / IQ_QK;
-  const size_t ldw = size_t(nsb) * iq_data_bytes(T), lds = size_t(nsb) * iq_scale_bytes(T);
-  const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const uint8_t* Se = reinterpret_cast<const uint8_t*>(m.scale) + size_t(e) * m.rows * lds;
-  Prepared& p = thread_scratch<Prepared>();
-  prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, IQ_SUB, IQ_BIAS, false, p);
-  std::vector<float>& acc = thread_scratch<IqAcc>().v;
-  acc.resize(size_t(ns) * 32);
-  for (int r = r0; r < r1; r += BLK) {
-    const int n = std::min(BLK, m.rows - r);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    iq_prefill512<T>(We + size_t(r) * ldw, Se + size_t(r) * lds, n, p.xp.data(), p.cp.data(), nsb, ns, acc.data());
-    for (int t = 0; t < ns; ++t)
-      for (int j = 0; j < std::min(n, r1 - r); ++j)  // row j: lane 2 (j % 8) of its half
-        Y[size_t(t) * ldy + r + j] = acc[(size_t(t) * 2 + j / 8) * 16 + 2 * (j % 8)] * x.scale[t];
-  }
+  drive_iq_prefill<T, 2, 16>(m, e, r0, r1, x, ns, Y, ldy,
+                             [&](const uint8_t* wb, const uint8_t* sb, int n, const uint8_t* const* A, int nsb,
+                                 float* acc) { iq_prefill512<T>(wb, sb, n, A, nsb, ns, acc); });
 }
 
 }  // namespace
