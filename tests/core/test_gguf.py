@@ -411,6 +411,15 @@ def test_gguf_serves_transformers_greedy_tokens_on_the_same_file(qtype, source, 
     s = services_factory(f, gpu_args=("--dtype", "fp32"))  # default formats: the blocks kept
     assert f"as {fmt}" in s.logs(), s.logs()
     assert ("requantized to" in s.logs()) != kept, s.logs()
+    if qtype in IQ_TYPES:  # Info names the type's own format, and the experts it holds are the file's bytes
+        import grpc
+        from protos import expert_pb2, expert_pb2_grpc
+        with grpc.insecure_channel(f"127.0.0.1:{s.expert_port}") as ch:
+            info = expert_pb2_grpc.ExpertServiceStub(ch).Info(expert_pb2.ExpertInfoRequest(), timeout=10)
+        reader = gguf.GGUFReader(str(f))
+        file_bytes = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
+        assert info.weight_format == fmt and info.weight_bytes == file_bytes, (info.weight_format, info.weight_bytes,
+                                                                               file_bytes)
     r = s.stub.Score(generate_pb2.ScoreRequest(token_ids=generate_pb2.TokenIds(ids=prompt)), timeout=60)
     got = codec.decode(r.logits, "logits").double()
     # the kernels' int8 activations cost this random model ~4-6% of a position's logits (the weights themselves are
