@@ -157,6 +157,24 @@ MOE_IQ512 inline void iq1m_m512(__m512i sc, int h, __m512i& M0, __m512i& M1) {
   M0 = iq1m_odd512(sc, at), M1 = iq1m_odd512(sc, at + 3);
 }
 
+// the 8 rows' d unit in lane pairs, from their per-256 field 0 (IQ1_M: d in its scales' top nibbles)
+template <int T>
+MOE_IQ512 inline __m512 iq_dv512(__m512i s0) {
+  __m256 d;
+  if constexpr (T == IQ1M) {
+    const __m512i dq = _mm512_or_si512(
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(s0, 12), _mm512_set1_epi64(0xF)),
+                        _mm512_and_si512(_mm512_srli_epi64(s0, 24), _mm512_set1_epi64(0xF0))),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(s0, 36), _mm512_set1_epi64(0xF00)),
+                        _mm512_and_si512(_mm512_srli_epi64(s0, 48), _mm512_set1_epi64(0xF000))));
+    d = _mm256_cvtph_ps(_mm512_cvtepi64_epi16(dq));
+  } else {
+    d = _mm256_cvtph_ps(_mm512_castsi512_si128(s0));
+  }
+  return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                               _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_set1_ps(iq_unit(T)))));
+}
+
 template <int T, int NT>
 MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_t* const* X, const int32_t* const* XC,
                         int nsb, float* C) {
@@ -197,19 +215,7 @@ MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_
           qi[t] = _mm512_add_epi32(qi[t], _mm512_add_epi32(_mm512_mullo_epi32(d0, M0), _mm512_mullo_epi32(d1, M1)));
         }
       }
-      __m256 d;
-      if constexpr (T == IQ1M) {
-        const __m512i dq = _mm512_or_si512(
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(s0, 12), _mm512_set1_epi64(0xF)),
-                            _mm512_and_si512(_mm512_srli_epi64(s0, 24), _mm512_set1_epi64(0xF0))),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(s0, 36), _mm512_set1_epi64(0xF00)),
-                            _mm512_and_si512(_mm512_srli_epi64(s0, 48), _mm512_set1_epi64(0xF000))));
-        d = _mm256_cvtph_ps(_mm512_cvtepi64_epi16(dq));
-      } else {
-        d = _mm256_cvtph_ps(_mm512_castsi512_si128(s0));
-      }
-      const __m512 dv = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
-                                              _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_set1_ps(iq_unit(T)))));
+      const __m512 dv = iq_dv512<T>(s0);
       MOE_UNROLL for (int t = 0; t < NT; ++t) {  // row r's two lanes added, then d
         const __m512i q = _mm512_add_epi32(qi[t], _mm512_shuffle_epi32(qi[t], _MM_PERM_CDAB));
         acc[hb][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dv, acc[hb][t]);
@@ -257,19 +263,7 @@ MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, const 
         w = _mm512_add_epi32(w, _mm512_add_epi32(_mm512_mullo_epi32(e0, M[hb][h][0]), _mm512_mullo_epi32(e1, M[hb][h][1])));
       }
       W[hb] = _mm512_mullo_epi32(w, _mm512_set1_epi32(-128));
-      __m256 d;
-      if constexpr (T == IQ1M) {
-        const __m512i dq = _mm512_or_si512(
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(s0, 12), _mm512_set1_epi64(0xF)),
-                            _mm512_and_si512(_mm512_srli_epi64(s0, 24), _mm512_set1_epi64(0xF0))),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(s0, 36), _mm512_set1_epi64(0xF00)),
-                            _mm512_and_si512(_mm512_srli_epi64(s0, 48), _mm512_set1_epi64(0xF000))));
-        d = _mm256_cvtph_ps(_mm512_cvtepi64_epi16(dq));
-      } else {
-        d = _mm256_cvtph_ps(_mm512_castsi512_si128(s0));
-      }
-      dv[hb] = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
-                                     _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_set1_ps(iq_unit(T)))));
+      dv[hb] = iq_dv512<T>(s0);
     }
     for (int t = 0; t < ns; ++t) {  // both halves against one token's broadcasts
       __m512i qi[2] = {W[0], W[1]};
