@@ -887,7 +887,7 @@ def own_format(t: str) -> str:
 def covering(t: str) -> str:
     """For a type no format keeps (Q5_0, Q5_1; floats): the smallest format whose values have
     at least the type's bits (its bits a weight less about half a bit of scales; at least q3k's 3), so it is requantized
-    onto a grid no coarser than the file's and stays about the file's size (IQ2_XS: q3k, Q5_0: q5k), not a 2-4x larger
+    onto a grid no coarser than the file's and stays about the file's size (Q5_0: q5k), not a 2-4x larger
     exact copy (a 2-bit DeepSeek file must fit the RAM its user has). Measured on the default model against
     llama-perplexity on the same files (docs/performance/accuracy.md); --weight-format bf16 keeps them exact."""
     need = max(int(type_bits(t) - 0.5), 1) if t not in FLOAT_TYPES else 16

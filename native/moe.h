@@ -85,6 +85,11 @@ bool isa_supported(Isa isa, const CpuFeatures& f);
 //         - iq4xs: iq4nl's codes, w = d sc IQ4NL[code], GGUF's IQ4_XS as stored: per 256 weights an fp32 d, per 32 an
 //           int8 sc (the file's 6-bit ls - 32). scale = uint8 [E, rows, Kp/256 x 12]: per block and 256, its n rows' d
 //           (fp32), then the 8 sc bytes (32 by 32, n each). 4.375 bits a weight (iq4nl: 5).
+//   iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq1m: GGUF's grid types as stored, in row-interleaved blocks: w = uint8
+//         [E, rows, Kp/256 x the type's per-32 field bytes x 8], per block and 256 each per-32 field's 8 chunks (the
+//         block's rows' bytes side by side); scale = uint8 [E, rows, Kp/256 x its per-256 field bytes] (d as fp16;
+//         IQ3_S: and its 4 scale bytes; IQ1_M: its 8 scale bytes holding d): the file's bytes, moved
+//         (moe_kernels/iq_formats.py's SPECS, kernels/gemm_iq.h).
 //   fp8:  w = uint8 [E, rows, Kp], e4m3 (float8_e4m3fn) bytes as published; scale = fp32
 //         [E, ceil(rows/128), ceil(Kp/128)]: the block's published scale_inv times 256 (the kernels widen a
 //         byte through fp16 bits that read as its value / 256). Activations: fp32 rows of Kp, each followed by
