@@ -23,7 +23,9 @@ The GGUF holds the checkpoint's tensors under llama.cpp's qwen3moe names (writte
 gguf-py), in bf16; Q8_0 and Q4_0 come from llama-quantize. Pairs: bf16 <-> our bf16 experts and bf16
 dense layers; Q8_0 <-> int8 experts, int8 dense; Q4_0 <-> int4 experts, int8 dense layers (ours keep
 8 bits outside the experts, llama.cpp's Q4_0 puts 4 bits everywhere but the output matrix, Q6_K);
-int4-all: Q4_0 <-> int4 experts and int4 dense layers (fewer bytes than Q4_0's Q6_K output).
+int4-all: Q4_0 <-> int4 experts and int4 dense layers (fewer bytes than Q4_0's Q6_K output). The grid types
+(--formats IQ2_XXS,IQ1_S...): llama-quantize writes the file (with an importance matrix of ones: uniform_imatrix) and
+both sides run that one file, ours with its experts as stored and its other matrices in int4.
 """
 from __future__ import annotations
 
@@ -42,6 +44,28 @@ from common import ISAS, build_llama, cpu_name, free_port, generate, peer_env, s
 
 PAIRS = {"bf16": ("bf16", "bf16", "bf16"), "int8": ("Q8_0", "int8", "int8"), "int4": ("Q4_0", "int4", "int8"),
          "int4-all": ("Q4_0", "int4", "int4")}
+# the grid types: both sides run the one file llama-quantize writes (ours: its experts as stored, its other matrices
+# dequantized and held in int4, the nearest of our dense formats to the file's 2-5 bits there)
+GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+PAIRS.update({t: (t, "auto", "int4") for t in GRID_TYPES})
+
+
+def uniform_imatrix(gguf_path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """An importance matrix of ones for every weight matrix of the file (llama.cpp's legacy .dat layout: entries of
+    name, ncall, and n_in x experts sums), which llama-quantize wants for the grid types: llama-imatrix cannot run this
+    synthetic checkpoint's placeholder vocabulary on text, and a speed benchmark does not depend on the weighting."""
+    import struct
+
+    from gguf import GGUFReader
+    with open(out, "wb") as f:
+        tensors = [t for t in GGUFReader(str(gguf_path)).tensors if t.name.endswith(".weight") and len(t.shape) >= 2]
+        f.write(struct.pack("<i", len(tensors)))
+        for t in tensors:
+            n = int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1)  # ne0 (the input width) x experts
+            name = t.name.encode()
+            f.write(struct.pack("<i", len(name)) + name + struct.pack("<ii", 1, n))
+            f.write(struct.pack(f"<{n}f", *([1.0] * n)))
+    return out
 
 def write_gguf(model: pathlib.Path, src: pathlib.Path, out: pathlib.Path) -> None:
     """The checkpoint as a bf16 GGUF for llama.cpp's qwen3moe (experts stacked per layer)."""
@@ -114,7 +138,9 @@ def gguf(model: pathlib.Path, src: pathlib.Path, isa: str, work: pathlib.Path, q
     if not out.exists() and not bf16.exists():  # (a quantized one is kept without its bf16: disk)
         write_gguf(model, src, bf16)
     if not out.exists():
-        subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-quantize"), str(bf16), str(out), qtype],
+        imatrix = (("--imatrix", str(uniform_imatrix(bf16, work / f"{tag}-ones.imatrix.dat"))) if qtype in GRID_TYPES
+                   else ())
+        subprocess.run([str(src / f"build-{isa}" / "bin" / "llama-quantize"), *imatrix, str(bf16), str(out), qtype],
                        check=True, capture_output=True, env=peer_env())
     return out
 
@@ -180,7 +206,8 @@ def main() -> None:
     for fmt, kv in ((f, k) for f in a.formats.split(",") for k in a.kv_cache_dtype.split(",")):
         qtype, expert_fmt, dense_fmt = PAIRS[fmt]
         gg = gguf(a.model, src, a.isa, a.work, qtype)
-        port, procs = ours_up(a.model, expert_fmt, dense_fmt, a.threads, a.work, env, kv)
+        # a grid type: ours runs the same file (its experts as stored)
+        port, procs = ours_up(gg if qtype in GRID_TYPES else a.model, expert_fmt, dense_fmt, a.threads, a.work, env, kv)
         try:
             generate(port, prompts[-1][:16], 4)  # warm-up
             ours, theirs = [], []
