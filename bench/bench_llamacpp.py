@@ -96,9 +96,11 @@ def write_gguf(model: pathlib.Path, src: pathlib.Path, out: pathlib.Path) -> Non
     # llama-bench feeds random ids: a placeholder vocabulary of the checkpoint's size is enough
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+    # (the last token is the one merge's result: llama.cpp refuses a gpt2 vocabulary without merges, and the tokenizers
+    # library, reading the file for our side, a merge whose result is not in it)
+    w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size - 1)] + ["<t2><t3>"])
     w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
-    w.add_token_merges(["<t2> <t3>"])  # llama.cpp refuses a gpt2 vocabulary without merges
+    w.add_token_merges(["<t2> <t3>"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
 
