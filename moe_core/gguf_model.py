@@ -669,8 +669,10 @@ def _tokenizer_files(path: pathlib.Path, out: pathlib.Path, reader=None) -> None
         # the tokenizer class itself: AutoTokenizer would load the model config too, which transformers reads
         # for fewer GGUF architectures than its tokenizer converter knows
         tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:  # noqa: BLE001
-        raise ModelConfigError(f"{path}: its tokenizer cannot be converted: {e}") from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 (the tokenizers library's Rust panics are pyo3 PanicExceptions, BaseExceptions)
+        raise ModelConfigError(f"{path}: its tokenizer cannot be converted: {type(e).__name__}: {e}") from None
     tok.save_pretrained(str(out))
 
 

@@ -508,6 +508,27 @@ def test_kept_block_types_are_bit_for_bit(qtype, wide_source, tmp_path):
         "model.embed_tokens.weight"].numpy())
 
 
+def test_a_tokenizer_the_converter_panics_on_is_refused_by_name(tmp_path):
+    """A vocabulary whose one merge's result is not a token: the tokenizers library panics (a pyo3 PanicException, not
+    an Exception) while building it; the reader names the file and the cause instead of dying with it."""
+    from moe_core import gguf_model
+    from moe_core.config import ModelConfigError
+    f = tmp_path / "badtok.gguf"
+    w = gguf.GGUFWriter(str(f), "qwen3moe")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<t{i}>" for i in range(16)])
+    w.add_token_types([gguf.TokenType.NORMAL] * 16)
+    w.add_token_merges(["<t2> <t3>"])
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelConfigError, match="badtok.gguf: its tokenizer cannot be converted: PanicException"):
+        gguf_model._tokenizer_files(f, tmp_path / "out")
+
+
 def test_other_gguf_architectures_are_refused_by_name(source, tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
     f = write_gguf(source, tmp_path / "other.gguf", None, arch="gemma3")
