@@ -10,9 +10,11 @@
 // products' sum times m, summed per 256 (|sum| < 16 x 16 x 62 x 128 x 31 < 2^27), then one FMA with d unit, as the
 // K-quants' int-scaled formats (gemm_blocked.h) and ggml's vec_dot do.
 //
-// The SIMD kernels multiply v + 64 (u8) by the s8 activations (the excess, 64 x each 16's activation sum, comes off
-// before m) and lay 8 rows out as 8 grid entries: one gather of 8 entries (IQ3: 16 half entries) a group of 8 weights
-// of 8 rows, lane 2r and 2r + 1 of the int32 sums row r's two halves (added before d).
+// The SIMD kernels lay 8 rows (AVX2: 4) out as 8 grid entries: one gather of 8 entries (IQ3: 16 half entries) a group
+// of 8 weights of 8 rows, lanes 2r and 2r + 1 of the int32 sums row r's two halves (added before d). Decode (fewer
+// than IQ_PREFILL_MIN tokens) multiplies v + 64 (u8) by the s8 activations, the excess (64 x each 16's activation
+// sum) off before m; prefill decodes a row block's 256 once for all tokens and multiplies the u8 activations (x + 128)
+// by v (s8), the excess (128 x each 16's weight sum, times m) the block's own, off once a token.
 #pragma once
 
 #include "kernels/gemm_blocked.h"
