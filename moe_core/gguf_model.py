@@ -32,7 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, dequantize
 from moe_core import gguf_check, tiktoken_vocab
 from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config
-from moe_kernels.formats import Int4, Iq4, Iq4Xs, Mx4, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, UInt4
+from moe_kernels.formats import Int4, Iq4, Iq4Xs, Mx4, Q2K, Q3K, Q4K, Q5K, Q6K, Q8, UInt4, format_of
 from moe_kernels.iq_formats import BY_QTYPE as IQ_FORMATS, NUMBERS as IQ_NUMBERS, SPECS as IQ_SPECS
 from moe_kernels.packing import layout
 
@@ -913,9 +913,10 @@ def layer_formats(cfg, ckpt, layer: int, fmt: str) -> tuple[str, str]:
     both = [f for f in KEEPS.get(gate, ()) if f in KEEPS.get(up, ())]
     if both:
         return both[0], own_format(down)
-    # apart: the larger type's own format holds the other requantized, but a grid type's format holds its own type only
-    big = max(gate, up, key=type_bits)
-    return (covering(big) if {gate, up} & set(IQ_FORMATS) else own_format(big)), own_format(down)
+    # apart: the larger type's own format holds the other requantized, unless it holds published numbers only (the
+    # grid types' formats): then the covering format holds both
+    own = own_format(max(gate, up, key=type_bits))
+    return (covering(max(gate, up, key=type_bits)) if format_of(own).exact_only else own), own_format(down)
 
 
 def dequantized_experts(cfg, fmt: str) -> str | None:

@@ -128,16 +128,36 @@ inline float iq_d(const uint8_t* const* S) {
   }
 }
 
+// an expert's packed rows: its 256s a row, row strides of data and scales, and where its rows start
+struct IqRows {
+  int nsb;
+  size_t ldw, lds;
+  const uint8_t* We;
+  const uint8_t* Se;
+};
+template <int T>
+inline IqRows iq_rows(const Matrix& m, int e) {
+  const int nsb = m.Kp / IQ_QK;
+  const size_t ldw = size_t(nsb) * iq_data_bytes(T), lds = size_t(nsb) * iq_scale_bytes(T);
+  return {nsb, ldw, lds, static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw,
+          reinterpret_cast<const uint8_t*>(m.scale) + size_t(e) * m.rows * lds};
+}
+inline void iq_check_rows(const Matrix& m, int r0, int r1) {
+  MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
+  MOE_CHECK(m.Kp % IQ_QK == 0, "the IQ formats' rows are whole blocks of 256");
+}
+// the SIMD kernels, at the start of 256 g of a block: its 256 IQ_PF ahead into L2 (sb_bytes: a 256 of the block's rows)
+inline void iq_prefetch_ahead(const uint8_t* wb, int g, size_t sb_bytes) {
+  const char* next = reinterpret_cast<const char*>(wb + (g + IQ_PF) * sb_bytes);
+  for (size_t o = 0; o < sb_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+}
+
 // rows [r0, r1) of expert e (whole 16-row blocks, or to the matrix's end), tokens in tiles of 4: mk(block data, block
 // scales, rows n, activations, their excess per 16, 256s, tokens nt, C [nt][16])
 template <int T, class MK>
 inline void drive_iq(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
-  MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
-  MOE_CHECK(m.Kp % IQ_QK == 0, "the IQ formats' rows are whole blocks of 256");
-  const int nsb = m.Kp / IQ_QK;
-  const size_t ldw = size_t(nsb) * iq_data_bytes(T), lds = size_t(nsb) * iq_scale_bytes(T);
-  const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const uint8_t* Se = reinterpret_cast<const uint8_t*>(m.scale) + size_t(e) * m.rows * lds;
+  iq_check_rows(m, r0, r1);
+  const auto [nsb, ldw, lds, We, Se] = iq_rows<T>(m, e);
   Prepared& p = thread_scratch<Prepared>();
   prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, IQ_SUB, IQ_BIAS, false, p);
   for (int r = r0; r < r1; r += BLK) {
@@ -162,12 +182,9 @@ struct IqAcc {  // a thread's prefill accumulators (its own type: thread_scratch
 template <int T, int PARTS, int LANES, class PF>
 inline void drive_iq_prefill(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy,
                              PF&& pf) {
-  MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
-  MOE_CHECK(m.Kp % IQ_QK == 0, "the IQ formats' rows are whole blocks of 256");
-  const int nsb = m.Kp / IQ_QK, per = BLK / PARTS;
-  const size_t ldw = size_t(nsb) * iq_data_bytes(T), lds = size_t(nsb) * iq_scale_bytes(T);
-  const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const uint8_t* Se = reinterpret_cast<const uint8_t*>(m.scale) + size_t(e) * m.rows * lds;
+  iq_check_rows(m, r0, r1);
+  const auto [nsb, ldw, lds, We, Se] = iq_rows<T>(m, e);
+  const int per = BLK / PARTS;
   auto A = reinterpret_cast<const uint8_t* const*>(x.rows);
   std::vector<float>& acc = thread_scratch<IqAcc>().v;
   acc.resize(size_t(ns) * PARTS * LANES);

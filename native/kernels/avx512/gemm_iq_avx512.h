@@ -184,10 +184,7 @@ MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_
   MOE_UNROLL for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   const size_t sb_bytes = size_t(n) * iq_data_bytes(T);  // a 256 of the block's rows
   for (int g = 0; g < nsb; ++g) {  // each 256's bytes once, both halves of the block (one stream)
-    {  // the 256 after next into L2 (its fields' lines are read out of order: the prefetchers lag, measured)
-      const char* next = reinterpret_cast<const char*>(wb + (g + IQ_PF) * sb_bytes);
-      for (size_t o = 0; o < sb_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
-    }
+    iq_prefetch_ahead(wb, g, sb_bytes);
     for (int hb = 0; hb < halves; ++hb) {
       const int nh = std::min(8, n - 8 * hb);
       // the 256's per-256 fields of the 8 rows: d (IQ1_M: in its scales), IQ3_S's scales
@@ -243,10 +240,7 @@ MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, const 
   if (halves < 2) std::memset(static_cast<void*>(V[1]), 0, sizeof V[1]), std::memset(static_cast<void*>(M[1]), 0, sizeof M[1]);
   const size_t sb_bytes = size_t(n) * iq_data_bytes(T);
   for (int g = 0; g < nsb; ++g) {
-    {  // (as iq_mk512)
-      const char* next = reinterpret_cast<const char*>(wb + (g + IQ_PF) * sb_bytes);
-      for (size_t o = 0; o < sb_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
-    }
+    iq_prefetch_ahead(wb, g, sb_bytes);
     for (int hb = 0; hb < halves; ++hb) {
       const int nh = std::min(8, n - 8 * hb);
       const __m512i s0 = iq_load512(sb + iq_sfield_off(T, n, g, 0) + size_t(8 * hb) * iq_sfield(T, 0), nh * iq_sfield(T, 0));

@@ -10,10 +10,7 @@ namespace {
 
 template <int T>
 void ref_iq(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  const int nsb = m.Kp / IQ_QK;
-  const size_t ldw = size_t(nsb) * iq_data_bytes(T), lds = size_t(nsb) * iq_scale_bytes(T);
-  const uint8_t* We = static_cast<const uint8_t*>(m.w) + size_t(e) * m.rows * ldw;
-  const uint8_t* Se = reinterpret_cast<const uint8_t*>(m.scale) + size_t(e) * m.rows * lds;
+  const auto [nsb, ldw, lds, We, Se] = iq_rows<T>(m, e);
   auto X = reinterpret_cast<const uint8_t* const*>(x.rows);
   for (int r = r0; r < r1; ++r) {
     const int b0 = r / BLK * BLK, n = std::min(BLK, m.rows - b0), j = r - b0;
