@@ -177,24 +177,32 @@ struct IqAcc {  // a thread's prefill accumulators (its own type: thread_scratch
   std::vector<float> v;
 };
 
-// The prefill kernels' driver: per row block, pf(block data, block scales, rows n, the u8 activations, 256s, acc)
-// accumulates every token into acc [ns][PARTS][LANES] (row j: part j / (16 / PARTS), lane 2 (j % (16 / PARTS)))
-template <int T, int PARTS, int LANES, class PF>
+// The prefill kernels' driver: per NB row blocks, pf(first block's data, its scales, rows n (<= NB x 16), the bytes from
+// one block's data and scales to the next's, the u8 activations, 256s, acc) accumulates every token into acc
+// [ns][PARTS][LANES] (row j: part j / (16 NB / PARTS), lane STRIDE (j % (16 NB / PARTS)))
+template <int T, int NB, int PARTS, int LANES, int STRIDE, class PF>
 inline void drive_iq_prefill(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy,
                              PF&& pf) {
   iq_check_rows(m, r0, r1);
   const auto [nsb, ldw, lds, We, Se] = iq_rows<T>(m, e);
-  const int per = BLK / PARTS;
+  const int per = NB * BLK / PARTS;
   auto A = reinterpret_cast<const uint8_t* const*>(x.rows);
   std::vector<float>& acc = thread_scratch<IqAcc>().v;
   acc.resize(size_t(ns) * PARTS * LANES);
-  for (int r = r0; r < r1; r += BLK) {
-    const int n = std::min(BLK, m.rows - r);
+  for (int r = r0; r < r1; r += NB * BLK) {
+    const int n = std::min(NB * BLK, r1 - r);  // (r1: a block's start or the matrix's end)
     std::fill(acc.begin(), acc.end(), 0.f);
-    pf(We + size_t(r) * ldw, Se + size_t(r) * lds, n, A, nsb, acc.data());
-    for (int t = 0; t < ns; ++t)
-      for (int j = 0; j < std::min(n, r1 - r); ++j)
-        Y[size_t(t) * ldy + r + j] = acc[(size_t(t) * PARTS + j / per) * LANES + 2 * (j % per)] * x.scale[t];
+    pf(We + size_t(r) * ldw, Se + size_t(r) * lds, n, BLK * ldw, BLK * lds, A, nsb, acc.data());
+    for (int t = 0; t < ns; ++t) {
+      float* y = Y + size_t(t) * ldy + r;
+      const float s = x.scale[t];
+      if constexpr (STRIDE == 1 && PARTS * LANES == NB * BLK) {  // a token's rows side by side (vectorized)
+        const float* a = &acc[size_t(t) * NB * BLK];
+        for (int j = 0; j < n; ++j) y[j] = a[j] * s;
+      } else {
+        for (int j = 0; j < n; ++j) y[j] = acc[(size_t(t) * PARTS + j / per) * LANES + STRIDE * (j % per)] * s;
+      }
+    }
   }
 }
 

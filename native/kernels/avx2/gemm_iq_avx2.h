@@ -214,8 +214,9 @@ void iq_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, floa
                 });
     return;
   }
-  drive_iq_prefill<T, 4, 8>(m, e, r0, r1, x, ns, Y, ldy,
-                            [&](const uint8_t* wb, const uint8_t* sb, int n, const uint8_t* const* A, int nsb, float* acc) {
+  drive_iq_prefill<T, 1, 4, 8, 2>(m, e, r0, r1, x, ns, Y, ldy,
+                               [&](const uint8_t* wb, const uint8_t* sb, int n, size_t, size_t, const uint8_t* const* A,
+                                   int nsb, float* acc) {
                               if constexpr (VNNI) iq_prefill256_vnni<T>(wb, sb, n, A, nsb, ns, acc);
                               else iq_prefill256_avx2<T>(wb, sb, n, A, nsb, ns, acc);
                             });

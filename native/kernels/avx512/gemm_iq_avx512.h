@@ -224,61 +224,111 @@ MOE_IQ512 void iq_mk512(const uint8_t* wb, const uint8_t* sb, int n, const int8_
       _mm256_storeu_ps(C + t * BLK + 8 * hb, _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, acc[hb][t])));
 }
 
-// Prefill (many tokens): a row block's 256 decoded once, both halves (V, m, d: 6 KiB, in L1), then every token
-// against it, so the grid lookups are paid once a block, not once per 4 tokens. Here the weights stay signed (v, s8)
-// and the activations go in as u8 (x + 128): the excess, 128 x each 16's weight sum times m, is the block's own,
-// taken once for all tokens (W) instead of per 16 and token. The same integers and the same FMA per 256 and token as
-// iq_mk512, in the same order: bit for bit the reference. A: the u8 activations; acc: [ns][2 halves][16 lanes].
+// Prefill (many tokens): a row block's 256 decoded once (the grid lookups paid once a block, not once per 4 tokens),
+// then every token against it. The weights stay signed (v, s8) and the activations go in as u8 (x + 128): the excess,
+// 128 x each 16's weight sum times m, is the block's own, taken once for all tokens (W) instead of per 16 and token.
+// Decoded, the block is re-laid with its 16 rows in the 16 dword lanes (Wd: each lane 4 weights of one row; M16, W16,
+// d16 a lane a row), so one vpmulld applies the 16 rows' m to a 16's dot product (the 8-row qword lanes needed two
+// and twice the adds), and each token's activation dwords are broadcast from its own row (no repacking). The same
+// integers (int32 sums, exact in any order) and the same FMA per 256 and token as iq_mk512: bit for bit the reference.
+struct alignas(64) IqBlock512 {
+  __m512i Wd[8][4][2];  // group h (32), its 8 k (8 weights), half e: rows in lanes, weights 8k + 4e .. + 3
+  __m512i M16[8][2];    // each 16's m
+  __m512i W16;          // -128 x the 256's sum over 16s of m x the 16's weight sum
+  __m512 d16;           // d x the type's unit
+};
+// the block's 256 g decoded into B (rows n <= 16)
 template <int T>
-MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, const uint8_t* const* A, int nsb, int ns,
-                             float* acc) {
-  const int halves = (n + 7) / 8;
-  alignas(64) __m512i V[2][8][4], M[2][8][2];
-  __m512 dv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  __m512i W[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // -128 x sum over 16s of m x the 16's weight sum
+MOE_IQ512 inline void iq_block512(const uint8_t* wb, const uint8_t* sb, int n, int g, IqBlock512& B) {
+  const __m512i lo = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(1));
   const __m512i ones = _mm512_set1_epi8(1), bias = _mm512_set1_epi8(IQ_BIAS);
-  if (halves < 2) std::memset(static_cast<void*>(V[1]), 0, sizeof V[1]), std::memset(static_cast<void*>(M[1]), 0, sizeof M[1]);
-  const size_t sb_bytes = size_t(n) * iq_data_bytes(T);
-  for (int g = 0; g < nsb; ++g) {
-    iq_prefetch_ahead(wb, g, sb_bytes);
-    for (int hb = 0; hb < halves; ++hb) {
-      const int nh = std::min(8, n - 8 * hb);
-      const __m512i s0 = iq_load512(sb + iq_sfield_off(T, n, g, 0) + size_t(8 * hb) * iq_sfield(T, 0), nh * iq_sfield(T, 0));
-      __m256i s256 = _mm256_setzero_si256();
-      if constexpr (T == IQ3S)
-        s256 = _mm512_castsi512_si256(iq_load512(sb + iq_sfield_off(T, n, g, 1) + size_t(8 * hb) * 4, nh * 4));
-      __m512i w = _mm512_setzero_si512();
+  __m512i V[2][8][4], M[2][8][2], Wx[2];
+  __m512 dv[2];
+  const int halves = (n + 7) / 8;
+  for (int hb = 0; hb < 2; ++hb) {
+    if (hb >= halves) {  // a short block: its missing rows zero
       MOE_UNROLL for (int h = 0; h < 8; ++h) {
-        iq_decode512<T>(wb, n, g, h, hb, nh, s256, V[hb][h], M[hb][h][0], M[hb][h][1]);
-        if constexpr (T == IQ1M) iq1m_m512(s0, h, M[hb][h][0], M[hb][h][1]);
-        MOE_UNROLL for (int k = 0; k < 4; ++k) V[hb][h][k] = _mm512_sub_epi8(V[hb][h][k], bias);  // v, signed
-        const __m512i e0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, V[hb][h][0]), ones, V[hb][h][1]);
-        const __m512i e1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, V[hb][h][2]), ones, V[hb][h][3]);
-        w = _mm512_add_epi32(w, _mm512_add_epi32(_mm512_mullo_epi32(e0, M[hb][h][0]), _mm512_mullo_epi32(e1, M[hb][h][1])));
+        MOE_UNROLL for (int k = 0; k < 4; ++k) V[hb][h][k] = _mm512_setzero_si512();
+        M[hb][h][0] = M[hb][h][1] = _mm512_setzero_si512();
       }
-      W[hb] = _mm512_mullo_epi32(w, _mm512_set1_epi32(-128));
-      dv[hb] = iq_dv512<T>(s0);
+      Wx[hb] = _mm512_setzero_si512(), dv[hb] = _mm512_setzero_ps();
+      continue;
     }
-    for (int t = 0; t < ns; ++t) {  // both halves against one token's broadcasts
-      __m512i qi[2] = {W[0], W[1]};
-      const uint8_t* at = A[t] + g * IQ_QK;
-      MOE_UNROLL for (int h = 0; h < 8; ++h) {
-        int64_t xv[4];
-        std::memcpy(xv, at + h * 32, 32);
-        const __m512i x0 = _mm512_set1_epi64(xv[0]), x1 = _mm512_set1_epi64(xv[1]);
-        const __m512i x2 = _mm512_set1_epi64(xv[2]), x3 = _mm512_set1_epi64(xv[3]);
-        MOE_UNROLL for (int hb = 0; hb < 2; ++hb) {
-          const __m512i d0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x0, V[hb][h][0]), x1, V[hb][h][1]);
-          const __m512i d1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x2, V[hb][h][2]), x3, V[hb][h][3]);
-          qi[hb] = _mm512_add_epi32(qi[hb], _mm512_add_epi32(_mm512_mullo_epi32(d0, M[hb][h][0]), _mm512_mullo_epi32(d1, M[hb][h][1])));
+    const int nh = std::min(8, n - 8 * hb);
+    const __m512i s0 = iq_load512(sb + iq_sfield_off(T, n, g, 0) + size_t(8 * hb) * iq_sfield(T, 0), nh * iq_sfield(T, 0));
+    __m256i s256 = _mm256_setzero_si256();
+    if constexpr (T == IQ3S)
+      s256 = _mm512_castsi512_si256(iq_load512(sb + iq_sfield_off(T, n, g, 1) + size_t(8 * hb) * 4, nh * 4));
+    __m512i w = _mm512_setzero_si512();
+    MOE_UNROLL for (int h = 0; h < 8; ++h) {
+      iq_decode512<T>(wb, n, g, h, hb, nh, s256, V[hb][h], M[hb][h][0], M[hb][h][1]);
+      if constexpr (T == IQ1M) iq1m_m512(s0, h, M[hb][h][0], M[hb][h][1]);
+      MOE_UNROLL for (int k = 0; k < 4; ++k) V[hb][h][k] = _mm512_sub_epi8(V[hb][h][k], bias);  // v, signed
+      const __m512i e0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, V[hb][h][0]), ones, V[hb][h][1]);
+      const __m512i e1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, V[hb][h][2]), ones, V[hb][h][3]);
+      w = _mm512_add_epi32(w, _mm512_add_epi32(_mm512_mullo_epi32(e0, M[hb][h][0]), _mm512_mullo_epi32(e1, M[hb][h][1])));
+    }
+    Wx[hb] = _mm512_mullo_epi32(w, _mm512_set1_epi32(-128));
+    dv[hb] = iq_dv512<T>(s0);
+  }
+  // qword lanes (8 rows x 2 dwords, two halves) -> 16 rows in dword lanes: the even dwords, the odd ones
+  MOE_UNROLL for (int h = 0; h < 8; ++h) {
+    MOE_UNROLL for (int k = 0; k < 4; ++k) {
+      B.Wd[h][k][0] = _mm512_permutex2var_epi32(V[0][h][k], lo, V[1][h][k]);
+      B.Wd[h][k][1] = _mm512_permutex2var_epi32(V[0][h][k], hi, V[1][h][k]);
+    }
+    MOE_UNROLL for (int s = 0; s < 2; ++s) B.M16[h][s] = _mm512_permutex2var_epi32(M[0][h][s], lo, M[1][h][s]);
+  }
+  B.W16 = _mm512_add_epi32(_mm512_permutex2var_epi32(Wx[0], lo, Wx[1]), _mm512_permutex2var_epi32(Wx[0], hi, Wx[1]));
+  B.d16 = _mm512_permutex2var_ps(dv[0], lo, dv[1]);
+}
+// NT tokens (their u8 rows A) against R decoded blocks' 256 g: acc [NT][2][16] += their 16 R rows' results. Each
+// broadcast activation dword serves the R blocks (broadcasts, not the dot products, bound a single block's rate)
+template <int NT, int R>
+MOE_IQ512 inline void iq_tokens512(const IqBlock512* B, const uint8_t* const* A, int g, float* acc) {
+  __m512i qi[R][NT];
+  const int32_t* a[NT];
+  MOE_UNROLL for (int t = 0; t < NT; ++t) a[t] = reinterpret_cast<const int32_t*>(A[t] + g * IQ_QK);
+  MOE_UNROLL for (int b = 0; b < R; ++b) MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = B[b].W16;
+  _Pragma("GCC unroll 1") for (int h = 0; h < 8; ++h) {  // (unrolled, GCC spills the accumulators)
+    MOE_UNROLL for (int s = 0; s < 2; ++s) {  // a 16: groups k = 2s, 2s + 1, the activations' dwords 8h + 4s ..
+      __m512i d[R][NT];
+      MOE_UNROLL for (int b = 0; b < R; ++b) MOE_UNROLL for (int t = 0; t < NT; ++t) d[b][t] = _mm512_setzero_si512();
+      MOE_UNROLL for (int j = 0; j < 4; ++j)
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          const __m512i x = _mm512_set1_epi32(a[t][8 * h + 4 * s + j]);
+          MOE_UNROLL for (int b = 0; b < R; ++b) d[b][t] = _mm512_dpbusd_epi32(d[b][t], x, B[b].Wd[h][2 * s + j / 2][j % 2]);
         }
-      }
-      MOE_UNROLL for (int hb = 0; hb < 2; ++hb) {
-        float* a = acc + (size_t(t) * 2 + hb) * 16;
-        const __m512i q = _mm512_add_epi32(qi[hb], _mm512_shuffle_epi32(qi[hb], _MM_PERM_CDAB));
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dv[hb], _mm512_loadu_ps(a)));
-      }
+      MOE_UNROLL for (int b = 0; b < R; ++b)
+        MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = _mm512_add_epi32(qi[b][t], _mm512_mullo_epi32(d[b][t], B[b].M16[h][s]));
     }
+  }
+  MOE_UNROLL for (int b = 0; b < R; ++b)
+    MOE_UNROLL for (int t = 0; t < NT; ++t) {
+      float* o = acc + 32 * t + 16 * b;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi[b][t]), B[b].d16, _mm512_loadu_ps(o)));
+    }
+}
+// rows n <= 32: one or two 16-row blocks (the second bw / bs bytes after the first)
+template <int T>
+MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, size_t bw, size_t bs, const uint8_t* const* A,
+                             int nsb, int ns, float* acc) {
+  IqBlock512 B[2];
+  const int n0 = std::min(n, BLK), n1 = n - n0;
+  const size_t sb0 = size_t(n0) * iq_data_bytes(T), sb1 = size_t(n1) * iq_data_bytes(T);
+  for (int g = 0; g < nsb; ++g) {
+    iq_prefetch_ahead(wb, g, sb0);
+    iq_block512<T>(wb, sb, n0, g, B[0]);
+    if (n1 > 0) {
+      iq_prefetch_ahead(wb + bw, g, sb1);
+      iq_block512<T>(wb + bw, sb + bs, n1, g, B[1]);
+    }
+    for (int t = 0; t < ns; t += 4)
+      with_tokens<4>(ns - t, [&](auto NT) {
+        if (n1 > 0) iq_tokens512<decltype(NT)::value, 2>(B, A + t, g, acc + size_t(t) * 32);
+        else iq_tokens512<decltype(NT)::value, 1>(B, A + t, g, acc + size_t(t) * 32);
+      });
   }
 }
 
@@ -292,9 +342,11 @@ void iq_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, fl
                 });
     return;
   }
-  drive_iq_prefill<T, 2, 16>(m, e, r0, r1, x, ns, Y, ldy,
-                             [&](const uint8_t* wb, const uint8_t* sb, int n, const uint8_t* const* A, int nsb,
-                                 float* acc) { iq_prefill512<T>(wb, sb, n, A, nsb, ns, acc); });
+  drive_iq_prefill<T, 2, 2, 16, 1>(m, e, r0, r1, x, ns, Y, ldy,
+                                   [&](const uint8_t* wb, const uint8_t* sb, int n, size_t bw, size_t bs,
+                                       const uint8_t* const* A, int nsb, float* acc) {
+                                     iq_prefill512<T>(wb, sb, n, bw, bs, A, nsb, ns, acc);
+                                   });
 }
 
 }  // namespace
