@@ -167,7 +167,12 @@ inline void prepare(const uint8_t* const* X, int ns, int Kp, int gs, int exc, bo
   p.xp.resize(ns), p.cp.resize(ns), p.sp.resize(ns);
   for (int s = 0; s < ns; ++s) {
     int8_t* x = &p.x[size_t(s) * Kp];
-    for (int i = 0; i < Kp; ++i) x[i] = int8_t(X[s][i] ^ 0x80);
+    for (int i = 0; i < Kp; i += 8) {  // 8 bytes at a time (Kp: whole groups; GCC kept the byte loop scalar)
+      uint64_t w;
+      std::memcpy(&w, X[s] + i, 8);
+      w ^= 0x8080808080808080ull;
+      std::memcpy(x + i, &w, 8);
+    }
     for (int g = 0; g < ng; ++g) {
       int32_t t = 0;
       for (int i = 0; i < gs; ++i) t += x[g * gs + i];
@@ -179,14 +184,15 @@ inline void prepare(const uint8_t* const* X, int ns, int Kp, int gs, int exc, bo
 }
 
 // rows [r0, r1) of expert e: r0 on a block start, r1 on one or the matrix's end. LANES: rows a micro-kernel
-// unit (16: AVX-512, a block; 8: the 256-bit paths, half a block). mk(block's pointers...) per token tile ->
-// the units it computed.
+// unit (16: AVX-512, a block; 8: the 256-bit paths, half a block). NB: blocks a step (AVX-512's prefill: 2, each
+// broadcast activation chunk serving both). mk(first block's pointers, rows n (<= NB x 16), ..., C, the bytes from
+// one block's weights and scales to the next's) per token tile -> the units it computed.
 template <int MODE>
 inline size_t row_bytes(int Kp) {
   return MODE == Q8 ? size_t(Kp) : MODE == Q6K ? size_t(Kp) / 4 * 3 : MODE == Q5K ? size_t(Kp) / 8 * 5
        : MODE == Q3K ? size_t(Kp) / 8 * 3 : MODE == Q2K ? size_t(Kp) / 4 : size_t(Kp) / 2;
 }
-template <int MODE, int EXCESS, int LANES, int TBI, class MK>
+template <int MODE, int EXCESS, int LANES, int TBI, int NB = 1, class MK>
 inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy, MK&& mk) {
   MOE_CHECK(r0 % BLK == 0 && (r1 % BLK == 0 || r1 == m.rows), "row-blocked formats' rows are cut on 16-row blocks");
   MOE_CHECK(m.Kp % (G * SPG<MODE>) == 0, "the super-blocked formats' rows are padded to a multiple of 256");
@@ -201,17 +207,22 @@ inline void drive_blocked(const Matrix& m, int e, int r0, int r1, const Acts& x,
   // the activations' sums per scale group times the excess; q4k's and q5k's mins: their sums per 32; q6k's excess per 16
   const int per = k_mins(MODE) || MODE == IQXS ? G : sub16(MODE) ? Q6_SUB : G * SPG<MODE>;
   prepare(reinterpret_cast<const uint8_t* const*>(x.rows), ns, m.Kp, per, EXCESS, has_mins<MODE>, p);
-  for (int r = r0; r < r1; r += BLK) {
-    const int n = std::min(BLK, m.rows - r);
+  for (int r = r0; r < r1; r += NB * BLK) {
+    const int n = std::min(NB * BLK, r1 - r);  // (r1: a block's start or the matrix's end)
     const uint8_t* wb = We + size_t(r) * ldw;
     const ScaleT<MODE>* sb = Se + size_t(r) * ng * SGE<MODE>;
     for (int s = 0; s < ns; s += TBI) {
       const int nt = std::min(TBI, ns - s);
-      float C[TBI * BLK];
-      const int units = mk(wb, sb, moff, n, p.xp.data() + s, p.cp.data() + s, p.sp.data() + s, ng, pf, nt, C);
-      const int rows = std::min(units * LANES, r1 - r);
-      for (int t = 0; t < nt; ++t)
-        for (int j = 0; j < rows; ++j) Y[size_t(s + t) * ldy + r + j] = C[t * units * LANES + j] * x.scale[s + t];
+      float C[TBI * NB * BLK];
+      const int units = mk(wb, sb, moff, n, p.xp.data() + s, p.cp.data() + s, p.sp.data() + s, ng, pf, nt, C,
+                           BLK * ldw, size_t(BLK) * ng * SGE<MODE>);
+      const int rows = std::min(units * LANES, n);
+      for (int t = 0; t < nt; ++t) {
+        float* y = Y + size_t(s + t) * ldy + r;
+        const float* c = C + t * units * LANES;
+        const float sc = x.scale[s + t];
+        for (int j = 0; j < rows; ++j) y[j] = c[j] * sc;
+      }
     }
   }
 }

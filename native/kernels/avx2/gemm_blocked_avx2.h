@@ -328,7 +328,8 @@ inline int units256(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int 
     drive_blocked<MODE, excess256<DOT, MODE>, 8, 4>(                                                                 \
         m, e, r0, r1, x, ns, Y, ldy,                                                                                \
         [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,                 \
-            const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C) {               \
+            const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C, size_t,         \
+            size_t) {                                                                                               \
           return units256<DOT, MODE>(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C);                                   \
         });                                                                                                         \
   }

@@ -222,6 +222,66 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
   MOE_UNROLL for (int t = 0; t < NT; ++t) _mm512_storeu_ps(C + t * BLK, acc[t]);
 }
 
+// Prefill of the formats with a scale per group (not the super-blocked ones): two whole blocks (32 rows) x NT tokens,
+// each broadcast activation chunk serving both blocks' dot products. A vpdpbusd per broadcast bound one block's rate
+// (the broadcasts issue at about 1.2 a cycle where the dot products issue at 2: Zen 5); the same integers and FMAs
+// as mk512, per block, in the same order. Weights a chunk at a time (the 8 of a group do not fit the registers twice).
+template <int MODE>
+constexpr bool paired_blocks = !fielded(MODE);
+constexpr int PAIRED_FROM_TOKENS = 8;  // tokens from which prefill pairs blocks (decode streams one block at a time)
+template <int NT, int MODE>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk512x2(
+    const uint8_t* W, const ScaleT<MODE>* S, size_t moff, const int8_t* const* X, const int32_t* const* XC,
+    const float* const* XS, int ng, float* C, size_t bw, size_t bs) {
+  constexpr int gs = stride_vectors<MODE> * 64;  // bytes of a layout group
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[2][NT];
+  MOE_UNROLL for (int b = 0; b < 2; ++b) MOE_UNROLL for (int t = 0; t < NT; ++t) acc[b][t] = _mm512_setzero_ps();
+  for (int g = 0; g < ng; ++g) {
+    __m512i d[2][NT];
+    MOE_UNROLL for (int b = 0; b < 2; ++b) MOE_UNROLL for (int t = 0; t < NT; ++t) d[b][t] = _mm512_setzero_si512();
+    MOE_UNROLL for (int h = 0; h < SPG<MODE>; ++h) {
+      const int lg = g * SPG<MODE> + h;
+      const uint8_t* p = W + size_t(lg) * gs;
+      MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
+        const __m512i q0 = _mm512_loadu_si512(p + 64 * v), q1 = _mm512_loadu_si512(p + bw + 64 * v);
+        if constexpr (nibble<MODE>) {  // chunks v (low nibbles) and v + 4 (high)
+          const __m512i u0 = decode512<MODE>(_mm512_and_si512(q0, lo4));
+          const __m512i u1 = decode512<MODE>(_mm512_and_si512(q1, lo4));
+          const __m512i h0 = decode512<MODE>(_mm512_and_si512(_mm512_srli_epi16(q0, 4), lo4));
+          const __m512i h1 = decode512<MODE>(_mm512_and_si512(_mm512_srli_epi16(q1, 4), lo4));
+          MOE_UNROLL for (int t = 0; t < NT; ++t) {
+            const int32_t* xg = reinterpret_cast<const int32_t*>(X[t] + lg * G);
+            const __m512i xa = _mm512_set1_epi32(xg[v]), xb = _mm512_set1_epi32(xg[v + 4]);
+            d[0][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(d[0][t], u0, xa), h0, xb);
+            d[1][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(d[1][t], u1, xa), h1, xb);
+          }
+        } else {
+          const __m512i u0 = decode512<MODE>(q0), u1 = decode512<MODE>(q1);
+          MOE_UNROLL for (int t = 0; t < NT; ++t) {
+            const __m512i xa = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(X[t] + lg * G)[v]);
+            d[0][t] = _mm512_dpbusd_epi32(d[0][t], u0, xa);
+            d[1][t] = _mm512_dpbusd_epi32(d[1][t], u1, xa);
+          }
+        }
+      }
+    }
+    MOE_UNROLL for (int b = 0; b < 2; ++b) {
+      const ScaleT<MODE>* sb = S + b * bs;
+      const __m512 sv = scales512<MODE>(sb + size_t(g) * BLK, __mmask16(0xFFFF));
+      __m512 mv = sv;
+      if constexpr (MODE == ASYM) mv = _mm512_loadu_ps(sb + moff + size_t(g) * BLK);
+      MOE_UNROLL for (int t = 0; t < NT; ++t) {
+        __m512i dd = d[b][t];
+        if constexpr (excess<MODE, false> != 0) dd = _mm512_sub_epi32(dd, _mm512_set1_epi32(XC[t][g]));
+        acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), sv, acc[b][t]);
+        if constexpr (MODE == ASYM) acc[b][t] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(XS[t][g]), acc[b][t]);
+      }
+    }
+  }
+  MOE_UNROLL for (int t = 0; t < NT; ++t) MOE_UNROLL for (int b = 0; b < 2; ++b) _mm512_storeu_ps(C + t * 2 * BLK + b * BLK, acc[b][t]);
+}
+
 // AVX-512 at one token: a block's whole stream at a time, without software prefetch (the hardware prefetcher
 // follows one sequential stream a task best; two blocks side by side, prefetching 32 KiB ahead, were 4-17% slower),
 // except q5k's and q6k's (their bit vectors make more work a byte: prefetching is 3-4% faster there, docs/performance/kernels.md)
@@ -242,12 +302,24 @@ inline int units512(const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int 
 
 template <int MODE>
 void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, float* Y, size_t ldy) {
-  drive_blocked<MODE, excess<MODE, false>, BLK, 4>(m, e, r0, r1, x, ns, Y, ldy,
-                                     [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n,
-                                         const int8_t* const* X, const int32_t* const* XC, const float* const* XS,
-                                         int ng, size_t pf, int nt, float* C) {
-                                       return units512<MODE>(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C);
-                                     });
+  auto one = [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,
+                 const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C, size_t,
+                 size_t) { return units512<MODE>(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C); };
+  if constexpr (paired_blocks<MODE>) {
+    if (ns >= PAIRED_FROM_TOKENS) {  // prefill: two blocks a step where both are whole
+      drive_blocked<MODE, excess<MODE, false>, BLK, 4, 2>(
+          m, e, r0, r1, x, ns, Y, ldy,
+          [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,
+              const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C, size_t bw,
+              size_t bs) {
+            if (n < 2 * BLK) return one(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C, bw, bs);
+            with_tokens<4>(nt, [&](auto NT) { mk512x2<decltype(NT)::value, MODE>(wb, sb, moff, X, XC, XS, ng, C, bw, bs); });
+            return 2;
+          });
+      return;
+    }
+  }
+  drive_blocked<MODE, excess<MODE, false>, BLK, 4>(m, e, r0, r1, x, ns, Y, ldy, one);
 }
 
 }  // namespace
