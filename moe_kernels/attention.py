@@ -72,6 +72,37 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: f
     return out
 
 
+def prefill_supported(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, isa: str = ISA) -> bool:
+    """Whether prefill_attention takes these on this isa: fp32, or bf16 on the AVX-512 paths (whose bf16 dot products
+    it uses) and the portable loops, head dims multiples of 16, on the CPU."""
+    dt = q.dtype
+    return (q.device.type == "cpu" and K.dtype == dt and V.dtype == dt
+            and (dt == torch.float32 or (dt == torch.bfloat16 and isa in ("avx512", "amx", "portable")))
+            and q.shape[-1] % 16 == 0 and V.shape[-1] % 16 == 0)
+
+
+def prefill_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, scale: float,
+                      isa: str = ISA) -> torch.Tensor:
+    """Causal attention of a chunk's queries q [t, nh, d] at positions start .. start + t - 1 over K [nkv, start + t,
+    d] and V [nkv, start + t, dv] (each query sees the keys up to its own position) -> [t, nh, dv] fp32. fp32 or bf16
+    (all three one dtype, prefill_supported)."""
+    t, nh, d = q.shape
+    nkv, L, dv = V.shape
+    if K.shape[:2] != (nkv, L) or K.shape[2] != d or L != start + t or nh % nkv:
+        raise ValueError(f"prefill_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} at start "
+                         f"{start} do not fit")
+    if not prefill_supported(q, K, V, isa):
+        raise ValueError(f"prefill_attention: {q.dtype} with head dims {d}, {dv} on {isa} is not taken")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    K = K if K.stride(-1) == 1 else K.contiguous()
+    V = V if V.stride(-1) == 1 else V.contiguous()
+    out = torch.empty(t, nh, dv)
+    native.prefill_attention(isa, q.data_ptr(), q.dtype == torch.bfloat16, t, nh, nkv, d, dv, q.stride(0),
+                             q.stride(1), K.data_ptr(), K.stride(0), K.stride(1), V.data_ptr(), V.stride(0), V.stride(1),
+                             start, scale, out.data_ptr())
+    return out
+
+
 def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, table: torch.Tensor, L: int,
                            scale: float, isa: str = ISA, first: int = -1,
                            selected: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -168,6 +168,14 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
                       const int32_t* sel = nullptr, const int32_t* sel_len = nullptr, size_t sel_stride = 0,
                       const float* sinks = nullptr);
 
+// Causal prefill attention (native/kernels/prefill_attention.cpp): out [t, nh, dv] fp32 = softmax(q K^T * scale) V
+// where query i (position start + i) sees keys 0 .. start + i; q [t, nh, d] (tokens q_tok, heads q_head elements
+// apart, unit stride along d), K [nkv, start + t, d] and V [nkv, start + t, dv] at the given head and position strides,
+// all bf16 (bf16 true: AVX-512 paths) or all fp32; nh / nkv query heads per kv head.
+void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv, int d, int dv, size_t q_tok,
+                       size_t q_head, const void* K, size_t k_head, size_t k_row, const void* V, size_t v_head,
+                       size_t v_row, int start, float scale, float* out);
+
 // MLA's decode attention in the latent space (DeepSeek V2/V3, absorbed): out [nh, r] fp32 = softmax(scores) C, where
 // scores[h, j] = (q[h, :r] . C_j + q[h, r:] . KPE_j) * scale, q [nh, r + dr] fp32 (each head's latent query, then its
 // rotary query), C the cached latents (rows of r) and KPE the rotary keys (rows of dr), both of type kv, at the given

@@ -189,6 +189,10 @@ def gqa_attend(cfg: ModelConfig, W: dict, p: str, q: torch.Tensor, kv, layer: in
     else:
         start = kv.start
         K, V = cache.gather(layer, start + t, dtype=q.dtype)[:2]                 # [kv, L, d] each
+        if native and native_attention.ISA in native_attention.SIMD_ISAS and \
+                native_attention.prefill_supported(q, K, V):
+            # the native flash kernel: torch's CPU one widens bf16 to an fp32 sgemm (3-4x slower at 512 tokens)
+            return native_attention.prefill_attention(q, K, V, start, d ** -0.5).to(q.dtype)
         # 4-D inputs: torch's fused (flash) CPU kernel; 3-D ones fall back to its math path, which builds the
         # [heads, t, L] scores and masks in fp32 (2.5x slower at 512 tokens, docs/performance/kernels.md)
         causal = start == 0  # a first chunk: torch's own causal mask (top-left aligned) is ours

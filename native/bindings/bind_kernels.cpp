@@ -97,6 +97,23 @@ void bind_kernels(py::module_& m) {
       py::arg("o_lat"), py::arg("t"), py::arg("o"),
       "MLA's heads' output: o [t, nh, dv] fp32 = o_lat [nh, t, r] fp32 x kv_b_proj's W_uv^T (native/kernels/mla.cpp)");
   m.def(
+      "prefill_attention",
+      [](const std::string& isa_arg, uintptr_t q, bool bf16, int t, int nh, int nkv, int d, int dv, size_t q_tok,
+         size_t q_head, uintptr_t K, size_t k_head, size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int start,
+         float scale, uintptr_t out) {
+        const Isa isa = kernel_isa(isa_arg);
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        prefill_attention(isa, reinterpret_cast<const void*>(q), bf16, t, nh, nkv, d, dv, q_tok, q_head,
+                          reinterpret_cast<const void*>(K), k_head, k_row, reinterpret_cast<const void*>(V), v_head,
+                          v_row, start, scale, reinterpret_cast<float*>(out));
+      },
+      py::arg("isa"), py::arg("q"), py::arg("bf16"), py::arg("t"), py::arg("nh"), py::arg("nkv"), py::arg("d"),
+      py::arg("dv"), py::arg("q_tok"), py::arg("q_head"), py::arg("K"), py::arg("k_head"), py::arg("k_row"),
+      py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("start"), py::arg("scale"), py::arg("out"),
+      "a chunk's t queries, causal, against K/V of start + t positions (bf16 or fp32; "
+      "native/kernels/prefill_attention.cpp)");
+  m.def(
       "decode_attention",
       [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, uintptr_t K, int kv, size_t k_head,
          size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out, uintptr_t table,

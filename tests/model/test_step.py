@@ -118,3 +118,35 @@ def test_a_graph_bucket_and_a_sequence_cache_give_one_attention_kind_the_same_ro
                                         attention.SequenceKV(c, s, 1), L)
         assert torch.isfinite(graphed[i]).all()
         torch.testing.assert_close(graphed[i:i + 1], alone, atol=1e-5, rtol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefill_attention_on_the_native_kernel_gives_torchs_attention(ckpts, monkeypatch, dtype, tol):
+    """A CPU model with packed dense layers prefills its GQA layers on the native flash kernel (moe_kernels.attention.
+    prefill_attention), whole and in chunks (a chunk after cached positions): each call's output on the model's own
+    queries, keys and values is torch's SDPA's with the causal mask of the chunk's positions. (Logits are not compared:
+    this tiny model's routing near-ties turn 1e-7 into different experts.)"""
+    import torch.nn.functional as F
+    cfg, model, experts = load(ckpts["qwen3_moe"], dtype, "bf16")
+    tokens = torch.randint(3, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(1))
+    real, worst, starts = attention.native_attention.prefill_attention, [], []
+
+    def checked(q, K, V, start, scale, *a, **k):
+        out = real(q, K, V, start, scale, *a, **k)
+        t, L = q.shape[0], K.shape[1]
+        seen = torch.arange(L)[None, :] <= (start + torch.arange(t))[:, None]
+        ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], K.float()[None], V.float()[None],
+                                             attn_mask=seen, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        worst.append((out - ref).abs().max().item()), starts.append(start)
+        return out
+
+    monkeypatch.setattr(attention.native_attention, "prefill_attention", checked)
+    for chunks in ([90], [37, 53]):
+        c, at = model.new_cache(), 0
+        for n in chunks:
+            c.reserve(at + n)
+            model.forward([Segment(c, tokens[at:at + n], at)], experts)
+            at += n
+    assert len(worst) == 3 * cfg.num_layers and sorted(set(starts)) == [0, 37]
+    assert max(worst) < tol, worst

@@ -1,0 +1,408 @@
+// Causal prefill attention on the CPU (grouped-query): a chunk's queries against its sequence's keys and values, each
+// query up to its own position, flash-style: key tiles of 64, a running max and sum per row, fp32 scores, softmax and
+// sums. A task is one kv head's group of query heads for 4 queries (its rows share every tile of keys and values);
+// each kv head's keys and values are packed once a call into the tiles' layouts (bf16: pairs for vdpbf16ps, the
+// keys' along the head dim, the values' along positions; fp32: each tile's keys transposed). bf16 inputs: products of
+// bf16 pairs summed in fp32, the softmax's weights rounded to bf16 for the weighted sums, as torch's CPU flash
+// attention does (its exp values to bf16 before its bf16 gemm). torch's kernel runs its bf16 products through an fp32
+// sgemm after widening; this one is several times faster (docs/performance/kernels.md).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels/vmath.h"
+#include "moe.h"
+#include "runtime/common.h"
+
+namespace moe {
+
+namespace {
+
+constexpr int KT = 64;  // keys a tile
+constexpr int QB = 4;   // queries a task
+
+struct Call {
+  const void* q;
+  bool bf16;
+  int t, nh, nkv, d, dv;
+  size_t q_tok, q_head;
+  const void* K;
+  size_t k_head, k_row;
+  const void* V;
+  size_t v_head, v_row;
+  int start;
+  float scale;
+  float* out;
+  int L() const { return start + t; }
+  int tiles() const { return (L() + KT - 1) / KT; }
+};
+
+inline float ld(const void* p, bool bf16, size_t i) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// ---- the tiles' layouts (a kv head's, in its own buffer) ----
+// bf16 keys: tile, then d/2 pairs, then 64 keys, then the pair (a key's dims 2p, 2p + 1): 64 x d values a tile
+void pack_k_bf16(const Call& c, int g, uint16_t* out) {
+  const uint16_t* K = static_cast<const uint16_t*>(c.K) + size_t(g) * c.k_head;
+  const int L = c.L(), d = c.d;
+  for (int tile = 0; tile < c.tiles(); ++tile) {
+    uint16_t* o = out + size_t(tile) * KT * d;
+    for (int k = 0; k < KT; ++k) {
+      const int j = tile * KT + k;
+      for (int p = 0; p < d / 2; ++p) {
+        uint16_t* e = o + (size_t(p) * KT + k) * 2;
+        e[0] = j < L ? K[size_t(j) * c.k_row + 2 * p] : 0;
+        e[1] = j < L ? K[size_t(j) * c.k_row + 2 * p + 1] : 0;
+      }
+    }
+  }
+}
+// bf16 values: tile, then 32 pairs of positions, then dv, then the pair (positions 2k, 2k + 1 of the tile)
+void pack_v_bf16(const Call& c, int g, uint16_t* out) {
+  const uint16_t* V = static_cast<const uint16_t*>(c.V) + size_t(g) * c.v_head;
+  const int L = c.L(), dv = c.dv;
+  for (int tile = 0; tile < c.tiles(); ++tile) {
+    uint16_t* o = out + size_t(tile) * KT * dv;
+    for (int k = 0; k < KT; ++k) {
+      const int j = tile * KT + k;
+      const uint16_t* v = V + size_t(j) * c.v_row;
+      uint16_t* e = o + size_t(k / 2) * dv * 2 + (k % 2);
+      for (int i = 0; i < dv; ++i) e[2 * i] = j < L ? v[i] : 0;
+    }
+  }
+}
+// fp32 keys: tile, then d, then 64 keys (transposed)
+void pack_k_f32(const Call& c, int g, float* out) {
+  const float* K = static_cast<const float*>(c.K) + size_t(g) * c.k_head;
+  const int L = c.L(), d = c.d;
+  for (int tile = 0; tile < c.tiles(); ++tile) {
+    float* o = out + size_t(tile) * KT * d;
+    for (int k = 0; k < KT; ++k) {
+      const int j = tile * KT + k;
+      for (int i = 0; i < d; ++i) o[size_t(i) * KT + k] = j < L ? K[size_t(j) * c.k_row + i] : 0.f;
+    }
+  }
+}
+
+// A task's rows (query i of the task's 4, head h of the group): their running max, sum and weighted sums
+struct Rows {
+  int n;                 // rows
+  std::vector<float> S;  // [n][64] a tile's scores, then its weights (fp32)
+  std::vector<uint16_t> Pb;  // [n][64] the weights in bf16 (bf16 inputs)
+  std::vector<float> O;  // [n][dv]
+  std::vector<float> m, l, corr;
+  void reset(int rows, int dv) {
+    n = rows;
+    S.assign(size_t(rows) * KT, 0.f);
+    Pb.assign(size_t(rows) * KT, 0);
+    O.assign(size_t(rows) * dv, 0.f);
+    m.assign(rows, -INFINITY), l.assign(rows, 0.f), corr.assign(rows, 1.f);
+  }
+};
+
+// the softmax step of a tile for every row: S (raw products) -> the weights exp(s scale - m) of the visible keys,
+// the running max and sum updated, corr the factor the row's earlier sums take (portable; the vector paths'
+// versions below do the same per 16 keys)
+void softmax_rows(const Call& c, Rows& R, int q0, int hg, int j0) {
+  for (int r = 0; r < R.n; ++r) {
+    const int visible = std::min(KT, c.start + q0 + r / hg - j0 + 1);  // keys j0 .. j0 + visible - 1
+    float* s = &R.S[size_t(r) * KT];
+    float mx = R.m[r];
+    for (int k = 0; k < visible; ++k) mx = std::max(mx, s[k] * c.scale);
+    const float corr = visible > 0 ? std::exp(R.m[r] - mx) : 1.f;  // (m = -inf before the first tile: 0)
+    float sum = 0.f;
+    for (int k = 0; k < KT; ++k) {
+      const float p = k < visible ? std::exp(s[k] * c.scale - mx) : 0.f;
+      s[k] = p, sum += p;
+      R.Pb[size_t(r) * KT + k] = f32_to_bf16(p);
+    }
+    if (visible > 0) R.m[r] = mx;
+    R.l[r] = R.l[r] * corr + sum;
+    R.corr[r] = corr;
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void softmax_rows_512(const Call& c, Rows& R, int q0, int hg, int j0) {
+  const __m512 sc = _mm512_set1_ps(c.scale);
+  for (int r = 0; r < R.n; ++r) {
+    const int visible = std::min(KT, c.start + q0 + r / hg - j0 + 1);
+    float* s = &R.S[size_t(r) * KT];
+    if (visible <= 0) {
+      std::memset(s, 0, KT * sizeof(float));
+      std::memset(&R.Pb[size_t(r) * KT], 0, KT * sizeof(uint16_t));
+      R.corr[r] = 1.f;
+      continue;
+    }
+    __m512 v[4];
+    __mmask16 keep[4];
+    __m512 mx = _mm512_set1_ps(R.m[r]);
+    for (int i = 0; i < 4; ++i) {
+      const int n = std::clamp(visible - 16 * i, 0, 16);
+      keep[i] = __mmask16((1u << n) - 1);
+      if (n == 16) keep[i] = 0xFFFF;
+      v[i] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), sc);
+      mx = _mm512_mask_max_ps(mx, keep[i], mx, v[i]);
+    }
+    const float m_new = _mm512_reduce_max_ps(mx);
+    const float corr = std::exp(R.m[r] - m_new);
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      const __m512 p = _mm512_maskz_mov_ps(keep[i], exp_ps(_mm512_sub_ps(v[i], mv)));
+      _mm512_storeu_ps(s + 16 * i, p);
+      sum = _mm512_add_ps(sum, p);
+      if (c.bf16)  // (rounded to nearest even)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&R.Pb[size_t(r) * KT + 16 * i]), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    R.m[r] = m_new;
+    R.l[r] = R.l[r] * corr + _mm512_reduce_add_ps(sum);
+    R.corr[r] = corr;
+  }
+}
+
+// ---- scores and weighted sums of one tile ----
+// portable: any layout read directly
+void tile_portable(const Call& c, Rows& R, int q0, int hg, int g, int j0) {
+  const int L = c.L();
+  for (int r = 0; r < R.n; ++r) {
+    const size_t qi = size_t(q0 + r / hg), h = size_t(g) * hg + r % hg;
+    for (int k = 0; k < KT; ++k) {
+      const int j = j0 + k;
+      float s = 0.f;
+      if (j < L)
+        for (int i = 0; i < c.d; ++i)
+          s += ld(c.q, c.bf16, qi * c.q_tok + h * c.q_head + i) *
+               ld(c.K, c.bf16, size_t(g) * c.k_head + size_t(j) * c.k_row + i);
+      R.S[size_t(r) * KT + k] = s;
+    }
+  }
+  softmax_rows(c, R, q0, hg, j0);
+  for (int r = 0; r < R.n; ++r) {
+    float* o = &R.O[size_t(r) * c.dv];
+    for (int i = 0; i < c.dv; ++i) o[i] *= R.corr[r];
+    for (int k = 0; k < KT && j0 + k < L; ++k) {
+      const float p = c.bf16 ? bf16_to_f32(R.Pb[size_t(r) * KT + k]) : R.S[size_t(r) * KT + k];
+      if (p == 0.f) continue;
+      for (int i = 0; i < c.dv; ++i) o[i] += p * ld(c.V, c.bf16, size_t(g) * c.v_head + size_t(j0 + k) * c.v_row + i);
+    }
+  }
+}
+
+// AVX-512, bf16: scores 4 rows at a time (each broadcast query pair against 64 keys), weighted sums 2 rows at a time
+// (each broadcast weight pair against 128 value dims)
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_512(const Call& c, Rows& R, int q0, int hg,
+                                                                          int g, const uint16_t* kt,
+                                                                          const uint16_t* vt, int j0) {
+  const uint16_t* Q = static_cast<const uint16_t*>(c.q);
+  auto qrow = [&](int r) { return Q + size_t(q0 + r / hg) * c.q_tok + (size_t(g) * hg + r % hg) * c.q_head; };
+  const int d = c.d, dv = c.dv;
+  for (int r0 = 0; r0 < R.n; r0 += 4) {
+    const int nr = std::min(4, R.n - r0);
+    const uint16_t* qp[4];
+    for (int i = 0; i < 4; ++i) qp[i] = qrow(r0 + std::min(i, nr - 1));
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; ++i)
+      for (int k = 0; k < 4; ++k) acc[i][k] = _mm512_setzero_ps();
+    for (int p = 0; p < d / 2; ++p) {
+      __m512bh kv[4];
+      for (int k = 0; k < 4; ++k) kv[k] = (__m512bh)_mm512_loadu_si512(kt + (size_t(p) * KT + 16 * k) * 2);
+      for (int i = 0; i < 4; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, qp[i] + 2 * p, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int k = 0; k < 4; ++k) acc[i][k] = _mm512_dpbf16_ps(acc[i][k], a, kv[k]);
+      }
+    }
+    for (int i = 0; i < nr; ++i)
+      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(&R.S[size_t(r0 + i) * KT + 16 * k], acc[i][k]);
+  }
+  softmax_rows_512(c, R, q0, hg, j0);
+  for (int r0 = 0; r0 < R.n; r0 += 2) {
+    const int nr = std::min(2, R.n - r0);
+    for (int c0 = 0; c0 < dv; c0 += 128) {
+      const int nc = std::min(8, (dv - c0) / 16);
+      __m512 acc[2][8];
+      for (int i = 0; i < 2; ++i) {
+        const int r = r0 + std::min(i, nr - 1);
+        const __m512 cr = _mm512_set1_ps(R.corr[r]);
+        for (int k = 0; k < 8; ++k)
+          acc[i][k] = k < nc ? _mm512_mul_ps(_mm512_loadu_ps(&R.O[size_t(r) * dv + c0 + 16 * k]), cr) : _mm512_setzero_ps();
+      }
+      const uint16_t* pr[2] = {&R.Pb[size_t(r0) * KT], &R.Pb[size_t(r0 + std::min(1, nr - 1)) * KT]};
+      for (int kp = 0; kp < KT / 2; ++kp) {
+        __m512bh a[2];
+        for (int i = 0; i < 2; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, pr[i] + 2 * kp, 4);
+          a[i] = (__m512bh)_mm512_set1_epi32(pair);
+        }
+        const uint16_t* vp = vt + (size_t(kp) * dv + c0) * 2;
+        for (int k = 0; k < 8; ++k) {
+          if (k >= nc) break;
+          const __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + 32 * k);
+          for (int i = 0; i < 2; ++i) acc[i][k] = _mm512_dpbf16_ps(acc[i][k], a[i], vv);
+        }
+      }
+      for (int i = 0; i < nr; ++i)
+        for (int k = 0; k < nc; ++k) _mm512_storeu_ps(&R.O[size_t(r0 + i) * dv + c0 + 16 * k], acc[i][k]);
+    }
+  }
+}
+
+// AVX-512, fp32: the same shapes with FMAs (the keys transposed a tile, the values read in place)
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_f32_512(const Call& c, Rows& R, int q0, int hg, int g, const float* kt,
+                                                     int j0) {
+  const float* Q = static_cast<const float*>(c.q);
+  auto qrow = [&](int r) { return Q + size_t(q0 + r / hg) * c.q_tok + (size_t(g) * hg + r % hg) * c.q_head; };
+  const int d = c.d, dv = c.dv, L = c.L();
+  for (int r0 = 0; r0 < R.n; r0 += 4) {
+    const int nr = std::min(4, R.n - r0);
+    const float* qp[4];
+    for (int i = 0; i < 4; ++i) qp[i] = qrow(r0 + std::min(i, nr - 1));
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; ++i)
+      for (int k = 0; k < 4; ++k) acc[i][k] = _mm512_setzero_ps();
+    for (int p = 0; p < d; ++p) {
+      __m512 kv[4];
+      for (int k = 0; k < 4; ++k) kv[k] = _mm512_loadu_ps(kt + size_t(p) * KT + 16 * k);
+      for (int i = 0; i < 4; ++i) {
+        const __m512 a = _mm512_set1_ps(qp[i][p]);
+        for (int k = 0; k < 4; ++k) acc[i][k] = _mm512_fmadd_ps(a, kv[k], acc[i][k]);
+      }
+    }
+    for (int i = 0; i < nr; ++i)
+      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(&R.S[size_t(r0 + i) * KT + 16 * k], acc[i][k]);
+  }
+  softmax_rows_512(c, R, q0, hg, j0);
+  const float* V = static_cast<const float*>(c.V) + size_t(g) * c.v_head;
+  const int keys = std::min(KT, L - j0);
+  for (int r0 = 0; r0 < R.n; r0 += 2) {
+    const int nr = std::min(2, R.n - r0);
+    for (int c0 = 0; c0 < dv; c0 += 128) {
+      const int nc = std::min(8, (dv - c0) / 16);
+      __m512 acc[2][8];
+      for (int i = 0; i < 2; ++i) {
+        const int r = r0 + std::min(i, nr - 1);
+        const __m512 cr = _mm512_set1_ps(R.corr[r]);
+        for (int k = 0; k < 8; ++k)
+          acc[i][k] = k < nc ? _mm512_mul_ps(_mm512_loadu_ps(&R.O[size_t(r) * dv + c0 + 16 * k]), cr) : _mm512_setzero_ps();
+      }
+      const float* pr[2] = {&R.S[size_t(r0) * KT], &R.S[size_t(r0 + std::min(1, nr - 1)) * KT]};
+      for (int j = 0; j < keys; ++j) {
+        const float* vr = V + size_t(j0 + j) * c.v_row + c0;
+        const __m512 a0 = _mm512_set1_ps(pr[0][j]), a1 = _mm512_set1_ps(pr[1][j]);
+        for (int k = 0; k < 8; ++k) {
+          if (k >= nc) break;
+          const __m512 vv = _mm512_loadu_ps(vr + 16 * k);
+          acc[0][k] = _mm512_fmadd_ps(a0, vv, acc[0][k]);
+          acc[1][k] = _mm512_fmadd_ps(a1, vv, acc[1][k]);
+        }
+      }
+      for (int i = 0; i < nr; ++i)
+        for (int k = 0; k < nc; ++k) _mm512_storeu_ps(&R.O[size_t(r0 + i) * dv + c0 + 16 * k], acc[i][k]);
+    }
+  }
+}
+
+// AVX2, fp32: scores 2 rows x 64 keys, weighted sums a row x 128 dims (8-lane vectors)
+__attribute__((target("avx2,fma"))) void tile_f32_256(const Call& c, Rows& R, int q0, int hg, int g, const float* kt,
+                                                      int j0) {
+  const float* Q = static_cast<const float*>(c.q);
+  auto qrow = [&](int r) { return Q + size_t(q0 + r / hg) * c.q_tok + (size_t(g) * hg + r % hg) * c.q_head; };
+  const int d = c.d, dv = c.dv, L = c.L();
+  for (int r0 = 0; r0 < R.n; r0 += 2) {
+    const int nr = std::min(2, R.n - r0);
+    const float* qp[2] = {qrow(r0), qrow(r0 + std::min(1, nr - 1))};
+    __m256 acc[2][8];
+    for (int i = 0; i < 2; ++i)
+      for (int k = 0; k < 8; ++k) acc[i][k] = _mm256_setzero_ps();
+    for (int p = 0; p < d; ++p) {
+      const __m256 a0 = _mm256_broadcast_ss(qp[0] + p), a1 = _mm256_broadcast_ss(qp[1] + p);
+      for (int k = 0; k < 8; ++k) {
+        const __m256 kv = _mm256_loadu_ps(kt + size_t(p) * KT + 8 * k);
+        acc[0][k] = _mm256_fmadd_ps(a0, kv, acc[0][k]);
+        acc[1][k] = _mm256_fmadd_ps(a1, kv, acc[1][k]);
+      }
+    }
+    for (int i = 0; i < nr; ++i)
+      for (int k = 0; k < 8; ++k) _mm256_storeu_ps(&R.S[size_t(r0 + i) * KT + 8 * k], acc[i][k]);
+  }
+  softmax_rows(c, R, q0, hg, j0);
+  const float* V = static_cast<const float*>(c.V) + size_t(g) * c.v_head;
+  const int keys = std::min(KT, L - j0);
+  for (int r = 0; r < R.n; ++r) {
+    const float* pr = &R.S[size_t(r) * KT];
+    for (int c0 = 0; c0 < dv; c0 += 128) {
+      const int nc = std::min(16, (dv - c0) / 8);
+      __m256 acc[16];
+      const __m256 cr = _mm256_set1_ps(R.corr[r]);
+      for (int k = 0; k < 16; ++k)
+        acc[k] = k < nc ? _mm256_mul_ps(_mm256_loadu_ps(&R.O[size_t(r) * dv + c0 + 8 * k]), cr) : _mm256_setzero_ps();
+      for (int j = 0; j < keys; ++j) {
+        const float* vr = V + size_t(j0 + j) * c.v_row + c0;
+        const __m256 a = _mm256_broadcast_ss(pr + j);
+        for (int k = 0; k < 16; ++k) {
+          if (k >= nc) break;
+          acc[k] = _mm256_fmadd_ps(a, _mm256_loadu_ps(vr + 8 * k), acc[k]);
+        }
+      }
+      for (int k = 0; k < nc; ++k) _mm256_storeu_ps(&R.O[size_t(r) * dv + c0 + 8 * k], acc[k]);
+    }
+  }
+}
+
+}  // namespace
+
+void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv, int d, int dv, size_t q_tok,
+                       size_t q_head, const void* K, size_t k_head, size_t k_row, const void* V, size_t v_head,
+                       size_t v_row, int start, float scale, float* out) {
+  MOE_CHECK(t > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && dv > 0 && start >= 0, "prefill attention: bad shapes");
+  const bool vec = isa != Isa::Portable && d % 16 == 0 && dv % 16 == 0;
+  MOE_CHECK(!(vec && bf16 && (isa == Isa::Avx2 || isa == Isa::AvxVnni)),
+            "prefill attention: bf16 inputs take the AVX-512 paths (the AVX2 ones compute in fp32)");
+  const Call c{q, bf16, t, nh, nkv, d, dv, q_tok, q_head, K, k_head, k_row, V, v_head, v_row, start, scale, out};
+  const int hg = nh / nkv, tiles = c.tiles(), blocks = (t + QB - 1) / QB;
+  // each kv head's keys (and bf16 values) in the tiles' layouts, once a call
+  std::vector<uint16_t> kb, vb;
+  std::vector<float> kf;
+  const size_t kstride = size_t(tiles) * KT * d, vstride = size_t(tiles) * KT * dv;
+  if (vec) {
+    if (bf16) kb.resize(kstride * nkv), vb.resize(vstride * nkv);
+    else kf.resize(kstride * nkv);
+    pool().parallel_for(nkv, [&](int g) {
+      if (bf16) {
+        pack_k_bf16(c, g, kb.data() + g * kstride);
+        pack_v_bf16(c, g, vb.data() + g * vstride);
+      } else {
+        pack_k_f32(c, g, kf.data() + g * kstride);
+      }
+    });
+  }
+  // tasks latest queries first (the most tiles), each thread taking the next
+  pool().parallel_for(blocks * nkv, [&](int task) {
+    const int b = blocks - 1 - task / nkv, g = task % nkv;
+    const int q0 = b * QB, nq = std::min(QB, t - q0);
+    thread_local Rows R;
+    R.reset(nq * hg, dv);
+    const int last = std::min(tiles, (start + q0 + nq - 1) / KT + 1);  // tiles any of the rows sees
+    for (int tile = 0; tile < last; ++tile) {
+      const int j0 = tile * KT;
+      if (!vec) tile_portable(c, R, q0, hg, g, j0);
+      else if (bf16) tile_bf16_512(c, R, q0, hg, g, kb.data() + g * kstride + size_t(tile) * KT * d,
+                                   vb.data() + g * vstride + size_t(tile) * KT * dv, j0);
+      else if (isa == Isa::Avx2 || isa == Isa::AvxVnni) tile_f32_256(c, R, q0, hg, g, kf.data() + g * kstride + size_t(tile) * KT * d, j0);
+      else tile_f32_512(c, R, q0, hg, g, kf.data() + g * kstride + size_t(tile) * KT * d, j0);
+    }
+    for (int r = 0; r < R.n; ++r) {
+      float* o = out + (size_t(q0 + r / hg) * nh + size_t(g) * hg + r % hg) * dv;
+      const float inv = 1.f / R.l[r];
+      for (int i = 0; i < dv; ++i) o[i] = R.O[size_t(r) * dv + i] * inv;
+    }
+  });
+}
+
+}  // namespace moe
