@@ -27,6 +27,11 @@ each also as a share of this CPU's fp32 FMA peak measured in the same run (the a
 position and a sliding layer over its window of 128, the decode path before the native kernel took sinks
 (gpu_service/model/attention.py windowed_attention over the gathered cache, the model dtype) against the native
 kernel with its sinks over the pool (consecutive blocks; the window as each KV head's selection), interleaved.
+
+--prefill: a causal prefill chunk of each length (the queries of positions 0..L-1 over their own keys and values,
+Qwen3-30B-A3B's heads) in --dtype: torch's SDPA (its CPU flash kernel, as gpu_service/model/attention.py called it
+before) against the native flash kernel (moe_kernels.attention.prefill_attention), interleaved, each also in GFLOP/s
+(4 L^2 / 2 x heads x dim: the causal half of two products).
 """
 from __future__ import annotations
 
@@ -44,7 +49,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from moe_kernels import ISA, native  # noqa: E402
 from gpu_service.engine.kv_pool import _empty  # noqa: E402
-from moe_kernels.attention import decode_attention, mla_paged_attention, paged_decode_attention  # noqa: E402
+from moe_kernels.attention import (decode_attention, mla_paged_attention, paged_decode_attention,  # noqa: E402
+                                   prefill_attention)
 
 NH, NKV, D = 32, 4, 128
 
@@ -138,6 +144,26 @@ def sinks(a, dt, kt) -> None:
                   flush=True)
 
 
+def prefill(a, dt) -> None:
+    print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}; causal prefill of L positions, "
+          f"{NH} query heads over {NKV} kv heads of {D}; median of {a.reps}, interleaved")
+    print("| positions | torch SDPA ms | GFLOP/s | native ms | GFLOP/s | native / torch |\n|---|---|---|---|---|---|")
+    for L in a.lengths:
+        q = torch.randn(L, NH, D, dtype=dt)
+        K, V = torch.randn(NKV, L, D, dtype=dt), torch.randn(NKV, L, D, dtype=dt)
+        sdpa = lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], is_causal=True,  # noqa: E731
+                                                      enable_gqa=True)
+        nat = lambda: prefill_attention(q, K, V, 0, D ** -0.5, a.isa).to(dt)  # noqa: E731
+        ts, tn = [], []
+        for _ in range(3):
+            ts.append(timed(sdpa, reps=max(1, a.reps // 3)))
+            tn.append(timed(nat, reps=max(1, a.reps // 3)))
+        t_s, t_n = statistics.median(ts) / 1e3, statistics.median(tn) / 1e3
+        flop = 4 * L * L / 2 * NH * D
+        print(f"| {L} | {t_s:.2f} | {flop / t_s / 1e6:.0f} | {t_n:.2f} | {flop / t_n / 1e6:.0f} | {t_s / t_n:.2f}x |",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[400, 1500, 6000])
@@ -149,6 +175,7 @@ def main() -> None:
     ap.add_argument("--mla", action="store_true", help="DeepSeek-V3's latent attention (see above)")
     ap.add_argument("--sinks", action="store_true", help="gpt-oss's attention with sinks (see above)")
     ap.add_argument("--cold-layers", type=int, default=48, help="caches read in turn for the cold table (0: none)")
+    ap.add_argument("--prefill", action="store_true", help="a causal prefill chunk, torch's SDPA vs native (see above)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
@@ -158,6 +185,8 @@ def main() -> None:
         return mla(a, dt, kt)
     if a.sinks:
         return sinks(a, dt, kt)
+    if a.prefill:
+        return prefill(a, dt)
     print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}, cache {a.kv or a.dtype}; per layer, "
           f"median of {a.reps}")
     print("| positions | torch matmuls | native, contiguous | native, paged consecutive (/ contiguous) | native, paged "

@@ -4,6 +4,10 @@ NativeLinear's default dispatch gives (it hands bf16 prefill from dense.TORCH_FR
 to torch where the kernel isa is amx).
 
     python bench/bench_dense.py [--threads 2] [--shapes 2048x2048,6144x2048] [--tokens 1,16,64,128,256,512]
+                                [--format int4]
+
+--format: ours in that packed format (e.g. int8, int4) against torch on the bf16 weights (MOE_PAIR_FROM=0 in the
+environment: AVX-512's prefill without its paired blocks, native/runtime/common.h Tuning).
 
 One JSON line per case, then a table of medians and of per-round ratios (torch time / ours).
 """
@@ -14,9 +18,13 @@ import json
 import statistics
 import time
 
-import torch
-
 from common import cpu_name  # noqa: E402
+from moe_core.openmp import passive_by_default  # noqa: E402
+
+passive_by_default()  # as the GPU service runs: torch's threads do not spin beside the native pool's after its calls
+
+import torch  # noqa: E402
+
 from moe_kernels import dense, native  # noqa: E402
 from moe_kernels.dense import NativeLinear  # noqa: E402
 
@@ -37,6 +45,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,64,128,256,512")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=9)
+    ap.add_argument("--format", default="bf16", help="our packed format (torch: the bf16 weights)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
@@ -45,7 +54,7 @@ def main() -> None:
     for shape in a.shapes.split(","):
         rows, K = map(int, shape.split("x"))
         w = torch.randn(rows, K) * 0.02
-        lin = NativeLinear(w, "bf16", isa=isa)
+        lin = NativeLinear(w, a.format, isa=isa)
         wb = w.bfloat16()
         ref = lambda x: torch.nn.functional.linear(x, wb)  # noqa: E731
 
@@ -66,7 +75,8 @@ def main() -> None:
                    "torch_over_default": round(statistics.median(r[1] / r[2] for r in rounds), 2)}
             print(json.dumps(row), flush=True)
             rows_out.append(row)
-    print(f"\n{cpu_name()}, isa {isa}, {a.threads} threads, bf16 weights; torch_from_tokens "
+    print(f"\n{cpu_name()}, isa {isa}, {a.threads} threads, ours {a.format}, torch bf16 weights; "
+          f"pair_from {native.get_tuning()[3]}; torch_from_tokens "
           f"{dense.TORCH_FROM_TOKENS if isa == 'amx' else 'never (not amx)'}\n")
     print("| rows x K | T | ours | torch | default | torch/ours | torch/default |")
     print("|---|---|---|---|---|---|---|")

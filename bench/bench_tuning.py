@@ -6,7 +6,9 @@ them alike (on a shared 2-core box single runs drift by +-20%).
     python bench/bench_tuning.py [--formats int4,int8,bf16] [--settings 0:64,8192:1024] [--case decode|prefill]
                                  [--isas avx2,avxvnni]
 
-A setting is PF_BYTES:TASK_KB. The first is the baseline; each line gives medians and the ratio
+A setting is PF_BYTES:TASK_KB[:PAIR_FROM] (PAIR_FROM: tokens from which AVX-512's prefill of the formats with a
+scale per group pairs 16-row blocks, 0 never; e.g. --case prefill --settings 32768:1024:0,32768:1024:8). The first is
+the baseline; each line gives medians and the ratio
 to it (below 1 = faster). 0:1 is the earlier behaviour (prefetch the next 4-row block only, the
 minimum of 64 rows per task); 32768:1024 is the default. With --isas, every setting runs on each
 isa (the first isa's first setting is the baseline).
@@ -54,14 +56,14 @@ def main() -> None:
         times: dict = {s: [] for s in settings}
         for _ in range(a.reps):
             for s in settings:
-                native.set_tuning(*s[1:])
+                native.set_tuning(s[1], s[2], -1, *s[3:])
                 t0 = time.perf_counter()
                 for c in calls:
                     ops[s[0]].forward(*c)
                 times[s].append((time.perf_counter() - t0) / len(calls) * 1e6)
         base = statistics.median(times[settings[0]])
         print(f"{a.case} {a.shape} {fmt}: " + "  ".join(
-            f"{s[0]} {s[1]}:{s[2]} {statistics.median(v):.0f} us ({statistics.median(v) / base:.2f})" for s, v in times.items()),
+            f"{s[0]} {':'.join(map(str, s[1:]))} {statistics.median(v):.0f} us ({statistics.median(v) / base:.2f})" for s, v in times.items()),
             flush=True)
         del ops
     native.set_tuning(*default)

@@ -35,16 +35,18 @@ void bind_runtime(py::module_& m) {
     d["avx2"] = f.avx2; d["fma"] = f.fma; d["f16c"] = f.f16c; d["avxvnni"] = f.avxvnni; d["os_avx"] = f.os_avx;
     return d;
   });
-  m.def("set_tuning", [](size_t pf_bytes, size_t task_kb, int64_t v_prefetch_kb) {  // between calls (benchmarks)
+  m.def("set_tuning", [](size_t pf_bytes, size_t task_kb, int64_t v_prefetch_kb, int pair_from) {  // between calls
     MOE_CHECK(task_kb >= 1, "task_kb must be >= 1");
     Tuning& t = tuning();
     t.pf_bytes = pf_bytes;
     t.task_bytes = task_kb * 1024;
     if (v_prefetch_kb >= 0) t.v_prefetch_bytes = size_t(v_prefetch_kb) * 1024;
-  }, py::arg("pf_bytes"), py::arg("task_kb"), py::arg("v_prefetch_kb") = -1,
-     "the kernels' streaming knobs (common.h Tuning); v_prefetch_kb -1: unchanged");
+    if (pair_from >= 0) t.pair_from_tokens = pair_from;
+  }, py::arg("pf_bytes"), py::arg("task_kb"), py::arg("v_prefetch_kb") = -1, py::arg("pair_from") = -1,
+     "the kernels' knobs (common.h Tuning), for benchmarks; v_prefetch_kb, pair_from -1: unchanged");
   m.def("get_tuning", [] {
-    return py::make_tuple(tuning().pf_bytes, tuning().task_bytes / 1024, tuning().v_prefetch_bytes / 1024);
+    return py::make_tuple(tuning().pf_bytes, tuning().task_bytes / 1024, tuning().v_prefetch_bytes / 1024,
+                          tuning().pair_from_tokens);
   });
   m.def("best_isa", [] { return std::string(isa_name(best_isa(detect_cpu()))); });
   m.def("set_torch_vector_bytes", &rounding::set_torch_vector_bytes, py::arg("bytes"),

@@ -44,10 +44,14 @@ inline void row_streams(const T* base, size_t ld, int nr, const T* (&p)[R]) {
 // a new stream that ramps up again; 64-row tasks cost int4 decode a third of its speed); decode attention fetches
 // up to this many bytes of a head's V into L2 while its scores read K (attention.cpp; half this core's L2, so
 // that the rows do not evict each other or K's stream before their use; 0: none).
-// MOE_PF_BYTES / MOE_TASK_KB / MOE_V_PREFETCH_KB override at start; set_tuning() between calls (benchmarks).
+// AVX-512's prefill of the formats with a scale per group pairs 16-row blocks (each broadcast activation chunk serving
+// both) from this many tokens a call on (0: never; gemm_blocked_avx512.h).
+// MOE_PF_BYTES / MOE_TASK_KB / MOE_V_PREFETCH_KB / MOE_PAIR_FROM override at start; set_tuning() between calls
+// (benchmarks).
 struct Tuning {
   size_t pf_bytes = 32768;
   size_t task_bytes = size_t(1) << 20;
+  int pair_from_tokens = 8;
   size_t v_prefetch_bytes = [] {
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // (0 or -1 where the system does not say: 1 MiB assumed)
     return size_t(l2 > 0 ? l2 : 1 << 20) / 2;
@@ -68,6 +72,7 @@ inline Tuning& tuning() {
     if (const char* v = std::getenv("MOE_PF_BYTES")) d.pf_bytes = size_t(std::atoll(v));
     if (const char* v = std::getenv("MOE_TASK_KB")) d.task_bytes = size_t(std::atoll(v)) * 1024;
     if (const char* v = std::getenv("MOE_V_PREFETCH_KB")) d.v_prefetch_bytes = size_t(std::atoll(v)) * 1024;
+    if (const char* v = std::getenv("MOE_PAIR_FROM")) d.pair_from_tokens = std::atoi(v);
     return d;
   }();
   return t;

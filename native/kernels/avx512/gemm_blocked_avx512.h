@@ -228,11 +228,10 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
 // as mk512, per block, in the same order. Weights a chunk at a time (the 8 of a group do not fit the registers twice).
 template <int MODE>
 constexpr bool paired_blocks = !fielded(MODE);
-constexpr int PAIRED_FROM_TOKENS = 8;  // tokens from which prefill pairs blocks (decode streams one block at a time)
 template <int NT, int MODE>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk512x2(
     const uint8_t* W, const ScaleT<MODE>* S, size_t moff, const int8_t* const* X, const int32_t* const* XC,
-    const float* const* XS, int ng, float* C, size_t bw, size_t bs) {
+    const float* const* XS, int ng, size_t pf, float* C, size_t bw, size_t bs) {
   constexpr int gs = stride_vectors<MODE> * 64;  // bytes of a layout group
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
   __m512 acc[2][NT];
@@ -244,6 +243,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni"))) inline void mk51
       const int lg = g * SPG<MODE> + h;
       const uint8_t* p = W + size_t(lg) * gs;
       MOE_UNROLL for (int v = 0; v < vectors<MODE>; ++v) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);  // (as mk512: each stream ahead)
+        _mm_prefetch(reinterpret_cast<const char*>(p + bw + pf + 64 * v), _MM_HINT_T1);
         const __m512i q0 = _mm512_loadu_si512(p + 64 * v), q1 = _mm512_loadu_si512(p + bw + 64 * v);
         if constexpr (nibble<MODE>) {  // chunks v (low nibbles) and v + 4 (high)
           const __m512i u0 = decode512<MODE>(_mm512_and_si512(q0, lo4));
@@ -306,14 +307,15 @@ void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int n
                  const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C, size_t,
                  size_t) { return units512<MODE>(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C); };
   if constexpr (paired_blocks<MODE>) {
-    if (ns >= PAIRED_FROM_TOKENS) {  // prefill: two blocks a step where both are whole
+    // prefill: two blocks a step where both are whole (decode streams one block at a time); from tuning's tokens on
+    if (const int from = tuning().pair_from_tokens; from > 0 && ns >= from) {
       drive_blocked<MODE, excess<MODE, false>, BLK, 4, 2>(
           m, e, r0, r1, x, ns, Y, ldy,
           [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,
               const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C, size_t bw,
               size_t bs) {
             if (n < 2 * BLK) return one(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C, bw, bs);
-            with_tokens<4>(nt, [&](auto NT) { mk512x2<decltype(NT)::value, MODE>(wb, sb, moff, X, XC, XS, ng, C, bw, bs); });
+            with_tokens<4>(nt, [&](auto NT) { mk512x2<decltype(NT)::value, MODE>(wb, sb, moff, X, XC, XS, ng, pf, C, bw, bs); });
             return 2;
           });
       return;
