@@ -1,7 +1,7 @@
 """Dense layers on the CPU (what the GPU service runs when it computes there): our packed kernels
 against torch's matmul on the same bf16 weights, per token count, interleaved in one run, and what
 NativeLinear's default dispatch gives (it hands bf16 prefill from dense.TORCH_FROM_TOKENS tokens on
-to torch where the kernel isa is amx).
+to torch where the kernel isa has bf16 arithmetic: dense.TORCH_PATHS).
 
     python bench/bench_dense.py [--threads 2] [--shapes 2048x2048,6144x2048] [--tokens 1,16,64,128,256,512]
                                 [--format int4]
@@ -77,7 +77,7 @@ def main() -> None:
             rows_out.append(row)
     print(f"\n{cpu_name()}, isa {isa}, {a.threads} threads, ours {a.format}, torch bf16 weights; "
           f"pair_from {native.get_tuning()[3]}; torch_from_tokens "
-          f"{dense.TORCH_FROM_TOKENS if isa == 'amx' else 'never (not amx)'}\n")
+          f"{dense.TORCH_FROM_TOKENS if isa in dense.TORCH_PATHS else 'never (no bf16 arithmetic)'}\n")
     print("| rows x K | T | ours | torch | default | torch/ours | torch/default |")
     print("|---|---|---|---|---|---|---|")
     for r in rows_out:

@@ -13,10 +13,12 @@ from .iq_formats import IqBlocks
 from .packing import Fp8, alloc, data_ptr, floats, pack_expert, row_len
 
 PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
-# bf16 weights on an AMX CPU: from this many tokens on, torch's matmul (oneDNN: tiles, with its own
-# weight blocking) computes faster than our tiles on the row-major packing; below it, and at decode,
-# ours stream the weights as fast or faster (`python bench/bench_dense.py`; docs/performance/kernels.md).
+# bf16 weights on a CPU with bf16 arithmetic (the amx and avx512 paths): from this many tokens on, torch's matmul
+# (oneDNN: AMX tiles or AVX512-BF16, with its own weight blocking) computes faster than our kernels on the row-major
+# packing (Zen 5, avx512: 0.81x ours at 64 tokens, 0.51-0.65x at 512); below it, and at decode, ours stream the
+# weights as fast or faster (`python bench/bench_dense.py`; docs/performance/kernels.md).
 TORCH_FROM_TOKENS = 64
+TORCH_PATHS = ("amx", "avx512")
 
 
 class NativeLinear:
@@ -49,7 +51,7 @@ class NativeLinear:
             at += b.shape[0]
         self.native = native.Linear(self.path, fmt, rows, K, self.Kp, tuple(map(data_ptr, self.parts)), owner=self.parts)
         # the packed bf16 rows themselves, as torch sees a weight (padding cut off; no copy when K = Kp)
-        self._torch_weight = self.parts[0][0, :, :K] if fmt == "bf16" and self.path == "amx" else None
+        self._torch_weight = self.parts[0][0, :, :K] if fmt == "bf16" and self.path in TORCH_PATHS else None
 
     @property
     def shape(self) -> tuple[int, int]:
