@@ -314,7 +314,17 @@ void blocked_avx512(const Matrix& m, int e, int r0, int r1, const Acts& x, int n
           [&](const uint8_t* wb, const ScaleT<MODE>* sb, size_t moff, int n, const int8_t* const* X,
               const int32_t* const* XC, const float* const* XS, int ng, size_t pf, int nt, float* C, size_t bw,
               size_t bs) {
-            if (n < 2 * BLK) return one(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C, bw, bs);
+            if (n <= BLK) return one(wb, sb, moff, n, X, XC, XS, ng, pf, nt, C, bw, bs);
+            if (n < 2 * BLK) {  // a whole block and a short one (the matrix's end): each alone, into C's two halves
+              float C0[4 * BLK], C1[4 * BLK];
+              one(wb, sb, moff, BLK, X, XC, XS, ng, pf, nt, C0, bw, bs);
+              one(wb + bw, sb + bs, moff, n - BLK, X, XC, XS, ng, pf, nt, C1, bw, bs);
+              for (int t = 0; t < nt; ++t) {
+                std::memcpy(C + t * 2 * BLK, C0 + t * BLK, BLK * sizeof(float));
+                std::memcpy(C + t * 2 * BLK + BLK, C1 + t * BLK, BLK * sizeof(float));
+              }
+              return 2;
+            }
             with_tokens<4>(nt, [&](auto NT) { mk512x2<decltype(NT)::value, MODE>(wb, sb, moff, X, XC, XS, ng, pf, C, bw, bs); });
             return 2;
           });
