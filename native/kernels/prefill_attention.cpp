@@ -38,6 +38,10 @@ struct Call {
   float* out;
   int L() const { return start + t; }
   int tiles() const { return (L() + KT - 1) / KT; }
+  // the element offset of a task's row r (query q0 + r / hg, head g hg + r % hg) in q
+  size_t q_at(int q0, int hg, int g, int r) const {
+    return size_t(q0 + r / hg) * q_tok + (size_t(g) * hg + r % hg) * q_head;
+  }
 };
 
 inline float ld(const void* p, bool bf16, size_t i) {
@@ -169,13 +173,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void softmax_rows_512(con
 void tile_portable(const Call& c, Rows& R, int q0, int hg, int g, int j0) {
   const int L = c.L();
   for (int r = 0; r < R.n; ++r) {
-    const size_t qi = size_t(q0 + r / hg), h = size_t(g) * hg + r % hg;
+    const size_t qr = c.q_at(q0, hg, g, r);
     for (int k = 0; k < KT; ++k) {
       const int j = j0 + k;
       float s = 0.f;
       if (j < L)
         for (int i = 0; i < c.d; ++i)
-          s += ld(c.q, c.bf16, qi * c.q_tok + h * c.q_head + i) *
+          s += ld(c.q, c.bf16, qr + i) *
                ld(c.K, c.bf16, size_t(g) * c.k_head + size_t(j) * c.k_row + i);
       R.S[size_t(r) * KT + k] = s;
     }
@@ -192,18 +196,33 @@ void tile_portable(const Call& c, Rows& R, int q0, int hg, int g, int j0) {
   }
 }
 
+// AVX-512: rows r0, r0 + 1 (nr of them) of O, dims c0 .. c0 + 16 nc, into acc times each row's corr; and back
+__attribute__((target("avx512f"))) inline void o_load512(const Rows& R, int r0, int nr, int dv, int c0, int nc,
+                                                         __m512 (*acc)[8]) {
+  for (int i = 0; i < 2; ++i) {
+    const int r = r0 + std::min(i, nr - 1);
+    const __m512 cr = _mm512_set1_ps(R.corr[r]);
+    for (int k = 0; k < 8; ++k)
+      acc[i][k] = k < nc ? _mm512_mul_ps(_mm512_loadu_ps(&R.O[size_t(r) * dv + c0 + 16 * k]), cr) : _mm512_setzero_ps();
+  }
+}
+__attribute__((target("avx512f"))) inline void o_store512(Rows& R, int r0, int nr, int dv, int c0, int nc,
+                                                          __m512 (*acc)[8]) {
+  for (int i = 0; i < nr; ++i)
+    for (int k = 0; k < nc; ++k) _mm512_storeu_ps(&R.O[size_t(r0 + i) * dv + c0 + 16 * k], acc[i][k]);
+}
+
 // AVX-512, bf16: scores 4 rows at a time (each broadcast query pair against 64 keys), weighted sums 2 rows at a time
 // (each broadcast weight pair against 128 value dims)
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_512(const Call& c, Rows& R, int q0, int hg,
                                                                           int g, const uint16_t* kt,
                                                                           const uint16_t* vt, int j0) {
   const uint16_t* Q = static_cast<const uint16_t*>(c.q);
-  auto qrow = [&](int r) { return Q + size_t(q0 + r / hg) * c.q_tok + (size_t(g) * hg + r % hg) * c.q_head; };
   const int d = c.d, dv = c.dv;
   for (int r0 = 0; r0 < R.n; r0 += 4) {
     const int nr = std::min(4, R.n - r0);
     const uint16_t* qp[4];
-    for (int i = 0; i < 4; ++i) qp[i] = qrow(r0 + std::min(i, nr - 1));
+    for (int i = 0; i < 4; ++i) qp[i] = Q + c.q_at(q0, hg, g, r0 + std::min(i, nr - 1));
     __m512 acc[4][4];
     for (int i = 0; i < 4; ++i)
       for (int k = 0; k < 4; ++k) acc[i][k] = _mm512_setzero_ps();
@@ -226,12 +245,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_512(const 
     for (int c0 = 0; c0 < dv; c0 += 128) {
       const int nc = std::min(8, (dv - c0) / 16);
       __m512 acc[2][8];
-      for (int i = 0; i < 2; ++i) {
-        const int r = r0 + std::min(i, nr - 1);
-        const __m512 cr = _mm512_set1_ps(R.corr[r]);
-        for (int k = 0; k < 8; ++k)
-          acc[i][k] = k < nc ? _mm512_mul_ps(_mm512_loadu_ps(&R.O[size_t(r) * dv + c0 + 16 * k]), cr) : _mm512_setzero_ps();
-      }
+      o_load512(R, r0, nr, dv, c0, nc, acc);
       const uint16_t* pr[2] = {&R.Pb[size_t(r0) * KT], &R.Pb[size_t(r0 + std::min(1, nr - 1)) * KT]};
       for (int kp = 0; kp < KT / 2; ++kp) {
         __m512bh a[2];
@@ -247,8 +261,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_512(const 
           for (int i = 0; i < 2; ++i) acc[i][k] = _mm512_dpbf16_ps(acc[i][k], a[i], vv);
         }
       }
-      for (int i = 0; i < nr; ++i)
-        for (int k = 0; k < nc; ++k) _mm512_storeu_ps(&R.O[size_t(r0 + i) * dv + c0 + 16 * k], acc[i][k]);
+      o_store512(R, r0, nr, dv, c0, nc, acc);
     }
   }
 }
@@ -257,12 +270,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_512(const 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_f32_512(const Call& c, Rows& R, int q0, int hg, int g, const float* kt,
                                                      int j0) {
   const float* Q = static_cast<const float*>(c.q);
-  auto qrow = [&](int r) { return Q + size_t(q0 + r / hg) * c.q_tok + (size_t(g) * hg + r % hg) * c.q_head; };
   const int d = c.d, dv = c.dv, L = c.L();
   for (int r0 = 0; r0 < R.n; r0 += 4) {
     const int nr = std::min(4, R.n - r0);
     const float* qp[4];
-    for (int i = 0; i < 4; ++i) qp[i] = qrow(r0 + std::min(i, nr - 1));
+    for (int i = 0; i < 4; ++i) qp[i] = Q + c.q_at(q0, hg, g, r0 + std::min(i, nr - 1));
     __m512 acc[4][4];
     for (int i = 0; i < 4; ++i)
       for (int k = 0; k < 4; ++k) acc[i][k] = _mm512_setzero_ps();
@@ -285,12 +297,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_f32_512(const C
     for (int c0 = 0; c0 < dv; c0 += 128) {
       const int nc = std::min(8, (dv - c0) / 16);
       __m512 acc[2][8];
-      for (int i = 0; i < 2; ++i) {
-        const int r = r0 + std::min(i, nr - 1);
-        const __m512 cr = _mm512_set1_ps(R.corr[r]);
-        for (int k = 0; k < 8; ++k)
-          acc[i][k] = k < nc ? _mm512_mul_ps(_mm512_loadu_ps(&R.O[size_t(r) * dv + c0 + 16 * k]), cr) : _mm512_setzero_ps();
-      }
+      o_load512(R, r0, nr, dv, c0, nc, acc);
       const float* pr[2] = {&R.S[size_t(r0) * KT], &R.S[size_t(r0 + std::min(1, nr - 1)) * KT]};
       for (int j = 0; j < keys; ++j) {
         const float* vr = V + size_t(j0 + j) * c.v_row + c0;
@@ -302,8 +309,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_f32_512(const C
           acc[1][k] = _mm512_fmadd_ps(a1, vv, acc[1][k]);
         }
       }
-      for (int i = 0; i < nr; ++i)
-        for (int k = 0; k < nc; ++k) _mm512_storeu_ps(&R.O[size_t(r0 + i) * dv + c0 + 16 * k], acc[i][k]);
+      o_store512(R, r0, nr, dv, c0, nc, acc);
     }
   }
 }
@@ -312,11 +318,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_f32_512(const C
 __attribute__((target("avx2,fma"))) void tile_f32_256(const Call& c, Rows& R, int q0, int hg, int g, const float* kt,
                                                       int j0) {
   const float* Q = static_cast<const float*>(c.q);
-  auto qrow = [&](int r) { return Q + size_t(q0 + r / hg) * c.q_tok + (size_t(g) * hg + r % hg) * c.q_head; };
   const int d = c.d, dv = c.dv, L = c.L();
   for (int r0 = 0; r0 < R.n; r0 += 2) {
     const int nr = std::min(2, R.n - r0);
-    const float* qp[2] = {qrow(r0), qrow(r0 + std::min(1, nr - 1))};
+    const float* qp[2] = {Q + c.q_at(q0, hg, g, r0), Q + c.q_at(q0, hg, g, r0 + std::min(1, nr - 1))};
     __m256 acc[2][8];
     for (int i = 0; i < 2; ++i)
       for (int k = 0; k < 8; ++k) acc[i][k] = _mm256_setzero_ps();
@@ -398,7 +403,7 @@ void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv
       else tile_f32_512(c, R, q0, hg, g, kf.data() + g * kstride + size_t(tile) * KT * d, j0);
     }
     for (int r = 0; r < R.n; ++r) {
-      float* o = out + (size_t(q0 + r / hg) * nh + size_t(g) * hg + r % hg) * dv;
+      float* o = out + (size_t(q0 + r / hg) * nh + size_t(g) * hg + r % hg) * dv;  // ([t, nh, dv])
       const float inv = 1.f / R.l[r];
       for (int i = 0; i < dv; ++i) o[i] = R.O[size_t(r) * dv + i] * inv;
     }
