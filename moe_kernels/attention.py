@@ -72,6 +72,11 @@ def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: f
     return out
 
 
+# the paths whose prefill kernel beats torch's SDPA (bench_attention.py --prefill, Zen 5: avx512 bf16 2.5-4x, fp32
+# 2-3x; the avx2 path's fp32, with its scalar exps, 0.51-0.76x torch limited to AVX2): the model prefills on it there
+PREFILL_PATHS = ("avx512", "amx")
+
+
 def prefill_supported(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, isa: str = ISA) -> bool:
     """Whether prefill_attention takes these on this isa: fp32, or bf16 on the AVX-512 paths (whose bf16 dot products
     it uses) and the portable loops, head dims multiples of 16, on the CPU."""

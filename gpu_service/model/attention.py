@@ -189,7 +189,7 @@ def gqa_attend(cfg: ModelConfig, W: dict, p: str, q: torch.Tensor, kv, layer: in
     else:
         start = kv.start
         K, V = cache.gather(layer, start + t, dtype=q.dtype)[:2]                 # [kv, L, d] each
-        if native and native_attention.ISA in native_attention.SIMD_ISAS and \
+        if native and native_attention.ISA in native_attention.PREFILL_PATHS and \
                 native_attention.prefill_supported(q, K, V):
             # the native flash kernel: torch's CPU one widens bf16 to an fp32 sgemm (3-4x slower at 512 tokens)
             return native_attention.prefill_attention(q, K, V, start, d ** -0.5).to(q.dtype)

@@ -120,7 +120,8 @@ def test_a_graph_bucket_and_a_sequence_cache_give_one_attention_kind_the_same_ro
         torch.testing.assert_close(graphed[i:i + 1], alone, atol=1e-5, rtol=1e-5)
 
 
-@native
+@pytest.mark.skipif(ISA not in attention.native_attention.PREFILL_PATHS,
+                    reason="the model prefills on the native kernel on the avx512 and amx paths (faster than SDPA there)")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefill_attention_on_the_native_kernel_gives_torchs_attention(ckpts, monkeypatch, dtype, tol):
     """A CPU model with packed dense layers prefills its GQA layers on the native flash kernel (moe_kernels.attention.
