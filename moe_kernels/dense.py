@@ -15,8 +15,8 @@ from .packing import Fp8, alloc, data_ptr, floats, pack_expert, row_len
 PACK_ROWS = 8192  # rows packed at a time: no fp32 copy of a whole lm_head
 # bf16 weights on a CPU with bf16 arithmetic (the amx and avx512 paths): from this many tokens on, torch's matmul
 # (oneDNN: AMX tiles or AVX512-BF16, with its own weight blocking) computes faster than our kernels on the row-major
-# packing (Zen 5, avx512: 0.81x ours at 64 tokens, 0.51-0.65x at 512); below it, and at decode, ours stream the
-# weights as fast or faster (`python bench/bench_dense.py`; docs/performance/kernels.md).
+# packing (Zen 5, avx512: torch's time 0.81x ours at 64 tokens, 0.51-0.65x at 512); below it, and at decode, ours
+# stream the weights as fast or faster (`python bench/bench_dense.py`; docs/performance/kernels.md).
 TORCH_FROM_TOKENS = 64
 TORCH_PATHS = ("amx", "avx512")
 
