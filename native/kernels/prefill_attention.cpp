@@ -146,8 +146,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void softmax_rows_512(con
     __m512 mx = _mm512_set1_ps(R.m[r]);
     for (int i = 0; i < 4; ++i) {
       const int n = std::clamp(visible - 16 * i, 0, 16);
-      keep[i] = __mmask16((1u << n) - 1);
-      if (n == 16) keep[i] = 0xFFFF;
+      keep[i] = __mmask16((1u << n) - 1);  // (n = 16: 0xFFFF)
       v[i] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), sc);
       mx = _mm512_mask_max_ps(mx, keep[i], mx, v[i]);
     }

@@ -673,6 +673,19 @@ def test_numa_grouping_gives_the_same_answer(tmp_path):
         assert torch.equal(got["1"][2][f], got["2"][2][f]), f
 
 
+def under_tunings(op, args, tunings):
+    """op.forward(*args) under each native.set_tuning(*t) in turn, the defaults restored after."""
+    default = native.get_tuning()
+    try:
+        outs = []
+        for t in tunings:
+            native.set_tuning(*t)
+            outs.append(op.forward(*args))
+        return outs
+    finally:
+        native.set_tuning(*default)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("isa", ISAS)
 def test_paired_blocks_at_prefill_do_not_change_the_answer(fmt, isa):
@@ -684,13 +697,8 @@ def test_paired_blocks_at_prefill_do_not_change_the_answer(fmt, isa):
     x = torch.randn(40, 308)
     op = layer(gate, up, down, fmt=fmt, isa=isa)
     default = native.get_tuning()
-    try:
-        outs = []
-        for pair_from in (8, 1, 0):  # (paired first: a row a kernel skipped would keep a scratch buffer's old value)
-            native.set_tuning(*default[:3], pair_from)
-            outs.append(op.forward(x, ids, w))
-    finally:
-        native.set_tuning(*default)
+    # (paired first: a row a kernel skipped would keep a scratch buffer's old value)
+    outs = under_tunings(op, (x, ids, w), [(*default[:3], pair_from) for pair_from in (8, 1, 0)])
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     close(outs[0], reference(x, *dequantized(op), ids, w, fmt), TOL[fmt])
 
@@ -704,14 +712,7 @@ def test_task_size_and_prefetch_distance_do_not_change_the_answer(fmt, isa):
     ids, w = routing(7, 2, 4)
     x = torch.randn(7, 300)
     op = layer(gate, up, down, fmt=fmt, isa=isa)
-    default = native.get_tuning()
-    try:
-        outs = []
-        for pf_bytes, task_kb in ((0, 1), (65536, 1), (8192, 4096)):
-            native.set_tuning(pf_bytes, task_kb)
-            outs.append(op.forward(x, ids, w))
-    finally:
-        native.set_tuning(*default)
+    outs = under_tunings(op, (x, ids, w), [(0, 1), (65536, 1), (8192, 4096)])
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     close(outs[0], reference(x, *dequantized(op), ids, w, fmt), TOL[fmt])
 
