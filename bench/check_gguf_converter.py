@@ -30,7 +30,8 @@ FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads"
           "index_dim", "index_topk", "index_rope_interleave", "index_shared", "intermediate_size", "norm_offset",
           "index_block", "index_topk_blocks", "index_local_blocks", "mlp_act", "expert_act", "compress_rates", "hc_mult",
           "hc_iters", "hc_eps", "o_groups", "o_lora_rank", "hash_layers", "sliding_rope_theta", "mxfp4_experts",
-          "linear_attn", "linear_bound", "index_kpool", "layer_types")
+          "linear_attn", "linear_bound", "index_kpool", "sliding_kv_heads", "v_head_dim", "value_scale",
+          "sliding_rope_theta", "attn_sinks", "rms_norm_eps")
 # llama.cpp's files cannot hold these tiny checkpoints as transformers builds them (tests/core/test_gguf.py's reasons)
 # (Qwen's tokenizer class adds <|endoftext|> after the tiny vocabulary: room for it)
 OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [], "vocab_size": 384}, "mixtral": {"intermediate_size": 64},
@@ -44,7 +45,9 @@ OVERRIDES = {"qwen2_moe": {"mlp_only_layers": [], "vocab_size": 384}, "mixtral":
              # GLM-5.3-Flash in its published fields (linear_attn_config, mla_use_nope, first_k_dense_replace: what the
              # converter reads), at toy width, bf16 (this converter reads no FP8 for it); its KDA layers as many heads
              # as attention's (the converter asserts it)
-             "glm5_next": {}}
+             "glm5_next": {},
+             # MiMo-V2-Flash in the fields Xiaomi publishes (common.convert_to_gguf), experts 64 wide
+             "mimo_v2_flash": {"moe_intermediate_size": 64}}
 
 
 def same(family: str, name: str, got: torch.Tensor, want: torch.Tensor, stored: str = "") -> bool:

@@ -226,6 +226,20 @@ def convert_to_gguf(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path, o
                                           "sparse_block_size": t["index_block_size"],
                                           "sparse_topk_blocks": t["index_topk_blocks"],
                                           "sparse_local_block": t["index_local_blocks"]})
+    if cfg.get("model_type") == "mimo_v2_flash":  # the fields Xiaomi publishes and the converter reads (its pinned
+        sliding = [int(t == "sliding_attention") for t in cfg["layer_types"]]  # transformers does not know the model)
+        rope = cfg["rope_parameters"]
+        cfg.update(hybrid_layer_pattern=sliding, moe_layer_freq=[int(k == "sparse") for k in cfg["mlp_layer_types"]],
+                   swa_head_dim=cfg["head_dim"], swa_v_head_dim=cfg["v_head_dim"],
+                   swa_num_attention_heads=cfg["num_attention_heads"],
+                   swa_num_key_value_heads=2 * cfg["num_key_value_heads"],
+                   sliding_window=cfg["sliding_window"] - 1, sliding_window_size=cfg["sliding_window"] - 1,
+                   rope_theta=rope["full_attention"]["rope_theta"], swa_rope_theta=rope["sliding_attention"]["rope_theta"],
+                   partial_rotary_factor=rope["full_attention"]["partial_rotary_factor"],
+                   layernorm_epsilon=cfg["rms_norm_eps"], topk_method="noaux_tc", scoring_func="sigmoid",
+                   add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False)
+        for k in ("layer_types", "mlp_layer_types", "rope_parameters"):
+            cfg.pop(k)
     (fixed / "config.json").write_text(json.dumps(cfg, indent=1))
     model = fixed
     patch = "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
@@ -234,8 +248,8 @@ def convert_to_gguf(src: pathlib.Path, model: pathlib.Path, out: pathlib.Path, o
     if glm and "[gMASK]" not in (fixed / "tokenizer.json").read_text():
         # a tokenizer that is not GLM's (the tests' tiny ones): the converter's GLM vocabulary wants its specials
         patch += f"import conversion.glm as g; g.{glm}.set_vocab = TextModel._set_vocab_gpt2; "
-    if cfg.get("model_type") == "minimax_m3_vl":  # the config.json as written, not transformers' reading of it (which
-        # folds away the legacy fields the converter reads)
+    if cfg.get("model_type") in ("minimax_m3_vl", "mimo_v2_flash"):  # the config.json as written, not transformers'
+        # reading of it (which folds away the legacy fields the converter reads)
         patch += "import conversion.base as b; b.AutoConfig = None; "
     if cfg.get("model_type") == "deepseek_v32":  # its vocabulary as its converter writes it, less the check that
         # the tokenizer adds a BOS (the tests' tiny one is no class that says so)

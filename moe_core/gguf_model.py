@@ -11,8 +11,10 @@ on iq4xs (its own bytes' worth) or iq4nl; IQ4_NL on iq4nl; Q8_0 on int8g32; MXFP
 IQ2_S, IQ3_XXS and IQ3_S each on its own format, the file's bytes); the other quant types (Q5_0, Q5_1) are dequantized
 exactly (then requantized by default: covering).
 Families: qwen3moe, qwen2moe, deepseek2 (both MLA layouts), deepseek32, glm-dsa, glm4moe, minimax-m2, minimax-m3,
-deepseek4 (DeepSeek-V4: its MXFP4 experts kept as stored), glm5-next (GLM-5.3-Flash's text model), gpt-oss (MXFP4 experts kept as published) and llama files with experts (Mixtral); what the converter changed is undone
-(a llama file's q/k rows, MLA's split kv_b, gpt-oss's split gate/up and nibble order, MiniMax-M3's norms' added 1);
+deepseek4 (DeepSeek-V4: its MXFP4 experts kept as stored), glm5-next (GLM-5.3-Flash's text model), mimo2
+(MiMo-V2-Flash), gpt-oss (MXFP4 experts kept as published) and llama files with experts (Mixtral); what the converter
+changed is undone (a llama file's q/k rows, MLA's split kv_b, gpt-oss's split gate/up and nibble order, MiniMax-M3's
+norms' added 1, a fused q/k/v split again);
 others are refused by name.
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ from moe_kernels.packing import layout
 
 MARKER = "gguf.json"
 FAMILIES = ("qwen3moe", "qwen2moe", "deepseek2", "deepseek32", "glm-dsa", "glm4moe", "minimax-m2", "minimax-m3",
-            "deepseek4", "glm5-next", "gpt-oss", "llama")  # llama: Mixtral; deepseek32: DeepSeek-V3.2; glm-dsa: GLM-5
+            "deepseek4", "glm5-next", "mimo2", "gpt-oss", "llama")  # llama: Mixtral; deepseek32: DeepSeek-V3.2; glm-dsa: GLM-5
 # `where` entries whose name is every expert's tensor at once, built expert by expert (get_row) from the file's
 # tensors' slices: dequantized, or as stored (STACKED_RAW: gpt-oss's MXFP4 blocks)
 STACKED, STACKED_RAW = -1, -2
@@ -271,7 +273,7 @@ def _common_layer_names(cfg, L: int) -> list[tuple[str, str]]:
              ("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"),
              (ffn + cfg.router_name + ".weight", "ffn_gate_inp.weight"),
              (ffn + cfg.router_name + ".bias", "ffn_gate_inp.bias"),  # gpt-oss's router bias
-             ("self_attn.sinks", "attn_sinks.weight"),
+             (f"self_attn.{cfg.sinks_name}", "attn_sinks.weight"),
              # the choice bias: under the router (DeepSeek, GLM), beside it (MiniMax)
              (ffn + ("" if beside else cfg.router_name + ".") + "e_score_correction_bias", "exp_probs_b.bias"),
              ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight")]
@@ -306,6 +308,14 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     for the absorbed form) and v_b [heads, v, kv_lora]."""
     kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
     return kv.reshape(-1, kv.shape[-1])
+
+
+def _qkv_rows(cfg, L: int) -> list[tuple[str, Callable]]:
+    """(projection, what takes its rows from the fused q/k/v matrix) of a GQA layer: q's heads, k's and v's KV heads
+    (v's heads of the value width)."""
+    sizes = (cfg.num_heads * cfg.head_dim, cfg.kv_heads(L) * cfg.head_dim, cfg.kv_heads(L) * cfg.value_dim)
+    starts = np.cumsum((0,) + sizes)
+    return [(p, lambda w, a=int(a), n=n: w[a:a + n]) for p, a, n in zip(("q_proj", "k_proj", "v_proj"), starts, sizes)]
 
 
 def _interleave(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
@@ -395,6 +405,11 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def _decimal(x: float | None) -> float | None:
+    """A config's decimal (1e-05) back from the float32 a file holds it in (9.99999975e-06): float32's 7 digits."""
+    return None if x is None else float(f"{x:.7g}")
+
+
 def config_of(readers: list, path: pathlib.Path) -> dict:
     """config.json fields from the GGUF's metadata (transformers' names and meanings): the first file's, the
     tensors of every file of a split set."""
@@ -414,7 +429,7 @@ def config_of(readers: list, path: pathlib.Path) -> dict:
            # GLM's files add its multi-token-prediction layers as further blocks, which this server does not run
            "num_hidden_layers": a("block_count") - a("nextn_predict_layers", 0), "num_attention_heads": heads,
            "num_key_value_heads": a("attention.head_count_kv", heads),
-           "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
+           "rms_norm_eps": _decimal(a("attention.layer_norm_rms_epsilon")), "rope_theta": a("rope.freq_base", 10000.0),
            "max_position_embeddings": a("context_length"), "num_experts_per_tok": a("expert_used_count"),
            "vocab_size": len(tokens), "tie_word_embeddings": "output.weight" not in names,
            "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
@@ -581,7 +596,7 @@ def _deepseek4(a, cfg, path, names) -> dict:
            "sliding_window": a("attention.sliding_window"), "index_n_heads": a("attention.indexer.head_count"),
            "index_head_dim": a("attention.indexer.key_length"), "index_topk": a("attention.indexer.top_k"),
            "hc_mult": a("hyper_connection.count"), "hc_sinkhorn_iters": a("hyper_connection.sinkhorn_iterations"),
-           "hc_eps": float(f"{a('hyper_connection.epsilon'):.7g}"),  # (float32 in a file)
+           "hc_eps": _decimal(a("hyper_connection.epsilon")),
            "num_hash_layers": a("hash_layer_count", 0)}
     if a("rope.scaling.type") == "yarn":
         out["rope_scaling"] = {"type": "yarn", "factor": a("rope.scaling.factor"),
@@ -606,7 +621,6 @@ def _glm5_next(a, cfg, path, names) -> dict:
     limits = a("swiglu_clamp_exp") or [10.0]
     text = {k: v for k, v in cfg.items() if k not in ("quantization_config", "num_key_value_heads")}
     text.update(model_type="glm5_next_text", num_key_value_heads=cfg["num_attention_heads"],
-                rms_norm_eps=float(f"{cfg['rms_norm_eps']:.7g}"),
                 moe_intermediate_size=a("expert_feed_forward_length"), n_routed_experts=a("expert_count"),
                 n_shared_experts=a("expert_shared_count", 1), routed_scaling_factor=a("expert_weights_scale", 1.0),
                 norm_topk_prob=bool(a("expert_weights_norm", True)), n_group=a("expert_group_count", 1),
@@ -620,7 +634,7 @@ def _glm5_next(a, cfg, path, names) -> dict:
                                     "short_conv_kernel_size": a("ssm.conv_kernel"),
                                     "gate_lower_bound": a("kda.gate_lower_bound")},
                 hc_mult=a("hyper_connection.count"), hc_sinkhorn_iters=a("hyper_connection.sinkhorn_iterations"),
-                hc_eps=float(f"{a('hyper_connection.epsilon'):.7g}"), swiglu_limit=float(limits[0]),
+                hc_eps=_decimal(a("hyper_connection.epsilon")), swiglu_limit=float(limits[0]),
                 layer_types=["linear_attention" if h == 0 else "indexed_attention" for h in kv[:n]],
                 mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense))
     if types is not None:
@@ -647,10 +661,43 @@ def _gpt_oss(a, cfg, path, names) -> dict:
     return out
 
 
+def _mimo2(a, cfg, path, names) -> dict:
+    """MiMo-V2-Flash (mimo2) as llama.cpp's converter writes it: KV heads per layer and the sliding pattern (both with
+    its multi-token-prediction blocks' entries after the model's), the published sliding_window (the keys before the
+    query a sliding layer sees: transformers' window is one more, as the reference attends), the sliding layers' rope
+    base, the value scale; a layer without a router is dense; sigmoid routing with a choice bias and the top-k weights
+    normalized (llama.cpp's constants for the family)."""
+    n, head_dim = cfg["num_hidden_layers"], a("attention.key_length")
+    kv, pattern = a("attention.head_count_kv"), a("attention.sliding_window_pattern")
+    kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * n
+    if not isinstance(pattern, (list, tuple)) or len(pattern) < n or len(kv) < n:
+        raise ModelConfigError(f"{path}: a mimo2 file needs attention.sliding_window_pattern and head_count_kv per layer")
+    sliding = [bool(p) for p in pattern[:n]]
+    full_kv = {kv[L] for L in range(n) if not sliding[L]} or {kv[sliding.index(True)] // 2}
+    if len(full_kv) != 1 or any(kv[L] != 2 * min(full_kv) for L in range(n) if sliding[L]):
+        raise ModelConfigError(f"{path}: KV heads per layer {kv[:n]}: MiMo-V2-Flash's sliding layers have twice the "
+                               "full layers' (one count each)")
+    value_scale = a("attention.value_scale")
+    rot = a("rope.dimension_count", head_dim)
+    rope = lambda theta: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rot / head_dim}  # noqa: E731
+    return {"model_type": "mimo_v2_flash", "architectures": ["MiMoV2FlashForCausalLM"], "head_dim": head_dim,
+            "num_key_value_heads": full_kv.pop(), "v_head_dim": a("attention.value_length", head_dim),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            "mlp_layer_types": ["sparse" if f"blk.{L}.ffn_gate_inp.weight" in names else "dense" for L in range(n)],
+            "sliding_window_size": a("attention.sliding_window"),
+            "rope_parameters": {"full_attention": rope(a("rope.freq_base")),
+                                "sliding_attention": rope(a("rope.freq_base_swa", a("rope.freq_base")))},
+            "attention_value_scale": _decimal(value_scale),
+            "attention_bias": "blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
+            "moe_intermediate_size": a("expert_feed_forward_length"), "n_routed_experts": a("expert_count"),
+            "n_group": a("expert_group_count", 1), "topk_group": a("expert_group_used_count", 1),
+            "norm_topk_prob": True, "routed_scaling_factor": a("expert_weights_scale", 1.0)}
+
+
 _FAMILY_CONFIG = {"gpt-oss": _gpt_oss, "qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "llama": _mixtral, "deepseek2": _deepseek2,
                   "deepseek32": _dsa("deepseek32"), "glm-dsa": _dsa("glm-dsa"), "glm4moe": _glm4moe,
                   "minimax-m2": _minimax_m2, "minimax-m3": _minimax_m3, "deepseek4": _deepseek4,
-                  "glm5-next": _glm5_next}
+                  "glm5-next": _glm5_next, "mimo2": _mimo2}
 
 
 def _tokenizer_files(path: pathlib.Path, out: pathlib.Path, reader=None) -> None:
@@ -760,6 +807,10 @@ class GGUFCheckpoint:
             if b + "attn_k_b.weight" in self.by_name:  # MLA split for the absorbed form: kv_b_proj again
                 self.where[f"model.layers.{L}.self_attn.kv_b_proj.weight"] = (
                     (b + "attn_k_b.weight", b + "attn_v_b.weight"), None, _kv_b)
+            for k in ("weight", "bias"):  # q, k and v fused in one matrix (MiMo's qkv_proj): transformers' three
+                if f"{b}attn_qkv.{k}" in self.by_name:
+                    self.where.update({f"model.layers.{L}.self_attn.{p}.{k}": ((f"{b}attn_qkv.{k}",), None, rows)
+                                       for p, rows in _qkv_rows(cfg, L)})
             if cfg.fused_experts:
                 self.where.update(_fused_experts(cfg, L, self.by_name))
                 continue

@@ -946,3 +946,137 @@ def test_glm5_next_files_serve_transformers_greedy_tokens(tmp_path, services_fac
                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
     assert greedy(s.stub, prompt, 12) == want, s.logs()
+
+
+# -- MiMo-V2-Flash (mimo2): as llama.cpp's converter writes it (conversion/mimo.py's MimoV2Model over TextModel, the
+# llama-cpp-python 0.3.36 sdist; bench/check_gguf_converter.py runs the converter itself) --
+NEXTN = 3  # the multi-token-prediction blocks the converter appends (MiMo publishes three)
+
+
+def write_mimo2(src: pathlib.Path, out: pathlib.Path, expert_type=None, fused_qkv: bool = False) -> pathlib.Path:
+    """The converter's file of src: its metadata keys (KV heads and the sliding pattern per block, the MTP blocks'
+    entries sliding; the published sliding_window, one less than transformers' window), the tensors under llama.cpp's
+    names (the sinks attn_sinks, q/k/v fused in attn_qkv as MiMo-V2.5 publishes them when asked), the experts stacked
+    (quantized to expert_type, None = F32), and MTP blocks past the model's layers."""
+    from moe_core import gguf_model
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+    raw, cfg, ck = json.loads((src / "config.json").read_text()), load_config(src), Checkpoint(src)
+    arch, n, H = "mimo2", cfg.num_layers, cfg.hidden_size
+    pattern = [int(bool(cfg.window(L))) for L in range(n)] + [1] * NEXTN
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(n + NEXTN)
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(raw["intermediate_size"])
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_head_count_kv([2 * raw["num_key_value_heads"] if p else raw["num_key_value_heads"] for p in pattern])
+    w.add_rope_freq_base(raw["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(raw["rope_parameters"]["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    w.add_expert_count(raw["n_routed_experts"])
+    w.add_expert_used_count(raw["num_experts_per_tok"])
+    w.add_expert_group_count(raw["n_group"])
+    w.add_expert_group_used_count(raw["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_key_length(raw["head_dim"])
+    w.add_value_length(raw["v_head_dim"])
+    w.add_sliding_window(raw["sliding_window"] - 1)  # (the published sliding_window_size)
+    w.add_sliding_window_pattern(pattern)
+    w.add_expert_feed_forward_length(raw["moe_intermediate_size"])
+    w.add_rope_dimension_count(int(raw["head_dim"] * raw["rope_parameters"]["full_attention"]["partial_rotary_factor"]))
+    w.add_float32(f"{arch}.attention.value_scale", raw["attention_value_scale"])
+    w.add_nextn_predict_layers(NEXTN)
+    add_tokenizer(w, src, raw["vocab_size"])
+    theirs = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+    for L in range(n):
+        theirs.update(dict(gguf_model.layer_names(cfg, L)))
+    for name in ck.names(lambda m: ".experts." not in m and not (fused_qkv and m.endswith(("k_proj.weight",
+                                                                                            "v_proj.weight")))):
+        x = ck.get(name).float()
+        if fused_qkv and name.endswith("q_proj.weight"):
+            p = name[:-len("q_proj.weight")]
+            w.add_tensor(theirs[name].replace("attn_q.", "attn_qkv."),
+                         torch.cat([x, ck.get(p + "k_proj.weight").float(), ck.get(p + "v_proj.weight").float()]).numpy())
+            continue
+        w.add_tensor(theirs[name], x.numpy())
+    for L in cfg.moe_layers:
+        for i, proj in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            x = torch.stack([ck.get(cfg.expert_tensor_names(L, e)[i]).float() for e in range(cfg.n_routed_experts)])
+            if expert_type is None:
+                w.add_tensor(f"blk.{L}.{proj}.weight", x.numpy())
+            else:
+                w.add_tensor(f"blk.{L}.{proj}.weight", gguf_blocks.quantize(x.numpy(), expert_type), raw_dtype=expert_type)
+    for L in range(n, n + NEXTN):  # MTP blocks (llama.cpp's speculative drafts; this server leaves them out)
+        w.add_tensor(f"blk.{L}.nextn.eh_proj.weight", np.ones((H, 2 * H), np.float32))
+        w.add_tensor(f"blk.{L}.attn_norm.weight", np.ones(H, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+MIMO_FIELDS = ("model_type", "layer_types", "moe_layers", "sliding_window", "sliding_kv_heads", "num_kv_heads",
+               "head_dim", "v_head_dim", "value_scale", "rotary_dim", "rope_theta", "sliding_rope_theta", "attn_sinks",
+               "scoring", "topk_method", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "top_k",
+               "n_routed_experts", "moe_intermediate_size", "intermediate_size", "qkv_bias", "rms_norm_eps")
+
+
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_mimo2_files_read_back_as_the_checkpoint(fused_qkv, tmp_path):
+    """A MiMo-V2-Flash file (q/k/v apart as V2-Flash publishes them, or fused): its config is the checkpoint's (the
+    window one more than the file's sliding_window, twice the KV heads on sliding layers, the dense first layer from its
+    missing router), every tensor reads back under transformers' names as the checkpoint's, its MTP blocks left out."""
+    from moe_core import gguf_model
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+    src = tiny_models.build("mimo_v2_flash", tmp_path / "mimo")
+    f = write_mimo2(src, tmp_path / "mimo.gguf", fused_qkv=fused_qkv)
+    d = gguf_model.prepare(f, tmp_path / "cache")
+    got, ref, ck, source = load_config(d), load_config(src), gguf_model.open_checkpoint(d), Checkpoint(src)
+    for field in MIMO_FIELDS:
+        assert getattr(got, field) == getattr(ref, field), field
+    assert sorted(ck.names()) == sorted(source.names())
+    for name in ck.names():
+        assert torch.equal(ck.get(name), source.get(name).float()), name
+
+
+def test_a_mimo2_file_whose_kv_heads_are_not_mimos_is_refused(tmp_path):
+    """KV heads per layer that are not MiMo's (sliding layers with the full layers' count): refused, naming them."""
+    from moe_core import gguf_model
+    src = tiny_models.build("mimo_v2_flash", tmp_path / "mimo")
+    bad = write_mimo2(src, tmp_path / "bad.gguf")
+    reader = gguf.GGUFReader(str(bad), "r+")  # (edits the file in place)
+    kv = reader.fields["mimo2.attention.head_count_kv"]
+    for i in kv.data:  # every entry 1: the sliding layers' 2 gone
+        kv.parts[i][...] = 1
+    del reader
+    with pytest.raises(gguf_model.ModelConfigError, match=r"KV heads per layer \[1, 1, 1, 1\]"):
+        gguf_model.prepare(bad, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("fused_qkv", some([False, True], fast=[True]))
+def test_mimo2_files_serve_transformers_greedy_tokens(fused_qkv, tmp_path, services_factory, monkeypatch):
+    """Q8_0 experts: on the exact path both services on the file give transformers' greedy tokens on the weights the
+    file stores, over a prompt longer than the sliding window; the default path keeps the experts as stored (int8g32,
+    named in Info)."""
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path / "cache"))
+    q = gguf.GGMLQuantizationType.Q8_0
+    src = tiny_models.build("mimo_v2_flash", tmp_path / "mimo", moe_intermediate_size=64)  # (blocks of 32 along I)
+    f = write_mimo2(src, tmp_path / "mimo.gguf", q, fused_qkv=fused_qkv)
+    ref = tiny_models.reference_model(str(with_experts_as_stored(src, tmp_path / "ref", q)))
+    prompt = torch.randint(2, 300, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    s = services_factory(f, gpu_args=("--dtype", "fp32"), expert_args=("--weight-format", "fp32"))
+    assert greedy(s.stub, prompt, 12) == want, s.logs()
+    s.stop()
+    import grpc
+    from protos import expert_pb2, expert_pb2_grpc
+    s = services_factory(f, gpu_args=("--dtype", "fp32"))  # the default format: the blocks kept
+    with grpc.insecure_channel(f"127.0.0.1:{s.expert_port}") as ch:
+        info = expert_pb2_grpc.ExpertServiceStub(ch).Info(expert_pb2.ExpertInfoRequest(), timeout=10)
+    assert info.weight_format == "int8g32" and "requantized to" not in s.logs(), (info.weight_format, s.logs())
