@@ -28,10 +28,16 @@ position and a sliding layer over its window of 128, the decode path before the 
 (gpu_service/model/attention.py windowed_attention over the gathered cache, the model dtype) against the native
 kernel with its sinks over the pool (consecutive blocks; the window as each KV head's selection), interleaved.
 
+--mimo: the same for MiMo-V2-Flash's layers (64 query heads; keys of 192, values of 128; a full layer's 4 KV heads
+without sinks over every position, a sliding layer's 8 with sinks over its window of 129), the decode path before the
+native kernel took values narrower than keys (windowed_attention over the gathered cache) against the native kernel.
+
 --prefill: a causal prefill chunk of each length (the queries of positions 0..L-1 over their own keys and values,
 Qwen3-30B-A3B's heads) in --dtype: torch's SDPA (its CPU flash kernel, as gpu_service/model/attention.py called it
 before) against the native flash kernel (moe_kernels.attention.prefill_attention), interleaved, each also in GFLOP/s
-(4 L^2 / 2 x heads x dim: the causal half of two products).
+(4 L^2 / 2 x heads x dim: the causal half of two products). With --sinks or --mimo: a prefill chunk of each length
+of that model's sliding layer (its window, its sinks; the model before the native kernel took them: windowed_attention)
+against the native kernel, interleaved.
 """
 from __future__ import annotations
 
@@ -111,27 +117,34 @@ def mla(a, dt, kt) -> None:
               f"| {t / pc:.2f}x |", flush=True)
 
 
-def sinks(a, dt, kt) -> None:
-    """gpt-oss's decode attention with sinks, full and windowed: torch's windowed_attention vs the native kernel."""
+# (name, query heads, keys' dim, values' dim, window; per layer kind: (window or 0, KV heads, sinks))
+SINK_MODELS = {"gpt-oss-20b": (64, 64, 64, ((0, 8, True), (128, 8, True))),
+               "MiMo-V2-Flash": (64, 192, 128, ((0, 4, False), (129, 8, True)))}
+
+
+def sinks(a, dt, kt, model: str = "gpt-oss-20b") -> None:
+    """Decode attention with sinks and windows (gpt-oss) or values narrower than keys (MiMo-V2-Flash), full and
+    windowed: torch's windowed_attention vs the native kernel."""
     from gpu_service.model.attention import windowed_attention
-    nh, nkv, d, B, W = 64, 8, 64, 16, 128
-    print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}, cache {a.kv or a.dtype}; gpt-oss-20b "
-          f"{nh} / {nkv} heads of {d}, sinks; per layer, median of {a.reps}")
-    print("| positions | layer | torch (gathered, windowed_attention) | native with sinks | torch / native |\n"
+    nh, d, dv, kinds = SINK_MODELS[model]
+    B = 16
+    print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}, cache {a.kv or a.dtype}; {model} "
+          f"{nh} query heads, keys of {d}, values of {dv}; per layer, median of {a.reps}")
+    print("| positions | layer | torch (gathered, windowed_attention) | native | torch / native |\n"
           "|---|---|---|---|---|")
     for L in a.lengths:
         nb = -(-L // B)
         table = torch.arange(nb, dtype=torch.int32)
-        pk, pv = (_empty((nkv, nb, B, d), kt, torch.device("cpu")).normal_() for _ in range(2))
         q = torch.randn(nh, d, dtype=dt)
-        s = torch.randn(nh)
-        for window in (0, W):
+        for window, nkv, with_sinks in kinds:
+            pk, pv = (_empty((nkv, nb, B, w), kt, torch.device("cpu")).normal_() for w in (d, dv))
+            s = torch.randn(nh) if with_sinks else None
             lo = max(0, L - window) if window else 0
             sel = None if not lo else (torch.arange(lo, L, dtype=torch.int32).expand(nkv, -1).contiguous(),
                                        torch.full((nkv,), L - lo, dtype=torch.int32))
 
             def with_torch():  # SeqCache.gather's rows from the window's first position (a view), the model dtype
-                K, V = (x.view(nkv, -1, d)[:, lo:L].to(dt) for x in (pk, pv))
+                K, V = (x.view(nkv, nb * B, -1)[:, lo:L].to(dt) for x in (pk, pv))
                 return windowed_attention(q[None], K, V, L - 1, window, s, d ** -0.5, lo)[0]
 
             def nat():
@@ -140,7 +153,7 @@ def sinks(a, dt, kt) -> None:
             assert torch.allclose(with_torch().float(), nat(), atol=3e-2, rtol=3e-2)
             rows = [[timed(f, reps=a.reps) for f in (with_torch, nat)] for _ in range(3)]  # interleaved
             t, n = (statistics.median(r[i] for r in rows) for i in range(2))
-            print(f"| {L} | {'window ' + str(W) if window else 'full'} | {t:.0f} us | {n:.0f} us | {t / n:.2f}x |",
+            print(f"| {L} | {'window ' + str(window) if window else 'full'} | {t:.0f} us | {n:.0f} us | {t / n:.2f}x |",
                   flush=True)
 
 
@@ -164,6 +177,29 @@ def prefill(a, dt) -> None:
               flush=True)
 
 
+def prefill_windowed(a, dt, model: str) -> None:
+    """A sliding layer's prefill chunk (gpt-oss, MiMo): torch's windowed_attention vs the native kernel."""
+    from gpu_service.model.attention import windowed_attention
+    nh, d, dv, kinds = SINK_MODELS[model]
+    window, nkv, _ = kinds[1]
+    print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}; {model}'s sliding layer: a prefill "
+          f"chunk of L positions, {nh} query heads over {nkv} kv heads, keys of {d}, values of {dv}, window {window}, "
+          f"sinks; median of {a.reps}, interleaved")
+    print("| positions | torch (windowed_attention) ms | native ms | torch / native |\n|---|---|---|---|")
+    for L in a.lengths:
+        q, s = torch.randn(L, nh, d, dtype=dt), torch.randn(nh)
+        K, V = torch.randn(nkv, L, d, dtype=dt), torch.randn(nkv, L, dv, dtype=dt)
+        tw = lambda: windowed_attention(q, K, V, 0, window, s, d ** -0.5, 0)  # noqa: E731
+        nat = lambda: prefill_attention(q, K, V, 0, d ** -0.5, a.isa, window=window, sinks=s).to(dt)  # noqa: E731
+        assert torch.allclose(tw().float(), nat().float(), atol=3e-2, rtol=3e-2)
+        ts, tn = [], []
+        for _ in range(3):
+            ts.append(timed(tw, reps=max(1, a.reps // 3)))
+            tn.append(timed(nat, reps=max(1, a.reps // 3)))
+        t_s, t_n = statistics.median(ts) / 1e3, statistics.median(tn) / 1e3
+        print(f"| {L} | {t_s:.2f} | {t_n:.2f} | {t_s / t_n:.2f}x |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[400, 1500, 6000])
@@ -174,6 +210,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--mla", action="store_true", help="DeepSeek-V3's latent attention (see above)")
     ap.add_argument("--sinks", action="store_true", help="gpt-oss's attention with sinks (see above)")
+    ap.add_argument("--mimo", action="store_true", help="MiMo-V2-Flash's layers (see above)")
     ap.add_argument("--cold-layers", type=int, default=48, help="caches read in turn for the cold table (0: none)")
     ap.add_argument("--prefill", action="store_true", help="a causal prefill chunk, torch's SDPA vs native (see above)")
     a = ap.parse_args()
@@ -183,8 +220,10 @@ def main() -> None:
     dt, kt = types[a.dtype], types[a.kv or a.dtype]
     if a.mla:
         return mla(a, dt, kt)
-    if a.sinks:
-        return sinks(a, dt, kt)
+    if (a.sinks or a.mimo) and a.prefill:
+        return prefill_windowed(a, dt, "MiMo-V2-Flash" if a.mimo else "gpt-oss-20b")
+    if a.sinks or a.mimo:
+        return sinks(a, dt, kt, "MiMo-V2-Flash" if a.mimo else "gpt-oss-20b")
     if a.prefill:
         return prefill(a, dt)
     print(f"CPU: {cpu_name()}; native isa {a.isa}; {a.threads} threads; {a.dtype}, cache {a.kv or a.dtype}; per layer, "

@@ -9,17 +9,24 @@ import torch
 from . import ISA, SIMD_ISAS, native
 from .kv_quant import values
 
-VECTOR_DIMS = (64, 128, 256, 512)  # head dims with a vector kernel; others run its plain loops
+VECTOR_DIMS = (64, 128, 256, 512)  # head dims (keys' = values') with a vector kernel; others run its plain loops
+VECTOR_PAIRS = ((192, 128),)  # (keys', values' dims) of unequal width with one: MiMo-V2-Flash's
 # native/moe.h KvType; a pool of the last two holds 8-bit rows (kv_quant.py): its last dim is a row's values + 1
 KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 DTYPES = tuple(KV_CODES)
 INDEX_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)  # dsa_scores' keys
 
 
-def rounds_query(kv_dtype: torch.dtype, d: int, isa: str = ISA) -> bool:
+def vector_kernel(d: int, dv: int) -> bool:
+    """Whether heads of d-wide keys and dv-wide values have a vector kernel (else the plain loops)."""
+    return (d == dv and d in VECTOR_DIMS) or (d, dv) in VECTOR_PAIRS
+
+
+def rounds_query(kv_dtype: torch.dtype, d: int, isa: str = ISA, dv: int | None = None) -> bool:
     """Whether decode attention over an int8 cache rounds each query head to int8 for its scores (the VNNI kernel of
     the AVX-512 paths, native/kernels/attention.cpp I8Query): then not the bits of a cache holding the values."""
-    return kv_dtype == torch.int8 and isa in ("avx512", "amx") and d in VECTOR_DIMS[:3]  # (512: the AVX2-shape kernel)
+    return (kv_dtype == torch.int8 and isa in ("avx512", "amx") and vector_kernel(d, d if dv is None else dv)
+            and d != 512)  # (512: the AVX2-shape kernel)
 
 
 def int8_query(q: torch.Tensor) -> torch.Tensor:
@@ -30,11 +37,12 @@ def int8_query(q: torch.Tensor) -> torch.Tensor:
     return torch.round(qf * (1 / s)).clamp(-127, 127) * s
 
 
-def supported(K: torch.Tensor, isa: str = ISA) -> bool:
+def supported(K: torch.Tensor, isa: str = ISA, V: torch.Tensor | None = None) -> bool:
     """Whether the native kernel takes this cache ([kv heads, positions, dim], or a paged pool layer [kv heads,
-    blocks, block, dim]) fast on this isa."""
-    return (isa in SIMD_ISAS and K.dtype in DTYPES and K.device.type == "cpu"
-            and values(K.dtype, K.shape[-1]) in VECTOR_DIMS and K.stride(-1) == 1)
+    blocks, block, dim]; V: its values where they are of another width) fast on this isa."""
+    d = values(K.dtype, K.shape[-1])
+    return (isa in SIMD_ISAS and K.dtype in DTYPES and K.device.type == "cpu" and K.stride(-1) == 1
+            and vector_kernel(d, d if V is None else values(V.dtype, V.shape[-1])))
 
 
 def _sinks(sinks: torch.Tensor | None, nh: int) -> tuple[torch.Tensor | None, int]:
@@ -55,19 +63,21 @@ def any_dims(K: torch.Tensor, isa: str = ISA) -> bool:
 
 def decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: float,
                      isa: str = ISA, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [nh, d] (any float dtype), K/V [nkv, L, d] fp32, bf16 or fp16 (unit stride along d), or 8-bit rows [nkv, L,
-    d + 1] -> [nh, d] fp32. sinks [nh]: each head's attention sink (a logit whose share is dropped), or None."""
+    """q [nh, d] (any float dtype), K [nkv, L, d] and V [nkv, L, dv] fp32, bf16 or fp16 (unit stride along the head
+    dim), or 8-bit rows [nkv, L, d + 1], [nkv, L, dv + 1] -> [nh, dv] fp32. sinks [nh]: each head's attention sink (a
+    logit whose share is dropped), or None."""
     nh, d = q.shape
     nkv, L, _ = K.shape
     if K.dtype not in DTYPES or V.dtype != K.dtype or K.stride(-1) != 1 or V.stride(-1) != 1:
         raise ValueError("decode_attention: K and V must be of one of fp32, bf16, fp16, int8, fp8, unit stride along "
                          "the head dim")
-    if V.shape != K.shape or nh % nkv or q.shape[1] != values(K.dtype, K.shape[2]):
+    if V.shape[:2] != K.shape[:2] or nh % nkv or q.shape[1] != values(K.dtype, K.shape[2]):
         raise ValueError(f"decode_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} do not fit")
+    dv = values(V.dtype, V.shape[2])
     qf = q.float().contiguous()
-    out = torch.empty(nh, d)
+    out = torch.empty(nh, dv)
     keep, sp = _sinks(sinks, nh)
-    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
+    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, dv, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
                             K.stride(1), V.data_ptr(), V.stride(0), V.stride(1), L, scale, out.data_ptr(), sinks=sp)
     return out
 
@@ -87,24 +97,27 @@ def prefill_supported(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, isa: st
 
 
 def prefill_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, scale: float,
-                      isa: str = ISA) -> torch.Tensor:
-    """Causal attention of a chunk's queries q [t, nh, d] at positions start .. start + t - 1 over K [nkv, start + t,
-    d] and V [nkv, start + t, dv] (each query sees the keys up to its own position) -> [t, nh, dv] fp32. fp32 or bf16
-    (all three one dtype, prefill_supported)."""
+                      isa: str = ISA, window: int = 0, sinks: torch.Tensor | None = None, lo: int = 0) -> torch.Tensor:
+    """Causal attention of a chunk's queries q [t, nh, d] at positions start .. start + t - 1 over K [nkv, start + t -
+    lo, d] and V [nkv, start + t - lo, dv], the keys and values of positions lo .. (each query sees the keys up to its
+    own position; window > 0: the last `window` of them, itself included, none before lo) -> [t, nh, dv] fp32. fp32 or
+    bf16 (all three one dtype, prefill_supported). sinks: as decode_attention's."""
     t, nh, d = q.shape
     nkv, L, dv = V.shape
-    if K.shape[:2] != (nkv, L) or K.shape[2] != d or L != start + t or nh % nkv:
+    if K.shape[:2] != (nkv, L) or K.shape[2] != d or L != start + t - lo or nh % nkv or window < 0 or \
+            not 0 <= lo <= (max(0, start - window + 1) if window else 0):
         raise ValueError(f"prefill_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} at start "
-                         f"{start} do not fit")
+                         f"{start} from position {lo} (window {window}) do not fit")
     if not prefill_supported(q, K, V, isa):
         raise ValueError(f"prefill_attention: {q.dtype} with head dims {d}, {dv} on {isa} is not taken")
     q = q if q.stride(-1) == 1 else q.contiguous()
     K = K if K.stride(-1) == 1 else K.contiguous()
     V = V if V.stride(-1) == 1 else V.contiguous()
     out = torch.empty(t, nh, dv)
+    keep, sp = _sinks(sinks, nh)
     native.prefill_attention(isa, q.data_ptr(), q.dtype == torch.bfloat16, t, nh, nkv, d, dv, q.stride(0),
                              q.stride(1), K.data_ptr(), K.stride(0), K.stride(1), V.data_ptr(), V.stride(0), V.stride(1),
-                             start, scale, out.data_ptr())
+                             start, scale, out.data_ptr(), lo, window, sp)
     return out
 
 
@@ -112,19 +125,20 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
                            scale: float, isa: str = ISA, first: int = -1,
                            selected: tuple[torch.Tensor, torch.Tensor] | None = None,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The same over a paged cache: K/V one layer of the pool, [nkv, blocks, block, d] (gpu_service/engine/kv_pool.py), the
-    sequence's positions 0..L-1 in blocks table[0], table[1], ... (int32, contiguous) -> [nh, d] fp32. first >= 0:
+    """The same over a paged cache: K/V one layer of the pool, [nkv, blocks, block, d or dv] (gpu_service/engine/kv_pool.py),
+    the sequence's positions 0..L-1 in blocks table[0], table[1], ... (int32, contiguous) -> [nh, dv] fp32. first >= 0:
     the blocks are first, first + 1, ... (a head's rows are then one strided matrix: read without the table).
     selected: (positions [nkv, n] int32, lengths [nkv] int32): kv head h reads positions[h, :lengths[h]] (ascending,
     below L) instead of all L (MiniMax-M3's block-sparse layers). sinks: as decode_attention's."""
     nh, d = q.shape
     nkv, _, B, _ = K.shape
     _check_pools("paged_decode_attention: K and V", K, V)
-    if V.shape != K.shape or nh % nkv or d != values(K.dtype, K.shape[3]) or B & (B - 1):
+    if V.shape[:3] != K.shape[:3] or nh % nkv or d != values(K.dtype, K.shape[3]) or B & (B - 1):
         raise ValueError(f"paged_decode_attention: q {list(q.shape)}, K {list(K.shape)}, V {list(V.shape)} do not fit")
     _check_table("paged_decode_attention", table, B, L, first, K.shape[1])
+    dv = values(V.dtype, V.shape[3])
     qf = q.float().contiguous()
-    out = torch.empty(nh, d)
+    out = torch.empty(nh, dv)
     keep, sp = _sinks(sinks, nh)
     if selected is not None:
         pos, n = selected
@@ -133,19 +147,19 @@ def paged_decode_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, ta
                 int(n.min()) < 1 or int(n.max()) > pos.shape[1] or int(pos.min()) < 0 or int(pos.max()) >= L:
             raise ValueError(f"paged_decode_attention: a selection is int32 positions [{nkv}, n] below {L} and "
                              f"1..n of them a kv head")
-        native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
+        native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, dv, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
                                 K.stride(2), V.data_ptr(), V.stride(0), V.stride(2), L, scale, out.data_ptr(),
                                 table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1), pos.data_ptr(),
                                 n.data_ptr(), pos.shape[1], sinks=sp)
         return out
     if first >= 0:
         size = K.element_size()
-        native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr() + first * K.stride(1) * size,
+        native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, dv, K.data_ptr() + first * K.stride(1) * size,
                                 KV_CODES[K.dtype], K.stride(0), K.stride(2),
                                 V.data_ptr() + first * V.stride(1) * size, V.stride(0), V.stride(2), L, scale,
                                 out.data_ptr(), sinks=sp)
         return out
-    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
+    native.decode_attention(isa, qf.data_ptr(), nh, nkv, d, dv, K.data_ptr(), KV_CODES[K.dtype], K.stride(0),
                             K.stride(2), V.data_ptr(), V.stride(0), V.stride(2), L, scale, out.data_ptr(),
                             table.data_ptr(), B.bit_length() - 1, K.stride(1), V.stride(1), sinks=sp)
     return out

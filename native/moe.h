@@ -157,13 +157,14 @@ inline size_t kv_elem_bytes(KvType kv) { return kv == KvType::F32 ? 4 : kv_quant
 // One row of n values of src (bf16 bits or fp32) into dst as kv: rounded to nearest even as torch's .to() does, or
 // quantized as moe_kernels/kv_quant.py's quantize (its row's codes and scale byte, the same bits).
 void store_kv(KvType kv, const void* src, bool src_bf16, void* dst, int n);
-// out [nh, d] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K and V of type kv
-// [nkv, L, d] at the given head and position strides (elements: bytes for 8-bit rows, whose stride is at least
-// d + 1); nh / nkv query heads per kv head. sel (paged only; MiniMax-M3's block-sparse layers): kv head h reads the
+// out [nh, dv] fp32 = softmax(q K^T * scale) V for one decode query per head (q [nh, d] fp32), K [nkv, L, d] and V
+// [nkv, L, dv] of type kv at the given head and position strides (elements: bytes for 8-bit rows, whose stride is at
+// least d + 1, dv + 1); nh / nkv query heads per kv head. sel (paged only; MiniMax-M3's block-sparse layers): kv head h reads the
 // sel_len[h] <= L positions sel[h * sel_stride ..] (ascending) instead of positions 0..L-1. sinks (null: none): per
 // query head one more logit in its softmax whose share is dropped (attention sinks: gpt-oss, MiMo, DeepSeek-V4).
-void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, KvType kv, size_t k_head,
-                      size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
+void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, int dv, const void* K, KvType kv,
+                      size_t k_head, size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale,
+                      float* out,
                       const int32_t* table = nullptr, int block_shift = 0, size_t k_block = 0, size_t v_block = 0,
                       const int32_t* sel = nullptr, const int32_t* sel_len = nullptr, size_t sel_stride = 0,
                       const float* sinks = nullptr);
@@ -171,10 +172,13 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
 // Causal prefill attention (native/kernels/prefill_attention.cpp): out [t, nh, dv] fp32 = softmax(q K^T * scale) V
 // where query i (position start + i) sees keys 0 .. start + i; q [t, nh, d] (tokens q_tok, heads q_head elements
 // apart, unit stride along d), K [nkv, start + t, d] and V [nkv, start + t, dv] at the given head and position strides,
-// all bf16 (bf16 true: AVX-512 paths) or all fp32; nh / nkv query heads per kv head.
+// all bf16 (bf16 true: AVX-512 paths) or all fp32; nh / nkv query heads per kv head. K's and V's rows start at
+// position lo (at most the first any query sees); window > 0: query i sees only keys start + i - window + 1 ..
+// start + i; sinks (null: none): per query head one more logit in its softmax whose share is dropped.
 void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv, int d, int dv, size_t q_tok,
                        size_t q_head, const void* K, size_t k_head, size_t k_row, const void* V, size_t v_head,
-                       size_t v_row, int start, float scale, float* out);
+                       size_t v_row, int start, float scale, float* out, int lo = 0, int window = 0,
+                       const float* sinks = nullptr);
 
 // MLA's decode attention in the latent space (DeepSeek V2/V3, absorbed): out [nh, r] fp32 = softmax(scores) C, where
 // scores[h, j] = (q[h, :r] . C_j + q[h, r:] . KPE_j) * scale, q [nh, r + dr] fp32 (each head's latent query, then its

@@ -160,9 +160,9 @@ def gqa_attend(cfg: ModelConfig, W: dict, p: str, q: torch.Tensor, kv, layer: in
     # (MiMo-V2-Flash: only its sliding layers have sinks)
     window, sinks = cfg.window(layer), W.get(p + cfg.sinks_name) if cfg.attn_sinks else None
     cache = kv.paged
-    if (window or sinks is not None) and kv.decoding and native and cache is not None and cfg.value_dim == d and \
+    if (window or sinks is not None) and kv.decoding and native and cache is not None and \
             native_attention.any_dims(cache.pool.bufs[layer][0]):
-        # gpt-oss: the native kernel with each head's sink, over the window's positions where the layer has one
+        # gpt-oss, MiMo: the native kernel with each head's sink, over the window's positions where the layer has one
         pos, K, V = kv.start, *cache.pool.bufs[layer][:2]
         lo = max(0, pos - window + 1) if window else 0
         sel = None
@@ -175,10 +175,14 @@ def gqa_attend(cfg: ModelConfig, W: dict, p: str, q: torch.Tensor, kv, layer: in
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks (a sequence's own cache: no graph takes these)
         start = kv.start
         first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
-        o = windowed_attention(q, *cache.gather(layer, start + t, first, q.dtype)[:2], start, window, sinks,
-                               d ** -0.5, first)
-    elif kv.decoding and native and cache is not None and native_attention.supported(cache.pool.bufs[layer][0]) \
-            and cfg.value_dim == d:
+        K, V = cache.gather(layer, start + t, first, q.dtype)[:2]
+        if native and native_attention.ISA in native_attention.PREFILL_PATHS and \
+                native_attention.prefill_supported(q, K, V):
+            return native_attention.prefill_attention(q, K, V, start, d ** -0.5, window=window, sinks=sinks,
+                                                      lo=first).to(q.dtype)
+        o = windowed_attention(q, K, V, start, window, sinks, d ** -0.5, first)
+    elif kv.decoding and native and cache is not None and \
+            native_attention.supported(cache.pool.bufs[layer][0], V=cache.pool.bufs[layer][1]):
         # consecutive blocks (a lone sequence's) are read as one strided matrix a head, without the table
         o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer][:2], cache.table(), kv.start + 1,
                                                     d ** -0.5,

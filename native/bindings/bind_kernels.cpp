@@ -100,22 +100,25 @@ void bind_kernels(py::module_& m) {
       "prefill_attention",
       [](const std::string& isa_arg, uintptr_t q, bool bf16, int t, int nh, int nkv, int d, int dv, size_t q_tok,
          size_t q_head, uintptr_t K, size_t k_head, size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int start,
-         float scale, uintptr_t out) {
+         float scale, uintptr_t out, int lo, int window, uintptr_t sinks) {
         const Isa isa = kernel_isa(isa_arg);
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());
         prefill_attention(isa, reinterpret_cast<const void*>(q), bf16, t, nh, nkv, d, dv, q_tok, q_head,
                           reinterpret_cast<const void*>(K), k_head, k_row, reinterpret_cast<const void*>(V), v_head,
-                          v_row, start, scale, reinterpret_cast<float*>(out));
+                          v_row, start, scale, reinterpret_cast<float*>(out), lo, window,
+                          reinterpret_cast<const float*>(sinks));
       },
       py::arg("isa"), py::arg("q"), py::arg("bf16"), py::arg("t"), py::arg("nh"), py::arg("nkv"), py::arg("d"),
       py::arg("dv"), py::arg("q_tok"), py::arg("q_head"), py::arg("K"), py::arg("k_head"), py::arg("k_row"),
       py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("start"), py::arg("scale"), py::arg("out"),
-      "a chunk's t queries, causal, against K/V of start + t positions (bf16 or fp32; "
+      py::arg("lo") = 0, py::arg("window") = 0, py::arg("sinks") = 0,
+      "a chunk's t queries, causal (a window's last keys; sinks), against K/V of positions lo .. start + t - 1 "
+      "(bf16 or fp32; "
       "native/kernels/prefill_attention.cpp)");
   m.def(
       "decode_attention",
-      [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, uintptr_t K, int kv, size_t k_head,
+      [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, int dv, uintptr_t K, int kv, size_t k_head,
          size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out, uintptr_t table,
          int block_shift, size_t k_block, size_t v_block, uintptr_t sel, uintptr_t sel_len, size_t sel_stride,
          uintptr_t sinks) {
@@ -123,14 +126,14 @@ void bind_kernels(py::module_& m) {
         const KvType t = kv_type(kv);
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());
-        decode_attention(isa, reinterpret_cast<const float*>(q), nh, nkv, d, reinterpret_cast<const void*>(K), t,
+        decode_attention(isa, reinterpret_cast<const float*>(q), nh, nkv, d, dv, reinterpret_cast<const void*>(K), t,
                          k_head, k_row, reinterpret_cast<const void*>(V), v_head, v_row, L, scale,
                          reinterpret_cast<float*>(out), reinterpret_cast<const int32_t*>(table), block_shift, k_block,
                          v_block, reinterpret_cast<const int32_t*>(sel), reinterpret_cast<const int32_t*>(sel_len),
                          sel_stride, reinterpret_cast<const float*>(sinks));
       },
-      py::arg("isa"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("K"), py::arg("kv"),
-      py::arg("k_head"), py::arg("k_row"), py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("L"),
+      py::arg("isa"), py::arg("q"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("dv"), py::arg("K"),
+      py::arg("kv"), py::arg("k_head"), py::arg("k_row"), py::arg("V"), py::arg("v_head"), py::arg("v_row"), py::arg("L"),
       py::arg("scale"), py::arg("out"), py::arg("table") = 0, py::arg("block_shift") = 0, py::arg("k_block") = 0,
       py::arg("v_block") = 0, py::arg("sel") = 0, py::arg("sel_len") = 0, py::arg("sel_stride") = 0,
       py::arg("sinks") = 0,

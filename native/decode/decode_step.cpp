@@ -128,10 +128,10 @@ MOE_BLOCK_INLINE void gqa_attend(const DecodeBlock& g, int B, Scratch& s, const 
     const int L = q.pos + 1;
     if (q.first >= 0) {  // consecutive blocks: each head's rows are one strided matrix
       const size_t at = size_t(q.first) * g.kv_block;
-      decode_attention(g.isa, qf, nh, nkv, d, static_cast<const char*>(g.K) + at * kv_size, g.kv, g.kv_head, kr,
+      decode_attention(g.isa, qf, nh, nkv, d, d, static_cast<const char*>(g.K) + at * kv_size, g.kv, g.kv_head, kr,
                        static_cast<const char*>(g.V) + at * kv_size, g.kv_head, kr, L, g.scale, s.att.data());
     } else {
-      decode_attention(g.isa, qf, nh, nkv, d, g.K, g.kv, g.kv_head, kr, g.V, g.kv_head, kr, L, g.scale,
+      decode_attention(g.isa, qf, nh, nkv, d, d, g.K, g.kv, g.kv_head, kr, g.V, g.kv_head, kr, L, g.scale,
                        s.att.data(), q.table, g.block_shift, g.kv_block, g.kv_block);
     }
     for (int i = 0; i < nq; ++i) s.of[size_t(t) * nq + i] = held<T>(s.att[i]);

@@ -231,25 +231,26 @@ __attribute__((target("avx2,fma"))) inline void normalizers(float* inv, __m256 m
   for (int b = 0; b < 8; ++b) inv[b] = 1.f / inv[b];
 }
 
-// G (<= 8) queries of one kv head, d = 16 * DC, the scores position-major (s[8 j + b]: query b at position j, as
+// G (<= 8) queries of one kv head, d = 16 * DC (dv = 16 * DCV: V's rows and the outputs), the scores position-major (s[8 j + b]: query b at position j, as
 // the 8 sums of a position come out): per position a key row's DC vectors stay in registers for all G queries;
 // the softmax runs on 8 queries' lanes at once; then per 16-dim slice of V, a tile of positions at a time, the
 // weighted sums (the 1 / sum of the softmax applied to the sums at the end). Lanes of queries >= G compute
 // nothing; no run-time test inside a loop.
-template <int G, int DC, class T, bool P>
+template <int G, int DC, int DCV, class T, bool P>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void group_avx512(const float* q, Rows<T, P> K, Rows<T, P> V, int L,
                                                                                  float scale, float* s, float* out,
                                                                                  const float* sink = nullptr) {
-  constexpr int d = 16 * DC;
+  constexpr int d = 16 * DC, dv = 16 * DCV;
+  static_assert(DCV % 2 == 0, "V's slices go two a pass");
   constexpr bool i8 = std::is_same<T, I8>::value;  // int8 rows: their scores by VNNI (I8Query)
   const __m256 sc = _mm256_set1_ps(scale);
   __m256 mx = _mm256_set1_ps(-INFINITY);
-  const int pv = v_prefetch_rows(K, V, L, d);
+  const int pv = v_prefetch_rows(K, V, L, dv);
   I8Query<G, i8 ? DC / 4 : 1> q8;
   if constexpr (i8) quantize_query(q, scale, q8);
   for (int j = 0; j < L; ++j) {
     K.prefetch_ahead(j, L, d);
-    if (j < pv) V.prefetch_l2(j, d);
+    if (j < pv) V.prefetch_l2(j, dv);
     if constexpr (i8) {
       const __m256 r = _mm256_mul_ps(scores_i8(reinterpret_cast<const int8_t*>(K(j)), q8), _mm256_set1_ps(K.scale(j)));
       _mm256_storeu_ps(s + 8 * size_t(j), r);
@@ -283,18 +284,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void group_avx51
   alignas(32) float inv[8];
   _mm256_store_ps(inv, _mm256_add_ps(_mm512_castps512_ps256(sum2), _mm512_castps512_ps256(_mm512_shuffle_f32x4(sum2, sum2, 0xee))));
   normalizers<G>(inv, mx, sink);
-  constexpr int tile = tile_rows_for<T>(d);
+  constexpr int tile = tile_rows_for<T>(dv);
   const T* vr[TILE];
   for (int j0 = 0; j0 < L; j0 += tile) {  // V a tile of positions at a time: read from memory once
     const int j1 = std::min(L, j0 + tile);
     tile_rows(V, j0, j1, vr);
     value_scales(vr, j1 - j0, V.dim, s + 8 * size_t(j0));
-    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + tile - (1 << V.shift), L, d);  // the next tile's
-    for (int c = 0; c < DC; c += 2) {  // two slices a pass (DC is even): half the passes over the tile
+    for (int j = j0; j < j1; ++j) V.prefetch_ahead(j + tile - (1 << V.shift), L, dv);  // the next tile's
+    for (int c = 0; c < DCV; c += 2) {  // two slices a pass: half the passes over the tile
       __m512 acc[2][G];
       MOE_UNROLL for (int h = 0; h < 2; ++h)
         MOE_UNROLL for (int b = 0; b < G; ++b)
-          acc[h][b] = j0 ? _mm512_loadu_ps(out + size_t(b) * d + 16 * (c + h)) : _mm512_setzero_ps();
+          acc[h][b] = j0 ? _mm512_loadu_ps(out + size_t(b) * dv + 16 * (c + h)) : _mm512_setzero_ps();
       for (int j = j0; j < j1; ++j) {
         const __m512 v0 = ld16(vr[j - j0] + 16 * c), v1 = ld16(vr[j - j0] + 16 * c + 16);
         const float* sj = s + 8 * size_t(j);
@@ -306,7 +307,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void group_avx51
       }
       MOE_UNROLL for (int h = 0; h < 2; ++h)
         MOE_UNROLL for (int b = 0; b < G; ++b)
-          _mm512_storeu_ps(out + size_t(b) * d + 16 * (c + h),
+          _mm512_storeu_ps(out + size_t(b) * dv + 16 * (c + h),
                            j1 == L ? _mm512_mul_ps(acc[h][b], _mm512_set1_ps(inv[b])) : acc[h][b]);
     }
   }
@@ -470,20 +471,20 @@ void by_groups(const float* q, int g, int dq, float* out, int dout, Group group)
   }
 }
 
-// (sink: the g queries' sinks, or null; a group's are its queries')
-template <int DC, class T, bool P>
+// (sink: the g queries' sinks, or null; a group's are its queries'. Keys of 16 DC / 8 DC dims, values of DCV chunks)
+template <int DC, int DCV, class T, bool P>
 void head_avx512(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out,
                  const float* sink) {
-  by_groups(q, g, 16 * DC, out, 16 * DC, [&](auto G, const float* qi, float* oi) {
-    group_avx512<decltype(G)::value, DC>(qi, K, V, L, scale, s, oi, sink ? sink + (qi - q) / (16 * DC) : nullptr);
+  by_groups(q, g, 16 * DC, out, 16 * DCV, [&](auto G, const float* qi, float* oi) {
+    group_avx512<decltype(G)::value, DC, DCV>(qi, K, V, L, scale, s, oi, sink ? sink + (qi - q) / (16 * DC) : nullptr);
   });
 }
 
-template <int DC, class T, bool P>
+template <int DC, int DCV, class T, bool P>
 void head_avx2(const float* q, int g, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out,
                const float* sink) {
-  by_groups(q, g, 8 * DC, out, 8 * DC, [&](auto G, const float* qi, float* oi) {
-    group_avx2<decltype(G)::value, DC, 0, DC>(qi, K, K, V, L, scale, s, oi, sink ? sink + (qi - q) / (8 * DC) : nullptr);
+  by_groups(q, g, 8 * DC, out, 8 * DCV, [&](auto G, const float* qi, float* oi) {
+    group_avx2<decltype(G)::value, DC, 0, DCV>(qi, K, K, V, L, scale, s, oi, sink ? sink + (qi - q) / (8 * DC) : nullptr);
   });
 }
 
@@ -520,19 +521,22 @@ void head_portable(const float* q, int g, int d, int d2, int dv, Rows<T, P> K, R
     }
 }
 
+// (dv: V's row width; MiMo-V2-Flash's values are 128 beside keys of 192)
 template <class T, bool P>
-void one_head(Isa isa, const float* q, int g, int d, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s, float* out,
-              const float* sink) {
+void one_head(Isa isa, const float* q, int g, int d, int dv, Rows<T, P> K, Rows<T, P> V, int L, float scale, float* s,
+              float* out, const float* sink) {
   const bool v512 = isa == Isa::Avx512 || isa == Isa::Amx, v256 = ymm_path(isa);
-  if (v512 && d == 64) return head_avx512<4, T, P>(q, g, K, V, L, scale, s, out, sink);
-  if (v512 && d == 128) return head_avx512<8, T, P>(q, g, K, V, L, scale, s, out, sink);
-  if (v512 && d == 256) return head_avx512<16, T, P>(q, g, K, V, L, scale, s, out, sink);
-  if (v256 && d == 64) return head_avx2<8, T, P>(q, g, K, V, L, scale, s, out, sink);
-  if (v256 && d == 128) return head_avx2<16, T, P>(q, g, K, V, L, scale, s, out, sink);
-  if (v256 && d == 256) return head_avx2<32, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v512 && d == 64 && dv == 64) return head_avx512<4, 4, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v512 && d == 128 && dv == 128) return head_avx512<8, 8, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v512 && d == 192 && dv == 128) return head_avx512<12, 8, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v512 && d == 256 && dv == 256) return head_avx512<16, 16, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v256 && d == 64 && dv == 64) return head_avx2<8, 8, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v256 && d == 128 && dv == 128) return head_avx2<16, 16, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v256 && d == 192 && dv == 128) return head_avx2<24, 16, T, P>(q, g, K, V, L, scale, s, out, sink);
+  if (v256 && d == 256 && dv == 256) return head_avx2<32, 32, T, P>(q, g, K, V, L, scale, s, out, sink);
   // DeepSeek-V4's one 512-wide head: MLA's AVX2 kernel shape without its rotary part, on every vector path
-  if ((v512 || v256) && d == 512) return head_avx2<64, T, P>(q, g, K, V, L, scale, s, out, sink);
-  head_portable(q, g, d, 0, d, K, K, V, L, scale, s, out, sink);
+  if ((v512 || v256) && d == 512 && dv == 512) return head_avx2<64, 64, T, P>(q, g, K, V, L, scale, s, out, sink);
+  head_portable(q, g, d, 0, dv, K, K, V, L, scale, s, out, sink);
 }
 
 // MLA's G (<= 8) heads: DeepSeek's latent 512 and rotary 64 on the AVX2 kernel on every vector path (AVX-512
@@ -550,11 +554,11 @@ void mla_group(Isa isa, const float* q, int g, int r, int dr, Rows<T, P> C, Rows
 
 }  // namespace
 
-void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const void* K, KvType kv, size_t k_head,
-                      size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale, float* out,
-                      const int32_t* table, int block_shift, size_t k_block, size_t v_block, const int32_t* sel,
-                      const int32_t* sel_len, size_t sel_stride, const float* sinks) {
-  MOE_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && L > 0, "decode attention: bad shapes");
+void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, int dv, const void* K, KvType kv,
+                      size_t k_head, size_t k_row, const void* V, size_t v_head, size_t v_row, int L, float scale,
+                      float* out, const int32_t* table, int block_shift, size_t k_block, size_t v_block,
+                      const int32_t* sel, const int32_t* sel_len, size_t sel_stride, const float* sinks) {
+  MOE_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && dv > 0 && L > 0, "decode attention: bad shapes");
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "decode attention: bad block size");
   MOE_CHECK(!sel || (table && sel_len), "decode attention: a selection reads through a block table");
   for (int h = 0; sel && h < nkv; ++h)
@@ -567,17 +571,17 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
     const int32_t* hs = sel ? sel + h * sel_stride : nullptr;
     const float* sk = sinks ? sinks + size_t(h) * g : nullptr;
     if (table)
-      one_head(isa, qh, g, d, Rows<T, true>{k, k_row, k_block, table, block_shift, hs, d},
-               Rows<T, true>{v, v_row, v_block, table, block_shift, hs, d}, sel ? sel_len[h] : L, scale, s, oh, sk);
+      one_head(isa, qh, g, d, dv, Rows<T, true>{k, k_row, k_block, table, block_shift, hs, d},
+               Rows<T, true>{v, v_row, v_block, table, block_shift, hs, dv}, sel ? sel_len[h] : L, scale, s, oh, sk);
     else
-      one_head(isa, qh, g, d, Rows<T, false>{k, k_row, 0, nullptr, 0, nullptr, d},
-               Rows<T, false>{v, v_row, 0, nullptr, 0, nullptr, d}, L, scale, s, oh, sk);
+      one_head(isa, qh, g, d, dv, Rows<T, false>{k, k_row, 0, nullptr, 0, nullptr, d},
+               Rows<T, false>{v, v_row, 0, nullptr, 0, nullptr, dv}, L, scale, s, oh, sk);
   };
   auto head = [&](int h) {
     thread_local std::vector<float> s;  // the scores (kept: a fresh one a call is a 128 KB memset at 4k positions)
     if (s.size() < size_t(std::max(g, 8)) * L) s.resize(size_t(std::max(g, 8)) * L);
     const float* qh = q + size_t(h) * g * d;
-    float* oh = out + size_t(h) * g * d;
+    float* oh = out + size_t(h) * g * dv;
     if (kv == KvType::BF16)
       run(static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), h, s.data(), qh, oh);
     else if (kv == KvType::F16)
@@ -591,7 +595,7 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, const voi
   };
   // a short context is a few microseconds of work: waking the pool's threads would cost more (they
   // sleep when the machine is busy), so it runs here
-  if (size_t(L) * nh * d < SERIAL_MACS) {
+  if (size_t(L) * nh * (d + dv) / 2 < SERIAL_MACS) {
     for (int h = 0; h < nkv; ++h) head(h);
   } else {
     pool().parallel_for(nkv, head);

@@ -1,5 +1,6 @@
 // Causal prefill attention on the CPU (grouped-query): a chunk's queries against its sequence's keys and values, each
-// query up to its own position, flash-style: key tiles of 64, a running max and sum per row, fp32 scores, softmax and
+// query up to its own position (or the last `window` of them; attention sinks: a logit per head added to each
+// softmax's sum, its share dropped: gpt-oss, MiMo), flash-style: key tiles of 64, a running max and sum per row, fp32 scores, softmax and
 // sums. A task is one kv head's group of query heads for 4 queries (its rows share every tile of keys and values);
 // each kv head's keys and values are packed once a call into the tiles' layouts (bf16: pairs for vdpbf16ps, the
 // keys' along the head dim, the values' along positions; fp32: each tile's keys transposed). bf16 inputs: products of
@@ -36,8 +37,19 @@ struct Call {
   int start;
   float scale;
   float* out;
-  int L() const { return start + t; }
+  int lo;               // the position of K's and V's first row
+  int window;           // keys a query sees, itself included (0: every earlier one)
+  const float* sinks;   // per query head one more logit whose share is dropped, or null
+  int L() const { return start + t - lo; }  // K's and V's rows
   int tiles() const { return (L() + KT - 1) / KT; }
+  // a task's row r: its query's position among K's rows
+  int row_at(int q0, int hg, int r) const { return start - lo + q0 + r / hg; }
+  // the keys [a, b) of the tile from row j0 that row r sees (empty: b <= a)
+  void seen(int q0, int hg, int r, int j0, int& a, int& b) const {
+    const int p = row_at(q0, hg, r) - j0;
+    b = std::min(KT, p + 1);
+    a = window ? std::max(0, p - window + 1) : 0;
+  }
   // the element offset of a task's row r (query q0 + r / hg, head g hg + r % hg) in q
   size_t q_at(int q0, int hg, int g, int r) const {
     return size_t(q0 + r / hg) * q_tok + (size_t(g) * hg + r % hg) * q_head;
@@ -113,18 +125,19 @@ struct Rows {
 // versions below do the same per 16 keys)
 void softmax_rows(const Call& c, Rows& R, int q0, int hg, int j0) {
   for (int r = 0; r < R.n; ++r) {
-    const int visible = std::min(KT, c.start + q0 + r / hg - j0 + 1);  // keys j0 .. j0 + visible - 1
+    int a, b;
+    c.seen(q0, hg, r, j0, a, b);
     float* s = &R.S[size_t(r) * KT];
     float mx = R.m[r];
-    for (int k = 0; k < visible; ++k) mx = std::max(mx, s[k] * c.scale);
-    const float corr = visible > 0 ? std::exp(R.m[r] - mx) : 1.f;  // (m = -inf before the first tile: 0)
+    for (int k = a; k < b; ++k) mx = std::max(mx, s[k] * c.scale);
+    const float corr = b > a ? std::exp(R.m[r] - mx) : 1.f;  // (m = -inf before the first tile: 0)
     float sum = 0.f;
     for (int k = 0; k < KT; ++k) {
-      const float p = k < visible ? std::exp(s[k] * c.scale - mx) : 0.f;
+      const float p = k >= a && k < b ? std::exp(s[k] * c.scale - mx) : 0.f;
       s[k] = p, sum += p;
       R.Pb[size_t(r) * KT + k] = f32_to_bf16(p);
     }
-    if (visible > 0) R.m[r] = mx;
+    if (b > a) R.m[r] = mx;
     R.l[r] = R.l[r] * corr + sum;
     R.corr[r] = corr;
   }
@@ -133,9 +146,10 @@ void softmax_rows(const Call& c, Rows& R, int q0, int hg, int j0) {
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void softmax_rows_512(const Call& c, Rows& R, int q0, int hg, int j0) {
   const __m512 sc = _mm512_set1_ps(c.scale);
   for (int r = 0; r < R.n; ++r) {
-    const int visible = std::min(KT, c.start + q0 + r / hg - j0 + 1);
+    int a, b;
+    c.seen(q0, hg, r, j0, a, b);
     float* s = &R.S[size_t(r) * KT];
-    if (visible <= 0) {
+    if (b <= a) {
       std::memset(s, 0, KT * sizeof(float));
       std::memset(&R.Pb[size_t(r) * KT], 0, KT * sizeof(uint16_t));
       R.corr[r] = 1.f;
@@ -145,8 +159,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void softmax_rows_512(con
     __mmask16 keep[4];
     __m512 mx = _mm512_set1_ps(R.m[r]);
     for (int i = 0; i < 4; ++i) {
-      const int n = std::clamp(visible - 16 * i, 0, 16);
-      keep[i] = __mmask16((1u << n) - 1);  // (n = 16: 0xFFFF)
+      const int lo = std::clamp(a - 16 * i, 0, 16), hi = std::clamp(b - 16 * i, 0, 16);
+      keep[i] = __mmask16(((1u << hi) - 1) & ~((1u << lo) - 1));  // keys [a, b) of these 16
       v[i] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), sc);
       mx = _mm512_mask_max_ps(mx, keep[i], mx, v[i]);
     }
@@ -363,12 +377,15 @@ __attribute__((target("avx2,fma"))) void tile_f32_256(const Call& c, Rows& R, in
 
 void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv, int d, int dv, size_t q_tok,
                        size_t q_head, const void* K, size_t k_head, size_t k_row, const void* V, size_t v_head,
-                       size_t v_row, int start, float scale, float* out) {
+                       size_t v_row, int start, float scale, float* out, int lo, int window, const float* sinks) {
   MOE_CHECK(t > 0 && nkv > 0 && nh % nkv == 0 && d > 0 && dv > 0 && start >= 0, "prefill attention: bad shapes");
+  MOE_CHECK(window >= 0 && lo >= 0 && lo <= (window ? std::max(0, start - window + 1) : 0),
+            "prefill attention: the keys start after a query's first visible one");
   const bool vec = isa != Isa::Portable && d % 16 == 0 && dv % 16 == 0;
   MOE_CHECK(!(vec && bf16 && (isa == Isa::Avx2 || isa == Isa::AvxVnni)),
             "prefill attention: bf16 inputs take the AVX-512 paths (the AVX2 ones compute in fp32)");
-  const Call c{q, bf16, t, nh, nkv, d, dv, q_tok, q_head, K, k_head, k_row, V, v_head, v_row, start, scale, out};
+  const Call c{q,     bf16,   t,     nh,    nkv, d,  dv, q_tok, q_head, K,     k_head, k_row,
+               V,     v_head, v_row, start, scale, out, lo, window, sinks};
   const int hg = nh / nkv, tiles = c.tiles(), blocks = (t + QB - 1) / QB;
   // each kv head's keys (and bf16 values) in the tiles' layouts, once a call
   std::vector<uint16_t> kb, vb;
@@ -392,8 +409,9 @@ void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv
     const int q0 = b * QB, nq = std::min(QB, t - q0);
     thread_local Rows R;
     R.reset(nq * hg, dv);
-    const int last = std::min(tiles, (start + q0 + nq - 1) / KT + 1);  // tiles any of the rows sees
-    for (int tile = 0; tile < last; ++tile) {
+    const int last = std::min(tiles, c.row_at(q0, 1, nq - 1) / KT + 1);  // tiles any of the rows sees
+    const int first = window ? std::max(0, c.row_at(q0, 1, 0) - window + 1) / KT : 0;
+    for (int tile = first; tile < last; ++tile) {
       const int j0 = tile * KT;
       if (!vec) tile_portable(c, R, q0, hg, g, j0);
       else if (bf16) tile_bf16_512(c, R, q0, hg, g, kb.data() + g * kstride + size_t(tile) * KT * d,
@@ -402,8 +420,9 @@ void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv
       else tile_f32_512(c, R, q0, hg, g, kf.data() + g * kstride + size_t(tile) * KT * d, j0);
     }
     for (int r = 0; r < R.n; ++r) {
-      float* o = out + (size_t(q0 + r / hg) * nh + size_t(g) * hg + r % hg) * dv;  // ([t, nh, dv])
-      const float inv = 1.f / R.l[r];
+      const int h = g * hg + r % hg;
+      float* o = out + (size_t(q0 + r / hg) * nh + h) * dv;  // ([t, nh, dv])
+      const float inv = 1.f / (sinks ? R.l[r] + std::exp(sinks[h] - R.m[r]) : R.l[r]);
       for (int i = 0; i < dv; ++i) o[i] = R.O[size_t(r) * dv + i] * inv;
     }
   });

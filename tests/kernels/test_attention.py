@@ -18,7 +18,7 @@ def attention_reference(q, K, V, scale, sinks=None):
     if sinks is not None:
         s = torch.cat([s, sinks.double().view(nkv, -1, 1)], dim=-1)
     s = torch.softmax(s, dim=-1)[..., :L]
-    return (s @ V.double()).reshape(q.shape)
+    return (s @ V.double()).reshape(q.shape[0], V.shape[-1])
 
 
 @pytest.mark.parametrize("isa", ATTN_PATHS)
@@ -77,6 +77,48 @@ def test_decode_attention_with_sinks(isa, dtype, d, nh, nkv, L):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="sinks"):
         paged_decode_attention(q, pool[0], pool[1], table, L, d ** -0.5, isa, sinks=sinks[:-1])
+
+
+@pytest.mark.parametrize("isa", ATTN_PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("d, dv", [(192, 128), (24, 16)])  # MiMo-V2-Flash's (its vector kernel), its tiny model's
+@pytest.mark.parametrize("nh, nkv", [(8, 1), (16, 2), (12, 4)])
+@pytest.mark.parametrize("L", [1, 17, 301])
+def test_values_narrower_than_keys(isa, dtype, d, dv, nh, nkv, L):
+    """MiMo-V2-Flash's heads: keys of d, values of dv dims; with and without sinks, paged through scattered blocks,
+    consecutive blocks, contiguous, and over a window's selection; 8-bit pools read in place (each row's scale byte
+    after its own width)."""
+    from moe_kernels import kv_quant
+    from moe_kernels.attention import decode_attention, int8_query, paged_decode_attention, rounds_query
+
+    torch.manual_seed(L + d + nh)
+    B, nblocks = 16, -(-L // 16)
+    xk, xv = torch.randn(nkv, nblocks + 3, B, d), torch.randn(nkv, nblocks + 3, B, dv)
+    if kv_quant.quantized(dtype):
+        pk, pv = (kv_quant.quantize(x, dtype).view(dtype) for x in (xk, xv))
+        xk, xv = (kv_quant.dequantize(p.view(torch.uint8), dtype, torch.float32) for p in (pk, pv))
+    else:
+        pk, pv = xk, xv = xk.to(dtype), xv.to(dtype)
+    table = torch.randperm(nblocks + 3)[:nblocks].to(torch.int32)
+    K, V = (x[:, table.long()].reshape(nkv, nblocks * B, -1)[:, :L] for x in (xk, xv))
+    q = torch.randn(nh, d) * 2
+    qr = int8_query(q) if rounds_query(dtype, d, isa, dv) else q
+    for sinks in (None, torch.randn(nh) * 3):
+        want = attention_reference(qr, K.float(), V.float(), d ** -0.5, sinks)
+        got = paged_decode_attention(q, pk, pv, table, L, d ** -0.5, isa, sinks=sinks)
+        assert got.shape == (nh, dv)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+        first = [y[:, 2:2 + nblocks].reshape(nkv, -1, y.shape[-1])[:, :L].float() for y in (xk, xv)]
+        got = paged_decode_attention(q, pk, pv, table, L, d ** -0.5, isa, first=2, sinks=sinks)
+        torch.testing.assert_close(got.double(), attention_reference(qr, *first, d ** -0.5, sinks), rtol=1e-4, atol=1e-5)
+        if not kv_quant.quantized(dtype):
+            got = decode_attention(q, K.contiguous(), V.contiguous(), d ** -0.5, isa, sinks=sinks)
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+        keep = torch.arange(max(0, L - 5), L, dtype=torch.int32)  # a window of 5 (MiMo's sliding layers)
+        sel = (keep.expand(nkv, -1).contiguous(), torch.full((nkv,), keep.numel(), dtype=torch.int32))
+        got = paged_decode_attention(q, pk, pv, table, L, d ** -0.5, isa, selected=sel, sinks=sinks)
+        want = attention_reference(qr, K.float()[:, keep.long()], V.float()[:, keep.long()], d ** -0.5, sinks)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", ATTN_PATHS)
