@@ -246,10 +246,15 @@ struct DecodeBlock {
   const void *in_norm, *post_norm, *q_norm, *k_norm;  // QK-norm: both or neither
   const void *q_bias, *k_bias, *v_bias, *o_bias;       // each optional
   int H, nh, nkv, d;
+  int dv;  // a value head's width (MiMo-V2-Flash's 128 beside keys of 192; else d)
   int rot;  // the first rot dims of a head rotated (GLM's partial rotary), the rest passed through; rot = d: all
   float eps, scale;
+  float v_scale;       // the values times this before they are cached, in T (MiMo-V2-Flash; else 1)
+  int window;          // keys a query sees, itself included (sliding layers: gpt-oss, MiMo); 0: all
+  const float* sinks;  // per query head one more logit whose share is dropped (fp32), or null
   void *K, *V;
-  size_t kv_head, kv_block;  // elements between heads, between blocks
+  size_t kv_head, kv_block;  // K's elements between heads, between blocks
+  size_t v_head, v_block;    // V's
   int block_shift;
   // the MoE layer's router on the post-attention norm, one of: softmax scoring (Qwen-MoE, Mixtral; gate_k): logits
   // in T, softmax in fp32, the top k (descending), renormalized (norm_topk), rounded to T (round_w); on fp32 logits

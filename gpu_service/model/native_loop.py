@@ -62,6 +62,8 @@ def fits(cfg: ModelConfig, blocks: dict, mlps: dict) -> bool:
     moe = [cfg.is_moe_layer(L) for L in range(n)]
     if len(blocks) != n or not moe[-1] or any(a and not b for a, b in zip(moe, moe[1:])):
         return False
+    if cfg.sliding_rope_theta or (cfg.attention != "mla" and cfg.value_dim != cfg.head_dim):
+        return False  # (one rope table and one pool stride for every layer; MLA's pool is its own)
     return all(blocks[L].routes == moe[L] and (moe[L] and not cfg.shared_intermediate_size or L in mlps)
                for L in range(n))
 

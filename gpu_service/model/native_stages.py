@@ -14,7 +14,7 @@ import torch
 from moe_core.config import SILU, ModelConfig
 from moe_kernels import ISA, SIMD_ISAS, native
 from moe_kernels import attention as native_attention
-from moe_kernels.attention import KV_CODES, VECTOR_DIMS
+from moe_kernels.attention import KV_CODES, vector_kernel
 from moe_kernels.dense import NativeLinear
 
 from gpu_service.model.attention import QKV
@@ -28,10 +28,11 @@ native.set_torch_vector_bytes({"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.
 
 def eligible(cfg: ModelConfig, dtype: torch.dtype, native_dense: bool) -> bool:
     """Whether the model's attention layers fit the native step: GQA (with QK-norm, biases, partial rotary by
-    halves) or MLA, no sinks, windows, output gate or zero-centred norms, bf16 or fp32, on a vector kernel path."""
+    halves, sinks, sliding windows, values narrower than keys and scaled: gpt-oss, MiMo-V2-Flash) or MLA, no output
+    gate or zero-centred norms, bf16 or fp32, on a vector kernel path."""
     return (native_dense and ISA in SIMD_ISAS and dtype in (torch.bfloat16, torch.float32) and not cfg.index_topk
-            and not (cfg.attn_sinks or cfg.attn_output_gate or cfg.qk_norm_full or cfg.norm_offset)
-            and (cfg.attention == "mla" or cfg.head_dim in VECTOR_DIMS))
+            and not (cfg.attn_output_gate or cfg.qk_norm_full or cfg.norm_offset)
+            and (cfg.attention == "mla" or vector_kernel(cfg.head_dim, cfg.value_dim)))
 
 
 def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) -> dict:
@@ -47,11 +48,13 @@ def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) ->
             if block is not None:
                 out[layer] = block
             continue
-        if cfg.is_linear_attention(layer) or cfg.window(layer):
+        if cfg.is_linear_attention(layer) or cfg.compress_rates:
             continue
         qkv, o = W.get(a + QKV), W.get(a + "o_proj.weight")
         if not (isinstance(qkv, NativeLinear) and isinstance(o, NativeLinear)):
             continue
+        sinks = W.get(a + cfg.sinks_name) if cfg.attn_sinks else None  # (MiMo: its sliding layers only)
+        sinks = None if sinks is None else sinks.float().contiguous()
         held = [W[p + "input_layernorm.weight"], W[p + "post_attention_layernorm.weight"]]
         held += [W.get(a + n) for n in ("q_norm.weight", "k_norm.weight", "q_proj.bias", "k_proj.bias",
                                         "v_proj.bias", "o_proj.bias")]
@@ -61,10 +64,11 @@ def blocks(cfg: ModelConfig, W: dict, dtype: torch.dtype, native_dense: bool) ->
         router = _router(cfg, W, layer)
         out[layer] = native.DecodeBlock(
             ISA, dtype == torch.bfloat16, qkv.native, o.native, *ptr[:2], *(ptr[2:4] if cfg.qk_norm else (0, 0)),
-            *ptr[4:], H=cfg.hidden_size, nh=cfg.num_heads, nkv=cfg.num_kv_heads, d=cfg.head_dim,
+            *ptr[4:], H=cfg.hidden_size, nh=cfg.num_heads, nkv=cfg.kv_heads(layer), d=cfg.head_dim,
             rot=cfg.rotary_dim or cfg.head_dim, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, top_k=cfg.top_k,
-            norm_topk=bool(cfg.norm_topk_prob), round_w=cfg.model_type != "mixtral",
-            owner=(qkv, o, held, router), **router)
+            norm_topk=bool(cfg.norm_topk_prob), round_w=cfg.model_type != "mixtral", dv=cfg.value_dim,
+            v_scale=cfg.value_scale, window=cfg.window(layer), sinks=0 if sinks is None else sinks.data_ptr(),
+            owner=(qkv, o, held, router, sinks), **router)
     return out
 
 
@@ -186,5 +190,5 @@ def run(block, pool: KVPool, layer: int, h: torch.Tensor, cos: torch.Tensor, sin
     block.run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), K.data_ptr(), V.data_ptr(), KV_CODES[K.dtype],
               K.stride(0), K.stride(1),
               BLOCK.bit_length() - 1, seqs.data_ptr(), x.data_ptr(), *((routed[0].data_ptr(), routed[1].data_ptr())
-                                                                       if routed else (0, 0)))
+                                                                       if routed else (0, 0)), V.stride(0), V.stride(1))
     return x, routed

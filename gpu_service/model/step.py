@@ -275,7 +275,7 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
     for L in layers:
         routed = None  # the router's choice where the native block made it
         if native_seqs is not None and L in model.decode_blocks:
-            x, routed = native_block(model, L, h, cos, sin, pool, native_seqs)
+            x, routed = native_block(model, L, h, *(sliding if cfg.sliding_rope(L) else (cos, sin)), pool, native_seqs)
             t = mark("attention", L, t)
         else:
             h, x = attention(model, L, h, *(sliding if cfg.sliding_rope(L) else (cos, sin)), kvs)

@@ -89,7 +89,7 @@ void bind_decode(py::module_& m) {
                        uintptr_t k_bias, uintptr_t v_bias, uintptr_t o_bias, int H, int nh, int nkv, int d, int rot,
                        float eps, float scale, py::object gate, int top_k, bool norm_topk, bool round_w,
                        uintptr_t w32, uintptr_t bias32, bool softmax32, int E, int n_group, int topk_group, float scaling,
-                       py::object owner) {
+                       int dv, float v_scale, int window, uintptr_t sinks, py::object owner) {
              DecodeBlock g{};
              bind_router(g, gate, top_k, norm_topk, round_w, w32, bias32, softmax32, E, n_group, topk_group, scaling);
              g.isa = kernel_isa(isa);
@@ -102,6 +102,8 @@ void bind_decode(py::module_& m) {
              g.in_norm = ptr(in_norm), g.post_norm = ptr(post_norm), g.q_norm = ptr(q_norm), g.k_norm = ptr(k_norm);
              g.q_bias = ptr(q_bias), g.k_bias = ptr(k_bias), g.v_bias = ptr(v_bias), g.o_bias = ptr(o_bias);
              g.H = H, g.nh = nh, g.nkv = nkv, g.d = d, g.rot = rot, g.eps = eps, g.scale = scale;
+             g.dv = dv ? dv : d, g.v_scale = v_scale, g.window = window;
+             g.sinks = reinterpret_cast<const float*>(sinks);
              return BoundDecodeBlock{g, std::move(owner)};
            }),
            py::arg("isa"), py::arg("bf16"), py::arg("qkv"), py::arg("o"), py::arg("in_norm"), py::arg("post_norm"),
@@ -109,7 +111,8 @@ void bind_decode(py::module_& m) {
            py::arg("o_bias"), py::arg("H"), py::arg("nh"), py::arg("nkv"), py::arg("d"), py::arg("rot"), py::arg("eps"),
            py::arg("scale"), py::arg("gate") = py::none(), py::arg("top_k") = 0, py::arg("norm_topk") = false,
            py::arg("round_w") = false, py::arg("w32") = 0, py::arg("bias32") = 0, py::arg("softmax32") = false, py::arg("E") = 0,
-           py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.f, py::arg("owner") = py::none())
+           py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.f, py::arg("dv") = 0,
+           py::arg("v_scale") = 1.f, py::arg("window") = 0, py::arg("sinks") = 0, py::arg("owner") = py::none())
       .def_static(
           "mla",
           [](const std::string& isa, bool bf16, py::object q_a, const BoundLinear& q_b, const BoundLinear& kv_a,
@@ -136,7 +139,8 @@ void bind_decode(py::module_& m) {
             m.kv_a_bias = ptr(kv_a_bias);
             m.r = r, m.dn = dn, m.dr = dr, m.dv = dv;
             g.in_norm = ptr(in_norm), g.post_norm = ptr(post_norm), g.o_bias = ptr(o_bias);
-            g.H = H, g.nh = nh, g.nkv = 1, g.d = dn + dr, g.rot = dr, g.eps = eps, g.scale = scale;
+            g.H = H, g.nh = nh, g.nkv = 1, g.d = dn + dr, g.dv = g.d, g.rot = dr, g.eps = eps, g.scale = scale;
+            g.v_scale = 1.f;
             return BoundDecodeBlock{g, std::move(owner)};
           },
           py::arg("isa"), py::arg("bf16"), py::arg("q_a"), py::arg("q_b"), py::arg("kv_a"), py::arg("o"),
@@ -155,10 +159,11 @@ void bind_decode(py::module_& m) {
           "run",
           [](const BoundDecodeBlock& b, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t K, uintptr_t V,
              int kv, size_t kv_head, size_t kv_block, int block_shift, uintptr_t seqs, uintptr_t x_out, uintptr_t ids,
-             uintptr_t weights) {
+             uintptr_t weights, size_t v_head, size_t v_block) {
             DecodeBlock g = b.g;
             g.K = reinterpret_cast<void*>(K), g.V = reinterpret_cast<void*>(V), g.kv = kv_type(kv);
             g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
+            g.v_head = v_head ? v_head : kv_head, g.v_block = v_block ? v_block : kv_block;  // (0: K's)
             const int64_t* rows = reinterpret_cast<const int64_t*>(seqs);  // [B, 3]: table, position, first
             std::vector<DecodeSeq> sq(B > 0 ? B : 0);
             for (int t = 0; t < B; ++t)
@@ -173,7 +178,7 @@ void bind_decode(py::module_& m) {
           },
           py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("K"), py::arg("V"), py::arg("kv"),
           py::arg("kv_head"), py::arg("kv_block"), py::arg("block_shift"), py::arg("seqs"), py::arg("x_out"), py::arg("ids") = 0,
-          py::arg("weights") = 0,
+          py::arg("weights") = 0, py::arg("v_head") = 0, py::arg("v_block") = 0,
           "B sequences' decode step of the block: h [B, H] updated in place, x_out [B, H] its post-attention norm; "
           "kv: the pool's element type (moe_kernels.attention.KV_CODES); seqs int64 [B, 3] (block table address, position, first consecutive block or -1)");
   py::class_<BoundMlp>(m, "Mlp", "a SwiGLU MLP's decode rows (a dense layer, shared experts; native/decode/decode_mlp.cpp)")
@@ -244,6 +249,8 @@ void bind_decode(py::module_& m) {
                DecodeBlock g = blocks[i]->g;
                g.K = reinterpret_cast<void*>(K[i]), g.V = reinterpret_cast<void*>(V[i]), g.kv = kv_type(kv);
                g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
+               g.v_head = kv_head, g.v_block = kv_block;
+               MOE_CHECK(g.dv == g.d, "decode loop: every layer's values as wide as its keys (one pool stride)");
                l.layers.push_back({g, mlps[i].is_none() ? nullptr : &mlps[i].cast<const BoundMlp&>().m});
              }
              return l;

@@ -29,6 +29,7 @@ using namespace rounding;
 
 struct Scratch {  // per calling thread, reused across calls (a decode step's few rows)
   std::vector<float> xf, y, att, of, qf, lat, lo;
+  std::vector<int32_t> sel, sel_len;  // a window's positions
   std::vector<uint8_t> xn, qkv, rot, tmp, ckv;  // T elements
 };
 
@@ -63,26 +64,28 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void matvec_f
 #define MOE_BLOCK_INLINE __attribute__((always_inline, optimize("fp-contract=off"))) inline
 
 // GQA: the fused q/k/v of the input norm (s.xf), biases, QK-norm, rope, the new K/V rows into the pool and the
-// attention -> s.of [B, nh d], the o_proj's fp32 input
+// attention (a window's last keys, sinks) -> s.of [B, nh dv], the o_proj's fp32 input
 template <class T>
 MOE_BLOCK_INLINE void gqa_attend(const DecodeBlock& g, int B, Scratch& s, const T* cos, const T* sin,
                                  const DecodeSeq* seqs) {
   constexpr bool BF16 = std::is_same<T, uint16_t>::value;
-  const int H = g.H, nh = g.nh, nkv = g.nkv, d = g.d, nq = nh * d, nk = nkv * d, rows = nq + 2 * nk;
+  const int H = g.H, nh = g.nh, nkv = g.nkv, d = g.d, dv = g.dv, nq = nh * d, nk = nkv * d, rows = nq + nk + nkv * dv;
   // the pool's element size (--kv-cache-dtype) and a row's elements (an 8-bit row's scale byte included)
-  const size_t kv_size = kv_elem_bytes(g.kv), kr = kv_row_bytes(g.kv, d) / kv_size;
+  const size_t kv_size = kv_elem_bytes(g.kv), kr = kv_row_bytes(g.kv, d) / kv_size, vr = kv_row_bytes(g.kv, dv) / kv_size;
   s.y.resize(size_t(B) * std::max(rows, H));
   linear_forward(*g.qkv_k, g.qkv, s.xf.data(), B, s.y.data());
   // q, k, v rounded to T, biases added in T
   T* qkv = as<T>(s.qkv, size_t(B) * rows);
   const void* bias[3] = {g.q_bias, g.k_bias, g.v_bias};
-  const int off[3] = {0, nq, nq + nk}, len[3] = {nq, nk, nk};
+  const int off[3] = {0, nq, nq + nk}, len[3] = {nq, nk, nkv * dv};
   for (int t = 0; t < B; ++t)
     for (int p = 0; p < 3; ++p) {
       const float* y = s.y.data() + size_t(t) * rows + off[p];
       T* o = qkv + size_t(t) * rows + off[p];
       const T* b = static_cast<const T*>(bias[p]);
       for (int i = 0; i < len[p]; ++i) put(o, i, b ? held<T>(y[i]) + get(b, i) : y[i]);
+      if (p == 2 && g.v_scale != 1.f)  // (torch: v * value_scale in T, the scale an fp32 operand)
+        for (int i = 0; i < len[p]; ++i) put(o, i, get(o, i) * g.v_scale);
     }
   // per token: q [nh, d] and k [nkv, d] normed and rotated into rot (q then k), v as is
   T* rot = as<T>(s.rot, size_t(B) * (nq + nk));
@@ -110,31 +113,39 @@ MOE_BLOCK_INLINE void gqa_attend(const DecodeBlock& g, int B, Scratch& s, const 
     const DecodeSeq& q = seqs[t];
     const size_t blk = size_t(q.table[q.pos >> g.block_shift]), row = size_t(q.pos & ((1 << g.block_shift) - 1));
     for (int k = 0; k < nkv; ++k) {
-      const size_t at = k * g.kv_head + blk * g.kv_block + row * kr;
+      const size_t at = k * g.kv_head + blk * g.kv_block + row * kr, vat = k * g.v_head + blk * g.v_block + row * vr;
       store_kv(g.kv, dst + nq + size_t(k) * d, BF16, static_cast<char*>(g.K) + at * kv_size, d);
-      store_kv(g.kv, src + nq + nk + size_t(k) * d, BF16, static_cast<char*>(g.V) + at * kv_size, d);
+      store_kv(g.kv, src + nq + nk + size_t(k) * dv, BF16, static_cast<char*>(g.V) + vat * kv_size, dv);
     }
   }
   // attention, a sequence at a time (each over its kv heads on the pool); the query as fp32, the output
   // rounded to T, then the projection's fp32 input
-  s.att.resize(size_t(nq));
-  s.of.resize(size_t(B) * nq);
+  const int no = nh * dv;  // the heads' outputs
+  s.att.resize(size_t(no));
+  s.of.resize(size_t(B) * no);
   s.qf.resize(size_t(nq));
   float* qf = s.qf.data();
   for (int t = 0; t < B; ++t) {
     const T* qt = rot + size_t(t) * (nq + nk);
     for (int i = 0; i < nq; ++i) qf[i] = get(qt, i);
     const DecodeSeq& q = seqs[t];
-    const int L = q.pos + 1;
-    if (q.first >= 0) {  // consecutive blocks: each head's rows are one strided matrix
-      const size_t at = size_t(q.first) * g.kv_block;
-      decode_attention(g.isa, qf, nh, nkv, d, d, static_cast<const char*>(g.K) + at * kv_size, g.kv, g.kv_head, kr,
-                       static_cast<const char*>(g.V) + at * kv_size, g.kv_head, kr, L, g.scale, s.att.data());
+    const int L = q.pos + 1, lo = g.window ? std::max(0, L - g.window) : 0;
+    if (lo > 0) {  // a window's positions lo .. pos, the same for every kv head (as gqa_attend's selection)
+      s.sel.resize(size_t(L - lo));
+      for (int j = lo; j < L; ++j) s.sel[j - lo] = j;
+      s.sel_len.assign(size_t(nkv), L - lo);
+      decode_attention(g.isa, qf, nh, nkv, d, dv, g.K, g.kv, g.kv_head, kr, g.V, g.v_head, vr, L, g.scale,
+                       s.att.data(), q.table, g.block_shift, g.kv_block, g.v_block, s.sel.data(), s.sel_len.data(), 0,
+                       g.sinks);
+    } else if (q.first >= 0) {  // consecutive blocks: each head's rows are one strided matrix
+      decode_attention(g.isa, qf, nh, nkv, d, dv, static_cast<const char*>(g.K) + q.first * g.kv_block * kv_size,
+                       g.kv, g.kv_head, kr, static_cast<const char*>(g.V) + q.first * g.v_block * kv_size, g.v_head,
+                       vr, L, g.scale, s.att.data(), nullptr, 0, 0, 0, nullptr, nullptr, 0, g.sinks);
     } else {
-      decode_attention(g.isa, qf, nh, nkv, d, d, g.K, g.kv, g.kv_head, kr, g.V, g.kv_head, kr, L, g.scale,
-                       s.att.data(), q.table, g.block_shift, g.kv_block, g.kv_block);
+      decode_attention(g.isa, qf, nh, nkv, d, dv, g.K, g.kv, g.kv_head, kr, g.V, g.v_head, vr, L, g.scale,
+                       s.att.data(), q.table, g.block_shift, g.kv_block, g.v_block, nullptr, nullptr, 0, g.sinks);
     }
-    for (int i = 0; i < nq; ++i) s.of[size_t(t) * nq + i] = held<T>(s.att[i]);
+    for (int i = 0; i < no; ++i) s.of[size_t(t) * no + i] = held<T>(s.att[i]);
   }
 }
 
@@ -423,10 +434,10 @@ void decode_block(const DecodeBlock& g, int B, void* h, const void* cos, const v
                   (!m.q_a_k || m.q_a.K == g.H) && m.kv_a.K == g.H && m.kv_a.rows == m.r + m.dr &&
                   g.o.K == g.nh * m.dv && g.o.rows == g.H, "MLA decode block: the projections do not fit the heads");
   } else {
-    MOE_CHECK(B > 0 && g.nh > 0 && g.nkv > 0 && g.nh % g.nkv == 0 && g.d % 2 == 0 && g.rot > 0 && g.rot % 2 == 0 &&
-                  g.rot <= g.d, "decode block: bad shapes");
-    MOE_CHECK(g.qkv.K == g.H && g.qkv.rows == (g.nh + 2 * g.nkv) * g.d && g.o.K == g.nh * g.d && g.o.rows == g.H,
-              "decode block: the projections do not fit the heads");
+    MOE_CHECK(B > 0 && g.nh > 0 && g.nkv > 0 && g.nh % g.nkv == 0 && g.d % 2 == 0 && g.dv > 0 && g.rot > 0 &&
+                  g.rot % 2 == 0 && g.rot <= g.d && g.window >= 0, "decode block: bad shapes");
+    MOE_CHECK(g.qkv.K == g.H && g.qkv.rows == (g.nh + g.nkv) * g.d + g.nkv * g.dv && g.o.K == g.nh * g.dv &&
+                  g.o.rows == g.H, "decode block: the projections do not fit the heads");
     MOE_CHECK(!g.q_norm == !g.k_norm, "decode block: QK-norm needs both weights");
   }
   MOE_CHECK(!g.gate_k || (g.gate.K == g.H && ids && weights), "decode block: the router does not fit");

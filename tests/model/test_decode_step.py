@@ -32,8 +32,12 @@ SHAPES = {"qwen3_moe": dict(head_dim=64), "mixtral": dict(head_dim=64),
           # MLA: DeepSeek's latent and rotary widths (the latent attention's vector kernel), q through q_a/q_b and a
           # sigmoid router; V2's q_proj alone, small widths (its plain loops), a softmax router on fp32 logits
           # choosing within the best 2 of 4 groups
-          "deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64), "deepseek_v2": {}}
-ROUTED = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2"]
+          "deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64), "deepseek_v2": {},
+          # sliding windows (4, 5) beside full layers, attention sinks; MiMo-V2-Flash's keys of 192 and values of 128
+          # (scaled, twice the KV heads on its sliding layers, their own rope base), a dense first layer, a sigmoid
+          # router; gpt-oss's biases everywhere (its router runs in route())
+          "mimo_v2_flash": dict(head_dim=192, v_head_dim=128), "gpt_oss": dict(head_dim=64)}
+ROUTED = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2", "mimo_v2_flash"]
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +300,7 @@ def test_native_mlp_and_softmax_follow_torch_limited_to_its_default_capability()
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "mimo_v2_flash", "gpt_oss"])
 @pytest.mark.parametrize("dtype, kv", [(torch.bfloat16, None), (torch.float32, None), (torch.float32, torch.float16)],
                          ids=["bf16", "fp32", "fp32-kv16"])
 def test_several_sequences_in_one_step(wide, family, dtype, kv):
@@ -335,15 +339,16 @@ def test_sequences_of_different_pools_are_refused(wide):
 
 
 def test_only_the_layers_it_can_run(checkpoints, wide):
-    """Sinks, windows, output gates, zero-centred norms, one norm over all heads, GQA heads without a vector
-    kernel, fp16, torch's dense matmuls: the torch path (partial rotary and MLA are taken: glm4_moe and deepseek
-    above)."""
+    """Output gates, zero-centred norms, one norm over all heads, GQA heads without a vector kernel, fp16, torch's
+    dense matmuls: the torch path (partial rotary, MLA, sinks and windows are taken: glm4_moe, deepseek, gpt_oss and
+    mimo_v2_flash above)."""
     cfg = load_config(wide["qwen3_moe"])
     assert native_stages.eligible(cfg, torch.bfloat16, True)
     assert not native_stages.eligible(cfg, torch.bfloat16, False)
     assert not native_stages.eligible(cfg, torch.float16, True)
-    for change in (dict(attn_sinks=True), dict(attn_output_gate=True), dict(norm_offset=True),
-                   dict(qk_norm_full=True), dict(head_dim=16)):
+    assert native_stages.eligible(dataclasses.replace(cfg, attn_sinks=True), torch.bfloat16, True)
+    for change in (dict(attn_output_gate=True), dict(norm_offset=True), dict(qk_norm_full=True), dict(head_dim=16),
+                   dict(v_head_dim=96)):
         assert not native_stages.eligible(dataclasses.replace(cfg, **change), torch.bfloat16, True), change
     assert native_stages.eligible(dataclasses.replace(cfg, rotary_dim=32), torch.bfloat16, True)
     assert native_stages.eligible(dataclasses.replace(cfg, attention="mla", head_dim=16), torch.bfloat16, True)
