@@ -11,8 +11,9 @@ from engine_runs import N_NEW, prompt_of, teacher_forced
 from moe_kernels import ISA, SIMD_ISAS
 
 
-@pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native decode attention runs on the vector kernel paths")
-def test_gpt_oss_windows_and_sinks_decode_natively_as_torch(checkpoints, monkeypatch):
+def decodes_natively_as_torch(d, monkeypatch) -> None:
+    """Two sequences teacher-forced through the model at d on the torch path and with the native decode attention:
+    every layer's every step on the kernel (the windowed layers' past their window: a selection), the same logits."""
     import moe_kernels.attention as kernels
     from gpu_service.experts.local import LocalExperts
     from gpu_service.model.model import Model
@@ -20,7 +21,6 @@ def test_gpt_oss_windows_and_sinks_decode_natively_as_torch(checkpoints, monkeyp
     from moe_core.config import load_config
     from moe_experts.store import load_expert_layers
 
-    d = checkpoints["gpt_oss"]
     cfg = load_config(d)
     model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
     experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
@@ -33,39 +33,23 @@ def test_gpt_oss_windows_and_sinks_decode_natively_as_torch(checkpoints, monkeyp
     native_path = teacher_forced(model, experts, prompts, feed, True)
     assert len(calls) == cfg.num_layers * 2 * N_NEW
     windowed = sum(bool(cfg.window(L)) for L in range(cfg.num_layers))
-    assert sum(calls) == windowed * 2 * N_NEW  # (past the window from the first step: both prompts exceed 4)
+    assert sum(calls) == windowed * 2 * N_NEW  # (past the window from the first step: both prompts exceed it)
     for a, b in zip(torch_path, native_path):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native decode attention runs on the vector kernel paths")
+def test_gpt_oss_windows_and_sinks_decode_natively_as_torch(checkpoints, monkeypatch):
+    decodes_natively_as_torch(checkpoints["gpt_oss"], monkeypatch)
+
+
+@pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native decode attention runs on the vector kernel paths")
 def test_mimo_heads_decode_natively_as_torch(tmp_path, monkeypatch):
     """MiMo-V2-Flash at its own head dims (keys 192, values 128: the vector kernel's pair): its sliding layers (a
-    window of 5, sinks, twice the KV heads) and full layers all decode on the native kernel, with the torch path's
-    logits."""
+    window of 5, sinks, twice the KV heads) and full layers."""
     import tiny_models
-    import moe_kernels.attention as kernels
-    from gpu_service.experts.local import LocalExperts
-    from gpu_service.model.model import Model
-    from moe_core.checkpoint import Checkpoint
-    from moe_core.config import load_config
-    from moe_experts.store import load_expert_layers
-
-    d = tiny_models.build("mimo_v2_flash", tmp_path / "mimo", head_dim=192, v_head_dim=128, seed=3)
-    cfg = load_config(d)
-    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
-    experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
-    calls = []
-    monkeypatch.setattr(kernels, "paged_decode_attention", lambda *a, f=kernels.paged_decode_attention, **k:
-                        calls.append(k.get("selected") is not None) or f(*a, **k))
-    prompts, feed = [prompt_of(13, 3), prompt_of(6, 4)], prompt_of(N_NEW, 5)
-    torch_path = teacher_forced(model, experts, prompts, feed, False)
-    assert not calls
-    native_path = teacher_forced(model, experts, prompts, feed, True)
-    assert len(calls) == cfg.num_layers * 2 * N_NEW
-    assert sum(calls) == sum(bool(cfg.window(L)) for L in range(cfg.num_layers)) * 2 * N_NEW
-    for a, b in zip(torch_path, native_path):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    decodes_natively_as_torch(tiny_models.build("mimo_v2_flash", tmp_path / "mimo", head_dim=192, v_head_dim=128,
+                                                seed=3), monkeypatch)
 
 
 @pytest.mark.skipif(ISA not in ("avx512", "amx"), reason="the model prefills on the native kernel on the AVX-512 paths")
