@@ -14,12 +14,17 @@ implementation on the same inputs, interleaved, medians of --reps:
 for a prefill, the recurrence for a token) against transformers' chunk_kimi_delta_attention and
 recurrent_kimi_delta_attention, and (prefill) our own recurrence token by token, the form before the chunked one.
 
+Decode also runs our rule with its one-token step on torch's ops (the form before the native step, moe_kernels.delta_rule)
+beside the native step, interleaved.
+
 The projections around the rule (in_proj_*, out_proj) are ordinary dense layers: bench_kernels covers them."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+import types
 
 import torch
 
@@ -27,6 +32,26 @@ from common import cpu_name  # noqa: E402
 from gpu_service.model.linear_attention import CHUNK, delta_rule  # noqa: E402
 
 NK, NV, D = 16, 32, 128
+
+
+@contextlib.contextmanager
+def on_torch():
+    """Our rule with its one-token step on torch's ops (no native step)."""
+    from gpu_service.model import linear_attention as la
+    native = la.native_delta
+    la.native_delta = types.SimpleNamespace(supported=lambda S: False)
+    try:
+        yield
+    finally:
+        la.native_delta = native
+
+
+def traffic_floor(state_bytes: int) -> tuple[float, float]:
+    """(the probed DRAM read bandwidth, the seconds a state read once and written once takes at it)."""
+    from moe_kernels import native
+    probe = torch.ones(1 << 28)
+    bw = statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
+    return bw, 2 * state_bytes / bw
 
 
 def inputs(t: int, device, dtype, seed=0):
@@ -90,10 +115,20 @@ def kda(a, sync) -> None:
         print(f"prefill {t:5} tokens: {m * 1e3:8.1f} ms ours (chunked), {tb * 1e3:8.1f} ms token by token "
               f"({tb / m:.2f}x), {r * 1e3:8.1f} ms transformers' chunk ({r / m:.2f}x); max |difference| {err:.1e}")
     x = inputs_kda(1)
-    rows = [[timed(f, sync) for f in (lambda: la.kda_rule(*x), lambda: theirs(hf.recurrent_kimi_delta_attention, *x))]
+
+    def torch_ops():
+        with on_torch():
+            return la.kda_rule(*x)
+    err = (la.kda_rule(*x)[1] - torch_ops()[1]).abs().max().item()
+    rows = [[timed(f, sync) for f in (lambda: la.kda_rule(*x), torch_ops,
+                                      lambda: theirs(hf.recurrent_kimi_delta_attention, *x))]
             for _ in range(max(20, a.reps))]
-    m, r = (statistics.median(row[i] for row in rows) for i in range(2))
-    print(f"decode 1 token: {m * 1e6:.0f} us ours, {r * 1e6:.0f} us transformers' recurrent ({r / m:.2f}x)")
+    m, tt, r = (statistics.median(row[i] for row in rows) for i in range(3))
+    bw, floor = traffic_floor(H * D * D * 4)
+    print(f"decode 1 token: {m * 1e6:.0f} us ours (native step), {tt * 1e6:.0f} us ours on torch's ops ({tt / m:.2f}x), "
+          f"{r * 1e6:.0f} us transformers' recurrent ({r / m:.2f}x); state max |difference| native / torch ops "
+          f"{err:.1e}; its state traffic at the probed {bw / 1e9:.1f} GB/s: {floor * 1e6:.0f} us ({floor / m:.0%} of "
+          f"ours)")
 
 
 def main() -> None:
@@ -111,13 +146,14 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     dev, dtype = torch.device(a.device), {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    if dev.type == "cpu":
+        from moe_kernels import native
+        native.init_pool(torch.get_num_threads())
     if a.kda:
         return kda(a, sync)
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     peak = None
     if dev.type == "cpu":
-        from moe_kernels import native
-        native.init_pool(torch.get_num_threads())
         peak = max(native.fma_peak_flops(10_000_000) for _ in range(5))
     print(f"{where}; {torch.get_num_threads()} threads; q/k/v in {a.dtype}, state fp32; {NK} q/k heads, {NV} v heads, "
           f"{D} dims" + (f"; fp32 FMA peak {peak / 1e9:.0f} GFLOP/s" if peak else ""))
@@ -147,17 +183,19 @@ def main() -> None:
     x = inputs(1, dev, dtype)
     (o1, S1), (o2, S2) = ours(*x), theirs(*x, hf.torch_recurrent_gated_delta_rule)
     err = max((o1.float() - o2[0].float()).abs().max().item(), (S1 - S2[0]).abs().max().item())
-    mine, ref = [], []
+    def torch_ops():
+        with on_torch():
+            return ours(*x)
+    mine, ops, ref = [], [], []
     for _ in range(max(20, a.reps)):
         mine.append(timed(lambda: ours(*x), sync))
+        ops.append(timed(torch_ops, sync))
         ref.append(timed(lambda: theirs(*x, hf.torch_recurrent_gated_delta_rule), sync))
-    m, r = statistics.median(mine), statistics.median(ref)
-    line = (f"decode 1 token: {m * 1e6:.0f} us ours, {r * 1e6:.0f} us transformers' torch_recurrent ({r / m:.2f}x); "
-            f"max |difference| {err:.1e}")
+    m, tt, r = statistics.median(mine), statistics.median(ops), statistics.median(ref)
+    line = (f"decode 1 token: {m * 1e6:.0f} us ours, {tt * 1e6:.0f} us ours on torch's ops ({tt / m:.2f}x), "
+            f"{r * 1e6:.0f} us transformers' torch_recurrent ({r / m:.2f}x); max |difference| {err:.1e}")
     if dev.type == "cpu":
-        probe = torch.ones(1 << 28)
-        bw = statistics.median(native.read_bandwidth(probe.data_ptr(), probe.numel()) for _ in range(5))
-        floor = 2 * NV * D * D * 4 / bw  # the state read once and written once
+        bw, floor = traffic_floor(NV * D * D * 4)
         line += f"; its state traffic at the probed {bw / 1e9:.1f} GB/s: {floor * 1e6:.0f} us ({floor / m:.0%} of ours)"
     print(line)
 

@@ -169,6 +169,12 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, int dv, c
                       const int32_t* sel = nullptr, const int32_t* sel_len = nullptr, size_t sel_stride = 0,
                       const float* sinks = nullptr);
 
+// The delta rule's one-token step for H heads (native/kernels/delta_rule.cpp): q, k, e [H, dk] (q's scale and both
+// l2 norms applied; e the decay per key channel), v [H, dv], beta [H], S [H, dk, dv] -> S_new = e S + k delta^T
+// (another buffer: S is kept) and o = (q e)^T S + (q . k) delta [H, dv], delta = beta (v - k^T e S); fp32.
+void delta_rule_step(Isa isa, int H, int dk, int dv, const float* q, const float* k, const float* v, const float* e,
+                     const float* beta, const float* S, float* S_new, float* o);
+
 // Causal prefill attention (native/kernels/prefill_attention.cpp): out [t, nh, dv] fp32 = softmax(q K^T * scale) V
 // where query i (position start + i) sees keys 0 .. start + i; q [t, nh, d] (tokens q_tok, heads q_head elements
 // apart, unit stride along d), K [nkv, start + t, d] and V [nkv, start + t, dv] at the given head and position strides,

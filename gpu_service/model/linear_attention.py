@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_core.config import ModelConfig
+from moe_kernels import delta_rule as native_delta
 
 from gpu_service.engine.kv_pool import SeqCache
 from gpu_service.model.layers import linear
@@ -73,6 +74,9 @@ def delta_rule(q, k, v, g, beta, S):
     q, k = (_l2norm(y.float()).repeat_interleave(r, dim=1).transpose(0, 1).contiguous() for y in (q, k))  # [nv, t, dk]
     q = q * dk ** -0.5
     vf, g, beta = v.float().transpose(0, 1).contiguous(), g.T.contiguous(), beta.T.contiguous()  # [nv, t, ...]
+    if t == 1 and native_delta.supported(S):  # one read of S and one write
+        o, S = native_delta.step(q[:, 0], k[:, 0], vf[:, 0], g[:, :1].exp().expand(-1, dk), beta[:, 0], S)
+        return o[None].to(v.dtype), S
     if t == 1:
         # one token: with e = exp(g), k^T (e S) and q^T (e S + k delta^T) = e q^T S + (q.k) delta, so both
         # reads of S are one batched matvec of the old state, and the new one is written once and updated
@@ -165,6 +169,9 @@ def kda_rule(q, k, v, g, beta, S):
     if t > 1:
         o, S = _kda_chunked(qf, kf, vf, g, beta, S)
         return o.transpose(0, 1).to(v.dtype), S
+    if native_delta.supported(S):  # one read of S and one write
+        o, S = native_delta.step(qf[:, 0], kf[:, 0], vf[:, 0], g[:, 0].exp(), beta[:, 0], S)
+        return o[None].to(v.dtype), S
     # one token: with e = exp(g) per key channel, k^T (e S) and q^T (e S + k delta^T) = (q e)^T S + (q.k) delta, so
     # both reads of S are one batched product of the old state; the new one is written once and updated in place
     e = g[:, 0].exp()                                                              # [H, dk]

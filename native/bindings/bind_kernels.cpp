@@ -117,6 +117,20 @@ void bind_kernels(py::module_& m) {
       "(bf16 or fp32; "
       "native/kernels/prefill_attention.cpp)");
   m.def(
+      "delta_rule_step",
+      [](const std::string& isa_arg, int H, int dk, int dv, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t e,
+         uintptr_t beta, uintptr_t S, uintptr_t S_new, uintptr_t o) {
+        const Isa isa = kernel_isa(isa_arg);
+        auto f = [](uintptr_t p) { return reinterpret_cast<const float*>(p); };
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        delta_rule_step(isa, H, dk, dv, f(q), f(k), f(v), f(e), f(beta), f(S), reinterpret_cast<float*>(S_new),
+                        reinterpret_cast<float*>(o));
+      },
+      py::arg("isa"), py::arg("H"), py::arg("dk"), py::arg("dv"), py::arg("q"), py::arg("k"), py::arg("v"),
+      py::arg("e"), py::arg("beta"), py::arg("S"), py::arg("S_new"), py::arg("o"),
+      "the delta rule's one-token step, fp32 (native/kernels/delta_rule.cpp)");
+  m.def(
       "decode_attention",
       [](const std::string& isa_arg, uintptr_t q, int nh, int nkv, int d, int dv, uintptr_t K, int kv, size_t k_head,
          size_t k_row, uintptr_t V, size_t v_head, size_t v_row, int L, float scale, uintptr_t out, uintptr_t table,
