@@ -175,6 +175,12 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, int dv, c
 void delta_rule_step(Isa isa, int H, int dk, int dv, const float* q, const float* k, const float* v, const float* e,
                      const float* beta, const float* S, float* S_new, float* o);
 
+// A hyper-connection's mix for n rows (native/kernels/hyper_mix.cpp): the streams h [n, hc, H] (bf16 or fp32), the
+// mixing weight fn [hc (2 + hc), hc H], base [hc (2 + hc)] and scale [3] fp32 -> post [n, hc], comb [n, hc, hc] (fp32)
+// and the block's input x [n, H] (h's type), as gpu_service/model/hyper_connections.py mix.
+void hyper_mix(Isa isa, int n, int hc, int H, const void* h, bool bf16, const float* fn, const float* base,
+               const float* scale, float eps, float norm_eps, int iters, float* post, float* comb, void* x);
+
 // Causal prefill attention (native/kernels/prefill_attention.cpp): out [t, nh, dv] fp32 = softmax(q K^T * scale) V
 // where query i (position start + i) sees keys 0 .. start + i; q [t, nh, d] (tokens q_tok, heads q_head elements
 // apart, unit stride along d), K [nkv, start + t, d] and V [nkv, start + t, dv] at the given head and position strides,

@@ -117,6 +117,20 @@ void bind_kernels(py::module_& m) {
       "(bf16 or fp32; "
       "native/kernels/prefill_attention.cpp)");
   m.def(
+      "hyper_mix",
+      [](const std::string& isa_arg, int n, int hc, int H, uintptr_t h, bool bf16, uintptr_t fn, uintptr_t base,
+         uintptr_t scale, float eps, float norm_eps, int iters, uintptr_t post, uintptr_t comb, uintptr_t x) {
+        const Isa isa = kernel_isa(isa_arg);
+        auto f = [](uintptr_t p) { return reinterpret_cast<const float*>(p); };
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        hyper_mix(isa, n, hc, H, reinterpret_cast<const void*>(h), bf16, f(fn), f(base), f(scale), eps, norm_eps,
+                  iters, reinterpret_cast<float*>(post), reinterpret_cast<float*>(comb), reinterpret_cast<void*>(x));
+      },
+      py::arg("isa"), py::arg("n"), py::arg("hc"), py::arg("H"), py::arg("h"), py::arg("bf16"), py::arg("fn"),
+      py::arg("base"), py::arg("scale"), py::arg("eps"), py::arg("norm_eps"), py::arg("iters"), py::arg("post"),
+      py::arg("comb"), py::arg("x"), "a hyper-connection's mix of n rows' streams (native/kernels/hyper_mix.cpp)");
+  m.def(
       "delta_rule_step",
       [](const std::string& isa_arg, int H, int dk, int dv, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t e,
          uintptr_t beta, uintptr_t S, uintptr_t S_new, uintptr_t o) {
