@@ -18,8 +18,8 @@ native = pytest.importorskip("moe_kernels._native", reason="native extension not
 # "moe::" removed). Every function a pattern matches must hold at least one prefetch instruction, and every
 # pattern must match at least one function (a rename must update this list rather than pass unseen).
 PREFETCHING = [
-    ("attention.cpp: decode attention, contiguous rows", r"group_avx512<\d+, \d+, \w[\w ]*, false>"),
-    ("attention.cpp: decode attention, block table (the rows GCC dropped)", r"group_avx512<\d+, \d+, \w[\w ]*, true>"),
+    ("attention.cpp: decode attention, contiguous rows", r"group_avx512<\d+, \d+, \d+, \w[\w ]*, false>"),
+    ("attention.cpp: decode attention, block table (the rows GCC dropped)", r"group_avx512<\d+, \d+, \d+, \w[\w ]*, true>"),
     ("attention.cpp: decode attention avx2, contiguous rows", r"group_avx2<[\d, ]+, \w[\w ]*, false>"),
     ("attention.cpp: decode attention avx2, block table", r"group_avx2<[\d, ]+, \w[\w ]*, true>"),
     # v_prefetch_rows (V into L2 during the scores) calls these out of line rather than holding the instructions
