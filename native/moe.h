@@ -169,11 +169,12 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, int dv, c
                       const int32_t* sel = nullptr, const int32_t* sel_len = nullptr, size_t sel_stride = 0,
                       const float* sinks = nullptr);
 
-// The delta rule's one-token step for H heads (native/kernels/delta_rule.cpp): q, k, e [H, dk] (q's scale and both
-// l2 norms applied; e the decay per key channel), v [H, dv], beta [H], S [H, dk, dv] -> S_new = e S + k delta^T
-// (another buffer: S is kept) and o = (q e)^T S + (q . k) delta [H, dv], delta = beta (v - k^T e S); fp32.
-void delta_rule_step(Isa isa, int H, int dk, int dv, const float* q, const float* k, const float* v, const float* e,
-                     const float* beta, const float* S, float* S_new, float* o);
+// The delta rule's recurrence over t tokens for H heads (native/kernels/delta_rule.cpp): q, k, e [t, H, dk] (q's scale
+// and both l2 norms applied; e the decay per key channel), v [t, H, dv], beta [t, H], S [H, dk, dv]; per token
+// S <- e S + k delta^T and o = (q e)^T S_old + (q . k) delta [t, H, dv], delta = beta (v - k^T e S_old); the final
+// state into S_new (another buffer: S is kept); fp32.
+void delta_rule_step(Isa isa, int H, int t, int dk, int dv, const float* q, const float* k, const float* v,
+                     const float* e, const float* beta, const float* S, float* S_new, float* o);
 
 // A hyper-connection's mix for n rows (native/kernels/hyper_mix.cpp): the streams h [n, hc, H] (bf16 or fp32), the
 // mixing weight fn [hc (2 + hc), hc H], base [hc (2 + hc)] and scale [3] fp32 -> post [n, hc], comb [n, hc, hc] (fp32)

@@ -70,13 +70,15 @@ def delta_rule(q, k, v, g, beta, S):
     t, nk, dk = k.shape
     nv = v.shape[1]
     r = nv // nk
+    if native_delta.supported(S):  # the recurrence natively: a token in one read of S and one write (L2 in a prefill)
+        qn, kn = (_l2norm(y.float()).repeat_interleave(r, dim=1) for y in (q, k))           # [t, nv, dk]
+        o, S = native_delta.step(qn * dk ** -0.5, kn, v.float(), g.float().exp()[..., None].expand(t, nv, dk),
+                                 beta.float(), S)
+        return o.to(v.dtype), S
     # head-major and contiguous: the chunked form's batched matmuls run ~10% faster on such operands
     q, k = (_l2norm(y.float()).repeat_interleave(r, dim=1).transpose(0, 1).contiguous() for y in (q, k))  # [nv, t, dk]
     q = q * dk ** -0.5
     vf, g, beta = v.float().transpose(0, 1).contiguous(), g.T.contiguous(), beta.T.contiguous()  # [nv, t, ...]
-    if t == 1 and native_delta.supported(S):  # one read of S and one write
-        o, S = native_delta.step(q[:, 0], k[:, 0], vf[:, 0], g[:, :1].exp().expand(-1, dk), beta[:, 0], S)
-        return o[None].to(v.dtype), S
     if t == 1:
         # one token: with e = exp(g), k^T (e S) and q^T (e S + k delta^T) = e q^T S + (q.k) delta, so both
         # reads of S are one batched matvec of the old state, and the new one is written once and updated
@@ -163,15 +165,16 @@ def kda_rule(q, k, v, g, beta, S):
     recurrent_kimi_delta_attention (l2-normalised q and k, q scaled by dk ** -0.5): a decode's token by the recurrence,
     a prefill's in chunks (_kda_chunked)."""
     t, H, dk = k.shape
+    if native_delta.supported(S):  # the recurrence natively: a token in one read of S and one write (L2 in a prefill)
+        o, S = native_delta.step(_l2norm(q.float()) * dk ** -0.5, _l2norm(k.float()), v.float(), g.float().exp(),
+                                 beta.float(), S)
+        return o.to(v.dtype), S
     qf, kf, vf = (y.float().transpose(0, 1) for y in (q, k, v))                    # [H, t, d]
     qf, kf = _l2norm(qf) * dk ** -0.5, _l2norm(kf)
     g, beta = g.float().transpose(0, 1), beta.float().T                            # [H, t, dk], [H, t]
     if t > 1:
         o, S = _kda_chunked(qf, kf, vf, g, beta, S)
         return o.transpose(0, 1).to(v.dtype), S
-    if native_delta.supported(S):  # one read of S and one write
-        o, S = native_delta.step(qf[:, 0], kf[:, 0], vf[:, 0], g[:, 0].exp(), beta[:, 0], S)
-        return o[None].to(v.dtype), S
     # one token: with e = exp(g) per key channel, k^T (e S) and q^T (e S + k delta^T) = (q e)^T S + (q.k) delta, so
     # both reads of S are one batched product of the old state; the new one is written once and updated in place
     e = g[:, 0].exp()                                                              # [H, dk]
