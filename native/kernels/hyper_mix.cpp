@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/matvec_f32.h"
 #include "kernels/vec_builds.h"
 #include "moe.h"
 #include "runtime/common.h"
@@ -27,23 +28,7 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void widen(co
 }
 MOE_VEC_BUILDS(widen_any, widen)
 
-// sum_i a[i] b[i] in 16 lanes (then pairwise), as the vector loops the compiler builds for each width
-__attribute__((always_inline, optimize("fp-contract=off"))) inline void dots(const float* a, const float* B, int rows,
-                                                                            int n, float* out) {
-  constexpr int LANES = 16;
-  const int body = n - n % LANES;
-  for (int r = 0; r < rows; ++r) {
-    const float* b = B + size_t(r) * n;
-    float acc[LANES] = {};
-    for (int j = 0; j < body; j += LANES)
-      for (int l = 0; l < LANES; ++l) acc[l] += a[j + l] * b[j + l];
-    for (int j = body; j < n; ++j) acc[j - body] += a[j] * b[j];
-    for (int w = LANES / 2; w > 0; w /= 2)
-      for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-    out[r] = acc[0];
-  }
-}
-MOE_VEC_BUILDS(dots_any, dots)
+MOE_VEC_BUILDS(matvec_any, matvec_f32)
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
@@ -64,7 +49,7 @@ void hyper_mix(Isa isa, int n, int hc, int H, const void* h, bool bf16, const fl
     double ss = 0.0;
     for (int i = 0; i < N; ++i) ss += double(flat[i]) * flat[i];
     const float inv = 1.f / std::sqrt(float(ss / N) + norm_eps);
-    dots_any(w, flat.data(), fn, M, N, m.data());  // fn . flat, then the norm's factor (a scalar: it commutes)
+    matvec_any(w, fn, flat.data(), 1, M, N, m.data());  // fn . flat, then the norm's factor (a scalar: it commutes)
     for (int j = 0; j < M; ++j) m[j] *= inv;
     float* po = post + size_t(r) * hc;
     float* c = comb + size_t(r) * hc * hc;
