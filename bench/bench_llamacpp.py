@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import pathlib
+import random
 import statistics
 import subprocess
 import sys
@@ -202,8 +203,10 @@ def main() -> None:
              if a.depth else ""),
           flush=True)
     # a new prompt every round: the services' prefix cache would otherwise answer a repeated one without a prefill
-    n = a.depth or a.prompt
-    prompts = [[(i * 7919 + r * 104729) % 4000 + 2 for i in range(n)] for r in range(a.rounds + 1)]
+    # random ids over the whole vocabulary, as llama-bench feeds its own: the rows the embedding and the routing reach
+    n, vocab = a.depth or a.prompt, json.loads((a.model / "config.json").read_text()).get("vocab_size", 4002)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, vocab) for _ in range(n)] for _ in range(a.rounds + 1)]
     rows = []
     for fmt, kv in ((f, k) for f in a.formats.split(",") for k in a.kv_cache_dtype.split(",")):
         qtype, expert_fmt, dense_fmt = PAIRS[fmt]

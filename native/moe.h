@@ -170,11 +170,11 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, int dv, c
                       const float* sinks = nullptr);
 
 // The delta rule's recurrence over t tokens for H heads (native/kernels/delta_rule.cpp): q, k, e [t, H, dk] (q's scale
-// and both l2 norms applied; e the decay per key channel), v [t, H, dv], beta [t, H], S [H, dk, dv]; per token
-// S <- e S + k delta^T and o = (q e)^T S_old + (q . k) delta [t, H, dv], delta = beta (v - k^T e S_old); the final
-// state into S_new (another buffer: S is kept); fp32.
+// and both l2 norms applied; e the decay per key channel, or with per_head [t, H]: one a head, gated DeltaNet's),
+// v [t, H, dv], beta [t, H], S [H, dk, dv]; per token S <- e S + k delta^T and o = (q e)^T S_old + (q . k) delta
+// [t, H, dv], delta = beta (v - k^T e S_old); the final state into S_new (another buffer: S is kept); fp32.
 void delta_rule_step(Isa isa, int H, int t, int dk, int dv, const float* q, const float* k, const float* v,
-                     const float* e, const float* beta, const float* S, float* S_new, float* o);
+                     const float* e, const float* beta, const float* S, float* S_new, float* o, bool per_head = false);
 
 // A hyper-connection's mix for n rows (native/kernels/hyper_mix.cpp): the streams h [n, hc, H] (bf16 or fp32), the
 // mixing weight fn [hc (2 + hc), hc H], base [hc (2 + hc)] and scale [3] fp32 -> post [n, hc], comb [n, hc, hc] (fp32)

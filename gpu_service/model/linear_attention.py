@@ -72,8 +72,7 @@ def delta_rule(q, k, v, g, beta, S):
     r = nv // nk
     if native_delta.supported(S):  # the recurrence natively: a token in one read of S and one write (L2 in a prefill)
         qn, kn = (_l2norm(y.float()).repeat_interleave(r, dim=1) for y in (q, k))           # [t, nv, dk]
-        o, S = native_delta.step(qn * dk ** -0.5, kn, v.float(), g.float().exp()[..., None].expand(t, nv, dk),
-                                 beta.float(), S)
+        o, S = native_delta.step(qn * dk ** -0.5, kn, v.float(), g.float().exp(), beta.float(), S)
         return o.to(v.dtype), S
     # head-major and contiguous: the chunked form's batched matmuls run ~10% faster on such operands
     q, k = (_l2norm(y.float()).repeat_interleave(r, dim=1).transpose(0, 1).contiguous() for y in (q, k))  # [nv, t, dk]

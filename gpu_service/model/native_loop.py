@@ -5,7 +5,9 @@ for bit) costs ~15 ops and their Python a layer, this is one call a token.
 
 It applies to a model whose every layer's attention block is native (GQA or MLA), dense layers first (their MLP
 native) and MoE layers after them routing natively (softmax routers: Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V2;
-sigmoid ones: GLM-4.5, DeepSeek-V3), with
+sigmoid ones: GLM-4.5, DeepSeek-V3, MiMo-V2-Flash, whose sliding layers rotate with their own rope table and
+whose values are narrower than its keys: each layer has its pool's strides and its choice of the step's two rope
+tables), with
 their shared experts native where the model has them (run while the expert service computes), to decode steps
 with or without deferral (not the accuracy harness's skipping), and to experts that can run it: the shared-memory
 ring to one expert service (RemoteExperts) and in-process native kernels (LocalExperts); anything else takes the
@@ -62,8 +64,6 @@ def fits(cfg: ModelConfig, blocks: dict, mlps: dict) -> bool:
     moe = [cfg.is_moe_layer(L) for L in range(n)]
     if len(blocks) != n or not moe[-1] or any(a and not b for a, b in zip(moe, moe[1:])):
         return False
-    if cfg.sliding_rope_theta or (cfg.attention != "mla" and cfg.value_dim != cfg.head_dim):
-        return False  # (one rope table and one pool stride for every layer; MLA's pool is its own)
     return all(blocks[L].routes == moe[L] and (moe[L] and not cfg.shared_intermediate_size or L in mlps)
                for L in range(n))
 
@@ -80,19 +80,19 @@ def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool,
     V = [pool.bufs[L][1] for L in range(n)]
     loop = native.DecodeLoop([blocks[L] for L in range(n)], [mlps.get(L) for L in range(n)],
                              [t.data_ptr() for t in K], [t.data_ptr() for t in V], KV_CODES[pool.dtype],
-                             K[0].stride(0), K[0].stride(1),
-                             BLOCK.bit_length() - 1, owner=(blocks, mlps, pool))
+                             [(k.stride(0), k.stride(1), v.stride(0), v.stride(1)) for k, v in zip(K, V)],
+                             BLOCK.bit_length() - 1, [cfg.sliding_rope(L) for L in range(n)], owner=(blocks, mlps, pool))
     if head is not None:
         norm, eps, lm_head = head
         loop.set_head(norm.data_ptr(), norm.dtype == torch.bfloat16, eps, lm_head.native, owner=(norm, lm_head))
     return loop
 
 
-def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        seqs: torch.Tensor, top_k: int, defer: int, t0: int, spans: list | None, records: list | None,
-        logits: torch.Tensor | None = None) -> bool:
+def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, rope: tuple, seqs: torch.Tensor, top_k: int,
+        defer: int, t0: int, spans: list | None, records: list | None, logits: torch.Tensor | None = None) -> bool:
     """h [B, H] through every layer (updated in place) when `experts` can run the loop; False: they cannot (the
-    caller takes the layer loop), nothing done. defer: the layer loop's (every layer but the last). logits: fp32
+    caller takes the layer loop), nothing done. rope: (cos, sin) of the step's positions, then the sliding layers'
+    (cos, sin) where their base is their own (cfg.sliding_rope), else the same pair. defer: the layer loop's (every layer but the last). logits: fp32
     [B, vocab] for the loop's head to fill (the loop has one), or None. Raises what the experts' submit/result
     would. What it measured (from t0): a Record appended to `records` when given, else its spans to `spans` (the
     layer loop's names, and the expert service's compute; the head's as lm_head)."""
@@ -101,11 +101,12 @@ def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, cos: torch
         return False
     B, H = h.shape
     times = torch.empty(loop.layers, TIMES, dtype=torch.int64)
+    (cos, sin), (cos2, sin2) = rope
     ptrs = (B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), seqs.data_ptr(), times.data_ptr())
     out = 0 if logits is None else logits.data_ptr()
 
     def call(exchange, first: int, waiting: bool):
-        return loop.run(*ptrs, first, waiting, defer, exchange, out)
+        return loop.run(*ptrs, first, waiting, defer, exchange, out, cos2.data_ptr(), sin2.data_ptr())
 
     if not decode_layers(call, step, times, B, H, h.dtype, top_k):
         return False

@@ -266,7 +266,7 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
         # the step's end in it too, where every row is a segment's last and per_op's end would be native too
         out = torch.empty(len(segments), model.lm_head.rows) if loop.has_head and \
             not any(s.logprobs for s in segments) else None
-        if native_loop.run(loop, experts, step, h, cos, sin, native_seqs, cfg.top_k, defer, t, spans, records, out):
+        if native_loop.run(loop, experts, step, h, ((cos, sin), sliding), native_seqs, cfg.top_k, defer, t, spans, records, out):
             layers, t = range(0), clock()
         else:  # the experts cannot drive it
             out = None

@@ -1,5 +1,6 @@
 // The decode step's bindings: the routers, an attention block's weights (DecodeBlock), a SwiGLU MLP, and the
 // decode loop with its experts (in this process, or through a ring client) (native/decode/).
+#include <array>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -240,29 +241,34 @@ void bind_decode(py::module_& m) {
       .def_property_readonly("consumed", [](const BoundRingClient& r) { return r.c.consumed; });
   py::class_<BoundDecodeLoop>(m, "DecodeLoop", "a decode step's layers in one call (native/decode/decode_loop.h)")
       .def(py::init([](const std::vector<const BoundDecodeBlock*>& blocks, const std::vector<py::object>& mlps,
-                       const std::vector<uintptr_t>& K, const std::vector<uintptr_t>& V, int kv, size_t kv_head,
-                       size_t kv_block, int block_shift, py::object owner) {
-             MOE_CHECK(K.size() == blocks.size() && V.size() == blocks.size() && mlps.size() == blocks.size(),
-                       "decode loop: one K, V and MLP (or None) a layer");
+                       const std::vector<uintptr_t>& K, const std::vector<uintptr_t>& V, int kv,
+                       const std::vector<std::array<size_t, 4>>& strides, int block_shift,
+                       const std::vector<bool>& second_rope, py::object owner) {
+             const size_t n = blocks.size();
+             MOE_CHECK(K.size() == n && V.size() == n && mlps.size() == n && strides.size() == n &&
+                           second_rope.size() == n,
+                       "decode loop: one K, V, MLP (or None), strides and rope choice a layer");
              BoundDecodeLoop l{{}, std::move(owner)};
-             for (size_t i = 0; i < blocks.size(); ++i) {
+             for (size_t i = 0; i < n; ++i) {
                DecodeBlock g = blocks[i]->g;
                g.K = reinterpret_cast<void*>(K[i]), g.V = reinterpret_cast<void*>(V[i]), g.kv = kv_type(kv);
-               g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
-               g.v_head = kv_head, g.v_block = kv_block;
-               MOE_CHECK(g.dv == g.d, "decode loop: every layer's values as wide as its keys (one pool stride)");
-               l.layers.push_back({g, mlps[i].is_none() ? nullptr : &mlps[i].cast<const BoundMlp&>().m});
+               g.kv_head = strides[i][0], g.kv_block = strides[i][1], g.block_shift = block_shift;
+               g.v_head = strides[i][2], g.v_block = strides[i][3];
+               l.layers.push_back({g, mlps[i].is_none() ? nullptr : &mlps[i].cast<const BoundMlp&>().m,
+                                   bool(second_rope[i])});
              }
              return l;
            }),
-           py::arg("blocks"), py::arg("mlps"), py::arg("K"), py::arg("V"), py::arg("kv"), py::arg("kv_head"), py::arg("kv_block"),
-           py::arg("block_shift"), py::arg("owner"),
-           "mlps: per layer a dense layer's MLP or the shared experts (Mlp), or None; owner: keeps the blocks, the "
-           "MLPs and the pool alive")
+           py::arg("blocks"), py::arg("mlps"), py::arg("K"), py::arg("V"), py::arg("kv"), py::arg("strides"),
+           py::arg("block_shift"), py::arg("second_rope"), py::arg("owner"),
+           "mlps: per layer a dense layer's MLP or the shared experts (Mlp), or None; strides: per layer its K's "
+           "elements between heads and between blocks, then its V's; second_rope: per layer whether it rotates with "
+           "run's cos2/sin2; owner: keeps the blocks, the MLPs and the pool alive")
       .def(
           "run",
           [](const BoundDecodeLoop& l, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t seqs,
-             uintptr_t times, int first, bool waiting, int defer, py::object experts, uintptr_t logits) {
+             uintptr_t times, int first, bool waiting, int defer, py::object experts, uintptr_t logits,
+             uintptr_t cos2, uintptr_t sin2) {
             MOE_CHECK(!logits || l.has_head, "decode loop: logits asked for, but no head set");
             const std::vector<const MoELayer*>* local = nullptr;
             RingClient* ring = nullptr;
@@ -281,16 +287,19 @@ void bind_decode(py::module_& m) {
               end = decode_layers(l.layers, local, ring, first, waiting, defer, B, reinterpret_cast<void*>(h),
                                   reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin), sq.data(),
                                   reinterpret_cast<int64_t*>(times), logits ? &l.head : nullptr,
-                                  reinterpret_cast<float*>(logits));
+                                  reinterpret_cast<float*>(logits), reinterpret_cast<const void*>(cos2),
+                                  reinterpret_cast<const void*>(sin2));
             }
             return std::make_tuple(end.layer, end.status, py::bytes(end.msg));
           },
           py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("seqs"), py::arg("times"),
           py::arg("first"), py::arg("waiting"), py::arg("defer"), py::arg("experts"), py::arg("logits") = 0,
+          py::arg("cos2") = 0, py::arg("sin2") = 0,
           "B sequences' new tokens through the layers from `first`, `defer` experts a token deferred one layer: h "
           "[B, H] updated in place; seqs int64 [B, 3] "
           "as DecodeBlock.run takes them; times int64 [layers, DecodeLoop.times] (decode_loop.h LoopTime); experts: LocalExperts or "
-          "RingClient; logits: fp32 [B, vocab] the head writes once the last layer is done (set_head), or 0 "
+          "RingClient; logits: fp32 [B, vocab] the head writes once the last layer is done (set_head), or 0; "
+          "cos2/sin2: the second rope table (the layers built with second_rope), or 0 "
           "-> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
       .def(
           "set_head",

@@ -133,16 +133,16 @@ void bind_kernels(py::module_& m) {
   m.def(
       "delta_rule_step",
       [](const std::string& isa_arg, int H, int t, int dk, int dv, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t e,
-         uintptr_t beta, uintptr_t S, uintptr_t S_new, uintptr_t o) {
+         uintptr_t beta, uintptr_t S, uintptr_t S_new, uintptr_t o, bool per_head) {
         const Isa isa = kernel_isa(isa_arg);
         auto f = [](uintptr_t p) { return reinterpret_cast<const float*>(p); };
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> g(compute_mutex());
         delta_rule_step(isa, H, t, dk, dv, f(q), f(k), f(v), f(e), f(beta), f(S), reinterpret_cast<float*>(S_new),
-                        reinterpret_cast<float*>(o));
+                        reinterpret_cast<float*>(o), per_head);
       },
       py::arg("isa"), py::arg("H"), py::arg("t"), py::arg("dk"), py::arg("dv"), py::arg("q"), py::arg("k"),
-      py::arg("v"), py::arg("e"), py::arg("beta"), py::arg("S"), py::arg("S_new"), py::arg("o"),
+      py::arg("v"), py::arg("e"), py::arg("beta"), py::arg("S"), py::arg("S_new"), py::arg("o"), py::arg("per_head") = false,
       "the delta rule's recurrence over t tokens, fp32 (native/kernels/delta_rule.cpp)");
   m.def(
       "decode_attention",

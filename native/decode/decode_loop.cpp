@@ -74,15 +74,19 @@ void run_head(const LoopHead& hd, bool bf16, int B, int H, const void* h, float*
 
 LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<const MoELayer*>* local, RingClient* ring,
                       int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
-                      const DecodeSeq* seqs, int64_t* times, const LoopHead* head, float* logits) {
+                      const DecodeSeq* seqs, int64_t* times, const LoopHead* head, float* logits,
+                      const void* cos2, const void* sin2) {
   const int n_layers = int(layers.size());
   MOE_CHECK(first >= 0 && first <= n_layers && B > 0 && defer >= 0, "decode loop: bad first layer, batch or defer");
   MOE_CHECK(!head == !logits && n_layers > 0, "decode loop: a head needs its logits and the logits a head");
   MOE_CHECK(local ? local->size() == layers.size() : ring != nullptr, "decode loop: no experts to run");
+  for (const LoopLayer& l : layers) MOE_CHECK(!l.second_rope || (cos2 && sin2), "decode loop: a layer's second rope table not given");
   LoopScratch& s = thread_scratch<LoopScratch>();
+  const void* const main_rope[2] = {cos, sin};
   for (int L = first; L < n_layers; ++L) {
     const DecodeBlock& g = layers[L].block;
     const Mlp* mlp = layers[L].mlp;
+    cos = layers[L].second_rope ? cos2 : main_rope[0], sin = layers[L].second_rope ? sin2 : main_rope[1];
     const size_t elem = g.bf16 ? 2 : 4, n = size_t(B) * g.H, xn = n * elem;
     int64_t* tm = times + size_t(L) * LOOP_TIMES;
     if (!g.routes()) {  // a dense layer: h += its MLP of the block's output

@@ -1,6 +1,6 @@
 // The delta rule's recurrence (a linear-attention layer: GLM-5.3-Flash's KDA, Qwen3-Next's gated DeltaNet), a token
-// at a time in one pass over the state (a prefill's tokens with each head's state kept in L2 between them): per head, with S [dk, dv] the old state and e [dk] the decay per key channel
-// (one value repeated for gated DeltaNet), k^T (e S) and (q e)^T S from one read of S, delta = beta (v - k^T e S),
+// at a time in one pass over the state (a prefill's tokens with each head's state kept in L2 between them): per head,
+// with S [dk, dv] the old state and e [dk] the decay per key channel (gated DeltaNet's one a head spread over them), k^T (e S) and (q e)^T S from one read of S, delta = beta (v - k^T e S),
 // o = (q e)^T S + (q . k) delta, and the new state e S + k delta^T written once (S's rows then from L2: a head's 64 KB).
 // torch's ops for it (a batched product, a scale, an addbmm) read the 2-4 MB of a layer's state three times and wrote
 // it twice. fp32 throughout; loops lane-wise over dv (vectorized, nothing reassociated within a lane).
@@ -45,21 +45,26 @@ MOE_VEC_BUILDS(delta_head_any, delta_head)
 }  // namespace
 
 void delta_rule_step(Isa isa, int H, int t, int dk, int dv, const float* q, const float* k, const float* v,
-                     const float* e, const float* beta, const float* S, float* S_new, float* o) {
+                     const float* e, const float* beta, const float* S, float* S_new, float* o, bool per_head) {
   MOE_CHECK(H > 0 && t > 0 && dk > 0 && dv > 0, "delta rule step: bad shapes");
   const Vec w = vec_of(isa);
   // a head's tokens in turn, its state in this thread's L2 from the second on: two buffers in turn (the first token
   // reads S, the last writes S_new)
   auto head = [&](int h) {
-    thread_local std::vector<float> kS, states;
-    kS.resize(size_t(dv));
+    thread_local std::vector<float> kS, states, e_head;
+    kS.resize(size_t(dv)), e_head.resize(size_t(dk));
     const size_t hs = size_t(h) * dk * dv, n = size_t(dk) * dv;
     if (t > 1) states.resize(2 * n);
     const float* from = S + hs;
     for (int i = 0; i < t; ++i) {
       const size_t hk = (size_t(i) * H + h) * dk, hv = (size_t(i) * H + h) * dv;
       float* to = i == t - 1 ? S_new + hs : states.data() + (i % 2) * n;
-      delta_head_any(w, dk, dv, q + hk, k + hk, v + hv, e + hk, beta[size_t(i) * H + h], from, to, o + hv, kS.data());
+      const float* ei = e + hk;
+      if (per_head) {  // (the head's one decay spread over its key channels here, not in a [t, H, dk] copy)
+        for (int c = 0; c < dk; ++c) e_head[c] = e[size_t(i) * H + h];
+        ei = e_head.data();
+      }
+      delta_head_any(w, dk, dv, q + hk, k + hk, v + hv, ei, beta[size_t(i) * H + h], from, to, o + hv, kS.data());
       from = to;
     }
   };

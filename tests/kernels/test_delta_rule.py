@@ -38,7 +38,8 @@ def test_the_recurrence_matches_reference(isa, H, dk, dv, per_channel, t):
     beta = torch.rand(t, H, generator=g)
     S = torch.randn(H, dk, dv, generator=g)
     before = S.clone()
-    o, Sn = delta_rule.step(q, k, v, e, beta, S, isa)
+    # gated DeltaNet's decay handed over as it is, one a head ([t, H]), the kernel spreading it over the channels
+    o, Sn = delta_rule.step(q, k, v, e if per_channel else logdecay.exp()[..., 0], beta, S, isa)
     want_o, want_S = reference(q, k, v, e, beta, S)
     assert torch.equal(S, before)  # (a retried step reads the old state)
     torch.testing.assert_close(o.double(), want_o, rtol=1e-5, atol=1e-5)

@@ -43,7 +43,10 @@ LOOPED = {"qwen3_moe": ("qwen3_moe", dict(head_dim=64, num_experts_per_tok=4)),
           # shared expert
           "deepseek_v3": ("deepseek_v3", dict(kv_lora_rank=512, qk_rope_head_dim=64)),
           # DeepSeek-V2's: q_proj alone, a softmax router on fp32 logits within the best 2 of 4 groups
-          "deepseek_v2": ("deepseek_v2", {})}
+          "deepseek_v2": ("deepseek_v2", {}),
+          # MiMo-V2-Flash's keys of 192 and values of 128 (each layer's own pool strides), sliding layers with their
+          # own rope base and twice the KV heads, sinks, a dense first layer, a sigmoid router
+          "mimo_v2_flash": ("mimo_v2_flash", dict(head_dim=192, v_head_dim=128))}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +132,7 @@ def test_local_experts_the_layer_loop_bit_for_bit(ckpts, family, dtype, fmt, exp
     assert ref.loops == 0 and ref.submits == 25 * moe
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3", "mimo_v2_flash"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kv", [torch.float16, torch.int8, torch.float8_e4m3fn], ids=["fp16", "int8", "fp8"])
 def test_a_narrower_cache_the_layer_loop_bit_for_bit(ckpts, family, dtype, kv):
