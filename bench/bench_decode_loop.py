@@ -13,8 +13,8 @@ native attention blocks and experts), greedy, --block tokens at a time each, --r
 difference per layer. The two must pick the same tokens (the loop is the layer loop bit for bit): checked.
 
 --against per-op: the layer loop with its native attention blocks (native_stages.py) against the same loop with
-every block on torch's ops (the per-op path, the reference), for models the decode loop does not take (MiMo-V2-Flash:
-its sliding layers' own rope base): `--synth mimo-v2-flash --layers 4 --vocab 32000 --against per-op`."""
+every block on torch's ops (the per-op path, the reference): what the native blocks save, for any model with them
+(`--synth mimo-v2-flash --layers 4 --vocab 32000 --against per-op`)."""
 from __future__ import annotations
 
 import argparse

@@ -247,6 +247,11 @@ class Model:
         """cos, sin [T, rotary dim / 2] of positions [T] (all below end): rows of tables of every position so far,
         grown by doubling. rope_cos_sin's numbers (elementwise: a position's row is the same computed alone or
         among others), in two index ops where it takes ~10. sliding: the sliding-window layers' own (MiMo-V2-Flash)."""
+        table = self.rope_tables(end, sliding)
+        return table[0][positions], table[1][positions]
+
+    def rope_tables(self, end: int, sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables rope() indexes: cos, sin [n >= end, rotary dim / 2] of positions 0..n-1."""
         name, inv_freq, scaling = ("sliding_rope_table", self.sliding_inv_freq, 1.0) if sliding else \
             ("rope_table", self.inv_freq, self.rope_scaling)
         table = getattr(self, name)
@@ -254,7 +259,7 @@ class Model:
             n = max(end, 1024, 2 * (table[0].shape[0] if table else 0))
             table = rope_cos_sin(inv_freq, scaling, torch.arange(n, device=self.device), self.dtype)
             setattr(self, name, table)
-        return table[0][positions], table[1][positions]
+        return table
 
     def forward(self, segments: list[Segment], experts: Experts, step: int = 0, defer: int = 0,
                 spans: list | None = None, skip: bool = False, exact_spans: bool = False,

@@ -44,7 +44,7 @@ class Record(NamedTuple):
     Python objects a layer, ~10 us) are made of it only for a profile."""
     step: int
     start_ns: int        # the first layer's start (the end of the span before)
-    times: torch.Tensor  # int64 [layers, TIMES]: the expert columns 0 where the experts ran here
+    times: np.ndarray    # int64 [layers, TIMES]: the expert columns 0 where the experts ran here
     head_end: int = 0    # the head's end (the call's return) where it ran, else 0
 
 
@@ -89,10 +89,14 @@ def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool,
 
 
 def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, rope: tuple, seqs: torch.Tensor, top_k: int,
-        defer: int, t0: int, spans: list | None, records: list | None, logits: torch.Tensor | None = None) -> bool:
+        defer: int, t0: int, spans: list | None, records: list | None, logits: torch.Tensor | None = None,
+        rope_rows: int = 0, tokens: torch.Tensor | None = None, embed: torch.Tensor | None = None) -> bool:
     """h [B, H] through every layer (updated in place) when `experts` can run the loop; False: they cannot (the
     caller takes the layer loop), nothing done. rope: (cos, sin) of the step's positions, then the sliding layers'
-    (cos, sin) where their base is their own (cfg.sliding_rope), else the same pair. defer: the layer loop's (every layer but the last). logits: fp32
+    (cos, sin) where their base is their own (cfg.sliding_rope), else the same pair; with rope_rows, the whole tables
+    (Model.rope_tables: rope_rows elements a position), each sequence's row taken in the call by its position.
+    tokens (int64 [B]) and embed (the embedding table, h's dtype): h's rows their embeddings, set in the call. (Each
+    torch op here costs tens of microseconds a token: the experts' bytes have streamed through the caches.) defer: the layer loop's (every layer but the last). logits: fp32
     [B, vocab] for the loop's head to fill (the loop has one), or None. Raises what the experts' submit/result
     would. What it measured (from t0): a Record appended to `records` when given, else its spans to `spans` (the
     layer loop's names, and the expert service's compute; the head's as lm_head)."""
@@ -100,13 +104,14 @@ def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, rope: tupl
     if decode_layers is None:
         return False
     B, H = h.shape
-    times = torch.empty(loop.layers, TIMES, dtype=torch.int64)
+    times = np.empty((loop.layers, TIMES), np.int64)
     (cos, sin), (cos2, sin2) = rope
-    ptrs = (B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), seqs.data_ptr(), times.data_ptr())
+    ptrs = (B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), seqs.data_ptr(), times.ctypes.data)
     out = 0 if logits is None else logits.data_ptr()
+    start = (rope_rows, 0, 0, 0) if embed is None else (rope_rows, tokens.data_ptr(), embed.data_ptr(), embed.shape[0])
 
     def call(exchange, first: int, waiting: bool):
-        return loop.run(*ptrs, first, waiting, defer, exchange, out, cos2.data_ptr(), sin2.data_ptr())
+        return loop.run(*ptrs, first, waiting, defer, exchange, out, cos2.data_ptr(), sin2.data_ptr(), *start)
 
     if not decode_layers(call, step, times, B, H, h.dtype, top_k):
         return False
@@ -149,7 +154,7 @@ def figures(recs: list[Record]) -> Figures:
     if not recs:
         z = np.zeros(0, np.int64)
         return Figures(z, z, z, z, z)
-    t = np.concatenate([r.times.numpy() for r in recs])
+    t = np.concatenate([np.asarray(r.times) for r in recs])
     layers = np.concatenate([np.arange(r.times.shape[0]) for r in recs])
     moe = t[:, SUBMIT_END] != 0  # (a dense layer waits for nothing)
     t, layers = t[moe], layers[moe]

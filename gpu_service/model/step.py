@@ -243,6 +243,11 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
         for s in segments:
             s.cache.commit(s.start + 1, s.tokens.tolist())
         return out
+    if how == NATIVE_LOOP:
+        out = _native_loop_step(model, segments, experts, step, defer, t, mark, spans, records)
+        if out is not None:
+            return out
+        how = PER_OP  # the experts cannot drive the loop
     cfg, pool = model.cfg, segments[0].cache.pool
     decoding = all(s.tokens.shape[0] == 1 for s in segments)  # every sequence adds one token
     tokens = (segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])).to(model.device)
@@ -261,15 +266,6 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
     t = mark("embed", -1, t)
     layers = range(cfg.num_layers)
     out = None
-    if how == NATIVE_LOOP:
-        loop = model.native_loop(pool)
-        # the step's end in it too, where every row is a segment's last and per_op's end would be native too
-        out = torch.empty(len(segments), model.lm_head.rows) if loop.has_head and \
-            not any(s.logprobs for s in segments) else None
-        if native_loop.run(loop, experts, step, h, ((cos, sin), sliding), native_seqs, cfg.top_k, defer, t, spans, records, out):
-            layers, t = range(0), clock()
-        else:  # the experts cannot drive it
-            out = None
     kvs = [(s.tokens.shape[0], SequenceKV(s.cache, s.start, s.tokens.shape[0])) for s in segments]
     exchange = Exchange(experts, step, defer, model.last_moe_layer, defer_layers, skip)
     for L in layers:
@@ -306,6 +302,40 @@ def forward(model, segments: list[Segment], experts: Experts, step: int = 0, def
     if out is None:
         out = logits(model, h)
         mark("lm_head", -1, t)
+    return out
+
+
+def _native_loop_step(model, segments: list[Segment], experts: Experts, step: int, defer: int, t: int, mark,
+                      spans: list | None, records: list | None) -> torch.Tensor | None:
+    """A decode step on the native loop (every layer in one call), with the step's start in the same call where the
+    embedding table is h's dtype (each sequence's embedding row and rope rows taken natively: a torch op here costs
+    tens of microseconds once the experts' bytes have streamed through the caches) and its end (final norm, lm_head)
+    where the loop has the head -> logits, or None where the experts cannot drive the loop (nothing computed; the KV
+    blocks for the new tokens reserved)."""
+    cfg, pool = model.cfg, segments[0].cache.pool
+    loop = model.native_loop(pool)
+    B = len(segments)
+    tokens = segments[0].tokens if B == 1 else torch.cat([s.tokens for s in segments])
+    table = model.W["model.embed_tokens.weight"]
+    end = max(s.start for s in segments) + 1
+    rope = model.rope_tables(end)
+    sliding = model.rope_tables(end, sliding=True) if cfg.sliding_rope_theta else rope
+    seqs = native_stages.sequences([s.cache for s in segments], [s.start for s in segments])
+    native_embed = table.dtype == model.dtype and table.is_contiguous() and tokens.dtype == torch.long and \
+        tokens.device.type == "cpu" and table.device.type == "cpu"
+    h = torch.empty(B, cfg.hidden_size, dtype=model.dtype) if native_embed else embed(model, tokens.to(model.device))
+    t = mark("embed", -1, t)
+    # the step's end in it too, where every row is a segment's last and per_op's end would be native too
+    out = torch.empty(B, model.lm_head.rows) if loop.has_head and not any(s.logprobs for s in segments) else None
+    if not native_loop.run(loop, experts, step, h, (rope, sliding), seqs, cfg.top_k, defer, t, spans, records, out,
+                           rope[0].stride(0), *((tokens, table) if native_embed else ())):
+        return None
+    t = time.time_ns()
+    if out is None:  # (the final norm and the lm_head on the layer loop's ops)
+        out = logits(model, _final_rows(model, h, segments, True))
+        mark("lm_head", -1, t)
+    for s in segments:
+        s.cache.commit(s.start + 1, s.tokens.tolist())
     return out
 
 

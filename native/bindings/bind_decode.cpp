@@ -1,6 +1,7 @@
 // The decode step's bindings: the routers, an attention block's weights (DecodeBlock), a SwiGLU MLP, and the
 // decode loop with its experts (in this process, or through a ring client) (native/decode/).
 #include <array>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -268,8 +269,9 @@ void bind_decode(py::module_& m) {
           "run",
           [](const BoundDecodeLoop& l, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t seqs,
              uintptr_t times, int first, bool waiting, int defer, py::object experts, uintptr_t logits,
-             uintptr_t cos2, uintptr_t sin2) {
+             uintptr_t cos2, uintptr_t sin2, int rope_rows, uintptr_t tokens, uintptr_t embed, int64_t vocab) {
             MOE_CHECK(!logits || l.has_head, "decode loop: logits asked for, but no head set");
+            MOE_CHECK(!l.layers.empty() && B > 0 && rope_rows >= 0, "decode loop: no layers, sequences or rope width");
             const std::vector<const MoELayer*>* local = nullptr;
             RingClient* ring = nullptr;
             if (py::isinstance<BoundLocalExperts>(experts))
@@ -281,6 +283,31 @@ void bind_decode(py::module_& m) {
             for (int t = 0; t < B; ++t)
               sq[t] = DecodeSeq{reinterpret_cast<const int32_t*>(rows[3 * t]), int32_t(rows[3 * t + 1]),
                                 int32_t(rows[3 * t + 2])};
+            // The step's start here where the caller asks (each Python-side torch op before the call costs tens of
+            // microseconds once the experts' bytes have streamed through the caches): rope_rows > 0: cos, sin (and
+            // cos2, sin2) are whole tables of rope_rows elements a position, each sequence's row gathered here by its
+            // position; embed: h's rows are the table's rows of tokens (int64 [B]), on the first call of a step only
+            const DecodeBlock& g0 = l.layers[0].block;
+            const size_t elem = g0.bf16 ? 2 : 4, row = size_t(rope_rows) * elem;
+            thread_local std::vector<uint8_t> rope;
+            if (rope_rows) {
+              const uintptr_t tables[4] = {cos, sin, cos2 ? cos2 : cos, sin2 ? sin2 : sin};
+              rope.resize(4 * size_t(B) * row);
+              for (int i = 0; i < 4; ++i)
+                for (int t = 0; t < B; ++t)
+                  std::memcpy(rope.data() + (size_t(i) * B + t) * row,
+                              reinterpret_cast<const uint8_t*>(tables[i]) + size_t(sq[t].pos) * row, row);
+              cos = reinterpret_cast<uintptr_t>(rope.data()), sin = cos + B * row;
+              cos2 = cos2 ? sin + B * row : 0, sin2 = cos2 ? cos2 + B * row : 0;
+            }
+            if (embed && first == 0 && !waiting) {
+              const int64_t* ids = reinterpret_cast<const int64_t*>(tokens);
+              const size_t width = size_t(g0.H) * elem;
+              for (int t = 0; t < B; ++t) MOE_CHECK(ids[t] >= 0 && ids[t] < vocab, "decode loop: a token id outside the embedding");
+              for (int t = 0; t < B; ++t)
+                std::memcpy(reinterpret_cast<uint8_t*>(h) + t * width,
+                            reinterpret_cast<const uint8_t*>(embed) + size_t(ids[t]) * width, width);
+            }
             LoopEnd end;
             {
               py::gil_scoped_release nogil;
@@ -294,12 +321,15 @@ void bind_decode(py::module_& m) {
           },
           py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("seqs"), py::arg("times"),
           py::arg("first"), py::arg("waiting"), py::arg("defer"), py::arg("experts"), py::arg("logits") = 0,
-          py::arg("cos2") = 0, py::arg("sin2") = 0,
+          py::arg("cos2") = 0, py::arg("sin2") = 0, py::arg("rope_rows") = 0, py::arg("tokens") = 0,
+          py::arg("embed") = 0, py::arg("vocab") = 0,
           "B sequences' new tokens through the layers from `first`, `defer` experts a token deferred one layer: h "
           "[B, H] updated in place; seqs int64 [B, 3] "
           "as DecodeBlock.run takes them; times int64 [layers, DecodeLoop.times] (decode_loop.h LoopTime); experts: LocalExperts or "
           "RingClient; logits: fp32 [B, vocab] the head writes once the last layer is done (set_head), or 0; "
-          "cos2/sin2: the second rope table (the layers built with second_rope), or 0 "
+          "cos2/sin2: the second rope table (the layers built with second_rope), or 0; rope_rows > 0: cos, sin, "
+          "cos2, sin2 are whole tables of that many elements a position, each sequence's row taken by its position; "
+          "embed: the embedding table of vocab rows, h's rows set to its rows of tokens (int64 [B]) on a step's first call "
           "-> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
       .def(
           "set_head",
