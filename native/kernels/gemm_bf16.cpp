@@ -193,26 +193,27 @@ void rows_avx2(int Kp, const uint16_t* We, size_t pf, int r0, int r1, const uint
   rows_avx2_widened(Kp, We, pf, r0, r1, xr.data(), ns, Y, ldy, pf != 0);
 }
 
-// One token: a row at a time, so that a task's rows are one sequential stream (the 4-row tile reads four streams
-// a row apart: 8-27% slower, docs/performance/kernels.md). Each row's one chain of K and the 4 rows' reduce4 are the tile's, so
-// one token's sums are bit for bit those of a token among several; the next row's chain overlaps the last one's.
+// One token: the task's rows cut into RB runs, one row of each in flight (the tile with its rows a run apart), no
+// software prefetch, as the AVX2 path does: a row at a time was one stream and one chain of vdpbf16ps, latency-bound
+// at ~28 GB/s on 2 cores of Zen 5 (76% of the DRAM probe, where int4 read 90%); RB runs are four sequential streams
+// the hardware prefetcher follows and four chains. Each row's one chain of K and the 4 rows' reduce4 are the tile's,
+// so one token's sums are bit for bit those of a token among several.
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void rows1_bf16_avx512(const uint16_t* We, int Kp, int r0,
                                                                                         int r1, const uint16_t* X,
                                                                                         float* Y) {
-  for (int r = r0; r < r1; r += RB) {
-    const int nr = std::min(RB, r1 - r);
-    __m512 acc[RB];
-    MOE_UNROLL for (int j = 0; j < RB; ++j) {
-      acc[j] = _mm512_setzero_ps();
-      if (j >= nr) continue;
-      const uint16_t* w = We + size_t(r + j) * Kp;
-      for (int i = 0; i < Kp; i += 32)
-        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(X + i));
-    }
-    alignas(16) float out[4];
-    _mm_store_ps(out, reduce4_ps(acc[0], acc[1], acc[2], acc[3]));
-    for (int j = 0; j < nr; ++j) Y[r + j] = out[j];
+  const int m = (r1 - r0) / RB;
+  alignas(64) float acc[RB * 16];
+  float out[RB];
+  const uint16_t* const xs[1] = {X};
+  for (int i = 0; i < m; ++i) {
+    mk<1, false>(We + size_t(r0 + i) * Kp, size_t(m) * Kp, 0, RB, xs, 0, Kp, acc, true);
+    reduce(acc, 1, RB, out, 0);
+    for (int j = 0; j < RB; ++j) Y[r0 + j * m + i] = out[j];
   }
+  const int t0 = r0 + RB * m;  // the last rows (fewer than RB), neighbours
+  if (t0 == r1) return;
+  mk<1, false>(We + size_t(t0) * Kp, Kp, 0, r1 - t0, xs, 0, Kp, acc, true);
+  reduce(acc, 1, r1 - t0, Y + t0, 0);
 }
 
 }  // namespace
