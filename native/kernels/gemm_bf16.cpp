@@ -194,8 +194,8 @@ void rows_avx2(int Kp, const uint16_t* We, size_t pf, int r0, int r1, const uint
 }
 
 // One token: the task's rows cut into RB runs, one row of each in flight (the tile with its rows a run apart), no
-// software prefetch, as the AVX2 path does: a row at a time was one stream and one chain of vdpbf16ps, latency-bound
-// at ~28 GB/s on 2 cores of Zen 5 (76% of the DRAM probe, where int4 read 90%); RB runs are four sequential streams
+// software prefetch, as the AVX2 path does: a row at a time (one stream, one chain of vdpbf16ps) was latency-bound
+// on Zen 5 (docs/performance/kernels.md, "AVX-512 bf16 at one token on Zen 5"); RB runs are four sequential streams
 // the hardware prefetcher follows and four chains. Each row's one chain of K and the 4 rows' reduce4 are the tile's,
 // so one token's sums are bit for bit those of a token among several.
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16"))) void rows1_bf16_avx512(const uint16_t* We, int Kp, int r0,
