@@ -1,7 +1,7 @@
-"""A hyper-connection's mix (DeepSeek-V4-Flash's shape: 4 streams of 4096, 20 Sinkhorn iterations; GLM-5.3-Flash's
-the same) on the native kernel (moe_kernels.hyper) against the same mix on torch's ops (gpu_service/model/
-hyper_connections.py mix without the kernel, the form before it), interleaved, medians: a decode step's one row and
-a prefill chunk's rows. Two mixes a layer (before attention and before the MLP).
+"""A hyper-connection's mix and expand (DeepSeek-V4-Flash's shape: 4 streams of 4096, 20 Sinkhorn iterations;
+GLM-5.3-Flash's the same) on the native kernel (moe_kernels.hyper) against the same on torch's ops (gpu_service/model/
+hyper_connections.py mix and expand without the kernel, the forms before it), interleaved, medians: a decode step's
+one row and a prefill chunk's rows. Two mixes and two expands a layer (around attention and around the MLP).
 
     python bench/bench_hyper_mix.py [--rows 1 512] [--hidden 4096] [--dtype bf16] [--reps 200]
 """
@@ -49,8 +49,8 @@ def main() -> None:
     cfg = types.SimpleNamespace(hc_eps=1e-6, rms_norm_eps=1e-6, hc_iters=a.iters)
     W = {"p.fn": torch.randn(M, S * H) * 0.01, "p.base": torch.randn(M) * 0.1, "p.scale": torch.ones(3)}
     print(f"CPU: {cpu_name()}; kernel path {ISA}; {a.threads} threads; {a.dtype} streams, {S} of {H}, {a.iters} "
-          f"Sinkhorn iterations; a mix, median of 5 runs of {a.reps} (interleaved)")
-    print("| rows | torch's ops | native | torch / native |\n|---|---|---|---|")
+          f"Sinkhorn iterations; median of 5 runs of {a.reps} (interleaved)")
+    print("| what, rows | torch's ops | native | torch / native |\n|---|---|---|---|")
     native_mix = hc.native_hyper
     on_torch = types.SimpleNamespace(supported=lambda h: False)
     for n in a.rows:
@@ -67,7 +67,20 @@ def main() -> None:
         assert all(torch.allclose(x.float(), y.float(), rtol=1e-2, atol=1e-3) for x, y in zip(theirs, ours))
         rows = [[timed(f, reps) for f in (with_torch, lambda: hc.mix(cfg, W, "p.", h))] for _ in range(5)]
         t, m = (statistics.median(r[i] for r in rows) for i in range(2))
-        print(f"| {n} | {t * 1e6:.0f} us | {m * 1e6:.0f} us | {t / m:.2f}x |", flush=True)
+        print(f"| mix, {n} | {t * 1e6:.0f} us | {m * 1e6:.0f} us | {t / m:.2f}x |", flush=True)
+        s = hc.Streams(h, ours[0], ours[1])
+        y = torch.randn(n, H).to(dt)
+
+        def expand_torch():
+            hc.native_hyper = on_torch
+            try:
+                return hc.expand(s, y)
+            finally:
+                hc.native_hyper = native_mix
+        assert torch.allclose(expand_torch().float(), hc.expand(s, y).float(), rtol=1e-2, atol=1e-2)
+        rows = [[timed(f, reps) for f in (expand_torch, lambda: hc.expand(s, y))] for _ in range(5)]
+        t, m = (statistics.median(r[i] for r in rows) for i in range(2))
+        print(f"| expand, {n} | {t * 1e6:.0f} us | {m * 1e6:.0f} us | {t / m:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

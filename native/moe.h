@@ -181,6 +181,11 @@ void delta_rule_step(Isa isa, int H, int t, int dk, int dv, const float* q, cons
 // and the block's input x [n, H] (h's type), as gpu_service/model/hyper_connections.py mix.
 void hyper_mix(Isa isa, int n, int hc, int H, const void* h, bool bf16, const float* fn, const float* base,
                const float* scale, float eps, float norm_eps, int iters, float* post, float* comb, void* x);
+// The expand after the block (hyper_connections.expand, the reference, with torch's roundings): out [n, hc, H] =
+// post [n, hc] spread over y [n, H] plus comb [n, hc, hc] (fp32) mixing the streams h [n, hc, H]; h, y, out bf16 or
+// fp32 alike.
+void hyper_expand(Isa isa, int n, int hc, int H, const void* h, bool bf16, const void* y, const float* post,
+                  const float* comb, void* out);
 
 // Causal prefill attention (native/kernels/prefill_attention.cpp): out [t, nh, dv] fp32 = softmax(q K^T * scale) V
 // where query i (position start + i) sees keys 0 .. start + i; q [t, nh, d] (tokens q_tok, heads q_head elements

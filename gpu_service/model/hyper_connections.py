@@ -65,6 +65,8 @@ def mix(cfg: ModelConfig, W: dict, p: str, h: torch.Tensor) -> tuple[torch.Tenso
 def expand(s: Streams, y: torch.Tensor) -> torch.Tensor:
     """The streams after the block whose output is y [n, H]: post spreads y over them, comb mixes the old ones."""
     dt = s.h.dtype
+    if native_hyper.supported(s.h):  # one native call for the four ops below, their roundings
+        return native_hyper.expand(s.h, y.to(dt), s.post, s.comb)
     return s.post.to(dt).unsqueeze(-1) * y.to(dt).unsqueeze(-2) + torch.matmul(s.comb.to(dt).transpose(-1, -2), s.h)
 
 

@@ -95,9 +95,10 @@ def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, rope: tupl
     caller takes the layer loop), nothing done. rope: (cos, sin) of the step's positions, then the sliding layers'
     (cos, sin) where their base is their own (cfg.sliding_rope), else the same pair; with rope_rows, the whole tables
     (Model.rope_tables: rope_rows elements a position), each sequence's row taken in the call by its position.
-    tokens (int64 [B]) and embed (the embedding table, h's dtype): h's rows their embeddings, set in the call. (Each
-    torch op here costs tens of microseconds a token: the experts' bytes have streamed through the caches.) defer: the layer loop's (every layer but the last). logits: fp32
-    [B, vocab] for the loop's head to fill (the loop has one), or None. Raises what the experts' submit/result
+    tokens (int64 [B]) and embed (the embedding table, h's dtype): h's rows their embeddings, set in the call (each
+    torch op here costs tens of microseconds a token: the experts' bytes have streamed through the caches). defer:
+    the layer loop's (every layer but the last). logits: fp32 [B, vocab] for the loop's head to fill (the loop has
+    one), or None. Raises what the experts' submit/result
     would. What it measured (from t0): a Record appended to `records` when given, else its spans to `spans` (the
     layer loop's names, and the expert service's compute; the head's as lm_head)."""
     decode_layers = getattr(experts, "decode_layers", None)

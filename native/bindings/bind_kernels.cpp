@@ -131,6 +131,20 @@ void bind_kernels(py::module_& m) {
       py::arg("base"), py::arg("scale"), py::arg("eps"), py::arg("norm_eps"), py::arg("iters"), py::arg("post"),
       py::arg("comb"), py::arg("x"), "a hyper-connection's mix of n rows' streams (native/kernels/hyper_mix.cpp)");
   m.def(
+      "hyper_expand",
+      [](const std::string& isa_arg, int n, int hc, int H, uintptr_t h, bool bf16, uintptr_t y, uintptr_t post,
+         uintptr_t comb, uintptr_t out) {
+        const Isa isa = kernel_isa(isa_arg);
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        hyper_expand(isa, n, hc, H, reinterpret_cast<const void*>(h), bf16, reinterpret_cast<const void*>(y),
+                     reinterpret_cast<const float*>(post), reinterpret_cast<const float*>(comb),
+                     reinterpret_cast<void*>(out));
+      },
+      py::arg("isa"), py::arg("n"), py::arg("hc"), py::arg("H"), py::arg("h"), py::arg("bf16"), py::arg("y"),
+      py::arg("post"), py::arg("comb"), py::arg("out"),
+      "a hyper-connection's expand after its block (native/kernels/hyper_mix.cpp)");
+  m.def(
       "delta_rule_step",
       [](const std::string& isa_arg, int H, int t, int dk, int dv, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t e,
          uintptr_t beta, uintptr_t S, uintptr_t S_new, uintptr_t o, bool per_head) {

@@ -265,6 +265,20 @@ def test_non_finite_rows_are_refused_and_the_next_step_runs(ckpts):
     assert torch.isfinite(model.forward([Segment(c, torch.tensor([7]), 3)], experts)).all()
 
 
+def test_a_token_outside_the_embedding_is_refused_and_the_next_step_runs(ckpts):
+    """The loop's call takes each sequence's embedding row itself: an id past the table is refused before anything
+    is computed or committed (the API refuses such ids before they reach the engine; this is the loop's own check)."""
+    cfg, model, layers = load(ckpts["qwen3_moe"])
+    experts = Counting(layers)
+    c = model.new_cache()
+    model.forward([Segment(c, torch.tensor([4, 5, 6]), 0)], experts)
+    for bad in (cfg.vocab_size, -1):
+        with pytest.raises(ValueError, match="outside the embedding"):
+            model.forward([Segment(c, torch.tensor([bad]), 3)], experts)
+    assert c.length == 3 and experts.loops == 0
+    assert torch.isfinite(model.forward([Segment(c, torch.tensor([7]), 3)], experts)).all() and experts.loops == 1
+
+
 def layers_of(ckpts, family="qwen3_moe", fmt="bf16"):
     d = ckpts[family]
     return load_expert_layers(load_config(d), Checkpoint(d), fmt, 1)
