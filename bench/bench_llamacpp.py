@@ -3,7 +3,8 @@ decode tokens/s, our two services (sharing the cores) against llama.cpp's llama-
 rounds within one run.
 
     python bench/bench_llamacpp.py --model DIR [--formats bf16,int8,int4] [--rounds 3] [--isa native|avx2|avxvnni|avx512]
-    python bench/bench_llamacpp.py --model DIR --formats int4-all --depth 8192 [--kv-cache-dtype bf16,int8] [--decode-only]
+    python bench/bench_llamacpp.py --model DIR --formats int4-all --depth 8192 [--kv-cache-dtype bf16,int8]
+                                   [--decode-only]
 
 --depth N: decode after N tokens of context instead (llama-bench -d N -fa 1; ours after an N-token prompt, a new
 one each round), and the prefill of an N-token prompt (ours: the time to its first token; llama-bench -p N): where
@@ -190,8 +191,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--depth", type=int, default=0, help="decode after this many tokens of context (no prefill figure)")
     ap.add_argument("--decode-only", action="store_true",
-                    help="with --depth: no llama-bench prefill figure (its own N-token prefill, besides the one -d runs "
-                         "before the decode: at 32768 each takes ~10 minutes on 2 cores)")
+                    help="with --depth: no llama-bench prefill figure (its own N-token prefill, besides the one "
+                         "-d runs before the decode: at 32768 each takes tens of minutes on 2 cores)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="our gpu-service's --kv-cache-dtype; comma-separated: each")
     ap.add_argument("--work", type=pathlib.Path, default=pathlib.Path(tempfile.gettempdir()) / "moe-llamacpp")
     a = ap.parse_args()

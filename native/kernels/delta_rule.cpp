@@ -1,7 +1,8 @@
 // The delta rule's recurrence (a linear-attention layer: GLM-5.3-Flash's KDA, Qwen3-Next's gated DeltaNet), a token
 // at a time in one pass over the state (a prefill's tokens with each head's state kept in L2 between them): per head,
-// with S [dk, dv] the old state and e [dk] the decay per key channel (gated DeltaNet's one a head spread over them), k^T (e S) and (q e)^T S from one read of S, delta = beta (v - k^T e S),
-// o = (q e)^T S + (q . k) delta, and the new state e S + k delta^T written once (S's rows then from L2: a head's 64 KB).
+// with S [dk, dv] the old state and e [dk] the decay per key channel (gated DeltaNet's one a head spread over them),
+// k^T (e S) and (q e)^T S from one read of S, delta = beta (v - k^T e S), o = (q e)^T S + (q . k) delta, and the
+// new state e S + k delta^T written once (S's rows then from L2: a head's 64 KB).
 // torch's ops for it (a batched product, a scale, an addbmm) read the 2-4 MB of a layer's state three times and wrote
 // it twice. fp32 throughout; loops lane-wise over dv (vectorized, nothing reassociated within a lane).
 #include <vector>
