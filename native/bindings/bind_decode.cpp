@@ -1,7 +1,6 @@
 // The decode step's bindings: the routers, an attention block's weights (DecodeBlock), a SwiGLU MLP, and the
 // decode loop with its experts (in this process, or through a ring client) (native/decode/).
 #include <array>
-#include <cstring>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -283,31 +282,23 @@ void bind_decode(py::module_& m) {
             for (int t = 0; t < B; ++t)
               sq[t] = DecodeSeq{reinterpret_cast<const int32_t*>(rows[3 * t]), int32_t(rows[3 * t + 1]),
                                 int32_t(rows[3 * t + 2])};
-            // The step's start here where the caller asks (each Python-side torch op before the call costs tens of
-            // microseconds once the experts' bytes have streamed through the caches): rope_rows > 0: cos, sin (and
-            // cos2, sin2) are whole tables of rope_rows elements a position, each sequence's row gathered here by its
-            // position; embed: h's rows are the table's rows of tokens (int64 [B]), on the first call of a step only
+            // the step's start here where the caller asks (decode_loop.h): rope_rows > 0: cos, sin, cos2, sin2 are
+            // whole tables, each sequence's rows gathered by its position; embed: h's rows, on a step's first call only
             const DecodeBlock& g0 = l.layers[0].block;
-            const size_t elem = g0.bf16 ? 2 : 4, row = size_t(rope_rows) * elem;
             thread_local std::vector<uint8_t> rope;
             if (rope_rows) {
-              const uintptr_t tables[4] = {cos, sin, cos2 ? cos2 : cos, sin2 ? sin2 : sin};
-              rope.resize(4 * size_t(B) * row);
-              for (int i = 0; i < 4; ++i)
-                for (int t = 0; t < B; ++t)
-                  std::memcpy(rope.data() + (size_t(i) * B + t) * row,
-                              reinterpret_cast<const uint8_t*>(tables[i]) + size_t(sq[t].pos) * row, row);
-              cos = reinterpret_cast<uintptr_t>(rope.data()), sin = cos + B * row;
-              cos2 = cos2 ? sin + B * row : 0, sin2 = cos2 ? cos2 + B * row : 0;
+              const size_t part = size_t(B) * rope_rows * (g0.bf16 ? 2 : 4);
+              const void* const tables[4] = {reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
+                                             reinterpret_cast<const void*>(cos2 ? cos2 : cos),
+                                             reinterpret_cast<const void*>(sin2 ? sin2 : sin)};
+              rope.resize(4 * part);
+              gather_rope_rows(tables, rope_rows, g0.bf16, B, sq.data(), rope.data());
+              cos = reinterpret_cast<uintptr_t>(rope.data()), sin = cos + part;
+              if (cos2) cos2 = sin + part, sin2 = cos2 + part;
             }
-            if (embed && first == 0 && !waiting) {
-              const int64_t* ids = reinterpret_cast<const int64_t*>(tokens);
-              const size_t width = size_t(g0.H) * elem;
-              for (int t = 0; t < B; ++t) MOE_CHECK(ids[t] >= 0 && ids[t] < vocab, "decode loop: a token id outside the embedding");
-              for (int t = 0; t < B; ++t)
-                std::memcpy(reinterpret_cast<uint8_t*>(h) + t * width,
-                            reinterpret_cast<const uint8_t*>(embed) + size_t(ids[t]) * width, width);
-            }
+            if (embed && first == 0 && !waiting)
+              embed_rows(reinterpret_cast<const void*>(embed), vocab, reinterpret_cast<const int64_t*>(tokens), B,
+                         g0.H, g0.bf16, reinterpret_cast<void*>(h));
             LoopEnd end;
             {
               py::gil_scoped_release nogil;

@@ -8,6 +8,7 @@
 // (the ring client's `outstanding` says where to resume): nothing here blocks longer than a slice.
 #include "decode/decode_loop.h"
 
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <utility>
@@ -72,6 +73,23 @@ void run_head(const LoopHead& hd, bool bf16, int B, int H, const void* h, float*
 
 }  // namespace
 
+void gather_rope_rows(const void* const tables[4], int rows, bool bf16, int B, const DecodeSeq* seqs, uint8_t* out) {
+  const size_t row = size_t(rows) * (bf16 ? 2 : 4);
+  for (int i = 0; i < 4; ++i)
+    for (int t = 0; t < B; ++t)
+      std::memcpy(out + (size_t(i) * B + t) * row, static_cast<const uint8_t*>(tables[i]) + size_t(seqs[t].pos) * row,
+                  row);
+}
+
+void embed_rows(const void* table, int64_t vocab, const int64_t* tokens, int B, int H, bool bf16, void* h) {
+  for (int t = 0; t < B; ++t)
+    MOE_CHECK(tokens[t] >= 0 && tokens[t] < vocab, "decode loop: a token id outside the embedding");
+  const size_t width = size_t(H) * (bf16 ? 2 : 4);
+  for (int t = 0; t < B; ++t)
+    std::memcpy(static_cast<uint8_t*>(h) + t * width, static_cast<const uint8_t*>(table) + size_t(tokens[t]) * width,
+                width);
+}
+
 LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<const MoELayer*>* local, RingClient* ring,
                       int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
                       const DecodeSeq* seqs, int64_t* times, const LoopHead* head, float* logits,
@@ -80,13 +98,14 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
   MOE_CHECK(first >= 0 && first <= n_layers && B > 0 && defer >= 0, "decode loop: bad first layer, batch or defer");
   MOE_CHECK(!head == !logits && n_layers > 0, "decode loop: a head needs its logits and the logits a head");
   MOE_CHECK(local ? local->size() == layers.size() : ring != nullptr, "decode loop: no experts to run");
-  for (const LoopLayer& l : layers) MOE_CHECK(!l.second_rope || (cos2 && sin2), "decode loop: a layer's second rope table not given");
+  for (const LoopLayer& l : layers)
+    MOE_CHECK(!l.second_rope || (cos2 && sin2), "decode loop: a layer's second rope table not given");
   LoopScratch& s = thread_scratch<LoopScratch>();
-  const void* const main_rope[2] = {cos, sin};
+  const void* const rope[2][2] = {{cos, sin}, {cos2, sin2}};
   for (int L = first; L < n_layers; ++L) {
     const DecodeBlock& g = layers[L].block;
     const Mlp* mlp = layers[L].mlp;
-    cos = layers[L].second_rope ? cos2 : main_rope[0], sin = layers[L].second_rope ? sin2 : main_rope[1];
+    const void* const* cs = rope[layers[L].second_rope];  // this layer's cos, sin
     const size_t elem = g.bf16 ? 2 : 4, n = size_t(B) * g.H, xn = n * elem;
     int64_t* tm = times + size_t(L) * LOOP_TIMES;
     if (!g.routes()) {  // a dense layer: h += its MLP of the block's output
@@ -94,7 +113,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
                 "after an MoE layer");
       s.x.resize(xn), s.sh.resize(xn);
       std::lock_guard<std::mutex> lk(compute_mutex());
-      decode_block(g, B, h, cos, sin, seqs, s.x.data());
+      decode_block(g, B, h, cs[0], cs[1], seqs, s.x.data());
       tm[ATTENTION_END] = wall_ns();
       mlp_forward(*mlp, B, s.x.data(), s.sh.data());
       tm[MLP_END] = wall_ns();
@@ -111,7 +130,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
     if (local) {
       s.x.resize(xn), s.y.resize(xn), s.late_next.resize(xn), s.ids.resize(size_t(B) * k), s.w.resize(size_t(B) * k);
       std::lock_guard<std::mutex> lk(compute_mutex());
-      decode_block(g, B, h, cos, sin, seqs, s.x.data(), s.ids.data(), s.w.data());
+      decode_block(g, B, h, cs[0], cs[1], seqs, s.x.data(), s.ids.data(), s.w.data());
       tm[ATTENTION_END] = wall_ns();
       MOE_CHECK((*local)[L] != nullptr, "decode loop: an MoE layer without its local experts");
       try {
@@ -144,7 +163,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
                 "decode loop: the request does not fit its ring slot");
       {
         std::lock_guard<std::mutex> lk(compute_mutex());
-        decode_block(g, B, h, cos, sin, seqs, r.base + at, reinterpret_cast<int32_t*>(r.base + at + r.ids_at),
+        decode_block(g, B, h, cs[0], cs[1], seqs, r.base + at, reinterpret_cast<int32_t*>(r.base + at + r.ids_at),
                      reinterpret_cast<float*>(r.base + at + r.w_at));
       }
       tm[ATTENTION_END] = wall_ns();

@@ -70,6 +70,13 @@ struct LoopEnd {
   std::string msg;  // status > 0: why
 };
 
+// The step's start, where the caller hands it to the loop's call (each torch op before the call costs tens of
+// microseconds a token once the experts' bytes have streamed through the caches). gather_rope_rows: each sequence's
+// row of the rope tables (cos, sin, cos2, sin2: [positions, rows] in T) by its position into out [4][B][rows].
+// embed_rows: h [B, H] the embedding table's rows of tokens (int64 [B]); throws for an id outside [0, vocab).
+void gather_rope_rows(const void* const tables[4], int rows, bool bf16, int B, const DecodeSeq* seqs, uint8_t* out);
+void embed_rows(const void* table, int64_t vocab, const int64_t* tokens, int B, int H, bool bf16, void* h);
+
 // B sequences' new tokens through layers first.. of `layers`: h [B, H] updated in place. local: per layer the
 // experts to run here (null for a dense layer; then ring is unused); else the ring's client. waiting: layer
 // `first`'s request is already posted, only its answers are awaited. defer: per token, this many lowest-weighted
