@@ -10,7 +10,7 @@
 // products' sum times m, summed per 256 (|sum| < 16 x 16 x 62 x 128 x 31 < 2^27), then one FMA with d unit, as the
 // K-quants' int-scaled formats (gemm_blocked.h) and ggml's vec_dot do.
 //
-// The SIMD kernels lay 8 rows (AVX2: 4) out as 8 grid entries: one gather of 8 entries (IQ3: 16 half entries) a group
+// The SIMD kernels lay 8 rows (AVX2: 4) out as 8 grid entries: one lookup of 8 entries (IQ3: 16 half entries) a group
 // of 8 weights of 8 rows, lanes 2r and 2r + 1 of the int32 sums row r's two halves (added before d). Decode (fewer
 // than IQ_PREFILL_MIN tokens) multiplies v + 64 (u8) by the s8 activations, the excess (64 x each 16's activation
 // sum) off before m; prefill decodes a row block's 256 once for all tokens and multiplies the u8 activations (x + 128)
@@ -35,6 +35,11 @@ constexpr int IQ_FIELD[7][4] = {{4, 4, 0, 0}, {8, 1, 0, 0}, {4, 4, 1, 1}, {8, 4,
 constexpr int IQ_SFIELD[7][2] = {{2, 0}, {2, 0}, {2, 0}, {2, 0}, {2, 4}, {2, 0}, {8, 0}};
 #define MOE_IQ_INLINE __attribute__((always_inline)) inline constexpr  // (into every target's kernels)
 MOE_IQ_INLINE int iq_field(int t, int f) { return IQ_FIELD[t][f]; }
+// two grid entries (IQ2_*, IQ1_*: 8 bytes each) by scalar loads, at the low and the high dword of v: the SIMD kernels
+// look their 8 (AVX2: 4) entries up this way, a vpgatherdq being slower (docs/performance/kernels.md, 2026-12-07)
+__attribute__((always_inline)) inline __m128i iq_pair128(const uint64_t* grid, uint64_t v) {
+  return _mm_set_epi64x(int64_t(grid[v >> 32]), int64_t(grid[uint32_t(v)]));
+}
 MOE_IQ_INLINE int iq_sfield(int t, int f) { return IQ_SFIELD[t][f]; }
 MOE_IQ_INLINE int iq_field_at(int t, int f) {
   return (f > 0 ? IQ_FIELD[t][0] : 0) + (f > 1 ? IQ_FIELD[t][1] : 0) + (f > 2 ? IQ_FIELD[t][2] : 0) +

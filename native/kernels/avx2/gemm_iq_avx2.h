@@ -67,8 +67,10 @@ MOE_IQ256 inline __m256i iq3_index256(__m256i idx, int k) {
   return _mm256_shuffle_epi8(idx, _mm256_setr_epi8(a, z, z, z, b, z, z, z, c, z, z, z, d, z, z, z,
                                                    a, z, z, z, b, z, z, z, c, z, z, z, d, z, z, z));
 }
-MOE_IQ256 inline __m256i iq_gather8(const uint64_t* grid, __m128i gi) {
-  return _mm256_i32gather_epi64(reinterpret_cast<const long long*>(grid), gi, 8);
+// 4 grid entries (qword r: entry gi[r])
+MOE_IQ256 inline __m256i iq_lookup256(const uint64_t* grid, __m128i gi) {
+  return _mm256_set_m128i(iq_pair128(grid, uint64_t(_mm_extract_epi64(gi, 1))),
+                          iq_pair128(grid, uint64_t(_mm_cvtsi128_si64(gi))));
 }
 MOE_IQ256 inline __m128i iq_byte_k(__m128i v, int k) {  // byte k of each dword
   return _mm_and_si128(_mm_srl_epi32(v, _mm_cvtsi32_si128(8 * k)), _mm_set1_epi32(255));
@@ -94,7 +96,7 @@ MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int q
     M0 = M1 = iq_pairs256(iq_odd128(_mm_srli_epi32(aux, 28)));
     MOE_UNROLL for (int k = 0; k < 4; ++k) {
       if constexpr (T == IQ2XXS)
-        V[k] = iq_signed256(iq_gather8(IQ2XXS_GRID, iq_byte_k(iq_lo(idx), k)), sg, k);
+        V[k] = iq_signed256(iq_lookup256(IQ2XXS_GRID, iq_byte_k(iq_lo(idx), k)), sg, k);
       else
         V[k] = iq_signed256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(IQ3XXS_GRID), iq3_index256(idx, k), 4),
                             sg, k);
@@ -109,7 +111,7 @@ MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int q
     MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m256i w = _mm256_and_si256(_mm256_srl_epi64(q, _mm_cvtsi32_si128(16 * k)), _mm256_set1_epi64x(511));
       const __m128i gi = iq_lo(_mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
-      V[k] = iq_signed256(iq_gather8(IQ2XS_GRID, gi), sg, k);
+      V[k] = iq_signed256(iq_lookup256(IQ2XS_GRID, gi), sg, k);
     }
   } else if constexpr (T == IQ2S) {
     const __m128i idx = iq_lo(iq_field256<T>(wb, n, g, h, qb, nq, 0));
@@ -120,7 +122,7 @@ MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int q
     M1 = iq_pairs256(iq_odd128(_mm_srli_epi32(sc, 4)));
     MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m128i gi = _mm_or_si128(iq_byte_k(idx, k), _mm_slli_epi32(iq_bits(qh, 2 * k, 3), 8));
-      V[k] = iq_signed256(iq_gather8(IQ2S_GRID, gi), sg, k);
+      V[k] = iq_signed256(iq_lookup256(IQ2S_GRID, gi), sg, k);
     }
   } else if constexpr (T == IQ3S) {
     const __m256i idx = iq_field256<T>(wb, n, g, h, qb, nq, 0);
@@ -149,7 +151,7 @@ MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int q
       const __m128i bit = _mm_set1_epi32(T == IQ1S ? 0x8000 : 8 << (4 * k));
       const __m256i pos = _mm256_cvtepi32_epi64(_mm_cmpeq_epi32(_mm_and_si128(qh, bit), _mm_setzero_si128()));
       const __m256i delta = _mm256_blendv_epi8(_mm256_set1_epi8(-1), _mm256_set1_epi8(1), pos);
-      V[k] = _mm256_add_epi8(iq_gather8(IQ1S_GRID_BIASED, gi), delta);
+      V[k] = _mm256_add_epi8(iq_lookup256(IQ1S_GRID_BIASED, gi), delta);
     }
   }
 }

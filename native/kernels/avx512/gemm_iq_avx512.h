@@ -1,5 +1,5 @@
 // GGUF's grid types as stored (kernels/gemm_iq.h) on AVX-512 VNNI: 8 rows at a time, each group of 8 weights one
-// gather of the 8 rows' grid entries (qword r: row r's 8 weights; IQ3: 16 dword halves), its signs a 64-bit mask
+// lookup of the 8 rows' grid entries (qword r: row r's 8 weights; IQ3: a gather of 16 dword halves), its signs a 64-bit mask
 // (byte r: row r's 8 signs) applied while biasing by 64, then one vpdpbusd a token against the 8 activations
 // broadcast to every qword. Lanes 2r and 2r + 1 hold row r's two halves of each 8 until the 256's sum, where they are
 // added in int32 before d: the same integers as the reference.
@@ -69,6 +69,15 @@ MOE_IQ512 inline __m512i iq_field512(const uint8_t* wb, int n, int g, int h, int
 MOE_IQ512 inline __m256i iq_odd256(__m256i ls) {  // 2 ls + 1
   return _mm256_add_epi32(_mm256_add_epi32(ls, ls), _mm256_set1_epi32(1));
 }
+// 8 grid entries (qword r: entry gi[r])
+MOE_IQ512 inline __m512i iq_lookup512(const uint64_t* grid, __m256i gi) {
+  const __m128i lo = _mm256_castsi256_si128(gi), hi = _mm256_extracti128_si256(gi, 1);
+  const __m256i a = _mm256_set_m128i(iq_pair128(grid, uint64_t(_mm_extract_epi64(lo, 1))),
+                                     iq_pair128(grid, uint64_t(_mm_cvtsi128_si64(lo))));
+  const __m256i b = _mm256_set_m128i(iq_pair128(grid, uint64_t(_mm_extract_epi64(hi, 1))),
+                                     iq_pair128(grid, uint64_t(_mm_cvtsi128_si64(hi))));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
 
 // One 32 (group h of 256 g) of 8 rows (the block's rows 8 hb.. , nh of them present): V[k] the biased weights of
 // group k, M0 / M1 the two 16s' m in lane pairs
@@ -84,7 +93,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
       __m512i gv;
       if constexpr (T == IQ2XXS) {
         const __m256i gi = _mm256_and_si256(_mm256_srli_epi32(_mm512_castsi512_si256(idx), 8 * k), _mm256_set1_epi32(255));
-        gv = _mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2XXS_GRID), 8);
+        gv = iq_lookup512(IQ2XXS_GRID, gi);
       } else {
         gv = _mm512_i32gather_epi32(iq3_index512(idx, k), reinterpret_cast<const int*>(IQ3XXS_GRID), 4);
       }
@@ -98,7 +107,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
     M1 = iq_pairs512(iq_odd256(_mm256_srli_epi32(sc, 4)));
     MOE_UNROLL for (int k = 0; k < 4; ++k) {
       const __m256i gi = _mm512_cvtepi64_epi32(_mm512_and_si512(_mm512_srli_epi64(q, 16 * k), _mm512_set1_epi64(511)));
-      V[k] = iq_signed512(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2XS_GRID), 8), iq_sign_mask(S, k));
+      V[k] = iq_signed512(iq_lookup512(IQ2XS_GRID, gi), iq_sign_mask(S, k));
     }
   } else if constexpr (T == IQ2S) {
     const __m256i idx = _mm512_castsi512_si256(iq_field512<T>(wb, n, g, h, hb, nh, 0));
@@ -111,7 +120,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
       const __m256i gi = _mm256_or_si256(
           _mm256_and_si256(_mm256_srli_epi32(idx, 8 * k), _mm256_set1_epi32(255)),
           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, 2 * k), _mm256_set1_epi32(3)), 8));
-      V[k] = iq_signed512(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ2S_GRID), 8), iq_sign_mask(S, k));
+      V[k] = iq_signed512(iq_lookup512(IQ2S_GRID, gi), iq_sign_mask(S, k));
     }
   } else if constexpr (T == IQ3S) {
     const __m512i idx = iq_field512<T>(wb, n, g, h, hb, nh, 0);
@@ -140,7 +149,7 @@ MOE_IQ512 inline void iq_decode512(const uint8_t* wb, int n, int g, int h, int h
           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh, hs), _mm256_set1_epi32(7)), 8));
       const __mmask8 neg = _mm256_test_epi32_mask(qh, _mm256_set1_epi32(T == IQ1S ? 0x8000 : 8 << (4 * k)));
       const __m512i delta = _mm512_mask_blend_epi64(neg, _mm512_set1_epi8(1), _mm512_set1_epi8(-1));
-      V[k] = _mm512_add_epi8(_mm512_i32gather_epi64(gi, reinterpret_cast<const long long*>(IQ1S_GRID_BIASED), 8), delta);
+      V[k] = _mm512_add_epi8(iq_lookup512(IQ1S_GRID_BIASED, gi), delta);
     }
   }
 }
