@@ -35,6 +35,7 @@ constexpr int IQ_FIELD[7][4] = {{4, 4, 0, 0}, {8, 1, 0, 0}, {4, 4, 1, 1}, {8, 4,
 constexpr int IQ_SFIELD[7][2] = {{2, 0}, {2, 0}, {2, 0}, {2, 0}, {2, 4}, {2, 0}, {8, 0}};
 #define MOE_IQ_INLINE __attribute__((always_inline)) inline constexpr  // (into every target's kernels)
 MOE_IQ_INLINE int iq_field(int t, int f) { return IQ_FIELD[t][f]; }
+MOE_IQ_INLINE bool iq_m32(int t) { return t == IQ2XXS || t == IQ3XXS || t == IQ3S || t == IQ1S; }  // one m a 32
 // two grid entries (IQ2_*, IQ1_*: 8 bytes each) by scalar loads, at the low and the high dword of v: the SIMD kernels
 // look their 8 (AVX2: 4) entries up this way, a vpgatherdq being slower (docs/performance/kernels.md, 2026-12-07)
 __attribute__((always_inline)) inline __m128i iq_pair128(const uint64_t* grid, uint64_t v) {

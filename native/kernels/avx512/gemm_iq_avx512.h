@@ -293,24 +293,28 @@ MOE_IQ512 inline void iq_block512(const uint8_t* wb, const uint8_t* sb, int n, i
   B.d16 = _mm512_permutex2var_ps(dv[0], lo, dv[1]);
 }
 // NT tokens (their u8 rows A) against R decoded blocks' 256 g: acc [NT][2][16] += their 16 R rows' results. Each
-// broadcast activation dword serves the R blocks (broadcasts, not the dot products, bound a single block's rate)
-template <int NT, int R>
+// broadcast activation dword serves the R blocks (broadcasts, not the dot products, bound a single block's rate).
+// M32: the type's m is one a 32 (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S: M16[h][0] == M16[h][1]), so a 32's two 16s share
+// one product by m (vpmulld competes with the dot products for their pipes; the same int32 sums)
+template <int NT, int R, bool M32>
 MOE_IQ512 inline void iq_tokens512(const IqBlock512* B, const uint8_t* const* A, int g, float* acc) {
   __m512i qi[R][NT];
   const int32_t* a[NT];
   MOE_UNROLL for (int t = 0; t < NT; ++t) a[t] = reinterpret_cast<const int32_t*>(A[t] + g * IQ_QK);
   MOE_UNROLL for (int b = 0; b < R; ++b) MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = B[b].W16;
   _Pragma("GCC unroll 1") for (int h = 0; h < 8; ++h) {  // (unrolled, GCC spills the accumulators)
+    __m512i d[R][NT];
     MOE_UNROLL for (int s = 0; s < 2; ++s) {  // a 16: groups k = 2s, 2s + 1, the activations' dwords 8h + 4s ..
-      __m512i d[R][NT];
-      MOE_UNROLL for (int b = 0; b < R; ++b) MOE_UNROLL for (int t = 0; t < NT; ++t) d[b][t] = _mm512_setzero_si512();
+      if (!M32 || s == 0)
+        MOE_UNROLL for (int b = 0; b < R; ++b) MOE_UNROLL for (int t = 0; t < NT; ++t) d[b][t] = _mm512_setzero_si512();
       MOE_UNROLL for (int j = 0; j < 4; ++j)
         MOE_UNROLL for (int t = 0; t < NT; ++t) {
           const __m512i x = _mm512_set1_epi32(a[t][8 * h + 4 * s + j]);
           MOE_UNROLL for (int b = 0; b < R; ++b) d[b][t] = _mm512_dpbusd_epi32(d[b][t], x, B[b].Wd[h][2 * s + j / 2][j % 2]);
         }
-      MOE_UNROLL for (int b = 0; b < R; ++b)
-        MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = _mm512_add_epi32(qi[b][t], _mm512_mullo_epi32(d[b][t], B[b].M16[h][s]));
+      if (!M32 || s == 1)
+        MOE_UNROLL for (int b = 0; b < R; ++b)
+          MOE_UNROLL for (int t = 0; t < NT; ++t) qi[b][t] = _mm512_add_epi32(qi[b][t], _mm512_mullo_epi32(d[b][t], B[b].M16[h][s]));
     }
   }
   MOE_UNROLL for (int b = 0; b < R; ++b)
@@ -335,8 +339,8 @@ MOE_IQ512 void iq_prefill512(const uint8_t* wb, const uint8_t* sb, int n, size_t
     }
     for (int t = 0; t < ns; t += 4)
       with_tokens<4>(ns - t, [&](auto NT) {
-        if (n1 > 0) iq_tokens512<decltype(NT)::value, 2>(B, A + t, g, acc + size_t(t) * 32);
-        else iq_tokens512<decltype(NT)::value, 1>(B, A + t, g, acc + size_t(t) * 32);
+        if (n1 > 0) iq_tokens512<decltype(NT)::value, 2, iq_m32(T)>(B, A + t, g, acc + size_t(t) * 32);
+        else iq_tokens512<decltype(NT)::value, 1, iq_m32(T)>(B, A + t, g, acc + size_t(t) * 32);
       });
   }
 }
