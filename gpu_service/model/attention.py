@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from moe_core.config import ModelConfig
 from moe_kernels import attention as native_attention
 
-from gpu_service.engine.kv_pool import SeqCache
+from gpu_service.engine.kv_pool import BLOCK, SeqCache
 from gpu_service.model.compressed_attention import closing_windows, compressed_attention
 from gpu_service.model.layers import apply_rope, linear, rms_norm
 from gpu_service.model.linear_attention import gated_deltanet, kimi_delta_attention
@@ -296,8 +296,9 @@ def mla_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, 
     # at a few GFLOP/s on a CPU without bf16 arithmetic: docs/performance/decode_step.md)
     paged = absorb and kv.decoding and cache is not None and native_attention.mla_supported(*cache.pool.bufs[layer][:2])
     if cfg.index_topk:
-        paged = paged and isinstance(kv, SequenceKV) and not cfg.index_kpool and (not cfg.has_indexer(layer) or
-                                                          native_attention.dsa_supported(cache.pool.bufs[layer][2]))
+        paged = paged and isinstance(kv, SequenceKV) and (not cfg.has_indexer(layer) or (
+            kpool_native(cfg, cache.pool.bufs[layer][4]) if cfg.index_kpool else
+            native_attention.dsa_supported(cache.pool.bufs[layer][2])))
         allowed, rows = dsa_select(cfg, W, p, x, qa, c, k_pe, cos, sin, kv, layer, paged)
     else:
         kv.write(layer, c, k_pe)
@@ -338,8 +339,8 @@ def dsa_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Ten
         kv.write(layer, c, k_pe)
         return _selection(kv.selection, paged, kv), None
     ip = p + "indexer."
-    if cfg.index_kpool:  # GLM-5.3-Flash: pools of keys (torch's ops; the caller does not take the native path)
-        return kpool_select(cfg, W, ip, x, qa, c, k_pe, cos, sin, kv, layer), None
+    if cfg.index_kpool:  # GLM-5.3-Flash: pools of keys
+        return kpool_select(cfg, W, ip, x, qa, c, k_pe, cos, sin, kv, layer, paged), None
     kv.write(layer, c, k_pe, index_key(cfg, W, ip, x, cos, sin))
     if kv.start + x.shape[0] <= cfg.index_topk:
         kv.selection = None
@@ -362,13 +363,21 @@ def dsa_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Ten
     return kv.selection, rows
 
 
+def kpool_native(cfg: ModelConfig, keys: torch.Tensor) -> bool:
+    """Whether kpool_select takes a decode row natively on this layer's pool keys (its pool buffer 4): the keys are
+    every index_kpool-th row, so a block holds a whole number of them."""
+    return BLOCK % cfg.index_kpool == 0 and native_attention.dsa_supported(keys)
+
+
 def kpool_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.Tensor, c, k_pe, cos, sin, kv,
-                 layer: int) -> torch.Tensor | None:
+                 layer: int, native: bool = False) -> torch.Tensor | None:
     """GLM-5.3-Flash's lightning indexer over pools of index_kpool keys (transformers' Glm5NextTextIndexer): writes the
     layer's latents, its indexer keys, their pool gate logits and, at each pool's last position, the pool's key (the
     softmax over its positions, per dim, of gate logit + ape, weighting its keys); picks each query's index_topk /
     index_kpool best complete pools it sees (scored as V3.2's indexer scores keys) and adds its own unfinished pool ->
-    allowed [t, start + t] bool, or None (every position: the pools a query sees fit the top k)."""
+    allowed [t, start + t] bool, or None (every position: the pools a query sees fit the top k). native (a decode
+    row, kpool_native): the scores and the top k on DeepSeek Sparse Attention's kernels over the pools' keys where
+    the pool holds them -> the selected positions (int32, ascending)."""
     t, start, kp = x.shape[0], kv.start, cfg.index_kpool
     key = index_key(cfg, W, p, x, cos, sin)
     gate = F.linear(x, W[p + "index_kpool_compress_gate"].to(x.dtype))
@@ -379,6 +388,14 @@ def kpool_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.T
         return None
     q, w = index_query(cfg, W, p, x, qa, cos, sin)                                # [t, H, D], [t, H]
     n = end // kp                                                                  # complete pools
+    if native and t == 1:  # pool i's key: row i % (BLOCK / kp) of block i // (BLOCK / kp); every pool ended by now
+        cache = kv.paged
+        pools = native_attention.dsa_top_k(native_attention.dsa_scores(
+            q[0], w[0], cache.pool.bufs[layer][4][:, kp - 1::kp], cache.table(), n, cfg.index_dim ** -0.5),
+            cfg.index_topk // kp)
+        kv.selection = torch.cat([(pools[:, None] * kp + torch.arange(kp, dtype=torch.int32)).flatten(),
+                                  torch.arange(n * kp, end, dtype=torch.int32)])  # (and the unfinished pool)
+        return kv.selection
     keys = kv.paged.gather(layer, n * kp, 0, x.dtype, only=(4,))[0][kp - 1::kp].float()  # [n, D]
     pos = torch.arange(start, end, device=x.device)[:, None]                       # [t, 1]
     seen = torch.arange(n, device=x.device)[None, :] < (pos + 1) // kp             # [t, n]: pools ended by the query

@@ -545,9 +545,14 @@ void one_head(Isa isa, const float* q, int g, int d, int dv, Rows<T, P> K, Rows<
 template <class T, bool P>
 void mla_group(Isa isa, const float* q, int g, int r, int dr, Rows<T, P> C, Rows<T, P> KPE, int L, float scale,
                float* s, float* out) {
-  if ((isa == Isa::Avx512 || isa == Isa::Amx || ymm_path(isa)) && r == 512 && dr == 64)
+  const bool simd = isa == Isa::Avx512 || isa == Isa::Amx || ymm_path(isa);
+  if (simd && r == 512 && dr == 64)
     return by_groups(q, g, r + dr, out, r, [&](auto G, const float* qi, float* oi) {
       group_avx2<decltype(G)::value, 64, 8, 64>(qi, C, KPE, C, L, scale, s, oi);
+    });
+  if (simd && r == 512 && dr == 0)  // a NoPE latent (GLM-5.3-Flash): one KV head of 512, its own value
+    return by_groups(q, g, r, out, r, [&](auto G, const float* qi, float* oi) {
+      group_avx2<decltype(G)::value, 64, 0, 64>(qi, C, C, C, L, scale, s, oi);
     });
   head_portable(q, g, r, dr, r, C, KPE, C, L, scale, s, out);
 }
@@ -605,7 +610,8 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, int dv, c
 void mla_decode_attention(Isa isa, const float* q, int nh, int r, int dr, const void* C, const void* KPE, KvType kv,
                           size_t c_row, size_t kpe_row, int L, float scale, float* out, const int32_t* table,
                           int block_shift, size_t c_block, size_t kpe_block, const int32_t* sel) {
-  MOE_CHECK(nh > 0 && r > 0 && dr > 0 && L > 0, "MLA decode attention: bad shapes");
+  MOE_CHECK(nh > 0 && r > 0 && dr >= 0 && L > 0, "MLA decode attention: bad shapes");
+  if (dr == 0) KPE = C, kpe_row = c_row, kpe_block = c_block;  // no rotary key (a NoPE latent): never read
   MOE_CHECK(!table || (block_shift >= 0 && block_shift < 16), "MLA decode attention: bad block size");
   MOE_CHECK(!sel || table, "MLA decode attention: a selection reads through a block table");
   constexpr int G = 8;  // heads a task: every head reads every position's latent, so tasks split the heads

@@ -216,8 +216,9 @@ def mla_reference(q, C, KPE, scale):
 
 @pytest.mark.parametrize("isa", ATTN_PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("nh, r, dr", [(16, 512, 64), (13, 512, 64), (4, 64, 16)])  # 13: a short last group of heads;
-@pytest.mark.parametrize("L", [1, 2, 37, 300])                                     # 64/16: no vector kernel
+@pytest.mark.parametrize("nh, r, dr", [(16, 512, 64), (13, 512, 64), (4, 64, 16),  # 13: a short last group of heads;
+                                       (13, 512, 0), (4, 64, 0)])  # 64/16: no vector kernel; dr 0: a NoPE latent
+@pytest.mark.parametrize("L", [1, 2, 37, 300])
 def test_mla_paged_attention_matches_reference(isa, dtype, nh, r, dr, L):
     """DeepSeek's latent attention over an MLA pool (gpu_service/engine/kv_pool.py's layout: latents [blocks, 16, r], rotary
     keys [blocks, 16, dr]), through a scattered block table and over consecutive blocks without it; odd lengths
@@ -233,10 +234,10 @@ def test_mla_paged_attention_matches_reference(isa, dtype, nh, r, dr, L):
     scale = (128 + dr) ** -0.5
     got = mla_paged_attention(q, C, KPE, table, L, scale, isa)
     assert got.dtype == torch.float32 and got.shape == (nh, r)
-    want = mla_reference(q, C[table.long()].reshape(-1, r)[:L], KPE[table.long()].reshape(-1, dr)[:L], scale)
+    want = mla_reference(q, C[table.long()].flatten(0, 1)[:L], KPE[table.long()].flatten(0, 1)[:L], scale)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
     got = mla_paged_attention(q, C, KPE, table, L, scale, isa, first=2)
-    want = mla_reference(q, C[2:].reshape(-1, r)[:L], KPE[2:].reshape(-1, dr)[:L], scale)
+    want = mla_reference(q, C[2:].flatten(0, 1)[:L], KPE[2:].flatten(0, 1)[:L], scale)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 

@@ -71,14 +71,15 @@ def test_top_k_keeps_the_best_and_breaks_ties_towards_earlier_positions(L, k):
 
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("nh, r, dr", [(16, 512, 64), (4, 64, 16)])  # DeepSeek's dims (vector kernel), a toy's
+@pytest.mark.parametrize("nh, r, dr", [(16, 512, 64), (4, 64, 16),  # DeepSeek's dims (vector kernel), a toy's,
+                                       (16, 512, 0), (4, 64, 0)])  # NoPE latents (GLM-5.3-Flash's: vector kernel)
 def test_latent_attention_over_a_selection_matches_reference(isa, dtype, nh, r, dr):
     torch.manual_seed(nh)
     L = 300
     C, KPE = torch.randn(L, r).to(dtype), torch.randn(L, dr).to(dtype)
     Cp, table = paged(C)
     KPEp = torch.empty(Cp.shape[0], B, dr).to(dtype)
-    KPEp[table.long()] = torch.cat([KPE, torch.zeros(-(-L // B) * B - L, dr).to(dtype)]).view(-1, B, dr)
+    KPEp[table.long()] = torch.cat([KPE, torch.zeros(-(-L // B) * B - L, dr).to(dtype)]).view(-(-L // B), B, dr)
     sel = torch.tensor(sorted(torch.randperm(L)[:37].tolist()), dtype=torch.int32)
     q = (torch.randn(nh, r + dr) * 0.1).to(dtype)
     scale = (128 + dr) ** -0.5
