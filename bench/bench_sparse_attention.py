@@ -51,11 +51,11 @@ from moe_kernels.dense import NativeLinear  # noqa: E402
 DT = torch.bfloat16
 
 
-def layer_weights(cfg, g: torch.Generator) -> dict:
-    """Layer 0's attention weights at random (std 0.02), packed as the service packs them."""
+def layer_weights(cfg, g: torch.Generator, layer: int = 0) -> dict:
+    """A layer's attention weights at random (std 0.02), packed as the service packs them."""
     H, nh, r, dr = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     dn, dv, qr, ih, idim = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank, cfg.index_heads, cfg.index_dim
-    p = "model.layers.0.self_attn."
+    p = f"model.layers.{layer}.self_attn."
     rnd = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).to(DT)  # noqa: E731
     ones = lambda n: torch.ones(n, dtype=DT)  # noqa: E731
     W = {p + "q_a_proj.weight": NativeLinear(rnd(qr, H), "bf16"), p + "q_a_layernorm.weight": ones(qr),
@@ -66,6 +66,8 @@ def layer_weights(cfg, g: torch.Generator) -> dict:
     W.update({ip + "wq_b.weight": NativeLinear(rnd(ih * idim, qr), "bf16"),
               ip + "wk.weight": NativeLinear(rnd(idim, H), "bf16"), ip + "k_norm.weight": ones(idim),
               ip + "k_norm.bias": torch.zeros(idim, dtype=DT), ip + "weights_proj.weight": rnd(ih, H)})
+    if cfg.index_kpool:  # GLM-5.3-Flash's pools: their gate logits' projection and per-slot bias
+        W.update({ip + "index_kpool_compress_gate": rnd(idim, H), ip + "index_kpool_compress_ape": rnd(cfg.index_kpool, idim)})
     return W
 
 
@@ -135,6 +137,42 @@ def whole_model(a) -> None:
         print(f"| {r['positions']} | {r['sparse tok/s']} | {r['every position tok/s']} | {r['speedup']} |")
 
 
+def kpool(a) -> None:
+    """--glm: GLM-5.3-Flash's DSA layer (a NoPE latent; the k-pool indexer), its decode stage native against torch's."""
+    cfg = parse_config(synth_checkpoint.config_of("glm-5.3-flash", 4, {}))
+    layer = next(L for L in range(cfg.num_layers) if cfg.has_indexer(L) and not cfg.is_linear_attention(L))
+    g = torch.Generator().manual_seed(0)
+    W = layer_weights(cfg, g, layer)
+    inv_freq, rope_scaling = rope_inv_freq(cfg)
+    scale = cfg.qk_nope_head_dim ** -0.5
+    print(f"CPU: {cpu_name()}; native isa {ISA}; {a.threads} threads; GLM-5.3-Flash's DSA layer at full width "
+          f"({cfg.num_heads} heads over a NoPE latent of {cfg.kv_lora_rank}; the indexer's {cfg.index_heads} x "
+          f"{cfg.index_dim} over pools of {cfg.index_kpool} keeping {cfg.index_topk} positions), bf16 model and cache",
+          flush=True)
+    rows = []
+    for L in a.lengths:
+        pool, cache = filled(cfg, L, g, layer)
+        cos, sin = rope_cos_sin(inv_freq, rope_scaling, torch.tensor([L - 1]), DT)
+        x = torch.randn(1, cfg.hidden_size, generator=g).to(DT)
+        p = f"model.layers.{layer}.self_attn."
+        sides = {n: (lambda native=native: mla_attention(cfg, W, p, x, cos, sin, SequenceKV(cache, L - 1, 1), layer,
+                                                          native, scale)) for n, native in (("native", True),
+                                                                                            ("torch", False))}
+        torch.testing.assert_close(sides["native"]().float(), sides["torch"]().float(), rtol=0.05, atol=0.02)
+        per = {n: [] for n in sides}
+        for _ in range(a.rounds):
+            for n, f in sides.items():
+                per[n].append(median_ms(f, a.reps))
+        ms = {n: statistics.median(v) for n, v in per.items()}
+        row = dict(positions=L, **{f"{n} ms": round(v, 2) for n, v in ms.items()},
+                   speedup=round(ms["torch"] / ms["native"], 2))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| positions | torch path ms | native ms | torch / native |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['positions']} | {r['torch ms']} | {r['native ms']} | {r['speedup']}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
@@ -143,11 +181,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", type=pathlib.Path, help="the whole model's decode (see above)")
     ap.add_argument("--weight-format", default="int4", help="--model: the routed experts' format")
+    ap.add_argument("--glm", action="store_true", help="GLM-5.3-Flash's DSA layer instead (see above)")
     a = ap.parse_args()
     native.init_pool(a.threads)
     torch.set_num_threads(a.threads)
     if a.model:
         return whole_model(a)
+    if a.glm:
+        return kpool(a)
     raw = synth_checkpoint.config_of("deepseek-v3.2", 4, {})
     sparse = parse_config(raw)
     dense = dataclasses.replace(sparse, index_topk=0)  # every position kept: MLA's dense attention
