@@ -7,7 +7,9 @@ to torch where the kernel isa has bf16 arithmetic: dense.TORCH_PATHS).
                                 [--format int4]
 
 --format: ours in that packed format (e.g. int8, int4) against torch on the bf16 weights (MOE_PAIR_FROM=0 in the
-environment: AVX-512's prefill without its paired blocks, native/runtime/common.h Tuning).
+environment: AVX-512's prefill without its paired blocks, native/runtime/common.h Tuning). A grid type (iq1s ...
+iq3s: GGUF files only) runs on random valid blocks (the speed does not depend on the values), torch on random bf16
+weights of the same shape.
 
 One JSON line per case, then a table of medians and of per-round ratios (torch time / ours).
 """
@@ -25,7 +27,7 @@ passive_by_default()  # as the GPU service runs: torch's threads do not spin bes
 
 import torch  # noqa: E402
 
-from moe_kernels import dense, native  # noqa: E402
+from moe_kernels import dense, iq_formats, native  # noqa: E402
 from moe_kernels.dense import NativeLinear  # noqa: E402
 
 
@@ -54,7 +56,8 @@ def main() -> None:
     for shape in a.shapes.split(","):
         rows, K = map(int, shape.split("x"))
         w = torch.randn(rows, K) * 0.02
-        lin = NativeLinear(w, a.format, isa=isa)
+        lin = NativeLinear(iq_formats.random_blocks(a.format, rows, K // 256, torch.Generator().manual_seed(0)),
+                           a.format, isa=isa) if a.format in iq_formats.SPECS else NativeLinear(w, a.format, isa=isa)
         wb = w.bfloat16()
         ref = lambda x: torch.nn.functional.linear(x, wb)  # noqa: E731
 
