@@ -12,6 +12,10 @@ iq3s: GGUF files only) runs on random valid blocks (the speed does not depend on
 weights of the same shape.
 
 One JSON line per case, then a table of medians and of per-round ratios (torch time / ours).
+
+--groups G: instead, each shape as G matrices of that shape (DeepSeek-V4's grouped output projection: 8 of 1024 x 4096)
+in one native call (dense.linear_groups) against G NativeLinear calls and their torch.stack (the earlier form),
+interleaved: `python bench/bench_dense.py --groups 8 --shapes 1024x4096 --tokens 1,4 --format int4`.
 """
 from __future__ import annotations
 
@@ -48,10 +52,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=9)
     ap.add_argument("--format", default="bf16", help="our packed format (torch: the bf16 weights)")
+    ap.add_argument("--groups", type=int, default=0, help="G matrices a shape: one grouped call against G calls")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     native.init_pool(a.threads)
     isa = native.best_isa()
+    if a.groups:
+        return groups(a, isa)
     rows_out = []
     for shape in a.shapes.split(","):
         rows, K = map(int, shape.split("x"))
@@ -86,6 +93,26 @@ def main() -> None:
     for r in rows_out:
         print(f"| {r['rows']}x{r['K']} | {r['T']} | {r['ours_ms']} ms | {r['torch_ms']} ms | {r['default_ms']} ms | "
               f"{r['torch_over_ours']}x | {r['torch_over_default']}x |")
+
+
+def groups(a, isa: str) -> None:
+    """--groups: one linear_groups call against G calls, per shape and token count."""
+    print(f"{cpu_name()}, isa {isa}, {a.threads} threads, {a.groups} groups of {a.format}")
+    print("| rows x K | T | G calls | one grouped call | G calls / grouped |\n|---|---|---|---|---|")
+    for shape in a.shapes.split(","):
+        rows, K = map(int, shape.split("x"))
+        parts = [NativeLinear(torch.randn(rows, K) * 0.02, a.format, isa=isa) for _ in range(a.groups)]
+        for T in map(int, a.tokens.split(",")):
+            x = torch.randn(T, a.groups, K).bfloat16()
+            each = lambda x: torch.stack([p(x[:, g].contiguous()) for g, p in enumerate(parts)], dim=1)  # noqa: E731
+            one = lambda x: dense.linear_groups(parts, x)  # noqa: E731
+            assert torch.equal(each(x), one(x))
+            rounds = [(median_ms(each, x, a.calls), median_ms(one, x, a.calls)) for _ in range(a.rounds)]
+            e, o = (statistics.median(r[i] for r in rounds) for i in range(2))
+            ratio = statistics.median(r[0] / r[1] for r in rounds)
+            print(json.dumps({"rows": rows, "K": K, "T": T, "each_ms": round(e, 3), "grouped_ms": round(o, 3),
+                              "each_over_grouped": round(ratio, 2)}), flush=True)
+            print(f"| {rows}x{K} | {T} | {e:.3f} ms | {o:.3f} ms | {ratio:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,12 +61,16 @@ class NativeLinear:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts if p is not None)
 
+    def to_torch(self, x: torch.Tensor) -> bool:
+        """Whether x goes to torch's matmul on this weight (bf16 prefill on a CPU with bf16 arithmetic)."""
+        return self._torch_weight is not None and x.dtype == torch.bfloat16 and x.numel() >= TORCH_FROM_TOKENS * self.K
+
     def __call__(self, x: torch.Tensor, as_float: bool = False) -> torch.Tensor:
         """x [..., K] (any float dtype) -> [..., rows] in x's dtype; as_float: in fp32, the same values (the
         lm_head's logits: one pass where .to(dtype).float() takes two over a vocabulary's floats)."""
         if x.shape[-1] != self.K:
             raise ValueError(f"linear: input has {x.shape[-1]} features, the weight {self.K}")
-        if self._torch_weight is not None and x.dtype == torch.bfloat16 and x.numel() >= TORCH_FROM_TOKENS * self.K:
+        if self.to_torch(x):
             y = torch.nn.functional.linear(x, self._torch_weight)
             return y.float() if as_float else y
         xf = x.reshape(-1, self.K).float().contiguous()
@@ -77,3 +81,19 @@ class NativeLinear:
             return y.view(*x.shape[:-1], self.rows)
         y = y.to(x.dtype).view(*x.shape[:-1], self.rows)
         return y.float() if as_float else y
+
+
+def linear_groups(parts: list[NativeLinear], x: torch.Tensor) -> torch.Tensor:
+    """x [t, G, K] with group g through parts[g] (one shape and format: DeepSeek-V4's grouped output projection) ->
+    [t, G, rows] in x's dtype: one native call for every group (the values of G calls of NativeLinear), or the
+    groups one at a time where they go to torch's matmul."""
+    t, G, K = x.shape
+    if len(parts) != G or any(p.K != K or p.rows != parts[0].rows for p in parts):
+        raise ValueError(f"linear_groups: x {list(x.shape)} does not fit {len(parts)} parts of [{parts[0].rows}, "
+                         f"{parts[0].K}]")
+    if any(p.to_torch(x[:, 0]) for p in parts):
+        return torch.stack([p(x[:, g].contiguous()) for g, p in enumerate(parts)], dim=1)
+    xf = x.float().contiguous()
+    y = torch.empty(t, G, parts[0].rows)
+    native.linear_groups([p.native for p in parts], xf.data_ptr(), y.data_ptr(), t)
+    return y.to(x.dtype)

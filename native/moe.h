@@ -141,6 +141,9 @@ void moe_forward(const MoELayer& l, const float* hidden, const int32_t* ids, con
 
 // Dense layer: y [T, m.rows] fp32 = x [T, m.K] fp32 times matrix 0 of m, transposed (native/kernels/linear.cpp).
 void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, float* y);
+// G matrices of one shape and format (DeepSeek-V4's grouped output projection), x [T, G, K] -> y [T, G, rows]: group g
+// of each token through ms[g], in one pass of the pool (the same values as G linear_forward calls)
+void linear_groups(const Kernels& kn, const Matrix* ms, int G, const float* x, int T, float* y);
 // The KV cache's element type, which may differ from the model's (--kv-cache-dtype: fp16 halves an fp32 model's
 // cache and the bytes decode attention reads). The values are the Python side's codes (moe_kernels/attention.py).
 // I8 and F8 are 8-bit rows (moe_kernels/kv_quant.py): a row of n values is n codes (int8, or fp8 e4m3) and one

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from moe_core.config import ModelConfig
 from moe_kernels import attention as native_attention
+from moe_kernels.dense import linear_groups
 
 from gpu_service.engine.kv_pool import BLOCK
 from gpu_service.model.layers import linear, rms_norm, rope_cos_sin
@@ -47,7 +48,7 @@ class PackedGroups:
 def grouped(o: torch.Tensor, w) -> torch.Tensor:
     """o [t, groups, K] through the grouped projection w ([groups x R, K], or PackedGroups) -> [t, groups, R]."""
     if isinstance(w, PackedGroups):
-        return torch.stack([p(o[:, g].contiguous()) for g, p in enumerate(w.parts)], dim=1)
+        return linear_groups(w.parts, o)
     return torch.einsum("tgk,grk->tgr", o, w.view(o.shape[1], -1, w.shape[-1]).to(o.dtype))
 
 

@@ -390,6 +390,23 @@ void bind_kernels(py::module_& m) {
           py::arg("x"), py::arg("y"), py::arg("T"), py::arg("round_bf16") = false,
           "y [T, rows] fp32 = x [T, K] fp32 times the matrix, transposed (native/kernels/linear.cpp); round_bf16: each "
           "output rounded to bf16 (kept as fp32)");
+  m.def(
+      "linear_groups",
+      [](const std::vector<const BoundLinear*>& parts, uintptr_t x, uintptr_t y, int T) {
+        MOE_CHECK(!parts.empty(), "grouped linear: no groups");
+        std::vector<Matrix> ms;
+        for (const BoundLinear* p : parts) {
+          MOE_CHECK(p->k == parts[0]->k, "grouped linear: the groups' formats or kernel paths differ");
+          ms.push_back(p->m);
+        }
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> g(compute_mutex());
+        linear_groups(*parts[0]->k, ms.data(), int(ms.size()), reinterpret_cast<const float*>(x), T,
+                      reinterpret_cast<float*>(y));
+        release_scratch();
+      },
+      py::arg("parts"), py::arg("x"), py::arg("y"), py::arg("T"),
+      "y [T, G, rows] fp32 = each group g of x [T, G, K] fp32 through parts[g] (one shape and format), in one call");
 }
 
 }  // namespace moe

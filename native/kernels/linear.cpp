@@ -51,4 +51,43 @@ void linear_forward(const Kernels& kn, const Matrix& m, const float* x, int T, f
   });
 }
 
+void linear_groups(const Kernels& kn, const Matrix* ms, int G, const float* x, int T, float* y) {
+  MOE_CHECK(G > 0 && T >= 0, "bad group count");
+  const Matrix& m0 = ms[0];
+  for (int g = 0; g < G; ++g)
+    MOE_CHECK(ms[g].rows == m0.rows && ms[g].K == m0.K && ms[g].Kp == m0.Kp && m0.Kp % 64 == 0,
+              "grouped linear: the groups' matrices differ in shape");
+  if (T == 0) return;
+  const Fmt fmt = kn.fmt;
+  const int R = m0.rows, K = m0.K;
+  ThreadPool& tp = pool();
+  ActBuf& xb = tp.scratch.xb;  // ours alone: the caller holds compute_mutex(); row g T + t: token t's group g
+  xb.resize(fmt, G * T, m0.Kp);
+  tp.parallel_for(G * T, [&](int i) {
+    const int g = i / T, t = i % T;
+    kn.quantize_row(fmt, x + (size_t(t) * G + g) * K, K, xb, i);
+  });
+  const Acts xs = xb.view(nullptr, G * T);
+  const uint8_t* amx = nullptr;  // AMX: each group's tokens in tile layout, 16 a chunk (as linear_forward packs them)
+  const int chunks = (T + 15) / 16;
+  const size_t chunk = kn.amx_tiles && T >= AMX_MIN_SLOTS ? amx_b_bytes(fmt, 16, m0.Kp) : 0;
+  if (chunk) {
+    uint8_t* dst = tp.scratch.amx_space(size_t(G) * chunks * chunk);
+    tp.parallel_for(G * chunks, [&](int i) {
+      const int g = i / chunks, c = i % chunks, at = g * T + c * 16;
+      pack_amx_b(fmt, Acts{xs.rows + at, xs.scale + at}, std::min(16, T - c * 16), m0.Kp, dst + size_t(i) * chunk);
+    });
+    amx = dst;
+  }
+  // each group's rows in blocks as linear_forward's decode splits one matrix: about 2 task_bytes a task
+  const size_t row_bytes = weight_row_bytes(fmt, m0.Kp);
+  const int per = std::max<int>(1, int(std::min<size_t>(R, (2 * tuning().task_bytes + row_bytes - 1) / row_bytes)));
+  const int b = (per + 63) / 64 * 64, nb = (R + b - 1) / b;
+  tp.parallel_for(G * nb, [&](int i) {
+    const int g = i / nb, j = i % nb;
+    const Acts xg{xs.rows + size_t(g) * T, xs.scale + size_t(g) * T, amx ? amx + size_t(g) * chunks * chunk : nullptr};
+    gemm_rows(kn, ms[g], 0, j * b, std::min(R, (j + 1) * b), xg, T, y + size_t(g) * R, size_t(G) * R);
+  });
+}
+
 }  // namespace moe

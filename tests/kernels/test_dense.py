@@ -101,6 +101,31 @@ def test_bf16_prefill_goes_to_torch_on_the_packed_rows(monkeypatch, path):
     assert NativeLinear(w, "int8", isa=path)._torch_weight is None
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T", [1, 3, 20])  # 20: AMX's tile chunks of 16 tokens, a short second one
+def test_grouped_linear_is_each_group_on_its_own(fmt, isa, T):
+    """linear_groups (DeepSeek-V4's grouped output projection in one native call): each group's rows the same bits as
+    its own NativeLinear call."""
+    from moe_kernels.dense import linear_groups
+    torch.manual_seed(1)
+    if isa == "amx-emulated":
+        native.set_amx_emulation(True)
+        isa = "amx"
+    parts = [NativeLinear(torch.randn(200, 256) * 0.05, fmt, isa=isa) for _ in range(3)]
+    x = torch.randn(T, 3, 256)
+    got = linear_groups(parts, x)
+    assert got.shape == (T, 3, 200) and got.dtype == torch.float32
+    assert all(torch.equal(got[:, g], p(x[:, g].contiguous())) for g, p in enumerate(parts))
+    xb = x.bfloat16()
+    assert all(torch.equal(linear_groups(parts, xb)[:, g], p(xb[:, g].contiguous())) for g, p in enumerate(parts))
+    with pytest.raises(ValueError, match="does not fit"):
+        linear_groups(parts, torch.randn(T, 2, 256))
+    with pytest.raises(ValueError, match="formats or kernel paths differ"):
+        native.linear_groups([parts[0].native, NativeLinear(torch.randn(200, 256), "int8" if fmt != "int8" else "int4",
+                                                             isa=isa).native], x.data_ptr(), x.data_ptr(), T)
+
+
 def test_linear_keeps_leading_dims_and_checks_width():
     lin = NativeLinear(torch.randn(32, 64), "bf16")
     assert lin(torch.randn(2, 3, 64)).shape == (2, 3, 32)
