@@ -90,3 +90,27 @@ def teacher_forced(model, experts, prompts: list[list[int]], feed: list[int], na
         model.forward([Segment(c, torch.tensor(p), 0)], experts)
     return [model.forward([Segment(c, torch.tensor([tok]), len(p) + i) for c, p in zip(caches, prompts)], experts)
             for i, tok in enumerate(feed)]
+
+
+
+def native_against_torch(model_dir, refs: dict, counted: tuple[str, ...], monkeypatch):
+    """refs' 70- and 21-token prompts prefilled, then N_NEW tokens decoded by both in each step (teacher-forced), on
+    the torch path and on the native kernels, the model's dense layers on torch's fp32 matmuls (the native ones round
+    activations to bf16, where a one-ulp flip would hide what this compares) -> (the torch path's logits, the native
+    path's, the names of the `counted` moe_kernels.attention functions in the order the native path called them)."""
+    import moe_kernels.attention as kernels
+    from gpu_service.experts.local import LocalExperts
+    from gpu_service.model.model import Model
+    from moe_core.checkpoint import Checkpoint
+    from moe_core.config import load_config
+    from moe_experts.store import load_expert_layers
+
+    cfg, ckpt = load_config(model_dir), Checkpoint(model_dir)
+    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32)
+    experts = LocalExperts(load_expert_layers(cfg, ckpt, "fp32", 1))
+    calls: list[str] = []
+    for name in counted:
+        monkeypatch.setattr(kernels, name, lambda *a, f=getattr(kernels, name), n=name, **k: calls.append(n) or f(*a, **k))
+    prompts, feed = [refs[70][0], refs[21][0]], prompt_of(N_NEW, 9)
+    torch_path, calls[:] = teacher_forced(model, experts, prompts, feed, False), []
+    return torch_path, teacher_forced(model, experts, prompts, feed, True), calls

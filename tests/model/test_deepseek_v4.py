@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tiny_models
-from engine_runs import (N_NEW, collect, deferred_both_ways, prompt_of, reference, submit, teacher_forced,
+from engine_runs import (N_NEW, collect, deferred_both_ways, native_against_torch, prompt_of, reference, submit,
                          twice_with_a_prefix_cache)
 from gpu_service.engine.kv_pool import BLOCK, KVPool
 from gpu_service.model import compressed_attention, hyper_connections
@@ -164,22 +164,9 @@ def test_native_decode_indexer_is_the_torch_path(v4, monkeypatch):
     """Decode's CSA indexer on DeepSeek Sparse Attention's native kernels (its scores over every fourth row of the
     pool's blocks, the top k) gives the torch path's logits, two sequences of different lengths in each step,
     teacher-forced."""
-    import moe_kernels.attention as kernels
-    from gpu_service.experts.local import LocalExperts
-    from gpu_service.model.model import Model
-    from moe_core.checkpoint import Checkpoint
-    from moe_experts.store import load_expert_layers
-
     d, refs = v4
     cfg = load_config(d)
-    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
-    experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
-    calls = []
-    for name in ("dsa_scores", "dsa_top_k"):
-        monkeypatch.setattr(kernels, name, lambda *a, f=getattr(kernels, name), n=name, **k: calls.append(n) or f(*a, **k))
-    prompts, feed = [refs[70][0], refs[21][0]], prompt_of(N_NEW, 9)
-    torch_path, calls[:] = teacher_forced(model, experts, prompts, feed, False), []
-    native_path = teacher_forced(model, experts, prompts, feed, True)
+    torch_path, native_path, calls = native_against_torch(d, refs, ("dsa_scores", "dsa_top_k"), monkeypatch)
     csa = sum(cfg.csa(L) for L in range(cfg.num_layers))
     # (the 21-token prompt's first steps see at most index_topk entries: no indexer)
     assert calls.count("dsa_scores") == calls.count("dsa_top_k") >= csa * (N_NEW + N_NEW - 3)

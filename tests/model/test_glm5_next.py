@@ -13,16 +13,12 @@ import pytest
 import torch
 
 import tiny_models
-from engine_runs import (N_NEW, collect, deferred_both_ways, prompt_of, reference, submit, teacher_forced,
+from engine_runs import (N_NEW, collect, deferred_both_ways, native_against_torch, prompt_of, reference, submit,
                          twice_with_a_prefix_cache)
 from gpu_service.engine.kv_pool import BLOCK, KVPool
-from gpu_service.experts.local import LocalExperts
 from gpu_service.model.attention import kind
-from gpu_service.model.model import Model
 from harness import greedy, local_engine
-from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config, parse_config
-from moe_experts.store import load_expert_layers
 from moe_kernels import ISA, SIMD_ISAS
 
 
@@ -79,22 +75,10 @@ def test_a_prefix_cache_hit_takes_the_kept_state(glm):
 def test_native_decode_is_the_torch_path(glm, monkeypatch):
     """Decode on the native kernels (the indexer's scores over the pools' keys, the top k pools, the NoPE latent
     attention over the selection and the query's unfinished pool; the shared layer on its full layer's pick) gives the
-    torch path's logits, two sequences of different lengths in each step, teacher-forced (the dense layers on torch's
-    fp32 matmuls, as test_sparse_attention's)."""
-    import moe_kernels.attention as kernels
-
+    torch path's logits, two sequences of different lengths in each step (engine_runs.native_against_torch)."""
     d, refs = glm
     cfg = load_config(d)
-    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
-    experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
-    calls = []
-    for name in ("dsa_scores", "mla_paged_attention"):
-        monkeypatch.setattr(kernels, name, lambda *a, f=getattr(kernels, name), n=name, **k: calls.append(n) or f(*a, **k))
-    prompts = [refs[70][0], refs[21][0]]
-    feed = prompt_of(N_NEW, 9)
-
-    torch_path, calls[:] = teacher_forced(model, experts, prompts, feed, False), []
-    native_path = teacher_forced(model, experts, prompts, feed, True)
+    torch_path, native_path, calls = native_against_torch(d, refs, ("dsa_scores", "mla_paged_attention"), monkeypatch)
     dsa = [L for L in range(cfg.num_layers) if kind(cfg, L) == "dsa"]
     assert calls.count("dsa_scores") == sum(cfg.has_indexer(L) for L in dsa) * 2 * N_NEW
     assert calls.count("mla_paged_attention") == len(dsa) * 2 * N_NEW

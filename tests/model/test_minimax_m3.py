@@ -10,17 +10,13 @@ import pytest
 import torch
 
 import tiny_models
-from engine_runs import (N_NEW, collect, deferred_both_ways, prompt_of, reference, submit, teacher_forced,
+from engine_runs import (N_NEW, collect, deferred_both_ways, native_against_torch, prompt_of, reference, submit,
                          twice_with_a_prefix_cache)
 from gpu_service.engine.kv_pool import BLOCK, KVPool
 from gpu_service.model import attention
-from gpu_service.experts.local import LocalExperts
 from gpu_service.model.attention import block_select, kind, selected_positions
-from gpu_service.model.model import Model
 from harness import greedy, local_engine
-from moe_core.checkpoint import Checkpoint
 from moe_core.config import ModelConfigError, load_config, parse_config
-from moe_experts.store import load_expert_layers
 from moe_kernels import ISA, SIMD_ISAS
 
 
@@ -125,20 +121,10 @@ def test_native_decode_is_the_torch_path(m3, monkeypatch):
     """Decode on the native kernels (each indexer head's scores over the pool, the blocks picked, each KV head's
     attention over its blocks' positions) gives the torch path's logits, two sequences of different lengths in each
     step, teacher-forced."""
-    import moe_kernels.attention as kernels
-
     d, refs = m3
     cfg = load_config(d)
-    model = Model(cfg, Checkpoint(d), torch.device("cpu"), torch.float32)
-    experts = LocalExperts(load_expert_layers(cfg, Checkpoint(d), "fp32", 1))
-    calls = []
-    for name in ("head_scores", "paged_decode_attention"):
-        monkeypatch.setattr(kernels, name, lambda *a, f=getattr(kernels, name), n=name, **k: calls.append(n) or f(*a, **k))
-    prompts = [refs[70][0], refs[21][0]]
-    feed = prompt_of(N_NEW, 9)
-
-    torch_path, calls[:] = teacher_forced(model, experts, prompts, feed, False), []
-    native_path = teacher_forced(model, experts, prompts, feed, True)
+    torch_path, native_path, calls = native_against_torch(d, refs, ("head_scores", "paged_decode_attention"),
+                                                          monkeypatch)
     sparse = sum(cfg.block_sparse(L) for L in range(cfg.num_layers))
     assert calls.count("head_scores") == sparse * 2 * N_NEW
     assert calls.count("paged_decode_attention") == sparse * 2 * N_NEW  # (head dim 16: full layers on torch)
