@@ -35,12 +35,6 @@ constexpr int IQ_FIELD[7][4] = {{4, 4, 0, 0}, {8, 1, 0, 0}, {4, 4, 1, 1}, {8, 4,
 constexpr int IQ_SFIELD[7][2] = {{2, 0}, {2, 0}, {2, 0}, {2, 0}, {2, 4}, {2, 0}, {8, 0}};
 #define MOE_IQ_INLINE __attribute__((always_inline)) inline constexpr  // (into every target's kernels)
 MOE_IQ_INLINE int iq_field(int t, int f) { return IQ_FIELD[t][f]; }
-MOE_IQ_INLINE bool iq_m32(int t) { return t == IQ2XXS || t == IQ3XXS || t == IQ3S || t == IQ1S; }  // one m a 32
-// two grid entries (IQ2_*, IQ1_*: 8 bytes each) by scalar loads, at the low and the high dword of v: the SIMD kernels
-// look their 8 (AVX2: 4) entries up this way, a vpgatherdq being slower (docs/performance/kernels.md, 2026-12-07)
-__attribute__((always_inline)) inline __m128i iq_pair128(const uint64_t* grid, uint64_t v) {
-  return _mm_set_epi64x(int64_t(grid[v >> 32]), int64_t(grid[uint32_t(v)]));
-}
 MOE_IQ_INLINE int iq_sfield(int t, int f) { return IQ_SFIELD[t][f]; }
 MOE_IQ_INLINE int iq_field_at(int t, int f) {
   return (f > 0 ? IQ_FIELD[t][0] : 0) + (f > 1 ? IQ_FIELD[t][1] : 0) + (f > 2 ? IQ_FIELD[t][2] : 0) +
@@ -51,6 +45,12 @@ MOE_IQ_INLINE int iq_data_bytes(int t) { return 8 * iq_field_at(t, 4); }  // a r
 MOE_IQ_INLINE int iq_scale_bytes(int t) { return IQ_SFIELD[t][0] + IQ_SFIELD[t][1]; }
 // d's power of two: IQ2_*: d (ls + 1/2) / 4 = d (2 ls + 1) / 8; IQ3_XXS: / 4; IQ3_S: d (2 ls + 1); IQ1_*: the delta 1/8
 MOE_IQ_INLINE float iq_unit(int t) { return t == IQ3XXS ? 0.25f : t == IQ3S ? 1.f : 0.125f; }
+MOE_IQ_INLINE bool iq_m32(int t) { return t == IQ2XXS || t == IQ3XXS || t == IQ3S || t == IQ1S; }  // one m a 32
+// two grid entries (IQ2_*, IQ1_*: 8 bytes each) by scalar loads, at the low and the high dword of v: the SIMD kernels
+// look their 8 (AVX2: 4) entries up this way, a vpgatherdq being slower (docs/performance/kernels.md, 2026-12-07)
+__attribute__((always_inline)) inline __m128i iq_pair128(const uint64_t* grid, uint64_t v) {
+  return _mm_set_epi64x(int64_t(grid[v >> 32]), int64_t(grid[uint32_t(v)]));
+}
 
 // where a block of n rows keeps a 256's field f of its 32-group h (the block's rows side by side from there)
 __attribute__((always_inline)) inline size_t iq_field_off(int t, int n, int g, int f, int h) {

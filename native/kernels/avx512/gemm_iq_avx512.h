@@ -1,8 +1,8 @@
 // GGUF's grid types as stored (kernels/gemm_iq.h) on AVX-512 VNNI: 8 rows at a time, each group of 8 weights one
-// lookup of the 8 rows' grid entries (qword r: row r's 8 weights; IQ3: a gather of 16 dword halves), its signs a 64-bit mask
-// (byte r: row r's 8 signs) applied while biasing by 64, then one vpdpbusd a token against the 8 activations
-// broadcast to every qword. Lanes 2r and 2r + 1 hold row r's two halves of each 8 until the 256's sum, where they are
-// added in int32 before d: the same integers as the reference.
+// lookup of the 8 rows' grid entries (qword r: row r's 8 weights; IQ3: a gather of 16 dword halves), its signs a
+// 64-bit mask (byte r: row r's 8 signs) applied while biasing by 64, then one vpdpbusd a token against the 8
+// activations broadcast to every qword. Lanes 2r and 2r + 1 hold row r's two halves of each 8 until the 256's sum,
+// where they are added in int32 before d: the same integers as the reference.
 #pragma once
 
 #include "kernels/gemm_iq.h"
