@@ -14,6 +14,10 @@ it meets.
 
     python bench/bench_sparse_attention.py [--lengths 2048 8192 32768] [--rounds 3] [--reps 5] [--threads 2]
 
+--glm: GLM-5.3-Flash's DSA layer instead (64 heads over a NoPE latent of 512; the k-pool indexer's 32 heads of 128 over
+pools of 16 keys, keeping 2048 positions), its decode stage on the native kernels against the same stage on torch's
+path (the pools' keys gathered and sorted, the latent attention over every gathered row, masked), interleaved.
+
 --model DIR (a DeepSeek Sparse Attention checkpoint, e.g. `tools/synth_checkpoint.py --arch deepseek-v3.2 --layers 4`):
 the whole model's decode instead, one process (its dense layers as `--dense-format auto` packs them, its routed
 experts in --weight-format in this process, as `--experts local` runs them), one sequence whose every layer's cache
