@@ -71,7 +71,8 @@ def layer_weights(cfg, g: torch.Generator, layer: int = 0) -> dict:
               ip + "wk.weight": NativeLinear(rnd(idim, H), "bf16"), ip + "k_norm.weight": ones(idim),
               ip + "k_norm.bias": torch.zeros(idim, dtype=DT), ip + "weights_proj.weight": rnd(ih, H)})
     if cfg.index_kpool:  # GLM-5.3-Flash's pools: their gate logits' projection and per-slot bias
-        W.update({ip + "index_kpool_compress_gate": rnd(idim, H), ip + "index_kpool_compress_ape": rnd(cfg.index_kpool, idim)})
+        W.update({ip + "index_kpool_compress_gate": rnd(idim, H),
+                  ip + "index_kpool_compress_ape": rnd(cfg.index_kpool, idim)})
     return W
 
 

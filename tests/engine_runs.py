@@ -92,7 +92,6 @@ def teacher_forced(model, experts, prompts: list[list[int]], feed: list[int], na
             for i, tok in enumerate(feed)]
 
 
-
 def native_against_torch(model_dir, refs: dict, counted: tuple[str, ...], monkeypatch):
     """refs' 70- and 21-token prompts prefilled, then N_NEW tokens decoded by both in each step (teacher-forced), on
     the torch path and on the native kernels, the model's dense layers on torch's fp32 matmuls (the native ones round
