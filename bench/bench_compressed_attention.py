@@ -16,6 +16,7 @@ ceilings: its multiply-adds at the fp32 FMA peak (native.fma_peak_flops) and its
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import pathlib
@@ -32,7 +33,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
 import synth_checkpoint  # noqa: E402
 
-from gpu_service.engine.kv_pool import BLOCK, KVPool, SeqCache  # noqa: E402
+from gpu_service.engine.kv_pool import BLOCK, KVPool, SeqCache, block_bytes  # noqa: E402
 from gpu_service.model import compressed_attention as ca  # noqa: E402
 from gpu_service.model.attention import SequenceKV  # noqa: E402
 from gpu_service.model.layers import rope_cos_sin, rope_inv_freq  # noqa: E402
@@ -61,6 +62,28 @@ def layer_weights(cfg, L: int, g: torch.Generator) -> dict:
     return W
 
 
+def state(cfg, L: int, start: int, g: torch.Generator) -> tuple:
+    """Layer L's state (SeqCache.states) of a sequence at `start` positions, random: the window's keys, the kept
+    compressor rows."""
+    st = [torch.randn(min(start, cfg.sliding_window - 1), cfg.head_dim, generator=g).to(DT)]
+    rate = cfg.compress_rates[L]
+    for d, on in ((cfg.head_dim, rate), (cfg.index_dim, cfg.csa(L))):
+        if on:
+            rows, width = start - ca.first_open(start, rate, int(cfg.csa(L))), (2 if cfg.csa(L) else 1) * d
+            st += [torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)]
+    return tuple(st)
+
+
+def cache_bytes() -> str:
+    """The published DeepSeek-V4-Flash's (43 layers) cache: the pool's bytes a position and a sequence's states."""
+    cfg = parse_config(synth_checkpoint.config_of("deepseek-v4-flash", None, {}))
+    per_pos = block_bytes(cfg, DT) / BLOCK
+    kinds = collections.Counter(cfg.layer_types)
+    return (f"published config ({cfg.num_layers} layers: {dict(kinds)}), bf16: the pool {per_pos / 1024:.2f} KiB a "
+            f"position ({per_pos * 2**20 / 2**30:.2f} GiB at 1M), a sequence's states at most "
+            f"{ca.state_bytes(cfg, DT) / 2**20:.1f} MiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 32768])
@@ -79,6 +102,7 @@ def main() -> None:
     print(f"CPU: {cpu_name()}; native isa {ISA} (torch's bf16 matmuls, the indexer native); {a.threads} threads; "
           f"DeepSeek-V4-Flash CSA and HCA layers at full width, bf16 model and cache; fp32 FMA peak "
           f"{peak / 1e9:.0f} GFLOP/s", flush=True)
+    print(cache_bytes(), flush=True)
     nh, D, Hi, Di, k, win = comp.num_heads, comp.head_dim, comp.index_heads, comp.index_dim, comp.index_topk, \
         comp.sliding_window
     rows = []
@@ -90,21 +114,24 @@ def main() -> None:
             pool = KVPool(cfg, DT, torch.device("cpu"), -(-(L + 1) // BLOCK) + 1)
             cache = SeqCache(pool)
             cache.reserve(L + 1)
-            for bufs in pool.bufs:
+            for bufs in pool.bufs:  # the entries
                 for buf in bufs:
                     buf.normal_(generator=g)
+            cache.states = [state(cfg, layer, L, g) for layer in range(cfg.num_layers)]
             caches[name] = (cfg, cache)
         cos, sin = rope_cos_sin(W[ca.ROPE], 1.0, torch.tensor([L]), DT)
         x = torch.randn(1, comp.hidden_size, generator=g).to(DT)
         qr = torch.randn(1, comp.q_lora_rank, generator=g).to(DT)
         q = torch.randn(1, nh, D, generator=g).to(DT)
+        key = torch.randn(1, D, generator=g).to(DT)
 
         def part(name: str, layer: int, whole: bool):
             cfg, cache = caches[name]
             p, w = f"model.layers.{layer}.attn.", weights[name]
             if whole:
                 return lambda: ca.compressed_attention(cfg, w, p, x, cos, sin, SequenceKV(cache, L, 1), layer, True)
-            return lambda: ca.attend(cfg, w, p, x, qr, q, cos, sin, cache, layer, L, True)
+            K = torch.cat([cache.states[layer][0], key])  # the window's keys
+            return lambda: ca.attend(cfg, w, p, x, qr, q, cos, sin, cache, layer, L, K, True)
         parts = {f"{n} {kind} {what}": part(n, layer, what == "stage") for n in ("compressed", "dense")
                  for layer, kind in ((0, "CSA"), (1, "HCA")) for what in ("attention", "stage")}
         per = {n: [] for n in parts}

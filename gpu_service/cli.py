@@ -28,6 +28,7 @@ from gpu_service.experts import hot, gpu_prefill
 from gpu_service.model.model import DTYPES, Model, compute_dtype, dense_format, pick_device
 from gpu_service.api.reasoning import PARSERS as REASONING_PARSERS
 from gpu_service.engine.kv_pool import BLOCK, KVPool, block_bytes
+from gpu_service.model.compressed_attention import state_bytes
 from gpu_service.api.tool_formats import PARSERS as TOOL_PARSERS
 from gpu_service.api.grpc_api import GenerateServicer, prompt_bytes_limit
 from gpu_service.api.text import TextCodec
@@ -199,9 +200,11 @@ def check_args(args, cfg) -> tuple[torch.device, torch.dtype, torch.dtype, str |
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # --kv-cache-dtype's 8-bit rows (moe_kernels/kv_quant.py)
 
 
-def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: int) -> tuple[KVPool, int]:
+def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: int,
+            compute: torch.dtype = torch.float32) -> tuple[KVPool, int]:
     """--kv-cache-gb and --prefix-cache-gb resolved, after loading (CUDA's free memory is known then) -> (the pool
-    of `dtype` elements, the context limit it holds: --max-context, or without it what the pool holds if less)."""
+    of `dtype` elements, the context limit it holds: --max-context, or without it what the pool holds if less).
+    compute: the model's dtype (DeepSeek-V4's window states hold its keys in it)."""
     per_block = block_bytes(cfg, dtype)
     want = args.max_batch * -(-max_context // BLOCK) * per_block
     if args.kv_cache_gb is not None:
@@ -224,6 +227,10 @@ def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: in
     log.info("KV pool: %d blocks of %d tokens (%s, %.1f KiB a token, %.2f GiB, %.1f requests of %d tokens), prefix "
              "cache up to %.2f GiB", blocks, BLOCK, str(dtype).replace("torch.", ""), per_block / BLOCK / 1024,
              blocks * per_block / 2**30, blocks * BLOCK / max_context, max_context, prefix / 2**30)
+    if cfg.attention == "compressed":  # DeepSeek-V4: the pool holds the entries; windows are each sequence's own
+        log.info("DeepSeek-V4's windows: up to %.1f MiB of state a sequence beside the pool (%.2f GiB at --max-batch "
+                 "%d), and a snapshot of it where a prefix hit may start", state_bytes(cfg, compute) / 2**20,
+                 args.max_batch * state_bytes(cfg, compute) / 2**30, args.max_batch)
     metrics.KV_POSITION_BYTES.set(per_block / BLOCK)
     return KVPool(cfg, dtype, device, blocks, prefix, int(args.prefix_cache_host_gb * 2**30) if prefix else 0), max_context
 
@@ -308,7 +315,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         server_info.transport = transport = "local"
         step_tokens, experts_up, watchers = args.max_step_tokens, (lambda: True), []
         expert_desc = (fmt, kernel_path(fmt))
-        pool, max_context = kv_pool(args, cfg, device, kv_dtype, max_context)
+        pool, max_context = kv_pool(args, cfg, device, kv_dtype, max_context, dtype)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
                         kv_pool=pool, namespace=namespace(fp, dtype, kv_dtype, dense, expert_desc))
         await svc.serving(True)
@@ -340,7 +347,7 @@ async def serve(args, stop: asyncio.Event) -> None:
         step_tokens = min([args.max_step_tokens] + [i.max_tokens for i in infos if i.max_tokens])
         health = ExpertHealth(remotes, on_change=svc.serving)
         expert_desc = (infos[0].weight_format, infos[0].kernel_path)
-        pool, max_context = kv_pool(args, cfg, device, kv_dtype, max_context)
+        pool, max_context = kv_pool(args, cfg, device, kv_dtype, max_context, dtype)
         engine = Engine(model, experts, text, args.max_batch, max_context, step_tokens=step_tokens,
                         expert_wait=args.expert_wait, experts_ready=health.up, experts_why=health.why_down,
                         kv_pool=pool, namespace=namespace(fp, dtype, kv_dtype, dense, expert_desc))

@@ -9,10 +9,12 @@ Layout (the native decode step reads it as it is; agree any change with native/k
   consecutive: allocation takes the lowest free ids), read as the contiguous cache was;
   MiniMax-M3's sparse layers a third, its block indexer's key [1, blocks, BLOCK, index dim];
 - MLA: the latent [blocks, BLOCK, kv_lora_rank] and the rotary key [blocks, BLOCK, rope dim];
-- DeepSeek-V4 as GQA of one head: the key (= value), and in compressed layers the compressors' per-position rows and
-  their entries at the positions closing their windows (compressed_attention.py);
+- DeepSeek-V4: only what grows with the context, a compressed layer's entries (and a CSA layer's indexer's), each in
+  the block holding its window's last position, at slot (that position % BLOCK) // rate of `entry_slots(rate)` a block
+  [1, blocks, slots, dim]; a window-only layer has no buffers. The window's keys and the open windows' compressor rows
+  are a fixed-size state a sequence (compressed_attention.py);
 - linear-attention layers (Qwen3-Next's DeltaNet) have no blocks: their fixed-size state lives with the sequence
-  (SeqCache.states) and is snapshotted at block boundaries for reuse;
+  (SeqCache.states) and is snapshotted at block boundaries for reuse, as DeepSeek-V4's states are;
 - an 8-bit cache (--kv-cache-dtype int8 / fp8) holds each row of n values as n codes and its scale byte
   (moe_kernels/kv_quant.py): the buffers' last dim is n + 1, of one byte elements; written quantized, read back
   by torch's paths dequantized (gather's dtype), by the native kernels in place;
@@ -23,7 +25,7 @@ Layout (the native decode step reads it as it is; agree any change with native/k
 A block is free, used (referenced by one or more sequences: a shared prefix is referenced, never copied), or
 cached (unreferenced, holding a full block of a known token chain: prefix_cache.py's hash). Allocation takes a
 free block (the lowest id: the resident set stays compact on the CPU, where the pool is allocated but only
-touched pages are resident), else evicts the least recently used cached one. Cached blocks and linear-attention
+touched pages are resident), else evicts the least recently used cached one. Cached blocks and state
 snapshots beyond the prefix budget are evicted at once. A block in use is never evicted, and positions below a
 sequence's length are never written again (writes go at and past it, into blocks no one else holds), so an
 eviction never changes an answer: a miss recomputes the same positions.
@@ -63,13 +65,15 @@ class KVPool:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
                  prefix_bytes: int = 0, host_bytes: int = 0):
         """num_blocks: the pool's size (at least one block); prefix_bytes: most bytes of cached blocks and
-        linear-attention snapshots kept for reuse (0: no prefix caching); host_bytes: the host tier's size (pinned
+        state snapshots kept for reuse (0: no prefix caching); host_bytes: the host tier's size (pinned
         when the pool is on CUDA)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.cfg, self.dtype, self.device, self.num_blocks = cfg, dtype, device, num_blocks
         self.mla = cfg.attention == "mla"
-        self.linear = any(cfg.is_linear_attention(L) for L in range(cfg.num_layers))
+        # whether sequences carry states besides their blocks (linear attention's, DeepSeek-V4's windows): a prefix
+        # hit then needs a kept state too (prefix_cache.py)
+        self.stateful = cfg.attention == "compressed" or any(cfg.is_linear_attention(L) for L in range(cfg.num_layers))
         # one block more than the pool gives out: `spare`, which a graphed decode step's padding rows write into
         # (cuda_graphs.py)
         self.spare = num_blocks
@@ -210,9 +214,9 @@ class KVPool:
     def lookup(self, h: bytes) -> int | None:
         return self.by_hash.get(h)
 
-    # -- linear-attention states ----------------------------------------------------------------
+    # -- states (linear attention's, DeepSeek-V4's windows) -------------------------------------
     def keep_states(self, h: bytes, states: list) -> None:
-        """The linear-attention layers' states after the block whose chain is h (tensors replaced, never changed
+        """The layers' states after the block whose chain is h (tensors replaced, never changed
         in place, so holding them is the snapshot)."""
         if not self.caching or h in self.snaps:
             return
@@ -257,13 +261,18 @@ class KVPool:
         metrics.PREFIX_BYTES.set(self.cached_bytes())
 
 
+def entry_slots(rate: int) -> int:
+    """DeepSeek-V4: the entries of windows of `rate` positions a block can hold (those closing in it)."""
+    return -(-BLOCK // rate)
+
+
 def _rows(cfg: ModelConfig, L: int, rows: int) -> list[tuple[tuple, int]]:
     """Layer L's buffers (not a linear-attention one's): each as (its leading dims, values a row)."""
-    if cfg.attention == "compressed":  # DeepSeek-V4 (compressed_attention.py): the key (= value); a compressed layer's
-        # compressor kv, gate (CSA: two series each) and entries; a CSA layer's indexer's three
-        d, di, c = cfg.head_dim, cfg.index_dim, 2 if cfg.csa(L) else 1
-        widths = [d] + ([c * d, c * d, d] if cfg.compress_rates[L] else []) + ([2 * di, 2 * di, di] if cfg.csa(L) else [])
-        return [((1, rows, BLOCK), n) for n in widths]
+    if cfg.attention == "compressed":  # DeepSeek-V4 (compressed_attention.py): a compressed layer's entries, a CSA
+        # layer's indexer's too; no per-position rows (its window and open windows are the sequence's state)
+        rate = cfg.compress_rates[L]
+        widths = ([cfg.head_dim] if rate else []) + ([cfg.index_dim] if cfg.csa(L) else [])
+        return [((1, rows, entry_slots(rate)), n) for n in widths]
     if cfg.attention == "mla":  # the latent, the rotary key, DeepSeek Sparse Attention's indexer key where it has one
         return [((rows, BLOCK), cfg.kv_lora_rank), ((rows, BLOCK), cfg.qk_rope_head_dim)] + \
             ([((rows, BLOCK), cfg.index_dim)] if cfg.has_indexer(L) else []) + \
@@ -298,11 +307,11 @@ def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one block over every attention layer (an 8-bit cache's scales included)."""
-    def per_pos(L: int) -> int:
+    def per_block(L: int) -> int:
         if cfg.is_linear_attention(L):
             return 0
-        return sum(math.prod(lead[:-2]) * kv_quant.row_width(dtype, n) for lead, n in _rows(cfg, L, 1))
-    return BLOCK * sum(map(per_pos, range(cfg.num_layers))) * torch.empty(0, dtype=dtype).element_size()
+        return sum(math.prod(lead) * kv_quant.row_width(dtype, n) for lead, n in _rows(cfg, L, 1))
+    return sum(map(per_block, range(cfg.num_layers))) * torch.empty(0, dtype=dtype).element_size()
 
 
 def read(rows: torch.Tensor, pool_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.Tensor:
@@ -313,8 +322,8 @@ def read(rows: torch.Tensor, pool_dtype: torch.dtype, dtype: torch.dtype | None)
 
 
 class SeqCache:
-    """One sequence's cache: its block table into the pool, the ids it holds (for the prefix chain), and the
-    linear-attention layers' states.
+    """One sequence's cache: its block table into the pool, the ids it holds (for the prefix chain), and its layers'
+    states (linear attention's; DeepSeek-V4's windows).
 
     A state is replaced, not appended to, so a step stages its new states and `commit` installs them once the
     whole forward pass is done: a step that fails half way (and is retried) leaves the sequence as it was, as KV
@@ -330,8 +339,8 @@ class SeqCache:
         self.hashes: list[bytes] = []  # the chain of each full block (prefix_cache.py)
         self.states: list[tuple[torch.Tensor, ...] | None] = [None] * pool.cfg.num_layers  # as of `length`
         self.staged: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.aligned: tuple[bytes, list] | None = None  # linear attention: the states at the last full block
-        self.keep_at = 0  # linear attention: keep the states when the length reaches this block boundary
+        self.aligned: tuple[bytes, list] | None = None  # a stateful pool's: the states at the last full block
+        self.keep_at = 0  # a stateful pool's: keep the states when the length reaches this block boundary
 
     # -- blocks ---------------------------------------------------------------------------------
     def reserve(self, end: int) -> bool:
@@ -394,6 +403,12 @@ class SeqCache:
             else:
                 buf[:, blk, off] = x.transpose(0, 1).to(buf.dtype)
 
+    def put(self, layer: int, which: int, blocks: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Store rows x [n, dim] in the layer's buffer `which` (one of a single head, [1, blocks, slots, dim]) at
+        (block id, slot) pairs: DeepSeek-V4's entries."""
+        buf, x = stored(self.pool.bufs[layer][which], x)
+        buf[0, blocks, slots] = x.to(buf.dtype)
+
     def consecutive(self) -> bool:
         """Whether the blocks are consecutive ids (then gather gives views, which the contiguous kernels read)."""
         if self._index is None:
@@ -401,6 +416,11 @@ class SeqCache:
             self._index = (torch.tensor(ids, dtype=torch.long, device=self.pool.device),
                            all(b == a + 1 for a, b in zip(ids, ids[1:])))
         return self._index[1]
+
+    def block_ids(self) -> torch.Tensor:
+        """The block table as a long tensor on the pool's device (for indexing the buffers)."""
+        self.consecutive()
+        return self._index[0]
 
     def gather(self, layer: int, end: int, begin: int = 0, dtype: torch.dtype | None = None,
                only: tuple[int, ...] | None = None) -> list[torch.Tensor]:
@@ -428,7 +448,7 @@ class SeqCache:
                 out.append(rows.reshape(buf.shape[0], -1, buf.shape[-1])[:, lo:lo + n])
         return [read(x, self.pool.dtype, dtype) for x in out]
 
-    # -- linear-attention states and the step's end -----------------------------------------------
+    # -- states and the step's end --------------------------------------------------------------
     def stage(self, layer: int, *state: torch.Tensor) -> None:
         self.staged[layer] = state
 
@@ -441,7 +461,7 @@ class SeqCache:
         self.tokens += tokens
         self.length = length
         self._name_full_blocks()
-        if self.pool.linear and self.pool.caching and length % BLOCK == 0 and self.hashes:
+        if self.pool.stateful and self.pool.caching and length % BLOCK == 0 and self.hashes:
             if length == self.keep_at:
                 self.pool.keep_states(self.hashes[-1], self.states)
             else:

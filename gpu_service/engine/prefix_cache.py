@@ -10,7 +10,8 @@ turn hits the previous answer); a lookup walks the new prompt's chain while the 
 them (no copy; from the host tier, kv_pool.py, by a copy back). The prompt's last token is always computed (its logits are needed), so a hit covers at most the
 full blocks before it.
 
-Linear-attention layers (Qwen3-Next) have a state instead of blocks, which exists only where it was kept: at the
+Linear-attention layers (Qwen3-Next) have a state instead of blocks, and DeepSeek-V4's layers one beside their
+entries' blocks (the window's keys, the open compression windows' rows), which exists only where it was kept: at the
 last block boundary before a prompt's final token (the engine ends a prefill step there) and at the last one an
 answer passed (kept when the sequence ends). A hit there needs both the blocks and a kept state, so it ends at the
 longest such boundary.
@@ -41,11 +42,11 @@ def lookup(pool: KVPool, ids: list[int], root_hash: bytes) -> SeqCache:
             break
         blocks.append(b)
         hashes.append(prev)
-        if not pool.linear:
+        if not pool.stateful:
             best = i + 1
         elif (s := pool.states(prev)) is not None:
             best, states = i + 1, s
-    pool.release(blocks[best:])  # linear attention: past the last kept state
+    pool.release(blocks[best:])  # a stateful pool: past the last kept state
     if best:
         n = best * BLOCK
         seq.blocks, seq.hashes, seq.tokens, seq.length = blocks[:best], hashes[:best], list(ids[:n]), n

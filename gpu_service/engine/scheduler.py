@@ -260,7 +260,7 @@ class Engine:
             if context_len(r) - r.cache.length == 1:  # decoding
                 plan.append((r, 1))
                 budget -= 1
-        keep = self.pool.linear and self.pool.caching
+        keep = self.pool.stateful and self.pool.caching
         for r in batch:
             rest = context_len(r) - r.cache.length
             if rest > 1 and budget > 0:

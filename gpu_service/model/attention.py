@@ -18,7 +18,7 @@ from moe_core.config import ModelConfig
 from moe_kernels import attention as native_attention
 
 from gpu_service.engine.kv_pool import BLOCK, SeqCache
-from gpu_service.model.compressed_attention import closing_windows, compressed_attention
+from gpu_service.model.compressed_attention import compressed_attention
 from gpu_service.model.layers import apply_rope, linear, rms_norm
 from gpu_service.model.linear_attention import gated_deltanet, kimi_delta_attention
 
@@ -416,13 +416,26 @@ def kpool_select(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qa: torch.T
     return allowed
 
 
+def closing_windows(cache, layer: int, start: int, rate: int, rows: list, bufs: tuple) -> tuple:
+    """The windows of `rate` positions that new positions start.. close (w0..w1-1: each closes at its last position) and
+    the rows they read: `rows` (the new positions', one per pool buffer of `bufs`) after the pool's rows of w0's earlier
+    positions -> (w0, w1, the rows)."""
+    t = rows[0].shape[0]
+    w0, w1 = start // rate, (start + t) // rate
+    lo = w0 * rate
+    if w1 > w0 and lo < start:
+        old = cache.gather(layer, start, lo, rows[0].dtype, only=bufs)
+        rows = [torch.cat([o.reshape(-1, o.shape[-1]), r]) for o, r in zip(old, rows)]  # (MLA's [n, d])
+    return w0, w1, rows
+
+
 def _pool_keys(cfg: ModelConfig, W: dict, p: str, key: torch.Tensor, gate: torch.Tensor, cache, layer: int,
                start: int) -> torch.Tensor:
     """The keys of the pools the new positions complete, each at its pool's last position (zeros elsewhere) -> [t, D];
     a pool's earlier positions' keys and gate logits come from the pool."""
     kp = cfg.index_kpool
     out = torch.zeros_like(key)
-    w0, w1, _, (K, G) = closing_windows(cache, layer, start, kp, [key, gate], (2, 3))
+    w0, w1, (K, G) = closing_windows(cache, layer, start, kp, [key, gate], (2, 3))
     if w1 > w0:
         n = w1 - w0
         K, G = K[:n * kp].view(n, kp, -1), G[:n * kp].view(n, kp, -1)

@@ -8,10 +8,12 @@ sparse ones (CSA) two series, the entry of window w reading window w-1's first s
 position p sees the entries of the windows closed at or before p; in a CSA layer only the index_topk of them its
 lightning indexer scores best (the indexer runs its own compressor at index_dim over the same windows).
 
-The paged pool holds, per position (kv_pool._rows): the window's key; in a compressed layer the compressor's kv and gate
-of that position and, at the position that closes a window, the window's entry; a CSA layer the same three for its
-indexer. An entry is written at its window's last position, so every block holds only what its own and earlier tokens
-decide: prefix-cache hits, chunked prefill and batching read entries as any other cached row.
+The paged pool holds only what grows with the context (kv_pool._rows): a compressed layer's entries (a CSA layer's
+indexer's too), each in the block of its window's last position, so every block holds only what its own and earlier
+tokens decide and prefix-cache hits, chunked prefill and batching read entries as any cached row. The rest is the
+sequence's state (SeqCache.states, replaced by each step, snapshotted for prefix hits as linear attention's): the
+window's last sliding_window - 1 keys and the rows of the compressor windows still open (CSA: and the last closed one,
+whose first series the next entry reads), a fixed size however long the context.
 
 Numerics as transformers' DeepseekV4Attention / DeepseekV4{CSA,HCA}Compressor / DeepseekV4Indexer (fp32 norm weights
 multiplying in fp32, the rope in fp32 on each head's trailing rotary dims in interleaved pairs, layout kept; the
@@ -25,10 +27,10 @@ from moe_core.config import ModelConfig
 from moe_kernels import attention as native_attention
 from moe_kernels.dense import linear_groups
 
-from gpu_service.engine.kv_pool import BLOCK
+from gpu_service.engine.kv_pool import BLOCK, raw, read
 from gpu_service.model.layers import linear, rms_norm, rope_cos_sin
 
-KEY, COMPRESSOR, INDEXER = 0, 1, 4  # a layer's pool buffers (kv_pool._rows): its keys; a compressor's kv, gate, entries
+ENTRIES, INDEX_ENTRIES = 0, 1  # a compressed layer's pool buffers (kv_pool._rows): its entries, a CSA layer's indexer's
 ROPE = "model.rotary_emb.inv_freq"  # W's entry (Model): the compressed layers' rope, for entries' own positions
 SCORE_BYTES = 256 << 20  # most bytes of fp32 attention scores held at once (queries go in row groups)
 
@@ -75,56 +77,88 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
                          native: bool = False, scale: float | None = None) -> torch.Tensor:
-    """x [t, H] (the rows `kv` covers: one sequence's positions kv.start..) -> [t, H]."""
+    """x [t, H] (the rows `kv` covers: one sequence's positions kv.start..) -> [t, H]. Writes the entries of the
+    windows the rows close and stages the layer's new state."""
     t, nh, D, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     qr = rms_norm(linear(x, W[p + "wq_a.weight"]), W[p + "q_norm.weight"], eps)
     q = rope_tail(unweighted_norm(linear(qr, W[p + "wq_b.weight"]).view(t, nh, D), eps), cos, sin)
-    k = rope_tail(rms_norm(linear(x, W[p + "wkv.weight"]), W[p + "norm.weight"], eps)[:, None], cos, sin)
+    k = rope_tail(rms_norm(linear(x, W[p + "wkv.weight"]), W[p + "norm.weight"], eps)[:, None], cos, sin)[:, 0]
     rate, start, cache = cfg.compress_rates[layer], kv.start, kv.paged
-    rows = [k]
-    if rate:
-        rows += _compress(cfg, W, p + "compressor.", x, cache, layer, start, rate, D, COMPRESSOR, cfg.csa(layer))
+    state = cache.states[layer] if start else None
+    if state is None and start:
+        raise RuntimeError(f"layer {layer}: no state for a sequence at position {start} (a prefix hit without one)")
+    K = torch.cat([state[0], k]) if state is not None else k  # the window's keys, positions start + t - len(K)..
+    new = [K[max(0, K.shape[0] - (cfg.sliding_window - 1)):]]
+    if not cache.reserve(start + t):
+        raise MemoryError(f"the KV pool ({cache.pool.num_blocks} blocks of {BLOCK}) is full")
+    parts = [("compressor.", D, ENTRIES, cfg.csa(layer))] if rate else []
     if cfg.csa(layer):
-        rows += _compress(cfg, W, p + "indexer.compressor.", x, cache, layer, start, rate, cfg.index_dim, INDEXER, True)
-    kv.write(layer, *(r[:, None] if r.dim() == 2 else r for r in rows))
-    o = attend(cfg, W, p, x, qr, q, cos, sin, cache, layer, start, native)
+        parts.append(("indexer.compressor.", cfg.index_dim, INDEX_ENTRIES, True))
+    for i, (name, d, which, overlap) in enumerate(parts):
+        w0, e, rows = _compress(cfg, W, p + name, x, state[1 + 2 * i:3 + 2 * i] if state is not None else None,
+                                start, rate, d, overlap)
+        if e is not None:
+            cache.put(layer, which, *_entry_rows(cache, rate, torch.arange(w0, w0 + e.shape[0], device=x.device)), e)
+        new += rows
+    cache.stage(layer, *new)
+    o = attend(cfg, W, p, x, qr, q, cos, sin, cache, layer, start, K, native)
     o = rope_tail(o, cos, -sin).reshape(t, cfg.o_groups, -1)  # the values' rotation taken back at the query's position
     return linear(grouped(o, W[p + "wo_a.weight"]).reshape(t, -1), W[p + "wo_b.weight"])
 
 
 def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, cos, sin, cache,
-           layer: int, start: int, native: bool = False) -> torch.Tensor:
-    """The queries q [t, nh, D] of positions start.. (their keys and entries written) over the cached window and the
-    entries each sees (a CSA layer's: those its indexer keeps; x, qr: the rows' input and normed low-rank query, which
-    the indexer reads) -> [t, nh, D]. native: a decode row's indexer on the native kernels where they take the pool."""
+           layer: int, start: int, K: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """The queries q [t, nh, D] of positions start.. (their entries written) over the window's keys K [L, D] (the
+    positions up to start + t - 1) and the entries each sees (a CSA layer's: those its indexer keeps; x, qr: the rows'
+    input and normed low-rank query, which the indexer reads) -> [t, nh, D]. native: a decode row's indexer on the
+    native kernels where they take the pool."""
     t, rate = x.shape[0], cfg.compress_rates[layer]
-    lo = max(0, start - cfg.sliding_window + 1)  # the first key any query of this chunk sees
-    K = cache.gather(layer, start + t, lo, x.dtype, only=(KEY,))[0][0]           # [L, D]
     E = seen = None
     n = (start + t) // rate if rate else 0  # entries of the windows closed by the chunk's end
     if n:
-        E = cache.gather(layer, n * rate, 0, x.dtype, only=(COMPRESSOR + 2,))[0][0][rate - 1::rate]  # [n, D]
         at = torch.arange(start, start + t, device=x.device)[:, None]
         seen = torch.arange(n, device=x.device)[None, :] < (at + 1) // rate     # [t, n]: closed at each query
         if cfg.csa(layer) and n > cfg.index_topk:
             seen &= _index(cfg, W, p + "indexer.", x, qr, cos, sin, cache, layer, start, rate, n, native)
+        ids = None
         if t == 1:  # a decode row reads only the entries it sees
-            E, seen = E[seen[0]], None
+            ids, seen = (None if seen.all() else seen[0].nonzero()[:, 0]), None
+        E = entries(cache, layer, ENTRIES, rate, n, ids, x.dtype)                 # [n or kept, D]
     # (torch's matmuls, not the native decode attention: 64 query heads over one KV head re-read the keys per group of
     # 8 there; at 32k positions 4x slower than one product: docs/performance/decode_step.md)
-    return _attend(cfg, q, K, E, seen, W[p + "attn_sink"], start, lo)
+    return _attend(cfg, q, K, E, seen, W[p + "attn_sink"], start, start + t - K.shape[0])
 
 
-def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache, layer: int, start: int, rate: int, d: int,
-              first: int, overlap: bool) -> list[torch.Tensor]:
-    """One compressor (prefix p) over the new positions: -> [kv, gate, entries] rows for the pool (buffers first..
-    first + 2 of the layer): the projections of each position, and each window closed in the chunk its entry at its
-    last position (zeros elsewhere). The earlier positions the windows need come from the pool."""
-    t = x.shape[0]
+def first_open(start: int, rate: int, back: int) -> int:
+    """The first position whose compressor rows a sequence of `start` positions keeps: its open window's, and `back`
+    closed windows' before it (CSA's entries read the previous window's first series)."""
+    return max(0, (start // rate - back) * rate)
+
+
+def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The most bytes a sequence's states take (its keys in `dtype`, the compressors' rows in fp32, as projected)."""
+    size, n = torch.empty(0, dtype=dtype).element_size(), 0
+    for L, rate in enumerate(cfg.compress_rates):
+        n += (cfg.sliding_window - 1) * cfg.head_dim * size
+        if rate:  # kv and gate of the rows first_open keeps at most (CSA: two series, the indexer's too)
+            csa = cfg.csa(L)
+            width = 2 * (cfg.head_dim + cfg.index_dim) if csa else cfg.head_dim
+            n += 2 * ((1 + csa) * rate - 1) * width * 4
+    return n
+
+
+def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, old: tuple | None, start: int, rate: int, d: int,
+              overlap: bool) -> tuple[int, torch.Tensor | None, list[torch.Tensor]]:
+    """One compressor (prefix p) over the new positions, after its kept rows `old` (kv, gate: positions
+    first_open(start, ..)..start - 1) -> (w0, the entries [n, d] of the windows w0.. the new positions close (None if
+    none), its rows to keep: kv and gate from first_open(start + t, ..) on)."""
+    t, back = x.shape[0], int(overlap)
     kv, gate = projected(x, W[p + "wkv.weight"]), projected(x, W[p + "wgate.weight"])
-    entries = torch.zeros(t, d, dtype=kv.dtype, device=x.device)
-    # (CSA: the window before the first too, for its first series)
-    w0, w1, lo, (kv, gate) = closing_windows(cache, layer, start, rate, [kv, gate], (first, first + 1), int(overlap))
+    if old is not None and old[0].shape[0]:
+        kv, gate = torch.cat([old[0], kv]), torch.cat([old[1], gate])
+    lo = first_open(start, rate, back)  # the position of the rows' first
+    w0, w1 = start // rate, (start + t) // rate
+    e = None
     if w1 > w0:
         c = kv.shape[1] // d
         ape = W[p + "ape"].float().view(rate, c, d)
@@ -144,22 +178,31 @@ def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cache, layer: 
         e = rms_norm(e, W[p + "norm.weight"], cfg.rms_norm_eps)
         pos = torch.arange(w0, w1, device=x.device) * rate  # each entry rotated at its window's first position
         cos, sin = rope_cos_sin(W[ROPE], 1.0, pos, e.dtype)
-        entries[(pos + rate - 1 - start)] = rope_tail(e[:, None], cos, sin)[:, 0].to(entries.dtype)
-    return [kv[-t:], gate[-t:], entries]
+        e = rope_tail(e[:, None], cos, sin)[:, 0]
+    keep = first_open(start + t, rate, back) - lo
+    return w0, e, [kv[keep:], gate[keep:]]
 
 
-def closing_windows(cache, layer: int, start: int, rate: int, rows: list, bufs: tuple, back: int = 0) -> tuple:
-    """The windows of `rate` positions that new positions start.. close (w0..w1-1: each closes at its last position) and
-    the rows they read: `rows` (the new positions', one per pool buffer of `bufs`) after the pool's rows from `back`
-    windows before w0 on -> (w0, w1, lo: the first position the rows hold, the rows). DeepSeek-V4's compressors and
-    GLM-5.3-Flash's key pools."""
-    t = rows[0].shape[0]
-    w0, w1 = start // rate, (start + t) // rate
-    lo = max(0, (w0 - back) * rate)
-    if w1 > w0 and lo < start:
-        old = cache.gather(layer, start, lo, rows[0].dtype, only=bufs)
-        rows = [torch.cat([o.reshape(-1, o.shape[-1]), r]) for o, r in zip(old, rows)]  # (GQA's [1, n, d], MLA's [n, d])
-    return w0, w1, lo, rows
+def _entry_rows(cache, rate: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the entries of windows w live in a layer's entry buffers: (block ids, slots); each at the block of its
+    window's last position (kv_pool.entry_slots)."""
+    last = (w + 1) * rate - 1
+    return cache.block_ids()[last // BLOCK], (last % BLOCK) // rate
+
+
+def entries(cache, layer: int, which: int, rate: int, n: int, w: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The entries of windows w (a long tensor; None: all n closed ones) of one of a layer's entry buffers ->
+    [len(w) or n, dim] of dtype (all of them a view where the slots fill the blocks and the blocks are consecutive)."""
+    buf = raw(cache.pool.bufs[layer][which])[0]                                     # [blocks, slots, dim]
+    if w is None and BLOCK % rate == 0:
+        nb = -(-n // buf.shape[1])
+        rows = buf.narrow(0, cache.blocks[0], nb) if cache.consecutive() else \
+            buf.index_select(0, cache.block_ids()[:nb])
+        return read(rows.reshape(-1, buf.shape[-1])[:n], cache.pool.dtype, dtype)
+    if w is None:
+        w = torch.arange(n, device=buf.device)
+    return read(buf[_entry_rows(cache, rate, w)], cache.pool.dtype, dtype)
 
 
 def _index(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor, cos, sin, cache, layer: int,
@@ -173,13 +216,13 @@ def _index(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
     q = rope_tail(linear(qr, W[p + "wq_b.weight"]).view(t, H, Di), cos, sin).float()
     wp = W[p + "weights_proj.weight"]
     w = linear(x.to(wp.dtype), wp).float() * H ** -0.5                             # [t, H]
-    buf = cache.pool.bufs[layer][INDEXER + 2][0]                                   # [blocks, BLOCK, Di]
+    buf = cache.pool.bufs[layer][INDEX_ENTRIES][0]                      # [blocks, entry_slots(rate), Di]
     if native and t == 1 and BLOCK % rate == 0 and native_attention.dsa_supported(buf):
-        entries = buf[:, rate - 1::rate]  # entry e: row e % (BLOCK / rate) of block e // (BLOCK / rate)
-        ids = native_attention.dsa_top_k(native_attention.dsa_scores(q[0], w[0], entries, cache.table(), n,
+        # (entry e: row e % slots of block e // slots, as the kernel reads a block table's rows)
+        ids = native_attention.dsa_top_k(native_attention.dsa_scores(q[0], w[0], buf, cache.table(), n,
                                                                      Di ** -0.5), cfg.index_topk)
         return torch.zeros(1, n, dtype=torch.bool).index_fill_(1, ids.long(), True)
-    keys = cache.gather(layer, n * rate, 0, x.dtype, only=(INDEXER + 2,))[0][0][rate - 1::rate].float()  # [n, Di]
+    keys = entries(cache, layer, INDEX_ENTRIES, rate, n, None, x.dtype).float()                  # [n, Di]
     seen = (torch.arange(start, start + t, device=x.device)[:, None] + 1) // rate   # [t, 1]: entries each query sees
     future = torch.arange(n, device=x.device)[None, :] >= seen                      # [t, n]
     kept = torch.empty(t, n, dtype=torch.bool, device=x.device)

@@ -42,10 +42,10 @@ def test_the_config_and_the_pool(v4):
     assert cfg.moe_layers == (0, 1, 2, 3) and cfg.shared_intermediate_size == 32 and cfg.ffn(0) == "ffn"
     assert cfg.expert_tensor_names(2, 5) == tuple(f"model.layers.2.ffn.experts.5.{w}.weight" for w in ("w1", "w3", "w2"))
     pool = KVPool(cfg, torch.float32, torch.device("cpu"), 4)
-    # the key; the compressor's kv, gate and entries (CSA: two series); a CSA layer's indexer's three
-    assert [[b.shape[-1] for b in bufs] for bufs in pool.bufs] == [
-        [32], [32, 64, 64, 32, 32, 32, 16], [32, 32, 32, 32], [32, 64, 64, 32, 32, 32, 16]]
-    assert pool.block_bytes == BLOCK * 4 * (32 + 2 * (32 + 64 + 64 + 32 + 32 + 32 + 16) + 4 * 32)
+    # only the entries a block's positions close (CSA: 4 a block, the indexer's too; HCA: 2); no per-position rows
+    assert [[tuple(b.shape) for b in bufs] for bufs in pool.bufs] == [
+        [], [(1, 5, 4, 32), (1, 5, 4, 16)], [(1, 5, 2, 32)], [(1, 5, 4, 32), (1, 5, 4, 16)]]
+    assert pool.block_bytes == 4 * (2 * 4 * (32 + 16) + 2 * 32) and pool.stateful
 
 
 def test_published_legacy_fields_and_refusals(v4):
@@ -100,6 +100,62 @@ def test_a_prefix_cache_hit_reads_the_cached_entries(v4):
     d, refs = v4
     prompt, want, _ = refs[70]
     assert twice_with_a_prefix_cache(d, prompt) == [(want, 0), (want, (len(prompt) - 1) // BLOCK * BLOCK)]
+
+
+@pytest.fixture(scope="module")
+def v4_odd_rates(tmp_path_factory):
+    """CSA entries of 6 positions (3 a block, the indexer on torch) and HCA of 24 (one every 1.5 blocks, a window
+    open at most block boundaries)."""
+    d = tiny_models.build("deepseek_v4", tmp_path_factory.mktemp("v4odd"), seed=3,
+                          compress_rates={"compressed_sparse_attention": 6, "heavily_compressed_attention": 24})
+    return d, {n: (p, *reference(d, p)) for n, p in ((45, prompt_of(45, 8)), (70, prompt_of(70, 9)))}
+
+
+def test_rates_that_do_not_divide_a_block_and_a_hit_inside_an_open_window(v4_odd_rates):
+    """Entries at their own slots of the blocks (3 CSA entries a block, an HCA one in some blocks only), transformers'
+    tokens whole, chunked (steps of 5 tokens) and after a prefix-cache hit at 32 (HCA's window 24..47 open: its rows
+    come from the kept state)."""
+    d, refs = v4_odd_rates
+    cfg = load_config(d)
+    pool = KVPool(cfg, torch.float32, torch.device("cpu"), 4)
+    assert [[tuple(b.shape) for b in bufs] for bufs in pool.bufs] == [
+        [], [(1, 5, 3, 32), (1, 5, 3, 16)], [(1, 5, 1, 32)], [(1, 5, 3, 32), (1, 5, 3, 16)]]
+    for step_tokens in (0, 5):
+        e = local_engine(d, step_tokens=step_tokens)
+        try:
+            for n, (prompt, want, logits) in refs.items():
+                assert collect(submit(e, prompt))[0] == want, (n, step_tokens)
+                assert (collect(submit(e, prompt, score=True)) - logits).abs().max().item() < 1e-4, (n, step_tokens)
+        finally:
+            e.stop()
+    prompt, want, _ = refs[45]
+    assert twice_with_a_prefix_cache(d, prompt) == [(want, 0), (want, 32)]
+
+
+def test_a_sequences_state_stays_within_its_windows(v4):
+    """Each layer's state holds the window's last 5 keys and the compressor rows of the open window (CSA: and the last
+    closed one), however long the sequence; the pool only the entries."""
+    from gpu_service.experts.local import LocalExperts
+    from gpu_service.model.model import Model, Segment
+    from moe_core.checkpoint import Checkpoint
+    from moe_experts.store import load_expert_layers
+
+    d, refs = v4
+    cfg, ckpt = load_config(d), Checkpoint(d)
+    model = Model(cfg, ckpt, torch.device("cpu"), torch.float32)
+    experts = LocalExperts(load_expert_layers(cfg, ckpt, "fp32", 1))
+    cache, prompt = model.new_cache(), refs[70][0]
+    model.forward([Segment(cache, torch.tensor(prompt), 0)], experts)
+    rows = lambda: [[tuple(t.shape) for t in s] for s in cache.states]  # noqa: E731
+    # 70 positions: CSA (rate 4; kv and gate of two series of 32, the indexer's of 16) rows 64..69, HCA (8) 64..69
+    assert rows() == [[(5, 32)], [(5, 32), (6, 64), (6, 64), (6, 32), (6, 32)], [(5, 32), (6, 32), (6, 32)],
+                      [(5, 32), (6, 64), (6, 64), (6, 32), (6, 32)]]
+    for i, tok in enumerate(prompt_of(3, 4)):
+        model.forward([Segment(cache, torch.tensor([tok]), len(prompt) + i)], experts)
+    # 73: CSA rows 68..72 (window 17 closed at 71, window 16's first series no longer needed), HCA 72
+    assert rows() == [[(5, 32)], [(5, 32), (5, 64), (5, 64), (5, 32), (5, 32)], [(5, 32), (1, 32), (1, 32)],
+                      [(5, 32), (5, 64), (5, 64), (5, 32), (5, 32)]]
+    assert cache.length == 73 and len(cache.blocks) * BLOCK >= 73
 
 
 def test_hash_layers_take_the_tokens_experts():

@@ -48,7 +48,7 @@ def logits_of(d, kv_dtype, prompt, n: int = 12):
     for _ in range(n):
         out.append(model.forward([Segment(c, out[-1].argmax(-1).view(1), pos)], experts))
         pos += 1
-    bufs = next(b for b in model.kv_pool().bufs if b is not None)
+    bufs = next(b for b in model.kv_pool().bufs if b)
     return torch.cat(out).cpu(), {b.dtype for b in bufs}
 
 
@@ -107,7 +107,7 @@ def forced_logits(d, kv_dtype, prompt, feed, dense=None, native=True):
         model.native_attention, model.decode_blocks = False, {}
     for i, tok in enumerate(feed):
         out.append(model.forward([Segment(c, tok.view(1), len(prompt) + i)], experts))
-    bufs = next(b for b in model.kv_pool().bufs if b is not None)
+    bufs = next(b for b in model.kv_pool().bufs if b)
     return torch.cat(out), {b.dtype for b in bufs}
 
 
@@ -132,9 +132,11 @@ def test_an_8bit_cache_is_an_fp32_cache_of_its_rows_round_trip(checkpoints, fami
     got, kinds = forced_logits(checkpoints[family], Q8[kv], prompt, FEED)
     assert kinds == {Q8[kv]} and got.isfinite().all()
     plain, _ = forced_logits(checkpoints[family], None, prompt, FEED)
-    write = SeqCache.write
-    monkeypatch.setattr(SeqCache, "write", lambda self, layer, start, *xs: write(
-        self, layer, start, *(kv_quant.dequantize(kv_quant.quantize(x, Q8[kv]), Q8[kv], x.dtype) for x in xs)))
+    round_trip = lambda x: kv_quant.dequantize(kv_quant.quantize(x, Q8[kv]), Q8[kv], x.dtype)  # noqa: E731
+    write, put = SeqCache.write, SeqCache.put
+    monkeypatch.setattr(SeqCache, "write", lambda self, layer, start, *xs: write(self, layer, start,
+                                                                               *map(round_trip, xs)))
+    monkeypatch.setattr(SeqCache, "put", lambda self, layer, i, b, s, x: put(self, layer, i, b, s, round_trip(x)))
     rounded, kinds = forced_logits(checkpoints[family], None, prompt, FEED)
     assert kinds == {torch.float32} and torch.equal(got, rounded)
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), plain.log_softmax(-1), log_target=True, reduction="batchmean")

@@ -101,8 +101,8 @@ def test_hits_give_the_tokens_of_a_full_prefill(checkpoints, family):
         assert run(cached, turn2) == (want2, hit(len(PROMPT) + len(a)))
         toks, n = run(cached, fork)  # diverges mid-block (40): the full blocks before it
         assert toks == want3
-        # linear attention (Qwen3-Next): a state is kept only at a prompt's and an answer's last block boundary
-        assert n == (0 if pc.linear else 40 // BLOCK * BLOCK)
+        # states (Qwen3-Next, DeepSeek-V4): kept only at a prompt's and an answer's last block boundary
+        assert n == (0 if pc.stateful else 40 // BLOCK * BLOCK)
         assert pc.used() == 0  # every request gave its blocks back
     finally:
         cached.stop()
