@@ -33,6 +33,9 @@ from gpu_service.model.layers import linear, rms_norm, rope_cos_sin
 ENTRIES, INDEX_ENTRIES = 0, 1  # a compressed layer's pool buffers (kv_pool._rows): its entries, a CSA layer's indexer's
 ROPE = "model.rotary_emb.inv_freq"  # W's entry (Model): the compressed layers' rope, for entries' own positions
 SCORE_BYTES = 256 << 20  # most bytes of fp32 attention scores held at once (queries go in row groups)
+# most keys a decode row attends on the native kernel (64 heads over one KV head of 512: its fp32 FMAs); beyond, torch's
+# bf16 products are as fast (docs/performance/decode_step.md, 2026-12-08)
+NATIVE_KEYS = 2048
 
 
 class PackedGroups:
@@ -110,8 +113,9 @@ def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
            layer: int, start: int, K: torch.Tensor, native: bool = False) -> torch.Tensor:
     """The queries q [t, nh, D] of positions start.. (their entries written) over the window's keys K [L, D] (the
     positions up to start + t - 1) and the entries each sees (a CSA layer's: those its indexer keeps; x, qr: the rows'
-    input and normed low-rank query, which the indexer reads) -> [t, nh, D]. native: a decode row's indexer on the
-    native kernels where they take the pool."""
+    input and normed low-rank query, which the indexer reads) -> [t, nh, D]. native: a decode row's indexer and
+    attention on the native kernels where they take the pool (the attention's tasks 8 query heads each, so the one
+    KV head's 64 spread over the threads)."""
     t, rate = x.shape[0], cfg.compress_rates[layer]
     E = seen = None
     n = (start + t) // rate if rate else 0  # entries of the windows closed by the chunk's end
@@ -124,8 +128,11 @@ def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
         if t == 1:  # a decode row reads only the entries it sees
             ids, seen = (None if seen.all() else seen[0].nonzero()[:, 0]), None
         E = entries(cache, layer, ENTRIES, rate, n, ids, x.dtype)                 # [n or kept, D]
-    # (torch's matmuls, not the native decode attention: 64 query heads over one KV head re-read the keys per group of
-    # 8 there; at 32k positions 4x slower than one product: docs/performance/decode_step.md)
+    if native and t == 1 and native_attention.any_dims(K) and K.shape[0] + (0 if E is None else E.shape[0]) <= \
+            NATIVE_KEYS:  # a decode row: every key it has is one it sees
+        keys = (K if E is None else torch.cat([K, E]))[None]
+        o = native_attention.decode_attention(q[0], keys, keys, cfg.head_dim ** -0.5, sinks=W[p + "attn_sink"])
+        return o.to(q.dtype)[None]
     return _attend(cfg, q, K, E, seen, W[p + "attn_sink"], start, start + t - K.shape[0])
 
 

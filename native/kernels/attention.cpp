@@ -569,41 +569,46 @@ void decode_attention(Isa isa, const float* q, int nh, int nkv, int d, int dv, c
   for (int h = 0; sel && h < nkv; ++h)
     MOE_CHECK(sel_len[h] > 0 && sel_len[h] <= L, "decode attention: a kv head's selection is empty or past L");
   const int g = nh / nkv;
-  auto run = [&](auto* k, auto* v, int h, float* s, const float* qh, float* oh) {  // T: bf16 bits, Half or float
+  // a task: one kv head's queries 8 at a time (the vector kernels' group), so one KV head of many queries
+  // (DeepSeek-V4's 64 over one) spreads over the threads as MLA's heads do; each task reads its head's keys once
+  const int chunks = (g + 7) / 8;
+  auto run = [&](auto* k, auto* v, int h, int c, float* s) {  // T: bf16 bits, Half or float
     using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
     k += h * k_head;
     v += h * v_head;
+    const int first = h * g + 8 * c, gc = std::min(8, g - 8 * c);  // the task's first query head, its count
+    const float* qh = q + size_t(first) * d;
+    float* oh = out + size_t(first) * dv;
     const int32_t* hs = sel ? sel + h * sel_stride : nullptr;
-    const float* sk = sinks ? sinks + size_t(h) * g : nullptr;
+    const float* sk = sinks ? sinks + first : nullptr;
     if (table)
-      one_head(isa, qh, g, d, dv, Rows<T, true>{k, k_row, k_block, table, block_shift, hs, d},
+      one_head(isa, qh, gc, d, dv, Rows<T, true>{k, k_row, k_block, table, block_shift, hs, d},
                Rows<T, true>{v, v_row, v_block, table, block_shift, hs, dv}, sel ? sel_len[h] : L, scale, s, oh, sk);
     else
-      one_head(isa, qh, g, d, dv, Rows<T, false>{k, k_row, 0, nullptr, 0, nullptr, d},
+      one_head(isa, qh, gc, d, dv, Rows<T, false>{k, k_row, 0, nullptr, 0, nullptr, d},
                Rows<T, false>{v, v_row, 0, nullptr, 0, nullptr, dv}, L, scale, s, oh, sk);
   };
-  auto head = [&](int h) {
+  auto task = [&](int i) {
     thread_local std::vector<float> s;  // the scores (kept: a fresh one a call is a 128 KB memset at 4k positions)
-    if (s.size() < size_t(std::max(g, 8)) * L) s.resize(size_t(std::max(g, 8)) * L);
-    const float* qh = q + size_t(h) * g * d;
-    float* oh = out + size_t(h) * g * dv;
+    if (s.size() < size_t(8) * L) s.resize(size_t(8) * L);
+    const int h = i / chunks, c = i % chunks;
     if (kv == KvType::BF16)
-      run(static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), h, s.data(), qh, oh);
+      run(static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), h, c, s.data());
     else if (kv == KvType::F16)
-      run(static_cast<const Half*>(K), static_cast<const Half*>(V), h, s.data(), qh, oh);
+      run(static_cast<const Half*>(K), static_cast<const Half*>(V), h, c, s.data());
     else if (kv == KvType::I8)
-      run(static_cast<const I8*>(K), static_cast<const I8*>(V), h, s.data(), qh, oh);
+      run(static_cast<const I8*>(K), static_cast<const I8*>(V), h, c, s.data());
     else if (kv == KvType::F8)
-      run(static_cast<const F8*>(K), static_cast<const F8*>(V), h, s.data(), qh, oh);
+      run(static_cast<const F8*>(K), static_cast<const F8*>(V), h, c, s.data());
     else
-      run(static_cast<const float*>(K), static_cast<const float*>(V), h, s.data(), qh, oh);
+      run(static_cast<const float*>(K), static_cast<const float*>(V), h, c, s.data());
   };
   // a short context is a few microseconds of work: waking the pool's threads would cost more (they
   // sleep when the machine is busy), so it runs here
   if (size_t(L) * nh * (d + dv) / 2 < SERIAL_MACS) {
-    for (int h = 0; h < nkv; ++h) head(h);
+    for (int i = 0; i < nkv * chunks; ++i) task(i);
   } else {
-    pool().parallel_for(nkv, head);
+    pool().parallel_for(nkv * chunks, task);
   }
 }
 

@@ -217,15 +217,17 @@ def test_deferral_in_one_process_equals_the_two_services(v4, services_factory):
 
 @pytest.mark.skipif(ISA not in SIMD_ISAS, reason="the native indexer runs on the vector kernel paths")
 def test_native_decode_indexer_is_the_torch_path(v4, monkeypatch):
-    """Decode's CSA indexer on DeepSeek Sparse Attention's native kernels (its scores over every fourth row of the
-    pool's blocks, the top k) gives the torch path's logits, two sequences of different lengths in each step,
-    teacher-forced."""
+    """Decode's CSA indexer on DeepSeek Sparse Attention's native kernels (its scores over the pool's entry rows, the
+    top k) and every layer's window + entries attention on the native decode attention (with its sinks) give the torch
+    path's logits, two sequences of different lengths in each step, teacher-forced."""
     d, refs = v4
     cfg = load_config(d)
-    torch_path, native_path, calls = native_against_torch(d, refs, ("dsa_scores", "dsa_top_k"), monkeypatch)
+    torch_path, native_path, calls = native_against_torch(d, refs, ("dsa_scores", "dsa_top_k", "decode_attention"),
+                                                          monkeypatch)
     csa = sum(cfg.csa(L) for L in range(cfg.num_layers))
     # (the 21-token prompt's first steps see at most index_topk entries: no indexer)
     assert calls.count("dsa_scores") == calls.count("dsa_top_k") >= csa * (N_NEW + N_NEW - 3)
+    assert calls.count("decode_attention") == cfg.num_layers * 2 * N_NEW
     for a, b in zip(torch_path, native_path):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
