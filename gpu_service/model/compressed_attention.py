@@ -70,12 +70,14 @@ def unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [t, heads, d] with each head's trailing 2 * cos.shape[-1] dims rotated in interleaved pairs (in fp32, the
-    layout kept: K = V, so the values carry it); cos/sin [t, pairs]."""
+    layout kept: K = V, so the values carry it); cos/sin [t, pairs]. (As complex products: half the torch ops of the
+    pairs' real arithmetic, each a few microseconds at decode.)"""
     rd = 2 * cos.shape[-1]
-    c, s = (a.repeat_interleave(2, dim=-1)[:, None].float() for a in (cos, sin))
-    r = x[..., -rd:].float()
-    rot = torch.stack((-r[..., 1::2], r[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rd], (r * c + rot * s).to(x.dtype)], dim=-1)
+    rot = torch.complex(cos.float(), sin.float())[:, None]
+    r = torch.view_as_real(torch.view_as_complex(x[..., -rd:].float().view(*x.shape[:-1], -1, 2)) * rot).flatten(-2)
+    out = x.clone()
+    out[..., -rd:] = r
+    return out
 
 
 def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos, sin, kv, layer: int,
