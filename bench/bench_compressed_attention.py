@@ -12,6 +12,7 @@ ceilings: its multiply-adds at the fp32 FMA peak (native.fma_peak_flops) and its
 (native.read_bandwidth); the larger is the bound it meets.
 
     python bench/bench_compressed_attention.py [--lengths 2048 32768] [--rounds 3] [--reps 5] [--threads 2]
+        [--prefill 2048 8192]
 """
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[],
+                    help="also time a prompt chunk of each of these lengths through each layer (from position 0)")
     a = ap.parse_args()
     native.init_pool(a.threads)
     torch.set_num_threads(a.threads)
@@ -168,6 +171,32 @@ def main() -> None:
     for r in rows:
         print(f"{r['positions']} positions, DRAM {r['dram_gbps']} GB/s: " +
               "; ".join(f"{s} {r[f'{s}: GMAC / MB / bound']}" for s in ("compressed CSA", "compressed HCA", "dense")))
+    if a.prefill:
+        prefill(a, comp, W, g)
+
+
+def prefill(a, comp, W: dict, g: torch.Generator) -> None:
+    """A prompt chunk of each length through each layer's whole stage (projections, compressors, indexer, attention),
+    compressed and made dense, interleaved: the median of each round's median."""
+    print("\n| chunk | layer | dense stage ms | compressed stage ms | x |\n|---|---|---|---|---|")
+    for n in a.prefill:
+        dense = dataclasses.replace(comp, compress_rates=(1, 1), index_topk=n + 1)
+        weights = {"compressed": W, "dense": {k: t[:1] if k.endswith(".ape") else t for k, t in W.items()}}
+        x = torch.randn(n, comp.hidden_size, generator=g).to(DT)
+        cos, sin = rope_cos_sin(W[ca.ROPE], 1.0, torch.arange(n), DT)
+        per = {}
+        for _ in range(a.rounds):
+            for name, cfg in (("compressed", comp), ("dense", dense)):
+                for layer in (0, 1):
+                    cache = SeqCache(KVPool(cfg, DT, torch.device("cpu"), -(-n // BLOCK) + 1))
+                    cache.reserve(n)
+                    w, prefix, kv = weights[name], f"model.layers.{layer}.attn.", SequenceKV(cache, 0, n)
+                    per.setdefault((name, layer), []).append(median_ms(
+                        lambda: ca.compressed_attention(cfg, w, prefix, x, cos, sin, kv, layer), max(1, a.reps // 2)))
+        ms = {k: statistics.median(v) for k, v in per.items()}
+        for layer, kind in ((0, "CSA"), (1, "HCA")):
+            d, c = ms[("dense", layer)], ms[("compressed", layer)]
+            print(f"| {n} | {kind} | {d:.1f} | {c:.1f} | {d / c:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

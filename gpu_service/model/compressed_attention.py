@@ -250,23 +250,26 @@ def _attend(cfg: ModelConfig, q: torch.Tensor, K: torch.Tensor, E: torch.Tensor 
             sinks: torch.Tensor, start: int, lo: int) -> torch.Tensor:
     """q [t, nh, D] at positions start.. over the window's keys K [L, D] (positions lo..) and the entries E [n, D]
     (those `seen` [t, n] marks for each query; None: all), each key its own value; a sink logit per head ->
-    [t, nh, D]."""
+    [t, nh, D]. Queries go in tiles of about a window, each over only the keys its window reaches (a band: the whole
+    chunk's keys for every query made a prompt's attention quadratic in its length) and the entries."""
     t, nh, D = q.shape
-    keys = K if E is None else torch.cat([K, E])
-    pos = torch.arange(start, start + t, device=q.device)[:, None]
-    j = torch.arange(lo, lo + K.shape[0], device=q.device)[None, :]
-    allowed = (j <= pos) & (j > pos - cfg.sliding_window)                          # [t, L]
-    if E is not None:
-        allowed = torch.cat([allowed, seen if seen is not None else allowed.new_ones(t, E.shape[0])], dim=1)
+    win, ne = cfg.sliding_window, 0 if E is None else E.shape[0]
     o = torch.empty(t, nh, D, dtype=q.dtype, device=q.device)
-    n = keys.shape[0]
-    group = max(1, SCORE_BYTES // max(1, nh * n * 4))
-    for i in range(0, t, group):  # (one 2-D product a group: torch's batched ones are far slower on a CPU)
-        r = slice(i, i + group)
-        g = q[r].shape[0]
-        s = (torch.matmul(q[r].reshape(g * nh, D), keys.T).float() * D ** -0.5).view(g, nh, n)
-        s = s.masked_fill(~allowed[r, None, :], float("-inf"))
+    tile = max(1, min(max(win, 16), SCORE_BYTES // max(1, nh * (2 * win + ne) * 4)))
+    for i in range(0, t, tile):  # (one 2-D product a tile: torch's batched ones are far slower on a CPU)
+        g = min(tile, t - i)
+        k0 = max(lo, start + i - win + 1)  # the first key the tile's first query sees
+        Kw = K[k0 - lo:start + i + g - lo]
+        keys = Kw if E is None else torch.cat([Kw, E])
+        n = keys.shape[0]
+        pos = torch.arange(start + i, start + i + g, device=q.device)[:, None]
+        j = torch.arange(k0, k0 + Kw.shape[0], device=q.device)[None, :]
+        allowed = (j <= pos) & (j > pos - win)                                     # [g, window keys]
+        if E is not None:
+            allowed = torch.cat([allowed, seen[i:i + g] if seen is not None else allowed.new_ones(g, ne)], dim=1)
+        s = (torch.matmul(q[i:i + g].reshape(g * nh, D), keys.T).float() * D ** -0.5).view(g, nh, n)
+        s = s.masked_fill(~allowed[:, None, :], float("-inf"))
         s = torch.cat([s, sinks.float().view(1, nh, 1).expand(g, nh, 1)], dim=-1)
         pr = s.softmax(dim=-1)[..., :-1].to(keys.dtype)
-        o[r] = torch.matmul(pr.reshape(g * nh, n), keys).view(g, nh, D)
+        o[i:i + g] = torch.matmul(pr.reshape(g * nh, n), keys).view(g, nh, D)
     return o
