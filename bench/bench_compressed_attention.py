@@ -12,7 +12,7 @@ ceilings: its multiply-adds at the fp32 FMA peak (native.fma_peak_flops) and its
 (native.read_bandwidth); the larger is the bound it meets.
 
     python bench/bench_compressed_attention.py [--lengths 2048 32768] [--rounds 3] [--reps 5] [--threads 2]
-        [--prefill 2048 8192]
+        [--prefill 2048 8192] [--prefill-at 30720]
 """
 from __future__ import annotations
 
@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill", type=int, nargs="*", default=[],
                     help="also time a prompt chunk of each of these lengths through each layer (from position 0)")
+    ap.add_argument("--prefill-at", type=int, default=0,
+                    help="with --prefill: the chunks start here (the cache before it filled directly), timed through "
+                         "the CSA layer with each row gathering its kept entries and with every row over all of them")
     a = ap.parse_args()
     native.init_pool(a.threads)
     torch.set_num_threads(a.threads)
@@ -171,8 +174,37 @@ def main() -> None:
     for r in rows:
         print(f"{r['positions']} positions, DRAM {r['dram_gbps']} GB/s: " +
               "; ".join(f"{s} {r[f'{s}: GMAC / MB / bound']}" for s in ("compressed CSA", "compressed HCA", "dense")))
-    if a.prefill:
+    if a.prefill and a.prefill_at:
+        late_prefill(a, comp, W, g)
+    elif a.prefill:
         prefill(a, comp, W, g)
+
+
+def late_prefill(a, comp, W: dict, g: torch.Generator) -> None:
+    """A prompt chunk of each length from position a.prefill_at through the CSA layer's whole stage: its rows
+    gathering their kept entries (the service's path) against every row over all the closed entries, masked,
+    interleaved."""
+    S = a.prefill_at
+    print(f"\nchunks from position {S} ({S // 4} CSA entries before them, {comp.index_topk} kept a row)\n"
+          "| chunk | gathered ms | all entries ms | x |\n|---|---|---|---|")
+    for n in a.prefill:
+        cache = SeqCache(KVPool(comp, DT, torch.device("cpu"), -(-(S + n) // BLOCK) + 1))
+        cache.reserve(S + n)
+        for bufs in cache.pool.bufs:
+            for buf in bufs:
+                buf.normal_(generator=g)
+        cache.states = [state(comp, layer, S, g) for layer in range(comp.num_layers)]
+        x = torch.randn(n, comp.hidden_size, generator=g).to(DT)
+        cos, sin = rope_cos_sin(W[ca.ROPE], 1.0, torch.arange(S, S + n), DT)
+        kv, per = SequenceKV(cache, S, n), {}
+        for _ in range(a.rounds):
+            for name, sparse in (("gathered", ca.SPARSE_ENTRIES), ("all", 1 << 30)):
+                ca.SPARSE_ENTRIES, keep = sparse, ca.SPARSE_ENTRIES
+                per.setdefault(name, []).append(median_ms(
+                    lambda: ca.compressed_attention(comp, W, "model.layers.0.attn.", x, cos, sin, kv, 0), 1))
+                ca.SPARSE_ENTRIES = keep
+        ms = {k: statistics.median(v) for k, v in per.items()}
+        print(f"| {n} | {ms['gathered']:.0f} | {ms['all']:.0f} | {ms['all'] / ms['gathered']:.2f} |", flush=True)
 
 
 def prefill(a, comp, W: dict, g: torch.Generator) -> None:

@@ -36,6 +36,7 @@ SCORE_BYTES = 256 << 20  # most bytes of fp32 attention scores held at once (que
 # most keys a decode row attends on the native kernel (64 heads over one KV head of 512: its fp32 FMAs); beyond, torch's
 # bf16 products are as fast (docs/performance/decode_step.md, 2026-12-08)
 NATIVE_KEYS = 2048
+SPARSE_ENTRIES = 2  # a prompt chunk's CSA rows gather their own kept entries where there are this many times more
 
 
 class PackedGroups:
@@ -119,13 +120,14 @@ def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
     attention on the native kernels where they take the pool (the attention's tasks 8 query heads each, so the one
     KV head's 64 spread over the threads)."""
     t, rate = x.shape[0], cfg.compress_rates[layer]
-    E = seen = None
+    E = seen = top = None
     n = (start + t) // rate if rate else 0  # entries of the windows closed by the chunk's end
     if n:
         at = torch.arange(start, start + t, device=x.device)[:, None]
         seen = torch.arange(n, device=x.device)[None, :] < (at + 1) // rate     # [t, n]: closed at each query
         if cfg.csa(layer) and n > cfg.index_topk:
-            seen &= _index(cfg, W, p + "indexer.", x, qr, cos, sin, cache, layer, start, rate, n, native)
+            kept, top = _index(cfg, W, p + "indexer.", x, qr, cos, sin, cache, layer, start, rate, n, native)
+            seen &= kept
         ids = None
         if t == 1:  # a decode row reads only the entries it sees
             ids, seen = (None if seen.all() else seen[0].nonzero()[:, 0]), None
@@ -135,7 +137,9 @@ def attend(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
         keys = (K if E is None else torch.cat([K, E]))[None]
         o = native_attention.decode_attention(q[0], keys, keys, cfg.head_dim ** -0.5, sinks=W[p + "attn_sink"])
         return o.to(q.dtype)[None]
-    return _attend(cfg, q, K, E, seen, W[p + "attn_sink"], start, start + t - K.shape[0])
+    # (a prompt's rows over many more entries than each keeps: each row over its own kept ones, gathered)
+    sparse = top if t > 1 and top is not None and n > SPARSE_ENTRIES * cfg.index_topk else None
+    return _attend(cfg, q, K, E, seen, W[p + "attn_sink"], start, start + t - K.shape[0], sparse)
 
 
 def first_open(start: int, rate: int, back: int) -> int:
@@ -219,8 +223,9 @@ def _index(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
     """The lightning indexer of a CSA layer: each query's index_topk best entries among the n closed by the chunk's
     end (those after a query's own position never) -> kept [t, n] bool. Scores as transformers' DeepseekV4Indexer:
     sum over heads of weight x relu(q . k) / sqrt(index_dim), in fp32; ties broken towards the earlier entry (the
-    same pick whole, chunked or after a prefix-cache hit). native (a decode row): DeepSeek Sparse Attention's kernels
-    (dsa_scores, dsa_top_k) over the entries where the pool holds them, every rate-th row of its blocks."""
+    same pick whole, chunked or after a prefix-cache hit), and on the torch path each row's picks [t, index_topk]
+    (some of them future entries where fewer are closed; None on the native path). native (a decode row): DeepSeek
+    Sparse Attention's kernels (dsa_scores, dsa_top_k) over the entries where the pool holds them."""
     t, H, Di = x.shape[0], cfg.index_heads, cfg.index_dim
     q = rope_tail(linear(qr, W[p + "wq_b.weight"]).view(t, H, Di), cos, sin).float()
     wp = W[p + "weights_proj.weight"]
@@ -230,46 +235,62 @@ def _index(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
         # (entry e: row e % slots of block e // slots, as the kernel reads a block table's rows)
         ids = native_attention.dsa_top_k(native_attention.dsa_scores(q[0], w[0], buf, cache.table(), n,
                                                                      Di ** -0.5), cfg.index_topk)
-        return torch.zeros(1, n, dtype=torch.bool).index_fill_(1, ids.long(), True)
+        return torch.zeros(1, n, dtype=torch.bool).index_fill_(1, ids.long(), True), None
     keys = entries(cache, layer, INDEX_ENTRIES, rate, n, None, x.dtype).float()                  # [n, Di]
     seen = (torch.arange(start, start + t, device=x.device)[:, None] + 1) // rate   # [t, 1]: entries each query sees
     future = torch.arange(n, device=x.device)[None, :] >= seen                      # [t, n]
     kept = torch.empty(t, n, dtype=torch.bool, device=x.device)
+    picks = torch.empty(t, min(n, cfg.index_topk), dtype=torch.long, device=x.device)
     group = max(1, SCORE_BYTES // max(1, H * n * 4))
     for i in range(0, t, group):
         r = slice(i, i + group)
         g = q[r].shape[0]
         s = (F.relu(torch.matmul(q[r].reshape(g * H, Di), keys.T)) * Di ** -0.5).view(g, H, n)
         s = torch.matmul(w[r, None, :], s)[:, 0].masked_fill(future[r], float("-inf"))
-        top = s.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
+        picks[r] = top = s.sort(dim=-1, descending=True, stable=True).indices[:, :cfg.index_topk]
         kept[r] = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
-    return kept & ~future
+    return kept & ~future, picks
 
 
 def _attend(cfg: ModelConfig, q: torch.Tensor, K: torch.Tensor, E: torch.Tensor | None, seen: torch.Tensor | None,
-            sinks: torch.Tensor, start: int, lo: int) -> torch.Tensor:
+            sinks: torch.Tensor, start: int, lo: int, top: torch.Tensor | None = None) -> torch.Tensor:
     """q [t, nh, D] at positions start.. over the window's keys K [L, D] (positions lo..) and the entries E [n, D]
     (those `seen` [t, n] marks for each query; None: all), each key its own value; a sink logit per head ->
     [t, nh, D]. Queries go in tiles of about a window, each over only the keys its window reaches (a band: the whole
-    chunk's keys for every query made a prompt's attention quadratic in its length) and the entries."""
+    chunk's keys for every query made a prompt's attention quadratic in its length) and the entries; top [t, k]: each
+    query's candidate entries (the indexer's picks, `seen` saying which count), gathered a row at a time instead of
+    every row over all n."""
     t, nh, D = q.shape
     win, ne = cfg.sliding_window, 0 if E is None else E.shape[0]
+    cols = ne if top is None else top.shape[1]
     o = torch.empty(t, nh, D, dtype=q.dtype, device=q.device)
-    tile = max(1, min(max(win, 16), SCORE_BYTES // max(1, nh * (2 * win + ne) * 4)))
-    for i in range(0, t, tile):  # (one 2-D product a tile: torch's batched ones are far slower on a CPU)
+    row_bytes = nh * (2 * win + cols) * 4 + (0 if top is None else cols * D * E.element_size())
+    tile = max(1, min(max(win, 16), SCORE_BYTES // max(1, row_bytes)))
+    for i in range(0, t, tile):  # (2-D products where they can be: torch's batched ones are slower on a CPU)
         g = min(tile, t - i)
         k0 = max(lo, start + i - win + 1)  # the first key the tile's first query sees
         Kw = K[k0 - lo:start + i + g - lo]
-        keys = Kw if E is None else torch.cat([Kw, E])
-        n = keys.shape[0]
         pos = torch.arange(start + i, start + i + g, device=q.device)[:, None]
         j = torch.arange(k0, k0 + Kw.shape[0], device=q.device)[None, :]
         allowed = (j <= pos) & (j > pos - win)                                     # [g, window keys]
-        if E is not None:
-            allowed = torch.cat([allowed, seen[i:i + g] if seen is not None else allowed.new_ones(g, ne)], dim=1)
-        s = (torch.matmul(q[i:i + g].reshape(g * nh, D), keys.T).float() * D ** -0.5).view(g, nh, n)
+        qi = q[i:i + g]
+        if top is not None:
+            Es = E[top[i:i + g]]                                                   # [g, k, D]: each row's picks
+            s = torch.cat([torch.matmul(qi.reshape(g * nh, D), Kw.T).view(g, nh, -1),
+                           torch.bmm(qi, Es.transpose(1, 2))], dim=-1).float() * D ** -0.5
+            allowed = torch.cat([allowed, seen[i:i + g].gather(1, top[i:i + g])], dim=1)
+        else:
+            keys = Kw if E is None else torch.cat([Kw, E])
+            s = (torch.matmul(qi.reshape(g * nh, D), keys.T).float() * D ** -0.5).view(g, nh, -1)
+            if E is not None:
+                allowed = torch.cat([allowed, seen[i:i + g] if seen is not None else allowed.new_ones(g, ne)], dim=1)
         s = s.masked_fill(~allowed[:, None, :], float("-inf"))
         s = torch.cat([s, sinks.float().view(1, nh, 1).expand(g, nh, 1)], dim=-1)
-        pr = s.softmax(dim=-1)[..., :-1].to(keys.dtype)
-        o[i:i + g] = torch.matmul(pr.reshape(g * nh, n), keys).view(g, nh, D)
+        pr = s.softmax(dim=-1)[..., :-1].to(q.dtype)
+        if top is not None:
+            kw = Kw.shape[0]
+            o[i:i + g] = (torch.matmul(pr[..., :kw].reshape(g * nh, kw), Kw).view(g, nh, D) +
+                          torch.bmm(pr[..., kw:], Es))
+        else:
+            o[i:i + g] = torch.matmul(pr.reshape(g * nh, -1), keys).view(g, nh, D)
     return o

@@ -96,6 +96,25 @@ def test_a_long_prompts_queries_go_in_row_groups(v4, monkeypatch):
         e.stop()
 
 
+def test_prompt_rows_gather_their_own_entries(v4, monkeypatch):
+    """A prompt's CSA rows over many more entries than the indexer keeps attend to their own picks, gathered (the
+    70-token prompt: 17 entries, 3 kept): transformers' logits, as the rows over every entry masked give them."""
+    d, refs = v4
+    prompt, _, logits = refs[70]
+    attend, calls = compressed_attention._attend, []
+    monkeypatch.setattr(compressed_attention, "_attend",
+                        lambda *a, **k: calls.append(a[-1] is not None) or attend(*a, **k))
+    for sparse in (2, 1000):  # 1000: never gathered
+        monkeypatch.setattr(compressed_attention, "SPARSE_ENTRIES", sparse)
+        calls.clear()
+        e = local_engine(d)
+        try:
+            assert (collect(submit(e, prompt, score=True)) - logits).abs().max().item() < 1e-4, sparse
+        finally:
+            e.stop()
+        assert any(calls) == (sparse == 2)
+
+
 def test_a_prefix_cache_hit_reads_the_cached_entries(v4):
     d, refs = v4
     prompt, want, _ = refs[70]
