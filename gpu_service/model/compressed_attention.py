@@ -34,7 +34,7 @@ ENTRIES, INDEX_ENTRIES = 0, 1  # a compressed layer's pool buffers (kv_pool._row
 ROPE = "model.rotary_emb.inv_freq"  # W's entry (Model): the compressed layers' rope, for entries' own positions
 SCORE_BYTES = 256 << 20  # most bytes of fp32 attention scores held at once (queries go in row groups)
 # most keys a decode row attends on the native kernel (64 heads over one KV head of 512: its fp32 FMAs); beyond, torch's
-# bf16 products are as fast (docs/performance/decode_step.md, 2026-12-08)
+# bf16 products are as fast (docs/performance/decode_step.md, 2026-12-07)
 NATIVE_KEYS = 2048
 SPARSE_ENTRIES = 2  # a prompt chunk's CSA rows gather their own kept entries where there are this many times more
 
