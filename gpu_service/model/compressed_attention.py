@@ -94,7 +94,7 @@ def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos
     if state is None and start:
         raise RuntimeError(f"layer {layer}: no state for a sequence at position {start} (a prefix hit without one)")
     K = torch.cat([state[0], k]) if state is not None else k  # the window's keys, positions start + t - len(K)..
-    new = [K[max(0, K.shape[0] - (cfg.sliding_window - 1)):]]
+    new = [_rows_from(K, K.shape[0] - (cfg.sliding_window - 1))]
     if not cache.reserve(start + t):
         raise MemoryError(f"the KV pool ({cache.pool.num_blocks} blocks of {BLOCK}) is full")
     parts = [("compressor.", D, ENTRIES, cfg.csa(layer))] if rate else []
@@ -193,7 +193,14 @@ def _compress(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, old: tuple | N
         cos, sin = rope_cos_sin(W[ROPE], 1.0, pos, e.dtype)
         e = rope_tail(e[:, None], cos, sin)[:, 0]
     keep = first_open(start + t, rate, back) - lo
-    return w0, e, [kv[keep:], gate[keep:]]
+    return w0, e, [_rows_from(kv, keep), _rows_from(gate, keep)]
+
+
+def _rows_from(x: torch.Tensor, i: int) -> torch.Tensor:
+    """x's rows from i on, to keep in a state: a view where it holds at least as many rows as it drops, else a copy (a
+    view keeps its whole tensor alive: a prompt chunk's keys and compressor rows, held by a prefix snapshot too)."""
+    i = max(0, i)
+    return x[i:] if i <= x.shape[0] - i else x[i:].clone()
 
 
 def _entry_rows(cache, rate: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -169,6 +169,8 @@ def test_a_sequences_state_stays_within_its_windows(v4):
     # 70 positions: CSA (rate 4; kv and gate of two series of 32, the indexer's of 16) rows 64..69, HCA (8) 64..69
     assert rows() == [[(5, 32)], [(5, 32), (6, 64), (6, 64), (6, 32), (6, 32)], [(5, 32), (6, 32), (6, 32)],
                       [(5, 32), (6, 64), (6, 64), (6, 32), (6, 32)]]
+    # copies, not views holding the whole prompt's rows alive (a prefix snapshot would keep them)
+    assert all(t.untyped_storage().nbytes() == t.nbytes for st in cache.states for t in st)
     for i, tok in enumerate(prompt_of(3, 4)):
         model.forward([Segment(cache, torch.tensor([tok]), len(prompt) + i)], experts)
     # 73: CSA rows 68..72 (window 17 closed at 71, window 16's first series no longer needed), HCA 72
