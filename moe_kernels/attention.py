@@ -218,8 +218,9 @@ def dsa_scores(q: torch.Tensor, w: torch.Tensor, K: torch.Tensor, table: torch.T
                isa: str = ISA) -> torch.Tensor:
     """DeepSeek Sparse Attention's indexer scores at decode: q [H, D] (the indexer's rotated query heads), w [H] (their
     weights), K one layer's cached indexer keys [blocks, block, D] (fp32 or bf16, or 8-bit rows [.., D + 1]; each row
-    contiguous, rows and blocks at any stride: DeepSeek-V4's entries are every rate-th row of a pool buffer), the
-    sequence's positions 0..L-1 in blocks table[0], ... -> [L] fp32, sum over heads of w * relu(scale * q . k)."""
+    contiguous, rows and blocks at any stride; DeepSeek-V4's CSA entries: its entry buffer of 4 rows a block), the
+    sequence's positions (entries) 0..L-1 in blocks table[0], ... -> [L] fp32, sum over heads of
+    w * relu(scale * q . k)."""
     H, D = q.shape
     _, B, _ = K.shape
     if K.dtype not in INDEX_DTYPES or K.stride(-1) != 1 or values(K.dtype, K.shape[-1]) != D or \
