@@ -228,9 +228,10 @@ def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: in
              "cache up to %.2f GiB", blocks, BLOCK, str(dtype).replace("torch.", ""), per_block / BLOCK / 1024,
              blocks * per_block / 2**30, blocks * BLOCK / max_context, max_context, prefix / 2**30)
     if cfg.attention == "compressed":  # DeepSeek-V4: the pool holds the entries; windows are each sequence's own
+        state = state_bytes(cfg, compute)
         log.info("DeepSeek-V4's windows: up to %.1f MiB of state a sequence beside the pool (%.2f GiB at --max-batch "
-                 "%d), and a snapshot of it where a prefix hit may start", state_bytes(cfg, compute) / 2**20,
-                 args.max_batch * state_bytes(cfg, compute) / 2**30, args.max_batch)
+                 "%d), and a snapshot of it where a prefix hit may start", state / 2**20,
+                 args.max_batch * state / 2**30, args.max_batch)
     metrics.KV_POSITION_BYTES.set(per_block / BLOCK)
     return KVPool(cfg, dtype, device, blocks, prefix, int(args.prefix_cache_host_gb * 2**30) if prefix else 0), max_context
 

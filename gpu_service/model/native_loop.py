@@ -98,8 +98,9 @@ def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, rope: tupl
     tokens (int64 [B]) and embed (the embedding table, h's dtype): h's rows their embeddings, set in the call (each
     torch op here costs tens of microseconds a token: the experts' bytes have streamed through the caches). defer:
     the layer loop's (every layer but the last). logits: fp32 [B, vocab] for the loop's head to fill (the loop has
-    one), or None. Raises what the experts' submit/result would. What it measured (from t0): a Record appended to `records` when given, else its spans to `spans` (the
-    layer loop's names, and the expert service's compute; the head's as lm_head)."""
+    one), or None. Raises what the experts' submit/result would. What it measured (from t0): a Record appended to
+    `records` when given, else its spans to `spans` (the layer loop's names, and the expert service's compute; the
+    head's as lm_head)."""
     decode_layers = getattr(experts, "decode_layers", None)
     if decode_layers is None:
         return False
