@@ -398,6 +398,25 @@ def test_iq_formats_are_the_reference_on_every_path_bitwise(fmt, T):
     assert ((want - exact).norm() / exact.norm()).item() < 1.5e-2
 
 
+@pytest.mark.parametrize("fmt", IQ_FORMATS)
+def test_iq_prefill_on_activations_at_full_scale(fmt):
+    """Every activation at the int8 extreme (+-1 scale each: q = +-127, u8 1 or 255): the prefill kernels' int16 pair
+    sums (vpmaddubsw) at their largest; summing more of them before widening than a type's grid allows overflows here
+    and no longer matches the portable reference."""
+    from moe_kernels import iq_formats
+    from moe_kernels.dense import NativeLinear
+    g = torch.Generator().manual_seed(5)
+    w = iq_formats.random_blocks(fmt, 64, 4, g)
+    signs = torch.where(torch.rand(40, 1024, generator=g) < 0.5, -1.0, 1.0)
+    for x in (torch.ones(40, 1024), signs, -torch.ones(40, 1024)):
+        want = NativeLinear(w, fmt, isa="portable")(x)
+        for isa in ISAS:
+            if isa == "amx-emulated":
+                native.set_amx_emulation(True)
+                isa = "amx"
+            assert torch.equal(NativeLinear(w, fmt, isa=isa)(x), want), isa
+
+
 def test_iq_formats_refuse_float_weights():
     from moe_kernels.packing import quantize
     with pytest.raises(ValueError, match="the iq2xxs format holds GGUF IQ2_XXS matrices as stored; it does not quantize"):
