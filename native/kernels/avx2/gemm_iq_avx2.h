@@ -72,6 +72,11 @@ MOE_IQ256 inline __m256i iq_lookup256(const uint64_t* grid, __m128i gi) {
   return _mm256_set_m128i(iq_pair128(grid, uint64_t(_mm_extract_epi64(gi, 1))),
                           iq_pair128(grid, uint64_t(_mm_cvtsi128_si64(gi))));
 }
+// 4 grid entries by their indices (qword r: entry r's)
+MOE_IQ256 inline __m256i iq_lookup4(const uint64_t* grid, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return _mm256_set_m128i(_mm_set_epi64x(int64_t(grid[d]), int64_t(grid[c])),
+                          _mm_set_epi64x(int64_t(grid[b]), int64_t(grid[a])));
+}
 MOE_IQ256 inline __m128i iq_byte_k(__m128i v, int k) {  // byte k of each dword
   return _mm_and_si128(_mm_srl_epi32(v, _mm_cvtsi32_si128(8 * k)), _mm_set1_epi32(255));
 }
@@ -90,14 +95,20 @@ template <int T>
 MOE_IQ256 inline void iq_decode256(const uint8_t* wb, int n, int g, int h, int qb, int nq, __m256i s, __m128i s1,
                                    __m256i* V, __m256i& M0, __m256i& M1) {
   if constexpr (T == IQ2XXS || T == IQ3XXS) {
-    const __m256i idx = iq_field256<T>(wb, n, g, h, qb, nq, 0);
     const __m128i aux = iq_lo(iq_field256<T>(wb, n, g, h, qb, nq, 1));
     const __m128i sg = iq_sign_groups(iq_ksigns128(aux));
     M0 = M1 = iq_pairs256(iq_odd128(_mm_srli_epi32(aux, 28)));
-    MOE_UNROLL for (int k = 0; k < 4; ++k) {
-      if constexpr (T == IQ2XXS)
-        V[k] = iq_signed256(iq_lookup256(IQ2XXS_GRID, iq_byte_k(iq_lo(idx), k)), sg, k);
-      else
+    if constexpr (T == IQ2XXS) {
+      // the index bytes read as scalars where they lie (row r's k-th at 4 r + k): fewer instructions a lookup than
+      // moving them out of a vector (docs/performance/kernels.md, 2026-12-07 Zen 3)
+      const uint8_t* ip = wb + iq_field_off(T, n, g, 0, h) + size_t(16 * qb);
+      alignas(16) uint8_t pad[16] = {};
+      if (nq < 4) std::memcpy(pad, ip, size_t(4 * nq)), ip = pad;
+      MOE_UNROLL for (int k = 0; k < 4; ++k)
+        V[k] = iq_signed256(iq_lookup4(IQ2XXS_GRID, ip[k], ip[4 + k], ip[8 + k], ip[12 + k]), sg, k);
+    } else {
+      const __m256i idx = iq_field256<T>(wb, n, g, h, qb, nq, 0);
+      MOE_UNROLL for (int k = 0; k < 4; ++k)
         V[k] = iq_signed256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(IQ3XXS_GRID), iq3_index256(idx, k), 4),
                             sg, k);
     }
