@@ -221,8 +221,14 @@ void iq_avx2(const Matrix& m, int e, int r0, int r1, const Acts& x, int ns, floa
                 [&](const uint8_t* wb, const uint8_t* sb, int n, const int8_t* const* X, const int32_t* const* XC,
                     int nsb, int nt, float* C) {
                   with_tokens<4>(nt, [&](auto NT) {
-                    if constexpr (VNNI) iq_mk256_vnni<T, decltype(NT)::value>(wb, sb, n, X, XC, nsb, C);
-                    else iq_mk256_avx2<T, decltype(NT)::value>(wb, sb, n, X, XC, nsb, C);
+                    constexpr int nt_ = decltype(NT)::value;
+                    if constexpr (VNNI) {
+                      if (n == BLK) iq_mk256_vnni<T, nt_, true>(wb, sb, n, X, XC, nsb, C);
+                      else iq_mk256_vnni<T, nt_, false>(wb, sb, n, X, XC, nsb, C);
+                    } else {
+                      if (n == BLK) iq_mk256_avx2<T, nt_, true>(wb, sb, n, X, XC, nsb, C);
+                      else iq_mk256_avx2<T, nt_, false>(wb, sb, n, X, XC, nsb, C);
+                    }
                   });
                 });
     return;
