@@ -377,6 +377,19 @@ def test_iq_published_weights_are_kept_bit_for_bit(fmt, isa):
     assert resident == E * 3 * I * H // 256 * iq_formats.SPECS[fmt].size
 
 
+def every_path_as_portable(w, fmt: str, x: torch.Tensor) -> torch.Tensor:
+    """w [out, in] in fmt times x on every ISA path this CPU has, each asserted bit for bit equal to the portable
+    reference's product, which is returned."""
+    from moe_kernels.dense import NativeLinear
+    want = NativeLinear(w, fmt, isa="portable")(x)
+    for isa in ISAS:
+        if isa == "amx-emulated":
+            native.set_amx_emulation(True)
+            isa = "amx"
+        assert torch.equal(NativeLinear(w, fmt, isa=isa)(x), want), isa
+    return want
+
+
 @pytest.mark.parametrize("fmt", IQ_FORMATS)
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_iq_formats_are_the_reference_on_every_path_bitwise(fmt, T):
@@ -385,15 +398,9 @@ def test_iq_formats_are_the_reference_on_every_path_bitwise(fmt, T):
     halves and quarters; rows of 5 blocks), and against the gguf package's dequantized weights only the activations'
     int8 rounding is left."""
     from moe_kernels import iq_formats
-    from moe_kernels.dense import NativeLinear
     w = iq_formats.random_blocks(fmt, 1041, 5, torch.Generator().manual_seed(3))
     x = torch.randn(T, 1280)
-    want = NativeLinear(w, fmt, isa="portable")(x)
-    for isa in ISAS:
-        if isa == "amx-emulated":
-            native.set_amx_emulation(True)
-            isa = "amx"
-        assert torch.equal(NativeLinear(w, fmt, isa=isa)(x), want), isa
+    want = every_path_as_portable(w, fmt, x)
     exact = x @ w.dequantize().T
     assert ((want - exact).norm() / exact.norm()).item() < 1.5e-2
 
@@ -404,17 +411,11 @@ def test_iq_prefill_on_activations_at_full_scale(fmt):
     sums (vpmaddubsw) at their largest; summing more of them before widening than a type's grid allows overflows here
     and no longer matches the portable reference."""
     from moe_kernels import iq_formats
-    from moe_kernels.dense import NativeLinear
     g = torch.Generator().manual_seed(5)
     w = iq_formats.random_blocks(fmt, 64, 4, g)
     signs = torch.where(torch.rand(40, 1024, generator=g) < 0.5, -1.0, 1.0)
     for x in (torch.ones(40, 1024), signs, -torch.ones(40, 1024)):
-        want = NativeLinear(w, fmt, isa="portable")(x)
-        for isa in ISAS:
-            if isa == "amx-emulated":
-                native.set_amx_emulation(True)
-                isa = "amx"
-            assert torch.equal(NativeLinear(w, fmt, isa=isa)(x), want), isa
+        every_path_as_portable(w, fmt, x)
 
 
 def test_iq_formats_refuse_float_weights():
