@@ -27,7 +27,7 @@ from gpu_service import metrics
 from gpu_service.experts import hot, gpu_prefill
 from gpu_service.model.model import DTYPES, Model, compute_dtype, dense_format, pick_device
 from gpu_service.api.reasoning import PARSERS as REASONING_PARSERS
-from gpu_service.engine.kv_pool import BLOCK, KVPool, block_bytes
+from gpu_service.engine.kv_pool import BLOCK, KVPool, pool_block_bytes, window_pool_blocks
 from gpu_service.model.compressed_attention import state_bytes
 from gpu_service.api.tool_formats import PARSERS as TOOL_PARSERS
 from gpu_service.api.grpc_api import GenerateServicer, prompt_bytes_limit
@@ -205,15 +205,17 @@ def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: in
     """--kv-cache-gb and --prefix-cache-gb resolved, after loading (CUDA's free memory is known then) -> (the pool
     of `dtype` elements, the context limit it holds: --max-context, or without it what the pool holds if less).
     compute: the model's dtype (DeepSeek-V4's window states hold its keys in it)."""
-    per_block = block_bytes(cfg, dtype)
-    want = args.max_batch * -(-max_context // BLOCK) * per_block
+    per_block, ring_block = pool_block_bytes(cfg, dtype)  # (window layers: their own pool, kv_pool.py)
+    ring = window_pool_blocks(cfg, args.max_batch, args.max_step_tokens, args.prefix_cache_gb != 0) \
+        if ring_block else 0
+    want = args.max_batch * -(-max_context // BLOCK) * per_block + ring * ring_block
     if args.kv_cache_gb is not None:
         budget = args.kv_cache_gb * 2**30
     elif device.type == "cuda":
         budget = min(want, 0.8 * torch.cuda.mem_get_info(device)[0])
     else:
         budget = min(want, 0.25 * serving.mem_available())
-    blocks = max(1, int(budget // per_block)) if per_block else -(-max_context // BLOCK)
+    blocks = max(1, int((budget - ring * ring_block) // per_block)) if per_block else -(-max_context // BLOCK)
     if blocks * BLOCK < max_context:
         if args.max_context:
             serving.fail(f"--max-context {max_context} needs {-(-max_context // BLOCK) * per_block / 2**20:.1f} MiB of "
@@ -227,13 +229,18 @@ def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: in
     log.info("KV pool: %d blocks of %d tokens (%s, %.1f KiB a token, %.2f GiB, %.1f requests of %d tokens), prefix "
              "cache up to %.2f GiB", blocks, BLOCK, str(dtype).replace("torch.", ""), per_block / BLOCK / 1024,
              blocks * per_block / 2**30, blocks * BLOCK / max_context, max_context, prefix / 2**30)
+    if ring:
+        log.info("window layers' pool: %d blocks (%.1f KiB a token, %.2f GiB): each running sequence's last window, a "
+                 "step's new tokens%s", ring, ring_block / BLOCK / 1024, ring * ring_block / 2**30,
+                 ", and as many again for prefix hits" if prefix else "")
     if cfg.attention == "compressed":  # DeepSeek-V4: the pool holds the entries; windows are each sequence's own
         state = state_bytes(cfg, compute)
         log.info("DeepSeek-V4's windows: up to %.1f MiB of state a sequence beside the pool (%.2f GiB at --max-batch "
                  "%d), and a snapshot of it where a prefix hit may start", state / 2**20,
                  args.max_batch * state / 2**30, args.max_batch)
     metrics.KV_POSITION_BYTES.set(per_block / BLOCK)
-    return KVPool(cfg, dtype, device, blocks, prefix, int(args.prefix_cache_host_gb * 2**30) if prefix else 0), max_context
+    return KVPool(cfg, dtype, device, blocks, prefix, int(args.prefix_cache_host_gb * 2**30) if prefix else 0,
+                  window_blocks=ring or None), max_context
 
 
 def namespace(fp: str, dtype: torch.dtype, kv_dtype: torch.dtype, dense: str | None, expert_desc: tuple) -> str:

@@ -4,9 +4,14 @@ block table, with the blocks of finished prefixes kept for reuse (prefix_cache.p
 Layout (the native decode step reads it as it is; agree any change with native/kernels/attention.cpp):
 - a block holds BLOCK consecutive positions of one sequence, in every attention layer at once (one block id,
   the same row of each layer's buffers);
-- GQA / MHA, windows and sinks included: K and V per layer [kv heads, blocks, BLOCK, head dim]: head-major across
+- GQA / MHA, sinks included: K and V per layer [kv heads, blocks, BLOCK, head dim]: head-major across
   the pool, so a head's rows of consecutive blocks are one contiguous matrix (a lone sequence's blocks are
   consecutive: allocation takes the lowest free ids), read as the contiguous cache was;
+- a GQA layer with a sliding window (gpt-oss's, MiMo-V2-Flash's sliding layers: `window_layers`) reads only its
+  last `window` positions, so its rows live in a second pool of their own (`KVPool.window`, the same layout, its own
+  block ids): a sequence's window table (SeqCache.wblocks) gives back its blocks below the window after each step
+  (they stay cached for prefix hits, as full blocks do). MiMo-V2-Flash's 39 sliding layers are 195 of its 217.5 KiB
+  a position; a sequence holds about window / BLOCK + 1 of their blocks at any length;
   MiniMax-M3's sparse layers a third, its block indexer's key [1, blocks, BLOCK, index dim];
 - MLA: the latent [blocks, BLOCK, kv_lora_rank] and the rotary key [blocks, BLOCK, rope dim];
 - DeepSeek-V4: only what grows with the context, a compressed layer's entries (and a CSA layer's indexer's), each in
@@ -63,10 +68,12 @@ PREFAULT_BLOCKS = 512
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
-                 prefix_bytes: int = 0, host_bytes: int = 0):
+                 prefix_bytes: int = 0, host_bytes: int = 0, window_blocks: int | None = None,
+                 layers: tuple[int, ...] | None = None):
         """num_blocks: the pool's size (at least one block); prefix_bytes: most bytes of cached blocks and
         state snapshots kept for reuse (0: no prefix caching); host_bytes: the host tier's size (pinned
-        when the pool is on CUDA)."""
+        when the pool is on CUDA); window_blocks: the window pool's size where the model has window layers (None:
+        num_blocks; on the CPU only touched pages take memory). layers: the window pool's own (its maker's)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.cfg, self.dtype, self.device, self.num_blocks = cfg, dtype, device, num_blocks
@@ -74,22 +81,32 @@ class KVPool:
         # whether sequences carry states besides their blocks (linear attention's, DeepSeek-V4's windows): a prefix
         # hit then needs a kept state too (prefix_cache.py)
         self.stateful = cfg.attention == "compressed" or any(cfg.is_linear_attention(L) for L in range(cfg.num_layers))
+        rings = window_layers(cfg) if layers is None else ()
+        own = set(layers if layers is not None else range(cfg.num_layers)) - set(rings)
+        # the window layers' pool (its blocks cached as long as it has room: allocation evicts them first)
+        self.window = KVPool(cfg, dtype, device, window_blocks or num_blocks, (window_blocks or num_blocks) *
+                             block_bytes(cfg, dtype, rings) if prefix_bytes else 0, layers=rings) if rings else None
+        self.windowed = [L in rings for L in range(cfg.num_layers)]  # which layers' rows are the window pool's
+        self.reach = max((cfg.window(L) for L in rings), default=0)  # the widest window: positions a step reads
+        self.reports = layers is None  # (the metrics are the main pool's)
         # one block more than the pool gives out: `spare`, which a graphed decode step's padding rows write into
-        # (cuda_graphs.py)
+        # (cuda_graphs.py), and a window table's entries below the window name
         self.spare = num_blocks
         rows = num_blocks + 1
         shapes = lambda L: [(*lead, kv_quant.row_width(dtype, n)) for lead, n in _rows(cfg, L, rows)]  # noqa: E731
         self.block_dim = 0 if self.mla else 1  # where the block index is in a layer's buffers
-        # per layer its buffers, None for a linear-attention layer (untouched pages of these cost no memory on
-        # the CPU; on CUDA they are the pool's reservation)
-        self.bufs: list[list[torch.Tensor] | None] = [
-            None if cfg.is_linear_attention(L) else [_empty(s, dtype, device) for s in shapes(L)]
-            for L in range(cfg.num_layers)]
+        # per layer its own buffers, None for a linear-attention layer and for the window pool's layers (untouched
+        # pages of these cost no memory on the CPU; on CUDA they are the pool's reservation)
+        self.own = [[_empty(s, dtype, device) for s in shapes(L)] if L in own and not cfg.is_linear_attention(L)
+                    else None for L in range(cfg.num_layers)]
+        # and every layer's as its readers take them (a window layer's from the window pool)
+        self.bufs: list[list[torch.Tensor] | None] = [self.window.bufs[L] if self.windowed[L] else b
+                                                      for L, b in enumerate(self.own)]
         if device.type == "cpu":
-            for bufs in self.bufs:
+            for bufs in self.own:
                 for t in bufs or ():
                     raw(t).narrow(self.block_dim, 0, min(rows, PREFAULT_BLOCKS)).zero_()
-        self.block_bytes = block_bytes(cfg, dtype)
+        self.block_bytes = block_bytes(cfg, dtype, tuple(sorted(own)))
         self.prefix_bytes = prefix_bytes
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
@@ -105,7 +122,7 @@ class KVPool:
         bd = self.block_dim
         self.host = [None if bufs is None else [
             torch.empty((*b.shape[:bd], self.host_blocks, *b.shape[bd + 1:]), dtype=b.dtype, pin_memory=pin) for b in bufs]
-            for bufs in self.bufs] if self.host_blocks else []
+            for bufs in self.own] if self.host_blocks else []
         self.host_free = list(range(self.host_blocks))
         self.host_by_hash: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # least recently used first
         self._report()
@@ -153,7 +170,7 @@ class KVPool:
             self.host_by_hash.move_to_end(h)
             return
         slot = self.host_free.pop() if self.host_free else self.host_by_hash.popitem(last=False)[1]
-        for host, bufs in zip(self.host, self.bufs):
+        for host, bufs in zip(self.host, self.own):
             if bufs is not None:
                 for hb, db in zip(host, bufs):
                     raw(hb).select(self.block_dim, slot).copy_(raw(db).select(self.block_dim, b), non_blocking=True)
@@ -171,7 +188,7 @@ class KVPool:
         if got is None:
             return None
         b = got[0]
-        for host, bufs in zip(self.host, self.bufs):
+        for host, bufs in zip(self.host, self.own):
             if bufs is not None:
                 for hb, db in zip(host, bufs):
                     raw(db).select(self.block_dim, b).copy_(raw(hb).select(self.block_dim, slot), non_blocking=True)
@@ -252,13 +269,35 @@ class KVPool:
             heapq.heappush(self.free, self._evict_block())
         self.snaps.clear()
         self.snap_bytes = 0
+        if self.window is not None:
+            self.window.clear()
         self._report()
 
     def _report(self) -> None:
+        if not self.reports:
+            return
         metrics.KV_BLOCKS.labels("used").set(self.used())
         metrics.KV_BLOCKS.labels("cached").set(len(self.cached))
         metrics.KV_BLOCKS.labels("free").set(len(self.free))
         metrics.PREFIX_BYTES.set(self.cached_bytes())
+
+
+def window_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    """The GQA layers whose queries see only their last `window` keys (gpt-oss's and MiMo-V2-Flash's sliding layers):
+    their rows live in the window pool (KVPool.window). DeepSeek-V4's windows are each sequence's state instead."""
+    if cfg.attention != "gqa":
+        return ()
+    return tuple(L for L in range(cfg.num_layers) if cfg.window(L) and not cfg.is_linear_attention(L))
+
+
+def window_pool_blocks(cfg: ModelConfig, sequences: int, step_tokens: int, caching: bool) -> int:
+    """The window pool's size for `sequences` running at once in steps of up to `step_tokens` new positions: each
+    sequence's blocks of the widest window's positions before its next (one more where they straddle a block) and
+    of its new ones (one more where they straddle), a step's new positions; twice that with prefix caching (the last
+    windows of finished prefixes, where later requests hit)."""
+    reach = max(cfg.window(L) for L in window_layers(cfg))
+    running = sequences * (-(-(reach - 1) // BLOCK) + 2) + -(-step_tokens // BLOCK)
+    return running * (2 if caching else 1)
 
 
 def entry_slots(rate: int) -> int:
@@ -305,13 +344,21 @@ def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return t
 
 
-def block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one block over every attention layer (an 8-bit cache's scales included)."""
+def block_bytes(cfg: ModelConfig, dtype: torch.dtype, layers: tuple[int, ...] | None = None) -> int:
+    """Bytes of one block over these attention layers (None: every one; an 8-bit cache's scales included)."""
     def per_block(L: int) -> int:
         if cfg.is_linear_attention(L):
             return 0
         return sum(math.prod(lead) * kv_quant.row_width(dtype, n) for lead, n in _rows(cfg, L, 1))
-    return sum(map(per_block, range(cfg.num_layers))) * torch.empty(0, dtype=dtype).element_size()
+    return sum(map(per_block, range(cfg.num_layers) if layers is None else layers)) * \
+        torch.empty(0, dtype=dtype).element_size()
+
+
+def pool_block_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of a block of the main pool, of the window pool: its layers' rows, 0 where the model has none)."""
+    rings = window_layers(cfg)
+    return block_bytes(cfg, dtype, tuple(L for L in range(cfg.num_layers) if L not in rings)), \
+        block_bytes(cfg, dtype, rings)
 
 
 def read(rows: torch.Tensor, pool_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.Tensor:
@@ -322,8 +369,9 @@ def read(rows: torch.Tensor, pool_dtype: torch.dtype, dtype: torch.dtype | None)
 
 
 class SeqCache:
-    """One sequence's cache: its block table into the pool, the ids it holds (for the prefix chain), and its layers'
-    states (linear attention's; DeepSeek-V4's windows).
+    """One sequence's cache: its block table into the pool (and into the window pool, where the model has window
+    layers), the ids it holds (for the prefix chain), and its layers' states (linear attention's; DeepSeek-V4's
+    windows).
 
     A state is replaced, not appended to, so a step stages its new states and `commit` installs them once the
     whole forward pass is done: a step that fails half way (and is retried) leaves the sequence as it was, as KV
@@ -332,7 +380,10 @@ class SeqCache:
     def __init__(self, pool: KVPool, root: bytes = b""):
         self.pool, self.root = pool, root
         self.blocks: list[int] = []
+        # the window pool's blocks, one a BLOCK positions as `blocks`; -1 below the window (given back: never read)
+        self.wblocks: list[int] = []
         self._table: torch.Tensor | None = None  # the block table as the native kernel takes it
+        self._wtable: torch.Tensor | None = None  # the window table so (given back entries: the window pool's spare)
         self._index: tuple[torch.Tensor, bool] | None = None  # as gather takes it, and whether ids are consecutive
         self.length = 0  # positions held (the same in every layer once a step completes)
         self.tokens: list[int] = []  # their ids
@@ -348,22 +399,29 @@ class SeqCache:
         takes GROW blocks at once while the pool has room to spare: taken together they are consecutive ids, so
         sequences decoding side by side do not interleave block by block (scattered blocks cost the paged kernel
         up to ~1.4x at long contexts; bench_attention.py)."""
-        need = -(-end // BLOCK) - len(self.blocks)
-        if need <= 0:
-            return True
-        got = None
-        if self.blocks and need < GROW and len(self.pool.free) >= SPARE * GROW:  # never evicting cached ones for it
-            got = self.pool.allocate(GROW)
-        got = got or self.pool.allocate(need)
+        got = _take(self.pool, -(-end // BLOCK) - len(self.blocks), bool(self.blocks))
         if got is None:
             return False
-        self.blocks += got
-        self._table = self._index = None
+        window = self.pool.window
+        if window is not None:
+            wgot = _take(window, -(-end // BLOCK) - len(self.wblocks), bool(self.wblocks))
+            if wgot is None:
+                self.pool.release(got)  # (new blocks: back to the free list)
+                return False
+            if wgot:
+                self.wblocks += wgot
+                self._wtable = None
+        if got:
+            self.blocks += got
+            self._table = self._index = None
         return True
 
     def room(self) -> int:
         """The most positions this sequence could hold with the pool as it is."""
-        return (len(self.blocks) + self.pool.available()) * BLOCK
+        room = (len(self.blocks) + self.pool.available()) * BLOCK
+        if self.pool.window is not None:
+            room = min(room, (len(self.wblocks) + self.pool.window.available()) * BLOCK)
+        return room
 
     def release(self) -> None:
         """Give the blocks back (full ones stay cached for reuse) and keep the last aligned states."""
@@ -371,16 +429,48 @@ class SeqCache:
             self.pool.keep_states(*self.aligned)
             self.aligned = None
         self.pool.release(self.blocks)
-        self.blocks, self._table, self._index = [], None, None
+        if self.pool.window is not None:
+            self.pool.window.release([b for b in self.wblocks if b >= 0])
+        self.blocks, self.wblocks, self._table, self._wtable, self._index = [], [], None, None, None
 
     def __del__(self):  # a direct caller's dropped cache gives its blocks back (the engine releases explicitly)
-        if self.blocks:
+        if self.blocks or self.wblocks:
             self.release()
 
-    def table(self) -> torch.Tensor:
+    def table(self, layer: int | None = None) -> torch.Tensor:
+        """The block table a layer's rows are read through (the main pool's, or a window layer's: the window
+        table)."""
+        if layer is not None and self.pool.windowed[layer]:
+            if self._wtable is None:
+                spare = self.pool.window.spare
+                self._wtable = torch.tensor([b if b >= 0 else spare for b in self.wblocks], dtype=torch.int32)
+            return self._wtable
         if self._table is None:
             self._table = torch.tensor(self.blocks, dtype=torch.int32)
         return self._table
+
+    def first(self, layer: int | None = None) -> int:
+        """The block of position 0 where the layer's blocks are consecutive ids (the kernels then read each head's
+        rows as one strided matrix), else -1 (read through the table; a window layer's always)."""
+        if layer is not None and self.pool.windowed[layer]:
+            return -1
+        return self.blocks[0] if self.consecutive() else -1
+
+    def held_from(self, layer: int) -> int:
+        """The first position whose rows the layer still holds (a window layer's: its window's first block's)."""
+        if not self.pool.windowed[layer]:
+            return 0
+        return next((i for i, b in enumerate(self.wblocks) if b >= 0), len(self.wblocks)) * BLOCK
+
+    def _slide(self) -> None:
+        """Give back the window pool's blocks below every window layer's reach from the next position (full and
+        named: they stay cached for a prefix hit there)."""
+        lo = min(max(0, self.length - self.pool.reach + 1) // BLOCK, len(self.wblocks))
+        old = [b for b in self.wblocks[:lo] if b >= 0]
+        if old:
+            self.pool.window.release(old)
+            self.wblocks[:lo] = [-1] * lo
+            self._wtable = None
 
     def write(self, layer: int, start: int, *xs: torch.Tensor) -> None:
         """Store xs ([t, ...] each, one per buffer of the layer) at positions start..start+t-1 (the engine reserved
@@ -389,13 +479,14 @@ class SeqCache:
         if not self.reserve(start + t):
             raise MemoryError(f"the KV pool ({self.pool.num_blocks} blocks of {BLOCK}) is full")
         bufs, xs = zip(*(stored(b, x) for b, x in zip(bufs, xs)))
+        blocks = self.wblocks if self.pool.windowed[layer] else self.blocks
         if t == 1:
-            b, o = self.blocks[start // BLOCK], start % BLOCK
+            b, o = blocks[start // BLOCK], start % BLOCK
             for buf, x in zip(bufs, xs):
                 (buf[:, b, o] if not self.pool.mla else buf[b, o]).copy_(x[0])
             return
         pos = torch.arange(start, start + t)
-        blk = torch.tensor(self.blocks, dtype=torch.long)[pos // BLOCK].to(self.pool.device)
+        blk = torch.tensor(blocks, dtype=torch.long)[pos // BLOCK].to(self.pool.device)
         off = (pos % BLOCK).to(self.pool.device)
         for buf, x in zip(bufs, xs):
             if self.pool.mla:
@@ -430,14 +521,21 @@ class SeqCache:
         pool's rows dequantized), else the pool's rows as they are. only: these of the layer's buffers (by index), else
         every one."""
         b0, b1 = begin // BLOCK, -(-end // BLOCK)
-        consecutive = self.consecutive()
-        idx = self._index[0][b0:b1]
+        if self.pool.windowed[layer]:
+            ids = self.wblocks[b0:b1]
+            if min(ids, default=0) < 0:
+                raise ValueError(f"layer {layer}'s positions from {begin} are below its window (given back)")
+            first = ids[0] if ids and all(b == ids[0] + i for i, b in enumerate(ids)) else None
+            idx = torch.tensor(ids, dtype=torch.long, device=self.pool.device)
+        else:
+            first = self.blocks[b0] if self.consecutive() else None
+            idx = self._index[0][b0:b1]
         lo, n = begin - b0 * BLOCK, end - begin
         out = []
         bufs = self.pool.bufs[layer] if only is None else [self.pool.bufs[layer][i] for i in only]
         for buf in map(raw, bufs):
-            if consecutive:  # one view, no copy
-                rows = buf.narrow(self.pool.block_dim, self.blocks[b0], b1 - b0)
+            if first is not None:  # one view, no copy
+                rows = buf.narrow(self.pool.block_dim, first, b1 - b0)
             elif self.pool.mla:
                 rows = buf.index_select(0, idx)
             else:  # a block of a head as one row: the copy moves whole rows (~10x faster for short contexts)
@@ -461,6 +559,8 @@ class SeqCache:
         self.tokens += tokens
         self.length = length
         self._name_full_blocks()
+        if self.pool.window is not None:
+            self._slide()
         if self.pool.stateful and self.pool.caching and length % BLOCK == 0 and self.hashes:
             if length == self.keep_at:
                 self.pool.keep_states(self.hashes[-1], self.states)
@@ -474,8 +574,23 @@ class SeqCache:
             h = next_name(self.hashes[-1] if self.hashes else self.root, self.tokens[i * BLOCK:(i + 1) * BLOCK])
             self.hashes.append(h)
             self.pool.register(self.blocks[i], h)
+            if self.pool.window is not None and i < len(self.wblocks) and self.wblocks[i] >= 0:
+                self.pool.window.register(self.wblocks[i], h)
 
     @property
     def nbytes(self) -> int:
+        window = self.pool.window
         return len(self.blocks) * self.pool.block_bytes + sum(
-            t.nbytes for s in self.states if s is not None for t in s)
+            t.nbytes for s in self.states if s is not None for t in s) + \
+            (sum(b >= 0 for b in self.wblocks) * window.block_bytes if window is not None else 0)
+
+
+def _take(pool: KVPool, need: int, growing: bool) -> list[int] | None:
+    """`need` more blocks of the pool for a sequence ([] for none; None: the pool has not that many). A growing
+    sequence takes GROW blocks at once while the pool has room to spare (SeqCache.reserve)."""
+    if need <= 0:
+        return []
+    got = None
+    if growing and need < GROW and len(pool.free) >= SPARE * GROW:  # never evicting cached ones for it
+        got = pool.allocate(GROW)
+    return got or pool.allocate(need)

@@ -15,6 +15,10 @@ entries' blocks (the window's keys, the open compression windows' rows), which e
 last block boundary before a prompt's final token (the engine ends a prefill step there) and at the last one an
 answer passed (kept when the sequence ends). A hit there needs both the blocks and a kept state, so it ends at the
 longest such boundary.
+
+Window layers (gpt-oss's, MiMo-V2-Flash's sliding ones) read their rows from the window pool, which gives a
+sequence's blocks below its window back as it goes (kv_pool.py): a hit needs only the last window's blocks there,
+so it ends at the longest boundary whose window blocks are still cached.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ def lookup(pool: KVPool, ids: list[int], root_hash: bytes) -> SeqCache:
     metrics.PREFIX_QUERY_TOKENS.inc(len(ids))
     if not pool.caching:
         return seq
-    blocks, hashes, best, states = [], [], 0, None
+    blocks, hashes, ends = [], [], {}
     prev = root_hash
     for i in range((len(ids) - 1) // BLOCK):
         prev = next_name(prev, ids[i * BLOCK:(i + 1) * BLOCK])
@@ -43,14 +47,36 @@ def lookup(pool: KVPool, ids: list[int], root_hash: bytes) -> SeqCache:
         blocks.append(b)
         hashes.append(prev)
         if not pool.stateful:
-            best = i + 1
+            ends[i + 1] = None
         elif (s := pool.states(prev)) is not None:
-            best, states = i + 1, s
-    pool.release(blocks[best:])  # a stateful pool: past the last kept state
+            ends[i + 1] = s
+    best, wblocks = _window_blocks(pool, hashes, sorted(ends, reverse=True))
+    pool.release(blocks[best:])  # a stateful pool: past the last kept state; a window pool: its last window's
     if best:
         n = best * BLOCK
         seq.blocks, seq.hashes, seq.tokens, seq.length = blocks[:best], hashes[:best], list(ids[:n]), n
-        if states is not None:
-            seq.states = list(states)
+        seq.wblocks = wblocks
+        if ends[best] is not None:
+            seq.states = list(ends[best])
         metrics.PREFIX_HIT_TOKENS.inc(n)
     return seq
+
+
+def _window_blocks(pool: KVPool, hashes: list[bytes], ends: list[int]) -> tuple[int, list[int]]:
+    """The longest hit of `ends` (block counts, longest first) whose last window the window pool holds too (every
+    end, where the model has no window layers) -> (it, 0 for none; the window table for it, its blocks shared)."""
+    window = pool.window
+    if window is None or not ends:
+        return (ends[0] if ends else 0), []
+    limit = ends[0]
+    for end in ends:
+        if end > limit:
+            continue
+        lo = max(0, end * BLOCK - pool.reach + 1) // BLOCK  # the blocks the next position's window reads
+        got = [window.lookup(h) for h in hashes[lo:end]]
+        if None not in got:
+            for b in got:
+                window.share(b)
+            return end, [-1] * lo + got
+        limit = lo + max(j for j, b in enumerate(got) if b is None)  # a longer hit's window reads the missing block
+    return 0, []

@@ -170,8 +170,8 @@ def gqa_attend(cfg: ModelConfig, W: dict, p: str, q: torch.Tensor, kv, layer: in
             at = torch.arange(lo, pos + 1, dtype=torch.int32).expand(nkv, -1).contiguous()
             sel = (at, torch.full((nkv,), pos + 1 - lo, dtype=torch.int32))
         return native_attention.paged_decode_attention(
-            q[0], K, V, cache.table(), pos + 1, d ** -0.5, first=cache.blocks[0] if cache.consecutive() and sel is None
-            else -1, selected=sel, sinks=sinks).to(q.dtype)[None]
+            q[0], K, V, cache.table(layer), pos + 1, d ** -0.5, first=cache.first(layer) if sel is None else -1,
+            selected=sel, sinks=sinks).to(q.dtype)[None]
     if window or sinks is not None:  # gpt-oss: SDPA has no sinks (a sequence's own cache: no graph takes these)
         start = kv.start
         first = max(0, start - window + 1) if window else 0  # no query of this chunk sees keys before it
@@ -184,9 +184,8 @@ def gqa_attend(cfg: ModelConfig, W: dict, p: str, q: torch.Tensor, kv, layer: in
     elif kv.decoding and native and cache is not None and \
             native_attention.supported(cache.pool.bufs[layer][0], V=cache.pool.bufs[layer][1]):
         # consecutive blocks (a lone sequence's) are read as one strided matrix a head, without the table
-        o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer][:2], cache.table(), kv.start + 1,
-                                                    d ** -0.5,
-                                                    first=cache.blocks[0] if cache.consecutive() else -1).to(q.dtype)
+        o = native_attention.paged_decode_attention(q[0], *cache.pool.bufs[layer][:2], cache.table(layer),
+                                                    kv.start + 1, d ** -0.5, first=cache.first(layer)).to(q.dtype)
     elif kv.decoding:
         (K, V, *_), unseen = kv.rows(layer, q.dtype)
         o = gqa_decode(q, K, V, unseen, d ** -0.5)

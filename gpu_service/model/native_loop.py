@@ -81,7 +81,8 @@ def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool,
     loop = native.DecodeLoop([blocks[L] for L in range(n)], [mlps.get(L) for L in range(n)],
                              [t.data_ptr() for t in K], [t.data_ptr() for t in V], KV_CODES[pool.dtype],
                              [(k.stride(0), k.stride(1), v.stride(0), v.stride(1)) for k, v in zip(K, V)],
-                             BLOCK.bit_length() - 1, [cfg.sliding_rope(L) for L in range(n)], owner=(blocks, mlps, pool))
+                             BLOCK.bit_length() - 1, [cfg.sliding_rope(L) for L in range(n)], owner=(blocks, mlps, pool),
+                             second_table=pool.windowed)
     if head is not None:
         norm, eps, lm_head = head
         loop.set_head(norm.data_ptr(), norm.dtype == torch.bfloat16, eps, lm_head.native, owner=(norm, lm_head))
@@ -93,7 +94,8 @@ def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, rope: tupl
         rope_rows: int = 0, tokens: torch.Tensor | None = None, embed: torch.Tensor | None = None) -> bool:
     """h [B, H] through every layer (updated in place) when `experts` can run the loop; False: they cannot (the
     caller takes the layer loop), nothing done. rope: (cos, sin) of the step's positions, then the sliding layers'
-    (cos, sin) where their base is their own (cfg.sliding_rope), else the same pair; with rope_rows, the whole tables
+    (cos, sin) where their base is their own (cfg.sliding_rope), else the same pair; seqs: native_stages.sequences's
+    (the window layers read the second rows); with rope_rows, the whole tables
     (Model.rope_tables: rope_rows elements a position), each sequence's row taken in the call by its position.
     tokens (int64 [B]) and embed (the embedding table, h's dtype): h's rows their embeddings, set in the call (each
     torch op here costs tens of microseconds a token: the experts' bytes have streamed through the caches). defer:
@@ -107,12 +109,13 @@ def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, rope: tupl
     B, H = h.shape
     times = np.empty((loop.layers, TIMES), np.int64)
     (cos, sin), (cos2, sin2) = rope
-    ptrs = (B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), seqs.data_ptr(), times.ctypes.data)
+    ptrs = (B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), seqs[0].data_ptr(), times.ctypes.data)
     out = 0 if logits is None else logits.data_ptr()
     start = (rope_rows, 0, 0, 0) if embed is None else (rope_rows, tokens.data_ptr(), embed.data_ptr(), embed.shape[0])
 
     def call(exchange, first: int, waiting: bool):
-        return loop.run(*ptrs, first, waiting, defer, exchange, out, cos2.data_ptr(), sin2.data_ptr(), *start)
+        return loop.run(*ptrs, first, waiting, defer, exchange, out, cos2.data_ptr(), sin2.data_ptr(), *start,
+                        seqs[1].data_ptr())
 
     if not decode_layers(call, step, times, B, H, h.dtype, top_k):
         return False

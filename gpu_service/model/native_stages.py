@@ -167,16 +167,21 @@ def mlp(m, x: torch.Tensor) -> torch.Tensor:
 
 
 def sequences(caches: list[SeqCache], starts: list[int]) -> torch.Tensor:
-    """The step's sequences as the native step takes them: int64 [B, 3] (block table address, the new token's
-    position, the first of consecutive blocks or -1); each cache's block for the position reserved."""
+    """The step's sequences as the native step takes them: int64 [2, B, 3], per sequence (block table address, the
+    new token's position, the first of consecutive blocks or -1), first for the main pool's layers, then for the
+    window pool's (kv_pool.window_layers; the same rows where the model has none); each cache's block for the
+    position reserved."""
     rows = []
-    if any(c.pool is not caches[0].pool for c in caches):
+    pool = caches[0].pool
+    if any(c.pool is not pool for c in caches):
         raise ValueError("the step's sequences hold blocks of different KV pools")
+    ring = pool.windowed.index(True) if pool.window is not None else None  # a window layer
     for c, pos in zip(caches, starts):
         if not c.reserve(pos + 1):
             raise MemoryError(f"the KV pool ({c.pool.num_blocks} blocks of {BLOCK}) is full")
-        rows.append((c.table().data_ptr(), pos, c.blocks[0] if c.consecutive() else -1))
-    return torch.tensor(rows, dtype=torch.int64)
+        rows.append((c.table().data_ptr(), pos, c.first()))
+    window = rows if ring is None else [(c.table(ring).data_ptr(), pos, -1) for c, pos in zip(caches, starts)]
+    return torch.tensor([rows, window], dtype=torch.int64)
 
 
 def run(block, pool: KVPool, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: torch.Tensor,
@@ -185,6 +190,7 @@ def run(block, pool: KVPool, layer: int, h: torch.Tensor, cos: torch.Tensor, sin
     (ids int32 [B, k], weights fp32 [B, k]) where the block routes, else None)."""
     K, V = pool.bufs[layer]
     B = h.shape[0]
+    seqs = seqs[int(pool.windowed[layer])]
     x = torch.empty_like(h)
     routed = (torch.empty(B, top_k, dtype=torch.int32), torch.empty(B, top_k)) if block.routes else None
     block.run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), K.data_ptr(), V.data_ptr(), KV_CODES[K.dtype],

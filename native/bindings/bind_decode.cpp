@@ -40,6 +40,15 @@ void bind_router(DecodeBlock& g, const py::object& gate, int top_k, bool norm_to
   }
   g.top_k = top_k, g.norm_topk = norm_topk, g.round_w = round_w;
 }
+// The step's sequences as the Python side passes them: int64 [B, 3] (block table address, position, first
+// consecutive block or -1)
+std::vector<DecodeSeq> decode_seqs(uintptr_t seqs, int B) {
+  const int64_t* rows = reinterpret_cast<const int64_t*>(seqs);
+  std::vector<DecodeSeq> sq(B > 0 ? B : 0);
+  for (int t = 0; t < B; ++t)
+    sq[t] = DecodeSeq{reinterpret_cast<const int32_t*>(rows[3 * t]), int32_t(rows[3 * t + 1]), int32_t(rows[3 * t + 2])};
+  return sq;
+}
 struct BoundMlp {
   Mlp m;
   py::object owner;
@@ -165,11 +174,7 @@ void bind_decode(py::module_& m) {
             g.K = reinterpret_cast<void*>(K), g.V = reinterpret_cast<void*>(V), g.kv = kv_type(kv);
             g.kv_head = kv_head, g.kv_block = kv_block, g.block_shift = block_shift;
             g.v_head = v_head ? v_head : kv_head, g.v_block = v_block ? v_block : kv_block;  // (0: K's)
-            const int64_t* rows = reinterpret_cast<const int64_t*>(seqs);  // [B, 3]: table, position, first
-            std::vector<DecodeSeq> sq(B > 0 ? B : 0);
-            for (int t = 0; t < B; ++t)
-              sq[t] = DecodeSeq{reinterpret_cast<const int32_t*>(rows[3 * t]), int32_t(rows[3 * t + 1]),
-                                int32_t(rows[3 * t + 2])};
+            std::vector<DecodeSeq> sq = decode_seqs(seqs, B);
             py::gil_scoped_release nogil;
             std::lock_guard<std::mutex> lk(compute_mutex());
             decode_block(g, B, reinterpret_cast<void*>(h), reinterpret_cast<const void*>(cos),
@@ -243,11 +248,11 @@ void bind_decode(py::module_& m) {
       .def(py::init([](const std::vector<const BoundDecodeBlock*>& blocks, const std::vector<py::object>& mlps,
                        const std::vector<uintptr_t>& K, const std::vector<uintptr_t>& V, int kv,
                        const std::vector<std::array<size_t, 4>>& strides, int block_shift,
-                       const std::vector<bool>& second_rope, py::object owner) {
+                       const std::vector<bool>& second_rope, py::object owner, const std::vector<bool>& second_table) {
              const size_t n = blocks.size();
              MOE_CHECK(K.size() == n && V.size() == n && mlps.size() == n && strides.size() == n &&
-                           second_rope.size() == n,
-                       "decode loop: one K, V, MLP (or None), strides and rope choice a layer");
+                           second_rope.size() == n && (second_table.empty() || second_table.size() == n),
+                       "decode loop: one K, V, MLP (or None), strides, rope and table choice a layer");
              BoundDecodeLoop l{{}, std::move(owner)};
              for (size_t i = 0; i < n; ++i) {
                DecodeBlock g = blocks[i]->g;
@@ -255,20 +260,23 @@ void bind_decode(py::module_& m) {
                g.kv_head = strides[i][0], g.kv_block = strides[i][1], g.block_shift = block_shift;
                g.v_head = strides[i][2], g.v_block = strides[i][3];
                l.layers.push_back({g, mlps[i].is_none() ? nullptr : &mlps[i].cast<const BoundMlp&>().m,
-                                   bool(second_rope[i])});
+                                   bool(second_rope[i]), !second_table.empty() && bool(second_table[i])});
              }
              return l;
            }),
            py::arg("blocks"), py::arg("mlps"), py::arg("K"), py::arg("V"), py::arg("kv"), py::arg("strides"),
            py::arg("block_shift"), py::arg("second_rope"), py::arg("owner"),
+           py::arg("second_table") = std::vector<bool>(),
            "mlps: per layer a dense layer's MLP or the shared experts (Mlp), or None; strides: per layer its K's "
            "elements between heads and between blocks, then its V's; second_rope: per layer whether it rotates with "
-           "run's cos2/sin2; owner: keeps the blocks, the MLPs and the pool alive")
+           "run's cos2/sin2; owner: keeps the blocks, the MLPs and the pool alive; second_table: per layer whether it "
+           "reads run's seqs2 (a window layer's window pool; empty: none)")
       .def(
           "run",
           [](const BoundDecodeLoop& l, int B, uintptr_t h, uintptr_t cos, uintptr_t sin, uintptr_t seqs,
              uintptr_t times, int first, bool waiting, int defer, py::object experts, uintptr_t logits,
-             uintptr_t cos2, uintptr_t sin2, int rope_rows, uintptr_t tokens, uintptr_t embed, int64_t vocab) {
+             uintptr_t cos2, uintptr_t sin2, int rope_rows, uintptr_t tokens, uintptr_t embed, int64_t vocab,
+             uintptr_t seqs2) {
             MOE_CHECK(!logits || l.has_head, "decode loop: logits asked for, but no head set");
             MOE_CHECK(!l.layers.empty() && B > 0 && rope_rows >= 0, "decode loop: no layers, sequences or rope width");
             const std::vector<const MoELayer*>* local = nullptr;
@@ -277,11 +285,7 @@ void bind_decode(py::module_& m) {
               local = &experts.cast<const BoundLocalExperts&>().layers;
             else
               ring = &experts.cast<BoundRingClient&>().c;
-            const int64_t* rows = reinterpret_cast<const int64_t*>(seqs);  // [B, 3]: table, position, first
-            std::vector<DecodeSeq> sq(B > 0 ? B : 0);
-            for (int t = 0; t < B; ++t)
-              sq[t] = DecodeSeq{reinterpret_cast<const int32_t*>(rows[3 * t]), int32_t(rows[3 * t + 1]),
-                                int32_t(rows[3 * t + 2])};
+            std::vector<DecodeSeq> sq = decode_seqs(seqs, B), sq2 = decode_seqs(seqs2, seqs2 ? B : 0);
             // the step's start here where the caller asks (decode_loop.h): rope_rows > 0: cos, sin, cos2, sin2 are
             // whole tables, each sequence's rows gathered by its position; embed: h's rows, on a step's first call only
             const DecodeBlock& g0 = l.layers[0].block;
@@ -304,7 +308,7 @@ void bind_decode(py::module_& m) {
               py::gil_scoped_release nogil;
               end = decode_layers(l.layers, local, ring, first, waiting, defer, B, reinterpret_cast<void*>(h),
                                   reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin), sq.data(),
-                                  reinterpret_cast<int64_t*>(times), logits ? &l.head : nullptr,
+                                  seqs2 ? sq2.data() : nullptr, reinterpret_cast<int64_t*>(times), logits ? &l.head : nullptr,
                                   reinterpret_cast<float*>(logits), reinterpret_cast<const void*>(cos2),
                                   reinterpret_cast<const void*>(sin2));
             }
@@ -313,7 +317,7 @@ void bind_decode(py::module_& m) {
           py::arg("B"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("seqs"), py::arg("times"),
           py::arg("first"), py::arg("waiting"), py::arg("defer"), py::arg("experts"), py::arg("logits") = 0,
           py::arg("cos2") = 0, py::arg("sin2") = 0, py::arg("rope_rows") = 0, py::arg("tokens") = 0,
-          py::arg("embed") = 0, py::arg("vocab") = 0,
+          py::arg("embed") = 0, py::arg("vocab") = 0, py::arg("seqs2") = 0,
           "B sequences' new tokens through the layers from `first`, `defer` experts a token deferred one layer: h "
           "[B, H] updated in place; seqs int64 [B, 3] "
           "as DecodeBlock.run takes them; times int64 [layers, DecodeLoop.times] (decode_loop.h LoopTime); experts: LocalExperts or "
@@ -321,6 +325,7 @@ void bind_decode(py::module_& m) {
           "cos2/sin2: the second rope table (the layers built with second_rope), or 0; rope_rows > 0: cos, sin, "
           "cos2, sin2 are whole tables of that many elements a position, each sequence's row taken by its position; "
           "embed: the embedding table of vocab rows, h's rows set to its rows of tokens (int64 [B]) on a step's first call "
+          "seqs2: the sequences as seqs with their second block tables (the layers built with second_table), or 0 "
           "-> (layer reached, status: 0 done, -1 a wait's slice ended, else a gRPC code; message)")
       .def(
           "set_head",

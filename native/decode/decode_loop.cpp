@@ -92,20 +92,23 @@ void embed_rows(const void* table, int64_t vocab, const int64_t* tokens, int B, 
 
 LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<const MoELayer*>* local, RingClient* ring,
                       int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
-                      const DecodeSeq* seqs, int64_t* times, const LoopHead* head, float* logits,
-                      const void* cos2, const void* sin2) {
+                      const DecodeSeq* seqs, const DecodeSeq* seqs2, int64_t* times, const LoopHead* head,
+                      float* logits, const void* cos2, const void* sin2) {
   const int n_layers = int(layers.size());
   MOE_CHECK(first >= 0 && first <= n_layers && B > 0 && defer >= 0, "decode loop: bad first layer, batch or defer");
   MOE_CHECK(!head == !logits && n_layers > 0, "decode loop: a head needs its logits and the logits a head");
   MOE_CHECK(local ? local->size() == layers.size() : ring != nullptr, "decode loop: no experts to run");
-  for (const LoopLayer& l : layers)
+  for (const LoopLayer& l : layers) {
     MOE_CHECK(!l.second_rope || (cos2 && sin2), "decode loop: a layer's second rope table not given");
+    MOE_CHECK(!l.second_table || seqs2, "decode loop: a layer's second block tables not given");
+  }
   LoopScratch& s = thread_scratch<LoopScratch>();
   const void* const rope[2][2] = {{cos, sin}, {cos2, sin2}};
   for (int L = first; L < n_layers; ++L) {
     const DecodeBlock& g = layers[L].block;
     const Mlp* mlp = layers[L].mlp;
     const void* const* cs = rope[layers[L].second_rope];  // this layer's cos, sin
+    const DecodeSeq* sq = layers[L].second_table ? seqs2 : seqs;  // and its block tables
     const size_t elem = g.bf16 ? 2 : 4, n = size_t(B) * g.H, xn = n * elem;
     int64_t* tm = times + size_t(L) * LOOP_TIMES;
     if (!g.routes()) {  // a dense layer: h += its MLP of the block's output
@@ -113,7 +116,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
                 "after an MoE layer");
       s.x.resize(xn), s.sh.resize(xn);
       std::lock_guard<std::mutex> lk(compute_mutex());
-      decode_block(g, B, h, cs[0], cs[1], seqs, s.x.data());
+      decode_block(g, B, h, cs[0], cs[1], sq, s.x.data());
       tm[ATTENTION_END] = wall_ns();
       mlp_forward(*mlp, B, s.x.data(), s.sh.data());
       tm[MLP_END] = wall_ns();
@@ -130,7 +133,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
     if (local) {
       s.x.resize(xn), s.y.resize(xn), s.late_next.resize(xn), s.ids.resize(size_t(B) * k), s.w.resize(size_t(B) * k);
       std::lock_guard<std::mutex> lk(compute_mutex());
-      decode_block(g, B, h, cs[0], cs[1], seqs, s.x.data(), s.ids.data(), s.w.data());
+      decode_block(g, B, h, cs[0], cs[1], sq, s.x.data(), s.ids.data(), s.w.data());
       tm[ATTENTION_END] = wall_ns();
       MOE_CHECK((*local)[L] != nullptr, "decode loop: an MoE layer without its local experts");
       try {
@@ -163,7 +166,7 @@ LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<co
                 "decode loop: the request does not fit its ring slot");
       {
         std::lock_guard<std::mutex> lk(compute_mutex());
-        decode_block(g, B, h, cs[0], cs[1], seqs, r.base + at, reinterpret_cast<int32_t*>(r.base + at + r.ids_at),
+        decode_block(g, B, h, cs[0], cs[1], sq, r.base + at, reinterpret_cast<int32_t*>(r.base + at + r.ids_at),
                      reinterpret_cast<float*>(r.base + at + r.w_at));
       }
       tm[ATTENTION_END] = wall_ns();

@@ -49,7 +49,8 @@ enum LoopTime {
 struct LoopLayer {
   DecodeBlock block;
   const Mlp* mlp;
-  bool second_rope;  // rotates with the step's second rope table (MiMo-V2-Flash's sliding layers' own base)
+  bool second_rope;   // rotates with the step's second rope table (MiMo-V2-Flash's sliding layers' own base)
+  bool second_table;  // reads the step's second block tables (a window layer's rows: the KV pool's window pool)
 };
 
 // The step's end after the last layer, where the model allows: the final RMSNorm of h (torch's rounding, in
@@ -82,10 +83,11 @@ void embed_rows(const void* table, int64_t vocab, const int64_t* tokens, int B, 
 // `first`'s request is already posted, only its answers are awaited. defer: per token, this many lowest-weighted
 // experts of each MoE layer but the last come back apart and are added one layer later (the layer loop's rule).
 // times [layers][LOOP_TIMES]. head and logits (both or neither): once the last layer is done, logits [B, vocab] of h
-// (see LoopHead). cos2/sin2: the second rope table, for the layers marked second_rope (null: no layer is).
+// (see LoopHead). cos2/sin2: the second rope table, for the layers marked second_rope (null: no layer is); seqs2:
+// the sequences with their second block tables, for the layers marked second_table (null: no layer is).
 LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<const MoELayer*>* local, RingClient* ring,
                       int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
-                      const DecodeSeq* seqs, int64_t* times, const LoopHead* head = nullptr, float* logits = nullptr,
+                      const DecodeSeq* seqs, const DecodeSeq* seqs2, int64_t* times, const LoopHead* head = nullptr, float* logits = nullptr,
                       const void* cos2 = nullptr, const void* sin2 = nullptr);
 
 }  // namespace moe

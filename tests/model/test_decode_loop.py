@@ -95,7 +95,8 @@ def step(model, experts, segments, looped: bool, **kw):
 
 
 def kv_rows(cache, layer, n):
-    return [b.clone() for b in cache.gather(layer, n)]
+    """The layer's rows below n that the pool still holds (a window layer's: its last window's blocks)."""
+    return [b.clone() for b in cache.gather(layer, n, cache.held_from(layer))]
 
 
 def decode_both(model, cfg, experts_mine, experts_ref, n=24, prompt=(5, 17, 300, 41, 7, 99, 12, 3, 250), defer=0):

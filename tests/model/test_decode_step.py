@@ -96,7 +96,8 @@ def decode(model, experts, segments, native: bool):
 
 def kv_rows(cache, layer, n):
     """The layer's rows as stored (an 8-bit pool's as bytes: codes and scales)."""
-    return [b.clone().view(torch.uint8) if b.element_size() == 1 else b.clone() for b in cache.gather(layer, n)]
+    return [b.clone().view(torch.uint8) if b.element_size() == 1 else b.clone()
+            for b in cache.gather(layer, n, cache.held_from(layer))]
 
 
 @pytest.mark.parametrize("family", list(SHAPES))

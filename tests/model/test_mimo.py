@@ -29,7 +29,10 @@ def test_the_layers_shapes_are_each_their_own(mimo):
     pool = KVPool(cfg, torch.float32, torch.device("cpu"), 4)
     assert [tuple(b.shape[0] for b in bufs) for bufs in pool.bufs] == [(1, 1), (2, 2), (2, 2), (1, 1)]
     assert [bufs[1].shape[-1] for bufs in pool.bufs] == [16] * 4
-    assert pool.block_bytes == BLOCK * (1 + 2 + 2 + 1) * (24 + 16) * 4
+    # the sliding layers' rows are the window pool's: the main pool's blocks hold only the full layers'
+    assert pool.block_bytes == BLOCK * (1 + 1) * (24 + 16) * 4
+    assert pool.window.block_bytes == BLOCK * (2 + 2) * (24 + 16) * 4 and pool.windowed == [False, True, True, False]
+    assert pool.bufs[1][0].data_ptr() == pool.window.bufs[1][0].data_ptr() and pool.own[1] is None
 
 
 def test_tokens_and_logits_are_transformers_whole_chunked_and_batched(mimo):
