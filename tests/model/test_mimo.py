@@ -4,12 +4,15 @@ cached: transformers' tokens and logits for prompts shorter and far longer than 
 chunks, batched, after a prefix-cache hit, and deferral in one process as through the two services."""
 from __future__ import annotations
 
+import heapq
+
 import pytest
 import torch
 
 import tiny_models
 from engine_runs import collect, deferred_both_ways, prompt_of, reference, submit, twice_with_a_prefix_cache
-from gpu_service.engine.kv_pool import BLOCK, KVPool
+from gpu_service.engine.kv_pool import BLOCK, GROW, KVPool, pool_block_bytes, window_pool_blocks
+from gpu_service.model.model import Model, Segment
 from harness import local_engine
 from moe_core.config import load_config
 
@@ -53,6 +56,79 @@ def test_a_prefix_cache_hit(mimo):
     d, refs = mimo
     prompt, want, _ = refs[70]
     assert twice_with_a_prefix_cache(d, prompt) == [(want, 0), (want, (len(prompt) - 1) // BLOCK * BLOCK)]
+
+
+def test_a_sequence_holds_only_its_last_window_of_the_sliding_layers_rows(tmp_path):
+    """The window pool gives a sequence's blocks below the window back after each step: through a 70-token prompt
+    and 40 decode steps (the native loop's and torch's alike) a sequence holds the window's blocks there (and a
+    growing sequence's GROW at most), every block in the main pool."""
+    from gpu_service.experts.local import LocalExperts
+    from moe_core.checkpoint import Checkpoint
+    from moe_experts.store import load_expert_layers
+
+    d = tiny_models.build("mimo_v2_flash", tmp_path, seed=5, head_dim=192, v_head_dim=128)  # the native step's heads
+    cfg, ckpt = load_config(d), Checkpoint(d)
+    model = Model(cfg, ckpt, torch.device("cpu"), torch.bfloat16, dense_format="bf16")
+    experts = LocalExperts(load_expert_layers(cfg, ckpt, "bf16", 1))
+    prompt = prompt_of(70, 7)
+    blocks = model.decode_blocks
+    assert len(blocks) == cfg.num_layers  # (the loop runs on every layer)
+    for native in (True, False):
+        model.decode_blocks = blocks if native else {}
+        cache = model.new_cache()
+        model.forward([Segment(cache, torch.tensor(prompt), 0)], experts)
+        assert cache.held_from(1) == 64 and cache.held_from(0) == 0 and sum(b >= 0 for b in cache.wblocks) == 1
+        for n in range(70, 110):
+            model.forward([Segment(cache, torch.tensor([7]), n)], experts)
+            assert cache.held_from(1) == (n + 1 - 5 + 1) // BLOCK * BLOCK, n
+            assert sum(b >= 0 for b in cache.wblocks) <= 2 + GROW and len(cache.blocks) * BLOCK >= n + 1
+        assert model.kv_pool().window.used() == sum(b >= 0 for b in cache.wblocks)
+        with pytest.raises(ValueError, match="below its window"):
+            cache.gather(1, 110, 0)
+        cache.release()
+        assert model.kv_pool().window.used() == 0 and model.kv_pool().used() == 0
+
+
+def test_a_prefix_hit_needs_the_last_windows_blocks(mimo):
+    """A hit ends at the longest boundary whose last window the window pool still has: all of it cached, the
+    previous boundary's where the last one's block was evicted, none where no window block is left; the same tokens
+    each way."""
+    d, refs = mimo
+    prompt, want, _ = refs[70]
+    pool = KVPool(load_config(d), torch.float32, torch.device("cpu"), 64, 1 << 30)
+    e = local_engine(d, kv_pool=pool)
+    try:
+        assert collect(submit(e, prompt)) == (want, 0)
+        assert collect(submit(e, prompt)) == (want, 64)
+        # the window block the hit at 64 reads (positions 60..63: block 3) evicted; the one at 48 reads block 2
+        b = pool.window.lookup(pool.hash_of[3])
+        pool.window.cached.move_to_end(b, last=False)
+        heapq.heappush(pool.window.free, pool.window._evict_block())
+        assert pool.lookup(pool.hash_of[3]) is not None  # (the main pool still has it)
+        assert collect(submit(e, prompt)) == (want, 48)
+        pool.window.clear()
+        assert collect(submit(e, prompt)) == (want, 0)
+    finally:
+        e.stop()
+
+
+def test_the_service_sizes_the_window_pool_by_its_sequences(tmp_path):
+    """The published config at full width: the sliding layers are nearly all of a position's bytes; the service's
+    pool gives them only what --max-batch sequences' windows and a step's tokens need."""
+    import json
+
+    from gpu_service import cli
+    from published import synth_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps(synth_checkpoint.config_of("mimo-v2-flash", None, {})))
+    cfg = load_config(tmp_path)
+    main, ring = pool_block_bytes(cfg, torch.bfloat16)
+    assert ring > 8 * main  # the 39 sliding layers' rows beside the 9 full layers'
+    args = cli.parse_args(["--model", "x", "--max-batch", "4", "--max-step-tokens", "512", "--kv-cache-gb", "1",
+                           "--prefix-cache-gb", "0"])
+    pool, ctx = cli.kv_pool(args, cfg, torch.device("cpu"), torch.bfloat16, 4096)
+    assert pool.window.num_blocks == window_pool_blocks(cfg, 4, 512, False) == 4 * (8 + 2) + 32
+    assert pool.num_blocks == (2**30 - pool.window.num_blocks * ring) // main and ctx == 4096
 
 
 @pytest.mark.slow
