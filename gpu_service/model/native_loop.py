@@ -81,8 +81,8 @@ def build(cfg: ModelConfig, blocks: dict, mlps: dict, pool: KVPool,
     loop = native.DecodeLoop([blocks[L] for L in range(n)], [mlps.get(L) for L in range(n)],
                              [t.data_ptr() for t in K], [t.data_ptr() for t in V], KV_CODES[pool.dtype],
                              [(k.stride(0), k.stride(1), v.stride(0), v.stride(1)) for k, v in zip(K, V)],
-                             BLOCK.bit_length() - 1, [cfg.sliding_rope(L) for L in range(n)], owner=(blocks, mlps, pool),
-                             second_table=pool.windowed)
+                             BLOCK.bit_length() - 1, [cfg.sliding_rope(L) for L in range(n)],
+                             owner=(blocks, mlps, pool), second_table=pool.windowed)
     if head is not None:
         norm, eps, lm_head = head
         loop.set_head(norm.data_ptr(), norm.dtype == torch.bfloat16, eps, lm_head.native, owner=(norm, lm_head))

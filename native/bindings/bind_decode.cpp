@@ -46,7 +46,8 @@ std::vector<DecodeSeq> decode_seqs(uintptr_t seqs, int B) {
   const int64_t* rows = reinterpret_cast<const int64_t*>(seqs);
   std::vector<DecodeSeq> sq(B > 0 ? B : 0);
   for (int t = 0; t < B; ++t)
-    sq[t] = DecodeSeq{reinterpret_cast<const int32_t*>(rows[3 * t]), int32_t(rows[3 * t + 1]), int32_t(rows[3 * t + 2])};
+    sq[t] = DecodeSeq{reinterpret_cast<const int32_t*>(rows[3 * t]), int32_t(rows[3 * t + 1]),
+                      int32_t(rows[3 * t + 2])};
   return sq;
 }
 struct BoundMlp {
@@ -308,9 +309,9 @@ void bind_decode(py::module_& m) {
               py::gil_scoped_release nogil;
               end = decode_layers(l.layers, local, ring, first, waiting, defer, B, reinterpret_cast<void*>(h),
                                   reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin), sq.data(),
-                                  seqs2 ? sq2.data() : nullptr, reinterpret_cast<int64_t*>(times), logits ? &l.head : nullptr,
-                                  reinterpret_cast<float*>(logits), reinterpret_cast<const void*>(cos2),
-                                  reinterpret_cast<const void*>(sin2));
+                                  seqs2 ? sq2.data() : nullptr, reinterpret_cast<int64_t*>(times),
+                                  logits ? &l.head : nullptr, reinterpret_cast<float*>(logits),
+                                  reinterpret_cast<const void*>(cos2), reinterpret_cast<const void*>(sin2));
             }
             return std::make_tuple(end.layer, end.status, py::bytes(end.msg));
           },

@@ -87,7 +87,7 @@ void embed_rows(const void* table, int64_t vocab, const int64_t* tokens, int B, 
 // the sequences with their second block tables, for the layers marked second_table (null: no layer is).
 LoopEnd decode_layers(const std::vector<LoopLayer>& layers, const std::vector<const MoELayer*>* local, RingClient* ring,
                       int first, bool waiting, int defer, int B, void* h, const void* cos, const void* sin,
-                      const DecodeSeq* seqs, const DecodeSeq* seqs2, int64_t* times, const LoopHead* head = nullptr, float* logits = nullptr,
-                      const void* cos2 = nullptr, const void* sin2 = nullptr);
+                      const DecodeSeq* seqs, const DecodeSeq* seqs2, int64_t* times, const LoopHead* head = nullptr,
+                      float* logits = nullptr, const void* cos2 = nullptr, const void* sin2 = nullptr);
 
 }  // namespace moe
