@@ -51,7 +51,8 @@ inline void group_dot(const __m256i (&u)[8], const int32_t* xg, __m256i& d) {
     constexpr int run = int16_run<MODE>;
     MOE_UNROLL for (int c0 = 0; c0 < 8; c0 += run) {
       __m256i p = Dot::pairs(u[c0], Ymm::set1_epi32(xg[c0]));
-      MOE_UNROLL for (int c = c0 + 1; c < c0 + run; ++c) p = Ymm::add_epi16(p, Dot::pairs(u[c], Ymm::set1_epi32(xg[c])));
+      MOE_UNROLL for (int c = c0 + 1; c < c0 + run; ++c)
+        p = Ymm::chain(Ymm::add_epi16(p, Dot::pairs(u[c], Ymm::set1_epi32(xg[c]))));
       d = Ymm::add_epi32(d, Dot::widen(p));
     }
   }
@@ -74,6 +75,53 @@ inline void sub16_dots(const __m256i (&u)[8], const int32_t* xg, __m256i& d0, __
         p1 = Ymm::add_epi16(p1, Dot::pairs(u[c + 4], Ymm::set1_epi32(xg[c + 4])));
       }
       d0 = Ymm::add_epi32(d0, Dot::widen(p0)), d1 = Ymm::add_epi32(d1, Dot::widen(p1));
+    }
+  }
+}
+// the nibble formats on vpmaddubsw with plain scales (int4, int4g32, uint4g32, mxfp4): mk256_pair's decode, and
+// mk256's token tiles chunk by chunk (tokens_dot)
+template <class Dot, int MODE>
+constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && !k_mins(MODE) && !sub16(MODE);
+// A layout group's dot products for NT tokens at once, d[t] += (its 8 rows' 32 weights) . (token t's 32), for the
+// paired256 formats: each chunk vector loaded, split and decoded once and used by every token before the next (the
+// token loop inside the chunk loop), so a tile holds one vector's weights, not all 8 chunks', and each token's int16
+// sum is a chain (Ymm::chain): group_dot's order spilled (4 tokens' sums beside 8 chunk vectors: more than the 16
+// registers). The same int16 runs and int32 sums as group_dot's (chunks c0 .. c0 + run - 1 summed before a
+// widening): d bit for bit.
+template <class Dot, int NT, int MODE, bool FULL>
+inline void tokens_dot(const uint8_t* p, int vs, int m, size_t pf, __m256i lut, const int8_t* const* X, int lg,
+                       __m256i (&d)[NT]) {
+  constexpr int run = int16_run<MODE>;
+  if constexpr (FULL)
+    MOE_UNROLL for (int v = 0; v < 4; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + pf + 64 * v), _MM_HINT_T1);
+  if constexpr (run == 8) {  // a vector's low nibbles (chunk v) and high ones (v + 4) in one int16 run
+    __m256i s[NT];
+    MOE_UNROLL for (int v = 0; v < 4; ++v) {
+      __m256i lo, hi;
+      Ymm::split_nibbles(FULL ? Ymm::load(p + 64 * v) : Ymm::load_first_epi32(p + vs * v, m), lo, hi);
+      decode256<Dot, MODE>(lo, lut), decode256<Dot, MODE>(hi, lut);
+      MOE_UNROLL for (int t = 0; t < NT; ++t) {
+        const int32_t* xg = reinterpret_cast<const int32_t*>(X[t] + lg * G);
+        const __m256i ql = Dot::pairs(lo, Ymm::set1_epi32(xg[v])), qh = Dot::pairs(hi, Ymm::set1_epi32(xg[v + 4]));
+        s[t] = Ymm::chain(v ? Ymm::add_epi16(Ymm::add_epi16(s[t], ql), qh) : Ymm::add_epi16(ql, qh));
+      }
+    }
+    MOE_UNROLL for (int t = 0; t < NT; ++t) d[t] = Ymm::add_epi32(d[t], Dot::widen(s[t]));
+  } else {  // run 4 (mxfp4's values + 12): the low nibbles' run, then the high ones'
+    MOE_UNROLL for (int half = 0; half < 2; ++half) {
+      __m256i s[NT];
+      MOE_UNROLL for (int v = 0; v < 4; ++v) {
+        __m256i lo, hi;
+        Ymm::split_nibbles(FULL ? Ymm::load(p + 64 * v) : Ymm::load_first_epi32(p + vs * v, m), lo, hi);
+        __m256i u = half ? hi : lo;
+        decode256<Dot, MODE>(u, lut);
+        MOE_UNROLL for (int t = 0; t < NT; ++t) {
+          const int32_t* xg = reinterpret_cast<const int32_t*>(X[t] + lg * G);
+          const __m256i q = Dot::pairs(u, Ymm::set1_epi32(xg[v + 4 * half]));
+          s[t] = Ymm::chain(v ? Ymm::add_epi16(s[t], q) : q);
+        }
+      }
+      MOE_UNROLL for (int t = 0; t < NT; ++t) d[t] = Ymm::add_epi32(d[t], Dot::widen(s[t]));
     }
   }
 }
@@ -110,7 +158,10 @@ inline void mk256(const uint8_t* W, const ScaleT<MODE>* Sb, int lane0, size_t mo
       const int lg = g * SPG<MODE> + h;
       __m256i u[8];
       const uint8_t* p = W + size_t(lg) * gs;
-      if constexpr (MODE == Q3K || MODE == Q2K) {  // as mk512's
+      if constexpr (paired256<Dot, MODE>) {
+        tokens_dot<Dot, NT, MODE, FULL>(p, vs, m, pf, lut, X, lg, d);
+        continue;
+      } else if constexpr (MODE == Q3K || MODE == Q2K) {  // as mk512's
         __m256i lv[3];
         MOE_UNROLL for (int k = 0; k < stride_vectors<MODE>; ++k) {
           if constexpr (FULL) {
@@ -245,8 +296,6 @@ inline bool pair_off() {  // MOE_AVX2_PAIR=0: two mk256 calls instead of mk256_p
   }();
   return off;
 }
-template <class Dot, int MODE>
-constexpr bool paired256 = !is_vnni<Dot> && !signed_w<Dot, MODE> && nibble<MODE> && !k_mins(MODE) && !sub16(MODE);
 // AVX2 decode (one token) of a whole block's two halves at once, for the nibble formats on vpmaddubsw (int4,
 // int4g32, uint4g32, mxfp4): each broadcast activation chunk serves both halves' 8 rows, half the broadcasts
 // of two mk256 calls (on a Zen 1 the 256-bit path is instruction-bound, docs/performance/kernels.md). The same integer sums

@@ -18,6 +18,12 @@ namespace moe {
 
 struct Ymm {
   MOE_YMM __m256i zero_si() { return _mm256_setzero_si256(); }
+  // v as it is, in a register, opaque to the optimizer: a running sum kept a chain (GCC's reassociation turned an
+  // int16 sum of products into a tree of all of them, live at once: more than 16 registers, spilled)
+  MOE_YMM __m256i chain(__m256i v) {
+    asm("" : "+x"(v));
+    return v;
+  }
   MOE_YMM __m256 zero_ps() { return _mm256_setzero_ps(); }
   MOE_YMM __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
   MOE_YMM __m256i bytes16(const int8_t* p) {  // 16 bytes in both 128-bit halves (a vpshufb table)
