@@ -219,8 +219,9 @@ def kv_pool(args, cfg, device: torch.device, dtype: torch.dtype, max_context: in
     if blocks * BLOCK < max_context:
         if args.max_context:
             serving.fail(f"--max-context {max_context} needs {-(-max_context // BLOCK) * per_block / 2**20:.1f} MiB of "
-                         f"KV cache; the pool has {blocks * per_block / 2**20:.1f} MiB: raise --kv-cache-gb or lower "
-                         "--max-context")
+                         f"KV cache; the pool has {blocks * per_block / 2**20:.1f} MiB"
+                         + (f" beside the window layers' {ring * ring_block / 2**20:.1f} MiB" if ring else "")
+                         + ": raise --kv-cache-gb or lower --max-context")
         log.warning("the KV pool (%.2f GiB) holds %d tokens: the context limit is lowered to that from %d "
                     "(--kv-cache-gb, --max-context)", blocks * per_block / 2**30, blocks * BLOCK, max_context)
         max_context = blocks * BLOCK
