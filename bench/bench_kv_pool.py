@@ -20,7 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
 import synth_checkpoint  # noqa: E402
 
 from gpu_service.engine.kv_pool import (BLOCK, KVPool, SeqCache, pool_block_bytes, window_layers,  # noqa: E402
-                                        window_pool_blocks)
+                                        window_pool_blocks, window_reach)
 from moe_core.config import parse_config  # noqa: E402
 
 DT = torch.bfloat16
@@ -52,7 +52,7 @@ def main() -> None:
         main_b, ring_b = pool_block_bytes(cfg, DT)
         rings = window_layers(cfg)
         service = window_pool_blocks(cfg, a.max_batch, a.chunk, True)
-        print(f"{name}: {cfg.num_layers} layers, {len(rings)} with a window of {cfg.window(rings[0]) if rings else 0}; "
+        print(f"{name}: {cfg.num_layers} layers, {len(rings)} with a window of {window_reach(cfg)}; "
               f"a position {(main_b + ring_b) / BLOCK / 1024:.1f} KiB, of which the window layers' "
               f"{ring_b / BLOCK / 1024:.1f} KiB; the service's window pool at --max-batch {a.max_batch} "
               f"--max-step-tokens {a.chunk} with prefix caching: {service} blocks, {service * ring_b / 2**30:.2f} GiB")

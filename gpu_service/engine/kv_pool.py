@@ -87,7 +87,7 @@ class KVPool:
         self.window = KVPool(cfg, dtype, device, window_blocks or num_blocks, (window_blocks or num_blocks) *
                              block_bytes(cfg, dtype, rings) if prefix_bytes else 0, layers=rings) if rings else None
         self.windowed = [L in rings for L in range(cfg.num_layers)]  # which layers' rows are the window pool's
-        self.reach = max((cfg.window(L) for L in rings), default=0)  # the widest window: positions a step reads
+        self.reach = window_reach(cfg) if rings else 0
         self.reports = layers is None  # (the metrics are the main pool's)
         # one block more than the pool gives out: `spare`, which a graphed decode step's padding rows write into
         # (cuda_graphs.py), and a window table's entries below the window name
@@ -290,13 +290,17 @@ def window_layers(cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(L for L in range(cfg.num_layers) if cfg.window(L) and not cfg.is_linear_attention(L))
 
 
+def window_reach(cfg: ModelConfig) -> int:
+    """The widest window of the window layers: the positions before its next that a sequence's step may read there."""
+    return max((cfg.window(L) for L in window_layers(cfg)), default=0)
+
+
 def window_pool_blocks(cfg: ModelConfig, sequences: int, step_tokens: int, caching: bool) -> int:
     """The window pool's size for `sequences` running at once in steps of up to `step_tokens` new positions: each
     sequence's blocks of the widest window's positions before its next (one more where they straddle a block) and
     of its new ones (one more where they straddle), a step's new positions; twice that with prefix caching (the last
     windows of finished prefixes, where later requests hit)."""
-    reach = max(cfg.window(L) for L in window_layers(cfg))
-    running = sequences * (-(-(reach - 1) // BLOCK) + 2) + -(-step_tokens // BLOCK)
+    running = sequences * (-(-(window_reach(cfg) - 1) // BLOCK) + 2) + -(-step_tokens // BLOCK)
     return running * (2 if caching else 1)
 
 
@@ -441,13 +445,17 @@ class SeqCache:
         """The block table a layer's rows are read through (the main pool's, or a window layer's: the window
         table)."""
         if layer is not None and self.pool.windowed[layer]:
-            if self._wtable is None:
-                spare = self.pool.window.spare
-                self._wtable = torch.tensor([b if b >= 0 else spare for b in self.wblocks], dtype=torch.int32)
-            return self._wtable
+            return self.window_table()
         if self._table is None:
             self._table = torch.tensor(self.blocks, dtype=torch.int32)
         return self._table
+
+    def window_table(self) -> torch.Tensor:
+        """The window table as the native kernels take it (given back entries: the window pool's spare)."""
+        if self._wtable is None:
+            spare = self.pool.window.spare
+            self._wtable = torch.tensor([b if b >= 0 else spare for b in self.wblocks], dtype=torch.int32)
+        return self._wtable
 
     def first(self, layer: int | None = None) -> int:
         """The block of position 0 where the layer's blocks are consecutive ids (the kernels then read each head's

@@ -109,7 +109,7 @@ def run(loop: native.DecodeLoop, experts, step: int, h: torch.Tensor, rope: tupl
     B, H = h.shape
     times = np.empty((loop.layers, TIMES), np.int64)
     (cos, sin), (cos2, sin2) = rope
-    ptrs = (B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), seqs[0].data_ptr(), times.ctypes.data)
+    ptrs = (B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), seqs.data_ptr(), times.ctypes.data)  # (main rows first)
     out = 0 if logits is None else logits.data_ptr()
     start = (rope_rows, 0, 0, 0) if embed is None else (rope_rows, tokens.data_ptr(), embed.data_ptr(), embed.shape[0])
 

@@ -175,12 +175,11 @@ def sequences(caches: list[SeqCache], starts: list[int]) -> torch.Tensor:
     pool = caches[0].pool
     if any(c.pool is not pool for c in caches):
         raise ValueError("the step's sequences hold blocks of different KV pools")
-    ring = pool.windowed.index(True) if pool.window is not None else None  # a window layer
     for c, pos in zip(caches, starts):
         if not c.reserve(pos + 1):
             raise MemoryError(f"the KV pool ({c.pool.num_blocks} blocks of {BLOCK}) is full")
         rows.append((c.table().data_ptr(), pos, c.first()))
-    window = rows if ring is None else [(c.table(ring).data_ptr(), pos, -1) for c, pos in zip(caches, starts)]
+    window = rows if pool.window is None else [(c.window_table().data_ptr(), pos, -1) for c, pos in zip(caches, starts)]
     return torch.tensor([rows, window], dtype=torch.int64)
 
 
@@ -190,7 +189,7 @@ def run(block, pool: KVPool, layer: int, h: torch.Tensor, cos: torch.Tensor, sin
     (ids int32 [B, k], weights fp32 [B, k]) where the block routes, else None)."""
     K, V = pool.bufs[layer]
     B = h.shape[0]
-    seqs = seqs[int(pool.windowed[layer])]
+    seqs = seqs[1] if pool.windowed[layer] else seqs  # (the main rows first: no op for them)
     x = torch.empty_like(h)
     routed = (torch.empty(B, top_k, dtype=torch.int32), torch.empty(B, top_k)) if block.routes else None
     block.run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), K.data_ptr(), V.data_ptr(), KV_CODES[K.dtype],
