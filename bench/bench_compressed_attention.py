@@ -13,6 +13,11 @@ ceilings: its multiply-adds at the fp32 FMA peak (native.fma_peak_flops) and its
 
     python bench/bench_compressed_attention.py [--lengths 2048 32768] [--rounds 3] [--reps 5] [--threads 2]
         [--prefill 2048 8192] [--prefill-at 30720]
+    python bench/bench_compressed_attention.py --heads 1 2048 [--rounds 3] [--reps 20]
+
+--heads T: only the heads' norm and rope (`rope_tail`) of T rows on the layer's shapes -- the query (64 heads of 512,
+unweighted norm first), the key (one head), the output turned back (64 heads), the indexer's query (64 heads of 128)
+-- torch's ops against the native call, interleaved.
 """
 from __future__ import annotations
 
@@ -96,10 +101,14 @@ def main() -> None:
     ap.add_argument("--prefill-at", type=int, default=0,
                     help="with --prefill: the chunks start here (the cache before it filled directly), timed through "
                          "the CSA layer with each row gathering its kept entries and with every row over all of them")
+    ap.add_argument("--heads", type=int, nargs="*", default=[],
+                    help="only time the heads' norm and rope on this many rows each (torch's ops against native)")
     a = ap.parse_args()
     native.init_pool(a.threads)
     torch.set_num_threads(a.threads)
     comp = parse_config(synth_checkpoint.config_of("deepseek-v4-flash", 2, {"compress_ratios": [4, 128]}))
+    if a.heads:
+        return heads(a, comp)
     g = torch.Generator().manual_seed(0)
     W = {**layer_weights(comp, 0, g), **layer_weights(comp, 1, g)}
     W[ca.ROPE] = rope_inv_freq(comp)[0]
@@ -178,6 +187,29 @@ def main() -> None:
         late_prefill(a, comp, W, g)
     elif a.prefill:
         prefill(a, comp, W, g)
+
+
+def heads(a, comp) -> None:
+    """The heads' norm and rope (rope_tail) on torch's ops and as one native call, interleaved."""
+    g = torch.Generator().manual_seed(0)
+    print(f"CPU: {cpu_name()}; native isa {ISA}; {a.threads} threads; DeepSeek-V4-Flash's heads, bf16; medians of "
+          f"{a.rounds} rounds' medians of {a.reps}", flush=True)
+    print("| rows | heads | torch ms | native ms | torch / native |\n|---|---|---|---|---|")
+    pairs = rope_inv_freq(comp)[0].shape[0]  # (the rotary dims' pairs: 32 of each head's 512)
+    for t in a.heads:
+        ang = torch.rand(t, pairs, generator=g) * 100
+        cos, sin = ang.cos().to(DT), ang.sin().to(DT)
+        cases = {"q (norm + rope)": (comp.num_heads, comp.head_dim, comp.rms_norm_eps, sin),
+                 "k": (1, comp.head_dim, None, sin), "o (turned back)": (comp.num_heads, comp.head_dim, None, -sin),
+                 "indexer q": (comp.index_heads, comp.index_dim, None, sin)}
+        for name, (nh, d, eps, s) in cases.items():
+            x = torch.randn(t, nh, d, generator=g).to(DT)
+            times = collections.defaultdict(list)
+            for _ in range(a.rounds):
+                for native_ in (False, True):
+                    times[native_].append(median_ms(lambda: ca.rope_tail(x, cos, s, native_, eps), a.reps))
+            tt, tn = statistics.median(times[False]), statistics.median(times[True])
+            print(f"| {t} | {name} | {tt:.3f} | {tn:.3f} | {tt / tn:.2f}x |", flush=True)
 
 
 def late_prefill(a, comp, W: dict, g: torch.Generator) -> None:

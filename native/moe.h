@@ -229,11 +229,16 @@ void mla_absorb_o(Isa isa, const void* w, bool w_bf16, int nh, int dn, int dv, i
                   float* o);
 
 // RMSNorm of `rows` rows of n (x and out bf16 or fp32, weight w [n] bf16 or fp32) with torch's rounding: fp32
-// statistics, the normalized row rounded to x's dtype, times w in out's dtype (native/kernels/norm_rope.cpp).
+// statistics, the normalized row rounded to x's dtype, times w in out's dtype; wide: times w in fp32, rounded once
+// to out's dtype (DeepSeek-V4's fp32 norm weights) (native/kernels/norm_rope.cpp).
 void rms_norm_rows(const void* x, bool x_bf16, const void* w, bool w_bf16, void* out, bool out_bf16, int rows, int n,
-                   float eps);
+                   float eps, bool wide = false);
 // Rotary embedding, halves rotated (Llama/Qwen): x, out [T, heads, dim], cos/sin [T, dim/2], all bf16 or all fp32.
 void rope_rows(const void* x, void* out, bool bf16, int T, int heads, int dim, const void* cos, const void* sin);
+// DeepSeek-V4's heads: x, out [T, heads, D] (bf16 or fp32), each head optionally divided by its RMS (no weight), then
+// its trailing 2 pairs dims turned in interleaved pairs by cos/sin [T, pairs] (fp32), with torch's rounding.
+void head_rope_rows(const void* x, void* out, bool bf16, int T, int heads, int D, int pairs, const float* cos,
+                    const float* sin, float eps, bool norm);
 
 // MLA's projections (DeepSeek V2/V3), absorbed at decode (gpu_service/attention.py mla_attention): q from the input
 // norm through q_a, its norm (eps 1e-6) and q_b (or q_proj alone: q_a_k null), [nh, dn + dr] a token; the latent

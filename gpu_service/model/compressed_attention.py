@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from moe_core.config import ModelConfig
 from moe_kernels import attention as native_attention
+from moe_kernels import norm_rope
 from moe_kernels.dense import linear_groups
 
 from gpu_service.engine.kv_pool import BLOCK, raw, read
@@ -69,10 +70,17 @@ def unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool = False,
+              eps: float | None = None) -> torch.Tensor:
     """x [t, heads, d] with each head's trailing 2 * cos.shape[-1] dims rotated in interleaved pairs (in fp32, the
-    layout kept: K = V, so the values carry it); cos/sin [t, pairs]. (As complex products: half the torch ops of the
-    pairs' real arithmetic, each a few microseconds at decode.)"""
+    layout kept: K = V, so the values carry it); cos/sin [t, pairs]. eps: each head first through unweighted_norm.
+    native: one call on the CPU (moe_kernels.norm_rope.head_rope) into x itself -- every caller here passes a tensor
+    it has just made -- for torch's ~10 ops a call (as complex products: half the ops of the pairs' real
+    arithmetic)."""
+    if native and norm_rope.head_rope_supported(x, cos):
+        return norm_rope.head_rope(x, cos, sin, eps, inplace=True)
+    if eps is not None:
+        x = unweighted_norm(x, eps)
     rd = 2 * cos.shape[-1]
     rot = torch.complex(cos.float(), sin.float())[:, None]
     r = torch.view_as_real(torch.view_as_complex(x[..., -rd:].float().view(*x.shape[:-1], -1, 2)) * rot).flatten(-2)
@@ -86,9 +94,10 @@ def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos
     """x [t, H] (the rows `kv` covers: one sequence's positions kv.start..) -> [t, H]. Writes the entries of the
     windows the rows close and stages the layer's new state."""
     t, nh, D, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
-    qr = rms_norm(linear(x, W[p + "wq_a.weight"]), W[p + "q_norm.weight"], eps)
-    q = rope_tail(unweighted_norm(linear(qr, W[p + "wq_b.weight"]).view(t, nh, D), eps), cos, sin)
-    k = rope_tail(rms_norm(linear(x, W[p + "wkv.weight"]), W[p + "norm.weight"], eps)[:, None], cos, sin)[:, 0]
+    qr = rms_norm(linear(x, W[p + "wq_a.weight"]), W[p + "q_norm.weight"], eps, native=native)
+    q = rope_tail(linear(qr, W[p + "wq_b.weight"]).view(t, nh, D), cos, sin, native, eps)
+    k = rms_norm(linear(x, W[p + "wkv.weight"]), W[p + "norm.weight"], eps, native=native)
+    k = rope_tail(k[:, None], cos, sin, native)[:, 0]
     rate, start, cache = cfg.compress_rates[layer], kv.start, kv.paged
     state = cache.states[layer] if start else None
     if state is None and start:
@@ -108,7 +117,7 @@ def compressed_attention(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, cos
         new += rows
     cache.stage(layer, *new)
     o = attend(cfg, W, p, x, qr, q, cos, sin, cache, layer, start, K, native)
-    o = rope_tail(o, cos, -sin).reshape(t, cfg.o_groups, -1)  # the values' rotation taken back at the query's position
+    o = rope_tail(o, cos, -sin, native).reshape(t, cfg.o_groups, -1)  # the values' turn taken back at the query's
     return linear(grouped(o, W[p + "wo_a.weight"]).reshape(t, -1), W[p + "wo_b.weight"])
 
 
@@ -234,7 +243,7 @@ def _index(cfg: ModelConfig, W: dict, p: str, x: torch.Tensor, qr: torch.Tensor,
     (some of them future entries where fewer are closed; None on the native path). native (a decode row): DeepSeek
     Sparse Attention's kernels (dsa_scores, dsa_top_k) over the entries where the pool holds them."""
     t, H, Di = x.shape[0], cfg.index_heads, cfg.index_dim
-    q = rope_tail(linear(qr, W[p + "wq_b.weight"]).view(t, H, Di), cos, sin).float()
+    q = rope_tail(linear(qr, W[p + "wq_b.weight"]).view(t, H, Di), cos, sin, native).float()
     wp = W[p + "weights_proj.weight"]
     w = linear(x.to(wp.dtype), wp).float() * H ** -0.5                             # [t, H]
     buf = cache.pool.bufs[layer][INDEX_ENTRIES][0]                      # [blocks, entry_slots(rate), Di]

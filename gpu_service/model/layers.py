@@ -21,11 +21,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     transformers does (the plain form rounds x_normed first, then multiplies). native: the plain form
     in one native call where it applies (on the CPU: moe_kernels.norm_rope; a prefill's rows sliced over the
     native pool; docs/performance/kernels.md, "A prefill's norms and rotary embeddings native")."""
-    if native and norm_rope and not offset and weight.dtype == x.dtype and norm_rope.rms_norm_supported(x, weight):
-        return norm_rope.rms_norm(x, weight, eps)
+    wide = weight.dtype == torch.float32 and x.dtype != torch.float32  # fp32 weights (DeepSeek-V4) multiply in fp32
+    if native and norm_rope and not offset and (wide or weight.dtype == x.dtype) and \
+            norm_rope.rms_norm_supported(x, weight):
+        return norm_rope.rms_norm(x, weight, eps, wide)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight.dtype == torch.float32 and x.dtype != torch.float32:  # weights kept in fp32 (DeepSeek-V4) multiply in it
+    if wide:
         return (weight * xf).to(x.dtype)
     if offset:
         return (xf * (1.0 + weight.float())).to(x.dtype)

@@ -248,15 +248,16 @@ void bind_kernels(py::module_& m) {
   m.def(
       "rms_norm",
       [by_rows](uintptr_t x, bool x_bf16, uintptr_t w, bool w_bf16, uintptr_t out, bool out_bf16, int rows, int n,
-                float eps) {
+                float eps, bool wide) {
         const size_t xb = x_bf16 ? 2 : 4, ob = out_bf16 ? 2 : 4;
         by_rows(rows, n, [&](int r0, int r1) {
           rms_norm_rows(reinterpret_cast<const char*>(x) + size_t(r0) * n * xb, x_bf16, reinterpret_cast<const void*>(w),
-                        w_bf16, reinterpret_cast<char*>(out) + size_t(r0) * n * ob, out_bf16, r1 - r0, n, eps);
+                        w_bf16, reinterpret_cast<char*>(out) + size_t(r0) * n * ob, out_bf16, r1 - r0, n, eps, wide);
         });
       },
       py::arg("x"), py::arg("x_bf16"), py::arg("w"), py::arg("w_bf16"), py::arg("out"), py::arg("out_bf16"),
-      py::arg("rows"), py::arg("n"), py::arg("eps"), "RMSNorm with torch's rounding (native/kernels/norm_rope.cpp)");
+      py::arg("rows"), py::arg("n"), py::arg("eps"), py::arg("wide") = false,
+      "RMSNorm with torch's rounding; wide: times the weight in fp32, rounded once (native/kernels/norm_rope.cpp)");
   m.def(
       "rope",
       [by_rows](uintptr_t x, uintptr_t out, bool bf16, int T, int heads, int dim, uintptr_t cos, uintptr_t sin) {
@@ -269,6 +270,21 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("x"), py::arg("out"), py::arg("bf16"), py::arg("T"), py::arg("heads"), py::arg("dim"), py::arg("cos"),
       py::arg("sin"), "rotary embedding, halves rotated, with torch's rounding (native/kernels/norm_rope.cpp)");
+  m.def(
+      "head_rope",
+      [by_rows](uintptr_t x, uintptr_t out, bool bf16, int T, int heads, int D, int pairs, uintptr_t cos, uintptr_t sin,
+                float eps, bool norm) {
+        const size_t row = size_t(heads) * D * (bf16 ? 2 : 4);
+        by_rows(T, heads * D, [&](int t0, int t1) {
+          head_rope_rows(reinterpret_cast<const char*>(x) + t0 * row, reinterpret_cast<char*>(out) + t0 * row, bf16,
+                         t1 - t0, heads, D, pairs, reinterpret_cast<const float*>(cos) + size_t(t0) * pairs,
+                         reinterpret_cast<const float*>(sin) + size_t(t0) * pairs, eps, norm);
+        });
+      },
+      py::arg("x"), py::arg("out"), py::arg("bf16"), py::arg("T"), py::arg("heads"), py::arg("D"), py::arg("pairs"),
+      py::arg("cos"), py::arg("sin"), py::arg("eps"), py::arg("norm"),
+      "DeepSeek-V4's heads: an unweighted RMSNorm (norm) then the trailing dims turned in interleaved pairs, with "
+      "torch's rounding (native/kernels/norm_rope.cpp)");
   m.attr("MAX_K") = MAX_K;
   py::class_<Exchanged>(m, "Exchanged", "one part of a LayerRequest computed by MoELayer.exchange_part")
       .def_readonly("result", &Exchanged::result, "the serialized LayerResult")

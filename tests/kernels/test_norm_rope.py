@@ -83,3 +83,58 @@ def test_interleaved_rope_of_a_decode_step_goes_native(monkeypatch):
     x = torch.randn(1, 128, 64)
     assert torch.equal(apply_rope(x, cos, sin, True, native=True), apply_rope(x, cos, sin, True))
     assert calls == [(1, 128, 64)]
+
+
+def _head_rope_f64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """DeepSeek-V4's head norm and trailing interleaved rope in float64 (the reference)."""
+    y = x.double()
+    if eps is not None:
+        y = y / (y.square().mean(-1, keepdim=True) + eps).sqrt()
+    rd = 2 * cos.shape[-1]
+    a, b = y[..., -rd::2], y[..., -rd + 1::2]
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    out = y.clone()
+    out[..., -rd::2], out[..., -rd + 1::2] = a * c - b * s, a * s + b * c
+    return out
+
+
+@pytest.mark.parametrize("dt", DT)
+@pytest.mark.parametrize("T, heads, D, pairs", [(1, 64, 512, 32), (3, 1, 512, 32), (5, 4, 128, 32), (2, 3, 10, 2),
+                                                (2, 2, 64, 32), (300, 8, 64, 16)])  # the last sliced over the pool
+@pytest.mark.parametrize("norm", [False, True])
+def test_head_rope_against_float64_and_the_torch_path(dt, T, heads, D, pairs, norm):
+    """moe_kernels.norm_rope.head_rope (DeepSeek-V4's q, k, o and indexer heads) against a float64 reference within
+    its roundings, and against compressed_attention's torch ops: the rope alone bit for bit where torch's complex
+    products run vectorized (pairs a multiple of 8, as DeepSeek-V4's 32: each product rounded before its sum; its
+    scalar tail fuses them), with the norm within one rounding step (the sum of squares in another order)."""
+    from gpu_service.model.compressed_attention import rope_tail
+
+    g = torch.Generator().manual_seed(T * heads * D + pairs)
+    x = (torch.randn(T, heads, D, generator=g) * 2).to(dt)
+    ang = torch.rand(T, pairs, generator=g) * 20
+    cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+    eps = 1e-6 if norm else None
+    got = norm_rope.head_rope(x, cos, sin, eps)
+    assert got.dtype == dt and got.shape == x.shape
+    want = _head_rope_f64(x, cos, sin, eps)
+    step = 2 ** -7 if dt == torch.bfloat16 else 2 ** -22
+    assert (got.double() - want).abs().max() <= 3 * step * want.abs().max()
+    torch_path = rope_tail(x, cos, sin, native=False, eps=eps)
+    assert torch.equal(rope_tail(x, cos, sin, native=True, eps=eps), got)
+    if not norm and pairs % 8 == 0:
+        assert torch.equal(got, torch_path)
+    else:
+        assert (got.double() - torch_path.double()).abs().max() <= 2 * step * want.abs().max()
+        if dt == torch.bfloat16:  # (fp32: every element of a head moves with its factor's last bit)
+            assert (got == torch_path).float().mean() > 0.95
+
+
+def test_head_rope_turns_back_with_negated_sines():
+    """The output's rotation taken back (rope_tail(o, cos, -sin)): the heads' trailing dims return within fp32's
+    rounding, the rest untouched."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 8, 96, generator=g)
+    ang = torch.rand(4, 16, generator=g) * 50
+    y = norm_rope.head_rope(norm_rope.head_rope(x, ang.cos(), ang.sin()), ang.cos(), -ang.sin())
+    assert torch.equal(y[..., :64], x[..., :64])
+    torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
