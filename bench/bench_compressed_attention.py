@@ -17,7 +17,8 @@ ceilings: its multiply-adds at the fp32 FMA peak (native.fma_peak_flops) and its
 
 --heads T: only the heads' norm and rope (`rope_tail`) of T rows on the layer's shapes -- the query (64 heads of 512,
 unweighted norm first), the key (one head), the output turned back (64 heads), the indexer's query (64 heads of 128)
--- torch's ops against the native call, interleaved.
+-- torch's ops against the native call, interleaved (the native one turns x in place, as the service's callers let it:
+the timing does not depend on the values).
 """
 from __future__ import annotations
 
