@@ -104,6 +104,28 @@ void pack_k_f32(const Call& c, int g, float* out) {
   }
 }
 
+// fp32 keys and values for the AVX2 path, in the 16-column panels its micro-kernel streams: keys as tile, then 4
+// panels of 16 keys, then d, then 16 keys; values as tile, then dv / 16 panels of 16 dims, then 64 positions, then 16
+// dims (each call of the micro-kernel reads one panel front to back: the prefetchers keep up, where a 256- or
+// 512-byte stride left its loads waiting on L2)
+void pack_k_f32_panels(const Call& c, int g, float* out) {
+  const float* K = static_cast<const float*>(c.K) + size_t(g) * c.k_head;
+  const int L = c.L(), d = c.d;
+  for (int j = 0; j < c.tiles() * KT; ++j) {
+    float* o = out + size_t(j / KT) * KT * d + size_t(j % KT / 16) * 16 * d + j % 16;
+    for (int i = 0; i < d; ++i) o[size_t(i) * 16] = j < L ? K[size_t(j) * c.k_row + i] : 0.f;
+  }
+}
+void pack_v_f32_panels(const Call& c, int g, float* out) {
+  const float* V = static_cast<const float*>(c.V) + size_t(g) * c.v_head;
+  const int L = c.L(), dv = c.dv;
+  for (int j = 0; j < c.tiles() * KT; ++j) {
+    float* o = out + size_t(j / KT) * KT * dv + size_t(j % KT) * 16;
+    for (int p = 0; p < dv / 16; ++p)
+      for (int i = 0; i < 16; ++i) o[size_t(p) * KT * 16 + i] = j < L ? V[size_t(j) * c.v_row + 16 * p + i] : 0.f;
+  }
+}
+
 // A task's rows (query i of the task's 4, head h of the group): their running max, sum and weighted sums
 struct Rows {
   int n;                 // rows
@@ -327,48 +349,116 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_f32_512(const C
   }
 }
 
-// AVX2, fp32: scores 2 rows x 64 keys, weighted sums a row x 128 dims (8-lane vectors)
+// AVX2, fp32: an sgemm micro-kernel's shape for both products, 6 rows x 16 columns on 12 accumulators (each loaded
+// pair of vectors feeds 6 rows, each broadcast 2 vectors: FMA-bound, where 2 rows x 64 keys and a row x 128 dims
+// were bound by their loads from L2), and the softmax on 8 lanes
+constexpr int RB = 6;  // rows a step
+__attribute__((target("avx2,fma"))) inline float hmax256(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+__attribute__((target("avx2,fma"))) void softmax_rows_256(const Call& c, Rows& R, int q0, int hg, int j0) {
+  const __m256 sc = _mm256_set1_ps(c.scale), ninf = _mm256_set1_ps(-INFINITY);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int r = 0; r < R.n; ++r) {
+    int a, b;
+    c.seen(q0, hg, r, j0, a, b);
+    float* s = &R.S[size_t(r) * KT];
+    if (b <= a) {
+      std::memset(s, 0, KT * sizeof(float));
+      R.corr[r] = 1.f;
+      continue;
+    }
+    const __m256i va = _mm256_set1_epi32(a - 1), vb = _mm256_set1_epi32(b);
+    __m256 v[KT / 8], keep[KT / 8];
+    __m256 mx = _mm256_set1_ps(R.m[r]);
+    for (int i = 0; i < KT / 8; ++i) {
+      const __m256i k = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * i));
+      keep[i] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(k, va), _mm256_cmpgt_epi32(vb, k)));  // [a, b)
+      v[i] = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * i), sc);
+      mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, v[i], keep[i]));
+    }
+    const float m_new = hmax256(mx), corr = std::exp(R.m[r] - m_new);  // (m = -inf before the first tile: 0)
+    const __m256 mv = _mm256_set1_ps(m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int i = 0; i < KT / 8; ++i) {
+      const __m256 p = _mm256_and_ps(exp_ps(_mm256_sub_ps(v[i], mv)), keep[i]);
+      _mm256_storeu_ps(s + 8 * i, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    R.m[r] = m_new;
+    R.l[r] = R.l[r] * corr + hsum256(sum);
+    R.corr[r] = corr;
+  }
+}
+
+// C[NR rows][16] (+)= sum over k < n of A[row][k] x B[k][16]; A's row r at a[r] (stride 1 in k), B's row k at
+// b + 16 k (a panel); scale: C's rows loaded and scaled by scale[r] first (the weighted sums' running correction)
+template <int NR>
+__attribute__((target("avx2,fma"))) inline void mk16(const float* const* a, const float* b, int n, float* const* out,
+                                                     const float* scale) {
+  __m256 acc[NR][2];  // (every loop over it unrolled: a runtime index kept it in memory, stored each step)
+  MOE_UNROLL for (int r = 0; r < NR; ++r) {
+    const __m256 f = _mm256_set1_ps(scale ? scale[r] : 0.f);
+    acc[r][0] = scale ? _mm256_mul_ps(_mm256_loadu_ps(out[r]), f) : _mm256_setzero_ps();
+    acc[r][1] = scale ? _mm256_mul_ps(_mm256_loadu_ps(out[r] + 8), f) : _mm256_setzero_ps();
+  }
+  const float* ar[NR];
+  MOE_UNROLL for (int r = 0; r < NR; ++r) ar[r] = a[r];
+  for (int k = 0; k < n; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + size_t(k) * 16), b1 = _mm256_loadu_ps(b + size_t(k) * 16 + 8);
+    MOE_UNROLL for (int r = 0; r < NR; ++r) {
+      const __m256 x = _mm256_broadcast_ss(ar[r] + k);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+  MOE_UNROLL for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out[r], acc[r][0]), _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+}
+// nr (1..RB) rows: a group's last rows on a kernel of their own count (not RB rows with some thrown away)
+__attribute__((target("avx2,fma"))) inline void mk16_rows(int nr, const float* const* a, const float* b, int n,
+                                                          float* const* out, const float* scale) {
+  switch (nr) {
+    case 6: return mk16<6>(a, b, n, out, scale);
+    case 5: return mk16<5>(a, b, n, out, scale);
+    case 4: return mk16<4>(a, b, n, out, scale);
+    case 3: return mk16<3>(a, b, n, out, scale);
+    case 2: return mk16<2>(a, b, n, out, scale);
+    default: return mk16<1>(a, b, n, out, scale);
+  }
+}
+
 __attribute__((target("avx2,fma"))) void tile_f32_256(const Call& c, Rows& R, int q0, int hg, int g, const float* kt,
-                                                      int j0) {
+                                                      const float* vt, int j0) {
   const float* Q = static_cast<const float*>(c.q);
   const int d = c.d, dv = c.dv, L = c.L();
-  for (int r0 = 0; r0 < R.n; r0 += 2) {
-    const int nr = std::min(2, R.n - r0);
-    const float* qp[2] = {Q + c.q_at(q0, hg, g, r0), Q + c.q_at(q0, hg, g, r0 + std::min(1, nr - 1))};
-    __m256 acc[2][8];
-    for (int i = 0; i < 2; ++i)
-      for (int k = 0; k < 8; ++k) acc[i][k] = _mm256_setzero_ps();
-    for (int p = 0; p < d; ++p) {
-      const __m256 a0 = _mm256_broadcast_ss(qp[0] + p), a1 = _mm256_broadcast_ss(qp[1] + p);
-      for (int k = 0; k < 8; ++k) {
-        const __m256 kv = _mm256_loadu_ps(kt + size_t(p) * KT + 8 * k);
-        acc[0][k] = _mm256_fmadd_ps(a0, kv, acc[0][k]);
-        acc[1][k] = _mm256_fmadd_ps(a1, kv, acc[1][k]);
-      }
+  for (int r0 = 0; r0 < R.n; r0 += RB) {  // scores: the queries' rows against the tile's keys (panels of 16)
+    const int nr = std::min(RB, R.n - r0);
+    const float* qp[RB];
+    for (int i = 0; i < RB; ++i) qp[i] = Q + c.q_at(q0, hg, g, r0 + std::min(i, nr - 1));
+    for (int k0 = 0; k0 < KT; k0 += 16) {
+      float* out[RB];
+      for (int i = 0; i < RB; ++i) out[i] = &R.S[size_t(r0 + std::min(i, nr - 1)) * KT + k0];
+      mk16_rows(nr, qp, kt + size_t(k0) * d, d, out, nullptr);
     }
-    for (int i = 0; i < nr; ++i)
-      for (int k = 0; k < 8; ++k) _mm256_storeu_ps(&R.S[size_t(r0 + i) * KT + 8 * k], acc[i][k]);
   }
-  softmax_rows(c, R, q0, hg, j0);
-  const float* V = static_cast<const float*>(c.V) + size_t(g) * c.v_head;
+  softmax_rows_256(c, R, q0, hg, j0);
   const int keys = std::min(KT, L - j0);
-  for (int r = 0; r < R.n; ++r) {
-    const float* pr = &R.S[size_t(r) * KT];
-    for (int c0 = 0; c0 < dv; c0 += 128) {
-      const int nc = std::min(16, (dv - c0) / 8);
-      __m256 acc[16];
-      const __m256 cr = _mm256_set1_ps(R.corr[r]);
-      for (int k = 0; k < 16; ++k)
-        acc[k] = k < nc ? _mm256_mul_ps(_mm256_loadu_ps(&R.O[size_t(r) * dv + c0 + 8 * k]), cr) : _mm256_setzero_ps();
-      for (int j = 0; j < keys; ++j) {
-        const float* vr = V + size_t(j0 + j) * c.v_row + c0;
-        const __m256 a = _mm256_broadcast_ss(pr + j);
-        for (int k = 0; k < 16; ++k) {
-          if (k >= nc) break;
-          acc[k] = _mm256_fmadd_ps(a, _mm256_loadu_ps(vr + 8 * k), acc[k]);
-        }
-      }
-      for (int k = 0; k < nc; ++k) _mm256_storeu_ps(&R.O[size_t(r) * dv + c0 + 8 * k], acc[k]);
+  for (int r0 = 0; r0 < R.n; r0 += RB) {  // weighted sums: the rows' weights against the tile's values
+    const int nr = std::min(RB, R.n - r0);
+    const float* pr[RB];
+    for (int i = 0; i < RB; ++i) pr[i] = &R.S[size_t(r0 + std::min(i, nr - 1)) * KT];
+    for (int c0 = 0; c0 < dv; c0 += 16) {
+      float* out[RB];
+      for (int i = 0; i < RB; ++i) out[i] = &R.O[size_t(r0 + std::min(i, nr - 1)) * dv + c0];
+      mk16_rows(nr, pr, vt + size_t(c0) * KT, keys, out, &R.corr[r0]);
     }
   }
 }
@@ -389,17 +479,24 @@ void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv
   const int hg = nh / nkv, tiles = c.tiles(), blocks = (t + QB - 1) / QB;
   // each kv head's keys (and bf16 values) in the tiles' layouts, once a call
   std::vector<uint16_t> kb, vb;
-  std::vector<float> kf;
+  std::vector<float> kf, vf;
   const size_t kstride = size_t(tiles) * KT * d, vstride = size_t(tiles) * KT * dv;
+  const bool avx2 = isa == Isa::Avx2 || isa == Isa::AvxVnni;
   if (vec) {
     if (bf16) kb.resize(kstride * nkv), vb.resize(vstride * nkv);
     else kf.resize(kstride * nkv);
+    if (!bf16 && avx2) vf.resize(vstride * nkv);  // (and the keys in the AVX2 path's panels)
     pool().parallel_for(nkv, [&](int g) {
       if (bf16) {
         pack_k_bf16(c, g, kb.data() + g * kstride);
         pack_v_bf16(c, g, vb.data() + g * vstride);
       } else {
-        pack_k_f32(c, g, kf.data() + g * kstride);
+        if (avx2) {
+          pack_k_f32_panels(c, g, kf.data() + g * kstride);
+          pack_v_f32_panels(c, g, vf.data() + g * vstride);
+        } else {
+          pack_k_f32(c, g, kf.data() + g * kstride);
+        }
       }
     });
   }
@@ -416,7 +513,8 @@ void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv
       if (!vec) tile_portable(c, R, q0, hg, g, j0);
       else if (bf16) tile_bf16_512(c, R, q0, hg, g, kb.data() + g * kstride + size_t(tile) * KT * d,
                                    vb.data() + g * vstride + size_t(tile) * KT * dv, j0);
-      else if (isa == Isa::Avx2 || isa == Isa::AvxVnni) tile_f32_256(c, R, q0, hg, g, kf.data() + g * kstride + size_t(tile) * KT * d, j0);
+      else if (avx2) tile_f32_256(c, R, q0, hg, g, kf.data() + g * kstride + size_t(tile) * KT * d,
+                                   vf.data() + g * vstride + size_t(tile) * KT * dv, j0);
       else tile_f32_512(c, R, q0, hg, g, kf.data() + g * kstride + size_t(tile) * KT * d, j0);
     }
     for (int r = 0; r < R.n; ++r) {

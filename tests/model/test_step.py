@@ -121,13 +121,14 @@ def test_a_graph_bucket_and_a_sequence_cache_give_one_attention_kind_the_same_ro
 
 
 @pytest.mark.skipif(ISA not in attention.native_attention.PREFILL_PATHS,
-                    reason="the model prefills on the native kernel on the avx512 and amx paths (faster than SDPA there)")
+                    reason="the model prefills on the native kernel on the vector paths (faster than SDPA there)")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefill_attention_on_the_native_kernel_gives_torchs_attention(ckpts, monkeypatch, dtype, tol):
     """A CPU model with packed dense layers prefills its GQA layers on the native flash kernel (moe_kernels.attention.
     prefill_attention), whole and in chunks (a chunk after cached positions): each call's output on the model's own
     queries, keys and values is torch's SDPA's with the causal mask of the chunk's positions. (Logits are not compared:
-    this tiny model's routing near-ties turn 1e-7 into different experts.)"""
+    this tiny model's routing near-ties turn 1e-7 into different experts.) bf16 on the AVX2 paths (whose kernel is
+    fp32): SDPA's, the native kernel never called."""
     import torch.nn.functional as F
     cfg, model, experts = load(ckpts["qwen3_moe"], dtype, "bf16")
     tokens = torch.randint(3, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(1))
@@ -149,5 +150,8 @@ def test_prefill_attention_on_the_native_kernel_gives_torchs_attention(ckpts, mo
             c.reserve(at + n)
             model.forward([Segment(c, tokens[at:at + n], at)], experts)
             at += n
+    if dtype == torch.bfloat16 and ISA in ("avx2", "avxvnni"):
+        assert worst == []
+        return
     assert len(worst) == 3 * cfg.num_layers and sorted(set(starts)) == [0, 37]
     assert max(worst) < tol, worst
