@@ -20,6 +20,25 @@ using namespace rounding;
 
 constexpr int LANES = 16;  // partial sums of squares (as torch's vectorized reduction keeps several)
 
+// a row's sum of squares in fp32, in LANES partial sums folded pairwise at the end
+template <class X>
+__attribute__((always_inline, optimize("fp-contract=off"))) inline float sum_squares(const X* xr, int n) {
+  float acc[LANES] = {};
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; ++j) {
+      const float v = get(xr, i + j);
+      acc[j] += v * v;
+    }
+  for (int j = 0; i < n; ++i, ++j) {
+    const float v = get(xr, i);
+    acc[j] += v * v;
+  }
+  for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
+    for (int j = 0; j < w2; ++j) acc[j] += acc[j + w2];
+  return acc[0];
+}
+
 template <class X, class W, class O>
 __attribute__((always_inline, optimize("fp-contract=off"))) inline void rms_norm_t(const X* x, const W* w, O* out,
                                                                                   int rows, int n, float eps,
@@ -27,20 +46,7 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void rms_norm
   for (int r = 0; r < rows; ++r) {
     const X* xr = x + size_t(r) * n;
     O* orow = out + size_t(r) * n;
-    float acc[LANES] = {};  // fp32 statistics, as torch's
-    int i = 0;
-    for (; i + LANES <= n; i += LANES)
-      for (int j = 0; j < LANES; ++j) {
-        const float v = get(xr, i + j);
-        acc[j] += v * v;
-      }
-    for (int j = 0; i < n; ++i, ++j) {
-      const float v = get(xr, i);
-      acc[j] += v * v;
-    }
-    for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
-      for (int j = 0; j < w2; ++j) acc[j] += acc[j + w2];
-    const float inv = 1.f / std::sqrt(acc[0] / float(n) + eps);
+    const float inv = 1.f / std::sqrt(sum_squares(xr, n) / float(n) + eps);
     if (wide)  // (w * xf).to(out's dtype): fp32 weights multiply in fp32 (DeepSeek-V4)
       for (int i = 0; i < n; ++i) put(orow, i, get(w, i) * (get(xr, i) * inv));
     else
@@ -82,20 +88,7 @@ __attribute__((always_inline, optimize("fp-contract=off"))) inline void head_rop
     X* orow = out + size_t(row) * D;
     float f = 1.f;
     if (norm) {
-      float acc[LANES] = {};
-      int i = 0;
-      for (; i + LANES <= D; i += LANES)
-        for (int j = 0; j < LANES; ++j) {
-          const float v = get(xr, i + j);
-          acc[j] += v * v;
-        }
-      for (int j = 0; i < D; ++i, ++j) {
-        const float v = get(xr, i);
-        acc[j] += v * v;
-      }
-      for (int w2 = LANES / 2; w2 > 0; w2 /= 2)
-        for (int j = 0; j < w2; ++j) acc[j] += acc[j + w2];
-      f = held(1.f / std::sqrt(acc[0] / float(D) + eps), xr);
+      f = held(1.f / std::sqrt(sum_squares(xr, D) / float(D) + eps), xr);
     }
     if (norm)
       for (int i = 0; i < r0; ++i) put(orow, i, get(xr, i) * f);
