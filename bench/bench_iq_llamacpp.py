@@ -7,6 +7,11 @@ depend on the values), in alternating rounds; medians. Each side on all cores; o
 
 llama.cpp is built from the llama-cpp-python sdist (bench/common.py: build_llama, GGML_NATIVE) with its tests on, for
 test-backend-ops.
+
+Caution: test-backend-ops' MUL_MAT runs llama.cpp's per-column vec_dot for these types, not the tiled int8 path its
+models take (`tiled_run_microtile_*` on weights decoded to int8 tiles: 63% of a 512-token llama-bench prefill on an
+AVX2 CPU, docs/performance/kernels.md 2026-12-08): the prefill ratios here overstate ours against llama.cpp's model;
+bench_llamacpp.py's end-to-end figures are the ones to compare.
 """
 from __future__ import annotations
 
