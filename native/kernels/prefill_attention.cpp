@@ -142,6 +142,17 @@ struct Rows {
   }
 };
 
+// the keys [a, b) of the tile that row r sees; none (true): its weights zero and its sums kept as they are (the
+// vector softmax steps' shared start)
+inline bool unseen(const Call& c, Rows& R, int q0, int hg, int j0, int r, int& a, int& b) {
+  c.seen(q0, hg, r, j0, a, b);
+  if (b > a) return false;
+  std::memset(&R.S[size_t(r) * KT], 0, KT * sizeof(float));
+  std::memset(&R.Pb[size_t(r) * KT], 0, KT * sizeof(uint16_t));
+  R.corr[r] = 1.f;
+  return true;
+}
+
 // the softmax step of a tile for every row: S (raw products) -> the weights exp(s scale - m) of the visible keys,
 // the running max and sum updated, corr the factor the row's earlier sums take (portable; the vector paths'
 // versions below do the same per 16 keys)
@@ -169,14 +180,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void softmax_rows_512(con
   const __m512 sc = _mm512_set1_ps(c.scale);
   for (int r = 0; r < R.n; ++r) {
     int a, b;
-    c.seen(q0, hg, r, j0, a, b);
+    if (unseen(c, R, q0, hg, j0, r, a, b)) continue;
     float* s = &R.S[size_t(r) * KT];
-    if (b <= a) {
-      std::memset(s, 0, KT * sizeof(float));
-      std::memset(&R.Pb[size_t(r) * KT], 0, KT * sizeof(uint16_t));
-      R.corr[r] = 1.f;
-      continue;
-    }
     __m512 v[4];
     __mmask16 keep[4];
     __m512 mx = _mm512_set1_ps(R.m[r]);
@@ -369,13 +374,8 @@ __attribute__((target("avx2,fma"))) void softmax_rows_256(const Call& c, Rows& R
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int r = 0; r < R.n; ++r) {
     int a, b;
-    c.seen(q0, hg, r, j0, a, b);
+    if (unseen(c, R, q0, hg, j0, r, a, b)) continue;
     float* s = &R.S[size_t(r) * KT];
-    if (b <= a) {
-      std::memset(s, 0, KT * sizeof(float));
-      R.corr[r] = 1.f;
-      continue;
-    }
     const __m256i va = _mm256_set1_epi32(a - 1), vb = _mm256_set1_epi32(b);
     __m256 v[KT / 8], keep[KT / 8];
     __m256 mx = _mm256_set1_ps(R.m[r]);
@@ -442,10 +442,10 @@ __attribute__((target("avx2,fma"))) void tile_f32_256(const Call& c, Rows& R, in
   for (int r0 = 0; r0 < R.n; r0 += RB) {  // scores: the queries' rows against the tile's keys (panels of 16)
     const int nr = std::min(RB, R.n - r0);
     const float* qp[RB];
-    for (int i = 0; i < RB; ++i) qp[i] = Q + c.q_at(q0, hg, g, r0 + std::min(i, nr - 1));
+    for (int i = 0; i < nr; ++i) qp[i] = Q + c.q_at(q0, hg, g, r0 + i);
     for (int k0 = 0; k0 < KT; k0 += 16) {
       float* out[RB];
-      for (int i = 0; i < RB; ++i) out[i] = &R.S[size_t(r0 + std::min(i, nr - 1)) * KT + k0];
+      for (int i = 0; i < nr; ++i) out[i] = &R.S[size_t(r0 + i) * KT + k0];
       mk16_rows(nr, qp, kt + size_t(k0) * d, d, out, nullptr);
     }
   }
@@ -454,10 +454,10 @@ __attribute__((target("avx2,fma"))) void tile_f32_256(const Call& c, Rows& R, in
   for (int r0 = 0; r0 < R.n; r0 += RB) {  // weighted sums: the rows' weights against the tile's values
     const int nr = std::min(RB, R.n - r0);
     const float* pr[RB];
-    for (int i = 0; i < RB; ++i) pr[i] = &R.S[size_t(r0 + std::min(i, nr - 1)) * KT];
+    for (int i = 0; i < nr; ++i) pr[i] = &R.S[size_t(r0 + i) * KT];
     for (int c0 = 0; c0 < dv; c0 += 16) {
       float* out[RB];
-      for (int i = 0; i < RB; ++i) out[i] = &R.O[size_t(r0 + std::min(i, nr - 1)) * dv + c0];
+      for (int i = 0; i < nr; ++i) out[i] = &R.O[size_t(r0 + i) * dv + c0];
       mk16_rows(nr, pr, vt + size_t(c0) * KT, keys, out, &R.corr[r0]);
     }
   }
@@ -485,18 +485,16 @@ void prefill_attention(Isa isa, const void* q, bool bf16, int t, int nh, int nkv
   if (vec) {
     if (bf16) kb.resize(kstride * nkv), vb.resize(vstride * nkv);
     else kf.resize(kstride * nkv);
-    if (!bf16 && avx2) vf.resize(vstride * nkv);  // (and the keys in the AVX2 path's panels)
+    if (!bf16 && avx2) vf.resize(vstride * nkv);
     pool().parallel_for(nkv, [&](int g) {
       if (bf16) {
         pack_k_bf16(c, g, kb.data() + g * kstride);
         pack_v_bf16(c, g, vb.data() + g * vstride);
+      } else if (avx2) {  // (fp32: the keys and values in the AVX2 micro-kernel's panels)
+        pack_k_f32_panels(c, g, kf.data() + g * kstride);
+        pack_v_f32_panels(c, g, vf.data() + g * vstride);
       } else {
-        if (avx2) {
-          pack_k_f32_panels(c, g, kf.data() + g * kstride);
-          pack_v_f32_panels(c, g, vf.data() + g * vstride);
-        } else {
-          pack_k_f32(c, g, kf.data() + g * kstride);
-        }
+        pack_k_f32(c, g, kf.data() + g * kstride);
       }
     });
   }
